@@ -1,0 +1,2 @@
+//! Collective communication over cohort runtimes.
+pub mod store;

@@ -1,0 +1,51 @@
+//! The rendezvous store: a small TCP key-value store that the launcher serves
+//! and every rank of a job talks to while it forms its communicators.
+//!
+//! It is the counterpart of torch.distributed's `TCPStore`: `set`, `get`,
+//! `wait` (with a timeout that names the missing keys), `add` (an atomic
+//! counter), `compare_set`, `delete` and a reusable `barrier`, plus a *will*
+//! (a key the server sets when a client vanishes) so that peers learn of a
+//! dead process without waiting for a timeout.
+//!
+//! Every connection proves it holds the job's secret before its first
+//! request, by an HMAC-SHA256 challenge–response over nonces of both sides:
+//! the secret never crosses the wire, a client with the wrong secret is
+//! refused (and the server logs the refusal with the peer's address), and the
+//! client checks that the server holds the secret too.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use cohort_comm::store::{StoreClient, StoreServer};
+//!
+//! # fn main() -> Result<(), cohort_comm::store::StoreError> {
+//! let server = StoreServer::bind("127.0.0.1:0", "job-secret")?;
+//! let client = StoreClient::connect(server.local_addr(), "job-secret", Duration::from_secs(30))?;
+//! client.set("nccl/unique_id", b"...")?;
+//! client.wait(&["nccl/unique_id"], Duration::from_secs(60))?;
+//! client.barrier("init", 1, Duration::from_secs(60))?;
+//! # Ok(()) }
+//! ```
+//!
+//! Wire format and handshake: see the `protocol` module's source.
+
+mod client;
+mod error;
+mod protocol;
+mod server;
+mod state;
+
+#[cfg(test)]
+mod tests;
+
+pub use client::{CompareSet, StoreClient};
+pub use error::{Result, StoreError};
+pub use protocol::{MAX_FRAME, MAX_KEY};
+pub use server::StoreServer;
+
+/// Returns a fresh random job secret: 32 bytes from the operating system, as
+/// 64 hex digits (printable, so it can travel in `COHORT_JOB_SECRET`).
+pub fn generate_secret() -> Result<String> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| StoreError::Random(e.to_string()))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}

@@ -1,0 +1,372 @@
+//! The store's wire format: length-prefixed frames, requests, responses and
+//! the challenge–response handshake.
+//!
+//! Every message is one frame: a little-endian `u32` body length, then the
+//! body. Inside a body, integers are little-endian, byte strings and keys are
+//! a `u32` length then the bytes, and an optional byte string is a `u8` flag
+//! (0 absent, 1 present) then the string.
+//!
+//! Handshake, before any request:
+//! 1. server → client: [`MAGIC`], [`VERSION`], a 32-byte server nonce;
+//! 2. client → server: a 32-byte client nonce and
+//!    `HMAC-SHA256(secret, "cohort-store client" ‖ server nonce ‖ client nonce)`;
+//! 3. server → client: `0` (accepted) and
+//!    `HMAC-SHA256(secret, "cohort-store server" ‖ client nonce ‖ server nonce)`,
+//!    or `1` (refused). The client checks the server's proof in turn, so
+//!    neither side ever sends the secret and each knows the other holds it.
+
+use std::io::{self, Read, Write};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use super::error::StoreError;
+
+/// First bytes of the server's greeting.
+pub(crate) const MAGIC: &[u8; 12] = b"cohort-store";
+/// Protocol version; bumped on any incompatible change.
+pub(crate) const VERSION: u8 = 1;
+/// Bytes in a nonce.
+pub(crate) const NONCE_LEN: usize = 32;
+/// Bytes in an HMAC-SHA256 tag.
+pub(crate) const MAC_LEN: usize = 32;
+/// Largest frame body either side accepts.
+pub const MAX_FRAME: usize = 64 << 20;
+/// Longest key accepted.
+pub const MAX_KEY: usize = 4096;
+
+/// Handshake answer: accepted.
+pub(crate) const AUTH_OK: u8 = 0;
+/// Handshake answer: refused.
+pub(crate) const AUTH_REFUSED: u8 = 1;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// `HMAC-SHA256(secret, label ‖ a ‖ b)`.
+pub(crate) fn proof(secret: &[u8], label: &[u8], a: &[u8], b: &[u8]) -> [u8; MAC_LEN] {
+    let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(label);
+    mac.update(a);
+    mac.update(b);
+    mac.finalize().into_bytes().into()
+}
+
+/// Checks `tag` against `HMAC-SHA256(secret, label ‖ a ‖ b)` in constant time.
+pub(crate) fn verify(secret: &[u8], label: &[u8], a: &[u8], b: &[u8], tag: &[u8]) -> bool {
+    let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(label);
+    mac.update(a);
+    mac.update(b);
+    mac.verify_slice(tag).is_ok()
+}
+
+/// Label of the client's proof.
+pub(crate) const CLIENT_LABEL: &[u8] = b"cohort-store client";
+/// Label of the server's proof.
+pub(crate) const SERVER_LABEL: &[u8] = b"cohort-store server";
+
+/// A fresh random nonce from the operating system.
+pub(crate) fn nonce() -> Result<[u8; NONCE_LEN], StoreError> {
+    let mut n = [0u8; NONCE_LEN];
+    getrandom::fill(&mut n).map_err(|e| StoreError::Random(e.to_string()))?;
+    Ok(n)
+}
+
+/// Writes one frame (length prefix and body) and flushes.
+pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
+    let len = u32::try_from(body.len()).map_err(|_| io::ErrorKind::InvalidInput)?;
+    // One buffer, one write: with TCP_NODELAY a split write would cost a
+    // second packet.
+    let mut buf = Vec::with_capacity(4 + body.len());
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(body);
+    w.write_all(&buf)?;
+    w.flush()
+}
+
+/// Reads one frame's body; a body over [`MAX_FRAME`] is `InvalidData`.
+pub(crate) fn read_frame(r: &mut impl Read) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the limit of {MAX_FRAME}"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    Ok(body)
+}
+
+/// Builds a frame body.
+#[derive(Default)]
+pub(crate) struct Encoder(pub(crate) Vec<u8>);
+
+impl Encoder {
+    pub(crate) fn u8(&mut self, v: u8) -> &mut Self {
+        self.0.push(v);
+        self
+    }
+    pub(crate) fn u32(&mut self, v: u32) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub(crate) fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub(crate) fn i64(&mut self, v: i64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub(crate) fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        // Lengths were checked against MAX_FRAME before encoding.
+        self.u32(v.len() as u32);
+        self.0.extend_from_slice(v);
+        self
+    }
+    pub(crate) fn opt_bytes(&mut self, v: Option<&[u8]>) -> &mut Self {
+        match v {
+            None => self.u8(0),
+            Some(v) => self.u8(1).bytes(v),
+        }
+    }
+}
+
+/// Reads a frame body; every getter fails with a description on a short or
+/// malformed body.
+pub(crate) struct Decoder<'a>(pub(crate) &'a [u8]);
+
+impl<'a> Decoder<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.0.len() < n {
+            return Err(format!("message ends {} bytes early", n - self.0.len()));
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+    pub(crate) fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    pub(crate) fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    pub(crate) fn i64(&mut self) -> Result<i64, String> {
+        Ok(i64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    pub(crate) fn bytes(&mut self) -> Result<Vec<u8>, String> {
+        let n = self.u32()? as usize;
+        Ok(self.take(n)?.to_vec())
+    }
+    pub(crate) fn opt_bytes(&mut self) -> Result<Option<Vec<u8>>, String> {
+        match self.u8()? {
+            0 => Ok(None),
+            1 => Ok(Some(self.bytes()?)),
+            f => Err(format!("bad option flag {f}")),
+        }
+    }
+    pub(crate) fn key(&mut self) -> Result<String, String> {
+        let b = self.bytes()?;
+        if b.len() > MAX_KEY {
+            return Err(format!("key of {} bytes exceeds the limit of {MAX_KEY}", b.len()));
+        }
+        String::from_utf8(b).map_err(|_| "key is not UTF-8".to_string())
+    }
+    pub(crate) fn finish(&self) -> Result<(), String> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} unexpected trailing bytes", self.0.len()))
+        }
+    }
+}
+
+/// A client's request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Request {
+    Set { key: String, value: Vec<u8> },
+    Get { key: String },
+    Wait { keys: Vec<String>, timeout_ms: u64 },
+    Add { key: String, delta: i64 },
+    CompareSet { key: String, expected: Option<Vec<u8>>, new: Vec<u8> },
+    Delete { key: String },
+    Barrier { name: String, world_size: u32, timeout_ms: u64 },
+    SetWill { key: String, value: Vec<u8> },
+    ClearWill,
+}
+
+impl Request {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut e = Encoder::default();
+        match self {
+            Request::Set { key, value } => e.u8(1).bytes(key.as_bytes()).bytes(value),
+            Request::Get { key } => e.u8(2).bytes(key.as_bytes()),
+            Request::Wait { keys, timeout_ms } => {
+                e.u8(3).u64(*timeout_ms).u32(keys.len() as u32);
+                for k in keys {
+                    e.bytes(k.as_bytes());
+                }
+                &mut e
+            }
+            Request::Add { key, delta } => e.u8(4).bytes(key.as_bytes()).i64(*delta),
+            Request::CompareSet { key, expected, new } => e
+                .u8(5)
+                .bytes(key.as_bytes())
+                .opt_bytes(expected.as_deref())
+                .bytes(new),
+            Request::Delete { key } => e.u8(6).bytes(key.as_bytes()),
+            Request::Barrier { name, world_size, timeout_ms } => {
+                e.u8(7).bytes(name.as_bytes()).u32(*world_size).u64(*timeout_ms)
+            }
+            Request::SetWill { key, value } => e.u8(8).bytes(key.as_bytes()).bytes(value),
+            Request::ClearWill => e.u8(9),
+        };
+        e.0
+    }
+
+    pub(crate) fn decode(body: &[u8]) -> Result<Request, String> {
+        let mut d = Decoder(body);
+        let req = match d.u8()? {
+            1 => Request::Set { key: d.key()?, value: d.bytes()? },
+            2 => Request::Get { key: d.key()? },
+            3 => {
+                let timeout_ms = d.u64()?;
+                let n = d.u32()? as usize;
+                let keys = (0..n).map(|_| d.key()).collect::<Result<_, _>>()?;
+                Request::Wait { keys, timeout_ms }
+            }
+            4 => Request::Add { key: d.key()?, delta: d.i64()? },
+            5 => Request::CompareSet { key: d.key()?, expected: d.opt_bytes()?, new: d.bytes()? },
+            6 => Request::Delete { key: d.key()? },
+            7 => Request::Barrier { name: d.key()?, world_size: d.u32()?, timeout_ms: d.u64()? },
+            8 => Request::SetWill { key: d.key()?, value: d.bytes()? },
+            9 => Request::ClearWill,
+            op => return Err(format!("unknown request code {op}")),
+        };
+        d.finish()?;
+        Ok(req)
+    }
+}
+
+/// The server's answer to one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Response {
+    Ok,
+    Value(Option<Vec<u8>>),
+    Int(i64),
+    Bool(bool),
+    Cas { swapped: bool, current: Option<Vec<u8>> },
+    WaitTimeout { missing: Vec<String> },
+    BarrierTimeout { arrived: u32, world_size: u32 },
+    BarrierMismatch { others: u32 },
+    NotACounter,
+    Refused(String),
+}
+
+impl Response {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut e = Encoder::default();
+        match self {
+            Response::Ok => e.u8(0),
+            Response::Value(v) => e.u8(1).opt_bytes(v.as_deref()),
+            Response::Int(v) => e.u8(2).i64(*v),
+            Response::Bool(v) => e.u8(3).u8(*v as u8),
+            Response::Cas { swapped, current } => {
+                e.u8(4).u8(*swapped as u8).opt_bytes(current.as_deref())
+            }
+            Response::WaitTimeout { missing } => {
+                e.u8(5).u32(missing.len() as u32);
+                for k in missing {
+                    e.bytes(k.as_bytes());
+                }
+                &mut e
+            }
+            Response::BarrierTimeout { arrived, world_size } => {
+                e.u8(6).u32(*arrived).u32(*world_size)
+            }
+            Response::BarrierMismatch { others } => e.u8(7).u32(*others),
+            Response::NotACounter => e.u8(8),
+            Response::Refused(msg) => e.u8(9).bytes(msg.as_bytes()),
+        };
+        e.0
+    }
+
+    pub(crate) fn decode(body: &[u8]) -> Result<Response, String> {
+        let mut d = Decoder(body);
+        let resp = match d.u8()? {
+            0 => Response::Ok,
+            1 => Response::Value(d.opt_bytes()?),
+            2 => Response::Int(d.i64()?),
+            3 => Response::Bool(d.u8()? != 0),
+            4 => Response::Cas { swapped: d.u8()? != 0, current: d.opt_bytes()? },
+            5 => {
+                let n = d.u32()? as usize;
+                let missing = (0..n).map(|_| d.key()).collect::<Result<_, _>>()?;
+                Response::WaitTimeout { missing }
+            }
+            6 => Response::BarrierTimeout { arrived: d.u32()?, world_size: d.u32()? },
+            7 => Response::BarrierMismatch { others: d.u32()? },
+            8 => Response::NotACounter,
+            9 => Response::Refused(String::from_utf8_lossy(&d.bytes()?).into_owned()),
+            code => return Err(format!("unknown response code {code}")),
+        };
+        d.finish()?;
+        Ok(resp)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_protocol_round_trips() {
+        let reqs = [
+            Request::Set { key: "a".into(), value: vec![1, 2] },
+            Request::Get { key: "b".into() },
+            Request::Wait { keys: vec!["x".into(), "y".into()], timeout_ms: 7 },
+            Request::Add { key: "c".into(), delta: -3 },
+            Request::CompareSet { key: "d".into(), expected: None, new: vec![] },
+            Request::CompareSet { key: "d".into(), expected: Some(vec![0]), new: vec![9] },
+            Request::Delete { key: "e".into() },
+            Request::Barrier { name: "f".into(), world_size: 8, timeout_ms: 1 },
+            Request::SetWill { key: "g".into(), value: b"gone".to_vec() },
+            Request::ClearWill,
+        ];
+        for r in reqs {
+            assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+        }
+        let resps = [
+            Response::Ok,
+            Response::Value(None),
+            Response::Value(Some(vec![3])),
+            Response::Int(-9),
+            Response::Bool(true),
+            Response::Cas { swapped: false, current: Some(vec![1]) },
+            Response::WaitTimeout { missing: vec!["k".into()] },
+            Response::BarrierTimeout { arrived: 3, world_size: 8 },
+            Response::BarrierMismatch { others: 4 },
+            Response::NotACounter,
+            Response::Refused("no".into()),
+        ];
+        for r in resps {
+            assert_eq!(Response::decode(&r.encode()).unwrap(), r);
+        }
+        assert!(Request::decode(&[42]).is_err());
+        assert!(Request::decode(&[1, 5, 0]).is_err());
+    }
+
+    #[test]
+    fn store_proofs_depend_on_secret_and_label() {
+        let p = proof(b"s", CLIENT_LABEL, b"a", b"b");
+        assert!(verify(b"s", CLIENT_LABEL, b"a", b"b", &p));
+        assert!(!verify(b"t", CLIENT_LABEL, b"a", b"b", &p));
+        assert!(!verify(b"s", SERVER_LABEL, b"a", b"b", &p));
+    }
+}

@@ -1,0 +1,264 @@
+//! [`StoreServer`]: serves the key table over TCP, one thread per connection.
+
+use std::collections::HashMap;
+use std::fmt::Display;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::ToSocketAddrs;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::error::{Result, StoreError};
+use super::protocol::{self, Request, Response};
+use super::state::State;
+
+/// How long a new connection has to complete the handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+struct Connection {
+    /// A second handle on the socket, so that shutdown can close it.
+    stream: TcpStream,
+    thread: Option<JoinHandle<()>>,
+}
+
+struct Inner {
+    state: State,
+    secret: Vec<u8>,
+    stop: AtomicBool,
+    connections: Mutex<HashMap<u64, Connection>>,
+    next_id: AtomicU64,
+}
+
+/// A rendezvous store served on background threads.
+///
+/// One thread accepts connections and one thread serves each authenticated
+/// client. A client must prove it holds the job's secret (see the protocol in
+/// the module docs) before any request; a refusal is logged with
+/// `tracing::warn!` and the peer's address. Dropping the server shuts it down.
+pub struct StoreServer {
+    inner: Arc<Inner>,
+    local_addr: SocketAddr,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Listens on `addr` and starts serving; returns once the socket is bound,
+    /// so clients may connect as soon as this returns.
+    ///
+    /// Port 0 picks a free port: read it back with [`StoreServer::local_addr`].
+    /// A port already in use is [`StoreError::Bind`], whose message names the
+    /// port and says to pick another or 0.
+    pub fn bind(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>) -> Result<Self> {
+        let secret = secret.as_ref();
+        if secret.is_empty() {
+            return Err(StoreError::EmptySecret);
+        }
+        let shown = addr.to_string();
+        let listener =
+            TcpListener::bind(&addr).map_err(|source| StoreError::Bind { addr: shown.clone(), source })?;
+        let local_addr =
+            listener.local_addr().map_err(|source| StoreError::Bind { addr: shown, source })?;
+        let inner = Arc::new(Inner {
+            state: State::default(),
+            secret: secret.to_vec(),
+            stop: AtomicBool::new(false),
+            connections: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
+        });
+        let accept_inner = inner.clone();
+        let accept = std::thread::Builder::new()
+            .name("cohort-store-accept".into())
+            .spawn(move || accept_loop(accept_inner, listener))
+            .map_err(|source| StoreError::Bind { addr: local_addr.to_string(), source })?;
+        tracing::debug!(%local_addr, "rendezvous store listening");
+        Ok(StoreServer { inner, local_addr, accept: Some(accept) })
+    }
+
+    /// The address the server listens on (with the real port where 0 was asked).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Number of keys the store holds now.
+    pub fn num_keys(&self) -> usize {
+        self.inner.state.len()
+    }
+
+    /// Removes every key and barrier whose name does not start with `keep`.
+    ///
+    /// The launcher calls this between restarts, with no rank alive, so that a
+    /// restarted group does not see the keys of the one before. Waiters are
+    /// woken and see the change.
+    pub fn reset_except(&self, keep: &str) {
+        self.inner.state.reset_except(keep);
+    }
+
+    /// Stops serving: refuses new requests, answers blocked `wait`s and
+    /// barriers with an error, closes every connection and joins the server's
+    /// threads. Idempotent; dropping the server does the same.
+    pub fn shutdown(&mut self) {
+        let Some(accept) = self.accept.take() else { return };
+        self.inner.stop.store(true, Ordering::SeqCst);
+        self.inner.state.shut_down();
+        // Wake the accept loop, which blocks in accept(): connect to it once.
+        let wake = wake_addr(self.local_addr);
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        let _ = accept.join();
+        let connections: Vec<Connection> =
+            self.inner.connections.lock().drain().map(|(_, c)| c).collect();
+        for c in &connections {
+            let _ = c.stream.shutdown(Shutdown::Both);
+        }
+        for c in connections {
+            if let Some(t) = c.thread {
+                let _ = t.join();
+            }
+        }
+        tracing::debug!(local_addr = %self.local_addr, "rendezvous store shut down");
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Where to connect to reach a listener bound to `addr` from this host.
+fn wake_addr(addr: SocketAddr) -> SocketAddr {
+    let ip = match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    SocketAddr::new(ip, addr.port())
+}
+
+fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
+    loop {
+        let accepted = listener.accept();
+        if inner.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let (stream, peer) = match accepted {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors and the like: say so, back off, go on.
+                tracing::warn!(error = %e, "rendezvous store could not accept a connection");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let Ok(handle) = stream.try_clone() else { continue };
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        inner.connections.lock().insert(id, Connection { stream: handle, thread: None });
+        let conn_inner = inner.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("cohort-store-conn-{id}"))
+            .spawn(move || {
+                serve_connection(&conn_inner, stream, peer);
+                conn_inner.connections.lock().remove(&id);
+            });
+        match spawned {
+            Ok(thread) => {
+                if let Some(c) = inner.connections.lock().get_mut(&id) {
+                    c.thread = Some(thread);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, %peer, "rendezvous store could not start a thread");
+                inner.connections.lock().remove(&id);
+            }
+        }
+    }
+}
+
+/// Runs the handshake, then answers requests until the client leaves.
+fn serve_connection(inner: &Inner, mut stream: TcpStream, peer: SocketAddr) {
+    let _ = stream.set_nodelay(true);
+    match handshake(inner, &mut stream, peer) {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(e) => {
+            tracing::debug!(%peer, error = %e, "store client left during the handshake");
+            return;
+        }
+    }
+    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(None);
+    // A will: set this key (unless present) should the client vanish.
+    let mut will: Option<(String, Vec<u8>)> = None;
+    loop {
+        let body = match protocol::read_frame(&mut stream) {
+            Ok(b) => b,
+            Err(e) => {
+                if e.kind() != io::ErrorKind::UnexpectedEof {
+                    tracing::debug!(%peer, error = %e, "store connection failed");
+                }
+                break;
+            }
+        };
+        let response = match Request::decode(&body) {
+            Ok(Request::SetWill { key, value }) => {
+                will = Some((key, value));
+                Response::Ok
+            }
+            Ok(Request::ClearWill) => {
+                will = None;
+                Response::Ok
+            }
+            Ok(req) => inner.state.apply(req),
+            Err(detail) => {
+                tracing::warn!(%peer, %detail, "malformed store request; closing the connection");
+                let _ = protocol::write_frame(&mut stream, &Response::Refused(detail).encode());
+                break;
+            }
+        };
+        if protocol::write_frame(&mut stream, &response.encode()).is_err() {
+            break;
+        }
+    }
+    if let Some((key, value)) = will {
+        if !inner.state.is_shutting_down() {
+            tracing::debug!(%peer, %key, "store client left; setting its will");
+            inner.state.set_if_absent(key, value);
+        }
+    }
+}
+
+/// Challenges the client; `Ok(false)` when it was refused.
+fn handshake(inner: &Inner, stream: &mut TcpStream, peer: SocketAddr) -> io::Result<bool> {
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let server_nonce =
+        protocol::nonce().map_err(|e| io::Error::other(e.to_string()))?;
+    let mut hello = protocol::Encoder::default();
+    hello.0.extend_from_slice(protocol::MAGIC);
+    hello.u8(protocol::VERSION);
+    hello.0.extend_from_slice(&server_nonce);
+    protocol::write_frame(stream, &hello.0)?;
+
+    let answer = protocol::read_frame(stream)?;
+    let ok = answer.len() == protocol::NONCE_LEN + protocol::MAC_LEN && {
+        let (client_nonce, tag) = answer.split_at(protocol::NONCE_LEN);
+        protocol::verify(&inner.secret, protocol::CLIENT_LABEL, &server_nonce, client_nonce, tag)
+    };
+    if !ok {
+        tracing::warn!(
+            %peer,
+            "rendezvous store refused a client that does not hold the job secret"
+        );
+        let _ = protocol::write_frame(stream, &[protocol::AUTH_REFUSED]);
+        return Ok(false);
+    }
+    let client_nonce = &answer[..protocol::NONCE_LEN];
+    let tag = protocol::proof(&inner.secret, protocol::SERVER_LABEL, client_nonce, &server_nonce);
+    let mut accept = vec![protocol::AUTH_OK];
+    accept.extend_from_slice(&tag);
+    protocol::write_frame(stream, &accept)?;
+    Ok(true)
+}

@@ -1,0 +1,151 @@
+//! The contract between the device-independent runtime and each backend.
+//!
+//! A backend owns one device's driver state (contexts, streams, compiled
+//! kernels) and lives on that device's server thread, so it need not be `Send`.
+//! The runtime resolves handles to [`Binding`]s (a page and a byte range) before
+//! calling it, keeps the memory pools, marks failed buffers, and records graphs;
+//! a backend only moves bytes and runs kernels.
+
+pub mod cpu;
+
+use std::any::Any;
+use std::time::Instant;
+
+use crate::bytes::AlignedBytes;
+use crate::error::ServerError;
+use crate::id::StreamId;
+use crate::kernel::{Kernel, Scalar};
+use crate::memory::{PageId, PageStorage};
+use crate::profile::{ProfileDuration, TimingMethod};
+use crate::properties::DeviceProperties;
+
+/// Where a handle's bytes live: `size` bytes at `offset` into `page`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Binding {
+    pub page: PageId,
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// A launch grid with its dynamic form resolved to the buffer holding it.
+#[derive(Debug, Clone, Copy)]
+pub enum ResolvedGrid {
+    Static([u32; 3]),
+    /// Three little-endian `u32`s in device memory, read when the launch runs.
+    Dynamic(Binding),
+}
+
+/// A started device-side timer, closed by [`Backend::timing_end`].
+pub enum TimerStart {
+    /// Host clock, taken after the stream drained.
+    Host(Instant),
+    /// Backend-specific device events.
+    Device(Box<dyn Any>),
+}
+
+/// Something a host thread can wait on for a stream's work queued so far.
+pub trait FenceWait: Send {
+    /// Blocks until the work the fence was raised after has finished.
+    fn wait(self: Box<Self>) -> Result<(), ServerError>;
+}
+
+/// A fence that is already complete (the work ran when it was queued).
+pub struct CompletedFence;
+
+impl FenceWait for CompletedFence {
+    fn wait(self: Box<Self>) -> Result<(), ServerError> {
+        Ok(())
+    }
+}
+
+/// One device's driver state, driven from the device's server thread.
+pub trait Backend: 'static {
+    /// Name and capabilities of the device.
+    fn properties(&self) -> &DeviceProperties;
+
+    /// The storage the memory pools take pages from.
+    fn storage(&mut self) -> &mut dyn PageStorage;
+
+    /// Copies `data` into `dst`, ordered after the stream's earlier work.
+    fn write(&mut self, stream: StreamId, dst: Binding, data: &[u8]) -> Result<(), ServerError>;
+
+    /// Copies each binding to the host, after the stream's earlier work; waits
+    /// for the copies.
+    fn read(&mut self, stream: StreamId, sources: &[Binding]) -> Result<Vec<AlignedBytes>, ServerError>;
+
+    /// Copies `src` into `dst` on the device (equal sizes).
+    fn copy(&mut self, stream: StreamId, src: Binding, dst: Binding) -> Result<(), ServerError>;
+
+    /// Queues `kernel` on the stream. Errors known at launch time (no source,
+    /// compile error, invalid arguments) are returned; faults found later are
+    /// returned by the next `sync`.
+    fn launch(
+        &mut self,
+        stream: StreamId,
+        kernel: &Kernel,
+        grid: ResolvedGrid,
+        buffers: &[Binding],
+        scalars: &[Scalar],
+    ) -> Result<(), ServerError>;
+
+    /// Hands queued work to the device without waiting for it.
+    fn flush(&mut self, stream: StreamId) -> Result<(), ServerError>;
+
+    /// Waits for everything queued on the stream.
+    fn sync(&mut self, stream: StreamId) -> Result<(), ServerError>;
+
+    /// Makes `waiter` wait for the work queued so far on `target` without
+    /// blocking the host (an event on CUDA, a submission index on wgpu).
+    fn order_streams(&mut self, waiter: StreamId, target: StreamId) -> Result<(), ServerError>;
+
+    /// A fence after the stream's work queued so far.
+    fn fence(&mut self, stream: StreamId) -> Result<Box<dyn FenceWait>, ServerError>;
+
+    /// Starts a timer on the stream. The default drains the stream and reads
+    /// the host clock.
+    fn timing_start(&mut self, stream: StreamId) -> Result<TimerStart, ServerError> {
+        self.sync(stream)?;
+        Ok(TimerStart::Host(Instant::now()))
+    }
+
+    /// Stops a timer started by [`Backend::timing_start`].
+    fn timing_end(&mut self, stream: StreamId, start: TimerStart) -> Result<ProfileDuration, ServerError> {
+        self.sync(stream)?;
+        match start {
+            TimerStart::Host(t) => Ok(ProfileDuration { duration: t.elapsed(), method: TimingMethod::Host }),
+            TimerStart::Device(_) => Err(ServerError::InvalidState {
+                operation: "timing_end",
+                reason: "a device timer reached a backend without device timing".into(),
+            }),
+        }
+    }
+
+    /// Starts a native graph capture on the stream. Returns `false` when the
+    /// backend has none: the runtime then records launches itself and replays
+    /// them one by one.
+    fn begin_native_capture(&mut self, _stream: StreamId) -> Result<bool, ServerError> {
+        Ok(false)
+    }
+
+    /// Ends a native capture and returns the executable graph.
+    fn end_native_capture(&mut self, stream: StreamId) -> Result<Box<dyn Any>, ServerError> {
+        let _ = stream;
+        Err(ServerError::Unsupported { feature: "native graph capture", backend: self.properties().backend })
+    }
+
+    /// Replays a graph from [`Backend::end_native_capture`] on the stream.
+    fn replay_native(&mut self, stream: StreamId, graph: &mut dyn Any) -> Result<(), ServerError> {
+        let _ = (stream, graph);
+        Err(ServerError::Unsupported { feature: "native graph replay", backend: self.properties().backend })
+    }
+
+    /// Host-addressable bytes of a binding, for backends whose device memory is
+    /// host memory (the CPU backend): lets host-staged collectives read and
+    /// write device memory without a copy. `None` elsewhere.
+    fn host_bytes(&mut self, _binding: Binding) -> Option<&mut [u8]> {
+        None
+    }
+
+    /// Releases what the backend keeps for a stream that has no more work.
+    fn release_stream(&mut self, _stream: StreamId) {}
+}

@@ -1,0 +1,229 @@
+//! The client: the handle through which a thread uses one device.
+//!
+//! A [`Client`] is cheap to clone and `Send + Sync`. Its calls queue tasks on
+//! the device's server thread; those that return data or errors wait for
+//! their task. Work goes to the client's stream: the calling thread's own
+//! ([`StreamId::current`]) unless the client was pinned with
+//! [`Client::set_stream`].
+
+mod io;
+mod launch;
+mod memory;
+
+use std::any::Any;
+use std::sync::Arc;
+
+use crate::backend::FenceWait;
+use crate::device::{self, BackendFactory, DeviceHandle};
+use crate::error::ServerError;
+use crate::handle::{Handle, LayoutPolicy};
+use crate::id::{DeviceId, ServiceId, StreamId};
+use crate::properties::DeviceProperties;
+use crate::state::DeviceStats;
+
+pub use memory::{MemoryReport, MemoryScope};
+
+/// One device, seen from any thread.
+#[derive(Clone)]
+pub struct Client {
+    device: Arc<DeviceHandle>,
+    stream: Option<StreamId>,
+    layout: LayoutPolicy,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client").field("service", &self.device.service).field("stream", &self.stream).finish()
+    }
+}
+
+/// A fence raised on a stream: wait on it from the host with
+/// [`Fence::wait`].
+pub struct Fence {
+    inner: Box<dyn FenceWait>,
+}
+
+impl Fence {
+    /// Blocks until the work queued on the stream before the fence finished.
+    pub fn wait(self) -> Result<(), ServerError> {
+        self.inner.wait()
+    }
+}
+
+impl Client {
+    /// The client of `device`, starting its server thread with the backend
+    /// `factory` builds (on that thread) if it is not running. Backends call
+    /// this; users call their runtime's `client`.
+    pub fn load(device: DeviceId, factory: impl FnOnce() -> BackendFactory) -> Result<Client, ServerError> {
+        let handle = device::open_device(device, factory)?;
+        Ok(Client { device: handle, stream: None, layout: LayoutPolicy::Contiguous })
+    }
+
+    /// The backend's name ("cpu", "cuda", "wgpu").
+    pub fn name(&self) -> &'static str {
+        self.device.properties.backend
+    }
+
+    pub fn device_id(&self) -> DeviceId {
+        self.device.service.device
+    }
+
+    /// The running server this client talks to.
+    pub fn service_id(&self) -> ServiceId {
+        self.device.service
+    }
+
+    /// The device's name and capabilities.
+    pub fn properties(&self) -> &DeviceProperties {
+        &self.device.properties
+    }
+
+    /// The stream this client's work goes to now.
+    pub fn stream_id(&self) -> StreamId {
+        self.stream.unwrap_or_else(StreamId::current)
+    }
+
+    /// Pins this client (not its clones made before) to `stream`, whatever
+    /// thread uses it. Buffers shared with other streams stay ordered by
+    /// fences.
+    pub fn set_stream(&mut self, stream: StreamId) {
+        self.stream = Some(stream);
+    }
+
+    /// A clone pinned to `stream`.
+    pub fn with_stream(&self, stream: StreamId) -> Client {
+        let mut client = self.clone();
+        client.set_stream(stream);
+        client
+    }
+
+    /// A clone that lays out tensors it creates with `policy`.
+    pub fn with_layout_policy(&self, policy: LayoutPolicy) -> Client {
+        Client { layout: policy, ..self.clone() }
+    }
+
+    pub fn layout_policy(&self) -> LayoutPolicy {
+        self.layout
+    }
+
+    /// Closes the device for every client: queued work is dropped and later
+    /// calls return [`ServerError::DeviceClosed`].
+    pub fn close(&self) {
+        device::close_device(self.device_id());
+        self.device.close();
+    }
+
+    pub(crate) fn device(&self) -> &DeviceHandle {
+        &self.device
+    }
+
+    /// Refuses a handle of another device (or an earlier opening of this one)
+    /// before anything is queued.
+    pub fn check_owned(&self, handle: &Handle) -> Result<(), ServerError> {
+        if handle.service() != self.service_id() {
+            return Err(ServerError::ForeignHandle { handle_service: handle.service(), client_service: self.service_id() });
+        }
+        Ok(())
+    }
+
+    /// Queues `task` on the device thread with the backend's state and
+    /// returns at once. A panic in it is returned by the stream's next `sync`.
+    pub fn submit(&self, task: impl FnOnce(&mut dyn Any) + Send + 'static) -> Result<(), ServerError> {
+        self.device.submit(self.stream_id(), move |state| {
+            let backend: &mut dyn Any = &mut state.backend;
+            task(backend)
+        })
+    }
+
+    /// Runs `task` on the device thread and waits for its result; a panic in
+    /// it comes back as [`ServerError::TaskPanicked`]. The task gets the
+    /// backend as `&mut dyn Any` (a `Box<dyn Backend>`).
+    pub fn submit_blocking<'a, R: Send + 'a>(
+        &self,
+        task: impl FnOnce(&mut dyn Any) -> R + Send + 'a,
+    ) -> Result<R, ServerError> {
+        self.device.run(self.stream_id(), move |state| {
+            let backend: &mut dyn Any = &mut state.backend;
+            task(backend)
+        })
+    }
+
+    /// Runs `task` on the device thread with nothing else interleaved. Calls
+    /// of this client inside `task` run inline, in order.
+    pub fn exclusive<'a, R: Send + 'a>(&self, task: impl FnOnce() -> R + Send + 'a) -> Result<R, ServerError> {
+        self.device.exclusive(self.stream_id(), task)
+    }
+
+    /// Hands the stream's queued work to the device without waiting for it;
+    /// returns an error a fire-and-forget task left on the stream.
+    pub fn flush(&self) -> Result<(), ServerError> {
+        let stream = self.stream_id();
+        self.device.run(stream, move |state| {
+            state.backend.flush(stream)?;
+            state.take_pending(stream)
+        })?
+    }
+
+    /// Waits for everything queued on this client's stream; returns the first
+    /// error a fire-and-forget task left on it.
+    pub fn sync(&self) -> Result<(), ServerError> {
+        let stream = self.stream_id();
+        self.refuse_if_capturing("sync")?;
+        self.device.run(stream, move |state| state.sync(stream))?
+    }
+
+    /// Waits for the work that writes `handles` (on whatever stream queued it)
+    /// and returns the error marked on any of them.
+    pub fn sync_buffers<'a>(&self, handles: impl IntoIterator<Item = &'a Handle>) -> Result<(), ServerError> {
+        let handles: Vec<Handle> = handles.into_iter().cloned().collect();
+        for handle in &handles {
+            self.check_owned(handle)?;
+        }
+        let stream = self.stream_id();
+        self.refuse_if_capturing("sync_buffers")?;
+        self.device.run(stream, move |state| {
+            let refs: Vec<&Handle> = handles.iter().collect();
+            state.order_after_writers(stream, &refs)?;
+            state.backend.sync(stream)?;
+            match refs.iter().find_map(|h| h.error()) {
+                Some(err) => Err(err),
+                None => Ok(()),
+            }
+        })?
+    }
+
+    /// Returns the error marked on any of `handles` by the work queued so far,
+    /// without waiting for the device to finish it.
+    pub fn check<'a>(&self, handles: impl IntoIterator<Item = &'a Handle>) -> Result<(), ServerError> {
+        let handles: Vec<Handle> = handles.into_iter().cloned().collect();
+        for handle in &handles {
+            self.check_owned(handle)?;
+        }
+        self.device.run(self.stream_id(), move |_| match handles.iter().find_map(|h| h.error()) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        })?
+    }
+
+    /// A fence after the work queued so far on this client's stream.
+    pub fn fence(&self) -> Result<Fence, ServerError> {
+        let stream = self.stream_id();
+        let inner = self.device.run(stream, move |state| state.backend.fence(stream))??;
+        Ok(Fence { inner })
+    }
+
+    /// Counters of the device: cross-stream fences, stream syncs, launches.
+    pub fn stats(&self) -> Result<DeviceStats, ServerError> {
+        self.device.run(self.stream_id(), |state| state.stats)
+    }
+
+    pub(crate) fn refuse_if_capturing(&self, operation: &'static str) -> Result<(), ServerError> {
+        if self.device.capturing.lock().contains(&self.stream_id()) {
+            return Err(ServerError::InvalidState {
+                operation,
+                reason: "this stream is inside a capture window; call stop_capture first".into(),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,296 @@
+//! The server thread of one device, and the registry of open devices.
+//!
+//! Each device has one thread that owns its backend (contexts and streams are
+//! not `Send`); clients queue tasks to it over a channel. A panic in a task is
+//! caught on the thread and returned to whoever waits for that task (or kept
+//! for the stream's next `sync` when nobody waits). Closing a device stops its
+//! thread: queued tasks are dropped, so their waiters get
+//! [`ServerError::DeviceClosed`] instead of hanging.
+
+use std::any::Any;
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::collections::HashSet;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use crossbeam::channel::{self, Receiver, Sender};
+use parking_lot::Mutex;
+
+use crate::backend::Backend;
+use crate::error::ServerError;
+use crate::id::{DeviceId, ServiceId, StreamId};
+use crate::properties::DeviceProperties;
+use crate::state::DeviceState;
+
+type Task = Box<dyn FnOnce(&mut DeviceState) + Send>;
+
+enum Message {
+    Task(StreamId, Task),
+    Shutdown,
+}
+
+thread_local! {
+    /// The service whose server thread this is, if any.
+    static SERVER_OF: Cell<Option<ServiceId>> = const { Cell::new(None) };
+    /// The device state while an `exclusive` closure runs on this thread.
+    static EXCLUSIVE_STATE: Cell<*mut DeviceState> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+/// The client side of one device's server thread.
+pub(crate) struct DeviceHandle {
+    pub service: ServiceId,
+    pub properties: Arc<DeviceProperties>,
+    sender: Sender<Message>,
+    closed: AtomicBool,
+    /// Streams inside a capture window, so reads and syncs are refused before
+    /// anything is queued.
+    pub capturing: Mutex<HashSet<StreamId>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// Builds a backend on the device thread.
+pub type BackendFactory = Box<dyn FnOnce() -> Result<Box<dyn Backend>, ServerError> + Send>;
+
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_string()
+    }
+}
+
+impl DeviceHandle {
+    /// Starts the server thread and builds the backend on it; returns the
+    /// backend's error when it cannot be built (no driver, no device).
+    fn start(service: ServiceId, factory: BackendFactory) -> Result<Arc<DeviceHandle>, ServerError> {
+        let (sender, receiver) = channel::unbounded::<Message>();
+        let (ready_tx, ready_rx) = channel::bounded::<Result<Arc<DeviceProperties>, ServerError>>(1);
+        let thread = std::thread::Builder::new()
+            .name(format!("cohort-{}", service.device))
+            .spawn(move || {
+                SERVER_OF.with(|s| s.set(Some(service)));
+                let backend = match catch_unwind(AssertUnwindSafe(factory)) {
+                    Ok(Ok(backend)) => backend,
+                    Ok(Err(err)) => {
+                        let _ = ready_tx.send(Err(err));
+                        return;
+                    }
+                    Err(payload) => {
+                        let _ = ready_tx.send(Err(ServerError::TaskPanicked {
+                            device: service.device,
+                            message: panic_message(payload.as_ref()),
+                        }));
+                        return;
+                    }
+                };
+                let properties = Arc::new(backend.properties().clone());
+                let mut state = DeviceState::new(service, backend);
+                let _ = ready_tx.send(Ok(properties));
+                serve(&mut state, receiver);
+                state.release_all();
+            })
+            .map_err(|e| ServerError::Backend {
+                backend: service.device.backend_name(),
+                device: service.device,
+                message: format!("could not start the server thread: {e}"),
+            })?;
+        let properties = ready_rx.recv().map_err(|_| ServerError::DeviceClosed { device: service.device })??;
+        Ok(Arc::new(DeviceHandle {
+            service,
+            properties,
+            sender,
+            closed: AtomicBool::new(false),
+            capturing: Mutex::new(HashSet::new()),
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    fn closed_error(&self) -> ServerError {
+        ServerError::DeviceClosed { device: self.service.device }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Whether the calling thread is this device's server thread.
+    fn on_server_thread(&self) -> bool {
+        SERVER_OF.with(|s| s.get()) == Some(self.service)
+    }
+
+    /// Queues a task and returns at once. A panic or error in it is kept for
+    /// the stream's next `sync`.
+    pub fn submit(&self, stream: StreamId, task: impl FnOnce(&mut DeviceState) + Send + 'static) -> Result<(), ServerError> {
+        if self.on_server_thread() {
+            let state = EXCLUSIVE_STATE.with(|s| s.get());
+            if !state.is_null() {
+                // SAFETY: the pointer is set only while `exclusive` runs its
+                // closure on this thread, during which no other reference to
+                // the state is in use; calls nest strictly on this thread.
+                run_caught(unsafe { &mut *state }, stream, Box::new(task));
+                return Ok(());
+            }
+        }
+        if self.is_closed() {
+            return Err(self.closed_error());
+        }
+        self.sender.send(Message::Task(stream, Box::new(task))).map_err(|_| self.closed_error())
+    }
+
+    /// Runs a task on the device thread and waits for its result. A panic in
+    /// the task comes back as [`ServerError::TaskPanicked`]; a closed device as
+    /// [`ServerError::DeviceClosed`].
+    pub fn run<'a, R: Send + 'a>(
+        &self,
+        stream: StreamId,
+        task: impl FnOnce(&mut DeviceState) -> R + Send + 'a,
+    ) -> Result<R, ServerError> {
+        let device = self.service.device;
+        if self.on_server_thread() {
+            let state = EXCLUSIVE_STATE.with(|s| s.get());
+            if state.is_null() {
+                return Err(ServerError::InvalidState {
+                    operation: "a blocking call",
+                    reason: format!(
+                        "it was made from a task running on the server thread of {device}, which would wait on itself; use `exclusive` for work that calls the client from the device thread"
+                    ),
+                });
+            }
+            // SAFETY: as in `submit`: set only during `exclusive`, no other
+            // reference is live while this nested call runs.
+            let state = unsafe { &mut *state };
+            return catch_unwind(AssertUnwindSafe(|| task(state)))
+                .map_err(|p| ServerError::TaskPanicked { device, message: panic_message(p.as_ref()) });
+        }
+        if self.is_closed() {
+            return Err(self.closed_error());
+        }
+        let (reply_tx, reply_rx) = channel::bounded::<Result<R, ServerError>>(1);
+        let mut pending = PendingReply { task: Some(task), reply: Some(reply_tx) };
+        let boxed: Box<dyn FnOnce(&mut DeviceState) + Send + 'a> = Box::new(move |state: &mut DeviceState| {
+            let task = pending.task.take().expect("a task runs once");
+            let result = catch_unwind(AssertUnwindSafe(|| task(state)))
+                .map_err(|p| ServerError::TaskPanicked { device, message: panic_message(p.as_ref()) });
+            if let Some(reply) = pending.reply.take() {
+                let _ = reply.send(result);
+            }
+        });
+        // SAFETY: the task may borrow from the caller's stack ('a). We wait
+        // below until the task has run or been dropped: the reply channel
+        // disconnects only after `PendingReply` has dropped the task (see its
+        // Drop), so nothing the task borrows is used after this returns.
+        let boxed: Task = unsafe { std::mem::transmute::<Box<dyn FnOnce(&mut DeviceState) + Send + 'a>, Task>(boxed) };
+        self.sender.send(Message::Task(stream, boxed)).map_err(|_| self.closed_error())?;
+        reply_rx.recv().map_err(|_| self.closed_error())?
+    }
+
+    /// Runs `f` on the device thread with nothing else interleaved; client
+    /// calls made inside `f` for this device run inline.
+    pub fn exclusive<'a, R: Send + 'a>(&self, stream: StreamId, f: impl FnOnce() -> R + Send + 'a) -> Result<R, ServerError> {
+        self.run(stream, move |state: &mut DeviceState| {
+            let previous = EXCLUSIVE_STATE.with(|s| s.replace(state as *mut DeviceState));
+            struct Restore(*mut DeviceState);
+            impl Drop for Restore {
+                fn drop(&mut self) {
+                    EXCLUSIVE_STATE.with(|s| s.set(self.0));
+                }
+            }
+            let _restore = Restore(previous);
+            f()
+        })
+    }
+
+    /// Stops the server thread: queued tasks are dropped and every later call
+    /// returns [`ServerError::DeviceClosed`]. Waits for the thread to exit
+    /// unless called from it.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let _ = self.sender.send(Message::Shutdown);
+        if !self.on_server_thread() {
+            if let Some(thread) = self.thread.lock().take() {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
+/// A task and the channel its caller waits on. Dropping it drops the task
+/// before the sender, so a caller that sees the channel close knows the task
+/// (and whatever it borrowed) is gone.
+struct PendingReply<F, R> {
+    task: Option<F>,
+    reply: Option<Sender<Result<R, ServerError>>>,
+}
+
+impl<F, R> Drop for PendingReply<F, R> {
+    fn drop(&mut self) {
+        drop(self.task.take());
+        drop(self.reply.take());
+    }
+}
+
+fn run_caught(state: &mut DeviceState, stream: StreamId, task: Task) {
+    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| task(state))) {
+        let err = ServerError::TaskPanicked { device: state.service.device, message: panic_message(payload.as_ref()) };
+        tracing::error!(device = %state.service.device, "{err}");
+        state.pending_errors.entry(stream).or_insert(err);
+    }
+}
+
+fn serve(state: &mut DeviceState, receiver: Receiver<Message>) {
+    while let Ok(message) = receiver.recv() {
+        match message {
+            Message::Task(stream, task) => run_caught(state, stream, task),
+            Message::Shutdown => break,
+        }
+    }
+}
+
+struct Registry {
+    open: HashMap<DeviceId, Arc<DeviceHandle>>,
+    generations: HashMap<DeviceId, u32>,
+}
+
+fn registry() -> &'static Mutex<Registry> {
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+    REGISTRY.get_or_init(|| Mutex::new(Registry { open: HashMap::new(), generations: HashMap::new() }))
+}
+
+/// The open server of `device`, starting one with `factory` if none is.
+pub(crate) fn open_device(device: DeviceId, factory: impl FnOnce() -> BackendFactory) -> Result<Arc<DeviceHandle>, ServerError> {
+    let mut registry = registry().lock();
+    if let Some(handle) = registry.open.get(&device) {
+        if !handle.is_closed() {
+            return Ok(handle.clone());
+        }
+    }
+    let generation = *registry.generations.entry(device).and_modify(|g| *g += 1).or_insert(0);
+    let handle = DeviceHandle::start(ServiceId { device, generation }, factory())?;
+    registry.open.insert(device, handle.clone());
+    Ok(handle)
+}
+
+/// Closes `device`'s server if it is open; clients of it get
+/// [`ServerError::DeviceClosed`] from then on. A later `load` starts a new
+/// server, to which the old handles are foreign.
+pub fn close_device(device: DeviceId) {
+    let handle = registry().lock().open.remove(&device);
+    if let Some(handle) = handle {
+        handle.close();
+    }
+}
+
+/// Closes every open device (call before the process exits to free device
+/// memory and join the server threads).
+pub fn shutdown() {
+    let handles: Vec<_> = registry().lock().open.drain().map(|(_, h)| h).collect();
+    for handle in handles {
+        handle.close();
+    }
+}

@@ -1,0 +1,310 @@
+//! Handles: names for slices of device memory, and the tensor layouts over them.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use crate::error::ServerError;
+use crate::id::{ServiceId, StreamId};
+use crate::memory::SliceHandle;
+
+static NEXT_ALLOCATION: AtomicU64 = AtomicU64::new(1);
+
+/// One reservation of device memory, shared by every handle cut from it.
+///
+/// The client creates it at once (so `create` and `empty` return without
+/// waiting) and the device thread fills in the slice when it runs the
+/// reservation. The memory goes back to its stream's pool when the last handle
+/// (including those held by queued tasks and recorded graphs) is dropped.
+pub(crate) struct Allocation {
+    pub(crate) id: u64,
+    pub(crate) service: ServiceId,
+    /// The stream whose pool the memory comes from.
+    pub(crate) stream: StreamId,
+    pub(crate) size: u64,
+    pub(crate) slice: OnceLock<SliceHandle>,
+    /// The error of the last operation that should have written this memory.
+    pub(crate) error: Mutex<Option<ServerError>>,
+    /// The stream that last queued work writing this memory (for cross-stream
+    /// fences).
+    pub(crate) last_writer: AtomicU64,
+}
+
+/// A slice of memory on one device. Cheap to clone; the memory stays reserved
+/// while any clone is alive.
+#[derive(Clone)]
+pub struct Handle {
+    pub(crate) alloc: Arc<Allocation>,
+    pub(crate) offset: u64,
+    pub(crate) size: u64,
+}
+
+impl Handle {
+    pub(crate) fn new_allocation(service: ServiceId, stream: StreamId, size: u64) -> Handle {
+        let alloc = Arc::new(Allocation {
+            id: NEXT_ALLOCATION.fetch_add(1, Ordering::Relaxed),
+            service,
+            stream,
+            size,
+            slice: OnceLock::new(),
+            error: Mutex::new(None),
+            last_writer: AtomicU64::new(stream.value),
+        });
+        Handle { alloc, offset: 0, size }
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Byte offset inside its allocation (non-zero for handles cut by
+    /// `create_tensors` or [`Handle::slice`]).
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The device server this handle belongs to.
+    pub fn service(&self) -> ServiceId {
+        self.alloc.service
+    }
+
+    /// The stream whose memory pool holds this handle's memory.
+    pub fn stream(&self) -> StreamId {
+        self.alloc.stream
+    }
+
+    /// A handle over `len` bytes starting `start` bytes into this one.
+    pub fn slice(&self, start: u64, len: u64) -> Result<Handle, ServerError> {
+        if start.checked_add(len).is_none_or(|end| end > self.size) {
+            return Err(ServerError::InvalidArgument(format!(
+                "slice {start}..{} is outside a handle of {} bytes",
+                start.saturating_add(len),
+                self.size
+            )));
+        }
+        Ok(Handle { alloc: self.alloc.clone(), offset: self.offset + start, size: len })
+    }
+
+    /// Whether both handles share one allocation.
+    pub fn same_allocation(&self, other: &Handle) -> bool {
+        Arc::ptr_eq(&self.alloc, &other.alloc)
+    }
+
+    pub(crate) fn error(&self) -> Option<ServerError> {
+        self.alloc.error.lock().clone()
+    }
+
+    pub(crate) fn set_error(&self, error: Option<ServerError>) {
+        *self.alloc.error.lock() = error;
+    }
+
+    pub(crate) fn last_writer(&self) -> StreamId {
+        StreamId { value: self.alloc.last_writer.load(Ordering::Acquire) }
+    }
+
+    pub(crate) fn set_last_writer(&self, stream: StreamId) {
+        self.alloc.last_writer.store(stream.value, Ordering::Release);
+    }
+}
+
+impl fmt::Debug for Handle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Handle")
+            .field("allocation", &self.alloc.id)
+            .field("service", &self.alloc.service)
+            .field("stream", &self.alloc.stream)
+            .field("offset", &self.offset)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+/// A handle with the shape and strides (in elements) of the tensor it holds.
+#[derive(Debug, Clone)]
+pub struct MemoryLayout {
+    pub handle: Handle,
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub elem_size: usize,
+}
+
+impl MemoryLayout {
+    /// The descriptor that reads this tensor back.
+    pub fn descriptor(&self) -> CopyDescriptor {
+        CopyDescriptor {
+            handle: self.handle.clone(),
+            shape: self.shape.clone(),
+            strides: self.strides.clone(),
+            elem_size: self.elem_size,
+        }
+    }
+
+    /// Whether rows are stored back to back with no padding.
+    pub fn is_contiguous(&self) -> bool {
+        self.strides == contiguous_strides(&self.shape)
+    }
+}
+
+/// The shape and element size of a tensor to create.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryLayoutDescriptor {
+    pub shape: Vec<usize>,
+    pub elem_size: usize,
+}
+
+impl MemoryLayoutDescriptor {
+    pub fn new(shape: impl Into<Vec<usize>>, elem_size: usize) -> Self {
+        Self { shape: shape.into(), elem_size }
+    }
+}
+
+/// What to read: a handle and the layout of the tensor in it.
+#[derive(Debug, Clone)]
+pub struct CopyDescriptor {
+    pub handle: Handle,
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub elem_size: usize,
+}
+
+impl CopyDescriptor {
+    /// A contiguous tensor of `shape` in `handle`.
+    pub fn contiguous(handle: Handle, shape: impl Into<Vec<usize>>, elem_size: usize) -> Self {
+        let shape = shape.into();
+        let strides = contiguous_strides(&shape);
+        Self { handle, shape, strides, elem_size }
+    }
+}
+
+/// How a runtime lays out tensors it creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LayoutPolicy {
+    /// Rows back to back.
+    #[default]
+    Contiguous,
+    /// Each row of the last dimension padded to a multiple of `row_alignment`
+    /// bytes ("pitched"), for tensors of rank 2 and more.
+    Pitched { row_alignment: usize },
+}
+
+/// Row-major strides, in elements, of a contiguous tensor.
+pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+impl LayoutPolicy {
+    /// Strides (in elements) and total bytes of a tensor of `shape`.
+    pub fn layout(&self, shape: &[usize], elem_size: usize) -> (Vec<usize>, usize) {
+        let elems: usize = shape.iter().product();
+        match *self {
+            LayoutPolicy::Pitched { row_alignment } if shape.len() >= 2 && elem_size > 0 && row_alignment > 0 => {
+                let row = shape[shape.len() - 1];
+                let row_bytes = (row * elem_size).div_ceil(row_alignment) * row_alignment;
+                if row_bytes % elem_size != 0 {
+                    return (contiguous_strides(shape), elems * elem_size);
+                }
+                let pitch = row_bytes / elem_size;
+                let mut strides = vec![1; shape.len()];
+                strides[shape.len() - 2] = pitch;
+                for i in (0..shape.len() - 2).rev() {
+                    strides[i] = strides[i + 1] * shape[i + 1];
+                }
+                let rows: usize = shape[..shape.len() - 1].iter().product();
+                let bytes = if elems == 0 { 0 } else { rows * pitch * elem_size };
+                (strides, bytes)
+            }
+            _ => (contiguous_strides(shape), elems * elem_size),
+        }
+    }
+}
+
+/// Copies a contiguous tensor into the (possibly padded) layout of `strides`.
+/// Only the last dimension may be padded (as [`LayoutPolicy`] makes them).
+pub(crate) fn pack_rows(data: &[u8], shape: &[usize], strides: &[usize], elem_size: usize, total: usize) -> Vec<u8> {
+    if strides == contiguous_strides(shape).as_slice() {
+        return data.to_vec();
+    }
+    let row = shape[shape.len() - 1] * elem_size;
+    let pitch = strides[shape.len() - 2] * elem_size;
+    let mut out = vec![0u8; total];
+    for (i, chunk) in data.chunks(row.max(1)).enumerate() {
+        out[i * pitch..i * pitch + chunk.len()].copy_from_slice(chunk);
+    }
+    out
+}
+
+/// Copies a tensor stored with `strides` into a contiguous buffer.
+pub(crate) fn unpack_rows(data: &[u8], shape: &[usize], strides: &[usize], elem_size: usize) -> Result<Vec<u8>, ServerError> {
+    let contiguous = contiguous_strides(shape);
+    let elems: usize = shape.iter().product();
+    if strides == contiguous.as_slice() || elems == 0 {
+        let bytes = elems * elem_size;
+        if data.len() < bytes {
+            return Err(ServerError::InvalidArgument(format!(
+                "tensor of shape {shape:?} needs {bytes} bytes but its handle holds {}",
+                data.len()
+            )));
+        }
+        return Ok(data[..bytes].to_vec());
+    }
+    let rank = shape.len();
+    if rank < 2 || strides[rank - 1] != 1 || strides[..rank - 2] != contiguous_pitched(shape, strides[rank - 2])[..rank - 2] {
+        return Err(ServerError::InvalidArgument(format!(
+            "strides {strides:?} for shape {shape:?} are not readable: only the last dimension may be padded"
+        )));
+    }
+    let row = shape[rank - 1] * elem_size;
+    let pitch = strides[rank - 2] * elem_size;
+    let rows = elems / shape[rank - 1];
+    if rows > 0 && (rows - 1) * pitch + row > data.len() {
+        return Err(ServerError::InvalidArgument(format!(
+            "tensor of shape {shape:?} with strides {strides:?} is larger than its handle ({} bytes)",
+            data.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(elems * elem_size);
+    for r in 0..rows {
+        out.extend_from_slice(&data[r * pitch..r * pitch + row]);
+    }
+    Ok(out)
+}
+
+fn contiguous_pitched(shape: &[usize], pitch: usize) -> Vec<usize> {
+    let rank = shape.len();
+    let mut strides = vec![1; rank];
+    strides[rank - 2] = pitch;
+    for i in (0..rank - 2).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pitched_layout_pads_rows_and_round_trips() {
+        let policy = LayoutPolicy::Pitched { row_alignment: 16 };
+        let (strides, bytes) = policy.layout(&[3, 5], 4);
+        assert_eq!(strides, vec![8, 1]);
+        assert_eq!(bytes, 3 * 8 * 4);
+        let data: Vec<u8> = (0..60u8).collect();
+        let packed = pack_rows(&data, &[3, 5], &strides, 4, bytes);
+        assert_eq!(&packed[32..52], &data[20..40]);
+        assert_eq!(unpack_rows(&packed, &[3, 5], &strides, 4).unwrap(), data);
+    }
+
+    #[test]
+    fn unreadable_strides_are_refused() {
+        let err = unpack_rows(&[0u8; 64], &[2, 2], &[1, 2], 4).unwrap_err();
+        assert!(err.to_string().contains("only the last dimension"), "{err}");
+    }
+}

@@ -1,0 +1,44 @@
+//! cohort-runtime: per-device runtimes.
+//!
+//! A [`Client`] reaches one device's server thread. Through it a program
+//! creates buffers (from per-stream [`memory`] pools), launches [`Kernel`]s,
+//! reads results, captures [`Graph`]s and profiles work. Backends live under
+//! [`backend`]; the `cpu` backend is always built and is the default.
+
+pub mod backend;
+mod bytes;
+mod client;
+mod device;
+mod error;
+mod graph;
+mod handle;
+mod id;
+mod kernel;
+pub mod memory;
+mod profile;
+mod properties;
+mod runtime;
+mod state;
+
+pub use backend::cpu::CpuRuntime;
+pub use bytes::{AlignedBytes, Bytes};
+pub use client::{Client, Fence, MemoryReport, MemoryScope};
+pub use device::{close_device, shutdown, BackendFactory};
+pub use error::{MemoryConfigError, ProfileError, ServerError};
+pub use graph::Graph;
+pub use handle::{contiguous_strides, CopyDescriptor, Handle, LayoutPolicy, MemoryLayout, MemoryLayoutDescriptor};
+pub use id::{DeviceId, ServiceId, StreamId};
+pub use kernel::{CpuKernelContext, CpuKernelFn, GridCount, Kernel, KernelArguments, Scalar};
+pub use profile::{ProfileDuration, ProfileWindow, TimingMethod};
+pub use properties::DeviceProperties;
+pub use runtime::Runtime;
+pub use state::{DeviceStats, StreamMemory};
+
+/// The names most programs need.
+pub mod prelude {
+    pub use crate::memory::{AllocationMode, MemoryPoolsConfig, MemoryUsage, PoolConfig};
+    pub use crate::{
+        Bytes, Client, CpuRuntime, DeviceId, GridCount, Handle, Kernel, KernelArguments, MemoryScope, Runtime, Scalar,
+        ServerError, StreamId,
+    };
+}

@@ -1,0 +1,376 @@
+//! What a device's server thread owns: the backend, each stream's memory pools,
+//! capture state, and the bookkeeping that turns failures into marked buffers.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::backend::{Backend, Binding, ResolvedGrid, TimerStart};
+use crate::error::ServerError;
+use crate::handle::Handle;
+use crate::id::{ServiceId, StreamId};
+use crate::kernel::{GridCount, Kernel, Scalar};
+use crate::memory::{AllocationMode, Cleanup, MemoryPools, MemoryPoolsConfig, MemoryUsage, PageId, PageStorage, PoolReport};
+
+/// A launch recorded inside a capture window, replayed by `Graph::replay`.
+#[derive(Clone)]
+pub(crate) struct RecordedLaunch {
+    pub kernel: Kernel,
+    pub grid: GridCount,
+    pub buffers: Vec<Handle>,
+    pub scalars: Vec<Scalar>,
+}
+
+/// The capture window of one stream.
+pub(crate) struct Capture {
+    pub native: bool,
+    pub launches: Vec<RecordedLaunch>,
+    /// The first thing that went wrong inside the window; `stop_capture`
+    /// returns it.
+    pub failure: Option<ServerError>,
+}
+
+pub(crate) struct StreamState {
+    pub pools: MemoryPools,
+    pub mode: AllocationMode,
+    /// Set by `graph_prepare`: allocations go to the persistent pool.
+    pub prepared: bool,
+    pub capture: Option<Capture>,
+}
+
+/// Counters a test or a report can read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Cross-stream waits queued with a fence (never a device-wide sync).
+    pub stream_fences: u64,
+    /// Explicit synchronisations of a stream.
+    pub stream_syncs: u64,
+    /// Launches run (replays included).
+    pub launches: u64,
+}
+
+/// Memory of one stream in a [`crate::MemoryReport`].
+#[derive(Debug, Clone)]
+pub struct StreamMemory {
+    pub stream: StreamId,
+    pub usage: MemoryUsage,
+    pub pools: Vec<PoolReport>,
+}
+
+/// A storage that refuses new pages: used inside capture windows, where a
+/// fresh allocation would not be part of the recorded graph.
+struct NoNewPages<'a> {
+    inner: &'a mut dyn PageStorage,
+}
+
+impl PageStorage for NoNewPages<'_> {
+    fn alloc_page(&mut self, size: u64) -> Result<PageId, ServerError> {
+        Err(ServerError::InvalidState {
+            operation: "allocation",
+            reason: format!(
+                "a new page of {size} bytes was needed inside a capture window; call graph_prepare and run the work once before start_capture so its memory is reserved"
+            ),
+        })
+    }
+
+    fn free_page(&mut self, page: PageId) {
+        self.inner.free_page(page)
+    }
+
+    fn alignment(&self) -> u64 {
+        self.inner.alignment()
+    }
+}
+
+pub(crate) struct DeviceState {
+    pub service: ServiceId,
+    pub backend: Box<dyn Backend>,
+    pub streams: HashMap<StreamId, StreamState>,
+    pub pool_config: MemoryPoolsConfig,
+    /// Errors of fire-and-forget tasks, returned by the stream's next `sync`,
+    /// `flush` or `check`.
+    pub pending_errors: HashMap<StreamId, ServerError>,
+    pub stats: DeviceStats,
+    pub profiles: HashMap<u64, TimerStart>,
+    pub next_profile: u64,
+    pub graphs: HashMap<u64, Box<dyn Any>>,
+    pub next_graph: u64,
+}
+
+impl DeviceState {
+    pub fn new(service: ServiceId, backend: Box<dyn Backend>) -> Self {
+        Self {
+            service,
+            backend,
+            streams: HashMap::new(),
+            pool_config: MemoryPoolsConfig::default(),
+            pending_errors: HashMap::new(),
+            stats: DeviceStats::default(),
+            profiles: HashMap::new(),
+            next_profile: 0,
+            graphs: HashMap::new(),
+            next_graph: 0,
+        }
+    }
+
+    pub fn stream(&mut self, stream: StreamId) -> &mut StreamState {
+        let config = &self.pool_config;
+        self.streams.entry(stream).or_insert_with(|| StreamState {
+            pools: MemoryPools::new(config).expect("the stored pool layout was validated"),
+            mode: AllocationMode::Auto,
+            prepared: false,
+            capture: None,
+        })
+    }
+
+    pub fn is_capturing(&self, stream: StreamId) -> bool {
+        self.streams.get(&stream).is_some_and(|s| s.capture.is_some())
+    }
+
+    /// Reserves memory for a new handle from its stream's pools. A failure is
+    /// marked on the handle and returned.
+    pub fn reserve(&mut self, handle: &Handle) -> Result<(), ServerError> {
+        let stream_id = handle.stream();
+        let size = handle.alloc.size;
+        self.stream(stream_id);
+        let state = self.streams.get_mut(&stream_id).expect("stream exists");
+        let capturing = state.capture.is_some();
+        let mode = if state.prepared || capturing { AllocationMode::Persistent } else { state.mode };
+        let storage = self.backend.storage();
+        let result = if capturing {
+            state.pools.reserve(&mut NoNewPages { inner: storage }, size, mode)
+        } else {
+            state.pools.reserve(storage, size, mode)
+        };
+        match result {
+            Ok(slice) => {
+                let _ = handle.alloc.slice.set(slice);
+                Ok(())
+            }
+            Err(err) => {
+                if let Some(capture) = state.capture.as_mut() {
+                    capture.failure.get_or_insert_with(|| err.clone());
+                }
+                handle.set_error(Some(err.clone()));
+                Err(err)
+            }
+        }
+    }
+
+    /// Where a handle's bytes are. A handle whose reservation failed returns
+    /// that failure.
+    pub fn binding(&self, handle: &Handle) -> Result<Binding, ServerError> {
+        match handle.alloc.slice.get() {
+            Some(slice) => Ok(Binding { page: slice.page(), offset: slice.offset() + handle.offset, size: handle.size }),
+            None => Err(handle.error().unwrap_or_else(|| ServerError::InvalidState {
+                operation: "binding",
+                reason: "the handle's memory was never reserved".into(),
+            })),
+        }
+    }
+
+    /// Orders `stream` after the last writer of each handle, with a fence per
+    /// other stream (never a device-wide sync).
+    pub fn order_after_writers(&mut self, stream: StreamId, handles: &[&Handle]) -> Result<(), ServerError> {
+        let mut waited: Vec<StreamId> = Vec::new();
+        for handle in handles {
+            let writer = handle.last_writer();
+            if writer != stream && !waited.contains(&writer) && self.streams.contains_key(&writer) {
+                self.backend.order_streams(stream, writer)?;
+                self.stats.stream_fences += 1;
+                waited.push(writer);
+            }
+        }
+        Ok(())
+    }
+
+    /// The first error marked on any of `inputs`, wrapped to say which
+    /// operation it stopped.
+    pub fn poisoned_input(inputs: &[&Handle], operation: &str) -> Option<ServerError> {
+        inputs.iter().find_map(|h| h.error()).map(|cause| ServerError::Poisoned {
+            operation: operation.to_string(),
+            cause: Arc::new(cause),
+        })
+    }
+
+    /// Records the outcome of an operation on the handles it should have
+    /// written: the error, or (on success) a clean mark and the new writer.
+    pub fn mark_outputs(stream: StreamId, outputs: &[&Handle], result: &Result<(), ServerError>) {
+        for handle in outputs {
+            match result {
+                Ok(()) => {
+                    handle.set_error(None);
+                    handle.set_last_writer(stream);
+                }
+                Err(err) => handle.set_error(Some(err.clone())),
+            }
+        }
+    }
+
+    /// Writes `data` into `handle` in place.
+    pub fn write(&mut self, stream: StreamId, handle: &Handle, data: &[u8]) -> Result<(), ServerError> {
+        if self.is_capturing(stream) {
+            let err = ServerError::InvalidState {
+                operation: "write",
+                reason: "the stream is inside a capture window; write before start_capture or after stop_capture".into(),
+            };
+            self.fail_capture(stream, &err);
+            return Err(err);
+        }
+        let result = (|| {
+            if data.len() as u64 != handle.size {
+                return Err(ServerError::InvalidArgument(format!(
+                    "write of {} bytes into a handle of {} bytes",
+                    data.len(),
+                    handle.size
+                )));
+            }
+            let binding = self.binding(handle)?;
+            self.order_after_writers(stream, &[handle])?;
+            self.backend.write(stream, binding, data)
+        })();
+        Self::mark_outputs(stream, &[handle], &result);
+        result
+    }
+
+    /// Runs (or, inside a capture window, records) a launch.
+    pub fn launch(&mut self, stream: StreamId, launch: RecordedLaunch) -> Result<(), ServerError> {
+        if let Some(capture) = self.streams.get_mut(&stream).and_then(|s| s.capture.as_mut()) {
+            // Recorded either way: the graph keeps the launch's buffers alive.
+            capture.launches.push(launch.clone());
+            if !capture.native {
+                return Ok(());
+            }
+        }
+        self.launch_now(stream, &launch)
+    }
+
+    pub fn launch_now(&mut self, stream: StreamId, launch: &RecordedLaunch) -> Result<(), ServerError> {
+        let outputs: Vec<&Handle> = launch.buffers.iter().collect();
+        let operation = format!("launch of kernel `{}`", launch.kernel.name());
+        let result = (|| {
+            if let Some(err) = Self::poisoned_input(&outputs, &operation) {
+                return Err(err);
+            }
+            let mut bindings = Vec::with_capacity(outputs.len());
+            for handle in &outputs {
+                bindings.push(self.binding(handle)?);
+            }
+            let grid = match &launch.grid {
+                GridCount::Static(x, y, z) => ResolvedGrid::Static([*x, *y, *z]),
+                GridCount::Dynamic(handle) => {
+                    if handle.size < 12 {
+                        return Err(ServerError::InvalidArgument(format!(
+                            "a dynamic grid needs a buffer of 3 u32 (12 bytes); this one has {} bytes",
+                            handle.size
+                        )));
+                    }
+                    self.order_after_writers(stream, &[handle])?;
+                    ResolvedGrid::Dynamic(self.binding(handle)?)
+                }
+            };
+            if let ResolvedGrid::Static(g) = grid {
+                if g.contains(&0) {
+                    return Ok(());
+                }
+            }
+            self.order_after_writers(stream, &outputs)?;
+            self.stats.launches += 1;
+            self.backend.launch(stream, &launch.kernel, grid, &bindings, &launch.scalars)
+        })();
+        let result = result.map_err(|err| match err {
+            err @ (ServerError::Poisoned { .. } | ServerError::MissingKernelSource { .. } | ServerError::KernelFailed { .. }) => err,
+            other => ServerError::KernelFailed {
+                kernel: launch.kernel.name().to_string(),
+                device: self.service.device,
+                reason: other.to_string(),
+            },
+        });
+        Self::mark_outputs(stream, &outputs, &result);
+        result
+    }
+
+    /// Reads handles to the host after the work that writes them.
+    pub fn read(&mut self, stream: StreamId, handles: &[Handle]) -> Result<Vec<crate::bytes::AlignedBytes>, ServerError> {
+        self.refuse_in_capture(stream, "read")?;
+        let refs: Vec<&Handle> = handles.iter().collect();
+        if let Some(err) = refs.iter().find_map(|h| h.error()) {
+            return Err(err);
+        }
+        let mut bindings = Vec::with_capacity(handles.len());
+        for handle in handles {
+            bindings.push(self.binding(handle)?);
+        }
+        self.order_after_writers(stream, &refs)?;
+        self.backend.read(stream, &bindings)
+    }
+
+    pub fn refuse_in_capture(&mut self, stream: StreamId, operation: &'static str) -> Result<(), ServerError> {
+        if self.is_capturing(stream) {
+            let err = ServerError::InvalidState {
+                operation,
+                reason: "the stream is inside a capture window; only launches may be recorded until stop_capture".into(),
+            };
+            self.fail_capture(stream, &err);
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    fn fail_capture(&mut self, stream: StreamId, err: &ServerError) {
+        if let Some(capture) = self.streams.get_mut(&stream).and_then(|s| s.capture.as_mut()) {
+            capture.failure.get_or_insert_with(|| err.clone());
+        }
+    }
+
+    /// Waits for the stream's work and returns the first error a
+    /// fire-and-forget task left on it.
+    pub fn sync(&mut self, stream: StreamId) -> Result<(), ServerError> {
+        self.refuse_in_capture(stream, "sync")?;
+        self.stats.stream_syncs += 1;
+        let result = self.backend.sync(stream);
+        self.take_pending(stream)?;
+        result
+    }
+
+    pub fn take_pending(&mut self, stream: StreamId) -> Result<(), ServerError> {
+        match self.pending_errors.remove(&stream) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    pub fn memory_usage(&self, stream: Option<StreamId>) -> MemoryUsage {
+        self.streams
+            .iter()
+            .filter(|(id, _)| stream.is_none_or(|s| s == **id))
+            .fold(MemoryUsage::default(), |acc, (_, s)| acc.combine(s.pools.usage()))
+    }
+
+    pub fn memory_streams(&self, stream: Option<StreamId>) -> Vec<StreamMemory> {
+        let mut out: Vec<StreamMemory> = self
+            .streams
+            .iter()
+            .filter(|(id, _)| stream.is_none_or(|s| s == **id))
+            .map(|(id, s)| StreamMemory { stream: *id, usage: s.pools.usage(), pools: s.pools.report() })
+            .collect();
+        out.sort_by_key(|s| s.stream);
+        out
+    }
+
+    /// Gives back every page nothing holds, on every stream.
+    pub fn cleanup(&mut self, kind: Cleanup) {
+        let storage = self.backend.storage();
+        for state in self.streams.values_mut() {
+            state.pools.cleanup(storage, kind);
+        }
+    }
+
+    /// Frees every page before the thread exits.
+    pub fn release_all(&mut self) {
+        let storage = self.backend.storage();
+        for state in self.streams.values_mut() {
+            state.pools.release_all(storage);
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! cohort: collective communication across GPUs.
+//!
+//! * [`runtime`] — per-device runtimes: clients, memory pools, streams,
+//!   kernels, graphs and profiling, with the `cpu` backend always built.
+//! * [`comm`] — collectives over groups of devices.
+
+pub use cohort_comm as comm;
+pub use cohort_runtime as runtime;
+
+/// The names most programs need.
+pub mod prelude {
+    pub use cohort_runtime::prelude::*;
+}
