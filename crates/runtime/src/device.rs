@@ -124,7 +124,11 @@ impl DeviceHandle {
 
     /// Queues a task and returns at once. A panic or error in it is kept for
     /// the stream's next `sync`.
-    pub fn submit(&self, stream: StreamId, task: impl FnOnce(&mut DeviceState) + Send + 'static) -> Result<(), ServerError> {
+    pub fn submit(
+        &self,
+        stream: StreamId,
+        task: impl FnOnce(&mut DeviceState) + Send + 'static,
+    ) -> Result<(), ServerError> {
         if self.on_server_thread() {
             let state = EXCLUSIVE_STATE.with(|s| s.get());
             if !state.is_null() {
@@ -190,7 +194,11 @@ impl DeviceHandle {
 
     /// Runs `f` on the device thread with nothing else interleaved; client
     /// calls made inside `f` for this device run inline.
-    pub fn exclusive<'a, R: Send + 'a>(&self, stream: StreamId, f: impl FnOnce() -> R + Send + 'a) -> Result<R, ServerError> {
+    pub fn exclusive<'a, R: Send + 'a>(
+        &self,
+        stream: StreamId,
+        f: impl FnOnce() -> R + Send + 'a,
+    ) -> Result<R, ServerError> {
         self.run(stream, move |state: &mut DeviceState| {
             let previous = EXCLUSIVE_STATE.with(|s| s.replace(state as *mut DeviceState));
             struct Restore(*mut DeviceState);
@@ -263,7 +271,10 @@ fn registry() -> &'static Mutex<Registry> {
 }
 
 /// The open server of `device`, starting one with `factory` if none is.
-pub(crate) fn open_device(device: DeviceId, factory: impl FnOnce() -> BackendFactory) -> Result<Arc<DeviceHandle>, ServerError> {
+pub(crate) fn open_device(
+    device: DeviceId,
+    factory: impl FnOnce() -> BackendFactory,
+) -> Result<Arc<DeviceHandle>, ServerError> {
     let mut registry = registry().lock();
     if let Some(handle) = registry.open.get(&device) {
         if !handle.is_closed() {

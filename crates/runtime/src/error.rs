@@ -80,7 +80,9 @@ pub enum MemoryConfigError {
 pub enum ProfileError {
     #[error("profiled work failed: {0}")]
     Server(#[from] ServerError),
-    #[error("this profile window was opened on {opened:?} and closed on {closed:?}: open and close it from the same stream")]
+    #[error(
+        "this profile window was opened on {opened:?} and closed on {closed:?}: open and close it from the same stream"
+    )]
     WrongStream { opened: StreamId, closed: StreamId },
     #[error("the profiled closure panicked: {0}")]
     Panicked(String),

@@ -241,7 +241,12 @@ pub(crate) fn pack_rows(data: &[u8], shape: &[usize], strides: &[usize], elem_si
 }
 
 /// Copies a tensor stored with `strides` into a contiguous buffer.
-pub(crate) fn unpack_rows(data: &[u8], shape: &[usize], strides: &[usize], elem_size: usize) -> Result<Vec<u8>, ServerError> {
+pub(crate) fn unpack_rows(
+    data: &[u8],
+    shape: &[usize],
+    strides: &[usize],
+    elem_size: usize,
+) -> Result<Vec<u8>, ServerError> {
     let contiguous = contiguous_strides(shape);
     let elems: usize = shape.iter().product();
     if strides == contiguous.as_slice() || elems == 0 {
@@ -255,7 +260,10 @@ pub(crate) fn unpack_rows(data: &[u8], shape: &[usize], strides: &[usize], elem_
         return Ok(data[..bytes].to_vec());
     }
     let rank = shape.len();
-    if rank < 2 || strides[rank - 1] != 1 || strides[..rank - 2] != contiguous_pitched(shape, strides[rank - 2])[..rank - 2] {
+    if rank < 2
+        || strides[rank - 1] != 1
+        || strides[..rank - 2] != contiguous_pitched(shape, strides[rank - 2])[..rank - 2]
+    {
         return Err(ServerError::InvalidArgument(format!(
             "strides {strides:?} for shape {shape:?} are not readable: only the last dimension may be padded"
         )));

@@ -24,15 +24,17 @@ impl CpuKernelContext<'_> {
     /// of `T` or the index is out of range.
     pub fn buffer<T: bytemuck::Pod>(&mut self, index: usize) -> &mut [T] {
         let count = self.buffers.len();
-        let bytes = self
-            .buffers
-            .get_mut(index)
-            .unwrap_or_else(|| panic!("kernel reads buffer {index} but was given {count}"));
+        let bytes =
+            self.buffers.get_mut(index).unwrap_or_else(|| panic!("kernel reads buffer {index} but was given {count}"));
         bytemuck::cast_slice_mut(bytes)
     }
 
     /// Two distinct buffers at once, e.g. an input and an output.
-    pub fn buffer_pair<A: bytemuck::Pod, B: bytemuck::Pod>(&mut self, first: usize, second: usize) -> (&mut [A], &mut [B]) {
+    pub fn buffer_pair<A: bytemuck::Pod, B: bytemuck::Pod>(
+        &mut self,
+        first: usize,
+        second: usize,
+    ) -> (&mut [A], &mut [B]) {
         assert_ne!(first, second, "buffer_pair needs two different buffers");
         let count = self.buffers.len();
         assert!(first < count && second < count, "kernel reads buffers {first} and {second} but was given {count}");

@@ -5,6 +5,7 @@
 //! reads results, captures [`Graph`]s and profiles work. Backends live under
 //! [`backend`]; the `cpu` backend is always built and is the default.
 
+mod access;
 pub mod backend;
 mod bytes;
 mod client;
@@ -20,6 +21,7 @@ mod properties;
 mod runtime;
 mod state;
 
+pub use access::{BufferAccess, HostPtr};
 pub use backend::cpu::CpuRuntime;
 pub use bytes::{AlignedBytes, Bytes};
 pub use client::{Client, Fence, MemoryReport, MemoryScope};
@@ -42,3 +44,6 @@ pub mod prelude {
         ServerError, StreamId,
     };
 }
+
+#[doc(hidden)]
+pub mod conformance;

@@ -10,7 +10,9 @@ use crate::error::ServerError;
 use crate::handle::Handle;
 use crate::id::{ServiceId, StreamId};
 use crate::kernel::{GridCount, Kernel, Scalar};
-use crate::memory::{AllocationMode, Cleanup, MemoryPools, MemoryPoolsConfig, MemoryUsage, PageId, PageStorage, PoolReport};
+use crate::memory::{
+    AllocationMode, Cleanup, MemoryPools, MemoryPoolsConfig, MemoryUsage, PageId, PageStorage, PoolReport,
+};
 
 /// A launch recorded inside a capture window, replayed by `Graph::replay`.
 #[derive(Clone)]
@@ -161,7 +163,9 @@ impl DeviceState {
     /// that failure.
     pub fn binding(&self, handle: &Handle) -> Result<Binding, ServerError> {
         match handle.alloc.slice.get() {
-            Some(slice) => Ok(Binding { page: slice.page(), offset: slice.offset() + handle.offset, size: handle.size }),
+            Some(slice) => {
+                Ok(Binding { page: slice.page(), offset: slice.offset() + handle.offset, size: handle.size })
+            }
             None => Err(handle.error().unwrap_or_else(|| ServerError::InvalidState {
                 operation: "binding",
                 reason: "the handle's memory was never reserved".into(),
@@ -187,10 +191,10 @@ impl DeviceState {
     /// The first error marked on any of `inputs`, wrapped to say which
     /// operation it stopped.
     pub fn poisoned_input(inputs: &[&Handle], operation: &str) -> Option<ServerError> {
-        inputs.iter().find_map(|h| h.error()).map(|cause| ServerError::Poisoned {
-            operation: operation.to_string(),
-            cause: Arc::new(cause),
-        })
+        inputs
+            .iter()
+            .find_map(|h| h.error())
+            .map(|cause| ServerError::Poisoned { operation: operation.to_string(), cause: Arc::new(cause) })
     }
 
     /// Records the outcome of an operation on the handles it should have
@@ -212,7 +216,8 @@ impl DeviceState {
         if self.is_capturing(stream) {
             let err = ServerError::InvalidState {
                 operation: "write",
-                reason: "the stream is inside a capture window; write before start_capture or after stop_capture".into(),
+                reason: "the stream is inside a capture window; write before start_capture or after stop_capture"
+                    .into(),
             };
             self.fail_capture(stream, &err);
             return Err(err);
@@ -279,7 +284,9 @@ impl DeviceState {
             self.backend.launch(stream, &launch.kernel, grid, &bindings, &launch.scalars)
         })();
         let result = result.map_err(|err| match err {
-            err @ (ServerError::Poisoned { .. } | ServerError::MissingKernelSource { .. } | ServerError::KernelFailed { .. }) => err,
+            err @ (ServerError::Poisoned { .. }
+            | ServerError::MissingKernelSource { .. }
+            | ServerError::KernelFailed { .. }) => err,
             other => ServerError::KernelFailed {
                 kernel: launch.kernel.name().to_string(),
                 device: self.service.device,
@@ -291,7 +298,11 @@ impl DeviceState {
     }
 
     /// Reads handles to the host after the work that writes them.
-    pub fn read(&mut self, stream: StreamId, handles: &[Handle]) -> Result<Vec<crate::bytes::AlignedBytes>, ServerError> {
+    pub fn read(
+        &mut self,
+        stream: StreamId,
+        handles: &[Handle],
+    ) -> Result<Vec<crate::bytes::AlignedBytes>, ServerError> {
         self.refuse_in_capture(stream, "read")?;
         let refs: Vec<&Handle> = handles.iter().collect();
         if let Some(err) = refs.iter().find_map(|h| h.error()) {
@@ -309,7 +320,8 @@ impl DeviceState {
         if self.is_capturing(stream) {
             let err = ServerError::InvalidState {
                 operation,
-                reason: "the stream is inside a capture window; only launches may be recorded until stop_capture".into(),
+                reason: "the stream is inside a capture window; only launches may be recorded until stop_capture"
+                    .into(),
             };
             self.fail_capture(stream, &err);
             return Err(err);

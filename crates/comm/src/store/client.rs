@@ -69,11 +69,7 @@ impl StoreClient {
     /// start before the store is up), backing off from 1 ms to 100 ms between
     /// attempts. The same `timeout` bounds every later plain request's answer.
     /// A wrong secret fails at once with [`StoreError::AuthRefused`].
-    pub fn connect(
-        addr: impl ToSocketAddrs + Display,
-        secret: impl AsRef<[u8]>,
-        timeout: Duration,
-    ) -> Result<Self> {
+    pub fn connect(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>, timeout: Duration) -> Result<Self> {
         let secret = secret.as_ref();
         if secret.is_empty() {
             return Err(StoreError::EmptySecret);
@@ -128,15 +124,10 @@ impl StoreClient {
         for k in keys {
             check_key(k)?;
         }
-        let req = Request::Wait {
-            keys: keys.iter().map(|k| k.to_string()).collect(),
-            timeout_ms: millis(timeout),
-        };
+        let req = Request::Wait { keys: keys.iter().map(|k| k.to_string()).collect(), timeout_ms: millis(timeout) };
         match self.request(&req, timeout.saturating_add(ANSWER_GRACE))? {
             Response::Ok => Ok(()),
-            Response::WaitTimeout { missing } => {
-                Err(StoreError::WaitTimeout { missing, waited: timeout })
-            }
+            Response::WaitTimeout { missing } => Err(StoreError::WaitTimeout { missing, waited: timeout }),
             r => Err(self.unexpected(r)),
         }
     }
@@ -160,11 +151,7 @@ impl StoreClient {
         if let Some(e) = expected {
             check_value(e)?;
         }
-        let req = Request::CompareSet {
-            key: key.into(),
-            expected: expected.map(<[u8]>::to_vec),
-            new: new.to_vec(),
-        };
+        let req = Request::CompareSet { key: key.into(), expected: expected.map(<[u8]>::to_vec), new: new.to_vec() };
         match self.request(&req, self.timeout)? {
             Response::Cas { swapped: true, .. } => Ok(CompareSet::Swapped),
             Response::Cas { swapped: false, current } => Ok(CompareSet::Mismatch(current)),
@@ -190,21 +177,15 @@ impl StoreClient {
     /// had arrived. Participants must agree on `world_size`.
     pub fn barrier(&self, name: &str, world_size: u32, timeout: Duration) -> Result<()> {
         check_key(name)?;
-        let req =
-            Request::Barrier { name: name.into(), world_size, timeout_ms: millis(timeout) };
+        let req = Request::Barrier { name: name.into(), world_size, timeout_ms: millis(timeout) };
         match self.request(&req, timeout.saturating_add(ANSWER_GRACE))? {
             Response::Ok => Ok(()),
-            Response::BarrierTimeout { arrived, world_size } => Err(StoreError::BarrierTimeout {
-                name: name.into(),
-                arrived,
-                world_size,
-                waited: timeout,
-            }),
-            Response::BarrierMismatch { others } => Err(StoreError::BarrierMismatch {
-                name: name.into(),
-                this: world_size,
-                others,
-            }),
+            Response::BarrierTimeout { arrived, world_size } => {
+                Err(StoreError::BarrierTimeout { name: name.into(), arrived, world_size, waited: timeout })
+            }
+            Response::BarrierMismatch { others } => {
+                Err(StoreError::BarrierMismatch { name: name.into(), this: world_size, others })
+            }
             r => Err(self.unexpected(r)),
         }
     }
@@ -260,9 +241,7 @@ impl StoreClient {
             }
         };
         match Response::decode(&body) {
-            Ok(Response::Refused(message)) => {
-                Err(StoreError::Refused { addr: self.addr.clone(), message })
-            }
+            Ok(Response::Refused(message)) => Err(StoreError::Refused { addr: self.addr.clone(), message }),
             Ok(r) => Ok(r),
             Err(detail) => {
                 conn.broken = true;
@@ -272,10 +251,7 @@ impl StoreClient {
     }
 
     fn unexpected(&self, r: Response) -> StoreError {
-        StoreError::Protocol {
-            addr: self.addr.clone(),
-            detail: format!("unexpected answer {r:?}"),
-        }
+        StoreError::Protocol { addr: self.addr.clone(), detail: format!("unexpected answer {r:?}") }
     }
 }
 
@@ -333,11 +309,7 @@ fn connect_authenticated(
         };
         let now = Instant::now();
         if now >= deadline {
-            return Err(StoreError::Connect {
-                addr: shown.to_string(),
-                waited: now - start,
-                source: last,
-            });
+            return Err(StoreError::Connect { addr: shown.to_string(), waited: now - start, source: last });
         }
         tracing::trace!(addr = shown, error = %last, "store not reachable yet; retrying");
         std::thread::sleep(backoff.min(deadline - now));
@@ -369,15 +341,8 @@ fn try_connect(
     Err(Attempt::Retry(last))
 }
 
-fn client_handshake(
-    stream: &mut TcpStream,
-    shown: &str,
-    secret: &[u8],
-    within: Duration,
-) -> Result<(), Attempt> {
-    let protocol_error = |detail: String| {
-        Attempt::Fatal(StoreError::Protocol { addr: shown.to_string(), detail })
-    };
+fn client_handshake(stream: &mut TcpStream, shown: &str, secret: &[u8], within: Duration) -> Result<(), Attempt> {
+    let protocol_error = |detail: String| Attempt::Fatal(StoreError::Protocol { addr: shown.to_string(), detail });
     let within = within.clamp(Duration::from_millis(50), Duration::from_secs(10));
     stream.set_read_timeout(Some(within)).map_err(Attempt::Retry)?;
     stream.set_write_timeout(Some(within)).map_err(Attempt::Retry)?;
@@ -408,22 +373,14 @@ fn client_handshake(
     };
     match verdict.first() {
         Some(&protocol::AUTH_OK) if verdict.len() == 1 + protocol::MAC_LEN => {
-            let ok = protocol::verify(
-                secret,
-                protocol::SERVER_LABEL,
-                &client_nonce,
-                server_nonce,
-                &verdict[1..],
-            );
+            let ok = protocol::verify(secret, protocol::SERVER_LABEL, &client_nonce, server_nonce, &verdict[1..]);
             if ok {
                 Ok(())
             } else {
                 Err(Attempt::Fatal(StoreError::ServerNotAuthentic { addr: shown.to_string() }))
             }
         }
-        Some(&protocol::AUTH_REFUSED) => {
-            Err(Attempt::Fatal(StoreError::AuthRefused { addr: shown.to_string() }))
-        }
+        Some(&protocol::AUTH_REFUSED) => Err(Attempt::Fatal(StoreError::AuthRefused { addr: shown.to_string() })),
         _ => Err(protocol_error("malformed answer to the handshake".into())),
     }
 }

@@ -215,11 +215,9 @@ impl Request {
                 &mut e
             }
             Request::Add { key, delta } => e.u8(4).bytes(key.as_bytes()).i64(*delta),
-            Request::CompareSet { key, expected, new } => e
-                .u8(5)
-                .bytes(key.as_bytes())
-                .opt_bytes(expected.as_deref())
-                .bytes(new),
+            Request::CompareSet { key, expected, new } => {
+                e.u8(5).bytes(key.as_bytes()).opt_bytes(expected.as_deref()).bytes(new)
+            }
             Request::Delete { key } => e.u8(6).bytes(key.as_bytes()),
             Request::Barrier { name, world_size, timeout_ms } => {
                 e.u8(7).bytes(name.as_bytes()).u32(*world_size).u64(*timeout_ms)
@@ -277,9 +275,7 @@ impl Response {
             Response::Value(v) => e.u8(1).opt_bytes(v.as_deref()),
             Response::Int(v) => e.u8(2).i64(*v),
             Response::Bool(v) => e.u8(3).u8(*v as u8),
-            Response::Cas { swapped, current } => {
-                e.u8(4).u8(*swapped as u8).opt_bytes(current.as_deref())
-            }
+            Response::Cas { swapped, current } => e.u8(4).u8(*swapped as u8).opt_bytes(current.as_deref()),
             Response::WaitTimeout { missing } => {
                 e.u8(5).u32(missing.len() as u32);
                 for k in missing {
@@ -287,9 +283,7 @@ impl Response {
                 }
                 &mut e
             }
-            Response::BarrierTimeout { arrived, world_size } => {
-                e.u8(6).u32(*arrived).u32(*world_size)
-            }
+            Response::BarrierTimeout { arrived, world_size } => e.u8(6).u32(*arrived).u32(*world_size),
             Response::BarrierMismatch { others } => e.u8(7).u32(*others),
             Response::NotACounter => e.u8(8),
             Response::Refused(msg) => e.u8(9).bytes(msg.as_bytes()),

@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 use std::fmt::Display;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::net::ToSocketAddrs;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -58,10 +58,8 @@ impl StoreServer {
             return Err(StoreError::EmptySecret);
         }
         let shown = addr.to_string();
-        let listener =
-            TcpListener::bind(&addr).map_err(|source| StoreError::Bind { addr: shown.clone(), source })?;
-        let local_addr =
-            listener.local_addr().map_err(|source| StoreError::Bind { addr: shown, source })?;
+        let listener = TcpListener::bind(&addr).map_err(|source| StoreError::Bind { addr: shown.clone(), source })?;
+        let local_addr = listener.local_addr().map_err(|source| StoreError::Bind { addr: shown, source })?;
         let inner = Arc::new(Inner {
             state: State::default(),
             secret: secret.to_vec(),
@@ -108,8 +106,7 @@ impl StoreServer {
         let wake = wake_addr(self.local_addr);
         let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
         let _ = accept.join();
-        let connections: Vec<Connection> =
-            self.inner.connections.lock().drain().map(|(_, c)| c).collect();
+        let connections: Vec<Connection> = self.inner.connections.lock().drain().map(|(_, c)| c).collect();
         for c in &connections {
             let _ = c.stream.shutdown(Shutdown::Both);
         }
@@ -157,12 +154,10 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         inner.connections.lock().insert(id, Connection { stream: handle, thread: None });
         let conn_inner = inner.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("cohort-store-conn-{id}"))
-            .spawn(move || {
-                serve_connection(&conn_inner, stream, peer);
-                conn_inner.connections.lock().remove(&id);
-            });
+        let spawned = std::thread::Builder::new().name(format!("cohort-store-conn-{id}")).spawn(move || {
+            serve_connection(&conn_inner, stream, peer);
+            conn_inner.connections.lock().remove(&id);
+        });
         match spawned {
             Ok(thread) => {
                 if let Some(c) = inner.connections.lock().get_mut(&id) {
@@ -234,8 +229,7 @@ fn serve_connection(inner: &Inner, mut stream: TcpStream, peer: SocketAddr) {
 fn handshake(inner: &Inner, stream: &mut TcpStream, peer: SocketAddr) -> io::Result<bool> {
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    let server_nonce =
-        protocol::nonce().map_err(|e| io::Error::other(e.to_string()))?;
+    let server_nonce = protocol::nonce().map_err(|e| io::Error::other(e.to_string()))?;
     let mut hello = protocol::Encoder::default();
     hello.0.extend_from_slice(protocol::MAGIC);
     hello.u8(protocol::VERSION);

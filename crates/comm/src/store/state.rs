@@ -73,8 +73,7 @@ impl State {
                     if t.shutting_down {
                         return Response::Refused("the store is shutting down".into());
                     }
-                    let missing: Vec<&String> =
-                        keys.iter().filter(|k| !t.keys.contains_key(*k)).collect();
+                    let missing: Vec<&String> = keys.iter().filter(|k| !t.keys.contains_key(*k)).collect();
                     if missing.is_empty() {
                         return Response::Ok;
                     }
@@ -86,14 +85,14 @@ impl State {
                 }
             }
             R::Add { key, delta } => {
-                let current = match t.keys.get(&key) {
+                let current: i64 = match t.keys.get(&key) {
                     None => 0,
                     Some(v) => match std::str::from_utf8(v).ok().and_then(|s| s.parse().ok()) {
                         Some(n) => n,
                         None => return Response::NotACounter,
                     },
                 };
-                let n: i64 = current.wrapping_add(delta);
+                let n = current.wrapping_add(delta);
                 t.keys.insert(key, n.to_string().into_bytes());
                 self.changed.notify_all();
                 Response::Int(n)
@@ -115,20 +114,12 @@ impl State {
                 }
                 Response::Bool(existed)
             }
-            R::Barrier { name, world_size, timeout_ms } => {
-                self.barrier(t, name, world_size, timeout_ms)
-            }
+            R::Barrier { name, world_size, timeout_ms } => self.barrier(t, name, world_size, timeout_ms),
             R::SetWill { .. } | R::ClearWill => Response::Ok,
         }
     }
 
-    fn barrier(
-        &self,
-        mut t: MutexGuard<'_, Table>,
-        name: String,
-        world_size: u32,
-        timeout_ms: u64,
-    ) -> Response {
+    fn barrier(&self, mut t: MutexGuard<'_, Table>, name: String, world_size: u32, timeout_ms: u64) -> Response {
         if world_size == 0 {
             return Response::Refused(format!("barrier '{name}' needs a world size of at least 1"));
         }

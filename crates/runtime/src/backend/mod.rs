@@ -7,6 +7,10 @@
 //! a backend only moves bytes and runs kernels.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 use std::any::Any;
 use std::time::Instant;

@@ -55,7 +55,12 @@ impl Client {
     }
 
     /// [`Client::create_tensor`] from a slice.
-    pub fn create_tensor_from_slice(&self, data: &[u8], shape: impl Into<Vec<usize>>, elem_size: usize) -> MemoryLayout {
+    pub fn create_tensor_from_slice(
+        &self,
+        data: &[u8],
+        shape: impl Into<Vec<usize>>,
+        elem_size: usize,
+    ) -> MemoryLayout {
         self.create_tensor(Bytes::from_slice(data), shape, elem_size)
     }
 
@@ -75,7 +80,8 @@ impl Client {
                 ))));
                 continue;
             }
-            let packed = pack_rows(&bytes, &layout.shape, &layout.strides, layout.elem_size, layout.handle.size() as usize);
+            let packed =
+                pack_rows(&bytes, &layout.shape, &layout.strides, layout.elem_size, layout.handle.size() as usize);
             if let Err(err) = self.write(&layout.handle, Bytes::from(packed)) {
                 layout.handle.set_error(Some(err));
             }
@@ -164,10 +170,8 @@ impl Client {
     /// not wait.
     pub fn read_async(&self, handles: Vec<Handle>) -> impl Future<Output = Result<Vec<Bytes>, ServerError>> + Send {
         let (tx, rx) = futures_channel::oneshot::channel::<Result<Vec<AlignedBytes>, ServerError>>();
-        let checked = handles
-            .iter()
-            .try_for_each(|h| self.check_owned(h))
-            .and_then(|()| self.refuse_if_capturing("read_async"));
+        let checked =
+            handles.iter().try_for_each(|h| self.check_owned(h)).and_then(|()| self.refuse_if_capturing("read_async"));
         let device = self.device_id();
         let queued = checked.and_then(|()| {
             let stream = self.stream_id();

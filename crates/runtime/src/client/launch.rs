@@ -33,7 +33,8 @@ impl Client {
         }
         for (i, a) in args.buffers.iter().enumerate() {
             for (j, b) in args.buffers.iter().enumerate().skip(i + 1) {
-                let overlap = a.same_allocation(b) && a.offset() < b.offset() + b.size() && b.offset() < a.offset() + a.size();
+                let overlap =
+                    a.same_allocation(b) && a.offset() < b.offset() + b.size() && b.offset() < a.offset() + a.size();
                 if overlap && a.size() > 0 && b.size() > 0 {
                     return Err(ServerError::InvalidArgument(format!(
                         "kernel `{}`: buffers {i} and {j} overlap; pass each buffer once",
@@ -52,7 +53,12 @@ impl Client {
     /// The kernel must not read or write outside its buffers, and must
     /// terminate. Overlapping buffers are still refused on backends that hand
     /// kernels host slices (the CPU), where aliasing would be undefined.
-    pub unsafe fn launch_unchecked(&self, kernel: &Kernel, count: GridCount, args: KernelArguments) -> Result<(), ServerError> {
+    pub unsafe fn launch_unchecked(
+        &self,
+        kernel: &Kernel,
+        count: GridCount,
+        args: KernelArguments,
+    ) -> Result<(), ServerError> {
         for handle in &args.buffers {
             self.check_owned(handle)?;
         }
@@ -60,7 +66,8 @@ impl Client {
             self.check_owned(handle)?;
         }
         let stream = self.stream_id();
-        let launch = RecordedLaunch { kernel: kernel.clone(), grid: count, buffers: args.buffers, scalars: args.scalars };
+        let launch =
+            RecordedLaunch { kernel: kernel.clone(), grid: count, buffers: args.buffers, scalars: args.scalars };
         self.device().submit(stream, move |state| {
             let _ = state.launch(stream, launch);
         })
@@ -170,7 +177,11 @@ impl Client {
 
     /// Runs `func` inside a profile window and returns its output and the
     /// duration of the device work it queued. `name` labels the trace span.
-    pub fn profile<O: Send + 'static>(&self, func: impl FnOnce() -> O + Send, name: &str) -> Result<(O, ProfileDuration), ProfileError> {
+    pub fn profile<O: Send + 'static>(
+        &self,
+        func: impl FnOnce() -> O + Send,
+        name: &str,
+    ) -> Result<(O, ProfileDuration), ProfileError> {
         let _span = tracing::debug_span!("profile", name).entered();
         let window = self.profile_start()?;
         let output = match catch_unwind(AssertUnwindSafe(func)) {

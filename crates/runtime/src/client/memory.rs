@@ -110,17 +110,30 @@ impl Client {
 
     /// Runs `task(input)` with this stream's allocations going to the
     /// persistent pool, then restores the previous mode.
-    pub fn memory_persistent_allocation<I: Send, R: Send>(&self, input: I, task: impl FnOnce(I) -> R + Send) -> Result<R, ServerError> {
+    pub fn memory_persistent_allocation<I: Send, R: Send>(
+        &self,
+        input: I,
+        task: impl FnOnce(I) -> R + Send,
+    ) -> Result<R, ServerError> {
         self.with_allocation_mode(AllocationMode::Persistent, input, task)
     }
 
     /// Runs `task(input)` with each of this stream's allocations getting a
     /// page of its own, then restores the previous mode.
-    pub fn memory_dedicated_allocation<I: Send, R: Send>(&self, input: I, task: impl FnOnce(I) -> R + Send) -> Result<R, ServerError> {
+    pub fn memory_dedicated_allocation<I: Send, R: Send>(
+        &self,
+        input: I,
+        task: impl FnOnce(I) -> R + Send,
+    ) -> Result<R, ServerError> {
         self.with_allocation_mode(AllocationMode::Dedicated, input, task)
     }
 
-    fn with_allocation_mode<I, R>(&self, mode: AllocationMode, input: I, task: impl FnOnce(I) -> R) -> Result<R, ServerError> {
+    fn with_allocation_mode<I, R>(
+        &self,
+        mode: AllocationMode,
+        input: I,
+        task: impl FnOnce(I) -> R,
+    ) -> Result<R, ServerError> {
         let previous = self.allocation_mode_of_stream()?;
         self.set_allocation_mode(mode)?;
         let _restore = RestoreMode { client: self, previous };

@@ -121,7 +121,10 @@ impl Client {
     /// before anything is queued.
     pub fn check_owned(&self, handle: &Handle) -> Result<(), ServerError> {
         if handle.service() != self.service_id() {
-            return Err(ServerError::ForeignHandle { handle_service: handle.service(), client_service: self.service_id() });
+            return Err(ServerError::ForeignHandle {
+                handle_service: handle.service(),
+                client_service: self.service_id(),
+            });
         }
         Ok(())
     }

@@ -110,8 +110,7 @@ impl AdaptivePool {
     /// reservations once empty, and every emptied outdated page. Explicit
     /// (`all`): every empty page.
     pub(crate) fn cleanup(&mut self, storage: &mut dyn PageStorage, tick: u64, all: bool) {
-        self.pages
-            .free_empty_pages(storage, |page| all || tick.saturating_sub(page.last_used) >= DEALLOC_PERIOD);
+        self.pages.free_empty_pages(storage, |page| all || tick.saturating_sub(page.last_used) >= DEALLOC_PERIOD);
         for old in &mut self.outdated {
             old.pages.free_empty_pages(storage, |_| true);
         }

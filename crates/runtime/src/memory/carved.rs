@@ -287,7 +287,14 @@ impl CarvedPages {
     }
 
     /// Adds a freshly allocated page and serves `padded` bytes from its start.
-    pub(crate) fn add_page_and_take(&mut self, id: PageId, page_size: u64, padded: u64, size: u64, tick: u64) -> SliceHandle {
+    pub(crate) fn add_page_and_take(
+        &mut self,
+        id: PageId,
+        page_size: u64,
+        padded: u64,
+        size: u64,
+        tick: u64,
+    ) -> SliceHandle {
         debug_assert!(padded <= page_size);
         self.pages.push(CarvedPage::new(id, page_size, tick));
         let p = self.pages.len() - 1;
@@ -297,7 +304,11 @@ impl CarvedPages {
     /// Gives back each page for which `due(page)` holds and that is empty
     /// after a sweep of it. Returns the number of pages freed. O(pages + used
     /// slots of the due pages).
-    pub(crate) fn free_empty_pages(&mut self, storage: &mut dyn PageStorage, mut due: impl FnMut(&CarvedPage) -> bool) -> u64 {
+    pub(crate) fn free_empty_pages(
+        &mut self,
+        storage: &mut dyn PageStorage,
+        mut due: impl FnMut(&CarvedPage) -> bool,
+    ) -> u64 {
         let mut freed = 0;
         let spares = &mut self.spares;
         self.pages.retain_mut(|page| {

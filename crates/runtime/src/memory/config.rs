@@ -13,19 +13,30 @@ pub const MAX_POOLS: usize = 16;
 #[derive(Debug, Clone, PartialEq)]
 pub enum PoolConfig {
     /// One allocation per page; a free page is reused by a later allocation
-    /// that fits it with at most 2x waste. Takes sizes up to `max_alloc_size`;
-    /// `0` serves nothing unless it is the last pool (then it serves every size
-    /// the earlier pools do not take).
-    Exclusive { max_alloc_size: u64 },
-    /// Pages of `page_size` bytes carved into slices of at most
-    /// `max_slice_size` bytes.
-    Sliced { page_size: u64, max_slice_size: u64 },
+    /// that fits it with at most 2x waste.
+    Exclusive {
+        /// Largest size the pool takes; `0` serves nothing unless it is the
+        /// last pool (then it serves every size the earlier pools do not take).
+        max_alloc_size: u64,
+    },
+    /// Pages carved into small slices.
+    Sliced {
+        /// Bytes per page (not 0).
+        page_size: u64,
+        /// Largest slice the pool takes (at most `page_size`).
+        max_slice_size: u64,
+    },
     /// Serves every size the earlier pools do not take, up to `max_page_size`.
-    /// Pages start at `page_size`; an allocation larger than the page grows the
-    /// page size to fit it (to the next MiB above it, capped at
-    /// `max_page_size`). Pages of the old size become *outdated*: they serve
-    /// nothing more and are given back once empty.
-    Adaptive { page_size: u64, max_page_size: u64 },
+    /// An allocation larger than the page grows the page size to fit it (to
+    /// the next MiB above it, capped at `max_page_size`). Pages of the old size
+    /// become *outdated*: they serve nothing more and are given back once empty.
+    Adaptive {
+        /// The first page size (not 0).
+        page_size: u64,
+        /// The largest page size (at least `page_size`); larger allocations
+        /// get a dedicated page.
+        max_page_size: u64,
+    },
 }
 
 /// The dynamic-pool layout of a stream (the persistent pool is not part of it).
@@ -54,11 +65,7 @@ impl MemoryPoolsConfig {
                         return Err(MemoryConfigError::ZeroPageSize { index });
                     }
                     if max_slice_size > page_size {
-                        return Err(MemoryConfigError::SliceLargerThanPage {
-                            index,
-                            max_slice_size,
-                            page_size,
-                        });
+                        return Err(MemoryConfigError::SliceLargerThanPage { index, max_slice_size, page_size });
                     }
                 }
                 PoolConfig::Adaptive { page_size, max_page_size } => {
@@ -66,11 +73,7 @@ impl MemoryPoolsConfig {
                         return Err(MemoryConfigError::ZeroPageSize { index });
                     }
                     if max_page_size < page_size {
-                        return Err(MemoryConfigError::CapSmallerThanPage {
-                            index,
-                            max_page_size,
-                            page_size,
-                        });
+                        return Err(MemoryConfigError::CapSmallerThanPage { index, max_page_size, page_size });
                     }
                 }
             }

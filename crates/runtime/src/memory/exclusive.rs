@@ -76,10 +76,7 @@ impl ExclusivePool {
         let need = size.max(1);
         let mut best: Option<usize> = None;
         for (i, page) in self.pages.iter().enumerate() {
-            if page.is_free()
-                && self.fits(page.size, need)
-                && best.is_none_or(|b| page.size < self.pages[b].size)
-            {
+            if page.is_free() && self.fits(page.size, need) && best.is_none_or(|b| page.size < self.pages[b].size) {
                 best = Some(i);
             }
         }
@@ -93,7 +90,12 @@ impl ExclusivePool {
 
     /// Allocates a page of exactly `size` bytes (1 for a zero-size request)
     /// and serves the request from it.
-    pub(crate) fn grow(&mut self, storage: &mut dyn PageStorage, size: u64, tick: u64) -> Result<SliceHandle, ServerError> {
+    pub(crate) fn grow(
+        &mut self,
+        storage: &mut dyn PageStorage,
+        size: u64,
+        tick: u64,
+    ) -> Result<SliceHandle, ServerError> {
         let need = size.max(1);
         let id = storage.alloc_page(need)?;
         let arc = fill_arc(None, id, 0, size);

@@ -114,12 +114,7 @@ impl SliceHandle {
 /// Takes an `Arc` whose only holder is the caller (from a spare list or a
 /// freed slot), or makes a new one, and points it at `page`/`offset`/`size`.
 /// Allocation-free when `spare` is given.
-pub(crate) fn fill_arc(
-    spare: Option<Arc<SliceInner>>,
-    page: PageId,
-    offset: u64,
-    size: u64,
-) -> Arc<SliceInner> {
+pub(crate) fn fill_arc(spare: Option<Arc<SliceInner>>, page: PageId, offset: u64, size: u64) -> Arc<SliceInner> {
     if let Some(mut arc) = spare {
         if let Some(inner) = Arc::get_mut(&mut arc) {
             inner.page = page;
@@ -189,11 +184,7 @@ impl MemoryUsage {
 impl fmt::Display for MemoryUsage {
     /// `allocs=8   in_use=  8388608 reserved=  8388608`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "allocs={:<3} in_use={:>9} reserved={:>9}",
-            self.allocations, self.bytes_in_use, self.bytes_reserved
-        )
+        write!(f, "allocs={:<3} in_use={:>9} reserved={:>9}", self.allocations, self.bytes_in_use, self.bytes_reserved)
     }
 }
 
@@ -201,13 +192,27 @@ impl fmt::Display for MemoryUsage {
 #[derive(Debug, Clone, PartialEq)]
 pub enum PoolKind {
     /// One allocation per page.
-    Exclusive { max_alloc_size: u64 },
+    Exclusive {
+        /// Largest size the pool takes (0: only what no other pool takes, as
+        /// the last pool).
+        max_alloc_size: u64,
+    },
     /// Fixed pages carved into slices; also used for the outdated pages of an
     /// adaptive pool (then `max_slice_size == page_size`).
-    Sliced { page_size: u64, max_slice_size: u64 },
-    /// Growing pages; `page_size` is the current size, `outdated_pages` the
-    /// pages of earlier sizes still held.
-    Adaptive { page_size: u64, outdated_pages: u64 },
+    Sliced {
+        /// Bytes per page.
+        page_size: u64,
+        /// Largest slice the pool takes.
+        max_slice_size: u64,
+    },
+    /// Growing pages.
+    Adaptive {
+        /// The current page size.
+        page_size: u64,
+        /// Pages of earlier (smaller) sizes still held; each size also gets
+        /// a `Sliced` row of its own.
+        outdated_pages: u64,
+    },
     /// Pages of [`AllocationMode::Dedicated`] allocations (reported only once
     /// one was made).
     Dedicated,
@@ -218,6 +223,7 @@ pub enum PoolKind {
 /// Statistics of one pool, from [`MemoryPools::report`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolReport {
+    /// Which pool this is.
     pub kind: PoolKind,
     /// Pages held now.
     pub pages: u64,

@@ -24,7 +24,12 @@ impl PersistentPool {
 
     /// Reuses a free page that fits `size` (O(pages)) or allocates one of
     /// exactly `size` bytes.
-    pub(crate) fn reserve(&mut self, storage: &mut dyn PageStorage, size: u64, tick: u64) -> Result<SliceHandle, ServerError> {
+    pub(crate) fn reserve(
+        &mut self,
+        storage: &mut dyn PageStorage,
+        size: u64,
+        tick: u64,
+    ) -> Result<SliceHandle, ServerError> {
         match self.pages.try_reserve(size, tick) {
             Some(handle) => Ok(handle),
             None => self.pages.grow(storage, size, tick),

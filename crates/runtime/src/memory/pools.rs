@@ -30,7 +30,9 @@ impl DynamicPool {
             PoolConfig::Exclusive { max_alloc_size } => {
                 Self::Exclusive(ExclusivePool::new(PagePolicy::Exclusive, max_alloc_size))
             }
-            PoolConfig::Sliced { page_size, max_slice_size } => Self::Sliced(SlicedPool::new(page_size, max_slice_size)),
+            PoolConfig::Sliced { page_size, max_slice_size } => {
+                Self::Sliced(SlicedPool::new(page_size, max_slice_size))
+            }
             PoolConfig::Adaptive { page_size, max_page_size } => {
                 Self::Adaptive(AdaptivePool::new(page_size, max_page_size))
             }
@@ -69,7 +71,13 @@ impl DynamicPool {
         }
     }
 
-    fn grow(&mut self, storage: &mut dyn PageStorage, padded: u64, size: u64, tick: u64) -> Result<SliceHandle, ServerError> {
+    fn grow(
+        &mut self,
+        storage: &mut dyn PageStorage,
+        padded: u64,
+        size: u64,
+        tick: u64,
+    ) -> Result<SliceHandle, ServerError> {
         match self {
             Self::Exclusive(p) => p.grow(storage, size, tick),
             Self::Sliced(p) => p.grow(storage, padded, size, tick),
@@ -131,6 +139,8 @@ pub struct MemoryPools {
     persistent: PersistentPool,
     /// Reservations made so far; the clock of deallocation periods.
     tick: u64,
+    /// Reservations left until the next periodic cleanup.
+    until_cleanup: u64,
 }
 
 impl MemoryPools {
@@ -143,6 +153,7 @@ impl MemoryPools {
             dedicated: ExclusivePool::new(PagePolicy::Dedicated, 0),
             persistent: PersistentPool::new(),
             tick: 0,
+            until_cleanup: CLEANUP_INTERVAL,
         })
     }
 
@@ -171,7 +182,9 @@ impl MemoryPools {
     ) -> Result<SliceHandle, ServerError> {
         self.tick += 1;
         let tick = self.tick;
-        if tick % CLEANUP_INTERVAL == 0 {
+        self.until_cleanup -= 1;
+        if self.until_cleanup == 0 {
+            self.until_cleanup = CLEANUP_INTERVAL;
             self.cleanup(storage, Cleanup::Periodic);
         }
         match mode {
@@ -183,10 +196,17 @@ impl MemoryPools {
         }
     }
 
-    fn reserve_auto(&mut self, storage: &mut dyn PageStorage, size: u64, tick: u64) -> Result<SliceHandle, ServerError> {
+    fn reserve_auto(
+        &mut self,
+        storage: &mut dyn PageStorage,
+        size: u64,
+        tick: u64,
+    ) -> Result<SliceHandle, ServerError> {
         let align = storage.alignment().max(1);
         let padded = padded_size(size, align).ok_or_else(|| {
-            ServerError::InvalidArgument(format!("cannot reserve {size} bytes: the size overflows when aligned to {align}"))
+            ServerError::InvalidArgument(format!(
+                "cannot reserve {size} bytes: the size overflows when aligned to {align}"
+            ))
         })?;
         let Some(index) = self.route(size, padded) else {
             return self.reserve_dedicated(storage, size, tick);
@@ -205,7 +225,12 @@ impl MemoryPools {
         self.with_oom_retry(storage, |pools, storage| pools.dynamic[index].grow(storage, padded, size, tick))
     }
 
-    fn reserve_dedicated(&mut self, storage: &mut dyn PageStorage, size: u64, tick: u64) -> Result<SliceHandle, ServerError> {
+    fn reserve_dedicated(
+        &mut self,
+        storage: &mut dyn PageStorage,
+        size: u64,
+        tick: u64,
+    ) -> Result<SliceHandle, ServerError> {
         self.dedicated.cleanup(storage, tick, false);
         self.with_oom_retry(storage, |pools, storage| pools.dedicated.grow(storage, size, tick))
     }
@@ -262,11 +287,8 @@ impl MemoryPools {
     /// Live slices, their requested bytes, and the bytes of every page held
     /// (all pools, dedicated and persistent included). O(pages + used slices).
     pub fn usage(&self) -> MemoryUsage {
-        let parts = self
-            .dynamic
-            .iter()
-            .map(DynamicPool::usage)
-            .chain([self.dedicated.usage(), self.persistent.usage()]);
+        let parts =
+            self.dynamic.iter().map(DynamicPool::usage).chain([self.dedicated.usage(), self.persistent.usage()]);
         parts.fold(MemoryUsage::default(), |acc, (allocations, bytes_in_use, bytes_reserved)| {
             acc.combine(MemoryUsage { allocations, bytes_in_use, bytes_reserved })
         })

@@ -60,8 +60,7 @@ impl SlicedPool {
     /// Periodic: gives back empty pages idle for [`DEALLOC_PERIOD`]
     /// reservations. Explicit (`all`): every empty page.
     pub(crate) fn cleanup(&mut self, storage: &mut dyn PageStorage, tick: u64, all: bool) {
-        self.pages
-            .free_empty_pages(storage, |page| all || tick.saturating_sub(page.last_used) >= DEALLOC_PERIOD);
+        self.pages.free_empty_pages(storage, |page| all || tick.saturating_sub(page.last_used) >= DEALLOC_PERIOD);
     }
 
     pub(crate) fn release_all(&mut self, storage: &mut dyn PageStorage) {

@@ -52,7 +52,9 @@ impl Runtime for CpuRuntime {
             )));
         }
         let device = DeviceId::new(DeviceId::CPU, index as u32);
-        Client::load(device, || -> BackendFactory { Box::new(move || Ok(Box::new(CpuBackend::new(device)) as Box<dyn Backend>)) })
+        Client::load(device, || -> BackendFactory {
+            Box::new(move || Ok(Box::new(CpuBackend::new(device)) as Box<dyn Backend>))
+        })
     }
 }
 
@@ -80,7 +82,6 @@ impl CpuBackend {
             pages: HostPages::default(),
         }
     }
-
 }
 
 impl Backend for CpuBackend {
@@ -110,7 +111,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn launch(&mut self, _stream: StreamId, kernel: &Kernel, grid: ResolvedGrid, buffers: &[Binding], scalars: &[Scalar]) -> Result<(), ServerError> {
+    fn launch(
+        &mut self,
+        _stream: StreamId,
+        kernel: &Kernel,
+        grid: ResolvedGrid,
+        buffers: &[Binding],
+        scalars: &[Scalar],
+    ) -> Result<(), ServerError> {
         let Some(function) = kernel.cpu_source().cloned() else {
             return Err(ServerError::MissingKernelSource { kernel: kernel.name().to_string(), backend: "cpu" });
         };
@@ -118,7 +126,8 @@ impl Backend for CpuBackend {
             ResolvedGrid::Static(g) => g,
             ResolvedGrid::Dynamic(binding) => {
                 let bytes = self.pages.bytes_mut(Binding { size: 12, ..binding })?;
-                let words: Vec<u32> = bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                let words: Vec<u32> =
+                    bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 [words[0], words[1], words[2]]
             }
         };

@@ -1,9 +1,7 @@
 //! The reference pool demo: 8 x 1 MiB, drop, again, one 64 MiB, cleanup.
 
 use super::fake::FakeStorage;
-use crate::memory::{
-    AllocationMode, Cleanup, MemoryPools, MemoryPoolsConfig, MemoryUsage, PoolKind, PoolReport, MIB,
-};
+use crate::memory::{AllocationMode, Cleanup, MemoryPools, MemoryPoolsConfig, MemoryUsage, PoolKind, PoolReport, MIB};
 
 fn lines(pools: &MemoryPools) -> Vec<String> {
     pools.report().iter().map(|r| format!("  {r}")).collect()

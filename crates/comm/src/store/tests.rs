@@ -1,0 +1,322 @@
+//! Tests of the store over loopback (every test name contains `store`, so
+//! `cargo test -p cohort-comm store` runs them all).
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::*;
+
+const SECRET: &str = "test-secret";
+const T: Duration = Duration::from_secs(10);
+
+fn server() -> StoreServer {
+    StoreServer::bind("127.0.0.1:0", SECRET).expect("bind")
+}
+
+fn client(s: &StoreServer) -> StoreClient {
+    StoreClient::connect(s.local_addr(), SECRET, T).expect("connect")
+}
+
+/// Everything logged by any thread of this test binary, captured once.
+fn captured_logs() -> Arc<Mutex<Vec<u8>>> {
+    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let writer = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || Capture(writer.clone()))
+            .finish();
+        let _ = tracing::subscriber::set_global_default(subscriber);
+        buf
+    })
+    .clone()
+}
+
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn store_set_get_delete() {
+    let s = server();
+    let c = client(&s);
+    assert_eq!(c.get("a").unwrap(), None);
+    c.set("a", b"one").unwrap();
+    assert_eq!(c.get("a").unwrap().as_deref(), Some(&b"one"[..]));
+    c.set("a", b"").unwrap();
+    assert_eq!(c.get("a").unwrap().as_deref(), Some(&b""[..]));
+    assert!(c.delete("a").unwrap());
+    assert!(!c.delete("a").unwrap());
+    assert_eq!(c.get("a").unwrap(), None);
+    // Large values travel whole.
+    let big = vec![7u8; 5 << 20];
+    c.set("big", &big).unwrap();
+    assert_eq!(c.get("big").unwrap().unwrap(), big);
+    assert_eq!(s.num_keys(), 1);
+}
+
+#[test]
+fn store_add_counts_and_refuses_non_counters() {
+    let s = server();
+    let c = client(&s);
+    assert_eq!(c.add("n", 5).unwrap(), 5);
+    assert_eq!(c.add("n", -2).unwrap(), 3);
+    assert_eq!(c.get("n").unwrap().as_deref(), Some(&b"3"[..]));
+    c.set("text", b"hello").unwrap();
+    let err = c.add("text", 1).unwrap_err();
+    assert!(matches!(err, StoreError::NotACounter { .. }), "{err}");
+    assert!(err.to_string().contains("'text'"), "{err}");
+    // The connection is still usable after a refused request.
+    assert_eq!(c.add("n", 1).unwrap(), 4);
+}
+
+#[test]
+fn store_compare_set() {
+    let s = server();
+    let c = client(&s);
+    assert_eq!(c.compare_set("k", None, b"first").unwrap(), CompareSet::Swapped);
+    assert_eq!(c.compare_set("k", None, b"second").unwrap(), CompareSet::Mismatch(Some(b"first".to_vec())));
+    assert_eq!(c.compare_set("k", Some(b"nope"), b"x").unwrap(), CompareSet::Mismatch(Some(b"first".to_vec())));
+    assert!(c.compare_set("k", Some(b"first"), b"third").unwrap().swapped());
+    assert_eq!(c.get("k").unwrap().as_deref(), Some(&b"third"[..]));
+    assert_eq!(c.compare_set("absent", Some(b"x"), b"y").unwrap(), CompareSet::Mismatch(None));
+}
+
+#[test]
+fn store_wait_returns_when_keys_are_set() {
+    let s = server();
+    let c = client(&s);
+    let setter = c.duplicate().unwrap();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        setter.set("x", b"1").unwrap();
+        setter.set("y", b"2").unwrap();
+    });
+    let start = Instant::now();
+    c.wait(&["x", "y"], T).unwrap();
+    assert!(start.elapsed() < Duration::from_secs(5));
+    t.join().unwrap();
+    // Already present: returns at once.
+    c.wait(&["x"], Duration::ZERO).unwrap();
+}
+
+#[test]
+fn store_wait_timeout_names_missing_keys() {
+    let s = server();
+    let c = client(&s);
+    c.set("present", b"").unwrap();
+    let start = Instant::now();
+    let err = c.wait(&["present", "rank3/ready", "rank7/ready"], Duration::from_millis(200)).unwrap_err();
+    let waited = start.elapsed();
+    assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(3), "{waited:?}");
+    match &err {
+        StoreError::WaitTimeout { missing, .. } => {
+            assert_eq!(missing, &["rank3/ready".to_string(), "rank7/ready".to_string()])
+        }
+        e => panic!("unexpected {e}"),
+    }
+    let msg = err.to_string();
+    assert!(msg.contains("rank3/ready, rank7/ready") && !msg.contains("present"), "{msg}");
+}
+
+#[test]
+fn store_concurrent_clients() {
+    let s = server();
+    let addr = s.local_addr();
+    let threads: Vec<_> = (0..8)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let c = StoreClient::connect(addr, SECRET, T).unwrap();
+                for j in 0..100 {
+                    c.set(&format!("t{i}/k{j}"), format!("{i}:{j}").as_bytes()).unwrap();
+                    c.add("counter", 1).unwrap();
+                }
+                c.compare_set("winner", None, format!("{i}").as_bytes()).unwrap();
+                c.barrier("done", 8, T).unwrap();
+                // Everyone's keys are visible after the barrier.
+                for other in 0..8 {
+                    let v = c.get(&format!("t{other}/k99")).unwrap().unwrap();
+                    assert_eq!(v, format!("{other}:99").into_bytes());
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let c = client(&s);
+    assert_eq!(c.add("counter", 0).unwrap(), 800);
+    assert!(c.get("winner").unwrap().is_some());
+}
+
+#[test]
+fn store_barrier_opens_and_is_reusable() {
+    let s = server();
+    let addr = s.local_addr();
+    for round in 0..3 {
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    let c = StoreClient::connect(addr, SECRET, T).unwrap();
+                    c.barrier("step", 4, T).unwrap();
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap_or_else(|_| panic!("round {round}"));
+        }
+    }
+}
+
+#[test]
+fn store_barrier_timeout_says_how_many_arrived() {
+    let s = server();
+    let a = client(&s);
+    let b = client(&s);
+    let t = std::thread::spawn(move || b.barrier("init", 4, Duration::from_millis(800)));
+    std::thread::sleep(Duration::from_millis(100));
+    let err = a.barrier("init", 4, Duration::from_millis(200)).unwrap_err();
+    assert!(matches!(err, StoreError::BarrierTimeout { arrived: 2, world_size: 4, .. }), "{err}");
+    assert!(err.to_string().contains("2 of 4 arrived"), "{err}");
+    // `a` withdrew: the other participant times out alone.
+    let err = t.join().unwrap().unwrap_err();
+    assert!(err.to_string().contains("1 of 4 arrived"), "{err}");
+    // A world-size disagreement is named.
+    let c = client(&s);
+    let d = client(&s);
+    let t = std::thread::spawn(move || c.barrier("mix", 2, Duration::from_millis(500)));
+    std::thread::sleep(Duration::from_millis(100));
+    let err = d.barrier("mix", 3, T).unwrap_err();
+    assert!(matches!(err, StoreError::BarrierMismatch { this: 3, others: 2, .. }), "{err}");
+    let _ = t.join();
+}
+
+#[test]
+fn store_wrong_secret_is_refused_and_logged() {
+    let logs = captured_logs();
+    let s = server();
+    let start = Instant::now();
+    let err = StoreClient::connect(s.local_addr(), "not-the-secret", T).unwrap_err();
+    assert!(matches!(err, StoreError::AuthRefused { .. }), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(2), "refusal must not wait for the timeout");
+    let msg = err.to_string();
+    assert!(msg.contains("refused") && msg.contains("COHORT_JOB_SECRET"), "{msg}");
+    // The server logs the refusal with the peer's address.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+        if text.contains("does not hold the job secret") && text.contains("peer=127.0.0.1:") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no refusal logged: {text}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // A right client still gets in.
+    client(&s).set("ok", b"").unwrap();
+    assert!(matches!(StoreClient::connect(s.local_addr(), "", T), Err(StoreError::EmptySecret)));
+}
+
+#[test]
+fn store_server_gone_is_an_error_not_a_hang() {
+    let mut s = server();
+    let c = client(&s);
+    let waiter = c.duplicate().unwrap();
+    let blocked = std::thread::spawn(move || waiter.wait(&["never"], Duration::from_secs(60)));
+    std::thread::sleep(Duration::from_millis(50));
+    let start = Instant::now();
+    s.shutdown();
+    let err = blocked.join().unwrap().unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(3));
+    assert!(matches!(err, StoreError::Refused { .. } | StoreError::Disconnected { .. }), "{err}");
+    let err = c.get("a").unwrap_err();
+    assert!(matches!(err, StoreError::Disconnected { .. }), "{err}");
+    assert!(err.to_string().contains("launcher of node 0"), "{err}");
+    // Later calls say the connection is broken rather than hang.
+    assert!(matches!(c.get("a"), Err(StoreError::Broken { .. })));
+}
+
+#[test]
+fn store_connect_retries_until_the_server_is_up() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let a2 = addr.clone();
+    let t = std::thread::spawn(move || StoreClient::connect(a2.as_str(), SECRET, T));
+    std::thread::sleep(Duration::from_millis(150));
+    let _s = StoreServer::bind(addr.as_str(), SECRET).unwrap();
+    let c = t.join().unwrap().unwrap();
+    c.set("late", b"1").unwrap();
+}
+
+#[test]
+fn store_connect_gives_up_after_its_timeout() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let start = Instant::now();
+    let err = StoreClient::connect(format!("127.0.0.1:{port}"), SECRET, Duration::from_millis(300)).unwrap_err();
+    let waited = start.elapsed();
+    assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(3), "{waited:?}");
+    assert!(matches!(err, StoreError::Connect { .. }), "{err}");
+    assert!(err.to_string().contains(&port.to_string()), "{err}");
+}
+
+#[test]
+fn store_port_in_use_is_a_clear_error() {
+    let s = server();
+    let err = StoreServer::bind(s.local_addr(), SECRET).err().expect("second bind must fail");
+    let msg = err.to_string();
+    let port = s.local_addr().port().to_string();
+    assert!(msg.contains(&format!("port {port}")) && msg.contains("already in use"), "{msg}");
+    assert!(msg.contains("--master-port") && msg.contains(" 0 "), "{msg}");
+}
+
+#[test]
+fn store_will_is_set_when_a_client_vanishes() {
+    let s = server();
+    let watcher = client(&s);
+    let dying = client(&s);
+    dying.set_will("node1/gone", b"lost").unwrap();
+    drop(dying);
+    watcher.wait(&["node1/gone"], T).unwrap();
+    assert_eq!(watcher.get("node1/gone").unwrap().as_deref(), Some(&b"lost"[..]));
+    // A cleared will does nothing; a will does not overwrite an existing key.
+    let polite = client(&s);
+    polite.set_will("node2/gone", b"lost").unwrap();
+    polite.clear_will().unwrap();
+    drop(polite);
+    watcher.set("node3/gone", b"first").unwrap();
+    let late = client(&s);
+    late.set_will("node3/gone", b"lost").unwrap();
+    drop(late);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(watcher.get("node2/gone").unwrap(), None);
+    assert_eq!(watcher.get("node3/gone").unwrap().as_deref(), Some(&b"first"[..]));
+}
+
+#[test]
+fn store_reset_except_keeps_the_prefix() {
+    let s = server();
+    let c = client(&s);
+    c.set("cohort/launcher/x", b"1").unwrap();
+    c.set("rank/0", b"1").unwrap();
+    s.reset_except("cohort/launcher/");
+    assert!(c.get("cohort/launcher/x").unwrap().is_some());
+    assert_eq!(c.get("rank/0").unwrap(), None);
+}
+
+#[test]
+fn store_secret_generation() {
+    let a = generate_secret().unwrap();
+    let b = generate_secret().unwrap();
+    assert_eq!(a.len(), 64);
+    assert_ne!(a, b);
+    assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+}

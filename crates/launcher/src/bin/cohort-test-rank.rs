@@ -1,0 +1,81 @@
+//! A tiny rank program for the launcher's integration tests (not for users).
+//!
+//! Runs its arguments as a list of steps, in order:
+//! - `env`: print `RANK=.. LOCAL_RANK=.. WORLD_SIZE=.. ...` on one line;
+//! - `pid DIR`: write this process's id to `DIR/rank<RANK>.pid`;
+//! - `store`: connect to `COHORT_STORE_ADDR` with `COHORT_JOB_SECRET`, set
+//!   `rank/<RANK>` and pass a barrier of `WORLD_SIZE` ranks;
+//! - `say TEXT`: print TEXT on stdout; `warn TEXT`: on stderr;
+//! - `exit-if-rank R CODE`: exit with CODE when RANK is R;
+//! - `fail-first-attempt R`: exit 1 when RANK is R and COHORT_RESTART_COUNT is 0;
+//! - `sleep SECS`: sleep.
+
+use std::time::Duration;
+
+use cohort_comm::store::StoreClient;
+
+fn var(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| "<unset>".into())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rank: usize = var("RANK").parse().unwrap_or(usize::MAX);
+    let mut it = args.iter();
+    while let Some(step) = it.next() {
+        let mut arg = || it.next().expect("missing argument").clone();
+        match step.as_str() {
+            "env" => {
+                let names = [
+                    "RANK",
+                    "LOCAL_RANK",
+                    "WORLD_SIZE",
+                    "LOCAL_WORLD_SIZE",
+                    "GROUP_RANK",
+                    "MASTER_ADDR",
+                    "MASTER_PORT",
+                    "COHORT_STORE_ADDR",
+                    "COHORT_RESTART_COUNT",
+                    "COHORT_TIMEOUT",
+                ];
+                let line: Vec<String> = names.iter().map(|n| format!("{n}={}", var(n))).collect();
+                let secret_len = std::env::var("COHORT_JOB_SECRET").map_or(0, |s| s.len());
+                println!("{} SECRET_LEN={secret_len}", line.join(" "));
+            }
+            "pid" => {
+                let dir = arg();
+                std::fs::write(format!("{dir}/rank{rank}.pid"), std::process::id().to_string())
+                    .expect("write pid file");
+            }
+            "store" => {
+                let store = StoreClient::connect(
+                    var("COHORT_STORE_ADDR"),
+                    var("COHORT_JOB_SECRET"),
+                    Duration::from_secs(30),
+                )
+                .expect("connect to the store");
+                store.set(&format!("rank/{rank}"), b"here").expect("set");
+                let world: u32 = var("WORLD_SIZE").parse().expect("WORLD_SIZE");
+                store.barrier("test-rank", world, Duration::from_secs(30)).expect("barrier");
+                println!("store barrier of {world} passed");
+            }
+            "say" => println!("{}", arg()),
+            "warn" => eprintln!("{}", arg()),
+            "exit-if-rank" => {
+                let (r, code): (usize, i32) = (arg().parse().unwrap(), arg().parse().unwrap());
+                if r == rank {
+                    std::process::exit(code);
+                }
+            }
+            "fail-first-attempt" => {
+                let r: usize = arg().parse().unwrap();
+                if r == rank && var("COHORT_RESTART_COUNT") == "0" {
+                    eprintln!("failing on purpose in the first attempt");
+                    std::process::exit(1);
+                }
+            }
+            "sleep" => std::thread::sleep(Duration::from_secs_f64(arg().parse().unwrap())),
+            other => panic!("unknown step {other}"),
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! `cohort`: launch and watch the ranks of a job (`cohort run`), like
+//! torchrun.
+//!
+//! Logs go to stderr through `tracing`, filtered by `COHORT_LOG` (falling
+//! back to `RUST_LOG`; default `warn`).
+
+mod cli;
+mod config;
+mod output;
+mod rendezvous;
+mod run;
+mod signals;
+mod spawn;
+mod summary;
+mod supervisor;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+fn main() -> ExitCode {
+    let filter = EnvFilter::try_from_env("COHORT_LOG")
+        .or_else(|_| EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+
+    let cli = cli::Cli::parse();
+    match cli.command {
+        cli::Command::Run(args) => run::run(args),
+    }
+}

@@ -1,0 +1,180 @@
+//! `cohort run`: the whole life of a job on this node, attempt after attempt.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use crossbeam::channel::{Receiver, RecvTimeoutError};
+
+use crate::cli::RunArgs;
+use crate::config::{JobConfig, LaunchError};
+use crate::rendezvous::Rendezvous;
+use crate::signals;
+use crate::spawn::RankEnv;
+use crate::summary::{signal_name, Verdict};
+use crate::supervisor::{self, Event, Outcome};
+
+/// Exit code when the job ran past `--timeout` (as timeout(1) uses).
+pub const TIMEOUT_EXIT: u8 = 124;
+
+/// Runs `cohort run` and returns the launcher's exit code: 0 when every rank
+/// of every node exited with 0; otherwise 1 for a rank's non-zero exit code,
+/// 128 + N for a rank killed by signal N or a launcher interrupted by it,
+/// [`TIMEOUT_EXIT`] past `--timeout`, and 1 for the launcher's own errors.
+pub fn run(args: RunArgs) -> ExitCode {
+    match run_job(args) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("cohort: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
+    let start = Instant::now();
+    let cfg = JobConfig::from_args(args)?;
+    let deadline = cfg.timeout.map(|t| start + t);
+    if let Some(dir) = &cfg.log_dir {
+        std::fs::create_dir_all(dir)
+            .map_err(|source| LaunchError::LogDir { path: dir.clone(), source })?;
+    }
+    let (tx, rx) = crossbeam::channel::unbounded();
+    signals::install(tx.clone()).map_err(LaunchError::Signals)?;
+    let rdzv = Rendezvous::start(&cfg, deadline)?;
+    tracing::info!(port = rdzv.port(), nproc = cfg.nproc, "rendezvous store ready");
+
+    let mut attempt = 0;
+    loop {
+        rdzv.begin(&cfg, attempt, tx.clone())?;
+        let env = RankEnv::new(&cfg, rdzv.port(), attempt);
+        let outcome = supervisor::run_attempt(&cfg, &env, attempt, (&tx, &rx), deadline);
+        match settle(&rdzv, &cfg, attempt, outcome, &rx, deadline) {
+            Verdict::Ok => {
+                tracing::info!(elapsed = ?start.elapsed(), "every rank exited with 0");
+                rdzv.finish(attempt);
+                return Ok(0);
+            }
+            Verdict::Failed { restartable, exit_code, summary } => {
+                if restartable && attempt < cfg.max_restarts {
+                    eprintln!("cohort: {summary}");
+                    attempt += 1;
+                    eprintln!(
+                        "cohort: restarting the whole group (restart {attempt} of {})",
+                        cfg.max_restarts
+                    );
+                    continue;
+                }
+                eprintln!("cohort: job failed: {summary}");
+                if restartable && cfg.max_restarts > 0 {
+                    eprintln!("cohort: all {} restarts used", cfg.max_restarts);
+                }
+                rdzv.finish(attempt);
+                return Ok(exit_code);
+            }
+        }
+    }
+}
+
+/// Turns how this node's attempt ended into the job's verdict: reports it to
+/// the store, then waits for the verdict every node agrees on (the first
+/// failure reported anywhere, or `ok` once every node succeeded).
+fn settle(
+    rdzv: &Rendezvous,
+    cfg: &JobConfig,
+    attempt: u32,
+    outcome: Outcome,
+    events: &Receiver<Event>,
+    deadline: Option<Instant>,
+) -> Verdict {
+    let node = cfg.node_rank;
+    let local = match outcome {
+        Outcome::Success => {
+            if let Err(e) = rdzv.report_success(attempt) {
+                return lost_store(e.to_string());
+            }
+            None
+        }
+        Outcome::Failed(f) => Some(Verdict::Failed {
+            restartable: true,
+            exit_code: f.ending.launcher_code(),
+            summary: f.summary(),
+        }),
+        Outcome::Interrupted(sig) => Some(interrupted(sig, node)),
+        Outcome::TimedOut(running) => Some(timed_out(cfg, &running)),
+        Outcome::SpawnFailed(msg) => {
+            Some(Verdict::Failed { restartable: false, exit_code: 1, summary: msg })
+        }
+        Outcome::Verdict(Ok(bytes)) => return Verdict::decode(&bytes),
+        Outcome::Verdict(Err(e)) => return lost_store(e),
+    };
+    if let Some(v) = &local {
+        if let Err(e) = rdzv.report_failure(attempt, v) {
+            tracing::warn!("could not report the failure to the other nodes: {e}");
+            return v.clone();
+        }
+    }
+    // Wait for the verdict, which the watcher thread relays. Another node may
+    // still be running: signals and the deadline still count.
+    let mut deadline = deadline;
+    loop {
+        let event = match deadline {
+            Some(d) => events.recv_deadline(d),
+            None => events.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        let failure = match event {
+            Ok(Event::Verdict { attempt: a, result }) if a == attempt => {
+                return match result {
+                    Ok(bytes) => Verdict::decode(&bytes),
+                    Err(e) => lost_store(e),
+                };
+            }
+            Ok(Event::Signal(sig)) => interrupted(sig, node),
+            Ok(_) => continue,
+            Err(RecvTimeoutError::Timeout) => {
+                deadline = None;
+                timed_out(cfg, &[])
+            }
+            Err(RecvTimeoutError::Disconnected) => return local.unwrap_or_else(|| lost_store("".into())),
+        };
+        if let Err(e) = rdzv.report_failure(attempt, &failure) {
+            return lost_store(e.to_string());
+        }
+    }
+}
+
+fn interrupted(sig: libc::c_int, node: u32) -> Verdict {
+    Verdict::Failed {
+        restartable: false,
+        exit_code: 128u8.saturating_add(sig as u8),
+        summary: format!(
+            "the launcher of node {node} got {} and stopped its ranks",
+            signal_name(sig)
+        ),
+    }
+}
+
+fn timed_out(cfg: &JobConfig, running: &[usize]) -> Verdict {
+    let secs = cfg.timeout.map_or(0.0, |t| t.as_secs_f64());
+    let who = if running.is_empty() {
+        "its ranks had finished but other nodes' had not".to_string()
+    } else {
+        format!("ranks {} were still running and were stopped", join(running))
+    };
+    Verdict::Failed {
+        restartable: false,
+        exit_code: TIMEOUT_EXIT,
+        summary: format!("the job ran past --timeout {secs} s on node {}: {who}", cfg.node_rank),
+    }
+}
+
+fn lost_store(why: String) -> Verdict {
+    Verdict::Failed {
+        restartable: false,
+        exit_code: 1,
+        summary: format!("lost contact with the other launchers through the store: {why}"),
+    }
+}
+
+fn join(ranks: &[usize]) -> String {
+    ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+}

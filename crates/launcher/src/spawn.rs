@@ -1,0 +1,99 @@
+//! Starting one rank: its environment, its own process group, and a
+//! parent-death signal so that it never outlives the launcher.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+
+use crate::config::{JobConfig, SECRET_ENV};
+
+/// The environment every rank of this node gets, less RANK and LOCAL_RANK.
+#[derive(Debug, Clone)]
+pub struct RankEnv {
+    vars: Vec<(&'static str, String)>,
+}
+
+impl RankEnv {
+    /// The variables torchrun sets, plus cohort's own, for attempt `restart`
+    /// of the job whose store listens on `store_port`.
+    pub fn new(cfg: &JobConfig, store_port: u16, restart: u32) -> RankEnv {
+        let mut vars = vec![
+            ("WORLD_SIZE", cfg.world_size().to_string()),
+            ("LOCAL_WORLD_SIZE", cfg.nproc.to_string()),
+            ("GROUP_RANK", cfg.node_rank.to_string()),
+            ("MASTER_ADDR", cfg.master_addr.clone()),
+            ("MASTER_PORT", store_port.to_string()),
+            (SECRET_ENV, cfg.secret.clone()),
+            ("COHORT_STORE_ADDR", cfg.store_addr(store_port)),
+            ("COHORT_RESTART_COUNT", restart.to_string()),
+            ("COHORT_NNODES", cfg.nnodes.to_string()),
+        ];
+        if let Some(t) = cfg.timeout {
+            vars.push(("COHORT_TIMEOUT", t.as_secs_f64().to_string()));
+        }
+        RankEnv { vars }
+    }
+
+    /// The global rank of `local_rank` on `node_rank`.
+    pub fn global_rank(cfg: &JobConfig, local_rank: usize) -> usize {
+        cfg.node_rank as usize * cfg.nproc + local_rank
+    }
+}
+
+/// Starts `program` as one rank, with piped stdout and stderr and no stdin.
+///
+/// The rank leads its own process group (so a signal to the group reaches
+/// whatever it spawns, and a terminal's Ctrl-C reaches only the launcher,
+/// which forwards it), and on Linux gets SIGKILL should the launcher die.
+///
+/// Must be called from the thread that lives as long as the launcher (the
+/// main thread): Linux sends the parent-death signal when the *thread* that
+/// forked the child exits.
+pub fn spawn_rank(
+    program: &[OsString],
+    env: &RankEnv,
+    rank: usize,
+    local_rank: usize,
+) -> io::Result<Child> {
+    let (exe, args) = program.split_first().ok_or(io::ErrorKind::InvalidInput)?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .envs(env.vars.iter().map(|(k, v)| (k, v)))
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", local_rank.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    die_with_parent(&mut cmd);
+    cmd.spawn()
+}
+
+#[cfg(target_os = "linux")]
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: getpid has no preconditions.
+    let launcher = unsafe { libc::getpid() };
+    // SAFETY: the closure runs in the forked child before exec and calls only
+    // async-signal-safe functions (prctl, getppid, raise); it allocates
+    // nothing and touches no lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The launcher may have died between fork and prctl, in which case
+            // no signal will ever come: we have been re-parented. Die now.
+            if libc::getppid() != launcher {
+                libc::raise(libc::SIGKILL);
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_cmd: &mut Command) {
+    // No parent-death signal outside Linux: ranks are still stopped through
+    // their process groups whenever the launcher exits normally.
+}

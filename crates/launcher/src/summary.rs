@@ -1,0 +1,193 @@
+//! How a rank ended, the failure summary, and the job verdict that launchers
+//! exchange through the store.
+
+use std::fmt::Write as _;
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+use std::time::Duration;
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// It exited with this code.
+    Code(i32),
+    /// A signal killed it.
+    Signal(i32),
+}
+
+impl Ending {
+    /// Reads a wait status.
+    pub fn of(status: ExitStatus) -> Ending {
+        match (status.code(), status.signal()) {
+            (Some(c), _) => Ending::Code(c),
+            (None, Some(s)) => Ending::Signal(s),
+            // Stopped/continued statuses never come from `wait`; call it 1.
+            (None, None) => Ending::Code(1),
+        }
+    }
+
+    /// Whether it exited with code 0.
+    pub fn success(self) -> bool {
+        self == Ending::Code(0)
+    }
+
+    /// The launcher's exit code when this ending failed the job: 1 for a
+    /// non-zero exit code, 128 + the signal's number for a signal (as a shell
+    /// reports it).
+    pub fn launcher_code(self) -> u8 {
+        match self {
+            Ending::Code(_) => 1,
+            Ending::Signal(s) => 128u8.saturating_add(s as u8),
+        }
+    }
+}
+
+impl std::fmt::Display for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Ending::Code(c) => write!(f, "exited with code {c}"),
+            Ending::Signal(s) => write!(f, "was killed by signal {} ({s})", signal_name(s)),
+        }
+    }
+}
+
+/// The conventional name of a signal, e.g. `SIGKILL`.
+pub fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGCHLD => "SIGCHLD",
+        libc::SIGCONT => "SIGCONT",
+        libc::SIGSTOP => "SIGSTOP",
+        libc::SIGTSTP => "SIGTSTP",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        libc::SIGSYS => "SIGSYS",
+        _ => return format!("SIG{sig}"),
+    };
+    name.to_string()
+}
+
+/// The first rank of a group that failed, and what it said last.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// Global rank.
+    pub rank: usize,
+    /// Rank on its node.
+    pub local_rank: usize,
+    /// Its node.
+    pub node_rank: u32,
+    /// Its process id.
+    pub pid: u32,
+    /// How it ended.
+    pub ending: Ending,
+    /// Time from its start to its end.
+    pub after: Duration,
+    /// Its last lines of output (stdout and stderr, in arrival order).
+    pub tail: Vec<String>,
+}
+
+impl Failure {
+    /// The multi-line summary printed when the job fails.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "rank {} failed first: it {} after {:.2} s (local rank {} on node {}, pid {}); the \
+             other ranks were stopped",
+            self.rank,
+            self.ending,
+            self.after.as_secs_f64(),
+            self.local_rank,
+            self.node_rank,
+            self.pid,
+        );
+        if self.tail.is_empty() {
+            let _ = write!(s, "\n  rank {} wrote no output", self.rank);
+        } else {
+            let _ = write!(s, "\n  last {} lines of rank {}'s output:", self.tail.len(), self.rank);
+            for line in &self.tail {
+                let _ = write!(s, "\n    [rank {}]: {line}", self.rank);
+            }
+        }
+        s
+    }
+}
+
+/// How the job went, as every launcher agrees on it through the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every rank of every node exited with code 0.
+    Ok,
+    /// The job failed.
+    Failed {
+        /// Whether a restart may help (a rank failed) or not (interrupted,
+        /// timed out, a launcher vanished).
+        restartable: bool,
+        /// The code every launcher exits with.
+        exit_code: u8,
+        /// What happened, for the user.
+        summary: String,
+    },
+}
+
+impl Verdict {
+    /// Bytes for the store.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Verdict::Ok => b"ok".to_vec(),
+            Verdict::Failed { restartable, exit_code, summary } => {
+                format!("fail {} {exit_code}\n{summary}", u8::from(*restartable)).into_bytes()
+            }
+        }
+    }
+
+    /// Reads bytes from the store; anything unreadable is a non-restartable
+    /// failure that quotes it.
+    pub fn decode(bytes: &[u8]) -> Verdict {
+        let text = String::from_utf8_lossy(bytes);
+        if text == "ok" {
+            return Verdict::Ok;
+        }
+        let (head, summary) = text.split_once('\n').unwrap_or((&text, ""));
+        let mut parts = head.split(' ');
+        if let (Some("fail"), Some(r), Some(code)) = (parts.next(), parts.next(), parts.next()) {
+            if let Ok(exit_code) = code.parse() {
+                return Verdict::Failed { restartable: r == "1", exit_code, summary: summary.into() };
+            }
+        }
+        Verdict::Failed { restartable: false, exit_code: 1, summary: format!("unreadable verdict: {text}") }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts_round_trip() {
+        let v = Verdict::Failed { restartable: true, exit_code: 137, summary: "a\nb".into() };
+        assert_eq!(Verdict::decode(&v.encode()), v);
+        assert_eq!(Verdict::decode(&Verdict::Ok.encode()), Verdict::Ok);
+        assert!(matches!(Verdict::decode(b"junk"), Verdict::Failed { restartable: false, .. }));
+    }
+
+    #[test]
+    fn endings_read_well() {
+        assert_eq!(Ending::Code(3).to_string(), "exited with code 3");
+        assert_eq!(Ending::Signal(9).to_string(), "was killed by signal SIGKILL (9)");
+        assert_eq!(Ending::Signal(9).launcher_code(), 137);
+        assert_eq!(Ending::Code(3).launcher_code(), 1);
+    }
+}

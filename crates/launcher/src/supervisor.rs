@@ -1,0 +1,277 @@
+//! Running one attempt of this node's ranks: spawn them, watch them, and stop
+//! them all as soon as one fails, a signal comes, the job times out or
+//! another node says the job failed.
+
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
+
+use crate::config::JobConfig;
+use crate::output::{self, Sinks, Stream, Tail};
+use crate::spawn::{self, RankEnv};
+use crate::summary::{Ending, Failure};
+
+/// Time a rank gets between SIGTERM and SIGKILL when the launcher stops it.
+pub const STOP_GRACE: Duration = Duration::from_secs(3);
+/// Time ranks get to exit after a forwarded SIGINT/SIGTERM/SIGHUP before
+/// SIGKILL (a second signal kills at once).
+pub const SIGNAL_GRACE: Duration = Duration::from_secs(30);
+/// How long to wait for the last output of exited ranks (held open by
+/// processes that escaped their group, if any).
+const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+
+/// Something the supervisor reacts to; every source sends on one channel.
+#[derive(Debug)]
+pub enum Event {
+    /// A rank of `attempt` ended.
+    Exited {
+        /// The attempt the rank belongs to.
+        attempt: u32,
+        /// Its local rank.
+        local_rank: usize,
+        /// How it ended.
+        status: ExitStatus,
+    },
+    /// The launcher received this signal.
+    Signal(libc::c_int),
+    /// The job's verdict for `attempt` appeared in the store (`Err`: the
+    /// store could not be asked, with why).
+    Verdict {
+        /// The attempt it is about.
+        attempt: u32,
+        /// The stored verdict's bytes, or why it could not be read.
+        result: Result<Vec<u8>, String>,
+    },
+}
+
+/// How this node's attempt ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every local rank exited with code 0.
+    Success,
+    /// A local rank failed first; the others were stopped.
+    Failed(Failure),
+    /// The launcher got this signal and forwarded it.
+    Interrupted(libc::c_int),
+    /// The job ran past `--timeout`; these global ranks were still running.
+    TimedOut(Vec<usize>),
+    /// A local rank could not be started.
+    SpawnFailed(String),
+    /// The job's verdict arrived from the store before the ranks were done
+    /// (another node failed, or the store went away): the ranks were stopped.
+    Verdict(Result<Vec<u8>, String>),
+}
+
+struct RankProc {
+    rank: usize,
+    local_rank: usize,
+    pid: u32,
+    started: Instant,
+    ended: Option<(Ending, Instant)>,
+    tail: Tail,
+}
+
+/// Spawns the node's ranks for `attempt` and returns once every one of them
+/// has exited and its output has been copied.
+///
+/// Must run on the main thread (see [`spawn::spawn_rank`]). Events of other
+/// attempts that are still in the channel are skipped.
+pub fn run_attempt(
+    cfg: &JobConfig,
+    env: &RankEnv,
+    attempt: u32,
+    events: (&Sender<Event>, &Receiver<Event>),
+    deadline: Option<Instant>,
+) -> Outcome {
+    let (tx, rx) = events;
+    let (done_tx, done_rx) = crossbeam::channel::bounded::<()>(0);
+    let mut ranks: Vec<RankProc> = Vec::with_capacity(cfg.nproc);
+    let mut reason: Option<Reason> = None;
+
+    for local_rank in 0..cfg.nproc {
+        let rank = RankEnv::global_rank(cfg, local_rank);
+        match start_rank(cfg, env, attempt, rank, local_rank, tx, &done_tx) {
+            Ok(p) => ranks.push(p),
+            Err(msg) => {
+                reason = Some(Reason::SpawnFailed(msg));
+                break;
+            }
+        }
+    }
+    drop(done_tx);
+    let mut kill_at = None;
+    if reason.is_some() {
+        signal_live(&ranks, libc::SIGTERM);
+        kill_at = Some(Instant::now() + STOP_GRACE);
+    }
+
+    let mut live = ranks.len();
+    let mut verdict_seen = None;
+    while live > 0 {
+        let wake = match (kill_at, reason.is_none().then_some(deadline).flatten()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let event = match wake {
+            Some(t) => rx.recv_deadline(t),
+            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        let now = Instant::now();
+        match event {
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => {
+                if kill_at.is_some_and(|k| now >= k) {
+                    signal_live(&ranks, libc::SIGKILL);
+                    kill_at = None;
+                } else if reason.is_none() && deadline.is_some_and(|d| now >= d) {
+                    let running = ranks.iter().filter(|r| r.ended.is_none()).map(|r| r.rank);
+                    reason = Some(Reason::TimedOut(running.collect()));
+                    signal_live(&ranks, libc::SIGTERM);
+                    kill_at = Some(now + STOP_GRACE);
+                }
+            }
+            Ok(Event::Exited { attempt: a, local_rank, status }) if a == attempt => {
+                let p = &mut ranks[local_rank];
+                let ending = Ending::of(status);
+                p.ended = Some((ending, now));
+                live -= 1;
+                tracing::debug!(rank = p.rank, %ending, "rank ended");
+                if !ending.success() && reason.is_none() {
+                    reason = Some(Reason::Failed(local_rank));
+                    signal_live(&ranks, libc::SIGTERM);
+                    kill_at = Some(now + STOP_GRACE);
+                }
+            }
+            Ok(Event::Exited { .. }) => {}
+            Ok(Event::Signal(sig)) => {
+                if matches!(reason, None | Some(Reason::TimedOut(_))) {
+                    eprintln!(
+                        "cohort: got {}; forwarding it to the ranks (again to kill them)",
+                        crate::summary::signal_name(sig)
+                    );
+                    reason = Some(Reason::Interrupted(sig));
+                    signal_live(&ranks, sig);
+                    kill_at = Some(now + SIGNAL_GRACE);
+                } else {
+                    signal_live(&ranks, libc::SIGKILL);
+                    kill_at = None;
+                }
+            }
+            Ok(Event::Verdict { attempt: a, result }) if a == attempt => {
+                if reason.is_none() {
+                    reason = Some(Reason::Verdict);
+                    signal_live(&ranks, libc::SIGTERM);
+                    kill_at = Some(now + STOP_GRACE);
+                }
+                verdict_seen = Some(result);
+            }
+            Ok(Event::Verdict { .. }) => {}
+        }
+    }
+
+    // Whatever the ranks started in their groups goes with them.
+    for p in &ranks {
+        kill_group(p.pid, libc::SIGKILL);
+    }
+    // Every reader holds a `done` sender: disconnection means all finished.
+    let _ = done_rx.recv_timeout(DRAIN_LIMIT);
+
+    match reason {
+        None => Outcome::Success,
+        Some(Reason::Failed(local)) => {
+            let p = &ranks[local];
+            let (ending, at) = p.ended.expect("a failed rank has ended");
+            Outcome::Failed(Failure {
+                rank: p.rank,
+                local_rank: p.local_rank,
+                node_rank: cfg.node_rank,
+                pid: p.pid,
+                ending,
+                after: at - p.started,
+                tail: p.tail.lines(),
+            })
+        }
+        Some(Reason::Interrupted(sig)) => Outcome::Interrupted(sig),
+        Some(Reason::TimedOut(running)) => Outcome::TimedOut(running),
+        Some(Reason::SpawnFailed(msg)) => Outcome::SpawnFailed(msg),
+        Some(Reason::Verdict) => {
+            Outcome::Verdict(verdict_seen.expect("the verdict that stopped the ranks"))
+        }
+    }
+}
+
+/// Why the attempt is being stopped.
+enum Reason {
+    Failed(usize),
+    Interrupted(libc::c_int),
+    TimedOut(Vec<usize>),
+    SpawnFailed(String),
+    Verdict,
+}
+
+fn start_rank(
+    cfg: &JobConfig,
+    env: &RankEnv,
+    attempt: u32,
+    rank: usize,
+    local_rank: usize,
+    events: &Sender<Event>,
+    done: &Sender<()>,
+) -> Result<RankProc, String> {
+    let sinks = Sinks {
+        prefix: Arc::from(format!("[rank {rank}]: ").into_bytes()),
+        console: (cfg.log_dir.is_none() || cfg.tee)
+            && cfg.filter.as_ref().is_none_or(|f| f.contains(&local_rank)),
+        log_dir: cfg.log_dir.as_ref().map(|d| output::rank_log_dir(d, attempt, rank)),
+        tail: Tail::default(),
+    };
+    let (out_file, err_file) = sinks.open_files().map_err(|e| {
+        format!("cannot create the log files of rank {rank} under {:?}: {e}", sinks.log_dir)
+    })?;
+    let started = Instant::now();
+    let mut child = spawn::spawn_rank(&cfg.program, env, rank, local_rank).map_err(|e| {
+        format!(
+            "cannot start {:?} as rank {rank}: {e}; check the program's path and permissions",
+            cfg.program[0]
+        )
+    })?;
+    let pid = child.id();
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let stderr = child.stderr.take().expect("stderr is piped");
+    let threads = output::spawn_reader(stdout, Stream::Stdout, &sinks, out_file, done.clone())
+        .and_then(|_| {
+            output::spawn_reader(stderr, Stream::Stderr, &sinks, err_file, done.clone())
+        });
+    let tx = events.clone();
+    let waiter = threads.and_then(|_| {
+        std::thread::Builder::new().name(format!("cohort-wait-{rank}")).spawn(move || {
+            let status = child.wait().expect("waiting on our own child cannot fail");
+            let _ = tx.send(Event::Exited { attempt, local_rank, status });
+        })
+    });
+    if let Err(e) = waiter {
+        // Out of threads: the rank cannot be watched, so it must not run.
+        kill_group(pid, libc::SIGKILL);
+        return Err(format!("cannot start the threads that watch rank {rank}: {e}"));
+    }
+    Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail })
+}
+
+/// Sends `sig` to the process group of every rank still running.
+fn signal_live(ranks: &[RankProc], sig: libc::c_int) {
+    for p in ranks.iter().filter(|p| p.ended.is_none()) {
+        kill_group(p.pid, sig);
+    }
+}
+
+/// Sends `sig` to the process group that `pid` leads.
+fn kill_group(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) has no memory-safety preconditions. The group id is the
+    // pid of a rank we spawned as its group's leader; ESRCH (already gone) is
+    // fine to ignore.
+    unsafe {
+        libc::kill(-(pid as libc::pid_t), sig);
+    }
+}

@@ -1,0 +1,145 @@
+//! Device tasks over resolved buffers: the hook the communication layer uses
+//! to move and reduce bytes on a device's own thread.
+
+use super::client::Client;
+use crate::backend::Binding;
+use crate::bytes::AlignedBytes;
+use crate::error::ServerError;
+use crate::handle::Handle;
+use crate::id::StreamId;
+use crate::state::DeviceState;
+
+/// A raw view of a buffer that lives in host memory (CPU backend). Valid while
+/// the task that got it runs; the task decides who may touch it when.
+#[derive(Debug, Clone, Copy)]
+pub struct HostPtr {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: a HostPtr is an address and a length; sending it to another thread
+// is harmless by itself. Dereferencing it is unsafe and its users must
+// guarantee the buffer is alive and accesses do not race.
+unsafe impl Send for HostPtr {}
+// SAFETY: as above: sharing the address does not access memory.
+unsafe impl Sync for HostPtr {}
+
+/// What a buffer task sees: its buffers (inputs first, then outputs, as
+/// given to [`Client::submit_buffers`]) on the device thread.
+pub struct BufferAccess<'a> {
+    state: &'a mut DeviceState,
+    stream: StreamId,
+    bindings: Vec<Binding>,
+}
+
+impl BufferAccess<'_> {
+    /// The stream the task runs on.
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    /// Number of buffers (inputs then outputs).
+    pub fn len(&self) -> usize {
+        self.bindings.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bindings.is_empty()
+    }
+
+    /// Size in bytes of buffer `index`.
+    pub fn size(&self, index: usize) -> u64 {
+        self.bindings[index].size
+    }
+
+    /// Buffer `index` as host memory, on backends whose device memory is host
+    /// memory (the CPU); `None` elsewhere. Valid until the task returns.
+    pub fn host_ptr(&mut self, index: usize) -> Option<HostPtr> {
+        let binding = self.bindings[index];
+        self.state.backend.host_bytes(binding).map(|b| HostPtr { ptr: b.as_mut_ptr(), len: b.len() })
+    }
+
+    /// Copies buffer `index` to the host (waits for the copy).
+    pub fn read(&mut self, index: usize) -> Result<AlignedBytes, ServerError> {
+        let binding = self.bindings[index];
+        Ok(self.state.backend.read(self.stream, &[binding])?.pop().expect("one binding in, one read out"))
+    }
+
+    /// Copies `data` into buffer `index` (sizes must match).
+    pub fn write(&mut self, index: usize, data: &[u8]) -> Result<(), ServerError> {
+        let binding = self.bindings[index];
+        if data.len() as u64 != binding.size {
+            return Err(ServerError::InvalidArgument(format!(
+                "write of {} bytes into a buffer of {} bytes",
+                data.len(),
+                binding.size
+            )));
+        }
+        self.state.backend.write(self.stream, binding, data)
+    }
+
+    /// Copies buffer `src` into buffer `dst` on the device.
+    pub fn copy(&mut self, src: usize, dst: usize) -> Result<(), ServerError> {
+        let (s, d) = (self.bindings[src], self.bindings[dst]);
+        self.state.backend.copy(self.stream, s, d)
+    }
+
+    /// Waits for the stream's queued work.
+    pub fn sync(&mut self) -> Result<(), ServerError> {
+        self.state.backend.sync(self.stream)
+    }
+}
+
+impl Client {
+    /// Queues `task` on the device thread with `inputs` and `outputs`
+    /// resolved; returns at once. Refuses foreign handles before queueing.
+    ///
+    /// On the device thread the task runs after the work that writes its
+    /// buffers (cross-stream fences included). If an input already carries an
+    /// error the task is skipped and the outputs are marked poisoned; if the
+    /// task fails or panics, its error marks every output. `operation` names
+    /// the task in those errors ("all_reduce", say).
+    pub fn submit_buffers(
+        &self,
+        operation: &str,
+        inputs: Vec<Handle>,
+        outputs: Vec<Handle>,
+        task: impl FnOnce(&mut BufferAccess<'_>) -> Result<(), ServerError> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        for handle in inputs.iter().chain(&outputs) {
+            self.check_owned(handle)?;
+        }
+        self.refuse_if_capturing("a buffer task")?;
+        let stream = self.stream_id();
+        let operation = operation.to_string();
+        let device = self.device_id();
+        self.device().submit(stream, move |state| {
+            let all: Vec<&Handle> = inputs.iter().chain(&outputs).collect();
+            let out_refs: Vec<&Handle> = outputs.iter().collect();
+            let in_refs: Vec<&Handle> = inputs.iter().collect();
+            let result = (|| {
+                if let Some(err) = DeviceState::poisoned_input(&in_refs, &operation) {
+                    return Err(err);
+                }
+                let mut bindings = Vec::with_capacity(all.len());
+                for handle in &all {
+                    bindings.push(state.binding(handle)?);
+                }
+                state.order_after_writers(stream, &all)?;
+                let mut access = BufferAccess { state: &mut *state, stream, bindings };
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(&mut access))) {
+                    Ok(result) => result,
+                    Err(payload) => Err(ServerError::TaskPanicked {
+                        device,
+                        message: payload
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| payload.downcast_ref::<String>().cloned())
+                            .unwrap_or_default(),
+                    }),
+                }
+            })();
+            DeviceState::mark_outputs(stream, &out_refs, &result);
+        })
+    }
+}

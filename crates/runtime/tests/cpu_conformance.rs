@@ -1,0 +1,3 @@
+//! The runtime conformance suite on the CPU backend.
+
+cohort_runtime::conformance_tests!(cohort_runtime::CpuRuntime);

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Installs what the tests need, then runs every check and test of the
+# workspace. Used by .ci/run and by hand: `scripts/test.sh`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+install_packages() {
+    # Debian packages the tests use. Installed only when missing, so a second
+    # run costs nothing.
+    local wanted=("$@") missing=()
+    for pkg in "${wanted[@]}"; do
+        dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+    done
+    if ((${#missing[@]})); then
+        log "installing ${missing[*]}"
+        local sudo=""
+        [ "$(id -u)" -ne 0 ] && sudo="sudo"
+        $sudo apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    fi
+}
+
+# Software Vulkan (lavapipe) for the wgpu backend's tests; Open MPI and
+# libclang for the `mpi` feature and the mpirun tests.
+if command -v apt-get >/dev/null 2>&1; then
+    install_packages mesa-vulkan-drivers libvulkan1 libopenmpi-dev openmpi-bin libclang-dev
+fi
+
+if ! cargo fmt --version >/dev/null 2>&1 && command -v rustup >/dev/null 2>&1; then
+    rustup component add rustfmt clippy
+fi
+
+export COHORT_LOG="${COHORT_LOG:-warn}"
+# Open MPI refuses to run as root unless told it may (CI runs as root).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+log "cargo fmt --check"
+cargo fmt --all -- --check
+
+log "cargo clippy (all targets, warnings are errors)"
+cargo clippy --workspace --all-targets -- -D warnings
+
+log "cargo test --workspace"
+cargo test --workspace --all-targets
+
+log "doc tests"
+cargo test --workspace --doc
+
+log "examples run (quick settings)"
+cargo run -q --example memory_pools >/dev/null
+
+log "all tests passed"
