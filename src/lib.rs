@@ -11,3 +11,8 @@ pub use cohort_runtime as runtime;
 pub mod prelude {
     pub use cohort_runtime::prelude::*;
 }
+
+/// The README's code, compiled and run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

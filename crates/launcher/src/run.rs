@@ -47,8 +47,11 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     loop {
         rdzv.begin(&cfg, attempt, tx.clone())?;
         let env = RankEnv::new(&cfg, rdzv.port(), attempt);
+        signals::set_supervising(true);
         let outcome = supervisor::run_attempt(&cfg, &env, attempt, (&tx, &rx), deadline);
-        match settle(&rdzv, &cfg, attempt, outcome, &rx, deadline) {
+        let verdict = settle(&rdzv, &cfg, attempt, outcome, &rx, deadline);
+        signals::set_supervising(false);
+        match verdict {
             Verdict::Ok => {
                 tracing::info!(elapsed = ?start.elapsed(), "every rank exited with 0");
                 rdzv.finish(attempt);

@@ -3,10 +3,12 @@
 //!
 //! The handler only writes the signal's number to a pipe (the one thing a
 //! handler may safely do); a thread reads the pipe and turns each number into
-//! an [`Event::Signal`] on the supervisor's channel.
+//! an [`Event::Signal`] on the supervisor's channel while ranks run. When no
+//! rank runs (rendezvous, between restarts) there is nothing to forward, and
+//! the launcher exits at once with 128 + the signal's number.
 
 use std::io;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use crossbeam::channel::Sender;
 
@@ -14,6 +16,19 @@ use crate::supervisor::Event;
 
 /// The signals the launcher forwards.
 pub const FORWARDED: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// Whether ranks run (or are being started or settled): signals then go to
+/// the supervisor instead of ending the launcher.
+static SUPERVISING: AtomicBool = AtomicBool::new(false);
+
+/// Says whether ranks run: from just before the first is spawned until the
+/// attempt's verdict is known.
+///
+/// A signal that comes while this is false ends the launcher; a rank being
+/// spawned at that very moment dies with it through its parent-death signal.
+pub fn set_supervising(on: bool) {
+    SUPERVISING.store(on, Ordering::SeqCst);
+}
 
 /// Write end of the self-pipe, for the handler; -1 until installed.
 static PIPE_WRITE: AtomicI32 = AtomicI32::new(-1);
@@ -70,7 +85,15 @@ pub fn install(events: Sender<Event>) -> io::Result<()> {
         let n = unsafe { libc::read(read_fd, (&mut byte as *mut u8).cast(), 1) };
         match n {
             1 => {
-                if events.send(Event::Signal(byte as libc::c_int)).is_err() {
+                let sig = byte as libc::c_int;
+                if !SUPERVISING.load(Ordering::SeqCst) {
+                    eprintln!(
+                        "cohort: got {} while no rank was running; exiting",
+                        crate::summary::signal_name(sig)
+                    );
+                    std::process::exit(128 + sig);
+                }
+                if events.send(Event::Signal(sig)).is_err() {
                     return;
                 }
             }

@@ -7,6 +7,7 @@
 //!   `rank/<RANK>` and pass a barrier of `WORLD_SIZE` ranks;
 //! - `say TEXT`: print TEXT on stdout; `warn TEXT`: on stderr;
 //! - `exit-if-rank R CODE`: exit with CODE when RANK is R;
+//! - `signal-if-rank R SIG`: raise signal number SIG when RANK is R;
 //! - `fail-first-attempt R`: exit 1 when RANK is R and COHORT_RESTART_COUNT is 0;
 //! - `sleep SECS`: sleep.
 
@@ -65,6 +66,15 @@ fn main() {
                 let (r, code): (usize, i32) = (arg().parse().unwrap(), arg().parse().unwrap());
                 if r == rank {
                     std::process::exit(code);
+                }
+            }
+            "signal-if-rank" => {
+                let (r, sig): (usize, i32) = (arg().parse().unwrap(), arg().parse().unwrap());
+                if r == rank {
+                    // SAFETY: raise(3) has no memory-safety preconditions.
+                    unsafe {
+                        libc::raise(sig);
+                    }
                 }
             }
             "fail-first-attempt" => {
