@@ -124,11 +124,8 @@ mod tests {
 
     #[test]
     fn run_args_parse() {
-        let cli = Cli::try_parse_from([
-            "cohort", "run", "-n", "4", "--nnodes", "2", "--node-rank", "1",
-            "--local-ranks-filter", "0,3", "--timeout", "2.5", "--", "prog", "--flag",
-        ])
-        .unwrap();
+        let line = "cohort run -n 4 --nnodes 2 --node-rank 1 --local-ranks-filter 0,3 --timeout 2.5 -- prog --flag";
+        let cli = Cli::try_parse_from(line.split(' ')).unwrap();
         let Command::Run(a) = cli.command;
         assert_eq!(a.nproc_per_node, Nproc::Count(4));
         assert_eq!((a.nnodes, a.node_rank), (2, 1));

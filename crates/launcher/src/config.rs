@@ -19,9 +19,7 @@ pub const SECRET_ENV: &str = "COHORT_JOB_SECRET";
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
     /// `-n gpu` found none.
-    #[error(
-        "no GPUs found ({0}); use -n cpu for CPU devices, -n auto for GPUs when present, or a number"
-    )]
+    #[error("no GPUs found ({0}); use -n cpu for CPU devices, -n auto for GPUs when present, or a number")]
     NoGpus(String),
     /// `COHORT_CPU_DEVICES` is not a positive number.
     #[error("COHORT_CPU_DEVICES='{0}' is not a positive number of CPU devices")]
@@ -134,10 +132,7 @@ impl JobConfig {
             Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
             Some(t) => return Err(LaunchError::BadTimeout(t)),
         };
-        let secret = resolve_secret(
-            std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty()),
-            args.nnodes,
-        )?;
+        let secret = resolve_secret(std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty()), args.nnodes)?;
         Ok(JobConfig {
             nproc,
             nnodes: args.nnodes,
@@ -183,7 +178,7 @@ fn resolve_nproc(n: Nproc) -> Result<usize, LaunchError> {
         Nproc::Count(n) => Ok(n),
         Nproc::Cpu => cpu_devices(),
         Nproc::Gpu => match count_gpus() {
-            Ok(0) => Err(LaunchError::NoGpus("nvidia-smi -L listed none".into())),
+            Ok(0) => Err(LaunchError::NoGpus("CUDA_VISIBLE_DEVICES or nvidia-smi -L lists none".into())),
             Ok(n) => Ok(n),
             Err(why) => Err(LaunchError::NoGpus(why)),
         },
@@ -212,10 +207,7 @@ fn count_gpus() -> Result<usize, String> {
     if let Ok(visible) = std::env::var("CUDA_VISIBLE_DEVICES") {
         return Ok(visible.split(',').filter(|s| !s.trim().is_empty() && s.trim() != "-1").count());
     }
-    let out = Command::new("nvidia-smi")
-        .arg("-L")
-        .output()
-        .map_err(|e| format!("cannot run nvidia-smi: {e}"))?;
+    let out = Command::new("nvidia-smi").arg("-L").output().map_err(|e| format!("cannot run nvidia-smi: {e}"))?;
     if !out.status.success() {
         return Err(format!("nvidia-smi -L failed with {}", out.status));
     }

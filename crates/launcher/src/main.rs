@@ -14,6 +14,7 @@ mod spawn;
 mod summary;
 mod supervisor;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -23,7 +24,11 @@ fn main() -> ExitCode {
     let filter = EnvFilter::try_from_env("COHORT_LOG")
         .or_else(|_| EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
 
     let cli = cli::Cli::parse();
     match cli.command {

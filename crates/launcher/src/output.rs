@@ -93,14 +93,7 @@ pub fn spawn_reader(
     })
 }
 
-fn copy_lines(
-    pipe: impl Read,
-    stream: Stream,
-    prefix: &[u8],
-    console: bool,
-    mut file: Option<File>,
-    tail: &Tail,
-) {
+fn copy_lines(pipe: impl Read, stream: Stream, prefix: &[u8], console: bool, mut file: Option<File>, tail: &Tail) {
     let mut reader = BufReader::with_capacity(64 << 10, pipe);
     let mut line = Vec::with_capacity(256);
     let mut out = Vec::with_capacity(256);

@@ -65,15 +65,7 @@ impl Rendezvous {
         let limit = time_left(deadline);
         let client = StoreClient::connect(addr.as_str(), &cfg.secret, limit)?;
         let watcher = Arc::new(client.duplicate()?);
-        let me = Rendezvous {
-            node_rank: cfg.node_rank,
-            nnodes: cfg.nnodes,
-            server,
-            port,
-            client,
-            watcher,
-            deadline,
-        };
+        let me = Rendezvous { node_rank: cfg.node_rank, nnodes: cfg.nnodes, server, port, client, watcher, deadline };
         let entry = format!("{} {}", cfg.nproc, hostname());
         let node_key = format!("{PREFIX}node/{}", cfg.node_rank);
         if let cohort_comm::store::CompareSet::Mismatch(Some(other)) =
@@ -101,19 +93,15 @@ impl Rendezvous {
     pub fn begin(&self, cfg: &JobConfig, attempt: u32, events: Sender<Event>) -> Result<(), LaunchError> {
         if self.nnodes > 1 || attempt > 0 {
             let limit = time_left(self.deadline);
-            self.client
-                .barrier(&key("ready", attempt), self.nnodes, limit)
-                .map_err(|e| match e {
-                    StoreError::BarrierTimeout { arrived, world_size, waited, .. } => {
-                        LaunchError::Rendezvous(format!(
-                            "waited {waited:.0?} for the launchers of the other nodes: {arrived} of \
+            self.client.barrier(&key("ready", attempt), self.nnodes, limit).map_err(|e| match e {
+                StoreError::BarrierTimeout { arrived, world_size, waited, .. } => LaunchError::Rendezvous(format!(
+                    "waited {waited:.0?} for the launchers of the other nodes: {arrived} of \
                              {world_size} arrived; start `cohort run --nnodes {world_size} \
                              --node-rank <n> --master-addr {} --master-port {}` on every node",
-                            cfg.master_addr, self.port
-                        ))
-                    }
-                    e => e.into(),
-                })?;
+                    cfg.master_addr, self.port
+                )),
+                e => e.into(),
+            })?;
             if attempt == 0 {
                 self.check_nodes_agree(cfg)?;
             }

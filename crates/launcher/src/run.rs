@@ -35,8 +35,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     let cfg = JobConfig::from_args(args)?;
     let deadline = cfg.timeout.map(|t| start + t);
     if let Some(dir) = &cfg.log_dir {
-        std::fs::create_dir_all(dir)
-            .map_err(|source| LaunchError::LogDir { path: dir.clone(), source })?;
+        std::fs::create_dir_all(dir).map_err(|source| LaunchError::LogDir { path: dir.clone(), source })?;
     }
     let (tx, rx) = crossbeam::channel::unbounded();
     signals::install(tx.clone()).map_err(LaunchError::Signals)?;
@@ -61,10 +60,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
                 if restartable && attempt < cfg.max_restarts {
                     eprintln!("cohort: {summary}");
                     attempt += 1;
-                    eprintln!(
-                        "cohort: restarting the whole group (restart {attempt} of {})",
-                        cfg.max_restarts
-                    );
+                    eprintln!("cohort: restarting the whole group (restart {attempt} of {})", cfg.max_restarts);
                     continue;
                 }
                 eprintln!("cohort: job failed: {summary}");
@@ -97,16 +93,12 @@ fn settle(
             }
             None
         }
-        Outcome::Failed(f) => Some(Verdict::Failed {
-            restartable: true,
-            exit_code: f.ending.launcher_code(),
-            summary: f.summary(),
-        }),
+        Outcome::Failed(f) => {
+            Some(Verdict::Failed { restartable: true, exit_code: f.ending.launcher_code(), summary: f.summary() })
+        }
         Outcome::Interrupted(sig) => Some(interrupted(sig, node)),
         Outcome::TimedOut(running) => Some(timed_out(cfg, &running)),
-        Outcome::SpawnFailed(msg) => {
-            Some(Verdict::Failed { restartable: false, exit_code: 1, summary: msg })
-        }
+        Outcome::SpawnFailed(msg) => Some(Verdict::Failed { restartable: false, exit_code: 1, summary: msg }),
         Outcome::Verdict(Ok(bytes)) => return Verdict::decode(&bytes),
         Outcome::Verdict(Err(e)) => return lost_store(e),
     };
@@ -149,10 +141,7 @@ fn interrupted(sig: libc::c_int, node: u32) -> Verdict {
     Verdict::Failed {
         restartable: false,
         exit_code: 128u8.saturating_add(sig as u8),
-        summary: format!(
-            "the launcher of node {node} got {} and stopped its ranks",
-            signal_name(sig)
-        ),
+        summary: format!("the launcher of node {node} got {} and stopped its ranks", signal_name(sig)),
     }
 }
 

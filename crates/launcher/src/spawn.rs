@@ -50,12 +50,7 @@ impl RankEnv {
 /// Must be called from the thread that lives as long as the launcher (the
 /// main thread): Linux sends the parent-death signal when the *thread* that
 /// forked the child exits.
-pub fn spawn_rank(
-    program: &[OsString],
-    env: &RankEnv,
-    rank: usize,
-    local_rank: usize,
-) -> io::Result<Child> {
+pub fn spawn_rank(program: &[OsString], env: &RankEnv, rank: usize, local_rank: usize) -> io::Result<Child> {
     let (exe, args) = program.split_first().ok_or(io::ErrorKind::InvalidInput)?;
     let mut cmd = Command::new(exe);
     cmd.args(args)

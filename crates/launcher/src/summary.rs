@@ -116,7 +116,9 @@ impl Failure {
         if self.tail.is_empty() {
             let _ = write!(s, "\n  rank {} wrote no output", self.rank);
         } else {
-            let _ = write!(s, "\n  last {} lines of rank {}'s output:", self.tail.len(), self.rank);
+            let n = self.tail.len();
+            let lines = if n == 1 { "line".to_string() } else { format!("{n} lines") };
+            let _ = write!(s, "\n  last {lines} of rank {}'s output:", self.rank);
             for line in &self.tail {
                 let _ = write!(s, "\n    [rank {}]: {line}", self.rank);
             }

@@ -196,9 +196,7 @@ pub fn run_attempt(
         Some(Reason::Interrupted(sig)) => Outcome::Interrupted(sig),
         Some(Reason::TimedOut(running)) => Outcome::TimedOut(running),
         Some(Reason::SpawnFailed(msg)) => Outcome::SpawnFailed(msg),
-        Some(Reason::Verdict) => {
-            Outcome::Verdict(verdict_seen.expect("the verdict that stopped the ranks"))
-        }
+        Some(Reason::Verdict) => Outcome::Verdict(verdict_seen.expect("the verdict that stopped the ranks")),
     }
 }
 
@@ -222,28 +220,25 @@ fn start_rank(
 ) -> Result<RankProc, String> {
     let sinks = Sinks {
         prefix: Arc::from(format!("[rank {rank}]: ").into_bytes()),
-        console: (cfg.log_dir.is_none() || cfg.tee)
-            && cfg.filter.as_ref().is_none_or(|f| f.contains(&local_rank)),
+        console: (cfg.log_dir.is_none() || cfg.tee) && cfg.filter.as_ref().is_none_or(|f| f.contains(&local_rank)),
         log_dir: cfg.log_dir.as_ref().map(|d| output::rank_log_dir(d, attempt, rank)),
         tail: Tail::default(),
     };
-    let (out_file, err_file) = sinks.open_files().map_err(|e| {
-        format!("cannot create the log files of rank {rank} under {:?}: {e}", sinks.log_dir)
-    })?;
+    let (out_file, err_file) = sinks
+        .open_files()
+        .map_err(|e| format!("cannot create the log files of rank {rank} under {:?}: {e}", sinks.log_dir))?;
     let started = Instant::now();
     let mut child = spawn::spawn_rank(&cfg.program, env, rank, local_rank).map_err(|e| {
         format!(
-            "cannot start {:?} as rank {rank}: {e}; check the program's path and permissions",
-            cfg.program[0]
+            "cannot start `{}` as rank {rank}: {e}; check the program's path and permissions",
+            cfg.program[0].to_string_lossy()
         )
     })?;
     let pid = child.id();
     let stdout = child.stdout.take().expect("stdout is piped");
     let stderr = child.stderr.take().expect("stderr is piped");
     let threads = output::spawn_reader(stdout, Stream::Stdout, &sinks, out_file, done.clone())
-        .and_then(|_| {
-            output::spawn_reader(stderr, Stream::Stderr, &sinks, err_file, done.clone())
-        });
+        .and_then(|_| output::spawn_reader(stderr, Stream::Stderr, &sinks, err_file, done.clone()));
     let tx = events.clone();
     let waiter = threads.and_then(|_| {
         std::thread::Builder::new().name(format!("cohort-wait-{rank}")).spawn(move || {

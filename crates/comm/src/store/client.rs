@@ -347,7 +347,10 @@ fn client_handshake(stream: &mut TcpStream, shown: &str, secret: &[u8], within: 
     stream.set_read_timeout(Some(within)).map_err(Attempt::Retry)?;
     stream.set_write_timeout(Some(within)).map_err(Attempt::Retry)?;
     // A store that is shutting down or still starting may close on us: retry.
-    let hello = protocol::read_frame(stream).map_err(Attempt::Retry)?;
+    let hello = protocol::read_frame(stream).map_err(|e| match e.kind() {
+        io::ErrorKind::InvalidData => protocol_error(e.to_string()),
+        _ => Attempt::Retry(e),
+    })?;
     let magic = protocol::MAGIC.len();
     if hello.len() != magic + 1 + protocol::NONCE_LEN || &hello[..magic] != protocol::MAGIC {
         return Err(protocol_error("the server's greeting is not a cohort store's".into()));

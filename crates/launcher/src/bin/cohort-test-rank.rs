@@ -49,12 +49,9 @@ fn main() {
                     .expect("write pid file");
             }
             "store" => {
-                let store = StoreClient::connect(
-                    var("COHORT_STORE_ADDR"),
-                    var("COHORT_JOB_SECRET"),
-                    Duration::from_secs(30),
-                )
-                .expect("connect to the store");
+                let store =
+                    StoreClient::connect(var("COHORT_STORE_ADDR"), var("COHORT_JOB_SECRET"), Duration::from_secs(30))
+                        .expect("connect to the store");
                 store.set(&format!("rank/{rank}"), b"here").expect("set");
                 let world: u32 = var("WORLD_SIZE").parse().expect("WORLD_SIZE");
                 store.barrier("test-rank", world, Duration::from_secs(30)).expect("barrier");

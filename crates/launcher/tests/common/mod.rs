@@ -1,0 +1,135 @@
+//! Helpers shared by the launcher's end-to-end tests.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `cohort` binary under test.
+pub const COHORT: &str = env!("CARGO_BIN_EXE_cohort");
+/// The test rank program.
+pub const RANK: &str = env!("CARGO_BIN_EXE_cohort-test-rank");
+
+/// `cohort run <opts> -- cohort-test-rank <steps>`, not yet started, with a
+/// clean environment as far as the launcher is concerned.
+pub fn cohort_run(opts: &[&str], steps: &[&str]) -> Command {
+    let mut c = Command::new(COHORT);
+    c.arg("run").args(opts).arg("--").arg(RANK).args(steps);
+    c.env_remove("COHORT_JOB_SECRET").env_remove("COHORT_LOG").env_remove("RUST_LOG");
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c
+}
+
+/// Runs `cmd` to completion, killing it (and failing) after `limit`.
+pub fn output_within(mut cmd: Command, limit: Duration) -> Output {
+    let child = cmd.spawn().expect("start cohort");
+    wait_output(child, limit)
+}
+
+/// Collects `child`'s output, killing it (and failing) after `limit`.
+pub fn wait_output(child: Child, limit: Duration) -> Output {
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.expect("wait for cohort"),
+        Err(_) => {
+            // SAFETY: kill(2) on the pid of our own child.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            panic!("cohort did not finish within {limit:?}");
+        }
+    }
+}
+
+/// A fresh, empty temporary folder for one test.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("cohort-launch-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The pids the ranks wrote with the `pid` step.
+pub fn read_pids(dir: &Path) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "pid") {
+            if let Ok(text) = std::fs::read_to_string(&path) {
+                if let Ok(pid) = text.trim().parse() {
+                    pids.push(pid);
+                }
+            }
+        }
+    }
+    pids
+}
+
+/// Whether `pid` is a live process (a zombie counts as dead: it runs nothing
+/// and only waits for a parent, which may be a container's init that never
+/// reaps).
+pub fn alive(pid: i32) -> bool {
+    // SAFETY: kill(2) with signal 0 only checks the process exists.
+    if unsafe { libc::kill(pid, 0) } != 0 {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// Waits up to `limit` for every pid to be gone; returns those still alive.
+pub fn wait_all_gone(pids: &[i32], limit: Duration) -> Vec<i32> {
+    let end = Instant::now() + limit;
+    loop {
+        let left: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+        if left.is_empty() || Instant::now() >= end {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits up to `limit` until `dir` holds `n` pid files.
+pub fn wait_pid_files(dir: &Path, n: usize, limit: Duration) -> Vec<i32> {
+    let end = Instant::now() + limit;
+    loop {
+        let pids = read_pids(dir);
+        if pids.len() >= n {
+            return pids;
+        }
+        assert!(Instant::now() < end, "only {} of {n} ranks wrote their pid", pids.len());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Stdout and stderr as text.
+pub fn texts(out: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The lines of `stdout` that print a rank's environment, parsed.
+pub fn env_lines(stdout: &str) -> Vec<std::collections::HashMap<String, String>> {
+    stdout
+        .lines()
+        .filter(|l| l.contains(" RANK=") || l.contains("]: RANK="))
+        .map(|l| {
+            let body = l.split_once("]: ").expect("prefixed line").1;
+            body.split(' ').filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        })
+        .collect()
+}
+
+/// The exit code, or panics with the output when there is none.
+pub fn code(status: ExitStatus, out: &Output) -> i32 {
+    status.code().unwrap_or_else(|| panic!("cohort was killed: {:?}", texts(out)))
+}
