@@ -1,1 +1,228 @@
-//! The wgpu backend (being written).
+//! The wgpu backend: Vulkan, Metal, DX12 and GL devices, and lavapipe (a
+//! software Vulkan driver) where there is no GPU.
+//!
+//! - `adapter`: adapters, device creation, properties, error scopes.
+//! - `storage`: memory pool pages as wgpu buffers.
+//! - `queue`: the shared encoder, submissions, submission-index fences.
+//! - `pipeline`: WGSL compiled once into cached compute pipelines.
+//! - `launch`: bindings, scalars and dispatches of one launch.
+//! - `transfer`: chunked writes, staged reads, device copies.
+//! - `timing`: timestamp queries.
+//!
+//! Graphs: wgpu has no native graph, so `begin_native_capture` keeps its
+//! default (`false`); the runtime records the launches of a capture window and
+//! a replay re-encodes that dispatch list, each launch reusing its cached
+//! pipeline and scalar buffer.
+//!
+//! Nothing here panics on a wgpu error: validation and out-of-memory errors
+//! are caught in error scopes and returned (a launch's become errors on its
+//! outputs), and errors outside any scope are logged and returned by the next
+//! `sync` instead of reaching wgpu's default handler, which panics.
+
+mod adapter;
+mod launch;
+mod pipeline;
+mod queue;
+mod storage;
+mod timing;
+mod transfer;
+
+pub use adapter::WgpuAdapterInfo;
+
+use crate::backend::{Backend, Binding, FenceWait, ResolvedGrid, TimerStart};
+use crate::bytes::AlignedBytes;
+use crate::client::Client;
+use crate::device::BackendFactory;
+use crate::error::ServerError;
+use crate::id::{DeviceId, StreamId};
+use crate::kernel::{Kernel, Scalar};
+use crate::memory::PageStorage;
+use crate::profile::ProfileDuration;
+use crate::properties::DeviceProperties;
+use crate::runtime::Runtime;
+
+use adapter::Gpu;
+use launch::{Launcher, ScalarCache};
+use pipeline::PipelineCache;
+use queue::{wait_for, SubmissionFence, Submitter};
+use storage::WgpuPages;
+use timing::{DeviceTimer, TimestampMode};
+use transfer::{StagingPool, Transfer};
+
+/// The wgpu runtime: one device per adapter of the backends wgpu supports on
+/// this OS (Vulkan and GL on Linux, Metal on macOS, DX12, Vulkan and GL on
+/// Windows), real GPUs first. GL adapters are a fallback, used only where no
+/// other backend finds one (a GPU would otherwise appear twice).
+/// `COHORT_WGPU_BACKEND` (`vulkan`, `gl`, `metal`, `dx12`, or a
+/// comma-separated list) names the backends to use instead; it is read once,
+/// when the adapters are first enumerated.
+#[derive(Debug, Clone, Copy)]
+pub struct WgpuRuntime;
+
+impl WgpuRuntime {
+    /// Every adapter the runtime sees, in device order: name, graphics API,
+    /// kind, driver, limits and timestamp support. Enumerates the adapters
+    /// on first use (this can take a while with some drivers).
+    pub fn adapters() -> Result<Vec<WgpuAdapterInfo>, ServerError> {
+        adapter::adapter_infos()
+    }
+}
+
+impl Runtime for WgpuRuntime {
+    const NAME: &'static str = "wgpu";
+
+    fn device_count() -> Result<usize, ServerError> {
+        adapter::adapter_count()
+    }
+
+    fn client(index: usize) -> Result<Client, ServerError> {
+        let count = Self::device_count()?;
+        if index >= count {
+            return Err(ServerError::InvalidArgument(format!(
+                "wgpu device {index} does not exist: there are {count} adapters (see WgpuRuntime::adapters)"
+            )));
+        }
+        let device = DeviceId::new(DeviceId::WGPU, index as u32);
+        Client::load(device, || -> BackendFactory {
+            Box::new(move || Ok(Box::new(WgpuBackend::open(index)?) as Box<dyn Backend>))
+        })
+    }
+}
+
+/// One wgpu device's state, living on its server thread.
+pub struct WgpuBackend {
+    properties: DeviceProperties,
+    gpu: Gpu,
+    pages: WgpuPages,
+    submitter: Submitter,
+    pipelines: PipelineCache,
+    scalars: ScalarCache,
+    staging: StagingPool,
+    timestamps: TimestampMode,
+}
+
+impl WgpuBackend {
+    /// Opens adapter `index` (in [`WgpuRuntime::adapters`] order) as a device.
+    pub fn open(index: usize) -> Result<Self, ServerError> {
+        let (gpu, properties) = Gpu::open(index)?;
+        tracing::debug!(device = %gpu.id, "opened {}", properties.name);
+        Ok(Self {
+            properties,
+            pages: WgpuPages::new(&gpu),
+            submitter: Submitter::new(),
+            pipelines: PipelineCache::default(),
+            scalars: ScalarCache::default(),
+            staging: StagingPool::default(),
+            timestamps: TimestampMode::of(gpu.features),
+            gpu,
+        })
+    }
+
+    fn transfer(&mut self) -> Transfer<'_> {
+        Transfer { gpu: &self.gpu, pages: &self.pages, submitter: &mut self.submitter, staging: &mut self.staging }
+    }
+
+    /// The errors found after their work was queued: a batch that failed
+    /// validation, wgpu errors outside scopes, device loss.
+    fn background_errors(&mut self) -> Result<(), ServerError> {
+        self.submitter.take_deferred()?;
+        self.gpu.take_background_errors()
+    }
+}
+
+impl Backend for WgpuBackend {
+    fn properties(&self) -> &DeviceProperties {
+        &self.properties
+    }
+
+    fn storage(&mut self) -> &mut dyn PageStorage {
+        &mut self.pages
+    }
+
+    fn write(&mut self, _stream: StreamId, dst: Binding, data: &[u8]) -> Result<(), ServerError> {
+        self.transfer().write(dst, data)
+    }
+
+    fn read(&mut self, _stream: StreamId, sources: &[Binding]) -> Result<Vec<AlignedBytes>, ServerError> {
+        self.transfer().read(sources)
+    }
+
+    fn copy(&mut self, _stream: StreamId, src: Binding, dst: Binding) -> Result<(), ServerError> {
+        self.transfer().copy(src, dst)
+    }
+
+    fn launch(
+        &mut self,
+        _stream: StreamId,
+        kernel: &Kernel,
+        grid: ResolvedGrid,
+        buffers: &[Binding],
+        scalars: &[Scalar],
+    ) -> Result<(), ServerError> {
+        Launcher {
+            gpu: &self.gpu,
+            pages: &self.pages,
+            pipelines: &mut self.pipelines,
+            scalars: &mut self.scalars,
+            submitter: &mut self.submitter,
+        }
+        .launch(kernel, grid, buffers, scalars)
+    }
+
+    fn flush(&mut self, _stream: StreamId) -> Result<(), ServerError> {
+        self.submitter.flush(&self.gpu);
+        self.background_errors()
+    }
+
+    /// Waits for all work queued on the device so far: with one queue, the
+    /// stream's work cannot finish before the work queued ahead of it.
+    fn sync(&mut self, _stream: StreamId) -> Result<(), ServerError> {
+        if let Some(index) = self.submitter.flush(&self.gpu) {
+            wait_for(&self.gpu.device, index).map_err(|m| self.gpu.error(m))?;
+        }
+        self.background_errors()
+    }
+
+    /// A no-op: every stream records into the device's one encoder, in the
+    /// order the device thread runs their tasks, and the one queue runs
+    /// submissions in order; so the target's work queued so far (recorded, or
+    /// submitted under an earlier submission index) runs before anything the
+    /// waiter queues next. The fence is the submission index order itself.
+    fn order_streams(&mut self, _waiter: StreamId, _target: StreamId) -> Result<(), ServerError> {
+        Ok(())
+    }
+
+    /// Submits the pending work and returns its submission index, which any
+    /// thread can wait on with `device.poll`.
+    fn fence(&mut self, _stream: StreamId) -> Result<Box<dyn FenceWait>, ServerError> {
+        let index = self.submitter.flush(&self.gpu);
+        Ok(Box::new(SubmissionFence { device: self.gpu.device.clone(), index, id: self.gpu.id }))
+    }
+
+    fn timing_start(&mut self, stream: StreamId) -> Result<TimerStart, ServerError> {
+        if self.timestamps == TimestampMode::None {
+            self.sync(stream)?;
+            return Ok(TimerStart::Host(std::time::Instant::now()));
+        }
+        let timer = timing::start(&self.gpu, &mut self.submitter, self.timestamps)?;
+        Ok(TimerStart::Device(Box::new(timer)))
+    }
+
+    fn timing_end(&mut self, stream: StreamId, start: TimerStart) -> Result<ProfileDuration, ServerError> {
+        match start {
+            TimerStart::Host(t) => {
+                self.sync(stream)?;
+                Ok(ProfileDuration { duration: t.elapsed(), method: crate::profile::TimingMethod::Host })
+            }
+            TimerStart::Device(timer) => {
+                let timer = timer.downcast::<DeviceTimer>().map_err(|_| ServerError::InvalidState {
+                    operation: "timing_end",
+                    reason: "the timer was started by another backend".into(),
+                })?;
+                let duration = timing::end(&self.gpu, &mut self.submitter, self.timestamps, *timer)?;
+                self.background_errors()?;
+                Ok(duration)
+            }
+        }
+    }
+}

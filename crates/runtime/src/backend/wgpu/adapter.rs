@@ -1,0 +1,329 @@
+//! Adapter discovery, device creation and what a device reports about itself.
+//!
+//! Adapters are enumerated once per process (the first call to
+//! `WgpuRuntime::device_count`, `client` or `adapters`), from every backend
+//! wgpu supports on this OS, or only those named by `COHORT_WGPU_BACKEND`;
+//! without that variable GL is used only where no Vulkan, Metal or DX12
+//! adapter exists (see `discover`).
+//! They are ordered real GPUs first (discrete, integrated, virtual, then
+//! software), and within a kind Vulkan, Metal, DX12, GL; device `i` of the
+//! runtime is adapter `i` of that order.
+
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use crate::error::ServerError;
+use crate::id::DeviceId;
+use crate::properties::DeviceProperties;
+
+/// The backends tried when `COHORT_WGPU_BACKEND` is unset.
+const DEFAULT_BACKENDS: wgpu::Backends =
+    wgpu::Backends::VULKAN.union(wgpu::Backends::METAL).union(wgpu::Backends::DX12).union(wgpu::Backends::GL);
+
+/// The timestamp features requested where the adapter has them.
+const TIMESTAMP_FEATURES: wgpu::Features = wgpu::Features::TIMESTAMP_QUERY
+    .union(wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS)
+    .union(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES);
+
+/// One adapter as the wgpu runtime sees it: what it is and what it allows.
+#[derive(Debug, Clone)]
+pub struct WgpuAdapterInfo {
+    /// The runtime's device index of this adapter.
+    pub index: usize,
+    /// The adapter's name as its driver reports it (e.g. "llvmpipe (LLVM 15.0.6, 256 bits)").
+    pub name: String,
+    /// The graphics API it is reached through.
+    pub api: wgpu::Backend,
+    /// Discrete, integrated, virtual GPU, or a CPU (software) driver.
+    pub device_type: wgpu::DeviceType,
+    /// Driver name and version, where the driver reports them.
+    pub driver: String,
+    /// The adapter's limits; the device is opened with all of them.
+    pub limits: wgpu::Limits,
+    /// Whether timestamp queries are available (device-side profiling).
+    pub timestamp_query: bool,
+    /// Largest range one kernel binding may span:
+    /// min(max_storage_buffer_binding_size, max_buffer_size).
+    pub max_binding_size: u64,
+}
+
+/// The process-wide wgpu instance and its adapters, in device order.
+struct Discovery {
+    /// Kept so adapters outlive nothing they depend on.
+    _instance: wgpu::Instance,
+    adapters: Vec<wgpu::Adapter>,
+}
+
+/// Parses `COHORT_WGPU_BACKEND` (a comma-separated list of vulkan, gl,
+/// metal, dx12), or gives the default set when it is unset or empty.
+fn requested_backends() -> Result<wgpu::Backends, ServerError> {
+    let Ok(value) = std::env::var("COHORT_WGPU_BACKEND") else {
+        return Ok(DEFAULT_BACKENDS);
+    };
+    let mut backends = wgpu::Backends::empty();
+    for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        backends |= match part.to_ascii_lowercase().as_str() {
+            "vulkan" | "vk" => wgpu::Backends::VULKAN,
+            "gl" | "gles" | "opengl" => wgpu::Backends::GL,
+            "metal" => wgpu::Backends::METAL,
+            "dx12" | "d3d12" => wgpu::Backends::DX12,
+            other => {
+                return Err(ServerError::InvalidArgument(format!(
+                    "COHORT_WGPU_BACKEND={value:?}: unknown backend {other:?}; use vulkan, gl, metal or dx12 (comma-separated)"
+                )))
+            }
+        };
+    }
+    Ok(if backends.is_empty() { DEFAULT_BACKENDS } else { backends })
+}
+
+/// Human names of the backends in `set` that this build can use.
+fn backend_names(set: wgpu::Backends) -> String {
+    let enabled = wgpu::Instance::enabled_backend_features();
+    let names: Vec<&str> = [
+        (wgpu::Backends::VULKAN, "Vulkan"),
+        (wgpu::Backends::METAL, "Metal"),
+        (wgpu::Backends::DX12, "DX12"),
+        (wgpu::Backends::GL, "GL"),
+    ]
+    .into_iter()
+    .filter(|(b, _)| set.contains(*b) && enabled.contains(*b))
+    .map(|(_, n)| n)
+    .collect();
+    if names.is_empty() {
+        "none (this build of wgpu enables none of the requested backends)".into()
+    } else {
+        names.join(", ")
+    }
+}
+
+fn order_key(adapter: &wgpu::Adapter) -> (u8, u8) {
+    let info = adapter.get_info();
+    let kind = match info.device_type {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    };
+    let api = match info.backend {
+        wgpu::Backend::Vulkan => 0,
+        wgpu::Backend::Metal => 1,
+        wgpu::Backend::Dx12 => 2,
+        wgpu::Backend::Gl => 3,
+        _ => 4,
+    };
+    (kind, api)
+}
+
+/// The adapters of `backends` that can run compute shaders, in device order.
+fn enumerate(backends: wgpu::Backends) -> (wgpu::Instance, Vec<wgpu::Adapter>) {
+    let descriptor = wgpu::InstanceDescriptor {
+        backends,
+        flags: wgpu::InstanceFlags::from_build_config().with_env(),
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    };
+    let instance = wgpu::Instance::new(descriptor);
+    let mut adapters: Vec<wgpu::Adapter> = pollster::block_on(instance.enumerate_adapters(backends))
+        .into_iter()
+        // An adapter without compute shaders cannot run a kernel.
+        .filter(|a| a.get_downlevel_capabilities().flags.contains(wgpu::DownlevelFlags::COMPUTE_SHADERS))
+        .collect();
+    adapters.sort_by_key(order_key);
+    (instance, adapters)
+}
+
+/// Enumerates the adapters. Without `COHORT_WGPU_BACKEND`, GL is a fallback,
+/// tried only when Vulkan, Metal and DX12 find nothing: a GPU reachable
+/// through both would otherwise appear as two devices (and probing GL is
+/// slow and noisy on headless machines).
+fn discover() -> Result<Discovery, ServerError> {
+    let backends = requested_backends()?;
+    let explicit = std::env::var("COHORT_WGPU_BACKEND").is_ok_and(|v| !v.trim().is_empty());
+    let (instance, adapters) = if explicit || !backends.contains(wgpu::Backends::GL) {
+        enumerate(backends)
+    } else {
+        let (instance, adapters) = enumerate(backends - wgpu::Backends::GL);
+        if adapters.is_empty() {
+            enumerate(wgpu::Backends::GL)
+        } else {
+            (instance, adapters)
+        }
+    };
+    if adapters.is_empty() {
+        let hint = if cfg!(target_os = "linux") {
+            "; on Linux the Debian/Ubuntu package `mesa-vulkan-drivers` provides a software Vulkan driver (lavapipe) that runs everywhere"
+        } else {
+            ""
+        };
+        return Err(ServerError::Backend {
+            backend: "wgpu",
+            device: DeviceId::new(DeviceId::WGPU, 0),
+            message: format!(
+                "no wgpu adapter with compute shaders was found (backends tried: {}; set COHORT_WGPU_BACKEND to choose){hint}",
+                backend_names(backends)
+            ),
+        });
+    }
+    Ok(Discovery { _instance: instance, adapters })
+}
+
+fn discovery() -> Result<&'static Discovery, ServerError> {
+    static DISCOVERY: OnceLock<Result<Discovery, ServerError>> = OnceLock::new();
+    DISCOVERY.get_or_init(discover).as_ref().map_err(Clone::clone)
+}
+
+/// How many adapters the runtime sees.
+pub(crate) fn adapter_count() -> Result<usize, ServerError> {
+    Ok(discovery()?.adapters.len())
+}
+
+fn max_binding_size(limits: &wgpu::Limits) -> u64 {
+    limits.max_storage_buffer_binding_size.min(limits.max_buffer_size)
+}
+
+fn describe(index: usize, adapter: &wgpu::Adapter) -> WgpuAdapterInfo {
+    let info = adapter.get_info();
+    let limits = adapter.limits();
+    let driver = [info.driver.as_str(), info.driver_info.as_str()]
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    WgpuAdapterInfo {
+        index,
+        name: info.name.clone(),
+        api: info.backend,
+        device_type: info.device_type,
+        driver,
+        max_binding_size: max_binding_size(&limits),
+        timestamp_query: adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY),
+        limits,
+    }
+}
+
+/// Every adapter the runtime sees, in device order.
+pub(crate) fn adapter_infos() -> Result<Vec<WgpuAdapterInfo>, ServerError> {
+    Ok(discovery()?.adapters.iter().enumerate().map(|(i, a)| describe(i, a)).collect())
+}
+
+/// Errors wgpu reported outside any error scope, and the reason the device
+/// was lost, if it was; shared with wgpu's callbacks, drained by `sync`.
+#[derive(Default)]
+pub(crate) struct ErrorSink {
+    pub uncaptured: Mutex<Vec<String>>,
+    pub lost: Mutex<Option<String>>,
+}
+
+/// An open wgpu device and what it allows.
+pub(crate) struct Gpu {
+    pub id: DeviceId,
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub limits: wgpu::Limits,
+    pub features: wgpu::Features,
+    pub errors: Arc<ErrorSink>,
+}
+
+impl Gpu {
+    /// Opens adapter `index` with all of its limits (so bindings and buffers
+    /// may be as large as the adapter allows) and its timestamp features.
+    /// Installs an uncaptured-error handler that logs and keeps the error
+    /// (wgpu's default handler panics).
+    pub fn open(index: usize) -> Result<(Gpu, DeviceProperties), ServerError> {
+        let id = DeviceId::new(DeviceId::WGPU, index as u32);
+        let discovery = discovery()?;
+        let adapter = discovery.adapters.get(index).ok_or_else(|| {
+            ServerError::InvalidArgument(format!(
+                "wgpu device {index} does not exist: there are {} adapters",
+                discovery.adapters.len()
+            ))
+        })?;
+        let described = describe(index, adapter);
+        let descriptor = wgpu::DeviceDescriptor {
+            label: Some("cohort"),
+            required_features: adapter.features() & TIMESTAMP_FEATURES,
+            required_limits: adapter.limits(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        };
+        let (device, queue) =
+            pollster::block_on(adapter.request_device(&descriptor)).map_err(|e| ServerError::Backend {
+                backend: "wgpu",
+                device: id,
+                message: format!("could not open {} ({:?}): {e}", described.name, described.api),
+            })?;
+        let errors = Arc::new(ErrorSink::default());
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |error: wgpu::Error| {
+            tracing::error!(device = %id, "wgpu error outside an error scope: {error}");
+            let mut kept = sink.uncaptured.lock();
+            if kept.len() < 16 {
+                kept.push(error.to_string());
+            }
+        }));
+        let sink = errors.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            if reason != wgpu::DeviceLostReason::Destroyed {
+                tracing::error!(device = %id, "wgpu device lost ({reason:?}): {message}");
+            }
+            *sink.lost.lock() = Some(format!("the device was lost ({reason:?}): {message}"));
+        });
+        let limits = device.limits();
+        let features = device.features();
+        let compute_units = match described.device_type {
+            wgpu::DeviceType::Cpu => std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+            // wgpu does not report a GPU's compute units.
+            _ => 1,
+        };
+        let properties = DeviceProperties {
+            device: id,
+            backend: "wgpu",
+            name: format!("{} ({:?}, {:?})", described.name, described.api, described.device_type),
+            memory_bytes: None,
+            compute_units,
+            compute_capability: None,
+            max_binding_size: max_binding_size(&limits),
+            device_timing: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            native_graphs: false,
+        };
+        Ok((Gpu { id, device, queue, limits, features, errors }, properties))
+    }
+
+    /// A driver error of this device.
+    pub fn error(&self, message: impl Into<String>) -> ServerError {
+        ServerError::Backend { backend: "wgpu", device: self.id, message: message.into() }
+    }
+
+    /// Runs `f` inside validation, out-of-memory and internal error scopes and
+    /// returns its value with the first error the scopes caught. Popping a
+    /// scope resolves at once on native wgpu.
+    pub fn scoped<T>(&self, f: impl FnOnce() -> T) -> (T, Option<wgpu::Error>) {
+        let internal = self.device.push_error_scope(wgpu::ErrorFilter::Internal);
+        let memory = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let value = f();
+        let validation = pollster::block_on(validation.pop());
+        let memory = pollster::block_on(memory.pop());
+        let internal = pollster::block_on(internal.pop());
+        (value, validation.or(memory).or(internal))
+    }
+
+    /// The errors wgpu reported outside error scopes since the last call, and
+    /// device loss, as one error.
+    pub fn take_background_errors(&self) -> Result<(), ServerError> {
+        if let Some(lost) = self.errors.lost.lock().clone() {
+            return Err(self.error(lost));
+        }
+        let errors = std::mem::take(&mut *self.errors.uncaptured.lock());
+        match errors.first() {
+            None => Ok(()),
+            Some(first) => {
+                Err(self
+                    .error(format!("queued work failed validation ({} error(s)); the first: {first}", errors.len())))
+            }
+        }
+    }
+}
