@@ -4,6 +4,7 @@
 use super::client::Client;
 use crate::backend::Binding;
 use crate::bytes::AlignedBytes;
+use crate::device::panic_message;
 use crate::error::ServerError;
 use crate::handle::Handle;
 use crate::id::StreamId;
@@ -129,16 +130,64 @@ impl Client {
                 let mut access = BufferAccess { state: &mut *state, stream, bindings };
                 match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(&mut access))) {
                     Ok(result) => result,
-                    Err(payload) => Err(ServerError::TaskPanicked {
-                        device,
-                        message: payload
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| payload.downcast_ref::<String>().cloned())
-                            .unwrap_or_default(),
-                    }),
+                    Err(payload) => Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) }),
                 }
             })();
+            DeviceState::mark_outputs(stream, &out_refs, &result);
+        })
+    }
+    /// Like [`Client::submit_buffers`], but the task always runs: when an
+    /// input already carries an error, or a buffer cannot be bound, the task
+    /// gets that error (`Err`) instead of the buffers. Tasks that meet tasks
+    /// of other devices (collectives) use it so every member still arrives
+    /// and learns of the failure; the task's result marks the outputs as
+    /// with `submit_buffers`. Returns at once.
+    pub fn submit_buffers_always(
+        &self,
+        operation: &str,
+        inputs: Vec<Handle>,
+        outputs: Vec<Handle>,
+        task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        for handle in inputs.iter().chain(&outputs) {
+            self.check_owned(handle)?;
+        }
+        self.refuse_if_capturing("a buffer task")?;
+        let stream = self.stream_id();
+        let operation = operation.to_string();
+        let device = self.device_id();
+        self.device().submit(stream, move |state| {
+            let all: Vec<&Handle> = inputs.iter().chain(&outputs).collect();
+            let out_refs: Vec<&Handle> = outputs.iter().collect();
+            let in_refs: Vec<&Handle> = inputs.iter().collect();
+            let prepared = (|| {
+                if let Some(err) = DeviceState::poisoned_input(&in_refs, &operation) {
+                    return Err(err);
+                }
+                let mut bindings = Vec::with_capacity(all.len());
+                for handle in &all {
+                    bindings.push(state.binding(handle)?);
+                }
+                state.order_after_writers(stream, &all)?;
+                Ok(bindings)
+            })();
+            let run = std::panic::AssertUnwindSafe(|| match prepared {
+                Ok(bindings) => {
+                    let mut access = BufferAccess { state: &mut *state, stream, bindings };
+                    task(Ok(&mut access))
+                }
+                Err(err) => task(Err(err)),
+            });
+            let result = std::panic::catch_unwind(run).unwrap_or_else(|payload| {
+                Err(ServerError::TaskPanicked {
+                    device,
+                    message: payload
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| payload.downcast_ref::<String>().cloned())
+                        .unwrap_or_default(),
+                })
+            });
             DeviceState::mark_outputs(stream, &out_refs, &result);
         })
     }

@@ -4,20 +4,49 @@ use std::fmt;
 use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 
+use crate::backend::HostMemory;
 use crate::error::ServerError;
 
 /// A byte buffer whose start is aligned to 16 bytes, so it can be viewed as a
 /// slice of any plain element type (`f32`, `u64`, `f16`, ...) without a copy.
-#[derive(Clone, Default)]
+///
+/// Usually plain host memory; a backend may also lend memory of its own
+/// (pinned memory on CUDA) that goes back to it when the bytes are dropped.
+/// Cloning always makes plain host memory.
+#[derive(Default)]
 pub struct AlignedBytes {
     words: Vec<u128>,
+    host: Option<Box<dyn HostMemory>>,
     len: usize,
+}
+
+impl Clone for AlignedBytes {
+    fn clone(&self) -> Self {
+        match self.host {
+            None => Self { words: self.words.clone(), host: None, len: self.len },
+            Some(_) => Self::from_slice(self.as_slice()),
+        }
+    }
 }
 
 impl AlignedBytes {
     /// `len` zeroed bytes.
     pub fn zeroed(len: usize) -> Self {
-        Self { words: vec![0u128; len.div_ceil(16)], len }
+        Self { words: vec![0u128; len.div_ceil(16)], host: None, len }
+    }
+
+    /// The first `len` bytes of memory a backend lends (pinned memory, say).
+    /// Panics when `len` exceeds its capacity or its start is not 16-byte
+    /// aligned.
+    pub fn from_host_memory(memory: Box<dyn HostMemory>, len: usize) -> Self {
+        assert!(len <= memory.capacity(), "{len} bytes asked of host memory of {} bytes", memory.capacity());
+        assert!((memory.as_ptr() as usize).is_multiple_of(16), "host memory must be 16-byte aligned");
+        Self { words: Vec::new(), host: Some(memory), len }
+    }
+
+    /// The backend memory these bytes live in, if a backend lent it.
+    pub fn host_memory(&self) -> Option<&dyn HostMemory> {
+        self.host.as_deref()
     }
 
     /// A copy of `data`.
@@ -36,11 +65,21 @@ impl AlignedBytes {
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        &bytemuck::cast_slice::<u128, u8>(&self.words)[..self.len]
+        match &self.host {
+            // SAFETY: the lender guarantees `capacity` bytes at `as_ptr` while
+            // it lives (it lives as long as `self`), and `len <= capacity`.
+            Some(host) => unsafe { std::slice::from_raw_parts(host.as_ptr(), self.len) },
+            None => &bytemuck::cast_slice::<u128, u8>(&self.words)[..self.len],
+        }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut::<u128, u8>(&mut self.words)[..self.len]
+        match &mut self.host {
+            // SAFETY: as in `as_slice`; `&mut self` makes the access unique,
+            // since the lent memory belongs to these bytes alone.
+            Some(host) => unsafe { std::slice::from_raw_parts_mut(host.as_ptr(), self.len) },
+            None => &mut bytemuck::cast_slice_mut::<u128, u8>(&mut self.words)[..self.len],
+        }
     }
 }
 
@@ -110,6 +149,11 @@ impl Bytes {
                 value.as_ref().map(|b| b.as_slice()).map_err(Clone::clone)
             }
         }
+    }
+
+    /// Whether these bytes live in memory a backend lent (pinned memory).
+    pub fn is_backend_memory(&self) -> bool {
+        matches!(&self.repr, Repr::Owned(bytes) if bytes.host_memory().is_some())
     }
 
     /// Whether a deferred read has not run yet.

@@ -53,7 +53,8 @@ pub(crate) struct DeviceHandle {
 /// Builds a backend on the device thread.
 pub type BackendFactory = Box<dyn FnOnce() -> Result<Box<dyn Backend>, ServerError> + Send>;
 
-fn panic_message(payload: &(dyn Any + Send)) -> String {
+/// The message of a caught panic's payload.
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
         s.to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {

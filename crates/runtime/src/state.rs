@@ -3,11 +3,11 @@
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crate::backend::{Backend, Binding, ResolvedGrid, TimerStart};
 use crate::error::ServerError;
-use crate::handle::Handle;
+use crate::handle::{Allocation, Handle};
 use crate::id::{ServiceId, StreamId};
 use crate::kernel::{GridCount, Kernel, Scalar};
 use crate::memory::{
@@ -38,7 +38,14 @@ pub(crate) struct StreamState {
     /// Set by `graph_prepare`: allocations go to the persistent pool.
     pub prepared: bool,
     pub capture: Option<Capture>,
+    /// Allocations written by launches queued since the stream last drained:
+    /// a device fault found later (at a sync or read) is marked on them.
+    pub unsynced: Vec<Weak<Allocation>>,
 }
+
+/// How many unsynced outputs a stream remembers; past it the oldest half is
+/// forgotten (a stream that never syncs would otherwise grow without bound).
+const MAX_UNSYNCED: usize = 4096;
 
 /// Counters a test or a report can read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -122,6 +129,7 @@ impl DeviceState {
             mode: AllocationMode::Auto,
             prepared: false,
             capture: None,
+            unsynced: Vec::new(),
         })
     }
 
@@ -252,10 +260,10 @@ impl DeviceState {
 
     pub fn launch_now(&mut self, stream: StreamId, launch: &RecordedLaunch) -> Result<(), ServerError> {
         let outputs: Vec<&Handle> = launch.buffers.iter().collect();
-        let operation = format!("launch of kernel `{}`", launch.kernel.name());
         let result = (|| {
-            if let Some(err) = Self::poisoned_input(&outputs, &operation) {
-                return Err(err);
+            if outputs.iter().any(|h| h.error().is_some()) {
+                let operation = format!("launch of kernel `{}`", launch.kernel.name());
+                return Err(Self::poisoned_input(&outputs, &operation).expect("an input is marked"));
             }
             let mut bindings = Vec::with_capacity(outputs.len());
             for handle in &outputs {
@@ -281,7 +289,14 @@ impl DeviceState {
             }
             self.order_after_writers(stream, &outputs)?;
             self.stats.launches += 1;
-            self.backend.launch(stream, &launch.kernel, grid, &bindings, &launch.scalars)
+            self.backend.launch(stream, &launch.kernel, grid, &bindings, &launch.scalars)?;
+            if let Some(state) = self.streams.get_mut(&stream) {
+                if state.unsynced.len() >= MAX_UNSYNCED {
+                    state.unsynced.drain(..MAX_UNSYNCED / 2);
+                }
+                state.unsynced.extend(outputs.iter().map(|h| Arc::downgrade(&h.alloc)));
+            }
+            Ok(())
         })();
         let result = result.map_err(|err| match err {
             err @ (ServerError::Poisoned { .. }
@@ -313,7 +328,37 @@ impl DeviceState {
             bindings.push(self.binding(handle)?);
         }
         self.order_after_writers(stream, &refs)?;
-        self.backend.read(stream, &bindings)
+        let result = self.backend.read(stream, &bindings);
+        self.drained(stream, result.as_ref().err());
+        result
+    }
+
+    /// Waits for the stream's queued work in the backend, marking a device
+    /// fault it reports on the outputs of unsynced launches.
+    pub fn backend_sync(&mut self, stream: StreamId) -> Result<(), ServerError> {
+        let result = self.backend.sync(stream);
+        self.drained(stream, result.as_ref().err());
+        result
+    }
+
+    /// After the stream drained: forgets its unsynced outputs, or, when the
+    /// drain reported a fault, marks it on the unsynced outputs of every
+    /// stream (a device fault stops the whole device's queued work).
+    fn drained(&mut self, stream: StreamId, fault: Option<&ServerError>) {
+        match fault {
+            None => {
+                if let Some(state) = self.streams.get_mut(&stream) {
+                    state.unsynced.clear();
+                }
+            }
+            Some(err) => {
+                for state in self.streams.values_mut() {
+                    for alloc in state.unsynced.drain(..).filter_map(|w| w.upgrade()) {
+                        alloc.error.lock().get_or_insert_with(|| err.clone());
+                    }
+                }
+            }
+        }
     }
 
     pub fn refuse_in_capture(&mut self, stream: StreamId, operation: &'static str) -> Result<(), ServerError> {
@@ -340,7 +385,7 @@ impl DeviceState {
     pub fn sync(&mut self, stream: StreamId) -> Result<(), ServerError> {
         self.refuse_in_capture(stream, "sync")?;
         self.stats.stream_syncs += 1;
-        let result = self.backend.sync(stream);
+        let result = self.backend_sync(stream);
         self.take_pending(stream)?;
         result
     }

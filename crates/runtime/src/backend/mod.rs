@@ -62,6 +62,16 @@ impl FenceWait for CompletedFence {
     }
 }
 
+/// Host memory a backend lends out (pinned memory, say), seen as bytes through
+/// [`AlignedBytes::from_host_memory`]; dropping it hands it back.
+pub trait HostMemory: Send + Sync {
+    /// Start of the memory: 16-byte aligned, valid for `capacity()` bytes
+    /// while `self` lives, and used by nothing else meanwhile.
+    fn as_ptr(&self) -> *mut u8;
+    /// Bytes available at [`HostMemory::as_ptr`].
+    fn capacity(&self) -> usize;
+}
+
 /// One device's driver state, driven from the device's server thread.
 pub trait Backend: 'static {
     /// Name and capabilities of the device.
@@ -147,6 +157,13 @@ pub trait Backend: 'static {
     /// host memory (the CPU backend): lets host-staged collectives read and
     /// write device memory without a copy. `None` elsewhere.
     fn host_bytes(&mut self, _binding: Binding) -> Option<&mut [u8]> {
+        None
+    }
+
+    /// `len` bytes of host memory that uploads read without an extra host copy
+    /// (pinned memory), contents unspecified; `None` where the backend has
+    /// none, which is the default. Used by `Client::staging`.
+    fn staging_memory(&mut self, _len: usize) -> Option<AlignedBytes> {
         None
     }
 

@@ -217,8 +217,27 @@ impl Client {
     }
 
     /// Marks host bytes as staging memory for faster uploads: backends with
-    /// pinned host memory move them there; elsewhere this does nothing.
+    /// pinned host memory (CUDA) move them there, one host copy now so that
+    /// later uploads of them copy straight from the host by DMA; elsewhere, or
+    /// when the backend has no pinned memory to spare, this does nothing.
+    /// Waits for one device task per buffer.
     pub fn staging<'a>(&self, bytes: impl Iterator<Item = &'a mut Bytes>) {
-        for _ in bytes {}
+        let stream = self.stream_id();
+        for item in bytes {
+            if item.is_backend_memory() {
+                continue;
+            }
+            let Ok(source) = item.try_get() else { continue };
+            let len = source.len();
+            if len == 0 {
+                continue;
+            }
+            let Ok(Some(mut pinned)) = self.device().run(stream, move |state| state.backend.staging_memory(len))
+            else {
+                continue;
+            };
+            pinned.as_mut_slice().copy_from_slice(source);
+            *item = Bytes::from_aligned(pinned);
+        }
     }
 }

@@ -4,6 +4,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use super::Client;
+use crate::device::panic_message;
 use crate::error::{ProfileError, ServerError};
 use crate::graph::Graph;
 use crate::kernel::{GridCount, Kernel, KernelArguments};
@@ -188,12 +189,7 @@ impl Client {
             Ok(output) => output,
             Err(payload) => {
                 self.profile_abandon(window);
-                let message = payload
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| payload.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                return Err(ProfileError::Panicked(message));
+                return Err(ProfileError::Panicked(panic_message(payload.as_ref())));
             }
         };
         let duration = self.profile_end(window)?;

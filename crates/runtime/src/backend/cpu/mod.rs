@@ -12,7 +12,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use crate::backend::{Backend, Binding, CompletedFence, FenceWait, ResolvedGrid};
 use crate::bytes::AlignedBytes;
 use crate::client::Client;
-use crate::device::BackendFactory;
+use crate::device::{panic_message, BackendFactory};
 use crate::error::ServerError;
 use crate::id::{DeviceId, StreamId};
 use crate::kernel::{CpuKernelContext, Kernel, Scalar};
@@ -138,14 +138,8 @@ impl Backend for CpuBackend {
         let failed = |reason: String| ServerError::KernelFailed { kernel: kernel.name().to_string(), device, reason };
         let slices = self.pages.disjoint_many_mut(buffers).map_err(|e| failed(e.to_string()))?;
         let mut context = CpuKernelContext { grid, block: kernel.block(), buffers: slices, scalars };
-        catch_unwind(AssertUnwindSafe(|| function(&mut context))).map_err(|payload| {
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".into());
-            failed(format!("panicked: {message}"))
-        })
+        catch_unwind(AssertUnwindSafe(|| function(&mut context)))
+            .map_err(|payload| failed(format!("panicked: {}", panic_message(payload.as_ref()))))
     }
 
     fn flush(&mut self, _stream: StreamId) -> Result<(), ServerError> {

@@ -1,1 +1,504 @@
-//! The CUDA backend (being written).
+//! The CUDA backend, on cudarc with dynamic loading: it builds anywhere and
+//! reports a missing driver, NVRTC or device as an error naming the library.
+//!
+//! One backend per device lives on the device's server thread with the
+//! device's primary context current there. Its parts, a module each:
+//! [`driver`](self) loading and discovery, `storage` (device pages), `pinned`
+//! (the pinned host pool) and `transfer` (staged copies), `streams`, `events`
+//! (pooled events for fences and cross-stream order), `kernels` (NVRTC and
+//! its caches), `graphs` (stream capture) and `timing` (event timers).
+//!
+//! # Faults
+//!
+//! A kernel that faults (an illegal address, say) is found at the next sync,
+//! read or fence of the device: that call returns
+//! [`ServerError::KernelFailed`] naming the kernels queued since the last
+//! sync, and the runtime marks the error on the buffers those launches wrote.
+//! Such a fault is *sticky* in CUDA: the context is lost, and every later call
+//! on the device returns the same error without reaching the driver. CUDA
+//! cannot recover it inside the process (seen on an H200: even a reset
+//! primary context cannot be retained again), so once the device is closed
+//! ([`crate::Client::close`]) opening it again is refused with an error that
+//! says to restart the process. Other devices, and other runtimes' clients,
+//! are unaffected. Errors that are not sticky (a compile error, a launch with
+//! too many threads) fail only the call that made them.
+
+mod driver;
+mod events;
+mod graphs;
+mod kernels;
+mod pinned;
+mod storage;
+mod streams;
+mod timing;
+mod transfer;
+
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// The cudarc crate this backend is built on, for raw baselines in benches.
+pub use cudarc;
+use cudarc::driver::sys;
+
+use crate::backend::{Backend, Binding, FenceWait, ResolvedGrid, TimerStart};
+use crate::bytes::AlignedBytes;
+use crate::client::Client;
+use crate::device::BackendFactory;
+use crate::error::ServerError;
+use crate::id::{DeviceId, StreamId};
+use crate::kernel::{Kernel, Scalar};
+use crate::memory::PageStorage;
+use crate::profile::ProfileDuration;
+use crate::properties::DeviceProperties;
+use crate::runtime::Runtime;
+
+use driver::{describe, driver_error, is_sticky, BACKEND};
+use events::EventPool;
+use graphs::GraphExec;
+use kernels::Kernels;
+use storage::DevicePages;
+use streams::Streams;
+use transfer::Staging;
+
+pub use kernels::{nvrtc_cache_dir, nvrtc_cache_stats, NvrtcCacheStats};
+
+/// The CUDA runtime: one client per CUDA device the driver sees.
+#[derive(Debug, Clone, Copy)]
+pub struct CudaRuntime;
+
+impl Runtime for CudaRuntime {
+    const NAME: &'static str = "cuda";
+
+    fn device_count() -> Result<usize, ServerError> {
+        match driver::device_count()? {
+            0 => Err(ServerError::Backend {
+                backend: BACKEND,
+                device: driver::device_id(0),
+                message: "no CUDA device: libcuda.so loaded but the driver reports no devices (check CUDA_VISIBLE_DEVICES and nvidia-smi)".into(),
+            }),
+            n => Ok(n),
+        }
+    }
+
+    fn client(index: usize) -> Result<Client, ServerError> {
+        let count = Self::device_count()?;
+        if index >= count {
+            return Err(ServerError::InvalidArgument(format!(
+                "CUDA device {index} does not exist: the driver sees {count}"
+            )));
+        }
+        Client::load(driver::device_id(index), || -> BackendFactory {
+            Box::new(move || Ok(Box::new(CudaBackend::new(index)?) as Box<dyn Backend>))
+        })
+    }
+}
+
+/// Driver allocations of device pages made by this process's CUDA backends.
+pub fn device_page_allocations() -> u64 {
+    PAGE_ALLOCATIONS.load(Ordering::Relaxed)
+}
+
+static PAGE_ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Devices whose context a sticky fault lost, with the fault: CUDA cannot
+/// give this process a working context on them again.
+static LOST_DEVICES: parking_lot::Mutex<Vec<(usize, String)>> = parking_lot::Mutex::new(Vec::new());
+
+/// One CUDA device's state, on its server thread.
+pub struct CudaBackend {
+    properties: DeviceProperties,
+    device: DeviceId,
+    raw_device: sys::CUdevice,
+    pages: DevicePages,
+    streams: Streams,
+    events: EventPool,
+    timing_events: EventPool,
+    staging: Staging,
+    kernels: Kernels,
+    buffers: Vec<(sys::CUdeviceptr, u64)>,
+    graphs_alive: Arc<AtomicBool>,
+    /// The sticky fault that lost the context, returned by every later call.
+    lost: Option<ServerError>,
+}
+
+impl CudaBackend {
+    /// Opens device `index`: retains its primary context and makes it current
+    /// on the calling (device) thread.
+    pub fn new(index: usize) -> Result<Self, ServerError> {
+        driver::ensure_driver()?;
+        if let Some(fault) = LOST_DEVICES.lock().iter().find(|(i, _)| *i == index) {
+            return Err(ServerError::Backend {
+                backend: BACKEND,
+                device: driver::device_id(index),
+                message: format!(
+                    "CUDA device {index} had a sticky fault earlier in this process ({}); CUDA cannot recover from it inside the process: restart the process to use the device again",
+                    fault.1
+                ),
+            });
+        }
+        let info = driver::device_info(index)?;
+        let device = driver::device_id(index);
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: the driver is initialised and `info.raw` is a valid device;
+        // the call writes the retained primary context.
+        let code = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, info.raw) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver_error(device, "cuDevicePrimaryCtxRetain", code));
+        }
+        driver::set_current(device, ctx)?;
+        Ok(Self {
+            properties: DeviceProperties {
+                device,
+                backend: BACKEND,
+                name: info.name,
+                memory_bytes: Some(info.memory_bytes),
+                compute_units: info.multiprocessors,
+                compute_capability: Some(info.capability),
+                max_binding_size: info.memory_bytes,
+                device_timing: true,
+                native_graphs: true,
+            },
+            device,
+            raw_device: info.raw,
+            pages: DevicePages::new(device),
+            streams: Streams::new(device),
+            events: EventPool::new(device, ctx, false),
+            timing_events: EventPool::new(device, ctx, true),
+            staging: Staging::new(device),
+            kernels: Kernels::new(info.capability),
+            buffers: Vec::new(),
+            graphs_alive: Arc::new(AtomicBool::new(true)),
+            lost: None,
+        })
+    }
+
+    fn check_lost(&self) -> Result<(), ServerError> {
+        match &self.lost {
+            Some(err) => Err(err.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Turns a failed call into the error to return: when the context holds
+    /// a sticky fault, the fault (naming the kernels that may have caused it),
+    /// kept for every later call; otherwise `err` itself.
+    fn classify(&mut self, stream: StreamId, err: ServerError) -> ServerError {
+        if self.lost.is_some() {
+            return self.lost.clone().expect("checked");
+        }
+        let code = match self.streams.raw(stream) {
+            // SAFETY: a live stream of the current context; the query only
+            // reads its state.
+            Ok(raw) => unsafe { sys::cuStreamQuery(raw) },
+            Err(_) => return err,
+        };
+        if !is_sticky(code) {
+            return err;
+        }
+        let mut suspects = self.streams.take_suspects(stream);
+        suspects.extend(self.streams.take_all_suspects());
+        suspects.dedup();
+        let kernel = if suspects.is_empty() { "(unknown)".to_string() } else { suspects.join(", ") };
+        let fault = ServerError::KernelFailed {
+            kernel,
+            device: self.device,
+            reason: format!(
+                "{} found while draining the device; the CUDA context is lost (a sticky fault): every later call on this device fails; close the device (Client::close) and open a new client to reset it",
+                describe(code)
+            ),
+        };
+        tracing::error!(device = %self.device, "{fault}");
+        LOST_DEVICES.lock().push((self.device.index as usize, describe(code)));
+        self.lost = Some(fault.clone());
+        fault
+    }
+
+    fn check(&mut self, stream: StreamId, call: &str, code: sys::CUresult) -> Result<(), ServerError> {
+        if code == sys::CUresult::CUDA_SUCCESS {
+            return Ok(());
+        }
+        let err = driver_error(self.device, call, code);
+        Err(self.classify(stream, err))
+    }
+
+    fn stream_sync(&mut self, stream: StreamId) -> Result<(), ServerError> {
+        let raw = self.streams.raw(stream)?;
+        // SAFETY: a live stream of the current context.
+        let code = unsafe { sys::cuStreamSynchronize(raw) };
+        self.check(stream, "cuStreamSynchronize", code)?;
+        self.streams.take_suspects(stream);
+        Ok(())
+    }
+
+    fn resolve_grid(&mut self, stream: StreamId, grid: ResolvedGrid) -> Result<[u32; 3], ServerError> {
+        let binding = match grid {
+            ResolvedGrid::Static(g) => return Ok(g),
+            ResolvedGrid::Dynamic(binding) => binding,
+        };
+        if self.streams.is_capturing(stream) {
+            return Err(ServerError::InvalidState {
+                operation: "a launch with a dynamic grid",
+                reason: "a CUDA graph cannot read its grid from a buffer at replay; use a static grid inside capture windows".into(),
+            });
+        }
+        let raw = self.streams.raw(stream)?;
+        let src = self.pages.ptr(Binding { size: 12, ..binding })?;
+        let device = self.device;
+        let sync = move || {
+            // SAFETY: a live stream of the current context.
+            let code = unsafe { sys::cuStreamSynchronize(raw) };
+            if code == sys::CUresult::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(driver_error(device, "cuStreamSynchronize", code))
+            }
+        };
+        let bytes = match self.staging.read(raw, &[(src, 12)], sync) {
+            Ok(mut bytes) => bytes.pop().expect("one read"),
+            Err(err) => return Err(self.classify(stream, err)),
+        };
+        let words: Vec<u32> =
+            bytes.as_slice().chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        Ok([words[0], words[1], words[2]])
+    }
+}
+
+impl Backend for CudaBackend {
+    fn properties(&self) -> &DeviceProperties {
+        &self.properties
+    }
+
+    fn storage(&mut self) -> &mut dyn PageStorage {
+        &mut self.pages
+    }
+
+    fn write(&mut self, stream: StreamId, dst: Binding, data: &[u8]) -> Result<(), ServerError> {
+        self.check_lost()?;
+        let ptr = self.pages.ptr(dst)?;
+        let raw = self.streams.raw(stream)?;
+        let result = self.staging.write(raw, ptr, data);
+        result.map_err(|err| self.classify(stream, err))
+    }
+
+    fn read(&mut self, stream: StreamId, sources: &[Binding]) -> Result<Vec<AlignedBytes>, ServerError> {
+        self.check_lost()?;
+        let raw = self.streams.raw(stream)?;
+        let mut addresses = Vec::with_capacity(sources.len());
+        for binding in sources {
+            addresses.push((self.pages.ptr(*binding)?, binding.size as usize));
+        }
+        let device = self.device;
+        let sync = move || {
+            // SAFETY: a live stream of the current context.
+            let code = unsafe { sys::cuStreamSynchronize(raw) };
+            if code == sys::CUresult::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(driver_error(device, "cuStreamSynchronize", code))
+            }
+        };
+        match self.staging.read(raw, &addresses, sync) {
+            Ok(bytes) => {
+                self.streams.take_suspects(stream);
+                Ok(bytes)
+            }
+            Err(err) => Err(self.classify(stream, err)),
+        }
+    }
+
+    fn copy(&mut self, stream: StreamId, src: Binding, dst: Binding) -> Result<(), ServerError> {
+        self.check_lost()?;
+        if src.size != dst.size {
+            return Err(ServerError::InvalidArgument(format!("copy of {} bytes into {} bytes", src.size, dst.size)));
+        }
+        if src.size == 0 {
+            return Ok(());
+        }
+        let (from, to) = (self.pages.ptr(src)?, self.pages.ptr(dst)?);
+        let raw = self.streams.raw(stream)?;
+        // SAFETY: both ranges lie in live pages (checked by `ptr`) and the
+        // stream is live.
+        let code = unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, src.size as usize, raw) };
+        self.check(stream, "cuMemcpyDtoDAsync", code)
+    }
+
+    fn launch(
+        &mut self,
+        stream: StreamId,
+        kernel: &Kernel,
+        grid: ResolvedGrid,
+        buffers: &[Binding],
+        scalars: &[Scalar],
+    ) -> Result<(), ServerError> {
+        self.check_lost()?;
+        let Some(source) = kernel.cuda_source() else {
+            return Err(ServerError::MissingKernelSource { kernel: kernel.name().to_string(), backend: BACKEND });
+        };
+        let grid = self.resolve_grid(stream, grid)?;
+        if grid.contains(&0) {
+            return Ok(());
+        }
+        let function = self.kernels.function(kernel, source).map_err(|reason| ServerError::KernelFailed {
+            kernel: kernel.name().to_string(),
+            device: self.device,
+            reason,
+        })?;
+        let mut resolved = std::mem::take(&mut self.buffers);
+        resolved.clear();
+        for binding in buffers {
+            resolved.push((self.pages.ptr(*binding)?, binding.size));
+        }
+        let raw = self.streams.raw(stream)?;
+        let code = self.kernels.launch(function, grid, kernel.block(), raw, &resolved, scalars);
+        self.buffers = resolved;
+        if code != sys::CUresult::CUDA_SUCCESS {
+            let err = ServerError::KernelFailed {
+                kernel: kernel.name().to_string(),
+                device: self.device,
+                reason: format!("cuLaunchKernel with grid {grid:?} and block {:?}: {}", kernel.block(), describe(code)),
+            };
+            return Err(self.classify(stream, err));
+        }
+        self.streams.note_launch(stream, kernel.name());
+        Ok(())
+    }
+
+    fn flush(&mut self, _stream: StreamId) -> Result<(), ServerError> {
+        // CUDA hands work to the device as it is queued.
+        self.check_lost()
+    }
+
+    fn sync(&mut self, stream: StreamId) -> Result<(), ServerError> {
+        self.check_lost()?;
+        self.stream_sync(stream)
+    }
+
+    fn order_streams(&mut self, waiter: StreamId, target: StreamId) -> Result<(), ServerError> {
+        self.check_lost()?;
+        if waiter == target || self.streams.is_capturing(target) {
+            // Work captured on `target` has not run; nothing to wait for.
+            return Ok(());
+        }
+        let target_raw = self.streams.raw(target)?;
+        let result = if self.streams.is_capturing(waiter) {
+            // A capture may not wait on an event recorded outside it: wait on
+            // the host instead (the data is then ready for the capture).
+            self.events.wait_host(target_raw)
+        } else {
+            let waiter_raw = self.streams.raw(waiter)?;
+            self.events.order(waiter_raw, target_raw)
+        };
+        result.map_err(|err| self.classify(target, err))
+    }
+
+    fn fence(&mut self, stream: StreamId) -> Result<Box<dyn FenceWait>, ServerError> {
+        self.check_lost()?;
+        let raw = self.streams.raw(stream)?;
+        match self.events.fence(raw) {
+            Ok(fence) => Ok(Box::new(fence)),
+            Err(err) => Err(self.classify(stream, err)),
+        }
+    }
+
+    fn timing_start(&mut self, stream: StreamId) -> Result<TimerStart, ServerError> {
+        self.check_lost()?;
+        let raw = self.streams.raw(stream)?;
+        let timer = timing::start(&self.timing_events, self.device, raw)?;
+        Ok(TimerStart::Device(Box::new(timer)))
+    }
+
+    fn timing_end(&mut self, stream: StreamId, start: TimerStart) -> Result<ProfileDuration, ServerError> {
+        self.check_lost()?;
+        let raw = self.streams.raw(stream)?;
+        let timer = match start {
+            TimerStart::Device(any) => {
+                any.downcast::<timing::DeviceTimer>().map_err(|_| ServerError::InvalidState {
+                    operation: "timing_end",
+                    reason: "the timer was not started by the CUDA backend".into(),
+                })?
+            }
+            TimerStart::Host(t) => {
+                self.stream_sync(stream)?;
+                return Ok(ProfileDuration { duration: t.elapsed(), method: crate::profile::TimingMethod::Host });
+            }
+        };
+        let result = timing::end(&self.timing_events, self.device, raw, *timer);
+        result.map_err(|err| self.classify(stream, err))
+    }
+
+    fn begin_native_capture(&mut self, stream: StreamId) -> Result<bool, ServerError> {
+        self.check_lost()?;
+        let raw = self.streams.raw(stream)?;
+        graphs::begin(self.device, raw)?;
+        self.streams.entry(stream)?.capturing = true;
+        self.pages.hold_frees = true;
+        Ok(true)
+    }
+
+    fn end_native_capture(&mut self, stream: StreamId) -> Result<Box<dyn Any>, ServerError> {
+        let raw = self.streams.raw(stream)?;
+        self.streams.entry(stream)?.capturing = false;
+        self.pages.hold_frees = self.streams.any_capturing();
+        self.pages.release_deferred();
+        self.check_lost()?;
+        let exec = graphs::end(self.device, raw, &self.graphs_alive)?;
+        Ok(Box::new(exec))
+    }
+
+    fn replay_native(&mut self, stream: StreamId, graph: &mut dyn Any) -> Result<(), ServerError> {
+        self.check_lost()?;
+        let Some(exec) = graph.downcast_ref::<GraphExec>() else {
+            return Err(ServerError::InvalidState {
+                operation: "graph replay",
+                reason: "the graph was not captured by the CUDA backend".into(),
+            });
+        };
+        let raw = self.streams.raw(stream)?;
+        let result = graphs::replay(self.device, exec, raw);
+        result.map_err(|err| self.classify(stream, err))
+    }
+
+    fn staging_memory(&mut self, len: usize) -> Option<AlignedBytes> {
+        if self.lost.is_some() || len == 0 {
+            return None;
+        }
+        let block = self.staging.pool.take(len, true).ok().flatten()?;
+        Some(AlignedBytes::from_host_memory(Box::new(block), len))
+    }
+
+    fn release_stream(&mut self, stream: StreamId) {
+        if !self.streams.is_capturing(stream) {
+            self.streams.release(stream);
+        }
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        PAGE_ALLOCATIONS.fetch_add(self.pages.allocations, Ordering::Relaxed);
+        if self.lost.is_none() {
+            // SAFETY: the context is current on this thread; waiting for all
+            // its work before freeing what that work uses.
+            unsafe {
+                let _ = sys::cuCtxSynchronize();
+            }
+        }
+        self.graphs_alive.store(false, Ordering::Release);
+        self.kernels.release_all();
+        self.streams.release_all();
+        self.events.close();
+        self.timing_events.close();
+        self.staging.close();
+        self.pages.release_all();
+        // SAFETY: the primary context was retained in `new`. After a sticky
+        // fault it is reset instead, so the next client gets a fresh one.
+        unsafe {
+            if self.lost.is_some() {
+                let _ = sys::cuDevicePrimaryCtxReset_v2(self.raw_device);
+            } else {
+                let _ = sys::cuDevicePrimaryCtxRelease_v2(self.raw_device);
+            }
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! Loading the CUDA driver and NVRTC, finding devices, and turning driver
+//! status codes into [`ServerError`]s.
+//!
+//! cudarc loads its libraries on first use and panics when one is missing, so
+//! every entry point here probes the library first and answers its absence
+//! with an error that names the library it looked for.
+
+use std::ffi::{c_char, c_int, CStr};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys;
+use cudarc::nvrtc::sys as nvrtc_sys;
+
+use crate::error::ServerError;
+use crate::id::DeviceId;
+
+/// The backend name used in errors.
+pub(crate) const BACKEND: &str = "cuda";
+
+/// Device id of CUDA device `index`.
+pub(crate) fn device_id(index: usize) -> DeviceId {
+    DeviceId::new(DeviceId::CUDA, index as u32)
+}
+
+/// A driver error as a [`ServerError::Backend`] on `device`, saying which call
+/// failed.
+pub(crate) fn driver_error(device: DeviceId, call: &str, code: sys::CUresult) -> ServerError {
+    ServerError::Backend { backend: BACKEND, device, message: format!("{call} failed: {}", describe(code)) }
+}
+
+/// `NAME (description)` of a driver status code.
+pub(crate) fn describe(code: sys::CUresult) -> String {
+    let mut name: *const c_char = std::ptr::null();
+    let mut text: *const c_char = std::ptr::null();
+    // SAFETY: both calls only write a pointer to a static string owned by the
+    // driver (or leave it null on an unknown code); we read it only if set.
+    unsafe {
+        let _ = sys::cuGetErrorName(code, &mut name);
+        let _ = sys::cuGetErrorString(code, &mut text);
+    }
+    let read = |p: *const c_char| {
+        if p.is_null() {
+            None
+        } else {
+            // SAFETY: non-null pointers from cuGetError* are NUL-terminated
+            // static strings.
+            Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        }
+    };
+    match (read(name), read(text)) {
+        (Some(n), Some(t)) => format!("{n} ({t})"),
+        (Some(n), None) => n,
+        _ => format!("{code:?}"),
+    }
+}
+
+/// Whether `code` is a sticky fault: the context that saw it is lost and
+/// every later call in it fails the same way.
+pub(crate) fn is_sticky(code: sys::CUresult) -> bool {
+    use sys::CUresult::*;
+    matches!(
+        code,
+        CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUDA_ERROR_LAUNCH_FAILED
+            | CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUDA_ERROR_INVALID_PC
+            | CUDA_ERROR_ASSERT
+            | CUDA_ERROR_LAUNCH_TIMEOUT
+            | CUDA_ERROR_CONTEXT_IS_DESTROYED
+    )
+}
+
+/// File names cudarc tries for a library, for error messages.
+fn candidates(lib: &str) -> String {
+    let mut names = cudarc::get_lib_name_candidates(lib);
+    names.truncate(4);
+    names.join(", ")
+}
+
+/// Loads the driver and runs `cuInit` once per process; the outcome is kept.
+pub(crate) fn ensure_driver() -> Result<(), ServerError> {
+    static INIT: OnceLock<Result<(), String>> = OnceLock::new();
+    let outcome = INIT.get_or_init(|| {
+        // SAFETY: probing only tries to dlopen the candidate names.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(format!(
+                "no CUDA driver: libcuda.so not found (looked for {}, ...); install the NVIDIA driver or add its folder to LD_LIBRARY_PATH",
+                candidates("cuda")
+            ));
+        }
+        // SAFETY: the library is present; cuInit takes flags 0 and may be
+        // called more than once.
+        let code = unsafe { sys::cuInit(0) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("the CUDA driver was found but cuInit failed: {}", describe(code)));
+        }
+        Ok(())
+    });
+    outcome.clone().map_err(|message| ServerError::Backend { backend: BACKEND, device: device_id(0), message })
+}
+
+/// Loads NVRTC once per process; the error names the library looked for.
+pub(crate) fn ensure_nvrtc() -> Result<(), String> {
+    static PRESENT: OnceLock<Result<(), String>> = OnceLock::new();
+    PRESENT
+        .get_or_init(|| {
+            // SAFETY: probing only tries to dlopen the candidate names.
+            if unsafe { nvrtc_sys::is_culib_present() } {
+                Ok(())
+            } else {
+                Err(format!(
+                    "no NVRTC: libnvrtc.so not found (looked for {}, ...); install the CUDA runtime compiler (libnvrtc) or add its folder to LD_LIBRARY_PATH",
+                    candidates("nvrtc")
+                ))
+            }
+        })
+        .clone()
+}
+
+/// Number of CUDA devices; an error says why there are none to count.
+pub(crate) fn device_count() -> Result<usize, ServerError> {
+    ensure_driver()?;
+    let mut count: c_int = 0;
+    // SAFETY: the driver is initialised; the call writes one int.
+    let code = unsafe { sys::cuDeviceGetCount(&mut count) };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(driver_error(device_id(0), "cuDeviceGetCount", code));
+    }
+    Ok(count.max(0) as usize)
+}
+
+/// What the driver says about one device.
+pub(crate) struct DeviceInfo {
+    pub raw: sys::CUdevice,
+    pub name: String,
+    pub memory_bytes: u64,
+    pub multiprocessors: u32,
+    pub capability: (u32, u32),
+}
+
+/// Reads name, memory, SM count and compute capability of device `index`.
+pub(crate) fn device_info(index: usize) -> Result<DeviceInfo, ServerError> {
+    let device = device_id(index);
+    let check = |call: &str, code: sys::CUresult| {
+        if code == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(driver_error(device, call, code))
+        }
+    };
+    let mut raw: sys::CUdevice = 0;
+    // SAFETY: the driver is initialised (callers ran ensure_driver); each
+    // call writes into the local it is given.
+    unsafe {
+        check("cuDeviceGet", sys::cuDeviceGet(&mut raw, index as c_int))?;
+        let mut name = [0 as c_char; 256];
+        check("cuDeviceGetName", sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, raw))?;
+        let name = CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
+        let mut memory: usize = 0;
+        check("cuDeviceTotalMem", sys::cuDeviceTotalMem_v2(&mut memory, raw))?;
+        let attribute = |attr: sys::CUdevice_attribute| -> Result<u32, ServerError> {
+            let mut value: c_int = 0;
+            check("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut value, attr, raw))?;
+            Ok(value.max(0) as u32)
+        };
+        use sys::CUdevice_attribute::*;
+        Ok(DeviceInfo {
+            raw,
+            name,
+            memory_bytes: memory as u64,
+            multiprocessors: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            capability: (
+                attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+        })
+    }
+}
+
+/// A raw driver pointer that may cross threads: CUDA handles are plain
+/// addresses that the driver lets any thread use once a context is current.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SendPtr<T>(pub T);
+
+// SAFETY: the wrapped values are driver handles (contexts, events) or host
+// addresses; moving the address between threads does not touch what it names,
+// and every use sets the owning context current first.
+unsafe impl<T> Send for SendPtr<T> {}
+// SAFETY: as above; shared references only copy the address.
+unsafe impl<T> Sync for SendPtr<T> {}
+
+/// Makes `ctx` current on the calling thread.
+pub(crate) fn set_current(device: DeviceId, ctx: sys::CUcontext) -> Result<(), ServerError> {
+    // SAFETY: `ctx` is a retained primary context (callers keep it alive).
+    let code = unsafe { sys::cuCtxSetCurrent(ctx) };
+    if code == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(driver_error(device, "cuCtxSetCurrent", code))
+    }
+}

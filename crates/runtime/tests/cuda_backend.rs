@@ -1,0 +1,213 @@
+//! What only the CUDA backend has: pinned staging, events, graph capture as a
+//! CUDA graph, the NVRTC cache, device properties. Needs a CUDA GPU.
+
+#![cfg(feature = "cuda")]
+
+use cohort_runtime::backend::cuda::nvrtc_cache_stats;
+use cohort_runtime::conformance::kernels;
+use cohort_runtime::{
+    Bytes, CudaRuntime, GridCount, Kernel, KernelArguments, Runtime, Scalar, ServerError, StreamId, TimingMethod,
+};
+
+const GPU: &str = "needs a CUDA GPU: run with --include-ignored where one is";
+
+fn client() -> cohort_runtime::Client {
+    CudaRuntime::client(0).expect("CUDA device 0")
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_left(7) as u8 ^ seed).collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn properties_name_the_device() {
+    let client = client();
+    let p = client.properties();
+    assert_eq!(p.backend, "cuda");
+    assert!(!p.name.is_empty());
+    assert!(p.memory_bytes.unwrap() > 1 << 30);
+    assert!(p.compute_units > 0);
+    assert!(p.compute_capability.unwrap().0 >= 5);
+    assert!(p.device_timing && p.native_graphs);
+    println!(
+        "{} cc {:?}, {} SMs, {} GiB",
+        p.name,
+        p.compute_capability,
+        p.compute_units,
+        p.memory_bytes.unwrap() >> 30
+    );
+    let _ = GPU;
+}
+
+/// Large uploads and reads, from pageable and from staged (pinned) bytes,
+/// round trip exactly, at sizes around the chunking thresholds.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn pinned_staging_round_trips() {
+    let client = client().with_stream(StreamId::fresh());
+    for (i, len) in [1usize, (256 << 10) - 1, 256 << 10, (8 << 20) + 3, (40 << 20) + 17].into_iter().enumerate() {
+        let data = pattern(len, i as u8);
+        let pageable = client.create_from_slice(&data);
+        let mut staged = vec![Bytes::from_slice(&data)];
+        client.staging(staged.iter_mut());
+        assert!(staged[0].is_backend_memory(), "staging moved {len} bytes to pinned memory");
+        assert_eq!(&staged[0][..], &data[..]);
+        let from_pinned = client.create(staged.pop().unwrap());
+        let back = client.read(vec![pageable, from_pinned]).unwrap();
+        assert_eq!(&back[0][..], &data[..], "pageable upload of {len} bytes");
+        assert_eq!(&back[1][..], &data[..], "pinned upload of {len} bytes");
+    }
+    // A staged buffer reused for several uploads while earlier ones are in
+    // flight: each upload sees the same bytes.
+    let data = pattern(16 << 20, 9);
+    let mut staged = vec![Bytes::from_slice(&data)];
+    client.staging(staged.iter_mut());
+    let staged = staged.pop().unwrap();
+    let handles: Vec<_> = (0..4).map(|_| client.create_from_slice(&staged)).collect();
+    for bytes in client.read(handles).unwrap() {
+        assert_eq!(&bytes[..], &data[..]);
+    }
+    // Reads bigger than the pinned pool's limit go through the chunk ring.
+    let big = pattern(96 << 20, 3);
+    let handle = client.create_from_slice(&big);
+    let reads: Vec<_> = (0..3).map(|_| client.read_one(handle.clone()).unwrap()).collect();
+    for read in &reads {
+        assert_eq!(&read[..], &big[..]);
+    }
+}
+
+/// Fences wait from another thread; cross-stream use waits on an event, not
+/// a device sync, and sees the writer's work.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn events_order_streams_and_fence_the_host() {
+    let writer = client().with_stream(StreamId::fresh());
+    let reader = client().with_stream(StreamId::fresh());
+    let n = 1 << 22;
+    let h = writer.create(Bytes::from_elems(&vec![1.0f32; n]));
+    for _ in 0..20 {
+        writer
+            .launch(
+                &kernels::scale(),
+                GridCount::cover(n, 256),
+                KernelArguments::new().buffer(&h).scalar(Scalar::F32(1.5)),
+            )
+            .unwrap();
+    }
+    let fence = writer.fence().unwrap();
+    let waited = std::thread::spawn(move || fence.wait()).join().unwrap();
+    waited.unwrap();
+    let before = writer.stats().unwrap();
+    let expected = 1.5f32.powi(20);
+    writer
+        .launch(&kernels::scale(), GridCount::cover(n, 256), KernelArguments::new().buffer(&h).scalar(Scalar::F32(2.0)))
+        .unwrap();
+    let back = reader.read_one(h).unwrap().to_elems::<f32>();
+    assert!(back.iter().all(|&v| v == expected * 2.0), "{}", back[0]);
+    let after = writer.stats().unwrap();
+    assert!(after.stream_fences > before.stream_fences);
+    assert_eq!(after.stream_syncs, before.stream_syncs, "no stream was synced for the cross-stream read");
+}
+
+/// A captured graph replays as one CUDA graph launch, sees refreshed inputs,
+/// and `profile` times on the device.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn graph_capture_replays_and_device_timing() {
+    let client = client().with_stream(StreamId::fresh());
+    let n = 1 << 16;
+    let x = client.create(Bytes::from_elems(&vec![1.0f32; n]));
+    let scale = kernels::scale();
+    let run = || {
+        for _ in 0..10 {
+            client
+                .launch(&scale, GridCount::cover(n, 256), KernelArguments::new().buffer(&x).scalar(Scalar::F32(2.0)))
+                .unwrap();
+        }
+    };
+    client.graph_prepare().unwrap();
+    run();
+    client.sync().unwrap();
+    client.start_capture().unwrap();
+    run();
+    let graph = client.stop_capture().unwrap();
+    assert_eq!(client.read_one(x.clone()).unwrap().to_elems::<f32>()[0], 1024.0, "capture ran nothing");
+    assert_eq!(graph.len(), 10, "the graph keeps its launches' buffers alive");
+    let (_, duration) = client.profile(|| graph.replay().unwrap(), "replay").unwrap();
+    assert_eq!(duration.method, TimingMethod::Device);
+    assert_eq!(client.read_one(x.clone()).unwrap().to_elems::<f32>()[0], 1024.0 * 1024.0);
+    client.write(&x, Bytes::from_elems(&vec![3.0f32; n])).unwrap();
+    graph.replay().unwrap();
+    assert_eq!(client.read_one(x).unwrap().to_elems::<f32>(), vec![3072.0; n]);
+}
+
+/// A dynamic grid cannot be captured: refused, and the capture fails.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn dynamic_grid_inside_capture_is_refused() {
+    let client = client().with_stream(StreamId::fresh());
+    let h = client.create(Bytes::from_elems(&[0.0f32; 4]));
+    let grid = client.create(Bytes::from_elems(&[1u32, 1, 1]));
+    client.sync().unwrap();
+    client.start_capture().unwrap();
+    client.launch(&kernels::mark_ran(), GridCount::Dynamic(grid), KernelArguments::new().buffer(&h)).unwrap();
+    let _ = client.stop_capture();
+    let err = client.read_one(h).unwrap_err();
+    assert!(err.to_string().contains("dynamic grid"), "{err}");
+    client.sync().unwrap();
+}
+
+/// The same source compiles once: a second kernel with it hits the memory
+/// cache, and a fresh device opening loads it from the disk cache.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn nvrtc_cache_hits_on_second_compile() {
+    let dir = std::env::temp_dir().join(format!("cohort-nvrtc-test-{}", std::process::id()));
+    std::env::set_var("COHORT_CACHE_DIR", &dir);
+    let unique = format!("{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+    let source = format!(
+        "extern \"C\" __global__ void add_const(float* x, unsigned long long len, float c) {{\n    // {unique}\n    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;\n    if (i < len / 4) x[i] += c;\n}}"
+    );
+    let make = || Kernel::new("add_const").with_cuda(source.clone());
+    let client = client().with_stream(StreamId::fresh());
+    let h = client.create(Bytes::from_elems(&[0.0f32; 8]));
+    let launch = |k: &Kernel| {
+        client
+            .launch(k, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&h).scalar(Scalar::F32(1.0)))
+            .unwrap();
+        client.sync().unwrap();
+    };
+    let start = nvrtc_cache_stats();
+    launch(&make());
+    let first = nvrtc_cache_stats();
+    assert_eq!(first.compiles, start.compiles + 1, "first use compiles");
+    let t = std::time::Instant::now();
+    launch(&make());
+    println!("second launch with the same source took {:?}", t.elapsed());
+    let second = nvrtc_cache_stats();
+    assert_eq!(second.compiles, first.compiles, "no second compile");
+    assert!(second.memory_hits > first.memory_hits, "memory cache hit");
+    let files: Vec<_> = std::fs::read_dir(dir.join("nvrtc")).unwrap().collect();
+    assert!(!files.is_empty(), "the cubin was stored on disk");
+    assert_eq!(client.read_one(h).unwrap().to_elems::<f32>(), vec![2.0; 8]);
+    std::env::remove_var("COHORT_CACHE_DIR");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A compile error carries NVRTC's log and names the kernel; the client
+/// stays usable.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn compile_errors_carry_the_log() {
+    let client = client();
+    let h = client.create(Bytes::from_elems(&[1.0f32; 4]));
+    let kernel = Kernel::new("broken")
+        .with_cuda("extern \"C\" __global__ void broken(float* x, unsigned long long n) { undeclared_name = 1; }");
+    client.launch(&kernel, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&h)).unwrap();
+    let err = client.read_one(h).unwrap_err();
+    let ServerError::KernelFailed { kernel, reason, .. } = &err else { panic!("{err}") };
+    assert_eq!(kernel, "broken");
+    assert!(reason.contains("undeclared_name"), "{reason}");
+    println!("{err}");
+}

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Builds the GPU test and bench executables here (where the Rust toolchain
+# is) and bundles them into gpu-bundle/ with run.sh, which runs them on a GPU
+# machine that has no toolchain:
+#
+#   scripts/gpu-bundle.sh            # build and bundle
+#   cd gpu-bundle && ./run.sh        # on the GPU machine: tests, then benches
+#   ./run.sh tests | ./run.sh bench  # one half only
+#   TESTS='cuda_*' ./run.sh tests    # only some test binaries
+#
+# run.sh writes one log, $OUT/gpu-run.log (OUT defaults to ./out), and prints
+# a summary last. Binaries are built without debug info and stripped to keep
+# the bundle small.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+bundle=$root/gpu-bundle
+export CARGO_PROFILE_RELEASE_DEBUG=0
+
+rm -rf "$bundle"
+mkdir -p "$bundle/tests" "$bundle/examples" "$bundle/scripts"
+
+# Integration test executables of each package that builds (comm's when it
+# has GPU tests too).
+collect_tests() {
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"] and "test" in m["target"]["kind"]:
+        print(m["executable"])
+'
+}
+for package in cohort-runtime cohort-comm; do
+    if ! cargo test --release --no-run --tests -p "$package" --message-format=json >"$bundle/.build-$package.json" 2>"$bundle/.build-$package.err"; then
+        echo "warning: the tests of $package did not build; skipping them (see gpu-bundle/.build-$package.err)" >&2
+    fi
+    collect_tests <"$bundle/.build-$package.json" | while read -r exe; do
+        name=$(basename "$exe" | sed 's/-[0-9a-f]\{16\}$//')
+        cp "$exe" "$bundle/tests/$name"
+    done
+    rm -f "$bundle/.build-$package.json"
+done
+
+cargo build --release --examples
+for exe in "$root"/target/release/examples/*; do
+    [ -f "$exe" ] && [ -x "$exe" ] || continue
+    case "$(basename "$exe")" in *-*|*.d) continue ;; esac
+    cp "$exe" "$bundle/examples/"
+done
+cp -r "$root/scripts/anchors" "$bundle/scripts/"
+strip "$bundle"/tests/* "$bundle"/examples/* 2>/dev/null || true
+
+cat >"$bundle/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the bundled GPU tests and benches; see scripts/gpu-bundle.sh.
+set -uo pipefail
+cd "$(dirname "$0")"
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+log=$OUT/gpu-run.log
+: >"$log"
+what=${1:-all}
+
+# NVRTC: add the folder of libnvrtc.so.13 (CUDA toolkit or pip wheel) when
+# the loader would not find it.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc.so'; then
+    nvrtc=$(find /usr/local /usr/lib /opt -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
+    [ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export COHORT_CACHE_DIR=${COHORT_CACHE_DIR:-/tmp/cohort-cache}
+{
+    echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+} 2>&1 | tee -a "$log"
+
+summary=()
+if [ "$what" = all ] || [ "$what" = tests ]; then
+    for t in tests/${TESTS:-*}; do
+        [ -x "$t" ] || continue
+        echo "== test $(basename "$t")" | tee -a "$log"
+        timeout "${TEST_TIMEOUT:-300}" "$t" --include-ignored --test-threads="${TEST_THREADS:-1}" ${TEST_FILTER:-} 2>&1 | tee -a "$log"
+        rc=${PIPESTATUS[0]}
+        result=$(grep -a '^test result:' "$log" | tail -1)
+        summary+=("$(basename "$t"): rc=$rc ${result#test result: }")
+    done
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+    for b in examples/cuda_runtime_bench; do
+        [ -x "$b" ] || continue
+        echo "== bench $(basename "$b")" | tee -a "$log"
+        timeout 300 "$b" 2>&1 | tee -a "$log"
+        summary+=("$(basename "$b"): rc=${PIPESTATUS[0]}")
+    done
+    if command -v python3 >/dev/null; then
+        echo "== anchor torch_runtime.py" | tee -a "$log"
+        PYTHONUNBUFFERED=1 timeout 300 python3 scripts/anchors/torch_runtime.py 2>&1 | tee -a "$log"
+        summary+=("torch_runtime.py: rc=${PIPESTATUS[0]}")
+    fi
+fi
+echo "== summary" | tee -a "$log"
+printf '%s\n' "${summary[@]}" | tee -a "$log"
+RUN
+chmod +x "$bundle/run.sh"
+du -sh "$bundle"
+ls -la "$bundle/tests" "$bundle/examples"
