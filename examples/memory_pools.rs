@@ -10,10 +10,7 @@ const MIB: usize = 1024 * 1024;
 
 fn usage(client: &Client, label: &str) {
     let u = client.memory_report(MemoryScope::CurrentStream).expect("memory report").total;
-    println!(
-        "{label:<34} allocs={:<3} in_use={:>9} reserved={:>9}",
-        u.allocations, u.bytes_in_use, u.bytes_reserved
-    );
+    println!("{label:<34} allocs={:<3} in_use={:>9} reserved={:>9}", u.allocations, u.bytes_in_use, u.bytes_reserved);
 }
 
 fn pools(client: &Client) {

@@ -53,7 +53,10 @@ fn row(what: &str, ours: Duration, baseline_name: &str, baseline: Duration) {
 }
 
 fn main() -> Result<(), ServerError> {
-    println!("cohort runtime_bench on the cpu backend ({} host threads)", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    println!(
+        "cohort runtime_bench on the cpu backend ({} host threads)",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    );
     println!("{:<38} {:>13}   {:<28} {:>13}", "measure", "cohort", "baseline", "baseline");
     let mut storage = SystemPages::default();
     let mut pools = MemoryPools::new(&MemoryPoolsConfig::default()).expect("default layout");
@@ -93,7 +96,11 @@ fn main() -> Result<(), ServerError> {
     let submit = per_op(200_000, || client.submit(|_| {}).unwrap());
     let channel_send = {
         let (tx, rx) = crossbeam::channel::unbounded::<Box<dyn FnOnce() + Send>>();
-        let drain = std::thread::spawn(move || while let Ok(f) = rx.recv() { f() });
+        let drain = std::thread::spawn(move || {
+            while let Ok(f) = rx.recv() {
+                f()
+            }
+        });
         let d = per_op(200_000, || tx.send(Box::new(|| {})).unwrap());
         drop(tx);
         drain.join().unwrap();
@@ -102,7 +109,12 @@ fn main() -> Result<(), ServerError> {
     row("submit (enqueue, no wait)", submit, "bare boxed-closure send", channel_send);
     client.sync()?;
     let create = per_op(100_000, || drop(black_box(client.empty(1024))));
-    row("client.empty(1 KiB) + drop (enqueue)", create, "system allocator 1 KiB", per_op(100_000, || drop(black_box(Vec::<u8>::with_capacity(1024)))));
+    row(
+        "client.empty(1 KiB) + drop (enqueue)",
+        create,
+        "system allocator 1 KiB",
+        per_op(100_000, || drop(black_box(Vec::<u8>::with_capacity(1024)))),
+    );
     let read = per_op(20_000, || {
         let h = client.empty(4);
         black_box(client.read_one(h).unwrap());

@@ -44,6 +44,10 @@ pub enum ServerError {
     /// The backend's driver returned an error.
     #[error("{backend} driver error on {device}: {message}")]
     Backend { backend: &'static str, device: DeviceId, message: String },
+    /// A collective (all-reduce, broadcast, ...) failed: a member did not
+    /// arrive in time, the transport broke, or the members disagreed.
+    #[error("{collective} failed on {device}: {reason}")]
+    Collective { collective: String, device: DeviceId, reason: String },
     /// This buffer was not written because an earlier operation failed; the
     /// cause is that operation's error.
     #[error("buffer was not written because {operation} failed: {cause}")]

@@ -23,8 +23,10 @@ mod state;
 
 pub use access::{BufferAccess, HostPtr};
 pub use backend::cpu::CpuRuntime;
-#[cfg(feature = "cuda")] pub use backend::cuda::CudaRuntime;
-#[cfg(feature = "wgpu")] pub use backend::wgpu::WgpuRuntime;
+#[cfg(feature = "cuda")]
+pub use backend::cuda::CudaRuntime;
+#[cfg(feature = "wgpu")]
+pub use backend::wgpu::WgpuRuntime;
 pub use bytes::{AlignedBytes, Bytes};
 pub use client::{Client, Fence, MemoryReport, MemoryScope};
 pub use device::{close_device, shutdown, BackendFactory};

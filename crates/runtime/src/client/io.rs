@@ -232,8 +232,7 @@ impl Client {
             if len == 0 {
                 continue;
             }
-            let Ok(Some(mut pinned)) = self.device().run(stream, move |state| state.backend.staging_memory(len))
-            else {
+            let Ok(Some(mut pinned)) = self.device().run(stream, move |state| state.backend.staging_memory(len)) else {
                 continue;
             };
             pinned.as_mut_slice().copy_from_slice(source);

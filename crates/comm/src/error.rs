@@ -1,0 +1,82 @@
+//! The errors of forming a group and of calling a collective.
+
+use cohort_runtime::{DeviceId, ServerError};
+
+/// Why a group could not be formed or a collective was refused.
+///
+/// Argument errors are returned before anything is queued on any member: no
+/// buffer is written or marked. Failures while a collective runs are not
+/// returned here: they mark every destination of the collective, and a read
+/// of one returns the cause as a [`ServerError`].
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum CommError {
+    /// `ClientGroup::new` got no clients.
+    #[error("a group needs at least one client; pass one client per device")]
+    EmptyGroup,
+    /// One device was listed twice.
+    #[error(
+        "device {device} is listed twice (members {first} and {second}): a group holds one client per device; \
+         drop the duplicate"
+    )]
+    DuplicateDevice { device: DeviceId, first: usize, second: usize },
+    /// Clients of different runtimes were mixed in one group.
+    #[error(
+        "member {member} is a {other} client but member 0 is a {first} client: a group holds clients of one \
+         runtime; move buffers between runtimes with `to_client`"
+    )]
+    MixedRuntimes { member: usize, first: &'static str, other: &'static str },
+    /// The number of buffers given is not one per member.
+    #[error("{operation}: {what} has {got} buffers but the group has {expected} members; pass one per member")]
+    BufferCount { operation: &'static str, what: &'static str, expected: usize, got: usize },
+    /// A buffer belongs to another device than its member's.
+    #[error(
+        "{operation}: {what} of member {member} is on {handle_device} but member {member} is {member_device}; \
+         pass each member a buffer of its own device (move it with `to_client`)"
+    )]
+    ForeignHandle {
+        operation: &'static str,
+        what: &'static str,
+        member: usize,
+        handle_device: DeviceId,
+        member_device: DeviceId,
+    },
+    /// A buffer is not a whole number of elements.
+    #[error(
+        "{operation}: {what} of member {member} holds {bytes} bytes, which is not a whole number of {dtype} \
+         elements ({elem} bytes each)"
+    )]
+    PartialElement {
+        operation: &'static str,
+        what: &'static str,
+        member: usize,
+        bytes: u64,
+        dtype: String,
+        elem: usize,
+    },
+    /// A buffer has the wrong size for the collective.
+    #[error("{operation}: {what} of member {member} holds {got} bytes but must hold {expected} bytes ({why})")]
+    WrongSize { operation: &'static str, what: &'static str, member: usize, expected: u64, got: u64, why: String },
+    /// A root (or send/recv endpoint) is not a member.
+    #[error("{operation}: {what} {index} is not a member: the group has members 0..{members}")]
+    NotAMember { operation: &'static str, what: &'static str, index: usize, members: usize },
+    /// A member's source and destination overlap in a way the collective
+    /// cannot run in place.
+    #[error("{operation}: the source and destination of member {member} overlap: {detail}")]
+    Overlap { operation: &'static str, member: usize, detail: String },
+    /// A member's stream is inside a graph capture window.
+    #[error(
+        "{operation}: member {member}'s stream is capturing a graph; host-staged collectives cannot be captured, \
+         run it before start_capture or after stop_capture"
+    )]
+    Capturing { operation: &'static str, member: usize },
+    /// The host path asked for is not available on this runtime.
+    #[error("the direct host path needs device memory the host can address; {backend} devices cannot: use HostPath::Staged or HostPath::Auto")]
+    DirectUnsupported { backend: &'static str },
+    /// A member's part could not be queued (its device closed, say). The
+    /// members already queued fail at once and mark their destinations.
+    #[error("{operation}: could not queue member {member}'s part on {device}: {source}")]
+    Enqueue { operation: &'static str, member: usize, device: DeviceId, source: ServerError },
+    /// A collective the caller waits on (barrier, `to_client`) failed.
+    #[error("{operation} failed: {source}")]
+    Failed { operation: &'static str, source: ServerError },
+}

@@ -1,0 +1,203 @@
+//! [`ClientGroup`]: one client per device of one runtime, in one process,
+//! and the collectives across them.
+
+mod check;
+mod collectives;
+
+pub use collectives::to_client;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cohort_runtime::{Client, Handle};
+
+use crate::collective::Kind;
+use crate::error::CommError;
+use crate::host::{default_timeout, Collective, HostPath, Participant, Ticket};
+use crate::order::{communicator, enqueue_lock, DeviceSetComm};
+
+/// Default bytes per pipelined chunk on the staged host path.
+pub const DEFAULT_STAGE_CHUNK: usize = 4 << 20;
+
+/// One client per device of one runtime, in one process.
+///
+/// Its collectives take one buffer per member (index `i` belongs to member
+/// `i`'s device), check their arguments before anything is queued, then
+/// queue each member's part on that member's device thread, in one
+/// process-wide order, and return at once. A later read (or any work) of a
+/// destination on its device runs after the collective, so there is no
+/// separate sync to call. A collective that fails marks every destination
+/// it should have written, on every member, with the cause.
+///
+/// Cloning is cheap; clones share the cached communicator.
+#[derive(Debug, Clone)]
+pub struct ClientGroup {
+    clients: Vec<Client>,
+    communicator: Arc<DeviceSetComm>,
+    direct: bool,
+    timeout: Duration,
+    stage_chunk: usize,
+}
+
+/// One buffer's worth of a collective for one member: what it sends and
+/// what it receives.
+pub(crate) struct Part {
+    member: usize,
+    input: Option<Handle>,
+    output: Option<Handle>,
+}
+
+impl ClientGroup {
+    /// A group over `clients`, member `i` being `clients[i]`.
+    ///
+    /// Refuses an empty list, a device listed twice and clients of different
+    /// runtimes. The first group over a set of devices sets up its
+    /// communicator (cached by the sorted device set), which waits for one
+    /// small task on each device; later groups over the same set do not wait.
+    pub fn new(clients: Vec<Client>) -> Result<ClientGroup, CommError> {
+        let Some(first) = clients.first() else {
+            return Err(CommError::EmptyGroup);
+        };
+        for (member, client) in clients.iter().enumerate() {
+            if client.name() != first.name() {
+                return Err(CommError::MixedRuntimes { member, first: first.name(), other: client.name() });
+            }
+            if let Some(earlier) = clients[..member].iter().position(|c| c.device_id() == client.device_id()) {
+                return Err(CommError::DuplicateDevice { device: client.device_id(), first: earlier, second: member });
+            }
+        }
+        let communicator = communicator(&clients);
+        let direct = communicator.host_addressable();
+        Ok(ClientGroup { clients, communicator, direct, timeout: default_timeout(), stage_chunk: DEFAULT_STAGE_CHUNK })
+    }
+
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Always `false`: a group has at least one member.
+    pub fn is_empty(&self) -> bool {
+        self.clients.is_empty()
+    }
+
+    /// The members' clients, in member order.
+    pub fn clients(&self) -> &[Client] {
+        &self.clients
+    }
+
+    /// Member `member`'s client. Panics when `member >= len()`.
+    pub fn client(&self, member: usize) -> &Client {
+        &self.clients[member]
+    }
+
+    /// The communicator this group's collectives go through (shared by every
+    /// group over the same set of devices).
+    pub fn communicator(&self) -> &DeviceSetComm {
+        &self.communicator
+    }
+
+    /// How long a member waits for the others in each collective before the
+    /// collective fails and marks its destinations (default: 10 minutes, or
+    /// `COHORT_TIMEOUT` seconds).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// This group with another collective timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> ClientGroup {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Whether collectives take the direct host path (`true`: reduce in
+    /// device memory through host pointers) or the staged one.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// This group with a chosen host path. `Direct` is refused where a
+    /// member's memory is not host-addressable.
+    pub fn with_host_path(mut self, path: HostPath) -> Result<ClientGroup, CommError> {
+        let addressable = self.communicator.host_addressable();
+        self.direct = match path {
+            HostPath::Auto => addressable,
+            HostPath::Staged => false,
+            HostPath::Direct if addressable => true,
+            HostPath::Direct => return Err(CommError::DirectUnsupported { backend: self.clients[0].name() }),
+        };
+        Ok(self)
+    }
+
+    /// This group with `bytes` per pipelined chunk on the staged path
+    /// (rounded down to a multiple of 16, at least 16; default 4 MiB).
+    pub fn with_stage_chunk(mut self, bytes: usize) -> ClientGroup {
+        self.stage_chunk = (bytes / 16 * 16).max(16);
+        self
+    }
+
+    /// Waits for everything queued on every member's stream (this thread's
+    /// stream, or the pinned one) and returns the first error found.
+    pub fn sync(&self) -> Result<(), CommError> {
+        for client in &self.clients {
+            client.sync().map_err(|source| CommError::Failed { operation: "sync", source })?;
+        }
+        Ok(())
+    }
+
+    /// Queues every part of one collective, under the process-wide order.
+    /// Returns the collective (to wait on, for barriers) once all parts are
+    /// queued; a part that could not be queued fails the whole collective.
+    fn launch(&self, kind: Kind, seg: usize, parts: Vec<Part>) -> Result<Arc<Collective>, CommError> {
+        let operation = kind.name();
+        for part in &parts {
+            if self.clients[part.member].is_capturing() {
+                return Err(CommError::Capturing { operation, member: part.member });
+            }
+        }
+        let participants: Vec<Participant> = parts
+            .iter()
+            .map(|p| Participant { member: p.member, device: self.clients[p.member].device_id() })
+            .collect();
+        let collective = Collective::new(kind, seg, participants, self.timeout, self.direct, self.stage_chunk);
+        let mut tasks = Vec::with_capacity(parts.len());
+        for (slot, part) in parts.iter().enumerate() {
+            let (inputs, outputs) =
+                collective.task_buffers(slot, part.input.as_ref(), part.output.as_ref()).map_err(|source| {
+                    CommError::Enqueue {
+                        operation,
+                        member: part.member,
+                        device: self.clients[part.member].device_id(),
+                        source,
+                    }
+                })?;
+            tasks.push((part.member, inputs, outputs, Ticket::new(&collective, slot)));
+        }
+        let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
+        tracing::trace!(
+            operation,
+            sequence,
+            bytes = seg,
+            members = tasks.len(),
+            direct = self.direct,
+            "queue collective"
+        );
+        let mut failed = None;
+        let order = enqueue_lock();
+        for (member, inputs, outputs, ticket) in tasks {
+            let client = &self.clients[member];
+            // A part that cannot be queued drops its ticket, which fails the
+            // collective for the parts already queued.
+            let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| ticket.run(access));
+            if let Err(source) = queued {
+                failed.get_or_insert(CommError::Enqueue { operation, member, device: client.device_id(), source });
+            }
+        }
+        drop(order);
+        match failed {
+            Some(err) => Err(err),
+            None => Ok(collective),
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! The direct path: participants publish the host addresses of their device
+//! buffers and the last to arrive runs the collective over them in parallel
+//! chunks, while the others wait on their device threads.
+//!
+//! Who touches which bytes when: a participant's task publishes its
+//! addresses and then blocks on the rendezvous until the collective is
+//! `done`; it never touches its buffers in between, and once every
+//! participant arrived none of them returns before `done` (no timeout
+//! applies then), so the memory stays reserved and untouched by its device
+//! thread. The last arriver splits the segment into disjoint byte windows;
+//! each rayon task owns one window `[a, a + len)` of every segment of every
+//! buffer, so no two threads read or write the same byte, except reads of
+//! one input by several windows' tasks, which never overlap a write (the
+//! argument checks only let a destination alias its own source in the
+//! layouts `run_window` handles).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cohort_runtime::{BufferAccess, ServerError};
+use rayon::prelude::*;
+
+use super::Collective;
+use crate::collective::{run_window, Kind, Window};
+
+/// Bytes of one window on the direct path: the accumulator stays in the
+/// core's L2 cache while it is reduced and copied out.
+const DIRECT_CHUNK: usize = 128 * 1024;
+
+/// Segments from this size on are written with non-temporal stores.
+const STREAM_FROM: usize = 1 << 20;
+
+/// Segment start addresses each participant published (`usize` so the state
+/// stays `Send`; they are turned back into pointers only inside the windows).
+#[derive(Default)]
+pub(super) struct Addresses {
+    ins: Vec<Vec<usize>>,
+    outs: Vec<Vec<usize>>,
+}
+
+impl Addresses {
+    pub(super) fn init(&mut self, n: usize) {
+        self.ins = vec![Vec::new(); n];
+        self.outs = vec![Vec::new(); n];
+    }
+}
+
+impl Collective {
+    /// The addresses of every segment of `slot`'s buffers.
+    fn addresses(&self, slot: usize, access: &mut BufferAccess<'_>) -> Result<(Vec<usize>, Vec<usize>), ServerError> {
+        let n = self.n();
+        let (in_segs, out_segs) = (self.kind.in_segments(slot, n), self.kind.out_segments(slot, n));
+        let backend = self.parts[slot].device.backend_name();
+        let mut index = 0;
+        let mut segments = |segs: usize| -> Result<Vec<usize>, ServerError> {
+            if segs == 0 {
+                return Ok(Vec::new());
+            }
+            let ptr = access.host_ptr(index).ok_or(ServerError::Unsupported {
+                feature: "host-addressable device memory (the direct host path)",
+                backend,
+            })?;
+            index += 1;
+            Ok((0..segs).map(|j| ptr.ptr as usize + j * self.seg).collect())
+        };
+        let ins = segments(in_segs)?;
+        let outs = segments(out_segs)?;
+        Ok((ins, outs))
+    }
+
+    pub(super) fn direct_member(
+        self: &Arc<Self>,
+        slot: usize,
+        access: Result<&mut BufferAccess<'_>, ServerError>,
+    ) -> Result<(), ServerError> {
+        let addresses = access.and_then(|access| self.addresses(slot, access));
+        let mut state = self.state.lock();
+        let (ins, outs) = match addresses {
+            Ok(found) => found,
+            Err(err) => {
+                self.fail_locked(&mut state, err.clone());
+                return Err(err);
+            }
+        };
+        state.direct.ins[slot] = ins;
+        state.direct.outs[slot] = outs;
+        self.arrive(&mut state, slot)?;
+        if state.arrived == self.n() {
+            let (ins, outs) = (state.direct.ins.clone(), state.direct.outs.clone());
+            drop(state);
+            let result = catch_unwind(AssertUnwindSafe(|| self.compute(&ins, &outs))).map_err(|payload| {
+                ServerError::TaskPanicked {
+                    device: self.parts[slot].device,
+                    message: payload
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| payload.downcast_ref::<String>().cloned())
+                        .unwrap_or_default(),
+                }
+            });
+            let mut state = self.state.lock();
+            state.done = true;
+            if let Err(err) = result {
+                return Err(self.fail_locked(&mut state, err));
+            }
+            self.cv.notify_all();
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.timeout;
+        self.wait_arrivals(&mut state, slot, deadline)?;
+        // Everyone arrived: the last arriver is using our memory; wait for it
+        // without a deadline (the work is bounded and must not race a return).
+        while !state.done {
+            self.cv.wait(&mut state);
+        }
+        match &state.failure {
+            Some(err) => Err(err.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs the collective over the published addresses, window by window
+    /// in parallel.
+    fn compute(&self, ins: &[Vec<usize>], outs: &[Vec<usize>]) {
+        let kind = self.kind;
+        let in_place = kind == Kind::AllToAll && ins.iter().zip(outs).all(|(i, o)| i == o);
+        let chunk = DIRECT_CHUNK;
+        // Out of place only: in place, the destination lines were just read
+        // and are in cache, so plain stores are cheaper.
+        let aliased = ins.iter().zip(outs).any(|(i, o)| i.iter().any(|a| o.contains(a)));
+        let stream = self.seg >= STREAM_FROM && !aliased;
+        let chunks = self.seg.div_ceil(chunk);
+        (0..chunks).into_par_iter().for_each(|c| {
+            let start = c * chunk;
+            let len = chunk.min(self.seg - start);
+            let win_ins: Vec<Vec<*const u8>> =
+                ins.iter().map(|segs| segs.iter().map(|&a| (a + start) as *const u8).collect()).collect();
+            let win_outs: Vec<Vec<*mut u8>> =
+                outs.iter().map(|segs| segs.iter().map(|&a| (a + start) as *mut u8).collect()).collect();
+            let window = Window { ins: &win_ins, outs: &win_outs, len, in_place, stream };
+            // SAFETY: every address is a segment start inside a buffer whose
+            // task is blocked on this collective (see the module docs), so
+            // the memory is alive and untouched by its device thread; this
+            // task owns window [start, start + len) of every segment, which no
+            // other window overlaps; sources alias destinations only in place
+            // (checked before queueing).
+            unsafe { run_window(&kind, &window) };
+        });
+    }
+}

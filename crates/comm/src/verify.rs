@@ -1,0 +1,413 @@
+//! Checking collectives against the host: buffer layouts for each
+//! collective (in and out of place), input patterns, a host reference
+//! computed independently of the engine, and an element-wise comparison.
+//! The tests and `all_reduce_bench` share it.
+//!
+//! The reference reduces floats in `f64` (member order) and rounds once, so
+//! floats are compared within a relative tolerance ([`tolerance`]); integers
+//! are reduced with wrapping arithmetic and compared exactly.
+
+use cohort_runtime::{Bytes, Handle, ServerError};
+use half::{bf16, f16};
+
+use crate::error::CommError;
+use crate::group::ClientGroup;
+use crate::ops::{DType, ReduceOp};
+
+/// A collective, as the bench and tests name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CollectiveOp {
+    /// [`ClientGroup::all_reduce`].
+    AllReduce,
+    /// [`ClientGroup::reduce`].
+    Reduce,
+    /// [`ClientGroup::broadcast`].
+    Broadcast,
+    /// [`ClientGroup::all_gather`].
+    AllGather,
+    /// [`ClientGroup::reduce_scatter`].
+    ReduceScatter,
+    /// [`ClientGroup::all_to_all`].
+    AllToAll,
+    /// [`ClientGroup::gather`].
+    Gather,
+    /// [`ClientGroup::scatter`].
+    Scatter,
+    /// A ring of paired send/recv: member `m` sends to member `m + 1`.
+    SendRecv,
+}
+
+impl CollectiveOp {
+    /// Every collective, in a fixed order.
+    pub const ALL: [CollectiveOp; 9] = [
+        CollectiveOp::AllReduce,
+        CollectiveOp::Reduce,
+        CollectiveOp::Broadcast,
+        CollectiveOp::AllGather,
+        CollectiveOp::ReduceScatter,
+        CollectiveOp::AllToAll,
+        CollectiveOp::Gather,
+        CollectiveOp::Scatter,
+        CollectiveOp::SendRecv,
+    ];
+
+    /// The name of the `ClientGroup` method.
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "all_reduce",
+            CollectiveOp::Reduce => "reduce",
+            CollectiveOp::Broadcast => "broadcast",
+            CollectiveOp::AllGather => "all_gather",
+            CollectiveOp::ReduceScatter => "reduce_scatter",
+            CollectiveOp::AllToAll => "all_to_all",
+            CollectiveOp::Gather => "gather",
+            CollectiveOp::Scatter => "scatter",
+            CollectiveOp::SendRecv => "send_recv",
+        }
+    }
+
+    /// Parses a name as [`CollectiveOp::name`] gives it (`-` for `_` too).
+    pub fn parse(name: &str) -> Option<CollectiveOp> {
+        CollectiveOp::ALL.into_iter().find(|op| op.name() == name.replace('-', "_"))
+    }
+
+    /// Whether it reduces (takes a [`ReduceOp`]).
+    pub fn reduces(self) -> bool {
+        matches!(self, CollectiveOp::AllReduce | CollectiveOp::Reduce | CollectiveOp::ReduceScatter)
+    }
+
+    /// Whether it takes a root.
+    pub fn rooted(self) -> bool {
+        matches!(self, CollectiveOp::Reduce | CollectiveOp::Broadcast | CollectiveOp::Gather | CollectiveOp::Scatter)
+    }
+
+    /// Whether it has an in-place form.
+    pub fn has_in_place(self) -> bool {
+        self != CollectiveOp::SendRecv
+    }
+
+    /// nccl-tests' bus-bandwidth factor over `n` members: busbw = algbw ×
+    /// factor, where algbw = size / time and size is the largest buffer.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            CollectiveOp::AllReduce => 2.0 * (n - 1.0) / n,
+            CollectiveOp::AllGather
+            | CollectiveOp::ReduceScatter
+            | CollectiveOp::AllToAll
+            | CollectiveOp::Gather
+            | CollectiveOp::Scatter => (n - 1.0) / n,
+            CollectiveOp::Reduce | CollectiveOp::Broadcast | CollectiveOp::SendRecv => 1.0,
+        }
+    }
+
+    /// The least memory traffic of the collective on one host, in copies of
+    /// `size` bytes (one copy reads and writes `size` bytes): half of the
+    /// bytes every input must be read and every output written. All-reduce
+    /// reads n buffers and writes n: `n`.
+    pub fn host_copies(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            CollectiveOp::AllReduce | CollectiveOp::AllToAll => n,
+            CollectiveOp::Reduce | CollectiveOp::Broadcast | CollectiveOp::AllGather | CollectiveOp::ReduceScatter => {
+                (n + 1.0) / 2.0
+            }
+            CollectiveOp::Gather | CollectiveOp::Scatter | CollectiveOp::SendRecv => 1.0,
+        }
+    }
+}
+
+/// The buffers of one collective call, and the host copy of its inputs.
+pub struct Buffers {
+    /// The collective the buffers are laid out for.
+    pub op: CollectiveOp,
+    /// Their element type.
+    pub dtype: DType,
+    /// The root of rooted collectives.
+    pub root: usize,
+    /// Whether sources and destinations share memory in the in-place layout.
+    pub in_place: bool,
+    /// Bytes of the largest buffer (nccl-tests' "size").
+    pub size: usize,
+    /// Bytes of one member's block (`size / n` for gathers and scatters).
+    pub block: usize,
+    /// Each member's source.
+    pub src: Vec<Handle>,
+    /// Each member's destination.
+    pub dst: Vec<Handle>,
+    /// What each member's source holds.
+    pub inputs: Vec<Vec<u8>>,
+}
+
+/// Input pattern of `member`: small positive integers, exact in every type.
+pub fn pattern(dtype: DType, member: usize, bytes: usize) -> Vec<u8> {
+    let count = bytes / dtype.size();
+    let values = (0..count).map(|i| ((member * 7 + i * 3) % 11 + 1) as f64);
+    store(dtype, values.map(Value::F).collect::<Vec<_>>().as_slice())
+}
+
+impl Buffers {
+    /// Buffers for `op` of about `size` bytes (rounded down to whole blocks
+    /// of `dtype` per member) on every member, inputs filled with
+    /// [`pattern`]. Queues the uploads and returns.
+    pub fn new(
+        group: &ClientGroup,
+        op: CollectiveOp,
+        dtype: DType,
+        size: usize,
+        in_place: bool,
+        root: usize,
+    ) -> Buffers {
+        let n = group.len();
+        let e = dtype.size();
+        let blocked = matches!(
+            op,
+            CollectiveOp::AllGather
+                | CollectiveOp::ReduceScatter
+                | CollectiveOp::AllToAll
+                | CollectiveOp::Gather
+                | CollectiveOp::Scatter
+        );
+        let size = if blocked { size / (n * e) * n * e } else { size / e * e };
+        let block = if blocked { size / n } else { size };
+        let in_place = in_place && op.has_in_place();
+        let (src_bytes, dst_bytes) = match op {
+            CollectiveOp::AllGather | CollectiveOp::Gather => (block, size),
+            CollectiveOp::ReduceScatter | CollectiveOp::Scatter => (size, block),
+            _ => (size, size),
+        };
+        let mut src = Vec::new();
+        let mut dst = Vec::new();
+        for (m, client) in group.clients().iter().enumerate() {
+            let input = Bytes::from(pattern(dtype, m, src_bytes));
+            let (s, d) = if !in_place {
+                (client.create(input), client.create(Bytes::from(vec![0u8; dst_bytes])))
+            } else {
+                let outer_is_dst = matches!(op, CollectiveOp::AllGather | CollectiveOp::Gather);
+                let outer = client.create(Bytes::from(vec![0u8; src_bytes.max(dst_bytes)]));
+                let at = if matches!(op, CollectiveOp::Gather | CollectiveOp::Scatter) && m != root {
+                    None
+                } else if blocked && op != CollectiveOp::AllToAll {
+                    Some((m * block) as u64)
+                } else {
+                    Some(0)
+                };
+                match at {
+                    None if outer_is_dst => (client.create(input), outer),
+                    None => (outer, client.create(Bytes::from(vec![0u8; dst_bytes]))),
+                    Some(at) => {
+                        let inner_len = if outer_is_dst { src_bytes } else { dst_bytes } as u64;
+                        let inner = outer.slice(at, inner_len).expect("the block lies inside its buffer");
+                        let (s, d) = if outer_is_dst { (inner, outer) } else { (outer, inner) };
+                        client.write(&s, input).expect("the source is on its member's device");
+                        (s, d)
+                    }
+                }
+            };
+            src.push(s);
+            dst.push(d);
+        }
+        let inputs = (0..n).map(|m| pattern(dtype, m, src_bytes)).collect();
+        Buffers { op, dtype, root, in_place, size, block, src, dst, inputs }
+    }
+
+    /// Writes the inputs again (an in-place run overwrote them).
+    pub fn refill(&self, group: &ClientGroup) -> Result<(), ServerError> {
+        for (m, client) in group.clients().iter().enumerate() {
+            client.write(&self.src[m], Bytes::from(self.inputs[m].clone()))?;
+        }
+        Ok(())
+    }
+
+    /// Queues the collective once (a ring of `n` transfers for send/recv).
+    pub fn run(&self, group: &ClientGroup, op: ReduceOp) -> Result<(), CommError> {
+        let (dtype, root, n) = (self.dtype, self.root, group.len());
+        match self.op {
+            CollectiveOp::AllReduce => group.all_reduce(&self.src, &self.dst, dtype, op),
+            CollectiveOp::Reduce => group.reduce(&self.src, &self.dst[root], dtype, op, root),
+            CollectiveOp::Broadcast => group.broadcast(&self.src[root], &self.dst, dtype, root),
+            CollectiveOp::AllGather => group.all_gather(&self.src, &self.dst, dtype),
+            CollectiveOp::ReduceScatter => group.reduce_scatter(&self.src, &self.dst, dtype, op),
+            CollectiveOp::AllToAll => group.all_to_all(&self.src, &self.dst, dtype),
+            CollectiveOp::Gather => group.gather(&self.src, &self.dst[root], dtype, root),
+            CollectiveOp::Scatter => group.scatter(&self.src[root], &self.dst, dtype, root),
+            CollectiveOp::SendRecv => {
+                (0..n).try_for_each(|m| group.send_recv(m, &self.src[m], (m + 1) % n, &self.dst[(m + 1) % n], dtype))
+            }
+        }
+    }
+
+    /// The destinations the collective writes, by member.
+    pub fn written(&self, n: usize) -> Vec<usize> {
+        match self.op {
+            CollectiveOp::Reduce | CollectiveOp::Gather => vec![self.root],
+            _ => (0..n).collect(),
+        }
+    }
+
+    /// Reads every written destination and counts the elements that differ
+    /// from the host reference (beyond [`tolerance`] for floats).
+    pub fn wrong(&self, group: &ClientGroup, op: ReduceOp) -> Result<usize, ServerError> {
+        let n = group.len();
+        let want = expected(self.op, self.dtype, op, self.root, self.block, &self.inputs);
+        let mut wrong = 0;
+        for m in self.written(n) {
+            let got = group.client(m).read_one(self.dst[m].clone())?;
+            wrong += count_wrong(self.dtype, &got, want[m].as_deref().unwrap_or(&[]), n);
+        }
+        Ok(wrong)
+    }
+}
+
+/// A decoded element: floats as `f64`, integers as `i128`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value {
+    /// A float element.
+    F(f64),
+    /// An integer element.
+    I(i128),
+}
+
+/// Decodes `bytes` of `dtype` elements.
+pub fn load(dtype: DType, bytes: &[u8]) -> Vec<Value> {
+    let e = dtype.size();
+    bytes
+        .chunks_exact(e)
+        .map(|c| match dtype {
+            DType::F32 => Value::F(f32::from_le_bytes(c.try_into().unwrap()) as f64),
+            DType::F64 => Value::F(f64::from_le_bytes(c.try_into().unwrap())),
+            DType::F16 => Value::F(f16::from_le_bytes(c.try_into().unwrap()).to_f64()),
+            DType::BF16 => Value::F(bf16::from_le_bytes(c.try_into().unwrap()).to_f64()),
+            DType::I8 => Value::I(c[0] as i8 as i128),
+            DType::U8 => Value::I(c[0] as i128),
+            DType::I32 => Value::I(i32::from_le_bytes(c.try_into().unwrap()) as i128),
+            DType::U32 => Value::I(u32::from_le_bytes(c.try_into().unwrap()) as i128),
+            DType::I64 => Value::I(i64::from_le_bytes(c.try_into().unwrap()) as i128),
+            DType::U64 => Value::I(u64::from_le_bytes(c.try_into().unwrap()) as i128),
+        })
+        .collect()
+}
+
+/// Encodes values as `dtype` elements (integers wrap, floats round).
+pub fn store(dtype: DType, values: &[Value]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.len() * dtype.size());
+    for &v in values {
+        let (f, i) = match v {
+            Value::F(f) => (f, f as i128),
+            Value::I(i) => (i as f64, i),
+        };
+        match dtype {
+            DType::F32 => out.extend((f as f32).to_le_bytes()),
+            DType::F64 => out.extend(f.to_le_bytes()),
+            DType::F16 => out.extend(f16::from_f64(f).to_le_bytes()),
+            DType::BF16 => out.extend(bf16::from_f64(f).to_le_bytes()),
+            DType::I8 => out.extend((i as i8).to_le_bytes()),
+            DType::U8 => out.extend((i as u8).to_le_bytes()),
+            DType::I32 => out.extend((i as i32).to_le_bytes()),
+            DType::U32 => out.extend((i as u32).to_le_bytes()),
+            DType::I64 => out.extend((i as i64).to_le_bytes()),
+            DType::U64 => out.extend((i as u64).to_le_bytes()),
+        }
+    }
+    out
+}
+
+/// The host reference of an element-wise reduction of `inputs`.
+pub fn reduce_reference(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> {
+    let loaded: Vec<Vec<Value>> = inputs.iter().map(|b| load(dtype, b)).collect();
+    let n = inputs.len();
+    let wrap = |i: i128| load(dtype, &store(dtype, &[Value::I(i)]))[0];
+    let values: Vec<Value> = (0..loaded[0].len())
+        .map(|i| {
+            let mut acc = loaded[0][i];
+            for input in &loaded[1..] {
+                acc = match (acc, input[i]) {
+                    (Value::F(a), Value::F(b)) => Value::F(match op {
+                        ReduceOp::Sum | ReduceOp::Avg => a + b,
+                        ReduceOp::Prod => a * b,
+                        ReduceOp::Min => a.min(b),
+                        ReduceOp::Max => a.max(b),
+                    }),
+                    (Value::I(a), Value::I(b)) => wrap(match op {
+                        ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                        ReduceOp::Prod => a.wrapping_mul(b),
+                        ReduceOp::Min => a.min(b),
+                        ReduceOp::Max => a.max(b),
+                    }),
+                    _ => unreachable!("one dtype decodes to one kind of value"),
+                };
+            }
+            match (op, acc) {
+                (ReduceOp::Avg, Value::F(a)) => Value::F(a / n as f64),
+                (ReduceOp::Avg, Value::I(a)) => Value::I(a / n as i128),
+                _ => acc,
+            }
+        })
+        .collect();
+    store(dtype, &values)
+}
+
+/// What every member's destination must hold after `op` over `inputs`
+/// (`None` where it is not written).
+pub fn expected(
+    op: CollectiveOp,
+    dtype: DType,
+    rop: ReduceOp,
+    root: usize,
+    block: usize,
+    inputs: &[Vec<u8>],
+) -> Vec<Option<Vec<u8>>> {
+    let n = inputs.len();
+    let all: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+    let blk = |m: usize, k: usize| &inputs[m][k * block..(k + 1) * block];
+    let concat = || inputs.concat();
+    (0..n)
+        .map(|m| match op {
+            CollectiveOp::AllReduce => Some(reduce_reference(dtype, rop, &all)),
+            CollectiveOp::Reduce => (m == root).then(|| reduce_reference(dtype, rop, &all)),
+            CollectiveOp::Broadcast => Some(inputs[root].clone()),
+            CollectiveOp::AllGather => Some(concat()),
+            CollectiveOp::Gather => (m == root).then(concat),
+            CollectiveOp::ReduceScatter => {
+                let parts: Vec<&[u8]> = (0..n).map(|k| blk(k, m)).collect();
+                Some(reduce_reference(dtype, rop, &parts))
+            }
+            CollectiveOp::AllToAll => Some((0..n).flat_map(|k| blk(k, m).to_vec()).collect()),
+            CollectiveOp::Scatter => Some(blk(root, m).to_vec()),
+            CollectiveOp::SendRecv => Some(inputs[(m + n - 1) % n].clone()),
+        })
+        .collect()
+}
+
+/// Relative tolerance of float comparisons against the reference over `n`
+/// members: the engine rounds after every step in the element type, the
+/// reference once. f64: 1e-12 · n, f32: 1e-6 · n, f16: 1e-3 · n, bf16:
+/// 8e-3 · n; integers: exact.
+pub fn tolerance(dtype: DType, n: usize) -> f64 {
+    let per_step = match dtype {
+        DType::F64 => 1e-12,
+        DType::F32 => 1e-6,
+        DType::F16 => 1e-3,
+        DType::BF16 => 8e-3,
+        _ => 0.0,
+    };
+    per_step * n as f64
+}
+
+/// How many elements of `got` differ from `want` (length differences count
+/// every missing element).
+pub fn count_wrong(dtype: DType, got: &[u8], want: &[u8], n: usize) -> usize {
+    let (g, w) = (load(dtype, got), load(dtype, want));
+    let tol = tolerance(dtype, n);
+    let mismatched = g
+        .iter()
+        .zip(&w)
+        .filter(|(g, w)| match (g, w) {
+            (Value::F(g), Value::F(w)) => {
+                !(g == w || (g.is_nan() && w.is_nan()) || (g - w).abs() <= tol * w.abs().max(1.0))
+            }
+            (g, w) => g != w,
+        })
+        .count();
+    mismatched + g.len().abs_diff(w.len())
+}
