@@ -19,6 +19,7 @@ mod host;
 pub mod launch_env;
 mod ops;
 mod order;
+pub mod trace;
 pub mod verify;
 
 pub use error::CommError;

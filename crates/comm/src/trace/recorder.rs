@@ -1,0 +1,276 @@
+//! The flight recorder: the last collectives of this process, in memory.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use super::now_micros;
+
+/// What identifies a collective across ranks: every rank must call the same
+/// sequence of these. Two ranks whose fingerprints differ at one sequence
+/// number have desynchronised.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectiveFingerprint {
+    /// Position in this communicator's sequence of collectives (from 0).
+    pub seq: u64,
+    /// "all_reduce", "broadcast", ...
+    pub kind: String,
+    /// The reduction, for reducing collectives.
+    pub op: Option<String>,
+    /// Element type, e.g. "f32".
+    pub dtype: String,
+    /// Elements per rank's source.
+    pub count: u64,
+    /// Root rank, for rooted collectives.
+    pub root: Option<usize>,
+}
+
+impl fmt::Display for CollectiveFingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{} {}", self.seq, self.kind)?;
+        if let Some(op) = &self.op {
+            write!(f, "({op})")?;
+        }
+        write!(f, " {} × {}", self.count, self.dtype)?;
+        if let Some(root) = self.root {
+            write!(f, " root {root}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a recorded collective got to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RecordState {
+    /// Queued; not every local device has started it.
+    Started,
+    Completed,
+    Failed(String),
+}
+
+/// One collective as this process saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectiveRecord {
+    /// Which communicator or group (a name stable across ranks).
+    pub group: String,
+    pub fingerprint: CollectiveFingerprint,
+    /// Microseconds since the Unix epoch.
+    pub started_us: u64,
+    pub ended_us: Option<u64>,
+    pub state: RecordState,
+}
+
+/// A rank's recorder written to disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecorderDump {
+    pub rank: usize,
+    pub world_size: usize,
+    pub host: String,
+    pub pid: u32,
+    /// Why it was written: "timeout", "signal", "request", ...
+    pub reason: String,
+    pub written_us: u64,
+    /// Oldest first.
+    pub records: Vec<CollectiveRecord>,
+}
+
+/// The last collectives of this process (a ring buffer; old ones fall off).
+pub struct FlightRecorder {
+    capacity: usize,
+    identity: Mutex<(usize, usize)>,
+    records: Mutex<VecDeque<CollectiveRecord>>,
+}
+
+impl FlightRecorder {
+    /// A recorder keeping the last `capacity` collectives (0 keeps none).
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            identity: Mutex::new((0, 1)),
+            records: Mutex::new(VecDeque::with_capacity(capacity.min(4096))),
+        }
+    }
+
+    /// The process-wide recorder; its size is `COHORT_FLIGHT_RECORDER`
+    /// (default 2000 collectives).
+    pub fn global() -> &'static FlightRecorder {
+        static GLOBAL: OnceLock<FlightRecorder> = OnceLock::new();
+        GLOBAL.get_or_init(|| {
+            let capacity = std::env::var("COHORT_FLIGHT_RECORDER").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
+            FlightRecorder::new(capacity)
+        })
+    }
+
+    /// Sets the rank and world size written in dumps.
+    pub fn set_identity(&self, rank: usize, world_size: usize) {
+        *self.identity.lock() = (rank, world_size);
+    }
+
+    /// Records the start of a collective. Costs a lock and a push.
+    pub fn start(&self, group: &str, fingerprint: CollectiveFingerprint) {
+        if self.capacity == 0 {
+            return;
+        }
+        let mut records = self.records.lock();
+        if records.len() == self.capacity {
+            records.pop_front();
+        }
+        records.push_back(CollectiveRecord {
+            group: group.to_string(),
+            fingerprint,
+            started_us: now_micros(),
+            ended_us: None,
+            state: RecordState::Started,
+        });
+    }
+
+    /// Records the end of collective `seq` of `group` (the newest record
+    /// with that sequence number), completed or failed.
+    pub fn finish(&self, group: &str, seq: u64, outcome: Result<(), String>) {
+        let mut records = self.records.lock();
+        if let Some(record) = records.iter_mut().rev().find(|r| r.fingerprint.seq == seq && r.group == group) {
+            record.ended_us = Some(now_micros());
+            record.state = match outcome {
+                Ok(()) => RecordState::Completed,
+                Err(reason) => RecordState::Failed(reason),
+            };
+        }
+    }
+
+    /// A copy of what is recorded, oldest first.
+    pub fn snapshot(&self) -> Vec<CollectiveRecord> {
+        self.records.lock().iter().cloned().collect()
+    }
+
+    /// The recorder as a dump, with why it is taken.
+    pub fn dump(&self, reason: &str) -> RecorderDump {
+        let (rank, world_size) = *self.identity.lock();
+        RecorderDump {
+            rank,
+            world_size,
+            host: hostname(),
+            pid: std::process::id(),
+            reason: reason.to_string(),
+            written_us: now_micros(),
+            records: self.snapshot(),
+        }
+    }
+
+    /// Writes the dump as JSON to `dir/rank<N>.json` (creating `dir`) and
+    /// returns the path.
+    pub fn write_to(&self, dir: &Path, reason: &str) -> std::io::Result<PathBuf> {
+        let dump = self.dump(reason);
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join(format!("rank{}.json", dump.rank));
+        let json = serde_json::to_vec_pretty(&dump).map_err(std::io::Error::other)?;
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, json)?;
+        std::fs::rename(&tmp, &path)?;
+        Ok(path)
+    }
+
+    /// Writes the dump to `COHORT_TRACE_DIR` (default `cohort-trace`); logs
+    /// where, or why it could not.
+    pub fn write_default(&self, reason: &str) -> Option<PathBuf> {
+        let dir = std::env::var_os("COHORT_TRACE_DIR").map(PathBuf::from).unwrap_or_else(|| "cohort-trace".into());
+        match self.write_to(&dir, reason) {
+            Ok(path) => {
+                tracing::warn!(path = %path.display(), "flight recorder written ({reason}); merge ranks with `cohort trace {}`", dir.display());
+                Some(path)
+            }
+            Err(err) => {
+                tracing::error!("could not write the flight recorder to {}: {err}", dir.display());
+                None
+            }
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+static SIGNAL_SEEN: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_dump_signal(_: libc::c_int) {
+    // Only an atomic store: async-signal-safe. The watcher thread writes.
+    SIGNAL_SEEN.store(true, Ordering::SeqCst);
+}
+
+/// Writes the global recorder whenever the process gets SIGUSR1 (like
+/// `py-spy dump` for collectives): `kill -USR1 <pid>`. Idempotent.
+pub fn install_dump_on_signal() {
+    static INSTALLED: OnceLock<()> = OnceLock::new();
+    INSTALLED.get_or_init(|| {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe);
+        // `sigaction` is given a zeroed, then filled, struct that outlives
+        // the call.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_dump_signal as *const () as usize;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(libc::SIGUSR1, &action, std::ptr::null_mut());
+        }
+        let _ = std::thread::Builder::new().name("cohort-recorder-signal".into()).spawn(|| loop {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            if SIGNAL_SEEN.swap(false, Ordering::SeqCst) {
+                FlightRecorder::global().write_default("signal");
+            }
+        });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(seq: u64) -> CollectiveFingerprint {
+        CollectiveFingerprint {
+            seq,
+            kind: "all_reduce".into(),
+            op: Some("sum".into()),
+            dtype: "f32".into(),
+            count: 8,
+            root: None,
+        }
+    }
+
+    #[test]
+    fn keeps_the_last_n_and_records_outcomes() {
+        let recorder = FlightRecorder::new(3);
+        for seq in 0..5 {
+            recorder.start("g", fp(seq));
+            recorder.finish("g", seq, if seq == 4 { Err("boom".into()) } else { Ok(()) });
+        }
+        recorder.start("g", fp(5));
+        let records = recorder.snapshot();
+        assert_eq!(records.iter().map(|r| r.fingerprint.seq).collect::<Vec<_>>(), vec![3, 4, 5]);
+        assert_eq!(records[0].state, RecordState::Completed);
+        assert_eq!(records[1].state, RecordState::Failed("boom".into()));
+        assert_eq!(records[2].state, RecordState::Started);
+        assert!(records[2].ended_us.is_none());
+        assert_eq!(fp(2).to_string(), "#2 all_reduce(sum) 8 × f32");
+    }
+
+    #[test]
+    fn dumps_round_trip_through_json() {
+        let dir = std::env::temp_dir().join(format!("cohort-recorder-{}", std::process::id()));
+        let recorder = FlightRecorder::new(10);
+        recorder.set_identity(3, 4);
+        recorder.start("g", fp(0));
+        let path = recorder.write_to(&dir, "request").unwrap();
+        assert!(path.ends_with("rank3.json"));
+        let dump: RecorderDump = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!((dump.rank, dump.world_size, dump.reason.as_str()), (3, 4, "request"));
+        assert_eq!(dump.records.len(), 1);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
