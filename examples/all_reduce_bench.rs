@@ -2,8 +2,10 @@
 //! sizes, out of place and in place, and prints nccl-tests' table.
 //!
 //! Run: `cargo run --release --example all_reduce_bench -- -b 1K -e 64M -f 4`
-//! (`--op all` for every collective, `-d all` / `-o all` for every type and
-//! reduction, `--devices 8` for more CPU devices).
+//! (`--collective all` for every collective, `-d all` / `-o all` for every
+//! type and reduction, `--devices 8` for more CPU devices, `--backend wgpu`
+//! or `--backend cuda` for GPUs; `COHORT_WGPU_DEVICES=4` opens four wgpu
+//! devices on one adapter).
 //!
 //! Columns are nccl-tests': `size` is the largest buffer in bytes, `time` the
 //! mean of `-n` iterations, `algbw = size / time`, `busbw = algbw × factor`
@@ -12,13 +14,22 @@
 //! that differ from a host reference (`-c 1`).
 //!
 //! On the CPU backend the devices share the host's memory, so the machine's
-//! copy bandwidth bounds every collective. The bench measures it in the same
-//! run (`B`: bytes copied per second by the faster of one thread and a rayon
-//! copy over every core, at the largest size) and prints `%bound`, busbw as
-//! a fraction of the busbw of a collective that moved only the bytes it must
-//! at that bandwidth: all-reduce must read n inputs and write n outputs (n
-//! copies of `size`, time ≥ n·size / B, so busbw ≤ 2(n-1)/n² · B); the
-//! bound of each collective is in `CollectiveOp::host_copies`.
+//! copy bandwidth bounds every collective. The bench measures it (`B`: bytes
+//! copied per second by the faster of one thread and a rayon copy over every
+//! core, best of 3 each, at the largest size) interleaved with the timings:
+//! before the first size and after each one. Each row's `B` is the larger of
+//! the measurements just before and just after it (so a row is not judged by
+//! a bound taken while the machine was busier or quieter than during the
+//! row), and `%bound` is busbw as a fraction of the busbw of a collective that
+//! moved only the bytes it must at that `B`: all-reduce must read n inputs and
+//! write n outputs (n copies of `size`, time ≥ n·size / B, so busbw ≤
+//! 2(n-1)/n² · B); the bound of each collective is in
+//! `CollectiveOp::host_copies`.
+//!
+//! On wgpu and CUDA the memory bound does not apply, so the `%bound` and `B`
+//! columns are left out; the header gives device 0's host-to-device and
+//! device-to-host copy bandwidth at the largest size instead (what the
+//! host-staged path moves through), for reference.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -27,6 +38,7 @@ use clap::Parser;
 use cohort::comm::verify::{Buffers, CollectiveOp};
 use cohort::comm::{ClientGroup, DType, HostPath, ReduceOp};
 use cohort::prelude::*;
+use cohort::runtime::{CudaRuntime, WgpuRuntime};
 use rayon::prelude::*;
 
 #[derive(Parser, Debug)]
@@ -62,13 +74,15 @@ struct Args {
     /// Collective: all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, gather, scatter, send_recv or all.
     #[arg(long = "collective", visible_alias = "coll", default_value = "all_reduce")]
     collective: String,
-    /// Backend: cpu.
+    /// Backend: cpu, wgpu or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Devices in the group (default: every device of the backend).
+    /// Devices in the group: the first N of the backend (default: every
+    /// device; on the CPU, N sets COHORT_CPU_DEVICES).
     #[arg(long)]
     devices: Option<usize>,
-    /// Force the staged host path (copies through host memory) on the CPU.
+    /// Force the staged host path (copies through host memory) on the CPU
+    /// (wgpu always stages).
     #[arg(long)]
     staged: bool,
 }
@@ -84,25 +98,95 @@ fn parse_size(text: &str) -> Result<usize, String> {
     digits.parse::<usize>().map(|v| v * scale).map_err(|e| format!("{text:?} is not a size: {e}"))
 }
 
-/// Bytes copied per second: the best of 5 copies of `bytes`, on one thread
-/// and split over rayon's threads, whichever is faster.
-fn memcpy_bandwidth(bytes: usize) -> (f64, f64) {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
-    let mut best = |f: &mut dyn FnMut(&mut [u8])| {
-        let mut best = Duration::MAX;
-        for _ in 0..5 {
-            let start = Instant::now();
-            f(&mut dst);
-            best = best.min(start.elapsed());
+/// The host's copy bandwidth, measured again and again between timings
+/// with the same two buffers (allocated and touched once).
+struct Memcpy {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    /// Every measurement of B so far, bytes per second.
+    samples: Vec<f64>,
+}
+
+impl Memcpy {
+    fn new(bytes: usize) -> Memcpy {
+        let mut m = Memcpy { src: vec![1u8; bytes], dst: vec![0u8; bytes], samples: Vec::new() };
+        // Fault the pages in before the first measurement.
+        m.dst.copy_from_slice(&m.src);
+        m
+    }
+
+    /// Bytes copied per second: the best of 3 copies on one thread and of 3
+    /// split over rayon's threads; returns (one thread, every thread) and
+    /// records the faster as a sample of B.
+    fn measure(&mut self) -> (f64, f64) {
+        let bytes = self.src.len();
+        let src = &self.src;
+        let best = |dst: &mut [u8], f: &dyn Fn(&mut [u8])| {
+            let mut best = Duration::MAX;
+            for _ in 0..3 {
+                let start = Instant::now();
+                f(dst);
+                best = best.min(start.elapsed());
+            }
+            bytes as f64 / best.as_secs_f64()
+        };
+        let single = best(&mut self.dst, &|d| d.copy_from_slice(src));
+        let parallel = best(&mut self.dst, &|d| {
+            d.par_chunks_mut(1 << 20).zip(src.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s))
+        });
+        self.samples.push(single.max(parallel));
+        (single, parallel)
+    }
+
+    /// The latest sample of B.
+    fn last(&self) -> f64 {
+        self.samples.last().copied().unwrap_or(0.0)
+    }
+}
+
+/// Device 0's host-to-device and device-to-host bandwidth for `bytes`
+/// (best of 3 writes and of 3 reads, each waited for), bytes per second.
+fn transfer_bandwidth(client: &Client, bytes: usize) -> Result<(f64, f64), ServerError> {
+    let handle = client.create(Bytes::from(vec![1u8; bytes]));
+    client.sync()?;
+    let (mut up, mut down) = (Duration::MAX, Duration::MAX);
+    for _ in 0..3 {
+        let data = Bytes::from(vec![1u8; bytes]);
+        let start = Instant::now();
+        client.write(&handle, data)?;
+        client.sync()?;
+        up = up.min(start.elapsed());
+        let start = Instant::now();
+        client.read_one(handle.clone())?;
+        down = down.min(start.elapsed());
+    }
+    Ok((bytes as f64 / up.as_secs_f64(), bytes as f64 / down.as_secs_f64()))
+}
+
+/// The first `devices` clients of `backend` (every device by default).
+fn clients(backend: &str, devices: Option<usize>) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
+    match backend {
+        "cpu" => {
+            if let Some(n) = devices {
+                // Before the first CPU client exists: the runtime reads it then.
+                std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
+            }
+            first::<CpuRuntime>(devices, "set by --devices")
         }
-        bytes as f64 / best.as_secs_f64()
-    };
-    let single = best(&mut |d: &mut [u8]| d.copy_from_slice(&src));
-    let parallel = best(&mut |d: &mut [u8]| {
-        d.par_chunks_mut(1 << 20).zip(src.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s))
-    });
-    (single, parallel)
+        "wgpu" => first::<WgpuRuntime>(devices, "set COHORT_WGPU_DEVICES=N to open N devices on the first adapter"),
+        "cuda" => first::<CudaRuntime>(devices, "one per GPU"),
+        other => Err(format!("unknown backend {other:?}: use cpu, wgpu or cuda").into()),
+    }
+}
+
+/// The first `devices` clients of runtime `R`; `hint` says how to get more.
+fn first<R: Runtime>(devices: Option<usize>, hint: &str) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
+    let count = R::device_count().map_err(|e| format!("backend {}: {e}", R::NAME))?;
+    let n = devices.unwrap_or(count);
+    if n == 0 || n > count {
+        return Err(format!("--devices {n}: the {} backend has {count} device(s) ({hint})", R::NAME).into());
+    }
+    Ok((0..n).map(R::client).collect::<Result<_, _>>()?)
 }
 
 fn time_one(group: &ClientGroup, bufs: &Buffers, op: ReduceOp, args: &Args) -> Result<f64, Box<dyn std::error::Error>> {
@@ -134,15 +218,11 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
-    if args.backend != "cpu" {
-        return Err(format!("backend {:?} is not available in this bench yet: use --backend cpu", args.backend).into());
+    let cpu = args.backend == "cpu";
+    if args.staged && !cpu {
+        return Err("--staged chooses the CPU's host path; other backends stage already".into());
     }
-    if let Some(n) = args.devices {
-        // Before the first client exists: the CPU runtime reads it once per call.
-        std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
-    }
-    let clients = CpuRuntime::clients()?;
-    let group = ClientGroup::new(clients)?;
+    let group = ClientGroup::new(clients(&args.backend, args.devices)?)?;
     let group = group.with_host_path(if args.staged { HostPath::Staged } else { HostPath::Auto })?;
     let n = group.len();
     let collectives: Vec<CollectiveOp> = if args.collective == "all" {
@@ -161,47 +241,66 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
         vec![ReduceOp::parse(&args.redop).ok_or_else(|| format!("unknown op {:?}", args.redop))?]
     };
     let threads = rayon::current_num_threads();
-    let (single, parallel) = memcpy_bandwidth(args.max_bytes.max(1 << 20));
-    let bandwidth = single.max(parallel);
+    let path = if args.backend == "cuda" {
+        "NCCL (host staging where libnccl is missing)"
+    } else if group.is_direct() {
+        "direct"
+    } else {
+        "staged"
+    };
     println!(
-        "# cohort all_reduce_bench: backend {}, {n} devices, {} host path, {threads} rayon threads",
+        "# cohort all_reduce_bench: backend {}, {n} devices ({}), {path} path, {threads} rayon threads",
         args.backend,
-        if group.is_direct() { "direct" } else { "staged" }
+        group.client(0).properties().name
     );
-    println!(
-        "# memcpy bandwidth at {} bytes: {:.2} GB/s on 1 thread, {:.2} GB/s on {threads} threads; B = {:.2} GB/s",
-        args.max_bytes.max(1 << 20),
-        single / 1e9,
-        parallel / 1e9,
-        bandwidth / 1e9
-    );
-    println!("# %bound: busbw / the busbw of moving only the bytes the collective must, at B (all_reduce: 2(n-1)/n^2 * B = {:.2} GB/s)", 2.0 * (n as f64 - 1.0) / (n * n) as f64 * bandwidth / 1e9);
+    let probe = args.max_bytes.max(1 << 20);
+    let mut memcpy = cpu.then(|| Memcpy::new(probe));
+    if let Some(memcpy) = memcpy.as_mut() {
+        let (single, parallel) = memcpy.measure();
+        println!(
+            "# memcpy bandwidth at {probe} bytes: {:.2} GB/s on 1 thread, {:.2} GB/s on {threads} threads; measured \
+             again after every size, B per row = the larger of the samples before and after it",
+            single / 1e9,
+            parallel / 1e9,
+        );
+        println!("# %bound: busbw / the busbw of moving only the bytes the collective must, at B (all_reduce: 2(n-1)/n^2 * B)");
+    } else {
+        let (up, down) = transfer_bandwidth(group.client(0), probe)?;
+        println!(
+            "# device 0 copies at {probe} bytes: host to device {:.2} GB/s, device to host {:.2} GB/s (no memcpy bound on {}: %bound left out)",
+            up / 1e9,
+            down / 1e9,
+            args.backend
+        );
+    }
     println!("#");
+    let cols = |a: [&str; 5], b: [&str; 5], c: [&str; 5], extra: &str| {
+        let cell = |x: [&str; 5]| {
+            let bound = if cpu { format!(" {:>6}", x[4]) } else { String::new() };
+            format!("{:>8} {:>7} {:>7} {:>6}{bound}", x[0], x[1], x[2], x[3])
+        };
+        format!("# {:>10} {:>12} {:>8} {:>6} {:>6}    {}    {}{extra}", a[0], a[1], a[2], a[3], a[4], cell(b), cell(c))
+    };
+    let blank = ["", "", "", "", ""];
+    let b_head = |t: &str| if cpu { format!("    {t:>7}") } else { String::new() };
+    println!("{}", cols(blank, ["out-of-place", "", "", "", ""], ["in-place", "", "", "", ""], ""));
     println!(
-        "# {:>10} {:>12} {:>8} {:>6} {:>6}    {:>8} {:>7} {:>7} {:>6} {:>6}    {:>8} {:>7} {:>7} {:>6} {:>6}",
-        "", "", "", "", "", "out-of-place", "", "", "", "", "in-place", "", "", "", ""
+        "{}",
+        cols(
+            ["size", "count", "type", "redop", "root"],
+            ["time", "algbw", "busbw", "#wrong", "%bound"],
+            ["time", "algbw", "busbw", "#wrong", "%bound"],
+            &b_head("B")
+        )
     );
     println!(
-        "# {:>10} {:>12} {:>8} {:>6} {:>6}    {:>8} {:>7} {:>7} {:>6} {:>6}    {:>8} {:>7} {:>7} {:>6} {:>6}",
-        "size",
-        "count",
-        "type",
-        "redop",
-        "root",
-        "time",
-        "algbw",
-        "busbw",
-        "#wrong",
-        "%bound",
-        "time",
-        "algbw",
-        "busbw",
-        "#wrong",
-        "%bound"
-    );
-    println!(
-        "# {:>10} {:>12} {:>8} {:>6} {:>6}    {:>8} {:>7} {:>7} {:>6} {:>6}    {:>8} {:>7} {:>7} {:>6} {:>6}",
-        "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "", "(us)", "(GB/s)", "(GB/s)", "", ""
+        "{}",
+        cols(
+            ["(B)", "(elements)", "", "", ""],
+            ["(us)", "(GB/s)", "(GB/s)", "", ""],
+            ["(us)", "(GB/s)", "(GB/s)", "", ""],
+            &b_head("(GB/s)")
+        )
     );
     let mut total_wrong = 0;
     let mut bus_sum = 0.0;
@@ -213,11 +312,12 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
             for &op in ops {
                 let mut size = args.min_bytes.max(1);
                 loop {
-                    let mut cells = Vec::new();
+                    let before = memcpy.as_ref().map_or(0.0, Memcpy::last);
+                    let mut timed = Vec::new();
                     let mut shown = (0, 0);
                     for in_place in [false, true] {
                         if in_place && !coll.has_in_place() {
-                            cells.push(format!("{:>8} {:>7} {:>7} {:>6} {:>6}", "N/A", "N/A", "N/A", "N/A", "N/A"));
+                            timed.push(None);
                             continue;
                         }
                         let bufs = Buffers::new(&group, coll, dtype, size, in_place, args.root.min(n - 1));
@@ -232,26 +332,40 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
                             "N/A".to_string()
                         };
                         let secs = time_one(&group, &bufs, op, args)?;
-                        let algbw = bufs.size as f64 / secs;
-                        let busbw = algbw * coll.bus_factor(n);
-                        let floor = coll.host_copies(n) * bufs.size as f64 / bandwidth;
-                        let bound = bufs.size as f64 / floor * coll.bus_factor(n);
-                        let fraction = if bufs.size == 0 || busbw == 0.0 { 0.0 } else { busbw / bound };
-                        bus_sum += busbw / 1e9;
-                        bus_count += 1;
-                        cells.push(format!(
-                            "{:>8.1} {:>7.2} {:>7.2} {:>6} {:>6.2}",
-                            secs * 1e6,
-                            algbw / 1e9,
-                            busbw / 1e9,
-                            wrong,
-                            fraction
-                        ));
+                        timed.push(Some((secs, bufs.size, wrong)));
                     }
+                    // B of this row: the larger of the samples around it.
+                    let bandwidth = memcpy.as_mut().map_or(0.0, |m| {
+                        m.measure();
+                        m.last().max(before)
+                    });
+                    let cells: Vec<String> = timed
+                        .into_iter()
+                        .map(|t| {
+                            let Some((secs, size, wrong)) = t else {
+                                let na = if cpu { format!(" {:>6}", "N/A") } else { String::new() };
+                                return format!("{:>8} {:>7} {:>7} {:>6}{na}", "N/A", "N/A", "N/A", "N/A");
+                            };
+                            let algbw = size as f64 / secs;
+                            let busbw = algbw * coll.bus_factor(n);
+                            bus_sum += busbw / 1e9;
+                            bus_count += 1;
+                            let bound = if cpu {
+                                let floor = coll.host_copies(n) * size as f64 / bandwidth;
+                                let bound = size as f64 / floor * coll.bus_factor(n);
+                                let fraction = if size == 0 || busbw == 0.0 { 0.0 } else { busbw / bound };
+                                format!(" {fraction:>6.2}")
+                            } else {
+                                String::new()
+                            };
+                            format!("{:>8.1} {:>7.2} {:>7.2} {:>6}{bound}", secs * 1e6, algbw / 1e9, busbw / 1e9, wrong)
+                        })
+                        .collect();
                     let redop = if coll.reduces() { op.nccl_name() } else { "none" };
                     let root = if coll.rooted() { args.root.min(n - 1) as i64 } else { -1 };
+                    let b = if cpu { format!("    {:>7.2}", bandwidth / 1e9) } else { String::new() };
                     println!(
-                        "  {:>10} {:>12} {:>8} {:>6} {:>6}    {}    {}",
+                        "  {:>10} {:>12} {:>8} {:>6} {:>6}    {}    {}{b}",
                         shown.0,
                         shown.1,
                         dtype.nccl_name(),
@@ -267,6 +381,10 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
                 }
             }
         }
+    }
+    if let Some(m) = &memcpy {
+        let (lo, hi) = m.samples.iter().fold((f64::MAX, 0.0f64), |(lo, hi), &b| (lo.min(b), hi.max(b)));
+        println!("# memcpy B over the run: {} samples, {:.2} to {:.2} GB/s", m.samples.len(), lo / 1e9, hi / 1e9);
     }
     println!("# Out of bounds values : {total_wrong} {}", if total_wrong == 0 { "OK" } else { "FAILED" });
     println!("# Avg bus bandwidth    : {:.3} GB/s", bus_sum / bus_count.max(1) as f64);

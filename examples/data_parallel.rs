@@ -3,14 +3,16 @@
 //! batch and the gradients averaged with `all_reduce(avg)`.
 //!
 //! Run: `cargo run --release --example data_parallel` (CPU, 4 devices), or
-//! `-- --devices 8 --epochs 10 --steps 50`.
+//! `-- --devices 8 --epochs 10 --steps 50`; `--backend wgpu` trains on every
+//! wgpu device (`COHORT_WGPU_DEVICES=4` opens four on one adapter, e.g.
+//! lavapipe), `--backend cuda` on every CUDA device.
 //!
 //! At the end it checks that every replica's parameters are bit-identical
-//! and that the loss matches a one-device run over the same global batches
-//! within a relative 1e-3 (the two runs sum the batch in a different order,
-//! so float rounding differs slightly), prints both, and exits non-zero if a
-//! check fails. Kernels are CPU kernels (Rust functions); CUDA and WGSL
-//! sources for them are not written yet, so `--backend` accepts `cpu` only.
+//! and that the loss matches a one-device run over the same global batches,
+//! on the same backend, within a relative 1e-3 per epoch (the two runs sum
+//! the batch in a different order, so float rounding differs slightly; the
+//! observed difference is around 1e-6), prints both, and exits non-zero if a
+//! check fails. The kernels carry a CPU (Rust), a CUDA C and a WGSL source.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -19,6 +21,7 @@ use std::time::Instant;
 use clap::Parser;
 use cohort::comm::{ClientGroup, DType, ReduceOp};
 use cohort::prelude::*;
+use cohort::runtime::{CudaRuntime, WgpuRuntime};
 
 const INPUTS: usize = 16;
 const HIDDEN: usize = 32;
@@ -30,10 +33,11 @@ const BATCH: usize = 840;
 #[derive(Parser, Debug)]
 #[command(about = "Data-parallel MLP training across the devices of a backend")]
 struct Args {
-    /// Backend: cpu.
+    /// Backend: cpu, wgpu or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Devices to train on (default: every device of the backend; 4 on the CPU).
+    /// Devices to train on, the first N of the backend (default: every
+    /// device; 4 on the CPU, where N sets COHORT_CPU_DEVICES).
     #[arg(long)]
     devices: Option<usize>,
     #[arg(long, default_value_t = 6)]
@@ -62,66 +66,220 @@ fn sample(i: usize) -> ([f32; INPUTS], f32) {
     (x, y)
 }
 
+/// Floats per row in the scratch buffer of the GPU kernels: h (HIDDEN),
+/// dh (HIDDEN), dout, squared error.
+const STRIDE: usize = 2 * HIDDEN + 2;
+/// Threads of the one block (workgroup) the GPU forward/backward runs on.
+const THREADS: usize = 256;
+
 /// Forward and backward over one step's rows: buffers params, x (all
-/// steps), y (all steps), grads (PARAMS + 1: the last is the mean loss);
-/// scalars step, rows.
+/// steps), y (all steps), grads (PARAMS + 1: the last is the mean loss),
+/// scratch (rows × STRIDE floats, used by the GPU sources); scalars step,
+/// rows.
+///
+/// The CPU source runs the rows in order on one thread. The GPU sources run
+/// on one block of THREADS threads in two phases: one thread per row
+/// computes activations and per-row gradients into scratch; after a block
+/// barrier, one thread per gradient slot sums them over the rows in order.
+/// Every sum has a fixed order, so a run is deterministic on its backend.
+///
+/// The WGSL binds every buffer `read_write`: small buffers are slices of one
+/// pooled wgpu buffer, and wgpu refuses one buffer bound both read-only and
+/// read-write in a dispatch.
 fn forward_backward() -> Kernel {
-    Kernel::new("mlp_forward_backward").with_cpu(|ctx| {
-        let step = ctx.scalar(0).as_u64() as usize;
-        let rows = ctx.scalar(1).as_u64() as usize;
-        let (params, rest) = ctx.buffers.split_at_mut(1);
-        let (xs, rest) = rest.split_at_mut(1);
-        let (ys, grads) = rest.split_at_mut(1);
-        let p: &[f32] = bytemuck::cast_slice(&params[0][..]);
-        let xs: &[f32] = bytemuck::cast_slice(&xs[0][..]);
-        let ys: &[f32] = bytemuck::cast_slice(&ys[0][..]);
-        let g: &mut [f32] = bytemuck::cast_slice_mut(&mut grads[0][..]);
-        g.fill(0.0);
-        let (w1, rest) = p.split_at(HIDDEN * INPUTS);
-        let (b1, rest) = rest.split_at(HIDDEN);
-        let (w2, b2) = rest.split_at(HIDDEN);
-        let mut loss = 0.0f32;
-        let mut h = [0.0f32; HIDDEN];
-        for r in 0..rows {
-            let row = step * rows + r;
-            let x = &xs[row * INPUTS..(row + 1) * INPUTS];
-            for j in 0..HIDDEN {
-                let z: f32 = b1[j] + (0..INPUTS).map(|k| w1[j * INPUTS + k] * x[k]).sum::<f32>();
-                h[j] = z.tanh();
-            }
-            let out = b2[0] + (0..HIDDEN).map(|j| w2[j] * h[j]).sum::<f32>();
-            let err = out - ys[row];
-            loss += err * err;
-            let dout = 2.0 * err / rows as f32;
-            let (gw1, grest) = g.split_at_mut(HIDDEN * INPUTS);
-            let (gb1, grest) = grest.split_at_mut(HIDDEN);
-            let (gw2, grest) = grest.split_at_mut(HIDDEN);
-            grest[0] += dout;
-            for j in 0..HIDDEN {
-                gw2[j] += dout * h[j];
-                let dh = dout * w2[j] * (1.0 - h[j] * h[j]);
-                gb1[j] += dh;
-                for k in 0..INPUTS {
-                    gw1[j * INPUTS + k] += dh * x[k];
+    let cuda = format!(
+        r#"#define INPUTS {INPUTS}
+#define HIDDEN {HIDDEN}
+#define PARAMS {PARAMS}
+#define STRIDE {STRIDE}
+extern "C" __global__ void mlp_forward_backward(
+    const float* p, const float* xs, const float* ys, float* grads, float* scratch,
+    unsigned long long p_bytes, unsigned long long xs_bytes, unsigned long long ys_bytes,
+    unsigned long long grads_bytes, unsigned long long scratch_bytes,
+    unsigned int step, unsigned int rows) {{
+    const float* w1 = p;
+    const float* b1 = p + HIDDEN * INPUTS;
+    const float* w2 = b1 + HIDDEN;
+    float b2 = w2[HIDDEN];
+    for (unsigned int r = threadIdx.x; r < rows; r += blockDim.x) {{
+        const float* x = xs + (unsigned long long)(step * rows + r) * INPUTS;
+        float* s = scratch + (unsigned long long)r * STRIDE;
+        float out = b2;
+        for (int j = 0; j < HIDDEN; j++) {{
+            float z = b1[j];
+            for (int k = 0; k < INPUTS; k++) z += w1[j * INPUTS + k] * x[k];
+            float h = tanhf(fminf(fmaxf(z, -15.0f), 15.0f));
+            s[j] = h;
+            out += w2[j] * h;
+        }}
+        float err = out - ys[step * rows + r];
+        float dout = 2.0f * err / (float)rows;
+        for (int j = 0; j < HIDDEN; j++) s[HIDDEN + j] = dout * w2[j] * (1.0f - s[j] * s[j]);
+        s[2 * HIDDEN] = dout;
+        s[2 * HIDDEN + 1] = err * err;
+    }}
+    __syncthreads();
+    for (unsigned int q = threadIdx.x; q <= PARAMS; q += blockDim.x) {{
+        float acc = 0.0f;
+        for (unsigned int r = 0; r < rows; r++) {{
+            const float* s = scratch + (unsigned long long)r * STRIDE;
+            if (q < HIDDEN * INPUTS) acc += s[HIDDEN + q / INPUTS] * xs[(unsigned long long)(step * rows + r) * INPUTS + q % INPUTS];
+            else if (q < HIDDEN * INPUTS + HIDDEN) acc += s[HIDDEN + (q - HIDDEN * INPUTS)];
+            else if (q < HIDDEN * INPUTS + 2 * HIDDEN) acc += s[2 * HIDDEN] * s[q - HIDDEN * INPUTS - HIDDEN];
+            else if (q == PARAMS - 1) acc += s[2 * HIDDEN];
+            else acc += s[2 * HIDDEN + 1];
+        }}
+        grads[q] = q == PARAMS ? acc / (float)rows : acc;
+    }}
+}}"#
+    );
+    let wgsl = format!(
+        r#"const INPUTS: u32 = {INPUTS}u;
+const HIDDEN: u32 = {HIDDEN}u;
+const PARAMS: u32 = {PARAMS}u;
+const STRIDE: u32 = {STRIDE}u;
+const THREADS: u32 = {THREADS}u;
+@group(0) @binding(0) var<storage, read_write> p: array<f32>;
+@group(0) @binding(1) var<storage, read_write> xs: array<f32>;
+@group(0) @binding(2) var<storage, read_write> ys: array<f32>;
+@group(0) @binding(3) var<storage, read_write> grads: array<f32>;
+@group(0) @binding(4) var<storage, read_write> scratch: array<f32>;
+@group(0) @binding(5) var<storage, read> scalars: array<u32>;
+@compute @workgroup_size({THREADS})
+fn main(@builtin(local_invocation_index) t: u32) {{
+    let step = scalars[0];
+    let rows = scalars[1];
+    let b1 = HIDDEN * INPUTS;
+    let w2 = b1 + HIDDEN;
+    for (var r = t; r < rows; r += THREADS) {{
+        let x = (step * rows + r) * INPUTS;
+        let s = r * STRIDE;
+        var out = p[PARAMS - 1u];
+        for (var j = 0u; j < HIDDEN; j++) {{
+            var z = p[b1 + j];
+            for (var k = 0u; k < INPUTS; k++) {{ z += p[j * INPUTS + k] * xs[x + k]; }}
+            let h = tanh(clamp(z, -15.0, 15.0));
+            scratch[s + j] = h;
+            out += p[w2 + j] * h;
+        }}
+        let err = out - ys[step * rows + r];
+        let dout = 2.0 * err / f32(rows);
+        for (var j = 0u; j < HIDDEN; j++) {{
+            let h = scratch[s + j];
+            scratch[s + HIDDEN + j] = dout * p[w2 + j] * (1.0 - h * h);
+        }}
+        scratch[s + 2u * HIDDEN] = dout;
+        scratch[s + 2u * HIDDEN + 1u] = err * err;
+    }}
+    storageBarrier();
+    workgroupBarrier();
+    for (var q = t; q <= PARAMS; q += THREADS) {{
+        var acc = 0.0;
+        for (var r = 0u; r < rows; r++) {{
+            let s = r * STRIDE;
+            if (q < b1) {{
+                acc += scratch[s + HIDDEN + q / INPUTS] * xs[(step * rows + r) * INPUTS + q % INPUTS];
+            }} else if (q < w2) {{
+                acc += scratch[s + HIDDEN + (q - b1)];
+            }} else if (q < w2 + HIDDEN) {{
+                acc += scratch[s + 2u * HIDDEN] * scratch[s + (q - w2)];
+            }} else if (q == PARAMS - 1u) {{
+                acc += scratch[s + 2u * HIDDEN];
+            }} else {{
+                acc += scratch[s + 2u * HIDDEN + 1u];
+            }}
+        }}
+        if (q == PARAMS) {{ acc = acc / f32(rows); }}
+        grads[q] = acc;
+    }}
+}}"#
+    );
+    Kernel::new("mlp_forward_backward")
+        .with_block([THREADS as u32, 1, 1])
+        .with_cpu(|ctx| {
+            let step = ctx.scalar(0).as_u64() as usize;
+            let rows = ctx.scalar(1).as_u64() as usize;
+            let [params, xs, ys, grads, _scratch] = &mut ctx.buffers[..] else {
+                panic!("mlp_forward_backward takes 5 buffers");
+            };
+            let p: &[f32] = bytemuck::cast_slice(&params[..]);
+            let xs: &[f32] = bytemuck::cast_slice(&xs[..]);
+            let ys: &[f32] = bytemuck::cast_slice(&ys[..]);
+            let g: &mut [f32] = bytemuck::cast_slice_mut(&mut grads[..]);
+            g.fill(0.0);
+            let (w1, rest) = p.split_at(HIDDEN * INPUTS);
+            let (b1, rest) = rest.split_at(HIDDEN);
+            let (w2, b2) = rest.split_at(HIDDEN);
+            let mut loss = 0.0f32;
+            let mut h = [0.0f32; HIDDEN];
+            for r in 0..rows {
+                let row = step * rows + r;
+                let x = &xs[row * INPUTS..(row + 1) * INPUTS];
+                for j in 0..HIDDEN {
+                    let z: f32 = b1[j] + (0..INPUTS).map(|k| w1[j * INPUTS + k] * x[k]).sum::<f32>();
+                    h[j] = z.tanh();
+                }
+                let out = b2[0] + (0..HIDDEN).map(|j| w2[j] * h[j]).sum::<f32>();
+                let err = out - ys[row];
+                loss += err * err;
+                let dout = 2.0 * err / rows as f32;
+                let (gw1, grest) = g.split_at_mut(HIDDEN * INPUTS);
+                let (gb1, grest) = grest.split_at_mut(HIDDEN);
+                let (gw2, grest) = grest.split_at_mut(HIDDEN);
+                grest[0] += dout;
+                for j in 0..HIDDEN {
+                    gw2[j] += dout * h[j];
+                    let dh = dout * w2[j] * (1.0 - h[j] * h[j]);
+                    gb1[j] += dh;
+                    for k in 0..INPUTS {
+                        gw1[j * INPUTS + k] += dh * x[k];
+                    }
                 }
             }
-        }
-        g[PARAMS] = loss / rows as f32;
-    })
+            g[PARAMS] = loss / rows as f32;
+        })
+        .with_cuda(cuda)
+        .with_wgsl(wgsl)
 }
 
-/// SGD: buffers params, grads (averaged), loss sum; scalar lr.
+/// SGD: buffers params, grads (averaged), loss sum; scalar lr. One thread
+/// per parameter on the GPU.
 fn sgd() -> Kernel {
-    Kernel::new("sgd").with_cpu(|ctx| {
-        let lr = ctx.scalar(0).as_f64() as f32;
-        let (params, rest) = ctx.buffers.split_at_mut(1);
-        let (grads, loss) = rest.split_at_mut(1);
-        let p: &mut [f32] = bytemuck::cast_slice_mut(&mut params[0][..]);
-        let g: &[f32] = bytemuck::cast_slice(&grads[0][..]);
-        let loss: &mut [f32] = bytemuck::cast_slice_mut(&mut loss[0][..]);
-        p.iter_mut().zip(g).for_each(|(p, g)| *p -= lr * g);
-        loss[0] += g[PARAMS];
-    })
+    let cuda = format!(
+        r#"extern "C" __global__ void sgd(float* p, const float* g, float* loss,
+    unsigned long long p_bytes, unsigned long long g_bytes, unsigned long long loss_bytes, float lr) {{
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < {PARAMS}) p[i] -= lr * g[i];
+    if (i == 0) loss[0] += g[{PARAMS}];
+}}"#
+    );
+    let wgsl = format!(
+        r#"@group(0) @binding(0) var<storage, read_write> p: array<f32>;
+@group(0) @binding(1) var<storage, read_write> g: array<f32>;
+@group(0) @binding(2) var<storage, read_write> loss: array<f32>;
+@group(0) @binding(3) var<storage, read> scalars: array<u32>;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
+    let lr = bitcast<f32>(scalars[0]);
+    let i = gid.x;
+    if (i < {PARAMS}u) {{ p[i] = p[i] - lr * g[i]; }}
+    if (i == 0u) {{ loss[0] = loss[0] + g[{PARAMS}u]; }}
+}}"#
+    );
+    Kernel::new("sgd")
+        .with_cpu(|ctx| {
+            let lr = ctx.scalar(0).as_f64() as f32;
+            let [params, grads, loss] = &mut ctx.buffers[..] else {
+                panic!("sgd takes 3 buffers");
+            };
+            let p: &mut [f32] = bytemuck::cast_slice_mut(&mut params[..]);
+            let g: &[f32] = bytemuck::cast_slice(&grads[..]);
+            let loss: &mut [f32] = bytemuck::cast_slice_mut(&mut loss[..]);
+            p.iter_mut().zip(g).for_each(|(p, g)| *p -= lr * g);
+            loss[0] += g[PARAMS];
+        })
+        .with_cuda(cuda)
+        .with_wgsl(wgsl)
 }
 
 struct Run {
@@ -140,6 +298,7 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
     let mut grads = Vec::new();
     let mut losses = Vec::new();
     let mut data = Vec::new();
+    let mut scratch = Vec::new();
     for (m, client) in group.clients().iter().enumerate() {
         // Device m takes rows [m·rows, (m+1)·rows) of every global batch.
         let mut xs = Vec::with_capacity(args.steps * rows * INPUTS);
@@ -153,6 +312,7 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
         }
         params.push(client.create(Bytes::from_elems(&init)));
         grads.push(client.empty((PARAMS + 1) * 4));
+        scratch.push(client.empty(rows * STRIDE * 4));
         losses.push(client.create(Bytes::from_elems(&[0.0f32])));
         data.push((client.create(Bytes::from_elems(&xs)), client.create(Bytes::from_elems(&ys))));
     }
@@ -167,8 +327,10 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
                     .buffer(&data[m].0)
                     .buffer(&data[m].1)
                     .buffer(&grads[m])
+                    .buffer(&scratch[m])
                     .scalar(Scalar::U32(step as u32))
                     .scalar(Scalar::U32(rows as u32));
+                // One block: the GPU sources sync their two phases inside it.
                 client.launch(&fb, GridCount::Static(1, 1, 1), a)?;
             }
             // Average gradients (and the last slot, the loss) in place.
@@ -179,7 +341,7 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
                     .buffer(&grads[m])
                     .buffer(&losses[m])
                     .scalar(Scalar::F32(args.lr));
-                client.launch(&step_kernel, GridCount::Static(1, 1, 1), a)?;
+                client.launch(&step_kernel, GridCount::cover(PARAMS, 256), a)?;
             }
             let done = epoch * args.steps + step + 1;
             if step % 8 == 7 || step + 1 == args.steps {
@@ -214,6 +376,45 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
     Ok(Run { epoch_losses, replicas, seconds: start.elapsed().as_secs_f64() })
 }
 
+/// The first `devices` clients of `backend` (every device by default).
+fn clients(backend: &str, devices: Option<usize>) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
+    match backend {
+        "cpu" => {
+            if let Some(n) = devices {
+                // Before the first CPU client exists: the runtime reads it then.
+                std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
+            }
+            first::<CpuRuntime>(devices, "set by --devices")
+        }
+        "wgpu" => first::<WgpuRuntime>(devices, "set COHORT_WGPU_DEVICES=N to open N devices on the first adapter"),
+        "cuda" => first::<CudaRuntime>(devices, "one per GPU"),
+        other => Err(format!("unknown backend {other:?}: use cpu, wgpu or cuda").into()),
+    }
+}
+
+/// The first `devices` clients of runtime `R`; `hint` says how to get more.
+fn first<R: Runtime>(devices: Option<usize>, hint: &str) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
+    let count = R::device_count().map_err(|e| format!("backend {}: {e}", R::NAME))?;
+    let n = devices.unwrap_or(count);
+    if n > count {
+        return Err(format!("--devices {n}: the {} backend has {count} device(s) ({hint})", R::NAME).into());
+    }
+    Ok((0..n).map(R::client).collect::<Result<_, _>>()?)
+}
+
+/// The devices' names, repeated ones counted once (`name ×4`).
+fn describe(clients: &[Client]) -> String {
+    let mut names: Vec<(String, usize)> = Vec::new();
+    for c in clients {
+        let name = c.properties().name.clone();
+        match names.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, count)) => *count += 1,
+            None => names.push((name, 1)),
+        }
+    }
+    names.iter().map(|(n, c)| if *c > 1 { format!("{n} ×{c}") } else { n.clone() }).collect::<Vec<_>>().join(", ")
+}
+
 fn main() -> ExitCode {
     match run(&Args::parse()) {
         Ok(true) => ExitCode::SUCCESS,
@@ -226,24 +427,22 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
-    if args.backend != "cpu" {
-        return Err(format!(
-            "backend {:?}: this example's kernels have only CPU sources so far; use --backend cpu",
-            args.backend
-        )
-        .into());
-    }
     if let Some(n) = args.devices {
-        if n == 0 || n > 8 {
-            return Err("--devices must be 1 to 8 (the global batch of 840 splits evenly over those)".into());
+        if n == 0 || !BATCH.is_multiple_of(n) {
+            return Err(format!(
+                "--devices {n}: the global batch of {BATCH} must split evenly: use a divisor of it, e.g. 1 to 8"
+            )
+            .into());
         }
-        std::env::set_var("COHORT_CPU_DEVICES", n.max(1).to_string());
     }
-    let clients = CpuRuntime::clients()?;
+    let clients = clients(&args.backend, args.devices)?;
     let n = clients.len();
     if !BATCH.is_multiple_of(n) {
-        return Err(format!("{n} devices do not split the global batch of {BATCH} evenly: use 1 to 8").into());
+        return Err(
+            format!("{n} devices do not split the global batch of {BATCH} evenly: pass --devices 1 to 8").into()
+        );
     }
+    println!("data_parallel: backend {}, {n} devices: {}", args.backend, describe(&clients));
     println!(
         "data_parallel: MLP {INPUTS}-{HIDDEN}-1 ({PARAMS} parameters), global batch {BATCH}, {} epochs × {} steps, lr {}",
         args.epochs, args.steps, args.lr

@@ -6,8 +6,15 @@
 //! without that variable GL is used only where no Vulkan, Metal or DX12
 //! adapter exists (see `discover`).
 //! They are ordered real GPUs first (discrete, integrated, virtual, then
-//! software), and within a kind Vulkan, Metal, DX12, GL; device `i` of the
-//! runtime is adapter `i` of that order.
+//! software), and within a kind Vulkan, Metal, DX12, GL.
+//!
+//! Devices: by default device `i` of the runtime is adapter `i` of that
+//! order. With `COHORT_WGPU_DEVICES=N` (read once, with the adapters) the
+//! runtime has `N` devices instead, every one a separate `wgpu::Device` and
+//! queue requested from adapter 0: several logical devices on one adapter,
+//! so multi-device paths run where there is one adapter only (lavapipe in
+//! CI). Such devices share the adapter's memory and compute; they are
+//! separate devices to wgpu (no shared buffers), like separate GPUs.
 
 use std::sync::{Arc, OnceLock};
 
@@ -29,8 +36,12 @@ const TIMESTAMP_FEATURES: wgpu::Features = wgpu::Features::TIMESTAMP_QUERY
 /// One adapter as the wgpu runtime sees it: what it is and what it allows.
 #[derive(Debug, Clone)]
 pub struct WgpuAdapterInfo {
-    /// The runtime's device index of this adapter.
+    /// The adapter's index in adapter order (its device index too, unless
+    /// `COHORT_WGPU_DEVICES` is set).
     pub index: usize,
+    /// The runtime's devices opened on this adapter: `[index]` by default;
+    /// with `COHORT_WGPU_DEVICES=N`, `0..N` on adapter 0 and none elsewhere.
+    pub devices: Vec<usize>,
     /// The adapter's name as its driver reports it (e.g. "llvmpipe (LLVM 15.0.6, 256 bits)").
     pub name: String,
     /// The graphics API it is reached through.
@@ -48,11 +59,55 @@ pub struct WgpuAdapterInfo {
     pub max_binding_size: u64,
 }
 
-/// The process-wide wgpu instance and its adapters, in device order.
+/// The process-wide wgpu instance and its adapters, in adapter order.
 struct Discovery {
     /// Kept so adapters outlive nothing they depend on.
     _instance: wgpu::Instance,
     adapters: Vec<wgpu::Adapter>,
+    /// `COHORT_WGPU_DEVICES`: that many devices, all on adapter 0; `None`:
+    /// one device per adapter.
+    shared: Option<usize>,
+}
+
+impl Discovery {
+    /// How many devices the runtime has.
+    fn device_count(&self) -> usize {
+        self.shared.unwrap_or(self.adapters.len())
+    }
+
+    /// The adapter index device `device` is opened on (`None`: no such device).
+    fn adapter_of(&self, device: usize) -> Option<usize> {
+        (device < self.device_count()).then_some(if self.shared.is_some() { 0 } else { device })
+    }
+
+    /// The devices opened on adapter `adapter`.
+    fn devices_on(&self, adapter: usize) -> Vec<usize> {
+        match self.shared {
+            Some(n) if adapter == 0 => (0..n).collect(),
+            Some(_) => Vec::new(),
+            None => vec![adapter],
+        }
+    }
+}
+
+/// Reads `COHORT_WGPU_DEVICES` (see [`parse_devices`]).
+fn requested_devices() -> Result<Option<usize>, ServerError> {
+    parse_devices(std::env::var("COHORT_WGPU_DEVICES").ok().as_deref())
+}
+
+/// Parses a `COHORT_WGPU_DEVICES` value: `None` when unset or empty, else
+/// a positive number of devices to open on adapter 0.
+fn parse_devices(value: Option<&str>) -> Result<Option<usize>, ServerError> {
+    let Some(value) = value.filter(|v| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
+    match value.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(Some(n)),
+        _ => Err(ServerError::InvalidArgument(format!(
+            "COHORT_WGPU_DEVICES={value:?} is not a positive whole number of devices (it opens that many devices \
+             on the first adapter; unset it for one device per adapter)"
+        ))),
+    }
 }
 
 /// Parses `COHORT_WGPU_BACKEND` (a comma-separated list of vulkan, gl,
@@ -140,6 +195,7 @@ fn enumerate(backends: wgpu::Backends) -> (wgpu::Instance, Vec<wgpu::Adapter>) {
 /// slow and noisy on headless machines).
 fn discover() -> Result<Discovery, ServerError> {
     let backends = requested_backends()?;
+    let shared = requested_devices()?;
     let explicit = std::env::var("COHORT_WGPU_BACKEND").is_ok_and(|v| !v.trim().is_empty());
     let (instance, adapters) = if explicit || !backends.contains(wgpu::Backends::GL) {
         enumerate(backends)
@@ -166,7 +222,10 @@ fn discover() -> Result<Discovery, ServerError> {
             ),
         });
     }
-    Ok(Discovery { _instance: instance, adapters })
+    if let Some(n) = shared {
+        tracing::debug!("COHORT_WGPU_DEVICES={n}: {n} devices on adapter 0 ({})", adapters[0].get_info().name);
+    }
+    Ok(Discovery { _instance: instance, adapters, shared })
 }
 
 fn discovery() -> Result<&'static Discovery, ServerError> {
@@ -174,16 +233,31 @@ fn discovery() -> Result<&'static Discovery, ServerError> {
     DISCOVERY.get_or_init(discover).as_ref().map_err(Clone::clone)
 }
 
-/// How many adapters the runtime sees.
-pub(crate) fn adapter_count() -> Result<usize, ServerError> {
-    Ok(discovery()?.adapters.len())
+/// How many devices the runtime has: one per adapter, or
+/// `COHORT_WGPU_DEVICES`.
+pub(crate) fn device_count() -> Result<usize, ServerError> {
+    Ok(discovery()?.device_count())
+}
+
+/// The adapter index device `device` is opened on.
+pub(crate) fn adapter_of(device: usize) -> Result<usize, ServerError> {
+    let discovery = discovery()?;
+    discovery.adapter_of(device).ok_or_else(|| no_such_device(device, discovery))
+}
+
+fn no_such_device(device: usize, discovery: &Discovery) -> ServerError {
+    let why = match discovery.shared {
+        Some(n) => format!("COHORT_WGPU_DEVICES={n} opens {n} devices on adapter 0"),
+        None => format!("there are {} adapters, one device each", discovery.adapters.len()),
+    };
+    ServerError::InvalidArgument(format!("wgpu device {device} does not exist: {why} (see WgpuRuntime::adapters)"))
 }
 
 fn max_binding_size(limits: &wgpu::Limits) -> u64 {
     limits.max_storage_buffer_binding_size.min(limits.max_buffer_size)
 }
 
-fn describe(index: usize, adapter: &wgpu::Adapter) -> WgpuAdapterInfo {
+fn describe(index: usize, adapter: &wgpu::Adapter, devices: Vec<usize>) -> WgpuAdapterInfo {
     let info = adapter.get_info();
     let limits = adapter.limits();
     let driver = [info.driver.as_str(), info.driver_info.as_str()]
@@ -193,6 +267,7 @@ fn describe(index: usize, adapter: &wgpu::Adapter) -> WgpuAdapterInfo {
         .join(" ");
     WgpuAdapterInfo {
         index,
+        devices,
         name: info.name.clone(),
         api: info.backend,
         device_type: info.device_type,
@@ -203,9 +278,10 @@ fn describe(index: usize, adapter: &wgpu::Adapter) -> WgpuAdapterInfo {
     }
 }
 
-/// Every adapter the runtime sees, in device order.
+/// Every adapter the runtime sees, in adapter order.
 pub(crate) fn adapter_infos() -> Result<Vec<WgpuAdapterInfo>, ServerError> {
-    Ok(discovery()?.adapters.iter().enumerate().map(|(i, a)| describe(i, a)).collect())
+    let discovery = discovery()?;
+    Ok(discovery.adapters.iter().enumerate().map(|(i, a)| describe(i, a, discovery.devices_on(i))).collect())
 }
 
 /// Errors wgpu reported outside any error scope, and the reason the device
@@ -227,20 +303,17 @@ pub(crate) struct Gpu {
 }
 
 impl Gpu {
-    /// Opens adapter `index` with all of its limits (so bindings and buffers
-    /// may be as large as the adapter allows) and its timestamp features.
-    /// Installs an uncaptured-error handler that logs and keeps the error
-    /// (wgpu's default handler panics).
+    /// Opens device `index` (a wgpu device of its own, on the adapter
+    /// `Discovery::adapter_of` gives) with all of the adapter's limits (so
+    /// bindings and buffers may be as large as the adapter allows) and its
+    /// timestamp features. Installs an uncaptured-error handler that logs and
+    /// keeps the error (wgpu's default handler panics).
     pub fn open(index: usize) -> Result<(Gpu, DeviceProperties), ServerError> {
         let id = DeviceId::new(DeviceId::WGPU, index as u32);
         let discovery = discovery()?;
-        let adapter = discovery.adapters.get(index).ok_or_else(|| {
-            ServerError::InvalidArgument(format!(
-                "wgpu device {index} does not exist: there are {} adapters",
-                discovery.adapters.len()
-            ))
-        })?;
-        let described = describe(index, adapter);
+        let adapter_index = discovery.adapter_of(index).ok_or_else(|| no_such_device(index, discovery))?;
+        let adapter = &discovery.adapters[adapter_index];
+        let described = describe(adapter_index, adapter, discovery.devices_on(adapter_index));
         let descriptor = wgpu::DeviceDescriptor {
             label: Some("cohort"),
             required_features: adapter.features() & TIMESTAMP_FEATURES,
@@ -281,7 +354,12 @@ impl Gpu {
         let properties = DeviceProperties {
             device: id,
             backend: "wgpu",
-            name: format!("{} ({:?}, {:?})", described.name, described.api, described.device_type),
+            // The adapter is named in the device's name: with
+            // COHORT_WGPU_DEVICES several devices share one.
+            name: format!(
+                "{} ({:?}, {:?}, adapter {adapter_index})",
+                described.name, described.api, described.device_type
+            ),
             memory_bytes: None,
             compute_units,
             compute_capability: None,
@@ -324,6 +402,23 @@ impl Gpu {
                 Err(self
                     .error(format!("queued work failed validation ({} error(s)); the first: {first}", errors.len())))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_devices;
+
+    #[test]
+    fn device_counts_parse() {
+        assert_eq!(parse_devices(None).unwrap(), None);
+        assert_eq!(parse_devices(Some(" ")).unwrap(), None);
+        assert_eq!(parse_devices(Some("4")).unwrap(), Some(4));
+        assert_eq!(parse_devices(Some(" 2 ")).unwrap(), Some(2));
+        for bad in ["0", "-1", "two", "1.5"] {
+            let err = parse_devices(Some(bad)).unwrap_err().to_string();
+            assert!(err.contains("COHORT_WGPU_DEVICES") && err.contains("positive whole number"), "{bad}: {err}");
         }
     }
 }

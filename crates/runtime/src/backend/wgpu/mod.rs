@@ -51,20 +51,34 @@ use transfer::{StagingPool, Transfer};
 
 /// The wgpu runtime: one device per adapter of the backends wgpu supports on
 /// this OS (Vulkan and GL on Linux, Metal on macOS, DX12, Vulkan and GL on
-/// Windows), real GPUs first. GL adapters are a fallback, used only where no
-/// other backend finds one (a GPU would otherwise appear twice).
+/// Windows), real GPUs first; or, with `COHORT_WGPU_DEVICES=N`, `N` devices
+/// (each its own `wgpu::Device` and queue) all on the first adapter, so
+/// multi-device code runs where there is one adapter (lavapipe in CI). GL
+/// adapters are a fallback, used only where no other backend finds one (a
+/// GPU would otherwise appear twice).
 /// `COHORT_WGPU_BACKEND` (`vulkan`, `gl`, `metal`, `dx12`, or a
 /// comma-separated list) names the backends to use instead; it is read once,
-/// when the adapters are first enumerated.
+/// when the adapters are first enumerated, as is `COHORT_WGPU_DEVICES`.
+/// A device's [`DeviceProperties::name`] ends with the adapter it is on
+/// (`"..., adapter 0)"`); [`WgpuRuntime::adapter_of`] gives its index.
 #[derive(Debug, Clone, Copy)]
 pub struct WgpuRuntime;
 
 impl WgpuRuntime {
-    /// Every adapter the runtime sees, in device order: name, graphics API,
-    /// kind, driver, limits and timestamp support. Enumerates the adapters
-    /// on first use (this can take a while with some drivers).
+    /// Every adapter the runtime sees, in adapter order: name, graphics API,
+    /// kind, driver, limits, timestamp support and the devices opened on it.
+    /// Enumerates the adapters on first use (this can take a while with some
+    /// drivers). There are as many adapters as devices unless
+    /// `COHORT_WGPU_DEVICES` is set.
     pub fn adapters() -> Result<Vec<WgpuAdapterInfo>, ServerError> {
         adapter::adapter_infos()
+    }
+
+    /// The index (in [`WgpuRuntime::adapters`]) of the adapter device
+    /// `device` is opened on: `device` itself by default, 0 with
+    /// `COHORT_WGPU_DEVICES`. An error when there is no such device.
+    pub fn adapter_of(device: usize) -> Result<usize, ServerError> {
+        adapter::adapter_of(device)
     }
 }
 
@@ -72,16 +86,11 @@ impl Runtime for WgpuRuntime {
     const NAME: &'static str = "wgpu";
 
     fn device_count() -> Result<usize, ServerError> {
-        adapter::adapter_count()
+        adapter::device_count()
     }
 
     fn client(index: usize) -> Result<Client, ServerError> {
-        let count = Self::device_count()?;
-        if index >= count {
-            return Err(ServerError::InvalidArgument(format!(
-                "wgpu device {index} does not exist: there are {count} adapters (see WgpuRuntime::adapters)"
-            )));
-        }
+        adapter::adapter_of(index)?;
         let device = DeviceId::new(DeviceId::WGPU, index as u32);
         Client::load(device, || -> BackendFactory {
             Box::new(move || Ok(Box::new(WgpuBackend::open(index)?) as Box<dyn Backend>))
@@ -102,7 +111,8 @@ pub struct WgpuBackend {
 }
 
 impl WgpuBackend {
-    /// Opens adapter `index` (in [`WgpuRuntime::adapters`] order) as a device.
+    /// Opens device `index`: adapter `index` (in [`WgpuRuntime::adapters`]
+    /// order), or adapter 0 with `COHORT_WGPU_DEVICES`.
     pub fn open(index: usize) -> Result<Self, ServerError> {
         let (gpu, properties) = Gpu::open(index)?;
         tracing::debug!(device = %gpu.id, "opened {}", properties.name);
