@@ -197,12 +197,13 @@ impl DeviceState {
     }
 
     /// The first error marked on any of `inputs`, wrapped to say which
-    /// operation it stopped.
+    /// operation it stopped. The cause is always the root failure, so a chain of dependent
+    /// launches reports the original error once, not wrapped per step.
     pub fn poisoned_input(inputs: &[&Handle], operation: &str) -> Option<ServerError> {
-        inputs
-            .iter()
-            .find_map(|h| h.error())
-            .map(|cause| ServerError::Poisoned { operation: operation.to_string(), cause: Arc::new(cause) })
+        inputs.iter().find_map(|h| h.error()).map(|cause| ServerError::Poisoned {
+            operation: operation.to_string(),
+            cause: Arc::new(cause.root_cause().clone()),
+        })
     }
 
     /// Records the outcome of an operation on the handles it should have

@@ -242,9 +242,22 @@ pub fn poison_propagates_to_dependents<R: Runtime>() {
             KernelArguments::new().buffer(&bad).buffer(&other).buffer(&out),
         )
         .unwrap();
-    let err = client.read_one(out).unwrap_err();
+    let err = client.read_one(out.clone()).unwrap_err();
     assert!(matches!(err, ServerError::Poisoned { .. }), "{err}");
     assert!(matches!(err.root_cause(), ServerError::KernelFailed { .. }), "root cause: {:?}", err.root_cause());
+    // A longer chain still names the root failure once.
+    let out2 = client.empty(16);
+    client
+        .launch(
+            &kernels::add(),
+            GridCount::cover(4, 256),
+            KernelArguments::new().buffer(&out).buffer(&other).buffer(&out2),
+        )
+        .unwrap();
+    let err = client.read_one(out2).unwrap_err();
+    let ServerError::Poisoned { cause, .. } = &err else { panic!("expected a poisoned buffer: {err}") };
+    assert!(matches!(cause.as_ref(), ServerError::KernelFailed { .. }), "the cause is the root failure: {err}");
+    assert_eq!(err.to_string().matches("was not written").count(), 1, "{err}");
 }
 
 /// A handle of another device (or runtime) is refused before anything is
