@@ -237,3 +237,30 @@ fn device_copies() {
     assert_eq!(&client.read_one(c).unwrap()[..], &[0xFF, 0xFF, 0, 2, 0, 0xFF, 0xFF, 0xFF]);
     client.sync().unwrap();
 }
+
+/// A kernel that reads one small buffer (`var<storage, read>`) and writes
+/// another: both are slices of one pooled page, which wgpu would refuse to
+/// bind read-only and writable at once.
+#[test]
+fn read_only_and_writable_slices_of_one_page() {
+    let client = cohort_runtime::WgpuRuntime::client(0).unwrap();
+    let kernel = cohort_runtime::Kernel::new("copy_in_out").with_wgsl(
+        r#"@group(0) @binding(0) var<storage, read> src: array<f32>;
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&dst)) { dst[gid.x] = src[gid.x] * 2.0; }
+}"#,
+    );
+    let src = client.create(cohort_runtime::Bytes::from_elems(&[1.0f32, 2.0, 3.0]));
+    let dst = client.empty(12);
+    client.sync().unwrap();
+    client
+        .launch(
+            &kernel,
+            cohort_runtime::GridCount::Static(1, 1, 1),
+            cohort_runtime::KernelArguments::new().buffer(&src).buffer(&dst),
+        )
+        .unwrap();
+    assert_eq!(client.read_one(dst).unwrap().to_elems::<f32>(), vec![2.0, 4.0, 6.0]);
+}

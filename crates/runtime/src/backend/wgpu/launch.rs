@@ -15,6 +15,12 @@
 //! buffer of its own and dispatched indirectly: the grid's page may also be
 //! bound as storage in the same dispatch, which wgpu would refuse.
 //!
+//! Small buffers are slices of shared pages, and wgpu refuses one buffer
+//! bound both read-only and writable in a dispatch. A binding the shader
+//! declares `var<storage, read>` whose page another, writable binding of the
+//! same launch also uses is therefore copied into a scratch buffer first and
+//! bound from there (it is only read, so nothing needs copying back).
+//!
 //! Everything a dispatch could fail validation on is checked before it is
 //! recorded, so one bad launch cannot invalidate the batch it shares an
 //! encoder with; what wgpu checks at creation (pipeline, bind group) runs
@@ -99,8 +105,37 @@ impl Launcher<'_> {
             ResolvedGrid::Dynamic(binding) => Dispatch::Indirect(self.indirect(binding).map_err(failed)?),
         };
         let align = u64::from(self.gpu.limits.min_storage_buffer_offset_alignment);
+        let read_only = &compiled.layout.read_only;
+        let shares_writable_page = |i: usize| {
+            read_only.get(i).copied().unwrap_or(false)
+                && buffers
+                    .iter()
+                    .enumerate()
+                    .any(|(j, b)| j != i && b.page == buffers[i].page && !read_only.get(j).copied().unwrap_or(false))
+        };
+        // (binding index, scratch buffer) for read-only bindings to copy apart.
+        let mut scratch: Vec<(usize, wgpu::Buffer)> = Vec::new();
+        for (i, binding) in buffers.iter().enumerate() {
+            if shares_writable_page(i) {
+                self.pages.checked(*binding).map_err(|e| failed(format!("buffer {i}: {e}")))?;
+                let size = binding.size.next_multiple_of(4).max(4);
+                scratch.push((
+                    i,
+                    self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some("cohort read-only copy"),
+                        size,
+                        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                        mapped_at_creation: false,
+                    }),
+                ));
+            }
+        }
         let mut resources: Vec<(&wgpu::Buffer, u64, u64)> = Vec::with_capacity(bindings);
         for (i, binding) in buffers.iter().enumerate() {
+            if let Some((_, copy)) = scratch.iter().find(|(j, _)| *j == i) {
+                resources.push((copy, 0, copy.size()));
+                continue;
+            }
             let buffer = self.pages.checked(*binding).map_err(|e| failed(format!("buffer {i}: {e}")))?;
             if !binding.offset.is_multiple_of(align) {
                 return Err(failed(format!(
@@ -138,6 +173,16 @@ impl Launcher<'_> {
             return Err(failed(format!("its buffers could not be bound: {error}")));
         }
         let encoder = self.submitter.encoder(self.gpu);
+        for (i, copy) in &scratch {
+            let binding = buffers[*i];
+            let page = self.pages.buffer(binding.page)?;
+            // Copies move whole words; the page holds at least the rounded
+            // size (pages are allocated in words).
+            let len = binding.size.next_multiple_of(4).min(page.size().saturating_sub(binding.offset)) & !3;
+            if len > 0 {
+                encoder.copy_buffer_to_buffer(page, binding.offset, copy, 0, len);
+            }
+        }
         if let Dispatch::Indirect(indirect) = &dispatch {
             let ResolvedGrid::Dynamic(binding) = grid else { unreachable!("indirect dispatch of a static grid") };
             let page = self.pages.buffer(binding.page)?;

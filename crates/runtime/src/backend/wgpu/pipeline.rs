@@ -41,6 +41,8 @@ type Entry = Result<Arc<Compiled>, Arc<str>>;
 pub(crate) struct Layout {
     pub bind_group: wgpu::BindGroupLayout,
     pipeline: wgpu::PipelineLayout,
+    /// Per binding: whether the shader declares it `var<storage, read>`.
+    pub read_only: Vec<bool>,
 }
 
 /// Compiled pipelines and layouts of one device.
@@ -89,7 +91,7 @@ impl PipelineCache {
                 bind_group_layouts: &[Some(&bind_group)],
                 immediate_size: 0,
             });
-            Layout { bind_group, pipeline }
+            Layout { bind_group, pipeline, read_only: read_only.to_vec() }
         });
         if let Some(error) = error {
             return Err(format!("could not build a layout of {bindings} storage buffers: {error}"));
