@@ -14,6 +14,7 @@ pub mod store;
 
 mod collective;
 mod error;
+mod device;
 mod group;
 mod host;
 pub mod launch_env;
@@ -27,3 +28,4 @@ pub use group::{to_client, ClientGroup, DEFAULT_STAGE_CHUNK};
 pub use host::{default_timeout, HostPath, DEFAULT_TIMEOUT};
 pub use ops::{combine, finish, reduce_bytes, DType, Element, ReduceOp};
 pub use order::DeviceSetComm;
+pub use device::Transport;

@@ -2,7 +2,7 @@
 //! to move and reduce bytes on a device's own thread.
 
 use super::client::Client;
-use crate::backend::Binding;
+use crate::backend::{Binding, DeviceCollectives};
 use crate::bytes::AlignedBytes;
 use crate::device::panic_message;
 use crate::error::ServerError;
@@ -88,6 +88,19 @@ impl BufferAccess<'_> {
     /// Waits for the stream's queued work.
     pub fn sync(&mut self) -> Result<(), ServerError> {
         self.state.backend.sync(self.stream)
+    }
+
+    /// Where buffer `index` lives (page, offset, size), for backend hooks
+    /// such as [`BufferAccess::device_collectives`].
+    pub fn binding(&self, index: usize) -> Binding {
+        self.bindings[index]
+    }
+
+    /// The backend's device-to-device collectives (NCCL on CUDA), or `None`
+    /// where it has none. Calls on it run on this device thread; pass them
+    /// [`BufferAccess::stream`] and the task's [`BufferAccess::binding`]s.
+    pub fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
+        self.state.backend.device_collectives()
     }
 }
 

@@ -257,14 +257,24 @@ impl ClientGroup {
     }
 }
 
-/// Copies `src` (a buffer of `from`) to a new buffer on `to`: through a
-/// send/recv between two devices of one runtime (returns at once), through
-/// host memory between runtimes or on one device (waits for the read).
+/// Copies `src` (a buffer of `from`) to a new buffer on `to`, device to
+/// device where it can, and returns at once then: between devices of one
+/// runtime by a peer copy where `from` can reach `to`'s memory (see
+/// [`Client::can_access_peer`]), else by an NCCL send/recv, else through
+/// the host; on one device by a device copy (CUDA). Between runtimes, and on
+/// backends without device collectives, through host memory (waits for the
+/// read).
 pub fn to_client(src: &Handle, from: &Client, to: &Client) -> Result<Handle, CommError> {
     if from.name() == to.name() && from.device_id() != to.device_id() {
         let pair = ClientGroup::new(vec![from.clone(), to.clone()])?;
         return pair.to_client(src, 0, 1);
     }
     from.check_owned(src).map_err(|source| CommError::Failed { operation: "to_client", source })?;
+    if from.service_id() == to.service_id() && from.name() != "cpu" {
+        let one = ClientGroup::new(vec![from.clone()])?;
+        if one.transport() == crate::Transport::LocalCopy {
+            return one.to_client(src, 0, 0);
+        }
+    }
     from.to_client(src, to).map_err(|source| CommError::Failed { operation: "to_client", source })
 }

@@ -13,6 +13,7 @@ use std::time::Duration;
 use cohort_runtime::{Client, Handle};
 
 use crate::collective::Kind;
+use crate::device::{self, DevicePart, Meeting, Mode, Route, Transport};
 use crate::error::CommError;
 use crate::host::{default_timeout, Collective, HostPath, Participant, Ticket};
 use crate::order::{communicator, enqueue_lock, DeviceSetComm};
@@ -35,6 +36,9 @@ pub const DEFAULT_STAGE_CHUNK: usize = 4 << 20;
 pub struct ClientGroup {
     clients: Vec<Client>,
     communicator: Arc<DeviceSetComm>,
+    /// How collectives move bytes now, and by default.
+    route: Route,
+    auto_route: Route,
     direct: bool,
     timeout: Duration,
     stage_chunk: usize,
@@ -48,6 +52,22 @@ pub(crate) struct Part {
     output: Option<Handle>,
 }
 
+/// A queued collective, to wait on (barriers).
+pub(crate) enum Launched {
+    Host(Arc<Collective>),
+    Device(Arc<Meeting>),
+}
+
+impl Launched {
+    /// Blocks until every part returned, or the collective failed.
+    pub(crate) fn wait_finished(&self) -> Result<(), cohort_runtime::ServerError> {
+        match self {
+            Launched::Host(c) => c.wait_finished(),
+            Launched::Device(m) => m.wait_finished(),
+        }
+    }
+}
+
 impl ClientGroup {
     /// A group over `clients`, member `i` being `clients[i]`.
     ///
@@ -55,6 +75,13 @@ impl ClientGroup {
     /// runtimes. The first group over a set of devices sets up its
     /// communicator (cached by the sorted device set), which waits for one
     /// small task on each device; later groups over the same set do not wait.
+    ///
+    /// Where every member's backend offers device collectives (CUDA), the
+    /// group's collectives go device to device through NCCL (a group of one
+    /// device: plain device copies, no NCCL); without libnccl they fall back
+    /// to host staging, and the first such group logs why (see
+    /// [`ClientGroup::transport`]). The NCCL communicators themselves are
+    /// made on the first collective, on every member's device at once.
     pub fn new(clients: Vec<Client>) -> Result<ClientGroup, CommError> {
         let Some(first) = clients.first() else {
             return Err(CommError::EmptyGroup);
@@ -69,7 +96,27 @@ impl ClientGroup {
         }
         let communicator = communicator(&clients);
         let direct = communicator.host_addressable();
-        Ok(ClientGroup { clients, communicator, direct, timeout: default_timeout(), stage_chunk: DEFAULT_STAGE_CHUNK })
+        let route = device::choose(&clients);
+        Ok(ClientGroup {
+            clients,
+            communicator,
+            auto_route: route.clone(),
+            route,
+            direct,
+            timeout: default_timeout(),
+            stage_chunk: DEFAULT_STAGE_CHUNK,
+        })
+    }
+
+    /// How this group's collectives move bytes: NCCL, device copies (one
+    /// device), or the host (direct or staged).
+    pub fn transport(&self) -> Transport {
+        match self.route {
+            Route::Nccl(_) => Transport::Nccl,
+            Route::Local => Transport::LocalCopy,
+            Route::Host if self.direct => Transport::HostDirect,
+            Route::Host => Transport::HostStaged,
+        }
     }
 
     /// Number of members.
@@ -118,9 +165,15 @@ impl ClientGroup {
     }
 
     /// This group with a chosen host path. `Direct` is refused where a
-    /// member's memory is not host-addressable.
+    /// member's memory is not host-addressable. `Direct` and `Staged` also
+    /// turn the device path (NCCL, device copies) off; `Auto` restores the
+    /// default.
     pub fn with_host_path(mut self, path: HostPath) -> Result<ClientGroup, CommError> {
         let addressable = self.communicator.host_addressable();
+        self.route = match path {
+            HostPath::Auto => self.auto_route.clone(),
+            _ => Route::Host,
+        };
         self.direct = match path {
             HostPath::Auto => addressable,
             HostPath::Staged => false,
@@ -146,15 +199,55 @@ impl ClientGroup {
         Ok(())
     }
 
+    /// How one collective's parts run on the device path, or `None` for the
+    /// host path.
+    fn device_mode(&self, kind: &Kind, parts: &[Part]) -> Result<Option<Mode>, CommError> {
+        if let Kind::Copy { from, to } = *kind {
+            if from == to && !matches!(self.route, Route::Host) {
+                return Ok(Some(Mode::Local));
+            }
+            if from != to {
+                let (a, b) = (&self.clients[parts[0].member], &self.clients[parts[1].member]);
+                let peers = !matches!(self.route, Route::Host) || self.direct_off_cpu();
+                if peers && a.can_access_peer(b) {
+                    return Ok(Some(Mode::Peer));
+                }
+                if let Route::Nccl(_) = self.route {
+                    let pair = device::nccl_set(&[a.clone(), b.clone()])
+                        .map_err(|source| CommError::Failed { operation: kind.name(), source })?;
+                    return Ok(Some(Mode::Nccl(pair)));
+                }
+            }
+        }
+        Ok(match &self.route {
+            Route::Host => None,
+            Route::Local => Some(Mode::Local),
+            Route::Nccl(set) => Some(Mode::Nccl(set.clone())),
+        })
+    }
+
+    /// Whether the host path was chosen on devices the host cannot address
+    /// (where peer copies may still go device to device).
+    fn direct_off_cpu(&self) -> bool {
+        !self.direct && self.clients[0].name() != "cpu"
+    }
+
     /// Queues every part of one collective, under the process-wide order.
     /// Returns the collective (to wait on, for barriers) once all parts are
     /// queued; a part that could not be queued fails the whole collective.
-    fn launch(&self, kind: Kind, seg: usize, parts: Vec<Part>) -> Result<Arc<Collective>, CommError> {
+    fn launch(&self, kind: Kind, seg: usize, parts: Vec<Part>) -> Result<Launched, CommError> {
         let operation = kind.name();
         for part in &parts {
             if self.clients[part.member].is_capturing() {
                 return Err(CommError::Capturing { operation, member: part.member });
             }
+        }
+        if let Some(mode) = self.device_mode(&kind, &parts)? {
+            let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
+            tracing::trace!(operation, sequence, bytes = seg, members = parts.len(), ?mode, "queue device collective");
+            let parts =
+                parts.into_iter().map(|p| DevicePart { member: p.member, input: p.input, output: p.output }).collect();
+            return device::launch(&self.clients, self.timeout, kind, seg, mode, parts).map(Launched::Device);
         }
         let participants: Vec<Participant> = parts
             .iter()
@@ -197,7 +290,7 @@ impl ClientGroup {
         drop(order);
         match failed {
             Some(err) => Err(err),
-            None => Ok(collective),
+            None => Ok(Launched::Host(collective)),
         }
     }
 }

@@ -12,8 +12,12 @@ pub mod cuda;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
+mod collectives;
+
 use std::any::Any;
 use std::time::Instant;
+
+pub use collectives::{CollectiveWatch, CommSpec, DeviceCall, DeviceCollectives, ElementType, PeerToken, Reduction};
 
 use crate::bytes::AlignedBytes;
 use crate::error::ServerError;
@@ -169,4 +173,11 @@ pub trait Backend: 'static {
 
     /// Releases what the backend keeps for a stream that has no more work.
     fn release_stream(&mut self, _stream: StreamId) {}
+
+    /// Device-to-device collectives and peer access (NCCL and peer copies on
+    /// CUDA); `None`, the default, where the backend has none and the
+    /// communication layer stages through the host.
+    fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
+        None
+    }
 }

@@ -9,6 +9,7 @@
 mod io;
 mod launch;
 mod memory;
+mod peer;
 
 use std::any::Any;
 use std::sync::Arc;

@@ -6,7 +6,9 @@
 //! [`driver`](self) loading and discovery, `storage` (device pages), `pinned`
 //! (the pinned host pool) and `transfer` (staged copies), `streams`, `events`
 //! (pooled events for fences and cross-stream order), `kernels` (NVRTC and
-//! its caches), `graphs` (stream capture) and `timing` (event timers).
+//! its caches), `graphs` (stream capture), `timing` (event timers), `nccl`
+//! and `nccl_lib` (NCCL communicators and collectives, behind
+//! [`crate::backend::DeviceCollectives`]) and `peer` (peer access and copies).
 //!
 //! # Faults
 //!
@@ -27,6 +29,9 @@ mod driver;
 mod events;
 mod graphs;
 mod kernels;
+mod nccl;
+mod nccl_lib;
+mod peer;
 mod pinned;
 mod storage;
 mod streams;
@@ -41,7 +46,7 @@ use std::sync::Arc;
 pub use cudarc;
 use cudarc::driver::sys;
 
-use crate::backend::{Backend, Binding, FenceWait, ResolvedGrid, TimerStart};
+use crate::backend::{Backend, Binding, DeviceCollectives, FenceWait, ResolvedGrid, TimerStart};
 use crate::bytes::AlignedBytes;
 use crate::client::Client;
 use crate::device::BackendFactory;
@@ -62,6 +67,13 @@ use streams::Streams;
 use transfer::Staging;
 
 pub use kernels::{nvrtc_cache_dir, nvrtc_cache_stats, NvrtcCacheStats};
+
+/// Whether NCCL can be used in this process: `Ok` with its version
+/// (`2.28.7`) once libnccl loaded, or why not (no library, or
+/// `COHORT_DISABLE_NCCL` set). Probes once; never panics.
+pub fn nccl_version() -> Result<String, String> {
+    nccl_lib::load().map(|lib| lib.version_text())
+}
 
 /// The CUDA runtime: one client per CUDA device the driver sees.
 #[derive(Debug, Clone, Copy)]
@@ -118,6 +130,7 @@ pub struct CudaBackend {
     kernels: Kernels,
     buffers: Vec<(sys::CUdeviceptr, u64)>,
     graphs_alive: Arc<AtomicBool>,
+    nccl: nccl::NcclState,
     /// The sticky fault that lost the context, returned by every later call.
     lost: Option<ServerError>,
 }
@@ -169,6 +182,7 @@ impl CudaBackend {
             kernels: Kernels::new(info.capability),
             buffers: Vec::new(),
             graphs_alive: Arc::new(AtomicBool::new(true)),
+            nccl: nccl::NcclState::default(),
             lost: None,
         })
     }
@@ -472,6 +486,10 @@ impl Backend for CudaBackend {
             self.streams.release(stream);
         }
     }
+
+    fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
+        Some(self)
+    }
 }
 
 impl Drop for CudaBackend {
@@ -485,6 +503,9 @@ impl Drop for CudaBackend {
             }
         }
         self.graphs_alive.store(false, Ordering::Release);
+        if self.lost.is_none() {
+            self.nccl.close();
+        }
         self.kernels.release_all();
         self.streams.release_all();
         self.events.close();

@@ -1,0 +1,298 @@
+//! Where the parts of one device-path collective meet on the host.
+//!
+//! Every part's task first arrives here: once all have, each issues its
+//! calls on its device (so a communicator's first use, which waits for
+//! every member, always meets, and a part whose input failed stops the
+//! others before any of them queues device work). While its calls are
+//! pending a part watches the meeting for another part's failure; a
+//! timeout names the members that never arrived, or never finished.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cohort_runtime::backend::{CollectiveWatch, CommSpec, PeerToken};
+use cohort_runtime::{BufferAccess, DeviceId, ServerError};
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use super::plan::{self, Shape};
+use super::{forget, Mode};
+use crate::collective::Kind;
+
+#[derive(Default)]
+struct State {
+    arrived: usize,
+    present: Vec<bool>,
+    finished: Vec<bool>,
+    /// Tasks that returned or were dropped.
+    returned: usize,
+    failure: Option<ServerError>,
+    /// Peer copies: the sender's token, then the receiver's.
+    tokens: [Option<PeerToken>; 2],
+}
+
+/// The shared object of one device-path collective.
+pub(crate) struct Meeting {
+    kind: Kind,
+    seg: usize,
+    /// (member, device) of each part, by slot.
+    parts: Vec<(usize, DeviceId)>,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Meeting {
+    pub(crate) fn new(kind: Kind, seg: usize, parts: Vec<(usize, DeviceId)>, timeout: Duration) -> Arc<Meeting> {
+        let n = parts.len();
+        let state = State { present: vec![false; n], finished: vec![false; n], ..State::default() };
+        Arc::new(Meeting { kind, seg, parts, timeout, state: Mutex::new(state), cv: Condvar::new() })
+    }
+
+    /// Part `slot`'s right to run; dropped unrun, it fails the meeting.
+    pub(crate) fn ticket(self: &Arc<Self>, slot: usize) -> Ticket {
+        Ticket { meeting: self.clone(), slot, ran: false }
+    }
+
+    fn fail_locked(&self, state: &mut State, err: ServerError) -> ServerError {
+        let failure = state.failure.get_or_insert(err).clone();
+        self.cv.notify_all();
+        failure
+    }
+
+    fn fail(&self, err: ServerError) -> ServerError {
+        self.fail_locked(&mut self.state.lock(), err)
+    }
+
+    fn failure(&self) -> Option<ServerError> {
+        self.state.lock().failure.clone()
+    }
+
+    fn names(&self, flags: &[bool]) -> String {
+        let missing: Vec<String> = self
+            .parts
+            .iter()
+            .zip(flags)
+            .filter(|(_, done)| !**done)
+            .map(|((member, device), _)| format!("member {member} ({device})"))
+            .collect();
+        missing.join(", ")
+    }
+
+    fn timeout_error(&self, slot: usize, what: String) -> ServerError {
+        ServerError::Collective {
+            collective: self.kind.name().to_string(),
+            device: self.parts[slot].1,
+            reason: format!(
+                "{what} within {:.1} s: their devices are still busy with earlier work or blocked; every member \
+                 must call the same collectives in the same order (raise COHORT_TIMEOUT, in seconds, if the work \
+                 before it is legitimately that long)",
+                self.timeout.as_secs_f64()
+            ),
+        }
+    }
+
+    /// Waits (up to `deadline`) until `ready` holds, the meeting failed, or
+    /// the deadline passed (then fails it with `missing`'s words).
+    fn wait_for(
+        &self,
+        state: &mut MutexGuard<'_, State>,
+        slot: usize,
+        deadline: Instant,
+        ready: impl Fn(&State) -> bool,
+        missing: impl Fn(&State) -> String,
+    ) -> Result<(), ServerError> {
+        loop {
+            if let Some(err) = &state.failure {
+                return Err(err.clone());
+            }
+            if ready(state) {
+                return Ok(());
+            }
+            if self.cv.wait_until(state, deadline).timed_out() && !ready(state) && state.failure.is_none() {
+                let err = self.timeout_error(slot, missing(state));
+                return Err(self.fail_locked(state, err));
+            }
+        }
+    }
+
+    fn arrive(&self, slot: usize, deadline: Instant) -> Result<(), ServerError> {
+        let mut state = self.state.lock();
+        if let Some(err) = &state.failure {
+            return Err(err.clone());
+        }
+        state.present[slot] = true;
+        state.arrived += 1;
+        self.cv.notify_all();
+        let n = self.parts.len();
+        self.wait_for(
+            &mut state,
+            slot,
+            deadline,
+            |s| s.arrived == n,
+            |s| format!("{} did not arrive", self.names(&s.present)),
+        )
+    }
+
+    /// Blocks the calling thread until every part returned, or the meeting
+    /// failed; returns the failure.
+    pub(crate) fn wait_finished(&self) -> Result<(), ServerError> {
+        let mut state = self.state.lock();
+        loop {
+            if let Some(err) = &state.failure {
+                return Err(err.clone());
+            }
+            if state.returned == self.parts.len() {
+                return Ok(());
+            }
+            self.cv.wait(&mut state);
+        }
+    }
+
+    fn run_part(
+        &self,
+        slot: usize,
+        access: Result<&mut BufferAccess<'_>, ServerError>,
+        mode: &Mode,
+        shape: Shape,
+    ) -> Result<(), ServerError> {
+        let access = access.map_err(|err| self.fail(err))?;
+        let deadline = Instant::now() + self.timeout;
+        let buffers = shape.bind(|i| access.binding(i));
+        if let Mode::Local = mode {
+            // A copy needs both buffers: the input is buffer 0, the output 1.
+            if plan::local_copy(&self.kind, &buffers).is_some() {
+                access.copy(0, 1).map_err(|err| self.fail(err))?;
+            }
+            self.state.lock().finished[slot] = true;
+            return Ok(());
+        }
+        self.arrive(slot, deadline)?;
+        let stream = access.stream();
+        let Some(dc) = access.device_collectives() else {
+            return Err(self.fail(ServerError::InvalidState {
+                operation: "a device-path collective",
+                reason: "the device's backend offers no device collectives".into(),
+            }));
+        };
+        let result = match mode {
+            Mode::Local => unreachable!("handled above"),
+            Mode::Peer => self.peer_part(slot, dc, stream, &buffers, deadline),
+            Mode::Nccl(set) => {
+                let calls = plan::nccl_calls(&self.kind, slot, self.parts.len(), self.seg, &buffers);
+                if calls.is_empty() {
+                    Ok(())
+                } else {
+                    let spec =
+                        CommSpec { set: set.key, rank: slot, ranks: self.parts.len(), unique_id: &set.unique_id };
+                    let failed_elsewhere = || self.failure();
+                    let missing = || {
+                        let state = self.state.lock();
+                        let mut done = state.finished.clone();
+                        done[slot] = false;
+                        format!("{} did not finish", self.names(&done))
+                    };
+                    let watch = CollectiveWatch {
+                        operation: self.kind.name(),
+                        deadline,
+                        failed_elsewhere: &failed_elsewhere,
+                        missing: &missing,
+                    };
+                    let result = dc.run(stream, &spec, &calls, &watch);
+                    if result.is_err() {
+                        forget(set);
+                    }
+                    result
+                }
+            }
+        };
+        match result {
+            Ok(()) => {
+                let mut state = self.state.lock();
+                state.finished[slot] = true;
+                self.cv.notify_all();
+                Ok(())
+            }
+            Err(err) => Err(self.fail(err)),
+        }
+    }
+
+    /// A peer copy: slot 0 exports its source, slot 1 copies it in and
+    /// hands back a completion token that slot 0's stream waits on.
+    fn peer_part(
+        &self,
+        slot: usize,
+        dc: &mut dyn cohort_runtime::backend::DeviceCollectives,
+        stream: cohort_runtime::StreamId,
+        buffers: &plan::Buffers,
+        deadline: Instant,
+    ) -> Result<(), ServerError> {
+        let other = 1 - slot;
+        let mut state = self.state.lock();
+        if slot == 0 {
+            let src = buffers.input.expect("a send has a source");
+            drop(state);
+            let token = dc.peer_export(stream, src)?;
+            state = self.state.lock();
+            state.tokens[0] = Some(token);
+            self.cv.notify_all();
+        }
+        let device = self.parts[other].1;
+        self.wait_for(
+            &mut state,
+            slot,
+            deadline,
+            |s| s.tokens[other].is_some(),
+            |_| format!("member {} ({device}) did not hand over its half of the copy", self.parts[other].0),
+        )?;
+        let token = state.tokens[other].expect("waited for");
+        drop(state);
+        if slot == 0 {
+            return dc.peer_finish(stream, &token);
+        }
+        let dst = buffers.output.expect("a receive has a destination");
+        let done = dc.peer_import(stream, &token, dst)?;
+        let mut state = self.state.lock();
+        state.tokens[1] = Some(done);
+        self.cv.notify_all();
+        Ok(())
+    }
+}
+
+/// A part's right to run. Dropped without running (its device closed), it
+/// fails the meeting so the other parts return at once.
+pub(crate) struct Ticket {
+    meeting: Arc<Meeting>,
+    slot: usize,
+    ran: bool,
+}
+
+impl Ticket {
+    /// Runs the part on its device thread: meets the other parts, issues
+    /// its calls, and waits for them (device-path collectives other than
+    /// one-device copies and peer copies).
+    pub(crate) fn run(
+        mut self,
+        access: Result<&mut BufferAccess<'_>, ServerError>,
+        mode: &Mode,
+        shape: Shape,
+    ) -> Result<(), ServerError> {
+        self.ran = true;
+        self.meeting.run_part(self.slot, access, mode, shape)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut state = self.meeting.state.lock();
+        if !self.ran {
+            let device = self.meeting.parts[self.slot].1;
+            let err = ServerError::Poisoned {
+                operation: self.meeting.kind.name().to_string(),
+                cause: Arc::new(ServerError::DeviceClosed { device }),
+            };
+            self.meeting.fail_locked(&mut state, err);
+        }
+        state.returned += 1;
+        self.meeting.cv.notify_all();
+    }
+}

@@ -1,0 +1,242 @@
+//! The device path of a [`crate::ClientGroup`]: collectives that move bytes
+//! device to device through the backend's [`DeviceCollectives`] (NCCL on
+//! CUDA), a group of one device that needs no library at all, and peer
+//! copies between devices that reach each other's memory.
+//!
+//! A group takes this path when every member's backend offers device
+//! collectives; with more than one member it also needs the library
+//! (libnccl) to load, and falls back to host staging, saying so once, when
+//! it does not. `COHORT_DISABLE_NCCL=1` forces that fallback;
+//! `COHORT_NCCL_SINGLE=1` sends groups of one device through NCCL too
+//! (a one-rank communicator) instead of a plain device copy.
+//!
+//! NCCL ranks follow member order (all-gather and reduce-scatter lay blocks
+//! out by rank), so a communicator is kept per device set *and* member
+//! order: every group over the same devices in the same order shares it.
+
+mod meeting;
+mod plan;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Once, OnceLock};
+use std::time::Duration;
+
+use cohort_runtime::backend::DeviceCollectives;
+use cohort_runtime::{BufferAccess, Client, Handle, ServerError, ServiceId};
+use parking_lot::Mutex;
+
+use crate::collective::Kind;
+use crate::error::CommError;
+use crate::order::enqueue_lock;
+
+pub(crate) use meeting::Meeting;
+
+/// How a group's collectives move bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// NCCL (or the backend's device collectives): device to device.
+    Nccl,
+    /// A group of one device: device copies, or nothing in place.
+    LocalCopy,
+    /// Host memory, reduced in place through host pointers (CPU devices).
+    HostDirect,
+    /// Host memory, staged chunk by chunk (devices the host cannot address).
+    HostStaged,
+}
+
+/// The route a group's collectives take on the device path.
+#[derive(Debug, Clone)]
+pub(crate) enum Route {
+    /// Host staging (or direct host access).
+    Host,
+    /// One device: copies on its own stream.
+    Local,
+    /// The backend's communicator of this device set.
+    Nccl(Arc<NcclSet>),
+}
+
+/// One device set in member order, with the id its communicators are made
+/// from.
+#[derive(Debug)]
+pub(crate) struct NcclSet {
+    pub key: u64,
+    pub devices: Vec<ServiceId>,
+    pub unique_id: Vec<u8>,
+}
+
+/// What a device's backend offers, asked once per device opening.
+#[derive(Debug, Clone)]
+struct Offer {
+    device: bool,
+    library: Result<(), String>,
+}
+
+/// Runs `f` on `client`'s device thread with its device collectives, and
+/// waits for the answer; `None` where the backend has none or the device
+/// failed.
+pub(crate) fn ask<R: Send + 'static>(
+    client: &Client,
+    f: impl FnOnce(&mut dyn DeviceCollectives) -> R + Send + 'static,
+) -> Option<R> {
+    let (tx, rx) = crossbeam::channel::bounded(1);
+    let queued = client.submit_buffers_always("device-path probe", Vec::new(), Vec::new(), move |access| {
+        let answer = access.ok().and_then(|a: &mut BufferAccess<'_>| a.device_collectives().map(f));
+        let _ = tx.send(answer);
+        Ok(())
+    });
+    queued.ok()?;
+    rx.recv().ok().flatten()
+}
+
+fn offer(client: &Client) -> Offer {
+    static KNOWN: OnceLock<Mutex<HashMap<ServiceId, Offer>>> = OnceLock::new();
+    let known = KNOWN.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(found) = known.lock().get(&client.service_id()) {
+        return found.clone();
+    }
+    let found = match ask(client, |dc| dc.available()) {
+        Some(library) => Offer { device: true, library },
+        None => Offer { device: false, library: Err("the backend has no device collectives".into()) },
+    };
+    known.lock().insert(client.service_id(), found.clone());
+    found
+}
+
+fn flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
+/// Whether groups of one device go through a one-rank NCCL communicator
+/// (`COHORT_NCCL_SINGLE`, read once).
+fn single_through_nccl() -> bool {
+    static SINGLE: OnceLock<bool> = OnceLock::new();
+    *SINGLE.get_or_init(|| flag("COHORT_NCCL_SINGLE"))
+}
+
+fn warn_fallback(backend: &str, why: &str) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        tracing::warn!(
+            "{backend} collectives fall back to host staging (device to host, reduce on the host, back): {why}"
+        )
+    });
+}
+
+/// The route `clients`' collectives take by default. Waits for one probe
+/// task per device the first time a device is seen, and for one more to
+/// make a new device set's communicator id.
+pub(crate) fn choose(clients: &[Client]) -> Route {
+    let offers: Vec<Offer> = clients.iter().map(offer).collect();
+    if !offers.iter().all(|o| o.device) {
+        return Route::Host;
+    }
+    if clients.len() == 1 && !single_through_nccl() {
+        return Route::Local;
+    }
+    if let Some(Err(why)) = offers.iter().map(|o| o.library.clone()).find(Result::is_err) {
+        warn_fallback(clients[0].name(), &why);
+        return Route::Host;
+    }
+    match nccl_set(clients) {
+        Ok(set) => Route::Nccl(set),
+        Err(err) => {
+            warn_fallback(clients[0].name(), &err.to_string());
+            Route::Host
+        }
+    }
+}
+
+fn sets() -> &'static Mutex<HashMap<Vec<ServiceId>, Arc<NcclSet>>> {
+    static SETS: OnceLock<Mutex<HashMap<Vec<ServiceId>, Arc<NcclSet>>>> = OnceLock::new();
+    SETS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The communicator set of `clients` in member order, made on first use
+/// (asks the first member's device for a fresh id).
+pub(crate) fn nccl_set(clients: &[Client]) -> Result<Arc<NcclSet>, ServerError> {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let devices: Vec<ServiceId> = clients.iter().map(Client::service_id).collect();
+    if let Some(found) = sets().lock().get(&devices) {
+        return Ok(found.clone());
+    }
+    let unique_id = ask(&clients[0], |dc| dc.unique_id()).unwrap_or_else(|| {
+        Err(ServerError::Unsupported { feature: "device collectives", backend: clients[0].name() })
+    })?;
+    let set = Arc::new(NcclSet { key: NEXT.fetch_add(1, Ordering::Relaxed), devices: devices.clone(), unique_id });
+    Ok(sets().lock().entry(devices).or_insert(set).clone())
+}
+
+/// Forgets a set whose communicator failed, so the next group over these
+/// devices makes a fresh one (the failed one was aborted).
+pub(crate) fn forget(set: &NcclSet) {
+    let mut sets = sets().lock();
+    if sets.get(&set.devices).is_some_and(|s| s.key == set.key) {
+        sets.remove(&set.devices);
+    }
+}
+
+/// One member's part as the device path queues it.
+pub(crate) struct DevicePart {
+    pub member: usize,
+    pub input: Option<Handle>,
+    pub output: Option<Handle>,
+}
+
+/// How one collective's parts run.
+#[derive(Debug, Clone)]
+pub(crate) enum Mode {
+    /// Copies on each member's own device (groups of one, sends to self).
+    Local,
+    /// Calls on the set's communicator; a part's rank is its slot.
+    Nccl(Arc<NcclSet>),
+    /// A peer copy from slot 0 to slot 1.
+    Peer,
+}
+
+/// Queues every part of one collective on the device path under the
+/// process-wide order; returns the meeting (to wait on, for barriers).
+pub(crate) fn launch(
+    clients: &[Client],
+    timeout: Duration,
+    kind: Kind,
+    seg: usize,
+    mode: Mode,
+    parts: Vec<DevicePart>,
+) -> Result<Arc<Meeting>, CommError> {
+    let operation = kind.name();
+    let devices = parts.iter().map(|p| (p.member, clients[p.member].device_id())).collect();
+    let meeting = Meeting::new(kind, seg, devices, timeout);
+    let n = parts.len();
+    let mut tasks = Vec::with_capacity(n);
+    for (slot, part) in parts.into_iter().enumerate() {
+        let client = &clients[part.member];
+        let mut outputs: Vec<Handle> = part.output.into_iter().collect();
+        // In-place all-to-all over NCCL sends from a copy of the source.
+        let scratch = matches!(mode, Mode::Nccl(_))
+            && kind == Kind::AllToAll
+            && part.input.as_ref().zip(outputs.first()).is_some_and(|(i, o)| plan::same_bytes(i, o));
+        if scratch {
+            outputs.push(client.empty(seg * n));
+        }
+        let inputs: Vec<Handle> = part.input.into_iter().collect();
+        let shape = plan::Shape { input: !inputs.is_empty(), output: !outputs.is_empty(), scratch };
+        tasks.push((part.member, inputs, outputs, meeting.ticket(slot), shape));
+    }
+    let mut failed = None;
+    let order = enqueue_lock();
+    for (member, inputs, outputs, ticket, shape) in tasks {
+        let client = &clients[member];
+        let mode = mode.clone();
+        let queued =
+            client.submit_buffers_always(operation, inputs, outputs, move |access| ticket.run(access, &mode, shape));
+        if let Err(source) = queued {
+            failed.get_or_insert(CommError::Enqueue { operation, member, device: client.device_id(), source });
+        }
+    }
+    drop(order);
+    match failed {
+        Some(err) => Err(err),
+        None => Ok(meeting),
+    }
+}

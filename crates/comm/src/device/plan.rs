@@ -1,0 +1,216 @@
+//! What each member's part of a collective asks of its device: the
+//! [`DeviceCall`]s on the communicator (rank = the part's slot), or the
+//! copies of a group of one device.
+
+use cohort_runtime::backend::{Binding, DeviceCall, ElementType, Reduction};
+use cohort_runtime::Handle;
+
+use crate::collective::Kind;
+use crate::ops::{DType, ReduceOp};
+
+/// Which buffers a part's task holds, in the order the task sees them:
+/// the input, the output, then the scratch copy of an in-place all-to-all.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    pub input: bool,
+    pub output: bool,
+    pub scratch: bool,
+}
+
+/// The bindings of one part.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Buffers {
+    pub input: Option<Binding>,
+    pub output: Option<Binding>,
+    pub scratch: Option<Binding>,
+}
+
+impl Shape {
+    /// Resolves the shape against the task's bindings.
+    pub(crate) fn bind(&self, binding: impl Fn(usize) -> Binding) -> Buffers {
+        let mut next = 0;
+        let mut take = |present: bool| {
+            present.then(|| {
+                next += 1;
+                binding(next - 1)
+            })
+        };
+        let input = take(self.input);
+        let output = take(self.output);
+        let scratch = take(self.scratch);
+        Buffers { input, output, scratch }
+    }
+}
+
+/// Whether two handles are the same bytes of one allocation.
+pub(crate) fn same_bytes(a: &Handle, b: &Handle) -> bool {
+    a.same_allocation(b) && a.offset() == b.offset() && a.size() == b.size()
+}
+
+/// The runtime's element type of `dtype`.
+pub(crate) fn element(dtype: DType) -> ElementType {
+    match dtype {
+        DType::F32 => ElementType::F32,
+        DType::F64 => ElementType::F64,
+        DType::F16 => ElementType::F16,
+        DType::BF16 => ElementType::BF16,
+        DType::I8 => ElementType::I8,
+        DType::U8 => ElementType::U8,
+        DType::I32 => ElementType::I32,
+        DType::U32 => ElementType::U32,
+        DType::I64 => ElementType::I64,
+        DType::U64 => ElementType::U64,
+    }
+}
+
+/// The runtime's reduction of `op`.
+pub(crate) fn reduction(op: ReduceOp) -> Reduction {
+    match op {
+        ReduceOp::Sum => Reduction::Sum,
+        ReduceOp::Prod => Reduction::Prod,
+        ReduceOp::Min => Reduction::Min,
+        ReduceOp::Max => Reduction::Max,
+        ReduceOp::Avg => Reduction::Avg,
+    }
+}
+
+/// Block `k` (of `seg` bytes) of a binding.
+fn block(b: Binding, k: usize, seg: usize) -> Binding {
+    Binding { page: b.page, offset: b.offset + (k * seg) as u64, size: seg as u64 }
+}
+
+fn need(b: Option<Binding>, what: &str, kind: &Kind) -> Binding {
+    b.unwrap_or_else(|| panic!("{} part without its {what}: the group's checks let it through", kind.name()))
+}
+
+/// The calls of part `rank` of `ranks` on the communicator. Empty for
+/// zero-byte collectives (every member agrees, since they share `seg`).
+pub(crate) fn nccl_calls(kind: &Kind, rank: usize, ranks: usize, seg: usize, b: &Buffers) -> Vec<DeviceCall> {
+    if seg == 0 && *kind != Kind::Barrier {
+        return Vec::new();
+    }
+    let input = || need(b.input, "source", kind);
+    let output = || need(b.output, "destination", kind);
+    match *kind {
+        Kind::AllReduce { dtype, op } => {
+            vec![DeviceCall::AllReduce { src: input(), dst: output(), dtype: element(dtype), op: reduction(op) }]
+        }
+        Kind::Reduce { dtype, op, root } => {
+            vec![DeviceCall::Reduce { src: input(), dst: b.output, dtype: element(dtype), op: reduction(op), root }]
+        }
+        Kind::Broadcast { root } => vec![DeviceCall::Broadcast { src: b.input, dst: output(), root }],
+        Kind::AllGather => vec![DeviceCall::AllGather { src: input(), dst: output() }],
+        Kind::ReduceScatter { dtype, op } => {
+            vec![DeviceCall::ReduceScatter { src: input(), dst: output(), dtype: element(dtype), op: reduction(op) }]
+        }
+        Kind::AllToAll => {
+            let (dst, in_place) = (output(), b.scratch.is_some());
+            let src = b.scratch.unwrap_or_else(input);
+            let mut calls = Vec::with_capacity(2 * ranks);
+            if in_place {
+                calls.push(DeviceCall::Copy { src: input(), dst: src });
+            }
+            for k in 0..ranks {
+                if k == rank {
+                    if !in_place {
+                        calls.push(DeviceCall::Copy { src: block(src, k, seg), dst: block(dst, k, seg) });
+                    }
+                } else {
+                    calls.push(DeviceCall::Send { src: block(src, k, seg), peer: k });
+                    calls.push(DeviceCall::Recv { dst: block(dst, k, seg), peer: k });
+                }
+            }
+            calls
+        }
+        Kind::Gather { root } if rank == root => {
+            let dst = output();
+            (0..ranks)
+                .map(|k| match k == rank {
+                    true => DeviceCall::Copy { src: input(), dst: block(dst, k, seg) },
+                    false => DeviceCall::Recv { dst: block(dst, k, seg), peer: k },
+                })
+                .collect()
+        }
+        Kind::Gather { root } => vec![DeviceCall::Send { src: input(), peer: root }],
+        Kind::Scatter { root } if rank == root => {
+            let src = input();
+            (0..ranks)
+                .map(|k| match k == rank {
+                    true => DeviceCall::Copy { src: block(src, k, seg), dst: output() },
+                    false => DeviceCall::Send { src: block(src, k, seg), peer: k },
+                })
+                .collect()
+        }
+        Kind::Scatter { root } => vec![DeviceCall::Recv { dst: output(), peer: root }],
+        Kind::Copy { from, to } if from == to => vec![DeviceCall::Copy { src: input(), dst: output() }],
+        Kind::Copy { from, to } if rank == from => vec![DeviceCall::Send { src: input(), peer: to }],
+        Kind::Copy { from, .. } => vec![DeviceCall::Recv { dst: output(), peer: from }],
+        Kind::Barrier => vec![DeviceCall::Barrier],
+    }
+}
+
+/// The copy a part of a group of one device makes (`None`: nothing to do,
+/// in place or no bytes). With one member every collective is the identity
+/// on its one block: a reduction of one value is the value (avg divides by
+/// one), and every gather, scatter or exchange moves the block onto itself.
+pub(crate) fn local_copy(kind: &Kind, b: &Buffers) -> Option<(Binding, Binding)> {
+    match (kind, b.input, b.output) {
+        (Kind::Barrier, _, _) => None,
+        (_, Some(src), Some(dst)) if src != dst && src.size > 0 => Some((src, dst)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cohort_runtime::memory::PageId;
+
+    fn b(offset: u64, size: u64) -> Binding {
+        Binding { page: PageId(1), offset, size }
+    }
+
+    #[test]
+    fn all_to_all_pairs_every_block_with_its_peer() {
+        let bufs = Buffers { input: Some(b(0, 12)), output: Some(b(64, 12)), scratch: None };
+        let calls = nccl_calls(&Kind::AllToAll, 1, 3, 4, &bufs);
+        assert_eq!(calls.len(), 5);
+        assert!(calls.contains(&DeviceCall::Send { src: b(0, 4), peer: 0 }));
+        assert!(calls.contains(&DeviceCall::Recv { dst: b(72, 4), peer: 2 }));
+        assert!(calls.contains(&DeviceCall::Copy { src: b(4, 4), dst: b(68, 4) }));
+    }
+
+    #[test]
+    fn in_place_all_to_all_sends_from_the_scratch_copy() {
+        let bufs = Buffers { input: Some(b(0, 8)), output: Some(b(0, 8)), scratch: Some(b(256, 8)) };
+        let calls = nccl_calls(&Kind::AllToAll, 0, 2, 4, &bufs);
+        assert_eq!(calls[0], DeviceCall::Copy { src: b(0, 8), dst: b(256, 8) });
+        assert!(calls.contains(&DeviceCall::Send { src: b(260, 4), peer: 1 }));
+        assert!(calls.contains(&DeviceCall::Recv { dst: b(4, 4), peer: 1 }));
+    }
+
+    #[test]
+    fn gather_root_receives_and_others_send() {
+        let root = Buffers { input: Some(b(0, 4)), output: Some(b(64, 8)), scratch: None };
+        let calls = nccl_calls(&Kind::Gather { root: 1 }, 1, 2, 4, &root);
+        assert_eq!(
+            calls,
+            vec![DeviceCall::Recv { dst: b(64, 4), peer: 0 }, DeviceCall::Copy { src: b(0, 4), dst: b(68, 4) }]
+        );
+        let other = Buffers { input: Some(b(0, 4)), output: None, scratch: None };
+        assert_eq!(
+            nccl_calls(&Kind::Gather { root: 1 }, 0, 2, 4, &other),
+            vec![DeviceCall::Send { src: b(0, 4), peer: 1 }]
+        );
+    }
+
+    #[test]
+    fn zero_bytes_make_no_calls_and_one_device_copies_only_out_of_place() {
+        let bufs = Buffers { input: Some(b(0, 0)), output: Some(b(0, 0)), scratch: None };
+        assert!(nccl_calls(&Kind::AllGather, 0, 2, 0, &bufs).is_empty());
+        let kind = Kind::AllReduce { dtype: DType::F32, op: ReduceOp::Sum };
+        assert_eq!(local_copy(&kind, &bufs), None);
+        let apart = Buffers { input: Some(b(0, 4)), output: Some(b(4, 4)), scratch: None };
+        assert_eq!(local_copy(&kind, &apart), Some((b(0, 4), b(4, 4))));
+    }
+}

@@ -1,0 +1,52 @@
+//! Shared set-up of the CUDA tests: the devices, and the collective matrix
+//! checked against `cohort_comm::verify`'s host reference.
+
+#![allow(dead_code)]
+
+use cohort_comm::verify::{Buffers, CollectiveOp};
+use cohort_comm::{ClientGroup, DType, ReduceOp};
+use cohort_runtime::{Client, CudaRuntime, Runtime};
+
+/// Every CUDA device; panics (with the reason) where there is none, which
+/// only the ignored GPU tests reach.
+pub fn devices() -> Vec<Client> {
+    let n = CudaRuntime::device_count().unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+    (0..n).map(|i| CudaRuntime::client(i).expect("a CUDA client")).collect()
+}
+
+/// Runs one collective and counts wrong elements against the reference.
+pub fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
+    let n = group.len();
+    let blocked = matches!(
+        coll,
+        CollectiveOp::AllGather
+            | CollectiveOp::ReduceScatter
+            | CollectiveOp::AllToAll
+            | CollectiveOp::Gather
+            | CollectiveOp::Scatter
+    );
+    let size = elems * dtype.size() * if blocked { n } else { 1 };
+    let root = n / 2;
+    let what = format!("{coll:?} {dtype} {op} n={n} elems={elems} in_place={in_place} ({:?})", group.transport());
+    let bufs = Buffers::new(group, coll, dtype, size, in_place, root);
+    bufs.run(group, op).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let wrong = bufs.wrong(group, op).unwrap_or_else(|e| panic!("{what}: read failed: {e}"));
+    assert_eq!(wrong, 0, "{what}: {wrong} wrong elements");
+}
+
+/// Every collective × element type × reduction × size, in and out of place.
+pub fn matrix(group: &ClientGroup, sizes: &[usize]) {
+    for coll in CollectiveOp::ALL {
+        for dtype in DType::ALL {
+            let ops: &[ReduceOp] = if coll.reduces() { &ReduceOp::ALL } else { &[ReduceOp::Sum] };
+            for &op in ops {
+                for &elems in sizes {
+                    for in_place in [false, true] {
+                        check(group, coll, dtype, op, elems, in_place);
+                    }
+                }
+            }
+        }
+    }
+    group.barrier().expect("a barrier after the matrix");
+}

@@ -1,0 +1,184 @@
+//! The backend-neutral hook for collectives that move bytes device to device
+//! (NCCL on CUDA) and for peer access between devices of one runtime.
+//!
+//! The communication layer drives it from buffer tasks
+//! ([`crate::BufferAccess::device_collectives`]): each member's task hands its
+//! backend the calls of its part, with its buffers resolved to [`Binding`]s,
+//! and the backend issues them on its own communicator and waits for them.
+
+use std::time::Instant;
+
+use super::Binding;
+use crate::error::ServerError;
+use crate::id::{DeviceId, StreamId};
+
+/// Element types device collectives move and reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ElementType {
+    /// `f32`.
+    F32,
+    /// `f64`.
+    F64,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// `i8`.
+    I8,
+    /// `u8` (also the type of plain byte moves).
+    U8,
+    /// `i32`.
+    I32,
+    /// `u32`.
+    U32,
+    /// `i64`.
+    I64,
+    /// `u64`.
+    U64,
+}
+
+impl ElementType {
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            ElementType::I8 | ElementType::U8 => 1,
+            ElementType::F16 | ElementType::BF16 => 2,
+            ElementType::F32 | ElementType::I32 | ElementType::U32 => 4,
+            ElementType::F64 | ElementType::I64 | ElementType::U64 => 8,
+        }
+    }
+}
+
+/// How a device reduction combines the members' elements (`Avg`: the sum
+/// divided by the number of members).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reduction {
+    /// The sum.
+    Sum,
+    /// The product.
+    Prod,
+    /// The smallest element.
+    Min,
+    /// The largest element.
+    Max,
+    /// The mean.
+    Avg,
+}
+
+/// One primitive of a member's part of a collective. Counts come from the
+/// bindings' sizes; roots and peers are ranks of the communicator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceCall {
+    /// Element-wise reduction of every rank's `src` into every rank's `dst`.
+    AllReduce { src: Binding, dst: Binding, dtype: ElementType, op: Reduction },
+    /// Reduction of every rank's `src` into `dst` on `root` (`None` elsewhere).
+    Reduce { src: Binding, dst: Option<Binding>, dtype: ElementType, op: Reduction, root: usize },
+    /// `root`'s `src` (`None` elsewhere) copied into every rank's `dst`.
+    Broadcast { src: Option<Binding>, dst: Binding, root: usize },
+    /// Every rank's `src` concatenated, in rank order, into every `dst`.
+    AllGather { src: Binding, dst: Binding },
+    /// The reduction of every rank's `src`, block `rank` of it into `dst`.
+    ReduceScatter { src: Binding, dst: Binding, dtype: ElementType, op: Reduction },
+    /// `src` sent to rank `peer` (grouped with the other calls of the part).
+    Send { src: Binding, peer: usize },
+    /// `dst` received from rank `peer`.
+    Recv { dst: Binding, peer: usize },
+    /// A copy on this device, issued before the part's other calls.
+    Copy { src: Binding, dst: Binding },
+    /// A barrier: a one-element all-reduce on scratch memory of the backend.
+    Barrier,
+}
+
+/// Which communicator a part runs on: one per device set and member order,
+/// known by `set` (unique in the process), created on its first use from
+/// `unique_id` (from [`DeviceCollectives::unique_id`], the same for every
+/// member).
+#[derive(Debug, Clone, Copy)]
+pub struct CommSpec<'a> {
+    /// The communicator's key.
+    pub set: u64,
+    /// This member's rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub ranks: usize,
+    /// The opaque id every member's communicator is created from.
+    pub unique_id: &'a [u8],
+}
+
+/// What a member watches while its part is pending on the device.
+pub struct CollectiveWatch<'a> {
+    /// The collective's name, for errors.
+    pub operation: &'a str,
+    /// When to give up: the communicator is aborted and the error names
+    /// [`CollectiveWatch::missing`].
+    pub deadline: Instant,
+    /// Another member's failure, if any: the part is aborted with it rather
+    /// than waited for.
+    pub failed_elsewhere: &'a (dyn Fn() -> Option<ServerError> + Sync),
+    /// The members that have not finished, in words, for a timeout error.
+    pub missing: &'a (dyn Fn() -> String + Sync),
+}
+
+/// A device's half of a peer copy: an address in the sender's memory and an
+/// event after the work that wrote it (opaque to everyone but the backend).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerToken {
+    /// The device the token comes from.
+    pub device: DeviceId,
+    /// Device address of the bytes (0 for a completion token).
+    pub address: u64,
+    /// Bytes at `address`.
+    pub size: u64,
+    /// The backend's event, as an integer.
+    pub event: u64,
+}
+
+/// Device-to-device collectives and peer access of one device's backend.
+/// Every call runs on the device's server thread.
+pub trait DeviceCollectives {
+    /// `Ok` when collectives can run here (the collective library loaded and
+    /// not disabled); `Err` says why not, in words.
+    fn available(&mut self) -> Result<(), String>;
+
+    /// A fresh communicator id for a new device set (waits for the library's
+    /// call, which is quick).
+    fn unique_id(&mut self) -> Result<Vec<u8>, ServerError>;
+
+    /// Issues `calls` on this member's communicator (created on first use,
+    /// which waits for every member to create theirs) on the device's
+    /// communication stream, ordered after the work queued on `stream`; then
+    /// orders `stream` after them and waits until they are done, polling for
+    /// errors, `watch`'s deadline and other members' failures. A communicator
+    /// that fails or times out is aborted and later parts on it fail at once.
+    fn run(
+        &mut self,
+        stream: StreamId,
+        comm: &CommSpec<'_>,
+        calls: &[DeviceCall],
+        watch: &CollectiveWatch<'_>,
+    ) -> Result<(), ServerError>;
+
+    /// Destroys this device's communicator of `set`, if it has one.
+    fn release(&mut self, set: u64);
+
+    /// Whether this device can address `peer`'s memory directly (asks the
+    /// driver; quick). `false` for devices of other backends.
+    fn can_access_peer(&mut self, peer: DeviceId) -> bool;
+
+    /// Lets every device of this backend that can reach this device's memory
+    /// address it; returns those devices. Idempotent.
+    fn share_with_peers(&mut self) -> Result<Vec<DeviceId>, ServerError>;
+
+    /// The sending half of a peer copy of `src`: a token after the work
+    /// queued so far on `stream` (does not wait).
+    fn peer_export(&mut self, stream: StreamId, src: Binding) -> Result<PeerToken, ServerError>;
+
+    /// The receiving half: copies the exported bytes into `dst` on `stream`,
+    /// after the sender's work, device to device; returns a token the sender
+    /// passes to [`DeviceCollectives::peer_finish`]. Does not wait.
+    fn peer_import(&mut self, stream: StreamId, from: &PeerToken, dst: Binding) -> Result<PeerToken, ServerError>;
+
+    /// Orders `stream` after the copy that `done` stands for (so the source
+    /// is not overwritten before it is read). Does not wait.
+    fn peer_finish(&mut self, stream: StreamId, done: &PeerToken) -> Result<(), ServerError>;
+}

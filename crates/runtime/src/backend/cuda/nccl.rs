@@ -1,0 +1,470 @@
+//! NCCL collectives of one device: communicators per device set, a
+//! communication stream, and the wait that turns NCCL's asynchronous errors
+//! and timeouts into errors on the collective.
+//!
+//! A communicator is created on the device thread the first time a part of
+//! its device set runs here (`ncclCommInitRank` with the set's shared id;
+//! it returns once every member called it). The communication layer queues
+//! every member's part under one process-wide order and meets its members on
+//! the host before the first call, so those calls always meet.
+//!
+//! A part runs on the device's communication stream: that stream first
+//! waits (an event) for the work queued so far on the caller's stream, then
+//! NCCL's calls are queued (inside one NCCL group when there are several),
+//! and the caller's stream waits for them in turn. The device thread then
+//! polls the completion event, `ncclCommGetAsyncError`, the deadline and the
+//! other members' failures; a communicator that fails or times out is
+//! aborted (`ncclCommAbort`) and refused from then on.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+
+use super::driver::{driver_error, BACKEND};
+use super::nccl_lib::{self, Nccl, RawComm, RawStream, UniqueId};
+use super::CudaBackend;
+use crate::backend::{
+    Binding, CollectiveWatch, CommSpec, DeviceCall, DeviceCollectives, ElementType, PeerToken, Reduction,
+};
+use crate::error::ServerError;
+use crate::id::{DeviceId, StreamId};
+
+/// The NCCL state of one device.
+#[derive(Default)]
+pub(crate) struct NcclState {
+    comms: HashMap<u64, RawComm>,
+    /// Sets whose communicator was aborted, with why.
+    aborted: HashMap<u64, String>,
+    stream: Option<sys::CUstream>,
+    /// 256 bytes of device memory for barriers.
+    scratch: Option<sys::CUdeviceptr>,
+    /// Devices already given access to this device's memory.
+    pub(crate) shared: Option<Vec<DeviceId>>,
+}
+
+impl NcclState {
+    /// Destroys the communicators, the stream and the scratch memory (the
+    /// device drained first; its context is current).
+    pub(crate) fn close(&mut self) {
+        if let Ok(lib) = nccl_lib::load() {
+            for (_, comm) in self.comms.drain() {
+                // SAFETY: a communicator this state created and still owns.
+                unsafe { (lib.comm_destroy)(comm) };
+            }
+        }
+        // SAFETY: handles this state created; each is released once.
+        unsafe {
+            if let Some(stream) = self.stream.take() {
+                let _ = sys::cuStreamDestroy_v2(stream);
+            }
+            if let Some(ptr) = self.scratch.take() {
+                let _ = sys::cuMemFree_v2(ptr);
+            }
+        }
+    }
+}
+
+fn nccl_type(dtype: ElementType) -> c_int {
+    match dtype {
+        ElementType::I8 => 0,
+        ElementType::U8 => 1,
+        ElementType::I32 => 2,
+        ElementType::U32 => 3,
+        ElementType::I64 => 4,
+        ElementType::U64 => 5,
+        ElementType::F16 => 6,
+        ElementType::F32 => 7,
+        ElementType::F64 => 8,
+        ElementType::BF16 => 9,
+    }
+}
+
+fn nccl_op(op: Reduction) -> c_int {
+    match op {
+        Reduction::Sum => 0,
+        Reduction::Prod => 1,
+        Reduction::Max => 2,
+        Reduction::Min => 3,
+        Reduction::Avg => 4,
+    }
+}
+
+/// The operator of a reduction over `ranks` ranks. The mean of one value
+/// is the value, so a one-rank `Avg` runs as `Sum` (a copy inside NCCL):
+/// NCCL 2.28.3's one-rank averaging kernel left the last 3 of 65,539 `f64`
+/// elements unwritten on an H200.
+fn one_rank_op(op: Reduction, ranks: usize) -> c_int {
+    if ranks == 1 && op == Reduction::Avg {
+        nccl_op(Reduction::Sum)
+    } else {
+        nccl_op(op)
+    }
+}
+
+impl CudaBackend {
+    fn nccl_error(&self, operation: &str, reason: String) -> ServerError {
+        ServerError::Collective { collective: operation.to_string(), device: self.device, reason }
+    }
+
+    fn comm_stream(&mut self) -> Result<sys::CUstream, ServerError> {
+        if let Some(stream) = self.nccl.stream {
+            return Ok(stream);
+        }
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: the device's context is current on its thread; writes one
+        // handle.
+        let code = unsafe { sys::cuStreamCreate(&mut raw, flags) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver_error(self.device, "cuStreamCreate (communication stream)", code));
+        }
+        self.nccl.stream = Some(raw);
+        Ok(raw)
+    }
+
+    fn scratch(&mut self) -> Result<sys::CUdeviceptr, ServerError> {
+        if let Some(ptr) = self.nccl.scratch {
+            return Ok(ptr);
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: context current; writes one address.
+        let code = unsafe { sys::cuMemAlloc_v2(&mut ptr, 256) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver_error(self.device, "cuMemAlloc (barrier scratch)", code));
+        }
+        self.nccl.scratch = Some(ptr);
+        Ok(ptr)
+    }
+
+    /// This device's communicator of `spec.set`, created on first use (waits
+    /// for every member's creation).
+    fn comm(&mut self, lib: &Nccl, spec: &CommSpec<'_>, operation: &str) -> Result<RawComm, ServerError> {
+        if let Some(why) = self.nccl.aborted.get(&spec.set) {
+            return Err(self.nccl_error(
+                operation,
+                format!("its NCCL communicator was aborted after an earlier failure ({why}); make a new ClientGroup for these devices"),
+            ));
+        }
+        if let Some(&comm) = self.nccl.comms.get(&spec.set) {
+            return Ok(comm);
+        }
+        let mut id = UniqueId { internal: [0; 128] };
+        if spec.unique_id.len() != 128 {
+            return Err(ServerError::InvalidArgument(format!(
+                "an NCCL unique id has 128 bytes, not {}",
+                spec.unique_id.len()
+            )));
+        }
+        for (to, from) in id.internal.iter_mut().zip(spec.unique_id) {
+            *to = *from as _;
+        }
+        let mut comm: RawComm = std::ptr::null_mut();
+        // SAFETY: the device's context is current (NCCL takes the device from
+        // it); `comm` receives the new communicator.
+        let code = unsafe { (lib.comm_init_rank)(&mut comm, spec.ranks as c_int, id, spec.rank as c_int) };
+        if code != nccl_lib::SUCCESS {
+            return Err(self.nccl_error(
+                operation,
+                format!(
+                    "ncclCommInitRank (rank {} of {}) failed: {}",
+                    spec.rank,
+                    spec.ranks,
+                    lib.describe(code, std::ptr::null_mut())
+                ),
+            ));
+        }
+        tracing::debug!(device = %self.device, set = spec.set, rank = spec.rank, ranks = spec.ranks, "NCCL communicator created");
+        self.nccl.comms.insert(spec.set, comm);
+        Ok(comm)
+    }
+
+    fn abort(&mut self, lib: &Nccl, set: u64, why: &str) {
+        if let Some(comm) = self.nccl.comms.remove(&set) {
+            // SAFETY: our communicator; abort stops its kernels and frees it.
+            unsafe { (lib.comm_abort)(comm) };
+        }
+        self.nccl.aborted.insert(set, why.to_string());
+    }
+
+    /// Queues the calls on `stream` (the communication stream).
+    fn issue(
+        &mut self,
+        lib: &Nccl,
+        comm: RawComm,
+        ranks: usize,
+        stream: sys::CUstream,
+        calls: &[DeviceCall],
+    ) -> Result<(), String> {
+        let s = stream as RawStream;
+        let ptr = |b: Binding| -> Result<*mut c_void, String> {
+            self.pages.ptr(b).map(|p| p as *mut c_void).map_err(|e| e.to_string())
+        };
+        let check = |call: &str, code: c_int| {
+            if code == nccl_lib::SUCCESS || code == nccl_lib::IN_PROGRESS {
+                Ok(())
+            } else {
+                Err(format!("{call} failed: {}", lib.describe(code, comm)))
+            }
+        };
+        for call in calls {
+            if let DeviceCall::Copy { src, dst } = *call {
+                if src.size != dst.size {
+                    return Err(format!("a copy of {} bytes into {} bytes", src.size, dst.size));
+                }
+                let (from, to) = (ptr(src)?, ptr(dst)?);
+                if src.size > 0 && from != to {
+                    // SAFETY: both ranges lie in live pages (checked by `ptr`).
+                    let code = unsafe { sys::cuMemcpyDtoDAsync_v2(to as u64, from as u64, src.size as usize, stream) };
+                    if code != sys::CUresult::CUDA_SUCCESS {
+                        return Err(format!("cuMemcpyDtoDAsync: {}", super::driver::describe(code)));
+                    }
+                }
+            }
+        }
+        let nccl_calls = calls.iter().filter(|c| !matches!(c, DeviceCall::Copy { .. })).count();
+        let grouped = nccl_calls > 1;
+        if grouped {
+            // SAFETY: opens an NCCL group on this thread; closed below.
+            check("ncclGroupStart", unsafe { (lib.group_start)() })?;
+        }
+        let mut result = Ok(());
+        for call in calls {
+            // SAFETY (every arm): pointers come from live pages of this
+            // device and sizes from their bindings; NCCL reads and writes
+            // them on `stream` only.
+            let step = unsafe {
+                match *call {
+                    DeviceCall::Copy { .. } => Ok(()),
+                    DeviceCall::AllReduce { src, dst, dtype, op } => check(
+                        "ncclAllReduce",
+                        (lib.all_reduce)(
+                            ptr(src)?,
+                            ptr(dst)?,
+                            src.size as usize / dtype.size(),
+                            nccl_type(dtype),
+                            one_rank_op(op, ranks),
+                            comm,
+                            s,
+                        ),
+                    ),
+                    DeviceCall::Reduce { src, dst, dtype, op, root } => {
+                        let to = match dst {
+                            Some(d) => ptr(d)?,
+                            None => ptr(src)?,
+                        };
+                        let count = src.size as usize / dtype.size();
+                        let (t, o) = (nccl_type(dtype), one_rank_op(op, ranks));
+                        check("ncclReduce", (lib.reduce)(ptr(src)?, to, count, t, o, root as c_int, comm, s))
+                    }
+                    DeviceCall::Broadcast { src, dst, root } => {
+                        let from = match src {
+                            Some(b) => ptr(b)?,
+                            None => ptr(dst)?,
+                        };
+                        let n = dst.size as usize;
+                        check(
+                            "ncclBroadcast",
+                            (lib.broadcast)(from, ptr(dst)?, n, nccl_lib::UINT8, root as c_int, comm, s),
+                        )
+                    }
+                    DeviceCall::AllGather { src, dst } => check(
+                        "ncclAllGather",
+                        (lib.all_gather)(ptr(src)?, ptr(dst)?, src.size as usize, nccl_lib::UINT8, comm, s),
+                    ),
+                    DeviceCall::ReduceScatter { src, dst, dtype, op } => check(
+                        "ncclReduceScatter",
+                        (lib.reduce_scatter)(
+                            ptr(src)?,
+                            ptr(dst)?,
+                            dst.size as usize / dtype.size(),
+                            nccl_type(dtype),
+                            one_rank_op(op, ranks),
+                            comm,
+                            s,
+                        ),
+                    ),
+                    DeviceCall::Send { src, peer } => check(
+                        "ncclSend",
+                        (lib.send)(ptr(src)?, src.size as usize, nccl_lib::UINT8, peer as c_int, comm, s),
+                    ),
+                    DeviceCall::Recv { dst, peer } => check(
+                        "ncclRecv",
+                        (lib.recv)(ptr(dst)?, dst.size as usize, nccl_lib::UINT8, peer as c_int, comm, s),
+                    ),
+                    DeviceCall::Barrier => {
+                        let scratch = self.nccl.scratch.expect("allocated before issue") as *mut c_void;
+                        check(
+                            "ncclAllReduce (barrier)",
+                            (lib.all_reduce)(scratch, scratch, 1, nccl_lib::FLOAT32, nccl_lib::SUM, comm, s),
+                        )
+                    }
+                }
+            };
+            if let Err(err) = step {
+                result = Err(err);
+                break;
+            }
+        }
+        if grouped {
+            // SAFETY: closes the group opened above (also after a failed call,
+            // so the thread's group state stays balanced).
+            let code = unsafe { (lib.group_end)() };
+            if result.is_ok() {
+                result = check("ncclGroupEnd", code);
+            }
+        }
+        result
+    }
+
+    /// Waits for `event` (recorded after the part), polling NCCL's
+    /// asynchronous error, the deadline and the other members.
+    fn watch(
+        &mut self,
+        lib: &Nccl,
+        comm: RawComm,
+        event: sys::CUevent,
+        watch: &CollectiveWatch<'_>,
+    ) -> Result<(), String> {
+        let started = Instant::now();
+        let mut nap = Duration::from_micros(5);
+        loop {
+            // SAFETY: a live event of this context, recorded above.
+            let code = unsafe { sys::cuEventQuery(event) };
+            if code == sys::CUresult::CUDA_SUCCESS {
+                return Ok(());
+            }
+            if code != sys::CUresult::CUDA_ERROR_NOT_READY {
+                return Err(format!("cuEventQuery: {}", super::driver::describe(code)));
+            }
+            let mut state: c_int = nccl_lib::SUCCESS;
+            // SAFETY: our live communicator; writes one status.
+            let polled = unsafe { (lib.comm_get_async_error)(comm, &mut state) };
+            if polled != nccl_lib::SUCCESS {
+                return Err(format!("ncclCommGetAsyncError failed: {}", lib.describe(polled, comm)));
+            }
+            if state != nccl_lib::SUCCESS && state != nccl_lib::IN_PROGRESS {
+                return Err(format!("NCCL reported an asynchronous error: {}", lib.describe(state, comm)));
+            }
+            if let Some(err) = (watch.failed_elsewhere)() {
+                return Err(format!("aborted because another member failed: {err}"));
+            }
+            if Instant::now() >= watch.deadline {
+                return Err(format!(
+                    "{} within {:.1} s; the communicator was aborted (raise COHORT_TIMEOUT, in seconds, if the work before it is legitimately that long)",
+                    (watch.missing)(),
+                    (Instant::now() - started).as_secs_f64()
+                ));
+            }
+            // Yield (a device thread has nothing else to do) for the first
+            // milliseconds: a sleep costs at least the timer slack (~50 µs).
+            if started.elapsed() < Duration::from_millis(5) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+impl DeviceCollectives for CudaBackend {
+    fn available(&mut self) -> Result<(), String> {
+        nccl_lib::load().map(|_| ())
+    }
+
+    fn unique_id(&mut self) -> Result<Vec<u8>, ServerError> {
+        let lib = nccl_lib::load().map_err(|message| ServerError::Backend {
+            backend: BACKEND,
+            device: self.device,
+            message,
+        })?;
+        let mut id = UniqueId { internal: [0; 128] };
+        // SAFETY: writes the 128-byte id.
+        let code = unsafe { (lib.get_unique_id)(&mut id) };
+        if code != nccl_lib::SUCCESS {
+            return Err(ServerError::Backend {
+                backend: BACKEND,
+                device: self.device,
+                message: format!("ncclGetUniqueId failed: {}", lib.describe(code, std::ptr::null_mut())),
+            });
+        }
+        tracing::debug!(library = %lib.path, version = %lib.version_text(), "NCCL unique id made");
+        Ok(id.internal.iter().map(|&c| c as u8).collect())
+    }
+
+    fn run(
+        &mut self,
+        stream: StreamId,
+        spec: &CommSpec<'_>,
+        calls: &[DeviceCall],
+        watch: &CollectiveWatch<'_>,
+    ) -> Result<(), ServerError> {
+        self.check_lost()?;
+        let operation = watch.operation;
+        let lib = nccl_lib::load().map_err(|reason| self.nccl_error(operation, reason))?;
+        if calls.contains(&DeviceCall::Barrier) {
+            self.scratch()?;
+        }
+        let comm = self.comm(lib, spec, operation)?;
+        let compute = self.streams.raw(stream)?;
+        let comm_stream = self.comm_stream()?;
+        self.events.order(comm_stream, compute).map_err(|err| self.classify(stream, err))?;
+        if let Err(reason) = self.issue(lib, comm, spec.ranks, comm_stream, calls) {
+            self.abort(lib, spec.set, &reason);
+            return Err(self.nccl_error(operation, reason));
+        }
+        let done = self.events.take()?;
+        // SAFETY: live event and streams of this context; the caller's stream
+        // waits for the part on the device, never the host.
+        let code = unsafe {
+            let code = sys::cuEventRecord(done, comm_stream);
+            if code == sys::CUresult::CUDA_SUCCESS {
+                sys::cuStreamWaitEvent(compute, done, 0)
+            } else {
+                code
+            }
+        };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            self.events.give(done);
+            return Err(self.classify(stream, driver_error(self.device, "cuEventRecord (collective)", code)));
+        }
+        let outcome = self.watch(lib, comm, done, watch);
+        self.events.give(done);
+        match outcome {
+            Ok(()) => Ok(()),
+            Err(reason) => {
+                self.abort(lib, spec.set, &reason);
+                Err(self.nccl_error(operation, reason))
+            }
+        }
+    }
+
+    fn release(&mut self, set: u64) {
+        if let (Some(comm), Ok(lib)) = (self.nccl.comms.remove(&set), nccl_lib::load()) {
+            // SAFETY: our communicator, no longer in the map.
+            unsafe { (lib.comm_destroy)(comm) };
+        }
+    }
+
+    fn can_access_peer(&mut self, peer: DeviceId) -> bool {
+        super::peer::can_access(self, peer)
+    }
+
+    fn share_with_peers(&mut self) -> Result<Vec<DeviceId>, ServerError> {
+        super::peer::share(self)
+    }
+
+    fn peer_export(&mut self, stream: StreamId, src: Binding) -> Result<PeerToken, ServerError> {
+        super::peer::export(self, stream, src)
+    }
+
+    fn peer_import(&mut self, stream: StreamId, from: &PeerToken, dst: Binding) -> Result<PeerToken, ServerError> {
+        super::peer::import(self, stream, from, dst)
+    }
+
+    fn peer_finish(&mut self, stream: StreamId, done: &PeerToken) -> Result<(), ServerError> {
+        super::peer::finish(self, stream, done)
+    }
+}
