@@ -7,6 +7,12 @@
 #   cd gpu-bundle && ./run.sh        # on the GPU machine: tests, then benches
 #   ./run.sh tests | ./run.sh bench  # one half only
 #   TESTS='cuda_*' ./run.sh tests    # only some test binaries
+#   BENCHES='cuda_runtime_bench nccl_bench' ./run.sh bench
+#   LOG=second ./run.sh ...          # log to $OUT/second.log (several runs in one command)
+#
+# BUNDLE_TESTS='cuda_* wgpu_conformance' scripts/gpu-bundle.sh bundles only
+# the matching test binaries (BUNDLE_EXAMPLES likewise for examples) (each links every backend: the whole set can
+# pass the 64 MiB a device call may carry).
 #
 # run.sh writes one log, $OUT/gpu-run.log (OUT defaults to ./out), and prints
 # a summary last. Binaries are built without debug info and stripped to keep
@@ -34,13 +40,27 @@ for line in sys.stdin:
         print(m["executable"])
 '
 }
+# Whether $1 matches one of the glob patterns in $2 (no filename expansion).
+matches() {
+    local name=$1 pattern
+    set -f
+    for pattern in $2; do
+        # shellcheck disable=SC2254
+        case "$name" in $pattern) set +f; return 0 ;; esac
+    done
+    set +f
+    return 1
+}
+
 for package in cohort-runtime cohort-comm; do
     if ! cargo test --release --no-run --tests -p "$package" --message-format=json >"$bundle/.build-$package.json" 2>"$bundle/.build-$package.err"; then
         echo "warning: the tests of $package did not build; skipping them (see gpu-bundle/.build-$package.err)" >&2
     fi
     collect_tests <"$bundle/.build-$package.json" | while read -r exe; do
         name=$(basename "$exe" | sed 's/-[0-9a-f]\{16\}$//')
-        cp "$exe" "$bundle/tests/$name"
+        if matches "$name" "${BUNDLE_TESTS:-*}"; then
+            cp "$exe" "$bundle/tests/$name"
+        fi
     done
     rm -f "$bundle/.build-$package.json"
 done
@@ -49,6 +69,7 @@ cargo build --release --examples
 for exe in "$root"/target/release/examples/*; do
     [ -f "$exe" ] && [ -x "$exe" ] || continue
     case "$(basename "$exe")" in *-*|*.d) continue ;; esac
+    matches "$(basename "$exe")" "${BUNDLE_EXAMPLES:-*}" || continue
     cp "$exe" "$bundle/examples/"
 done
 cp -r "$root/scripts/anchors" "$bundle/scripts/"
@@ -62,7 +83,7 @@ cd "$(dirname "$0")"
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-log=$OUT/gpu-run.log
+log=$OUT/${LOG:-gpu-run}.log
 : >"$log"
 what=${1:-all}
 
@@ -90,10 +111,12 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     done
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-    for b in examples/cuda_runtime_bench; do
+    for name in ${BENCHES:-cuda_runtime_bench}; do
+        b=examples/$name
         [ -x "$b" ] || continue
-        echo "== bench $(basename "$b")" | tee -a "$log"
-        timeout 300 "$b" 2>&1 | tee -a "$log"
+        echo "== bench $name ${BENCH_ARGS:-}" | tee -a "$log"
+        # shellcheck disable=SC2086
+        timeout 300 "$b" ${BENCH_ARGS:-} 2>&1 | tee -a "$log"
         summary+=("$(basename "$b"): rc=${PIPESTATUS[0]}")
     done
     if command -v python3 >/dev/null; then

@@ -45,6 +45,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 log "cargo test --workspace"
 cargo test --workspace --all-targets
 
+log "cohort-comm with the mpi feature (rsmpi over Open MPI)"
+cargo test -p cohort-comm --features mpi --all-targets
+
 log "doc tests"
 cargo test --workspace --doc
 

@@ -12,9 +12,12 @@
 //! memory, chunk by chunk.
 pub mod store;
 
+mod communicator;
+mod transport;
+
 mod collective;
-mod error;
 mod device;
+mod error;
 mod group;
 mod host;
 pub mod launch_env;
@@ -23,9 +26,10 @@ mod order;
 pub mod trace;
 pub mod verify;
 
+pub use communicator::{Communicator, ConnectError};
+pub use device::Transport;
 pub use error::CommError;
 pub use group::{to_client, ClientGroup, DEFAULT_STAGE_CHUNK};
 pub use host::{default_timeout, HostPath, DEFAULT_TIMEOUT};
 pub use ops::{combine, finish, reduce_bytes, DType, Element, ReduceOp};
 pub use order::DeviceSetComm;
-pub use device::Transport;

@@ -22,9 +22,29 @@ pub enum Command {
     ///
     /// Example: cohort run -n 4 -- ./train --epochs 3
     Run(RunArgs),
-    // TODO(issue 7): `devices` (list every backend's devices) and `peers`
-    // (peer-access matrix and copy bandwidth between device pairs), once the
-    // runtime's device enumeration and the Communicator's peer API land.
+    /// List every backend's devices (cpu, cuda, wgpu) with their properties;
+    /// a backend with none says why.
+    Devices,
+    /// Print which devices can address each other's memory, and the copy
+    /// bandwidth between every pair.
+    ///
+    /// Example: cohort peers --backend cuda --mib 256
+    Peers(PeersArgs),
+}
+
+/// Options of `cohort peers`.
+#[derive(Debug, Args)]
+pub struct PeersArgs {
+    /// Backend: cpu, cuda or wgpu (default: cuda when it has two devices or
+    /// more, else cpu).
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// MiB per copy.
+    #[arg(long, default_value_t = 64.0)]
+    pub mib: f64,
+    /// Timed copies per pair (after one warm-up).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    pub iters: u64,
 }
 
 /// How many ranks to start on this node.
@@ -126,7 +146,7 @@ mod tests {
     fn run_args_parse() {
         let line = "cohort run -n 4 --nnodes 2 --node-rank 1 --local-ranks-filter 0,3 --timeout 2.5 -- prog --flag";
         let cli = Cli::try_parse_from(line.split(' ')).unwrap();
-        let Command::Run(a) = cli.command;
+        let Command::Run(a) = cli.command else { panic!("a run command") };
         assert_eq!(a.nproc_per_node, Nproc::Count(4));
         assert_eq!((a.nnodes, a.node_rank), (2, 1));
         assert_eq!(a.local_ranks_filter, Some(vec![0, 3]));

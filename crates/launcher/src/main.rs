@@ -1,11 +1,13 @@
 //! `cohort`: launch and watch the ranks of a job (`cohort run`), like
-//! torchrun.
+//! torchrun; list devices (`cohort devices`) and their peer access and copy
+//! bandwidth (`cohort peers`).
 //!
 //! Logs go to stderr through `tracing`, filtered by `COHORT_LOG` (falling
 //! back to `RUST_LOG`; default `warn`).
 
 mod cli;
 mod config;
+mod devices;
 mod output;
 mod rendezvous;
 mod run;
@@ -33,5 +35,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     match cli.command {
         cli::Command::Run(args) => run::run(args),
+        cli::Command::Devices => devices::devices(),
+        cli::Command::Peers(args) => devices::peers(args),
     }
 }

@@ -1,7 +1,7 @@
 //! Handles: names for slices of device memory, and the tensor layouts over them.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
@@ -27,6 +27,8 @@ pub(crate) struct Allocation {
     pub(crate) slice: OnceLock<SliceHandle>,
     /// The error of the last operation that should have written this memory.
     pub(crate) error: Mutex<Option<ServerError>>,
+    /// Whether `error` holds one: lets the hot path skip the lock.
+    pub(crate) has_error: AtomicBool,
     /// The stream that last queued work writing this memory (for cross-stream
     /// fences).
     pub(crate) last_writer: AtomicU64,
@@ -50,6 +52,7 @@ impl Handle {
             size,
             slice: OnceLock::new(),
             error: Mutex::new(None),
+            has_error: AtomicBool::new(false),
             last_writer: AtomicU64::new(stream.value),
         });
         Handle { alloc, offset: 0, size }
@@ -94,11 +97,19 @@ impl Handle {
     }
 
     pub(crate) fn error(&self) -> Option<ServerError> {
+        if !self.alloc.has_error.load(Ordering::Acquire) {
+            return None;
+        }
         self.alloc.error.lock().clone()
     }
 
     pub(crate) fn set_error(&self, error: Option<ServerError>) {
-        *self.alloc.error.lock() = error;
+        if error.is_none() && !self.alloc.has_error.load(Ordering::Acquire) {
+            return;
+        }
+        let mut slot = self.alloc.error.lock();
+        self.alloc.has_error.store(error.is_some(), Ordering::Release);
+        *slot = error;
     }
 
     pub(crate) fn last_writer(&self) -> StreamId {

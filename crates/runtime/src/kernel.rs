@@ -69,7 +69,7 @@ pub type CpuKernelFn = Arc<dyn Fn(&mut CpuKernelContext<'_>) + Send + Sync>;
 #[derive(Clone)]
 pub struct Kernel {
     id: u64,
-    name: String,
+    name: Arc<str>,
     block: [u32; 3],
     cpu: Option<CpuKernelFn>,
     cuda: Option<Arc<str>>,
@@ -81,7 +81,7 @@ impl Kernel {
     pub fn new(name: impl Into<String>) -> Self {
         Self {
             id: NEXT_KERNEL.fetch_add(1, Ordering::Relaxed),
-            name: name.into(),
+            name: Arc::from(name.into()),
             block: [256, 1, 1],
             cpu: None,
             cuda: None,

@@ -355,7 +355,9 @@ impl DeviceState {
             Some(err) => {
                 for state in self.streams.values_mut() {
                     for alloc in state.unsynced.drain(..).filter_map(|w| w.upgrade()) {
-                        alloc.error.lock().get_or_insert_with(|| err.clone());
+                        let mut slot = alloc.error.lock();
+                        slot.get_or_insert_with(|| err.clone());
+                        alloc.has_error.store(true, std::sync::atomic::Ordering::Release);
                     }
                 }
             }

@@ -11,6 +11,14 @@ use cohort_runtime::{
 
 const GPU: &str = "needs a CUDA GPU: run with --include-ignored where one is";
 
+/// These tests read device-wide counters (stream syncs, NVRTC compiles)
+/// that a test running beside them would move: each holds this lock, so the
+/// file runs one test at a time whatever `--test-threads` says.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn client() -> cohort_runtime::Client {
     CudaRuntime::client(0).expect("CUDA device 0")
 }
@@ -22,6 +30,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn properties_name_the_device() {
+    let _serial = serial();
     let client = client();
     let p = client.properties();
     assert_eq!(p.backend, "cuda");
@@ -45,6 +54,7 @@ fn properties_name_the_device() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn pinned_staging_round_trips() {
+    let _serial = serial();
     let client = client().with_stream(StreamId::fresh());
     for (i, len) in [1usize, (256 << 10) - 1, 256 << 10, (8 << 20) + 3, (40 << 20) + 17].into_iter().enumerate() {
         let data = pattern(len, i as u8);
@@ -82,6 +92,7 @@ fn pinned_staging_round_trips() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn events_order_streams_and_fence_the_host() {
+    let _serial = serial();
     let writer = client().with_stream(StreamId::fresh());
     let reader = client().with_stream(StreamId::fresh());
     let n = 1 << 22;
@@ -115,6 +126,7 @@ fn events_order_streams_and_fence_the_host() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn graph_capture_replays_and_device_timing() {
+    let _serial = serial();
     let client = client().with_stream(StreamId::fresh());
     let n = 1 << 16;
     let x = client.create(Bytes::from_elems(&vec![1.0f32; n]));
@@ -146,6 +158,7 @@ fn graph_capture_replays_and_device_timing() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn dynamic_grid_inside_capture_is_refused() {
+    let _serial = serial();
     let client = client().with_stream(StreamId::fresh());
     let h = client.create(Bytes::from_elems(&[0.0f32; 4]));
     let grid = client.create(Bytes::from_elems(&[1u32, 1, 1]));
@@ -163,6 +176,7 @@ fn dynamic_grid_inside_capture_is_refused() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn nvrtc_cache_hits_on_second_compile() {
+    let _serial = serial();
     let dir = std::env::temp_dir().join(format!("cohort-nvrtc-test-{}", std::process::id()));
     std::env::set_var("COHORT_CACHE_DIR", &dir);
     let unique = format!("{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
@@ -200,6 +214,7 @@ fn nvrtc_cache_hits_on_second_compile() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn compile_errors_carry_the_log() {
+    let _serial = serial();
     let client = client();
     let h = client.create(Bytes::from_elems(&[1.0f32; 4]));
     let kernel = Kernel::new("broken")

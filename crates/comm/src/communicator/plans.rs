@@ -1,0 +1,335 @@
+//! What the leader of a call does with its rank's local buffers: combine
+//! them into the rank's part, run the exchange between ranks, and spread
+//! the result back over the local outputs.
+//!
+//! Buffers arrive as [`Views`]: host pointers into device memory (CPU
+//! backend) or staged copies. With one local device and host pointers, the
+//! exchange runs straight in the destination (no extra copy); otherwise it
+//! runs in host scratch memory. An input that overlaps an output (in place)
+//! is read before any output is written.
+
+use crate::ops::{finish, DType, ReduceOp};
+use crate::transport::reduce_into;
+use crate::with_dtype;
+
+use super::fingerprint::Fingerprint;
+use super::local::{InView, OutView, Views};
+use super::world::World;
+
+/// A call as the leader runs it (roots are members; `peer` is a rank).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Job {
+    AllReduce { dtype: DType, op: ReduceOp },
+    Reduce { dtype: DType, op: ReduceOp, root: usize },
+    Broadcast { root: usize },
+    AllGather,
+    ReduceScatter { dtype: DType, op: ReduceOp },
+    AllToAll,
+    Gather { root: usize },
+    Scatter { root: usize },
+    Barrier,
+    Send { peer: usize },
+    Recv { peer: usize },
+}
+
+/// Host scratch memory, 16-byte aligned so any element type can be viewed.
+struct Scratch(Vec<u128>, usize);
+
+impl Scratch {
+    fn new(len: usize) -> Scratch {
+        Scratch(vec![0; len.div_ceil(16)], len)
+    }
+    fn bytes(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.0)[..self.1]
+    }
+}
+
+/// Resolved buffers of the local slots.
+struct Bufs<'a> {
+    ins: Vec<Option<&'a [u8]>>,
+    outs: Vec<Option<&'a mut [u8]>>,
+    /// Staged outputs, by slot (returned to their tasks).
+    staged: Vec<Option<Vec<u8>>>,
+    /// Copies of inputs that overlapped an output.
+    _copies: Vec<Vec<u8>>,
+}
+
+fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
+    a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
+/// Turns the views into slices. Inputs that overlap an output are copied
+/// first, unless `same_ok` and the input is exactly its slot's output (then
+/// the input is `None` and lives in the output).
+///
+/// # Safety
+/// Every pointer view must be valid for its length, and reserved for this
+/// call until the returned slices are dropped (see `local`'s module docs).
+unsafe fn resolve(views: &mut Views, same_ok: bool) -> (Bufs<'_>, Vec<bool>) {
+    let n = views.ins.len();
+    let out_ranges: Vec<Option<(usize, usize)>> = views
+        .outs
+        .iter()
+        .map(|o| match o {
+            Some(OutView::Ptr(p, l)) => Some((*p, *l)),
+            _ => None,
+        })
+        .collect();
+    let mut copies = Vec::new();
+    let mut in_place = vec![false; n];
+    let mut ins: Vec<Option<&[u8]>> = Vec::with_capacity(n);
+    // Inputs first: copies of overlapping ones are taken before any output
+    // slice exists.
+    let mut pending: Vec<Option<(usize, usize, bool)>> = Vec::with_capacity(n);
+    for (slot, view) in views.ins.iter().enumerate() {
+        pending.push(match view {
+            Some(InView::Ptr(p, l)) => {
+                let r = (*p, *l);
+                if same_ok && out_ranges[slot] == Some(r) {
+                    in_place[slot] = true;
+                    None
+                } else if out_ranges.iter().flatten().any(|o| overlaps(*o, r)) {
+                    // SAFETY: caller's contract; no slice of these bytes exists yet.
+                    copies.push(std::slice::from_raw_parts(*p as *const u8, *l).to_vec());
+                    Some((copies.len() - 1, 0, true))
+                } else {
+                    Some((*p, *l, false))
+                }
+            }
+            _ => None,
+        });
+    }
+    for (slot, view) in views.ins.iter().enumerate() {
+        ins.push(match (view, pending[slot]) {
+            (Some(InView::Owned(b)), _) => Some(std::slice::from_raw_parts(b.as_slice().as_ptr(), b.len())),
+            (_, Some((i, _, true))) => Some(std::slice::from_raw_parts(copies[i].as_ptr(), copies[i].len())),
+            // SAFETY: caller's contract; this input overlaps no output.
+            (_, Some((p, l, false))) => Some(std::slice::from_raw_parts(p as *const u8, l)),
+            _ => None,
+        });
+    }
+    let mut staged: Vec<Option<Vec<u8>>> = views
+        .outs
+        .iter()
+        .map(|o| match o {
+            Some(OutView::Staged(len)) => Some(vec![0u8; *len]),
+            _ => None,
+        })
+        .collect();
+    let outs = views
+        .outs
+        .iter()
+        .zip(staged.iter_mut())
+        .map(|(o, s)| match o {
+            // SAFETY: caller's contract; outputs of distinct slots are
+            // distinct buffers, and no input slice aliases them.
+            Some(OutView::Ptr(p, l)) => Some(std::slice::from_raw_parts_mut(*p as *mut u8, *l)),
+            Some(OutView::Staged(_)) => s.as_mut().map(|v| std::slice::from_raw_parts_mut(v.as_mut_ptr(), v.len())),
+            None => None,
+        })
+        .collect();
+    (Bufs { ins, outs, staged, _copies: copies }, in_place)
+}
+
+/// `Avg` travels as `Sum`; the division comes at the end.
+fn wire_op(op: ReduceOp) -> ReduceOp {
+    if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    }
+}
+
+fn divide(buf: &mut [u8], dtype: DType, members: usize) {
+    with_dtype!(dtype, T => finish(bytemuck::cast_slice_mut::<u8, T>(buf), ReduceOp::Avg, members))
+}
+
+/// Runs `job` for this rank's local slots; returns the staged outputs.
+pub(crate) fn run(
+    world: &mut World,
+    fp: Fingerprint,
+    job: Job,
+    mut views: Views,
+) -> Result<Vec<Option<Vec<u8>>>, String> {
+    let same_ok = matches!(job, Job::AllReduce { .. } | Job::Reduce { .. } | Job::Broadcast { .. });
+    // SAFETY: the views come from the tasks of this call, which stay blocked
+    // (their buffers reserved) until this returns.
+    let (mut b, in_place) = unsafe { resolve(&mut views, same_ok) };
+    let l = b.outs.len().max(b.ins.len());
+    let (rank, size) = (world.rank, world.size);
+    let members = size * l;
+    world.run(fp, |w| execute(w, &fp, job, &mut b, &in_place, l, rank, members))?;
+    Ok(std::mem::take(&mut b.staged))
+}
+
+/// Combines every local input into `acc` (`acc` already holds slot 0's).
+fn local_reduce(acc: &mut [u8], b: &Bufs<'_>, in_place: &[bool], dtype: DType, op: ReduceOp) {
+    for (slot, input) in b.ins.iter().enumerate().skip(1) {
+        let src = if in_place[slot] { b.outs[slot].as_deref() } else { *input };
+        if let Some(src) = src {
+            reduce_into(acc, src, dtype, op, false);
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn execute(
+    w: &mut World,
+    fp: &Fingerprint,
+    job: Job,
+    b: &mut Bufs<'_>,
+    in_place: &[bool],
+    l: usize,
+    rank: usize,
+    members: usize,
+) -> Result<(), String> {
+    let input = |b: &Bufs<'_>, slot: usize| -> Vec<u8> {
+        if in_place[slot] {
+            b.outs[slot].as_deref().expect("in place has an output").to_vec()
+        } else {
+            b.ins[slot].expect("an input").to_vec()
+        }
+    };
+    match job {
+        Job::AllReduce { dtype, op } | Job::Reduce { dtype, op, .. } => {
+            let root = match job {
+                Job::Reduce { root, .. } => Some(root),
+                _ => None,
+            };
+            // One device with its output here: reduce straight in it.
+            if l == 1 && b.outs[0].is_some() {
+                let out = b.outs[0].as_deref_mut().expect("checked");
+                let src = if in_place[0] { None } else { b.ins[0] };
+                w.all_reduce(fp, out, src, dtype, wire_op(op))?;
+                if op == ReduceOp::Avg {
+                    divide(out, dtype, members);
+                }
+                return Ok(());
+            }
+            let first = input(b, 0);
+            let mut acc = Scratch::new(first.len());
+            acc.bytes().copy_from_slice(&first);
+            local_reduce(acc.bytes(), b, in_place, dtype, wire_op(op));
+            w.all_reduce(fp, acc.bytes(), None, dtype, wire_op(op))?;
+            if op == ReduceOp::Avg {
+                divide(acc.bytes(), dtype, members);
+            }
+            for (slot, out) in b.outs.iter_mut().enumerate() {
+                if root.is_none_or(|r| r == rank * l + slot) {
+                    if let Some(out) = out {
+                        out.copy_from_slice(acc.bytes());
+                    }
+                }
+            }
+        }
+        Job::Broadcast { root } => {
+            let (root_rank, root_slot) = (root / l, root % l);
+            let len = b.outs.iter().flatten().map(|o| o.len()).next().unwrap_or(0);
+            let mut work = Scratch::new(len);
+            if rank == root_rank {
+                work.bytes().copy_from_slice(&input(b, root_slot));
+            }
+            w.broadcast(fp, work.bytes(), root_rank)?;
+            for out in b.outs.iter_mut().flatten() {
+                out.copy_from_slice(work.bytes());
+            }
+        }
+        Job::AllGather => {
+            let seg = b.ins[0].map_or(0, <[u8]>::len);
+            let part = l * seg;
+            let mut work = Scratch::new(members * seg);
+            for slot in 0..l {
+                work.bytes()[rank * part + slot * seg..][..seg].copy_from_slice(b.ins[slot].expect("an input"));
+            }
+            w.all_gather(fp, work.bytes(), part)?;
+            for out in b.outs.iter_mut().flatten() {
+                out.copy_from_slice(work.bytes());
+            }
+        }
+        Job::ReduceScatter { dtype, op } => {
+            let mut work = Scratch::new(b.ins[0].map_or(0, <[u8]>::len));
+            work.bytes().copy_from_slice(b.ins[0].expect("an input"));
+            local_reduce(work.bytes(), b, in_place, dtype, wire_op(op));
+            let seg = b.outs[0].as_deref().map_or(0, <[u8]>::len);
+            let mut mine = Scratch::new(l * seg);
+            w.reduce_scatter(fp, work.bytes(), mine.bytes(), dtype, wire_op(op))?;
+            if op == ReduceOp::Avg {
+                divide(mine.bytes(), dtype, members);
+            }
+            for (slot, out) in b.outs.iter_mut().enumerate() {
+                if let Some(out) = out {
+                    out.copy_from_slice(&mine.bytes()[slot * seg..(slot + 1) * seg]);
+                }
+            }
+        }
+        Job::AllToAll => {
+            let total = b.ins[0].map_or(0, <[u8]>::len);
+            let seg = total / members;
+            let size = members / l;
+            // send[q][s][t] = block (q·L + t) of local s; recv[p][s][t] goes
+            // to block (p·L + s) of local t.
+            let mut send = Scratch::new(l * total);
+            for q in 0..size {
+                for s in 0..l {
+                    let src = b.ins[s].expect("an input");
+                    for t in 0..l {
+                        let at = ((q * l + s) * l + t) * seg;
+                        send.bytes()[at..at + seg].copy_from_slice(&src[(q * l + t) * seg..][..seg]);
+                    }
+                }
+            }
+            let mut recv = Scratch::new(l * total);
+            w.all_to_all(fp, send.bytes(), recv.bytes())?;
+            for p in 0..size {
+                for s in 0..l {
+                    for t in 0..l {
+                        let at = ((p * l + s) * l + t) * seg;
+                        if let Some(out) = b.outs[t].as_deref_mut() {
+                            out[(p * l + s) * seg..][..seg].copy_from_slice(&recv.bytes()[at..at + seg]);
+                        }
+                    }
+                }
+            }
+        }
+        Job::Gather { root } => {
+            let seg = b.ins[0].map_or(0, <[u8]>::len);
+            let mut part = Scratch::new(l * seg);
+            for slot in 0..l {
+                part.bytes()[slot * seg..][..seg].copy_from_slice(b.ins[slot].expect("an input"));
+            }
+            let (root_rank, root_slot) = (root / l, root % l);
+            if rank == root_rank {
+                let out = b.outs[root_slot].as_deref_mut().expect("the root's destination");
+                w.gather(fp, part.bytes(), Some(out), root_rank)?;
+            } else {
+                w.gather(fp, part.bytes(), None, root_rank)?;
+            }
+        }
+        Job::Scatter { root } => {
+            let seg = b.outs[0].as_deref().map_or(0, <[u8]>::len);
+            let (root_rank, root_slot) = (root / l, root % l);
+            let mut mine = Scratch::new(l * seg);
+            if rank == root_rank {
+                let src = b.ins[root_slot].expect("the root's source");
+                w.scatter(fp, Some(src), mine.bytes(), root_rank)?;
+            } else {
+                w.scatter(fp, None, mine.bytes(), root_rank)?;
+            }
+            for (slot, out) in b.outs.iter_mut().enumerate() {
+                if let Some(out) = out {
+                    out.copy_from_slice(&mine.bytes()[slot * seg..(slot + 1) * seg]);
+                }
+            }
+        }
+        Job::Barrier => w.barrier(fp)?,
+        Job::Send { peer } => {
+            let src = b.ins.iter().flatten().next().copied().unwrap_or(&[]);
+            w.send(fp, src, peer)?;
+        }
+        Job::Recv { peer } => {
+            let dst = b.outs.iter_mut().flatten().next().ok_or("a destination")?;
+            w.recv(fp, dst, peer)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,159 @@
+//! Forming a communicator's links through the rendezvous store.
+//!
+//! Keys, under `cohort/comm/<k>/` where `k` counts the communicators this
+//! rank formed (every rank forms them in the same order):
+//! - `job`: rank 0's random job id (names the shared-memory files) and TCP
+//!   link token;
+//! - `peer/<r>`: rank r's node id, TCP listening address and local device
+//!   count;
+//! - `shm/<r>`: rank r created its shared-memory file;
+//! - barriers `mapped` (every file is mapped: owners unlink them) and
+//!   `ready`.
+//!
+//! Ranks with the same node id (host name and boot id, plus the launcher's
+//! node rank `GROUP_RANK` when set) talk through shared memory; the others
+//! through TCP.
+
+use std::net::{TcpListener, UdpSocket};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::store::StoreClient;
+use crate::transport::shm::{self, Segment, ShmLink};
+use crate::transport::tcp::{self, TOKEN_LEN};
+use crate::transport::Link;
+
+use super::error::ConnectError;
+use super::world::World;
+
+/// One rank's entry in the store.
+struct Peer {
+    node: String,
+    addr: String,
+    devices: usize,
+}
+
+/// This machine's identity: host name and boot id, plus `GROUP_RANK` when a
+/// launcher set it (so two launchers on one host act as two nodes).
+fn node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let group = std::env::var("GROUP_RANK").unwrap_or_default();
+    format!("{}/{}/{}", host.trim(), boot.trim(), group.trim())
+}
+
+/// The local address this host uses to reach `store_addr` (a UDP "connect"
+/// sends nothing); loopback when it cannot tell.
+fn local_ip(store_addr: &str) -> String {
+    let ip = UdpSocket::bind("0.0.0.0:0")
+        .and_then(|s| s.connect(store_addr).map(|_| s))
+        .and_then(|s| s.local_addr())
+        .map(|a| a.ip().to_string());
+    ip.unwrap_or_else(|_| "127.0.0.1".into())
+}
+
+fn random_hex(bytes: usize) -> Result<String, ConnectError> {
+    let mut b = vec![0u8; bytes];
+    getrandom::fill(&mut b).map_err(|e| ConnectError::Setup(format!("no randomness for the job id: {e}")))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// Forms `rank`'s links to every other rank of a world of `size` and returns
+/// the world. Waits for every rank up to `timeout`.
+pub(crate) fn form(
+    store: StoreClient,
+    rank: usize,
+    size: usize,
+    devices: usize,
+    timeout: Duration,
+) -> Result<World, ConnectError> {
+    let deadline = Instant::now() + timeout;
+    let k = store.add(&format!("cohort/comm/instance/{rank}"), 1)?;
+    let prefix = format!("cohort/comm/{k}/");
+    let key = |name: &str| format!("{prefix}{name}");
+    if rank == 0 {
+        let value = format!("{} {}", random_hex(8)?, random_hex(TOKEN_LEN)?);
+        store.set(&key("job"), value.as_bytes())?;
+    }
+    let ip = local_ip(store.addr());
+    let listener = TcpListener::bind((ip.as_str(), 0))
+        .map_err(|e| ConnectError::Setup(format!("cannot listen for data links on {ip}: {e}")))?;
+    let addr = listener.local_addr().map_err(|e| ConnectError::Setup(e.to_string()))?;
+    let me = format!("{}\n{}\n{}", node_id(), addr, devices);
+    store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
+    let peer_keys: Vec<String> = (0..size).map(|r| key(&format!("peer/{r}"))).collect();
+    let mut wait_keys: Vec<&str> = peer_keys.iter().map(String::as_str).collect();
+    wait_keys.push("");
+    let job_key = key("job");
+    *wait_keys.last_mut().expect("pushed") = &job_key;
+    store.wait(&wait_keys, deadline.saturating_duration_since(Instant::now()))?;
+    let job = String::from_utf8_lossy(&store.get(&job_key)?.unwrap_or_default()).into_owned();
+    let (job_id, token_hex) = job.split_once(' ').ok_or_else(|| ConnectError::Setup("malformed job entry".into()))?;
+    let mut token = [0u8; TOKEN_LEN];
+    for (i, t) in token.iter_mut().enumerate() {
+        *t = u8::from_str_radix(token_hex.get(2 * i..2 * i + 2).unwrap_or("00"), 16).unwrap_or(0);
+    }
+    let mut peers = Vec::with_capacity(size);
+    for (r, k) in peer_keys.iter().enumerate() {
+        let v = String::from_utf8_lossy(&store.get(k)?.unwrap_or_default()).into_owned();
+        let mut lines = v.lines();
+        let (node, addr, devices_there) = (lines.next(), lines.next(), lines.next().and_then(|d| d.parse().ok()));
+        let (Some(node), Some(addr), Some(devices_there)) = (node, addr, devices_there) else {
+            return Err(ConnectError::Setup(format!("rank {r}'s entry in the store is malformed")));
+        };
+        peers.push(Peer { node: node.into(), addr: addr.into(), devices: devices_there });
+    }
+    if let Some((r, p)) = peers.iter().enumerate().find(|(_, p)| p.devices != devices) {
+        return Err(ConnectError::Setup(format!(
+            "rank {r} brings {} local devices but rank {rank} brings {devices}: every rank of a communicator \
+             must pass the same number of clients",
+            p.devices
+        )));
+    }
+    let local: Vec<usize> = (0..size).filter(|&r| peers[r].node == peers[rank].node).collect();
+    let mut links: Vec<Option<Box<dyn Link>>> = (0..size).map(|_| None).collect();
+
+    // Shared memory within the node.
+    if local.len() > 1 {
+        let capacity = shm::ring_capacity();
+        let me_local = local.iter().position(|&r| r == rank).expect("in its own node");
+        let mut mine = Segment::create(&shm::path(job_id, rank), local.len(), capacity)
+            .map_err(|e| ConnectError::Setup(format!("cannot create {}: {e}", shm::path(job_id, rank))))?;
+        store.set(&key(&format!("shm/{rank}")), b"")?;
+        let shm_keys: Vec<String> = local.iter().map(|r| key(&format!("shm/{r}"))).collect();
+        let refs: Vec<&str> = shm_keys.iter().map(String::as_str).collect();
+        store.wait(&refs, deadline.saturating_duration_since(Instant::now()))?;
+        let mut theirs = Vec::new();
+        for &r in &local {
+            if r != rank {
+                let seg = Segment::open(&shm::path(job_id, r), local.len(), capacity)
+                    .map_err(|e| ConnectError::Setup(format!("cannot map rank {r}'s shared memory: {e}")))?;
+                theirs.push((r, Arc::new(seg)));
+            }
+        }
+        store.barrier(&key("mapped"), local.len() as u32, deadline.saturating_duration_since(Instant::now()))?;
+        mine.unlink();
+        let mine = Arc::new(mine);
+        for (r, seg) in theirs {
+            let peer_local = local.iter().position(|&x| x == r).expect("local");
+            links[r] = Some(Box::new(ShmLink::new(&mine, &seg, me_local, peer_local)));
+        }
+    }
+
+    // TCP to the other nodes: connect to lower ranks, accept higher ones.
+    let remote: Vec<usize> = (0..size).filter(|r| !local.contains(r)).collect();
+    for &r in remote.iter().filter(|&&r| r < rank) {
+        let link = tcp::connect(&peers[r].addr, rank, &token, deadline)
+            .map_err(|e| ConnectError::Setup(format!("cannot reach rank {r} at {}: {e}", peers[r].addr)))?;
+        links[r] = Some(Box::new(link));
+    }
+    let higher: Vec<usize> = remote.iter().copied().filter(|&r| r > rank).collect();
+    for (r, link) in tcp::accept(&listener, &token, &higher, deadline)
+        .map_err(|e| ConnectError::Setup(format!("waiting for data connections: {e}")))?
+    {
+        links[r] = Some(Box::new(link));
+    }
+    store.barrier(&key("ready"), size as u32, deadline.saturating_duration_since(Instant::now()))?;
+    tracing::debug!(rank, size, local = local.len(), remote = remote.len(), "communicator links formed");
+    Ok(World::new(rank, size, links, store, prefix, timeout))
+}

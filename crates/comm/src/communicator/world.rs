@@ -1,0 +1,235 @@
+//! [`World`]: this rank's links to every other rank, the store it formed
+//! them through, and how a collective waits: deadlines, arrival notes,
+//! aborts.
+//!
+//! Waiting costs nothing on the fast path. Only a rank that has waited
+//! longer than [`slow_after`] writes a note to the store that it arrived at
+//! the collective, and looks every 200 ms whether another rank aborted the
+//! communicator. When the deadline passes, it reads the notes to name the
+//! ranks that never arrived, and aborts the communicator through the store,
+//! so every live rank stops within a fraction of a second with the same
+//! message instead of hanging.
+
+use std::time::{Duration, Instant};
+
+use crate::store::StoreClient;
+use crate::transport::{back_off, exchange, peer_gone, Link, RecvOp, SendOp, Stop};
+
+use super::fingerprint::{Fingerprint, LEN};
+
+/// How often a long-waiting rank looks for an abort.
+const ABORT_POLL: Duration = Duration::from_millis(200);
+
+/// After how long a waiting rank notes its arrival in the store and starts
+/// looking for aborts: 1 s, or a quarter of the timeout when that is less.
+fn slow_after(timeout: Duration) -> Duration {
+    (timeout / 4).min(Duration::from_secs(1))
+}
+
+/// The collective in progress.
+#[derive(Clone, Copy)]
+struct Current {
+    fp: Fingerprint,
+    deadline: Instant,
+    started: Instant,
+}
+
+/// This rank's place among the ranks of one communicator.
+pub(crate) struct World {
+    pub rank: usize,
+    pub size: usize,
+    links: Vec<Option<Box<dyn Link>>>,
+    store: StoreClient,
+    /// Store key prefix of this communicator.
+    prefix: String,
+    pub timeout: Duration,
+    /// Set once a collective failed: every later one fails with it.
+    aborted: Option<String>,
+    current: Option<Current>,
+    /// Messages sent to / received from each rank (send/recv).
+    sent: Vec<u64>,
+    received: Vec<u64>,
+}
+
+impl World {
+    pub(crate) fn new(
+        rank: usize,
+        size: usize,
+        links: Vec<Option<Box<dyn Link>>>,
+        store: StoreClient,
+        prefix: String,
+        timeout: Duration,
+    ) -> World {
+        World {
+            rank,
+            size,
+            links,
+            store,
+            prefix,
+            timeout,
+            aborted: None,
+            current: None,
+            sent: vec![0; size],
+            received: vec![0; size],
+        }
+    }
+
+    /// The transport to `peer` ("shm", "tcp"; "self" for this rank).
+    pub(crate) fn link_kind(&self, peer: usize) -> &'static str {
+        self.links[peer].as_ref().map_or("self", |l| l.kind())
+    }
+
+    /// The next message number to `peer` (send) or from it (recv).
+    pub(crate) fn next_p2p(&mut self, peer: usize, sending: bool) -> u64 {
+        let counter = if sending { &mut self.sent[peer] } else { &mut self.received[peer] };
+        *counter += 1;
+        *counter
+    }
+
+    /// Runs one collective: refuses at once if the communicator was aborted;
+    /// otherwise runs `body` under the timeout, and aborts the communicator
+    /// (for every rank) if it fails.
+    pub(crate) fn run(
+        &mut self,
+        fp: Fingerprint,
+        body: impl FnOnce(&mut World) -> Result<(), String>,
+    ) -> Result<(), String> {
+        if let Some(why) = &self.aborted {
+            return Err(format!("{fp} refused: the communicator was aborted by an earlier failure: {why}"));
+        }
+        let started = Instant::now();
+        self.current = Some(Current { fp, deadline: started + self.timeout, started });
+        let result = body(self);
+        self.current = None;
+        if let Err(why) = &result {
+            self.abort(why);
+        }
+        result
+    }
+
+    /// Marks the communicator aborted and tells the other ranks (first
+    /// abort wins in the store).
+    fn abort(&mut self, why: &str) {
+        if self.aborted.is_none() {
+            self.aborted = Some(why.to_string());
+            let key = format!("{}abort", self.prefix);
+            let _ = self.store.compare_set(&key, None, format!("rank {}: {why}", self.rank).as_bytes());
+        }
+    }
+
+    /// Sends and receives until all finish, under the collective's deadline.
+    pub(crate) fn exchange(&mut self, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<(), String> {
+        let current = self.current.expect("exchange inside World::run");
+        let slow = slow_after(self.timeout);
+        let (rank, size) = (self.rank, self.size);
+        let (store, prefix) = (&self.store, &self.prefix);
+        let mut noted = false;
+        let mut last_poll = Instant::now();
+        let mut idle = |passes: u64, waiting_on: &[usize]| -> Result<(), String> {
+            back_off(passes);
+            if passes < 2048 || passes % 64 != 0 {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= current.deadline {
+                return Err(timeout_message(store, prefix, &current, rank, size, waiting_on));
+            }
+            if now - current.started < slow {
+                return Ok(());
+            }
+            if !noted {
+                noted = true;
+                let _ = store.set(&arrival_key(prefix, current.fp.seq, rank), b"");
+            }
+            if now - last_poll >= ABORT_POLL {
+                last_poll = now;
+                if let Ok(Some(why)) = store.get(&format!("{prefix}abort")) {
+                    return Err(format!(
+                        "{} stopped: the communicator was aborted by {}",
+                        current.fp,
+                        String::from_utf8_lossy(&why)
+                    ));
+                }
+            }
+            Ok(())
+        };
+        exchange(&mut self.links, sends, recvs, &mut idle).map_err(|stop| match stop {
+            Stop::Idle(why) => why,
+            Stop::Link { peer, kind, error } => {
+                let how = if peer_gone(&error) { "closed (it exited or crashed)" } else { "failed" };
+                format!("{}: the {kind} link to rank {peer} {how}: {error}", current.fp)
+            }
+        })
+    }
+
+    /// Sends this rank's fingerprint `fp` to `to` and checks the one `from`
+    /// sends against `expected`.
+    pub(crate) fn check_fingerprint(
+        &mut self,
+        fp: &Fingerprint,
+        to: usize,
+        from: usize,
+        expected: &Fingerprint,
+    ) -> Result<(), String> {
+        let mine = fp.encode();
+        let mut theirs = [0u8; LEN];
+        if to == self.rank && from == self.rank {
+            return Ok(());
+        }
+        let mut sends = [SendOp::new(to, &mine)];
+        let mut recvs = [RecvOp::copy(from, &mut theirs)];
+        let (sends, recvs): (&mut [SendOp<'_>], &mut [RecvOp<'_>]) = match (to == self.rank, from == self.rank) {
+            (true, _) => (&mut [], &mut recvs),
+            (_, true) => (&mut sends, &mut []),
+            _ => (&mut sends, &mut recvs),
+        };
+        self.exchange(sends, recvs)?;
+        if from == self.rank {
+            return Ok(());
+        }
+        let got = Fingerprint::decode(&theirs);
+        if got.as_ref() != Some(expected) {
+            return Err(expected.mismatch(self.rank, from, got.as_ref()));
+        }
+        Ok(())
+    }
+}
+
+fn arrival_key(prefix: &str, seq: u64, rank: usize) -> String {
+    format!("{prefix}arrived/{seq}/{rank}")
+}
+
+/// Why a collective timed out: the ranks that never noted their arrival,
+/// and the ones this rank was still waiting for.
+fn timeout_message(
+    store: &StoreClient,
+    prefix: &str,
+    current: &Current,
+    rank: usize,
+    size: usize,
+    waiting_on: &[usize],
+) -> String {
+    let _ = store.set(&arrival_key(prefix, current.fp.seq, rank), b"");
+    let missing: Vec<String> = (0..size)
+        .filter(|&r| r != rank)
+        .filter(|&r| !matches!(store.get(&arrival_key(prefix, current.fp.seq, r)), Ok(Some(_))))
+        .map(|r| r.to_string())
+        .collect();
+    let mut waiting: Vec<usize> = waiting_on.to_vec();
+    waiting.sort_unstable();
+    waiting.dedup();
+    let waiting: Vec<String> = waiting.iter().map(|r| r.to_string()).collect();
+    let missing = if missing.is_empty() {
+        "every rank arrived but the data did not move (a rank is stuck inside it)".to_string()
+    } else {
+        format!("rank(s) {} never arrived", missing.join(", "))
+    };
+    format!(
+        "{} timed out after {:.1} s on rank {rank}: {missing}; rank {rank} was waiting for rank(s) {}. Every \
+         rank must call the same collectives in the same order; raise COHORT_TIMEOUT (seconds) if the work \
+         before it legitimately takes that long",
+        current.fp,
+        (current.deadline - current.started).as_secs_f64(),
+        waiting.join(", ")
+    )
+}

@@ -1,0 +1,294 @@
+//! Shared-memory links between ranks of one node.
+//!
+//! Each rank creates one file, `/dev/shm/cohort-<job>-<rank>`, holding one
+//! single-producer single-consumer ring per same-node sender (slot `s` is
+//! written by the rank of local index `s`, read by the owner). Every rank
+//! maps its own file and its peers'; once every rank has mapped every file
+//! (a store barrier), the owner unlinks its file, so nothing is left in
+//! `/dev/shm` after set-up, whatever happens later. A [`Segment`] unlinks its
+//! file when dropped before that point (a failed set-up).
+//!
+//! A ring is a header (producer's `head` and consumer's `tail`, byte counts
+//! that only grow, on separate cache lines) and `capacity` data bytes. The
+//! producer copies bytes in, then publishes `head` with release ordering; the
+//! consumer reads `head` with acquire ordering, copies bytes out, then
+//! publishes `tail` with release ordering; so no byte is read before it is
+//! written, nor overwritten before it is read.
+
+use std::ffi::CString;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::Link;
+
+/// Bytes of one ring's header: two cache lines.
+const HEADER: usize = 128;
+
+/// Default data bytes of one ring (`COHORT_SHM_RING` overrides, rounded up
+/// to a power of two, at least 4 KiB).
+pub(crate) const DEFAULT_RING: usize = 4 << 20;
+
+/// The ring size to use: `COHORT_SHM_RING` bytes or [`DEFAULT_RING`].
+pub(crate) fn ring_capacity() -> usize {
+    std::env::var("COHORT_SHM_RING")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map(|n| n.max(4096).next_power_of_two())
+        .unwrap_or(DEFAULT_RING)
+}
+
+/// One mapped file of rings.
+pub(crate) struct Segment {
+    ptr: *mut u8,
+    len: usize,
+    capacity: usize,
+    /// Set while this process owns the file's name and must unlink it.
+    owned_path: Option<CString>,
+}
+
+// SAFETY: the mapping is process-wide memory; every access to it goes through
+// rings whose producer/consumer protocol (atomics with acquire/release) keeps
+// threads and processes from racing on the same bytes.
+unsafe impl Send for Segment {}
+// SAFETY: as above; `&Segment` only hands out ring views, never `&mut`.
+unsafe impl Sync for Segment {}
+
+/// The path of rank `rank`'s file in job `job`.
+pub(crate) fn path(job: &str, rank: usize) -> String {
+    format!("/dev/shm/cohort-{job}-{rank}")
+}
+
+impl Segment {
+    /// Creates (exclusively) and maps the file at `path` with `slots` rings
+    /// of `capacity` bytes each, zeroed.
+    pub(crate) fn create(path: &str, slots: usize, capacity: usize) -> io::Result<Segment> {
+        let c_path = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let len = slots * (HEADER + capacity);
+        // SAFETY: c_path is a valid NUL-terminated string; open has no other
+        // preconditions.
+        let fd = unsafe { libc::open(c_path.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let unlink = |err: io::Error| {
+            // SAFETY: c_path is a valid path string; fd is ours.
+            unsafe {
+                libc::close(fd);
+                libc::unlink(c_path.as_ptr());
+            }
+            err
+        };
+        // SAFETY: fd is an open, writable file descriptor we own.
+        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            return Err(unlink(io::Error::last_os_error()));
+        }
+        let ptr = map(fd, len).map_err(unlink)?;
+        // SAFETY: fd is ours; the mapping keeps the file's memory alive.
+        unsafe { libc::close(fd) };
+        Ok(Segment { ptr, len, capacity, owned_path: Some(c_path) })
+    }
+
+    /// Maps the existing file at `path` (a peer's), expecting `slots` rings
+    /// of `capacity` bytes.
+    pub(crate) fn open(path: &str, slots: usize, capacity: usize) -> io::Result<Segment> {
+        let c_path = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let len = slots * (HEADER + capacity);
+        // SAFETY: c_path is a valid NUL-terminated string.
+        let fd = unsafe { libc::open(c_path.as_ptr(), libc::O_RDWR) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open and `stat` is a valid out-pointer.
+        let rc = unsafe { libc::fstat(fd, &mut stat) };
+        if rc != 0 || stat.st_size as usize != len {
+            // SAFETY: fd is ours.
+            unsafe { libc::close(fd) };
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{path} holds {} bytes, expected {len}: another job's file?", stat.st_size),
+            ));
+        }
+        let mapped = map(fd, len);
+        // SAFETY: fd is ours; a successful mapping outlives it.
+        unsafe { libc::close(fd) };
+        Ok(Segment { ptr: mapped?, len, capacity, owned_path: None })
+    }
+
+    /// Removes the file's name (the mappings stay valid). Idempotent.
+    pub(crate) fn unlink(&mut self) {
+        if let Some(path) = self.owned_path.take() {
+            // SAFETY: path is a valid NUL-terminated string.
+            unsafe { libc::unlink(path.as_ptr()) };
+        }
+    }
+
+    /// The ring in slot `slot`.
+    fn ring(self: &Arc<Self>, slot: usize) -> Ring {
+        let offset = slot * (HEADER + self.capacity);
+        assert!(offset + HEADER + self.capacity <= self.len, "ring slot {slot} outside the segment");
+        // SAFETY: the offset is inside the mapping (asserted); the mapping is
+        // page-aligned and HEADER + capacity is a multiple of 64, so both
+        // counters are 8-byte aligned.
+        let base = unsafe { self.ptr.add(offset) };
+        Ring { _segment: self.clone(), base, capacity: self.capacity }
+    }
+}
+
+fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
+    // SAFETY: a fresh shared mapping of `len` bytes of an open file; the
+    // kernel picks the address, so it overlaps nothing of ours.
+    let ptr =
+        unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(ptr.cast())
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        self.unlink();
+        // SAFETY: ptr/len are exactly the mapping made in create/open, and no
+        // ring outlives the segment (rings hold an Arc to it).
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// One end of one ring.
+struct Ring {
+    /// Keeps the mapping alive while the ring is in use.
+    _segment: Arc<Segment>,
+    base: *mut u8,
+    capacity: usize,
+}
+
+// SAFETY: a Ring is used by one thread at a time (it lives in a link, which
+// the communicator's world lock guards); the memory is the segment's.
+unsafe impl Send for Ring {}
+
+impl Ring {
+    fn head(&self) -> &AtomicU64 {
+        // SAFETY: base is 8-byte aligned and inside the live mapping (held by
+        // `segment`); the counter is only accessed atomically by any process.
+        unsafe { &*self.base.cast::<AtomicU64>() }
+    }
+
+    fn tail(&self) -> &AtomicU64 {
+        // SAFETY: as for `head`, one cache line further.
+        unsafe { &*self.base.add(64).cast::<AtomicU64>() }
+    }
+
+    fn data(&self) -> *mut u8 {
+        // SAFETY: the data area follows the header inside the mapping.
+        unsafe { self.base.add(HEADER) }
+    }
+
+    /// Producer side: copies what fits.
+    fn push(&mut self, bytes: &[u8]) -> usize {
+        let head = self.head().load(Ordering::Relaxed);
+        let tail = self.tail().load(Ordering::Acquire);
+        let free = self.capacity - (head - tail) as usize;
+        let n = free.min(bytes.len());
+        if n == 0 {
+            return 0;
+        }
+        let at = head as usize & (self.capacity - 1);
+        let first = n.min(self.capacity - at);
+        // SAFETY: [at, at + first) and [0, n - first) lie in the data area
+        // and are free (the consumer's tail says it has read them), so no one
+        // reads them until head is published below; `bytes` is ours.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.data().add(at), first);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), self.data(), n - first);
+        }
+        self.head().store(head + n as u64, Ordering::Release);
+        n
+    }
+
+    /// Consumer side: offers the contiguous arrived bytes (up to the wrap)
+    /// to `take`, twice if they wrap.
+    fn pop(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> usize {
+        let mut total = 0;
+        for _ in 0..2 {
+            let tail = self.tail().load(Ordering::Relaxed);
+            let head = self.head().load(Ordering::Acquire);
+            let avail = (head - tail) as usize;
+            if avail == 0 {
+                break;
+            }
+            let at = tail as usize & (self.capacity - 1);
+            let len = avail.min(self.capacity - at);
+            // SAFETY: [at, at + len) was written and published (acquire load
+            // of head) and the producer does not touch it until tail moves.
+            let bytes = unsafe { std::slice::from_raw_parts(self.data().add(at), len) };
+            let used = take(bytes);
+            if used == 0 {
+                break;
+            }
+            self.tail().store(tail + used as u64, Ordering::Release);
+            total += used;
+            if used < len {
+                break;
+            }
+        }
+        total
+    }
+}
+
+/// A shared-memory link: our ring in the peer's segment (we produce) and
+/// the peer's ring in ours (we consume).
+pub(crate) struct ShmLink {
+    tx: Ring,
+    rx: Ring,
+}
+
+impl ShmLink {
+    /// The link between us (local index `me`, owning `mine`) and the peer of
+    /// local index `peer`, owning `theirs`.
+    pub(crate) fn new(mine: &Arc<Segment>, theirs: &Arc<Segment>, me: usize, peer: usize) -> ShmLink {
+        ShmLink { tx: theirs.ring(me), rx: mine.ring(peer) }
+    }
+}
+
+impl Link for ShmLink {
+    fn try_send(&mut self, data: &[u8]) -> io::Result<usize> {
+        Ok(self.tx.push(data))
+    }
+
+    fn try_recv(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize> {
+        Ok(self.rx.pop(take))
+    }
+
+    fn kind(&self) -> &'static str {
+        "shm"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_moves_bytes_across_the_wrap() {
+        let name = format!("test-{}", std::process::id());
+        let a = Arc::new(Segment::create(&path(&name, 0), 2, 4096).unwrap());
+        let b = Arc::new(Segment::open(&path(&name, 0), 2, 4096).unwrap());
+        let mut tx = ShmLink::new(&a, &b, 1, 0);
+        let mut rx = ShmLink::new(&a, &b, 0, 1);
+        let data: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
+        let (mut sent, mut got) = (0, Vec::new());
+        while got.len() < data.len() {
+            sent += tx.try_send(&data[sent..]).unwrap();
+            rx.try_recv(&mut |bytes| {
+                got.extend_from_slice(bytes);
+                bytes.len()
+            })
+            .unwrap();
+        }
+        assert_eq!(got, data);
+        drop((tx, rx, a, b));
+        assert!(!std::path::Path::new(&path(&name, 0)).exists());
+    }
+}

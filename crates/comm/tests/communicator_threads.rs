@@ -1,0 +1,81 @@
+//! Communicators formed inside one process, one thread per rank (shared
+//! memory between them): collectives agree, argument errors come before
+//! anything is queued, and a wrong secret is refused.
+
+use std::thread;
+
+use cohort_comm::store::StoreServer;
+use cohort_comm::{CommError, Communicator, ConnectError, DType, ReduceOp};
+use cohort_runtime::{CpuRuntime, Runtime};
+
+/// Runs `body(comm)` on `n` ranks (CPU device `first + rank` each: tests
+/// running at once use distinct devices, whose threads a collective blocks)
+/// over a fresh store.
+fn ranks<T: Send + 'static>(first: usize, n: usize, body: fn(Communicator) -> T) -> Vec<T> {
+    std::env::set_var("COHORT_CPU_DEVICES", "8");
+    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+    let addr = server.local_addr().to_string();
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let client = CpuRuntime::client(first + rank).unwrap();
+                body(Communicator::connect(rank, n, &addr, "secret", vec![client]).unwrap())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn all_reduce_and_all_gather_agree_across_threads() {
+    let results = ranks(0, 3, |comm| {
+        let c = &comm.clients()[0];
+        let r = comm.rank() as f32;
+        let src = c.create_from_slice(bytemuck::cast_slice(&[r + 1.0; 100_000]));
+        let one = std::slice::from_ref(&src);
+        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        let gathered = c.empty(3 * 4);
+        let mine = c.create_from_slice(bytemuck::cast_slice(&[r]));
+        comm.all_gather(&[mine], std::slice::from_ref(&gathered), DType::F32).unwrap();
+        comm.barrier().unwrap();
+        let sum: Vec<f32> = bytemuck::cast_slice(&c.read_one(src).unwrap()).to_vec();
+        let all: Vec<f32> = bytemuck::cast_slice(&c.read_one(gathered).unwrap()).to_vec();
+        (sum.iter().all(|&v| v == 6.0), all)
+    });
+    for (sum_ok, all) in results {
+        assert!(sum_ok);
+        assert_eq!(all, vec![0.0, 1.0, 2.0]);
+    }
+}
+
+#[test]
+fn argument_errors_come_before_anything_is_queued() {
+    let errors = ranks(3, 2, |comm| {
+        let c = &comm.clients()[0];
+        let a = c.empty(16);
+        let b = c.empty(12);
+        let one = std::slice::from_ref(&a);
+        let wrong_count = comm.all_reduce(&[a.clone(), a.clone()], one, DType::F32, ReduceOp::Sum);
+        let wrong_size = comm.all_reduce(one, &[b], DType::F32, ReduceOp::Sum);
+        let bad_root = comm.broadcast(&a, one, DType::F32, 5);
+        // The communicator still works: nothing was queued.
+        comm.barrier().unwrap();
+        (wrong_count, wrong_size, bad_root)
+    });
+    for (count, size, root) in errors {
+        assert!(matches!(count, Err(CommError::BufferCount { expected: 1, got: 2, .. })), "{count:?}");
+        assert!(matches!(size, Err(CommError::WrongSize { .. })), "{size:?}");
+        assert!(matches!(root, Err(CommError::NotAMember { index: 5, members: 2, .. })), "{root:?}");
+    }
+}
+
+#[test]
+fn a_wrong_secret_is_refused() {
+    let server = StoreServer::bind("127.0.0.1:0", "the-real-secret").unwrap();
+    std::env::set_var("COHORT_CPU_DEVICES", "8");
+    let client = CpuRuntime::client(7).unwrap();
+    let err = Communicator::connect(0, 1, &server.local_addr().to_string(), "a-guess", vec![client]).unwrap_err();
+    assert!(matches!(err, ConnectError::Store(_)), "{err:?}");
+    assert!(err.to_string().to_lowercase().contains("secret"), "{err}");
+}

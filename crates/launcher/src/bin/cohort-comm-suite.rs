@@ -1,0 +1,253 @@
+//! The collective suite across processes: every collective of a
+//! `Communicator`, for several element types, operators, roots and sizes
+//! (small ones take recursive halving-doubling, large ones the ring),
+//! checked against the host reference. Run under `cohort run`, `mpirun` or
+//! `srun` (any number of ranks; CPU devices):
+//!
+//! ```text
+//! cohort run -n 4 -- cohort-comm-suite                  # the suite
+//! cohort run -n 4 -- cohort-comm-suite --devices 2      # two devices per rank
+//! mpirun -n 4 cohort-comm-suite                         # no launcher
+//! cohort run -n 8 -- cohort-comm-suite barrier          # join, barrier, exit
+//! cohort run -n 4 -- cohort-comm-suite crash 2          # rank 2 dies inside an all_reduce
+//! cohort run -n 4 -- cohort-comm-suite mismatch 1       # rank 1 calls broadcast, the rest all_reduce
+//! COHORT_TIMEOUT=2 cohort run -n 4 -- cohort-comm-suite skip 3   # rank 3 never calls
+//! ```
+//!
+//! `--pid-dir DIR` writes `DIR/rank<R>.pid` first (for tests that check no
+//! process is left). Exits 0 when every check passed; prints `rank R: error: ...` and exits 1
+//! on the first failure.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use cohort_comm::verify::{count_wrong, expected, pattern, CollectiveOp};
+use cohort_comm::{Communicator, DType, ReduceOp};
+use cohort_runtime::{Client, CpuRuntime, Handle, Runtime};
+
+struct Suite {
+    comm: Communicator,
+    checks: usize,
+}
+
+impl Suite {
+    fn upload(&self, slot: usize, bytes: &[u8]) -> Handle {
+        self.comm.clients()[slot].create_from_slice(bytes)
+    }
+
+    fn read(&self, slot: usize, h: &Handle) -> Result<Vec<u8>, String> {
+        let bytes = self.comm.clients()[slot].read_one(h.clone()).map_err(|e| e.to_string())?;
+        Ok(bytes.to_vec())
+    }
+
+    /// One collective: inputs from `pattern`, outputs checked.
+    fn run(&mut self, op: CollectiveOp, dtype: DType, rop: ReduceOp, root: usize, elems: usize) -> Result<(), String> {
+        let c = &self.comm;
+        let (l, m) = (c.local_devices(), c.members());
+        let block = elems * dtype.size();
+        let in_len = match op {
+            CollectiveOp::ReduceScatter | CollectiveOp::AllToAll => m * block,
+            CollectiveOp::Scatter => m * block,
+            _ => block,
+        };
+        let out_len = match op {
+            CollectiveOp::AllGather | CollectiveOp::AllToAll | CollectiveOp::Gather => m * block,
+            _ => block,
+        };
+        let inputs: Vec<Vec<u8>> = (0..m).map(|member| pattern(dtype, member, in_len)).collect();
+        let me = |slot: usize| c.rank() * l + slot;
+        let src: Vec<Handle> = (0..l).map(|s| self.upload(s, &inputs[me(s)])).collect();
+        let dst: Vec<Handle> = (0..l).map(|s| self.comm.clients()[s].empty(out_len)).collect();
+        let root_slot = if root / l == c.rank() { root % l } else { 0 };
+        let e = |r: Result<(), cohort_comm::CommError>| r.map_err(|e| e.to_string());
+        match op {
+            CollectiveOp::AllReduce => e(c.all_reduce(&src, &dst, dtype, rop))?,
+            CollectiveOp::Reduce => e(c.reduce(&src, &dst[root_slot], dtype, rop, root))?,
+            CollectiveOp::Broadcast => e(c.broadcast(&src[root_slot], &dst, dtype, root))?,
+            CollectiveOp::AllGather => e(c.all_gather(&src, &dst, dtype))?,
+            CollectiveOp::ReduceScatter => e(c.reduce_scatter(&src, &dst, dtype, rop))?,
+            CollectiveOp::AllToAll => e(c.all_to_all(&src, &dst, dtype))?,
+            CollectiveOp::Gather => e(c.gather(&src, &dst[root_slot], dtype, root))?,
+            CollectiveOp::Scatter => e(c.scatter(&src[root_slot], &dst, dtype, root))?,
+            CollectiveOp::SendRecv => {
+                // A ring of ranks: send to the next, receive from the previous
+                // (even ranks send first, so large messages cannot deadlock).
+                let (n, r) = (c.size(), c.rank());
+                let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+                if r % 2 == 0 {
+                    e(c.send(&src[0], next, dtype))?;
+                    e(c.recv(&dst[0], prev, dtype))?;
+                } else {
+                    e(c.recv(&dst[0], prev, dtype))?;
+                    e(c.send(&src[0], next, dtype))?;
+                }
+            }
+        }
+        let want = if op == CollectiveOp::SendRecv {
+            let n = c.size();
+            let per_rank: Vec<Vec<u8>> = (0..n).map(|r| inputs[r * l].clone()).collect();
+            expected(op, dtype, rop, 0, block, &per_rank).into_iter().map(|w| (w, l)).collect::<Vec<_>>()
+        } else {
+            expected(op, dtype, rop, root, block, &inputs).into_iter().map(|w| (w, m)).collect()
+        };
+        for (slot, out) in dst.iter().enumerate() {
+            if op == CollectiveOp::SendRecv && slot > 0 {
+                continue;
+            }
+            let index = if op == CollectiveOp::SendRecv { c.rank() } else { me(slot) };
+            let (Some(w), n) = &want[index] else { continue };
+            let rooted = op == CollectiveOp::Reduce || op == CollectiveOp::Gather;
+            if rooted && (slot != root_slot || root / l != c.rank()) {
+                continue;
+            }
+            let got = self.read(slot, out)?;
+            let wrong = if got == *w { 0 } else { count_wrong(dtype, &got, w, *n) };
+            if wrong > 0 {
+                return Err(format!(
+                    "{} ({dtype}, {rop}, root {root}, {elems} elements): member {} got {wrong} wrong elements",
+                    op.name(),
+                    me(slot)
+                ));
+            }
+            self.checks += 1;
+        }
+        Ok(())
+    }
+}
+
+fn suite(comm: Communicator, large: usize) -> Result<usize, String> {
+    let mut s = Suite { comm, checks: 0 };
+    let m = s.comm.members();
+    let small = 37;
+    for op in ReduceOp::ALL {
+        for dtype in [DType::F32, DType::I32, DType::F16] {
+            s.run(CollectiveOp::AllReduce, dtype, op, 0, small)?;
+        }
+    }
+    // Large ones take the ring (the integer reference is slow: one of them).
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        s.run(CollectiveOp::AllReduce, dtype, ReduceOp::Sum, 0, large / dtype.size())?;
+    }
+    s.run(CollectiveOp::AllReduce, DType::F32, ReduceOp::Avg, 0, large / 4)?;
+    s.run(CollectiveOp::AllReduce, DType::I32, ReduceOp::Max, 0, large / 4 + 3)?;
+    for root in [0, m - 1] {
+        s.run(CollectiveOp::Reduce, DType::F32, ReduceOp::Sum, root, small)?;
+        s.run(CollectiveOp::Broadcast, DType::F32, ReduceOp::Sum, root, small)?;
+        s.run(CollectiveOp::Broadcast, DType::U8, ReduceOp::Sum, root, large)?;
+        s.run(CollectiveOp::Gather, DType::I32, ReduceOp::Sum, root, small)?;
+        s.run(CollectiveOp::Scatter, DType::I32, ReduceOp::Sum, root, small)?;
+    }
+    for (dtype, elems) in [(DType::F32, small), (DType::F64, large / 8 / m)] {
+        s.run(CollectiveOp::AllGather, dtype, ReduceOp::Sum, 0, elems)?;
+        s.run(CollectiveOp::ReduceScatter, dtype, ReduceOp::Sum, 0, elems)?;
+        s.run(CollectiveOp::ReduceScatter, dtype, ReduceOp::Avg, 0, elems)?;
+        s.run(CollectiveOp::AllToAll, dtype, ReduceOp::Sum, 0, elems)?;
+    }
+    if s.comm.size() > 1 {
+        s.run(CollectiveOp::SendRecv, DType::F32, ReduceOp::Sum, 0, small)?;
+        s.run(CollectiveOp::SendRecv, DType::U8, ReduceOp::Sum, 0, large)?;
+    }
+    s.comm.barrier().map_err(|e| e.to_string())?;
+    Ok(s.checks)
+}
+
+/// Times 100 all-reduces of `bytes` bytes of f32 (rank 0 prints the mean).
+fn latency(comm: &Communicator, bytes: usize) -> Result<(), String> {
+    let client = &comm.clients()[0];
+    let buf = client.create_from_slice(&vec![0u8; bytes / 4 * 4]);
+    let bufs = vec![buf.clone(); comm.local_devices()];
+    let run = |n: usize| -> Result<f64, String> {
+        let t = Instant::now();
+        for _ in 0..n {
+            comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        }
+        client.read_one(buf.clone()).map_err(|e| e.to_string())?;
+        Ok(t.elapsed().as_secs_f64() / n as f64)
+    };
+    run(5)?;
+    let mean = run(100)?;
+    if comm.rank() == 0 {
+        println!("all_reduce of {bytes} bytes over {} ranks: {:.1} us", comm.size(), mean * 1e6);
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let start = Instant::now();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut devices = 1;
+    // Just above the ring threshold.
+    let mut large = 288 * 1024;
+    let mut mode = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--devices" => devices = it.next().and_then(|v| v.parse().ok()).expect("--devices N"),
+            "--large" => large = it.next().and_then(|v| v.parse().ok()).expect("--large BYTES"),
+            "--pid-dir" => {
+                let dir = it.next().expect("--pid-dir DIR");
+                let rank = std::env::var("RANK").or_else(|_| std::env::var("OMPI_COMM_WORLD_RANK")).unwrap_or_default();
+                std::fs::write(format!("{dir}/rank{rank}.pid"), std::process::id().to_string()).expect("pid file");
+            }
+            other => mode.push(other.to_string()),
+        }
+    }
+    let clients: Vec<Client> = match (0..devices).map(CpuRuntime::client).collect() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: no CPU devices: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let comm = match Communicator::from_env(clients) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let rank = comm.rank();
+    let arg = |i: usize| mode.get(i).and_then(|v| v.parse::<usize>().ok()).unwrap_or(usize::MAX);
+    let result = match mode.first().map(String::as_str) {
+        None | Some("suite") => suite(comm.clone(), large).map(|checks| {
+            if rank == 0 {
+                let links: Vec<&str> = (0..comm.size()).map(|r| comm.transport_to(r)).collect();
+                println!(
+                    "suite passed: {checks} checks on rank 0, {} ranks × {devices} devices, links from rank 0: {}, {:.2} s",
+                    comm.size(),
+                    links.join(","),
+                    start.elapsed().as_secs_f64()
+                );
+            }
+        }),
+        Some("barrier") => comm.barrier().map_err(|e| e.to_string()),
+        Some("latency") => latency(&comm, arg(1).min(1 << 30)),
+        Some("crash") | Some("skip") | Some("mismatch") => {
+            let who = arg(1);
+            let client = comm.clients()[0].clone();
+            let buf = client.create_from_slice(&[0u8; 4096]);
+            let bufs = vec![buf.clone(); devices];
+            if rank == who && mode[0] == "crash" {
+                eprintln!("rank {rank}: crashing on purpose");
+                std::process::exit(3);
+            }
+            let queued = if rank == who && mode[0] == "skip" {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+                Ok(())
+            } else if rank == who {
+                comm.broadcast(&buf, &bufs, DType::F32, 0)
+            } else {
+                comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum)
+            };
+            queued.map_err(|e| e.to_string()).and_then(|()| client.read_one(buf).map(|_| ()).map_err(|e| e.to_string()))
+        }
+        Some(other) => Err(format!("unknown mode {other}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rank {rank}: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! The Communicator across processes: the collective suite under `cohort
+//! run` (one node, two nodes on loopback) and under `mpirun` with no
+//! launcher; a crashed rank, a mismatched collective and a rank that never
+//! arrives all fail the job with a clear message and no process left.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const SUITE: &str = env!("CARGO_BIN_EXE_cohort-comm-suite");
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// `cohort run <opts> -- cohort-comm-suite <args>`.
+fn suite_run(opts: &[&str], args: &[&str]) -> Command {
+    let mut c = Command::new(COHORT);
+    c.arg("run").args(opts).arg("--").arg(SUITE).args(args);
+    for v in ["COHORT_JOB_SECRET", "COHORT_LOG", "RUST_LOG", "COHORT_TIMEOUT", "COHORT_STORE_ADDR"] {
+        c.env_remove(v);
+    }
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c
+}
+
+#[test]
+fn four_ranks_pass_the_collective_suite() {
+    let out = output_within(suite_run(&["-n", "4", "--master-port", "0"], &[]), LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("suite passed") && stdout.contains("4 ranks × 1 devices"), "{stdout}");
+    assert!(stdout.contains("self,shm,shm,shm"), "ranks of one node talk through shared memory: {stdout}");
+}
+
+#[test]
+fn two_ranks_of_two_devices_pass_the_suite() {
+    let out = output_within(suite_run(&["-n", "2", "--master-port", "0"], &["--devices", "2"]), LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("2 ranks × 2 devices"), "{stdout}");
+}
+
+#[test]
+fn two_launchers_form_one_eight_rank_job_over_tcp_and_shm() {
+    let port = free_port().to_string();
+    let node = |rank: &str| {
+        let mut c = suite_run(
+            &["-n", "4", "--nnodes", "2", "--node-rank", rank, "--master-port", &port],
+            &["--large", "65536"],
+        );
+        c.env("COHORT_JOB_SECRET", "two-node-test-secret");
+        c.spawn().expect("start a launcher")
+    };
+    let (first, second) = (node("0"), node("1"));
+    let (a, b) = (wait_output(first, LIMIT), wait_output(second, LIMIT));
+    let (stdout, stderr) = texts(&a);
+    assert_eq!(code(a.status, &a), 0, "{stdout}\n{stderr}");
+    assert_eq!(code(b.status, &b), 0, "{:?}", texts(&b));
+    assert!(stdout.contains("8 ranks × 1 devices"), "{stdout}");
+    assert!(stdout.contains("self,shm,shm,shm,tcp,tcp,tcp,tcp"), "TCP between nodes, shm within: {stdout}");
+}
+
+#[test]
+fn mpirun_runs_the_suite_without_a_launcher() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        eprintln!("skipped: mpirun is not installed (scripts/test.sh installs openmpi-bin)");
+        return;
+    }
+    let mut c = Command::new("mpirun");
+    c.args(["--allow-run-as-root", "--oversubscribe", "-n", "4", SUITE]);
+    for v in ["COHORT_JOB_SECRET", "COHORT_STORE_ADDR", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+        c.env_remove(v);
+    }
+    c.env("MASTER_PORT", free_port().to_string());
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let out = output_within(c, LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("suite passed") && stdout.contains("4 ranks"), "{stdout}");
+}
+
+#[test]
+fn a_crashed_rank_fails_the_job_with_a_summary_and_leaves_no_process() {
+    let dir = temp_dir("comm-crash");
+    let d = dir.to_str().unwrap();
+    let start = Instant::now();
+    let out = output_within(suite_run(&["-n", "4", "--master-port", "0"], &["--pid-dir", d, "crash", "2"]), LIMIT);
+    let (_, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 1, "{stderr}");
+    assert!(start.elapsed() < Duration::from_secs(30), "{:?}", start.elapsed());
+    assert!(stderr.contains("rank 2 failed first") && stderr.contains("exited with code 3"), "{stderr}");
+    assert!(stderr.contains("crashing on purpose"), "the summary shows its last lines: {stderr}");
+    let pids = read_pids(&dir);
+    assert_eq!(pids.len(), 4);
+    let left = wait_all_gone(&pids, Duration::from_secs(2));
+    assert!(left.is_empty(), "ranks left alive: {left:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_mismatched_collective_is_an_error_naming_both_sides() {
+    let mut c = suite_run(&["-n", "4", "--master-port", "0"], &["mismatch", "1"]);
+    c.env("COHORT_TIMEOUT", "30");
+    let start = Instant::now();
+    let out = output_within(c, LIMIT);
+    let (_, stderr) = texts(&out);
+    assert_ne!(code(out.status, &out), 0, "{stderr}");
+    assert!(start.elapsed() < Duration::from_secs(20), "not a timeout: {:?}", start.elapsed());
+    assert!(stderr.contains("collective mismatch"), "{stderr}");
+    assert!(stderr.contains("broadcast #1") && stderr.contains("all_reduce #1"), "both sides named: {stderr}");
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named_by_the_timeout() {
+    let mut c = suite_run(&["-n", "4", "--master-port", "0"], &["skip", "3"]);
+    c.env("COHORT_TIMEOUT", "2");
+    let start = Instant::now();
+    let out = output_within(c, LIMIT);
+    let (_, stderr) = texts(&out);
+    assert_ne!(code(out.status, &out), 0, "{stderr}");
+    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
+    assert!(stderr.contains("all_reduce #1 (f32 × 1024, op sum) timed out"), "{stderr}");
+    assert!(stderr.contains("rank(s) 3 never arrived"), "{stderr}");
+}
