@@ -83,3 +83,51 @@ impl StreamId {
         StreamId { value: NEXT_STREAM.fetch_add(1, Ordering::Relaxed) }
     }
 }
+
+/// A hasher for maps keyed by small integer ids (streams, pages, kernels):
+/// one multiply instead of SipHash, on the device thread's hot path. Ids are
+/// made by this process, not by an adversary, so hash flooding is no concern.
+#[derive(Default, Clone, Copy)]
+pub struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (self.0.rotate_left(5) ^ value).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn write_u32(&mut self, value: u32) {
+        self.write_u64(u64::from(value));
+    }
+
+    fn write_u16(&mut self, value: u16) {
+        self.write_u64(u64::from(value));
+    }
+}
+
+/// A `HashMap` keyed by an id, hashed with [`IdHasher`].
+pub type IdMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn id_maps_keep_distinct_ids_apart() {
+        let mut map: IdMap<StreamId, u64> = IdMap::default();
+        for value in 0..10_000u64 {
+            map.insert(StreamId { value }, value * 2);
+        }
+        assert_eq!(map.len(), 10_000);
+        assert!((0..10_000u64).all(|v| map[&StreamId { value: v }] == v * 2));
+    }
+}

@@ -1,6 +1,7 @@
 //! What a device's server thread owns: the backend, each stream's memory pools,
 //! capture state, and the bookkeeping that turns failures into marked buffers.
 
+use crate::id::IdMap;
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -94,11 +95,11 @@ impl PageStorage for NoNewPages<'_> {
 pub(crate) struct DeviceState {
     pub service: ServiceId,
     pub backend: Box<dyn Backend>,
-    pub streams: HashMap<StreamId, StreamState>,
+    pub streams: IdMap<StreamId, StreamState>,
     pub pool_config: MemoryPoolsConfig,
     /// Errors of fire-and-forget tasks, returned by the stream's next `sync`,
     /// `flush` or `check`.
-    pub pending_errors: HashMap<StreamId, ServerError>,
+    pub pending_errors: IdMap<StreamId, ServerError>,
     pub stats: DeviceStats,
     pub profiles: HashMap<u64, TimerStart>,
     pub next_profile: u64,
@@ -111,9 +112,9 @@ impl DeviceState {
         Self {
             service,
             backend,
-            streams: HashMap::new(),
+            streams: IdMap::default(),
             pool_config: MemoryPoolsConfig::default(),
-            pending_errors: HashMap::new(),
+            pending_errors: IdMap::default(),
             stats: DeviceStats::default(),
             profiles: HashMap::new(),
             next_profile: 0,

@@ -1,6 +1,6 @@
 //! Host pages standing in for device memory.
 
-use std::collections::HashMap;
+use crate::id::IdMap;
 
 use crate::backend::Binding;
 use crate::error::ServerError;
@@ -10,7 +10,7 @@ use crate::memory::{PageId, PageStorage};
 /// place), keyed by page id.
 #[derive(Default)]
 pub(crate) struct HostPages {
-    pages: HashMap<PageId, Box<[u128]>>,
+    pages: IdMap<PageId, Box<[u128]>>,
     next: u64,
 }
 

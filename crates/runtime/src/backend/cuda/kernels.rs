@@ -8,6 +8,7 @@
 //! A compile error is kept (per kernel) and returned on every launch with the
 //! compiler's log.
 
+use crate::id::IdMap;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::path::PathBuf;
@@ -69,7 +70,7 @@ fn cache_key(parts: &[&[u8]]) -> u128 {
 pub(crate) struct Kernels {
     arch: String,
     nvrtc_version: String,
-    by_id: HashMap<u64, Result<sys::CUfunction, String>>,
+    by_id: IdMap<u64, Result<sys::CUfunction, String>>,
     by_key: HashMap<u128, Result<sys::CUfunction, String>>,
     modules: Vec<sys::CUmodule>,
     params: Vec<u64>,
@@ -81,7 +82,7 @@ impl Kernels {
         Self {
             arch: format!("sm_{}{}", capability.0, capability.1),
             nvrtc_version: String::new(),
-            by_id: HashMap::new(),
+            by_id: IdMap::default(),
             by_key: HashMap::new(),
             modules: Vec::new(),
             params: Vec::new(),

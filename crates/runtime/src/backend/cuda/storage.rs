@@ -4,7 +4,7 @@
 //! stream is inside a graph capture is deferred until the capture ends, since
 //! `cuMemFree` may synchronise the device.
 
-use std::collections::HashMap;
+use crate::id::IdMap;
 
 use cudarc::driver::sys;
 
@@ -21,7 +21,7 @@ pub(crate) const ALIGNMENT: u64 = 256;
 /// The device memory of one device, page by page.
 pub(crate) struct DevicePages {
     device: DeviceId,
-    pages: HashMap<PageId, (sys::CUdeviceptr, u64)>,
+    pages: IdMap<PageId, (sys::CUdeviceptr, u64)>,
     next: u64,
     /// Frees are held here while `hold_frees` is set (during captures).
     deferred: Vec<sys::CUdeviceptr>,
@@ -32,7 +32,7 @@ pub(crate) struct DevicePages {
 
 impl DevicePages {
     pub fn new(device: DeviceId) -> Self {
-        Self { device, pages: HashMap::new(), next: 0, deferred: Vec::new(), hold_frees: false, allocations: 0 }
+        Self { device, pages: IdMap::default(), next: 0, deferred: Vec::new(), hold_frees: false, allocations: 0 }
     }
 
     /// Device address of a binding, checked against its page.

@@ -3,7 +3,7 @@
 //! Streams are created non-blocking, so no work of ours ever waits on the
 //! legacy default stream (which would also break graph captures).
 
-use std::collections::HashMap;
+use crate::id::IdMap;
 
 use cudarc::driver::sys;
 
@@ -27,12 +27,12 @@ pub(crate) struct StreamEntry {
 /// The CUDA streams of one device.
 pub(crate) struct Streams {
     device: DeviceId,
-    map: HashMap<StreamId, StreamEntry>,
+    map: IdMap<StreamId, StreamEntry>,
 }
 
 impl Streams {
     pub fn new(device: DeviceId) -> Self {
-        Self { device, map: HashMap::new() }
+        Self { device, map: IdMap::default() }
     }
 
     /// The stream's entry, creating its CUDA stream on first use.
