@@ -108,6 +108,18 @@ fn main() -> Result<(), ServerError> {
     };
     row("submit (enqueue, no wait)", submit, "bare boxed-closure send", channel_send);
     client.sync()?;
+    // Launch throughput: N launches of a no-op kernel, then one sync; the
+    // device thread's bookkeeping per launch is what this measures.
+    let noop = Kernel::new("noop").with_cpu(|_| {});
+    let target = client.empty(256);
+    let launches = 100_000u32;
+    let start = Instant::now();
+    for _ in 0..launches {
+        client.launch(&noop, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&target))?;
+    }
+    client.sync()?;
+    let per_launch = start.elapsed() / launches;
+    row("launch + run, no-op kernel (per launch)", per_launch, "bare boxed-closure send", channel_send);
     let create = per_op(100_000, || drop(black_box(client.empty(1024))));
     row(
         "client.empty(1 KiB) + drop (enqueue)",

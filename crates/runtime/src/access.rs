@@ -132,21 +132,21 @@ impl Client {
             let out_refs: Vec<&Handle> = outputs.iter().collect();
             let in_refs: Vec<&Handle> = inputs.iter().collect();
             let result = (|| {
-                if let Some(err) = DeviceState::poisoned_input(&in_refs, &operation) {
+                if let Some(err) = DeviceState::poisoned_input(in_refs.iter().copied(), &operation) {
                     return Err(err);
                 }
                 let mut bindings = Vec::with_capacity(all.len());
                 for handle in &all {
                     bindings.push(state.binding(handle)?);
                 }
-                state.order_after_writers(stream, &all)?;
+                state.order_after_writers(stream, all.iter().copied())?;
                 let mut access = BufferAccess { state: &mut *state, stream, bindings };
                 match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(&mut access))) {
                     Ok(result) => result,
                     Err(payload) => Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) }),
                 }
             })();
-            DeviceState::mark_outputs(stream, &out_refs, &result);
+            DeviceState::mark_outputs(stream, out_refs.iter().copied(), &result);
         })
     }
     /// Like [`Client::submit_buffers`], but the task always runs: when an
@@ -174,14 +174,14 @@ impl Client {
             let out_refs: Vec<&Handle> = outputs.iter().collect();
             let in_refs: Vec<&Handle> = inputs.iter().collect();
             let prepared = (|| {
-                if let Some(err) = DeviceState::poisoned_input(&in_refs, &operation) {
+                if let Some(err) = DeviceState::poisoned_input(in_refs.iter().copied(), &operation) {
                     return Err(err);
                 }
                 let mut bindings = Vec::with_capacity(all.len());
                 for handle in &all {
                     bindings.push(state.binding(handle)?);
                 }
-                state.order_after_writers(stream, &all)?;
+                state.order_after_writers(stream, all.iter().copied())?;
                 Ok(bindings)
             })();
             let run = std::panic::AssertUnwindSafe(|| match prepared {
@@ -201,7 +201,7 @@ impl Client {
                         .unwrap_or_default(),
                 })
             });
-            DeviceState::mark_outputs(stream, &out_refs, &result);
+            DeviceState::mark_outputs(stream, out_refs.iter().copied(), &result);
         })
     }
 }

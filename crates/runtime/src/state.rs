@@ -105,6 +105,8 @@ pub(crate) struct DeviceState {
     pub next_profile: u64,
     pub graphs: HashMap<u64, Box<dyn Any>>,
     pub next_graph: u64,
+    /// Reused by every launch for its resolved bindings.
+    scratch_bindings: Vec<Binding>,
 }
 
 impl DeviceState {
@@ -120,6 +122,7 @@ impl DeviceState {
             next_profile: 0,
             graphs: HashMap::new(),
             next_graph: 0,
+            scratch_bindings: Vec::new(),
         }
     }
 
@@ -184,7 +187,11 @@ impl DeviceState {
 
     /// Orders `stream` after the last writer of each handle, with a fence per
     /// other stream (never a device-wide sync).
-    pub fn order_after_writers(&mut self, stream: StreamId, handles: &[&Handle]) -> Result<(), ServerError> {
+    pub fn order_after_writers<'h>(
+        &mut self,
+        stream: StreamId,
+        handles: impl IntoIterator<Item = &'h Handle>,
+    ) -> Result<(), ServerError> {
         let mut waited: Vec<StreamId> = Vec::new();
         for handle in handles {
             let writer = handle.last_writer();
@@ -200,8 +207,8 @@ impl DeviceState {
     /// The first error marked on any of `inputs`, wrapped to say which
     /// operation it stopped. The cause is always the root failure, so a chain of dependent
     /// launches reports the original error once, not wrapped per step.
-    pub fn poisoned_input(inputs: &[&Handle], operation: &str) -> Option<ServerError> {
-        inputs.iter().find_map(|h| h.error()).map(|cause| ServerError::Poisoned {
+    pub fn poisoned_input<'h>(inputs: impl IntoIterator<Item = &'h Handle>, operation: &str) -> Option<ServerError> {
+        inputs.into_iter().find_map(|h| h.error()).map(|cause| ServerError::Poisoned {
             operation: operation.to_string(),
             cause: Arc::new(cause.root_cause().clone()),
         })
@@ -209,7 +216,11 @@ impl DeviceState {
 
     /// Records the outcome of an operation on the handles it should have
     /// written: the error, or (on success) a clean mark and the new writer.
-    pub fn mark_outputs(stream: StreamId, outputs: &[&Handle], result: &Result<(), ServerError>) {
+    pub fn mark_outputs<'h>(
+        stream: StreamId,
+        outputs: impl IntoIterator<Item = &'h Handle>,
+        result: &Result<(), ServerError>,
+    ) {
         for handle in outputs {
             match result {
                 Ok(()) => {
@@ -241,10 +252,10 @@ impl DeviceState {
                 )));
             }
             let binding = self.binding(handle)?;
-            self.order_after_writers(stream, &[handle])?;
+            self.order_after_writers(stream, [handle])?;
             self.backend.write(stream, binding, data)
         })();
-        Self::mark_outputs(stream, &[handle], &result);
+        Self::mark_outputs(stream, [handle], &result);
         result
     }
 
@@ -261,14 +272,15 @@ impl DeviceState {
     }
 
     pub fn launch_now(&mut self, stream: StreamId, launch: &RecordedLaunch) -> Result<(), ServerError> {
-        let outputs: Vec<&Handle> = launch.buffers.iter().collect();
+        let outputs = &launch.buffers;
+        let mut bindings = std::mem::take(&mut self.scratch_bindings);
+        bindings.clear();
         let result = (|| {
             if outputs.iter().any(|h| h.error().is_some()) {
                 let operation = format!("launch of kernel `{}`", launch.kernel.name());
-                return Err(Self::poisoned_input(&outputs, &operation).expect("an input is marked"));
+                return Err(Self::poisoned_input(outputs, &operation).expect("an input is marked"));
             }
-            let mut bindings = Vec::with_capacity(outputs.len());
-            for handle in &outputs {
+            for handle in outputs {
                 bindings.push(self.binding(handle)?);
             }
             let grid = match &launch.grid {
@@ -280,7 +292,7 @@ impl DeviceState {
                             handle.size
                         )));
                     }
-                    self.order_after_writers(stream, &[handle])?;
+                    self.order_after_writers(stream, [handle])?;
                     ResolvedGrid::Dynamic(self.binding(handle)?)
                 }
             };
@@ -289,9 +301,12 @@ impl DeviceState {
                     return Ok(());
                 }
             }
-            self.order_after_writers(stream, &outputs)?;
+            self.order_after_writers(stream, outputs)?;
             self.stats.launches += 1;
             self.backend.launch(stream, &launch.kernel, grid, &bindings, &launch.scalars)?;
+            if !self.backend.faults_are_deferred() {
+                return Ok(());
+            }
             if let Some(state) = self.streams.get_mut(&stream) {
                 if state.unsynced.len() >= MAX_UNSYNCED {
                     state.unsynced.drain(..MAX_UNSYNCED / 2);
@@ -310,7 +325,8 @@ impl DeviceState {
                 reason: other.to_string(),
             },
         });
-        Self::mark_outputs(stream, &outputs, &result);
+        Self::mark_outputs(stream, outputs, &result);
+        self.scratch_bindings = bindings;
         result
     }
 
@@ -329,7 +345,7 @@ impl DeviceState {
         for handle in handles {
             bindings.push(self.binding(handle)?);
         }
-        self.order_after_writers(stream, &refs)?;
+        self.order_after_writers(stream, refs.iter().copied())?;
         let result = self.backend.read(stream, &bindings);
         self.drained(stream, result.as_ref().err());
         result

@@ -171,6 +171,14 @@ pub trait Backend: 'static {
         None
     }
 
+    /// Whether a launch can fail after it was queued (a device fault found at
+    /// the next sync, as on CUDA): the runtime then remembers each stream's
+    /// unsynced outputs to mark them. Backends that run or validate launches
+    /// when they are queued return `false` and skip that bookkeeping.
+    fn faults_are_deferred(&self) -> bool {
+        false
+    }
+
     /// Releases what the backend keeps for a stream that has no more work.
     fn release_stream(&mut self, _stream: StreamId) {}
 

@@ -69,9 +69,7 @@ impl Client {
         let stream = self.stream_id();
         let launch =
             RecordedLaunch { kernel: kernel.clone(), grid: count, buffers: args.buffers, scalars: args.scalars };
-        self.device().submit(stream, move |state| {
-            let _ = state.launch(stream, launch);
-        })
+        self.device().submit_launch(stream, launch)
     }
 
     /// Prepares this stream for a capture: its allocations go to the

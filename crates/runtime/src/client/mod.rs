@@ -187,7 +187,7 @@ impl Client {
         self.refuse_if_capturing("sync_buffers")?;
         self.device.run(stream, move |state| {
             let refs: Vec<&Handle> = handles.iter().collect();
-            state.order_after_writers(stream, &refs)?;
+            state.order_after_writers(stream, refs.iter().copied())?;
             state.backend_sync(stream)?;
             match refs.iter().find_map(|h| h.error()) {
                 Some(err) => Err(err),

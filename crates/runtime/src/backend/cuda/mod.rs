@@ -487,6 +487,11 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn faults_are_deferred(&self) -> bool {
+        // A kernel's illegal access surfaces at the next sync.
+        true
+    }
+
     fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
         Some(self)
     }
