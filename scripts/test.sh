@@ -48,6 +48,9 @@ cargo test --workspace --all-targets
 log "cohort-comm with the mpi feature (rsmpi over Open MPI)"
 cargo test -p cohort-comm --features mpi --all-targets
 
+log "the collective suite under mpirun over the MPI transport"
+cargo test -p cohort-launch --features mpi --test communicator_mpi
+
 log "doc tests"
 cargo test --workspace --doc
 

@@ -26,7 +26,7 @@ mod order;
 pub mod trace;
 pub mod verify;
 
-pub use communicator::{Communicator, ConnectError};
+pub use communicator::{job_heartbeat_key, Communicator, ConnectError, HEARTBEAT_PERIOD};
 pub use device::Transport;
 pub use error::CommError;
 pub use group::{to_client, ClientGroup, DEFAULT_STAGE_CHUNK};

@@ -30,6 +30,36 @@ pub enum Command {
     ///
     /// Example: cohort peers --backend cuda --mib 256
     Peers(PeersArgs),
+    /// Merge the ranks' flight-recorder dumps (rank<N>.json, written on a
+    /// timeout, an abort, a mismatch, SIGUSR1 or request) and point at the
+    /// first collective that not every rank finished.
+    ///
+    /// Example: cohort trace ./cohort-trace
+    Trace(TraceArgs),
+    /// Serve a rendezvous store (secret from COHORT_JOB_SECRET) for jobs
+    /// that `cohort run --store-addr` or other launchers start.
+    ///
+    /// Example: COHORT_JOB_SECRET=s cohort store --port 29400
+    Store(StoreArgs),
+}
+
+/// Options of `cohort trace`.
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// Folders of dumps (every *.json in them) or dump files.
+    #[arg(required = true, value_name = "DIR|FILE")]
+    pub paths: Vec<PathBuf>,
+}
+
+/// Options of `cohort store`.
+#[derive(Debug, Args)]
+pub struct StoreArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on; 0 picks a free one (printed on stdout).
+    #[arg(long, default_value_t = 29500)]
+    pub port: u16,
 }
 
 /// Options of `cohort peers`.
@@ -122,6 +152,23 @@ pub struct RunArgs {
     /// ranks as COHORT_TIMEOUT, the default timeout of their collectives).
     #[arg(long, value_name = "SECONDS")]
     pub timeout: Option<f64>,
+
+    /// Where ranks write their flight recorders (COHORT_TRACE_DIR): default
+    /// <log-dir>/trace with --log-dir, else ./cohort-trace. Cleared of
+    /// rank<N>.json at each attempt's start; merged into the failure summary.
+    #[arg(long, value_name = "DIR")]
+    pub trace_dir: Option<PathBuf>,
+
+    /// Stop the job when a rank's heartbeat (written every second by its
+    /// Communicator, even while it waits in a collective) stops for this many
+    /// seconds: a stopped or frozen process. 0 turns the watchdog off.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    pub heartbeat_timeout: f64,
+
+    /// Use the rendezvous store at HOST:PORT (e.g. `cohort store`) instead of
+    /// serving one on node 0.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub store_addr: Option<String>,
 
     /// The program to run as every rank, and its arguments.
     #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]")]

@@ -56,6 +56,12 @@ pub enum LaunchError {
         /// Ranks on this node.
         nproc: usize,
     },
+    /// `--heartbeat-timeout` is not a number of seconds.
+    #[error("--heartbeat-timeout {0} is not a number of seconds (0 turns the watchdog off)")]
+    BadHeartbeat(f64),
+    /// `--store-addr` is not `host:port`, or has no secret to prove.
+    #[error("--store-addr {0}")]
+    BadStoreAddr(String),
     /// `--timeout` is not a positive number of seconds.
     #[error("--timeout {0} is not a positive number of seconds")]
     BadTimeout(f64),
@@ -105,6 +111,12 @@ pub struct JobConfig {
     pub timeout: Option<Duration>,
     /// The program and its arguments.
     pub program: Vec<OsString>,
+    /// Where ranks write their flight recorders (COHORT_TRACE_DIR).
+    pub trace_dir: PathBuf,
+    /// A rank silent this long is stopped (`None`: no watchdog).
+    pub heartbeat_timeout: Option<Duration>,
+    /// A store served elsewhere (`--store-addr`): node 0 serves none.
+    pub external_store: bool,
 }
 
 impl JobConfig {
@@ -132,13 +144,42 @@ impl JobConfig {
             Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
             Some(t) => return Err(LaunchError::BadTimeout(t)),
         };
-        let secret = resolve_secret(std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty()), args.nnodes)?;
+        let env_secret = std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty());
+        let (mut master_addr, mut master_port) = (args.master_addr, args.master_port);
+        if let Some(addr) = &args.store_addr {
+            let (host, port) = addr.rsplit_once(':').ok_or_else(|| {
+                LaunchError::BadStoreAddr(format!("'{addr}' is not HOST:PORT (e.g. 127.0.0.1:29400)"))
+            })?;
+            master_port = port.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
+                LaunchError::BadStoreAddr(format!("'{addr}': '{port}' is not a port number (1-65535)"))
+            })?;
+            master_addr = host.trim_start_matches('[').trim_end_matches(']').to_string();
+            if env_secret.is_none() {
+                return Err(LaunchError::BadStoreAddr(format!(
+                    "{addr} needs the secret that store was started with: export {SECRET_ENV} before `cohort run`"
+                )));
+            }
+        }
+        let heartbeat_timeout = match args.heartbeat_timeout {
+            0.0 => None,
+            t if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
+            t => return Err(LaunchError::BadHeartbeat(t)),
+        };
+        let trace_dir = args.trace_dir.unwrap_or_else(|| match &args.log_dir {
+            Some(dir) => dir.join("trace"),
+            None => PathBuf::from("cohort-trace"),
+        });
+        let trace_dir = std::env::current_dir().map(|cwd| cwd.join(&trace_dir)).unwrap_or(trace_dir);
+        let secret = resolve_secret(env_secret, args.nnodes)?;
         Ok(JobConfig {
             nproc,
             nnodes: args.nnodes,
             node_rank: args.node_rank,
-            master_addr: args.master_addr,
-            master_port: args.master_port,
+            master_addr,
+            master_port,
+            trace_dir,
+            heartbeat_timeout,
+            external_store: args.store_addr.is_some(),
             secret,
             max_restarts: args.max_restarts,
             log_dir: args.log_dir,
@@ -241,6 +282,9 @@ mod tests {
             filter: None,
             timeout: None,
             program: vec![],
+            trace_dir: PathBuf::from("t"),
+            heartbeat_timeout: None,
+            external_store: false,
         };
         assert_eq!(c.store_addr(5), "[::1]:5");
         c.master_addr = "node0".into();

@@ -1,6 +1,7 @@
 //! `cohort`: launch and watch the ranks of a job (`cohort run`), like
 //! torchrun; list devices (`cohort devices`) and their peer access and copy
-//! bandwidth (`cohort peers`).
+//! bandwidth (`cohort peers`); merge the ranks' flight recorders (`cohort
+//! trace`); serve a rendezvous store (`cohort store`).
 //!
 //! Logs go to stderr through `tracing`, filtered by `COHORT_LOG` (falling
 //! back to `RUST_LOG`; default `warn`).
@@ -15,6 +16,8 @@ mod signals;
 mod spawn;
 mod summary;
 mod supervisor;
+mod trace;
+mod watchdog;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -37,5 +40,7 @@ fn main() -> ExitCode {
         cli::Command::Run(args) => run::run(args),
         cli::Command::Devices => devices::devices(),
         cli::Command::Peers(args) => devices::peers(args),
+        cli::Command::Trace(args) => trace::trace(args),
+        cli::Command::Store(args) => trace::store(args),
     }
 }

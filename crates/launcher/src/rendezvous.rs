@@ -53,7 +53,7 @@ impl Rendezvous {
     /// Serves the store (node 0) or finds it (other nodes), and registers this
     /// node. Waits for node 0's store up to the rendezvous limit.
     pub fn start(cfg: &JobConfig, deadline: Option<Instant>) -> Result<Self, LaunchError> {
-        let (server, port) = if cfg.node_rank == 0 {
+        let (server, port) = if cfg.node_rank == 0 && !cfg.external_store {
             let bind_addr = cfg.store_addr(cfg.master_port);
             let server = StoreServer::bind(bind_addr.as_str(), &cfg.secret)?;
             let port = server.local_addr().port();
@@ -80,6 +80,11 @@ impl Rendezvous {
             )));
         }
         Ok(me)
+    }
+
+    /// This launcher's connection to the store.
+    pub fn store(&self) -> &StoreClient {
+        &self.client
     }
 
     /// The port of the store (the real one where `--master-port 0` was given).

@@ -12,6 +12,7 @@ use crate::signals;
 use crate::spawn::RankEnv;
 use crate::summary::{signal_name, Verdict};
 use crate::supervisor::{self, Event, Outcome};
+use crate::{trace, watchdog};
 
 /// Exit code when the job ran past `--timeout` (as timeout(1) uses).
 pub const TIMEOUT_EXIT: u8 = 124;
@@ -45,9 +46,14 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     let mut attempt = 0;
     loop {
         rdzv.begin(&cfg, attempt, tx.clone())?;
+        trace::clear_dumps(&cfg.trace_dir);
         let env = RankEnv::new(&cfg, rdzv.port(), attempt);
+        let ranks = (0..cfg.nproc).map(|l| (RankEnv::global_rank(&cfg, l), l)).collect();
+        let dog =
+            cfg.heartbeat_timeout.and_then(|limit| watchdog::start(rdzv.store(), ranks, attempt, limit, tx.clone()));
         signals::set_supervising(true);
         let outcome = supervisor::run_attempt(&cfg, &env, attempt, (&tx, &rx), deadline);
+        drop(dog);
         let verdict = settle(&rdzv, &cfg, attempt, outcome, &rx, deadline);
         signals::set_supervising(false);
         match verdict {
@@ -57,13 +63,20 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
                 return Ok(0);
             }
             Verdict::Failed { restartable, exit_code, summary } => {
+                let recorded = trace::report(&cfg.trace_dir);
                 if restartable && attempt < cfg.max_restarts {
                     eprintln!("cohort: {summary}");
+                    if let Some(r) = &recorded {
+                        eprintln!("cohort: {r}");
+                    }
                     attempt += 1;
                     eprintln!("cohort: restarting the whole group (restart {attempt} of {})", cfg.max_restarts);
                     continue;
                 }
                 eprintln!("cohort: job failed: {summary}");
+                if let Some(r) = &recorded {
+                    eprintln!("cohort: {r}");
+                }
                 if restartable && cfg.max_restarts > 0 {
                     eprintln!("cohort: all {} restarts used", cfg.max_restarts);
                 }
@@ -95,6 +108,9 @@ fn settle(
         }
         Outcome::Failed(f) => {
             Some(Verdict::Failed { restartable: true, exit_code: f.ending.launcher_code(), summary: f.summary() })
+        }
+        Outcome::Unresponsive(f, silent) => {
+            Some(Verdict::Failed { restartable: true, exit_code: 1, summary: f.unresponsive_summary(silent) })
         }
         Outcome::Interrupted(sig) => Some(interrupted(sig, node)),
         Outcome::TimedOut(running) => Some(timed_out(cfg, &running)),
@@ -163,7 +179,9 @@ fn lost_store(why: String) -> Verdict {
     Verdict::Failed {
         restartable: false,
         exit_code: 1,
-        summary: format!("lost contact with the other launchers through the store: {why}"),
+        summary: format!(
+            "lost the rendezvous store, and with it contact with the other launchers: {why}; the ranks were stopped"
+        ),
     }
 }
 

@@ -28,6 +28,7 @@ impl RankEnv {
             ("COHORT_STORE_ADDR", cfg.store_addr(store_port)),
             ("COHORT_RESTART_COUNT", restart.to_string()),
             ("COHORT_NNODES", cfg.nnodes.to_string()),
+            ("COHORT_TRACE_DIR", cfg.trace_dir.to_string_lossy().into_owned()),
         ];
         if let Some(t) = cfg.timeout {
             vars.push(("COHORT_TIMEOUT", t.as_secs_f64().to_string()));

@@ -127,6 +127,28 @@ impl Failure {
     }
 }
 
+impl Failure {
+    /// The summary when this rank stopped heartbeating for `silent` and
+    /// was killed.
+    pub fn unresponsive_summary(&self, silent: Duration) -> String {
+        let mut s = format!(
+            "rank {} stopped answering: no heartbeat for {:.1} s after {:.2} s (local rank {} on node {}, pid {}: \
+             stopped with SIGSTOP, frozen in a debugger, or hung in the kernel?); it was killed and the other ranks \
+             were stopped; --heartbeat-timeout sets the limit",
+            self.rank,
+            silent.as_secs_f64(),
+            self.after.as_secs_f64(),
+            self.local_rank,
+            self.node_rank,
+            self.pid,
+        );
+        for line in &self.tail {
+            let _ = write!(s, "\n    [rank {}]: {line}", self.rank);
+        }
+        s
+    }
+}
+
 /// How the job went, as every launcher agrees on it through the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {

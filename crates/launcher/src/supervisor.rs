@@ -18,6 +18,9 @@ pub const STOP_GRACE: Duration = Duration::from_secs(3);
 /// Time ranks get to exit after a forwarded SIGINT/SIGTERM/SIGHUP before
 /// SIGKILL (a second signal kills at once).
 pub const SIGNAL_GRACE: Duration = Duration::from_secs(30);
+/// Time ranks that heartbeat get to write their flight recorders (asked
+/// with SIGUSR1) before the launcher stops them.
+pub const DUMP_GRACE: Duration = Duration::from_millis(500);
 /// How long to wait for the last output of exited ranks (held open by
 /// processes that escaped their group, if any).
 const DRAIN_LIMIT: Duration = Duration::from_secs(2);
@@ -36,6 +39,23 @@ pub enum Event {
     },
     /// The launcher received this signal.
     Signal(libc::c_int),
+    /// A rank of `attempt` sent its first heartbeat (it runs a
+    /// Communicator, which writes its flight recorder on SIGUSR1).
+    Beating {
+        /// The attempt the rank belongs to.
+        attempt: u32,
+        /// Its local rank.
+        local_rank: usize,
+    },
+    /// A rank of `attempt` stopped heartbeating for `silent`.
+    Silent {
+        /// The attempt the rank belongs to.
+        attempt: u32,
+        /// Its local rank.
+        local_rank: usize,
+        /// How long it has been silent.
+        silent: Duration,
+    },
     /// The job's verdict for `attempt` appeared in the store (`Err`: the
     /// store could not be asked, with why).
     Verdict {
@@ -59,6 +79,9 @@ pub enum Outcome {
     TimedOut(Vec<usize>),
     /// A local rank could not be started.
     SpawnFailed(String),
+    /// A local rank stopped heartbeating (stopped, frozen); it was killed
+    /// and the others stopped. `ending` says how it ended.
+    Unresponsive(Failure, Duration),
     /// The job's verdict arrived from the store before the ranks were done
     /// (another node failed, or the store went away): the ranks were stopped.
     Verdict(Result<Vec<u8>, String>),
@@ -71,6 +94,8 @@ struct RankProc {
     started: Instant,
     ended: Option<(Ending, Instant)>,
     tail: Tail,
+    /// It heartbeats: it handles SIGUSR1 by writing its flight recorder.
+    beating: bool,
 }
 
 /// Spawns the node's ranks for `attempt` and returns once every one of them
@@ -102,6 +127,7 @@ pub fn run_attempt(
     }
     drop(done_tx);
     let mut kill_at = None;
+    let mut term_at = None;
     if reason.is_some() {
         signal_live(&ranks, libc::SIGTERM);
         kill_at = Some(Instant::now() + STOP_GRACE);
@@ -110,10 +136,7 @@ pub fn run_attempt(
     let mut live = ranks.len();
     let mut verdict_seen = None;
     while live > 0 {
-        let wake = match (kill_at, reason.is_none().then_some(deadline).flatten()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let wake = [kill_at, term_at, reason.is_none().then_some(deadline).flatten()].into_iter().flatten().min();
         let event = match wake {
             Some(t) => rx.recv_deadline(t),
             None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
@@ -125,11 +148,14 @@ pub fn run_attempt(
                 if kill_at.is_some_and(|k| now >= k) {
                     signal_live(&ranks, libc::SIGKILL);
                     kill_at = None;
+                } else if term_at.is_some_and(|t| now >= t) {
+                    signal_live(&ranks, libc::SIGTERM);
+                    term_at = None;
+                    kill_at = Some(now + STOP_GRACE);
                 } else if reason.is_none() && deadline.is_some_and(|d| now >= d) {
                     let running = ranks.iter().filter(|r| r.ended.is_none()).map(|r| r.rank);
                     reason = Some(Reason::TimedOut(running.collect()));
-                    signal_live(&ranks, libc::SIGTERM);
-                    kill_at = Some(now + STOP_GRACE);
+                    term_at = Some(ask_dumps(&ranks, now));
                 }
             }
             Ok(Event::Exited { attempt: a, local_rank, status }) if a == attempt => {
@@ -140,11 +166,26 @@ pub fn run_attempt(
                 tracing::debug!(rank = p.rank, %ending, "rank ended");
                 if !ending.success() && reason.is_none() {
                     reason = Some(Reason::Failed(local_rank));
-                    signal_live(&ranks, libc::SIGTERM);
-                    kill_at = Some(now + STOP_GRACE);
+                    term_at = Some(ask_dumps(&ranks, now));
                 }
             }
             Ok(Event::Exited { .. }) => {}
+            Ok(Event::Beating { attempt: a, local_rank }) if a == attempt => ranks[local_rank].beating = true,
+            Ok(Event::Silent { attempt: a, local_rank, silent }) if a == attempt => {
+                let p = &ranks[local_rank];
+                if reason.is_none() && p.ended.is_none() {
+                    eprintln!(
+                        "cohort: rank {} sent no heartbeat for {:.1} s (stopped or frozen?): stopping the job",
+                        p.rank,
+                        silent.as_secs_f64()
+                    );
+                    reason = Some(Reason::Unresponsive(local_rank, silent));
+                    // It cannot write its recorder nor handle SIGTERM.
+                    kill_group(p.pid, libc::SIGKILL);
+                    term_at = Some(ask_dumps(&ranks, now));
+                }
+            }
+            Ok(Event::Beating { .. } | Event::Silent { .. }) => {}
             Ok(Event::Signal(sig)) => {
                 if matches!(reason, None | Some(Reason::TimedOut(_))) {
                     eprintln!(
@@ -153,6 +194,7 @@ pub fn run_attempt(
                     );
                     reason = Some(Reason::Interrupted(sig));
                     signal_live(&ranks, sig);
+                    term_at = None;
                     kill_at = Some(now + SIGNAL_GRACE);
                 } else {
                     signal_live(&ranks, libc::SIGKILL);
@@ -162,8 +204,7 @@ pub fn run_attempt(
             Ok(Event::Verdict { attempt: a, result }) if a == attempt => {
                 if reason.is_none() {
                     reason = Some(Reason::Verdict);
-                    signal_live(&ranks, libc::SIGTERM);
-                    kill_at = Some(now + STOP_GRACE);
+                    term_at = Some(ask_dumps(&ranks, now));
                 }
                 verdict_seen = Some(result);
             }
@@ -180,19 +221,8 @@ pub fn run_attempt(
 
     match reason {
         None => Outcome::Success,
-        Some(Reason::Failed(local)) => {
-            let p = &ranks[local];
-            let (ending, at) = p.ended.expect("a failed rank has ended");
-            Outcome::Failed(Failure {
-                rank: p.rank,
-                local_rank: p.local_rank,
-                node_rank: cfg.node_rank,
-                pid: p.pid,
-                ending,
-                after: at - p.started,
-                tail: p.tail.lines(),
-            })
-        }
+        Some(Reason::Failed(local)) => Outcome::Failed(failure(cfg, &ranks[local])),
+        Some(Reason::Unresponsive(local, silent)) => Outcome::Unresponsive(failure(cfg, &ranks[local]), silent),
         Some(Reason::Interrupted(sig)) => Outcome::Interrupted(sig),
         Some(Reason::TimedOut(running)) => Outcome::TimedOut(running),
         Some(Reason::SpawnFailed(msg)) => Outcome::SpawnFailed(msg),
@@ -200,9 +230,41 @@ pub fn run_attempt(
     }
 }
 
+fn failure(cfg: &JobConfig, p: &RankProc) -> Failure {
+    let (ending, at) = p.ended.expect("a failed rank has ended");
+    Failure {
+        rank: p.rank,
+        local_rank: p.local_rank,
+        node_rank: cfg.node_rank,
+        pid: p.pid,
+        ending,
+        after: at - p.started,
+        tail: p.tail.lines(),
+    }
+}
+
+/// Asks every live rank that heartbeats to write its flight recorder
+/// (SIGUSR1, to the rank's process only) and returns when to stop them; at
+/// once where none does.
+fn ask_dumps(ranks: &[RankProc], now: Instant) -> Instant {
+    let mut asked = false;
+    for p in ranks.iter().filter(|p| p.ended.is_none() && p.beating) {
+        // SAFETY: kill(2) has no memory-safety preconditions; the pid is a
+        // rank we spawned and have not reaped (it has not ended).
+        unsafe { libc::kill(p.pid as libc::pid_t, libc::SIGUSR1) };
+        asked = true;
+    }
+    if asked {
+        now + DUMP_GRACE
+    } else {
+        now
+    }
+}
+
 /// Why the attempt is being stopped.
 enum Reason {
     Failed(usize),
+    Unresponsive(usize, Duration),
     Interrupted(libc::c_int),
     TimedOut(Vec<usize>),
     SpawnFailed(String),
@@ -251,13 +313,18 @@ fn start_rank(
         kill_group(pid, libc::SIGKILL);
         return Err(format!("cannot start the threads that watch rank {rank}: {e}"));
     }
-    Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail })
+    Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail, beating: false })
 }
 
-/// Sends `sig` to the process group of every rank still running.
+/// Sends `sig` to the process group of every rank still running; a
+/// SIGTERM is followed by SIGCONT, so a stopped rank (SIGSTOP, Ctrl-Z) acts
+/// on it at once instead of at the SIGKILL.
 fn signal_live(ranks: &[RankProc], sig: libc::c_int) {
     for p in ranks.iter().filter(|p| p.ended.is_none()) {
         kill_group(p.pid, sig);
+        if sig == libc::SIGTERM {
+            kill_group(p.pid, libc::SIGCONT);
+        }
     }
 }
 

@@ -5,13 +5,12 @@
 //! `ClientGroup` allows it (all-reduce, reduce at the root, broadcast at the
 //! root, all-to-all); other overlaps are copied first.
 
-use std::sync::Arc;
-
 use cohort_runtime::Handle;
 
 use super::fingerprint::{Call, Fingerprint};
 use super::local::Meeting;
-use super::plans::{self, Job};
+use super::nccl::Pending;
+use super::plans::Job;
 use super::Communicator;
 use crate::error::CommError;
 use crate::ops::{DType, ReduceOp};
@@ -122,7 +121,7 @@ impl Communicator {
         job: Job,
         inputs: Vec<Option<Handle>>,
         outputs: Vec<Option<Handle>>,
-    ) -> Result<Arc<Meeting>, CommError> {
+    ) -> Result<Pending, CommError> {
         let name = call.name();
         for (slot, client) in self.clients().iter().enumerate() {
             if client.is_capturing() {
@@ -145,8 +144,14 @@ impl Communicator {
             _ => root,
         };
         let fp = Fingerprint { seq, call, op, dtype, count: count as u64, root: root.map(|r| r as u32) };
+        if let Some(nccl) = self.inner.nccl.as_ref().filter(|n| n.takes(&job, &inputs, &outputs)) {
+            let meeting = nccl.launch(&self.inner.world, fp, job, self.timeout(), inputs, outputs);
+            drop((issued, order));
+            return meeting.map(Pending::Nccl);
+        }
         let world = self.inner.world.clone();
-        let plan = Box::new(move |views| plans::run(&mut world.lock(), fp, job, views));
+        let tracker = self.inner.observer.queued(fp, job);
+        let plan = Box::new(move |views| tracker.run(&mut world.lock(), views));
         let devices = self.clients().iter().map(|c| c.device_id()).collect();
         let meeting = Meeting::new(name, devices, self.timeout(), plan);
         let mut failed = None;
@@ -170,7 +175,7 @@ impl Communicator {
         drop(order);
         match failed {
             Some(err) => Err(err),
-            None => Ok(meeting),
+            None => Ok(Pending::Host(meeting)),
         }
     }
 

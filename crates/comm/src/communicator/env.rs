@@ -57,6 +57,14 @@ pub(crate) fn resolve() -> Result<Found, ConnectError> {
         })?;
         return Ok(Found { rank, world_size, store_addr, secret, server: None });
     }
+    if env.source == LaunchSource::Torchrun && env.master_addr.is_none() {
+        return Err(ConnectError::Config(
+            "MASTER_ADDR is missing: RANK and WORLD_SIZE are set (torchrun-style) but nothing names the host of \
+             the rendezvous store; set MASTER_ADDR (and MASTER_PORT) to rank 0's host on every rank, or start the \
+             job with `cohort run`"
+                .into(),
+        ));
+    }
     let job = job_id();
     let host = env.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
     let port = env.master_port.unwrap_or_else(|| derived_port(job.as_deref()));

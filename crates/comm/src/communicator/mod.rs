@@ -20,6 +20,25 @@
 //! runs on one node, one is derived from the job id and a warning says it is
 //! weak (anyone on the node who can read the job id can join); across nodes
 //! `COHORT_JOB_SECRET` is required.
+//!
+//! # Transports
+//! - **Host links** (every backend): shared memory between the ranks of one
+//!   node, TCP across nodes, under ring and recursive halving-doubling.
+//! - **MPI** (the `mpi` feature): when the process was started by `mpirun`
+//!   (`OMPI_COMM_WORLD_RANK` is set) or `COHORT_TRANSPORT=mpi`,
+//!   [`Communicator::from_env`] forms the ranks from `MPI_COMM_WORLD` and the
+//!   host links are MPI point-to-point messages (`MPI_Isend`/`MPI_Irecv` on a
+//!   duplicate of `MPI_COMM_WORLD`) under the same ring and halving-doubling
+//!   algorithms, not MPI's own collectives. No `MASTER_ADDR`, `MASTER_PORT`
+//!   or `COHORT_JOB_SECRET` is needed then: rank 0 serves the store (aborts,
+//!   heartbeats, timeouts naming ranks) on a free port under a random secret
+//!   and hands both to the others with `MPI_Bcast`. `COHORT_TRANSPORT=host`
+//!   keeps shared memory and TCP under `mpirun`.
+//! - **NCCL** (CUDA): when every local device of every rank is CUDA and
+//!   libnccl loads, the collectives run device to device on one NCCL
+//!   communicator over every member, its id shared through the store; see
+//!   [`Communicator::transport`]. The host links still carry each call's
+//!   fingerprint check (and, with several devices per rank, `send`/`recv`).
 
 mod algo;
 mod api;
@@ -27,11 +46,14 @@ mod env;
 mod error;
 mod fingerprint;
 mod local;
+mod nccl;
+mod observe;
 mod plans;
 mod setup;
 mod world;
 
 pub use error::ConnectError;
+pub use observe::{job_heartbeat_key, HEARTBEAT_PERIOD};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,12 +92,24 @@ struct Inner {
     rank: usize,
     size: usize,
     clients: Vec<Client>,
-    timeout: Duration,
+    timeout: Mutex<Duration>,
     world: Arc<Mutex<World>>,
+    /// Heartbeat, flight recorder and timeline hooks.
+    observer: observe::Observer,
+    /// The NCCL side, when every rank's devices can take it.
+    nccl: Option<Arc<nccl::Nccl>>,
     /// Sequence number of the last collective issued; held while queueing.
     issued: Mutex<u64>,
     /// The store rank 0 serves when no launcher does (kept alive with it).
     _server: Option<StoreServer>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(nccl) = &self.nccl {
+            nccl.release();
+        }
+    }
 }
 
 impl std::fmt::Debug for Communicator {
@@ -100,7 +134,7 @@ impl Communicator {
         secret: &str,
         clients: Vec<Client>,
     ) -> Result<Communicator, ConnectError> {
-        Self::connect_inner(rank, world_size, store_addr, secret, clients, None)
+        Self::connect_inner(rank, world_size, store_addr, secret, clients, None, None)
     }
 
     fn connect_inner(
@@ -110,6 +144,7 @@ impl Communicator {
         secret: &str,
         clients: Vec<Client>,
         server: Option<StoreServer>,
+        given: Option<Vec<Option<Box<dyn crate::transport::Link>>>>,
     ) -> Result<Communicator, ConnectError> {
         if rank >= world_size {
             return Err(ConnectError::Config(format!("rank {rank} is not below the world size {world_size}")));
@@ -117,14 +152,22 @@ impl Communicator {
         api::check_clients(&clients)?;
         let timeout = default_timeout();
         let store = StoreClient::connect(store_addr, secret, timeout)?;
-        let world = setup::form(store, rank, world_size, clients.len(), timeout)?;
+        let world = match given {
+            #[cfg(feature = "mpi")]
+            Some(links) => setup::form_with_links(store, rank, world_size, clients.len(), timeout, links)?,
+            _ => setup::form(store, rank, world_size, clients.len(), timeout)?,
+        };
+        let observer = observe::Observer::start(&world)?;
+        let nccl = nccl::setup(&world, &clients)?;
         Ok(Communicator {
             inner: Arc::new(Inner {
                 rank,
                 size: world_size,
                 clients,
-                timeout,
+                timeout: Mutex::new(timeout),
                 world: Arc::new(Mutex::new(world)),
+                observer,
+                nccl,
                 issued: Mutex::new(0),
                 _server: server,
             }),
@@ -136,9 +179,54 @@ impl Communicator {
     /// [`LaunchEnv`](crate::launch_env::LaunchEnv)), with `clients` as this
     /// process's devices. See the module docs for jobs without `cohort run`.
     /// Waits as [`Communicator::connect`] does.
+    ///
+    /// Under `mpirun` with the `mpi` feature (or `COHORT_TRANSPORT=mpi`) this
+    /// is [`Communicator::from_mpi`]; see the module docs' transports.
     pub fn from_env(clients: Vec<Client>) -> Result<Communicator, ConnectError> {
+        let mpi = setup::mpi_wanted()?;
+        #[cfg(feature = "mpi")]
+        if mpi {
+            return Self::from_mpi(clients);
+        }
+        #[cfg(not(feature = "mpi"))]
+        let _ = mpi;
         let found = env::resolve()?;
-        Self::connect_inner(found.rank, found.world_size, &found.store_addr, &found.secret, clients, found.server)
+        let (rank, size, addr, secret) = (found.rank, found.world_size, &found.store_addr, &found.secret);
+        Self::connect_inner(rank, size, addr, secret, clients, found.server, None)
+    }
+
+    /// Joins the `mpirun` job this process belongs to, with MPI as the host
+    /// transport: ranks are `MPI_COMM_WORLD`'s, links are MPI messages, and
+    /// rank 0's store is found through `MPI_Bcast` (see the module docs).
+    /// Initialises MPI (`MPI_THREAD_MULTIPLE`, finalised at exit) unless the
+    /// program did, which must then have asked for `MPI_THREAD_SERIALIZED` or
+    /// more. Collective: every rank calls it, in the same order as its other
+    /// communicators. Waits as [`Communicator::connect`] does.
+    #[cfg(feature = "mpi")]
+    pub fn from_mpi(clients: Vec<Client>) -> Result<Communicator, ConnectError> {
+        use crate::transport::mpi;
+        let setup = |e: std::io::Error| ConnectError::Setup(format!("MPI: {e}"));
+        let comm = mpi::Comm::world().map_err(setup)?;
+        let (rank, size) = comm.rank_size();
+        let (addr, secret, server) = mpi::rendezvous(&comm).map_err(setup)?;
+        let links = mpi::links(&comm).map_err(setup)?;
+        Self::connect_inner(rank, size, &addr, &secret, clients, server, Some(links))
+    }
+
+    /// How this communicator's collectives move bytes: [`Transport::Nccl`]
+    /// (device to device, CUDA), [`Transport::HostDirect`] (CPU memory) or
+    /// [`Transport::HostStaged`] (through host memory); between ranks, host
+    /// bytes travel as [`Communicator::transport_to`] says.
+    ///
+    /// [`Transport::Nccl`]: crate::Transport::Nccl
+    /// [`Transport::HostDirect`]: crate::Transport::HostDirect
+    /// [`Transport::HostStaged`]: crate::Transport::HostStaged
+    pub fn transport(&self) -> crate::Transport {
+        match (&self.inner.nccl, self.inner.clients[0].name()) {
+            (Some(_), _) => crate::Transport::Nccl,
+            (None, "cpu") => crate::Transport::HostDirect,
+            (None, _) => crate::Transport::HostStaged,
+        }
     }
 
     /// This process's rank.
@@ -169,10 +257,29 @@ impl Communicator {
     /// How long a collective waits for the other ranks before it fails
     /// (default 10 minutes, or `COHORT_TIMEOUT` seconds).
     pub fn timeout(&self) -> Duration {
-        self.inner.timeout
+        *self.inner.timeout.lock()
     }
 
-    /// How bytes reach `rank`: "shm", "tcp", or "self".
+    /// Sets how long later collectives wait for the other ranks before they
+    /// fail, name the ranks that never arrived and abort the communicator
+    /// (every clone shares it). Waits for the collective running now, if
+    /// any, to release the links. Every rank should set the same value.
+    pub fn set_timeout(&self, timeout: Duration) {
+        let timeout = timeout.max(Duration::from_millis(1));
+        self.inner.world.lock().timeout = timeout;
+        *self.inner.timeout.lock() = timeout;
+    }
+
+    /// Writes this process's flight recorder (its last collectives, with
+    /// their start, end and state) as JSON to `COHORT_TRACE_DIR` (default
+    /// `cohort-trace`) as `rank<R>.json`, and returns the path; merge the
+    /// ranks' files with `cohort trace <dir>`. It is also written on a
+    /// timeout, an abort, a mismatch and on SIGUSR1.
+    pub fn dump_flight_recorder(&self) -> std::io::Result<std::path::PathBuf> {
+        crate::trace::FlightRecorder::global().write_to(&crate::trace::trace_dir(), "request")
+    }
+
+    /// How host bytes reach `rank`: "shm", "tcp", "mpi", or "self".
     pub fn transport_to(&self, rank: usize) -> &'static str {
         self.inner.world.lock().link_kind(rank)
     }

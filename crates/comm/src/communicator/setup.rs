@@ -157,3 +157,57 @@ pub(crate) fn form(
     tracing::debug!(rank, size, local = local.len(), remote = remote.len(), "communicator links formed");
     Ok(World::new(rank, size, links, store, prefix, timeout))
 }
+
+/// Forms `rank`'s world over links made elsewhere (MPI's): registers in the
+/// store as [`form`] does (instance, local device count) and waits for every
+/// rank, up to `timeout`.
+#[cfg(feature = "mpi")]
+pub(crate) fn form_with_links(
+    store: StoreClient,
+    rank: usize,
+    size: usize,
+    devices: usize,
+    timeout: Duration,
+    links: Vec<Option<Box<dyn Link>>>,
+) -> Result<World, ConnectError> {
+    let deadline = Instant::now() + timeout;
+    let k = store.add(&format!("cohort/comm/instance/{rank}"), 1)?;
+    let prefix = format!("cohort/comm/{k}/");
+    store.set(&format!("{prefix}peer/{rank}"), devices.to_string().as_bytes())?;
+    let keys: Vec<String> = (0..size).map(|r| format!("{prefix}peer/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    store.wait(&refs, deadline.saturating_duration_since(Instant::now()))?;
+    for (r, key) in keys.iter().enumerate() {
+        let theirs = String::from_utf8_lossy(&store.get(key)?.unwrap_or_default()).parse::<usize>().ok();
+        if theirs != Some(devices) {
+            return Err(ConnectError::Setup(format!(
+                "rank {r} brings {theirs:?} local devices but rank {rank} brings {devices}: every rank of a \
+                 communicator must pass the same number of clients"
+            )));
+        }
+    }
+    store.barrier(&format!("{prefix}ready"), size as u32, deadline.saturating_duration_since(Instant::now()))?;
+    tracing::debug!(rank, size, "communicator links formed over MPI");
+    Ok(World::new(rank, size, links, store, prefix, timeout))
+}
+
+/// Whether [`Communicator::from_env`](super::Communicator::from_env) takes
+/// MPI: `COHORT_TRANSPORT=mpi` says yes, `host` (or `shm`, `tcp`) says no,
+/// and unset (or `auto`) means yes under `mpirun` (`OMPI_COMM_WORLD_RANK`)
+/// when the `mpi` feature is built.
+pub(crate) fn mpi_wanted() -> Result<bool, ConnectError> {
+    let choice = std::env::var("COHORT_TRANSPORT").unwrap_or_default().trim().to_ascii_lowercase();
+    match choice.as_str() {
+        "mpi" if cfg!(feature = "mpi") => Ok(true),
+        "mpi" => Err(ConnectError::Config(
+            "COHORT_TRANSPORT=mpi, but cohort-comm was built without its `mpi` feature: build with \
+             `--features cohort-comm/mpi` (Open MPI or MPICH and libclang installed) or unset COHORT_TRANSPORT"
+                .into(),
+        )),
+        "" | "auto" => Ok(cfg!(feature = "mpi") && std::env::var_os("OMPI_COMM_WORLD_RANK").is_some()),
+        "host" | "shm" | "tcp" => Ok(false),
+        other => {
+            Err(ConnectError::Config(format!("COHORT_TRANSPORT={other} is not a transport: use mpi, host or auto")))
+        }
+    }
+}

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use crate::store::StoreClient;
 use crate::transport::{back_off, exchange, peer_gone, Link, RecvOp, SendOp, Stop};
 
-use super::fingerprint::{Fingerprint, LEN};
+use super::fingerprint::{Call, Fingerprint, LEN};
+use super::observe::{gone_key, parse_progress, progress_key};
 
 /// How often a long-waiting rank looks for an abort.
 const ABORT_POLL: Duration = Duration::from_millis(200);
@@ -74,6 +75,16 @@ impl World {
         }
     }
 
+    /// Store key prefix of this communicator (`cohort/comm/<k>/`).
+    pub(crate) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The store this communicator was formed through.
+    pub(crate) fn store(&self) -> &StoreClient {
+        &self.store
+    }
+
     /// The transport to `peer` ("shm", "tcp"; "self" for this rank).
     pub(crate) fn link_kind(&self, peer: usize) -> &'static str {
         self.links[peer].as_ref().map_or("self", |l| l.kind())
@@ -109,7 +120,9 @@ impl World {
 
     /// Marks the communicator aborted and tells the other ranks (first
     /// abort wins in the store).
-    fn abort(&mut self, why: &str) {
+    pub(crate) fn abort(&mut self, why: &str) {
+        #[cfg(feature = "mpi")]
+        crate::transport::mpi::note_failure();
         if self.aborted.is_none() {
             self.aborted = Some(why.to_string());
             let key = format!("{}abort", self.prefix);
@@ -125,7 +138,21 @@ impl World {
         let (store, prefix) = (&self.store, &self.prefix);
         let mut noted = false;
         let mut last_poll = Instant::now();
+        // A peer whose process went away (its store will fired) fails the
+        // exchange once a later pass still got nothing from it: bytes it
+        // wrote before it died are read first.
+        let mut gone: Option<(usize, String)> = None;
         let mut idle = |passes: u64, waiting_on: &[usize]| -> Result<(), String> {
+            if let Some((peer, why)) = &gone {
+                if waiting_on.contains(peer) {
+                    return Err(format!(
+                        "{}: rank {peer} went away ({why}) while rank {rank} waited for its bytes; its process \
+                         exited, crashed or was killed (see the launcher's summary for how)",
+                        current.fp
+                    ));
+                }
+                gone = None;
+            }
             back_off(passes);
             if passes < 2048 || passes % 64 != 0 {
                 return Ok(());
@@ -150,6 +177,12 @@ impl World {
                         String::from_utf8_lossy(&why)
                     ));
                 }
+                for &peer in waiting_on {
+                    if let Ok(Some(why)) = store.get(&gone_key(prefix, peer)) {
+                        gone = Some((peer, String::from_utf8_lossy(&why).into_owned()));
+                        break;
+                    }
+                }
             }
             Ok(())
         };
@@ -173,7 +206,7 @@ impl World {
     ) -> Result<(), String> {
         let mine = fp.encode();
         let mut theirs = [0u8; LEN];
-        if to == self.rank && from == self.rank {
+        if (to == self.rank && from == self.rank) || !desync_check() {
             return Ok(());
         }
         let mut sends = [SendOp::new(to, &mine)];
@@ -195,7 +228,15 @@ impl World {
     }
 }
 
-fn arrival_key(prefix: &str, seq: u64, rank: usize) -> String {
+/// Whether collectives check fingerprints (`COHORT_DESYNC_CHECK=0` turns
+/// the check off, to measure what it costs; every rank must agree, since it
+/// changes what crosses the links).
+fn desync_check() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("COHORT_DESYNC_CHECK").map_or(true, |v| v.trim() != "0"))
+}
+
+pub(super) fn arrival_key(prefix: &str, seq: u64, rank: usize) -> String {
     format!("{prefix}arrived/{seq}/{rank}")
 }
 
@@ -210,19 +251,44 @@ fn timeout_message(
     waiting_on: &[usize],
 ) -> String {
     let _ = store.set(&arrival_key(prefix, current.fp.seq, rank), b"");
-    let missing: Vec<String> = (0..size)
-        .filter(|&r| r != rank)
-        .filter(|&r| !matches!(store.get(&arrival_key(prefix, current.fp.seq, r)), Ok(Some(_))))
-        .map(|r| r.to_string())
-        .collect();
+    let seq = current.fp.seq;
+    let mut missing: Vec<String> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    for r in (0..size).filter(|&r| r != rank) {
+        if matches!(store.get(&arrival_key(prefix, seq, r)), Ok(Some(_))) {
+            continue;
+        }
+        if let Ok(Some(why)) = store.get(&gone_key(prefix, r)) {
+            notes.push(format!("rank {r} went away ({})", String::from_utf8_lossy(&why)));
+            continue;
+        }
+        // Its heartbeat says how far it got (collectives only: send/recv
+        // count messages per peer).
+        let progress = match store.get(&progress_key(prefix, r)) {
+            Ok(Some(v)) if current.fp.call != Call::SendRecv => parse_progress(&v),
+            _ => None,
+        };
+        match progress {
+            Some((_, finished)) if finished >= seq => notes.push(format!("rank {r} finished #{seq} and went on")),
+            Some((issued, _)) if issued >= seq => {
+                notes.push(format!("rank {r} called #{seq} but its devices never started it (busy with earlier work?)"))
+            }
+            Some((issued, _)) => {
+                missing.push(r.to_string());
+                notes.push(format!("rank {r} last reported calling #{issued}"));
+            }
+            None => missing.push(r.to_string()),
+        }
+    }
     let mut waiting: Vec<usize> = waiting_on.to_vec();
     waiting.sort_unstable();
     waiting.dedup();
     let waiting: Vec<String> = waiting.iter().map(|r| r.to_string()).collect();
-    let missing = if missing.is_empty() {
-        "every rank arrived but the data did not move (a rank is stuck inside it)".to_string()
-    } else {
-        format!("rank(s) {} never arrived", missing.join(", "))
+    let missing = match (missing.is_empty(), notes.is_empty()) {
+        (true, true) => "every rank arrived but the data did not move (a rank is stuck inside it)".to_string(),
+        (true, false) => notes.join("; "),
+        (false, true) => format!("rank(s) {} never arrived", missing.join(", ")),
+        (false, false) => format!("rank(s) {} never arrived ({})", missing.join(", "), notes.join("; ")),
     };
     format!(
         "{} timed out after {:.1} s on rank {rank}: {missing}; rank {rank} was waiting for rank(s) {}. Every \

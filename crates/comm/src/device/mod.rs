@@ -15,7 +15,7 @@
 //! order: every group over the same devices in the same order shares it.
 
 mod meeting;
-mod plan;
+pub(crate) mod plan;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -203,6 +203,7 @@ pub(crate) fn launch(
     seg: usize,
     mode: Mode,
     parts: Vec<DevicePart>,
+    tracked: Option<Arc<crate::group::Tracked>>,
 ) -> Result<Arc<Meeting>, CommError> {
     let operation = kind.name();
     let devices = parts.iter().map(|p| (p.member, clients[p.member].device_id())).collect();
@@ -228,8 +229,14 @@ pub(crate) fn launch(
     for (member, inputs, outputs, ticket, shape) in tasks {
         let client = &clients[member];
         let mode = mode.clone();
-        let queued =
-            client.submit_buffers_always(operation, inputs, outputs, move |access| ticket.run(access, &mode, shape));
+        let tracked = tracked.clone();
+        let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
+            let result = ticket.run(access, &mode, shape);
+            if let Some(t) = &tracked {
+                t.note(&result);
+            }
+            result
+        });
         if let Err(source) = queued {
             failed.get_or_insert(CommError::Enqueue { operation, member, device: client.device_id(), source });
         }

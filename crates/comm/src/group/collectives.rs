@@ -276,5 +276,8 @@ pub fn to_client(src: &Handle, from: &Client, to: &Client) -> Result<Handle, Com
             return one.to_client(src, 0, 0);
         }
     }
-    from.to_client(src, to).map_err(|source| CommError::Failed { operation: "to_client", source })
+    let (start_us, start) = (crate::trace::now_micros(), std::time::Instant::now());
+    let copied = from.to_client(src, to);
+    super::record::timeline_copy(start_us, start, src.size(), from, to, copied.is_ok());
+    copied.map_err(|source| CommError::Failed { operation: "to_client", source })
 }

@@ -3,8 +3,10 @@
 
 mod check;
 mod collectives;
+mod record;
 
 pub use collectives::to_client;
+pub(crate) use record::Tracked;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -42,6 +44,8 @@ pub struct ClientGroup {
     direct: bool,
     timeout: Duration,
     stage_chunk: usize,
+    /// The flight recorder's name of this device set.
+    record_name: Arc<str>,
 }
 
 /// One buffer's worth of a collective for one member: what it sends and
@@ -97,7 +101,9 @@ impl ClientGroup {
         let communicator = communicator(&clients);
         let direct = communicator.host_addressable();
         let route = device::choose(&clients);
+        let record_name = Arc::from(record::group_name(&clients));
         Ok(ClientGroup {
+            record_name,
             clients,
             communicator,
             auto_route: route.clone(),
@@ -232,6 +238,12 @@ impl ClientGroup {
         !self.direct && self.clients[0].name() != "cpu"
     }
 
+    /// Records collective `sequence` in the flight recorder (and timeline).
+    fn track(&self, sequence: u64, kind: &Kind, seg: usize, parts: &[Part]) -> Arc<record::Tracked> {
+        let tid = parts.first().map_or(0, |p| self.clients[p.member].device_id().index);
+        record::Tracked::start(self.record_name.to_string(), sequence, kind, seg, parts.len(), tid)
+    }
+
     /// Queues every part of one collective, under the process-wide order.
     /// Returns the collective (to wait on, for barriers) once all parts are
     /// queued; a part that could not be queued fails the whole collective.
@@ -245,9 +257,11 @@ impl ClientGroup {
         if let Some(mode) = self.device_mode(&kind, &parts)? {
             let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
             tracing::trace!(operation, sequence, bytes = seg, members = parts.len(), ?mode, "queue device collective");
+            let tracked = self.track(sequence, &kind, seg, &parts);
             let parts =
                 parts.into_iter().map(|p| DevicePart { member: p.member, input: p.input, output: p.output }).collect();
-            return device::launch(&self.clients, self.timeout, kind, seg, mode, parts).map(Launched::Device);
+            return device::launch(&self.clients, self.timeout, kind, seg, mode, parts, Some(tracked))
+                .map(Launched::Device);
         }
         let participants: Vec<Participant> = parts
             .iter()
@@ -276,13 +290,19 @@ impl ClientGroup {
             direct = self.direct,
             "queue collective"
         );
+        let tracked = self.track(sequence, &kind, seg, &parts);
         let mut failed = None;
         let order = enqueue_lock();
         for (member, inputs, outputs, ticket) in tasks {
             let client = &self.clients[member];
             // A part that cannot be queued drops its ticket, which fails the
             // collective for the parts already queued.
-            let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| ticket.run(access));
+            let tracked = tracked.clone();
+            let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
+                let result = ticket.run(access);
+                tracked.note(&result);
+                result
+            });
             if let Err(source) = queued {
                 failed.get_or_insert(CommError::Enqueue { operation, member, device: client.device_id(), source });
             }

@@ -44,10 +44,15 @@ pub fn merge(dumps: &[RecorderDump]) -> MergeReport {
     let missing_dumps = (0..world_size).filter(|r| !ranks.contains(r)).collect();
     // (group, seq) -> per rank (fingerprint, state)
     let mut table: BTreeMap<(String, u64), BTreeMap<usize, (CollectiveFingerprint, RecordState)>> = BTreeMap::new();
+    // Who takes part in each (group, seq), where a record says so.
+    let mut among: BTreeMap<(String, u64), Vec<usize>> = BTreeMap::new();
     let mut oldest_seen: BTreeMap<(usize, String), u64> = BTreeMap::new();
     for dump in dumps {
         for record in &dump.records {
             let key = (record.group.clone(), record.fingerprint.seq);
+            if let Some(ranks) = &record.ranks {
+                among.insert(key.clone(), ranks.clone());
+            }
             table.entry(key).or_default().insert(dump.rank, (record.fingerprint.clone(), record.state.clone()));
             let oldest = oldest_seen.entry((dump.rank, record.group.clone())).or_insert(u64::MAX);
             *oldest = (*oldest).min(record.fingerprint.seq);
@@ -56,6 +61,10 @@ pub fn merge(dumps: &[RecorderDump]) -> MergeReport {
     let mut completed = 0;
     let mut first_unfinished: Option<Straggler> = None;
     for ((group, seq), per_rank) in &table {
+        let participants: Vec<usize> = match among.get(&(group.clone(), *seq)) {
+            Some(list) => ranks.iter().copied().filter(|r| list.contains(r)).collect(),
+            None => ranks.clone(),
+        };
         let reference = per_rank.values().next().map(|(f, _)| f.clone()).expect("an entry has a rank");
         let mut straggler = Straggler {
             group: group.clone(),
@@ -66,7 +75,7 @@ pub fn merge(dumps: &[RecorderDump]) -> MergeReport {
             mismatched: vec![],
             failures: vec![],
         };
-        for &rank in &ranks {
+        for &rank in &participants {
             match per_rank.get(&rank) {
                 Some((fingerprint, state)) => {
                     if *fingerprint != reference {
@@ -93,18 +102,17 @@ pub fn merge(dumps: &[RecorderDump]) -> MergeReport {
                 }
             }
         }
-        let all_finished = straggler.finished.len() == ranks.len() && straggler.mismatched.is_empty();
-        if all_finished && missing_dumps_is_empty(world_size, &ranks) {
+        let all_finished = straggler.finished.len() == participants.len() && straggler.mismatched.is_empty();
+        // A rank without a dump cannot say; where every rank that has one
+        // finished, the collective counts as finished (ring algorithms do
+        // not finish anywhere unless every rank took part).
+        if all_finished {
             completed += 1;
         } else if first_unfinished.as_ref().is_none_or(|f| straggler.fingerprint.seq < f.fingerprint.seq) {
             first_unfinished = Some(straggler);
         }
     }
     MergeReport { ranks, world_size, missing_dumps, first_unfinished, completed }
-}
-
-fn missing_dumps_is_empty(world_size: usize, ranks: &[usize]) -> bool {
-    (0..world_size).all(|r| ranks.contains(&r))
 }
 
 /// Reads every `*.json` dump in `dir` (or the given files) and merges them.
@@ -189,6 +197,7 @@ mod tests {
             started_us: seq,
             ended_us: None,
             state,
+            ranks: None,
         }
     }
 

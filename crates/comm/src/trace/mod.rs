@@ -19,7 +19,8 @@ mod timeline;
 
 pub use merge::{merge, merge_files, MergeReport, Straggler};
 pub use recorder::{
-    install_dump_on_signal, CollectiveFingerprint, CollectiveRecord, FlightRecorder, RecordState, RecorderDump,
+    install_dump_on_signal, trace_dir, CollectiveFingerprint, CollectiveRecord, FlightRecorder, RecordState,
+    RecorderDump,
 };
 pub use timeline::{Timeline, TimelineEvent};
 

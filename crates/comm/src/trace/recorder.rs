@@ -63,6 +63,11 @@ pub struct CollectiveRecord {
     pub started_us: u64,
     pub ended_us: Option<u64>,
     pub state: RecordState,
+    /// The ranks that take part (`None`: every rank of the job). A
+    /// point-to-point message names its two ranks, a process-local group
+    /// its own rank, so the merge does not expect the others to see it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Vec<usize>>,
 }
 
 /// A rank's recorder written to disk.
@@ -111,8 +116,19 @@ impl FlightRecorder {
         *self.identity.lock() = (rank, world_size);
     }
 
+    /// The rank and world size written in dumps.
+    pub fn identity(&self) -> (usize, usize) {
+        *self.identity.lock()
+    }
+
     /// Records the start of a collective. Costs a lock and a push.
     pub fn start(&self, group: &str, fingerprint: CollectiveFingerprint) {
+        self.start_among(group, fingerprint, None);
+    }
+
+    /// Records the start of a collective that only `ranks` take part in
+    /// (`None`: every rank). Costs a lock and a push.
+    pub fn start_among(&self, group: &str, fingerprint: CollectiveFingerprint, ranks: Option<Vec<usize>>) {
         if self.capacity == 0 {
             return;
         }
@@ -126,14 +142,19 @@ impl FlightRecorder {
             started_us: now_micros(),
             ended_us: None,
             state: RecordState::Started,
+            ranks,
         });
     }
 
     /// Records the end of collective `seq` of `group` (the newest record
-    /// with that sequence number), completed or failed.
+    /// with that sequence number), completed or failed. A collective that
+    /// already failed stays failed (its first reason is kept).
     pub fn finish(&self, group: &str, seq: u64, outcome: Result<(), String>) {
         let mut records = self.records.lock();
         if let Some(record) = records.iter_mut().rev().find(|r| r.fingerprint.seq == seq && r.group == group) {
+            if matches!(record.state, RecordState::Failed(_)) {
+                return;
+            }
             record.ended_us = Some(now_micros());
             record.state = match outcome {
                 Ok(()) => RecordState::Completed,
@@ -174,10 +195,10 @@ impl FlightRecorder {
         Ok(path)
     }
 
-    /// Writes the dump to `COHORT_TRACE_DIR` (default `cohort-trace`); logs
-    /// where, or why it could not.
+    /// Writes the dump to [`trace_dir`] (`COHORT_TRACE_DIR`, default
+    /// `cohort-trace`); logs where, or why it could not.
     pub fn write_default(&self, reason: &str) -> Option<PathBuf> {
-        let dir = std::env::var_os("COHORT_TRACE_DIR").map(PathBuf::from).unwrap_or_else(|| "cohort-trace".into());
+        let dir = trace_dir();
         match self.write_to(&dir, reason) {
             Ok(path) => {
                 tracing::warn!(path = %path.display(), "flight recorder written ({reason}); merge ranks with `cohort trace {}`", dir.display());
@@ -189,6 +210,15 @@ impl FlightRecorder {
             }
         }
     }
+}
+
+/// Where dumps go: `COHORT_TRACE_DIR`, default `cohort-trace` (relative to
+/// the working directory). `cohort run` sets it for its ranks.
+pub fn trace_dir() -> PathBuf {
+    std::env::var_os("COHORT_TRACE_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "cohort-trace".into())
 }
 
 fn hostname() -> String {

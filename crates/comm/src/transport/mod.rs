@@ -10,6 +10,8 @@
 //! any buffer in between (no deadlock), and it backs off from spinning to
 //! yielding to short sleeps while nothing moves.
 
+#[cfg(feature = "mpi")]
+pub(crate) mod mpi;
 pub(crate) mod shm;
 pub(crate) mod tcp;
 
@@ -28,7 +30,7 @@ pub(crate) trait Link: Send {
     /// of them it consumed; returns that count (0 when nothing arrived).
     /// Never blocks.
     fn try_recv(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize>;
-    /// "shm" or "tcp", for messages.
+    /// "shm", "tcp" or "mpi", for messages.
     fn kind(&self) -> &'static str;
 }
 

@@ -2,17 +2,30 @@
 //! `Communicator`, for several element types, operators, roots and sizes
 //! (small ones take recursive halving-doubling, large ones the ring),
 //! checked against the host reference. Run under `cohort run`, `mpirun` or
-//! `srun` (any number of ranks; CPU devices):
+//! `srun` (any number of ranks; CPU devices, or CUDA ones with `--backend
+//! cuda`, which take NCCL where libnccl loads):
 //!
 //! ```text
 //! cohort run -n 4 -- cohort-comm-suite                  # the suite
 //! cohort run -n 4 -- cohort-comm-suite --devices 2      # two devices per rank
+//! cohort run -n 1 -- cohort-comm-suite --backend cuda   # GPU LOCAL_RANK × devices + l
 //! mpirun -n 4 cohort-comm-suite                         # no launcher
 //! cohort run -n 8 -- cohort-comm-suite barrier          # join, barrier, exit
 //! cohort run -n 4 -- cohort-comm-suite crash 2          # rank 2 dies inside an all_reduce
 //! cohort run -n 4 -- cohort-comm-suite mismatch 1       # rank 1 calls broadcast, the rest all_reduce
 //! COHORT_TIMEOUT=2 cohort run -n 4 -- cohort-comm-suite skip 3   # rank 3 never calls
+//! cohort run -n 4 -- cohort-comm-suite latency 64 5000 # mean of 5000 all-reduces of 64 bytes
+//! cohort run -n 4 -- cohort-comm-suite loop             # all-reduces until something fails
+//! cohort run -n 4 -- cohort-comm-suite kill9 2          # rank 2 SIGKILLs itself inside an all-reduce
+//! cohort run -n 4 -- cohort-comm-suite stop 2           # rank 2 SIGSTOPs itself inside the loop
+//! cohort run -n 4 -- cohort-comm-suite slow 2 5         # rank 2 comes 5 s late (must pass)
+//! cohort run -n 4 -- cohort-comm-suite desync dtype 1   # rank 1 differs: kind|count|dtype|op|root
+//! cohort run -n 4 -- cohort-comm-suite secret 1         # rank 1 brings a wrong job secret
+//! cohort run -n 2 -- cohort-comm-suite --set-env RANK=7 barrier   # a malformed environment
 //! ```
+//!
+//! `--set-env K=V` and `--unset-env K` change this process's environment
+//! before it joins the job (fault injection).
 //!
 //! `--pid-dir DIR` writes `DIR/rank<R>.pid` first (for tests that check no
 //! process is left). Exits 0 when every check passed; prints `rank R: error: ...` and exits 1
@@ -23,7 +36,80 @@ use std::time::Instant;
 
 use cohort_comm::verify::{count_wrong, expected, pattern, CollectiveOp};
 use cohort_comm::{Communicator, DType, ReduceOp};
-use cohort_runtime::{Client, CpuRuntime, Handle, Runtime};
+use cohort_runtime::{Client, CpuRuntime, CudaRuntime, Handle, Runtime};
+
+/// Fault-injection modes.
+mod faults {
+    use std::time::Duration;
+
+    use cohort_comm::{Communicator, DType, ReduceOp};
+
+    fn read(comm: &Communicator, h: &cohort_runtime::Handle) -> Result<(), String> {
+        comm.clients()[0].read_one(h.clone()).map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    /// All-reduces of 1 MiB until one fails. `kill9`: rank `who` SIGKILLs
+    /// itself from another thread while its all-reduces run; `stop`: rank
+    /// `who` SIGSTOPs itself after 20 of them.
+    pub fn looping(comm: &Communicator, mode: &str, who: usize) -> Result<(), String> {
+        let buf = comm.clients()[0].create_from_slice(&vec![0u8; 1 << 20]);
+        let bufs = vec![buf.clone(); comm.local_devices()];
+        if mode == "kill9" && comm.rank() == who {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                eprintln!("killing myself with SIGKILL inside an all_reduce");
+                // SAFETY: raise(3) has no memory-safety preconditions.
+                unsafe { libc::raise(libc::SIGKILL) };
+            });
+        }
+        for i in 0u64.. {
+            if mode == "stop" && comm.rank() == who && i == 20 {
+                eprintln!("stopping myself with SIGSTOP");
+                // SAFETY: raise(3) has no memory-safety preconditions.
+                unsafe { libc::raise(libc::SIGSTOP) };
+            }
+            comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            read(comm, &buf)?;
+        }
+        Ok(())
+    }
+
+    /// Rank `who` calls the all-reduce `secs` seconds after the others.
+    pub fn slow(comm: &Communicator, who: usize, secs: usize) -> Result<(), String> {
+        let buf = comm.clients()[0].create_from_slice(&[0u8; 4096]);
+        let bufs = vec![buf.clone(); comm.local_devices()];
+        if comm.rank() == who {
+            std::thread::sleep(Duration::from_secs(secs as u64));
+        }
+        comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        read(comm, &buf)?;
+        comm.barrier().map_err(|e| e.to_string())
+    }
+
+    /// Every rank calls an all-reduce of 1024 f32 (sum) or, for a rooted
+    /// `what`, a reduce to root 0; rank `who` changes `what`: kind
+    /// (all_gather), count (512), dtype (i32), op (max) or root (1).
+    pub fn desync(comm: &Communicator, what: &str, who: usize) -> Result<(), String> {
+        let c = &comm.clients()[0];
+        let odd = comm.rank() == who;
+        let count = if odd && what == "count" { 512 } else { 1024 };
+        let dtype = if odd && what == "dtype" { DType::I32 } else { DType::F32 };
+        let op = if odd && what == "op" { ReduceOp::Max } else { ReduceOp::Sum };
+        let buf = c.create_from_slice(&vec![0u8; count * 4]);
+        let bufs = vec![buf.clone(); comm.local_devices()];
+        let queued = match what {
+            "root" => comm.reduce(&bufs, &buf, dtype, op, usize::from(odd)),
+            "kind" if odd => {
+                let all = c.empty(count * 4 * comm.members());
+                comm.all_gather(&bufs, &vec![all; comm.local_devices()], dtype)
+            }
+            "kind" | "count" | "dtype" | "op" => comm.all_reduce(&bufs, &bufs, dtype, op),
+            other => return Err(format!("desync: unknown '{other}' (kind, count, dtype, op or root)")),
+        };
+        queued.map_err(|e| e.to_string())?;
+        read(comm, &buf)
+    }
+}
 
 struct Suite {
     comm: Communicator,
@@ -151,8 +237,9 @@ fn suite(comm: Communicator, large: usize) -> Result<usize, String> {
     Ok(s.checks)
 }
 
-/// Times 100 all-reduces of `bytes` bytes of f32 (rank 0 prints the mean).
-fn latency(comm: &Communicator, bytes: usize) -> Result<(), String> {
+/// Times `iters` all-reduces of `bytes` bytes of f32 (rank 0 prints the
+/// mean).
+fn latency(comm: &Communicator, bytes: usize, iters: usize) -> Result<(), String> {
     let client = &comm.clients()[0];
     let buf = client.create_from_slice(&vec![0u8; bytes / 4 * 4]);
     let bufs = vec![buf.clone(); comm.local_devices()];
@@ -165,7 +252,7 @@ fn latency(comm: &Communicator, bytes: usize) -> Result<(), String> {
         Ok(t.elapsed().as_secs_f64() / n as f64)
     };
     run(5)?;
-    let mean = run(100)?;
+    let mean = run(iters)?;
     if comm.rank() == 0 {
         println!("all_reduce of {bytes} bytes over {} ranks: {:.1} us", comm.size(), mean * 1e6);
     }
@@ -179,11 +266,18 @@ fn main() -> ExitCode {
     // Just above the ring threshold.
     let mut large = 288 * 1024;
     let mut mode = Vec::new();
+    let mut backend = "cpu".to_string();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--devices" => devices = it.next().and_then(|v| v.parse().ok()).expect("--devices N"),
+            "--backend" => backend = it.next().cloned().expect("--backend cpu|cuda"),
             "--large" => large = it.next().and_then(|v| v.parse().ok()).expect("--large BYTES"),
+            "--set-env" => {
+                let (k, v) = it.next().and_then(|kv| kv.split_once('=')).expect("--set-env KEY=VALUE");
+                std::env::set_var(k, v);
+            }
+            "--unset-env" => std::env::remove_var(it.next().expect("--unset-env KEY")),
             "--pid-dir" => {
                 let dir = it.next().expect("--pid-dir DIR");
                 let rank = std::env::var("RANK").or_else(|_| std::env::var("OMPI_COMM_WORLD_RANK")).unwrap_or_default();
@@ -192,13 +286,24 @@ fn main() -> ExitCode {
             other => mode.push(other.to_string()),
         }
     }
-    let clients: Vec<Client> = match (0..devices).map(CpuRuntime::client).collect() {
+    let opened: Result<Vec<Client>, String> = match backend.as_str() {
+        "cpu" => (0..devices).map(CpuRuntime::client).collect::<Result<_, _>>().map_err(|e| e.to_string()),
+        "cuda" => cuda_clients(devices),
+        other => Err(format!("unknown backend {other} (cpu or cuda)")),
+    };
+    let clients = match opened {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("error: no CPU devices: {e}");
+            eprintln!("error: no {backend} devices: {e}");
             return ExitCode::from(1);
         }
     };
+    if mode.first().map(String::as_str) == Some("secret") {
+        let me = std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok());
+        if me.is_some() && me == mode.get(1).and_then(|v| v.parse().ok()) {
+            std::env::set_var("COHORT_JOB_SECRET", "not-the-job-secret");
+        }
+    }
     let comm = match Communicator::from_env(clients) {
         Ok(c) => c,
         Err(e) => {
@@ -218,10 +323,11 @@ fn main() -> ExitCode {
                     links.join(","),
                     start.elapsed().as_secs_f64()
                 );
+                println!("collectives took {:?} ({backend})", comm.transport());
             }
         }),
         Some("barrier") => comm.barrier().map_err(|e| e.to_string()),
-        Some("latency") => latency(&comm, arg(1).min(1 << 30)),
+        Some("latency") => latency(&comm, arg(1).min(1 << 30), if mode.len() > 2 { arg(2) } else { 100 }),
         Some("crash") | Some("skip") | Some("mismatch") => {
             let who = arg(1);
             let client = comm.clients()[0].clone();
@@ -241,6 +347,10 @@ fn main() -> ExitCode {
             };
             queued.map_err(|e| e.to_string()).and_then(|()| client.read_one(buf).map(|_| ()).map_err(|e| e.to_string()))
         }
+        Some("secret") => comm.barrier().map_err(|e| e.to_string()),
+        Some("loop") | Some("kill9") | Some("stop") => faults::looping(&comm, &mode[0], arg(1)),
+        Some("slow") => faults::slow(&comm, arg(1), arg(2)),
+        Some("desync") => faults::desync(&comm, mode.get(1).map_or("", String::as_str), arg(2)),
         Some(other) => Err(format!("unknown mode {other}")),
     };
     match result {
@@ -250,4 +360,15 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// This rank's CUDA devices: `devices` of them from `LOCAL_RANK × devices`
+/// (Open MPI's local rank under mpirun), wrapping around the GPUs there are.
+fn cuda_clients(devices: usize) -> Result<Vec<Client>, String> {
+    let local = ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    let count = CudaRuntime::device_count().map_err(|e| e.to_string())?.max(1);
+    (0..devices).map(|i| CudaRuntime::client((local * devices + i) % count).map_err(|e| e.to_string())).collect()
 }

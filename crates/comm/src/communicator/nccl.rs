@@ -1,0 +1,514 @@
+//! The NCCL path of a [`Communicator`](super::Communicator): when every
+//! rank's every local device is CUDA and libnccl loads there, collectives
+//! run device to device on one NCCL communicator spanning every member of
+//! every rank (NCCL rank = member index, `rank × L + l`).
+//!
+//! Set-up (at connect time, through the rendezvous store, under the
+//! communicator's prefix): every rank writes `nccl/can/<r>` (`yes`, or `no`
+//! and why); when all say yes, rank 0 asks its first device for an
+//! `ncclUniqueId` and writes it to `nccl/id`, which every rank reads. When
+//! any rank cannot, every rank keeps the host path (and a capable one says
+//! why once). Nothing is probed on a rank whose devices are not CUDA.
+//!
+//! Each collective queues one task per local device. The last local task
+//! to start checks the call's fingerprint with its ring neighbours over the
+//! host links (the check every host-path collective starts with), so a
+//! rank that calls something else is named as a mismatch and a rank that
+//! never arrives is named by the host timeout, before any NCCL call that
+//! would wait for it. Then every local part issues its calls through the
+//! runtime's [`DeviceCollectives`](cohort_runtime::backend::DeviceCollectives)
+//! hook: its device thread creates its NCCL communicator on first use
+//! (`ncclCommInitRank`), queues the calls on the device's communication
+//! stream and waits for them, polling the deadline, this rank's other
+//! parts, and the store's abort flag. A failed or expired part aborts the
+//! NCCL communicator (`ncclCommAbort`) and the communicator for every rank;
+//! a timeout names the ranks that never noted their arrival.
+//!
+//! With several devices per rank, `send`/`recv` stay on the host path (the
+//! receiving device is not known to the sender), as do calls whose source
+//! overlaps their destination other than exactly (in place).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Once};
+use std::time::{Duration, Instant};
+
+use cohort_runtime::backend::{CollectiveWatch, CommSpec};
+use cohort_runtime::{BufferAccess, Client, DeviceId, Handle, ServerError};
+use parking_lot::{Condvar, Mutex};
+
+use crate::collective::Kind;
+use crate::device::ask;
+use crate::device::plan::{self, Shape};
+use crate::error::CommError;
+use crate::store::StoreClient;
+
+use super::error::ConnectError;
+use super::fingerprint::Fingerprint;
+use super::local;
+use super::plans::Job;
+use super::world::{arrival_key, World};
+
+/// Set keys of communicators made here carry the top bit, apart from the
+/// keys `ClientGroup`s use on the same devices.
+const SET_BASE: u64 = 1 << 63;
+
+/// How often a waiting part looks at the store's abort flag.
+const ABORT_POLL: Duration = Duration::from_millis(200);
+
+/// A communicator's NCCL side.
+pub(crate) struct Nccl {
+    key: u64,
+    rank: usize,
+    size: usize,
+    local: usize,
+    unique_id: Vec<u8>,
+    clients: Vec<Client>,
+    /// Arrival notes and aborts (its own connection).
+    store: StoreClient,
+    prefix: String,
+}
+
+/// Why this rank's devices cannot take the NCCL path (`None`: they can).
+/// Asks each device's backend once, and only when every device is CUDA.
+fn refusal(clients: &[Client]) -> Option<String> {
+    if let Some(c) = clients.iter().find(|c| c.name() != "cuda") {
+        return Some(format!("its devices run on {}, not CUDA", c.name()));
+    }
+    for client in clients {
+        match ask(client, |dc| dc.available()) {
+            Some(Ok(())) => {}
+            Some(Err(why)) => return Some(why),
+            None => return Some(format!("device {} offers no device collectives", client.device_id())),
+        }
+    }
+    None
+}
+
+fn warn_host(why: &str) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| tracing::warn!("the Communicator's collectives take the host path instead of NCCL: {why}"));
+}
+
+/// Decides, with every rank, whether the communicator runs on NCCL, and
+/// shares the NCCL id; waits for every rank up to the world's timeout.
+pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl>>, ConnectError> {
+    let (rank, size, prefix, store) = (world.rank, world.size, world.prefix().to_string(), world.store());
+    let deadline = Instant::now() + world.timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let mine = refusal(clients);
+    let answer = match &mine {
+        None => "yes".to_string(),
+        Some(why) => format!("no {why}"),
+    };
+    store.set(&format!("{prefix}nccl/can/{rank}"), answer.as_bytes())?;
+    let keys: Vec<String> = (0..size).map(|r| format!("{prefix}nccl/can/{r}")).collect();
+    store.wait(&keys.iter().map(String::as_str).collect::<Vec<_>>(), left())?;
+    for (r, key) in keys.iter().enumerate() {
+        let theirs = String::from_utf8_lossy(&store.get(key)?.unwrap_or_default()).into_owned();
+        if theirs != "yes" {
+            if mine.is_none() {
+                warn_host(&format!("rank {r} cannot: {}", theirs.trim_start_matches("no ")));
+            }
+            return Ok(None);
+        }
+    }
+    let id_key = format!("{prefix}nccl/id");
+    if rank == 0 {
+        let value = match ask(&clients[0], |dc| dc.unique_id()) {
+            Some(Ok(id)) => [b"ok ".as_slice(), &id].concat(),
+            Some(Err(err)) => format!("no {err}").into_bytes(),
+            None => b"no rank 0's device failed while making the NCCL id".to_vec(),
+        };
+        store.set(&id_key, &value)?;
+    }
+    store.wait(&[&id_key], left())?;
+    let value = store.get(&id_key)?.unwrap_or_default();
+    let Some(unique_id) = value.strip_prefix(b"ok ") else {
+        warn_host(&String::from_utf8_lossy(&value[value.len().min(3)..]));
+        return Ok(None);
+    };
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    tracing::debug!(rank, size, local = clients.len(), "the communicator runs on NCCL");
+    Ok(Some(Arc::new(Nccl {
+        key: SET_BASE | NEXT.fetch_add(1, Ordering::Relaxed),
+        rank,
+        size,
+        local: clients.len(),
+        unique_id: unique_id.to_vec(),
+        clients: clients.to_vec(),
+        store: store.duplicate()?,
+        prefix,
+    })))
+}
+
+/// Whether two handles share bytes without being the same bytes.
+fn partly_overlap(a: &Handle, b: &Handle) -> bool {
+    let (a0, b0) = (a.offset(), b.offset());
+    a.same_allocation(b) && !plan::same_bytes(a, b) && a0 < b0 + b.size() && b0 < a0 + a.size()
+}
+
+/// What the leader checks over the host links before the NCCL calls.
+fn host_check(w: &mut World, fp: &Fingerprint, job: Job) -> Result<(), String> {
+    match job {
+        Job::Send { peer } => w.send(fp, &[], peer),
+        Job::Recv { peer } => w.recv(fp, &mut [], peer),
+        _ => w.ring_check(fp),
+    }
+}
+
+impl Nccl {
+    /// Whether a call takes the NCCL path (see the module docs).
+    pub(crate) fn takes(&self, job: &Job, inputs: &[Option<Handle>], outputs: &[Option<Handle>]) -> bool {
+        if matches!(job, Job::Send { .. } | Job::Recv { .. }) && self.local > 1 {
+            return false;
+        }
+        !inputs.iter().flatten().any(|i| outputs.iter().flatten().any(|o| partly_overlap(i, o)))
+    }
+
+    fn kind(&self, job: Job) -> Kind {
+        match job {
+            Job::AllReduce { dtype, op } => Kind::AllReduce { dtype, op },
+            Job::Reduce { dtype, op, root } => Kind::Reduce { dtype, op, root },
+            Job::Broadcast { root } => Kind::Broadcast { root },
+            Job::AllGather => Kind::AllGather,
+            Job::ReduceScatter { dtype, op } => Kind::ReduceScatter { dtype, op },
+            Job::AllToAll => Kind::AllToAll,
+            Job::Gather { root } => Kind::Gather { root },
+            Job::Scatter { root } => Kind::Scatter { root },
+            Job::Barrier => Kind::Barrier,
+            // One device per rank here: members are ranks.
+            Job::Send { peer } => Kind::Copy { from: self.rank, to: peer },
+            Job::Recv { peer } => Kind::Copy { from: peer, to: self.rank },
+        }
+    }
+
+    /// Queues one part per local device (slot `s` with `inputs[s]` and
+    /// `outputs[s]`); the caller holds the process-wide enqueue order.
+    pub(crate) fn launch(
+        self: &Arc<Self>,
+        world: &Arc<Mutex<World>>,
+        fp: Fingerprint,
+        job: Job,
+        timeout: Duration,
+        inputs: Vec<Option<Handle>>,
+        outputs: Vec<Option<Handle>>,
+    ) -> Result<Arc<Meeting>, CommError> {
+        let kind = self.kind(job);
+        let seg = fp.count as usize * fp.dtype.size();
+        let members = self.size * self.local;
+        let devices = self.clients.iter().map(Client::device_id).collect();
+        let meeting = Meeting::new(self.clone(), world.clone(), fp, job, kind, seg, devices, timeout);
+        let mut failed = None;
+        for (slot, client) in self.clients.iter().enumerate() {
+            let input: Vec<Handle> = inputs[slot].iter().cloned().collect();
+            let mut output: Vec<Handle> = outputs[slot].iter().cloned().collect();
+            // An in-place all-to-all sends from a copy of the source.
+            let scratch = kind == Kind::AllToAll
+                && input.first().zip(output.first()).is_some_and(|(i, o)| plan::same_bytes(i, o));
+            if scratch {
+                output.push(client.empty(seg * members));
+            }
+            let shape = Shape { input: !input.is_empty(), output: !output.is_empty(), scratch };
+            let ticket = Ticket { meeting: meeting.clone(), slot, ran: false };
+            let queued =
+                client.submit_buffers_always(kind.name(), input, output, move |access| ticket.run(access, shape));
+            if let Err(source) = queued {
+                let err =
+                    CommError::Enqueue { operation: kind.name(), member: slot, device: client.device_id(), source };
+                meeting.fail(ServerError::InvalidState { operation: "collective", reason: err.to_string() });
+                failed.get_or_insert(err);
+            }
+        }
+        match failed {
+            Some(err) => Err(err),
+            None => Ok(meeting),
+        }
+    }
+
+    /// Tells every rank the communicator failed (first abort wins), and
+    /// refuses later calls on this rank.
+    fn abort(&self, world: &Mutex<World>, why: &str) {
+        if let Some(mut w) = world.try_lock() {
+            w.abort(why);
+        }
+        let _ = self.store.compare_set(
+            &format!("{}abort", self.prefix),
+            None,
+            format!("rank {}: {why}", self.rank).as_bytes(),
+        );
+    }
+
+    /// The ranks that never noted their arrival at collective `seq`.
+    fn missing(&self, seq: u64) -> String {
+        let _ = self.store.set(&arrival_key(&self.prefix, seq, self.rank), b"");
+        let absent: Vec<String> = (0..self.size)
+            .filter(|&r| r != self.rank)
+            .filter(|&r| !matches!(self.store.get(&arrival_key(&self.prefix, seq, r)), Ok(Some(_))))
+            .map(|r| r.to_string())
+            .collect();
+        if absent.is_empty() {
+            "every rank arrived, but the NCCL calls did not finish (a rank is stuck inside them)".into()
+        } else {
+            format!("rank(s) {} never arrived", absent.join(", "))
+        }
+    }
+}
+
+impl Nccl {
+    /// Destroys each local device's NCCL communicator, after the work
+    /// queued there before, and waits for that (up to 10 s), so that no
+    /// device thread is still inside NCCL when the process exits. Called
+    /// when the last clone of the communicator drops.
+    pub(crate) fn release(&self) {
+        let (tx, rx) = crossbeam::channel::unbounded();
+        let mut queued = 0;
+        for client in &self.clients {
+            let (key, tx) = (self.key, tx.clone());
+            let sent = client.submit_buffers_always("nccl release", Vec::new(), Vec::new(), move |access| {
+                if let Some(dc) = access.ok().and_then(|a: &mut BufferAccess<'_>| a.device_collectives()) {
+                    dc.release(key);
+                }
+                let _ = tx.send(());
+                Ok(())
+            });
+            queued += usize::from(sent.is_ok());
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for _ in 0..queued {
+            if rx.recv_deadline(deadline).is_err() {
+                tracing::warn!("the NCCL communicator was not released within 10 s (a device is still busy)");
+                return;
+            }
+        }
+    }
+}
+
+/// A queued call: waits on the host path's meeting or the NCCL path's.
+pub(crate) enum Pending {
+    Host(Arc<local::Meeting>),
+    Nccl(Arc<Meeting>),
+}
+
+impl Pending {
+    /// Blocks the calling thread until the call finished; its failure.
+    pub(crate) fn wait(&self) -> Result<(), ServerError> {
+        match self {
+            Pending::Host(m) => m.wait(),
+            Pending::Nccl(m) => m.wait(),
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    arrived: usize,
+    present: Vec<bool>,
+    /// The leader's host check, once done.
+    checked: Option<Result<(), String>>,
+    returned: usize,
+    failure: Option<ServerError>,
+}
+
+/// The local parts of one NCCL-path call.
+pub(crate) struct Meeting {
+    nccl: Arc<Nccl>,
+    world: Arc<Mutex<World>>,
+    fp: Fingerprint,
+    job: Job,
+    kind: Kind,
+    seg: usize,
+    devices: Vec<DeviceId>,
+    timeout: Duration,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+/// Arrival note and abort polling of one waiting part.
+struct Poll {
+    last: Instant,
+    noted: bool,
+}
+
+impl Meeting {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        nccl: Arc<Nccl>,
+        world: Arc<Mutex<World>>,
+        fp: Fingerprint,
+        job: Job,
+        kind: Kind,
+        seg: usize,
+        devices: Vec<DeviceId>,
+        timeout: Duration,
+    ) -> Arc<Meeting> {
+        let state = State { present: vec![false; devices.len()], ..State::default() };
+        Arc::new(Meeting {
+            nccl,
+            world,
+            fp,
+            job,
+            kind,
+            seg,
+            devices,
+            timeout,
+            state: Mutex::new(state),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn error(&self, slot: usize, reason: String) -> ServerError {
+        ServerError::Collective { collective: self.kind.name().to_string(), device: self.devices[slot], reason }
+    }
+
+    fn fail(&self, err: ServerError) -> ServerError {
+        let mut state = self.state.lock();
+        let failure = state.failure.get_or_insert(err).clone();
+        self.cv.notify_all();
+        failure
+    }
+
+    fn wait(&self) -> Result<(), ServerError> {
+        let mut state = self.state.lock();
+        while state.failure.is_none() && state.returned < self.devices.len() {
+            self.cv.wait(&mut state);
+        }
+        state.failure.clone().map_or(Ok(()), Err)
+    }
+
+    /// Waits for every local part; the last runs the host check.
+    fn meet(&self, slot: usize, deadline: Instant) -> Result<(), ServerError> {
+        let n = self.devices.len();
+        let mut state = self.state.lock();
+        if let Some(err) = &state.failure {
+            return Err(err.clone());
+        }
+        state.present[slot] = true;
+        state.arrived += 1;
+        if state.arrived == n {
+            drop(state);
+            let (fp, job) = (self.fp, self.job);
+            let result = self.world.lock().run(fp, |w| host_check(w, &fp, job));
+            let mut state = self.state.lock();
+            state.checked = Some(result.clone());
+            self.cv.notify_all();
+            drop(state);
+            return result.map_err(|why| self.fail(self.error(slot, why)));
+        }
+        loop {
+            if let Some(err) = &state.failure {
+                return Err(err.clone());
+            }
+            if let Some(checked) = &state.checked {
+                return checked.clone().map_err(|why| self.error(slot, why));
+            }
+            // Once every part arrived, the leader's check is bounded by the
+            // world's own deadline.
+            if self.cv.wait_until(&mut state, deadline).timed_out() && state.arrived < n && state.failure.is_none() {
+                let missing: Vec<String> =
+                    (0..n).filter(|&s| !state.present[s]).map(|s| self.devices[s].to_string()).collect();
+                let err = self.error(
+                    slot,
+                    format!(
+                        "local device(s) {} of this rank never reached it within {:.1} s (still busy with earlier \
+                         work?)",
+                        missing.join(", "),
+                        self.timeout.as_secs_f64()
+                    ),
+                );
+                state.failure.get_or_insert(err);
+                self.cv.notify_all();
+            }
+        }
+    }
+
+    fn run_part(
+        &self,
+        slot: usize,
+        access: Result<&mut BufferAccess<'_>, ServerError>,
+        shape: Shape,
+    ) -> Result<(), ServerError> {
+        let access = access.map_err(|err| self.fail(err))?;
+        let buffers = shape.bind(|i| access.binding(i));
+        let deadline = Instant::now() + self.timeout;
+        self.meet(slot, deadline)?;
+        let nccl = &self.nccl;
+        let (member, members) = (nccl.rank * nccl.local + slot, nccl.size * nccl.local);
+        let calls = plan::nccl_calls(&self.kind, member, members, self.seg, &buffers);
+        if calls.is_empty() {
+            return Ok(());
+        }
+        let stream = access.stream();
+        let Some(dc) = access.device_collectives() else {
+            return Err(self.fail(self.error(slot, "the device's backend offers no device collectives".into())));
+        };
+        let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
+        let started = Instant::now();
+        let slow = (self.timeout / 4).min(Duration::from_secs(1));
+        let poll = Mutex::new(Poll { last: started, noted: false });
+        let failed_elsewhere = || -> Option<ServerError> {
+            if let Some(err) = self.state.lock().failure.clone() {
+                return Some(err);
+            }
+            let now = Instant::now();
+            let mut p = poll.lock();
+            if now - started < slow || now - p.last < ABORT_POLL {
+                return None;
+            }
+            p.last = now;
+            if !p.noted {
+                p.noted = true;
+                let _ = nccl.store.set(&arrival_key(&nccl.prefix, self.fp.seq, nccl.rank), b"");
+            }
+            match nccl.store.get(&format!("{}abort", nccl.prefix)) {
+                Ok(Some(why)) => Some(self.error(
+                    slot,
+                    format!("{} stopped: the communicator was aborted by {}", self.fp, String::from_utf8_lossy(&why)),
+                )),
+                _ => None,
+            }
+        };
+        let missing = || format!("{}: {}", self.fp, nccl.missing(self.fp.seq));
+        let watch = CollectiveWatch {
+            operation: self.kind.name(),
+            deadline,
+            failed_elsewhere: &failed_elsewhere,
+            missing: &missing,
+        };
+        dc.run(stream, &spec, &calls, &watch).map_err(|err| {
+            nccl.abort(&self.world, &err.to_string());
+            self.fail(err)
+        })
+    }
+}
+
+/// A part's right to run; dropped unrun (its device closed), it fails the
+/// meeting so the other parts and waiters return.
+struct Ticket {
+    meeting: Arc<Meeting>,
+    slot: usize,
+    ran: bool,
+}
+
+impl Ticket {
+    fn run(mut self, access: Result<&mut BufferAccess<'_>, ServerError>, shape: Shape) -> Result<(), ServerError> {
+        self.ran = true;
+        self.meeting.run_part(self.slot, access, shape)
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let m = &self.meeting;
+        let mut state = m.state.lock();
+        if !self.ran {
+            let device = m.devices[self.slot];
+            let err = ServerError::Poisoned {
+                operation: m.kind.name().to_string(),
+                cause: Arc::new(ServerError::DeviceClosed { device }),
+            };
+            state.failure.get_or_insert(err);
+        }
+        state.returned += 1;
+        m.cv.notify_all();
+    }
+}

@@ -1,0 +1,127 @@
+//! A [`ClientGroup`](super::ClientGroup) collective in the process's flight
+//! recorder and `COHORT_TIMELINE` trace: recorded when queued, finished when
+//! the last of its parts returns (or is dropped unrun, which fails it).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cohort_runtime::{Client, ServerError};
+use parking_lot::Mutex;
+
+use crate::collective::Kind;
+use crate::trace::{now_micros, CollectiveFingerprint, FlightRecorder, Timeline, TimelineEvent};
+
+/// One queued collective of a group; every part's task holds a clone and
+/// notes how it ended.
+pub(crate) struct Tracked {
+    group: String,
+    fingerprint: CollectiveFingerprint,
+    parts: usize,
+    noted: AtomicUsize,
+    failure: Mutex<Option<String>>,
+    start_us: u64,
+    start: Instant,
+    copy: bool,
+    tid: u32,
+}
+
+/// The recorder's name of the group over `clients`: its device set, the
+/// same for every group over those devices (they share one sequence).
+pub(crate) fn group_name(clients: &[Client]) -> String {
+    let mut devices: Vec<String> = clients.iter().map(|c| c.device_id().to_string()).collect();
+    devices.sort();
+    format!("group[{}]", devices.join(","))
+}
+
+impl Tracked {
+    /// Records that collective number `seq` of `group` was queued with
+    /// `parts` parts of `seg` bytes each; `tid` is the timeline row (the
+    /// first part's device index).
+    pub(crate) fn start(group: String, seq: u64, kind: &Kind, seg: usize, parts: usize, tid: u32) -> Arc<Tracked> {
+        let (dtype, op, root) = match *kind {
+            Kind::AllReduce { dtype, op } | Kind::ReduceScatter { dtype, op } => (Some(dtype), Some(op), None),
+            Kind::Reduce { dtype, op, root } => (Some(dtype), Some(op), Some(root)),
+            Kind::Broadcast { root } | Kind::Gather { root } | Kind::Scatter { root } => (None, None, Some(root)),
+            _ => (None, None, None),
+        };
+        let elem = dtype.map_or(1, |d| d.size());
+        let fingerprint = CollectiveFingerprint {
+            seq,
+            kind: kind.name().to_string(),
+            op: op.map(|o| o.to_string()),
+            dtype: dtype.map_or("bytes".to_string(), |d| d.to_string()),
+            count: (seg / elem) as u64,
+            root,
+        };
+        // A process-local group: only this process takes part.
+        let (rank, _) = FlightRecorder::global().identity();
+        FlightRecorder::global().start_among(&group, fingerprint.clone(), Some(vec![rank]));
+        Arc::new(Tracked {
+            group,
+            fingerprint,
+            parts,
+            noted: AtomicUsize::new(0),
+            failure: Mutex::new(None),
+            start_us: now_micros(),
+            start: Instant::now(),
+            copy: matches!(kind, Kind::Copy { .. }),
+            tid,
+        })
+    }
+
+    /// A part returned with `result`.
+    pub(crate) fn note(&self, result: &Result<(), ServerError>) {
+        if let Err(err) = result {
+            self.failure.lock().get_or_insert_with(|| err.to_string());
+        }
+        self.noted.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        let mut failure = self.failure.lock().take();
+        if failure.is_none() && self.noted.load(Ordering::Relaxed) < self.parts {
+            failure = Some("a part was dropped before it ran (its device closed?)".into());
+        }
+        let ok = failure.is_none();
+        let seq = self.fingerprint.seq;
+        FlightRecorder::global().finish(&self.group, seq, failure.map_or(Ok(()), Err));
+        if let Some(timeline) = Timeline::from_env() {
+            let fp = &self.fingerprint;
+            timeline.record(&TimelineEvent {
+                name: fp.kind.clone(),
+                cat: if self.copy { "copy".into() } else { "collective".into() },
+                ph: "X",
+                ts: self.start_us,
+                dur: self.start.elapsed().as_micros() as u64,
+                pid: FlightRecorder::global().identity().0,
+                tid: self.tid,
+                args: serde_json::json!({
+                    "group": self.group, "seq": seq, "dtype": fp.dtype, "count": fp.count,
+                    "op": fp.op, "root": fp.root, "ok": ok,
+                }),
+            });
+        }
+    }
+}
+
+/// A copy that ran outside any group (between runtimes, through the host)
+/// as a timeline event, when `COHORT_TIMELINE` is set.
+pub(crate) fn timeline_copy(start_us: u64, start: Instant, bytes: u64, from: &Client, to: &Client, ok: bool) {
+    if let Some(timeline) = Timeline::from_env() {
+        timeline.record(&TimelineEvent {
+            name: "to_client".into(),
+            cat: "copy".into(),
+            ph: "X",
+            ts: start_us,
+            dur: start.elapsed().as_micros() as u64,
+            pid: FlightRecorder::global().identity().0,
+            tid: from.device_id().index,
+            args: serde_json::json!({
+                "bytes": bytes, "from": from.device_id().to_string(), "to": to.device_id().to_string(), "ok": ok,
+            }),
+        });
+    }
+}

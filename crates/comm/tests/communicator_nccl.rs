@@ -1,0 +1,245 @@
+//! The Communicator's NCCL path. Everywhere: a CPU communicator never
+//! probes NCCL (its ranks say why in the store) and a CUDA client without a
+//! driver is an error, never a panic. On CUDA GPUs (ignored elsewhere):
+//! one rank per GPU or every GPU in one rank, every collective checked
+//! against the host reference, and a rank that never arrives named by the
+//! timeout. The ranks are threads of this process, each with its own
+//! devices (NCCL refuses two ranks on one GPU).
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use cohort_comm::store::{StoreClient, StoreServer};
+use cohort_comm::verify::{count_wrong, expected, pattern, CollectiveOp};
+use cohort_comm::{Communicator, DType, ReduceOp, Transport};
+use cohort_runtime::{Client, CpuRuntime, CudaRuntime, Handle, Runtime};
+
+const SECRET: &str = "nccl-test-secret";
+
+/// Runs `body(comm)` on one thread per entry of `devices` (rank r brings
+/// `devices[r]`, opened on its thread) over a fresh store; returns the
+/// results and the store's address.
+fn ranks<T: Send + 'static>(
+    devices: Vec<Vec<usize>>,
+    open: fn(usize) -> Client,
+    body: fn(Communicator) -> T,
+) -> (Vec<T>, StoreServer) {
+    let server = StoreServer::bind("127.0.0.1:0", SECRET).unwrap();
+    let addr = server.local_addr().to_string();
+    let n = devices.len();
+    let handles: Vec<_> = devices
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mine)| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let clients = mine.into_iter().map(open).collect();
+                body(Communicator::connect(rank, n, &addr, SECRET, clients).unwrap())
+            })
+        })
+        .collect();
+    (handles.into_iter().map(|h| h.join().unwrap()).collect(), server)
+}
+
+fn cpu(index: usize) -> Client {
+    CpuRuntime::client(index).unwrap()
+}
+
+fn cuda(index: usize) -> Client {
+    CudaRuntime::client(index).unwrap_or_else(|e| panic!("this test needs CUDA GPUs: {e}"))
+}
+
+fn gpus() -> usize {
+    CudaRuntime::device_count().unwrap_or_else(|e| panic!("this test needs CUDA GPUs: {e}"))
+}
+
+#[test]
+fn a_cpu_communicator_never_takes_nccl() {
+    std::env::set_var("COHORT_CPU_DEVICES", "8");
+    let (results, server) = ranks(vec![vec![6], vec![7]], cpu, |comm| {
+        let c = &comm.clients()[0];
+        let buf = c.create_from_slice(bytemuck::cast_slice(&[1.0f32; 64]));
+        let one = std::slice::from_ref(&buf);
+        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        let sum: Vec<f32> = bytemuck::cast_slice(&c.read_one(buf).unwrap()).to_vec();
+        (comm.transport(), sum.iter().all(|&v| v == 2.0))
+    });
+    for (transport, ok) in results {
+        assert_eq!(transport, Transport::HostDirect);
+        assert!(ok);
+    }
+    // Each rank refused by the devices' backend name, before probing any
+    // library.
+    let store = StoreClient::connect(server.local_addr(), SECRET, Duration::from_secs(5)).unwrap();
+    for rank in 0..2 {
+        let said = store.get(&format!("cohort/comm/1/nccl/can/{rank}")).unwrap().unwrap_or_default();
+        assert_eq!(String::from_utf8_lossy(&said), "no its devices run on cpu, not CUDA");
+    }
+}
+
+#[test]
+fn a_cuda_communicator_without_a_driver_is_an_error_not_a_panic() {
+    match CudaRuntime::client(0) {
+        Err(err) => {
+            let text = err.to_string();
+            assert!(text.to_lowercase().contains("cuda"), "the error names CUDA: {text}");
+        }
+        // A GPU host: a one-rank communicator forms and says how it runs.
+        Ok(client) => {
+            let server = StoreServer::bind("127.0.0.1:0", SECRET).unwrap();
+            let addr = server.local_addr().to_string();
+            let comm = Communicator::connect(0, 1, &addr, SECRET, vec![client]).unwrap();
+            assert!(matches!(comm.transport(), Transport::Nccl | Transport::HostStaged));
+        }
+    }
+}
+
+/// One collective over every member, checked against the host reference.
+fn check(comm: &Communicator, op: CollectiveOp, dtype: DType, rop: ReduceOp, elems: usize, root: usize) {
+    let (l, m, rank) = (comm.local_devices(), comm.members(), comm.rank());
+    let block = elems * dtype.size();
+    let blocked = |o: CollectiveOp| matches!(o, CollectiveOp::ReduceScatter | CollectiveOp::AllToAll);
+    let in_len = if blocked(op) || op == CollectiveOp::Scatter { m * block } else { block };
+    let out_len = match op {
+        CollectiveOp::AllGather | CollectiveOp::AllToAll | CollectiveOp::Gather => m * block,
+        _ => block,
+    };
+    let inputs: Vec<Vec<u8>> = (0..m).map(|member| pattern(dtype, member, in_len)).collect();
+    let me = |slot: usize| rank * l + slot;
+    let clients = comm.clients();
+    let src: Vec<Handle> = (0..l).map(|s| clients[s].create_from_slice(&inputs[me(s)])).collect();
+    let dst: Vec<Handle> = (0..l).map(|s| clients[s].empty(out_len)).collect();
+    let root_slot = if root / l == rank { root % l } else { 0 };
+    let what = format!("{op:?} {dtype} {rop} root {root} × {elems}");
+    let queued = match op {
+        CollectiveOp::AllReduce => comm.all_reduce(&src, &dst, dtype, rop),
+        CollectiveOp::Reduce => comm.reduce(&src, &dst[root_slot], dtype, rop, root),
+        CollectiveOp::Broadcast => comm.broadcast(&src[root_slot], &dst, dtype, root),
+        CollectiveOp::AllGather => comm.all_gather(&src, &dst, dtype),
+        CollectiveOp::ReduceScatter => comm.reduce_scatter(&src, &dst, dtype, rop),
+        CollectiveOp::AllToAll => comm.all_to_all(&src, &dst, dtype),
+        CollectiveOp::Gather => comm.gather(&src, &dst[root_slot], dtype, root),
+        CollectiveOp::Scatter => comm.scatter(&src[root_slot], &dst, dtype, root),
+        CollectiveOp::SendRecv => unreachable!("checked by `ring_of_messages`"),
+    };
+    queued.unwrap_or_else(|e| panic!("{what}: {e}"));
+    let want = expected(op, dtype, rop, root, block, &inputs);
+    for (slot, out) in dst.iter().enumerate() {
+        let rooted = matches!(op, CollectiveOp::Reduce | CollectiveOp::Gather);
+        if rooted && (slot != root_slot || root / l != rank) {
+            continue;
+        }
+        let Some(w) = &want[me(slot)] else { continue };
+        let got = clients[slot].read_one(out.clone()).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let wrong = count_wrong(dtype, &got, w, m);
+        assert_eq!(wrong, 0, "{what}: member {} got {wrong} wrong elements", me(slot));
+    }
+}
+
+/// Every collective, a few types, operators, roots and sizes.
+fn every_collective(comm: &Communicator) {
+    let last = comm.members() - 1;
+    for elems in [1, 37, 65_539] {
+        for dtype in [DType::F32, DType::BF16, DType::I32] {
+            for rop in ReduceOp::ALL {
+                check(comm, CollectiveOp::AllReduce, dtype, rop, elems, 0);
+            }
+        }
+        for root in [0, last] {
+            for op in [CollectiveOp::Reduce, CollectiveOp::Broadcast, CollectiveOp::Gather, CollectiveOp::Scatter] {
+                check(comm, op, DType::F32, ReduceOp::Sum, elems, root);
+            }
+        }
+        for op in [CollectiveOp::AllGather, CollectiveOp::ReduceScatter, CollectiveOp::AllToAll] {
+            check(comm, op, DType::F64, ReduceOp::Avg, elems, 0);
+        }
+    }
+    // In place: all-reduce and all-to-all on one buffer per device.
+    let bufs: Vec<Handle> =
+        comm.clients().iter().map(|c| c.create_from_slice(&vec![1u8; 4 * comm.members()])).collect();
+    comm.all_reduce(&bufs, &bufs, DType::U8, ReduceOp::Sum).unwrap();
+    comm.all_to_all(&bufs, &bufs, DType::U8).unwrap();
+    let got = comm.clients()[0].read_one(bufs[0].clone()).unwrap();
+    assert!(got.iter().all(|&b| b as usize == comm.members()), "in place: {got:?}");
+    comm.barrier().unwrap();
+}
+
+/// Rank r sends to rank r + 1 (even ranks first), one device per rank.
+fn ring_of_messages(comm: &Communicator) {
+    let (n, r, c) = (comm.size(), comm.rank(), &comm.clients()[0]);
+    if n < 2 {
+        return;
+    }
+    let out = c.create_from_slice(bytemuck::cast_slice(&[r as u32; 1000]));
+    let into = c.empty(4000);
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    if r % 2 == 0 {
+        comm.send(&out, next, DType::U32).unwrap();
+        comm.recv(&into, prev, DType::U32).unwrap();
+    } else {
+        comm.recv(&into, prev, DType::U32).unwrap();
+        comm.send(&out, next, DType::U32).unwrap();
+    }
+    let got: Vec<u32> = bytemuck::cast_slice(&c.read_one(into).unwrap()).to_vec();
+    assert!(got.iter().all(|&v| v as usize == prev));
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: run with --include-ignored where one is"]
+fn one_rank_on_one_gpu_runs_every_collective_through_nccl() {
+    let (results, _server) = ranks(vec![vec![0]], cuda, |comm| {
+        assert_eq!(comm.transport(), Transport::Nccl, "libnccl is needed too");
+        every_collective(&comm);
+    });
+    assert_eq!(results.len(), 1);
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more, one per rank"]
+fn one_rank_per_gpu_runs_every_collective_through_nccl() {
+    let n = gpus();
+    assert!(n >= 2, "this test needs two GPUs or more, found {n}");
+    ranks((0..n).map(|g| vec![g]).collect(), cuda, |comm| {
+        assert_eq!(comm.transport(), Transport::Nccl);
+        every_collective(&comm);
+        ring_of_messages(&comm);
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: four or more, two per rank"]
+fn two_ranks_of_two_gpus_run_every_collective_through_nccl() {
+    let n = gpus();
+    assert!(n >= 4, "this test needs four GPUs or more, found {n}");
+    ranks(vec![vec![0, 1], vec![2, 3]], cuda, |comm| {
+        assert_eq!(comm.transport(), Transport::Nccl);
+        assert_eq!(comm.members(), 4);
+        every_collective(&comm);
+    });
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more, one per rank"]
+fn a_rank_that_never_arrives_is_named_and_the_nccl_communicator_aborted() {
+    assert!(gpus() >= 2, "this test needs two GPUs or more");
+    let (results, _server) = ranks(vec![vec![0], vec![1]], cuda, |comm| {
+        comm.set_timeout(Duration::from_secs(3));
+        let c = &comm.clients()[0];
+        let buf = c.create_from_slice(&[0u8; 4096]);
+        let one = std::slice::from_ref(&buf);
+        // A first collective creates the NCCL communicators.
+        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        c.read_one(buf.clone()).unwrap();
+        if comm.rank() == 1 {
+            thread::sleep(Duration::from_secs(8));
+            return None;
+        }
+        let start = Instant::now();
+        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        let err = c.read_one(buf).unwrap_err().to_string();
+        Some((err, start.elapsed()))
+    });
+    let (err, took) = results[0].clone().expect("rank 0 waited");
+    assert!(took < Duration::from_secs(6), "{took:?}");
+    assert!(err.contains("timed out") && err.contains("1 never arrived"), "{err}");
+}

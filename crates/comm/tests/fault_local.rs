@@ -1,0 +1,130 @@
+//! Failures the other ranks learn of before their timeout, and what the
+//! flight recorder and the timeline keep: communicators of one process, one
+//! thread per rank (shared memory between them), on CPU devices.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use cohort_comm::store::StoreServer;
+use cohort_comm::trace::{FlightRecorder, RecordState};
+use cohort_comm::{ClientGroup, Communicator, DType, ReduceOp};
+use cohort_runtime::{Bytes, CpuRuntime, GridCount, Kernel, KernelArguments, Runtime};
+
+/// Runs `body(comm)` on `n` ranks over a fresh store, rank r on CPU device
+/// `first + r` (tests running at once use distinct devices).
+fn ranks<T: Send + 'static>(first: usize, n: usize, body: fn(Communicator) -> T) -> Vec<T> {
+    std::env::set_var("COHORT_CPU_DEVICES", "16");
+    // Dumps written on failures go to a temporary folder, not the sources.
+    if std::env::var_os("COHORT_TRACE_DIR").is_none() {
+        std::env::set_var("COHORT_TRACE_DIR", std::env::temp_dir().join("cohort-fault-local-trace"));
+    }
+    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+    let addr = server.local_addr().to_string();
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let client = CpuRuntime::client(first + rank).unwrap();
+                body(Communicator::connect(rank, n, &addr, "secret", vec![client]).unwrap())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn a_local_failure_before_the_exchange_aborts_the_other_ranks() {
+    let results = ranks(0, 2, |comm| {
+        comm.set_timeout(Duration::from_secs(30));
+        let c = &comm.clients()[0];
+        let buf = c.create(Bytes::from(vec![0u8; 64]));
+        if comm.rank() == 0 {
+            // Its input is poisoned: the local task fails before the exchange.
+            let boom = Kernel::new("boom").with_cpu(|_| panic!("the kernel blew up"));
+            c.launch(&boom, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&buf)).unwrap();
+        }
+        let start = Instant::now();
+        let one = std::slice::from_ref(&buf);
+        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        let err = c.read_one(buf).unwrap_err().to_string();
+        (comm.rank(), err, start.elapsed())
+    });
+    let (_, err, waited) = &results[1];
+    assert!(*waited < Duration::from_secs(10), "rank 1 waited {waited:?}, not the 30 s timeout");
+    assert!(err.contains("aborted by rank 0") && err.contains("before the exchange"), "{err}");
+    assert!(results[0].1.contains("blew up"), "{}", results[0].1);
+}
+
+#[test]
+fn a_peer_that_leaves_is_noticed_before_the_timeout() {
+    let results = ranks(2, 2, |comm| {
+        comm.set_timeout(Duration::from_secs(30));
+        if comm.rank() == 1 {
+            drop(comm);
+            return (String::new(), Duration::ZERO);
+        }
+        let c = &comm.clients()[0];
+        let buf = c.create(Bytes::from(vec![0u8; 64]));
+        let start = Instant::now();
+        let one = std::slice::from_ref(&buf);
+        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        (c.read_one(buf).unwrap_err().to_string(), start.elapsed())
+    });
+    let (err, waited) = &results[0];
+    assert!(*waited < Duration::from_secs(10), "waited {waited:?}, not the 30 s timeout");
+    assert!(err.contains("all_reduce #1 (f32 × 16, op sum): rank 1 went away (it closed its communicator)"), "{err}");
+}
+
+#[test]
+fn a_timeout_set_on_the_communicator_names_the_missing_rank_and_dumps_the_recorder() {
+    let dir = std::env::temp_dir().join(format!("cohort-fault-local-{}", std::process::id()));
+    std::env::set_var("COHORT_TRACE_DIR", &dir);
+    let results = ranks(4, 2, |comm| {
+        if comm.rank() == 1 {
+            // Never calls; stays (connected) until rank 0 gave up.
+            thread::sleep(Duration::from_secs(2));
+            return String::new();
+        }
+        comm.set_timeout(Duration::from_millis(600));
+        assert_eq!(comm.timeout(), Duration::from_millis(600));
+        let c = &comm.clients()[0];
+        let buf = c.create(Bytes::from(vec![0u8; 40]));
+        let one = std::slice::from_ref(&buf);
+        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        let err = c.read_one(buf).unwrap_err().to_string();
+        // Later calls are refused at once.
+        let again = c.create(Bytes::from(vec![0u8; 40]));
+        comm.broadcast(&again, std::slice::from_ref(&again), DType::F32, 0).unwrap();
+        let refused = c.read_one(again).unwrap_err().to_string();
+        assert!(refused.contains("aborted by an earlier failure"), "{refused}");
+        assert!(comm.dump_flight_recorder().unwrap().exists());
+        err
+    });
+    let err = &results[0];
+    assert!(err.contains("all_reduce #1 (f32 × 10, op sum) timed out after 0.6 s on rank 0"), "{err}");
+    assert!(err.contains("rank(s) 1 never arrived"), "{err}");
+    let dumps: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert!(!dumps.is_empty(), "a dump in {}", dir.display());
+    let records = FlightRecorder::global().snapshot();
+    let failed = records.iter().find(|r| r.fingerprint.kind == "all_reduce" && r.fingerprint.count == 10).unwrap();
+    assert!(matches!(&failed.state, RecordState::Failed(why) if why.contains("timed out")), "{failed:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn client_group_collectives_are_recorded_with_their_state() {
+    std::env::set_var("COHORT_CPU_DEVICES", "16");
+    let clients = vec![CpuRuntime::client(8).unwrap(), CpuRuntime::client(9).unwrap()];
+    let group = ClientGroup::new(clients).unwrap();
+    let bufs: Vec<_> = group.clients().iter().map(|c| c.create(Bytes::from(vec![1u8; 32]))).collect();
+    group.all_reduce(&bufs, &bufs, DType::U8, ReduceOp::Sum).unwrap();
+    group.barrier().unwrap();
+    assert_eq!(group.client(1).read_one(bufs[1].clone()).unwrap().to_vec(), vec![2u8; 32]);
+    let records = FlightRecorder::global().snapshot();
+    let mine: Vec<_> = records.iter().filter(|r| r.group == "group[cpu:8,cpu:9]").collect();
+    let kinds: Vec<&str> = mine.iter().map(|r| r.fingerprint.kind.as_str()).collect();
+    assert_eq!(kinds, ["all_reduce", "barrier"], "{mine:?}");
+    assert_eq!(mine[0].fingerprint.count, 32);
+    assert!(mine.iter().all(|r| r.state == RecordState::Completed && r.ended_us.is_some()), "{mine:?}");
+    assert_eq!(mine[0].fingerprint.seq + 1, mine[1].fingerprint.seq);
+}

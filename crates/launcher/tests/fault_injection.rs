@@ -1,0 +1,193 @@
+//! The fault-injection suite: every case runs ranks of `cohort-comm-suite`
+//! (CPU devices) under `cohort run`, and must end within its limit with a
+//! clear error, a non-zero exit and no process left behind. Timeouts are
+//! short (2–3 s) so the suite stays quick on two cores.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const SUITE: &str = env!("CARGO_BIN_EXE_cohort-comm-suite");
+/// No case may take longer than this (the harness kills it and fails).
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// `cohort run <opts> -- cohort-comm-suite --pid-dir <dir> <args>` with
+/// COHORT_TIMEOUT=`timeout` and a trace folder under `dir`.
+fn faulty(dir: &Path, timeout: &str, opts: &[&str], args: &[&str]) -> Command {
+    let mut c = Command::new(COHORT);
+    let trace = dir.join("trace");
+    c.arg("run").args(["--master-port", "0", "--trace-dir", trace.to_str().unwrap()]).args(opts);
+    c.arg("--").arg(SUITE).args(["--pid-dir", dir.to_str().unwrap()]).args(args);
+    for v in ["COHORT_JOB_SECRET", "COHORT_LOG", "RUST_LOG", "COHORT_STORE_ADDR", "COHORT_TIMELINE"] {
+        c.env_remove(v);
+    }
+    c.env("COHORT_TIMEOUT", timeout);
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c
+}
+
+/// Runs the case; returns (exit code, stderr, seconds) after checking that
+/// every rank that wrote its pid is gone.
+fn run_case(dir: &Path, cmd: Command) -> (i32, String, f64) {
+    let start = Instant::now();
+    let out = output_within(cmd, LIMIT);
+    let secs = start.elapsed().as_secs_f64();
+    let (_, stderr) = texts(&out);
+    let code = code(out.status, &out);
+    let left = wait_all_gone(&read_pids(dir), Duration::from_secs(2));
+    assert!(left.is_empty(), "ranks left alive: {left:?}\n{stderr}");
+    eprintln!("case took {secs:.2} s, exit {code}:\n{stderr}");
+    (code, stderr, secs)
+}
+
+#[test]
+fn fault_sigkill_inside_an_all_reduce() {
+    let dir = temp_dir("fault-kill9");
+    let (code, stderr, secs) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["kill9", "1"]));
+    assert_eq!(code, 128 + 9, "{stderr}");
+    assert!(secs < 10.0, "{secs}");
+    assert!(stderr.contains("rank 1 failed first: it was killed by signal SIGKILL"), "{stderr}");
+    assert!(stderr.contains("SIGKILL inside an all_reduce"), "its last lines: {stderr}");
+    // The survivors wrote their flight recorders when asked (SIGUSR1).
+    assert!(stderr.contains("first collective not finished everywhere: #"), "{stderr}");
+    assert!(stderr.contains("ranks without a dump (dead before writing?): 1"), "{stderr}");
+    // `cohort trace` reads the same dumps.
+    let out = Command::new(COHORT).arg("trace").arg(dir.join("trace")).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{:?}", texts(&out));
+    assert!(texts(&out).0.contains("all_reduce(sum) 262144 × f32 in group comm1"), "{:?}", texts(&out));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn fault_sigstop_is_caught_by_the_heartbeat_watchdog() {
+    let dir = temp_dir("fault-stop");
+    let cmd = faulty(&dir, "60", &["-n", "3", "--heartbeat-timeout", "2"], &["stop", "1"]);
+    let (code, stderr, secs) = run_case(&dir, cmd);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(secs < 10.0, "the watchdog, not the 60 s collective timeout: {secs}");
+    assert!(stderr.contains("rank 1 stopped answering: no heartbeat for 2."), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn fault_sigstop_without_the_watchdog_times_out_naming_the_rank() {
+    let dir = temp_dir("fault-stop-timeout");
+    let cmd = faulty(&dir, "2", &["-n", "3", "--heartbeat-timeout", "0"], &["stop", "1"]);
+    let (code, stderr, secs) = run_case(&dir, cmd);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(secs < 10.0, "{secs}");
+    assert!(stderr.contains("all_reduce #21 (f32 × 262144, op sum) timed out after 2.0 s"), "{stderr}");
+    assert!(stderr.contains("rank(s) 1 never arrived (rank 1 last reported calling #"), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A desync case: rank 1 differs in `what`; both sides are named.
+fn desync(what: &str, mine: &str, theirs: &str) {
+    let dir = temp_dir(&format!("fault-desync-{what}"));
+    let (code, stderr, secs) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["desync", what, "1"]));
+    assert_eq!(code, 1, "{stderr}");
+    assert!(secs < 3.0, "caught by the fingerprint, not the timeout: {secs}");
+    assert!(stderr.contains("collective mismatch"), "{stderr}");
+    assert!(stderr.contains(mine) && stderr.contains(theirs), "both sides named: {stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn fault_ranks_call_different_collectives() {
+    desync("kind", "called all_gather #1 (f32 × 1024)", "called all_reduce #1 (f32 × 1024, op sum)");
+}
+
+#[test]
+fn fault_ranks_pass_different_counts() {
+    desync("count", "all_reduce #1 (f32 × 512, op sum)", "all_reduce #1 (f32 × 1024, op sum)");
+}
+
+#[test]
+fn fault_ranks_pass_different_element_types() {
+    desync("dtype", "all_reduce #1 (i32 × 1024, op sum)", "all_reduce #1 (f32 × 1024, op sum)");
+}
+
+#[test]
+fn fault_ranks_pass_different_operators_and_roots() {
+    desync("op", "all_reduce #1 (f32 × 1024, op max)", "all_reduce #1 (f32 × 1024, op sum)");
+    desync("root", "reduce #1 (f32 × 1024, op sum, root 1)", "reduce #1 (f32 × 1024, op sum, root 0)");
+}
+
+#[test]
+fn fault_the_store_is_killed() {
+    let dir = temp_dir("fault-store");
+    let mut store = Command::new(COHORT);
+    store.args(["store", "--port", "0"]).env("COHORT_JOB_SECRET", "store-secret");
+    store.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null());
+    let mut store = store.spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(store.stdout.take().unwrap()), &mut line).unwrap();
+    let addr = line.trim().rsplit(' ').next().unwrap().to_string();
+    let mut cmd = faulty(&dir, "3", &["-n", "3", "--store-addr", &addr], &["loop"]);
+    cmd.env("COHORT_JOB_SECRET", "store-secret");
+    let job = cmd.spawn().unwrap();
+    wait_pid_files(&dir, 3, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(300));
+    let killed = Instant::now();
+    store.kill().unwrap();
+    store.wait().unwrap();
+    let out = wait_output(job, LIMIT);
+    let (_, stderr) = texts(&out);
+    assert!(killed.elapsed() < Duration::from_secs(5), "{:?}", killed.elapsed());
+    assert_eq!(code(out.status, &out), 1, "{stderr}");
+    assert!(stderr.contains("lost the rendezvous store") && stderr.contains(&addr), "{stderr}");
+    let left = wait_all_gone(&read_pids(&dir), Duration::from_secs(2));
+    assert!(left.is_empty(), "ranks left alive: {left:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn fault_the_master_port_is_in_use() {
+    let dir = temp_dir("fault-port");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let mut c = Command::new(COHORT);
+    c.args(["run", "-n", "2", "--master-port", &port, "--", SUITE, "--pid-dir", dir.to_str().unwrap(), "barrier"]);
+    c.env_remove("COHORT_JOB_SECRET").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let (code, stderr, secs) = run_case(&dir, c);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(secs < 3.0, "{secs}");
+    assert!(stderr.contains(&format!("port {port} on 127.0.0.1 is already in use")), "{stderr}");
+    assert!(read_pids(&dir).is_empty(), "no rank starts");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn fault_a_wrong_job_secret() {
+    // One rank brings the wrong secret: the store refuses it.
+    let dir = temp_dir("fault-secret");
+    let (code, stderr, secs) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["secret", "1"]));
+    assert_eq!(code, 1, "{stderr}");
+    assert!(secs < 5.0, "{secs}");
+    assert!(stderr.contains("rank 1 failed first"), "{stderr}");
+    assert!(stderr.contains("refused this client: its job secret is not the job's"), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn fault_a_malformed_environment() {
+    let cases: [(&[&str], &str); 3] = [
+        (&["--set-env", "RANK=7"], "rank 7 is not below the world size 2"),
+        (&["--set-env", "RANK=one"], "RANK=\"one\" is not a whole number"),
+        (&["--unset-env", "COHORT_STORE_ADDR", "--unset-env", "MASTER_ADDR"], "MASTER_ADDR is missing"),
+    ];
+    for (i, (set, message)) in cases.into_iter().enumerate() {
+        let dir = temp_dir(&format!("fault-env-{i}"));
+        let mut args = set.to_vec();
+        args.push("barrier");
+        let (code, stderr, secs) = run_case(&dir, faulty(&dir, "3", &["-n", "2"], &args));
+        assert_eq!(code, 1, "{stderr}");
+        assert!(secs < 5.0, "{secs}");
+        assert!(stderr.contains("failed first") && stderr.contains(message), "{message}: {stderr}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

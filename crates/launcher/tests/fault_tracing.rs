@@ -1,0 +1,60 @@
+//! What the ranks of a job leave behind and what the launcher tolerates: a
+//! rank that is only slow (it still heartbeats) is not stopped, and
+//! COHORT_TIMELINE gives each rank a Chrome trace of its collectives.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const SUITE: &str = env!("CARGO_BIN_EXE_cohort-comm-suite");
+
+fn suite_run(opts: &[&str], args: &[&str]) -> Command {
+    let mut c = Command::new(COHORT);
+    c.arg("run").args(["--master-port", "0"]).args(opts).arg("--").arg(SUITE).args(args);
+    for v in ["COHORT_JOB_SECRET", "COHORT_LOG", "RUST_LOG", "COHORT_STORE_ADDR", "COHORT_TIMELINE"] {
+        c.env_remove(v);
+    }
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c
+}
+
+#[test]
+fn a_slow_rank_that_heartbeats_is_not_stopped() {
+    let dir = temp_dir("slow");
+    let trace = dir.join("trace");
+    let mut c = suite_run(
+        &["-n", "2", "--heartbeat-timeout", "1", "--trace-dir", trace.to_str().unwrap()],
+        &["slow", "1", "3"],
+    );
+    c.env("COHORT_TIMEOUT", "20");
+    let start = Instant::now();
+    let out = output_within(c, Duration::from_secs(60));
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert!(start.elapsed() >= Duration::from_secs(3), "rank 1 slept 3 s: {:?}", start.elapsed());
+    assert!(!stderr.contains("no heartbeat"), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn cohort_timeline_writes_a_chrome_trace_per_rank() {
+    let dir = temp_dir("timeline");
+    let mut c = suite_run(&["-n", "2"], &["slow", "0", "0"]);
+    c.env("COHORT_TIMELINE", dir.join("timeline.json"));
+    let out = output_within(c, Duration::from_secs(60));
+    assert_eq!(code(out.status, &out), 0, "{:?}", texts(&out));
+    for rank in 0..2 {
+        let text = std::fs::read_to_string(dir.join(format!("timeline.rank{rank}.json"))).unwrap();
+        let strict = format!("{}]", text.trim_end().trim_end_matches(','));
+        let events: Vec<serde_json::Value> = serde_json::from_str(&strict).unwrap();
+        let names: Vec<&str> = events.iter().map(|e| e["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["all_reduce", "barrier"], "rank {rank}: {text}");
+        assert!(events.iter().all(|e| e["ph"] == "X" && e["pid"] == rank && e["cat"] == "collective"), "{text}");
+        assert_eq!(events[0]["args"]["count"], 1024);
+        assert_eq!(events[0]["args"]["ok"], true);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
