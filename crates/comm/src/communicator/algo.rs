@@ -26,7 +26,8 @@ type R = Result<(), String>;
 /// `(a, b)`: disjoint ranges of `buf` as a shared and a mutable slice.
 fn split(buf: &mut [u8], a: (usize, usize), b: (usize, usize)) -> (&[u8], &mut [u8]) {
     assert!(a.1 <= b.0 || b.1 <= a.0, "ranges overlap");
-    if a.0 < b.0 {
+    // `a` lies before `b` (an empty `a` at `b`'s start counts as before).
+    if a.1 <= b.0 {
         let (lo, hi) = buf.split_at_mut(b.0);
         (&lo[a.0..a.1], &mut hi[..b.1 - b.0])
     } else {
@@ -45,6 +46,24 @@ fn blocks(len: usize, elem: usize, parts: usize) -> Vec<(usize, usize)> {
             (lo, hi)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::split;
+
+    #[test]
+    fn empty_ranges_at_the_other_range_start() {
+        let mut buf = [1u8, 2, 3, 4];
+        let (a, b) = split(&mut buf, (0, 0), (0, 4));
+        assert!(a.is_empty());
+        assert_eq!(b, &[1, 2, 3, 4]);
+        let (a, b) = split(&mut buf, (4, 4), (0, 4));
+        assert!(a.is_empty());
+        assert_eq!(b.len(), 4);
+        let (a, b) = split(&mut buf, (2, 4), (0, 2));
+        assert_eq!((a, &*b), (&[3u8, 4][..], &[1u8, 2][..]));
+    }
 }
 
 impl World {
