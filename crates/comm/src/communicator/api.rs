@@ -145,9 +145,15 @@ impl Communicator {
         };
         let fp = Fingerprint { seq, call, op, dtype, count: count as u64, root: root.map(|r| r as u32) };
         if let Some(nccl) = self.inner.nccl.as_ref().filter(|n| n.takes(&job, &inputs, &outputs)) {
+            let (start_us, start) = (crate::trace::now_micros(), std::time::Instant::now());
+            // Dropped unrun when the launch fails: that aborts for the
+            // other ranks, as on the host path.
+            let tracker = self.inner.observer.queued(fp, job);
             let meeting = nccl.launch(&self.inner.world, fp, job, self.timeout(), inputs, outputs);
             drop((issued, order));
-            return meeting.map(Pending::Nccl);
+            let meeting = meeting?;
+            meeting.on_done(move |outcome| tracker.ended(outcome, start_us, start));
+            return Ok(Pending::Nccl(meeting));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp, job);

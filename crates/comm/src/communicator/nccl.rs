@@ -321,7 +321,12 @@ pub(crate) struct Meeting {
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
+    /// Called once, with the outcome, when every local part has returned.
+    on_done: Mutex<Option<DoneHook>>,
 }
+
+/// What a finished NCCL-path call reports to (the flight recorder's tracker).
+type DoneHook = Box<dyn FnOnce(Result<(), String>) + Send>;
 
 /// Arrival note and abort polling of one waiting part.
 struct Poll {
@@ -353,7 +358,21 @@ impl Meeting {
             timeout,
             state: Mutex::new(state),
             cv: Condvar::new(),
+            on_done: Mutex::new(None),
         })
+    }
+
+    /// Runs `hook` with the call's outcome once every local part returned
+    /// (at once if they already have).
+    pub(crate) fn on_done(&self, hook: impl FnOnce(Result<(), String>) + Send + 'static) {
+        let state = self.state.lock();
+        if state.returned < self.devices.len() {
+            *self.on_done.lock() = Some(Box::new(hook));
+            return;
+        }
+        let outcome = state.failure.as_ref().map_or(Ok(()), |e| Err(e.to_string()));
+        drop(state);
+        hook(outcome);
     }
 
     fn error(&self, slot: usize, reason: String) -> ServerError {
@@ -510,5 +529,12 @@ impl Drop for Ticket {
         }
         state.returned += 1;
         m.cv.notify_all();
+        if state.returned == m.devices.len() {
+            let outcome = state.failure.as_ref().map_or(Ok(()), |e| Err(e.to_string()));
+            drop(state);
+            if let Some(hook) = m.on_done.lock().take() {
+                hook(outcome);
+            }
+        }
     }
 }

@@ -217,11 +217,19 @@ pub(crate) struct Tracker {
 
 impl Tracker {
     /// Runs the exchange (the leader's plan) and records how it ended.
-    pub(crate) fn run(mut self, world: &mut World, views: Views) -> Result<Vec<Option<Vec<u8>>>, String> {
-        self.ran = true;
+    pub(crate) fn run(self, world: &mut World, views: Views) -> Result<Vec<Option<Vec<u8>>>, String> {
         let (start_us, start) = (now_micros(), Instant::now());
         let result = plans::run(world, self.fp, self.job, views);
-        let outcome = result.as_ref().map(|_| ()).map_err(Clone::clone);
+        self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone), start_us, start);
+        result
+    }
+
+    /// Records how a collective that ran elsewhere (the NCCL path) ended:
+    /// the recorder, progress for the heartbeat, the timeline, and on
+    /// failure the recorder's dump. `start_us`/`start` are when it was
+    /// queued.
+    pub(crate) fn ended(mut self, outcome: Result<(), String>, start_us: u64, start: Instant) {
+        self.ran = true;
         FlightRecorder::global().finish(&self.group, self.fp.seq, outcome.clone());
         if self.fp.call != Call::SendRecv && outcome.is_ok() {
             self.shared.finished.fetch_max(self.fp.seq, Ordering::Relaxed);
@@ -249,7 +257,6 @@ impl Tracker {
                 FlightRecorder::global().write_default(dump_reason(why));
             }
         }
-        result
     }
 }
 
