@@ -120,35 +120,14 @@ impl Client {
         outputs: Vec<Handle>,
         task: impl FnOnce(&mut BufferAccess<'_>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
-        for handle in inputs.iter().chain(&outputs) {
-            self.check_owned(handle)?;
-        }
-        self.refuse_if_capturing("a buffer task")?;
-        let stream = self.stream_id();
-        let operation = operation.to_string();
-        let device = self.device_id();
-        self.device().submit(stream, move |state| {
-            let all: Vec<&Handle> = inputs.iter().chain(&outputs).collect();
-            let out_refs: Vec<&Handle> = outputs.iter().collect();
-            let in_refs: Vec<&Handle> = inputs.iter().collect();
-            let result = (|| {
-                if let Some(err) = DeviceState::poisoned_input(in_refs.iter().copied(), &operation) {
-                    return Err(err);
-                }
-                let mut bindings = Vec::with_capacity(all.len());
-                for handle in &all {
-                    bindings.push(state.binding(handle)?);
-                }
-                state.order_after_writers(stream, all.iter().copied())?;
-                let mut access = BufferAccess { state: &mut *state, stream, bindings };
-                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(&mut access))) {
-                    Ok(result) => result,
-                    Err(payload) => Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) }),
-                }
-            })();
-            DeviceState::mark_outputs(stream, out_refs.iter().copied(), &result);
+        // The task is skipped when its buffers are not ready: the error it
+        // is handed marks the outputs unchanged.
+        self.submit_buffers_always(operation, inputs, outputs, move |access| match access {
+            Ok(access) => task(access),
+            Err(err) => Err(err),
         })
     }
+
     /// Like [`Client::submit_buffers`], but the task always runs: when an
     /// input already carries an error, or a buffer cannot be bound, the task
     /// gets that error (`Err`) instead of the buffers. Tasks that meet tasks
@@ -192,14 +171,7 @@ impl Client {
                 Err(err) => task(Err(err)),
             });
             let result = std::panic::catch_unwind(run).unwrap_or_else(|payload| {
-                Err(ServerError::TaskPanicked {
-                    device,
-                    message: payload
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| payload.downcast_ref::<String>().cloned())
-                        .unwrap_or_default(),
-                })
+                Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) })
             });
             DeviceState::mark_outputs(stream, out_refs.iter().copied(), &result);
         })
