@@ -38,7 +38,6 @@ use clap::Parser;
 use cohort::comm::verify::{Buffers, CollectiveOp};
 use cohort::comm::{ClientGroup, DType, HostPath, ReduceOp};
 use cohort::prelude::*;
-use cohort::runtime::{CudaRuntime, WgpuRuntime};
 use rayon::prelude::*;
 
 #[derive(Parser, Debug)]
@@ -165,28 +164,11 @@ fn transfer_bandwidth(client: &Client, bytes: usize) -> Result<(f64, f64), Serve
 
 /// The first `devices` clients of `backend` (every device by default).
 fn clients(backend: &str, devices: Option<usize>) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
-    match backend {
-        "cpu" => {
-            if let Some(n) = devices {
-                // Before the first CPU client exists: the runtime reads it then.
-                std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
-            }
-            first::<CpuRuntime>(devices, "set by --devices")
-        }
-        "wgpu" => first::<WgpuRuntime>(devices, "set COHORT_WGPU_DEVICES=N to open N devices on the first adapter"),
-        "cuda" => first::<CudaRuntime>(devices, "one per GPU"),
-        other => Err(format!("unknown backend {other:?}: use cpu, wgpu or cuda").into()),
+    if let (Some(n), "cpu") = (devices, backend) {
+        // Before the first CPU client exists: the runtime reads it then.
+        std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
     }
-}
-
-/// The first `devices` clients of runtime `R`; `hint` says how to get more.
-fn first<R: Runtime>(devices: Option<usize>, hint: &str) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
-    let count = R::device_count().map_err(|e| format!("backend {}: {e}", R::NAME))?;
-    let n = devices.unwrap_or(count);
-    if n == 0 || n > count {
-        return Err(format!("--devices {n}: the {} backend has {count} device(s) ({hint})", R::NAME).into());
-    }
-    Ok((0..n).map(R::client).collect::<Result<_, _>>()?)
+    Ok(cohort::runtime::clients_of(backend, devices)?)
 }
 
 fn time_one(group: &ClientGroup, bufs: &Buffers, op: ReduceOp, args: &Args) -> Result<f64, Box<dyn std::error::Error>> {

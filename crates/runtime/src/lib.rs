@@ -37,7 +37,7 @@ pub use id::{DeviceId, ServiceId, StreamId};
 pub use kernel::{CpuKernelContext, CpuKernelFn, GridCount, Kernel, KernelArguments, Scalar};
 pub use profile::{ProfileDuration, ProfileWindow, TimingMethod};
 pub use properties::DeviceProperties;
-pub use runtime::Runtime;
+pub use runtime::{clients_of, Runtime};
 pub use state::{DeviceStats, StreamMemory};
 
 /// The names most programs need.

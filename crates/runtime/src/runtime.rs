@@ -21,3 +21,33 @@ pub trait Runtime: Send + Sync + 'static {
         (0..Self::device_count()?).map(Self::client).collect()
     }
 }
+
+/// Clients for the first `count` devices (every device when `None`) of the
+/// backend named `backend`: "cpu", "cuda" or "wgpu" (the latter two where
+/// their cargo features are built). An unknown name, a backend with no
+/// devices, or more devices than it has are errors that say which.
+pub fn clients_of(backend: &str, count: Option<usize>) -> Result<Vec<Client>, ServerError> {
+    fn first<R: Runtime>(count: Option<usize>, hint: &str) -> Result<Vec<Client>, ServerError> {
+        let available = R::device_count()?;
+        let n = count.unwrap_or(available);
+        if n == 0 || n > available {
+            return Err(ServerError::InvalidArgument(format!(
+                "{n} {} device(s) asked for; the backend has {available} ({hint})",
+                R::NAME
+            )));
+        }
+        (0..n).map(R::client).collect()
+    }
+    match backend {
+        "cpu" => first::<crate::CpuRuntime>(count, "set COHORT_CPU_DEVICES for more"),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => {
+            first::<crate::WgpuRuntime>(count, "set COHORT_WGPU_DEVICES=N to open N devices on the first adapter")
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => first::<crate::CudaRuntime>(count, "one per GPU"),
+        other => Err(ServerError::InvalidArgument(format!(
+            "unknown or unbuilt backend {other:?}: use cpu, wgpu or cuda (the latter two need their cargo features)"
+        ))),
+    }
+}
