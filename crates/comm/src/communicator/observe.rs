@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{RecvTimeoutError, Sender};
 
 use crate::store::StoreClient;
-use crate::trace::{now_micros, CollectiveFingerprint, FlightRecorder, Timeline, TimelineEvent};
+use crate::trace::{now_micros, CollectiveFingerprint, FlightRecorder, RecordId, Timeline, TimelineEvent};
 
 use super::error::ConnectError;
 use super::fingerprint::{Call, Fingerprint};
@@ -174,8 +174,8 @@ impl Observer {
                 (s.group.clone(), None)
             }
         };
-        FlightRecorder::global().start_among(&group, record_of(&fp), ranks);
-        Tracker { shared: s.clone(), group, fp, job, ran: false }
+        let record = FlightRecorder::global().start_among(&group, record_of(&fp), ranks);
+        Tracker { shared: s.clone(), group, record, fp, job, ran: false }
     }
 }
 
@@ -210,6 +210,7 @@ fn dump_reason(why: &str) -> &'static str {
 pub(crate) struct Tracker {
     shared: Arc<Shared>,
     group: String,
+    record: RecordId,
     fp: Fingerprint,
     job: Job,
     ran: bool,
@@ -230,7 +231,7 @@ impl Tracker {
     /// queued.
     pub(crate) fn ended(mut self, outcome: Result<(), String>, start_us: u64, start: Instant) {
         self.ran = true;
-        FlightRecorder::global().finish(&self.group, self.fp.seq, outcome.clone());
+        FlightRecorder::global().finish_record(self.record, outcome.clone());
         if self.fp.call != Call::SendRecv && outcome.is_ok() {
             self.shared.finished.fetch_max(self.fp.seq, Ordering::Relaxed);
         }
@@ -270,7 +271,7 @@ impl Drop for Tracker {
              poisoned input, a failed device, or a local device that never reached it)",
             self.fp, self.shared.rank
         );
-        FlightRecorder::global().finish(&self.group, self.fp.seq, Err(why.clone()));
+        FlightRecorder::global().finish_record(self.record, Err(why.clone()));
         // The first local failure tells the other ranks, so they stop
         // instead of waiting for this rank until their timeout.
         if !self.shared.aborted.swap(true, Ordering::Relaxed) {

@@ -10,12 +10,13 @@ use cohort_runtime::{Client, ServerError};
 use parking_lot::Mutex;
 
 use crate::collective::Kind;
-use crate::trace::{now_micros, CollectiveFingerprint, FlightRecorder, Timeline, TimelineEvent};
+use crate::trace::{now_micros, CollectiveFingerprint, FlightRecorder, RecordId, Timeline, TimelineEvent};
 
 /// One queued collective of a group; every part's task holds a clone and
 /// notes how it ended.
 pub(crate) struct Tracked {
     group: String,
+    record: RecordId,
     fingerprint: CollectiveFingerprint,
     parts: usize,
     noted: AtomicUsize,
@@ -56,9 +57,10 @@ impl Tracked {
         };
         // A process-local group: only this process takes part.
         let (rank, _) = FlightRecorder::global().identity();
-        FlightRecorder::global().start_among(&group, fingerprint.clone(), Some(vec![rank]));
+        let record = FlightRecorder::global().start_among(&group, fingerprint.clone(), Some(vec![rank]));
         Arc::new(Tracked {
             group,
+            record,
             fingerprint,
             parts,
             noted: AtomicUsize::new(0),
@@ -87,7 +89,7 @@ impl Drop for Tracked {
         }
         let ok = failure.is_none();
         let seq = self.fingerprint.seq;
-        FlightRecorder::global().finish(&self.group, seq, failure.map_or(Ok(()), Err));
+        FlightRecorder::global().finish_record(self.record, failure.map_or(Ok(()), Err));
         if let Some(timeline) = Timeline::from_env() {
             let fp = &self.fingerprint;
             timeline.record(&TimelineEvent {

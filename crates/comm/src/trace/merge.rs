@@ -197,6 +197,7 @@ mod tests {
             started_us: seq,
             ended_us: None,
             state,
+            id: 0,
             ranks: None,
         }
     }

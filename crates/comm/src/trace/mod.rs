@@ -19,7 +19,7 @@ mod timeline;
 
 pub use merge::{merge, merge_files, MergeReport, Straggler};
 pub use recorder::{
-    install_dump_on_signal, trace_dir, CollectiveFingerprint, CollectiveRecord, FlightRecorder, RecordState,
+    install_dump_on_signal, trace_dir, CollectiveFingerprint, CollectiveRecord, FlightRecorder, RecordId, RecordState,
     RecorderDump,
 };
 pub use timeline::{Timeline, TimelineEvent};

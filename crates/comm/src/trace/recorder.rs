@@ -68,7 +68,16 @@ pub struct CollectiveRecord {
     /// its own rank, so the merge does not expect the others to see it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<Vec<usize>>,
+    /// This process's id of the record ([`FlightRecorder::start_among`]
+    /// returns it), so two communicators whose group names collide in one
+    /// process (ranks as threads in a test) finish their own records.
+    #[serde(skip)]
+    pub id: u64,
 }
+
+/// The id of one record in this process's recorder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordId(pub u64);
 
 /// A rank's recorder written to disk.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,9 +137,11 @@ impl FlightRecorder {
 
     /// Records the start of a collective that only `ranks` take part in
     /// (`None`: every rank). Costs a lock and a push.
-    pub fn start_among(&self, group: &str, fingerprint: CollectiveFingerprint, ranks: Option<Vec<usize>>) {
+    pub fn start_among(&self, group: &str, fingerprint: CollectiveFingerprint, ranks: Option<Vec<usize>>) -> RecordId {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
         if self.capacity == 0 {
-            return;
+            return RecordId(id);
         }
         let mut records = self.records.lock();
         if records.len() == self.capacity {
@@ -143,7 +154,26 @@ impl FlightRecorder {
             ended_us: None,
             state: RecordState::Started,
             ranks,
+            id,
         });
+        RecordId(id)
+    }
+
+    /// Records the end of the record `id` returned by
+    /// [`FlightRecorder::start_among`]; a record that already failed keeps
+    /// its first reason, and one that fell off the ring is ignored.
+    pub fn finish_record(&self, id: RecordId, outcome: Result<(), String>) {
+        let mut records = self.records.lock();
+        if let Some(record) = records.iter_mut().rev().find(|r| r.id == id.0) {
+            if matches!(record.state, RecordState::Failed(_)) {
+                return;
+            }
+            record.ended_us = Some(now_micros());
+            record.state = match outcome {
+                Ok(()) => RecordState::Completed,
+                Err(reason) => RecordState::Failed(reason),
+            };
+        }
     }
 
     /// Records the end of collective `seq` of `group` (the newest record
