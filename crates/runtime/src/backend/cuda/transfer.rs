@@ -27,6 +27,25 @@ use crate::id::DeviceId;
 pub(crate) const SMALL: usize = 256 << 10;
 /// Bytes in one ring chunk.
 const CHUNK: usize = 8 << 20;
+/// Host copies of a chunk are split into pieces of this size, copied in
+/// parallel: one thread's memcpy (about 5–6 GB/s measured on an H200 host)
+/// would otherwise bound pageable uploads far below the DMA's 55 GB/s.
+const PIECE: usize = 1 << 20;
+
+/// Copies `len` bytes from `src` to `dst` with several threads.
+///
+/// # Safety
+/// `src` and `dst` must be valid for `len` bytes and not overlap.
+unsafe fn parallel_copy(src: *const u8, dst: *mut u8, len: usize) {
+    use rayon::prelude::*;
+    let (src, dst) = (src as usize, dst as usize);
+    (0..len.div_ceil(PIECE)).into_par_iter().for_each(|i| {
+        let at = i * PIECE;
+        let n = PIECE.min(len - at);
+        // SAFETY: the caller's contract; pieces are disjoint ranges of it.
+        unsafe { std::ptr::copy_nonoverlapping((src + at) as *const u8, (dst + at) as *mut u8, n) };
+    });
+}
 /// Chunks in the ring.
 const SLOTS: usize = 4;
 
@@ -108,7 +127,7 @@ impl Staging {
             // SAFETY: the slot's block holds CHUNK bytes, no copy uses it
             // (waited above), and `chunk.len() <= CHUNK`.
             unsafe {
-                std::ptr::copy_nonoverlapping(chunk.as_ptr(), slot.block.as_ptr(), chunk.len());
+                parallel_copy(chunk.as_ptr(), slot.block.as_ptr(), chunk.len());
                 let at = dst + (k * CHUNK) as u64;
                 check(
                     device,
@@ -243,7 +262,7 @@ impl Staging {
         let slot = self.slot(index)?;
         // SAFETY: `slot` waited for the copy into the block, which holds at
         // least `into.len()` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(slot.block.as_ptr(), into.as_mut_ptr(), into.len()) };
+        unsafe { parallel_copy(slot.block.as_ptr(), into.as_mut_ptr(), into.len()) };
         Ok(())
     }
 
