@@ -73,7 +73,12 @@ for exe in "$root"/target/release/examples/*; do
     cp "$exe" "$bundle/examples/"
 done
 cp -r "$root/scripts/anchors" "$bundle/scripts/"
-strip "$bundle"/tests/* "$bundle"/examples/* 2>/dev/null || true
+# The launcher and the cross-process suite, for multi.sh's Communicator runs.
+cargo build --release -p cohort-launch --bins
+mkdir -p "$bundle/bin"
+cp "$root/target/release/cohort" "$root/target/release/cohort-comm-suite" "$bundle/bin/"
+cp "$root/scripts/gpu-multi.sh" "$bundle/multi.sh"
+strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/bin/* 2>/dev/null || true
 
 cat >"$bundle/run.sh" <<'RUN'
 #!/usr/bin/env bash
