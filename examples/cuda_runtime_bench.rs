@@ -323,7 +323,14 @@ fn main() -> Result<(), ServerError> {
     });
     let c = gbps(size, pageable_upload);
     let rp = gbps(size, raw_pageable_up);
-    rows.push(Row { what: "256 MiB upload (pageable)", unit: "GB/s", cohort: c, raw: rp, goal: "vs raw pageable", met: true });
+    rows.push(Row {
+        what: "256 MiB upload (pageable)",
+        unit: "GB/s",
+        cohort: c,
+        raw: rp,
+        goal: "vs raw pageable",
+        met: true,
+    });
     let (c, r) = (gbps(size, read), gbps(size, raw_down));
     rows.push(Row { what: "256 MiB read", unit: "GB/s", cohort: c, raw: r, goal: "≥ 0.9× raw", met: c >= 0.9 * r });
 
