@@ -222,11 +222,7 @@ impl LayoutPolicy {
                     return (contiguous_strides(shape), elems * elem_size);
                 }
                 let pitch = row_bytes / elem_size;
-                let mut strides = vec![1; shape.len()];
-                strides[shape.len() - 2] = pitch;
-                for i in (0..shape.len() - 2).rev() {
-                    strides[i] = strides[i + 1] * shape[i + 1];
-                }
+                let strides = pitched_strides(shape, pitch);
                 let rows: usize = shape[..shape.len() - 1].iter().product();
                 let bytes = if elems == 0 { 0 } else { rows * pitch * elem_size };
                 (strides, bytes)
@@ -273,7 +269,7 @@ pub(crate) fn unpack_rows(
     let rank = shape.len();
     if rank < 2
         || strides[rank - 1] != 1
-        || strides[..rank - 2] != contiguous_pitched(shape, strides[rank - 2])[..rank - 2]
+        || strides[..rank - 2] != pitched_strides(shape, strides[rank - 2])[..rank - 2]
     {
         return Err(ServerError::InvalidArgument(format!(
             "strides {strides:?} for shape {shape:?} are not readable: only the last dimension may be padded"
@@ -295,7 +291,9 @@ pub(crate) fn unpack_rows(
     Ok(out)
 }
 
-fn contiguous_pitched(shape: &[usize], pitch: usize) -> Vec<usize> {
+/// Row-major strides, in elements, of a tensor of rank ≥ 2 whose rows are
+/// `pitch` elements apart (only the last dimension padded).
+fn pitched_strides(shape: &[usize], pitch: usize) -> Vec<usize> {
     let rank = shape.len();
     let mut strides = vec![1; rank];
     strides[rank - 2] = pitch;

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Barrier};
 
 use super::{first_client, kernels};
-use crate::memory::{AllocationMode, MemoryPoolsConfig, PoolConfig, PoolKind};
+use crate::memory::{MemoryPoolsConfig, PoolConfig, PoolKind};
 use crate::{
     Bytes, Client, CopyDescriptor, CpuRuntime, GridCount, Handle, KernelArguments, LayoutPolicy, MemoryScope, Runtime,
     Scalar, ServerError, TimingMethod,
@@ -490,5 +490,4 @@ pub fn device_closed_mid_use<R: Runtime>(client: Client) {
     assert_ne!(reopened.service_id(), client.service_id(), "a new opening");
     let fresh = upload(&reopened, &[4.0]);
     assert_eq!(download(&reopened, &fresh), vec![4.0]);
-    let _ = AllocationMode::Auto;
 }

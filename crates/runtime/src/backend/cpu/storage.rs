@@ -21,13 +21,12 @@ impl HostPages {
             reason: format!("page {:?} was already given back", binding.page),
         })?;
         let page_len = page.len() * 16;
-        let end = binding.offset.checked_add(binding.size).filter(|&e| e <= page_len as u64).ok_or_else(|| {
+        binding.offset.checked_add(binding.size).filter(|&e| e <= page_len as u64).ok_or_else(|| {
             ServerError::InvalidArgument(format!(
                 "{} bytes at offset {} run past a page of {page_len} bytes",
                 binding.size, binding.offset
             ))
         })?;
-        let _ = end;
         // SAFETY: offset + size <= page length was checked above, so the
         // pointer stays inside the page's allocation.
         let start = unsafe { page.as_mut_ptr().cast::<u8>().add(binding.offset as usize) };
