@@ -13,98 +13,14 @@ use super::nccl::Pending;
 use super::plans::Job;
 use super::Communicator;
 use crate::error::CommError;
+use crate::group::check::Check;
 use crate::ops::{DType, ReduceOp};
 use crate::order::enqueue_lock;
 
-/// Refuses an empty list, duplicates and mixed runtimes (as `ClientGroup`).
-pub(super) fn check_clients(clients: &[cohort_runtime::Client]) -> Result<(), CommError> {
-    let Some(first) = clients.first() else {
-        return Err(CommError::EmptyGroup);
-    };
-    for (member, client) in clients.iter().enumerate() {
-        if client.name() != first.name() {
-            return Err(CommError::MixedRuntimes { member, first: first.name(), other: client.name() });
-        }
-        if let Some(earlier) = clients[..member].iter().position(|c| c.device_id() == client.device_id()) {
-            return Err(CommError::DuplicateDevice { device: client.device_id(), first: earlier, second: member });
-        }
-    }
-    Ok(())
-}
-
-/// One call's checks.
-struct Check<'a> {
-    op: &'static str,
-    comm: &'a Communicator,
-    dtype: DType,
-}
-
-impl Check<'_> {
-    fn per_device(&self, what: &'static str, handles: &[Handle]) -> Result<(), CommError> {
-        let expected = self.comm.local_devices();
-        if handles.len() != expected {
-            return Err(CommError::BufferCount { operation: self.op, what, expected, got: handles.len() });
-        }
-        for (slot, h) in handles.iter().enumerate() {
-            self.owned(what, slot, h)?;
-        }
-        Ok(())
-    }
-
-    fn owned(&self, what: &'static str, slot: usize, handle: &Handle) -> Result<(), CommError> {
-        let client = &self.comm.clients()[slot];
-        if handle.service() != client.service_id() {
-            return Err(CommError::ForeignHandle {
-                operation: self.op,
-                what,
-                member: self.comm.rank() * self.comm.local_devices() + slot,
-                handle_device: handle.service().device,
-                member_device: client.device_id(),
-            });
-        }
-        Ok(())
-    }
-
-    fn member(&self, what: &'static str, index: usize, members: usize) -> Result<(), CommError> {
-        if index >= members {
-            return Err(CommError::NotAMember { operation: self.op, what, index, members });
-        }
-        Ok(())
-    }
-
-    /// Every handle holds `expected` bytes, a whole number of elements.
-    fn sizes(&self, what: &'static str, handles: &[Handle], expected: usize, why: &str) -> Result<(), CommError> {
-        let elem = self.dtype.size();
-        for (slot, h) in handles.iter().enumerate() {
-            let member = self.comm.rank() * self.comm.local_devices() + slot;
-            if h.size() % elem as u64 != 0 {
-                return Err(CommError::PartialElement {
-                    operation: self.op,
-                    what,
-                    member,
-                    bytes: h.size(),
-                    dtype: self.dtype.to_string(),
-                    elem,
-                });
-            }
-            if h.size() != expected as u64 {
-                return Err(CommError::WrongSize {
-                    operation: self.op,
-                    what,
-                    member,
-                    expected: expected as u64,
-                    got: h.size(),
-                    why: why.to_string(),
-                });
-            }
-        }
-        Ok(())
-    }
-}
-
 impl Communicator {
     fn check(&self, op: &'static str, dtype: DType) -> Check<'_> {
-        Check { op, comm: self, dtype }
+        let first_member = self.rank() * self.local_devices();
+        Check { op, clients: self.clients(), first_member, members: self.members(), dtype }
     }
 
     /// Queues one task per local device (slot `s` with `inputs[s]` and
@@ -189,11 +105,11 @@ impl Communicator {
     /// `op` and writes the result to every member's `dst`. Returns at once.
     pub fn all_reduce(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
         let c = self.check("all_reduce", dtype);
-        c.per_device("source", src)?;
-        c.per_device("destination", dst)?;
+        c.per_member("source", src)?;
+        c.per_member("destination", dst)?;
         let size = src[0].size() as usize;
-        c.sizes("source", src, size, "every member's source is the size of member 0's")?;
-        c.sizes("destination", dst, size, "the destination is the size of the source")?;
+        c.whole_sizes("source", src, size, "every member's source is the size of member 0's")?;
+        c.whole_sizes("destination", dst, size, "the destination is the size of the source")?;
         let job = Job::AllReduce { dtype, op };
         self.launch(Call::AllReduce, Some(op), dtype, size / dtype.size(), None, job, some(src), some(dst))?;
         Ok(())
@@ -211,14 +127,14 @@ impl Communicator {
         root: usize,
     ) -> Result<(), CommError> {
         let c = self.check("reduce", dtype);
-        c.member("root", root, self.members())?;
-        c.per_device("source", src)?;
+        c.member_of("root", root, self.members())?;
+        c.per_member("source", src)?;
         let size = src[0].size() as usize;
-        c.sizes("source", src, size, "every member's source is the size of member 0's")?;
+        c.whole_sizes("source", src, size, "every member's source is the size of member 0's")?;
         let mut outputs = vec![None; self.local_devices()];
         if let Some(slot) = self.local_slot(root) {
             c.owned("destination", slot, dst)?;
-            c.sizes("destination", std::slice::from_ref(dst), size, "the destination is the size of the source")?;
+            c.whole_sizes("destination", std::slice::from_ref(dst), size, "the destination is the size of the source")?;
             outputs[slot] = Some(dst.clone());
         }
         let job = Job::Reduce { dtype, op, root };
@@ -230,14 +146,14 @@ impl Communicator {
     /// ignored on other ranks). Returns at once.
     pub fn broadcast(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
         let c = self.check("broadcast", dtype);
-        c.member("root", root, self.members())?;
-        c.per_device("destination", dst)?;
+        c.member_of("root", root, self.members())?;
+        c.per_member("destination", dst)?;
         let size = dst[0].size() as usize;
-        c.sizes("destination", dst, size, "every destination is the size of member 0's")?;
+        c.whole_sizes("destination", dst, size, "every destination is the size of member 0's")?;
         let mut inputs = vec![None; self.local_devices()];
         if let Some(slot) = self.local_slot(root) {
             c.owned("source", slot, src)?;
-            c.sizes("source", std::slice::from_ref(src), size, "the source is the size of the destination")?;
+            c.whole_sizes("source", std::slice::from_ref(src), size, "the source is the size of the destination")?;
             inputs[slot] = Some(src.clone());
         }
         let job = Job::Broadcast { root };
@@ -249,12 +165,12 @@ impl Communicator {
     /// `dst`, which holds `members()` sources. Returns at once.
     pub fn all_gather(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
         let c = self.check("all_gather", dtype);
-        c.per_device("source", src)?;
-        c.per_device("destination", dst)?;
+        c.per_member("source", src)?;
+        c.per_member("destination", dst)?;
         let size = src[0].size() as usize;
-        c.sizes("source", src, size, "every member's source is the size of member 0's")?;
+        c.whole_sizes("source", src, size, "every member's source is the size of member 0's")?;
         let m = self.members();
-        c.sizes("destination", dst, m * size, &format!("{m} members × the source size"))?;
+        c.whole_sizes("destination", dst, m * size, &format!("{m} members × the source size"))?;
         self.launch(Call::AllGather, None, dtype, size / dtype.size(), None, Job::AllGather, some(src), some(dst))?;
         Ok(())
     }
@@ -263,12 +179,12 @@ impl Communicator {
     /// member `m` block `m` of the result in its `dst`. Returns at once.
     pub fn reduce_scatter(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
         let c = self.check("reduce_scatter", dtype);
-        c.per_device("source", src)?;
-        c.per_device("destination", dst)?;
+        c.per_member("source", src)?;
+        c.per_member("destination", dst)?;
         let size = dst[0].size() as usize;
         let m = self.members();
-        c.sizes("destination", dst, size, "every member's destination is the size of member 0's")?;
-        c.sizes("source", src, m * size, &format!("{m} members × the destination size"))?;
+        c.whole_sizes("destination", dst, size, "every member's destination is the size of member 0's")?;
+        c.whole_sizes("source", src, m * size, &format!("{m} members × the destination size"))?;
         let job = Job::ReduceScatter { dtype, op };
         self.launch(Call::ReduceScatter, Some(op), dtype, size / dtype.size(), None, job, some(src), some(dst))?;
         Ok(())
@@ -278,8 +194,8 @@ impl Communicator {
     /// `dst`; every buffer holds `members()` equal blocks. Returns at once.
     pub fn all_to_all(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
         let c = self.check("all_to_all", dtype);
-        c.per_device("source", src)?;
-        c.per_device("destination", dst)?;
+        c.per_member("source", src)?;
+        c.per_member("destination", dst)?;
         let total = src[0].size() as usize;
         let m = self.members();
         let block = m * dtype.size();
@@ -293,8 +209,8 @@ impl Communicator {
                 why: format!("a whole number of {m} equal blocks of {dtype} elements, one per member"),
             });
         }
-        c.sizes("source", src, total, "every member's source is the size of member 0's")?;
-        c.sizes("destination", dst, total, "the destination is the size of the source")?;
+        c.whole_sizes("source", src, total, "every member's source is the size of member 0's")?;
+        c.whole_sizes("destination", dst, total, "the destination is the size of the source")?;
         let count = total / m / dtype.size();
         self.launch(Call::AllToAll, None, dtype, count, None, Job::AllToAll, some(src), some(dst))?;
         Ok(())
@@ -305,15 +221,20 @@ impl Communicator {
     /// once.
     pub fn gather(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
         let c = self.check("gather", dtype);
-        c.member("root", root, self.members())?;
-        c.per_device("source", src)?;
+        c.member_of("root", root, self.members())?;
+        c.per_member("source", src)?;
         let size = src[0].size() as usize;
-        c.sizes("source", src, size, "every member's source is the size of member 0's")?;
+        c.whole_sizes("source", src, size, "every member's source is the size of member 0's")?;
         let mut outputs = vec![None; self.local_devices()];
         if let Some(slot) = self.local_slot(root) {
             let m = self.members();
             c.owned("destination", slot, dst)?;
-            c.sizes("destination", std::slice::from_ref(dst), m * size, &format!("{m} members × the source size"))?;
+            c.whole_sizes(
+                "destination",
+                std::slice::from_ref(dst),
+                m * size,
+                &format!("{m} members × the source size"),
+            )?;
             outputs[slot] = Some(dst.clone());
         }
         let job = Job::Gather { root };
@@ -326,15 +247,20 @@ impl Communicator {
     /// Returns at once.
     pub fn scatter(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
         let c = self.check("scatter", dtype);
-        c.member("root", root, self.members())?;
-        c.per_device("destination", dst)?;
+        c.member_of("root", root, self.members())?;
+        c.per_member("destination", dst)?;
         let size = dst[0].size() as usize;
-        c.sizes("destination", dst, size, "every member's destination is the size of member 0's")?;
+        c.whole_sizes("destination", dst, size, "every member's destination is the size of member 0's")?;
         let mut inputs = vec![None; self.local_devices()];
         if let Some(slot) = self.local_slot(root) {
             let m = self.members();
             c.owned("source", slot, src)?;
-            c.sizes("source", std::slice::from_ref(src), m * size, &format!("{m} members × the destination size"))?;
+            c.whole_sizes(
+                "source",
+                std::slice::from_ref(src),
+                m * size,
+                &format!("{m} members × the destination size"),
+            )?;
             inputs[slot] = Some(src.clone());
         }
         let job = Job::Scatter { root };
@@ -350,7 +276,7 @@ impl Communicator {
     /// first must order them (lower rank sends first) .
     pub fn send(&self, src: &Handle, to: usize, dtype: DType) -> Result<(), CommError> {
         let slot = self.slot_of("send", "source", src)?;
-        self.check("send", dtype).member("receiver rank", to, self.size())?;
+        self.check("send", dtype).member_of("receiver rank", to, self.size())?;
         self.check_not_self("send", to)?;
         let count = src.size() as usize / dtype.size();
         let mut inputs = vec![None; self.local_devices()];
@@ -366,7 +292,7 @@ impl Communicator {
     /// error naming both sides.
     pub fn recv(&self, dst: &Handle, from: usize, dtype: DType) -> Result<(), CommError> {
         let slot = self.slot_of("recv", "destination", dst)?;
-        self.check("recv", dtype).member("sender rank", from, self.size())?;
+        self.check("recv", dtype).member_of("sender rank", from, self.size())?;
         self.check_not_self("recv", from)?;
         let count = dst.size() as usize / dtype.size();
         let mut outputs = vec![None; self.local_devices()];

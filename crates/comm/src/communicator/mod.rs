@@ -149,7 +149,7 @@ impl Communicator {
         if rank >= world_size {
             return Err(ConnectError::Config(format!("rank {rank} is not below the world size {world_size}")));
         }
-        api::check_clients(&clients)?;
+        crate::group::check::check_clients(&clients)?;
         let timeout = default_timeout();
         let store = StoreClient::connect(store_addr, secret, timeout)?;
         let world = match given {

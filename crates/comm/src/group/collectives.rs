@@ -16,7 +16,7 @@ use crate::ops::{DType, ReduceOp};
 
 impl ClientGroup {
     fn check(&self, op: &'static str, dtype: DType) -> Check<'_> {
-        Check { op, group: self, dtype }
+        Check { op, clients: self.clients(), first_member: 0, members: self.len(), dtype }
     }
 
     fn every(&self, src: &[Handle], dst: &[Handle]) -> Vec<Part> {

@@ -1,7 +1,7 @@
 //! [`ClientGroup`]: one client per device of one runtime, in one process,
 //! and the collectives across them.
 
-mod check;
+pub(crate) mod check;
 mod collectives;
 mod record;
 
@@ -87,17 +87,7 @@ impl ClientGroup {
     /// [`ClientGroup::transport`]). The NCCL communicators themselves are
     /// made on the first collective, on every member's device at once.
     pub fn new(clients: Vec<Client>) -> Result<ClientGroup, CommError> {
-        let Some(first) = clients.first() else {
-            return Err(CommError::EmptyGroup);
-        };
-        for (member, client) in clients.iter().enumerate() {
-            if client.name() != first.name() {
-                return Err(CommError::MixedRuntimes { member, first: first.name(), other: client.name() });
-            }
-            if let Some(earlier) = clients[..member].iter().position(|c| c.device_id() == client.device_id()) {
-                return Err(CommError::DuplicateDevice { device: client.device_id(), first: earlier, second: member });
-            }
-        }
+        check::check_clients(&clients)?;
         let communicator = communicator(&clients);
         let direct = communicator.host_addressable();
         let route = device::choose(&clients);
