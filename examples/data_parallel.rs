@@ -5,21 +5,32 @@
 //! Run: `cargo run --release --example data_parallel` (CPU, 4 devices), or
 //! `-- --devices 8 --epochs 10 --steps 50`; `--backend wgpu` trains on every
 //! wgpu device (`COHORT_WGPU_DEVICES=4` opens four on one adapter, e.g.
-//! lavapipe), `--backend cuda` on every CUDA device.
+//! lavapipe), `--backend cuda` on every CUDA device. That is one process
+//! for all devices (a `ClientGroup`).
+//!
+//! One process per device: start it with a launcher, e.g.
+//! `cohort run -n gpu -- target/release/examples/data_parallel --backend cuda`
+//! (or torchrun, mpirun, srun). It then joins the job through
+//! `Communicator::from_env`, each rank training on `--devices` devices
+//! (default 1) from device `LOCAL_RANK × --devices`, and the replicas are
+//! the devices of every rank.
 //!
 //! At the end it checks that every replica's parameters are bit-identical
-//! and that the loss matches a one-device run over the same global batches,
-//! on the same backend, within a relative 1e-3 per epoch (the two runs sum
-//! the batch in a different order, so float rounding differs slightly; the
-//! observed difference is around 1e-6), prints both, and exits non-zero if a
-//! check fails. The kernels carry a CPU (Rust), a CUDA C and a WGSL source.
+//! (across ranks: gathered with `all_gather`) and that the loss matches a
+//! one-device run over the same global batches, on the same backend (on
+//! rank 0's first device), within a relative 1e-3 per epoch (the two runs
+//! sum the batch in a different order, so float rounding differs slightly;
+//! the observed difference is around 1e-6), prints both, and exits non-zero
+//! if a check fails. The kernels carry a CPU (Rust), a CUDA C and a WGSL
+//! source.
 
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use cohort::comm::{ClientGroup, DType, ReduceOp};
+use cohort::comm::launch_env::LaunchEnv;
+use cohort::comm::{ClientGroup, CommError, Communicator, DType, ReduceOp};
 use cohort::prelude::*;
 
 const INPUTS: usize = 16;
@@ -36,7 +47,8 @@ struct Args {
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Devices to train on, the first N of the backend (default: every
-    /// device; 4 on the CPU, where N sets COHORT_CPU_DEVICES).
+    /// device; 4 on the CPU, where N sets COHORT_CPU_DEVICES). Under a
+    /// launcher: devices per rank (default 1).
     #[arg(long)]
     devices: Option<usize>,
     #[arg(long, default_value_t = 6)]
@@ -287,9 +299,58 @@ struct Run {
     seconds: f64,
 }
 
-/// Trains on every client of `group`; `label` prefixes the progress bar.
-fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn std::error::Error>> {
-    let n = group.len();
+/// Where the replicas live: every device in this process, or this rank's
+/// devices of a job with one process per device (or per few devices).
+enum Replicas {
+    Group(ClientGroup),
+    Ranks(Communicator),
+}
+
+impl Replicas {
+    /// This process's devices.
+    fn clients(&self) -> &[Client] {
+        match self {
+            Replicas::Group(g) => g.clients(),
+            Replicas::Ranks(c) => c.clients(),
+        }
+    }
+
+    /// Replicas in the whole job.
+    fn members(&self) -> usize {
+        match self {
+            Replicas::Group(g) => g.len(),
+            Replicas::Ranks(c) => c.members(),
+        }
+    }
+
+    /// The job-wide number of this process's first device.
+    fn first_member(&self) -> usize {
+        match self {
+            Replicas::Group(_) => 0,
+            Replicas::Ranks(c) => c.rank() * c.local_devices(),
+        }
+    }
+
+    /// Whether this process prints progress (rank 0).
+    fn leads(&self) -> bool {
+        match self {
+            Replicas::Group(_) => true,
+            Replicas::Ranks(c) => c.rank() == 0,
+        }
+    }
+
+    /// Averages `grads` (one per local device) across every replica, in place.
+    fn average(&self, grads: &[Handle]) -> Result<(), CommError> {
+        match self {
+            Replicas::Group(g) => g.all_reduce(grads, grads, DType::F32, ReduceOp::Avg),
+            Replicas::Ranks(c) => c.all_reduce(grads, grads, DType::F32, ReduceOp::Avg),
+        }
+    }
+}
+
+/// Trains on every replica; `label` prefixes the progress bar.
+fn train(replicas: &Replicas, args: &Args, label: &str) -> Result<Run, Box<dyn std::error::Error>> {
+    let n = replicas.members();
     let rows = BATCH / n;
     let init: Vec<f32> = (0..PARAMS).map(|i| 0.3 * noise(1_000_000 + i as u64)).collect();
     let (fb, step_kernel) = (forward_backward(), sgd());
@@ -298,8 +359,9 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
     let mut losses = Vec::new();
     let mut data = Vec::new();
     let mut scratch = Vec::new();
-    for (m, client) in group.clients().iter().enumerate() {
-        // Device m takes rows [m·rows, (m+1)·rows) of every global batch.
+    for (l, client) in replicas.clients().iter().enumerate() {
+        // Replica m takes rows [m·rows, (m+1)·rows) of every global batch.
+        let m = replicas.first_member() + l;
         let mut xs = Vec::with_capacity(args.steps * rows * INPUTS);
         let mut ys = Vec::with_capacity(args.steps * rows);
         for s in 0..args.steps {
@@ -320,7 +382,7 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
     let total = args.epochs * args.steps;
     for epoch in 0..args.epochs {
         for step in 0..args.steps {
-            for (m, client) in group.clients().iter().enumerate() {
+            for (m, client) in replicas.clients().iter().enumerate() {
                 let a = KernelArguments::new()
                     .buffer(&params[m])
                     .buffer(&data[m].0)
@@ -333,8 +395,8 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
                 client.launch(&fb, GridCount::Static(1, 1, 1), a)?;
             }
             // Average gradients (and the last slot, the loss) in place.
-            group.all_reduce(&grads, &grads, DType::F32, ReduceOp::Avg)?;
-            for (m, client) in group.clients().iter().enumerate() {
+            replicas.average(&grads)?;
+            for (m, client) in replicas.clients().iter().enumerate() {
                 let a = KernelArguments::new()
                     .buffer(&params[m])
                     .buffer(&grads[m])
@@ -343,9 +405,9 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
                 client.launch(&step_kernel, GridCount::cover(PARAMS, 256), a)?;
             }
             let done = epoch * args.steps + step + 1;
-            if step % 8 == 7 || step + 1 == args.steps {
+            if replicas.leads() && (step % 8 == 7 || step + 1 == args.steps) {
                 // Reading the loss waits for the step: the bar shows work done.
-                let sum = group.client(0).read_one(losses[0].clone())?.to_elems::<f32>()[0];
+                let sum = replicas.clients()[0].read_one(losses[0].clone())?.to_elems::<f32>()[0];
                 let width = 30 * done / total;
                 eprint!(
                     "\r{label} epoch {}/{} [{}{}] step {:>4}/{total} loss {:.5}",
@@ -359,20 +421,32 @@ fn train(group: &ClientGroup, args: &Args, label: &str) -> Result<Run, Box<dyn s
                 let _ = std::io::stderr().flush();
             }
         }
-        let sum = group.client(0).read_one(losses[0].clone())?.to_elems::<f32>()[0];
+        let sum = replicas.clients()[0].read_one(losses[0].clone())?.to_elems::<f32>()[0];
         epoch_losses.push(sum / args.steps as f32);
-        for (m, client) in group.clients().iter().enumerate() {
+        for (m, client) in replicas.clients().iter().enumerate() {
             client.write(&losses[m], Bytes::from_elems(&[0.0f32]))?;
         }
     }
-    eprintln!();
-    let replicas = group
-        .clients()
-        .iter()
-        .zip(&params)
-        .map(|(c, p)| c.read_one(p.clone()).map(|b| b.to_vec()))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Run { epoch_losses, replicas, seconds: start.elapsed().as_secs_f64() })
+    if replicas.leads() {
+        eprintln!();
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let copies: Vec<Vec<u8>> = match replicas {
+        Replicas::Group(g) => g
+            .clients()
+            .iter()
+            .zip(&params)
+            .map(|(c, p)| c.read_one(p.clone()).map(|b| b.to_vec()))
+            .collect::<Result<_, _>>()?,
+        Replicas::Ranks(c) => {
+            // Every replica's parameters, gathered on every rank.
+            let gathered: Vec<Handle> = c.clients().iter().map(|d| d.empty(n * PARAMS * 4)).collect();
+            c.all_gather(&params, &gathered, DType::F32)?;
+            let all = c.clients()[0].read_one(gathered[0].clone())?.to_vec();
+            all.chunks(PARAMS * 4).map(<[u8]>::to_vec).collect()
+        }
+    };
+    Ok(Run { epoch_losses, replicas: copies, seconds })
 }
 
 /// The first `devices` clients of `backend` (every device by default).
@@ -382,6 +456,20 @@ fn clients(backend: &str, devices: Option<usize>) -> Result<Vec<Client>, Box<dyn
         std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
     }
     Ok(cohort::runtime::clients_of(backend, devices)?)
+}
+
+/// This rank's devices under a launcher: `per_rank` (default 1) from device
+/// `local_rank × per_rank` (on the CPU, a process's own `per_rank` devices).
+fn rank_clients(
+    backend: &str,
+    per_rank: Option<usize>,
+    env: &LaunchEnv,
+) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
+    let n = per_rank.unwrap_or(1);
+    if backend == "cpu" {
+        return clients(backend, Some(n));
+    }
+    Ok(cohort::runtime::clients_from(backend, env.local_rank * n, Some(n))?)
 }
 
 /// The devices' names, repeated ones counted once (`name ×4`).
@@ -417,21 +505,49 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
             .into());
         }
     }
-    let clients = clients(&args.backend, args.devices)?;
-    let n = clients.len();
+    let launched = LaunchEnv::from_process().ok();
+    let clients = match &launched {
+        Some(env) => rank_clients(&args.backend, args.devices, env)?,
+        None => clients(&args.backend, args.devices)?,
+    };
+    let replicas = match &launched {
+        Some(_) => Replicas::Ranks(Communicator::from_env(clients.clone())?),
+        None => Replicas::Group(ClientGroup::new(clients.clone())?),
+    };
+    let n = replicas.members();
     if !BATCH.is_multiple_of(n) {
         return Err(
-            format!("{n} devices do not split the global batch of {BATCH} evenly: pass --devices 1 to 8").into()
+            format!("{n} devices do not split the global batch of {BATCH} evenly: use 1 to 8 devices in all").into()
         );
     }
-    println!("data_parallel: backend {}, {n} devices: {}", args.backend, describe(&clients));
-    println!(
-        "data_parallel: MLP {INPUTS}-{HIDDEN}-1 ({PARAMS} parameters), global batch {BATCH}, {} epochs × {} steps, lr {}",
-        args.epochs, args.steps, args.lr
-    );
-    let group = ClientGroup::new(clients.clone())?;
-    let parallel = train(&group, args, &format!("{n} devices"))?;
-    let single = train(&ClientGroup::new(vec![clients[0].clone()])?, args, "1 device ")?;
+    let leads = replicas.leads();
+    let place = match &replicas {
+        Replicas::Group(_) => "one process".to_string(),
+        Replicas::Ranks(c) => {
+            format!("{} processes ({} per process, {:?})", c.size(), c.local_devices(), c.transport())
+        }
+    };
+    if leads {
+        println!("data_parallel: backend {}, {n} devices in {place}: {}", args.backend, describe(&clients));
+        println!(
+            "data_parallel: MLP {INPUTS}-{HIDDEN}-1 ({PARAMS} parameters), global batch {BATCH}, {} epochs × {} steps, lr {}",
+            args.epochs, args.steps, args.lr
+        );
+    }
+    let parallel = train(&replicas, args, &format!("{n} devices"))?;
+    let identical = parallel.replicas.iter().all(|r| r == &parallel.replicas[0]);
+    if !leads {
+        // Rank 0 alone runs the one-device reference; the others wait for
+        // it so no rank leaves the job early.
+        if let Replicas::Ranks(c) = &replicas {
+            c.barrier()?;
+        }
+        return Ok(identical);
+    }
+    let single = train(&Replicas::Group(ClientGroup::new(vec![clients[0].clone()])?), args, "1 device ")?;
+    if let Replicas::Ranks(c) = &replicas {
+        c.barrier()?;
+    }
     println!("{:>6} {:>14} {:>14} {:>10}", "epoch", format!("loss ({n} dev)"), "loss (1 dev)", "rel diff");
     let mut worst = 0.0f32;
     for (e, (a, b)) in parallel.epoch_losses.iter().zip(&single.epoch_losses).enumerate() {
@@ -440,7 +556,6 @@ fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         println!("{:>6} {:>14.6} {:>14.6} {:>10.2e}", e + 1, a, b, rel);
     }
     println!("time: {:.2} s on {n} devices, {:.2} s on 1 device", parallel.seconds, single.seconds);
-    let identical = parallel.replicas.iter().all(|r| r == &parallel.replicas[0]);
     let loss_ok = worst <= 1e-3;
     let learned = parallel.epoch_losses.last() < parallel.epoch_losses.first();
     println!("check: replicas bit-identical across {n} devices: {}", if identical { "yes" } else { "NO" });

@@ -50,3 +50,74 @@ fn a_poisoned_input_marks_the_destination_without_reaching_nccl() {
     assert!(device.read_one(out).unwrap().iter().all(|&b| b == 2));
     group.barrier().unwrap();
 }
+
+/// A kernel that keeps its stream busy for `ns` nanoseconds (the device's
+/// global timer), then writes 1 into its buffer.
+fn busy_kernel() -> Kernel {
+    Kernel::new("busy").with_cuda(
+        r#"extern "C" __global__ void busy(unsigned int* flag, unsigned long long len, unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < ns);
+    if (len >= 4) flag[0] = 1;
+}"#,
+    )
+}
+
+/// A collective's task returns once its NCCL call is queued (the device
+/// thread does not wait for the kernel before it), the result is right when read, and a collective
+/// that stays queued past the group's timeout is aborted by the device's
+/// own polling: its destination carries the timeout, and a later group
+/// over the device works again.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn collectives_return_once_queued_and_an_expired_one_marks_its_destination() {
+    use cohort_runtime::Scalar;
+    use std::time::{Duration, Instant};
+
+    let group = one_rank_group().with_timeout(Duration::from_millis(400));
+    let device = group.client(0).clone();
+    let flag = device.create(Bytes::from(vec![0u8; 4]));
+    let busy = |ns: u64| {
+        device
+            .launch(
+                &busy_kernel(),
+                GridCount::Static(1, 1, 1),
+                KernelArguments::new().buffer(&flag).scalar(Scalar::U64(ns)),
+            )
+            .unwrap()
+    };
+    // Warm up: the kernel compiles and the communicator is created.
+    busy(1_000);
+    let src = device.create(Bytes::from_elems(&[3.0f32; 1024]));
+    let dst = device.empty(4096);
+    group.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum).unwrap();
+    device.sync().unwrap();
+
+    // Queued behind 300 ms of device work (inside the timeout): returns at
+    // once, completes, right.
+    busy(300_000_000);
+    let started = Instant::now();
+    group.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum).unwrap();
+    // A round trip to the device thread: answered at once, since the
+    // collective's task returned when its call was queued.
+    device.stats().unwrap();
+    let answered = started.elapsed();
+    assert!(answered < Duration::from_millis(150), "the device thread waited {answered:?} for the collective");
+    assert_eq!(device.read_one(dst.clone()).unwrap().to_elems::<f32>(), vec![3.0; 1024]);
+
+    // Queued behind 2 s of device work with a 0.4 s timeout: the device
+    // aborts it while it waits, and the destination says so.
+    busy(2_000_000_000);
+    let out = device.empty(4096);
+    group.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&out), DType::F32, ReduceOp::Sum).unwrap();
+    let err = device.read_one(out).unwrap_err().to_string();
+    assert!(err.contains("all_reduce") && err.contains("within 0.4 s"), "{err}");
+    device.sync().unwrap();
+
+    // The aborted communicator is forgotten: a new group makes a fresh one.
+    let again = ClientGroup::new(vec![device.clone()]).unwrap();
+    let fresh = device.empty(4096);
+    again.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&fresh), DType::F32, ReduceOp::Sum).unwrap();
+    assert_eq!(device.read_one(fresh).unwrap().to_elems::<f32>(), vec![3.0; 1024]);
+}

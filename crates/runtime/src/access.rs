@@ -2,7 +2,9 @@
 //! to move and reduce bytes on a device's own thread.
 
 use super::client::Client;
-use crate::backend::{Binding, DeviceCollectives};
+use std::sync::Arc;
+
+use crate::backend::{Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PendingPart};
 use crate::bytes::AlignedBytes;
 use crate::device::panic_message;
 use crate::error::ServerError;
@@ -31,6 +33,9 @@ pub struct BufferAccess<'a> {
     state: &'a mut DeviceState,
     stream: StreamId,
     bindings: Vec<Binding>,
+    /// Collectives this task queued that were still running when it
+    /// returned: their failure marks the task's outputs later.
+    deferred: Vec<PendingPart>,
 }
 
 impl BufferAccess<'_> {
@@ -102,6 +107,34 @@ impl BufferAccess<'_> {
     pub fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
         self.state.backend.device_collectives()
     }
+
+    /// Queues `calls` on the backend's communicator of `comm`, on this
+    /// task's stream (see [`DeviceCollectives::run`]). With
+    /// [`Completion::Defer`] it returns once they are queued: later work on
+    /// the stream is ordered after them on the device, and if they fail
+    /// later their error marks this task's outputs (found when the device
+    /// polls, waits for a stream or is read). With [`Completion::Wait`] it
+    /// returns when they are done. Fails at once where the backend has no
+    /// device collectives.
+    pub fn run_collective(
+        &mut self,
+        comm: &CommSpec<'_>,
+        calls: &[DeviceCall],
+        monitor: Arc<dyn CollectiveMonitor>,
+        completion: Completion,
+    ) -> Result<(), ServerError> {
+        let stream = self.stream;
+        let Some(collectives) = self.state.backend.device_collectives() else {
+            return Err(ServerError::InvalidState {
+                operation: "a device-path collective",
+                reason: "the device's backend offers no device collectives".into(),
+            });
+        };
+        if let Some(part) = collectives.run(stream, comm, calls, monitor, completion)? {
+            self.deferred.push(part);
+        }
+        Ok(())
+    }
 }
 
 impl Client {
@@ -165,15 +198,19 @@ impl Client {
             })();
             let run = std::panic::AssertUnwindSafe(|| match prepared {
                 Ok(bindings) => {
-                    let mut access = BufferAccess { state: &mut *state, stream, bindings };
-                    task(Ok(&mut access))
+                    let mut access = BufferAccess { state: &mut *state, stream, bindings, deferred: Vec::new() };
+                    let result = task(Ok(&mut access));
+                    (result, access.deferred)
                 }
-                Err(err) => task(Err(err)),
+                Err(err) => (task(Err(err)), Vec::new()),
             });
-            let result = std::panic::catch_unwind(run).unwrap_or_else(|payload| {
-                Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) })
+            let (result, deferred) = std::panic::catch_unwind(run).unwrap_or_else(|payload| {
+                (Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) }), Vec::new())
             });
             DeviceState::mark_outputs(stream, out_refs.iter().copied(), &result);
+            for part in deferred {
+                state.note_pending_collective(part, out_refs.iter().copied());
+            }
         })
     }
 }

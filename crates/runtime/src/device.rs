@@ -17,7 +17,7 @@ use std::sync::{Arc, OnceLock};
 
 use std::time::{Duration, Instant};
 
-use crossbeam::channel::{self, Receiver, RecvError, Sender, TryRecvError};
+use crossbeam::channel::{self, Receiver, RecvError, RecvTimeoutError, Sender, TryRecvError};
 use parking_lot::Mutex;
 
 use crate::backend::Backend;
@@ -278,7 +278,7 @@ fn run_caught(state: &mut DeviceState, stream: StreamId, task: Task) {
 /// (sleep at once) on smaller ones, where a polling thread takes the core
 /// the thread it waits for needs: measured on a loaded 2-core machine, a
 /// 4-byte read took 10 µs without polling and 70–160 µs with it.
-fn spin_window() -> Duration {
+pub fn spin_window() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
     *SPIN.get_or_init(|| {
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
@@ -326,12 +326,38 @@ fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch)
     }
 }
 
+/// How often an idle device thread looks at its running device
+/// collectives (to end them, and to abort failed or expired ones).
+const COLLECTIVE_POLL: Duration = Duration::from_millis(1);
+
+/// Pending device collectives past which the thread polls them after every
+/// message, not only when idle.
+const POLL_BUSY_AT: usize = 64;
+
 fn serve(state: &mut DeviceState, receiver: Receiver<Message>) {
-    while let Ok(message) = recv_spinning(&receiver) {
+    loop {
+        let message = if state.has_pending_collectives() {
+            match receiver.recv_timeout(COLLECTIVE_POLL) {
+                Ok(message) => message,
+                Err(RecvTimeoutError::Timeout) => {
+                    state.poll_collectives();
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        } else {
+            match recv_spinning(&receiver) {
+                Ok(message) => message,
+                Err(_) => break,
+            }
+        };
         match message {
             Message::Task(stream, task) => run_caught(state, stream, task),
             Message::Launch(stream, launch) => run_launch(state, stream, launch),
             Message::Shutdown => break,
+        }
+        if state.pending_collectives_count() >= POLL_BUSY_AT {
+            state.poll_collectives();
         }
     }
 }

@@ -43,6 +43,26 @@ pub struct Handle {
     pub(crate) size: u64,
 }
 
+impl Allocation {
+    /// Sets (or, with `None`, clears) the error every handle of this memory
+    /// reports.
+    pub(crate) fn set_error(&self, error: Option<ServerError>) {
+        if error.is_none() && !self.has_error.load(Ordering::Acquire) {
+            return;
+        }
+        let mut slot = self.error.lock();
+        self.has_error.store(error.is_some(), Ordering::Release);
+        *slot = error;
+    }
+
+    /// Marks `err` unless the memory already carries an error.
+    pub(crate) fn mark_failed(&self, err: &ServerError) {
+        let mut slot = self.error.lock();
+        slot.get_or_insert_with(|| err.clone());
+        self.has_error.store(true, Ordering::Release);
+    }
+}
+
 impl Handle {
     pub(crate) fn new_allocation(service: ServiceId, stream: StreamId, size: u64) -> Handle {
         let alloc = Arc::new(Allocation {
@@ -104,12 +124,7 @@ impl Handle {
     }
 
     pub(crate) fn set_error(&self, error: Option<ServerError>) {
-        if error.is_none() && !self.alloc.has_error.load(Ordering::Acquire) {
-            return;
-        }
-        let mut slot = self.alloc.error.lock();
-        self.alloc.has_error.store(error.is_some(), Ordering::Release);
-        *slot = error;
+        self.alloc.set_error(error)
     }
 
     pub(crate) fn last_writer(&self) -> StreamId {

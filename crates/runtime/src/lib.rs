@@ -29,7 +29,7 @@ pub use backend::cuda::CudaRuntime;
 pub use backend::wgpu::WgpuRuntime;
 pub use bytes::{AlignedBytes, Bytes};
 pub use client::{Client, Fence, MemoryReport, MemoryScope};
-pub use device::{close_device, shutdown, BackendFactory};
+pub use device::{close_device, shutdown, spin_window, BackendFactory};
 pub use error::{MemoryConfigError, ProfileError, ServerError};
 pub use graph::Graph;
 pub use handle::{contiguous_strides, CopyDescriptor, Handle, LayoutPolicy, MemoryLayout, MemoryLayoutDescriptor};
@@ -37,7 +37,7 @@ pub use id::{DeviceId, ServiceId, StreamId};
 pub use kernel::{CpuKernelContext, CpuKernelFn, GridCount, Kernel, KernelArguments, Scalar};
 pub use profile::{ProfileDuration, ProfileWindow, TimingMethod};
 pub use properties::DeviceProperties;
-pub use runtime::{clients_of, Runtime};
+pub use runtime::{clients_from, clients_of, Runtime};
 pub use state::{DeviceStats, StreamMemory};
 
 /// The names most programs need.

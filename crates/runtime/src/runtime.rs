@@ -27,25 +27,35 @@ pub trait Runtime: Send + Sync + 'static {
 /// their cargo features are built). An unknown name, a backend with no
 /// devices, or more devices than it has are errors that say which.
 pub fn clients_of(backend: &str, count: Option<usize>) -> Result<Vec<Client>, ServerError> {
-    fn first<R: Runtime>(count: Option<usize>, hint: &str) -> Result<Vec<Client>, ServerError> {
+    clients_from(backend, 0, count)
+}
+
+/// Clients for `count` devices of `backend` starting at device `first`
+/// (every device from `first` when `None`): one process per GPU opens only
+/// its own (`first` = its local rank). Only those devices are opened. Errors
+/// as [`clients_of`], and when the range runs past the last device.
+pub fn clients_from(backend: &str, first: usize, count: Option<usize>) -> Result<Vec<Client>, ServerError> {
+    fn range<R: Runtime>(first: usize, count: Option<usize>, hint: &str) -> Result<Vec<Client>, ServerError> {
         let available = R::device_count()?;
-        let n = count.unwrap_or(available);
-        if n == 0 || n > available {
+        let n = count.unwrap_or(available.saturating_sub(first));
+        if n == 0 || first + n > available {
             return Err(ServerError::InvalidArgument(format!(
-                "{n} {} device(s) asked for; the backend has {available} ({hint})",
+                "{n} {} device(s) asked for from device {first}; the backend has {available} ({hint})",
                 R::NAME
             )));
         }
-        (0..n).map(R::client).collect()
+        (first..first + n).map(R::client).collect()
     }
     match backend {
-        "cpu" => first::<crate::CpuRuntime>(count, "set COHORT_CPU_DEVICES for more"),
+        "cpu" => range::<crate::CpuRuntime>(first, count, "set COHORT_CPU_DEVICES for more"),
         #[cfg(feature = "wgpu")]
-        "wgpu" => {
-            first::<crate::WgpuRuntime>(count, "set COHORT_WGPU_DEVICES=N to open N devices on the first adapter")
-        }
+        "wgpu" => range::<crate::WgpuRuntime>(
+            first,
+            count,
+            "set COHORT_WGPU_DEVICES=N to open N devices on the first adapter",
+        ),
         #[cfg(feature = "cuda")]
-        "cuda" => first::<crate::CudaRuntime>(count, "one per GPU"),
+        "cuda" => range::<crate::CudaRuntime>(first, count, "one per GPU"),
         other => Err(ServerError::InvalidArgument(format!(
             "unknown or unbuilt backend {other:?}: use cpu, wgpu or cuda (the latter two need their cargo features)"
         ))),

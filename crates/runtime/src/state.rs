@@ -6,7 +6,7 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
-use crate::backend::{Backend, Binding, ResolvedGrid, TimerStart};
+use crate::backend::{Backend, Binding, PendingPart, ResolvedGrid, TimerStart};
 use crate::error::ServerError;
 use crate::handle::{Allocation, Handle};
 use crate::id::{ServiceId, StreamId};
@@ -107,6 +107,10 @@ pub(crate) struct DeviceState {
     pub next_graph: u64,
     /// Reused by every launch for its resolved bindings.
     scratch_bindings: Vec<Binding>,
+    /// Device collectives queued and still running
+    /// ([`crate::BufferAccess::run_collective`]), with the outputs their
+    /// failure marks.
+    pending_collectives: Vec<(PendingPart, Vec<Weak<Allocation>>)>,
 }
 
 impl DeviceState {
@@ -123,6 +127,42 @@ impl DeviceState {
             graphs: HashMap::new(),
             next_graph: 0,
             scratch_bindings: Vec::new(),
+            pending_collectives: Vec::new(),
+        }
+    }
+
+    /// Remembers `outputs` of a device collective still running, to mark
+    /// them if it fails.
+    pub fn note_pending_collective<'h>(&mut self, part: PendingPart, outputs: impl IntoIterator<Item = &'h Handle>) {
+        let outputs = outputs.into_iter().map(|h| Arc::downgrade(&h.alloc)).collect();
+        self.pending_collectives.push((part, outputs));
+    }
+
+    /// Whether device collectives are still running (the device thread then
+    /// polls them while idle).
+    pub fn has_pending_collectives(&self) -> bool {
+        !self.pending_collectives.is_empty()
+    }
+
+    pub fn pending_collectives_count(&self) -> usize {
+        self.pending_collectives.len()
+    }
+
+    /// Asks the backend which running collectives ended, without waiting,
+    /// and marks the outputs of those that failed.
+    pub fn poll_collectives(&mut self) {
+        if self.pending_collectives.is_empty() {
+            return;
+        }
+        let Some(collectives) = self.backend.device_collectives() else { return };
+        for (part, outcome) in collectives.poll() {
+            let Some(at) = self.pending_collectives.iter().position(|(p, _)| *p == part) else { continue };
+            let (_, outputs) = self.pending_collectives.swap_remove(at);
+            if let Err(err) = outcome {
+                for alloc in outputs.iter().filter_map(Weak::upgrade) {
+                    alloc.mark_failed(&err);
+                }
+            }
         }
     }
 
@@ -348,6 +388,12 @@ impl DeviceState {
         self.order_after_writers(stream, refs.iter().copied())?;
         let result = self.backend.read(stream, &bindings);
         self.drained(stream, result.as_ref().err());
+        // A collective that wrote these handles may have failed while the
+        // read waited for it: its error, not the bytes, is the answer.
+        self.poll_collectives();
+        if let Some(err) = refs.iter().find_map(|h| h.error()) {
+            return Err(err);
+        }
         result
     }
 
@@ -356,6 +402,7 @@ impl DeviceState {
     pub fn backend_sync(&mut self, stream: StreamId) -> Result<(), ServerError> {
         let result = self.backend.sync(stream);
         self.drained(stream, result.as_ref().err());
+        self.poll_collectives();
         result
     }
 
@@ -372,9 +419,7 @@ impl DeviceState {
             Some(err) => {
                 for state in self.streams.values_mut() {
                     for alloc in state.unsynced.drain(..).filter_map(|w| w.upgrade()) {
-                        let mut slot = alloc.error.lock();
-                        slot.get_or_insert_with(|| err.clone());
-                        alloc.has_error.store(true, std::sync::atomic::Ordering::Release);
+                        alloc.mark_failed(err);
                     }
                 }
             }

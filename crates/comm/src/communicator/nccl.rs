@@ -19,8 +19,9 @@
 //! runtime's [`DeviceCollectives`](cohort_runtime::backend::DeviceCollectives)
 //! hook: its device thread creates its NCCL communicator on first use
 //! (`ncclCommInitRank`), queues the calls on the device's communication
-//! stream and waits for them, polling the deadline, this rank's other
-//! parts, and the store's abort flag. A failed or expired part aborts the
+//! stream and waits for them (unlike a `ClientGroup`'s, which return once
+//! queued), polling the deadline, this rank's other parts, and the store's
+//! abort flag. A failed or expired part aborts the
 //! NCCL communicator (`ncclCommAbort`) and the communicator for every rank;
 //! a timeout names the ranks that never noted their arrival.
 //!
@@ -32,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::{CollectiveWatch, CommSpec};
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion};
 use cohort_runtime::{BufferAccess, Client, DeviceId, Handle, ServerError};
 use parking_lot::{Condvar, Mutex};
 
@@ -441,7 +442,7 @@ impl Meeting {
     }
 
     fn run_part(
-        &self,
+        self: &Arc<Self>,
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
         shape: Shape,
@@ -456,47 +457,73 @@ impl Meeting {
         if calls.is_empty() {
             return Ok(());
         }
-        let stream = access.stream();
-        let Some(dc) = access.device_collectives() else {
-            return Err(self.fail(self.error(slot, "the device's backend offers no device collectives".into())));
-        };
         let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
         let started = Instant::now();
-        let slow = (self.timeout / 4).min(Duration::from_secs(1));
-        let poll = Mutex::new(Poll { last: started, noted: false });
-        let failed_elsewhere = || -> Option<ServerError> {
-            if let Some(err) = self.state.lock().failure.clone() {
-                return Some(err);
-            }
-            let now = Instant::now();
-            let mut p = poll.lock();
-            if now - started < slow || now - p.last < ABORT_POLL {
-                return None;
-            }
-            p.last = now;
-            if !p.noted {
-                p.noted = true;
-                let _ = nccl.store.set(&arrival_key(&nccl.prefix, self.fp.seq, nccl.rank), b"");
-            }
-            match nccl.store.get(&format!("{}abort", nccl.prefix)) {
-                Ok(Some(why)) => Some(self.error(
-                    slot,
-                    format!("{} stopped: the communicator was aborted by {}", self.fp, String::from_utf8_lossy(&why)),
-                )),
-                _ => None,
-            }
-        };
-        let missing = || format!("{}: {}", self.fp, nccl.missing(self.fp.seq));
-        let watch = CollectiveWatch {
-            operation: self.kind.name(),
-            deadline,
-            failed_elsewhere: &failed_elsewhere,
-            missing: &missing,
-        };
-        dc.run(stream, &spec, &calls, &watch).map_err(|err| {
+        let monitor = Arc::new(PartMonitor {
+            meeting: self.clone(),
+            slot,
+            started,
+            poll: Mutex::new(Poll { last: started, noted: false }),
+        });
+        access.run_collective(&spec, &calls, monitor, Completion::Wait).map_err(|err| {
             nccl.abort(&self.world, &err.to_string());
             self.fail(err)
         })
+    }
+}
+
+/// One local part's view while its NCCL calls run: this rank's other
+/// parts' failures, and (once the part is slow) its arrival note and the
+/// store's abort flag, looked at every [`ABORT_POLL`].
+struct PartMonitor {
+    meeting: Arc<Meeting>,
+    slot: usize,
+    started: Instant,
+    poll: Mutex<Poll>,
+}
+
+impl CollectiveMonitor for PartMonitor {
+    fn operation(&self) -> &str {
+        self.meeting.kind.name()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.meeting.timeout
+    }
+
+    fn failed_elsewhere(&self) -> Option<ServerError> {
+        let m = &self.meeting;
+        if let Some(err) = m.state.lock().failure.clone() {
+            return Some(err);
+        }
+        let slow = (m.timeout / 4).min(Duration::from_secs(1));
+        let now = Instant::now();
+        let mut p = self.poll.lock();
+        if now - self.started < slow || now - p.last < ABORT_POLL {
+            return None;
+        }
+        p.last = now;
+        if !p.noted {
+            p.noted = true;
+            let _ = m.nccl.store.set(&arrival_key(&m.nccl.prefix, m.fp.seq, m.nccl.rank), b"");
+        }
+        match m.nccl.store.get(&format!("{}abort", m.nccl.prefix)) {
+            Ok(Some(why)) => Some(m.error(
+                self.slot,
+                format!("{} stopped: the communicator was aborted by {}", m.fp, String::from_utf8_lossy(&why)),
+            )),
+            _ => None,
+        }
+    }
+
+    fn missing(&self) -> String {
+        let m = &self.meeting;
+        format!("{}: {}", m.fp, m.nccl.missing(m.fp.seq))
+    }
+
+    fn finished(&self, _outcome: &Result<(), ServerError>) {
+        // The part waits for its calls (`Completion::Wait`): `run_part`
+        // sees the outcome itself.
     }
 }
 

@@ -1,22 +1,30 @@
 //! Where the parts of one device-path collective meet on the host.
 //!
-//! Every part's task first arrives here: once all have, each issues its
+//! Every part's task first arrives here: once all have, each queues its
 //! calls on its device (so a communicator's first use, which waits for
 //! every member, always meets, and a part whose input failed stops the
-//! others before any of them queues device work). While its calls are
-//! pending a part watches the meeting for another part's failure; a
-//! timeout names the members that never arrived, or never finished.
+//! others before any of them queues device work). A part then returns
+//! without waiting for its calls (barriers excepted): its device polls them
+//! through a [`PartMonitor`], which watches the meeting for another part's
+//! failure and reports this part's. A timeout names the members that never
+//! arrived, or never finished.
+//!
+//! Arriving parts poll for the others for the runtime's spin window
+//! ([`cohort_runtime::spin_window`]) before they sleep: device threads that
+//! queue collectives back to back meet within microseconds.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::{CollectiveWatch, CommSpec, PeerToken};
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerToken};
 use cohort_runtime::{BufferAccess, DeviceId, ServerError};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::plan::{self, Shape};
-use super::{forget, Mode};
+use super::{forget, Mode, NcclSet};
 use crate::collective::Kind;
+use crate::group::Tracked;
 
 #[derive(Default)]
 struct State {
@@ -39,13 +47,26 @@ pub(crate) struct Meeting {
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
+    /// `State::arrived` and whether `State::failure` is set, readable
+    /// without the lock by parts polling for the others.
+    arrived: AtomicUsize,
+    failed: AtomicBool,
 }
 
 impl Meeting {
     pub(crate) fn new(kind: Kind, seg: usize, parts: Vec<(usize, DeviceId)>, timeout: Duration) -> Arc<Meeting> {
         let n = parts.len();
         let state = State { present: vec![false; n], finished: vec![false; n], ..State::default() };
-        Arc::new(Meeting { kind, seg, parts, timeout, state: Mutex::new(state), cv: Condvar::new() })
+        Arc::new(Meeting {
+            kind,
+            seg,
+            parts,
+            timeout,
+            state: Mutex::new(state),
+            cv: Condvar::new(),
+            arrived: AtomicUsize::new(0),
+            failed: AtomicBool::new(false),
+        })
     }
 
     /// Part `slot`'s right to run; dropped unrun, it fails the meeting.
@@ -55,6 +76,7 @@ impl Meeting {
 
     fn fail_locked(&self, state: &mut State, err: ServerError) -> ServerError {
         let failure = state.failure.get_or_insert(err).clone();
+        self.failed.store(true, Ordering::Release);
         self.cv.notify_all();
         failure
     }
@@ -116,14 +138,30 @@ impl Meeting {
     }
 
     fn arrive(&self, slot: usize, deadline: Instant) -> Result<(), ServerError> {
+        let n = self.parts.len();
         let mut state = self.state.lock();
         if let Some(err) = &state.failure {
             return Err(err.clone());
         }
         state.present[slot] = true;
         state.arrived += 1;
-        self.cv.notify_all();
-        let n = self.parts.len();
+        self.arrived.store(state.arrived, Ordering::Release);
+        if state.arrived == n {
+            self.cv.notify_all();
+            return Ok(());
+        }
+        drop(state);
+        let window = cohort_runtime::spin_window();
+        let started = Instant::now();
+        let mut polls = 0u32;
+        while self.arrived.load(Ordering::Acquire) < n && !self.failed.load(Ordering::Acquire) {
+            polls = polls.wrapping_add(1);
+            if polls % 64 == 0 && started.elapsed() >= window {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        let mut state = self.state.lock();
         self.wait_for(
             &mut state,
             slot,
@@ -149,11 +187,12 @@ impl Meeting {
     }
 
     fn run_part(
-        &self,
+        self: &Arc<Self>,
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
         mode: &Mode,
         shape: Shape,
+        tracked: Option<Arc<Tracked>>,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
         let deadline = Instant::now() + self.timeout;
@@ -167,16 +206,18 @@ impl Meeting {
             return Ok(());
         }
         self.arrive(slot, deadline)?;
-        let stream = access.stream();
-        let Some(dc) = access.device_collectives() else {
-            return Err(self.fail(ServerError::InvalidState {
-                operation: "a device-path collective",
-                reason: "the device's backend offers no device collectives".into(),
-            }));
-        };
         let result = match mode {
             Mode::Local => unreachable!("handled above"),
-            Mode::Peer => self.peer_part(slot, dc, stream, &buffers, deadline),
+            Mode::Peer => {
+                let stream = access.stream();
+                match access.device_collectives() {
+                    Some(dc) => self.peer_part(slot, dc, stream, &buffers, deadline),
+                    None => Err(ServerError::InvalidState {
+                        operation: "a device-path collective",
+                        reason: "the device's backend offers no device collectives".into(),
+                    }),
+                }
+            }
             Mode::Nccl(set) => {
                 let calls = plan::nccl_calls(&self.kind, slot, self.parts.len(), self.seg, &buffers);
                 if calls.is_empty() {
@@ -184,36 +225,31 @@ impl Meeting {
                 } else {
                     let spec =
                         CommSpec { set: set.key, rank: slot, ranks: self.parts.len(), unique_id: &set.unique_id };
-                    let failed_elsewhere = || self.failure();
-                    let missing = || {
-                        let state = self.state.lock();
-                        let mut done = state.finished.clone();
-                        done[slot] = false;
-                        format!("{} did not finish", self.names(&done))
-                    };
-                    let watch = CollectiveWatch {
-                        operation: self.kind.name(),
-                        deadline,
-                        failed_elsewhere: &failed_elsewhere,
-                        missing: &missing,
-                    };
-                    let result = dc.run(stream, &spec, &calls, &watch);
+                    // Barriers are waited for (`wait_finished`); the rest
+                    // return once queued.
+                    let completion = if self.kind == Kind::Barrier { Completion::Wait } else { Completion::Defer };
+                    let monitor = Arc::new(PartMonitor { meeting: self.clone(), slot, set: set.clone(), tracked });
+                    let result = access.run_collective(&spec, &calls, monitor, completion);
                     if result.is_err() {
                         forget(set);
                     }
-                    result
+                    return result.map_err(|err| self.fail(err));
                 }
             }
         };
         match result {
             Ok(()) => {
-                let mut state = self.state.lock();
-                state.finished[slot] = true;
-                self.cv.notify_all();
+                self.mark_finished(slot);
                 Ok(())
             }
             Err(err) => Err(self.fail(err)),
         }
+    }
+
+    fn mark_finished(&self, slot: usize) {
+        let mut state = self.state.lock();
+        state.finished[slot] = true;
+        self.cv.notify_all();
     }
 
     /// A peer copy: slot 0 exports its source, slot 1 copies it in and
@@ -267,17 +303,18 @@ pub(crate) struct Ticket {
 }
 
 impl Ticket {
-    /// Runs the part on its device thread: meets the other parts, issues
-    /// its calls, and waits for them (device-path collectives other than
-    /// one-device copies and peer copies).
+    /// Runs the part on its device thread: meets the other parts and
+    /// queues its calls (waiting for them only for a barrier). `tracked`,
+    /// the collective's flight record, is held until the calls end.
     pub(crate) fn run(
         mut self,
         access: Result<&mut BufferAccess<'_>, ServerError>,
         mode: &Mode,
         shape: Shape,
+        tracked: Option<Arc<Tracked>>,
     ) -> Result<(), ServerError> {
         self.ran = true;
-        self.meeting.run_part(self.slot, access, mode, shape)
+        self.meeting.run_part(self.slot, access, mode, shape, tracked)
     }
 }
 
@@ -294,5 +331,53 @@ impl Drop for Ticket {
         }
         state.returned += 1;
         self.meeting.cv.notify_all();
+    }
+}
+
+/// One part's view of its meeting while its calls run on the device: the
+/// backend asks it for other parts' failures and tells it how the part
+/// ended. It holds the collective's flight record, which is finished when
+/// the last part's monitor and task are gone.
+struct PartMonitor {
+    meeting: Arc<Meeting>,
+    slot: usize,
+    set: Arc<NcclSet>,
+    tracked: Option<Arc<Tracked>>,
+}
+
+impl CollectiveMonitor for PartMonitor {
+    fn operation(&self) -> &str {
+        self.meeting.kind.name()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.meeting.timeout
+    }
+
+    fn failed_elsewhere(&self) -> Option<ServerError> {
+        if !self.meeting.failed.load(Ordering::Acquire) {
+            return None;
+        }
+        self.meeting.failure()
+    }
+
+    fn missing(&self) -> String {
+        let state = self.meeting.state.lock();
+        let mut done = state.finished.clone();
+        done[self.slot] = false;
+        format!("{} did not finish", self.meeting.names(&done))
+    }
+
+    fn finished(&self, outcome: &Result<(), ServerError>) {
+        match outcome {
+            Ok(()) => self.meeting.mark_finished(self.slot),
+            Err(err) => {
+                forget(&self.set);
+                self.meeting.fail(err.clone());
+                if let Some(tracked) = &self.tracked {
+                    tracked.fail(err);
+                }
+            }
+        }
     }
 }

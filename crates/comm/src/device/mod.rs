@@ -231,7 +231,7 @@ pub(crate) fn launch(
         let mode = mode.clone();
         let tracked = tracked.clone();
         let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
-            let result = ticket.run(access, &mode, shape);
+            let result = ticket.run(access, &mode, shape, tracked.clone());
             if let Some(t) = &tracked {
                 t.note(&result);
             }

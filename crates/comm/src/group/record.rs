@@ -1,6 +1,8 @@
 //! A [`ClientGroup`](super::ClientGroup) collective in the process's flight
 //! recorder and `COHORT_TIMELINE` trace: recorded when queued, finished when
-//! the last of its parts returns (or is dropped unrun, which fails it).
+//! the last of its parts ended (returned, or, for device calls still running
+//! when their task returned, completed on the device), or failed when a part
+//! is dropped unrun.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -75,9 +77,14 @@ impl Tracked {
     /// A part returned with `result`.
     pub(crate) fn note(&self, result: &Result<(), ServerError>) {
         if let Err(err) = result {
-            self.failure.lock().get_or_insert_with(|| err.to_string());
+            self.fail(err);
         }
         self.noted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A part's device calls failed after its task returned.
+    pub(crate) fn fail(&self, err: &ServerError) {
+        self.failure.lock().get_or_insert_with(|| err.to_string());
     }
 }
 

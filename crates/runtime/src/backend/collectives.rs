@@ -4,9 +4,13 @@
 //! The communication layer drives it from buffer tasks
 //! ([`crate::BufferAccess::device_collectives`]): each member's task hands its
 //! backend the calls of its part, with its buffers resolved to [`Binding`]s,
-//! and the backend issues them on its own communicator and waits for them.
+//! and the backend queues them on its own communicator. The device's queue
+//! then runs on: a part's completion is found later, when the device polls
+//! it (when idle, and whenever it waits for a stream), and a failure marks
+//! the part's outputs then, as a kernel fault does.
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::Duration;
 
 use super::Binding;
 use crate::error::ServerError;
@@ -105,19 +109,41 @@ pub struct CommSpec<'a> {
     pub unique_id: &'a [u8],
 }
 
-/// What a member watches while its part is pending on the device.
-pub struct CollectiveWatch<'a> {
+/// What a member's part of a device collective answers while it is queued
+/// on the device, and is told when it ends. The backend asks it whenever it
+/// polls the part (on the device thread) and keeps it until the part ends.
+pub trait CollectiveMonitor: Send + Sync {
     /// The collective's name, for errors.
-    pub operation: &'a str,
-    /// When to give up: the communicator is aborted and the error names
-    /// [`CollectiveWatch::missing`].
-    pub deadline: Instant,
+    fn operation(&self) -> &str;
+    /// How long the part may run, counted from when it reaches the front of
+    /// the device's queue of collectives; past it the communicator is
+    /// aborted and the error names [`CollectiveMonitor::missing`].
+    fn timeout(&self) -> Duration;
     /// Another member's failure, if any: the part is aborted with it rather
     /// than waited for.
-    pub failed_elsewhere: &'a (dyn Fn() -> Option<ServerError> + Sync),
+    fn failed_elsewhere(&self) -> Option<ServerError>;
     /// The members that have not finished, in words, for a timeout error.
-    pub missing: &'a (dyn Fn() -> String + Sync),
+    fn missing(&self) -> String;
+    /// The part ended: `Ok` once its calls completed on the device, or the
+    /// error that aborted it. Called once, on the device thread, for every
+    /// part whose calls were queued.
+    fn finished(&self, outcome: &Result<(), ServerError>);
 }
+
+/// Whether [`DeviceCollectives::run`] waits for the part's calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completion {
+    /// Return once the calls are queued; the part is polled later
+    /// ([`DeviceCollectives::poll`]) and its outcome reported then.
+    Defer,
+    /// Wait (polling) until the calls completed or failed.
+    Wait,
+}
+
+/// A part queued by [`DeviceCollectives::run`] that had not completed when
+/// it returned; [`DeviceCollectives::poll`] reports its end by this id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PendingPart(pub u64);
 
 /// A device's half of a peer copy: an address in the sender's memory and an
 /// event after the work that wrote it (opaque to everyone but the backend).
@@ -146,17 +172,28 @@ pub trait DeviceCollectives {
 
     /// Issues `calls` on this member's communicator (created on first use,
     /// which waits for every member to create theirs) on the device's
-    /// communication stream, ordered after the work queued on `stream`; then
-    /// orders `stream` after them and waits until they are done, polling for
-    /// errors, `watch`'s deadline and other members' failures. A communicator
-    /// that fails or times out is aborted and later parts on it fail at once.
+    /// communication stream, ordered after the work queued on `stream`, and
+    /// orders `stream` after them (on the device: later work on `stream`
+    /// sees their results). With [`Completion::Defer`] it returns once they
+    /// are queued: `Some(part)` while they run, to be reported by
+    /// [`DeviceCollectives::poll`]. With [`Completion::Wait`] it polls until
+    /// they are done and returns `None`, or their error. Either way
+    /// `monitor` learns the outcome. A communicator that fails or times out
+    /// is aborted and later parts on it fail at once.
     fn run(
         &mut self,
         stream: StreamId,
         comm: &CommSpec<'_>,
         calls: &[DeviceCall],
-        watch: &CollectiveWatch<'_>,
-    ) -> Result<(), ServerError>;
+        monitor: Arc<dyn CollectiveMonitor>,
+        completion: Completion,
+    ) -> Result<Option<PendingPart>, ServerError>;
+
+    /// Looks at the parts still running without waiting: each that
+    /// completed, failed (an asynchronous error, another member's failure)
+    /// or ran past its timeout ends, aborting its communicator if it did not
+    /// complete. Returns the parts that ended, with their outcomes.
+    fn poll(&mut self) -> Vec<(PendingPart, Result<(), ServerError>)>;
 
     /// Destroys this device's communicator of `set`, if it has one.
     fn release(&mut self, set: u64);

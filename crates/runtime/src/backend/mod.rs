@@ -17,7 +17,10 @@ mod collectives;
 use std::any::Any;
 use std::time::Instant;
 
-pub use collectives::{CollectiveWatch, CommSpec, DeviceCall, DeviceCollectives, ElementType, PeerToken, Reduction};
+pub use collectives::{
+    CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, ElementType, PeerToken, PendingPart,
+    Reduction,
+};
 
 use crate::bytes::AlignedBytes;
 use crate::error::ServerError;

@@ -238,6 +238,7 @@ impl CudaBackend {
 
     fn stream_sync(&mut self, stream: StreamId) -> Result<(), ServerError> {
         let raw = self.streams.raw(stream)?;
+        self.settle_collectives(raw);
         // SAFETY: a live stream of the current context.
         let code = unsafe { sys::cuStreamSynchronize(raw) };
         self.check(stream, "cuStreamSynchronize", code)?;
@@ -257,6 +258,7 @@ impl CudaBackend {
             });
         }
         let raw = self.streams.raw(stream)?;
+        self.settle_collectives(raw);
         let src = self.pages.ptr(Binding { size: 12, ..binding })?;
         let device = self.device;
         let sync = move || {
@@ -298,6 +300,7 @@ impl Backend for CudaBackend {
     fn read(&mut self, stream: StreamId, sources: &[Binding]) -> Result<Vec<AlignedBytes>, ServerError> {
         self.check_lost()?;
         let raw = self.streams.raw(stream)?;
+        self.settle_collectives(raw);
         let mut addresses = Vec::with_capacity(sources.len());
         for binding in sources {
             addresses.push((self.pages.ptr(*binding)?, binding.size as usize));
@@ -501,6 +504,9 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         PAGE_ALLOCATIONS.fetch_add(self.pages.allocations, Ordering::Relaxed);
         if self.lost.is_none() {
+            // Collectives still queued end (or are aborted) before their
+            // memory goes.
+            self.settle_all_collectives();
             // SAFETY: the context is current on this thread; waiting for all
             // its work before freeing what that work uses.
             unsafe {

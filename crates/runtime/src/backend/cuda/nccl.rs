@@ -11,13 +11,21 @@
 //! A part runs on the device's communication stream: that stream first
 //! waits (an event) for the work queued so far on the caller's stream, then
 //! NCCL's calls are queued (inside one NCCL group when there are several),
-//! and the caller's stream waits for them in turn. The device thread then
-//! polls the completion event, `ncclCommGetAsyncError`, the deadline and the
-//! other members' failures; a communicator that fails or times out is
-//! aborted (`ncclCommAbort`) and refused from then on.
+//! an event is recorded after them and the caller's stream waits for it in
+//! turn, so later work there sees the results without the host waiting.
+//! The part then joins the device's queue of pending parts, which complete
+//! in order (one communication stream). The queue is polled (`poll`) when
+//! the device is idle, while it waits for any stream, and when a caller
+//! asks to wait: a part whose event fired has completed; one whose
+//! communicator reports an asynchronous error (`ncclCommGetAsyncError`),
+//! whose monitor reports another member's failure, or that stays at the
+//! front longer than its timeout fails, and its communicator is aborted
+//! (`ncclCommAbort`, which also ends its kernels, so the streams behind it
+//! drain) and refused from then on.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_int, c_void};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
@@ -26,7 +34,8 @@ use super::driver::{driver_error, BACKEND};
 use super::nccl_lib::{self, Nccl, RawComm, RawStream, UniqueId};
 use super::CudaBackend;
 use crate::backend::{
-    Binding, CollectiveWatch, CommSpec, DeviceCall, DeviceCollectives, ElementType, PeerToken, Reduction,
+    Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, ElementType, PeerToken,
+    PendingPart, Reduction,
 };
 use crate::error::ServerError;
 use crate::id::{DeviceId, StreamId};
@@ -42,6 +51,51 @@ pub(crate) struct NcclState {
     scratch: Option<sys::CUdeviceptr>,
     /// Devices already given access to this device's memory.
     pub(crate) shared: Option<Vec<DeviceId>>,
+    /// Parts queued and not yet seen to end, oldest first.
+    pending: VecDeque<Pending>,
+    /// Parts that ended, not yet reported by `poll`.
+    ended: Vec<(PendingPart, Result<(), ServerError>)>,
+    next_part: u64,
+}
+
+/// A part whose calls are queued on the communication stream.
+struct Pending {
+    part: PendingPart,
+    set: u64,
+    comm: RawComm,
+    /// Recorded after the part's calls.
+    done: sys::CUevent,
+    monitor: Arc<dyn CollectiveMonitor>,
+    /// When the part reached the front of the queue; its timeout counts
+    /// from then (the parts before it hold the communication stream).
+    front_since: Option<Instant>,
+}
+
+/// Past this many pending parts, queueing another first reaps the ones that
+/// completed (their events go back to the pool).
+const REAP_AT: usize = 32;
+
+/// How a thread that waits on the device paces its polls: yielding for the
+/// first milliseconds (a sleep costs at least the timer slack, ~50 µs), then
+/// sleeping up to a millisecond between polls.
+pub(crate) struct Backoff {
+    started: Instant,
+    nap: Duration,
+}
+
+impl Backoff {
+    pub(crate) fn new() -> Self {
+        Backoff { started: Instant::now(), nap: Duration::from_micros(5) }
+    }
+
+    pub(crate) fn pause(&mut self) {
+        if self.started.elapsed() < Duration::from_millis(5) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(self.nap);
+            self.nap = (self.nap * 2).min(Duration::from_millis(1));
+        }
+    }
 }
 
 impl NcclState {
@@ -318,53 +372,120 @@ impl CudaBackend {
         result
     }
 
-    /// Waits for `event` (recorded after the part), polling NCCL's
-    /// asynchronous error, the deadline and the other members.
-    fn watch(
-        &mut self,
-        lib: &Nccl,
-        comm: RawComm,
-        event: sys::CUevent,
-        watch: &CollectiveWatch<'_>,
-    ) -> Result<(), String> {
-        let started = Instant::now();
-        let mut nap = Duration::from_micros(5);
+    /// Moves the parts that ended to `ended`: completed ones from the front
+    /// of the queue, then every part of a communicator that reports an
+    /// asynchronous error, of a part whose monitor reports another member's
+    /// failure, or of the front part past its timeout (those communicators
+    /// are aborted). Does not wait.
+    fn poll_pending(&mut self, lib: &Nccl) {
+        while let Some(front) = self.nccl.pending.front() {
+            // SAFETY: a live event of this context, recorded after the part.
+            let code = unsafe { sys::cuEventQuery(front.done) };
+            if code == sys::CUresult::CUDA_ERROR_NOT_READY {
+                break;
+            }
+            if code != sys::CUresult::CUDA_SUCCESS {
+                let (set, reason) = (front.set, format!("cuEventQuery: {}", super::driver::describe(code)));
+                self.fail_set(lib, set, &reason);
+                continue;
+            }
+            let pending = self.nccl.pending.pop_front().expect("looked at");
+            self.events.give(pending.done);
+            pending.monitor.finished(&Ok(()));
+            self.nccl.ended.push((pending.part, Ok(())));
+        }
+        let now = Instant::now();
+        let mut failed: Vec<(u64, String)> = Vec::new();
+        let mut asked: Vec<RawComm> = Vec::new();
+        for (index, pending) in self.nccl.pending.iter_mut().enumerate() {
+            if failed.iter().any(|(set, _)| *set == pending.set) {
+                continue;
+            }
+            if !asked.contains(&pending.comm) {
+                asked.push(pending.comm);
+                let mut state: c_int = nccl_lib::SUCCESS;
+                // SAFETY: a live communicator of this device; writes one status.
+                let polled = unsafe { (lib.comm_get_async_error)(pending.comm, &mut state) };
+                let reason = if polled != nccl_lib::SUCCESS {
+                    Some(format!("ncclCommGetAsyncError failed: {}", lib.describe(polled, pending.comm)))
+                } else if state != nccl_lib::SUCCESS && state != nccl_lib::IN_PROGRESS {
+                    Some(format!("NCCL reported an asynchronous error: {}", lib.describe(state, pending.comm)))
+                } else {
+                    None
+                };
+                if let Some(reason) = reason {
+                    failed.push((pending.set, reason));
+                    continue;
+                }
+            }
+            if let Some(err) = pending.monitor.failed_elsewhere() {
+                failed.push((pending.set, format!("aborted because another member failed: {err}")));
+                continue;
+            }
+            if index == 0 {
+                let since = *pending.front_since.get_or_insert(now);
+                let timeout = pending.monitor.timeout();
+                if now - since >= timeout {
+                    failed.push((
+                        pending.set,
+                        format!(
+                            "{} within {:.1} s; the communicator was aborted (raise COHORT_TIMEOUT, in seconds, if the work before it is legitimately that long)",
+                            pending.monitor.missing(),
+                            timeout.as_secs_f64()
+                        ),
+                    ));
+                }
+            }
+        }
+        for (set, reason) in failed {
+            self.fail_set(lib, set, &reason);
+        }
+    }
+
+    /// Aborts `set`'s communicator and ends every pending part on it with
+    /// `reason`.
+    fn fail_set(&mut self, lib: &Nccl, set: u64, reason: &str) {
+        self.abort(lib, set, reason);
+        let (gone, kept): (Vec<Pending>, Vec<Pending>) = self.nccl.pending.drain(..).partition(|p| p.set == set);
+        self.nccl.pending = kept.into();
+        for pending in gone {
+            let err = self.nccl_error(pending.monitor.operation(), reason.to_string());
+            self.events.give(pending.done);
+            pending.monitor.finished(&Err(err.clone()));
+            self.nccl.ended.push((pending.part, Err(err)));
+        }
+    }
+
+    /// Waits until `stream` drained, polling the pending parts meanwhile so a
+    /// failed or expired collective the stream waits on is aborted rather
+    /// than waited for forever. Returns at once when no part is pending.
+    pub(crate) fn settle_collectives(&mut self, stream: sys::CUstream) {
+        if self.nccl.pending.is_empty() {
+            return;
+        }
+        let Ok(lib) = nccl_lib::load() else { return };
+        let mut backoff = Backoff::new();
         loop {
-            // SAFETY: a live event of this context, recorded above.
-            let code = unsafe { sys::cuEventQuery(event) };
-            if code == sys::CUresult::CUDA_SUCCESS {
-                return Ok(());
+            // SAFETY: a live stream of the current context; only reads state.
+            if unsafe { sys::cuStreamQuery(stream) } != sys::CUresult::CUDA_ERROR_NOT_READY {
+                return;
             }
-            if code != sys::CUresult::CUDA_ERROR_NOT_READY {
-                return Err(format!("cuEventQuery: {}", super::driver::describe(code)));
+            self.poll_pending(lib);
+            if self.nccl.pending.is_empty() {
+                return;
             }
-            let mut state: c_int = nccl_lib::SUCCESS;
-            // SAFETY: our live communicator; writes one status.
-            let polled = unsafe { (lib.comm_get_async_error)(comm, &mut state) };
-            if polled != nccl_lib::SUCCESS {
-                return Err(format!("ncclCommGetAsyncError failed: {}", lib.describe(polled, comm)));
-            }
-            if state != nccl_lib::SUCCESS && state != nccl_lib::IN_PROGRESS {
-                return Err(format!("NCCL reported an asynchronous error: {}", lib.describe(state, comm)));
-            }
-            if let Some(err) = (watch.failed_elsewhere)() {
-                return Err(format!("aborted because another member failed: {err}"));
-            }
-            if Instant::now() >= watch.deadline {
-                return Err(format!(
-                    "{} within {:.1} s; the communicator was aborted (raise COHORT_TIMEOUT, in seconds, if the work before it is legitimately that long)",
-                    (watch.missing)(),
-                    (Instant::now() - started).as_secs_f64()
-                ));
-            }
-            // Yield (a device thread has nothing else to do) for the first
-            // milliseconds: a sleep costs at least the timer slack (~50 µs).
-            if started.elapsed() < Duration::from_millis(5) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(nap);
-                nap = (nap * 2).min(Duration::from_millis(1));
-            }
+            backoff.pause();
+        }
+    }
+
+    /// Waits (polling) until no part is pending: before the device's
+    /// resources are freed.
+    pub(crate) fn settle_all_collectives(&mut self) {
+        let Ok(lib) = nccl_lib::load() else { return };
+        let mut backoff = Backoff::new();
+        while !self.nccl.pending.is_empty() {
+            self.poll_pending(lib);
+            backoff.pause();
         }
     }
 }
@@ -399,21 +520,22 @@ impl DeviceCollectives for CudaBackend {
         stream: StreamId,
         spec: &CommSpec<'_>,
         calls: &[DeviceCall],
-        watch: &CollectiveWatch<'_>,
-    ) -> Result<(), ServerError> {
+        monitor: Arc<dyn CollectiveMonitor>,
+        completion: Completion,
+    ) -> Result<Option<PendingPart>, ServerError> {
         self.check_lost()?;
-        let operation = watch.operation;
-        let lib = nccl_lib::load().map_err(|reason| self.nccl_error(operation, reason))?;
+        let operation = monitor.operation().to_string();
+        let lib = nccl_lib::load().map_err(|reason| self.nccl_error(&operation, reason))?;
         if calls.contains(&DeviceCall::Barrier) {
             self.scratch()?;
         }
-        let comm = self.comm(lib, spec, operation)?;
+        let comm = self.comm(lib, spec, &operation)?;
         let compute = self.streams.raw(stream)?;
         let comm_stream = self.comm_stream()?;
         self.events.order(comm_stream, compute).map_err(|err| self.classify(stream, err))?;
         if let Err(reason) = self.issue(lib, comm, spec.ranks, comm_stream, calls) {
             self.abort(lib, spec.set, &reason);
-            return Err(self.nccl_error(operation, reason));
+            return Err(self.nccl_error(&operation, reason));
         }
         let done = self.events.take()?;
         // SAFETY: live event and streams of this context; the caller's stream
@@ -430,15 +552,33 @@ impl DeviceCollectives for CudaBackend {
             self.events.give(done);
             return Err(self.classify(stream, driver_error(self.device, "cuEventRecord (collective)", code)));
         }
-        let outcome = self.watch(lib, comm, done, watch);
-        self.events.give(done);
-        match outcome {
-            Ok(()) => Ok(()),
-            Err(reason) => {
-                self.abort(lib, spec.set, &reason);
-                Err(self.nccl_error(operation, reason))
+        if self.nccl.pending.len() >= REAP_AT {
+            self.poll_pending(lib);
+        }
+        let part = PendingPart(self.nccl.next_part);
+        self.nccl.next_part += 1;
+        let front_since = self.nccl.pending.is_empty().then(Instant::now);
+        self.nccl.pending.push_back(Pending { part, set: spec.set, comm, done, monitor, front_since });
+        if completion == Completion::Defer {
+            return Ok(Some(part));
+        }
+        let mut backoff = Backoff::new();
+        loop {
+            self.poll_pending(lib);
+            if let Some(at) = self.nccl.ended.iter().position(|(p, _)| *p == part) {
+                return self.nccl.ended.swap_remove(at).1.map(|()| None);
+            }
+            backoff.pause();
+        }
+    }
+
+    fn poll(&mut self) -> Vec<(PendingPart, Result<(), ServerError>)> {
+        if !self.nccl.pending.is_empty() {
+            if let Ok(lib) = nccl_lib::load() {
+                self.poll_pending(lib);
             }
         }
+        std::mem::take(&mut self.nccl.ended)
     }
 
     fn release(&mut self, set: u64) {
