@@ -7,8 +7,10 @@
 //! device takes device copies, not NCCL; `COHORT_NCCL_SINGLE=1` sends it
 //! through a one-rank NCCL communicator instead.
 //!
-//! Columns: `size` in bytes, `time` the mean of `-n` iterations in µs after
-//! `-w` warm-ups (host clock around the iterations, then a sync), `algbw =
+//! Columns: `size` in bytes, `call` the host time of one `all_reduce` call
+//! (it returns once its parts are queued), `time` the mean of `-n`
+//! iterations in µs after `-w` warm-ups (host clock around the iterations,
+//! then a sync), `algbw =
 //! size / time`, `busbw = algbw × 2(n-1)/n` (nccl-tests' all-reduce factor:
 //! 0 for one device), for cohort and for raw NCCL, and `ratio` = cohort's
 //! busbw / raw NCCL's (algbw's on one device, where busbw is 0). `#wrong`
@@ -214,10 +216,10 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     }
     println!("# ratio = cohort busbw / raw NCCL busbw (algbw on one device, whose busbw factor is 0)");
     println!(
-        "# {:>10} {:>11} | {:>9} {:>8} {:>8} {:>6} | {:>9} {:>8} {:>8} | {:>7}",
-        "size", "count", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "algbw", "busbw", "ratio"
+        "# {:>10} {:>11} | {:>9} {:>9} {:>8} {:>8} {:>6} | {:>9} {:>8} {:>8} | {:>7}",
+        "size", "count", "call(us)", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "algbw", "busbw", "ratio"
     );
-    println!("# {:>23} | {:^34} | {:^27} |", "", "cohort ClientGroup", "raw NCCL (cudarc)");
+    println!("# {:>23} | {:^44} | {:^27} |", "", "cohort ClientGroup", "raw NCCL (cudarc)");
     let factor = 2.0 * (n as f64 - 1.0) / n as f64;
     let mut total_wrong = 0;
     let mut bytes = args.min_bytes.max(4) / 4 * 4;
@@ -233,6 +235,7 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
         for _ in 0..args.iters {
             group.all_reduce(&src, &dst, DType::F32, ReduceOp::Sum)?;
         }
+        let queued = start.elapsed().as_secs_f64() / args.iters.max(1) as f64;
         group.sync()?;
         let time = start.elapsed().as_secs_f64() / args.iters.max(1) as f64;
         let wrong = if args.check == 1 {
@@ -254,9 +257,10 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
             Err(_) => format!("{:>9} {:>8} {:>8} | {:>7}", "-", "-", "-", "-"),
         };
         println!(
-            "  {:>10} {:>11} | {:>9.2} {:>8.2} {:>8.2} {:>6} | {raw_cols}",
+            "  {:>10} {:>11} | {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>6} | {raw_cols}",
             bytes,
             bytes / 4,
+            queued * 1e6,
             time * 1e6,
             algbw,
             busbw,

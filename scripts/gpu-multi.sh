@@ -19,3 +19,5 @@ step nccl_bench; timeout 120 examples/nccl_bench -b 8 -e 4G -f 8 -n 10 -w 3 2>&1
 for op in all_gather reduce_scatter broadcast all_to_all; do step $op; timeout 60 examples/all_reduce_bench --backend cuda --collective $op -b 8 -e 1G -f 64 -n 10 -w 3 -c 0 2>&1 | grep -v "^#  " | tail -8 | tee -a $L; done
 step torch; timeout 150 torchrun --nproc_per_node $(nvidia-smi -L | wc -l) scripts/anchors/torch_allreduce.py 8 4294967296 8 2>&1 | grep -v Warning | tail -14 | tee -a $L
 step data_parallel; timeout 60 examples/data_parallel --backend cuda 2>&1 | tr '\r' '\n' | grep -v "step " | tail -5 | tee -a $L
+step data_parallel one process per GPU; timeout 60 bin/cohort run -n gpu --master-port 0 -- examples/data_parallel --backend cuda 2>&1 | tr '\r' '\n' | grep -v "step " | tail -6 | tee -a $L
+step latency; timeout 60 examples/nccl_bench -b 8 -e 64K -f 8 -n 2000 -w 200 2>&1 | tee -a $L

@@ -58,8 +58,8 @@ log "examples run (quick settings)"
 cargo run -q --example memory_pools >/dev/null
 # The main job both ways: one process for 4 CPU devices, and one process
 # per device through the launcher (each checks its replicas and loss).
-cargo run -q --example data_parallel -- --epochs 2 --steps 16 2>/dev/null | tail -4
+cargo run -q --example data_parallel -- --epochs 2 --steps 16 | tail -4
 cargo build -q -p cohort-launch --bin cohort
-target/debug/cohort run -n 4 -- target/debug/examples/data_parallel --epochs 2 --steps 16 2>/dev/null | tail -4
+target/debug/cohort run -n 4 -- target/debug/examples/data_parallel --epochs 2 --steps 16 | tail -4
 
 log "all tests passed"

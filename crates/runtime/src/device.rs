@@ -17,7 +17,7 @@ use std::sync::{Arc, OnceLock};
 
 use std::time::{Duration, Instant};
 
-use crossbeam::channel::{self, Receiver, RecvError, RecvTimeoutError, Sender, TryRecvError};
+use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use parking_lot::Mutex;
 
 use crate::backend::Backend;
@@ -209,7 +209,7 @@ impl DeviceHandle {
         // Drop), so nothing the task borrows is used after this returns.
         let boxed: Task = unsafe { std::mem::transmute::<Box<dyn FnOnce(&mut DeviceState) + Send + 'a>, Task>(boxed) };
         self.sender.send(Message::Task(stream, boxed)).map_err(|_| self.closed_error())?;
-        recv_spinning(&reply_rx).map_err(|_| self.closed_error())?
+        recv_spinning(&reply_rx, None).map_err(|_| self.closed_error())?
     }
 
     /// Runs `f` on the device thread with nothing else interleaved; client
@@ -290,23 +290,28 @@ pub fn spin_window() -> Duration {
 
 /// Receives from `receiver`, polling for up to [`spin_window`] before
 /// sleeping: busy for the first polls, then yielding the core between polls
-/// so a thread it waits for can run.
-fn recv_spinning<T>(receiver: &Receiver<T>) -> Result<T, RecvError> {
+/// so a thread it waits for can run. With `nap`, sleeps at most that long
+/// and then reports a timeout.
+fn recv_spinning<T>(receiver: &Receiver<T>, nap: Option<Duration>) -> Result<T, RecvTimeoutError> {
+    let sleep = |receiver: &Receiver<T>| match nap {
+        Some(nap) => receiver.recv_timeout(nap),
+        None => receiver.recv().map_err(|_| RecvTimeoutError::Disconnected),
+    };
     let window = spin_window();
     if window.is_zero() {
-        return receiver.recv();
+        return sleep(receiver);
     }
     let start = Instant::now();
     let mut polls = 0u32;
     loop {
         match receiver.try_recv() {
             Ok(message) => return Ok(message),
-            Err(TryRecvError::Disconnected) => return Err(RecvError),
+            Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
             Err(TryRecvError::Empty) => {
                 polls = polls.wrapping_add(1);
                 // Reading the clock costs more than a poll: look every 64.
                 if polls.is_multiple_of(64) && start.elapsed() >= window {
-                    return receiver.recv();
+                    return sleep(receiver);
                 }
                 if polls < 256 {
                     std::hint::spin_loop();
@@ -336,20 +341,16 @@ const POLL_BUSY_AT: usize = 64;
 
 fn serve(state: &mut DeviceState, receiver: Receiver<Message>) {
     loop {
-        let message = if state.has_pending_collectives() {
-            match receiver.recv_timeout(COLLECTIVE_POLL) {
-                Ok(message) => message,
-                Err(RecvTimeoutError::Timeout) => {
-                    state.poll_collectives();
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => break,
+        // With device collectives running, the thread wakes now and then
+        // to poll them (and end or abort them) even when no work comes.
+        let nap = state.has_pending_collectives().then_some(COLLECTIVE_POLL);
+        let message = match recv_spinning(&receiver, nap) {
+            Ok(message) => message,
+            Err(RecvTimeoutError::Timeout) => {
+                state.poll_collectives();
+                continue;
             }
-        } else {
-            match recv_spinning(&receiver) {
-                Ok(message) => message,
-                Err(_) => break,
-            }
+            Err(RecvTimeoutError::Disconnected) => break,
         };
         match message {
             Message::Task(stream, task) => run_caught(state, stream, task),

@@ -9,7 +9,9 @@
 //! the host before the first call, so those calls always meet.
 //!
 //! A part runs on the device's communication stream: that stream first
-//! waits (an event) for the work queued so far on the caller's stream, then
+//! waits (an event) for the work queued so far on the caller's stream
+//! (skipped when nothing was queued there since that stream's last part,
+//! which the communication stream already follows), then
 //! NCCL's calls are queued (inside one NCCL group when there are several),
 //! an event is recorded after them and the caller's stream waits for it in
 //! turn, so later work there sees the results without the host waiting.
@@ -56,6 +58,11 @@ pub(crate) struct NcclState {
     /// Parts that ended, not yet reported by `poll`.
     ended: Vec<(PendingPart, Result<(), ServerError>)>,
     next_part: u64,
+    /// Per caller stream, its use tick (`Streams::last_use`) right after its
+    /// last part was queued: while it is unchanged nothing was queued there
+    /// since, and the communication stream is already behind that stream's
+    /// work (a part needs no fresh event then).
+    joined: HashMap<StreamId, u64>,
 }
 
 /// A part whose calls are queued on the communication stream.
@@ -530,9 +537,12 @@ impl DeviceCollectives for CudaBackend {
             self.scratch()?;
         }
         let comm = self.comm(lib, spec, &operation)?;
+        let joined = self.nccl.joined.get(&stream).is_some_and(|&tick| self.streams.last_use(stream) == Some(tick));
         let compute = self.streams.raw(stream)?;
         let comm_stream = self.comm_stream()?;
-        self.events.order(comm_stream, compute).map_err(|err| self.classify(stream, err))?;
+        if !joined {
+            self.events.order(comm_stream, compute).map_err(|err| self.classify(stream, err))?;
+        }
         if let Err(reason) = self.issue(lib, comm, spec.ranks, comm_stream, calls) {
             self.abort(lib, spec.set, &reason);
             return Err(self.nccl_error(&operation, reason));
@@ -551,6 +561,9 @@ impl DeviceCollectives for CudaBackend {
         if code != sys::CUresult::CUDA_SUCCESS {
             self.events.give(done);
             return Err(self.classify(stream, driver_error(self.device, "cuEventRecord (collective)", code)));
+        }
+        if let Some(tick) = self.streams.last_use(stream) {
+            self.nccl.joined.insert(stream, tick);
         }
         if self.nccl.pending.len() >= REAP_AT {
             self.poll_pending(lib);
