@@ -121,3 +121,30 @@ fn collectives_return_once_queued_and_an_expired_one_marks_its_destination() {
     again.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&fresh), DType::F32, ReduceOp::Sum).unwrap();
     assert_eq!(device.read_one(fresh).unwrap().to_elems::<f32>(), vec![3.0; 1024]);
 }
+
+/// Groups on two streams of one device share its communicator; their parts
+/// still run in the order they were queued (a part from the other stream
+/// first waits for the previous one), and each stream sees its own results.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn parts_from_two_streams_run_in_queue_order() {
+    use cohort_runtime::StreamId;
+
+    let first = one_rank_group();
+    let device = first.client(0).clone();
+    let (a, b) = (device.with_stream(StreamId::fresh()), device.with_stream(StreamId::fresh()));
+    let (on_a, on_b) = (ClientGroup::new(vec![a.clone()]).unwrap(), ClientGroup::new(vec![b.clone()]).unwrap());
+    let mut expected = Vec::new();
+    let mut outputs = Vec::new();
+    for round in 0..50u32 {
+        let (client, group) = if round % 2 == 0 { (&a, &on_a) } else { (&b, &on_b) };
+        let src = client.create(Bytes::from_elems(&vec![round; 4096]));
+        let dst = client.empty(4096 * 4);
+        group.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Max).unwrap();
+        expected.push(round);
+        outputs.push((client.clone(), dst));
+    }
+    for ((client, dst), want) in outputs.into_iter().zip(expected) {
+        assert_eq!(client.read_one(dst).unwrap().to_elems::<u32>(), vec![want; 4096]);
+    }
+}

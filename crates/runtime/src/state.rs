@@ -3,7 +3,7 @@
 
 use crate::id::IdMap;
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 
 use crate::backend::{Backend, Binding, PendingPart, ResolvedGrid, TimerStart};
@@ -110,7 +110,7 @@ pub(crate) struct DeviceState {
     /// Device collectives queued and still running
     /// ([`crate::BufferAccess::run_collective`]), with the outputs their
     /// failure marks.
-    pending_collectives: Vec<(PendingPart, Vec<Weak<Allocation>>)>,
+    pending_collectives: VecDeque<(PendingPart, Vec<Weak<Allocation>>)>,
 }
 
 impl DeviceState {
@@ -127,7 +127,7 @@ impl DeviceState {
             graphs: HashMap::new(),
             next_graph: 0,
             scratch_bindings: Vec::new(),
-            pending_collectives: Vec::new(),
+            pending_collectives: VecDeque::new(),
         }
     }
 
@@ -135,7 +135,7 @@ impl DeviceState {
     /// them if it fails.
     pub fn note_pending_collective<'h>(&mut self, part: PendingPart, outputs: impl IntoIterator<Item = &'h Handle>) {
         let outputs = outputs.into_iter().map(|h| Arc::downgrade(&h.alloc)).collect();
-        self.pending_collectives.push((part, outputs));
+        self.pending_collectives.push_back((part, outputs));
     }
 
     /// Whether device collectives are still running (the device thread then
@@ -156,8 +156,9 @@ impl DeviceState {
         }
         let Some(collectives) = self.backend.device_collectives() else { return };
         for (part, outcome) in collectives.poll() {
+            // Parts mostly end in the order they were queued: found at once.
             let Some(at) = self.pending_collectives.iter().position(|(p, _)| *p == part) else { continue };
-            let (_, outputs) = self.pending_collectives.swap_remove(at);
+            let (_, outputs) = self.pending_collectives.remove(at).expect("found above");
             if let Err(err) = outcome {
                 for alloc in outputs.iter().filter_map(Weak::upgrade) {
                     alloc.mark_failed(&err);

@@ -139,11 +139,13 @@ impl FlightRecorder {
     /// (`None`: every rank). Costs a lock and a push.
     pub fn start_among(&self, group: &str, fingerprint: CollectiveFingerprint, ranks: Option<Vec<usize>>) -> RecordId {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        let id = NEXT.fetch_add(1, Ordering::Relaxed);
         if self.capacity == 0 {
-            return RecordId(id);
+            return RecordId(NEXT.fetch_add(1, Ordering::Relaxed));
         }
         let mut records = self.records.lock();
+        // Taken under the lock: the ring stays sorted by id, so a record is
+        // found by binary search however far behind its finish comes.
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
         if records.len() == self.capacity {
             records.pop_front();
         }
@@ -164,7 +166,8 @@ impl FlightRecorder {
     /// its first reason, and one that fell off the ring is ignored.
     pub fn finish_record(&self, id: RecordId, outcome: Result<(), String>) {
         let mut records = self.records.lock();
-        if let Some(record) = records.iter_mut().rev().find(|r| r.id == id.0) {
+        if let Ok(at) = records.binary_search_by_key(&id.0, |r| r.id) {
+            let record = &mut records[at];
             if matches!(record.state, RecordState::Failed(_)) {
                 return;
             }

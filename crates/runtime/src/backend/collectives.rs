@@ -171,10 +171,9 @@ pub trait DeviceCollectives {
     fn unique_id(&mut self) -> Result<Vec<u8>, ServerError>;
 
     /// Issues `calls` on this member's communicator (created on first use,
-    /// which waits for every member to create theirs) on the device's
-    /// communication stream, ordered after the work queued on `stream`, and
-    /// orders `stream` after them (on the device: later work on `stream`
-    /// sees their results). With [`Completion::Defer`] it returns once they
+    /// which waits for every member to create theirs) on `stream`, after the
+    /// work queued there and after the device's earlier parts (from any
+    /// stream), so later work on `stream` sees their results. With [`Completion::Defer`] it returns once they
     /// are queued: `Some(part)` while they run, to be reported by
     /// [`DeviceCollectives::poll`]. With [`Completion::Wait`] it polls until
     /// they are done and returns `None`, or their error. Either way

@@ -1,6 +1,7 @@
-//! NCCL collectives of one device: communicators per device set, a
-//! communication stream, and the wait that turns NCCL's asynchronous errors
-//! and timeouts into errors on the collective.
+//! NCCL collectives of one device: communicators per device set, parts
+//! queued on the caller's stream in one device-wide order, and the polling
+//! that turns NCCL's asynchronous errors and timeouts into errors on the
+//! collective's destinations.
 //!
 //! A communicator is created on the device thread the first time a part of
 //! its device set runs here (`ncclCommInitRank` with the set's shared id;
@@ -8,22 +9,25 @@
 //! every member's part under one process-wide order and meets its members on
 //! the host before the first call, so those calls always meet.
 //!
-//! A part runs on the device's communication stream: that stream first
-//! waits (an event) for the work queued so far on the caller's stream
-//! (skipped when nothing was queued there since that stream's last part,
-//! which the communication stream already follows), then
-//! NCCL's calls are queued (inside one NCCL group when there are several),
-//! an event is recorded after them and the caller's stream waits for it in
-//! turn, so later work there sees the results without the host waiting.
-//! The part then joins the device's queue of pending parts, which complete
-//! in order (one communication stream). The queue is polled (`poll`) when
-//! the device is idle, while it waits for any stream, and when a caller
-//! asks to wait: a part whose event fired has completed; one whose
-//! communicator reports an asynchronous error (`ncclCommGetAsyncError`),
-//! whose monitor reports another member's failure, or that stays at the
-//! front longer than its timeout fails, and its communicator is aborted
-//! (`ncclCommAbort`, which also ends its kernels, so the streams behind it
-//! drain) and refused from then on.
+//! A part's calls are queued on the caller's own stream (inside one NCCL
+//! group when there are several), so later work there sees the results
+//! with no extra event, as with a kernel, and an event is recorded after
+//! them. Parts of one device run in the order they were queued, whatever
+//! stream they came from: a part from another stream than the device's
+//! previous pending part first waits (on the device) for that part's event.
+//! NCCL needs that order: every member's communicators must see their
+//! operations in the same order, or two communicators can wait on each
+//! other across devices.
+//!
+//! The pending parts are polled (`poll`) when the device is idle, while it
+//! waits for any stream, and when a caller asks to wait: a part whose event
+//! fired has completed (completed parts are reaped at every poll); one
+//! whose communicator reports an asynchronous error
+//! (`ncclCommGetAsyncError`), whose monitor reports another member's
+//! failure, or that stays at the front longer than its timeout fails (those
+//! are looked for at most every millisecond), and its communicator is
+//! aborted (`ncclCommAbort`, which also ends its kernels, so the streams
+//! behind it drain) and refused from then on.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_int, c_void};
@@ -48,7 +52,6 @@ pub(crate) struct NcclState {
     comms: HashMap<u64, RawComm>,
     /// Sets whose communicator was aborted, with why.
     aborted: HashMap<u64, String>,
-    stream: Option<sys::CUstream>,
     /// 256 bytes of device memory for barriers.
     scratch: Option<sys::CUdeviceptr>,
     /// Devices already given access to this device's memory.
@@ -58,25 +61,29 @@ pub(crate) struct NcclState {
     /// Parts that ended, not yet reported by `poll`.
     ended: Vec<(PendingPart, Result<(), ServerError>)>,
     next_part: u64,
-    /// Per caller stream, its use tick (`Streams::last_use`) right after its
-    /// last part was queued: while it is unchanged nothing was queued there
-    /// since, and the communication stream is already behind that stream's
-    /// work (a part needs no fresh event then).
-    joined: HashMap<StreamId, u64>,
+    /// When the pending parts were last looked at for failures.
+    checked: Option<Instant>,
 }
 
-/// A part whose calls are queued on the communication stream.
+/// A part whose calls are queued on the device.
 struct Pending {
     part: PendingPart,
+    /// The caller's stream the calls were queued on.
+    stream: StreamId,
     set: u64,
     comm: RawComm,
     /// Recorded after the part's calls.
     done: sys::CUevent,
     monitor: Arc<dyn CollectiveMonitor>,
     /// When the part reached the front of the queue; its timeout counts
-    /// from then (the parts before it hold the communication stream).
+    /// from then (the parts before it run first).
     front_since: Option<Instant>,
 }
+
+/// How often pending parts are looked at for failures (asynchronous
+/// errors, other members' failures, timeouts); completed parts are reaped
+/// at every poll.
+const FAILURE_CHECK: Duration = Duration::from_millis(1);
 
 /// Past this many pending parts, queueing another first reaps the ones that
 /// completed (their events go back to the pool).
@@ -106,8 +113,8 @@ impl Backoff {
 }
 
 impl NcclState {
-    /// Destroys the communicators, the stream and the scratch memory (the
-    /// device drained first; its context is current).
+    /// Destroys the communicators and the scratch memory (the device
+    /// drained first; its context is current).
     pub(crate) fn close(&mut self) {
         if let Ok(lib) = nccl_lib::load() {
             for (_, comm) in self.comms.drain() {
@@ -115,12 +122,9 @@ impl NcclState {
                 unsafe { (lib.comm_destroy)(comm) };
             }
         }
-        // SAFETY: handles this state created; each is released once.
-        unsafe {
-            if let Some(stream) = self.stream.take() {
-                let _ = sys::cuStreamDestroy_v2(stream);
-            }
-            if let Some(ptr) = self.scratch.take() {
+        if let Some(ptr) = self.scratch.take() {
+            // SAFETY: memory this state allocated; released once.
+            unsafe {
                 let _ = sys::cuMemFree_v2(ptr);
             }
         }
@@ -167,22 +171,6 @@ fn one_rank_op(op: Reduction, ranks: usize) -> c_int {
 impl CudaBackend {
     fn nccl_error(&self, operation: &str, reason: String) -> ServerError {
         ServerError::Collective { collective: operation.to_string(), device: self.device, reason }
-    }
-
-    fn comm_stream(&mut self) -> Result<sys::CUstream, ServerError> {
-        if let Some(stream) = self.nccl.stream {
-            return Ok(stream);
-        }
-        let mut raw: sys::CUstream = std::ptr::null_mut();
-        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-        // SAFETY: the device's context is current on its thread; writes one
-        // handle.
-        let code = unsafe { sys::cuStreamCreate(&mut raw, flags) };
-        if code != sys::CUresult::CUDA_SUCCESS {
-            return Err(driver_error(self.device, "cuStreamCreate (communication stream)", code));
-        }
-        self.nccl.stream = Some(raw);
-        Ok(raw)
     }
 
     fn scratch(&mut self) -> Result<sys::CUdeviceptr, ServerError> {
@@ -249,7 +237,7 @@ impl CudaBackend {
         self.nccl.aborted.insert(set, why.to_string());
     }
 
-    /// Queues the calls on `stream` (the communication stream).
+    /// Queues the calls on `stream` (the caller's).
     fn issue(
         &mut self,
         lib: &Nccl,
@@ -401,7 +389,17 @@ impl CudaBackend {
             pending.monitor.finished(&Ok(()));
             self.nccl.ended.push((pending.part, Ok(())));
         }
+        // Failures are looked for at most every FAILURE_CHECK: asking NCCL
+        // costs microseconds, and a device thread queueing collectives back
+        // to back reaps completed parts between them.
         let now = Instant::now();
+        if self.nccl.pending.is_empty() || self.nccl.checked.is_some_and(|at| now - at < FAILURE_CHECK) {
+            if let Some(front) = self.nccl.pending.front_mut() {
+                front.front_since.get_or_insert(now);
+            }
+            return;
+        }
+        self.nccl.checked = Some(now);
         let mut failed: Vec<(u64, String)> = Vec::new();
         let mut asked: Vec<RawComm> = Vec::new();
         for (index, pending) in self.nccl.pending.iter_mut().enumerate() {
@@ -537,33 +535,27 @@ impl DeviceCollectives for CudaBackend {
             self.scratch()?;
         }
         let comm = self.comm(lib, spec, &operation)?;
-        let joined = self.nccl.joined.get(&stream).is_some_and(|&tick| self.streams.last_use(stream) == Some(tick));
-        let compute = self.streams.raw(stream)?;
-        let comm_stream = self.comm_stream()?;
-        if !joined {
-            self.events.order(comm_stream, compute).map_err(|err| self.classify(stream, err))?;
+        let raw = self.streams.raw(stream)?;
+        if let Some(previous) = self.nccl.pending.back().filter(|p| p.stream != stream) {
+            // SAFETY: live stream and event of this context; the wait is on
+            // the device (it captures the event's current record).
+            let code = unsafe { sys::cuStreamWaitEvent(raw, previous.done, 0) };
+            if code != sys::CUresult::CUDA_SUCCESS {
+                return Err(
+                    self.classify(stream, driver_error(self.device, "cuStreamWaitEvent (collective order)", code))
+                );
+            }
         }
-        if let Err(reason) = self.issue(lib, comm, spec.ranks, comm_stream, calls) {
+        if let Err(reason) = self.issue(lib, comm, spec.ranks, raw, calls) {
             self.abort(lib, spec.set, &reason);
             return Err(self.nccl_error(&operation, reason));
         }
         let done = self.events.take()?;
-        // SAFETY: live event and streams of this context; the caller's stream
-        // waits for the part on the device, never the host.
-        let code = unsafe {
-            let code = sys::cuEventRecord(done, comm_stream);
-            if code == sys::CUresult::CUDA_SUCCESS {
-                sys::cuStreamWaitEvent(compute, done, 0)
-            } else {
-                code
-            }
-        };
+        // SAFETY: a live event and stream of this context.
+        let code = unsafe { sys::cuEventRecord(done, raw) };
         if code != sys::CUresult::CUDA_SUCCESS {
             self.events.give(done);
             return Err(self.classify(stream, driver_error(self.device, "cuEventRecord (collective)", code)));
-        }
-        if let Some(tick) = self.streams.last_use(stream) {
-            self.nccl.joined.insert(stream, tick);
         }
         if self.nccl.pending.len() >= REAP_AT {
             self.poll_pending(lib);
@@ -571,7 +563,7 @@ impl DeviceCollectives for CudaBackend {
         let part = PendingPart(self.nccl.next_part);
         self.nccl.next_part += 1;
         let front_since = self.nccl.pending.is_empty().then(Instant::now);
-        self.nccl.pending.push_back(Pending { part, set: spec.set, comm, done, monitor, front_since });
+        self.nccl.pending.push_back(Pending { part, stream, set: spec.set, comm, done, monitor, front_since });
         if completion == Completion::Defer {
             return Ok(Some(part));
         }

@@ -22,21 +22,17 @@ pub(crate) struct StreamEntry {
     pub capturing: bool,
     /// Kernels launched since the last sync (the last few).
     pub since_sync: Vec<String>,
-    /// The device-wide tick of the last call that used this stream.
-    last_use: u64,
 }
 
 /// The CUDA streams of one device.
 pub(crate) struct Streams {
     device: DeviceId,
     map: IdMap<StreamId, StreamEntry>,
-    /// Counts every use of any stream (see [`Streams::last_use`]).
-    ticks: u64,
 }
 
 impl Streams {
     pub fn new(device: DeviceId) -> Self {
-        Self { device, map: IdMap::default(), ticks: 0 }
+        Self { device, map: IdMap::default() }
     }
 
     /// The stream's entry, creating its CUDA stream on first use.
@@ -50,19 +46,9 @@ impl Streams {
             if code != sys::CUresult::CUDA_SUCCESS {
                 return Err(driver_error(self.device, "cuStreamCreate", code));
             }
-            self.map.insert(stream, StreamEntry { raw, capturing: false, since_sync: Vec::new(), last_use: 0 });
+            self.map.insert(stream, StreamEntry { raw, capturing: false, since_sync: Vec::new() });
         }
-        self.ticks += 1;
-        let entry = self.map.get_mut(&stream).expect("inserted above");
-        entry.last_use = self.ticks;
-        Ok(entry)
-    }
-
-    /// When the stream was last used: a tick unique on this device, taken
-    /// by every call that resolves the stream (so by everything queued on
-    /// it). Equal ticks at two moments mean nothing used it in between.
-    pub fn last_use(&self, stream: StreamId) -> Option<u64> {
-        self.map.get(&stream).map(|e| e.last_use)
+        Ok(self.map.get_mut(&stream).expect("inserted above"))
     }
 
     /// The raw CUDA stream of a logical stream.
