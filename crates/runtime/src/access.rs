@@ -182,18 +182,15 @@ impl Client {
         let operation = operation.to_string();
         let device = self.device_id();
         self.device().submit(stream, move |state| {
-            let all: Vec<&Handle> = inputs.iter().chain(&outputs).collect();
-            let out_refs: Vec<&Handle> = outputs.iter().collect();
-            let in_refs: Vec<&Handle> = inputs.iter().collect();
             let prepared = (|| {
-                if let Some(err) = DeviceState::poisoned_input(in_refs.iter().copied(), &operation) {
+                if let Some(err) = DeviceState::poisoned_input(&inputs, &operation) {
                     return Err(err);
                 }
-                let mut bindings = Vec::with_capacity(all.len());
-                for handle in &all {
+                let mut bindings = Vec::with_capacity(inputs.len() + outputs.len());
+                for handle in inputs.iter().chain(&outputs) {
                     bindings.push(state.binding(handle)?);
                 }
-                state.order_after_writers(stream, all.iter().copied())?;
+                state.order_after_writers(stream, inputs.iter().chain(&outputs))?;
                 Ok(bindings)
             })();
             let run = std::panic::AssertUnwindSafe(|| match prepared {
@@ -207,9 +204,9 @@ impl Client {
             let (result, deferred) = std::panic::catch_unwind(run).unwrap_or_else(|payload| {
                 (Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) }), Vec::new())
             });
-            DeviceState::mark_outputs(stream, out_refs.iter().copied(), &result);
+            DeviceState::mark_outputs(stream, &outputs, &result);
             for part in deferred {
-                state.note_pending_collective(part, out_refs.iter().copied());
+                state.note_pending_collective(part, &outputs);
             }
         })
     }

@@ -18,12 +18,13 @@
 //! would wait for it. Then every local part issues its calls through the
 //! runtime's [`DeviceCollectives`](cohort_runtime::backend::DeviceCollectives)
 //! hook: its device thread creates its NCCL communicator on first use
-//! (`ncclCommInitRank`), queues the calls on the device's communication
-//! stream and waits for them (unlike a `ClientGroup`'s, which return once
-//! queued), polling the deadline, this rank's other parts, and the store's
-//! abort flag. A failed or expired part aborts the
-//! NCCL communicator (`ncclCommAbort`) and the communicator for every rank;
-//! a timeout names the ranks that never noted their arrival.
+//! (`ncclCommInitRank`), queues the calls on the caller's stream and
+//! returns (a barrier waits for them); the device polls them later, looking
+//! at the deadline, this rank's other parts and the store's abort flag, and
+//! their failure marks the destinations. A failed or expired part aborts
+//! the NCCL communicator (`ncclCommAbort`) and the communicator for every
+//! rank; a timeout names the ranks that never noted their arrival. The
+//! call's flight record ends when its last local part ended on the device.
 //!
 //! With several devices per rank, `send`/`recv` stay on the host path (the
 //! receiving device is not known to the sender), as do calls whose source
@@ -210,7 +211,7 @@ impl Nccl {
                 output.push(client.empty(seg * members));
             }
             let shape = Shape { input: !input.is_empty(), output: !output.is_empty(), scratch };
-            let ticket = Ticket { meeting: meeting.clone(), slot, ran: false };
+            let ticket = Ticket { meeting: meeting.clone(), slot, ran: false, handed: false };
             let queued =
                 client.submit_buffers_always(kind.name(), input, output, move |access| ticket.run(access, shape));
             if let Err(source) = queued {
@@ -307,6 +308,9 @@ struct State {
     /// The leader's host check, once done.
     checked: Option<Result<(), String>>,
     returned: usize,
+    /// Parts that ended: returned without queueing NCCL calls, or whose
+    /// queued calls completed or failed on the device.
+    ended: usize,
     failure: Option<ServerError>,
 }
 
@@ -322,7 +326,7 @@ pub(crate) struct Meeting {
     timeout: Duration,
     state: Mutex<State>,
     cv: Condvar,
-    /// Called once, with the outcome, when every local part has returned.
+    /// Called once, with the outcome, when every local part has ended.
     on_done: Mutex<Option<DoneHook>>,
 }
 
@@ -363,17 +367,30 @@ impl Meeting {
         })
     }
 
-    /// Runs `hook` with the call's outcome once every local part returned
-    /// (at once if they already have).
+    /// Runs `hook` with the call's outcome once every local part ended (its
+    /// NCCL calls completed on the device, or failed), at once if they have.
     pub(crate) fn on_done(&self, hook: impl FnOnce(Result<(), String>) + Send + 'static) {
         let state = self.state.lock();
-        if state.returned < self.devices.len() {
+        if state.ended < self.devices.len() {
             *self.on_done.lock() = Some(Box::new(hook));
             return;
         }
         let outcome = state.failure.as_ref().map_or(Ok(()), |e| Err(e.to_string()));
         drop(state);
         hook(outcome);
+    }
+
+    /// One local part ended; the last runs the done hook.
+    fn end_part(&self) {
+        let mut state = self.state.lock();
+        state.ended += 1;
+        if state.ended == self.devices.len() {
+            let outcome = state.failure.as_ref().map_or(Ok(()), |e| Err(e.to_string()));
+            drop(state);
+            if let Some(hook) = self.on_done.lock().take() {
+                hook(outcome);
+            }
+        }
     }
 
     fn error(&self, slot: usize, reason: String) -> ServerError {
@@ -441,11 +458,15 @@ impl Meeting {
         }
     }
 
+    /// Meets the other local parts and queues this part's NCCL calls,
+    /// returning once they are queued (a barrier waits for them). Sets
+    /// `handed` when a [`PartMonitor`] took over ending the part.
     fn run_part(
         self: &Arc<Self>,
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
         shape: Shape,
+        handed: &mut bool,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
         let buffers = shape.bind(|i| access.binding(i));
@@ -465,15 +486,17 @@ impl Meeting {
             started,
             poll: Mutex::new(Poll { last: started, noted: false }),
         });
-        access.run_collective(&spec, &calls, monitor, Completion::Wait).map_err(|err| {
+        *handed = true;
+        let completion = if self.kind == Kind::Barrier { Completion::Wait } else { Completion::Defer };
+        access.run_collective(&spec, &calls, monitor, completion).map_err(|err| {
             nccl.abort(&self.world, &err.to_string());
             self.fail(err)
         })
     }
 }
 
-/// One local part's view while its NCCL calls run: this rank's other
-/// parts' failures, and (once the part is slow) its arrival note and the
+/// One local part's view while its NCCL calls run (held by its device
+/// until they end): this rank's other parts' failures, and (once the part is slow) its arrival note and the
 /// store's abort flag, looked at every [`ABORT_POLL`].
 struct PartMonitor {
     meeting: Arc<Meeting>,
@@ -521,9 +544,20 @@ impl CollectiveMonitor for PartMonitor {
         format!("{}: {}", m.fp, m.nccl.missing(m.fp.seq))
     }
 
-    fn finished(&self, _outcome: &Result<(), ServerError>) {
-        // The part waits for its calls (`Completion::Wait`): `run_part`
-        // sees the outcome itself.
+    fn finished(&self, outcome: &Result<(), ServerError>) {
+        if let Err(err) = outcome {
+            let m = &self.meeting;
+            m.nccl.abort(&m.world, &err.to_string());
+            m.fail(err.clone());
+        }
+    }
+}
+
+impl Drop for PartMonitor {
+    /// The backend drops the monitor when the part ended (or when its calls
+    /// could not be queued).
+    fn drop(&mut self) {
+        self.meeting.end_part();
     }
 }
 
@@ -533,12 +567,15 @@ struct Ticket {
     meeting: Arc<Meeting>,
     slot: usize,
     ran: bool,
+    /// A monitor ends the part (its calls were handed to the device).
+    handed: bool,
 }
 
 impl Ticket {
     fn run(mut self, access: Result<&mut BufferAccess<'_>, ServerError>, shape: Shape) -> Result<(), ServerError> {
         self.ran = true;
-        self.meeting.run_part(self.slot, access, shape)
+        let meeting = self.meeting.clone();
+        meeting.run_part(self.slot, access, shape, &mut self.handed)
     }
 }
 
@@ -556,12 +593,9 @@ impl Drop for Ticket {
         }
         state.returned += 1;
         m.cv.notify_all();
-        if state.returned == m.devices.len() {
-            let outcome = state.failure.as_ref().map_or(Ok(()), |e| Err(e.to_string()));
-            drop(state);
-            if let Some(hook) = m.on_done.lock().take() {
-                hook(outcome);
-            }
+        drop(state);
+        if !self.handed {
+            m.end_part();
         }
     }
 }

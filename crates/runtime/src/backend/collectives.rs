@@ -194,7 +194,8 @@ pub trait DeviceCollectives {
     /// complete. Returns the parts that ended, with their outcomes.
     fn poll(&mut self) -> Vec<(PendingPart, Result<(), ServerError>)>;
 
-    /// Destroys this device's communicator of `set`, if it has one.
+    /// Destroys this device's communicator of `set`, if it has one, once
+    /// its parts still running ended (waits for them, polling).
     fn release(&mut self, set: u64);
 
     /// Whether this device can address `peer`'s memory directly (asks the

@@ -529,12 +529,11 @@ impl DeviceCollectives for CudaBackend {
         completion: Completion,
     ) -> Result<Option<PendingPart>, ServerError> {
         self.check_lost()?;
-        let operation = monitor.operation().to_string();
-        let lib = nccl_lib::load().map_err(|reason| self.nccl_error(&operation, reason))?;
+        let lib = nccl_lib::load().map_err(|reason| self.nccl_error(monitor.operation(), reason))?;
         if calls.contains(&DeviceCall::Barrier) {
             self.scratch()?;
         }
-        let comm = self.comm(lib, spec, &operation)?;
+        let comm = self.comm(lib, spec, monitor.operation())?;
         let raw = self.streams.raw(stream)?;
         if let Some(previous) = self.nccl.pending.back().filter(|p| p.stream != stream) {
             // SAFETY: live stream and event of this context; the wait is on
@@ -548,7 +547,7 @@ impl DeviceCollectives for CudaBackend {
         }
         if let Err(reason) = self.issue(lib, comm, spec.ranks, raw, calls) {
             self.abort(lib, spec.set, &reason);
-            return Err(self.nccl_error(&operation, reason));
+            return Err(self.nccl_error(monitor.operation(), reason));
         }
         let done = self.events.take()?;
         // SAFETY: a live event and stream of this context.
@@ -587,6 +586,14 @@ impl DeviceCollectives for CudaBackend {
     }
 
     fn release(&mut self, set: u64) {
+        // Its parts still queued end first: polling reads the communicator.
+        if let Ok(lib) = nccl_lib::load() {
+            let mut backoff = Backoff::new();
+            while self.nccl.pending.iter().any(|p| p.set == set) {
+                self.poll_pending(lib);
+                backoff.pause();
+            }
+        }
         if let (Some(comm), Ok(lib)) = (self.nccl.comms.remove(&set), nccl_lib::load()) {
             // SAFETY: our communicator, no longer in the map.
             unsafe { (lib.comm_destroy)(comm) };
