@@ -268,83 +268,96 @@ pub enum Value {
     I(i128),
 }
 
+/// Decodes one `dtype` element from its bytes.
+fn decode(dtype: DType, c: &[u8]) -> Value {
+    match dtype {
+        DType::F32 => Value::F(f32::from_le_bytes(c.try_into().unwrap()) as f64),
+        DType::F64 => Value::F(f64::from_le_bytes(c.try_into().unwrap())),
+        DType::F16 => Value::F(f16::from_le_bytes(c.try_into().unwrap()).to_f64()),
+        DType::BF16 => Value::F(bf16::from_le_bytes(c.try_into().unwrap()).to_f64()),
+        DType::I8 => Value::I(c[0] as i8 as i128),
+        DType::U8 => Value::I(c[0] as i128),
+        DType::I32 => Value::I(i32::from_le_bytes(c.try_into().unwrap()) as i128),
+        DType::U32 => Value::I(u32::from_le_bytes(c.try_into().unwrap()) as i128),
+        DType::I64 => Value::I(i64::from_le_bytes(c.try_into().unwrap()) as i128),
+        DType::U64 => Value::I(u64::from_le_bytes(c.try_into().unwrap()) as i128),
+    }
+}
+
+/// Appends `v` as one `dtype` element (integers wrap, floats round).
+fn encode(dtype: DType, v: Value, out: &mut Vec<u8>) {
+    let (f, i) = match v {
+        Value::F(f) => (f, f as i128),
+        Value::I(i) => (i as f64, i),
+    };
+    match dtype {
+        DType::F32 => out.extend((f as f32).to_le_bytes()),
+        DType::F64 => out.extend(f.to_le_bytes()),
+        DType::F16 => out.extend(f16::from_f64(f).to_le_bytes()),
+        DType::BF16 => out.extend(bf16::from_f64(f).to_le_bytes()),
+        DType::I8 => out.extend((i as i8).to_le_bytes()),
+        DType::U8 => out.extend((i as u8).to_le_bytes()),
+        DType::I32 => out.extend((i as i32).to_le_bytes()),
+        DType::U32 => out.extend((i as u32).to_le_bytes()),
+        DType::I64 => out.extend((i as i64).to_le_bytes()),
+        DType::U64 => out.extend((i as u64).to_le_bytes()),
+    }
+}
+
 /// Decodes `bytes` of `dtype` elements.
 pub fn load(dtype: DType, bytes: &[u8]) -> Vec<Value> {
-    let e = dtype.size();
-    bytes
-        .chunks_exact(e)
-        .map(|c| match dtype {
-            DType::F32 => Value::F(f32::from_le_bytes(c.try_into().unwrap()) as f64),
-            DType::F64 => Value::F(f64::from_le_bytes(c.try_into().unwrap())),
-            DType::F16 => Value::F(f16::from_le_bytes(c.try_into().unwrap()).to_f64()),
-            DType::BF16 => Value::F(bf16::from_le_bytes(c.try_into().unwrap()).to_f64()),
-            DType::I8 => Value::I(c[0] as i8 as i128),
-            DType::U8 => Value::I(c[0] as i128),
-            DType::I32 => Value::I(i32::from_le_bytes(c.try_into().unwrap()) as i128),
-            DType::U32 => Value::I(u32::from_le_bytes(c.try_into().unwrap()) as i128),
-            DType::I64 => Value::I(i64::from_le_bytes(c.try_into().unwrap()) as i128),
-            DType::U64 => Value::I(u64::from_le_bytes(c.try_into().unwrap()) as i128),
-        })
-        .collect()
+    bytes.chunks_exact(dtype.size()).map(|c| decode(dtype, c)).collect()
 }
 
 /// Encodes values as `dtype` elements (integers wrap, floats round).
 pub fn store(dtype: DType, values: &[Value]) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.len() * dtype.size());
     for &v in values {
-        let (f, i) = match v {
-            Value::F(f) => (f, f as i128),
-            Value::I(i) => (i as f64, i),
-        };
-        match dtype {
-            DType::F32 => out.extend((f as f32).to_le_bytes()),
-            DType::F64 => out.extend(f.to_le_bytes()),
-            DType::F16 => out.extend(f16::from_f64(f).to_le_bytes()),
-            DType::BF16 => out.extend(bf16::from_f64(f).to_le_bytes()),
-            DType::I8 => out.extend((i as i8).to_le_bytes()),
-            DType::U8 => out.extend((i as u8).to_le_bytes()),
-            DType::I32 => out.extend((i as i32).to_le_bytes()),
-            DType::U32 => out.extend((i as u32).to_le_bytes()),
-            DType::I64 => out.extend((i as i64).to_le_bytes()),
-            DType::U64 => out.extend((i as u64).to_le_bytes()),
-        }
+        encode(dtype, v, &mut out);
     }
     out
 }
 
-/// The host reference of an element-wise reduction of `inputs`.
+/// The host reference of an element-wise reduction of `inputs`, element by
+/// element (no decoded copy of the inputs: references of a GiB stay cheap).
 pub fn reduce_reference(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> {
-    let loaded: Vec<Vec<Value>> = inputs.iter().map(|b| load(dtype, b)).collect();
-    let n = inputs.len();
-    let wrap = |i: i128| load(dtype, &store(dtype, &[Value::I(i)]))[0];
-    let values: Vec<Value> = (0..loaded[0].len())
-        .map(|i| {
-            let mut acc = loaded[0][i];
-            for input in &loaded[1..] {
-                acc = match (acc, input[i]) {
-                    (Value::F(a), Value::F(b)) => Value::F(match op {
-                        ReduceOp::Sum | ReduceOp::Avg => a + b,
-                        ReduceOp::Prod => a * b,
-                        ReduceOp::Min => a.min(b),
-                        ReduceOp::Max => a.max(b),
-                    }),
-                    (Value::I(a), Value::I(b)) => wrap(match op {
-                        ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
-                        ReduceOp::Prod => a.wrapping_mul(b),
-                        ReduceOp::Min => a.min(b),
-                        ReduceOp::Max => a.max(b),
-                    }),
-                    _ => unreachable!("one dtype decodes to one kind of value"),
-                };
-            }
-            match (op, acc) {
-                (ReduceOp::Avg, Value::F(a)) => Value::F(a / n as f64),
-                (ReduceOp::Avg, Value::I(a)) => Value::I(a / n as i128),
-                _ => acc,
-            }
-        })
-        .collect();
-    store(dtype, &values)
+    let (n, e) = (inputs.len(), dtype.size());
+    let mut one = Vec::with_capacity(16);
+    // An integer result wrapped to the element type, as the device's is.
+    let mut wrap = |i: i128| {
+        one.clear();
+        encode(dtype, Value::I(i), &mut one);
+        decode(dtype, &one)
+    };
+    let mut out = Vec::with_capacity(inputs[0].len());
+    for i in 0..inputs[0].len() / e {
+        let at = |input: &[u8]| decode(dtype, &input[i * e..(i + 1) * e]);
+        let mut acc = at(inputs[0]);
+        for input in &inputs[1..] {
+            acc = match (acc, at(input)) {
+                (Value::F(a), Value::F(b)) => Value::F(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a + b,
+                    ReduceOp::Prod => a * b,
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                }),
+                (Value::I(a), Value::I(b)) => wrap(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                    ReduceOp::Prod => a.wrapping_mul(b),
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                }),
+                _ => unreachable!("one dtype decodes to one kind of value"),
+            };
+        }
+        let acc = match (op, acc) {
+            (ReduceOp::Avg, Value::F(a)) => Value::F(a / n as f64),
+            (ReduceOp::Avg, Value::I(a)) => Value::I(a / n as i128),
+            _ => acc,
+        };
+        encode(dtype, acc, &mut out);
+    }
+    out
 }
 
 /// What every member's destination must hold after `op` over `inputs`
@@ -361,10 +374,13 @@ pub fn expected(
     let all: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
     let blk = |m: usize, k: usize| &inputs[m][k * block..(k + 1) * block];
     let concat = || inputs.concat();
+    // Computed once, cloned for every member that needs it.
+    let reduced =
+        matches!(op, CollectiveOp::AllReduce | CollectiveOp::Reduce).then(|| reduce_reference(dtype, rop, &all));
     (0..n)
         .map(|m| match op {
-            CollectiveOp::AllReduce => Some(reduce_reference(dtype, rop, &all)),
-            CollectiveOp::Reduce => (m == root).then(|| reduce_reference(dtype, rop, &all)),
+            CollectiveOp::AllReduce => reduced.clone(),
+            CollectiveOp::Reduce => (m == root).then(|| reduced.clone().expect("computed above")),
             CollectiveOp::Broadcast => Some(inputs[root].clone()),
             CollectiveOp::AllGather => Some(concat()),
             CollectiveOp::Gather => (m == root).then(concat),
@@ -397,17 +413,17 @@ pub fn tolerance(dtype: DType, n: usize) -> f64 {
 /// How many elements of `got` differ from `want` (length differences count
 /// every missing element).
 pub fn count_wrong(dtype: DType, got: &[u8], want: &[u8], n: usize) -> usize {
-    let (g, w) = (load(dtype, got), load(dtype, want));
+    let e = dtype.size();
     let tol = tolerance(dtype, n);
-    let mismatched = g
-        .iter()
-        .zip(&w)
-        .filter(|(g, w)| match (g, w) {
+    let mismatched = got
+        .chunks_exact(e)
+        .zip(want.chunks_exact(e))
+        .filter(|(g, w)| match (decode(dtype, g), decode(dtype, w)) {
             (Value::F(g), Value::F(w)) => {
                 !(g == w || (g.is_nan() && w.is_nan()) || (g - w).abs() <= tol * w.abs().max(1.0))
             }
             (g, w) => g != w,
         })
         .count();
-    mismatched + g.len().abs_diff(w.len())
+    mismatched + (got.len() / e).abs_diff(want.len() / e)
 }

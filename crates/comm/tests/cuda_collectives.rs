@@ -60,6 +60,15 @@ fn every_group_size_the_machine_has_runs_every_collective_through_nccl() {
     }
 }
 
+/// Every collective at 1 GiB over every GPU of the machine (a device copy
+/// on one GPU; see cuda_nccl_single.rs for one-rank NCCL).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn every_collective_at_one_gib_over_every_gpu() {
+    let group = ClientGroup::new(cuda_common::devices()).unwrap();
+    cuda_common::one_gib(&group);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn peers_and_to_client_stay_on_the_devices() {

@@ -29,6 +29,7 @@ fn a_one_rank_communicator_runs_every_collective_and_type() {
     let group = one_rank_group();
     cuda_common::matrix(&group, &[0, 1, 37, 65_539]);
     cuda_common::check(&group, CollectiveOp::AllReduce, DType::BF16, ReduceOp::Avg, 8 << 20, true);
+    cuda_common::one_gib(&group);
 }
 
 #[test]

@@ -50,3 +50,22 @@ pub fn matrix(group: &ClientGroup, sizes: &[usize]) {
     }
     group.barrier().expect("a barrier after the matrix");
 }
+
+/// Every collective once with its largest buffer 1 GiB (f32, sum, out of
+/// place), checked element by element: the top of the size range.
+pub fn one_gib(group: &ClientGroup) {
+    let n = group.len();
+    for coll in CollectiveOp::ALL {
+        let blocked = matches!(
+            coll,
+            CollectiveOp::AllGather
+                | CollectiveOp::ReduceScatter
+                | CollectiveOp::AllToAll
+                | CollectiveOp::Gather
+                | CollectiveOp::Scatter
+        );
+        let elems = (1usize << 28) / if blocked { n } else { 1 };
+        check(group, coll, DType::F32, ReduceOp::Sum, elems, false);
+    }
+    group.barrier().expect("a barrier after the 1 GiB collectives");
+}
