@@ -1,21 +1,26 @@
-//! nccl-tests' all-reduce table for a CUDA `ClientGroup`, beside raw NCCL
-//! called through cudarc in the same binary on the same devices.
+//! nccl-tests' tables for a CUDA `ClientGroup`, beside raw NCCL called
+//! through cudarc in the same binary on the same devices: all-reduce,
+//! all-gather, reduce-scatter, broadcast and all-to-all.
 //!
 //! Run (on a machine with CUDA GPUs and libnccl):
-//! `cargo run --release --example nccl_bench -- --backend cuda -b 8 -e 256M -f 2`
-//! (`--devices 1` for one device, `-d half`, `-o avg`, ...). A group of one
-//! device takes device copies, not NCCL; `COHORT_NCCL_SINGLE=1` sends it
-//! through a one-rank NCCL communicator instead.
+//! `cargo run --release --example nccl_bench -- -b 8 -e 256M -f 2`
+//! (`--collective all` for the five, `--collective all_gather` for one;
+//! `--devices 1` for one device). A group of one device takes device
+//! copies, not NCCL; `COHORT_NCCL_SINGLE=1` sends it through a one-rank
+//! NCCL communicator instead.
 //!
-//! Columns: `size` in bytes, `call` the host time of one `all_reduce` call
-//! (it returns once its parts are queued), `time` the mean of `-n`
-//! iterations in µs after `-w` warm-ups (host clock around the iterations,
-//! then a sync), `algbw =
-//! size / time`, `busbw = algbw × 2(n-1)/n` (nccl-tests' all-reduce factor:
-//! 0 for one device), for cohort and for raw NCCL, and `ratio` = cohort's
-//! busbw / raw NCCL's (algbw's on one device, where busbw is 0). `#wrong`
-//! counts elements of member 0's result that differ from `n × 1` (float
-//! sum of ones; `-c 0` skips the check).
+//! Columns: `size` in bytes (nccl-tests': the largest buffer, so the
+//! gathered output of all-gather and the input of reduce-scatter), `call`
+//! the host time of one cohort call (it returns once its parts are
+//! queued), `time` the mean of `-n` iterations in µs after `-w` warm-ups
+//! (host clock around the iterations, then a sync), `algbw = size / time`,
+//! `busbw = algbw × factor` (nccl-tests': all-reduce 2(n-1)/n;
+//! all-gather, reduce-scatter, all-to-all (n-1)/n; broadcast 1), for cohort
+//! and for raw NCCL, and `ratio` = cohort's busbw / raw NCCL's (algbw's on
+//! one device, where most factors are 0). Float, sum, out of place, root 0.
+//! `#wrong` counts the elements of the destinations that differ from a host
+//! reference (`-c 0` skips the check; sizes above `--check-max` are not
+//! checked: the reference of a GiB takes seconds).
 //!
 //! The raw baseline calls cudarc's NCCL bindings, which load `libnccl.so`:
 //! where only `libnccl.so.2` is installed (the pip wheel), put a
@@ -25,6 +30,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
+use cohort::comm::verify::{Buffers, CollectiveOp};
 use cohort::comm::{ClientGroup, DType, ReduceOp};
 use cohort::prelude::*;
 use cohort::runtime::backend::cuda::{cudarc, nccl_version};
@@ -33,7 +39,7 @@ use cudarc::driver::sys;
 use cudarc::nccl::sys as nccl;
 
 #[derive(Parser, Debug)]
-#[command(about = "all-reduce over NCCL: cohort's ClientGroup beside raw NCCL through cudarc")]
+#[command(about = "collectives over NCCL: cohort's ClientGroup beside raw NCCL through cudarc")]
 struct Args {
     /// Smallest size in bytes (K, M, G suffixes).
     #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = parse_size)]
@@ -53,6 +59,13 @@ struct Args {
     /// Check results (1) or not (0).
     #[arg(short = 'c', long = "check", default_value_t = 1)]
     check: u32,
+    /// Largest size whose results are checked.
+    #[arg(long = "check-max", default_value = "256M", value_parser = parse_size)]
+    check_max: usize,
+    /// all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, or
+    /// `all` for the five.
+    #[arg(long, default_value = "all_reduce")]
+    collective: String,
     /// Backend: cuda.
     #[arg(long, default_value = "cuda")]
     backend: String,
@@ -131,29 +144,47 @@ impl Raw {
         Ok(raw)
     }
 
-    /// Mean seconds of one all-reduce of `bytes` (f32 sum).
-    fn time(&self, bytes: usize, warmup: u32, iters: u32) -> Result<f64, String> {
-        let count = bytes / 4;
+    /// Mean seconds of one `coll` of `bytes` (nccl-tests' size; f32, sum,
+    /// root 0).
+    fn time(&self, coll: CollectiveOp, bytes: usize, warmup: u32, iters: u32) -> Result<f64, String> {
+        use nccl::ncclDataType_t::ncclFloat32 as F32;
+        use nccl::ncclRedOp_t::ncclSum as SUM;
+        let n = self.comms.len();
+        let (count, block) = (bytes / 4, bytes / 4 / n);
         let once = || -> Result<(), String> {
             // SAFETY: communicators, streams and buffers made in `new`, of at
-            // least `bytes` bytes; one thread issues every device's call
-            // inside one NCCL group, as NCCL requires.
+            // least `bytes` bytes each (a block is `bytes / n`); one thread
+            // issues every device's calls inside one NCCL group, as NCCL
+            // requires.
             unsafe {
                 nok(nccl::ncclGroupStart(), "group start")?;
                 for i in 0..self.comms.len() {
                     let (a, b) = self.bufs[i];
-                    nok(
-                        nccl::ncclAllReduce(
-                            a as *const _,
-                            b as *mut _,
-                            count,
-                            nccl::ncclDataType_t::ncclFloat32,
-                            nccl::ncclRedOp_t::ncclSum,
-                            self.comms[i],
-                            self.streams[i] as nccl::cudaStream_t,
-                        ),
-                        "ncclAllReduce",
-                    )?;
+                    let (comm, s) = (self.comms[i], self.streams[i] as nccl::cudaStream_t);
+                    let (src, dst) = (a as *const _, b as *mut _);
+                    match coll {
+                        CollectiveOp::AllReduce => {
+                            nok(nccl::ncclAllReduce(src, dst, count, F32, SUM, comm, s), "ncclAllReduce")?
+                        }
+                        CollectiveOp::AllGather => {
+                            nok(nccl::ncclAllGather(src, dst, block, F32, comm, s), "ncclAllGather")?
+                        }
+                        CollectiveOp::ReduceScatter => {
+                            nok(nccl::ncclReduceScatter(src, dst, block, F32, SUM, comm, s), "ncclReduceScatter")?
+                        }
+                        CollectiveOp::Broadcast => {
+                            nok(nccl::ncclBroadcast(src, dst, count, F32, 0, comm, s), "ncclBroadcast")?
+                        }
+                        CollectiveOp::AllToAll => {
+                            for peer in 0..n {
+                                let at = (peer * block * 4) as u64;
+                                let to = (a + at) as *const _;
+                                nok(nccl::ncclSend(to, block, F32, peer as i32, comm, s), "ncclSend")?;
+                                nok(nccl::ncclRecv((b + at) as *mut _, block, F32, peer as i32, comm, s), "ncclRecv")?;
+                            }
+                        }
+                        other => return Err(format!("{} has no raw baseline here", other.name())),
+                    }
                 }
                 nok(nccl::ncclGroupEnd(), "group end")
             }
@@ -200,66 +231,107 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     if args.backend != "cuda" {
         return Err(format!("backend {:?}: this bench compares against NCCL, use --backend cuda", args.backend).into());
     }
+    let collectives: Vec<CollectiveOp> = match args.collective.as_str() {
+        "all" => FIVE.to_vec(),
+        name => match CollectiveOp::parse(name).filter(|c| FIVE.contains(c)) {
+            Some(c) => vec![c],
+            None => {
+                return Err(format!(
+                    "--collective {name:?}: use all_reduce, all_gather, reduce_scatter, broadcast, all_to_all or all"
+                )
+                .into())
+            }
+        },
+    };
     let available = CudaRuntime::device_count()?;
     let n = args.devices.unwrap_or(available).clamp(1, available);
     let clients: Vec<Client> = (0..n).map(CudaRuntime::client).collect::<Result<_, _>>()?;
     let group = ClientGroup::new(clients)?;
     let raw = Raw::new(n, args.max_bytes);
+    if let Err(why) = &raw {
+        println!("# raw NCCL baseline skipped: {why}");
+    }
+    let mut total_wrong = 0;
+    for coll in collectives {
+        total_wrong += table(args, &group, raw.as_ref().ok(), coll)?;
+    }
+    Ok(total_wrong)
+}
+
+/// The five collectives nccl-tests times, in its order.
+const FIVE: [CollectiveOp; 5] = [
+    CollectiveOp::AllReduce,
+    CollectiveOp::AllGather,
+    CollectiveOp::ReduceScatter,
+    CollectiveOp::Broadcast,
+    CollectiveOp::AllToAll,
+];
+
+/// Prints one collective's table; returns the wrong elements found.
+fn table(
+    args: &Args,
+    group: &ClientGroup,
+    raw: Option<&Raw>,
+    coll: CollectiveOp,
+) -> Result<usize, Box<dyn std::error::Error>> {
+    let n = group.len();
     println!(
-        "# cohort nccl_bench: all_reduce, float, sum, {n} CUDA device(s) ({}), cohort transport {:?}, NCCL {}",
+        "# cohort nccl_bench: {}, float, sum, {n} CUDA device(s) ({}), cohort transport {:?}, NCCL {}",
+        coll.name(),
         group.client(0).properties().name,
         group.transport(),
         nccl_version().unwrap_or_else(|why| format!("unavailable: {why}"))
     );
-    if let Err(why) = &raw {
-        println!("# raw NCCL baseline skipped: {why}");
-    }
-    println!("# ratio = cohort busbw / raw NCCL busbw (algbw on one device, whose busbw factor is 0)");
+    println!("# ratio = cohort busbw / raw NCCL busbw (algbw on one device)");
     println!(
         "# {:>10} {:>11} | {:>9} {:>9} {:>8} {:>8} {:>6} | {:>9} {:>8} {:>8} | {:>7}",
         "size", "count", "call(us)", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "algbw", "busbw", "ratio"
     );
     println!("# {:>23} | {:^44} | {:^27} |", "", "cohort ClientGroup", "raw NCCL (cudarc)");
-    let factor = 2.0 * (n as f64 - 1.0) / n as f64;
+    let factor = coll.bus_factor(n);
     let mut total_wrong = 0;
-    let mut bytes = args.min_bytes.max(4) / 4 * 4;
+    let mut bytes = args.min_bytes.max(4);
     while bytes <= args.max_bytes {
-        let ones: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), bytes / 4).flatten().collect();
-        let src: Vec<Handle> = group.clients().iter().map(|c| c.create_from_slice(&ones)).collect();
-        let dst: Vec<Handle> = group.clients().iter().map(|c| c.empty(bytes)).collect();
+        let bufs = Buffers::new(group, coll, DType::F32, bytes, false, 0);
+        let size = bufs.size;
+        if size == 0 {
+            bytes = bytes.saturating_mul(args.step_factor.max(2));
+            continue;
+        }
         for _ in 0..args.warmup {
-            group.all_reduce(&src, &dst, DType::F32, ReduceOp::Sum)?;
+            bufs.run(group, ReduceOp::Sum)?;
         }
         group.sync()?;
         let start = Instant::now();
         for _ in 0..args.iters {
-            group.all_reduce(&src, &dst, DType::F32, ReduceOp::Sum)?;
+            bufs.run(group, ReduceOp::Sum)?;
         }
         let queued = start.elapsed().as_secs_f64() / args.iters.max(1) as f64;
         group.sync()?;
         let time = start.elapsed().as_secs_f64() / args.iters.max(1) as f64;
-        let wrong = if args.check == 1 {
-            let got = group.client(0).read_one(dst[0].clone())?;
-            got.chunks_exact(4).filter(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) != n as f32).count()
+        let wrong = if args.check == 1 && size <= args.check_max {
+            let wrong = bufs.wrong(group, ReduceOp::Sum)?;
+            total_wrong += wrong;
+            wrong.to_string()
         } else {
-            0
+            "-".to_string()
         };
-        total_wrong += wrong;
-        let algbw = bytes as f64 / time / 1e9;
+        drop(bufs);
+        let algbw = size as f64 / time / 1e9;
         let busbw = algbw * factor;
-        let raw_cols = match &raw {
-            Ok(raw) => {
-                let t = raw.time(bytes, args.warmup, args.iters)?;
-                let (a, b) = (bytes as f64 / t / 1e9, bytes as f64 / t / 1e9 * factor);
+        let raw_cols = match raw {
+            Some(raw) => {
+                let t = raw.time(coll, size, args.warmup, args.iters)?;
+                let (a, b) = (size as f64 / t / 1e9, size as f64 / t / 1e9 * factor);
                 let ratio = if n == 1 { algbw / a } else { busbw / b };
                 format!("{:>9.2} {:>8.2} {:>8.2} | {:>7.2}", t * 1e6, a, b, ratio)
             }
-            Err(_) => format!("{:>9} {:>8} {:>8} | {:>7}", "-", "-", "-", "-"),
+            None => format!("{:>9} {:>8} {:>8} | {:>7}", "-", "-", "-", "-"),
         };
         println!(
             "  {:>10} {:>11} | {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>6} | {raw_cols}",
-            bytes,
-            bytes / 4,
+            size,
+            size / 4,
             queued * 1e6,
             time * 1e6,
             algbw,

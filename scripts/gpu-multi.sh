@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
 # The multi-GPU runs (issue 9) on a machine with several GPUs, from the
 # bundle scripts/gpu-bundle.sh makes (it copies this file in as multi.sh):
-#   cd gpu-bundle && OUT=/some/dir ./multi.sh     (log: $OUT/multi.log)
-# Every GPU of the machine takes part; NCCL_NVLS_ENABLE stays 0.
+#   cd gpu-bundle && OUT=/some/dir ./multi.sh [tests|bench|all]   (log: $OUT/multi.log)
+# `tests` runs the bundled GPU tests, `cohort peers`, the comm suite with one
+# process per GPU and data_parallel both ways; `bench` the five collectives
+# beside raw NCCL (nccl_bench) and torch.distributed. Each half fits in one
+# 10-minute device call. Every GPU of the machine takes part;
+# NCCL_NVLS_ENABLE stays 0.
 export NCCL_NVLS_ENABLE=0
 cd "$(dirname "$0")"
+what=${1:-all}
 mkdir -p /tmp/ncclfix; ln -sf /usr/lib/x86_64-linux-gnu/libnccl.so.2 /tmp/ncclfix/libnccl.so
 export LD_LIBRARY_PATH=/tmp/ncclfix${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 L=$OUT/multi.log
+gpus=$(nvidia-smi -L | wc -l)
 step() { echo "== $*" | tee -a $L; }
-nvidia-smi -L | tee -a $L; nvidia-smi topo -m 2>&1 | head -5 | tee -a $L
-step tests; for t in tests/*; do timeout 150 $t --include-ignored --test-threads=1 2>&1 | grep -E "^test |test result|panicked" | tee -a $L; done
-step peers; timeout 60 bin/cohort peers --backend cuda --mib 256 --iters 5 2>&1 | tee -a $L
-step communicator; timeout 60 bin/cohort run -n gpu --master-port 0 -- bin/cohort-comm-suite --backend cuda 2>&1 | tail -3 | tee -a $L
-step nccl_bench; timeout 120 examples/nccl_bench -b 8 -e 4G -f 8 -n 10 -w 3 2>&1 | tee -a $L
-for op in all_gather reduce_scatter broadcast all_to_all; do step $op; timeout 60 examples/all_reduce_bench --backend cuda --collective $op -b 8 -e 1G -f 64 -n 10 -w 3 -c 0 2>&1 | grep -v "^#  " | tail -8 | tee -a $L; done
-step torch; timeout 150 torchrun --nproc_per_node $(nvidia-smi -L | wc -l) scripts/anchors/torch_allreduce.py 8 4294967296 8 2>&1 | grep -v Warning | tail -14 | tee -a $L
-step data_parallel; timeout 60 examples/data_parallel --backend cuda 2>&1 | tr '\r' '\n' | grep -v "step " | tail -5 | tee -a $L
-step data_parallel one process per GPU; timeout 60 bin/cohort run -n gpu --master-port 0 -- examples/data_parallel --backend cuda 2>&1 | tr '\r' '\n' | grep -v "step " | tail -6 | tee -a $L
-step latency; timeout 60 examples/nccl_bench -b 8 -e 64K -f 8 -n 2000 -w 200 2>&1 | tee -a $L
+nvidia-smi -L | tee -a $L; nvidia-smi topo -m 2>&1 | head -$((gpus + 1)) | tee -a $L
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    step tests; for t in tests/*; do timeout 200 $t --include-ignored --test-threads=1 2>&1 | grep -E "^test |test result|panicked" | tee -a $L; done
+    step peers; timeout 60 bin/cohort peers --backend cuda --mib 256 --iters 5 2>&1 | tee -a $L
+    step communicator; timeout 60 bin/cohort run -n gpu --master-port 0 -- bin/cohort-comm-suite --backend cuda 2>&1 | tail -3 | tee -a $L
+    step data_parallel one process; timeout 60 examples/data_parallel --backend cuda 2>&1 | tr '\r' '\n' | grep -v "step " | tail -5 | tee -a $L
+    step data_parallel one process per GPU; timeout 60 bin/cohort run -n gpu --master-port 0 -- examples/data_parallel --backend cuda 2>&1 | tr '\r' '\n' | grep -v "step " | tail -6 | tee -a $L
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+    step nccl_bench; timeout 300 examples/nccl_bench --collective all -b 8 -e 4G -f 8 -n 10 -w 3 2>&1 | tee -a $L
+    step latency; timeout 60 examples/nccl_bench -b 8 -e 64K -f 8 -n 2000 -w 200 2>&1 | tee -a $L
+    step torch; timeout 200 torchrun --nproc_per_node $gpus scripts/anchors/torch_collectives.py 8 4294967296 8 2>&1 | grep -v Warning | tee -a $L
+fi
