@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The multi-GPU runs (issue 9) on a machine with several GPUs, from the
 # bundle scripts/gpu-bundle.sh makes (it copies this file in as multi.sh):
-#   cd gpu-bundle && OUT=/some/dir ./multi.sh [tests|bench|all]   (log: $OUT/multi.log)
-# `tests` runs the bundled GPU tests, `cohort peers`, the comm suite with one
-# process per GPU and data_parallel both ways; `bench` the five collectives
-# beside raw NCCL (nccl_bench) and torch.distributed. Each half fits in one
-# 10-minute device call. Every GPU of the machine takes part;
+#   cd gpu-bundle && OUT=/some/dir ./multi.sh [tests|runs|bench|all]   (log: $OUT/multi.log)
+# `tests` runs the bundled GPU tests; `runs` `cohort peers`, the comm suite
+# with one process per GPU and data_parallel both ways; `bench` the five
+# collectives beside raw NCCL (nccl_bench) and torch.distributed. Each part
+# fits in one 10-minute device call. Every GPU of the machine takes part;
 # NCCL_NVLS_ENABLE stays 0.
 export NCCL_NVLS_ENABLE=0
 cd "$(dirname "$0")"
@@ -19,7 +19,9 @@ gpus=$(nvidia-smi -L | wc -l)
 step() { echo "== $*" | tee -a $L; }
 nvidia-smi -L | tee -a $L; nvidia-smi topo -m 2>&1 | head -$((gpus + 1)) | tee -a $L
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    step tests; for t in tests/*; do timeout 200 $t --include-ignored --test-threads=1 2>&1 | grep -E "^test |test result|panicked" | tee -a $L; done
+    step tests; for t in tests/*; do timeout 300 $t --include-ignored --test-threads=1 2>&1 | grep -E "^test |test result|panicked" | tee -a $L; done
+fi
+if [ "$what" = runs ] || [ "$what" = all ]; then
     step peers; timeout 60 bin/cohort peers --backend cuda --mib 256 --iters 5 2>&1 | tee -a $L
     step communicator; timeout 60 bin/cohort run -n gpu --master-port 0 -- bin/cohort-comm-suite --backend cuda 2>&1 | tail -3 | tee -a $L
     step data_parallel one process; timeout 60 examples/data_parallel --backend cuda 2>&1 | tr '\r' '\n' | grep -v "step " | tail -5 | tee -a $L

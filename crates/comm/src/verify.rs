@@ -330,44 +330,52 @@ pub fn store(dtype: DType, values: &[Value]) -> Vec<u8> {
 }
 
 /// The host reference of an element-wise reduction of `inputs`, element by
-/// element (no decoded copy of the inputs: references of a GiB stay cheap).
+/// element (no decoded copy of the inputs) and in parallel chunks, so the
+/// reference of a GiB takes moments.
 pub fn reduce_reference(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> {
+    use rayon::prelude::*;
     let (n, e) = (inputs.len(), dtype.size());
-    let mut one = Vec::with_capacity(16);
-    // An integer result wrapped to the element type, as the device's is.
-    let mut wrap = |i: i128| {
-        one.clear();
-        encode(dtype, Value::I(i), &mut one);
-        decode(dtype, &one)
-    };
-    let mut out = Vec::with_capacity(inputs[0].len());
-    for i in 0..inputs[0].len() / e {
-        let at = |input: &[u8]| decode(dtype, &input[i * e..(i + 1) * e]);
-        let mut acc = at(inputs[0]);
-        for input in &inputs[1..] {
-            acc = match (acc, at(input)) {
-                (Value::F(a), Value::F(b)) => Value::F(match op {
-                    ReduceOp::Sum | ReduceOp::Avg => a + b,
-                    ReduceOp::Prod => a * b,
-                    ReduceOp::Min => a.min(b),
-                    ReduceOp::Max => a.max(b),
-                }),
-                (Value::I(a), Value::I(b)) => wrap(match op {
-                    ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
-                    ReduceOp::Prod => a.wrapping_mul(b),
-                    ReduceOp::Min => a.min(b),
-                    ReduceOp::Max => a.max(b),
-                }),
-                _ => unreachable!("one dtype decodes to one kind of value"),
+    let len = inputs[0].len() / e * e;
+    let mut out = vec![0u8; len];
+    out.par_chunks_mut(e << 16).enumerate().for_each(|(chunk, slots)| {
+        let mut one = Vec::with_capacity(16);
+        for (k, slot) in slots.chunks_exact_mut(e).enumerate() {
+            let i = (chunk << 16) + k;
+            let at = |input: &[u8]| decode(dtype, &input[i * e..(i + 1) * e]);
+            let mut acc = at(inputs[0]);
+            for input in &inputs[1..] {
+                acc = match (acc, at(input)) {
+                    (Value::F(a), Value::F(b)) => Value::F(match op {
+                        ReduceOp::Sum | ReduceOp::Avg => a + b,
+                        ReduceOp::Prod => a * b,
+                        ReduceOp::Min => a.min(b),
+                        ReduceOp::Max => a.max(b),
+                    }),
+                    (Value::I(a), Value::I(b)) => {
+                        let exact = match op {
+                            ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                            ReduceOp::Prod => a.wrapping_mul(b),
+                            ReduceOp::Min => a.min(b),
+                            ReduceOp::Max => a.max(b),
+                        };
+                        // Wrapped to the element type, as the device's is.
+                        one.clear();
+                        encode(dtype, Value::I(exact), &mut one);
+                        decode(dtype, &one)
+                    }
+                    _ => unreachable!("one dtype decodes to one kind of value"),
+                };
+            }
+            let acc = match (op, acc) {
+                (ReduceOp::Avg, Value::F(a)) => Value::F(a / n as f64),
+                (ReduceOp::Avg, Value::I(a)) => Value::I(a / n as i128),
+                _ => acc,
             };
+            one.clear();
+            encode(dtype, acc, &mut one);
+            slot.copy_from_slice(&one);
         }
-        let acc = match (op, acc) {
-            (ReduceOp::Avg, Value::F(a)) => Value::F(a / n as f64),
-            (ReduceOp::Avg, Value::I(a)) => Value::I(a / n as i128),
-            _ => acc,
-        };
-        encode(dtype, acc, &mut out);
-    }
+    });
     out
 }
 
@@ -424,17 +432,23 @@ pub fn tolerance(dtype: DType, n: usize) -> f64 {
 /// How many elements of `got` differ from `want` (length differences count
 /// every missing element).
 pub fn count_wrong(dtype: DType, got: &[u8], want: &[u8], n: usize) -> usize {
+    use rayon::prelude::*;
     let e = dtype.size();
     let tol = tolerance(dtype, n);
-    let mismatched = got
-        .chunks_exact(e)
-        .zip(want.chunks_exact(e))
-        .filter(|(g, w)| match (decode(dtype, g), decode(dtype, w)) {
-            (Value::F(g), Value::F(w)) => {
-                !(g == w || (g.is_nan() && w.is_nan()) || (g - w).abs() <= tol * w.abs().max(1.0))
-            }
-            (g, w) => g != w,
+    let mismatched: usize = got
+        .par_chunks(e << 16)
+        .zip(want.par_chunks(e << 16))
+        .map(|(g, w)| {
+            g.chunks_exact(e)
+                .zip(w.chunks_exact(e))
+                .filter(|(g, w)| match (decode(dtype, g), decode(dtype, w)) {
+                    (Value::F(g), Value::F(w)) => {
+                        !(g == w || (g.is_nan() && w.is_nan()) || (g - w).abs() <= tol * w.abs().max(1.0))
+                    }
+                    (g, w) => g != w,
+                })
+                .count()
         })
-        .count();
+        .sum();
     mismatched + (got.len() / e).abs_diff(want.len() / e)
 }
