@@ -206,7 +206,7 @@ impl Client {
             });
             DeviceState::mark_outputs(stream, &outputs, &result);
             for part in deferred {
-                state.note_pending_collective(part, &outputs);
+                state.note_pending_collective(part, stream, &outputs);
             }
         })
     }

@@ -44,6 +44,16 @@ pub(crate) struct StreamState {
     pub unsynced: Vec<Weak<Allocation>>,
 }
 
+/// A device collective queued by a task that returned before it completed.
+struct PendingCollective {
+    part: PendingPart,
+    /// The task's stream: work queued there after it may have read its
+    /// outputs.
+    stream: StreamId,
+    /// The task's outputs, marked if the collective fails.
+    outputs: Vec<Weak<Allocation>>,
+}
+
 /// How many unsynced outputs a stream remembers; past it the oldest half is
 /// forgotten (a stream that never syncs would otherwise grow without bound).
 const MAX_UNSYNCED: usize = 4096;
@@ -110,7 +120,7 @@ pub(crate) struct DeviceState {
     /// Device collectives queued and still running
     /// ([`crate::BufferAccess::run_collective`]), with the outputs their
     /// failure marks.
-    pending_collectives: VecDeque<(PendingPart, Vec<Weak<Allocation>>)>,
+    pending_collectives: VecDeque<PendingCollective>,
 }
 
 impl DeviceState {
@@ -131,40 +141,60 @@ impl DeviceState {
         }
     }
 
-    /// Remembers `outputs` of a device collective still running, to mark
-    /// them if it fails.
-    pub fn note_pending_collective<'h>(&mut self, part: PendingPart, outputs: impl IntoIterator<Item = &'h Handle>) {
+    /// Remembers `outputs` of a device collective still running on
+    /// `stream`, to mark them if it fails.
+    pub fn note_pending_collective<'h>(
+        &mut self,
+        part: PendingPart,
+        stream: StreamId,
+        outputs: impl IntoIterator<Item = &'h Handle>,
+    ) {
         let outputs = outputs.into_iter().map(|h| Arc::downgrade(&h.alloc)).collect();
-        self.pending_collectives.push_back((part, outputs));
+        self.pending_collectives.push_back(PendingCollective { part, stream, outputs });
     }
 
-    /// Whether device collectives are still running (the device thread then
-    /// polls them while idle).
-    pub fn has_pending_collectives(&self) -> bool {
+    /// Whether device collectives are still running, or ended unreported
+    /// (the device thread then polls them while idle).
+    pub fn has_pending_collectives(&mut self) -> bool {
         !self.pending_collectives.is_empty()
+            || self.backend.device_collectives().is_some_and(|collectives| collectives.has_pending())
     }
 
     pub fn pending_collectives_count(&self) -> usize {
         self.pending_collectives.len()
     }
 
-    /// Asks the backend which running collectives ended, without waiting,
-    /// and marks the outputs of those that failed.
+    /// Asks the backend which running collectives ended, without waiting.
+    /// A failed one marks its outputs, and the outputs of the launches
+    /// queued on its stream since that stream last drained (they may have
+    /// read its results), as a kernel fault does.
     pub fn poll_collectives(&mut self) {
-        if self.pending_collectives.is_empty() {
+        let Some(collectives) = self.backend.device_collectives() else { return };
+        if self.pending_collectives.is_empty() && !collectives.has_pending() {
             return;
         }
-        let Some(collectives) = self.backend.device_collectives() else { return };
         for (part, outcome) in collectives.poll() {
             // Parts mostly end in the order they were queued: found at once.
-            let Some(at) = self.pending_collectives.iter().position(|(p, _)| *p == part) else { continue };
-            let (_, outputs) = self.pending_collectives.remove(at).expect("found above");
+            let Some(at) = self.pending_collectives.iter().position(|p| p.part == part) else { continue };
+            let pending = self.pending_collectives.remove(at).expect("found above");
             if let Err(err) = outcome {
-                for alloc in outputs.iter().filter_map(Weak::upgrade) {
+                for alloc in pending.outputs.iter().filter_map(Weak::upgrade) {
                     alloc.mark_failed(&err);
+                }
+                if let Some(state) = self.streams.get(&pending.stream) {
+                    for alloc in state.unsynced.iter().filter_map(Weak::upgrade) {
+                        alloc.mark_failed(&err);
+                    }
                 }
             }
         }
+    }
+
+    /// Waits until no device collective runs (see [`Backend::settle`]) and
+    /// marks the outputs of those that failed.
+    pub fn settle_collectives(&mut self) {
+        self.backend.settle();
+        self.poll_collectives();
     }
 
     pub fn stream(&mut self, stream: StreamId) -> &mut StreamState {
@@ -388,10 +418,12 @@ impl DeviceState {
         }
         self.order_after_writers(stream, refs.iter().copied())?;
         let result = self.backend.read(stream, &bindings);
-        self.drained(stream, result.as_ref().err());
-        // A collective that wrote these handles may have failed while the
-        // read waited for it: its error, not the bytes, is the answer.
+        // A collective that wrote these handles (or the launches after it
+        // that read them) may have failed while the read waited: its error,
+        // not the bytes, is the answer. Polled before the stream's unsynced
+        // launches are forgotten.
         self.poll_collectives();
+        self.drained(stream, result.as_ref().err());
         if let Some(err) = refs.iter().find_map(|h| h.error()) {
             return Err(err);
         }
@@ -402,8 +434,8 @@ impl DeviceState {
     /// fault it reports on the outputs of unsynced launches.
     pub fn backend_sync(&mut self, stream: StreamId) -> Result<(), ServerError> {
         let result = self.backend.sync(stream);
-        self.drained(stream, result.as_ref().err());
         self.poll_collectives();
+        self.drained(stream, result.as_ref().err());
         result
     }
 
@@ -489,8 +521,10 @@ impl DeviceState {
         }
     }
 
-    /// Frees every page before the thread exits.
+    /// Frees every page before the thread exits, once no device collective
+    /// still uses them.
     pub fn release_all(&mut self) {
+        self.settle_collectives();
         let storage = self.backend.storage();
         for state in self.streams.values_mut() {
             state.pools.release_all(storage);

@@ -30,7 +30,7 @@
 //! receiving device is not known to the sender), as do calls whose source
 //! overlaps their destination other than exactly (in place).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
@@ -485,10 +485,14 @@ impl Meeting {
             slot,
             started,
             poll: Mutex::new(Poll { last: started, noted: false }),
+            ended: AtomicBool::new(false),
         });
-        *handed = true;
         let completion = if self.kind == Kind::Barrier { Completion::Wait } else { Completion::Defer };
-        access.run_collective(&spec, &calls, monitor, completion).map_err(|err| {
+        let result = access.run_collective(&spec, &calls, monitor.clone(), completion);
+        // Queued (its monitor ends the part, now or later) unless refused
+        // before any call was queued.
+        *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
+        result.map_err(|err| {
             nccl.abort(&self.world, &err.to_string());
             self.fail(err)
         })
@@ -496,13 +500,15 @@ impl Meeting {
 }
 
 /// One local part's view while its NCCL calls run (held by its device
-/// until they end): this rank's other parts' failures, and (once the part is slow) its arrival note and the
+/// until they end, when it ends the part): this rank's other parts' failures, and (once the part is slow) its arrival note and the
 /// store's abort flag, looked at every [`ABORT_POLL`].
 struct PartMonitor {
     meeting: Arc<Meeting>,
     slot: usize,
     started: Instant,
     poll: Mutex<Poll>,
+    /// Set once the device reported the part's end.
+    ended: AtomicBool,
 }
 
 impl CollectiveMonitor for PartMonitor {
@@ -545,19 +551,14 @@ impl CollectiveMonitor for PartMonitor {
     }
 
     fn finished(&self, outcome: &Result<(), ServerError>) {
+        let m = &self.meeting;
         if let Err(err) = outcome {
-            let m = &self.meeting;
             m.nccl.abort(&m.world, &err.to_string());
             m.fail(err.clone());
         }
-    }
-}
-
-impl Drop for PartMonitor {
-    /// The backend drops the monitor when the part ended (or when its calls
-    /// could not be queued).
-    fn drop(&mut self) {
-        self.meeting.end_part();
+        if !self.ended.swap(true, Ordering::AcqRel) {
+            m.end_part();
+        }
     }
 }
 
@@ -567,7 +568,7 @@ struct Ticket {
     meeting: Arc<Meeting>,
     slot: usize,
     ran: bool,
-    /// A monitor ends the part (its calls were handed to the device).
+    /// Its monitor ends the part (its calls were queued on the device).
     handed: bool,
 }
 

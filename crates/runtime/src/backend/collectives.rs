@@ -125,8 +125,9 @@ pub trait CollectiveMonitor: Send + Sync {
     /// The members that have not finished, in words, for a timeout error.
     fn missing(&self) -> String;
     /// The part ended: `Ok` once its calls completed on the device, or the
-    /// error that aborted it. Called once, on the device thread, for every
-    /// part whose calls were queued.
+    /// error that aborted it (also when the device's context was lost).
+    /// Called once, on the device thread, for every part whose calls were
+    /// queued, never for a part `run` refused.
     fn finished(&self, outcome: &Result<(), ServerError>);
 }
 
@@ -176,9 +177,11 @@ pub trait DeviceCollectives {
     /// stream), so later work on `stream` sees their results. With [`Completion::Defer`] it returns once they
     /// are queued: `Some(part)` while they run, to be reported by
     /// [`DeviceCollectives::poll`]. With [`Completion::Wait`] it polls until
-    /// they are done and returns `None`, or their error. Either way
-    /// `monitor` learns the outcome. A communicator that fails or times out
-    /// is aborted and later parts on it fail at once.
+    /// they are done and returns `None`, or their error. `monitor` learns
+    /// the outcome of every part whose calls were queued (not of one refused
+    /// before, whose error `run` returns). A communicator that fails or
+    /// times out is aborted, with the parts still queued on it, and later
+    /// parts on it fail at once.
     fn run(
         &mut self,
         stream: StreamId,
@@ -187,6 +190,10 @@ pub trait DeviceCollectives {
         monitor: Arc<dyn CollectiveMonitor>,
         completion: Completion,
     ) -> Result<Option<PendingPart>, ServerError>;
+
+    /// Whether parts are running, or ended without being reported by
+    /// [`DeviceCollectives::poll`] yet.
+    fn has_pending(&mut self) -> bool;
 
     /// Looks at the parts still running without waiting: each that
     /// completed, failed (an asynchronous error, another member's failure)

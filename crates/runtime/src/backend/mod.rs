@@ -182,6 +182,12 @@ pub trait Backend: 'static {
         false
     }
 
+    /// Waits until no device collective is running, ending (aborting) the
+    /// ones that failed or expired meanwhile; before memory is freed, which
+    /// can wait for the whole device. A no-op where collectives complete
+    /// when they are queued, which is the default.
+    fn settle(&mut self) {}
+
     /// Releases what the backend keeps for a stream that has no more work.
     fn release_stream(&mut self, _stream: StreamId) {}
 

@@ -228,6 +228,15 @@ impl CudaBackend {
         fault
     }
 
+    /// Holds page frees while a capture is open or a device collective is
+    /// pending (`cuMemFree` may wait for the whole device, and a collective
+    /// may never complete until it is aborted), and frees what was held once
+    /// neither is.
+    fn update_held_frees(&mut self) {
+        self.pages.hold_frees = self.streams.any_capturing() || self.nccl.has_pending_parts();
+        self.pages.release_deferred();
+    }
+
     fn check(&mut self, stream: StreamId, call: &str, code: sys::CUresult) -> Result<(), ServerError> {
         if code == sys::CUresult::CUDA_SUCCESS {
             return Ok(());
@@ -293,6 +302,8 @@ impl Backend for CudaBackend {
         self.check_lost()?;
         let ptr = self.pages.ptr(dst)?;
         let raw = self.streams.raw(stream)?;
+        // A staged copy can wait for the stream's earlier work.
+        self.settle_collectives(raw);
         let result = self.staging.write(raw, ptr, data);
         result.map_err(|err| self.classify(stream, err))
     }
@@ -401,6 +412,7 @@ impl Backend for CudaBackend {
         let result = if self.streams.is_capturing(waiter) {
             // A capture may not wait on an event recorded outside it: wait on
             // the host instead (the data is then ready for the capture).
+            self.settle_collectives(target_raw);
             self.events.wait_host(target_raw)
         } else {
             let waiter_raw = self.streams.raw(waiter)?;
@@ -428,6 +440,7 @@ impl Backend for CudaBackend {
     fn timing_end(&mut self, stream: StreamId, start: TimerStart) -> Result<ProfileDuration, ServerError> {
         self.check_lost()?;
         let raw = self.streams.raw(stream)?;
+        self.settle_collectives(raw);
         let timer = match start {
             TimerStart::Device(any) => {
                 any.downcast::<timing::DeviceTimer>().map_err(|_| ServerError::InvalidState {
@@ -456,8 +469,7 @@ impl Backend for CudaBackend {
     fn end_native_capture(&mut self, stream: StreamId) -> Result<Box<dyn Any>, ServerError> {
         let raw = self.streams.raw(stream)?;
         self.streams.entry(stream)?.capturing = false;
-        self.pages.hold_frees = self.streams.any_capturing();
-        self.pages.release_deferred();
+        self.update_held_frees();
         self.check_lost()?;
         let exec = graphs::end(self.device, raw, &self.graphs_alive)?;
         Ok(Box::new(exec))
@@ -495,6 +507,10 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn settle(&mut self) {
+        self.settle_all_collectives();
+    }
+
     fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
         Some(self)
     }
@@ -503,10 +519,10 @@ impl Backend for CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         PAGE_ALLOCATIONS.fetch_add(self.pages.allocations, Ordering::Relaxed);
+        // Collectives still queued end (or are aborted) before their memory
+        // goes.
+        self.settle_all_collectives();
         if self.lost.is_none() {
-            // Collectives still queued end (or are aborted) before their
-            // memory goes.
-            self.settle_all_collectives();
             // SAFETY: the context is current on this thread; waiting for all
             // its work before freeing what that work uses.
             unsafe {

@@ -92,17 +92,17 @@ const REAP_AT: usize = 32;
 /// How a thread that waits on the device paces its polls: yielding for the
 /// first milliseconds (a sleep costs at least the timer slack, ~50 µs), then
 /// sleeping up to a millisecond between polls.
-pub(crate) struct Backoff {
+struct Backoff {
     started: Instant,
     nap: Duration,
 }
 
 impl Backoff {
-    pub(crate) fn new() -> Self {
+    fn new() -> Self {
         Backoff { started: Instant::now(), nap: Duration::from_micros(5) }
     }
 
-    pub(crate) fn pause(&mut self) {
+    fn pause(&mut self) {
         if self.started.elapsed() < Duration::from_millis(5) {
             std::thread::yield_now();
         } else {
@@ -113,6 +113,11 @@ impl Backoff {
 }
 
 impl NcclState {
+    /// Whether collectives are queued and not yet seen to end.
+    pub(crate) fn has_pending_parts(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// Destroys the communicators and the scratch memory (the device
     /// drained first; its context is current).
     pub(crate) fn close(&mut self) {
@@ -397,6 +402,7 @@ impl CudaBackend {
             if let Some(front) = self.nccl.pending.front_mut() {
                 front.front_since.get_or_insert(now);
             }
+            self.update_held_frees();
             return;
         }
         self.nccl.checked = Some(now);
@@ -445,6 +451,7 @@ impl CudaBackend {
         for (set, reason) in failed {
             self.fail_set(lib, set, &reason);
         }
+        self.update_held_frees();
     }
 
     /// Aborts `set`'s communicator and ends every pending part on it with
@@ -459,6 +466,7 @@ impl CudaBackend {
             pending.monitor.finished(&Err(err.clone()));
             self.nccl.ended.push((pending.part, Err(err)));
         }
+        self.update_held_frees();
     }
 
     /// Waits until `stream` drained, polling the pending parts meanwhile so a
@@ -483,9 +491,28 @@ impl CudaBackend {
         }
     }
 
+    /// Ends every pending part with `err` without touching the device
+    /// (its context was lost: nothing there can be asked).
+    pub(crate) fn end_collectives_lost(&mut self, err: &ServerError) {
+        for pending in std::mem::take(&mut self.nccl.pending) {
+            pending.monitor.finished(&Err(err.clone()));
+            self.nccl.ended.push((pending.part, Err(err.clone())));
+        }
+    }
+
     /// Waits (polling) until no part is pending: before the device's
-    /// resources are freed.
+    /// resources are freed, and before a wait that polls nothing (so a
+    /// collective that never completes is aborted at its timeout rather
+    /// than waited for forever). On a lost context the parts end with its
+    /// fault at once.
     pub(crate) fn settle_all_collectives(&mut self) {
+        if self.nccl.pending.is_empty() {
+            return;
+        }
+        if let Some(lost) = self.lost.clone() {
+            self.end_collectives_lost(&lost);
+            return;
+        }
         let Ok(lib) = nccl_lib::load() else { return };
         let mut backoff = Backoff::new();
         while !self.nccl.pending.is_empty() {
@@ -530,6 +557,11 @@ impl DeviceCollectives for CudaBackend {
     ) -> Result<Option<PendingPart>, ServerError> {
         self.check_lost()?;
         let lib = nccl_lib::load().map_err(|reason| self.nccl_error(monitor.operation(), reason))?;
+        if self.nccl.pending.len() >= REAP_AT {
+            // Before this part's communicator is looked up: the poll may
+            // abort it.
+            self.poll_pending(lib);
+        }
         if calls.contains(&DeviceCall::Barrier) {
             self.scratch()?;
         }
@@ -545,24 +577,29 @@ impl DeviceCollectives for CudaBackend {
                 );
             }
         }
-        if let Err(reason) = self.issue(lib, comm, spec.ranks, raw, calls) {
-            self.abort(lib, spec.set, &reason);
-            return Err(self.nccl_error(monitor.operation(), reason));
-        }
+        // Taken before the calls are issued: once they are, the part must be
+        // tracked (or its communicator aborted).
         let done = self.events.take()?;
-        // SAFETY: a live event and stream of this context.
-        let code = unsafe { sys::cuEventRecord(done, raw) };
-        if code != sys::CUresult::CUDA_SUCCESS {
+        let issued = self.issue(lib, comm, spec.ranks, raw, calls).and_then(|()| {
+            // SAFETY: a live event and stream of this context.
+            let code = unsafe { sys::cuEventRecord(done, raw) };
+            if code == sys::CUresult::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(format!("cuEventRecord after the calls: {}", super::driver::describe(code)))
+            }
+        });
+        if let Err(reason) = issued {
             self.events.give(done);
-            return Err(self.classify(stream, driver_error(self.device, "cuEventRecord (collective)", code)));
-        }
-        if self.nccl.pending.len() >= REAP_AT {
-            self.poll_pending(lib);
+            // Earlier parts on this communicator end with it.
+            self.fail_set(lib, spec.set, &reason);
+            return Err(self.nccl_error(monitor.operation(), reason));
         }
         let part = PendingPart(self.nccl.next_part);
         self.nccl.next_part += 1;
         let front_since = self.nccl.pending.is_empty().then(Instant::now);
         self.nccl.pending.push_back(Pending { part, stream, set: spec.set, comm, done, monitor, front_since });
+        self.update_held_frees();
         if completion == Completion::Defer {
             return Ok(Some(part));
         }
@@ -574,6 +611,10 @@ impl DeviceCollectives for CudaBackend {
             }
             backoff.pause();
         }
+    }
+
+    fn has_pending(&mut self) -> bool {
+        !self.nccl.pending.is_empty() || !self.nccl.ended.is_empty()
     }
 
     fn poll(&mut self) -> Vec<(PendingPart, Result<(), ServerError>)> {

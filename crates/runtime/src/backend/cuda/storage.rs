@@ -1,8 +1,9 @@
 //! Device pages: the driver allocations the memory pools carve into slices.
 //!
 //! One `cuMemAlloc` per page, never per buffer. A free asked for while a
-//! stream is inside a graph capture is deferred until the capture ends, since
-//! `cuMemFree` may synchronise the device.
+//! stream is inside a graph capture, or while a device collective is pending,
+//! is deferred until neither is, since `cuMemFree` may synchronise the
+//! device.
 
 use crate::id::IdMap;
 
@@ -23,7 +24,8 @@ pub(crate) struct DevicePages {
     device: DeviceId,
     pages: IdMap<PageId, (sys::CUdeviceptr, u64)>,
     next: u64,
-    /// Frees are held here while `hold_frees` is set (during captures).
+    /// Frees are held here while `hold_frees` is set (during captures and
+    /// pending collectives).
     deferred: Vec<sys::CUdeviceptr>,
     pub(crate) hold_frees: bool,
     /// Driver allocations made, for tests and reports.
@@ -51,7 +53,7 @@ impl DevicePages {
         Ok(base + binding.offset)
     }
 
-    /// Frees what was deferred during a capture.
+    /// Frees what was deferred, unless frees are still held.
     pub fn release_deferred(&mut self) {
         if self.hold_frees {
             return;
