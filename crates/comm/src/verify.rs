@@ -86,6 +86,19 @@ impl CollectiveOp {
         self != CollectiveOp::SendRecv
     }
 
+    /// Whether its buffers split into one block per member (`size / n`
+    /// bytes each): the gathers, scatters and all-to-all.
+    pub fn blocked(self) -> bool {
+        matches!(
+            self,
+            CollectiveOp::AllGather
+                | CollectiveOp::ReduceScatter
+                | CollectiveOp::AllToAll
+                | CollectiveOp::Gather
+                | CollectiveOp::Scatter
+        )
+    }
+
     /// nccl-tests' bus-bandwidth factor over `n` members: busbw = algbw ×
     /// factor, where algbw = size / time and size is the largest buffer.
     pub fn bus_factor(self, n: usize) -> f64 {
@@ -171,14 +184,7 @@ impl Buffers {
     ) -> Buffers {
         let n = group.len();
         let e = dtype.size();
-        let blocked = matches!(
-            op,
-            CollectiveOp::AllGather
-                | CollectiveOp::ReduceScatter
-                | CollectiveOp::AllToAll
-                | CollectiveOp::Gather
-                | CollectiveOp::Scatter
-        );
+        let blocked = op.blocked();
         let size = if blocked { size / (n * e) * n * e } else { size / e * e };
         let block = if blocked { size / n } else { size };
         let in_place = in_place && op.has_in_place();

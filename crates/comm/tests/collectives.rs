@@ -12,14 +12,7 @@ use cohort_comm::{ClientGroup, DType, HostPath, ReduceOp};
 
 fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
     let n = group.len();
-    let blocked = matches!(
-        coll,
-        CollectiveOp::AllGather
-            | CollectiveOp::ReduceScatter
-            | CollectiveOp::AllToAll
-            | CollectiveOp::Gather
-            | CollectiveOp::Scatter
-    );
+    let blocked = coll.blocked();
     let size = elems * dtype.size() * if blocked { n } else { 1 };
     let root = n / 2;
     let bufs = Buffers::new(group, coll, dtype, size, in_place, root);

@@ -41,20 +41,9 @@ fn group(n: usize, chunk: usize) -> ClientGroup {
     group
 }
 
-fn blocked(coll: CollectiveOp) -> bool {
-    matches!(
-        coll,
-        CollectiveOp::AllGather
-            | CollectiveOp::ReduceScatter
-            | CollectiveOp::AllToAll
-            | CollectiveOp::Gather
-            | CollectiveOp::Scatter
-    )
-}
-
 fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
     let n = group.len();
-    let size = elems * dtype.size() * if blocked(coll) { n } else { 1 };
+    let size = elems * dtype.size() * if coll.blocked() { n } else { 1 };
     let root = n / 2;
     let what = format!("{coll:?} {dtype} {op} n={n} elems={elems} in_place={in_place}");
     let bufs = Buffers::new(group, coll, dtype, size, in_place, root);
@@ -139,7 +128,7 @@ fn several_mib_in_pipelined_chunks() {
     let mib = 2 << 20;
     for coll in [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather, CollectiveOp::AllToAll]
     {
-        let per_block = if blocked(coll) { mib / 4 / 4 } else { mib / 4 };
+        let per_block = if coll.blocked() { mib / 4 / 4 } else { mib / 4 };
         check(&group, coll, DType::F32, ReduceOp::Sum, per_block + 3, coll == CollectiveOp::AllReduce);
     }
     check(&group, CollectiveOp::Broadcast, DType::U8, ReduceOp::Sum, mib + 1, false);

@@ -17,14 +17,7 @@ pub fn devices() -> Vec<Client> {
 /// Runs one collective and counts wrong elements against the reference.
 pub fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
     let n = group.len();
-    let blocked = matches!(
-        coll,
-        CollectiveOp::AllGather
-            | CollectiveOp::ReduceScatter
-            | CollectiveOp::AllToAll
-            | CollectiveOp::Gather
-            | CollectiveOp::Scatter
-    );
+    let blocked = coll.blocked();
     let size = elems * dtype.size() * if blocked { n } else { 1 };
     let root = n / 2;
     let what = format!("{coll:?} {dtype} {op} n={n} elems={elems} in_place={in_place} ({:?})", group.transport());
@@ -56,14 +49,7 @@ pub fn matrix(group: &ClientGroup, sizes: &[usize]) {
 pub fn one_gib(group: &ClientGroup) {
     let n = group.len();
     for coll in CollectiveOp::ALL {
-        let blocked = matches!(
-            coll,
-            CollectiveOp::AllGather
-                | CollectiveOp::ReduceScatter
-                | CollectiveOp::AllToAll
-                | CollectiveOp::Gather
-                | CollectiveOp::Scatter
-        );
+        let blocked = coll.blocked();
         let elems = (1usize << 28) / if blocked { n } else { 1 };
         check(group, coll, DType::F32, ReduceOp::Sum, elems, false);
     }
