@@ -24,6 +24,7 @@ fi
 if [ "$what" = runs ] || [ "$what" = all ]; then
     step peers; timeout 60 bin/cohort peers --backend cuda --mib 256 --iters 5 2>&1 | tee -a $L
     step communicator; timeout 60 bin/cohort run -n gpu --master-port 0 -- bin/cohort-comm-suite --backend cuda 2>&1 | tail -3 | tee -a $L
+    step communicator full matrix to 1 GiB; timeout 240 bin/cohort run -n gpu --master-port 0 -- bin/cohort-comm-suite --backend cuda full 2>&1 | tail -3 | tee -a $L
     step data_parallel one process; timeout 60 examples/data_parallel --backend cuda 2>&1 | tr '\r' '\n' | grep -v "step " | tail -5 | tee -a $L
     step data_parallel one process per GPU; timeout 60 bin/cohort run -n gpu --master-port 0 -- examples/data_parallel --backend cuda 2>&1 | tr '\r' '\n' | grep -v "step " | tail -6 | tee -a $L
 fi

@@ -41,6 +41,17 @@ fn two_ranks_of_two_devices_pass_the_suite() {
     assert!(stdout.contains("2 ranks × 2 devices"), "{stdout}");
 }
 
+/// Every collective × element type × operator at 0 to 4099 elements, and
+/// each with a 4 MiB buffer (on GPUs: `full` alone goes to 1 GiB).
+#[test]
+fn three_ranks_of_two_devices_pass_the_full_matrix() {
+    let out =
+        output_within(suite_run(&["-n", "3", "--master-port", "0"], &["--devices", "2", "full", "4194304"]), LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("full suite passed") && stdout.contains("3 ranks × 2 devices"), "{stdout}");
+}
+
 #[test]
 fn two_launchers_form_one_eight_rank_job_over_tcp_and_shm() {
     let port = free_port().to_string();

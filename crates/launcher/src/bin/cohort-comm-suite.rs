@@ -7,6 +7,7 @@
 //!
 //! ```text
 //! cohort run -n 4 -- cohort-comm-suite                  # the suite
+//! cohort run -n gpu -- cohort-comm-suite --backend cuda full   # every collective × type × op, 0 B to 1 GiB
 //! cohort run -n 4 -- cohort-comm-suite --devices 2      # two devices per rank
 //! cohort run -n 1 -- cohort-comm-suite --backend cuda   # GPU LOCAL_RANK × devices + l
 //! mpirun -n 4 cohort-comm-suite                         # no launcher
@@ -201,6 +202,108 @@ impl Suite {
     }
 }
 
+impl Suite {
+    /// One collective whose largest buffer holds `bytes` bytes of f32, with
+    /// every member's input the constant `member + 1`: each output block's
+    /// value is known in closed form (sums of 1..=m, a member's number), so
+    /// a GiB is checked without a host reference of every member's input.
+    fn run_constant(&mut self, op: CollectiveOp, root: usize, bytes: usize) -> Result<(), String> {
+        let c = &self.comm;
+        let (l, m) = (c.local_devices(), c.members());
+        let elems = if op.blocked() { bytes / 4 / m } else { bytes / 4 };
+        let block = elems * 4;
+        let in_len = match op {
+            CollectiveOp::ReduceScatter | CollectiveOp::AllToAll | CollectiveOp::Scatter => m * block,
+            _ => block,
+        };
+        let out_len = match op {
+            CollectiveOp::AllGather | CollectiveOp::AllToAll | CollectiveOp::Gather => m * block,
+            _ => block,
+        };
+        let me = |slot: usize| c.rank() * l + slot;
+        let constant = |member: usize| -> Vec<u8> {
+            std::iter::repeat_n(((member + 1) as f32).to_le_bytes(), in_len / 4).flatten().collect()
+        };
+        let src: Vec<Handle> = (0..l).map(|s| self.upload(s, &constant(me(s)))).collect();
+        let dst: Vec<Handle> = (0..l).map(|s| self.comm.clients()[s].empty(out_len)).collect();
+        let root_slot = if root / l == c.rank() { root % l } else { 0 };
+        let e = |r: Result<(), cohort_comm::CommError>| r.map_err(|e| e.to_string());
+        let (f, sum) = (DType::F32, ReduceOp::Sum);
+        match op {
+            CollectiveOp::AllReduce => e(c.all_reduce(&src, &dst, f, sum))?,
+            CollectiveOp::Reduce => e(c.reduce(&src, &dst[root_slot], f, sum, root))?,
+            CollectiveOp::Broadcast => e(c.broadcast(&src[root_slot], &dst, f, root))?,
+            CollectiveOp::AllGather => e(c.all_gather(&src, &dst, f))?,
+            CollectiveOp::ReduceScatter => e(c.reduce_scatter(&src, &dst, f, sum))?,
+            CollectiveOp::AllToAll => e(c.all_to_all(&src, &dst, f))?,
+            CollectiveOp::Gather => e(c.gather(&src, &dst[root_slot], f, root))?,
+            CollectiveOp::Scatter => e(c.scatter(&src[root_slot], &dst, f, root))?,
+            CollectiveOp::SendRecv => return Ok(()),
+        }
+        let total = (m * (m + 1) / 2) as f32;
+        for (slot, out) in dst.iter().enumerate() {
+            let at_root = root / l == c.rank() && slot == root_slot;
+            // The value of output block k (None: not written here).
+            let want = |k: usize| -> Option<f32> {
+                match op {
+                    CollectiveOp::AllReduce | CollectiveOp::ReduceScatter => Some(total),
+                    CollectiveOp::Reduce => at_root.then_some(total),
+                    CollectiveOp::Broadcast | CollectiveOp::Scatter => Some((root + 1) as f32),
+                    CollectiveOp::AllGather | CollectiveOp::AllToAll => Some((k + 1) as f32),
+                    CollectiveOp::Gather => at_root.then_some((k + 1) as f32),
+                    CollectiveOp::SendRecv => None,
+                }
+            };
+            if want(0).is_none() {
+                continue;
+            }
+            let got = self.read(slot, out)?;
+            let wrong = got
+                .chunks(block.max(4))
+                .enumerate()
+                .map(|(k, b)| {
+                    let w = want(k).expect("written");
+                    b.chunks_exact(4).filter(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]) != w).count()
+                })
+                .sum::<usize>();
+            if wrong > 0 {
+                return Err(format!("{} of {bytes} bytes: member {} got {wrong} wrong elements", op.name(), me(slot)));
+            }
+            self.checks += 1;
+        }
+        Ok(())
+    }
+}
+
+/// Every collective × element type × operator (and two roots) at 0, 1, 37
+/// and 4099 elements against the host reference, then every collective
+/// with its largest buffer `big` bytes (1 GiB by default) in closed form.
+fn full(comm: Communicator, big: usize) -> Result<usize, String> {
+    let mut s = Suite { comm, checks: 0 };
+    let m = s.comm.members();
+    for op in CollectiveOp::ALL {
+        if op == CollectiveOp::SendRecv && s.comm.size() == 1 {
+            continue;
+        }
+        let ops: &[ReduceOp] = if op.reduces() { &ReduceOp::ALL } else { &[ReduceOp::Sum] };
+        let roots: &[usize] = if op.rooted() { &[0, m - 1] } else { &[0] };
+        for dtype in DType::ALL {
+            for &rop in ops {
+                for &root in roots {
+                    for elems in [0, 1, 37, 4099] {
+                        s.run(op, dtype, rop, root, elems)?;
+                    }
+                }
+            }
+        }
+    }
+    for op in CollectiveOp::ALL {
+        s.run_constant(op, m / 2, big)?;
+    }
+    s.comm.barrier().map_err(|e| e.to_string())?;
+    Ok(s.checks)
+}
+
 fn suite(comm: Communicator, large: usize) -> Result<usize, String> {
     let mut s = Suite { comm, checks: 0 };
     let m = s.comm.members();
@@ -324,6 +427,16 @@ fn main() -> ExitCode {
                     start.elapsed().as_secs_f64()
                 );
                 println!("collectives took {:?} ({backend})", comm.transport());
+            }
+        }),
+        Some("full") => full(comm.clone(), if mode.len() > 1 { arg(1) } else { 1 << 30 }).map(|checks| {
+            if rank == 0 {
+                println!(
+                    "full suite passed: {checks} checks on rank 0, {} ranks × {devices} devices, {:?} ({backend}), {:.2} s",
+                    comm.size(),
+                    comm.transport(),
+                    start.elapsed().as_secs_f64()
+                );
             }
         }),
         Some("barrier") => comm.barrier().map_err(|e| e.to_string()),
