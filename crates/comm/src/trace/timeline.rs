@@ -75,12 +75,17 @@ impl Timeline {
         &self.path
     }
 
-    /// Appends one event and flushes it to the file.
+    /// Appends one event and flushes it to the file (a failed write is
+    /// logged once and otherwise ignored).
     pub fn record(&self, event: &TimelineEvent) {
         let Ok(line) = serde_json::to_string(event) else { return };
         let mut out = self.out.lock();
-        let _ = writeln!(out, "{line},");
-        let _ = out.flush();
+        if let Err(err) = writeln!(out, "{line},").and_then(|()| out.flush()) {
+            // A full disk should not stop the job, but the trace is then
+            // incomplete: say so once.
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| tracing::warn!("COHORT_TIMELINE: writing the trace failed ({err}); events are lost"));
+        }
     }
 }
 
