@@ -5,8 +5,6 @@
 //!   the buffer each: bandwidth). Non-power-of-two worlds fold the extra
 //!   ranks into their neighbours first. Each block is reduced on one rank
 //!   and then copied, so every rank gets bit-identical results.
-//! * reduce: as all-reduce below [`RING_FROM`]; above, the ring's
-//!   reduce-scatter and then every rank's reduced block straight to the root.
 //! * reduce-scatter and all-gather: the ring; broadcast: a binomial tree;
 //!   all-to-all, gather and scatter: every pair at once (the progress engine
 //!   interleaves them); barrier: dissemination (log₂ N rounds).
@@ -238,44 +236,6 @@ impl World {
             self.exchange(&mut [SendOp::new(r + 1, buf)], &mut [])?;
         }
         Ok(())
-    }
-
-    /// Reduces `buf` across ranks into rank `root`'s `buf` (`Avg` as `Sum`,
-    /// as for [`World::all_reduce`]); elsewhere `buf` is scratch afterwards.
-    /// Large buffers take the ring's reduce-scatter, then every rank sends
-    /// its reduced block to the root: half an all-reduce's traffic, since
-    /// the other ranks receive nothing back. Small ones take the
-    /// all-reduce's halving-doubling (latency-bound either way).
-    pub(crate) fn reduce(&mut self, fp: &Fingerprint, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> R {
-        self.ring_check(fp)?;
-        let elem = dtype.size();
-        if self.size == 1 || buf.is_empty() {
-            return Ok(());
-        }
-        if buf.len() < RING_FROM || buf.len() / elem < self.size {
-            return self.halving_doubling(buf, dtype, op);
-        }
-        let ranges = blocks(buf.len(), elem, self.size);
-        self.ring_reduce_scatter(buf, None, &ranges, dtype, op)?;
-        let me = self.rank;
-        if me != root {
-            let (lo, hi) = ranges[me];
-            return self.exchange(&mut [SendOp::new(root, &buf[lo..hi])], &mut []);
-        }
-        // The ranges tile `buf` in order: split it into one slice each.
-        let mut recvs = Vec::with_capacity(self.size - 1);
-        let mut rest = &mut buf[..];
-        let mut at = 0;
-        for (k, &(lo, hi)) in ranges.iter().enumerate() {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(lo - at);
-            let (block, tail) = tail.split_at_mut(hi - lo);
-            rest = tail;
-            at = hi;
-            if k != root {
-                recvs.push(RecvOp::copy(k, block));
-            }
-        }
-        self.exchange(&mut [], &mut recvs)
     }
 
     /// Copies `buf` of rank `root` to every rank's `buf` (binomial tree).

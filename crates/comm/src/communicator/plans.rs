@@ -191,22 +191,11 @@ fn execute(
         }
     };
     match job {
-        Job::Reduce { dtype, op, root } => {
-            let first = input(b, 0);
-            let mut acc = Scratch::new(first.len());
-            acc.bytes().copy_from_slice(&first);
-            local_reduce(acc.bytes(), b, in_place, dtype, wire_op(op));
-            w.reduce(fp, acc.bytes(), dtype, wire_op(op), root / l)?;
-            if root / l == rank {
-                if op == ReduceOp::Avg {
-                    divide(acc.bytes(), dtype, members);
-                }
-                if let Some(out) = b.outs[root % l].as_deref_mut() {
-                    out.copy_from_slice(acc.bytes());
-                }
-            }
-        }
-        Job::AllReduce { dtype, op } => {
+        Job::AllReduce { dtype, op } | Job::Reduce { dtype, op, .. } => {
+            let root = match job {
+                Job::Reduce { root, .. } => Some(root),
+                _ => None,
+            };
             // One device with its output here: reduce straight in it.
             if l == 1 && b.outs[0].is_some() {
                 let out = b.outs[0].as_deref_mut().expect("checked");
@@ -225,8 +214,12 @@ fn execute(
             if op == ReduceOp::Avg {
                 divide(acc.bytes(), dtype, members);
             }
-            for out in b.outs.iter_mut().flatten() {
-                out.copy_from_slice(acc.bytes());
+            for (slot, out) in b.outs.iter_mut().enumerate() {
+                if root.is_none_or(|r| r == rank * l + slot) {
+                    if let Some(out) = out {
+                        out.copy_from_slice(acc.bytes());
+                    }
+                }
             }
         }
         Job::Broadcast { root } => {

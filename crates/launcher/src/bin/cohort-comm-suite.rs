@@ -321,7 +321,6 @@ fn suite(comm: Communicator, large: usize) -> Result<usize, String> {
     s.run(CollectiveOp::AllReduce, DType::I32, ReduceOp::Max, 0, large / 4 + 3)?;
     for root in [0, m - 1] {
         s.run(CollectiveOp::Reduce, DType::F32, ReduceOp::Sum, root, small)?;
-        s.run(CollectiveOp::Reduce, DType::F64, ReduceOp::Avg, root, large / 8 + 1)?;
         s.run(CollectiveOp::Broadcast, DType::F32, ReduceOp::Sum, root, small)?;
         s.run(CollectiveOp::Broadcast, DType::U8, ReduceOp::Sum, root, large)?;
         s.run(CollectiveOp::Gather, DType::I32, ReduceOp::Sum, root, small)?;
