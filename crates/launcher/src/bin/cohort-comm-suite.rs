@@ -16,6 +16,7 @@
 //! cohort run -n 4 -- cohort-comm-suite mismatch 1       # rank 1 calls broadcast, the rest all_reduce
 //! COHORT_TIMEOUT=2 cohort run -n 4 -- cohort-comm-suite skip 3   # rank 3 never calls
 //! cohort run -n 4 -- cohort-comm-suite latency 64 5000 # mean of 5000 all-reduces of 64 bytes
+//! cohort run -n 4 -- cohort-comm-suite latency 16777216 20 broadcast   # (or reduce)
 //! cohort run -n 4 -- cohort-comm-suite loop             # all-reduces until something fails
 //! cohort run -n 4 -- cohort-comm-suite kill9 2          # rank 2 SIGKILLs itself inside an all-reduce
 //! cohort run -n 4 -- cohort-comm-suite stop 2           # rank 2 SIGSTOPs itself inside the loop
@@ -321,6 +322,7 @@ fn suite(comm: Communicator, large: usize) -> Result<usize, String> {
     s.run(CollectiveOp::AllReduce, DType::I32, ReduceOp::Max, 0, large / 4 + 3)?;
     for root in [0, m - 1] {
         s.run(CollectiveOp::Reduce, DType::F32, ReduceOp::Sum, root, small)?;
+        s.run(CollectiveOp::Reduce, DType::F64, ReduceOp::Avg, root, large / 8 + 1)?;
         s.run(CollectiveOp::Broadcast, DType::F32, ReduceOp::Sum, root, small)?;
         s.run(CollectiveOp::Broadcast, DType::U8, ReduceOp::Sum, root, large)?;
         s.run(CollectiveOp::Gather, DType::I32, ReduceOp::Sum, root, small)?;
@@ -340,16 +342,24 @@ fn suite(comm: Communicator, large: usize) -> Result<usize, String> {
     Ok(s.checks)
 }
 
-/// Times `iters` all-reduces of `bytes` bytes of f32 (rank 0 prints the
-/// mean).
-fn latency(comm: &Communicator, bytes: usize, iters: usize) -> Result<(), String> {
+/// Times `iters` calls of `what` (all_reduce, reduce or broadcast; root 0)
+/// on `bytes` bytes of f32, in place (rank 0 prints the mean).
+fn latency(comm: &Communicator, what: &str, bytes: usize, iters: usize) -> Result<(), String> {
     let client = &comm.clients()[0];
     let buf = client.create_from_slice(&vec![0u8; bytes / 4 * 4]);
     let bufs = vec![buf.clone(); comm.local_devices()];
+    if !matches!(what, "all_reduce" | "reduce" | "broadcast") {
+        return Err(format!("latency: {what} is not all_reduce, reduce or broadcast"));
+    }
+    let once = || match what {
+        "reduce" => comm.reduce(&bufs, &buf, DType::F32, ReduceOp::Sum, 0),
+        "broadcast" => comm.broadcast(&buf, &bufs, DType::F32, 0),
+        _ => comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum),
+    };
     let run = |n: usize| -> Result<f64, String> {
         let t = Instant::now();
         for _ in 0..n {
-            comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            once().map_err(|e| e.to_string())?;
         }
         client.read_one(buf.clone()).map_err(|e| e.to_string())?;
         Ok(t.elapsed().as_secs_f64() / n as f64)
@@ -357,7 +367,7 @@ fn latency(comm: &Communicator, bytes: usize, iters: usize) -> Result<(), String
     run(5)?;
     let mean = run(iters)?;
     if comm.rank() == 0 {
-        println!("all_reduce of {bytes} bytes over {} ranks: {:.1} us", comm.size(), mean * 1e6);
+        println!("{what} of {bytes} bytes over {} ranks: {:.1} us", comm.size(), mean * 1e6);
     }
     Ok(())
 }
@@ -440,7 +450,12 @@ fn main() -> ExitCode {
             }
         }),
         Some("barrier") => comm.barrier().map_err(|e| e.to_string()),
-        Some("latency") => latency(&comm, arg(1).min(1 << 30), if mode.len() > 2 { arg(2) } else { 100 }),
+        Some("latency") => latency(
+            &comm,
+            mode.get(3).map_or("all_reduce", String::as_str),
+            arg(1).min(1 << 30),
+            if mode.len() > 2 { arg(2) } else { 100 },
+        ),
         Some("crash") | Some("skip") | Some("mismatch") => {
             let who = arg(1);
             let client = comm.clients()[0].clone();
