@@ -2,11 +2,10 @@
 //! [`DeviceCall`]s on the communicator (rank = the part's slot), or the
 //! copies of a group of one device.
 
-use cohort_runtime::backend::{Binding, DeviceCall, ElementType, Reduction};
+use cohort_runtime::backend::{Binding, DeviceCall};
 use cohort_runtime::Handle;
 
 use crate::collective::Kind;
-use crate::ops::{DType, ReduceOp};
 
 /// Which buffers a part's task holds, in the order the task sees them:
 /// the input, the output, then the scratch copy of an in-place all-to-all.
@@ -47,33 +46,6 @@ pub(crate) fn same_bytes(a: &Handle, b: &Handle) -> bool {
     a.same_allocation(b) && a.offset() == b.offset() && a.size() == b.size()
 }
 
-/// The runtime's element type of `dtype`.
-pub(crate) fn element(dtype: DType) -> ElementType {
-    match dtype {
-        DType::F32 => ElementType::F32,
-        DType::F64 => ElementType::F64,
-        DType::F16 => ElementType::F16,
-        DType::BF16 => ElementType::BF16,
-        DType::I8 => ElementType::I8,
-        DType::U8 => ElementType::U8,
-        DType::I32 => ElementType::I32,
-        DType::U32 => ElementType::U32,
-        DType::I64 => ElementType::I64,
-        DType::U64 => ElementType::U64,
-    }
-}
-
-/// The runtime's reduction of `op`.
-pub(crate) fn reduction(op: ReduceOp) -> Reduction {
-    match op {
-        ReduceOp::Sum => Reduction::Sum,
-        ReduceOp::Prod => Reduction::Prod,
-        ReduceOp::Min => Reduction::Min,
-        ReduceOp::Max => Reduction::Max,
-        ReduceOp::Avg => Reduction::Avg,
-    }
-}
-
 /// Block `k` (of `seg` bytes) of a binding.
 fn block(b: Binding, k: usize, seg: usize) -> Binding {
     Binding { page: b.page, offset: b.offset + (k * seg) as u64, size: seg as u64 }
@@ -93,15 +65,15 @@ pub(crate) fn nccl_calls(kind: &Kind, rank: usize, ranks: usize, seg: usize, b: 
     let output = || need(b.output, "destination", kind);
     match *kind {
         Kind::AllReduce { dtype, op } => {
-            vec![DeviceCall::AllReduce { src: input(), dst: output(), dtype: element(dtype), op: reduction(op) }]
+            vec![DeviceCall::AllReduce { src: input(), dst: output(), dtype, op }]
         }
         Kind::Reduce { dtype, op, root } => {
-            vec![DeviceCall::Reduce { src: input(), dst: b.output, dtype: element(dtype), op: reduction(op), root }]
+            vec![DeviceCall::Reduce { src: input(), dst: b.output, dtype, op, root }]
         }
         Kind::Broadcast { root } => vec![DeviceCall::Broadcast { src: b.input, dst: output(), root }],
         Kind::AllGather => vec![DeviceCall::AllGather { src: input(), dst: output() }],
         Kind::ReduceScatter { dtype, op } => {
-            vec![DeviceCall::ReduceScatter { src: input(), dst: output(), dtype: element(dtype), op: reduction(op) }]
+            vec![DeviceCall::ReduceScatter { src: input(), dst: output(), dtype, op }]
         }
         Kind::AllToAll => {
             let (dst, in_place) = (output(), b.scratch.is_some());
@@ -164,6 +136,7 @@ pub(crate) fn local_copy(kind: &Kind, b: &Buffers) -> Option<(Binding, Binding)>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::{DType, ReduceOp};
     use cohort_runtime::memory::PageId;
 
     fn b(offset: u64, size: u64) -> Binding {

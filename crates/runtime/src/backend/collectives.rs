@@ -13,76 +13,24 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::Binding;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::ServerError;
 use crate::id::{DeviceId, StreamId};
-
-/// Element types device collectives move and reduce.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ElementType {
-    /// `f32`.
-    F32,
-    /// `f64`.
-    F64,
-    /// IEEE half precision.
-    F16,
-    /// bfloat16.
-    BF16,
-    /// `i8`.
-    I8,
-    /// `u8` (also the type of plain byte moves).
-    U8,
-    /// `i32`.
-    I32,
-    /// `u32`.
-    U32,
-    /// `i64`.
-    I64,
-    /// `u64`.
-    U64,
-}
-
-impl ElementType {
-    /// Size of one element in bytes.
-    pub fn size(self) -> usize {
-        match self {
-            ElementType::I8 | ElementType::U8 => 1,
-            ElementType::F16 | ElementType::BF16 => 2,
-            ElementType::F32 | ElementType::I32 | ElementType::U32 => 4,
-            ElementType::F64 | ElementType::I64 | ElementType::U64 => 8,
-        }
-    }
-}
-
-/// How a device reduction combines the members' elements (`Avg`: the sum
-/// divided by the number of members).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Reduction {
-    /// The sum.
-    Sum,
-    /// The product.
-    Prod,
-    /// The smallest element.
-    Min,
-    /// The largest element.
-    Max,
-    /// The mean.
-    Avg,
-}
 
 /// One primitive of a member's part of a collective. Counts come from the
 /// bindings' sizes; roots and peers are ranks of the communicator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceCall {
     /// Element-wise reduction of every rank's `src` into every rank's `dst`.
-    AllReduce { src: Binding, dst: Binding, dtype: ElementType, op: Reduction },
-    /// Reduction of every rank's `src` into `dst` on `root` (`None` elsewhere).
-    Reduce { src: Binding, dst: Option<Binding>, dtype: ElementType, op: Reduction, root: usize },
+    AllReduce { src: Binding, dst: Binding, dtype: DType, op: ReduceOp },
+    /// ReduceOp of every rank's `src` into `dst` on `root` (`None` elsewhere).
+    Reduce { src: Binding, dst: Option<Binding>, dtype: DType, op: ReduceOp, root: usize },
     /// `root`'s `src` (`None` elsewhere) copied into every rank's `dst`.
     Broadcast { src: Option<Binding>, dst: Binding, root: usize },
     /// Every rank's `src` concatenated, in rank order, into every `dst`.
     AllGather { src: Binding, dst: Binding },
     /// The reduction of every rank's `src`, block `rank` of it into `dst`.
-    ReduceScatter { src: Binding, dst: Binding, dtype: ElementType, op: Reduction },
+    ReduceScatter { src: Binding, dst: Binding, dtype: DType, op: ReduceOp },
     /// `src` sent to rank `peer` (grouped with the other calls of the part).
     Send { src: Binding, peer: usize },
     /// `dst` received from rank `peer`.

@@ -17,10 +17,7 @@ mod collectives;
 use std::any::Any;
 use std::time::Instant;
 
-pub use collectives::{
-    CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, ElementType, PeerToken, PendingPart,
-    Reduction,
-};
+pub use collectives::{CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerToken, PendingPart};
 
 use crate::bytes::AlignedBytes;
 use crate::error::ServerError;

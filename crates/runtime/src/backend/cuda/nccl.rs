@@ -40,9 +40,9 @@ use super::driver::{driver_error, BACKEND};
 use super::nccl_lib::{self, Nccl, RawComm, RawStream, UniqueId};
 use super::CudaBackend;
 use crate::backend::{
-    Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, ElementType, PeerToken,
-    PendingPart, Reduction,
+    Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerToken, PendingPart,
 };
+use crate::dtype::{DType, ReduceOp};
 use crate::error::ServerError;
 use crate::id::{DeviceId, StreamId};
 
@@ -136,28 +136,28 @@ impl NcclState {
     }
 }
 
-fn nccl_type(dtype: ElementType) -> c_int {
+fn nccl_type(dtype: DType) -> c_int {
     match dtype {
-        ElementType::I8 => 0,
-        ElementType::U8 => 1,
-        ElementType::I32 => 2,
-        ElementType::U32 => 3,
-        ElementType::I64 => 4,
-        ElementType::U64 => 5,
-        ElementType::F16 => 6,
-        ElementType::F32 => 7,
-        ElementType::F64 => 8,
-        ElementType::BF16 => 9,
+        DType::I8 => 0,
+        DType::U8 => 1,
+        DType::I32 => 2,
+        DType::U32 => 3,
+        DType::I64 => 4,
+        DType::U64 => 5,
+        DType::F16 => 6,
+        DType::F32 => 7,
+        DType::F64 => 8,
+        DType::BF16 => 9,
     }
 }
 
-fn nccl_op(op: Reduction) -> c_int {
+fn nccl_op(op: ReduceOp) -> c_int {
     match op {
-        Reduction::Sum => 0,
-        Reduction::Prod => 1,
-        Reduction::Max => 2,
-        Reduction::Min => 3,
-        Reduction::Avg => 4,
+        ReduceOp::Sum => 0,
+        ReduceOp::Prod => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Avg => 4,
     }
 }
 
@@ -165,9 +165,9 @@ fn nccl_op(op: Reduction) -> c_int {
 /// is the value, so a one-rank `Avg` runs as `Sum` (a copy inside NCCL):
 /// NCCL 2.28.3's one-rank averaging kernel left the last 3 of 65,539 `f64`
 /// elements unwritten on an H200.
-fn one_rank_op(op: Reduction, ranks: usize) -> c_int {
-    if ranks == 1 && op == Reduction::Avg {
-        nccl_op(Reduction::Sum)
+fn one_rank_op(op: ReduceOp, ranks: usize) -> c_int {
+    if ranks == 1 && op == ReduceOp::Avg {
+        nccl_op(ReduceOp::Sum)
     } else {
         nccl_op(op)
     }
