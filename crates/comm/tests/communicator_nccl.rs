@@ -4,7 +4,9 @@
 //! one rank per GPU or every GPU in one rank, every collective checked
 //! against the host reference, and a rank that never arrives named by the
 //! timeout. The ranks are threads of this process, each with its own
-//! devices (NCCL refuses two ranks on one GPU).
+//! devices (NCCL refuses two ranks on one GPU). Tests named `two_gpus_*` /
+//! `four_gpus_*` need that many and fail with that message on fewer;
+//! `scripts/gpu-bundle.sh`'s runner skips them there.
 
 use std::thread;
 use std::time::{Duration, Instant};
@@ -196,7 +198,7 @@ fn one_rank_on_one_gpu_runs_every_collective_through_nccl() {
 
 #[test]
 #[ignore = "needs CUDA GPUs: two or more, one per rank"]
-fn one_rank_per_gpu_runs_every_collective_through_nccl() {
+fn two_gpus_one_rank_per_gpu_runs_every_collective_through_nccl() {
     let n = gpus();
     assert!(n >= 2, "this test needs two GPUs or more, found {n}");
     ranks((0..n).map(|g| vec![g]).collect(), cuda, |comm| {
@@ -208,7 +210,7 @@ fn one_rank_per_gpu_runs_every_collective_through_nccl() {
 
 #[test]
 #[ignore = "needs CUDA GPUs: four or more, two per rank"]
-fn two_ranks_of_two_gpus_run_every_collective_through_nccl() {
+fn four_gpus_two_ranks_of_two_gpus_run_every_collective_through_nccl() {
     let n = gpus();
     assert!(n >= 4, "this test needs four GPUs or more, found {n}");
     ranks(vec![vec![0, 1], vec![2, 3]], cuda, |comm| {
@@ -220,7 +222,7 @@ fn two_ranks_of_two_gpus_run_every_collective_through_nccl() {
 
 #[test]
 #[ignore = "needs CUDA GPUs: two or more, one per rank"]
-fn a_rank_that_never_arrives_is_named_and_the_nccl_communicator_aborted() {
+fn two_gpus_a_rank_that_never_arrives_is_named_and_the_nccl_communicator_aborted() {
     assert!(gpus() >= 2, "this test needs two GPUs or more");
     let (results, _server) = ranks(vec![vec![0], vec![1]], cuda, |comm| {
         comm.set_timeout(Duration::from_secs(3));

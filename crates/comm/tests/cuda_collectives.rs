@@ -39,13 +39,14 @@ fn a_one_device_group_copies_on_the_device_for_every_collective_and_type() {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
-fn every_group_size_the_machine_has_runs_every_collective_through_nccl() {
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_every_group_size_the_machine_has_runs_every_collective_through_nccl() {
     let devices = cuda_common::devices();
-    if devices.len() < 2 {
-        eprintln!("one CUDA device: the multi-device NCCL cases need two or more (see cuda_nccl_single.rs)");
-        return;
-    }
+    assert!(
+        devices.len() >= 2,
+        "this test needs two GPUs or more, found {} (see cuda_nccl_single.rs for one)",
+        devices.len()
+    );
     for n in 2..=devices.len() {
         let group = ClientGroup::new(devices[..n].to_vec()).unwrap();
         if cohort_runtime::backend::cuda::nccl_version().is_ok() {
