@@ -60,6 +60,7 @@ cargo run -q --example memory_pools >/dev/null
 # per device through the launcher (each checks its replicas and loss).
 cargo run -q --example data_parallel -- --epochs 2 --steps 16 | tail -4
 cargo build -q -p cohort-launch --bin cohort
-target/debug/cohort run -n 4 -- target/debug/examples/data_parallel --epochs 2 --steps 16 | tail -4
+bin=${CARGO_TARGET_DIR:-target}/debug
+"$bin/cohort" run -n 4 -- "$bin/examples/data_parallel" --epochs 2 --steps 16 | tail -4
 
 log "all tests passed"
