@@ -84,7 +84,16 @@ pub(crate) fn nccl_calls(kind: &Kind, rank: usize, ranks: usize, seg: usize, b: 
             }
             for k in 0..ranks {
                 if k == rank {
-                    if !in_place {
+                    // Out of place, its own block moves as a send/recv to
+                    // itself inside the group, as NCCL's all-to-all does:
+                    // beside the other blocks instead of before them (a
+                    // separate copy cost 0.85-0.88x raw NCCL on two H200s).
+                    // One rank has no group to overlap with: a copy. In
+                    // place, the block is already where it belongs.
+                    if !in_place && ranks > 1 {
+                        calls.push(DeviceCall::Send { src: block(src, k, seg), peer: k });
+                        calls.push(DeviceCall::Recv { dst: block(dst, k, seg), peer: k });
+                    } else if !in_place {
                         calls.push(DeviceCall::Copy { src: block(src, k, seg), dst: block(dst, k, seg) });
                     }
                 } else {
@@ -147,10 +156,12 @@ mod tests {
     fn all_to_all_pairs_every_block_with_its_peer() {
         let bufs = Buffers { input: Some(b(0, 12)), output: Some(b(64, 12)), scratch: None };
         let calls = nccl_calls(&Kind::AllToAll, 1, 3, 4, &bufs);
-        assert_eq!(calls.len(), 5);
+        assert_eq!(calls.len(), 6);
         assert!(calls.contains(&DeviceCall::Send { src: b(0, 4), peer: 0 }));
         assert!(calls.contains(&DeviceCall::Recv { dst: b(72, 4), peer: 2 }));
-        assert!(calls.contains(&DeviceCall::Copy { src: b(4, 4), dst: b(68, 4) }));
+        // Its own block goes to itself inside the group.
+        assert!(calls.contains(&DeviceCall::Send { src: b(4, 4), peer: 1 }));
+        assert!(calls.contains(&DeviceCall::Recv { dst: b(68, 4), peer: 1 }));
     }
 
     #[test]
