@@ -100,6 +100,21 @@ pub struct FlightRecorder {
     records: Mutex<VecDeque<CollectiveRecord>>,
 }
 
+impl CollectiveRecord {
+    /// Ends the record with `outcome`, unless it already failed (the first
+    /// reason is kept).
+    fn end(&mut self, outcome: Result<(), String>) {
+        if matches!(self.state, RecordState::Failed(_)) {
+            return;
+        }
+        self.ended_us = Some(now_micros());
+        self.state = match outcome {
+            Ok(()) => RecordState::Completed,
+            Err(reason) => RecordState::Failed(reason),
+        };
+    }
+}
+
 impl FlightRecorder {
     /// A recorder keeping the last `capacity` collectives (0 keeps none).
     pub fn new(capacity: usize) -> Self {
@@ -167,15 +182,7 @@ impl FlightRecorder {
     pub fn finish_record(&self, id: RecordId, outcome: Result<(), String>) {
         let mut records = self.records.lock();
         if let Ok(at) = records.binary_search_by_key(&id.0, |r| r.id) {
-            let record = &mut records[at];
-            if matches!(record.state, RecordState::Failed(_)) {
-                return;
-            }
-            record.ended_us = Some(now_micros());
-            record.state = match outcome {
-                Ok(()) => RecordState::Completed,
-                Err(reason) => RecordState::Failed(reason),
-            };
+            records[at].end(outcome);
         }
     }
 
@@ -185,14 +192,7 @@ impl FlightRecorder {
     pub fn finish(&self, group: &str, seq: u64, outcome: Result<(), String>) {
         let mut records = self.records.lock();
         if let Some(record) = records.iter_mut().rev().find(|r| r.fingerprint.seq == seq && r.group == group) {
-            if matches!(record.state, RecordState::Failed(_)) {
-                return;
-            }
-            record.ended_us = Some(now_micros());
-            record.state = match outcome {
-                Ok(()) => RecordState::Completed,
-                Err(reason) => RecordState::Failed(reason),
-            };
+            record.end(outcome);
         }
     }
 

@@ -113,6 +113,32 @@ mod faults {
     }
 }
 
+/// Queues collective `op` (not send/recv) over this rank's `src` and `dst`;
+/// rooted ones take the root's buffers from `root_slot`.
+#[allow(clippy::too_many_arguments)]
+fn queue(
+    c: &Communicator,
+    op: CollectiveOp,
+    src: &[Handle],
+    dst: &[Handle],
+    dtype: DType,
+    rop: ReduceOp,
+    root: usize,
+    root_slot: usize,
+) -> Result<(), cohort_comm::CommError> {
+    match op {
+        CollectiveOp::AllReduce => c.all_reduce(src, dst, dtype, rop),
+        CollectiveOp::Reduce => c.reduce(src, &dst[root_slot], dtype, rop, root),
+        CollectiveOp::Broadcast => c.broadcast(&src[root_slot], dst, dtype, root),
+        CollectiveOp::AllGather => c.all_gather(src, dst, dtype),
+        CollectiveOp::ReduceScatter => c.reduce_scatter(src, dst, dtype, rop),
+        CollectiveOp::AllToAll => c.all_to_all(src, dst, dtype),
+        CollectiveOp::Gather => c.gather(src, &dst[root_slot], dtype, root),
+        CollectiveOp::Scatter => c.scatter(&src[root_slot], dst, dtype, root),
+        CollectiveOp::SendRecv => unreachable!("send/recv pairs ranks; callers handle it"),
+    }
+}
+
 struct Suite {
     comm: Communicator,
     checks: usize,
@@ -149,14 +175,6 @@ impl Suite {
         let root_slot = if root / l == c.rank() { root % l } else { 0 };
         let e = |r: Result<(), cohort_comm::CommError>| r.map_err(|e| e.to_string());
         match op {
-            CollectiveOp::AllReduce => e(c.all_reduce(&src, &dst, dtype, rop))?,
-            CollectiveOp::Reduce => e(c.reduce(&src, &dst[root_slot], dtype, rop, root))?,
-            CollectiveOp::Broadcast => e(c.broadcast(&src[root_slot], &dst, dtype, root))?,
-            CollectiveOp::AllGather => e(c.all_gather(&src, &dst, dtype))?,
-            CollectiveOp::ReduceScatter => e(c.reduce_scatter(&src, &dst, dtype, rop))?,
-            CollectiveOp::AllToAll => e(c.all_to_all(&src, &dst, dtype))?,
-            CollectiveOp::Gather => e(c.gather(&src, &dst[root_slot], dtype, root))?,
-            CollectiveOp::Scatter => e(c.scatter(&src[root_slot], &dst, dtype, root))?,
             CollectiveOp::SendRecv => {
                 // A ring of ranks: send to the next, receive from the previous
                 // (even ranks send first, so large messages cannot deadlock).
@@ -170,6 +188,7 @@ impl Suite {
                     e(c.send(&src[0], next, dtype))?;
                 }
             }
+            other => e(queue(c, other, &src, &dst, dtype, rop, root, root_slot))?,
         }
         let want = if op == CollectiveOp::SendRecv {
             let n = c.size();
@@ -229,18 +248,10 @@ impl Suite {
         let dst: Vec<Handle> = (0..l).map(|s| self.comm.clients()[s].empty(out_len)).collect();
         let root_slot = if root / l == c.rank() { root % l } else { 0 };
         let e = |r: Result<(), cohort_comm::CommError>| r.map_err(|e| e.to_string());
-        let (f, sum) = (DType::F32, ReduceOp::Sum);
-        match op {
-            CollectiveOp::AllReduce => e(c.all_reduce(&src, &dst, f, sum))?,
-            CollectiveOp::Reduce => e(c.reduce(&src, &dst[root_slot], f, sum, root))?,
-            CollectiveOp::Broadcast => e(c.broadcast(&src[root_slot], &dst, f, root))?,
-            CollectiveOp::AllGather => e(c.all_gather(&src, &dst, f))?,
-            CollectiveOp::ReduceScatter => e(c.reduce_scatter(&src, &dst, f, sum))?,
-            CollectiveOp::AllToAll => e(c.all_to_all(&src, &dst, f))?,
-            CollectiveOp::Gather => e(c.gather(&src, &dst[root_slot], f, root))?,
-            CollectiveOp::Scatter => e(c.scatter(&src[root_slot], &dst, f, root))?,
-            CollectiveOp::SendRecv => return Ok(()),
+        if op == CollectiveOp::SendRecv {
+            return Ok(());
         }
+        e(queue(c, op, &src, &dst, DType::F32, ReduceOp::Sum, root, root_slot))?;
         let total = (m * (m + 1) / 2) as f32;
         for (slot, out) in dst.iter().enumerate() {
             let at_root = root / l == c.rank() && slot == root_slot;
