@@ -89,25 +89,35 @@ const FAILURE_CHECK: Duration = Duration::from_millis(1);
 /// completed (their events go back to the pool).
 const REAP_AT: usize = 32;
 
-/// How a thread that waits on the device paces its polls: yielding for the
-/// first milliseconds (a sleep costs at least the timer slack, ~50 µs), then
-/// sleeping up to a millisecond between polls.
+/// How a thread that waits on the device paces its polls: yielding (a
+/// poll every few microseconds, as CUDA's default synchronization spins)
+/// for the first [`Backoff::SPIN`], then sleeping between polls for a
+/// fraction of the time already waited, so a long wait ends at most about
+/// 0.4 % (plus the timer's slack, ~50 µs) after the device finished, and a
+/// wait that hangs costs one wake-up per millisecond.
 struct Backoff {
     started: Instant,
-    nap: Duration,
 }
 
 impl Backoff {
+    /// How long a wait polls without sleeping.
+    const SPIN: Duration = Duration::from_millis(20);
+    /// The longest sleep between polls.
+    const LONGEST_NAP: Duration = Duration::from_millis(1);
+
     fn new() -> Self {
-        Backoff { started: Instant::now(), nap: Duration::from_micros(5) }
+        Backoff { started: Instant::now() }
+    }
+
+    /// The sleep before the next poll after `waited`; `None`: yield only.
+    fn nap_after(waited: Duration) -> Option<Duration> {
+        (waited >= Self::SPIN).then(|| (waited / 256).min(Self::LONGEST_NAP))
     }
 
     fn pause(&mut self) {
-        if self.started.elapsed() < Duration::from_millis(5) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(self.nap);
-            self.nap = (self.nap * 2).min(Duration::from_millis(1));
+        match Self::nap_after(self.started.elapsed()) {
+            None => std::thread::yield_now(),
+            Some(nap) => std::thread::sleep(nap),
         }
     }
 }
@@ -659,5 +669,23 @@ impl DeviceCollectives for CudaBackend {
 
     fn peer_finish(&mut self, stream: StreamId, done: &PeerToken) -> Result<(), ServerError> {
         super::peer::finish(self, stream, done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Backoff;
+    use std::time::Duration;
+
+    #[test]
+    fn a_wait_spins_first_then_sleeps_a_small_fraction_of_its_length() {
+        let ms = Duration::from_millis;
+        assert_eq!(Backoff::nap_after(Duration::ZERO), None);
+        assert_eq!(Backoff::nap_after(ms(19)), None);
+        // A 100 ms wait overshoots the device by at most ~0.4 ms.
+        let nap = Backoff::nap_after(ms(100)).expect("sleeps after the spin");
+        assert!(nap > Duration::ZERO && nap <= ms(100) / 250, "{nap:?}");
+        // A wait that hangs still wakes every millisecond to look for failures.
+        assert_eq!(Backoff::nap_after(Duration::from_secs(60)), Some(ms(1)));
     }
 }
