@@ -193,23 +193,37 @@ impl DeviceHandle {
         if self.is_closed() {
             return Err(self.closed_error());
         }
-        let (reply_tx, reply_rx) = channel::bounded::<Result<R, ServerError>>(1);
-        let mut pending = PendingReply { task: Some(task), reply: Some(reply_tx) };
-        let boxed: Box<dyn FnOnce(&mut DeviceState) + Send + 'a> = Box::new(move |state: &mut DeviceState| {
-            let task = pending.task.take().expect("a task runs once");
-            let result = catch_unwind(AssertUnwindSafe(|| task(state)))
-                .map_err(|p| ServerError::TaskPanicked { device, message: panic_message(p.as_ref()) });
-            if let Some(reply) = pending.reply.take() {
-                let _ = reply.send(result);
-            }
-        });
+        let (boxed, reply) = with_reply(device, task);
         // SAFETY: the task may borrow from the caller's stack ('a). We wait
         // below until the task has run or been dropped: the reply channel
         // disconnects only after `PendingReply` has dropped the task (see its
         // Drop), so nothing the task borrows is used after this returns.
         let boxed: Task = unsafe { std::mem::transmute::<Box<dyn FnOnce(&mut DeviceState) + Send + 'a>, Task>(boxed) };
         self.sender.send(Message::Task(stream, boxed)).map_err(|_| self.closed_error())?;
-        recv_spinning(&reply_rx, None).map_err(|_| self.closed_error())?
+        Reply { receiver: reply, device }.wait()
+    }
+
+    /// Queues a task and returns at once with its [`Reply`], to wait on
+    /// later: `run` in two halves, so one thread can have several devices
+    /// work at once. A task run from inside [`DeviceHandle::exclusive`] on
+    /// this device's thread runs at once, as in `run`.
+    pub fn request<R: Send + 'static>(
+        &self,
+        stream: StreamId,
+        task: impl FnOnce(&mut DeviceState) -> R + Send + 'static,
+    ) -> Result<Reply<R>, ServerError> {
+        let device = self.service.device;
+        if self.on_server_thread() {
+            let (done, receiver) = channel::bounded(1);
+            let _ = done.send(self.run(stream, task));
+            return Ok(Reply { receiver, device });
+        }
+        if self.is_closed() {
+            return Err(self.closed_error());
+        }
+        let (boxed, receiver) = with_reply(device, task);
+        self.sender.send(Message::Task(stream, boxed)).map_err(|_| self.closed_error())?;
+        Ok(Reply { receiver, device })
     }
 
     /// Runs `f` on the device thread with nothing else interleaved; client
@@ -260,6 +274,42 @@ impl<F, R> Drop for PendingReply<F, R> {
     fn drop(&mut self) {
         drop(self.task.take());
         drop(self.reply.take());
+    }
+}
+
+/// Wraps `task` so that its result (or its panic, as
+/// [`ServerError::TaskPanicked`]) is sent on the returned channel; the
+/// channel disconnects without a result if the task is dropped unrun.
+#[allow(clippy::type_complexity)]
+fn with_reply<'a, R: Send + 'a>(
+    device: DeviceId,
+    task: impl FnOnce(&mut DeviceState) -> R + Send + 'a,
+) -> (Box<dyn FnOnce(&mut DeviceState) + Send + 'a>, Receiver<Result<R, ServerError>>) {
+    let (reply_tx, reply_rx) = channel::bounded::<Result<R, ServerError>>(1);
+    let mut pending = PendingReply { task: Some(task), reply: Some(reply_tx) };
+    let boxed = Box::new(move |state: &mut DeviceState| {
+        let task = pending.task.take().expect("a task runs once");
+        let result = catch_unwind(AssertUnwindSafe(|| task(state)))
+            .map_err(|p| ServerError::TaskPanicked { device, message: panic_message(p.as_ref()) });
+        if let Some(reply) = pending.reply.take() {
+            let _ = reply.send(result);
+        }
+    });
+    (boxed, reply_rx)
+}
+
+/// The result of a task queued with [`DeviceHandle::request`], not yet
+/// waited for.
+pub struct Reply<R> {
+    receiver: Receiver<Result<R, ServerError>>,
+    device: DeviceId,
+}
+
+impl<R> Reply<R> {
+    /// Waits for the task's result (polling for [`spin_window`] first); a
+    /// device closed before the task ran is [`ServerError::DeviceClosed`].
+    pub fn wait(self) -> Result<R, ServerError> {
+        recv_spinning(&self.receiver, None).map_err(|_| ServerError::DeviceClosed { device: self.device })?
     }
 }
 

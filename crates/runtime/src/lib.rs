@@ -29,7 +29,7 @@ pub use backend::cuda::CudaRuntime;
 #[cfg(feature = "wgpu")]
 pub use backend::wgpu::WgpuRuntime;
 pub use bytes::{AlignedBytes, Bytes};
-pub use client::{Client, Fence, MemoryReport, MemoryScope};
+pub use client::{Client, Fence, MemoryReport, MemoryScope, PendingSync};
 pub use device::{close_device, shutdown, spin_window, BackendFactory};
 pub use dtype::{DType, ReduceOp};
 pub use error::{MemoryConfigError, ProfileError, ServerError};

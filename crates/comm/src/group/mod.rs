@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cohort_runtime::{Client, Handle};
+use cohort_runtime::{Client, Handle, PendingSync};
 
 use crate::collective::Kind;
 use crate::device::{self, DevicePart, Meeting, Mode, Route, Transport};
@@ -189,10 +189,16 @@ impl ClientGroup {
     /// Waits for everything queued on every member's stream (this thread's
     /// stream, or the pinned one) and returns the first error found.
     pub fn sync(&self) -> Result<(), CommError> {
-        for client in &self.clients {
-            client.sync().map_err(|source| CommError::Failed { operation: "sync", source })?;
+        let failed = |source| CommError::Failed { operation: "sync", source };
+        // Every device drains at once; then the replies are read in order.
+        let pending: Vec<_> = self.clients.iter().map(Client::start_sync).collect();
+        let mut first_error = None;
+        for result in pending {
+            if let Err(err) = result.and_then(PendingSync::wait) {
+                first_error.get_or_insert(err);
+            }
         }
-        Ok(())
+        first_error.map_or(Ok(()), |err| Err(failed(err)))
     }
 
     /// How one collective's parts run on the device path, or `None` for the

@@ -15,7 +15,7 @@ use std::any::Any;
 use std::sync::Arc;
 
 use crate::backend::FenceWait;
-use crate::device::{self, BackendFactory, DeviceHandle};
+use crate::device::{self, BackendFactory, DeviceHandle, Reply};
 use crate::error::ServerError;
 use crate::handle::{Handle, LayoutPolicy};
 use crate::id::{DeviceId, ServiceId, StreamId};
@@ -48,6 +48,20 @@ impl Fence {
     /// Blocks until the work queued on the stream before the fence finished.
     pub fn wait(self) -> Result<(), ServerError> {
         self.inner.wait()
+    }
+}
+
+/// A [`Client::sync`] asked for and not yet waited on
+/// ([`Client::start_sync`]).
+pub struct PendingSync {
+    reply: Reply<Result<(), ServerError>>,
+}
+
+impl PendingSync {
+    /// Waits until the device drained the stream; returns what
+    /// [`Client::sync`] would.
+    pub fn wait(self) -> Result<(), ServerError> {
+        self.reply.wait()?
     }
 }
 
@@ -171,9 +185,16 @@ impl Client {
     /// Waits for everything queued on this client's stream; returns the first
     /// error a fire-and-forget task left on it.
     pub fn sync(&self) -> Result<(), ServerError> {
+        self.start_sync()?.wait()
+    }
+
+    /// Asks the device for a [`Client::sync`] and returns without waiting:
+    /// wait on the [`PendingSync`] later. Syncing several devices this way
+    /// waits for the slowest, not for the sum of them.
+    pub fn start_sync(&self) -> Result<PendingSync, ServerError> {
         let stream = self.stream_id();
         self.refuse_if_capturing("sync")?;
-        self.device.run(stream, move |state| state.sync(stream))?
+        Ok(PendingSync { reply: self.device.request(stream, move |state| state.sync(stream))? })
     }
 
     /// Waits for the work that writes `handles` (on whatever stream queued it)

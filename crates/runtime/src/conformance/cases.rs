@@ -426,6 +426,12 @@ pub fn task_panics_reach_the_caller<R: Runtime>() {
     let err = client.sync().unwrap_err();
     assert!(err.to_string().contains("boom in a queued task"), "{err}");
     client.sync().unwrap();
+    // The same through a sync started now and waited on later.
+    client.submit(|_| panic!("boom before a started sync")).unwrap();
+    let pending = client.start_sync().unwrap();
+    let err = pending.wait().unwrap_err();
+    assert!(err.to_string().contains("boom before a started sync"), "{err}");
+    client.start_sync().unwrap().wait().unwrap();
 }
 
 /// `exclusive` runs a closure on the device thread; client calls inside it
@@ -450,6 +456,12 @@ pub fn exclusive_runs_client_calls_inline<R: Runtime>() {
         nested.to_string().contains("wait on itself"),
         "a blocking call from a task is refused, not a deadlock: {nested}"
     );
+    // A started sync likewise: inline inside `exclusive`, refused in a task.
+    let inner = client.clone();
+    client.exclusive(move || inner.start_sync().and_then(crate::PendingSync::wait)).unwrap().unwrap();
+    let inner = client.clone();
+    let nested = client.submit_blocking(move |_| inner.start_sync().and_then(crate::PendingSync::wait)).unwrap();
+    assert!(nested.unwrap_err().to_string().contains("wait on itself"), "a started sync from a task is refused too");
 }
 
 /// Used by the close test: a device closed while threads use it answers
