@@ -5,7 +5,9 @@
 //! Run (on a machine with CUDA GPUs and libnccl):
 //! `cargo run --release --example nccl_bench -- -b 8 -e 256M -f 2`
 //! (`--collective all` for the five, `--collective all_gather` for one;
-//! `--devices 1` for one device). A group of one device takes device
+//! `--devices 1` for one device; `-t 5` for five alternating trials per
+//! size, `--raw-events` to record an event after each raw call as cohort
+//! does). A group of one device takes device
 //! copies, not NCCL; `COHORT_NCCL_SINGLE=1` sends it through a one-rank
 //! NCCL communicator instead.
 //!
@@ -56,6 +58,10 @@ struct Args {
     /// Warm-up iterations per size.
     #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
     warmup: u32,
+    /// Trials per size: each times cohort then raw NCCL (`-w` + `-n`
+    /// iterations each); the table shows the median trial of each side.
+    #[arg(short = 't', long = "trials", default_value_t = 1)]
+    trials: u32,
     /// Check results (1) or not (0).
     #[arg(short = 'c', long = "check", default_value_t = 1)]
     check: u32,
@@ -72,6 +78,10 @@ struct Args {
     /// Devices to use (default: all).
     #[arg(long)]
     devices: Option<usize>,
+    /// Record a CUDA event after each raw NCCL call, as cohort does to
+    /// learn when a collective ended: shows what that costs the baseline.
+    #[arg(long)]
+    raw_events: bool,
 }
 
 fn parse_size(text: &str) -> Result<usize, String> {
@@ -104,6 +114,8 @@ fn nok(code: nccl::ncclResult_t, what: &str) -> Result<(), String> {
 /// (`ncclCommInitAll`), a stream and two buffers each in the device's
 /// primary context.
 struct Raw {
+    /// One event per device, recorded after every call (`--raw-events`).
+    events: Option<Vec<sys::CUevent>>,
     ctxs: Vec<sys::CUcontext>,
     comms: Vec<nccl::ncclComm_t>,
     streams: Vec<sys::CUstream>,
@@ -111,13 +123,18 @@ struct Raw {
 }
 
 impl Raw {
-    fn new(n: usize, bytes: usize) -> Result<Raw, String> {
+    fn new(n: usize, bytes: usize, with_events: bool) -> Result<Raw, String> {
         // SAFETY: probing only tries to dlopen cudarc's candidate names.
         if !unsafe { nccl::is_culib_present() } {
             return Err("cudarc finds no libnccl.so (link libnccl.so.2 as libnccl.so on LD_LIBRARY_PATH)".into());
         }
-        let mut raw =
-            Raw { ctxs: Vec::new(), comms: vec![std::ptr::null_mut(); n], streams: Vec::new(), bufs: Vec::new() };
+        let mut raw = Raw {
+            events: with_events.then(Vec::new),
+            ctxs: Vec::new(),
+            comms: vec![std::ptr::null_mut(); n],
+            streams: Vec::new(),
+            bufs: Vec::new(),
+        };
         // SAFETY (whole block): plain driver and NCCL calls on primary
         // contexts retained here, each made current before its device's
         // calls; every result is checked.
@@ -134,6 +151,12 @@ impl Raw {
                 ok(sys::cuMemAlloc_v2(&mut a, bytes.max(4)), "alloc")?;
                 ok(sys::cuMemAlloc_v2(&mut b, bytes.max(4)), "alloc")?;
                 ok(sys::cuMemsetD32_v2(a, 1.0f32.to_bits(), bytes.max(4) / 4), "memset")?;
+                if let Some(events) = raw.events.as_mut() {
+                    let mut event = std::ptr::null_mut();
+                    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+                    ok(sys::cuEventCreate(&mut event, flags), "event")?;
+                    events.push(event);
+                }
                 raw.ctxs.push(ctx);
                 raw.streams.push(stream);
                 raw.bufs.push((a, b));
@@ -155,7 +178,8 @@ impl Raw {
             // SAFETY: communicators, streams and buffers made in `new`, of at
             // least `bytes` bytes each (a block is `bytes / n`); one thread
             // issues every device's calls inside one NCCL group, as NCCL
-            // requires.
+            // requires; events (`--raw-events`) are ours, recorded in their
+            // own contexts.
             unsafe {
                 nok(nccl::ncclGroupStart(), "group start")?;
                 for i in 0..self.comms.len() {
@@ -186,7 +210,12 @@ impl Raw {
                         other => return Err(format!("{} has no raw baseline here", other.name())),
                     }
                 }
-                nok(nccl::ncclGroupEnd(), "group end")
+                nok(nccl::ncclGroupEnd(), "group end")?;
+                for (i, event) in self.events.iter().flatten().enumerate() {
+                    ok(sys::cuCtxSetCurrent(self.ctxs[i]), "set current")?;
+                    ok(sys::cuEventRecord(*event, self.streams[i]), "event record")?;
+                }
+                Ok(())
             }
         };
         let sync = || -> Result<(), String> {
@@ -247,7 +276,7 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     let n = args.devices.unwrap_or(available).clamp(1, available);
     let clients: Vec<Client> = (0..n).map(CudaRuntime::client).collect::<Result<_, _>>()?;
     let group = ClientGroup::new(clients)?;
-    let raw = Raw::new(n, args.max_bytes);
+    let raw = Raw::new(n, args.max_bytes, args.raw_events);
     if let Err(why) = &raw {
         println!("# raw NCCL baseline skipped: {why}");
     }
@@ -282,10 +311,24 @@ fn table(
         group.transport(),
         nccl_version().unwrap_or_else(|why| format!("unavailable: {why}"))
     );
-    println!("# ratio = cohort busbw / raw NCCL busbw (algbw on one device)");
     println!(
-        "# {:>10} {:>11} | {:>9} {:>9} {:>8} {:>8} {:>6} | {:>9} {:>8} {:>8} | {:>7}",
-        "size", "count", "call(us)", "time(us)", "algbw", "busbw", "#wrong", "time(us)", "algbw", "busbw", "ratio"
+        "# ratio = cohort busbw / raw NCCL busbw (algbw on one device), of the median of {} trial(s); trials = lowest-highest ratio of one trial",
+        args.trials.max(1)
+    );
+    println!(
+        "# {:>10} {:>11} | {:>9} {:>9} {:>8} {:>8} {:>6} | {:>9} {:>8} {:>8} | {:>7} {:>11}",
+        "size",
+        "count",
+        "call(us)",
+        "time(us)",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "time(us)",
+        "algbw",
+        "busbw",
+        "ratio",
+        "trials"
     );
     println!("# {:>23} | {:^44} | {:^27} |", "", "cohort ClientGroup", "raw NCCL (cudarc)");
     let factor = coll.bus_factor(n);
@@ -298,17 +341,16 @@ fn table(
             bytes = bytes.saturating_mul(args.step_factor.max(2));
             continue;
         }
-        for _ in 0..args.warmup {
-            bufs.run(group, ReduceOp::Sum)?;
+        let trials = args.trials.max(1) as usize;
+        let (mut queued, mut times, mut raw_times) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..trials {
+            let (q, t) = time_cohort(group, &bufs, args.warmup, args.iters)?;
+            queued.push(q);
+            times.push(t);
+            if let Some(raw) = raw {
+                raw_times.push(raw.time(coll, size, args.warmup, args.iters)?);
+            }
         }
-        group.sync()?;
-        let start = Instant::now();
-        for _ in 0..args.iters {
-            bufs.run(group, ReduceOp::Sum)?;
-        }
-        let queued = start.elapsed().as_secs_f64() / args.iters.max(1) as f64;
-        group.sync()?;
-        let time = start.elapsed().as_secs_f64() / args.iters.max(1) as f64;
         let wrong = if args.check == 1 && size <= args.check_max {
             let wrong = bufs.wrong(group, ReduceOp::Sum)?;
             total_wrong += wrong;
@@ -317,16 +359,20 @@ fn table(
             "-".to_string()
         };
         drop(bufs);
+        let (queued, time) = (median(&mut queued), median(&mut times));
         let algbw = size as f64 / time / 1e9;
         let busbw = algbw * factor;
-        let raw_cols = match raw {
-            Some(raw) => {
-                let t = raw.time(coll, size, args.warmup, args.iters)?;
-                let (a, b) = (size as f64 / t / 1e9, size as f64 / t / 1e9 * factor);
-                let ratio = if n == 1 { algbw / a } else { busbw / b };
-                format!("{:>9.2} {:>8.2} {:>8.2} | {:>7.2}", t * 1e6, a, b, ratio)
-            }
-            None => format!("{:>9} {:>8} {:>8} | {:>7}", "-", "-", "-", "-"),
+        let raw_cols = if raw_times.is_empty() {
+            format!("{:>9} {:>8} {:>8} | {:>7} {:>11}", "-", "-", "-", "-", "-")
+        } else {
+            // Per-trial ratios (busbw ratio = time ratio) show the noise.
+            let mut ratios: Vec<f64> = raw_times.iter().zip(&times).map(|(r, c)| r / c).collect();
+            ratios.sort_by(f64::total_cmp);
+            let t = median(&mut raw_times);
+            let (a, b) = (size as f64 / t / 1e9, size as f64 / t / 1e9 * factor);
+            let ratio = if n == 1 { algbw / a } else { busbw / b };
+            let spread = format!("{:.2}-{:.2}", ratios[0], ratios[ratios.len() - 1]);
+            format!("{:>9.2} {:>8.2} {:>8.2} | {:>7.2} {:>11}", t * 1e6, a, b, ratio, spread)
         };
         println!(
             "  {:>10} {:>11} | {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>6} | {raw_cols}",
@@ -341,4 +387,32 @@ fn table(
         bytes = bytes.saturating_mul(args.step_factor.max(2));
     }
     Ok(total_wrong)
+}
+
+/// Mean host seconds of one call of `bufs`' collective: `(queued, done)`,
+/// the time to queue `iters` calls and the time until they finished (a
+/// sync of the group), each divided by `iters`, after `warmup` calls.
+fn time_cohort(
+    group: &ClientGroup,
+    bufs: &Buffers,
+    warmup: u32,
+    iters: u32,
+) -> Result<(f64, f64), Box<dyn std::error::Error>> {
+    for _ in 0..warmup {
+        bufs.run(group, ReduceOp::Sum)?;
+    }
+    group.sync()?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        bufs.run(group, ReduceOp::Sum)?;
+    }
+    let queued = start.elapsed().as_secs_f64() / iters.max(1) as f64;
+    group.sync()?;
+    Ok((queued, start.elapsed().as_secs_f64() / iters.max(1) as f64))
+}
+
+/// The median of `values` (the upper one of an even count); sorts them.
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
