@@ -284,12 +284,9 @@ impl Communicator {
         self.inner.world.lock().link_kind(rank)
     }
 
-    /// Waits for everything queued on every local device's stream; the
-    /// first error found.
+    /// Waits for everything queued on every local device's stream (all at
+    /// once); the first error in device order.
     pub fn sync(&self) -> Result<(), CommError> {
-        for client in &self.inner.clients {
-            client.sync().map_err(|source| CommError::Failed { operation: "sync", source })?;
-        }
-        Ok(())
+        Client::sync_all(&self.inner.clients).map_err(|source| CommError::Failed { operation: "sync", source })
     }
 }

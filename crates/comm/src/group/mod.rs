@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cohort_runtime::{Client, Handle, PendingSync};
+use cohort_runtime::{Client, Handle};
 
 use crate::collective::Kind;
 use crate::device::{self, DevicePart, Meeting, Mode, Route, Transport};
@@ -187,18 +187,10 @@ impl ClientGroup {
     }
 
     /// Waits for everything queued on every member's stream (this thread's
-    /// stream, or the pinned one) and returns the first error found.
+    /// stream, or the pinned one); every device drains at once, and the
+    /// first error in member order is returned once all finished.
     pub fn sync(&self) -> Result<(), CommError> {
-        let failed = |source| CommError::Failed { operation: "sync", source };
-        // Every device drains at once; then the replies are read in order.
-        let pending: Vec<_> = self.clients.iter().map(Client::start_sync).collect();
-        let mut first_error = None;
-        for result in pending {
-            if let Err(err) = result.and_then(PendingSync::wait) {
-                first_error.get_or_insert(err);
-            }
-        }
-        first_error.map_or(Ok(()), |err| Err(failed(err)))
+        Client::sync_all(&self.clients).map_err(|source| CommError::Failed { operation: "sync", source })
     }
 
     /// How one collective's parts run on the device path, or `None` for the

@@ -188,6 +188,20 @@ impl Client {
         self.start_sync()?.wait()
     }
 
+    /// [`Client::sync`] on every client at once: each device drains its
+    /// stream in parallel; returns the first error in `clients`' order
+    /// after every device finished.
+    pub fn sync_all(clients: &[Client]) -> Result<(), ServerError> {
+        let pending: Vec<_> = clients.iter().map(Client::start_sync).collect();
+        let mut first_error = None;
+        for result in pending {
+            if let Err(err) = result.and_then(PendingSync::wait) {
+                first_error.get_or_insert(err);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     /// Asks the device for a [`Client::sync`] and returns without waiting:
     /// wait on the [`PendingSync`] later. Syncing several devices this way
     /// waits for the slowest, not for the sum of them.

@@ -432,6 +432,12 @@ pub fn task_panics_reach_the_caller<R: Runtime>() {
     let err = pending.wait().unwrap_err();
     assert!(err.to_string().contains("boom before a started sync"), "{err}");
     client.start_sync().unwrap().wait().unwrap();
+    // Several streams synced together: the failed one's error, after both.
+    let other = client.with_stream(crate::StreamId::fresh());
+    other.submit(|_| panic!("boom on the second stream")).unwrap();
+    let err = Client::sync_all(&[client.clone(), other.clone()]).unwrap_err();
+    assert!(err.to_string().contains("boom on the second stream"), "{err}");
+    Client::sync_all(&[client, other]).unwrap();
 }
 
 /// `exclusive` runs a closure on the device thread; client calls inside it
