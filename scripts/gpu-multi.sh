@@ -33,6 +33,6 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     step nccl_bench; timeout 200 examples/nccl_bench --collective all -b 8 -e 4G -f 8 -n 20 -w 5 -t 3 --check-max 128M 2>&1 | tee -a $L
     step nccl_bench from 64 MiB; timeout 300 examples/nccl_bench --collective all -b 64M -e 4G -f 2 -n 40 -w 5 -t 3 -c 0 2>&1 | tee -a $L
-    step latency; timeout 100 examples/nccl_bench -b 8 -e 64K -f 8 -n 2000 -w 200 -t 5 2>&1 | tee -a $L
+    step latency; timeout 100 examples/nccl_bench --collective all -b 8 -e 64K -f 8 -n 2000 -w 200 -t 5 2>&1 | tee -a $L
     step torch; timeout 200 torchrun --nproc_per_node $gpus scripts/anchors/torch_collectives.py 8 4294967296 8 2>&1 | grep -v Warning | tee -a $L
 fi
