@@ -131,7 +131,11 @@ pub(crate) fn form(
                 theirs.push((r, Arc::new(seg)));
             }
         }
-        store.barrier(&key("mapped"), local.len() as u32, deadline.saturating_duration_since(Instant::now()))?;
+        // One barrier per node (named by its lowest rank): with one name for
+        // the job, the first `local.len()` arrivals from any nodes would open
+        // it, and a segment could be unlinked before its node's ranks mapped it.
+        let mapped = key(&format!("mapped/{}", local[0]));
+        store.barrier(&mapped, local.len() as u32, deadline.saturating_duration_since(Instant::now()))?;
         mine.unlink();
         let mine = Arc::new(mine);
         for (r, seg) in theirs {
