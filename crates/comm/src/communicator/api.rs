@@ -7,7 +7,7 @@
 
 use cohort_runtime::Handle;
 
-use super::fingerprint::{Call, Fingerprint};
+use super::fingerprint::Fingerprint;
 use super::local::Meeting;
 use super::nccl::Pending;
 use super::plans::Job;
@@ -25,19 +25,18 @@ impl Communicator {
 
     /// Queues one task per local device (slot `s` with `inputs[s]` and
     /// `outputs[s]`), the last of which runs `job` between ranks. Returns
-    /// the meeting (to wait on).
-    #[allow(clippy::too_many_arguments)]
+    /// the meeting (to wait on). The job's fingerprint (its call, operator
+    /// and root, `dtype`, `count` elements per member) is what ranks compare
+    /// to find mismatched calls.
     fn launch(
         &self,
-        call: Call,
-        op: Option<ReduceOp>,
+        job: Job,
         dtype: DType,
         count: usize,
-        root: Option<usize>,
-        job: Job,
         inputs: Vec<Option<Handle>>,
         outputs: Vec<Option<Handle>>,
     ) -> Result<Pending, CommError> {
+        let call = job.call();
         let name = call.name();
         for (slot, client) in self.clients().iter().enumerate() {
             if client.is_capturing() {
@@ -54,12 +53,14 @@ impl Communicator {
                 *issued
             }
         };
+        // A message's fingerprint names its sender where a collective's
+        // names its root.
         let root = match job {
             Job::Send { .. } => Some(self.rank()),
             Job::Recv { peer } => Some(peer),
-            _ => root,
+            _ => job.root(),
         };
-        let fp = Fingerprint { seq, call, op, dtype, count: count as u64, root: root.map(|r| r as u32) };
+        let fp = Fingerprint { seq, call, op: job.op(), dtype, count: count as u64, root: root.map(|r| r as u32) };
         if let Some(nccl) = self.inner.nccl.as_ref().filter(|n| n.takes(&job, &inputs, &outputs)) {
             let (start_us, start) = (crate::trace::now_micros(), std::time::Instant::now());
             // Dropped unrun when the launch fails: that aborts for the
@@ -111,7 +112,7 @@ impl Communicator {
         c.whole_sizes("source", src, size, "every member's source is the size of member 0's")?;
         c.whole_sizes("destination", dst, size, "the destination is the size of the source")?;
         let job = Job::AllReduce { dtype, op };
-        self.launch(Call::AllReduce, Some(op), dtype, size / dtype.size(), None, job, some(src), some(dst))?;
+        self.launch(job, dtype, size / dtype.size(), some(src), some(dst))?;
         Ok(())
     }
 
@@ -138,7 +139,7 @@ impl Communicator {
             outputs[slot] = Some(dst.clone());
         }
         let job = Job::Reduce { dtype, op, root };
-        self.launch(Call::Reduce, Some(op), dtype, size / dtype.size(), Some(root), job, some(src), outputs)?;
+        self.launch(job, dtype, size / dtype.size(), some(src), outputs)?;
         Ok(())
     }
 
@@ -157,7 +158,7 @@ impl Communicator {
             inputs[slot] = Some(src.clone());
         }
         let job = Job::Broadcast { root };
-        self.launch(Call::Broadcast, None, dtype, size / dtype.size(), Some(root), job, inputs, some(dst))?;
+        self.launch(job, dtype, size / dtype.size(), inputs, some(dst))?;
         Ok(())
     }
 
@@ -171,7 +172,7 @@ impl Communicator {
         c.whole_sizes("source", src, size, "every member's source is the size of member 0's")?;
         let m = self.members();
         c.whole_sizes("destination", dst, m * size, &format!("{m} members × the source size"))?;
-        self.launch(Call::AllGather, None, dtype, size / dtype.size(), None, Job::AllGather, some(src), some(dst))?;
+        self.launch(Job::AllGather, dtype, size / dtype.size(), some(src), some(dst))?;
         Ok(())
     }
 
@@ -186,7 +187,7 @@ impl Communicator {
         c.whole_sizes("destination", dst, size, "every member's destination is the size of member 0's")?;
         c.whole_sizes("source", src, m * size, &format!("{m} members × the destination size"))?;
         let job = Job::ReduceScatter { dtype, op };
-        self.launch(Call::ReduceScatter, Some(op), dtype, size / dtype.size(), None, job, some(src), some(dst))?;
+        self.launch(job, dtype, size / dtype.size(), some(src), some(dst))?;
         Ok(())
     }
 
@@ -212,7 +213,7 @@ impl Communicator {
         c.whole_sizes("source", src, total, "every member's source is the size of member 0's")?;
         c.whole_sizes("destination", dst, total, "the destination is the size of the source")?;
         let count = total / m / dtype.size();
-        self.launch(Call::AllToAll, None, dtype, count, None, Job::AllToAll, some(src), some(dst))?;
+        self.launch(Job::AllToAll, dtype, count, some(src), some(dst))?;
         Ok(())
     }
 
@@ -238,7 +239,7 @@ impl Communicator {
             outputs[slot] = Some(dst.clone());
         }
         let job = Job::Gather { root };
-        self.launch(Call::Gather, None, dtype, size / dtype.size(), Some(root), job, some(src), outputs)?;
+        self.launch(job, dtype, size / dtype.size(), some(src), outputs)?;
         Ok(())
     }
 
@@ -264,7 +265,7 @@ impl Communicator {
             inputs[slot] = Some(src.clone());
         }
         let job = Job::Scatter { root };
-        self.launch(Call::Scatter, None, dtype, size / dtype.size(), Some(root), job, inputs, some(dst))?;
+        self.launch(job, dtype, size / dtype.size(), inputs, some(dst))?;
         Ok(())
     }
 
@@ -282,7 +283,7 @@ impl Communicator {
         let mut inputs = vec![None; self.local_devices()];
         inputs[slot] = Some(src.clone());
         let none = vec![None; self.local_devices()];
-        self.launch(Call::SendRecv, None, dtype, count, None, Job::Send { peer: to }, inputs, none)?;
+        self.launch(Job::Send { peer: to }, dtype, count, inputs, none)?;
         Ok(())
     }
 
@@ -298,7 +299,7 @@ impl Communicator {
         let mut outputs = vec![None; self.local_devices()];
         outputs[slot] = Some(dst.clone());
         let none = vec![None; self.local_devices()];
-        self.launch(Call::SendRecv, None, dtype, count, None, Job::Recv { peer: from }, none, outputs)?;
+        self.launch(Job::Recv { peer: from }, dtype, count, none, outputs)?;
         Ok(())
     }
 
@@ -308,7 +309,7 @@ impl Communicator {
     /// or any other failure.
     pub fn barrier(&self) -> Result<(), CommError> {
         let none = vec![None; self.local_devices()];
-        let meeting = self.launch(Call::Barrier, None, DType::U8, 0, None, Job::Barrier, none.clone(), none)?;
+        let meeting = self.launch(Job::Barrier, DType::U8, 0, none.clone(), none)?;
         meeting.wait().map_err(|source| CommError::Failed { operation: "barrier", source })
     }
 

@@ -12,7 +12,7 @@ use crate::ops::{finish, DType, ReduceOp};
 use crate::transport::reduce_into;
 use crate::with_dtype;
 
-use super::fingerprint::Fingerprint;
+use super::fingerprint::{Call, Fingerprint};
 use super::local::{InView, OutView, Views};
 use super::world::World;
 
@@ -30,6 +30,43 @@ pub(crate) enum Job {
     Barrier,
     Send { peer: usize },
     Recv { peer: usize },
+}
+
+impl Job {
+    /// The call this job's fingerprint names (a send and its receive are
+    /// one `SendRecv`).
+    pub(crate) fn call(&self) -> Call {
+        match self {
+            Job::AllReduce { .. } => Call::AllReduce,
+            Job::Reduce { .. } => Call::Reduce,
+            Job::Broadcast { .. } => Call::Broadcast,
+            Job::AllGather => Call::AllGather,
+            Job::ReduceScatter { .. } => Call::ReduceScatter,
+            Job::AllToAll => Call::AllToAll,
+            Job::Gather { .. } => Call::Gather,
+            Job::Scatter { .. } => Call::Scatter,
+            Job::Barrier => Call::Barrier,
+            Job::Send { .. } | Job::Recv { .. } => Call::SendRecv,
+        }
+    }
+
+    /// The reduction of the jobs that reduce.
+    pub(crate) fn op(&self) -> Option<ReduceOp> {
+        match *self {
+            Job::AllReduce { op, .. } | Job::Reduce { op, .. } | Job::ReduceScatter { op, .. } => Some(op),
+            _ => None,
+        }
+    }
+
+    /// The root member of the rooted collectives.
+    pub(crate) fn root(&self) -> Option<usize> {
+        match *self {
+            Job::Reduce { root, .. } | Job::Broadcast { root } | Job::Gather { root } | Job::Scatter { root } => {
+                Some(root)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Host scratch memory, 16-byte aligned so any element type can be viewed.
