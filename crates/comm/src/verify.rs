@@ -99,6 +99,18 @@ impl CollectiveOp {
         )
     }
 
+    /// Bytes of one member's source and destination when a block holds
+    /// `block` bytes among `n` members (a block is the whole buffer of the
+    /// collectives that are not [`CollectiveOp::blocked`]).
+    pub fn lengths(self, block: usize, n: usize) -> (usize, usize) {
+        match self {
+            CollectiveOp::AllGather | CollectiveOp::Gather => (block, n * block),
+            CollectiveOp::ReduceScatter | CollectiveOp::Scatter => (n * block, block),
+            CollectiveOp::AllToAll => (n * block, n * block),
+            _ => (block, block),
+        }
+    }
+
     /// nccl-tests' bus-bandwidth factor over `n` members: busbw = algbw ×
     /// factor, where algbw = size / time and size is the largest buffer.
     pub fn bus_factor(self, n: usize) -> f64 {
@@ -154,20 +166,7 @@ pub struct Buffers {
 
 /// Input pattern of `member`: small positive integers, exact in every type.
 pub fn pattern(dtype: DType, member: usize, bytes: usize) -> Vec<u8> {
-    use rayon::prelude::*;
-    let e = dtype.size();
-    let mut out = vec![0u8; bytes / e * e];
-    // Filled in parallel chunks of 64 Ki elements: a GiB takes moments.
-    out.par_chunks_mut(e << 16).enumerate().for_each(|(chunk, bytes)| {
-        let mut one = Vec::with_capacity(16);
-        for (k, slot) in bytes.chunks_exact_mut(e).enumerate() {
-            let i = (chunk << 16) + k;
-            one.clear();
-            encode(dtype, Value::F(((member * 7 + i * 3) % 11 + 1) as f64), &mut one);
-            slot.copy_from_slice(&one);
-        }
-    });
-    out
+    fill(dtype, bytes / dtype.size(), |i| Value::F(((member * 7 + i * 3) % 11 + 1) as f64))
 }
 
 impl Buffers {
@@ -188,11 +187,7 @@ impl Buffers {
         let size = if blocked { size / (n * e) * n * e } else { size / e * e };
         let block = if blocked { size / n } else { size };
         let in_place = in_place && op.has_in_place();
-        let (src_bytes, dst_bytes) = match op {
-            CollectiveOp::AllGather | CollectiveOp::Gather => (block, size),
-            CollectiveOp::ReduceScatter | CollectiveOp::Scatter => (size, block),
-            _ => (size, size),
-        };
+        let (src_bytes, dst_bytes) = op.lengths(block, n);
         let mut src = Vec::new();
         let mut dst = Vec::new();
         let inputs: Vec<Vec<u8>> = (0..n).map(|m| pattern(dtype, m, src_bytes)).collect();
@@ -301,24 +296,39 @@ fn decode(dtype: DType, c: &[u8]) -> Value {
     }
 }
 
-/// Appends `v` as one `dtype` element (integers wrap, floats round).
-fn encode(dtype: DType, v: Value, out: &mut Vec<u8>) {
+/// Writes `v` into `slot`, one `dtype` element (integers wrap, floats
+/// round).
+fn encode(dtype: DType, v: Value, slot: &mut [u8]) {
     let (f, i) = match v {
         Value::F(f) => (f, f as i128),
         Value::I(i) => (i as f64, i),
     };
     match dtype {
-        DType::F32 => out.extend((f as f32).to_le_bytes()),
-        DType::F64 => out.extend(f.to_le_bytes()),
-        DType::F16 => out.extend(f16::from_f64(f).to_le_bytes()),
-        DType::BF16 => out.extend(bf16::from_f64(f).to_le_bytes()),
-        DType::I8 => out.extend((i as i8).to_le_bytes()),
-        DType::U8 => out.extend((i as u8).to_le_bytes()),
-        DType::I32 => out.extend((i as i32).to_le_bytes()),
-        DType::U32 => out.extend((i as u32).to_le_bytes()),
-        DType::I64 => out.extend((i as i64).to_le_bytes()),
-        DType::U64 => out.extend((i as u64).to_le_bytes()),
+        DType::F32 => slot.copy_from_slice(&(f as f32).to_le_bytes()),
+        DType::F64 => slot.copy_from_slice(&f.to_le_bytes()),
+        DType::F16 => slot.copy_from_slice(&f16::from_f64(f).to_le_bytes()),
+        DType::BF16 => slot.copy_from_slice(&bf16::from_f64(f).to_le_bytes()),
+        DType::I8 => slot.copy_from_slice(&(i as i8).to_le_bytes()),
+        DType::U8 => slot.copy_from_slice(&(i as u8).to_le_bytes()),
+        DType::I32 => slot.copy_from_slice(&(i as i32).to_le_bytes()),
+        DType::U32 => slot.copy_from_slice(&(i as u32).to_le_bytes()),
+        DType::I64 => slot.copy_from_slice(&(i as i64).to_le_bytes()),
+        DType::U64 => slot.copy_from_slice(&(i as u64).to_le_bytes()),
     }
+}
+
+/// `count` elements of `dtype`, element `i` being `value(i)`, encoded in
+/// parallel chunks of 64 Ki elements (a GiB takes moments).
+fn fill(dtype: DType, count: usize, value: impl Fn(usize) -> Value + Sync) -> Vec<u8> {
+    use rayon::prelude::*;
+    let e = dtype.size();
+    let mut out = vec![0u8; count * e];
+    out.par_chunks_mut(e << 16).enumerate().for_each(|(chunk, slots)| {
+        for (k, slot) in slots.chunks_exact_mut(e).enumerate() {
+            encode(dtype, value((chunk << 16) + k), slot);
+        }
+    });
+    out
 }
 
 /// Decodes `bytes` of `dtype` elements.
@@ -328,61 +338,46 @@ pub fn load(dtype: DType, bytes: &[u8]) -> Vec<Value> {
 
 /// Encodes values as `dtype` elements (integers wrap, floats round).
 pub fn store(dtype: DType, values: &[Value]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(values.len() * dtype.size());
-    for &v in values {
-        encode(dtype, v, &mut out);
-    }
-    out
+    fill(dtype, values.len(), |i| values[i])
 }
 
 /// The host reference of an element-wise reduction of `inputs`, element by
 /// element (no decoded copy of the inputs) and in parallel chunks, so the
 /// reference of a GiB takes moments.
 pub fn reduce_reference(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8> {
-    use rayon::prelude::*;
     let (n, e) = (inputs.len(), dtype.size());
-    let len = inputs[0].len() / e * e;
-    let mut out = vec![0u8; len];
-    out.par_chunks_mut(e << 16).enumerate().for_each(|(chunk, slots)| {
-        let mut one = Vec::with_capacity(16);
-        for (k, slot) in slots.chunks_exact_mut(e).enumerate() {
-            let i = (chunk << 16) + k;
-            let at = |input: &[u8]| decode(dtype, &input[i * e..(i + 1) * e]);
-            let mut acc = at(inputs[0]);
-            for input in &inputs[1..] {
-                acc = match (acc, at(input)) {
-                    (Value::F(a), Value::F(b)) => Value::F(match op {
-                        ReduceOp::Sum | ReduceOp::Avg => a + b,
-                        ReduceOp::Prod => a * b,
-                        ReduceOp::Min => a.min(b),
-                        ReduceOp::Max => a.max(b),
-                    }),
-                    (Value::I(a), Value::I(b)) => {
-                        let exact = match op {
-                            ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
-                            ReduceOp::Prod => a.wrapping_mul(b),
-                            ReduceOp::Min => a.min(b),
-                            ReduceOp::Max => a.max(b),
-                        };
-                        // Wrapped to the element type, as the device's is.
-                        one.clear();
-                        encode(dtype, Value::I(exact), &mut one);
-                        decode(dtype, &one)
-                    }
-                    _ => unreachable!("one dtype decodes to one kind of value"),
-                };
-            }
-            let acc = match (op, acc) {
-                (ReduceOp::Avg, Value::F(a)) => Value::F(a / n as f64),
-                (ReduceOp::Avg, Value::I(a)) => Value::I(a / n as i128),
-                _ => acc,
+    // Wrapped to the element type, as the device's integers are.
+    let wrap = |exact: i128| {
+        let mut one = [0u8; 8];
+        encode(dtype, Value::I(exact), &mut one[..e]);
+        decode(dtype, &one[..e])
+    };
+    fill(dtype, inputs[0].len() / e, |i| {
+        let at = |input: &[u8]| decode(dtype, &input[i * e..(i + 1) * e]);
+        let mut acc = at(inputs[0]);
+        for input in &inputs[1..] {
+            acc = match (acc, at(input)) {
+                (Value::F(a), Value::F(b)) => Value::F(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a + b,
+                    ReduceOp::Prod => a * b,
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                }),
+                (Value::I(a), Value::I(b)) => wrap(match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                    ReduceOp::Prod => a.wrapping_mul(b),
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                }),
+                _ => unreachable!("one dtype decodes to one kind of value"),
             };
-            one.clear();
-            encode(dtype, acc, &mut one);
-            slot.copy_from_slice(&one);
         }
-    });
-    out
+        match (op, acc) {
+            (ReduceOp::Avg, Value::F(a)) => Value::F(a / n as f64),
+            (ReduceOp::Avg, Value::I(a)) => Value::I(a / n as i128),
+            _ => acc,
+        }
+    })
 }
 
 /// What every member's destination must hold after `op` over `inputs`

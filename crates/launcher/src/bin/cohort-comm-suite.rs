@@ -220,26 +220,21 @@ impl Suite {
         }
         Ok(())
     }
-}
 
-impl Suite {
     /// One collective whose largest buffer holds `bytes` bytes of f32, with
     /// every member's input the constant `member + 1`: each output block's
     /// value is known in closed form (sums of 1..=m, a member's number), so
     /// a GiB is checked without a host reference of every member's input.
+    /// Send/recv is left to [`Suite::run`].
     fn run_constant(&mut self, op: CollectiveOp, root: usize, bytes: usize) -> Result<(), String> {
+        if op == CollectiveOp::SendRecv {
+            return Ok(());
+        }
         let c = &self.comm;
         let (l, m) = (c.local_devices(), c.members());
         let elems = if op.blocked() { bytes / 4 / m } else { bytes / 4 };
         let block = elems * 4;
-        let in_len = match op {
-            CollectiveOp::ReduceScatter | CollectiveOp::AllToAll | CollectiveOp::Scatter => m * block,
-            _ => block,
-        };
-        let out_len = match op {
-            CollectiveOp::AllGather | CollectiveOp::AllToAll | CollectiveOp::Gather => m * block,
-            _ => block,
-        };
+        let (in_len, out_len) = op.lengths(block, m);
         let me = |slot: usize| c.rank() * l + slot;
         let constant = |member: usize| -> Vec<u8> {
             std::iter::repeat_n(((member + 1) as f32).to_le_bytes(), in_len / 4).flatten().collect()
@@ -248,9 +243,6 @@ impl Suite {
         let dst: Vec<Handle> = (0..l).map(|s| self.comm.clients()[s].empty(out_len)).collect();
         let root_slot = if root / l == c.rank() { root % l } else { 0 };
         let e = |r: Result<(), cohort_comm::CommError>| r.map_err(|e| e.to_string());
-        if op == CollectiveOp::SendRecv {
-            return Ok(());
-        }
         e(queue(c, op, &src, &dst, DType::F32, ReduceOp::Sum, root, root_slot))?;
         let total = (m * (m + 1) / 2) as f32;
         for (slot, out) in dst.iter().enumerate() {

@@ -401,8 +401,7 @@ impl CudaBackend {
             }
             let pending = self.nccl.pending.pop_front().expect("looked at");
             self.events.give(pending.done);
-            pending.monitor.finished(&Ok(()));
-            self.nccl.ended.push((pending.part, Ok(())));
+            self.end_part(pending, Ok(()));
         }
         // Failures are looked for at most every FAILURE_CHECK: asking NCCL
         // costs microseconds, and a device thread queueing collectives back
@@ -473,8 +472,7 @@ impl CudaBackend {
         for pending in gone {
             let err = self.nccl_error(pending.monitor.operation(), reason.to_string());
             self.events.give(pending.done);
-            pending.monitor.finished(&Err(err.clone()));
-            self.nccl.ended.push((pending.part, Err(err)));
+            self.end_part(pending, Err(err));
         }
         self.update_held_frees();
     }
@@ -505,9 +503,15 @@ impl CudaBackend {
     /// (its context was lost: nothing there can be asked).
     pub(crate) fn end_collectives_lost(&mut self, err: &ServerError) {
         for pending in std::mem::take(&mut self.nccl.pending) {
-            pending.monitor.finished(&Err(err.clone()));
-            self.nccl.ended.push((pending.part, Err(err.clone())));
+            self.end_part(pending, Err(err.clone()));
         }
+    }
+
+    /// Tells a part's monitor how it ended and keeps the outcome for the
+    /// next [`DeviceCollectives::poll`]; every queued part ends here once.
+    fn end_part(&mut self, pending: Pending, outcome: Result<(), ServerError>) {
+        pending.monitor.finished(&outcome);
+        self.nccl.ended.push((pending.part, outcome));
     }
 
     /// Waits (polling) until no part is pending: before the device's
