@@ -10,10 +10,11 @@
 //!
 //! One process per device: start it with a launcher, e.g.
 //! `cohort run -n gpu -- target/release/examples/data_parallel --backend cuda`
-//! (or torchrun, mpirun, srun). It then joins the job through
-//! `Communicator::from_env`, each rank training on `--devices` devices
-//! (default 1) from device `LOCAL_RANK × --devices`, and the replicas are
-//! the devices of every rank.
+//! (or torchrun, mpirun, srun). The same training loop, written once against
+//! the `Collectives` trait, then runs over a `Communicator`: `World::join`
+//! picks, and `rank_clients` gives each rank `--devices` devices (default
+//! 1) from device `LOCAL_RANK × --devices`; the replicas are the devices of
+//! every rank.
 //!
 //! At the end it checks that every replica's parameters are bit-identical
 //! (across ranks: gathered with `all_gather`) and that the loss matches a
@@ -29,8 +30,6 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use cohort::comm::launch_env::LaunchEnv;
-use cohort::comm::{ClientGroup, CommError, Communicator, DType, ReduceOp};
 use cohort::prelude::*;
 
 const INPUTS: usize = 16;
@@ -295,79 +294,28 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
 
 struct Run {
     epoch_losses: Vec<f32>,
-    replicas: Vec<Vec<u8>>,
+    /// Every replica's parameters, as bits.
+    replicas: Vec<Vec<u32>>,
     /// The training loop.
     seconds: f64,
     /// The warm-up collective before it (creates NCCL communicators).
     setup_seconds: f64,
 }
 
-/// Where the replicas live: every device in this process, or this rank's
-/// devices of a job with one process per device (or per few devices).
-enum Replicas {
-    Group(ClientGroup),
-    Ranks(Communicator),
-}
-
-impl Replicas {
-    /// This process's devices.
-    fn clients(&self) -> &[Client] {
-        match self {
-            Replicas::Group(g) => g.clients(),
-            Replicas::Ranks(c) => c.clients(),
-        }
-    }
-
-    /// Replicas in the whole job.
-    fn members(&self) -> usize {
-        match self {
-            Replicas::Group(g) => g.len(),
-            Replicas::Ranks(c) => c.members(),
-        }
-    }
-
-    /// The job-wide number of this process's first device.
-    fn first_member(&self) -> usize {
-        match self {
-            Replicas::Group(_) => 0,
-            Replicas::Ranks(c) => c.rank() * c.local_devices(),
-        }
-    }
-
-    /// Whether this process prints progress (rank 0).
-    fn leads(&self) -> bool {
-        match self {
-            Replicas::Group(_) => true,
-            Replicas::Ranks(c) => c.rank() == 0,
-        }
-    }
-
-    /// Averages one float per device and waits for it, so communicators
-    /// exist before the clock starts (NCCL takes up to a second to make
-    /// them; the host path next to nothing); returns the seconds it took.
-    fn warm_up(&self) -> Result<f64, Box<dyn std::error::Error>> {
-        let start = Instant::now();
-        let probes: Vec<Handle> = self.clients().iter().map(|c| c.create(Bytes::from_elems(&[1.0f32]))).collect();
-        self.average(&probes)?;
-        match self {
-            Replicas::Group(g) => g.sync()?,
-            Replicas::Ranks(c) => c.sync()?,
-        }
-        Ok(start.elapsed().as_secs_f64())
-    }
-
-    /// Averages `grads` (one per local device) across every replica, in place.
-    fn average(&self, grads: &[Handle]) -> Result<(), CommError> {
-        match self {
-            Replicas::Group(g) => g.all_reduce(grads, grads, DType::F32, ReduceOp::Avg),
-            Replicas::Ranks(c) => c.all_reduce(grads, grads, DType::F32, ReduceOp::Avg),
-        }
-    }
+/// Averages one float per device and waits for it, so communicators exist
+/// before the clock starts (NCCL takes up to a second to make them; the host
+/// path next to nothing); returns the seconds it took.
+fn warm_up(world: &impl Collectives) -> Result<f64, Error> {
+    let start = Instant::now();
+    let probes = world.from_slice(&[1.0f32])?;
+    world.all_reduce(&probes, &probes, ReduceOp::Avg)?;
+    world.sync()?;
+    Ok(start.elapsed().as_secs_f64())
 }
 
 /// Trains on every replica; `label` prefixes the progress bar.
-fn train(replicas: &Replicas, args: &Args, label: &str) -> Result<Run, Box<dyn std::error::Error>> {
-    let n = replicas.members();
+fn train(world: &impl Collectives, args: &Args, label: &str) -> Result<Run, Error> {
+    let n = world.members();
     let rows = BATCH / n;
     let init: Vec<f32> = (0..PARAMS).map(|i| 0.3 * noise(1_000_000 + i as u64)).collect();
     let (fb, step_kernel) = (forward_backward(), sgd());
@@ -376,9 +324,9 @@ fn train(replicas: &Replicas, args: &Args, label: &str) -> Result<Run, Box<dyn s
     let mut losses = Vec::new();
     let mut data = Vec::new();
     let mut scratch = Vec::new();
-    for (l, client) in replicas.clients().iter().enumerate() {
+    for (l, client) in world.clients().iter().enumerate() {
         // Replica m takes rows [m·rows, (m+1)·rows) of every global batch.
-        let m = replicas.first_member() + l;
+        let m = world.first_member() + l;
         let mut xs = Vec::with_capacity(args.steps * rows * INPUTS);
         let mut ys = Vec::with_capacity(args.steps * rows);
         for s in 0..args.steps {
@@ -388,44 +336,44 @@ fn train(replicas: &Replicas, args: &Args, label: &str) -> Result<Run, Box<dyn s
                 ys.push(y);
             }
         }
-        params.push(client.create(Bytes::from_elems(&init)));
-        grads.push(client.empty((PARAMS + 1) * 4));
-        scratch.push(client.empty(rows * STRIDE * 4));
-        losses.push(client.create(Bytes::from_elems(&[0.0f32])));
-        data.push((client.create(Bytes::from_elems(&xs)), client.create(Bytes::from_elems(&ys))));
+        params.push(Buffer::from_slice(client, &init)?);
+        grads.push(Buffer::<f32>::uninit(client, PARAMS + 1)?);
+        scratch.push(Buffer::<f32>::uninit(client, rows * STRIDE)?);
+        losses.push(Buffer::from_slice(client, &[0.0f32])?);
+        data.push((Buffer::from_slice(client, &xs)?, Buffer::from_slice(client, &ys)?));
     }
-    let setup_seconds = replicas.warm_up()?;
+    let setup_seconds = warm_up(world)?;
     let start = Instant::now();
     let mut epoch_losses = Vec::new();
     let total = args.epochs * args.steps;
     for epoch in 0..args.epochs {
         for step in 0..args.steps {
-            for (m, client) in replicas.clients().iter().enumerate() {
+            for (m, client) in world.clients().iter().enumerate() {
                 let a = KernelArguments::new()
-                    .buffer(&params[m])
-                    .buffer(&data[m].0)
-                    .buffer(&data[m].1)
-                    .buffer(&grads[m])
-                    .buffer(&scratch[m])
+                    .buffer(params[m].handle())
+                    .buffer(data[m].0.handle())
+                    .buffer(data[m].1.handle())
+                    .buffer(grads[m].handle())
+                    .buffer(scratch[m].handle())
                     .scalar(Scalar::U32(step as u32))
                     .scalar(Scalar::U32(rows as u32));
                 // One block: the GPU sources sync their two phases inside it.
                 client.launch(&fb, GridCount::Static(1, 1, 1), a)?;
             }
             // Average gradients (and the last slot, the loss) in place.
-            replicas.average(&grads)?;
-            for (m, client) in replicas.clients().iter().enumerate() {
+            world.all_reduce(&grads, &grads, ReduceOp::Avg)?;
+            for (m, client) in world.clients().iter().enumerate() {
                 let a = KernelArguments::new()
-                    .buffer(&params[m])
-                    .buffer(&grads[m])
-                    .buffer(&losses[m])
+                    .buffer(params[m].handle())
+                    .buffer(grads[m].handle())
+                    .buffer(losses[m].handle())
                     .scalar(Scalar::F32(args.lr));
                 client.launch(&step_kernel, GridCount::cover(PARAMS, 256), a)?;
             }
             let done = epoch * args.steps + step + 1;
-            if replicas.leads() && (step % 8 == 7 || step + 1 == args.steps) {
+            if world.rank() == 0 && (step % 8 == 7 || step + 1 == args.steps) {
                 // Reading the loss waits for the step: the bar shows work done.
-                let sum = replicas.clients()[0].read_one(losses[0].clone())?.to_elems::<f32>()[0];
+                let sum = losses[0].to_vec()?[0];
                 let width = 30 * done / total;
                 eprint!(
                     "\r{label} epoch {}/{} [{}{}] step {:>4}/{total} loss {:.5}",
@@ -439,55 +387,21 @@ fn train(replicas: &Replicas, args: &Args, label: &str) -> Result<Run, Box<dyn s
                 let _ = std::io::stderr().flush();
             }
         }
-        let sum = replicas.clients()[0].read_one(losses[0].clone())?.to_elems::<f32>()[0];
+        let sum = losses[0].to_vec()?[0];
         epoch_losses.push(sum / args.steps as f32);
-        for (m, client) in replicas.clients().iter().enumerate() {
-            client.write(&losses[m], Bytes::from_elems(&[0.0f32]))?;
+        for loss in &losses {
+            loss.write(&[0.0f32])?;
         }
     }
-    if replicas.leads() {
+    if world.rank() == 0 {
         eprintln!();
     }
     let seconds = start.elapsed().as_secs_f64();
-    let copies: Vec<Vec<u8>> = match replicas {
-        Replicas::Group(g) => g
-            .clients()
-            .iter()
-            .zip(&params)
-            .map(|(c, p)| c.read_one(p.clone()).map(|b| b.to_vec()))
-            .collect::<Result<_, _>>()?,
-        Replicas::Ranks(c) => {
-            // Every replica's parameters, gathered on every rank.
-            let gathered: Vec<Handle> = c.clients().iter().map(|d| d.empty(n * PARAMS * 4)).collect();
-            c.all_gather(&params, &gathered, DType::F32)?;
-            let all = c.clients()[0].read_one(gathered[0].clone())?.to_vec();
-            all.chunks(PARAMS * 4).map(<[u8]>::to_vec).collect()
-        }
-    };
+    // Every replica's parameters, gathered on every device.
+    let gathered = world.zeros::<f32>(n * PARAMS)?;
+    world.all_gather(&params, &gathered)?;
+    let copies = gathered[0].to_vec()?.chunks(PARAMS).map(|c| c.iter().map(|v| v.to_bits()).collect()).collect();
     Ok(Run { epoch_losses, replicas: copies, seconds, setup_seconds })
-}
-
-/// The first `devices` clients of `backend` (every device by default).
-fn clients(backend: &str, devices: Option<usize>) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
-    if let (Some(n), "cpu") = (devices, backend) {
-        // Before the first CPU client exists: the runtime reads it then.
-        std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
-    }
-    Ok(cohort::runtime::clients_of(backend, devices)?)
-}
-
-/// This rank's devices under a launcher: `per_rank` (default 1) from device
-/// `local_rank × per_rank` (on the CPU, a process's own `per_rank` devices).
-fn rank_clients(
-    backend: &str,
-    per_rank: Option<usize>,
-    env: &LaunchEnv,
-) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
-    let n = per_rank.unwrap_or(1);
-    if backend == "cpu" {
-        return clients(backend, Some(n));
-    }
-    Ok(cohort::runtime::clients_from(backend, env.local_rank * n, Some(n))?)
 }
 
 /// The devices' names, repeated ones counted once (`name ×4`).
@@ -503,69 +417,56 @@ fn describe(clients: &[Client]) -> String {
     names.iter().map(|(n, c)| if *c > 1 { format!("{n} ×{c}") } else { n.clone() }).collect::<Vec<_>>().join(", ")
 }
 
-fn main() -> ExitCode {
-    match run(&Args::parse()) {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(err) => {
-            eprintln!("data_parallel: {err}");
-            ExitCode::FAILURE
-        }
-    }
+fn main() -> Result<ExitCode, Error> {
+    Ok(match run(&Args::parse())? {
+        true => ExitCode::SUCCESS,
+        false => ExitCode::FAILURE,
+    })
 }
 
-fn run(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
+fn run(args: &Args) -> Result<bool, Error> {
     if let Some(n) = args.devices {
         if n == 0 || !BATCH.is_multiple_of(n) {
-            return Err(format!(
+            return Err(Error::InvalidArgument(format!(
                 "--devices {n}: the global batch of {BATCH} must split evenly: use a divisor of it, e.g. 1 to 8"
-            )
-            .into());
+            )));
+        }
+        if args.backend == "cpu" {
+            // Before the first CPU client exists: the runtime reads it then.
+            std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
         }
     }
-    let launched = LaunchEnv::from_process().ok();
-    let clients = match &launched {
-        Some(env) => rank_clients(&args.backend, args.devices, env)?,
-        None => clients(&args.backend, args.devices)?,
-    };
-    let replicas = match &launched {
-        Some(_) => Replicas::Ranks(Communicator::from_env(clients.clone())?),
-        None => Replicas::Group(ClientGroup::new(clients.clone())?),
-    };
-    let n = replicas.members();
+    // Alone: every device (or --devices). Under a launcher: --devices per
+    // rank (default 1), chosen by LOCAL_RANK.
+    let world = World::join(rank_clients(&args.backend, args.devices)?)?;
+    let n = world.members();
     if !BATCH.is_multiple_of(n) {
-        return Err(
-            format!("{n} devices do not split the global batch of {BATCH} evenly: use 1 to 8 devices in all").into()
-        );
+        return Err(Error::InvalidArgument(format!(
+            "{n} devices do not split the global batch of {BATCH} evenly: use 1 to 8 devices in all"
+        )));
     }
-    let leads = replicas.leads();
-    let place = match &replicas {
-        Replicas::Group(_) => "one process".to_string(),
-        Replicas::Ranks(c) => {
-            format!("{} processes ({} per process, {:?})", c.size(), c.local_devices(), c.transport())
-        }
+    let leads = world.rank() == 0;
+    let place = match world.world_size() {
+        1 => "one process".to_string(),
+        ranks => format!("{ranks} processes ({} per process, {:?})", world.clients().len(), world.transport()),
     };
     if leads {
-        println!("data_parallel: backend {}, {n} devices in {place}: {}", args.backend, describe(&clients));
+        println!("data_parallel: backend {}, {n} devices in {place}: {}", args.backend, describe(world.clients()));
         println!(
             "data_parallel: MLP {INPUTS}-{HIDDEN}-1 ({PARAMS} parameters), global batch {BATCH}, {} epochs × {} steps, lr {}",
             args.epochs, args.steps, args.lr
         );
     }
-    let parallel = train(&replicas, args, &format!("{n} devices"))?;
+    let parallel = train(&world, args, &format!("{n} devices"))?;
     let identical = parallel.replicas.iter().all(|r| r == &parallel.replicas[0]);
     if !leads {
         // Rank 0 alone runs the one-device reference; the others wait for
         // it so no rank leaves the job early.
-        if let Replicas::Ranks(c) = &replicas {
-            c.barrier()?;
-        }
+        world.barrier()?;
         return Ok(identical);
     }
-    let single = train(&Replicas::Group(ClientGroup::new(vec![clients[0].clone()])?), args, "1 device ")?;
-    if let Replicas::Ranks(c) = &replicas {
-        c.barrier()?;
-    }
+    let single = train(&ClientGroup::new(vec![world.clients()[0].clone()])?, args, "1 device ")?;
+    world.barrier()?;
     println!("{:>6} {:>14} {:>14} {:>10}", "epoch", format!("loss ({n} dev)"), "loss (1 dev)", "rel diff");
     let mut worst = 0.0f32;
     for (e, (a, b)) in parallel.epoch_losses.iter().zip(&single.epoch_losses).enumerate() {

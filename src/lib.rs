@@ -2,13 +2,22 @@
 //!
 //! * [`runtime`] — per-device runtimes: clients, memory pools, streams,
 //!   kernels, graphs and profiling, with the `cpu` backend always built.
-//! * [`comm`] — collectives over groups of devices.
+//! * [`comm`] — collectives over groups of devices and across processes:
+//!   the [`Collectives`](comm::Collectives) trait over typed
+//!   [`Buffer`](comm::Buffer)s.
+//!
+//! [`Error`] is the one error type a program needs: every error of the
+//! layers beneath converts into it, and its `Debug` prints the message.
 
 pub use cohort_comm as comm;
+pub use cohort_comm::Error;
 pub use cohort_runtime as runtime;
 
-/// The names most programs need.
+/// The names most programs need: the runtime's, and the collectives'.
 pub mod prelude {
+    pub use cohort_comm::{
+        rank_clients, Buffer, ClientGroup, Collectives, Communicator, DType, Element, Error, ReduceOp, Transport, World,
+    };
     pub use cohort_runtime::prelude::*;
 }
 

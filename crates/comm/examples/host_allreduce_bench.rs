@@ -87,7 +87,7 @@ fn main() {
             world.barrier();
             let t = Instant::now();
             let s = if in_place { buf.clone() } else { src.clone() };
-            comm.all_reduce(&[s], std::slice::from_ref(&buf), DType::F32, ReduceOp::Sum).expect("queued");
+            comm.all_reduce_handles(&[s], std::slice::from_ref(&buf), DType::F32, ReduceOp::Sum).expect("queued");
             client.sync_buffers([&buf]).expect("all_reduce ran");
             let t = slowest(t.elapsed().as_secs_f64());
             if i >= 2 {

@@ -59,6 +59,12 @@ pub enum CommError {
     /// A root (or send/recv endpoint) is not a member.
     #[error("{operation}: {what} {index} is not a member: the group has members 0..{members}")]
     NotAMember { operation: &'static str, what: &'static str, index: usize, members: usize },
+    /// A buffer the call needs from this process was not passed.
+    #[error(
+        "{operation}: the {what} of member {member} is missing; this process holds member {member}, so it must \
+         pass that buffer"
+    )]
+    MissingBuffer { operation: &'static str, what: &'static str, member: usize },
     /// A member's source and destination overlap in a way the collective
     /// cannot run in place.
     #[error("{operation}: the source and destination of member {member} overlap: {detail}")]

@@ -1,15 +1,17 @@
 //! Collective communication over cohort runtimes.
 //!
-//! A [`ClientGroup`] holds one client per device of one runtime and runs
-//! every collective across them: [`all_reduce`](ClientGroup::all_reduce),
-//! [`reduce`](ClientGroup::reduce), [`broadcast`](ClientGroup::broadcast),
-//! [`all_gather`](ClientGroup::all_gather),
-//! [`reduce_scatter`](ClientGroup::reduce_scatter),
-//! [`all_to_all`](ClientGroup::all_to_all), [`gather`](ClientGroup::gather),
-//! [`scatter`](ClientGroup::scatter), [`send_recv`](ClientGroup::send_recv)
-//! and [`barrier`](ClientGroup::barrier). On the CPU backend the host engine
-//! reduces straight in device memory; elsewhere it stages through host
-//! memory, chunk by chunk.
+//! The front door is the [`Collectives`] trait over typed [`Buffer`]s: the
+//! same calls run in one process over several devices ([`ClientGroup`]),
+//! as one rank of a job of several processes ([`Communicator`]), or as
+//! whichever of the two the process was started as ([`World`]). Every error
+//! converts into [`Error`].
+//!
+//! Beneath it, each collective also takes untyped runtime handles with an
+//! explicit [`DType`] (`all_reduce_handles` and the rest), for code that
+//! handles many element types at once. On the CPU backend the host engine
+//! reduces straight in device memory; on CUDA collectives go through NCCL;
+//! elsewhere they stage through host memory, chunk by chunk.
+mod api;
 pub mod store;
 
 mod communicator;
@@ -26,6 +28,7 @@ mod order;
 pub mod trace;
 pub mod verify;
 
+pub use api::{rank_clients, Buffer, Collectives, Error, World};
 pub use communicator::{job_heartbeat_key, Communicator, ConnectError, HEARTBEAT_PERIOD};
 pub use device::Transport;
 pub use error::CommError;

@@ -5,9 +5,12 @@ use half::{bf16, f16};
 
 pub use cohort_runtime::{DType, ReduceOp};
 
-/// An element type the host engine reduces. Implemented for the ten types
-/// of [`DType`].
+/// An element type of typed buffers and of the host engine's reductions.
+/// Implemented for the ten types of [`DType`]: `f32`, `f64`, `half::f16`,
+/// `half::bf16`, `i8`, `u8`, `i32`, `u32`, `i64`, `u64`.
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+    /// The [`DType`] that names this type in collectives and fingerprints.
+    const DTYPE: DType;
     /// `a + b` (wrapping for integers).
     fn add(a: Self, b: Self) -> Self;
     /// `a * b` (wrapping for integers).
@@ -21,8 +24,9 @@ pub trait Element: bytemuck::Pod + Send + Sync + 'static {
 }
 
 macro_rules! int_element {
-    ($($t:ty),*) => {$(
+    ($($t:ty => $d:ident),*) => {$(
         impl Element for $t {
+            const DTYPE: DType = DType::$d;
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self { a.wrapping_add(b) }
             #[inline(always)]
@@ -36,11 +40,12 @@ macro_rules! int_element {
         }
     )*};
 }
-int_element!(i8, u8, i32, u32, i64, u64);
+int_element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64);
 
 macro_rules! float_element {
-    ($($t:ty),*) => {$(
+    ($($t:ty => $d:ident),*) => {$(
         impl Element for $t {
+            const DTYPE: DType = DType::$d;
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self { a + b }
             #[inline(always)]
@@ -54,13 +59,14 @@ macro_rules! float_element {
         }
     )*};
 }
-float_element!(f32, f64);
+float_element!(f32 => F32, f64 => F64);
 
 macro_rules! half_element {
-    ($($t:ty),*) => {$(
+    ($($t:ty => $d:ident),*) => {$(
         // Each step computes in f32 and rounds back, as a GPU's half
         // arithmetic does.
         impl Element for $t {
+            const DTYPE: DType = DType::$d;
             #[inline(always)]
             fn add(a: Self, b: Self) -> Self { <$t>::from_f32(a.to_f32() + b.to_f32()) }
             #[inline(always)]
@@ -74,7 +80,7 @@ macro_rules! half_element {
         }
     )*};
 }
-half_element!(f16, bf16);
+half_element!(f16 => F16, bf16 => BF16);
 
 /// `acc[i] = op(acc[i], x[i])` for every `i` (`Avg` combines as `Sum`).
 pub fn combine<T: Element>(acc: &mut [T], x: &[T], op: ReduceOp) {

@@ -235,17 +235,16 @@ impl Buffers {
     pub fn run(&self, group: &ClientGroup, op: ReduceOp) -> Result<(), CommError> {
         let (dtype, root, n) = (self.dtype, self.root, group.len());
         match self.op {
-            CollectiveOp::AllReduce => group.all_reduce(&self.src, &self.dst, dtype, op),
-            CollectiveOp::Reduce => group.reduce(&self.src, &self.dst[root], dtype, op, root),
-            CollectiveOp::Broadcast => group.broadcast(&self.src[root], &self.dst, dtype, root),
-            CollectiveOp::AllGather => group.all_gather(&self.src, &self.dst, dtype),
-            CollectiveOp::ReduceScatter => group.reduce_scatter(&self.src, &self.dst, dtype, op),
-            CollectiveOp::AllToAll => group.all_to_all(&self.src, &self.dst, dtype),
-            CollectiveOp::Gather => group.gather(&self.src, &self.dst[root], dtype, root),
-            CollectiveOp::Scatter => group.scatter(&self.src[root], &self.dst, dtype, root),
-            CollectiveOp::SendRecv => {
-                (0..n).try_for_each(|m| group.send_recv(m, &self.src[m], (m + 1) % n, &self.dst[(m + 1) % n], dtype))
-            }
+            CollectiveOp::AllReduce => group.all_reduce_handles(&self.src, &self.dst, dtype, op),
+            CollectiveOp::Reduce => group.reduce_handles(&self.src, &self.dst[root], dtype, op, root),
+            CollectiveOp::Broadcast => group.broadcast_handles(&self.src[root], &self.dst, dtype, root),
+            CollectiveOp::AllGather => group.all_gather_handles(&self.src, &self.dst, dtype),
+            CollectiveOp::ReduceScatter => group.reduce_scatter_handles(&self.src, &self.dst, dtype, op),
+            CollectiveOp::AllToAll => group.all_to_all_handles(&self.src, &self.dst, dtype),
+            CollectiveOp::Gather => group.gather_handles(&self.src, &self.dst[root], dtype, root),
+            CollectiveOp::Scatter => group.scatter_handles(&self.src[root], &self.dst, dtype, root),
+            CollectiveOp::SendRecv => (0..n)
+                .try_for_each(|m| group.send_recv_handles(m, &self.src[m], (m + 1) % n, &self.dst[(m + 1) % n], dtype)),
         }
     }
 

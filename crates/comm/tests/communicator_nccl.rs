@@ -62,7 +62,7 @@ fn a_cpu_communicator_never_takes_nccl() {
         let c = &comm.clients()[0];
         let buf = c.create_from_slice(bytemuck::cast_slice(&[1.0f32; 64]));
         let one = std::slice::from_ref(&buf);
-        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
         let sum: Vec<f32> = bytemuck::cast_slice(&c.read_one(buf).unwrap()).to_vec();
         (comm.transport(), sum.iter().all(|&v| v == 2.0))
     });
@@ -114,14 +114,14 @@ fn check(comm: &Communicator, op: CollectiveOp, dtype: DType, rop: ReduceOp, ele
     let root_slot = if root / l == rank { root % l } else { 0 };
     let what = format!("{op:?} {dtype} {rop} root {root} × {elems}");
     let queued = match op {
-        CollectiveOp::AllReduce => comm.all_reduce(&src, &dst, dtype, rop),
-        CollectiveOp::Reduce => comm.reduce(&src, &dst[root_slot], dtype, rop, root),
-        CollectiveOp::Broadcast => comm.broadcast(&src[root_slot], &dst, dtype, root),
-        CollectiveOp::AllGather => comm.all_gather(&src, &dst, dtype),
-        CollectiveOp::ReduceScatter => comm.reduce_scatter(&src, &dst, dtype, rop),
-        CollectiveOp::AllToAll => comm.all_to_all(&src, &dst, dtype),
-        CollectiveOp::Gather => comm.gather(&src, &dst[root_slot], dtype, root),
-        CollectiveOp::Scatter => comm.scatter(&src[root_slot], &dst, dtype, root),
+        CollectiveOp::AllReduce => comm.all_reduce_handles(&src, &dst, dtype, rop),
+        CollectiveOp::Reduce => comm.reduce_handles(&src, &dst[root_slot], dtype, rop, root),
+        CollectiveOp::Broadcast => comm.broadcast_handles(&src[root_slot], &dst, dtype, root),
+        CollectiveOp::AllGather => comm.all_gather_handles(&src, &dst, dtype),
+        CollectiveOp::ReduceScatter => comm.reduce_scatter_handles(&src, &dst, dtype, rop),
+        CollectiveOp::AllToAll => comm.all_to_all_handles(&src, &dst, dtype),
+        CollectiveOp::Gather => comm.gather_handles(&src, &dst[root_slot], dtype, root),
+        CollectiveOp::Scatter => comm.scatter_handles(&src[root_slot], &dst, dtype, root),
         CollectiveOp::SendRecv => unreachable!("checked by `ring_of_messages`"),
     };
     queued.unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -159,8 +159,8 @@ fn every_collective(comm: &Communicator) {
     // In place: all-reduce and all-to-all on one buffer per device.
     let bufs: Vec<Handle> =
         comm.clients().iter().map(|c| c.create_from_slice(&vec![1u8; 4 * comm.members()])).collect();
-    comm.all_reduce(&bufs, &bufs, DType::U8, ReduceOp::Sum).unwrap();
-    comm.all_to_all(&bufs, &bufs, DType::U8).unwrap();
+    comm.all_reduce_handles(&bufs, &bufs, DType::U8, ReduceOp::Sum).unwrap();
+    comm.all_to_all_handles(&bufs, &bufs, DType::U8).unwrap();
     let got = comm.clients()[0].read_one(bufs[0].clone()).unwrap();
     assert!(got.iter().all(|&b| b as usize == comm.members()), "in place: {got:?}");
     comm.barrier().unwrap();
@@ -176,11 +176,11 @@ fn ring_of_messages(comm: &Communicator) {
     let into = c.empty(4000);
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     if r % 2 == 0 {
-        comm.send(&out, next, DType::U32).unwrap();
-        comm.recv(&into, prev, DType::U32).unwrap();
+        comm.send_handle(&out, next, DType::U32).unwrap();
+        comm.recv_handle(&into, prev, DType::U32).unwrap();
     } else {
-        comm.recv(&into, prev, DType::U32).unwrap();
-        comm.send(&out, next, DType::U32).unwrap();
+        comm.recv_handle(&into, prev, DType::U32).unwrap();
+        comm.send_handle(&out, next, DType::U32).unwrap();
     }
     let got: Vec<u32> = bytemuck::cast_slice(&c.read_one(into).unwrap()).to_vec();
     assert!(got.iter().all(|&v| v as usize == prev));
@@ -230,14 +230,14 @@ fn two_gpus_a_rank_that_never_arrives_is_named_and_the_nccl_communicator_aborted
         let buf = c.create_from_slice(&[0u8; 4096]);
         let one = std::slice::from_ref(&buf);
         // A first collective creates the NCCL communicators.
-        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
         c.read_one(buf.clone()).unwrap();
         if comm.rank() == 1 {
             thread::sleep(Duration::from_secs(8));
             return None;
         }
         let start = Instant::now();
-        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
         let err = c.read_one(buf).unwrap_err().to_string();
         Some((err, start.elapsed()))
     });

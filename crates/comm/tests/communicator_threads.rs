@@ -34,10 +34,10 @@ fn all_reduce_and_all_gather_agree_across_threads() {
         let r = comm.rank() as f32;
         let src = c.create_from_slice(bytemuck::cast_slice(&[r + 1.0; 100_000]));
         let one = std::slice::from_ref(&src);
-        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
         let gathered = c.empty(3 * 4);
         let mine = c.create_from_slice(bytemuck::cast_slice(&[r]));
-        comm.all_gather(&[mine], std::slice::from_ref(&gathered), DType::F32).unwrap();
+        comm.all_gather_handles(&[mine], std::slice::from_ref(&gathered), DType::F32).unwrap();
         comm.barrier().unwrap();
         let sum: Vec<f32> = bytemuck::cast_slice(&c.read_one(src).unwrap()).to_vec();
         let all: Vec<f32> = bytemuck::cast_slice(&c.read_one(gathered).unwrap()).to_vec();
@@ -56,9 +56,9 @@ fn argument_errors_come_before_anything_is_queued() {
         let a = c.empty(16);
         let b = c.empty(12);
         let one = std::slice::from_ref(&a);
-        let wrong_count = comm.all_reduce(&[a.clone(), a.clone()], one, DType::F32, ReduceOp::Sum);
-        let wrong_size = comm.all_reduce(one, &[b], DType::F32, ReduceOp::Sum);
-        let bad_root = comm.broadcast(&a, one, DType::F32, 5);
+        let wrong_count = comm.all_reduce_handles(&[a.clone(), a.clone()], one, DType::F32, ReduceOp::Sum);
+        let wrong_size = comm.all_reduce_handles(one, &[b], DType::F32, ReduceOp::Sum);
+        let bad_root = comm.broadcast_handles(&a, one, DType::F32, 5);
         // The communicator still works: nothing was queued.
         comm.barrier().unwrap();
         (wrong_count, wrong_size, bad_root)

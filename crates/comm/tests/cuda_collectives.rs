@@ -111,7 +111,9 @@ fn a_poisoned_input_marks_the_destinations_of_a_one_device_group() {
     // A kernel with no CUDA source fails and marks its output.
     let boom = Kernel::new("boom").with_cpu(|_| {});
     let _ = device.launch(&boom, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&src));
-    group.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum).unwrap();
+    group
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
+        .unwrap();
     let err = device.read_one(dst).unwrap_err().to_string();
     assert!(err.contains("all_reduce") && err.contains("boom"), "{err}");
 }

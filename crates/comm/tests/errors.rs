@@ -43,12 +43,18 @@ fn argument_errors_write_nothing() {
     let dst: Vec<Handle> = c.iter().map(|c| filled(c, 64, 7)).collect();
 
     // Not one buffer per member.
-    refused(group.all_reduce(&src[..2], &dst, DType::F32, ReduceOp::Sum), &["2 buffers", "3 members"], &group, &dst, 7);
+    refused(
+        group.all_reduce_handles(&src[..2], &dst, DType::F32, ReduceOp::Sum),
+        &["2 buffers", "3 members"],
+        &group,
+        &dst,
+        7,
+    );
     // Not a whole number of elements.
     let odd: Vec<Handle> = c.iter().map(|c| filled(c, 10, 1)).collect();
     let odd_dst: Vec<Handle> = c.iter().map(|c| filled(c, 10, 7)).collect();
     refused(
-        group.all_reduce(&odd, &odd_dst, DType::F64, ReduceOp::Sum),
+        group.all_reduce_handles(&odd, &odd_dst, DType::F64, ReduceOp::Sum),
         &["10 bytes", "whole number", "f64"],
         &group,
         &odd_dst,
@@ -57,35 +63,41 @@ fn argument_errors_write_nothing() {
     // Wrong destination size.
     let small: Vec<Handle> = c.iter().map(|c| filled(c, 32, 7)).collect();
     refused(
-        group.all_reduce(&src, &small, DType::F32, ReduceOp::Sum),
+        group.all_reduce_handles(&src, &small, DType::F32, ReduceOp::Sum),
         &["destination", "32 bytes", "64 bytes"],
         &group,
         &small,
         7,
     );
-    refused(group.all_gather(&src, &dst, DType::F32), &["192 bytes", "3 members"], &group, &dst, 7);
+    refused(group.all_gather_handles(&src, &dst, DType::F32), &["192 bytes", "3 members"], &group, &dst, 7);
     // Root out of range.
-    refused(group.broadcast(&src[0], &dst, DType::U8, 3), &["root 3", "not a member"], &group, &dst, 7);
-    refused(group.reduce(&src, &dst[0], DType::U8, ReduceOp::Max, 5), &["root 5"], &group, &dst, 7);
+    refused(group.broadcast_handles(&src[0], &dst, DType::U8, 3), &["root 3", "not a member"], &group, &dst, 7);
+    refused(group.reduce_handles(&src, &dst[0], DType::U8, ReduceOp::Max, 5), &["root 5"], &group, &dst, 7);
     // A handle of another member's device.
     let mut foreign = dst.clone();
     foreign[2] = dst[1].clone();
     refused(
-        group.all_reduce(&src, &foreign, DType::F32, ReduceOp::Sum),
+        group.all_reduce_handles(&src, &foreign, DType::F32, ReduceOp::Sum),
         &["member 2", "cpu:1", "cpu:2"],
         &group,
         &dst,
         7,
     );
-    refused(group.send_recv(0, &src[1], 1, &dst[1], DType::U8), &["member 0", "cpu:1"], &group, &dst, 7);
+    refused(group.send_recv_handles(0, &src[1], 1, &dst[1], DType::U8), &["member 0", "cpu:1"], &group, &dst, 7);
     // Source and destination overlapping without being in place.
     let shifted: Vec<Handle> = src.iter().map(|s| s.slice(4, 32).unwrap()).collect();
     let head: Vec<Handle> = src.iter().map(|s| s.slice(0, 32).unwrap()).collect();
-    refused(group.all_reduce(&head, &shifted, DType::F32, ReduceOp::Sum), &["overlap"], &group, &dst, 7);
+    refused(group.all_reduce_handles(&head, &shifted, DType::F32, ReduceOp::Sum), &["overlap"], &group, &dst, 7);
     // all_to_all that does not split into one block per member.
-    refused(group.all_to_all(&src, &dst, DType::F64), &["equal blocks"], &group, &dst, 7);
+    refused(group.all_to_all_handles(&src, &dst, DType::F64), &["equal blocks"], &group, &dst, 7);
     // Sources of different sizes.
     let mut uneven = src.clone();
     uneven[1] = filled(&c[1], 32, 1);
-    refused(group.all_reduce(&uneven, &dst, DType::F32, ReduceOp::Sum), &["member 1", "member 0's"], &group, &dst, 7);
+    refused(
+        group.all_reduce_handles(&uneven, &dst, DType::F32, ReduceOp::Sum),
+        &["member 1", "member 0's"],
+        &group,
+        &dst,
+        7,
+    );
 }

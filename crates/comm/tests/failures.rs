@@ -23,7 +23,7 @@ fn a_poisoned_input_poisons_every_destination() {
         // Member 2's source is written by a kernel that fails.
         let boom = Kernel::new("boom").with_cpu(|_| panic!("the kernel blew up"));
         group.client(2).launch(&boom, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&src[2])).unwrap();
-        group.all_reduce(&src, &dst, DType::F32, ReduceOp::Sum).unwrap();
+        group.all_reduce_handles(&src, &dst, DType::F32, ReduceOp::Sum).unwrap();
         for (m, d) in dst.iter().enumerate() {
             let err = group.client(m).read_one(d.clone()).unwrap_err();
             let message = err.to_string();
@@ -31,7 +31,7 @@ fn a_poisoned_input_poisons_every_destination() {
         }
         // The group still works afterwards.
         let fresh = buffers(&group, 64, 1);
-        group.all_reduce(&fresh, &dst, DType::U8, ReduceOp::Sum).unwrap();
+        group.all_reduce_handles(&fresh, &dst, DType::U8, ReduceOp::Sum).unwrap();
         assert!(group.client(3).read_one(dst[3].clone()).unwrap().iter().all(|&b| b == 4));
     }
 }
@@ -44,7 +44,7 @@ fn a_member_that_never_arrives_times_out_naming_it() {
     // Member 1's device is busy for longer than the timeout.
     group.client(1).submit(|_| std::thread::sleep(Duration::from_millis(1500))).unwrap();
     let start = Instant::now();
-    group.all_reduce(&src, &dst, DType::U8, ReduceOp::Sum).unwrap();
+    group.all_reduce_handles(&src, &dst, DType::U8, ReduceOp::Sum).unwrap();
     let err = group.client(0).read_one(dst[0].clone()).unwrap_err();
     assert!(start.elapsed() < Duration::from_millis(1400), "member 0 waited {:?}", start.elapsed());
     let message = err.to_string();
@@ -65,7 +65,7 @@ fn a_closed_member_fails_the_collective_at_once() {
     let dst = buffers(&group, 8, 0);
     group.client(1).submit(|_| std::thread::sleep(Duration::from_millis(200))).unwrap();
     clients[7].close();
-    let err = group.all_reduce(&src, &dst, DType::U8, ReduceOp::Sum).unwrap_err();
+    let err = group.all_reduce_handles(&src, &dst, DType::U8, ReduceOp::Sum).unwrap_err();
     assert!(err.to_string().contains("could not queue member 1"), "{err}");
     let err = group.client(0).read_one(dst[0].clone()).unwrap_err();
     assert!(matches!(err.root_cause(), ServerError::DeviceClosed { .. }), "{err}");
@@ -83,8 +83,8 @@ fn two_groups_sharing_devices_never_deadlock() {
             let src = buffers(&group, 256, 1);
             let dst = buffers(&group, 256, 0);
             for _ in 0..200 {
-                group.all_reduce(&src, &dst, DType::U8, ReduceOp::Sum).unwrap();
-                group.broadcast(&src[1], &dst, DType::U8, 1).unwrap();
+                group.all_reduce_handles(&src, &dst, DType::U8, ReduceOp::Sum).unwrap();
+                group.broadcast_handles(&src[1], &dst, DType::U8, 1).unwrap();
             }
             group.barrier().unwrap();
             let ok = group.client(2).read_one(dst[2].clone()).unwrap().iter().all(|&b| b == 1);

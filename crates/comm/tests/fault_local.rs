@@ -45,7 +45,7 @@ fn a_local_failure_before_the_exchange_aborts_the_other_ranks() {
         }
         let start = Instant::now();
         let one = std::slice::from_ref(&buf);
-        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
         let err = c.read_one(buf).unwrap_err().to_string();
         (comm.rank(), err, start.elapsed())
     });
@@ -67,7 +67,7 @@ fn a_peer_that_leaves_is_noticed_before_the_timeout() {
         let buf = c.create(Bytes::from(vec![0u8; 64]));
         let start = Instant::now();
         let one = std::slice::from_ref(&buf);
-        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
         (c.read_one(buf).unwrap_err().to_string(), start.elapsed())
     });
     let (err, waited) = &results[0];
@@ -90,11 +90,11 @@ fn a_timeout_set_on_the_communicator_names_the_missing_rank_and_dumps_the_record
         let c = &comm.clients()[0];
         let buf = c.create(Bytes::from(vec![0u8; 40]));
         let one = std::slice::from_ref(&buf);
-        comm.all_reduce(one, one, DType::F32, ReduceOp::Sum).unwrap();
+        comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
         let err = c.read_one(buf).unwrap_err().to_string();
         // Later calls are refused at once.
         let again = c.create(Bytes::from(vec![0u8; 40]));
-        comm.broadcast(&again, std::slice::from_ref(&again), DType::F32, 0).unwrap();
+        comm.broadcast_handles(&again, std::slice::from_ref(&again), DType::F32, 0).unwrap();
         let refused = c.read_one(again).unwrap_err().to_string();
         assert!(refused.contains("aborted by an earlier failure"), "{refused}");
         assert!(comm.dump_flight_recorder().unwrap().exists());
@@ -117,7 +117,7 @@ fn client_group_collectives_are_recorded_with_their_state() {
     let clients = vec![CpuRuntime::client(8).unwrap(), CpuRuntime::client(9).unwrap()];
     let group = ClientGroup::new(clients).unwrap();
     let bufs: Vec<_> = group.clients().iter().map(|c| c.create(Bytes::from(vec![1u8; 32]))).collect();
-    group.all_reduce(&bufs, &bufs, DType::U8, ReduceOp::Sum).unwrap();
+    group.all_reduce_handles(&bufs, &bufs, DType::U8, ReduceOp::Sum).unwrap();
     group.barrier().unwrap();
     assert_eq!(group.client(1).read_one(bufs[1].clone()).unwrap().to_vec(), vec![2u8; 32]);
     let records = FlightRecorder::global().snapshot();

@@ -13,7 +13,7 @@ fn collectives_and_copies_become_trace_events() {
     std::env::set_var("COHORT_CPU_DEVICES", "4");
     let group = ClientGroup::new(vec![CpuRuntime::client(0).unwrap(), CpuRuntime::client(1).unwrap()]).unwrap();
     let bufs: Vec<_> = group.clients().iter().map(|c| c.create(Bytes::from(vec![1u8; 64]))).collect();
-    group.all_reduce(&bufs, &bufs, DType::U8, ReduceOp::Sum).unwrap();
+    group.all_reduce_handles(&bufs, &bufs, DType::U8, ReduceOp::Sum).unwrap();
     let copy = group.to_client(&bufs[0], 0, 1).unwrap();
     assert_eq!(group.client(1).read_one(copy).unwrap().to_vec(), vec![2u8; 64]);
     group.barrier().unwrap();

@@ -75,13 +75,13 @@ fn argument_errors_name_wgpu_devices_and_write_nothing() {
     let dst = buffers(&group, 64, 7);
     let mut foreign = dst.clone();
     foreign[2] = dst[1].clone();
-    let err = group.all_reduce(&src, &foreign, DType::F32, ReduceOp::Sum).unwrap_err();
+    let err = group.all_reduce_handles(&src, &foreign, DType::F32, ReduceOp::Sum).unwrap_err();
     let message = err.to_string();
     assert!(message.contains("member 2") && message.contains("wgpu:1") && message.contains("wgpu:2"), "{message}");
     let small: Vec<Handle> = group.clients().iter().map(|c| c.create(Bytes::from(vec![7u8; 32]))).collect();
-    let err = group.reduce_scatter(&src, &small, DType::F64, ReduceOp::Max).unwrap_err();
+    let err = group.reduce_scatter_handles(&src, &small, DType::F64, ReduceOp::Max).unwrap_err();
     assert!(err.to_string().contains("96 bytes") && err.to_string().contains("3 members"), "{err}");
-    let err = group.broadcast(&src[0], &dst, DType::U8, 3).unwrap_err();
+    let err = group.broadcast_handles(&src[0], &dst, DType::U8, 3).unwrap_err();
     assert!(err.to_string().contains("root 3"), "{err}");
     for (m, d) in dst.iter().chain(&small).enumerate() {
         let bytes = group.client(m % 3).read_one(d.clone()).unwrap();
@@ -99,14 +99,14 @@ fn a_failed_kernel_poisons_every_destination() {
         "@group(0) @binding(0) var<storage, read_write> x: array<u32>;\n@compute @workgroup_size(1)\nfn main() { x[0] = no_such_name; }",
     );
     group.client(2).launch(&broken, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&src[2])).unwrap();
-    group.all_reduce(&src, &dst, DType::F32, ReduceOp::Sum).unwrap();
+    group.all_reduce_handles(&src, &dst, DType::F32, ReduceOp::Sum).unwrap();
     for (m, d) in dst.iter().enumerate() {
         let message = group.client(m).read_one(d.clone()).unwrap_err().to_string();
         assert!(message.contains("all_reduce") && message.contains("no_such_name"), "member {m}: {message}");
     }
     // The group still works afterwards.
     let fresh = buffers(&group, 64, 1);
-    group.all_reduce(&fresh, &dst, DType::U8, ReduceOp::Sum).unwrap();
+    group.all_reduce_handles(&fresh, &dst, DType::U8, ReduceOp::Sum).unwrap();
     assert!(group.client(3).read_one(dst[3].clone()).unwrap().iter().all(|&b| b == 4));
 }
 
@@ -119,7 +119,7 @@ fn a_member_that_never_arrives_times_out_naming_it() {
     // Member 1's device is busy for longer than the timeout.
     group.client(1).submit(|_| std::thread::sleep(Duration::from_millis(2500))).unwrap();
     let start = Instant::now();
-    group.all_reduce(&src, &dst, DType::U8, ReduceOp::Sum).unwrap();
+    group.all_reduce_handles(&src, &dst, DType::U8, ReduceOp::Sum).unwrap();
     let err = group.client(0).read_one(dst[0].clone()).unwrap_err();
     assert!(start.elapsed() < Duration::from_millis(2300), "member 0 waited {:?}", start.elapsed());
     let message = err.to_string();

@@ -104,7 +104,13 @@ impl Communicator {
 
     /// Reduces every member's `src` (one per local device) element-wise with
     /// `op` and writes the result to every member's `dst`. Returns at once.
-    pub fn all_reduce(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+    pub fn all_reduce_handles(
+        &self,
+        src: &[Handle],
+        dst: &[Handle],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let c = self.check("all_reduce", dtype);
         c.per_member("source", src)?;
         c.per_member("destination", dst)?;
@@ -119,7 +125,7 @@ impl Communicator {
     /// Reduces every member's `src` with `op` into `dst` on member `root`
     /// (`dst` is ignored elsewhere: pass any handle of the device, or the
     /// source). Returns at once.
-    pub fn reduce(
+    pub fn reduce_handles(
         &self,
         src: &[Handle],
         dst: &Handle,
@@ -145,7 +151,7 @@ impl Communicator {
 
     /// Copies `src` of member `root` to every member's `dst` (`src` is
     /// ignored on other ranks). Returns at once.
-    pub fn broadcast(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
         let c = self.check("broadcast", dtype);
         c.member_of("root", root, self.members())?;
         c.per_member("destination", dst)?;
@@ -164,7 +170,7 @@ impl Communicator {
 
     /// Concatenates every member's `src` (member order) into every member's
     /// `dst`, which holds `members()` sources. Returns at once.
-    pub fn all_gather(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    pub fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
         let c = self.check("all_gather", dtype);
         c.per_member("source", src)?;
         c.per_member("destination", dst)?;
@@ -178,7 +184,13 @@ impl Communicator {
 
     /// Reduces every member's `src` (`members()` blocks) with `op` and gives
     /// member `m` block `m` of the result in its `dst`. Returns at once.
-    pub fn reduce_scatter(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+    pub fn reduce_scatter_handles(
+        &self,
+        src: &[Handle],
+        dst: &[Handle],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let c = self.check("reduce_scatter", dtype);
         c.per_member("source", src)?;
         c.per_member("destination", dst)?;
@@ -193,7 +205,7 @@ impl Communicator {
 
     /// Sends block `k` of member `m`'s `src` to block `m` of member `k`'s
     /// `dst`; every buffer holds `members()` equal blocks. Returns at once.
-    pub fn all_to_all(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    pub fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
         let c = self.check("all_to_all", dtype);
         c.per_member("source", src)?;
         c.per_member("destination", dst)?;
@@ -220,7 +232,7 @@ impl Communicator {
     /// Concatenates every member's `src` into `dst` on member `root`, which
     /// holds `members()` sources (`dst` is ignored elsewhere). Returns at
     /// once.
-    pub fn gather(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
         let c = self.check("gather", dtype);
         c.member_of("root", root, self.members())?;
         c.per_member("source", src)?;
@@ -246,7 +258,7 @@ impl Communicator {
     /// Gives member `m` block `m` of `src`, a buffer of member `root`
     /// holding `members()` destinations (`src` is ignored elsewhere).
     /// Returns at once.
-    pub fn scatter(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
         let c = self.check("scatter", dtype);
         c.member_of("root", root, self.members())?;
         c.per_member("destination", dst)?;
@@ -270,12 +282,12 @@ impl Communicator {
     }
 
     /// Sends `src` (a buffer of one of this rank's devices) to rank `to`,
-    /// which must call [`Communicator::recv`] with a buffer of the same size.
+    /// which must call [`Communicator::recv_handle`] with a buffer of the same size.
     /// Returns at once; the send runs on the device thread and, for messages
     /// larger than the link's buffer (4 MiB over shared memory), waits there
     /// for the receiver, so two ranks that send large messages to each other
     /// first must order them (lower rank sends first) .
-    pub fn send(&self, src: &Handle, to: usize, dtype: DType) -> Result<(), CommError> {
+    pub fn send_handle(&self, src: &Handle, to: usize, dtype: DType) -> Result<(), CommError> {
         let slot = self.slot_of("send", "source", src)?;
         self.check("send", dtype).member_of("receiver rank", to, self.size())?;
         self.check_not_self("send", to)?;
@@ -288,10 +300,10 @@ impl Communicator {
     }
 
     /// Receives into `dst` (a buffer of one of this rank's devices) what rank
-    /// `from` sends with [`Communicator::send`]. Returns at once; reads of
+    /// `from` sends with [`Communicator::send_handle`]. Returns at once; reads of
     /// `dst` wait for the message. A message of another size or type is an
     /// error naming both sides.
-    pub fn recv(&self, dst: &Handle, from: usize, dtype: DType) -> Result<(), CommError> {
+    pub fn recv_handle(&self, dst: &Handle, from: usize, dtype: DType) -> Result<(), CommError> {
         let slot = self.slot_of("recv", "destination", dst)?;
         self.check("recv", dtype).member_of("sender rank", from, self.size())?;
         self.check_not_self("recv", from)?;

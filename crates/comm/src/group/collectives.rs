@@ -26,7 +26,13 @@ impl ClientGroup {
     /// Reduces every member's `src` element-wise with `op` and writes the
     /// result to every member's `dst`. All buffers hold the same number of
     /// `dtype` elements.
-    pub fn all_reduce(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+    pub fn all_reduce_handles(
+        &self,
+        src: &[Handle],
+        dst: &[Handle],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let c = self.check("all_reduce", dtype);
         c.per_member("source", src)?;
         c.per_member("destination", dst)?;
@@ -42,7 +48,7 @@ impl ClientGroup {
 
     /// Reduces every member's `src` with `op` into `dst`, a buffer of member
     /// `root`; nothing is written on the other members.
-    pub fn reduce(
+    pub fn reduce_handles(
         &self,
         src: &[Handle],
         dst: &Handle,
@@ -65,7 +71,7 @@ impl ClientGroup {
     }
 
     /// Copies `src`, a buffer of member `root`, to every member's `dst`.
-    pub fn broadcast(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
         let c = self.check("broadcast", dtype);
         c.member("root", root)?;
         c.owned("source", root, src)?;
@@ -81,7 +87,7 @@ impl ClientGroup {
 
     /// Concatenates every member's `src` (member order) into every member's
     /// `dst`, which holds `len()` times a source.
-    pub fn all_gather(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    pub fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
         let n = self.len();
         let c = self.check("all_gather", dtype);
         c.per_member("source", src)?;
@@ -104,7 +110,13 @@ impl ClientGroup {
 
     /// Reduces every member's `src` with `op` and gives member `m` block `m`
     /// of the result in its `dst`; a source holds `len()` destinations.
-    pub fn reduce_scatter(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+    pub fn reduce_scatter_handles(
+        &self,
+        src: &[Handle],
+        dst: &[Handle],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let n = self.len();
         let c = self.check("reduce_scatter", dtype);
         c.per_member("source", src)?;
@@ -128,7 +140,7 @@ impl ClientGroup {
     /// Sends block `k` of member `m`'s `src` to block `m` of member `k`'s
     /// `dst`; every buffer holds `len()` equal blocks. In place when every
     /// member passes the same buffer as source and destination.
-    pub fn all_to_all(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    pub fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
         let n = self.len();
         let c = self.check("all_to_all", dtype);
         c.per_member("source", src)?;
@@ -166,7 +178,7 @@ impl ClientGroup {
 
     /// Concatenates every member's `src` (member order) into `dst`, a buffer
     /// of member `root` holding `len()` sources.
-    pub fn gather(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
         let n = self.len();
         let c = self.check("gather", dtype);
         c.member("root", root)?;
@@ -190,7 +202,7 @@ impl ClientGroup {
 
     /// Gives member `m` block `m` of `src`, a buffer of member `root`
     /// holding `len()` destinations.
-    pub fn scatter(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
         let n = self.len();
         let c = self.check("scatter", dtype);
         c.member("root", root)?;
@@ -215,7 +227,14 @@ impl ClientGroup {
     /// A paired send/recv: copies `src` of member `from` into `dst` of member
     /// `to` (equal sizes). Only those two members take part; each waits for
     /// the other's part on its own device thread.
-    pub fn send_recv(&self, from: usize, src: &Handle, to: usize, dst: &Handle, dtype: DType) -> Result<(), CommError> {
+    pub fn send_recv_handles(
+        &self,
+        from: usize,
+        src: &Handle,
+        to: usize,
+        dst: &Handle,
+        dtype: DType,
+    ) -> Result<(), CommError> {
         let c = self.check("send_recv", dtype);
         c.member("sender", from)?;
         c.member("receiver", to)?;
@@ -242,7 +261,7 @@ impl ClientGroup {
     pub fn to_client(&self, src: &Handle, from: usize, to: usize) -> Result<Handle, CommError> {
         self.check("to_client", DType::U8).member("receiver", to)?;
         let dst = self.client(to).empty(src.size() as usize);
-        self.send_recv(from, src, to, &dst, DType::U8)?;
+        self.send_recv_handles(from, src, to, &dst, DType::U8)?;
         Ok(dst)
     }
 

@@ -70,7 +70,7 @@ mod faults {
                 // SAFETY: raise(3) has no memory-safety preconditions.
                 unsafe { libc::raise(libc::SIGSTOP) };
             }
-            comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
+            comm.all_reduce_handles(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
             read(comm, &buf)?;
         }
         Ok(())
@@ -83,7 +83,7 @@ mod faults {
         if comm.rank() == who {
             std::thread::sleep(Duration::from_secs(secs as u64));
         }
-        comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        comm.all_reduce_handles(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
         read(comm, &buf)?;
         comm.barrier().map_err(|e| e.to_string())
     }
@@ -100,12 +100,12 @@ mod faults {
         let buf = c.create_from_slice(&vec![0u8; count * 4]);
         let bufs = vec![buf.clone(); comm.local_devices()];
         let queued = match what {
-            "root" => comm.reduce(&bufs, &buf, dtype, op, usize::from(odd)),
+            "root" => comm.reduce_handles(&bufs, &buf, dtype, op, usize::from(odd)),
             "kind" if odd => {
                 let all = c.empty(count * 4 * comm.members());
-                comm.all_gather(&bufs, &vec![all; comm.local_devices()], dtype)
+                comm.all_gather_handles(&bufs, &vec![all; comm.local_devices()], dtype)
             }
-            "kind" | "count" | "dtype" | "op" => comm.all_reduce(&bufs, &bufs, dtype, op),
+            "kind" | "count" | "dtype" | "op" => comm.all_reduce_handles(&bufs, &bufs, dtype, op),
             other => return Err(format!("desync: unknown '{other}' (kind, count, dtype, op or root)")),
         };
         queued.map_err(|e| e.to_string())?;
@@ -127,14 +127,14 @@ fn queue(
     root_slot: usize,
 ) -> Result<(), cohort_comm::CommError> {
     match op {
-        CollectiveOp::AllReduce => c.all_reduce(src, dst, dtype, rop),
-        CollectiveOp::Reduce => c.reduce(src, &dst[root_slot], dtype, rop, root),
-        CollectiveOp::Broadcast => c.broadcast(&src[root_slot], dst, dtype, root),
-        CollectiveOp::AllGather => c.all_gather(src, dst, dtype),
-        CollectiveOp::ReduceScatter => c.reduce_scatter(src, dst, dtype, rop),
-        CollectiveOp::AllToAll => c.all_to_all(src, dst, dtype),
-        CollectiveOp::Gather => c.gather(src, &dst[root_slot], dtype, root),
-        CollectiveOp::Scatter => c.scatter(&src[root_slot], dst, dtype, root),
+        CollectiveOp::AllReduce => c.all_reduce_handles(src, dst, dtype, rop),
+        CollectiveOp::Reduce => c.reduce_handles(src, &dst[root_slot], dtype, rop, root),
+        CollectiveOp::Broadcast => c.broadcast_handles(&src[root_slot], dst, dtype, root),
+        CollectiveOp::AllGather => c.all_gather_handles(src, dst, dtype),
+        CollectiveOp::ReduceScatter => c.reduce_scatter_handles(src, dst, dtype, rop),
+        CollectiveOp::AllToAll => c.all_to_all_handles(src, dst, dtype),
+        CollectiveOp::Gather => c.gather_handles(src, &dst[root_slot], dtype, root),
+        CollectiveOp::Scatter => c.scatter_handles(&src[root_slot], dst, dtype, root),
         CollectiveOp::SendRecv => unreachable!("send/recv pairs ranks; callers handle it"),
     }
 }
@@ -181,11 +181,11 @@ impl Suite {
                 let (n, r) = (c.size(), c.rank());
                 let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
                 if r % 2 == 0 {
-                    e(c.send(&src[0], next, dtype))?;
-                    e(c.recv(&dst[0], prev, dtype))?;
+                    e(c.send_handle(&src[0], next, dtype))?;
+                    e(c.recv_handle(&dst[0], prev, dtype))?;
                 } else {
-                    e(c.recv(&dst[0], prev, dtype))?;
-                    e(c.send(&src[0], next, dtype))?;
+                    e(c.recv_handle(&dst[0], prev, dtype))?;
+                    e(c.send_handle(&src[0], next, dtype))?;
                 }
             }
             other => e(queue(c, other, &src, &dst, dtype, rop, root, root_slot))?,
@@ -355,9 +355,9 @@ fn latency(comm: &Communicator, what: &str, bytes: usize, iters: usize) -> Resul
         return Err(format!("latency: {what} is not all_reduce, reduce or broadcast"));
     }
     let once = || match what {
-        "reduce" => comm.reduce(&bufs, &buf, DType::F32, ReduceOp::Sum, 0),
-        "broadcast" => comm.broadcast(&buf, &bufs, DType::F32, 0),
-        _ => comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum),
+        "reduce" => comm.reduce_handles(&bufs, &buf, DType::F32, ReduceOp::Sum, 0),
+        "broadcast" => comm.broadcast_handles(&buf, &bufs, DType::F32, 0),
+        _ => comm.all_reduce_handles(&bufs, &bufs, DType::F32, ReduceOp::Sum),
     };
     let run = |n: usize| -> Result<f64, String> {
         let t = Instant::now();
@@ -472,9 +472,9 @@ fn main() -> ExitCode {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
                 Ok(())
             } else if rank == who {
-                comm.broadcast(&buf, &bufs, DType::F32, 0)
+                comm.broadcast_handles(&buf, &bufs, DType::F32, 0)
             } else {
-                comm.all_reduce(&bufs, &bufs, DType::F32, ReduceOp::Sum)
+                comm.all_reduce_handles(&bufs, &bufs, DType::F32, ReduceOp::Sum)
             };
             queued.map_err(|e| e.to_string()).and_then(|()| client.read_one(buf).map(|_| ()).map_err(|e| e.to_string()))
         }

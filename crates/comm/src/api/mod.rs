@@ -1,0 +1,21 @@
+//! The front door: typed buffers and the collectives every communicator
+//! offers, with one error type.
+//!
+//! - [`Buffer<T>`]: device memory with its element type and length.
+//! - [`Collectives`]: all-reduce, reduce, broadcast, all-gather,
+//!   reduce-scatter, all-to-all, gather, scatter, send/recv and barrier over
+//!   typed buffers, implemented by [`ClientGroup`](crate::ClientGroup) (one
+//!   process), [`Communicator`](crate::Communicator) (one rank of many) and
+//!   [`World`] (whichever this process is).
+//! - [`rank_clients`]: the devices a rank brings (one per `LOCAL_RANK`).
+//! - [`Error`]: every error beneath converts into it.
+
+mod buffer;
+mod collectives;
+mod error;
+mod world;
+
+pub use buffer::Buffer;
+pub use collectives::Collectives;
+pub use error::Error;
+pub use world::{rank_clients, World};
