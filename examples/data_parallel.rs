@@ -12,8 +12,8 @@
 //! `cohort run -n gpu -- target/release/examples/data_parallel --backend cuda`
 //! (or torchrun, mpirun, srun). The same training loop, written once against
 //! the `Collectives` trait, then runs over a `Communicator`: `World::join`
-//! picks, and `rank_clients` gives each rank `--devices` devices (default
-//! 1) from device `LOCAL_RANK × --devices`; the replicas are the devices of
+//! picks, and `rank_clients` gives each rank `--devices` devices (default 1)
+//! from device `LOCAL_RANK × --devices`; the replicas are the devices of
 //! every rank.
 //!
 //! At the end it checks that every replica's parameters are bit-identical
@@ -307,7 +307,7 @@ struct Run {
 /// path next to nothing); returns the seconds it took.
 fn warm_up(world: &impl Collectives) -> Result<f64, Error> {
     let start = Instant::now();
-    let probes = world.from_slice(&[1.0f32])?;
+    let probes = world.replicate(&[1.0f32])?;
     world.all_reduce(&probes, &probes, ReduceOp::Avg)?;
     world.sync()?;
     Ok(start.elapsed().as_secs_f64())

@@ -157,7 +157,7 @@ pub trait Collectives {
     }
 
     /// One copy of `data` on every local device.
-    fn from_slice<T: Element>(&self, data: &[T]) -> Result<Vec<Buffer<T>>, Error> {
+    fn replicate<T: Element>(&self, data: &[T]) -> Result<Vec<Buffer<T>>, Error> {
         self.clients().iter().map(|c| Buffer::from_slice(c, data)).collect()
     }
 

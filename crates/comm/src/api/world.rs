@@ -24,7 +24,7 @@ use crate::ops::{DType, ReduceOp};
 /// fn main() -> Result<(), Error> {
 ///     // One device per rank under a launcher, every CPU device otherwise.
 ///     let world = World::join(rank_clients("cpu", None)?)?;
-///     let grads = world.from_slice(&[1.0f32; 1024])?;
+///     let grads = world.replicate(&[1.0f32; 1024])?;
 ///     world.all_reduce(&grads, &grads, ReduceOp::Avg)?;
 ///     println!("member {} of {}: {:?}", world.first_member(), world.members(), &grads[0].to_vec()?[..4]);
 ///     Ok(())
@@ -166,7 +166,7 @@ pub fn rank_clients(backend: &str, per_rank: Option<usize>) -> Result<Vec<Client
     let clients = match launched {
         Some(env) => {
             let n = per_rank.unwrap_or(1);
-            let first = if backend == "cpu" { 0 } else { env.local_rank.checked_mul(n).unwrap_or(usize::MAX) };
+            let first = if backend == "cpu" { 0 } else { env.local_rank.saturating_mul(n) };
             cohort_runtime::clients_from(backend, first, Some(n))?
         }
         None => cohort_runtime::clients_from(backend, 0, per_rank)?,
