@@ -64,7 +64,7 @@ use crate::ops::{DType, Element, ReduceOp};
 /// fn mixed(group: &ClientGroup, a: &[Buffer<f32>], b: &[Buffer<i32>]) {
 ///     let _ = group.all_reduce(a, b, ReduceOp::Sum); // expected `Buffer<f32>`, found `Buffer<i32>`
 /// }
-/// # fn main() {}
+/// fn main() {}
 /// ```
 ///
 /// while the same call over one element type compiles:
@@ -75,7 +75,7 @@ use crate::ops::{DType, Element, ReduceOp};
 /// fn same(group: &ClientGroup, a: &[Buffer<f32>], b: &[Buffer<f32>]) {
 ///     let _ = group.all_reduce(a, b, ReduceOp::Sum);
 /// }
-/// # fn main() {}
+/// fn main() {}
 /// ```
 pub trait Collectives {
     /// This process's devices, in local order (one buffer each per call).

@@ -17,13 +17,14 @@
 //! use std::time::Duration;
 //! use cohort_comm::store::{StoreClient, StoreServer};
 //!
-//! # fn main() -> Result<(), cohort_comm::store::StoreError> {
-//! let server = StoreServer::bind("127.0.0.1:0", "job-secret")?;
-//! let client = StoreClient::connect(server.local_addr(), "job-secret", Duration::from_secs(30))?;
-//! client.set("nccl/unique_id", b"...")?;
-//! client.wait(&["nccl/unique_id"], Duration::from_secs(60))?;
-//! client.barrier("init", 1, Duration::from_secs(60))?;
-//! # Ok(()) }
+//! fn main() -> Result<(), cohort_comm::store::StoreError> {
+//!     let server = StoreServer::bind("127.0.0.1:0", "job-secret")?;
+//!     let client = StoreClient::connect(server.local_addr(), "job-secret", Duration::from_secs(30))?;
+//!     client.set("nccl/unique_id", b"...")?;
+//!     client.wait(&["nccl/unique_id"], Duration::from_secs(60))?;
+//!     client.barrier("init", 1, Duration::from_secs(60))?;
+//!     Ok(())
+//! }
 //! ```
 //!
 //! Wire format and handshake: see the `protocol` module's source.
