@@ -179,3 +179,18 @@ fn a_group_of_one_process_reports_rank_zero_of_one() {
     assert_eq!(group.local_slot(2), Some(2));
     assert_eq!(group.local_slot(3), None);
 }
+
+#[test]
+fn empty_buffers_run_every_collective_as_a_no_op() {
+    let group = common::group(2);
+    let empty = group.zeros::<f64>(0).unwrap();
+    group.all_reduce(&empty, &empty, ReduceOp::Sum).unwrap();
+    group.all_gather(&empty, &empty).unwrap();
+    group.broadcast(&empty, &empty, 1).unwrap();
+    group.reduce_scatter(&empty, &empty, ReduceOp::Max).unwrap();
+    assert!(empty[0].to_vec().unwrap().is_empty());
+    // Still usable afterwards.
+    let ones = group.replicate(&[1i64; 5]).unwrap();
+    group.all_reduce(&ones, &ones, ReduceOp::Sum).unwrap();
+    assert_eq!(ones[1].to_vec().unwrap(), [2; 5]);
+}
