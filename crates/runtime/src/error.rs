@@ -52,6 +52,10 @@ pub enum ServerError {
     /// cause is that operation's error.
     #[error("buffer was not written because {operation} failed: {cause}")]
     Poisoned { operation: String, cause: Arc<ServerError> },
+    /// A `COHORT_*` environment variable has a value that cannot be used;
+    /// the message names it and says what is expected.
+    #[error(transparent)]
+    Variable(#[from] crate::config::ConfigError),
 }
 
 impl ServerError {

@@ -9,6 +9,7 @@ mod access;
 pub mod backend;
 mod bytes;
 mod client;
+pub mod config;
 mod device;
 mod dtype;
 mod error;
@@ -29,6 +30,7 @@ pub use backend::cuda::CudaRuntime;
 #[cfg(feature = "wgpu")]
 pub use backend::wgpu::WgpuRuntime;
 pub use bytes::{AlignedBytes, Bytes};
+pub use config::ConfigError;
 pub use client::{Client, Fence, MemoryReport, MemoryScope, PendingSync};
 pub use device::{close_device, shutdown, spin_window, BackendFactory};
 pub use dtype::{DType, ReduceOp};
