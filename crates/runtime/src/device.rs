@@ -341,8 +341,7 @@ pub fn spin_window() -> Duration {
 /// cannot be used (read once).
 pub(crate) fn checked_spin_window() -> Result<Duration, ConfigError> {
     static SPIN: OnceLock<Result<Duration, ConfigError>> = OnceLock::new();
-    SPIN.get_or_init(|| Ok(config::SPIN_US.get()?.map_or_else(default_spin_window, Duration::from_micros)))
-        .clone()
+    SPIN.get_or_init(|| Ok(config::SPIN_US.get()?.map_or_else(default_spin_window, Duration::from_micros))).clone()
 }
 
 fn default_spin_window() -> Duration {

@@ -30,8 +30,8 @@ pub use backend::cuda::CudaRuntime;
 #[cfg(feature = "wgpu")]
 pub use backend::wgpu::WgpuRuntime;
 pub use bytes::{AlignedBytes, Bytes};
-pub use config::ConfigError;
 pub use client::{Client, Fence, MemoryReport, MemoryScope, PendingSync};
+pub use config::ConfigError;
 pub use device::{close_device, shutdown, spin_window, BackendFactory};
 pub use dtype::{DType, ReduceOp};
 pub use error::{MemoryConfigError, ProfileError, ServerError};

@@ -113,7 +113,6 @@ fn requested_backends() -> Result<Option<wgpu::Backends>, ServerError> {
     })))
 }
 
-
 /// Human names of the backends in `set` that this build can use.
 fn backend_names(set: wgpu::Backends) -> String {
     let enabled = wgpu::Instance::enabled_backend_features();
