@@ -58,13 +58,12 @@ pub use observe::{job_heartbeat_key, HEARTBEAT_PERIOD};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cohort_runtime::Client;
+use cohort_runtime::{config, Client};
 use parking_lot::Mutex;
 
 use crate::error::CommError;
 use crate::host::default_timeout;
 use crate::store::{StoreClient, StoreServer};
-use cohort_runtime::config;
 
 use world::World;
 
