@@ -166,7 +166,7 @@ fn transfer_bandwidth(client: &Client, bytes: usize) -> Result<(f64, f64), Serve
 fn clients(backend: &str, devices: Option<usize>) -> Result<Vec<Client>, Box<dyn std::error::Error>> {
     if let (Some(n), "cpu") = (devices, backend) {
         // Before the first CPU client exists: the runtime reads it then.
-        std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
+        std::env::set_var(cohort::runtime::config::CPU_DEVICES.name, n.to_string());
     }
     Ok(cohort::runtime::clients_of(backend, devices)?)
 }

@@ -433,7 +433,7 @@ fn run(args: &Args) -> Result<bool, Error> {
         }
         if args.backend == "cpu" {
             // Before the first CPU client exists: the runtime reads it then.
-            std::env::set_var("COHORT_CPU_DEVICES", n.to_string());
+            std::env::set_var(cohort::runtime::config::CPU_DEVICES.name, n.to_string());
         }
     }
     // Alone: every device (or --devices). Under a launcher: --devices per

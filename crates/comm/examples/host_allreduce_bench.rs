@@ -41,7 +41,7 @@ fn main() {
     let (mib, iters) = (arg("--mib", 64), arg("--iters", 10));
     // The shared-memory communicator comes from `from_env`, which would take
     // MPI under mpirun with the `mpi` feature; set before any thread starts.
-    std::env::set_var("COHORT_TRANSPORT", "host");
+    std::env::set_var(cohort_runtime::config::TRANSPORT.name, "host");
     // cohort's MPI transport calls MPI from device threads.
     let (universe, _) =
         mpi::initialize_with_threading(mpi::Threading::Multiple).expect("MPI initialises (run under mpirun)");

@@ -1,6 +1,6 @@
 //! The errors of forming a group and of calling a collective.
 
-use cohort_runtime::{DeviceId, ServerError};
+use cohort_runtime::{ConfigError, DeviceId, ServerError};
 
 /// Why a group could not be formed or a collective was refused.
 ///
@@ -85,4 +85,8 @@ pub enum CommError {
     /// A collective the caller waits on (barrier, `to_client`) failed.
     #[error("{operation} failed: {source}")]
     Failed { operation: &'static str, source: ServerError },
+    /// A `COHORT_*` variable has a value that cannot be used (the message
+    /// names it and says what is expected).
+    #[error(transparent)]
+    Variable(#[from] ConfigError),
 }

@@ -41,6 +41,20 @@ pub enum Command {
     ///
     /// Example: COHORT_JOB_SECRET=s cohort store --port 29400
     Store(StoreArgs),
+    /// Print every COHORT_* variable: its current value (secrets masked),
+    /// its default and what it does. Exits with 1 when a set value cannot
+    /// be used.
+    ///
+    /// Example: COHORT_TIMEOUT=30 cohort config
+    Config(ConfigArgs),
+}
+
+/// Options of `cohort config`.
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// Print the variables as the markdown table of docs/configuration.md.
+    #[arg(long)]
+    pub markdown: bool,
 }
 
 /// Options of `cohort trace`.

@@ -7,12 +7,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use cohort_comm::store::{self, StoreError};
+use cohort_runtime::config::{self, ConfigError};
 
 use crate::cli::{Nproc, RunArgs};
-
-/// The environment variable that carries the job secret between launchers
-/// and to the ranks.
-pub const SECRET_ENV: &str = "COHORT_JOB_SECRET";
 
 /// Why `cohort run` could not start or finish a job (a rank's failure is not
 /// one of these: it is reported by the supervisor's summary).
@@ -21,14 +18,16 @@ pub enum LaunchError {
     /// `-n gpu` found none.
     #[error("no GPUs found ({0}); use -n cpu for CPU devices, -n auto for GPUs when present, or a number")]
     NoGpus(String),
-    /// `COHORT_CPU_DEVICES` is not a positive number.
-    #[error("COHORT_CPU_DEVICES='{0}' is not a positive number of CPU devices")]
-    BadCpuDevices(String),
+    /// A `COHORT_*` variable the launcher or its ranks read has a value that
+    /// cannot be used.
+    #[error(transparent)]
+    Variable(#[from] ConfigError),
     /// A multi-node job without a shared secret.
     #[error(
         "a job with --nnodes {nnodes} needs the same secret on every node: run \
-         `export {SECRET_ENV}=$(openssl rand -hex 32)` (or any hard-to-guess string) and pass \
-         it to the launcher of every node"
+         `export {}=$(openssl rand -hex 32)` (or any hard-to-guess string) and pass \
+         it to the launcher of every node",
+        config::JOB_SECRET.name
     )]
     SecretMissing {
         /// The number of nodes asked for.
@@ -144,7 +143,8 @@ impl JobConfig {
             Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
             Some(t) => return Err(LaunchError::BadTimeout(t)),
         };
-        let env_secret = std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty());
+        check_inherited(args.timeout.is_some())?;
+        let env_secret = config::JOB_SECRET.get()?;
         let (mut master_addr, mut master_port) = (args.master_addr, args.master_port);
         if let Some(addr) = &args.store_addr {
             let (host, port) = addr.rsplit_once(':').ok_or_else(|| {
@@ -156,7 +156,8 @@ impl JobConfig {
             master_addr = host.trim_start_matches('[').trim_end_matches(']').to_string();
             if env_secret.is_none() {
                 return Err(LaunchError::BadStoreAddr(format!(
-                    "{addr} needs the secret that store was started with: export {SECRET_ENV} before `cohort run`"
+                    "{addr} needs the secret that store was started with: export {} before `cohort run`",
+                    config::JOB_SECRET.name
                 )));
             }
         }
@@ -232,13 +233,19 @@ fn resolve_nproc(n: Nproc) -> Result<usize, LaunchError> {
 
 /// `COHORT_CPU_DEVICES`, default 4.
 fn cpu_devices() -> Result<usize, LaunchError> {
-    match std::env::var("COHORT_CPU_DEVICES") {
-        Err(_) => Ok(4),
-        Ok(s) => match s.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(LaunchError::BadCpuDevices(s)),
-        },
-    }
+    Ok(config::CPU_DEVICES.get()?)
+}
+
+/// Checks the `COHORT_*` variables the ranks inherit, so that an unusable
+/// value stops the job before any rank starts (and not once per rank). The
+/// ones `cohort run` sets for its ranks are skipped (`COHORT_TIMEOUT` too when
+/// `--timeout` replaces it).
+fn check_inherited(timeout_flag: bool) -> Result<(), ConfigError> {
+    let replaced = |name: &str| timeout_flag && name == config::TIMEOUT.name;
+    config::ALL
+        .iter()
+        .filter(|s| !s.decl().set_by_launcher && !replaced(s.decl().name))
+        .try_for_each(|s| s.check().map(drop))
 }
 
 /// CUDA GPUs visible to this job: the entries of `CUDA_VISIBLE_DEVICES` when

@@ -1,7 +1,8 @@
 //! `cohort`: launch and watch the ranks of a job (`cohort run`), like
 //! torchrun; list devices (`cohort devices`) and their peer access and copy
 //! bandwidth (`cohort peers`); merge the ranks' flight recorders (`cohort
-//! trace`); serve a rendezvous store (`cohort store`).
+//! trace`); serve a rendezvous store (`cohort store`); show the `COHORT_*`
+//! variables (`cohort config`).
 //!
 //! Logs go to stderr through `tracing`, filtered by `COHORT_LOG` (falling
 //! back to `RUST_LOG`; default `warn`).
@@ -12,6 +13,7 @@ mod devices;
 mod output;
 mod rendezvous;
 mod run;
+mod settings;
 mod signals;
 mod spawn;
 mod summary;
@@ -26,21 +28,29 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let filter = EnvFilter::try_from_env("COHORT_LOG")
-        .or_else(|_| EnvFilter::try_from_default_env())
-        .unwrap_or_else(|_| EnvFilter::new("warn"));
+    let cli = cli::Cli::parse();
+    // An unusable COHORT_LOG stops every command but `cohort config`, which
+    // shows it among the others.
+    let filter = match settings::log_filter() {
+        Ok(filter) => filter,
+        Err(_) if matches!(cli.command, cli::Command::Config(_)) => EnvFilter::new("warn"),
+        Err(err) => {
+            eprintln!("cohort: error: {err}");
+            return ExitCode::from(2);
+        }
+    };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
 
-    let cli = cli::Cli::parse();
     match cli.command {
         cli::Command::Run(args) => run::run(args),
         cli::Command::Devices => devices::devices(),
         cli::Command::Peers(args) => devices::peers(args),
         cli::Command::Trace(args) => trace::trace(args),
         cli::Command::Store(args) => trace::store(args),
+        cli::Command::Config(args) => settings::config(args),
     }
 }

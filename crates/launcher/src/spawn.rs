@@ -6,7 +6,9 @@ use std::io;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 
-use crate::config::{JobConfig, SECRET_ENV};
+use cohort_runtime::config;
+
+use crate::config::JobConfig;
 
 /// The environment every rank of this node gets, less RANK and LOCAL_RANK.
 #[derive(Debug, Clone)]
@@ -24,14 +26,14 @@ impl RankEnv {
             ("GROUP_RANK", cfg.node_rank.to_string()),
             ("MASTER_ADDR", cfg.master_addr.clone()),
             ("MASTER_PORT", store_port.to_string()),
-            (SECRET_ENV, cfg.secret.clone()),
-            ("COHORT_STORE_ADDR", cfg.store_addr(store_port)),
-            ("COHORT_RESTART_COUNT", restart.to_string()),
-            ("COHORT_NNODES", cfg.nnodes.to_string()),
-            ("COHORT_TRACE_DIR", cfg.trace_dir.to_string_lossy().into_owned()),
+            (config::JOB_SECRET.name, cfg.secret.clone()),
+            (config::STORE_ADDR.name, cfg.store_addr(store_port)),
+            (config::RESTART_COUNT.name, restart.to_string()),
+            (config::NNODES.name, cfg.nnodes.to_string()),
+            (config::TRACE_DIR.name, cfg.trace_dir.to_string_lossy().into_owned()),
         ];
         if let Some(t) = cfg.timeout {
-            vars.push(("COHORT_TIMEOUT", t.as_secs_f64().to_string()));
+            vars.push((config::TIMEOUT.name, t.as_secs_f64().to_string()));
         }
         RankEnv { vars }
     }

@@ -7,9 +7,9 @@ use std::process::ExitCode;
 
 use cohort_comm::store::StoreServer;
 use cohort_comm::trace::merge_files;
+use cohort_runtime::config;
 
 use crate::cli::{StoreArgs, TraceArgs};
-use crate::config::SECRET_ENV;
 
 /// `cohort trace <dir|file>...`: prints the merged report; exits 0 when
 /// every recorded collective finished on every rank, 2 when one did not,
@@ -66,9 +66,17 @@ pub fn report(dir: &Path) -> Option<String> {
 
 /// `cohort store`: serves a store until killed.
 pub fn store(args: StoreArgs) -> ExitCode {
-    let Some(secret) = std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty()) else {
-        eprintln!("cohort: error: export {SECRET_ENV} (the job's secret; every rank and launcher must use it)");
-        return ExitCode::from(1);
+    let secret = match config::JOB_SECRET.get() {
+        Ok(Some(secret)) => secret,
+        Ok(None) => {
+            let name = config::JOB_SECRET.name;
+            eprintln!("cohort: error: export {name} (the job's secret; every rank and launcher must use it)");
+            return ExitCode::from(1);
+        }
+        Err(e) => {
+            eprintln!("cohort: error: {e}");
+            return ExitCode::from(1);
+        }
     };
     let host = if args.host.contains(':') { format!("[{}]", args.host) } else { args.host.clone() };
     match StoreServer::bind(format!("{host}:{}", args.port).as_str(), &secret) {

@@ -21,6 +21,7 @@ use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender, TryRecvError}
 use parking_lot::Mutex;
 
 use crate::backend::Backend;
+use crate::config::{self, ConfigError};
 use crate::error::ServerError;
 use crate::id::{DeviceId, ServiceId, StreamId};
 use crate::properties::DeviceProperties;
@@ -328,14 +329,24 @@ fn run_caught(state: &mut DeviceState, stream: StreamId, task: Task) {
 /// (sleep at once) on smaller ones, where a polling thread takes the core
 /// the thread it waits for needs: measured on a loaded 2-core machine, a
 /// 4-byte read took 10 µs without polling and 70–160 µs with it.
+///
+/// Read once. An unusable `COHORT_SPIN_US` is returned by
+/// [`checked_spin_window`] (so by every client's creation, which calls it);
+/// this function then uses the default.
 pub fn spin_window() -> Duration {
-    static SPIN: OnceLock<Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| {
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        let default = if cores >= 4 { 50 } else { 0 };
-        let micros = std::env::var("COHORT_SPIN_US").ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(default);
-        Duration::from_micros(micros)
-    })
+    checked_spin_window().unwrap_or_else(|_| default_spin_window())
+}
+
+/// [`spin_window`], or the error naming `COHORT_SPIN_US` when its value
+/// cannot be used (read once).
+pub(crate) fn checked_spin_window() -> Result<Duration, ConfigError> {
+    static SPIN: OnceLock<Result<Duration, ConfigError>> = OnceLock::new();
+    SPIN.get_or_init(|| Ok(config::SPIN_US.get()?.map_or_else(default_spin_window, Duration::from_micros))).clone()
+}
+
+fn default_spin_window() -> Duration {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    Duration::from_micros(if cores >= 4 { 50 } else { 0 })
 }
 
 /// Receives from `receiver`, polling for up to [`spin_window`] before

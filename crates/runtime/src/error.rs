@@ -52,6 +52,17 @@ pub enum ServerError {
     /// cause is that operation's error.
     #[error("buffer was not written because {operation} failed: {cause}")]
     Poisoned { operation: String, cause: Arc<ServerError> },
+    /// A `COHORT_*` environment variable has a value that cannot be used;
+    /// the message names it and says what is expected. (Boxed: it is rare,
+    /// and every other variant stays small.)
+    #[error(transparent)]
+    Variable(Box<crate::config::ConfigError>),
+}
+
+impl From<crate::config::ConfigError> for ServerError {
+    fn from(err: crate::config::ConfigError) -> Self {
+        ServerError::Variable(Box::new(err))
+    }
 }
 
 impl ServerError {

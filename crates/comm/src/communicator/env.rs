@@ -1,6 +1,8 @@
 //! Where [`Communicator::from_env`](super::Communicator::from_env) finds the
 //! store and the secret.
 
+use cohort_runtime::config;
+
 use crate::launch_env::{LaunchEnv, LaunchSource};
 use crate::store::StoreServer;
 
@@ -51,8 +53,8 @@ fn bracket(host: &str) -> String {
 pub(crate) fn resolve() -> Result<Found, ConnectError> {
     let env = LaunchEnv::from_process()?;
     let (rank, world_size) = (env.rank, env.world_size);
-    if let Some(store_addr) = var("COHORT_STORE_ADDR") {
-        let secret = var("COHORT_JOB_SECRET").ok_or_else(|| {
+    if let Some(store_addr) = config::STORE_ADDR.get()? {
+        let secret = config::JOB_SECRET.get()?.ok_or_else(|| {
             ConnectError::Config("COHORT_STORE_ADDR is set but COHORT_JOB_SECRET is not: set both".into())
         })?;
         return Ok(Found { rank, world_size, store_addr, secret, server: None });
@@ -69,7 +71,7 @@ pub(crate) fn resolve() -> Result<Found, ConnectError> {
     let host = env.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
     let port = env.master_port.unwrap_or_else(|| derived_port(job.as_deref()));
     let single_node = env.local_world_size == world_size;
-    let secret = match (var("COHORT_JOB_SECRET"), &job) {
+    let secret = match (config::JOB_SECRET.get()?, &job) {
         (Some(s), _) => s,
         (None, Some(job)) if single_node => {
             if rank == 0 {

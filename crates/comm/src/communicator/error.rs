@@ -1,5 +1,7 @@
 //! Why a communicator could not be formed.
 
+use cohort_runtime::ConfigError;
+
 use crate::launch_env::LaunchEnvError;
 use crate::store::StoreError;
 use crate::CommError;
@@ -20,6 +22,9 @@ pub enum ConnectError {
     /// A setting is missing or wrong.
     #[error("{0}")]
     Config(String),
+    /// A `COHORT_*` variable has a value that cannot be used.
+    #[error(transparent)]
+    Variable(#[from] ConfigError),
     /// Links between ranks could not be formed.
     #[error("forming the links between ranks failed: {0}")]
     Setup(String),

@@ -58,7 +58,7 @@ pub use observe::{job_heartbeat_key, HEARTBEAT_PERIOD};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cohort_runtime::Client;
+use cohort_runtime::{config, Client};
 use parking_lot::Mutex;
 
 use crate::error::CommError;
@@ -126,7 +126,9 @@ impl Communicator {
     /// Waits until every rank joined and every link (shared memory within a
     /// node, TCP across) is up, up to the collective timeout (`COHORT_TIMEOUT`
     /// seconds, default 10 minutes). Every rank must pass the same number of
-    /// clients.
+    /// clients. An unusable `COHORT_TIMEOUT`, `COHORT_FLIGHT_RECORDER`,
+    /// `COHORT_DESYNC_CHECK` or `COHORT_SHM_RING` is returned as
+    /// [`ConnectError::Variable`].
     pub fn connect(
         rank: usize,
         world_size: usize,
@@ -150,7 +152,8 @@ impl Communicator {
             return Err(ConnectError::Config(format!("rank {rank} is not below the world size {world_size}")));
         }
         crate::group::check::check_clients(&clients)?;
-        let timeout = default_timeout();
+        let timeout = default_timeout()?;
+        config::check(&[&config::FLIGHT_RECORDER, &config::DESYNC_CHECK, &config::SHM_RING])?;
         let store = StoreClient::connect(store_addr, secret, timeout)?;
         let world = match given {
             #[cfg(feature = "mpi")]

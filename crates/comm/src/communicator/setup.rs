@@ -18,6 +18,8 @@ use std::net::{TcpListener, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cohort_runtime::config::{self, TransportChoice};
+
 use crate::store::StoreClient;
 use crate::transport::shm::{self, Segment, ShmLink};
 use crate::transport::tcp::{self, TOKEN_LEN};
@@ -115,7 +117,7 @@ pub(crate) fn form(
 
     // Shared memory within the node.
     if local.len() > 1 {
-        let capacity = shm::ring_capacity();
+        let capacity = shm::ring_capacity()?;
         let me_local = local.iter().position(|&r| r == rank).expect("in its own node");
         let mut mine = Segment::create(&shm::path(job_id, rank), local.len(), capacity)
             .map_err(|e| ConnectError::Setup(format!("cannot create {}: {e}", shm::path(job_id, rank))))?;
@@ -200,18 +202,14 @@ pub(crate) fn form_with_links(
 /// and unset (or `auto`) means yes under `mpirun` (`OMPI_COMM_WORLD_RANK`)
 /// when the `mpi` feature is built.
 pub(crate) fn mpi_wanted() -> Result<bool, ConnectError> {
-    let choice = std::env::var("COHORT_TRANSPORT").unwrap_or_default().trim().to_ascii_lowercase();
-    match choice.as_str() {
-        "mpi" if cfg!(feature = "mpi") => Ok(true),
-        "mpi" => Err(ConnectError::Config(
+    match config::TRANSPORT.get()? {
+        TransportChoice::Mpi if cfg!(feature = "mpi") => Ok(true),
+        TransportChoice::Mpi => Err(ConnectError::Config(
             "COHORT_TRANSPORT=mpi, but cohort-comm was built without its `mpi` feature: build with \
              `--features cohort-comm/mpi` (Open MPI or MPICH and libclang installed) or unset COHORT_TRANSPORT"
                 .into(),
         )),
-        "" | "auto" => Ok(cfg!(feature = "mpi") && std::env::var_os("OMPI_COMM_WORLD_RANK").is_some()),
-        "host" | "shm" | "tcp" => Ok(false),
-        other => {
-            Err(ConnectError::Config(format!("COHORT_TRANSPORT={other} is not a transport: use mpi, host or auto")))
-        }
+        TransportChoice::Auto => Ok(cfg!(feature = "mpi") && std::env::var_os("OMPI_COMM_WORLD_RANK").is_some()),
+        TransportChoice::Host => Ok(false),
     }
 }

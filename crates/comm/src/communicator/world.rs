@@ -230,10 +230,13 @@ impl World {
 
 /// Whether collectives check fingerprints (`COHORT_DESYNC_CHECK=0` turns
 /// the check off, to measure what it costs; every rank must agree, since it
-/// changes what crosses the links).
+/// changes what crosses the links). Read once; an unusable value is refused
+/// by `Communicator::connect`, and means the default (on) here.
 fn desync_check() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("COHORT_DESYNC_CHECK").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| {
+        cohort_runtime::config::DESYNC_CHECK.get().unwrap_or(cohort_runtime::config::DESYNC_CHECK.fallback)
+    })
 }
 
 pub(super) fn arrival_key(prefix: &str, seq: u64, rank: usize) -> String {

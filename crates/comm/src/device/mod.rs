@@ -23,6 +23,7 @@ use std::sync::{Arc, Once, OnceLock};
 use std::time::Duration;
 
 use cohort_runtime::backend::DeviceCollectives;
+use cohort_runtime::config;
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError, ServiceId};
 use parking_lot::Mutex;
 
@@ -103,15 +104,12 @@ fn offer(client: &Client) -> Offer {
     found
 }
 
-fn flag(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
-}
-
 /// Whether groups of one device go through a one-rank NCCL communicator
-/// (`COHORT_NCCL_SINGLE`, read once).
+/// (`COHORT_NCCL_SINGLE`, read once; an unusable value is refused by
+/// `ClientGroup::new`, and means the default, off, here).
 fn single_through_nccl() -> bool {
     static SINGLE: OnceLock<bool> = OnceLock::new();
-    *SINGLE.get_or_init(|| flag("COHORT_NCCL_SINGLE"))
+    *SINGLE.get_or_init(|| config::NCCL_SINGLE.get().unwrap_or(config::NCCL_SINGLE.fallback))
 }
 
 fn warn_fallback(backend: &str, why: &str) {

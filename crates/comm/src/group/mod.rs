@@ -12,6 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cohort_runtime::config;
 use cohort_runtime::{Client, Handle};
 
 use crate::collective::Kind;
@@ -86,8 +87,13 @@ impl ClientGroup {
     /// to host staging, and the first such group logs why (see
     /// [`ClientGroup::transport`]). The NCCL communicators themselves are
     /// made on the first collective, on every member's device at once.
+    ///
+    /// An unusable `COHORT_TIMEOUT`, `COHORT_NCCL_SINGLE` or
+    /// `COHORT_FLIGHT_RECORDER` is returned as [`CommError::Variable`].
     pub fn new(clients: Vec<Client>) -> Result<ClientGroup, CommError> {
         check::check_clients(&clients)?;
+        let timeout = default_timeout()?;
+        config::check(&[&config::NCCL_SINGLE, &config::FLIGHT_RECORDER])?;
         let communicator = communicator(&clients);
         let direct = communicator.host_addressable();
         let route = device::choose(&clients);
@@ -99,7 +105,7 @@ impl ClientGroup {
             auto_route: route.clone(),
             route,
             direct,
-            timeout: default_timeout(),
+            timeout,
             stage_chunk: DEFAULT_STAGE_CHUNK,
         })
     }

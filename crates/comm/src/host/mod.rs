@@ -25,24 +25,20 @@ mod staged;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cohort_runtime::config::{self, ConfigError};
 use cohort_runtime::{BufferAccess, DeviceId, Handle, ServerError};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::collective::Kind;
 
-/// Default collective timeout: 10 minutes.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Default collective timeout: 10 minutes (`COHORT_TIMEOUT`'s default).
+pub const DEFAULT_TIMEOUT: Duration = config::TIMEOUT.fallback;
 
 /// The timeout collectives get unless a group sets one: `COHORT_TIMEOUT`
-/// (seconds, fractions allowed) when it is set to a positive number, else
-/// [`DEFAULT_TIMEOUT`].
-pub fn default_timeout() -> Duration {
-    std::env::var("COHORT_TIMEOUT")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map(Duration::from_secs_f64)
-        .unwrap_or(DEFAULT_TIMEOUT)
+/// seconds (fractions allowed) when it is set, else [`DEFAULT_TIMEOUT`]; an
+/// error naming `COHORT_TIMEOUT` when its value cannot be used.
+pub fn default_timeout() -> Result<Duration, ConfigError> {
+    config::TIMEOUT.get()
 }
 
 /// How a collective moves bytes through the host.

@@ -126,12 +126,14 @@ impl FlightRecorder {
     }
 
     /// The process-wide recorder; its size is `COHORT_FLIGHT_RECORDER`
-    /// (default 2000 collectives).
+    /// (default 2000 collectives), read once. An unusable value is refused
+    /// by `ClientGroup::new` and `Communicator::connect`, and means the
+    /// default here.
     pub fn global() -> &'static FlightRecorder {
         static GLOBAL: OnceLock<FlightRecorder> = OnceLock::new();
         GLOBAL.get_or_init(|| {
-            let capacity = std::env::var("COHORT_FLIGHT_RECORDER").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
-            FlightRecorder::new(capacity)
+            let setting = &cohort_runtime::config::FLIGHT_RECORDER;
+            FlightRecorder::new(setting.get().unwrap_or(setting.fallback))
         })
     }
 
@@ -248,10 +250,11 @@ impl FlightRecorder {
 /// Where dumps go: `COHORT_TRACE_DIR`, default `cohort-trace` (relative to
 /// the working directory). `cohort run` sets it for its ranks.
 pub fn trace_dir() -> PathBuf {
-    std::env::var_os("COHORT_TRACE_DIR")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "cohort-trace".into())
+    // Any path is a valid COHORT_TRACE_DIR, so this cannot fail.
+    match cohort_runtime::config::TRACE_DIR.get() {
+        Ok(Some(dir)) => dir,
+        _ => "cohort-trace".into(),
+    }
 }
 
 fn hostname() -> String {

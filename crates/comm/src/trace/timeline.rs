@@ -51,7 +51,8 @@ impl Timeline {
         static GLOBAL: OnceLock<Option<Timeline>> = OnceLock::new();
         GLOBAL
             .get_or_init(|| {
-                let path = PathBuf::from(std::env::var_os("COHORT_TIMELINE")?);
+                // Any path is a valid COHORT_TIMELINE, so this cannot fail.
+                let path = cohort_runtime::config::TIMELINE.get().ok()??;
                 let path = match std::env::var("RANK") {
                     Ok(rank) => {
                         let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();

@@ -25,17 +25,11 @@ use super::Link;
 /// Bytes of one ring's header: two cache lines.
 const HEADER: usize = 128;
 
-/// Default data bytes of one ring (`COHORT_SHM_RING` overrides, rounded up
-/// to a power of two, at least 4 KiB).
-pub(crate) const DEFAULT_RING: usize = 4 << 20;
-
-/// The ring size to use: `COHORT_SHM_RING` bytes or [`DEFAULT_RING`].
-pub(crate) fn ring_capacity() -> usize {
-    std::env::var("COHORT_SHM_RING")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .map(|n| n.max(4096).next_power_of_two())
-        .unwrap_or(DEFAULT_RING)
+/// The data bytes of one ring: `COHORT_SHM_RING` (rounded up to a power of
+/// two, at least 4 KiB; default 4 MiB); an error naming it when its value
+/// cannot be used.
+pub(crate) fn ring_capacity() -> Result<usize, cohort_runtime::ConfigError> {
+    Ok(cohort_runtime::config::SHM_RING.get()?.max(4096).next_power_of_two())
 }
 
 /// One mapped file of rings.

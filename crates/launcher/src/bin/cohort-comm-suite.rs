@@ -417,7 +417,7 @@ fn main() -> ExitCode {
     if mode.first().map(String::as_str) == Some("secret") {
         let me = std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok());
         if me.is_some() && me == mode.get(1).and_then(|v| v.parse().ok()) {
-            std::env::set_var("COHORT_JOB_SECRET", "not-the-job-secret");
+            std::env::set_var(cohort_runtime::config::JOB_SECRET.name, "not-the-job-secret");
         }
     }
     let comm = match Communicator::from_env(clients) {

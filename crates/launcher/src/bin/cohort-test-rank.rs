@@ -14,6 +14,7 @@
 use std::time::Duration;
 
 use cohort_comm::store::StoreClient;
+use cohort_runtime::config;
 
 fn var(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| "<unset>".into())
@@ -35,12 +36,13 @@ fn main() {
                     "GROUP_RANK",
                     "MASTER_ADDR",
                     "MASTER_PORT",
-                    "COHORT_STORE_ADDR",
-                    "COHORT_RESTART_COUNT",
-                    "COHORT_TIMEOUT",
+                    config::STORE_ADDR.name,
+                    config::RESTART_COUNT.name,
+                    config::TIMEOUT.name,
                 ];
+                // The values exactly as the launcher set them (what the tests check).
                 let line: Vec<String> = names.iter().map(|n| format!("{n}={}", var(n))).collect();
-                let secret_len = std::env::var("COHORT_JOB_SECRET").map_or(0, |s| s.len());
+                let secret_len = config::JOB_SECRET.get().expect("a usable secret").map_or(0, |s| s.len());
                 println!("{} SECRET_LEN={secret_len}", line.join(" "));
             }
             "pid" => {
@@ -49,9 +51,9 @@ fn main() {
                     .expect("write pid file");
             }
             "store" => {
-                let store =
-                    StoreClient::connect(var("COHORT_STORE_ADDR"), var("COHORT_JOB_SECRET"), Duration::from_secs(30))
-                        .expect("connect to the store");
+                let addr = config::STORE_ADDR.get().expect("a usable store address").expect("COHORT_STORE_ADDR");
+                let secret = config::JOB_SECRET.get().expect("a usable secret").expect("COHORT_JOB_SECRET");
+                let store = StoreClient::connect(addr, secret, Duration::from_secs(30)).expect("connect to the store");
                 store.set(&format!("rank/{rank}"), b"here").expect("set");
                 let world: u32 = var("WORLD_SIZE").parse().expect("WORLD_SIZE");
                 store.barrier("test-rank", world, Duration::from_secs(30)).expect("barrier");
@@ -76,7 +78,7 @@ fn main() {
             }
             "fail-first-attempt" => {
                 let r: usize = arg().parse().unwrap();
-                if r == rank && var("COHORT_RESTART_COUNT") == "0" {
+                if r == rank && config::RESTART_COUNT.get().expect("a usable restart count") == 0 {
                     eprintln!("failing on purpose in the first attempt");
                     std::process::exit(1);
                 }

@@ -69,7 +69,11 @@ impl Client {
     /// The client of `device`, starting its server thread with the backend
     /// `factory` builds (on that thread) if it is not running. Backends call
     /// this; users call their runtime's `client`.
+    ///
+    /// An unusable `COHORT_SPIN_US` (read by every client's waits) is
+    /// returned here as [`ServerError::Variable`].
     pub fn load(device: DeviceId, factory: impl FnOnce() -> BackendFactory) -> Result<Client, ServerError> {
+        device::checked_spin_window()?;
         let handle = device::open_device(device, factory)?;
         Ok(Client { device: handle, stream: None, layout: LayoutPolicy::Contiguous })
     }

@@ -22,8 +22,9 @@ use crate::runtime::Runtime;
 
 use storage::HostPages;
 
-/// Default number of CPU devices when `COHORT_CPU_DEVICES` is unset.
-pub const DEFAULT_CPU_DEVICES: usize = 4;
+/// Default number of CPU devices when `COHORT_CPU_DEVICES` is unset
+/// (declared in [`crate::config::CPU_DEVICES`]).
+pub const DEFAULT_CPU_DEVICES: usize = crate::config::CPU_DEVICES.fallback;
 
 /// The CPU runtime: `COHORT_CPU_DEVICES` host devices (default 4).
 #[derive(Debug, Clone, Copy)]
@@ -33,15 +34,7 @@ impl Runtime for CpuRuntime {
     const NAME: &'static str = "cpu";
 
     fn device_count() -> Result<usize, ServerError> {
-        match std::env::var("COHORT_CPU_DEVICES") {
-            Err(_) => Ok(DEFAULT_CPU_DEVICES),
-            Ok(value) => match value.trim().parse::<usize>() {
-                Ok(n) if n > 0 => Ok(n),
-                _ => Err(ServerError::InvalidArgument(format!(
-                    "COHORT_CPU_DEVICES={value:?} is not a positive whole number of CPU devices"
-                ))),
-            },
-        }
+        Ok(crate::config::CPU_DEVICES.get()?)
     }
 
     fn client(index: usize) -> Result<Client, ServerError> {

@@ -44,10 +44,12 @@ pub fn nvrtc_cache_stats() -> NvrtcCacheStats {
     }
 }
 
-/// Where compiled kernels are kept between runs.
+/// Where compiled kernels are kept between runs: `$COHORT_CACHE_DIR/nvrtc`,
+/// else `$HOME/.cache/cohort/nvrtc` (`None` without either).
 pub fn nvrtc_cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("COHORT_CACHE_DIR").filter(|d| !d.is_empty()) {
-        return Some(PathBuf::from(dir).join("nvrtc"));
+    // Any path is a valid COHORT_CACHE_DIR, so this cannot fail.
+    if let Ok(Some(dir)) = crate::config::CACHE_DIR.get() {
+        return Some(dir.join("nvrtc"));
     }
     std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/cohort/nvrtc"))
 }

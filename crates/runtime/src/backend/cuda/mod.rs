@@ -137,8 +137,11 @@ pub struct CudaBackend {
 
 impl CudaBackend {
     /// Opens device `index`: retains its primary context and makes it current
-    /// on the calling (device) thread.
+    /// on the calling (device) thread. An unusable `COHORT_PINNED_LIMIT_MB`
+    /// or `COHORT_DISABLE_NCCL` is an error here, before the device is touched.
     pub fn new(index: usize) -> Result<Self, ServerError> {
+        let pinned_limit_mib = crate::config::PINNED_LIMIT_MB.get()?;
+        nccl_lib::disabled()?;
         driver::ensure_driver()?;
         if let Some(fault) = LOST_DEVICES.lock().iter().find(|(i, _)| *i == index) {
             return Err(ServerError::Backend {
@@ -178,7 +181,7 @@ impl CudaBackend {
             streams: Streams::new(device),
             events: EventPool::new(device, ctx, false),
             timing_events: EventPool::new(device, ctx, true),
-            staging: Staging::new(device),
+            staging: Staging::new(device, pinned_limit_mib),
             kernels: Kernels::new(info.capability),
             buffers: Vec::new(),
             graphs_alive: Arc::new(AtomicBool::new(true)),

@@ -11,6 +11,8 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
 
+use crate::config::{self, ConfigError};
+
 /// `ncclComm_t`.
 pub(crate) type RawComm = *mut c_void;
 /// `cudaStream_t` (the same handle as a driver `CUstream`).
@@ -80,27 +82,28 @@ fn candidates() -> Vec<String> {
     names
 }
 
-/// Whether `COHORT_DISABLE_NCCL` is set to something other than `0` or
-/// empty (read once).
-pub(crate) fn disabled() -> bool {
-    static DISABLED: OnceLock<bool> = OnceLock::new();
-    *DISABLED.get_or_init(|| std::env::var("COHORT_DISABLE_NCCL").is_ok_and(|v| !v.is_empty() && v != "0"))
+/// Whether `COHORT_DISABLE_NCCL` is on (read once), or the error naming it
+/// when its value cannot be used.
+pub(crate) fn disabled() -> Result<bool, ConfigError> {
+    static DISABLED: OnceLock<Result<bool, ConfigError>> = OnceLock::new();
+    DISABLED.get_or_init(|| config::DISABLE_NCCL.get()).clone()
 }
 
 /// The loaded library, or why there is none (probed once per process; a
-/// missing library or symbol is an error, never a panic).
+/// missing library or symbol, or an unusable `COHORT_DISABLE_NCCL` or
+/// `COHORT_NCCL_LIBRARY`, is an error, never a panic).
 pub fn load() -> Result<&'static Nccl, String> {
     static LIB: OnceLock<Result<Nccl, String>> = OnceLock::new();
-    if disabled() {
+    if disabled().map_err(|e| e.to_string())? {
         return Err("NCCL is disabled by COHORT_DISABLE_NCCL".into());
     }
     LIB.get_or_init(open).as_ref().map_err(Clone::clone)
 }
 
 fn open() -> Result<Nccl, String> {
-    let names = match std::env::var("COHORT_NCCL_LIBRARY") {
-        Ok(path) if !path.is_empty() => vec![path],
-        _ => candidates(),
+    let names = match config::NCCL_LIBRARY.get().map_err(|e| e.to_string())? {
+        Some(path) => vec![path.to_string_lossy().into_owned()],
+        None => candidates(),
     };
     let mut last = String::new();
     for name in &names {

@@ -20,8 +20,6 @@ use crate::backend::HostMemory;
 use crate::error::ServerError;
 use crate::id::DeviceId;
 
-const DEFAULT_LIMIT_MIB: usize = 2048;
-
 /// What the pool knows of each block it allocated.
 struct Live {
     size: usize,
@@ -93,12 +91,10 @@ fn size_class(len: usize) -> usize {
 }
 
 impl PinnedPool {
-    pub fn new(device: DeviceId) -> Self {
-        let limit = std::env::var("COHORT_PINNED_LIMIT_MB")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(DEFAULT_LIMIT_MIB)
-            << 20;
+    /// An empty pool for `device` holding at most `limit_mib` MiB
+    /// (`COHORT_PINNED_LIMIT_MB`, checked by the config module to fit).
+    pub fn new(device: DeviceId, limit_mib: usize) -> Self {
+        let limit = limit_mib.saturating_mul(1 << 20);
         let inner = Inner { free: Vec::new(), live: BTreeMap::new(), total: 0, limit, closed: false };
         Self { shared: Arc::new(Shared { device, inner: Mutex::new(inner) }) }
     }

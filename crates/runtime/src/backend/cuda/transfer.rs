@@ -72,8 +72,9 @@ fn check(device: DeviceId, call: &str, code: sys::CUresult) -> Result<(), Server
 }
 
 impl Staging {
-    pub fn new(device: DeviceId) -> Self {
-        Self { device, pool: PinnedPool::new(device), ring: Vec::new(), scratch: None }
+    /// Staging for `device`, its pinned pool holding at most `limit_mib` MiB.
+    pub fn new(device: DeviceId, limit_mib: usize) -> Self {
+        Self { device, pool: PinnedPool::new(device, limit_mib), ring: Vec::new(), scratch: None }
     }
 
     /// Ring slot `index`, waiting until the copy that last used it is done.

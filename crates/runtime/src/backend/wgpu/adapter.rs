@@ -20,6 +20,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
+use crate::config::{self, GraphicsApi};
 use crate::error::ServerError;
 use crate::id::DeviceId;
 use crate::properties::DeviceProperties;
@@ -90,47 +91,26 @@ impl Discovery {
     }
 }
 
-/// Reads `COHORT_WGPU_DEVICES` (see [`parse_devices`]).
+/// Reads `COHORT_WGPU_DEVICES`: `None` when unset, else a positive number
+/// of devices to open on adapter 0.
 fn requested_devices() -> Result<Option<usize>, ServerError> {
-    parse_devices(std::env::var("COHORT_WGPU_DEVICES").ok().as_deref())
+    Ok(config::WGPU_DEVICES.get()?)
 }
 
-/// Parses a `COHORT_WGPU_DEVICES` value: `None` when unset or empty, else
-/// a positive number of devices to open on adapter 0.
-fn parse_devices(value: Option<&str>) -> Result<Option<usize>, ServerError> {
-    let Some(value) = value.filter(|v| !v.trim().is_empty()) else {
+/// Reads `COHORT_WGPU_BACKEND` (a comma-separated list of vulkan, gl,
+/// metal, dx12): the set it names, or `None` when it is unset.
+fn requested_backends() -> Result<Option<wgpu::Backends>, ServerError> {
+    let Some(apis) = config::WGPU_BACKEND.get()? else {
         return Ok(None);
     };
-    match value.trim().parse::<usize>() {
-        Ok(n) if n > 0 => Ok(Some(n)),
-        _ => Err(ServerError::InvalidArgument(format!(
-            "COHORT_WGPU_DEVICES={value:?} is not a positive whole number of devices (it opens that many devices \
-             on the first adapter; unset it for one device per adapter)"
-        ))),
-    }
-}
-
-/// Parses `COHORT_WGPU_BACKEND` (a comma-separated list of vulkan, gl,
-/// metal, dx12), or gives the default set when it is unset or empty.
-fn requested_backends() -> Result<wgpu::Backends, ServerError> {
-    let Ok(value) = std::env::var("COHORT_WGPU_BACKEND") else {
-        return Ok(DEFAULT_BACKENDS);
-    };
-    let mut backends = wgpu::Backends::empty();
-    for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        backends |= match part.to_ascii_lowercase().as_str() {
-            "vulkan" | "vk" => wgpu::Backends::VULKAN,
-            "gl" | "gles" | "opengl" => wgpu::Backends::GL,
-            "metal" => wgpu::Backends::METAL,
-            "dx12" | "d3d12" => wgpu::Backends::DX12,
-            other => {
-                return Err(ServerError::InvalidArgument(format!(
-                    "COHORT_WGPU_BACKEND={value:?}: unknown backend {other:?}; use vulkan, gl, metal or dx12 (comma-separated)"
-                )))
-            }
-        };
-    }
-    Ok(if backends.is_empty() { DEFAULT_BACKENDS } else { backends })
+    Ok(Some(apis.into_iter().fold(wgpu::Backends::empty(), |set, api| {
+        set | match api {
+            GraphicsApi::Vulkan => wgpu::Backends::VULKAN,
+            GraphicsApi::Gl => wgpu::Backends::GL,
+            GraphicsApi::Metal => wgpu::Backends::METAL,
+            GraphicsApi::Dx12 => wgpu::Backends::DX12,
+        }
+    })))
 }
 
 /// Human names of the backends in `set` that this build can use.
@@ -194,9 +174,10 @@ fn enumerate(backends: wgpu::Backends) -> (wgpu::Instance, Vec<wgpu::Adapter>) {
 /// through both would otherwise appear as two devices (and probing GL is
 /// slow and noisy on headless machines).
 fn discover() -> Result<Discovery, ServerError> {
-    let backends = requested_backends()?;
+    let requested = requested_backends()?;
     let shared = requested_devices()?;
-    let explicit = std::env::var("COHORT_WGPU_BACKEND").is_ok_and(|v| !v.trim().is_empty());
+    let explicit = requested.is_some();
+    let backends = requested.unwrap_or(DEFAULT_BACKENDS);
     let (instance, adapters) = if explicit || !backends.contains(wgpu::Backends::GL) {
         enumerate(backends)
     } else {
@@ -408,17 +389,17 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_devices;
+    use std::ffi::OsStr;
+
+    use crate::config;
 
     #[test]
     fn device_counts_parse() {
-        assert_eq!(parse_devices(None).unwrap(), None);
-        assert_eq!(parse_devices(Some(" ")).unwrap(), None);
-        assert_eq!(parse_devices(Some("4")).unwrap(), Some(4));
-        assert_eq!(parse_devices(Some(" 2 ")).unwrap(), Some(2));
+        assert_eq!(config::WGPU_DEVICES.parse_value(OsStr::new("4")), Ok(4));
+        assert_eq!(config::WGPU_DEVICES.parse_value(OsStr::new(" 2 ")), Ok(2));
         for bad in ["0", "-1", "two", "1.5"] {
-            let err = parse_devices(Some(bad)).unwrap_err().to_string();
-            assert!(err.contains("COHORT_WGPU_DEVICES") && err.contains("positive whole number"), "{bad}: {err}");
+            let err = config::WGPU_DEVICES.parse_value(OsStr::new(bad)).unwrap_err().to_string();
+            assert!(err.contains("COHORT_WGPU_DEVICES") && err.contains("at least 1"), "{bad}: {err}");
         }
     }
 }

@@ -1,0 +1,49 @@
+//! A `COHORT_*` variable that cannot be used is an error naming it, returned
+//! by the constructor that reads it: `ClientGroup::new` and
+//! `Communicator::connect` (`COHORT_TIMEOUT`, which neither read in silence
+//! as 600 s nor panic on any more), `CpuRuntime::client` (`COHORT_CPU_DEVICES`).
+//!
+//! One test: the environment is the process's, so the cases run in order.
+
+use cohort_comm::{ClientGroup, CommError, Communicator, ConnectError};
+use cohort_runtime::{CpuRuntime, Runtime, ServerError};
+
+#[test]
+fn unusable_values_are_errors_naming_the_variable() {
+    let clients: Vec<_> = (0..2).map(|i| CpuRuntime::client(i).expect("a CPU device")).collect();
+
+    for bad in ["abc", "1e30", "1.8e19", "inf", "nan", "-3", "0"] {
+        std::env::set_var("COHORT_TIMEOUT", bad);
+        let err = ClientGroup::new(clients.clone()).expect_err(bad);
+        assert!(matches!(err, CommError::Variable(_)), "{bad}: {err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("COHORT_TIMEOUT=\"{bad}\"")) && msg.contains("seconds"), "{bad}: {msg}");
+
+        // Fails before it tries to reach the (absent) store.
+        let err = Communicator::connect(0, 1, "127.0.0.1:9", "secret", clients.clone()).expect_err(bad);
+        assert!(matches!(err, ConnectError::Variable(_)), "{bad}: {err:?}");
+        assert!(err.to_string().contains("COHORT_TIMEOUT"), "{bad}: {err}");
+    }
+
+    std::env::set_var("COHORT_TIMEOUT", "2.5");
+    let group = ClientGroup::new(clients.clone()).expect("a valid timeout");
+    assert_eq!(group.timeout(), std::time::Duration::from_millis(2500));
+    std::env::remove_var("COHORT_TIMEOUT");
+    assert_eq!(ClientGroup::new(clients.clone()).unwrap().timeout(), cohort_comm::DEFAULT_TIMEOUT);
+
+    std::env::set_var("COHORT_FLIGHT_RECORDER", "lots");
+    let err = ClientGroup::new(clients.clone()).expect_err("an unusable recorder size");
+    assert!(err.to_string().contains("COHORT_FLIGHT_RECORDER=\"lots\""), "{err}");
+    std::env::remove_var("COHORT_FLIGHT_RECORDER");
+
+    std::env::set_var("COHORT_TRANSPORT", "carrier-pigeon");
+    let err = Communicator::from_env(clients.clone()).expect_err("an unusable transport");
+    assert!(err.to_string().contains("COHORT_TRANSPORT=\"carrier-pigeon\""), "{err}");
+    std::env::remove_var("COHORT_TRANSPORT");
+
+    std::env::set_var("COHORT_CPU_DEVICES", "four");
+    let err = CpuRuntime::client(0).expect_err("an unusable device count");
+    assert!(matches!(err, ServerError::Variable(_)), "{err:?}");
+    assert!(err.to_string().contains("COHORT_CPU_DEVICES=\"four\""), "{err}");
+    std::env::remove_var("COHORT_CPU_DEVICES");
+}
