@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use cohort_runtime::ServerError;
+use cohort_runtime::{ConfigError, ServerError};
 
 use crate::communicator::ConnectError;
 use crate::error::CommError;
@@ -11,7 +11,8 @@ use crate::store::StoreError;
 
 /// Anything a program using cohort's front door can be told went wrong:
 /// a device's failure, a refused collective, a job that could not form, a
-/// launcher environment that makes no sense, or a bad argument.
+/// launcher environment or `COHORT_*` setting that makes no sense, or a bad
+/// argument.
 ///
 /// It converts from every error type of the layers beneath, so `?` works on
 /// all of them in one function, and its `Debug` prints the same message as
@@ -35,6 +36,9 @@ pub enum Error {
     /// The rendezvous store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A `COHORT_*` variable holds a value that cannot be used.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     /// An argument of a front-door call cannot be used; the message says
     /// which and why.
     #[error("{0}")]
