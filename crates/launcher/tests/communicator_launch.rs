@@ -74,10 +74,7 @@ fn two_launchers_form_one_eight_rank_job_over_tcp_and_shm() {
 
 #[test]
 fn mpirun_runs_the_suite_without_a_launcher() {
-    if Command::new("mpirun").arg("--version").output().is_err() {
-        eprintln!("skipped: mpirun is not installed (scripts/test.sh installs openmpi-bin)");
-        return;
-    }
+    require_mpirun();
     let mut c = Command::new("mpirun");
     c.args(["--allow-run-as-root", "--oversubscribe", "-n", "4", SUITE]);
     for v in ["COHORT_JOB_SECRET", "COHORT_STORE_ADDR", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
