@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use cohort_runtime::private_fs::PrivateDir;
 use crossbeam::channel::{Receiver, RecvTimeoutError};
 
 use crate::cli::RunArgs;
@@ -35,9 +36,14 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     let start = Instant::now();
     let cfg = JobConfig::from_args(args)?;
     let deadline = cfg.timeout.map(|t| start + t);
+    // Both folders are made 0700 where missing and refused when another user
+    // owns them or may write into them (they could read the ranks' output or
+    // plant links for cohort to write through).
     if let Some(dir) = &cfg.log_dir {
-        std::fs::create_dir_all(dir).map_err(|source| LaunchError::LogDir { path: dir.clone(), source })?;
+        PrivateDir::open_or_create(dir).map_err(|e| LaunchError::LogDir { path: dir.clone(), source: e.into() })?;
     }
+    PrivateDir::open_or_create(&cfg.trace_dir)
+        .map_err(|e| LaunchError::TraceDir { path: cfg.trace_dir.clone(), source: e.into() })?;
     let (tx, rx) = crossbeam::channel::unbounded();
     signals::install(tx.clone()).map_err(LaunchError::Signals)?;
     let rdzv = Rendezvous::start(&cfg, deadline)?;
