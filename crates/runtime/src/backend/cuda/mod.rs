@@ -28,6 +28,7 @@
 mod driver;
 mod events;
 mod graphs;
+mod disk_cache;
 mod kernels;
 mod nccl;
 mod nccl_lib;
@@ -66,7 +67,8 @@ use storage::DevicePages;
 use streams::Streams;
 use transfer::Staging;
 
-pub use kernels::{nvrtc_cache_dir, nvrtc_cache_stats, NvrtcCacheStats};
+pub use disk_cache::nvrtc_cache_dir;
+pub use kernels::{nvrtc_cache_stats, NvrtcCacheStats};
 
 /// Whether NCCL can be used in this process: `Ok` with its version
 /// (`2.28.7`) once libnccl loaded, or why not (no library, or
