@@ -62,6 +62,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
         drop(dog);
         let verdict = settle(&rdzv, &cfg, attempt, outcome, &rx, deadline);
         signals::set_supervising(false);
+        sweep_shared_memory(&rdzv, &cfg);
         match verdict {
             Verdict::Ok => {
                 tracing::info!(elapsed = ?start.elapsed(), "every rank exited with 0");
@@ -90,6 +91,19 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
                 return Ok(exit_code);
             }
         }
+    }
+}
+
+/// Removes the shared-memory files this node's ranks may have left in
+/// `/dev/shm` (a rank killed while its communicator was being set up), now
+/// that they have ended and before the store forgets the attempt's
+/// communicators.
+fn sweep_shared_memory(rdzv: &Rendezvous, cfg: &JobConfig) {
+    let ranks: Vec<usize> = (0..cfg.nproc).map(|l| RankEnv::global_rank(cfg, l)).collect();
+    match cohort_comm::sweep_shared_memory(rdzv.store(), &ranks) {
+        Ok(0) => {}
+        Ok(n) => tracing::info!("removed {n} shared-memory file(s) the ranks left in /dev/shm"),
+        Err(e) => tracing::warn!("could not look up the ranks' shared-memory files to remove them: {e}"),
     }
 }
 

@@ -191,3 +191,25 @@ fn fault_a_malformed_environment() {
         let _ = std::fs::remove_dir_all(dir);
     }
 }
+
+#[test]
+fn fault_a_rank_fails_during_set_up_and_no_shared_memory_is_left() {
+    let dir = temp_dir("fault-shm");
+    // Rank 1's rings are larger than the address space (1 PiB each): its
+    // mmap fails after the other ranks created their shared-memory files,
+    // and they are stopped while they wait for rank 1's.
+    let ring = ["--rank-env", "1", "COHORT_SHM_RING=1125899906842624", "barrier"];
+    let (code, stderr, _) = run_case(&dir, faulty(&dir, "60", &["-n", "3"], &ring));
+    assert_eq!(code, 1, "{stderr}");
+    let at = stderr.find("cannot create /dev/shm/cohort-").expect("rank 1 names its file") + "cannot create /dev/shm/cohort-".len();
+    let job: String = stderr[at..].chars().take_while(|c| c.is_ascii_hexdigit()).collect();
+    assert!(!job.is_empty(), "{stderr}");
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(&format!("cohort-{job}-")))
+        .collect();
+    assert!(left.is_empty(), "files of job {job} left in /dev/shm: {left:?}\n{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}

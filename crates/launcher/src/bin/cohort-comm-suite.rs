@@ -27,7 +27,8 @@
 //! ```
 //!
 //! `--set-env K=V` and `--unset-env K` change this process's environment
-//! before it joins the job (fault injection).
+//! before it joins the job (fault injection); `--rank-env R K=V` sets it on
+//! rank R only.
 //!
 //! `--pid-dir DIR` writes `DIR/rank<R>.pid` first (for tests that check no
 //! process is left). Exits 0 when every check passed; prints `rank R: error: ...` and exits 1
@@ -392,6 +393,13 @@ fn main() -> ExitCode {
             "--set-env" => {
                 let (k, v) = it.next().and_then(|kv| kv.split_once('=')).expect("--set-env KEY=VALUE");
                 std::env::set_var(k, v);
+            }
+            "--rank-env" => {
+                let who = it.next().and_then(|r| r.parse::<usize>().ok()).expect("--rank-env RANK KEY=VALUE");
+                let (k, v) = it.next().and_then(|kv| kv.split_once('=')).expect("--rank-env RANK KEY=VALUE");
+                if std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()) == Some(who) {
+                    std::env::set_var(k, v);
+                }
             }
             "--unset-env" => std::env::remove_var(it.next().expect("--unset-env KEY")),
             "--pid-dir" => {
