@@ -133,7 +133,7 @@ fn check(comm: &Communicator, op: CollectiveOp, dtype: DType, rop: ReduceOp, ele
         }
         let Some(w) = &want[me(slot)] else { continue };
         let got = clients[slot].read_one(out.clone()).unwrap_or_else(|e| panic!("{what}: {e}"));
-        let wrong = count_wrong(dtype, &got, w, m);
+        let wrong = count_wrong(dtype, op.reduces().then_some(rop), &got, w, m);
         assert_eq!(wrong, 0, "{what}: member {} got {wrong} wrong elements", me(slot));
     }
 }
