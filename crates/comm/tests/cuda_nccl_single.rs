@@ -95,16 +95,19 @@ fn collectives_return_once_queued_and_an_expired_one_marks_its_destination() {
     group.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum).unwrap();
     device.sync().unwrap();
 
-    // Queued behind 300 ms of device work (inside the timeout): returns at
-    // once, completes, right.
-    busy(300_000_000);
+    // Queued behind 3 s of device work, in a group whose timeout is far
+    // longer: returns, completes, right. A round trip to the device thread
+    // right after is answered before that work could have ended (the
+    // device's own 3 s are the measure, not a guess at host speed): had the
+    // collective's task waited for its kernel, the answer would come after.
+    let patient = ClientGroup::new(vec![device.clone()]).unwrap().with_timeout(Duration::from_secs(60));
+    let kernel_time = Duration::from_secs(3);
     let started = Instant::now();
-    group.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum).unwrap();
-    // A round trip to the device thread: answered at once, since the
-    // collective's task returned when its call was queued.
+    busy(kernel_time.as_nanos() as u64);
+    patient.all_reduce(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum).unwrap();
     device.stats().unwrap();
     let answered = started.elapsed();
-    assert!(answered < Duration::from_millis(150), "the device thread waited {answered:?} for the collective");
+    assert!(answered < kernel_time, "the device thread answered after {answered:?}: it waited for the collective");
     assert_eq!(device.read_one(dst.clone()).unwrap().to_elems::<f32>(), vec![3.0; 1024]);
 
     // Queued behind 2 s of device work with a 0.4 s timeout: the device
