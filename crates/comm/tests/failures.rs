@@ -44,10 +44,12 @@ fn a_member_that_never_arrives_times_out_naming_it() {
     // Member 1's device is busy until member 0 has given up: it cannot
     // arrive in time, however slow the machine.
     let (release, busy) = mpsc::channel::<()>();
-    group.client(1).submit(move |_| {
-        let _ = busy.recv();
-    })
-    .unwrap();
+    group
+        .client(1)
+        .submit(move |_| {
+            let _ = busy.recv();
+        })
+        .unwrap();
     group.all_reduce(&src, &dst, DType::U8, ReduceOp::Sum).unwrap();
     let err = group.client(0).read_one(dst[0].clone()).unwrap_err();
     release.send(()).unwrap();

@@ -31,7 +31,13 @@ fn give_away(path: &Path, follow: bool) -> bool {
     }
     let c = CString::new(path.as_os_str().as_bytes()).unwrap();
     // SAFETY: `c` is NUL-terminated.
-    let rc = unsafe { if follow { libc::chown(c.as_ptr(), 65534, 65534) } else { libc::lchown(c.as_ptr(), 65534, 65534) } };
+    let rc = unsafe {
+        if follow {
+            libc::chown(c.as_ptr(), 65534, 65534)
+        } else {
+            libc::lchown(c.as_ptr(), 65534, 65534)
+        }
+    };
     assert_eq!(rc, 0, "chown {}", path.display());
     true
 }

@@ -198,7 +198,8 @@ fn fault_a_rank_fails_during_set_up_and_no_shared_memory_is_left() {
     let ring = ["--rank-env", "1", "COHORT_SHM_RING=1125899906842624", "barrier"];
     let (code, stderr) = run_case(&dir, faulty(&dir, "60", &["-n", "3"], &ring));
     assert_eq!(code, 1, "{stderr}");
-    let at = stderr.find("cannot create /dev/shm/cohort-").expect("rank 1 names its file") + "cannot create /dev/shm/cohort-".len();
+    let at = stderr.find("cannot create /dev/shm/cohort-").expect("rank 1 names its file")
+        + "cannot create /dev/shm/cohort-".len();
     let job: String = stderr[at..].chars().take_while(|c| c.is_ascii_hexdigit()).collect();
     assert!(!job.is_empty(), "{stderr}");
     let left: Vec<String> = std::fs::read_dir("/dev/shm")

@@ -83,7 +83,8 @@ fn rank_logs_are_0600_in_0700_folders() {
     let base = temp_dir("log-modes");
     let logs = base.join("logs");
     let trace = base.join("trace");
-    let opts = ["-n", "2", "--master-port", "0", "--log-dir", logs.to_str().unwrap(), "--trace-dir", trace.to_str().unwrap()];
+    let opts =
+        ["-n", "2", "--master-port", "0", "--log-dir", logs.to_str().unwrap(), "--trace-dir", trace.to_str().unwrap()];
     let out = output_within(cohort_run(&opts, &["say", "rank output"]), LIMIT);
     let (_, stderr) = texts(&out);
     assert_eq!(code(out.status, &out), 0, "{stderr}");

@@ -117,7 +117,7 @@ fn check_owner_and_mode(st: &libc::stat, path: &Path) -> Result<(), PrivateFsErr
     if st.st_uid != me {
         return Err(PrivateFsError::NotOwned { path: path.to_path_buf(), owner: st.st_uid, me });
     }
-    let mode = st.st_mode as u32 & 0o7777;
+    let mode = st.st_mode & 0o7777;
     if mode & 0o022 != 0 {
         return Err(PrivateFsError::WritableByOthers { path: path.to_path_buf(), mode });
     }
@@ -187,8 +187,9 @@ impl PrivateDir {
         let path = self.path.join(name);
         let c = c_name(Path::new(name))?;
         // SAFETY: the folder's fd is open; `c` is NUL-terminated.
-        let fd =
-            unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        let fd = unsafe {
+            libc::openat(self.fd.as_raw_fd(), c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        };
         if fd < 0 {
             let source = io::Error::last_os_error();
             return match source.raw_os_error() {
@@ -317,7 +318,13 @@ mod tests {
     fn chown(path: &Path, uid: u32, follow: bool) {
         let c = CString::new(path.as_os_str().as_bytes()).unwrap();
         // SAFETY: `c` is NUL-terminated; (l)chown has no other preconditions.
-        let rc = unsafe { if follow { libc::chown(c.as_ptr(), uid, uid) } else { libc::lchown(c.as_ptr(), uid, uid) } };
+        let rc = unsafe {
+            if follow {
+                libc::chown(c.as_ptr(), uid, uid)
+            } else {
+                libc::lchown(c.as_ptr(), uid, uid)
+            }
+        };
         assert_eq!(rc, 0, "chown {}: {}", path.display(), io::Error::last_os_error());
     }
 

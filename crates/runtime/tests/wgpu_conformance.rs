@@ -10,8 +10,10 @@ fn profile_reports_its_method() {
     use cohort_runtime::{Runtime, TimingMethod, WgpuRuntime};
     let client = WgpuRuntime::client(0).expect("a wgpu adapter (lavapipe in CI)");
     let name = client.properties().name.clone();
-    let descriptor =
-        wgpu::InstanceDescriptor { backends: wgpu::Backends::all(), ..wgpu::InstanceDescriptor::new_without_display_handle() };
+    let descriptor = wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::all(),
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    };
     let adapters = pollster::block_on(wgpu::Instance::new(descriptor).enumerate_adapters(wgpu::Backends::all()));
     let ours: Vec<_> = adapters.iter().filter(|a| name.contains(&a.get_info().name)).collect();
     assert!(!ours.is_empty(), "no adapter named in {name:?}");

@@ -128,7 +128,7 @@ impl Segment {
         }
         // SAFETY: geteuid(2) has no preconditions.
         let me = unsafe { libc::geteuid() };
-        let mode = stat.st_mode as u32 & 0o7777;
+        let mode = stat.st_mode & 0o7777;
         if stat.st_mode & libc::S_IFMT != libc::S_IFREG {
             return refuse(io::ErrorKind::PermissionDenied, format!("{path} is not a regular file: refused"));
         }
@@ -197,7 +197,10 @@ fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
 /// registered in the store is looked up, and each of their files that is
 /// still there and this user's is unlinked. Returns how many were. For the
 /// launcher, once its ranks have ended (before the store is reset).
-pub fn sweep_shared_memory(store: &crate::store::StoreClient, ranks: &[usize]) -> Result<usize, crate::store::StoreError> {
+pub fn sweep_shared_memory(
+    store: &crate::store::StoreClient,
+    ranks: &[usize],
+) -> Result<usize, crate::store::StoreError> {
     // The keys `communicator::setup::form` writes: the count of
     // communicators each rank made, and each one's job entry ("<id> <token>").
     let mut removed = 0;

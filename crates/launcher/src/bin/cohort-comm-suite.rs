@@ -245,7 +245,8 @@ impl Suite {
         let input = |member: usize| -> Vec<u8> {
             (0..in_len / 4)
                 .flat_map(|j| {
-                    let (k, r) = if elems == 0 { (0, 0) } else { (j / elems, j % elems) };
+                    // (No element when `elems` is 0.)
+                    let (k, r) = (j / elems.max(1), j % elems.max(1));
                     (form.value(member, k, r) as f32).to_le_bytes()
                 })
                 .collect()
@@ -281,7 +282,7 @@ impl Suite {
                 .chunks_exact(4)
                 .enumerate()
                 .filter(|&(j, x)| {
-                    let (q, r) = if per_block == 0 { (0, 0) } else { (j / per_block, j % per_block) };
+                    let (q, r) = (j / per_block.max(1), j % per_block.max(1));
                     f32::from_le_bytes([x[0], x[1], x[2], x[3]]) as f64 != want(q, r).expect("written")
                 })
                 .count()

@@ -145,6 +145,8 @@ pub fn require_mpirun() {
             out.status,
             String::from_utf8_lossy(&out.stderr)
         ),
-        Err(e) => panic!("cannot run mpirun ({e}): install Open MPI (scripts/test.sh installs openmpi-bin) and put it on PATH"),
+        Err(e) => panic!(
+            "cannot run mpirun ({e}): install Open MPI (scripts/test.sh installs openmpi-bin) and put it on PATH"
+        ),
     }
 }

@@ -25,10 +25,10 @@
 //! are unaffected. Errors that are not sticky (a compile error, a launch with
 //! too many threads) fail only the call that made them.
 
+mod disk_cache;
 mod driver;
 mod events;
 mod graphs;
-mod disk_cache;
 mod kernels;
 mod nccl;
 mod nccl_lib;
