@@ -72,9 +72,9 @@ impl Segment {
     pub(crate) fn create(path: &str, slots: usize, capacity: usize) -> io::Result<Segment> {
         let c_path = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         let len = slots * (HEADER + capacity);
+        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
         // SAFETY: c_path is a valid NUL-terminated string; open has no other
         // preconditions.
-        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
         let fd = unsafe { libc::open(c_path.as_ptr(), flags, 0o600) };
         if fd < 0 {
             return Err(io::Error::last_os_error());
