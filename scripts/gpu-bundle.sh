@@ -98,13 +98,17 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc.so'; then
     nvrtc=$(find /usr/local /usr/lib /opt -name 'libnvrtc.so*' 2>/dev/null | grep -v stub | head -1)
     [ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-export COHORT_CACHE_DIR=${COHORT_CACHE_DIR:-/tmp/cohort-cache}
+# The NVRTC cache stays where cohort puts it by default (the user's own
+# $XDG_CACHE_HOME or ~/.cache): a shared folder such as /tmp would let
+# another local user plant compiled kernels.
 {
     echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
     echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 } 2>&1 | tee -a "$log"
 
 summary=()
+# Exit status: 1 when any test binary, bench or anchor failed.
+failed=0
 # Tests named two_gpus_* / four_gpus_* need that many GPUs: skipped on fewer
 # (reported as filtered out, not passed).
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -118,6 +122,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
         # shellcheck disable=SC2086
         timeout "${TEST_TIMEOUT:-300}" "$t" --include-ignored --test-threads="${TEST_THREADS:-1}" $skip ${TEST_FILTER:-} 2>&1 | tee -a "$log"
         rc=${PIPESTATUS[0]}
+        [ "$rc" -ne 0 ] && failed=$((failed + 1))
         result=$(grep -a '^test result:' "$log" | tail -1)
         summary+=("$(basename "$t"): rc=$rc ${result#test result: }")
     done
@@ -129,16 +134,24 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         echo "== bench $name ${BENCH_ARGS:-}" | tee -a "$log"
         # shellcheck disable=SC2086
         timeout 300 "$b" ${BENCH_ARGS:-} 2>&1 | tee -a "$log"
-        summary+=("$(basename "$b"): rc=${PIPESTATUS[0]}")
+        rc=${PIPESTATUS[0]}
+        [ "$rc" -ne 0 ] && failed=$((failed + 1))
+        summary+=("$(basename "$b"): rc=$rc")
     done
     if command -v python3 >/dev/null; then
         echo "== anchor torch_runtime.py" | tee -a "$log"
         PYTHONUNBUFFERED=1 timeout 300 python3 scripts/anchors/torch_runtime.py 2>&1 | tee -a "$log"
-        summary+=("torch_runtime.py: rc=${PIPESTATUS[0]}")
+        rc=${PIPESTATUS[0]}
+        [ "$rc" -ne 0 ] && failed=$((failed + 1))
+        summary+=("torch_runtime.py: rc=$rc")
     fi
 fi
 echo "== summary" | tee -a "$log"
 printf '%s\n' "${summary[@]}" | tee -a "$log"
+if [ "$failed" -ne 0 ]; then
+    echo "== $failed failed" | tee -a "$log"
+    exit 1
+fi
 RUN
 chmod +x "$bundle/run.sh"
 du -sh "$bundle"

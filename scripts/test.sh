@@ -28,6 +28,12 @@ if command -v apt-get >/dev/null 2>&1; then
     install_packages mesa-vulkan-drivers libvulkan1 libopenmpi-dev openmpi-bin libclang-dev
 fi
 
+# The mpirun tests fail without it; say so here, before the long build.
+if ! command -v mpirun >/dev/null 2>&1; then
+    echo "error: mpirun is not installed: the mpirun tests need Open MPI (apt-get install openmpi-bin libopenmpi-dev)" >&2
+    exit 1
+fi
+
 if ! cargo fmt --version >/dev/null 2>&1 && command -v rustup >/dev/null 2>&1; then
     rustup component add rustfmt clippy
 fi

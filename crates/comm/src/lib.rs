@@ -36,3 +36,4 @@ pub use group::{to_client, ClientGroup, DEFAULT_STAGE_CHUNK};
 pub use host::{default_timeout, HostPath, DEFAULT_TIMEOUT};
 pub use ops::{combine, finish, reduce_bytes, DType, Element, ReduceOp};
 pub use order::DeviceSetComm;
+pub use transport::shm::sweep_shared_memory;

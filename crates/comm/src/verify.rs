@@ -3,9 +3,17 @@
 //! computed independently of the engine, and an element-wise comparison.
 //! The tests and `all_reduce_bench` share it.
 //!
-//! The reference reduces floats in `f64` (member order) and rounds once, so
-//! floats are compared within a relative tolerance ([`tolerance`]); integers
-//! are reduced with wrapping arithmetic and compared exactly.
+//! The input [`pattern`] differs from element to element, block to block
+//! and member to member (a pseudo-random sequence of each member), so a
+//! misplaced element or block shows. Its floats are `±0.5`, `±1` and `±2`:
+//! every partial sum and product of up to 64 members (15 for f16 products)
+//! is exact in every float type, so sums, products, minima and maxima are
+//! compared exactly whatever order the engine reduces in; only averages
+//! round, and they are compared within the error bound of the way NCCL
+//! computes them ([`max_error`]). Copies (broadcast, gathers, scatters,
+//! all-to-all, send/recv) are compared bit for bit. Integers are reduced with
+//! wrapping arithmetic and compared exactly. A result that is not finite is
+//! always wrong: the patterns never make one.
 
 use cohort_runtime::{Bytes, Handle, ServerError};
 use half::{bf16, f16};
@@ -164,9 +172,33 @@ pub struct Buffers {
     pub inputs: Vec<Vec<u8>>,
 }
 
-/// Input pattern of `member`: small positive integers, exact in every type.
+/// Input pattern of `member`: element `i` is drawn from a pseudo-random
+/// sequence of (`member`, `i`), so elements, blocks and members differ (not
+/// periodic: a shift by any number of elements shows). Floats are `±0.5`,
+/// `±1` or `±2` (sums and products stay exact, see the module's
+/// documentation); integers are 1 to 11 (sums of up to 11 members fit an
+/// `i8`).
 pub fn pattern(dtype: DType, member: usize, bytes: usize) -> Vec<u8> {
-    fill(dtype, bytes / dtype.size(), |i| Value::F(((member * 7 + i * 3) % 11 + 1) as f64))
+    fill(dtype, bytes / dtype.size(), |i| pattern_value(dtype, member, i))
+}
+
+/// Element `i` of `member`'s [`pattern`].
+pub fn pattern_value(dtype: DType, member: usize, i: usize) -> Value {
+    let h = mix(((member as u64) << 40) ^ i as u64);
+    if dtype.is_float() {
+        let magnitude = [0.5, 1.0, 2.0][(h % 3) as usize];
+        Value::F(if (h >> 8) & 1 == 1 { -magnitude } else { magnitude })
+    } else {
+        Value::I((h % 11 + 1) as i128)
+    }
+}
+
+/// SplitMix64's finaliser: a well-mixed 64-bit value of `x`.
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 impl Buffers {
@@ -257,14 +289,15 @@ impl Buffers {
     }
 
     /// Reads every written destination and counts the elements that differ
-    /// from the host reference (beyond [`tolerance`] for floats).
+    /// from the host reference (beyond [`max_error`] for averages).
     pub fn wrong(&self, group: &ClientGroup, op: ReduceOp) -> Result<usize, ServerError> {
         let n = group.len();
         let want = expected(self.op, self.dtype, op, self.root, self.block, &self.inputs);
+        let rop = self.op.reduces().then_some(op);
         let mut wrong = 0;
         for m in self.written(n) {
             let got = group.client(m).read_one(self.dst[m].clone())?;
-            wrong += count_wrong(self.dtype, &got, want[m].as_deref().unwrap_or(&[]), n);
+            wrong += count_wrong(self.dtype, rop, &got, want[m].as_deref().unwrap_or(&[]), n);
         }
         Ok(wrong)
     }
@@ -414,41 +447,205 @@ pub fn expected(
         .collect()
 }
 
-/// Relative tolerance of float comparisons against the reference over `n`
-/// members: the engine rounds after every step in the element type, the
-/// reference once. f64: 1e-12 · n, f32: 1e-6 · n, f16: 1e-3 · n, bf16:
-/// 8e-3 · n; integers: exact.
-pub fn tolerance(dtype: DType, n: usize) -> f64 {
-    let per_step = match dtype {
-        DType::F64 => 1e-12,
-        DType::F32 => 1e-6,
-        DType::F16 => 1e-3,
-        DType::BF16 => 8e-3,
+/// Unit roundoff of a float type (half the distance from 1 to the next
+/// value): 2^-53, 2^-24, 2^-11 (f16), 2^-8 (bf16); 0 for integers.
+pub fn unit_roundoff(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => f64::EPSILON / 2.0,
+        DType::F32 => f32::EPSILON as f64 / 2.0,
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
         _ => 0.0,
-    };
-    per_step * n as f64
+    }
 }
 
-/// How many elements of `got` differ from `want` (length differences count
-/// every missing element).
-pub fn count_wrong(dtype: DType, got: &[u8], want: &[u8], n: usize) -> usize {
+/// The largest absolute difference from the reference `want` that an
+/// element of a reduction `op` over `n` members of [`pattern`] inputs may
+/// show (`None`: a copy, compared bit for bit).
+///
+/// * Integers, minima and maxima: 0 (nothing rounds).
+/// * Sums and products: 0 while every partial sum and product of the
+///   pattern's `±0.5/±1/±2` is exact in the type, whatever the order: sums
+///   while `4n` half-units fit the significand (n ≤ 64 for bf16), products
+///   while `2^±n` is a normal number or exact subnormal (n ≤ 15 for f16).
+///   Beyond that, the bound of `n - 1` roundings of sums of at most `2n` in
+///   magnitude, `(n - 1)·u·2n`, plus the reference's own rounding.
+/// * Averages: NCCL multiplies each input by `1/n` rounded to the type, then
+///   sums (`n + 1` roundings of terms of at most `2/n`: `(n + 2)·u·2`, with
+///   10 % for the second-order terms), plus the reference's rounding
+///   `u·|want|`; the host engine's sum-then-divide stays within the same.
+pub fn max_error(dtype: DType, op: Option<ReduceOp>, n: usize, want: f64) -> f64 {
+    let Some(op) = op else { return 0.0 };
+    let u = unit_roundoff(dtype);
+    if u == 0.0 {
+        return 0.0;
+    }
+    let significand = (-u.log2()).round() as i32; // bits, with the implicit one
+    let n_f = n as f64;
+    match op {
+        ReduceOp::Min | ReduceOp::Max => 0.0,
+        ReduceOp::Sum if (4 * n) as f64 <= 2f64.powi(significand) => 0.0,
+        ReduceOp::Sum => (n_f - 1.0) * u * 2.0 * n_f * 1.1 + u * want.abs(),
+        // Powers of two: exact while finite (and above 2^-24); an overflow
+        // is not finite, which `count_wrong` counts wrong.
+        ReduceOp::Prod => 0.0,
+        ReduceOp::Avg => (n_f + 2.0) * u * 2.0 * 1.1 + u * want.abs(),
+    }
+}
+
+/// How many elements of `got` differ from `want`, the reference of a
+/// reduction `op` over `n` members (`None`: a copy); floats beyond
+/// [`max_error`], a non-finite float always, integers and copies at all;
+/// length differences count every missing element.
+pub fn count_wrong(dtype: DType, op: Option<ReduceOp>, got: &[u8], want: &[u8], n: usize) -> usize {
     use rayon::prelude::*;
     let e = dtype.size();
-    let tol = tolerance(dtype, n);
     let mismatched: usize = got
         .par_chunks(e << 16)
         .zip(want.par_chunks(e << 16))
         .map(|(g, w)| {
             g.chunks_exact(e)
                 .zip(w.chunks_exact(e))
-                .filter(|(g, w)| match (decode(dtype, g), decode(dtype, w)) {
-                    (Value::F(g), Value::F(w)) => {
-                        !(g == w || (g.is_nan() && w.is_nan()) || (g - w).abs() <= tol * w.abs().max(1.0))
+                .filter(|(gb, wb)| {
+                    if op.is_none() || !dtype.is_float() {
+                        return gb != wb;
                     }
-                    (g, w) => g != w,
+                    match (decode(dtype, gb), decode(dtype, wb)) {
+                        (Value::F(g), Value::F(w)) => {
+                            !(g.is_finite() && w.is_finite() && (g - w).abs() <= max_error(dtype, op, n, w))
+                        }
+                        (g, w) => g != w,
+                    }
                 })
                 .count()
         })
         .sum();
     mismatched + (got.len() / e).abs_diff(want.len() / e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf16_bytes(values: &[f64]) -> Vec<u8> {
+        values.iter().flat_map(|&v| bf16::from_f64(v).to_le_bytes()).collect()
+    }
+
+    fn inputs(dtype: DType, n: usize, bytes: usize) -> Vec<Vec<u8>> {
+        (0..n).map(|m| pattern(dtype, m, bytes)).collect()
+    }
+
+    #[test]
+    fn patterns_differ_under_every_shift_and_between_members() {
+        for dtype in DType::ALL {
+            let count = 4096;
+            let a = load(dtype, &pattern(dtype, 0, count * dtype.size()));
+            for shift in 1..=300 {
+                let same = (0..count - shift).filter(|&i| a[i] == a[i + shift]).count();
+                assert!(same < (count - shift) / 2, "{dtype}: a shift by {shift} matches {same} elements");
+            }
+            for member in 1..16 {
+                let b = load(dtype, &pattern(dtype, member, count * dtype.size()));
+                let same = (0..count).filter(|&i| a[i] == b[i]).count();
+                assert!(same < count / 2, "{dtype}: members 0 and {member} share {same} elements");
+            }
+        }
+    }
+
+    /// A reduce-scatter that hands each member the block after its own, and
+    /// an all-gather whose blocks each start one element late (44 elements a
+    /// block: the old pattern repeated every 11 elements and missed both).
+    #[test]
+    fn a_planted_off_by_one_block_is_caught() {
+        let (n, elems) = (4, 44);
+        for dtype in [DType::F32, DType::BF16, DType::I32, DType::U8] {
+            let e = dtype.size();
+            let block = elems * e;
+            let ins = inputs(dtype, n, n * block);
+            let want = expected(CollectiveOp::ReduceScatter, dtype, ReduceOp::Sum, 0, block, &ins);
+            for m in 0..n {
+                let next = want[(m + 1) % n].as_deref().unwrap();
+                let wrong = count_wrong(dtype, Some(ReduceOp::Sum), next, want[m].as_deref().unwrap(), n);
+                assert!(wrong > elems / 2, "{dtype}: member {m} given the next block: {wrong} wrong");
+            }
+            let ins = inputs(dtype, n, block);
+            let want = expected(CollectiveOp::AllGather, dtype, ReduceOp::Sum, 0, block, &ins);
+            let whole = want[0].as_deref().unwrap();
+            let mut late = whole.to_vec();
+            for k in 0..n {
+                late.copy_within(k * block..(k + 1) * block - e, k * block + e);
+            }
+            let wrong = count_wrong(dtype, None, &late, whole, n);
+            assert!(wrong > n * elems / 2, "{dtype}: blocks one element late: {wrong} wrong");
+        }
+    }
+
+    /// One element of a bf16 sum one unit in the last place too large is
+    /// caught (the old 8e-3·n relative tolerance let ±3 on ~48 pass), for a
+    /// sum, a product, a maximum and a copy.
+    #[test]
+    fn a_planted_one_ulp_bf16_error_is_caught() {
+        let n = 8;
+        let ins = inputs(DType::BF16, n, 2 * 256);
+        for (op, rop) in [
+            (CollectiveOp::AllReduce, Some(ReduceOp::Sum)),
+            (CollectiveOp::AllReduce, Some(ReduceOp::Prod)),
+            (CollectiveOp::AllReduce, Some(ReduceOp::Max)),
+            (CollectiveOp::Broadcast, None),
+        ] {
+            let want = expected(op, DType::BF16, rop.unwrap_or(ReduceOp::Sum), 0, 2 * 256, &ins);
+            let want = want[0].as_deref().unwrap();
+            assert_eq!(count_wrong(DType::BF16, rop, want, want, n), 0);
+            for at in [0, 17, 255] {
+                let mut got = want.to_vec();
+                let bits = u16::from_le_bytes([got[2 * at], got[2 * at + 1]]);
+                // The next value away from zero: one ulp larger in magnitude.
+                got[2 * at..2 * at + 2].copy_from_slice(&(bits + 1).to_le_bytes());
+                assert_eq!(count_wrong(DType::BF16, rop, &got, want, n), 1, "{op:?} {rop:?} at {at}");
+            }
+        }
+    }
+
+    #[test]
+    fn products_stay_finite_and_a_non_finite_result_is_wrong() {
+        for n in 2..=15 {
+            let ins = inputs(DType::F16, n, 2 * 1000);
+            let want = expected(CollectiveOp::AllReduce, DType::F16, ReduceOp::Prod, 0, 2 * 1000, &ins);
+            let values = load(DType::F16, want[0].as_deref().unwrap());
+            assert!(values.iter().all(|v| matches!(v, Value::F(f) if f.is_finite() && *f != 0.0)), "n = {n}");
+        }
+        let inf = f16::INFINITY.to_le_bytes();
+        assert_eq!(count_wrong(DType::F16, Some(ReduceOp::Prod), &inf, &inf, 8), 1, "inf is never right");
+        let nan = f16::NAN.to_le_bytes();
+        assert_eq!(count_wrong(DType::F16, Some(ReduceOp::Sum), &nan, &nan, 8), 1, "nor NaN");
+    }
+
+    /// Averages as NCCL computes them in bf16 (each input times 1/n rounded
+    /// to bf16, each product and partial sum rounded) pass: the bound is
+    /// not tighter than the real error. A result off by a quarter is not.
+    #[test]
+    fn nccl_style_averages_pass_and_a_wrong_one_does_not() {
+        for n in [2, 3, 5, 7, 8] {
+            let count = 2000;
+            let ins = inputs(DType::BF16, n, 2 * count);
+            let want = expected(CollectiveOp::AllReduce, DType::BF16, ReduceOp::Avg, 0, 2 * count, &ins);
+            let want = want[0].as_deref().unwrap();
+            let decoded: Vec<Vec<Value>> = ins.iter().map(|i| load(DType::BF16, i)).collect();
+            let round = |v: f64| bf16::from_f64(v).to_f64();
+            let scale = round(1.0 / n as f64);
+            let premul: Vec<f64> = (0..count)
+                .map(|i| {
+                    let term = |m: usize| match decoded[m][i] {
+                        Value::F(x) => round(x * scale),
+                        Value::I(_) => unreachable!(),
+                    };
+                    (1..n).fold(term(0), |acc, m| round(acc + term(m)))
+                })
+                .collect();
+            let got = bf16_bytes(&premul);
+            assert_eq!(count_wrong(DType::BF16, Some(ReduceOp::Avg), &got, want, n), 0, "n = {n}");
+            let off: Vec<f64> = premul.iter().map(|v| v + 0.25).collect();
+            assert_eq!(count_wrong(DType::BF16, Some(ReduceOp::Avg), &bf16_bytes(&off), want, n), count, "n = {n}");
+        }
+    }
 }

@@ -47,11 +47,14 @@ fn two_gpus_every_group_size_the_machine_has_runs_every_collective_through_nccl(
         "this test needs two GPUs or more, found {} (see cuda_nccl_single.rs for one)",
         devices.len()
     );
+    // The name promises NCCL: without libnccl this would test host staging
+    // (cuda_fallback.rs covers that), so it fails and says what is missing.
+    if let Err(why) = cohort_runtime::backend::cuda::nccl_version() {
+        panic!("this test runs the collectives through NCCL, which is not available: {why}; install libnccl2 (or put libnccl.so.2 on LD_LIBRARY_PATH)");
+    }
     for n in 2..=devices.len() {
         let group = ClientGroup::new(devices[..n].to_vec()).unwrap();
-        if cohort_runtime::backend::cuda::nccl_version().is_ok() {
-            assert_eq!(group.transport(), Transport::Nccl);
-        }
+        assert_eq!(group.transport(), Transport::Nccl, "a group of {n} GPUs with libnccl loaded");
         cuda_common::matrix(&group, &[0, 1, 37, 4099]);
         // Another member order is another communicator, and still right.
         let reversed: Vec<_> = devices[..n].iter().rev().cloned().collect();

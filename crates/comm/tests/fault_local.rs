@@ -2,6 +2,7 @@
 //! flight recorder and the timeline keep: communicators of one process, one
 //! thread per rank (shared memory between them), on CPU devices.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -43,15 +44,16 @@ fn a_local_failure_before_the_exchange_aborts_the_other_ranks() {
             let boom = Kernel::new("boom").with_cpu(|_| panic!("the kernel blew up"));
             c.launch(&boom, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&buf)).unwrap();
         }
-        let start = Instant::now();
         let one = std::slice::from_ref(&buf);
         comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
         let err = c.read_one(buf).unwrap_err().to_string();
-        (comm.rank(), err, start.elapsed())
+        (comm.rank(), err)
     });
-    let (_, err, waited) = &results[1];
-    assert!(*waited < Duration::from_secs(10), "rank 1 waited {waited:?}, not the 30 s timeout");
+    // Rank 1 learns of the abort from rank 0 (not from its 30 s timeout,
+    // whose message would say "timed out").
+    let (_, err) = &results[1];
     assert!(err.contains("aborted by rank 0") && err.contains("before the exchange"), "{err}");
+    assert!(!err.contains("timed out"), "{err}");
     assert!(results[0].1.contains("blew up"), "{}", results[0].1);
 }
 
@@ -61,17 +63,17 @@ fn a_peer_that_leaves_is_noticed_before_the_timeout() {
         comm.set_timeout(Duration::from_secs(30));
         if comm.rank() == 1 {
             drop(comm);
-            return (String::new(), Duration::ZERO);
+            return String::new();
         }
         let c = &comm.clients()[0];
         let buf = c.create(Bytes::from(vec![0u8; 64]));
-        let start = Instant::now();
         let one = std::slice::from_ref(&buf);
         comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
-        (c.read_one(buf).unwrap_err().to_string(), start.elapsed())
+        c.read_one(buf).unwrap_err().to_string()
     });
-    let (err, waited) = &results[0];
-    assert!(*waited < Duration::from_secs(10), "waited {waited:?}, not the 30 s timeout");
+    // Told that rank 1 went away, not its 30 s timeout ("timed out").
+    let err = &results[0];
+    assert!(!err.contains("timed out"), "{err}");
     assert!(err.contains("all_reduce #1 (f32 × 16, op sum): rank 1 went away (it closed its communicator)"), "{err}");
 }
 
@@ -79,10 +81,16 @@ fn a_peer_that_leaves_is_noticed_before_the_timeout() {
 fn a_timeout_set_on_the_communicator_names_the_missing_rank_and_dumps_the_recorder() {
     let dir = std::env::temp_dir().join(format!("cohort-fault-local-{}", std::process::id()));
     std::env::set_var("COHORT_TRACE_DIR", &dir);
+    // Whether rank 0 has seen its all-reduce time out.
+    static GAVE_UP: AtomicUsize = AtomicUsize::new(0);
     let results = ranks(4, 2, |comm| {
         if comm.rank() == 1 {
-            // Never calls; stays (connected) until rank 0 gave up.
-            thread::sleep(Duration::from_secs(2));
+            // Never calls; stays (connected) until rank 0 gave up, which it
+            // must do without it (a bound only against a hang).
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while GAVE_UP.load(Ordering::SeqCst) < 1 && Instant::now() < deadline {
+                thread::sleep(Duration::from_millis(10));
+            }
             return String::new();
         }
         comm.set_timeout(Duration::from_millis(600));
@@ -92,6 +100,7 @@ fn a_timeout_set_on_the_communicator_names_the_missing_rank_and_dumps_the_record
         let one = std::slice::from_ref(&buf);
         comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
         let err = c.read_one(buf).unwrap_err().to_string();
+        GAVE_UP.fetch_add(1, Ordering::SeqCst);
         // Later calls are refused at once.
         let again = c.create(Bytes::from(vec![0u8; 40]));
         comm.broadcast_handles(&again, std::slice::from_ref(&again), DType::F32, 0).unwrap();

@@ -1,7 +1,7 @@
 //! Every collective on wgpu devices (the staged host path: wgpu memory is
 //! not host-addressable), against the host reference of `cohort_comm::verify`:
-//! integers exactly, floats within `verify::tolerance` (relative, per member:
-//! f64 1e-12, f32 1e-6, f16 1e-3, bf16 8e-3).
+//! copies, integers, sums, products, minima and maxima exactly (the patterns
+//! keep them exact), averages within `verify::max_error`.
 //!
 //! Runs on lavapipe in CI: `COHORT_WGPU_DEVICES=8` opens eight devices on
 //! the one adapter (a value of 8 or more already in the environment is

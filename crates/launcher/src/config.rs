@@ -64,9 +64,17 @@ pub enum LaunchError {
     /// `--timeout` is not a positive number of seconds.
     #[error("--timeout {0} is not a positive number of seconds")]
     BadTimeout(f64),
-    /// The log folder could not be made.
-    #[error("cannot create the log folder {path}: {source}")]
+    /// The log folder could not be made, or is not this user's own.
+    #[error("cannot use the log folder {path}: {source}")]
     LogDir {
+        /// The folder.
+        path: PathBuf,
+        /// The reason.
+        source: std::io::Error,
+    },
+    /// The trace folder could not be made, or is not this user's own.
+    #[error("cannot use the trace folder (--trace-dir) {path}: {source}")]
+    TraceDir {
         /// The folder.
         path: PathBuf,
         /// The reason.

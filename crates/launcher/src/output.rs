@@ -60,11 +60,15 @@ pub struct Sinks {
 }
 
 impl Sinks {
-    /// Makes the rank's log folder and opens its two files (truncating).
+    /// Makes the rank's log folder (0700) and creates its two files (0600,
+    /// replacing earlier ones of this user's). The folder must be this
+    /// user's own and the files are never opened through a link, so another
+    /// local user can neither read a rank's output nor aim it at a file of
+    /// their choice (see `cohort_runtime::private_fs`).
     pub fn open_files(&self) -> io::Result<(Option<File>, Option<File>)> {
         let Some(dir) = &self.log_dir else { return Ok((None, None)) };
-        std::fs::create_dir_all(dir)?;
-        let open = |name: &str| File::create(dir.join(name)).map(Some);
+        let folder = cohort_runtime::private_fs::PrivateDir::open_or_create(dir)?;
+        let open = |name: &str| folder.create_file(name).map(Some);
         Ok((open("stdout.log")?, open("stderr.log")?))
     }
 }

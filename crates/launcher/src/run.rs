@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use cohort_runtime::private_fs::PrivateDir;
 use crossbeam::channel::{Receiver, RecvTimeoutError};
 
 use crate::cli::RunArgs;
@@ -35,9 +36,14 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     let start = Instant::now();
     let cfg = JobConfig::from_args(args)?;
     let deadline = cfg.timeout.map(|t| start + t);
+    // Both folders are made 0700 where missing and refused when another user
+    // owns them or may write into them (they could read the ranks' output or
+    // plant links for cohort to write through).
     if let Some(dir) = &cfg.log_dir {
-        std::fs::create_dir_all(dir).map_err(|source| LaunchError::LogDir { path: dir.clone(), source })?;
+        PrivateDir::open_or_create(dir).map_err(|e| LaunchError::LogDir { path: dir.clone(), source: e.into() })?;
     }
+    PrivateDir::open_or_create(&cfg.trace_dir)
+        .map_err(|e| LaunchError::TraceDir { path: cfg.trace_dir.clone(), source: e.into() })?;
     let (tx, rx) = crossbeam::channel::unbounded();
     signals::install(tx.clone()).map_err(LaunchError::Signals)?;
     let rdzv = Rendezvous::start(&cfg, deadline)?;
@@ -56,6 +62,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
         drop(dog);
         let verdict = settle(&rdzv, &cfg, attempt, outcome, &rx, deadline);
         signals::set_supervising(false);
+        sweep_shared_memory(&rdzv, &cfg);
         match verdict {
             Verdict::Ok => {
                 tracing::info!(elapsed = ?start.elapsed(), "every rank exited with 0");
@@ -84,6 +91,19 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
                 return Ok(exit_code);
             }
         }
+    }
+}
+
+/// Removes the shared-memory files this node's ranks may have left in
+/// `/dev/shm` (a rank killed while its communicator was being set up), now
+/// that they have ended and before the store forgets the attempt's
+/// communicators.
+fn sweep_shared_memory(rdzv: &Rendezvous, cfg: &JobConfig) {
+    let ranks: Vec<usize> = (0..cfg.nproc).map(|l| RankEnv::global_rank(cfg, l)).collect();
+    match cohort_comm::sweep_shared_memory(rdzv.store(), &ranks) {
+        Ok(0) => {}
+        Ok(n) => tracing::info!("removed {n} shared-memory file(s) the ranks left in /dev/shm"),
+        Err(e) => tracing::warn!("could not look up the ranks' shared-memory files to remove them: {e}"),
     }
 }
 

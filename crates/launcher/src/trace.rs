@@ -29,12 +29,16 @@ pub fn trace(args: TraceArgs) -> ExitCode {
 }
 
 /// Removes the flight-recorder dumps (`rank<N>.json`) an earlier run left
-/// in `dir`, and creates it.
+/// in `dir`, and creates it (0700; refused when not this user's own, see
+/// `cohort_runtime::private_fs`).
 pub fn clear_dumps(dir: &Path) {
-    if let Err(e) = std::fs::create_dir_all(dir) {
-        tracing::warn!("cannot create the trace folder {}: {e}", dir.display());
-        return;
-    }
+    let folder = match cohort_runtime::private_fs::PrivateDir::open_or_create(dir) {
+        Ok(folder) => folder,
+        Err(e) => {
+            tracing::warn!("cannot use the trace folder: {e}");
+            return;
+        }
+    };
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -43,7 +47,7 @@ pub fn clear_dumps(dir: &Path) {
             .and_then(|rest| rest.strip_suffix(".json"))
             .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
         if is_dump {
-            let _ = std::fs::remove_file(entry.path());
+            folder.remove(&name);
         }
     }
 }

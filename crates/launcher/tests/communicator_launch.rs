@@ -6,7 +6,7 @@
 mod common;
 
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -74,10 +74,7 @@ fn two_launchers_form_one_eight_rank_job_over_tcp_and_shm() {
 
 #[test]
 fn mpirun_runs_the_suite_without_a_launcher() {
-    if Command::new("mpirun").arg("--version").output().is_err() {
-        eprintln!("skipped: mpirun is not installed (scripts/test.sh installs openmpi-bin)");
-        return;
-    }
+    require_mpirun();
     let mut c = Command::new("mpirun");
     c.args(["--allow-run-as-root", "--oversubscribe", "-n", "4", SUITE]);
     for v in ["COHORT_JOB_SECRET", "COHORT_STORE_ADDR", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
@@ -95,11 +92,11 @@ fn mpirun_runs_the_suite_without_a_launcher() {
 fn a_crashed_rank_fails_the_job_with_a_summary_and_leaves_no_process() {
     let dir = temp_dir("comm-crash");
     let d = dir.to_str().unwrap();
-    let start = Instant::now();
+    // The survivors wait in a collective whose timeout (10 min) is past
+    // LIMIT: the job ends in time only because the launcher stops them.
     let out = output_within(suite_run(&["-n", "4", "--master-port", "0"], &["--pid-dir", d, "crash", "2"]), LIMIT);
     let (_, stderr) = texts(&out);
     assert_eq!(code(out.status, &out), 1, "{stderr}");
-    assert!(start.elapsed() < Duration::from_secs(30), "{:?}", start.elapsed());
     assert!(stderr.contains("rank 2 failed first") && stderr.contains("exited with code 3"), "{stderr}");
     assert!(stderr.contains("crashing on purpose"), "the summary shows its last lines: {stderr}");
     let pids = read_pids(&dir);
@@ -113,12 +110,11 @@ fn a_crashed_rank_fails_the_job_with_a_summary_and_leaves_no_process() {
 fn a_mismatched_collective_is_an_error_naming_both_sides() {
     let mut c = suite_run(&["-n", "4", "--master-port", "0"], &["mismatch", "1"]);
     c.env("COHORT_TIMEOUT", "30");
-    let start = Instant::now();
     let out = output_within(c, LIMIT);
     let (_, stderr) = texts(&out);
     assert_ne!(code(out.status, &out), 0, "{stderr}");
-    assert!(start.elapsed() < Duration::from_secs(20), "not a timeout: {:?}", start.elapsed());
-    assert!(stderr.contains("collective mismatch"), "{stderr}");
+    // Caught by the fingerprints, not the 30 s timeout.
+    assert!(stderr.contains("collective mismatch") && !stderr.contains("timed out"), "{stderr}");
     assert!(stderr.contains("broadcast #1") && stderr.contains("all_reduce #1"), "both sides named: {stderr}");
 }
 
@@ -126,11 +122,9 @@ fn a_mismatched_collective_is_an_error_naming_both_sides() {
 fn a_rank_that_never_arrives_is_named_by_the_timeout() {
     let mut c = suite_run(&["-n", "4", "--master-port", "0"], &["skip", "3"]);
     c.env("COHORT_TIMEOUT", "2");
-    let start = Instant::now();
     let out = output_within(c, LIMIT);
     let (_, stderr) = texts(&out);
     assert_ne!(code(out.status, &out), 0, "{stderr}");
-    assert!(start.elapsed() < Duration::from_secs(20), "{:?}", start.elapsed());
-    assert!(stderr.contains("all_reduce #1 (f32 × 1024, op sum) timed out"), "{stderr}");
+    assert!(stderr.contains("all_reduce #1 (f32 × 1024, op sum) timed out after 2.0 s"), "{stderr}");
     assert!(stderr.contains("rank(s) 3 never arrived"), "{stderr}");
 }

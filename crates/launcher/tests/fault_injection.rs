@@ -30,9 +30,11 @@ fn faulty(dir: &Path, timeout: &str, opts: &[&str], args: &[&str]) -> Command {
     c
 }
 
-/// Runs the case; returns (exit code, stderr, seconds) after checking that
-/// every rank that wrote its pid is gone.
-fn run_case(dir: &Path, cmd: Command) -> (i32, String, f64) {
+/// Runs the case; returns (exit code, stderr) after checking that every
+/// rank that wrote its pid is gone. How the case ended is read from what it
+/// says (which mechanism caught it), never from how long it took: the
+/// machine may be loaded.
+fn run_case(dir: &Path, cmd: Command) -> (i32, String) {
     let start = Instant::now();
     let out = output_within(cmd, LIMIT);
     let secs = start.elapsed().as_secs_f64();
@@ -41,15 +43,14 @@ fn run_case(dir: &Path, cmd: Command) -> (i32, String, f64) {
     let left = wait_all_gone(&read_pids(dir), Duration::from_secs(2));
     assert!(left.is_empty(), "ranks left alive: {left:?}\n{stderr}");
     eprintln!("case took {secs:.2} s, exit {code}:\n{stderr}");
-    (code, stderr, secs)
+    (code, stderr)
 }
 
 #[test]
 fn fault_sigkill_inside_an_all_reduce() {
     let dir = temp_dir("fault-kill9");
-    let (code, stderr, secs) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["kill9", "1"]));
+    let (code, stderr) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["kill9", "1"]));
     assert_eq!(code, 128 + 9, "{stderr}");
-    assert!(secs < 10.0, "{secs}");
     assert!(stderr.contains("rank 1 failed first: it was killed by signal SIGKILL"), "{stderr}");
     assert!(stderr.contains("SIGKILL inside an all_reduce"), "its last lines: {stderr}");
     // The survivors wrote their flight recorders when asked (SIGUSR1).
@@ -66,10 +67,11 @@ fn fault_sigkill_inside_an_all_reduce() {
 fn fault_sigstop_is_caught_by_the_heartbeat_watchdog() {
     let dir = temp_dir("fault-stop");
     let cmd = faulty(&dir, "60", &["-n", "3", "--heartbeat-timeout", "2"], &["stop", "1"]);
-    let (code, stderr, secs) = run_case(&dir, cmd);
+    let (code, stderr) = run_case(&dir, cmd);
     assert_eq!(code, 1, "{stderr}");
-    assert!(secs < 10.0, "the watchdog, not the 60 s collective timeout: {secs}");
+    // The watchdog, not the 60 s collective timeout.
     assert!(stderr.contains("rank 1 stopped answering: no heartbeat for 2."), "{stderr}");
+    assert!(!stderr.contains("timed out after"), "{stderr}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -77,9 +79,8 @@ fn fault_sigstop_is_caught_by_the_heartbeat_watchdog() {
 fn fault_sigstop_without_the_watchdog_times_out_naming_the_rank() {
     let dir = temp_dir("fault-stop-timeout");
     let cmd = faulty(&dir, "2", &["-n", "3", "--heartbeat-timeout", "0"], &["stop", "1"]);
-    let (code, stderr, secs) = run_case(&dir, cmd);
+    let (code, stderr) = run_case(&dir, cmd);
     assert_eq!(code, 1, "{stderr}");
-    assert!(secs < 10.0, "{secs}");
     assert!(stderr.contains("all_reduce #21 (f32 × 262144, op sum) timed out after 2.0 s"), "{stderr}");
     assert!(stderr.contains("rank(s) 1 never arrived (rank 1 last reported calling #"), "{stderr}");
     let _ = std::fs::remove_dir_all(dir);
@@ -88,10 +89,11 @@ fn fault_sigstop_without_the_watchdog_times_out_naming_the_rank() {
 /// A desync case: rank 1 differs in `what`; both sides are named.
 fn desync(what: &str, mine: &str, theirs: &str) {
     let dir = temp_dir(&format!("fault-desync-{what}"));
-    let (code, stderr, secs) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["desync", what, "1"]));
+    let (code, stderr) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["desync", what, "1"]));
     assert_eq!(code, 1, "{stderr}");
-    assert!(secs < 3.0, "caught by the fingerprint, not the timeout: {secs}");
+    // Caught by the fingerprint, not the timeout.
     assert!(stderr.contains("collective mismatch"), "{stderr}");
+    assert!(!stderr.contains("timed out"), "{stderr}");
     assert!(stderr.contains(mine) && stderr.contains(theirs), "both sides named: {stderr}");
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -132,12 +134,10 @@ fn fault_the_store_is_killed() {
     let job = cmd.spawn().unwrap();
     wait_pid_files(&dir, 3, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(300));
-    let killed = Instant::now();
     store.kill().unwrap();
     store.wait().unwrap();
     let out = wait_output(job, LIMIT);
     let (_, stderr) = texts(&out);
-    assert!(killed.elapsed() < Duration::from_secs(5), "{:?}", killed.elapsed());
     assert_eq!(code(out.status, &out), 1, "{stderr}");
     assert!(stderr.contains("lost the rendezvous store") && stderr.contains(&addr), "{stderr}");
     let left = wait_all_gone(&read_pids(&dir), Duration::from_secs(2));
@@ -153,9 +153,8 @@ fn fault_the_master_port_is_in_use() {
     let mut c = Command::new(COHORT);
     c.args(["run", "-n", "2", "--master-port", &port, "--", SUITE, "--pid-dir", dir.to_str().unwrap(), "barrier"]);
     c.env_remove("COHORT_JOB_SECRET").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let (code, stderr, secs) = run_case(&dir, c);
+    let (code, stderr) = run_case(&dir, c);
     assert_eq!(code, 1, "{stderr}");
-    assert!(secs < 3.0, "{secs}");
     assert!(stderr.contains(&format!("port {port} on 127.0.0.1 is already in use")), "{stderr}");
     assert!(read_pids(&dir).is_empty(), "no rank starts");
     let _ = std::fs::remove_dir_all(dir);
@@ -165,9 +164,8 @@ fn fault_the_master_port_is_in_use() {
 fn fault_a_wrong_job_secret() {
     // One rank brings the wrong secret: the store refuses it.
     let dir = temp_dir("fault-secret");
-    let (code, stderr, secs) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["secret", "1"]));
+    let (code, stderr) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["secret", "1"]));
     assert_eq!(code, 1, "{stderr}");
-    assert!(secs < 5.0, "{secs}");
     assert!(stderr.contains("rank 1 failed first"), "{stderr}");
     assert!(stderr.contains("refused this client: its job secret is not the job's"), "{stderr}");
     let _ = std::fs::remove_dir_all(dir);
@@ -184,10 +182,32 @@ fn fault_a_malformed_environment() {
         let dir = temp_dir(&format!("fault-env-{i}"));
         let mut args = set.to_vec();
         args.push("barrier");
-        let (code, stderr, secs) = run_case(&dir, faulty(&dir, "3", &["-n", "2"], &args));
+        let (code, stderr) = run_case(&dir, faulty(&dir, "3", &["-n", "2"], &args));
         assert_eq!(code, 1, "{stderr}");
-        assert!(secs < 5.0, "{secs}");
         assert!(stderr.contains("failed first") && stderr.contains(message), "{message}: {stderr}");
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+#[test]
+fn fault_a_rank_fails_during_set_up_and_no_shared_memory_is_left() {
+    let dir = temp_dir("fault-shm");
+    // Rank 1's rings are larger than the address space (1 PiB each): its
+    // mmap fails after the other ranks created their shared-memory files,
+    // and they are stopped while they wait for rank 1's.
+    let ring = ["--rank-env", "1", "COHORT_SHM_RING=1125899906842624", "barrier"];
+    let (code, stderr) = run_case(&dir, faulty(&dir, "60", &["-n", "3"], &ring));
+    assert_eq!(code, 1, "{stderr}");
+    let at = stderr.find("cannot create /dev/shm/cohort-").expect("rank 1 names its file")
+        + "cannot create /dev/shm/cohort-".len();
+    let job: String = stderr[at..].chars().take_while(|c| c.is_ascii_hexdigit()).collect();
+    assert!(!job.is_empty(), "{stderr}");
+    let left: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(&format!("cohort-{job}-")))
+        .collect();
+    assert!(left.is_empty(), "files of job {job} left in /dev/shm: {left:?}\n{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
 }

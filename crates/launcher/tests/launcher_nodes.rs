@@ -3,7 +3,7 @@
 mod common;
 
 use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -60,13 +60,13 @@ fn two_launchers_form_one_eight_rank_job() {
 #[test]
 fn a_failure_on_one_node_fails_every_node() {
     let port = free_port();
-    let steps = ["store", "exit-if-rank", "6", "7", "sleep", "60"];
+    // The ranks that do not fail sleep past LIMIT: both launchers end in
+    // time only if they stop them.
+    let steps = ["store", "exit-if-rank", "6", "7", "sleep", "600"];
     let n0 = start(node(0, port, "s3cret", &[], &steps));
     let n1 = start(node(1, port, "s3cret", &[], &steps));
-    let start = Instant::now();
     let out0 = wait_output(n0, LIMIT);
     let out1 = wait_output(n1, LIMIT);
-    assert!(start.elapsed() < Duration::from_secs(30));
     for out in [&out0, &out1] {
         let (_, stderr) = texts(out);
         assert_eq!(code(out.status, out), 1, "{stderr}");

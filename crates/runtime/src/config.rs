@@ -570,8 +570,8 @@ pub static PINNED_LIMIT_MB: Param<usize> = Param::new(
 /// Where compiled CUDA kernels are cached between runs.
 pub static CACHE_DIR: Var<PathBuf> = Var::new(
     "COHORT_CACHE_DIR",
-    "$HOME/.cache/cohort",
-    "Folder where NVRTC-compiled CUDA kernels are cached between runs (in its nvrtc/ subfolder)",
+    "$XDG_CACHE_HOME/cohort, else $HOME/.cache/cohort",
+    "Folder of the user's own (0700, not writable by others) where NVRTC-compiled CUDA kernels are cached between runs, in its nvrtc/ subfolder; each entry carries a hash of its source and options, checked before it is loaded",
     "a folder path",
     parse_path,
 );

@@ -18,6 +18,7 @@ mod handle;
 mod id;
 mod kernel;
 pub mod memory;
+pub mod private_fs;
 mod profile;
 mod properties;
 mod runtime;

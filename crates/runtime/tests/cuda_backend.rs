@@ -172,7 +172,8 @@ fn dynamic_grid_inside_capture_is_refused() {
 }
 
 /// The same source compiles once: a second kernel with it hits the memory
-/// cache, and a fresh device opening loads it from the disk cache.
+/// cache, and a fresh server of the device (closed and opened again) loads
+/// it from the disk cache, unless the entry was changed on disk.
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn nvrtc_cache_hits_on_second_compile() {
@@ -202,9 +203,36 @@ fn nvrtc_cache_hits_on_second_compile() {
     let second = nvrtc_cache_stats();
     assert_eq!(second.compiles, first.compiles, "no second compile");
     assert!(second.memory_hits > first.memory_hits, "memory cache hit");
-    let files: Vec<_> = std::fs::read_dir(dir.join("nvrtc")).unwrap().collect();
-    assert!(!files.is_empty(), "the cubin was stored on disk");
+    let files: Vec<_> = std::fs::read_dir(dir.join("nvrtc")).unwrap().flatten().map(|e| e.path()).collect();
+    assert_eq!(files.len(), 1, "the cubin was stored on disk: {files:?}");
     assert_eq!(client.read_one(h).unwrap().to_elems::<f32>(), vec![2.0; 8]);
+
+    // A fresh server of the device has no compiled kernels in memory: it
+    // loads the entry from disk.
+    let fresh = |what: &str| {
+        cohort_runtime::close_device(client.device_id());
+        let fresh = CudaRuntime::client(0).expect("CUDA device 0, opened again");
+        let h = fresh.create(Bytes::from_elems(&[0.0f32; 8]));
+        fresh
+            .launch(&make(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&h).scalar(Scalar::F32(1.0)))
+            .unwrap();
+        assert_eq!(fresh.read_one(h).unwrap().to_elems::<f32>(), vec![1.0; 8], "{what}");
+    };
+    let before = nvrtc_cache_stats();
+    fresh("from the disk cache");
+    let after = nvrtc_cache_stats();
+    assert_eq!(after.disk_hits, before.disk_hits + 1, "a disk hit: {before:?} -> {after:?}");
+    assert_eq!(after.compiles, before.compiles, "no compile: {before:?} -> {after:?}");
+
+    // An entry changed on disk is refused and compiled again.
+    let mut bytes = std::fs::read(&files[0]).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x5a;
+    std::fs::write(&files[0], &bytes).unwrap();
+    let before = nvrtc_cache_stats();
+    fresh("compiled again");
+    let after = nvrtc_cache_stats();
+    assert_eq!(after.disk_hits, before.disk_hits, "the changed entry is not loaded: {before:?} -> {after:?}");
+    assert_eq!(after.compiles, before.compiles + 1, "compiled again: {before:?} -> {after:?}");
     std::env::remove_var("COHORT_CACHE_DIR");
     let _ = std::fs::remove_dir_all(&dir);
 }

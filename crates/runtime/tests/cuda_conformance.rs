@@ -8,6 +8,15 @@ cohort_runtime::conformance_tests!(
     #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 );
 
+/// CUDA devices time with events: `profile` measures on the device.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn profile_reports_its_method() {
+    cohort_runtime::conformance::profile_reports_its_method::<cohort_runtime::CudaRuntime>(
+        cohort_runtime::TimingMethod::Device,
+    );
+}
+
 /// Where no driver (or no device) is, counting devices is an error naming
 /// what was looked for, never a panic; where one is, it counts at least one.
 #[test]

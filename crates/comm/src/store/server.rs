@@ -81,6 +81,12 @@ impl StoreServer {
         self.local_addr
     }
 
+    /// Participants waiting in barrier `name` now.
+    #[cfg(test)]
+    pub(crate) fn barrier_arrivals(&self, name: &str) -> u32 {
+        self.inner.state.barrier_arrivals(name)
+    }
+
     /// Number of keys the store holds now.
     pub fn num_keys(&self) -> usize {
         self.inner.state.len()

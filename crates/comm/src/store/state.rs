@@ -175,6 +175,13 @@ impl State {
         self.changed.notify_all();
     }
 
+    /// Participants waiting in barrier `name` now (tests order their
+    /// clients by it).
+    #[cfg(test)]
+    pub(crate) fn barrier_arrivals(&self, name: &str) -> u32 {
+        self.table.lock().barriers.get(name).map_or(0, |b| b.arrived)
+    }
+
     /// Number of keys held.
     pub(crate) fn len(&self) -> usize {
         self.table.lock().keys.len()

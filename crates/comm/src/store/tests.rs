@@ -102,9 +102,8 @@ fn store_wait_returns_when_keys_are_set() {
         setter.set("x", b"1").unwrap();
         setter.set("y", b"2").unwrap();
     });
-    let start = Instant::now();
+    // Returns Ok once both are set (an error after T otherwise).
     c.wait(&["x", "y"], T).unwrap();
-    assert!(start.elapsed() < Duration::from_secs(5));
     t.join().unwrap();
     // Already present: returns at once.
     c.wait(&["x"], Duration::ZERO).unwrap();
@@ -118,7 +117,7 @@ fn store_wait_timeout_names_missing_keys() {
     let start = Instant::now();
     let err = c.wait(&["present", "rank3/ready", "rank7/ready"], Duration::from_millis(200)).unwrap_err();
     let waited = start.elapsed();
-    assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(3), "{waited:?}");
+    assert!(waited >= Duration::from_millis(200), "it waited its whole timeout: {waited:?}");
     match &err {
         StoreError::WaitTimeout { missing, .. } => {
             assert_eq!(missing, &["rank3/ready".to_string(), "rank7/ready".to_string()])
@@ -178,37 +177,51 @@ fn store_barrier_opens_and_is_reusable() {
     }
 }
 
+/// Waits until `n` participants wait in barrier `name` (the order of the
+/// clients below is set by what the server saw, not by sleeps).
+fn wait_arrivals(s: &StoreServer, name: &str, n: u32) {
+    let deadline = Instant::now() + T;
+    while s.barrier_arrivals(name) != n {
+        assert!(Instant::now() < deadline, "{n} never arrived at '{name}'");
+        std::thread::yield_now();
+    }
+}
+
 #[test]
 fn store_barrier_timeout_says_how_many_arrived() {
     let s = server();
     let a = client(&s);
     let b = client(&s);
-    let t = std::thread::spawn(move || b.barrier("init", 4, Duration::from_millis(800)));
-    std::thread::sleep(Duration::from_millis(100));
+    // `b` waits long enough to outlast `a`'s short wait on any machine.
+    let t = std::thread::spawn(move || b.barrier("init", 4, Duration::from_secs(3)));
+    wait_arrivals(&s, "init", 1);
     let err = a.barrier("init", 4, Duration::from_millis(200)).unwrap_err();
     assert!(matches!(err, StoreError::BarrierTimeout { arrived: 2, world_size: 4, .. }), "{err}");
     assert!(err.to_string().contains("2 of 4 arrived"), "{err}");
     // `a` withdrew: the other participant times out alone.
+    assert_eq!(s.barrier_arrivals("init"), 1);
     let err = t.join().unwrap().unwrap_err();
     assert!(err.to_string().contains("1 of 4 arrived"), "{err}");
     // A world-size disagreement is named.
     let c = client(&s);
     let d = client(&s);
-    let t = std::thread::spawn(move || c.barrier("mix", 2, Duration::from_millis(500)));
-    std::thread::sleep(Duration::from_millis(100));
+    let e = client(&s);
+    let t = std::thread::spawn(move || c.barrier("mix", 2, T));
+    wait_arrivals(&s, "mix", 1);
     let err = d.barrier("mix", 3, T).unwrap_err();
     assert!(matches!(err, StoreError::BarrierMismatch { this: 3, others: 2, .. }), "{err}");
-    let _ = t.join();
+    // The refused participant did not count: one more of size 2 opens it.
+    e.barrier("mix", 2, T).unwrap();
+    t.join().unwrap().unwrap();
 }
 
 #[test]
 fn store_wrong_secret_is_refused_and_logged() {
     let logs = captured_logs();
     let s = server();
-    let start = Instant::now();
     let err = StoreClient::connect(s.local_addr(), "not-the-secret", T).unwrap_err();
+    // Refused outright, not left to time out.
     assert!(matches!(err, StoreError::AuthRefused { .. }), "{err}");
-    assert!(start.elapsed() < Duration::from_secs(2), "refusal must not wait for the timeout");
     let msg = err.to_string();
     assert!(msg.contains("refused") && msg.contains("COHORT_JOB_SECRET"), "{msg}");
     // The server logs the refusal with the peer's address.
@@ -233,10 +246,9 @@ fn store_server_gone_is_an_error_not_a_hang() {
     let waiter = c.duplicate().unwrap();
     let blocked = std::thread::spawn(move || waiter.wait(&["never"], Duration::from_secs(60)));
     std::thread::sleep(Duration::from_millis(50));
-    let start = Instant::now();
     s.shutdown();
+    // Answered by the shutdown, not by its 60 s timeout (a WaitTimeout).
     let err = blocked.join().unwrap().unwrap_err();
-    assert!(start.elapsed() < Duration::from_secs(3));
     assert!(matches!(err, StoreError::Refused { .. } | StoreError::Disconnected { .. }), "{err}");
     let err = c.get("a").unwrap_err();
     assert!(matches!(err, StoreError::Disconnected { .. }), "{err}");
@@ -263,7 +275,7 @@ fn store_connect_gives_up_after_its_timeout() {
     let start = Instant::now();
     let err = StoreClient::connect(format!("127.0.0.1:{port}"), SECRET, Duration::from_millis(300)).unwrap_err();
     let waited = start.elapsed();
-    assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(3), "{waited:?}");
+    assert!(waited >= Duration::from_millis(300), "it tried for its whole timeout: {waited:?}");
     assert!(matches!(err, StoreError::Connect { .. }), "{err}");
     assert!(err.to_string().contains(&port.to_string()), "{err}");
 }

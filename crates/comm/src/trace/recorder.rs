@@ -217,17 +217,25 @@ impl FlightRecorder {
         }
     }
 
-    /// Writes the dump as JSON to `dir/rank<N>.json` (creating `dir`) and
-    /// returns the path.
+    /// Writes the dump as JSON to `dir/rank<N>.json` (creating `dir` with
+    /// mode 0700) and returns the path. The folder must be this user's and
+    /// not writable by others, and the file is created 0600 without
+    /// following links (see `cohort_runtime::private_fs`): another local
+    /// user can neither read the dump nor aim it at a file of their choice.
     pub fn write_to(&self, dir: &Path, reason: &str) -> std::io::Result<PathBuf> {
+        use std::io::Write;
         let dump = self.dump(reason);
-        std::fs::create_dir_all(dir)?;
-        let path = dir.join(format!("rank{}.json", dump.rank));
+        let folder = cohort_runtime::private_fs::PrivateDir::open_or_create(dir)?;
+        let name = format!("rank{}.json", dump.rank);
+        let tmp = format!("{name}.tmp");
         let json = serde_json::to_vec_pretty(&dump).map_err(std::io::Error::other)?;
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, json)?;
-        std::fs::rename(&tmp, &path)?;
-        Ok(path)
+        let mut file = folder.create_file(&tmp)?;
+        if let Err(e) = file.write_all(&json).and_then(|()| file.sync_data()) {
+            folder.remove(&tmp);
+            return Err(e);
+        }
+        folder.rename(&tmp, &name)?;
+        Ok(dir.join(name))
     }
 
     /// Writes the dump to [`trace_dir`] (`COHORT_TRACE_DIR`, default

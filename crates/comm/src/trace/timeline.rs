@@ -1,6 +1,6 @@
 //! A Chrome/Perfetto timeline of collectives and copies.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -37,9 +37,12 @@ pub struct Timeline {
 }
 
 impl Timeline {
-    /// Creates (truncates) the file at `path` and writes the opening `[`.
+    /// Creates the file at `path` (mode 0600, replacing an earlier file of
+    /// this user's) and writes the opening `[`. A link at `path`, or another
+    /// user's file there, is refused rather than written through (see
+    /// `cohort_runtime::private_fs::create_private_file`).
     pub fn create(path: &Path) -> std::io::Result<Timeline> {
-        let mut file = OpenOptions::new().create(true).write(true).truncate(true).open(path)?;
+        let mut file = cohort_runtime::private_fs::create_private_file(path)?;
         file.write_all(b"[\n")?;
         Ok(Timeline { path: path.to_path_buf(), out: Mutex::new(BufWriter::new(file)) })
     }

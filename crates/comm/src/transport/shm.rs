@@ -6,7 +6,14 @@
 //! maps its own file and its peers'; once every rank has mapped every file
 //! (a store barrier), the owner unlinks its file, so nothing is left in
 //! `/dev/shm` after set-up, whatever happens later. A [`Segment`] unlinks its
-//! file when dropped before that point (a failed set-up).
+//! file when dropped before that point (a failed set-up, a panic); a rank
+//! killed during set-up cannot, so `cohort run` removes its job's files when
+//! the ranks have ended ([`sweep_shared_memory`]).
+//!
+//! Files are created 0600 (`O_EXCL`, never through a link) and a peer's
+//! file is opened only when it is a regular file of this user's that no one
+//! else may read or write, so another local user can neither read a job's
+//! bytes nor hand a rank a file of their own to map.
 //!
 //! A ring is a header (producer's `head` and consumer's `tail`, byte counts
 //! that only grow, on separate cache lines) and `capacity` data bytes. The
@@ -59,9 +66,10 @@ impl Segment {
     pub(crate) fn create(path: &str, slots: usize, capacity: usize) -> io::Result<Segment> {
         let c_path = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         let len = slots * (HEADER + capacity);
+        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
         // SAFETY: c_path is a valid NUL-terminated string; open has no other
         // preconditions.
-        let fd = unsafe { libc::open(c_path.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600) };
+        let fd = unsafe { libc::open(c_path.as_ptr(), flags, 0o600) };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -84,25 +92,61 @@ impl Segment {
     }
 
     /// Maps the existing file at `path` (a peer's), expecting `slots` rings
-    /// of `capacity` bytes.
+    /// of `capacity` bytes. Refused when `path` is a link, not a regular
+    /// file, not this user's, or readable or writable by anyone else.
     pub(crate) fn open(path: &str, slots: usize, capacity: usize) -> io::Result<Segment> {
         let c_path = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         let len = slots * (HEADER + capacity);
         // SAFETY: c_path is a valid NUL-terminated string.
-        let fd = unsafe { libc::open(c_path.as_ptr(), libc::O_RDWR) };
+        let fd = unsafe { libc::open(c_path.as_ptr(), libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
         if fd < 0 {
-            return Err(io::Error::last_os_error());
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::ELOOP) {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!("{path} is a symbolic link, not a rank's shared memory: refused (remove it)"),
+                ));
+            }
+            return Err(err);
         }
-        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: fd is open and `stat` is a valid out-pointer.
-        let rc = unsafe { libc::fstat(fd, &mut stat) };
-        if rc != 0 || stat.st_size as usize != len {
+        let refuse = |kind: io::ErrorKind, why: String| {
             // SAFETY: fd is ours.
             unsafe { libc::close(fd) };
-            return Err(io::Error::new(
+            Err(io::Error::new(kind, why))
+        };
+        // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
+        let mut stat: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open and `stat` is a valid out-pointer.
+        if unsafe { libc::fstat(fd, &mut stat) } != 0 {
+            return refuse(io::ErrorKind::Other, format!("cannot stat {path}: {}", io::Error::last_os_error()));
+        }
+        // SAFETY: geteuid(2) has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let mode = stat.st_mode & 0o7777;
+        if stat.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return refuse(io::ErrorKind::PermissionDenied, format!("{path} is not a regular file: refused"));
+        }
+        if stat.st_uid != me {
+            return refuse(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{path} belongs to user id {}, not to this job's user ({me}): refused (another user's file \
+                     in the job's place; remove it)",
+                    stat.st_uid
+                ),
+            );
+        }
+        if mode & 0o077 != 0 {
+            return refuse(
+                io::ErrorKind::PermissionDenied,
+                format!("{path} has mode {mode:04o}; a rank's shared memory is 0600: refused (remove it)"),
+            );
+        }
+        if stat.st_size as usize != len {
+            return refuse(
                 io::ErrorKind::InvalidData,
                 format!("{path} holds {} bytes, expected {len}: another job's file?", stat.st_size),
-            ));
+            );
         }
         let mapped = map(fd, len);
         // SAFETY: fd is ours; a successful mapping outlives it.
@@ -139,6 +183,46 @@ fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
         return Err(io::Error::last_os_error());
     }
     Ok(ptr.cast())
+}
+
+/// Removes the shared-memory files the ranks `ranks` of the job served by
+/// `store` may have left (a rank killed between creating its file and the
+/// barrier after which it unlinks it): every communicator those ranks
+/// registered in the store is looked up, and each of their files that is
+/// still there and this user's is unlinked. Returns how many were. For the
+/// launcher, once its ranks have ended (before the store is reset).
+pub fn sweep_shared_memory(
+    store: &crate::store::StoreClient,
+    ranks: &[usize],
+) -> Result<usize, crate::store::StoreError> {
+    // The keys `communicator::setup::form` writes: the count of
+    // communicators each rank made, and each one's job entry ("<id> <token>").
+    let mut removed = 0;
+    for &rank in ranks {
+        let made = store.add(&format!("cohort/comm/instance/{rank}"), 0)?;
+        for k in 1..=made {
+            let Some(entry) = store.get(&format!("cohort/comm/{k}/job"))? else { continue };
+            let entry = String::from_utf8_lossy(&entry);
+            let Some(job) = entry.split(' ').next().filter(|j| j.bytes().all(|b| b.is_ascii_hexdigit())) else {
+                continue;
+            };
+            if remove_own(&path(job, rank)) {
+                removed += 1;
+            }
+        }
+    }
+    Ok(removed)
+}
+
+/// Unlinks `path` when it is a file (or link) of this user's; whether it did.
+fn remove_own(path: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else { return false };
+    // SAFETY: geteuid(2) has no preconditions.
+    if meta.uid() != unsafe { libc::geteuid() } || meta.is_dir() {
+        return false;
+    }
+    std::fs::remove_file(path).is_ok()
 }
 
 impl Drop for Segment {
@@ -284,5 +368,65 @@ mod tests {
         assert_eq!(got, data);
         drop((tx, rx, a, b));
         assert!(!std::path::Path::new(&path(&name, 0)).exists());
+    }
+
+    fn write_file(path: &str, len: usize, mode: u32) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, vec![0u8; len]).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// A hostile local user's plants at a peer's path: a link to a file of
+    /// the right size, a file others may read, another user's file. Each is
+    /// refused, and the link's target is left as it was.
+    #[test]
+    fn open_refuses_links_open_modes_and_other_users_files() {
+        let (slots, capacity) = (2, 4096);
+        let len = slots * (HEADER + capacity);
+        let name = format!("test-hostile-{}", std::process::id());
+        let at = path(&name, 1);
+        let target = std::env::temp_dir().join(format!("cohort-shm-target-{}", std::process::id()));
+        write_file(target.to_str().unwrap(), len, 0o600);
+        std::os::unix::fs::symlink(&target, &at).unwrap();
+        let err = Segment::open(&at, slots, capacity).err().expect("a link is refused");
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        std::fs::remove_file(&at).unwrap();
+
+        write_file(&at, len, 0o644);
+        let err = Segment::open(&at, slots, capacity).err().expect("a file others may read is refused");
+        assert!(err.to_string().contains("mode 0644"), "{err}");
+        std::fs::remove_file(&at).unwrap();
+
+        // SAFETY: geteuid(2) has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            write_file(&at, len, 0o600);
+            let c = CString::new(at.as_str()).unwrap();
+            // SAFETY: `c` is NUL-terminated.
+            assert_eq!(unsafe { libc::chown(c.as_ptr(), 65534, 65534) }, 0);
+            let err = Segment::open(&at, slots, capacity).err().expect("another user's file is refused");
+            assert!(err.to_string().contains("belongs to user id 65534"), "{err}");
+            std::fs::remove_file(&at).unwrap();
+        }
+        // A file of ours, 0600, of the right size, opens.
+        write_file(&at, len, 0o600);
+        assert!(Segment::open(&at, slots, capacity).is_ok());
+        std::fs::remove_file(&at).unwrap();
+        // `create` does not write through a link either.
+        std::os::unix::fs::symlink(&target, &at).unwrap();
+        assert!(Segment::create(&at, slots, capacity).is_err());
+        std::fs::remove_file(&at).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), vec![0u8; len]);
+        std::fs::remove_file(&target).unwrap();
+    }
+
+    #[test]
+    fn a_created_segment_is_0600() {
+        use std::os::unix::fs::PermissionsExt;
+        let name = format!("test-mode-{}", std::process::id());
+        let seg = Segment::create(&path(&name, 0), 1, 4096).unwrap();
+        let mode = std::fs::metadata(path(&name, 0)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        drop(seg);
+        assert!(!std::path::Path::new(&path(&name, 0)).exists(), "unlinked when dropped");
     }
 }

@@ -27,7 +27,8 @@
 //! ```
 //!
 //! `--set-env K=V` and `--unset-env K` change this process's environment
-//! before it joins the job (fault injection).
+//! before it joins the job (fault injection); `--rank-env R K=V` sets it on
+//! rank R only.
 //!
 //! `--pid-dir DIR` writes `DIR/rank<R>.pid` first (for tests that check no
 //! process is left). Exits 0 when every check passed; prints `rank R: error: ...` and exits 1
@@ -208,7 +209,8 @@ impl Suite {
                 continue;
             }
             let got = self.read(slot, out)?;
-            let wrong = if got == *w { 0 } else { count_wrong(dtype, &got, w, *n) };
+            let rop_if = op.reduces().then_some(rop);
+            let wrong = if got == *w { 0 } else { count_wrong(dtype, rop_if, &got, w, *n) };
             if wrong > 0 {
                 return Err(format!(
                     "{} ({dtype}, {rop}, root {root}, {elems} elements): member {} got {wrong} wrong elements",
@@ -221,61 +223,109 @@ impl Suite {
         Ok(())
     }
 
-    /// One collective whose largest buffer holds `bytes` bytes of f32, with
-    /// every member's input the constant `member + 1`: each output block's
-    /// value is known in closed form (sums of 1..=m, a member's number), so
-    /// a GiB is checked without a host reference of every member's input.
+    /// One collective whose largest buffer holds `bytes` bytes of f32,
+    /// checked in closed form (a GiB without a host reference of every
+    /// member's input). Element `r` of block `k` of member `m`'s input is
+    /// `(m + 1) + 128·k + 128·M·(r mod R)` for `M` members (see
+    /// [`closed_form`]): every member, every block and `R` consecutive
+    /// elements differ, and sums over the members stay exact in f32, so a
+    /// misplaced member, block or element shows, in the reductions too.
     /// Send/recv is left to [`Suite::run`].
-    fn run_constant(&mut self, op: CollectiveOp, root: usize, bytes: usize) -> Result<(), String> {
+    fn run_closed_form(&mut self, op: CollectiveOp, root: usize, bytes: usize) -> Result<(), String> {
         if op == CollectiveOp::SendRecv {
             return Ok(());
         }
         let c = &self.comm;
         let (l, m) = (c.local_devices(), c.members());
+        let form = ClosedForm::new(m)?;
         let elems = if op.blocked() { bytes / 4 / m } else { bytes / 4 };
         let block = elems * 4;
         let (in_len, out_len) = op.lengths(block, m);
         let me = |slot: usize| c.rank() * l + slot;
-        let constant = |member: usize| -> Vec<u8> {
-            std::iter::repeat_n(((member + 1) as f32).to_le_bytes(), in_len / 4).flatten().collect()
+        let input = |member: usize| -> Vec<u8> {
+            (0..in_len / 4)
+                .flat_map(|j| {
+                    // (No element when `elems` is 0.)
+                    let (k, r) = (j / elems.max(1), j % elems.max(1));
+                    (form.value(member, k, r) as f32).to_le_bytes()
+                })
+                .collect()
         };
-        let src: Vec<Handle> = (0..l).map(|s| self.upload(s, &constant(me(s)))).collect();
+        let src: Vec<Handle> = (0..l).map(|s| self.upload(s, &input(me(s)))).collect();
         let dst: Vec<Handle> = (0..l).map(|s| self.comm.clients()[s].empty(out_len)).collect();
         let root_slot = if root / l == c.rank() { root % l } else { 0 };
         let e = |r: Result<(), cohort_comm::CommError>| r.map_err(|e| e.to_string());
         e(queue(c, op, &src, &dst, DType::F32, ReduceOp::Sum, root, root_slot))?;
-        let total = (m * (m + 1) / 2) as f32;
         for (slot, out) in dst.iter().enumerate() {
             let at_root = root / l == c.rank() && slot == root_slot;
-            // The value of output block k (None: not written here).
-            let want = |k: usize| -> Option<f32> {
+            let member = me(slot);
+            // Element `r` of output block `q` (None: not written here).
+            let want = |q: usize, r: usize| -> Option<f64> {
                 match op {
-                    CollectiveOp::AllReduce | CollectiveOp::ReduceScatter => Some(total),
-                    CollectiveOp::Reduce => at_root.then_some(total),
-                    CollectiveOp::Broadcast | CollectiveOp::Scatter => Some((root + 1) as f32),
-                    CollectiveOp::AllGather | CollectiveOp::AllToAll => Some((k + 1) as f32),
-                    CollectiveOp::Gather => at_root.then_some((k + 1) as f32),
+                    CollectiveOp::AllReduce => Some(form.sum(0, r)),
+                    CollectiveOp::Reduce => at_root.then(|| form.sum(0, r)),
+                    CollectiveOp::ReduceScatter => Some(form.sum(member, r)),
+                    CollectiveOp::Broadcast => Some(form.value(root, 0, r)),
+                    CollectiveOp::Scatter => Some(form.value(root, member, r)),
+                    CollectiveOp::AllGather => Some(form.value(q, 0, r)),
+                    CollectiveOp::Gather => at_root.then(|| form.value(q, 0, r)),
+                    CollectiveOp::AllToAll => Some(form.value(q, member, r)),
                     CollectiveOp::SendRecv => None,
                 }
             };
-            if want(0).is_none() {
+            if want(0, 0).is_none() {
                 continue;
             }
             let got = self.read(slot, out)?;
+            let per_block = if op.blocked() && out_len > block { elems } else { out_len / 4 };
             let wrong = got
-                .chunks(block.max(4))
+                .chunks_exact(4)
                 .enumerate()
-                .map(|(k, b)| {
-                    let w = want(k).expect("written");
-                    b.chunks_exact(4).filter(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]) != w).count()
+                .filter(|&(j, x)| {
+                    let (q, r) = (j / per_block.max(1), j % per_block.max(1));
+                    f32::from_le_bytes([x[0], x[1], x[2], x[3]]) as f64 != want(q, r).expect("written")
                 })
-                .sum::<usize>();
+                .count()
+                + (out_len / 4).abs_diff(got.len() / 4);
             if wrong > 0 {
-                return Err(format!("{} of {bytes} bytes: member {} got {wrong} wrong elements", op.name(), me(slot)));
+                return Err(format!("{} of {bytes} bytes: member {member} got {wrong} wrong elements", op.name()));
             }
             self.checks += 1;
         }
         Ok(())
+    }
+}
+
+/// The closed-form inputs of [`Suite::run_closed_form`] over `members`
+/// members: `(m + 1) + 128·k + 128·M·(r mod period)`, with the period as
+/// long as keeps the sum over every member below 2^24 (exact in f32).
+struct ClosedForm {
+    members: usize,
+    period: usize,
+}
+
+impl ClosedForm {
+    fn new(members: usize) -> Result<ClosedForm, String> {
+        let scale = 128 * members * members;
+        if members > 127 || scale >= 1 << 24 {
+            return Err(format!("the closed-form check takes at most 127 members in f32, not {members}"));
+        }
+        // The largest power of two that keeps M · (largest value) ≤ 2^24.
+        let mut period = 1;
+        while scale * period * 2 <= 1 << 24 {
+            period *= 2;
+        }
+        Ok(ClosedForm { members, period })
+    }
+
+    /// Element `r` of block `k` of member `m`'s input.
+    fn value(&self, m: usize, k: usize, r: usize) -> f64 {
+        ((m + 1) + 128 * k + 128 * self.members * (r % self.period)) as f64
+    }
+
+    /// The sum over every member of element `r` of block `k`.
+    fn sum(&self, k: usize, r: usize) -> f64 {
+        (0..self.members).map(|m| self.value(m, k, r)).sum()
     }
 }
 
@@ -302,7 +352,7 @@ fn full(comm: Communicator, big: usize) -> Result<usize, String> {
         }
     }
     for op in CollectiveOp::ALL {
-        s.run_constant(op, m / 2, big)?;
+        s.run_closed_form(op, m / 2, big)?;
     }
     s.comm.barrier().map_err(|e| e.to_string())?;
     Ok(s.checks)
@@ -392,6 +442,13 @@ fn main() -> ExitCode {
             "--set-env" => {
                 let (k, v) = it.next().and_then(|kv| kv.split_once('=')).expect("--set-env KEY=VALUE");
                 std::env::set_var(k, v);
+            }
+            "--rank-env" => {
+                let who = it.next().and_then(|r| r.parse::<usize>().ok()).expect("--rank-env RANK KEY=VALUE");
+                let (k, v) = it.next().and_then(|kv| kv.split_once('=')).expect("--rank-env RANK KEY=VALUE");
+                if std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()) == Some(who) {
+                    std::env::set_var(k, v);
+                }
             }
             "--unset-env" => std::env::remove_var(it.next().expect("--unset-env KEY")),
             "--pid-dir" => {
@@ -502,4 +559,37 @@ fn cuda_clients(devices: usize) -> Result<Vec<Client>, String> {
         .unwrap_or(0);
     let count = CudaRuntime::device_count().map_err(|e| e.to_string())?.max(1);
     (0..devices).map(|i| CudaRuntime::client((local * devices + i) % count).map_err(|e| e.to_string())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ClosedForm;
+
+    /// Every member, block and element within a period has its own value,
+    /// and every sum over the members is exact in f32 (old inputs were one
+    /// constant per member: a misplaced block of a reduction went unseen).
+    #[test]
+    fn closed_form_values_are_distinct_and_their_sums_exact_in_f32() {
+        for members in [1, 2, 3, 4, 8, 16] {
+            let form = ClosedForm::new(members).unwrap();
+            assert!(form.period >= 512, "{members} members: period {}", form.period);
+            let mut seen = std::collections::HashSet::new();
+            for m in 0..members {
+                for k in 0..members {
+                    for r in 0..form.period.min(4096) {
+                        assert!(seen.insert(form.value(m, k, r) as u64), "{members} members: ({m}, {k}, {r}) repeats");
+                    }
+                }
+            }
+            let mut sums = std::collections::HashSet::new();
+            for k in 0..members {
+                for r in [0, 1, form.period - 1] {
+                    let sum = form.sum(k, r);
+                    assert!(sum <= (1 << 24) as f64 && (sum as f32) as f64 == sum, "{members} members: {sum}");
+                    assert!(sums.insert(sum as u64), "{members} members: the sum of block {k} element {r} repeats");
+                }
+            }
+        }
+        assert!(ClosedForm::new(400).is_err());
+    }
 }

@@ -133,3 +133,20 @@ pub fn env_lines(stdout: &str) -> Vec<std::collections::HashMap<String, String>>
 pub fn code(status: ExitStatus, out: &Output) -> i32 {
     status.code().unwrap_or_else(|| panic!("cohort was killed: {:?}", texts(out)))
 }
+
+/// Fails the test when `mpirun` cannot be started: the tests that use it are
+/// meant to run where Open MPI is installed (scripts/test.sh installs it), so
+/// a missing `mpirun` is a broken set-up, not a reason to pass.
+pub fn require_mpirun() {
+    match Command::new("mpirun").arg("--version").stdin(Stdio::null()).output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!(
+            "`mpirun --version` failed ({}): {}; install Open MPI (scripts/test.sh installs openmpi-bin)",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => panic!(
+            "cannot run mpirun ({e}): install Open MPI (scripts/test.sh installs openmpi-bin) and put it on PATH"
+        ),
+    }
+}

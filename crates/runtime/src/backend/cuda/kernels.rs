@@ -2,21 +2,22 @@
 //! memory (per kernel and per source) and on disk, and launched with the
 //! runtime's argument convention.
 //!
-//! The disk cache lives in `$COHORT_CACHE_DIR/nvrtc`, else
-//! `~/.cache/cohort/nvrtc`; each entry is a cubin named by a 128-bit hash of
-//! the source, the compile options, the architecture and the NVRTC version.
+//! The disk cache (see [`super::disk_cache`]) lives in a folder of the
+//! user's own; each entry is named by the SHA-256 of the source, the kernel's
+//! name, the compile options (the architecture among them) and the NVRTC
+//! version, and is checked against it before the driver loads it.
 //! A compile error is kept (per kernel) and returned on every launch with the
 //! compiler's log.
 
 use crate::id::IdMap;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc;
 
+use super::disk_cache::{entry_key, DiskCache};
 use super::driver::{describe, ensure_nvrtc};
 use crate::kernel::{Kernel, Scalar};
 
@@ -44,36 +45,12 @@ pub fn nvrtc_cache_stats() -> NvrtcCacheStats {
     }
 }
 
-/// Where compiled kernels are kept between runs: `$COHORT_CACHE_DIR/nvrtc`,
-/// else `$HOME/.cache/cohort/nvrtc` (`None` without either).
-pub fn nvrtc_cache_dir() -> Option<PathBuf> {
-    // Any path is a valid COHORT_CACHE_DIR, so this cannot fail.
-    if let Ok(Some(dir)) = crate::config::CACHE_DIR.get() {
-        return Some(dir.join("nvrtc"));
-    }
-    std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/cohort/nvrtc"))
-}
-
-/// FNV-1a over `parts`, twice with different seeds: a 128-bit cache key.
-fn cache_key(parts: &[&[u8]]) -> u128 {
-    let mut halves = [0xcbf2_9ce4_8422_2325u64, 0x6c62_272e_07bb_0142u64];
-    for half in &mut halves {
-        for part in parts {
-            for &byte in part.iter().chain(&[0xffu8]) {
-                *half ^= byte as u64;
-                *half = half.wrapping_mul(0x0000_0100_0000_01b3);
-            }
-        }
-    }
-    ((halves[0] as u128) << 64) | halves[1] as u128
-}
-
 /// Compiled functions of one device.
 pub(crate) struct Kernels {
     arch: String,
     nvrtc_version: String,
     by_id: IdMap<u64, Result<sys::CUfunction, String>>,
-    by_key: HashMap<u128, Result<sys::CUfunction, String>>,
+    by_key: HashMap<[u8; 32], Result<sys::CUfunction, String>>,
     modules: Vec<sys::CUmodule>,
     params: Vec<u64>,
     pointers: Vec<*mut c_void>,
@@ -113,14 +90,14 @@ impl Kernels {
         }
         let options = [format!("--gpu-architecture={}", self.arch)];
         let joined = options.join(" ");
-        let key = cache_key(&[source.as_bytes(), name.as_bytes(), joined.as_bytes(), self.nvrtc_version.as_bytes()]);
+        let key = entry_key(&[source.as_bytes(), name.as_bytes(), joined.as_bytes(), self.nvrtc_version.as_bytes()]);
         if let Some(found) = self.by_key.get(&key) {
             MEMORY_HITS.fetch_add(1, Ordering::Relaxed);
             return found.clone();
         }
-        let path = nvrtc_cache_dir().map(|dir| dir.join(format!("{key:032x}.cubin")));
+        let disk = DiskCache::open_default();
         let mut found = None;
-        if let Some(cubin) = path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+        if let Some(cubin) = disk.as_ref().and_then(|d| d.load(&key)) {
             if let Ok(function) = self.load_cubin(name, &cubin) {
                 DISK_HITS.fetch_add(1, Ordering::Relaxed);
                 found = Some(Ok(function));
@@ -130,8 +107,8 @@ impl Kernels {
             Some(found) => found,
             None => compile(name, source, &options).and_then(|cubin| {
                 COMPILES.fetch_add(1, Ordering::Relaxed);
-                if let Some(path) = &path {
-                    store(path, &cubin);
+                if let Some(disk) = &disk {
+                    disk.store(&key, &cubin);
                 }
                 self.load_cubin(name, &cubin)
             }),
@@ -221,19 +198,6 @@ impl Kernels {
         }
         self.by_id.clear();
         self.by_key.clear();
-    }
-}
-
-/// Writes a cache entry atomically (temporary file, then rename); failures
-/// only cost a recompile next time.
-fn store(path: &std::path::Path, cubin: &[u8]) {
-    let Some(dir) = path.parent() else { return };
-    if std::fs::create_dir_all(dir).is_err() {
-        return;
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    if std::fs::write(&tmp, cubin).is_ok() && std::fs::rename(&tmp, path).is_err() {
-        let _ = std::fs::remove_file(&tmp);
     }
 }
 

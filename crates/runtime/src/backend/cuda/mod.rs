@@ -25,6 +25,7 @@
 //! are unaffected. Errors that are not sticky (a compile error, a launch with
 //! too many threads) fail only the call that made them.
 
+mod disk_cache;
 mod driver;
 mod events;
 mod graphs;
@@ -66,7 +67,8 @@ use storage::DevicePages;
 use streams::Streams;
 use transfer::Staging;
 
-pub use kernels::{nvrtc_cache_dir, nvrtc_cache_stats, NvrtcCacheStats};
+pub use disk_cache::nvrtc_cache_dir;
+pub use kernels::{nvrtc_cache_stats, NvrtcCacheStats};
 
 /// Whether NCCL can be used in this process: `Ok` with its version
 /// (`2.28.7`) once libnccl loaded, or why not (no library, or
