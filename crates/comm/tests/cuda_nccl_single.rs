@@ -41,13 +41,17 @@ fn a_poisoned_input_marks_the_destination_without_reaching_nccl() {
     let dst = device.create(Bytes::from(vec![0u8; 256]));
     let boom = Kernel::new("boom").with_cpu(|_| {});
     let _ = device.launch(&boom, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&src));
-    group.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum).unwrap();
+    group
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
+        .unwrap();
     let err = device.read_one(dst).unwrap_err().to_string();
     assert!(err.contains("all_reduce") && err.contains("boom"), "{err}");
     // The communicator still works.
     let fresh = device.create(Bytes::from(vec![2u8; 256]));
     let out = device.empty(256);
-    group.all_reduce_handles(std::slice::from_ref(&fresh), std::slice::from_ref(&out), DType::U8, ReduceOp::Sum).unwrap();
+    group
+        .all_reduce_handles(std::slice::from_ref(&fresh), std::slice::from_ref(&out), DType::U8, ReduceOp::Sum)
+        .unwrap();
     assert!(device.read_one(out).unwrap().iter().all(|&b| b == 2));
     group.barrier().unwrap();
 }
@@ -92,7 +96,9 @@ fn collectives_return_once_queued_and_an_expired_one_marks_its_destination() {
     busy(1_000);
     let src = device.create(Bytes::from_elems(&[3.0f32; 1024]));
     let dst = device.empty(4096);
-    group.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum).unwrap();
+    group
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
+        .unwrap();
     device.sync().unwrap();
 
     // Queued behind 3 s of device work, in a group whose timeout is far
@@ -104,7 +110,9 @@ fn collectives_return_once_queued_and_an_expired_one_marks_its_destination() {
     let kernel_time = Duration::from_secs(3);
     let started = Instant::now();
     busy(kernel_time.as_nanos() as u64);
-    patient.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum).unwrap();
+    patient
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
+        .unwrap();
     device.stats().unwrap();
     let answered = started.elapsed();
     assert!(answered < kernel_time, "the device thread answered after {answered:?}: it waited for the collective");
@@ -114,7 +122,9 @@ fn collectives_return_once_queued_and_an_expired_one_marks_its_destination() {
     // aborts it while it waits, and the destination says so.
     busy(2_000_000_000);
     let out = device.empty(4096);
-    group.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&out), DType::F32, ReduceOp::Sum).unwrap();
+    group
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&out), DType::F32, ReduceOp::Sum)
+        .unwrap();
     let err = device.read_one(out).unwrap_err().to_string();
     assert!(err.contains("all_reduce") && err.contains("within 0.4 s"), "{err}");
     device.sync().unwrap();
@@ -122,7 +132,9 @@ fn collectives_return_once_queued_and_an_expired_one_marks_its_destination() {
     // The aborted communicator is forgotten: a new group makes a fresh one.
     let again = ClientGroup::new(vec![device.clone()]).unwrap();
     let fresh = device.empty(4096);
-    again.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&fresh), DType::F32, ReduceOp::Sum).unwrap();
+    again
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&fresh), DType::F32, ReduceOp::Sum)
+        .unwrap();
     assert_eq!(device.read_one(fresh).unwrap().to_elems::<f32>(), vec![3.0; 1024]);
 }
 
@@ -144,7 +156,9 @@ fn parts_from_two_streams_run_in_queue_order() {
         let (client, group) = if round % 2 == 0 { (&a, &on_a) } else { (&b, &on_b) };
         let src = client.create(Bytes::from_elems(&vec![round; 4096]));
         let dst = client.empty(4096 * 4);
-        group.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Max).unwrap();
+        group
+            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Max)
+            .unwrap();
         expected.push(round);
         outputs.push((client.clone(), dst));
     }

@@ -192,10 +192,10 @@ fn fault_a_malformed_environment() {
 #[test]
 fn fault_a_rank_fails_during_set_up_and_no_shared_memory_is_left() {
     let dir = temp_dir("fault-shm");
-    // Rank 1's rings are larger than the address space (1 PiB each): its
-    // mmap fails after the other ranks created their shared-memory files,
-    // and they are stopped while they wait for rank 1's.
-    let ring = ["--rank-env", "1", "COHORT_SHM_RING=1125899906842624", "barrier"];
+    // Rank 1's rings are 1 GiB each and it may map only 256 MiB more than
+    // it has: its mmap fails after the other ranks created their
+    // shared-memory files, and they are stopped while they wait for rank 1's.
+    let ring = ["--rank-env", "1", "COHORT_SHM_RING=1073741824", "--rank-mem-limit", "1", "256", "barrier"];
     let (code, stderr) = run_case(&dir, faulty(&dir, "60", &["-n", "3"], &ring));
     assert_eq!(code, 1, "{stderr}");
     let at = stderr.find("cannot create /dev/shm/cohort-").expect("rank 1 names its file")

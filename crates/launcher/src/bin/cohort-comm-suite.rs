@@ -28,7 +28,8 @@
 //!
 //! `--set-env K=V` and `--unset-env K` change this process's environment
 //! before it joins the job (fault injection); `--rank-env R K=V` sets it on
-//! rank R only.
+//! rank R only; `--rank-mem-limit R MIB` lets rank R map only MIB MiB more
+//! than it has (RLIMIT_AS), so a large shared-memory ring fails to map.
 //!
 //! `--pid-dir DIR` writes `DIR/rank<R>.pid` first (for tests that check no
 //! process is left). Exits 0 when every check passed; prints `rank R: error: ...` and exits 1
@@ -450,6 +451,13 @@ fn main() -> ExitCode {
                     std::env::set_var(k, v);
                 }
             }
+            "--rank-mem-limit" => {
+                let who = it.next().and_then(|r| r.parse::<usize>().ok()).expect("--rank-mem-limit RANK MIB");
+                let mib = it.next().and_then(|m| m.parse::<u64>().ok()).expect("--rank-mem-limit RANK MIB");
+                if std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()) == Some(who) {
+                    limit_address_space(mib);
+                }
+            }
             "--unset-env" => std::env::remove_var(it.next().expect("--unset-env KEY")),
             "--pid-dir" => {
                 let dir = it.next().expect("--pid-dir DIR");
@@ -592,4 +600,18 @@ mod tests {
         }
         assert!(ClosedForm::new(400).is_err());
     }
+}
+
+/// Fault injection: lets this process map at most `mib` MiB more than it
+/// has mapped now (RLIMIT_AS), so a large shared-memory ring fails to map.
+fn limit_address_space(mib: u64) {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
+    let pages: u64 = statm.split_whitespace().next().and_then(|p| p.parse().ok()).expect("statm's first field");
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    let bytes = pages * page + (mib << 20);
+    let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+    // SAFETY: `limit` is a valid rlimit that outlives the call.
+    let rc = unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) };
+    assert_eq!(rc, 0, "setrlimit(RLIMIT_AS): {}", std::io::Error::last_os_error());
 }
