@@ -77,8 +77,9 @@ pub enum StoreError {
 
     /// The connection closed or failed in the middle of a request.
     #[error(
-        "lost the connection to the rendezvous store at {addr}: {source}; the launcher of node 0, \
-         which serves the store, has probably exited (look at its output for why)"
+        "lost the connection to the rendezvous store at {addr}: {source}; the process that serves \
+         it has probably exited (the launcher of node 0 under `cohort run`, rank 0's process under \
+         mpirun or srun: look at its output for why)"
     )]
     Disconnected {
         /// The store's address.
@@ -192,7 +193,8 @@ fn bind_message(addr: &str, source: &io::Error) -> String {
     match source.kind() {
         io::ErrorKind::AddrInUse => format!(
             "port {} on {} is already in use (another job's store, or another service): pick \
-             another --master-port, or 0 to let the system choose a free one",
+             another port for the store (`cohort run --store-port`, `cohort store --port`, MASTER_PORT \
+             without a launcher), or 0 to let the system choose a free one",
             port_of(addr),
             host_of(addr)
         ),
@@ -202,7 +204,8 @@ fn bind_message(addr: &str, source: &io::Error) -> String {
         ),
         io::ErrorKind::PermissionDenied => format!(
             "not allowed to listen on {addr}: ports below 1024 need privileges; pick another \
-             --master-port, or 0 to let the system choose a free one"
+             port for the store (`cohort run --store-port`, `cohort store --port`), or 0 to let the \
+             system choose a free one"
         ),
         _ => format!("cannot serve the rendezvous store on {addr}: {source}"),
     }
