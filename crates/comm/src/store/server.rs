@@ -101,7 +101,11 @@ impl StoreServer {
     }
 
     /// [`StoreServer::bind`] with other limits for unauthenticated clients.
-    pub(crate) fn bind_with(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>, limits: Limits) -> Result<Self> {
+    pub(crate) fn bind_with(
+        addr: impl ToSocketAddrs + Display,
+        secret: impl AsRef<[u8]>,
+        limits: Limits,
+    ) -> Result<Self> {
         let secret = secret.as_ref();
         if secret.is_empty() {
             return Err(StoreError::EmptySecret);
