@@ -10,6 +10,7 @@ mod cli;
 mod config;
 mod devices;
 mod output;
+mod reaper;
 mod rendezvous;
 mod run;
 mod signals;
@@ -35,12 +36,24 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
 
-    let cli = cli::Cli::parse();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = match cli::Cli::try_parse_from(&argv) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let hint = cli::missing_dashes(&e, &argv);
+            let _ = e.print();
+            if hint {
+                eprintln!("\n{}", cli::DASHES_HINT);
+            }
+            return ExitCode::from(e.exit_code() as u8);
+        }
+    };
     match cli.command {
         cli::Command::Run(args) => run::run(args),
         cli::Command::Devices => devices::devices(),
         cli::Command::Peers(args) => devices::peers(args),
         cli::Command::Trace(args) => trace::trace(args),
         cli::Command::Store(args) => trace::store(args),
+        cli::Command::Reaper => reaper::serve(),
     }
 }

@@ -29,12 +29,9 @@ pub fn trace(args: TraceArgs) -> ExitCode {
 }
 
 /// Removes the flight-recorder dumps (`rank<N>.json`) an earlier run left
-/// in `dir`, and creates it.
+/// in `dir`. Does not create it: a rank that writes a dump makes it, so a
+/// job that writes none leaves no empty folder behind.
 pub fn clear_dumps(dir: &Path) {
-    if let Err(e) = std::fs::create_dir_all(dir) {
-        tracing::warn!("cannot create the trace folder {}: {e}", dir.display());
-        return;
-    }
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
