@@ -21,7 +21,7 @@ pub enum Command {
     /// Spawn and watch the ranks of a job on this node, like torchrun.
     ///
     /// Example: cohort run -n 4 -- ./train --epochs 3
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// List every backend's devices (cpu, cuda, wgpu) with their properties;
     /// a backend with none says why.
     Devices,

@@ -118,27 +118,6 @@ pub fn devices() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn driver_noise_on_fd_2_is_captured_not_shown() {
-        let noise = b"MESA: error: XDG_RUNTIME_DIR is invalid or not set in the environment.\n";
-        let (value, text) = capture_stderr(|| {
-            // SAFETY: writes `noise`, which outlives the call, to fd 2, as a
-            // C library would.
-            unsafe { libc::write(2, noise.as_ptr().cast(), noise.len()) };
-            7
-        });
-        assert_eq!(value, 7);
-        assert!(text.contains("XDG_RUNTIME_DIR is invalid"), "{text:?}");
-        // fd 2 is the real stderr again.
-        let (_, again) = capture_stderr(|| ());
-        assert!(again.is_empty());
-    }
-}
-
 /// `cohort peers`: the peer-access matrix ("peer": direct access, "host":
 /// copies go through host memory) and the measured copy bandwidth of
 /// `to_client` from every device to every other.
@@ -220,4 +199,25 @@ fn bandwidth(src: &cohort_runtime::Handle, a: &Client, b: &Client, bytes: usize,
     }
     times.sort_by(f64::total_cmp);
     Ok(bytes as f64 / times[times.len() / 2] / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_noise_on_fd_2_is_captured_not_shown() {
+        let noise = b"MESA: error: XDG_RUNTIME_DIR is invalid or not set in the environment.\n";
+        let (value, text) = capture_stderr(|| {
+            // SAFETY: writes `noise`, which outlives the call, to fd 2, as a
+            // C library would.
+            unsafe { libc::write(2, noise.as_ptr().cast(), noise.len()) };
+            7
+        });
+        assert_eq!(value, 7);
+        assert!(text.contains("XDG_RUNTIME_DIR is invalid"), "{text:?}");
+        // fd 2 is the real stderr again.
+        let (_, again) = capture_stderr(|| ());
+        assert!(again.is_empty());
+    }
 }

@@ -49,7 +49,7 @@ fn main() -> ExitCode {
         }
     };
     match cli.command {
-        cli::Command::Run(args) => run::run(args),
+        cli::Command::Run(args) => run::run(*args),
         cli::Command::Devices => devices::devices(),
         cli::Command::Peers(args) => devices::peers(args),
         cli::Command::Trace(args) => trace::trace(args),
