@@ -191,3 +191,27 @@ fn nproc_far_beyond_the_process_limit_is_warned_up_front() {
     assert!(stderr.starts_with("cohort: warning: -n 20 needs about 80 processes"), "{stderr}");
     assert!(stderr.contains("at most 40"), "{stderr}");
 }
+
+#[test]
+fn a_failing_python_rank_is_named_with_its_last_lines() {
+    if Command::new("python3").arg("--version").output().is_err() {
+        eprintln!("skipped: no python3");
+        return;
+    }
+    let dir = temp_dir("pyfail");
+    let script = dir.join("train.py");
+    std::fs::write(
+        &script,
+        "import os\nprint('step 1', flush=True)\nif os.environ['RANK'] == '1':\n    raise RuntimeError('rank 1 failing on purpose')\nimport time\ntime.sleep(30)\n",
+    )
+    .unwrap();
+    let mut c = Command::new(COHORT);
+    c.args(["run", "-n", "3", "--master-port", "0", "--"]).arg(&script);
+    c.env_remove("COHORT_JOB_SECRET").stdout(Stdio::piped()).stderr(Stdio::piped());
+    let out = output_within(c, LIMIT);
+    let (_, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 1, "python's exit code for an uncaught exception: {stderr}");
+    assert!(stderr.contains("rank 1 failed first: it exited with code 1"), "{stderr}");
+    assert!(stderr.contains("[rank 1]: RuntimeError: rank 1 failing on purpose"), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
