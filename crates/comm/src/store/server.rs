@@ -66,6 +66,9 @@ struct Inner {
     unauthenticated: AtomicUsize,
     /// Connections closed because too many were in the handshake.
     turned_away: AtomicU64,
+    /// Clients refused or dropped during the handshake (wrong secret,
+    /// oversized frame, past the deadline).
+    dropped: AtomicU64,
 }
 
 /// Counts a connection in the handshake until dropped.
@@ -122,6 +125,7 @@ impl StoreServer {
             limits,
             unauthenticated: AtomicUsize::new(0),
             turned_away: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
         });
         let accept_inner = inner.clone();
         let accept = std::thread::Builder::new()
@@ -258,14 +262,19 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
     }
 }
 
+/// Counts one more event in `n`; true for the first and every 1000th, which
+/// are logged at warn (the others at debug), so a flood cannot flood the log.
+fn first_or_thousandth(n: &AtomicU64) -> bool {
+    let n = n.fetch_add(1, Ordering::Relaxed) + 1;
+    n == 1 || n % 1000 == 0
+}
+
 /// Logs that the store turned a connection away: at debug every time, at
 /// warn the first time and every 1000th, so a flood cannot flood the log.
 fn turn_away(inner: &Inner, peer: SocketAddr, what: &str) {
-    let n = inner.turned_away.fetch_add(1, Ordering::Relaxed) + 1;
-    if n == 1 || n % 1000 == 0 {
+    if first_or_thousandth(&inner.turned_away) {
         tracing::warn!(
             %peer,
-            turned_away = n,
             "rendezvous store {what}: {} clients are in the handshake at once (a flood of connections that do \
              not prove the job secret?)",
             inner.limits.unauthenticated
@@ -287,7 +296,11 @@ fn serve_connection(inner: &Inner, id: u64, mut stream: TcpStream, peer: SocketA
             return;
         }
         Err(e) => {
-            tracing::warn!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
+            if first_or_thousandth(&inner.dropped) {
+                tracing::warn!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
+            } else {
+                tracing::debug!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
+            }
             return;
         }
     }
@@ -354,10 +367,11 @@ fn handshake(inner: &Inner, stream: &mut TcpStream, peer: SocketAddr) -> io::Res
         protocol::verify(&inner.secret, protocol::CLIENT_LABEL, &server_nonce, client_nonce, tag)
     };
     if !ok {
-        tracing::warn!(
-            %peer,
-            "rendezvous store refused a client that does not hold the job secret"
-        );
+        if first_or_thousandth(&inner.dropped) {
+            tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
+        } else {
+            tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
+        }
         let _ = protocol::write_frame(stream, &[protocol::AUTH_REFUSED]);
         return Ok(false);
     }
