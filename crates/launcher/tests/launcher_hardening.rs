@@ -321,6 +321,20 @@ fn under_srun_without_a_secret_nothing_guessable_and_the_store_hosts_death_is_no
         "a secret derived from the job id must be refused: {:?}",
         outsider.map(|_| ())
     );
+    // The secret went through a file only this user can read, removed once
+    // every rank joined.
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let secret_dir = match std::env::var_os("XDG_RUNTIME_DIR").map(std::path::PathBuf::from).filter(|d| d.is_dir()) {
+        Some(d) => d.join("cohort"),
+        None => std::env::temp_dir().join(format!("cohort-{uid}")),
+    };
+    let secret_file = secret_dir.join(format!("job-{job}.0.secret"));
+    let end = Instant::now() + Duration::from_secs(20);
+    while secret_file.exists() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!secret_file.exists(), "{} is removed once every rank joined", secret_file.display());
     // Let the ranks run their all-reduces, then kill rank 0, which serves
     // the store; before, the others waited for the 600 s timeout.
     std::thread::sleep(Duration::from_millis(1000));

@@ -53,6 +53,17 @@ fn bracket(host: &str) -> String {
     }
 }
 
+/// Rank 0's secret file, until every rank has joined (then it is removed).
+static SECRET_FILE: parking_lot::Mutex<Option<PathBuf>> = parking_lot::Mutex::new(None);
+
+/// Removes rank 0's secret file, if this process wrote one: called once
+/// every rank has joined the store (each read the file before it could).
+pub(crate) fn remove_secret_file() {
+    if let Some(path) = SECRET_FILE.lock().take() {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
 /// How long ranks other than 0 wait for rank 0's secret file.
 const SECRET_FILE_WAIT: Duration = Duration::from_secs(120);
 
@@ -120,6 +131,7 @@ fn shared_secret(rank: usize, job: &str, wait: Duration) -> Result<String, Conne
             .map_err(|e| failed("write", e))?;
         f.write_all(secret.as_bytes()).map_err(|e| failed("write", e))?;
         std::fs::rename(&tmp, &path).map_err(|e| failed("write", e))?;
+        *SECRET_FILE.lock() = Some(path);
         return Ok(secret);
     }
     let end = Instant::now() + wait;
@@ -231,7 +243,7 @@ mod tests {
         // A second job's secret differs.
         assert_ne!(shared_secret(0, &format!("{job}-b"), Duration::from_secs(1)).unwrap(), written);
         let _ = std::fs::remove_file(path);
-        let _ = std::fs::remove_file(secret_path(&secret_dir().unwrap(), &format!("{job}-b")));
+        remove_secret_file();
     }
 
     #[test]
