@@ -256,6 +256,19 @@ fn ranks_children_die_with_a_sigkilled_launcher() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Sends SIGKILL to its processes when dropped (a failed check included).
+struct KillOnDrop(Vec<libc::pid_t>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            // SAFETY: kill(2) on processes this test started (ESRCH or a
+            // zombie when they already ended: harmless).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
 /// `cohort-comm-suite` as rank `rank` of `n` started by "srun" (Slurm's
 /// variables, no launcher, no COHORT_JOB_SECRET).
 fn srun_rank(rank: usize, n: usize, job: &str, port: u16, dir: &std::path::Path, args: &[&str]) -> Command {
@@ -303,6 +316,8 @@ fn under_srun_without_a_secret_nothing_guessable_and_the_store_hosts_death_is_no
     let job = format!("{}", 900_000 + std::process::id());
     let port = free_port();
     let ranks: Vec<_> = (0..3).map(|r| srun_rank(r, 3, &job, port, &dir, &["loop"]).spawn().unwrap()).collect();
+    // Whatever happens below, no rank outlives the test.
+    let mut guard = KillOnDrop(ranks.iter().map(|c| c.id() as libc::pid_t).collect());
     let pids = wait_pid_files(&dir, 3, Duration::from_secs(30));
     // The store listens on loopback only, and the secret an outsider could
     // derive from the job id (as it used to be) is refused.
@@ -348,6 +363,9 @@ fn under_srun_without_a_secret_nothing_guessable_and_the_store_hosts_death_is_no
         eprintln!("rank {r}: {stderr}");
         outs.push((out.status.code(), stderr));
     }
+    // Ranks 1 and 2 are reaped: their pids may be reused, so never signal
+    // them again (rank 0's Child was dropped unwaited: a zombie keeps its pid).
+    guard.0.truncate(1);
     for (code, stderr) in &outs {
         assert_eq!(*code, Some(1), "{stderr}");
         assert!(
