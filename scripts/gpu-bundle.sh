@@ -9,6 +9,7 @@
 #   TESTS='cuda_*' ./run.sh tests    # only some test binaries
 #   BENCHES='cuda_runtime_bench nccl_bench' ./run.sh bench
 #   LOG=second ./run.sh ...          # log to $OUT/second.log (several runs in one command)
+#   ./torchrun-check.sh              # PyTorch DDP (NCCL) and gloo under cohort run and torchrun, start-up times
 #
 # BUNDLE_TESTS='cuda_* wgpu_conformance' scripts/gpu-bundle.sh bundles only
 # the matching test binaries (BUNDLE_EXAMPLES likewise for examples) (each links every backend: the whole set can
@@ -78,6 +79,8 @@ cargo build --release -p cohort-launch --bins
 mkdir -p "$bundle/bin"
 cp "$root/target/release/cohort" "$root/target/release/cohort-comm-suite" "$bundle/bin/"
 cp "$root/scripts/gpu-multi.sh" "$bundle/multi.sh"
+# PyTorch under `cohort run` beside torchrun (issue 15): ./torchrun-check.sh
+cp "$root/scripts/torchrun-check.sh" "$bundle/torchrun-check.sh"
 strip "$bundle"/tests/* "$bundle"/examples/* "$bundle"/bin/* 2>/dev/null || true
 
 cat >"$bundle/run.sh" <<'RUN'

@@ -69,4 +69,14 @@ cargo build -q -p cohort-launch --bin cohort
 bin=${CARGO_TARGET_DIR:-target}/debug
 "$bin/cohort" run -n 4 -- "$bin/examples/data_parallel" --epochs 2 --steps 16 | tail -4
 
+log "a CPU-only build: the facade without its default features has no cudarc nor wgpu"
+if cargo tree -p cohort --no-default-features -e normal | grep -E '(cudarc|wgpu) v'; then
+    echo "cudarc or wgpu is in the CPU-only build of the cohort package" >&2
+    exit 1
+fi
+cargo check -q -p cohort --no-default-features --all-targets
+
+log "cargo doc (warnings, such as links to private items, are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc -q --workspace --no-deps
+
 log "all tests passed"

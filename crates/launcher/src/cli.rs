@@ -21,7 +21,7 @@ pub enum Command {
     /// Spawn and watch the ranks of a job on this node, like torchrun.
     ///
     /// Example: cohort run -n 4 -- ./train --epochs 3
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// List every backend's devices (cpu, cuda, wgpu) with their properties;
     /// a backend with none says why.
     Devices,
@@ -47,6 +47,11 @@ pub enum Command {
     ///
     /// Example: COHORT_TIMEOUT=30 cohort config
     Config(ConfigArgs),
+    /// Internal: started by `cohort run`; kills the ranks' process groups
+    /// (and so what the ranks started) once the launcher is gone, however it
+    /// died.
+    #[command(name = "__reaper", hide = true)]
+    Reaper,
 }
 
 /// Options of `cohort config`.
@@ -121,37 +126,83 @@ impl FromStr for Nproc {
     }
 }
 
-/// Options of `cohort run`.
+/// Longest `--timeout` or `--heartbeat-timeout` accepted: ten years.
+pub const MAX_SECONDS: f64 = 10.0 * 365.0 * 86400.0;
+
+/// Parses a number of seconds for `--timeout` and `--heartbeat-timeout`:
+/// finite, at least 0, at most [`MAX_SECONDS`] (clap names the flag in the
+/// error).
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(t) if t.is_finite() && (0.0..=MAX_SECONDS).contains(&t) => Ok(t),
+        Ok(_) => Err(format!("{s} is not between 0 and {MAX_SECONDS:.0} seconds (ten years)")),
+        Err(_) => Err(format!("'{s}' is not a number of seconds")),
+    }
+}
+
+/// Options of `cohort run`. torchrun's spellings (`--nproc_per_node`,
+/// `--node_rank`, `--master_addr`, `--master_port`, `--max_restarts`,
+/// `--rdzv_id`, `--log_dir`) are accepted too.
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Ranks on this node: a number, `cpu` (COHORT_CPU_DEVICES, default 4),
     /// `gpu` (one per CUDA GPU) or `auto` (gpu if any, else cpu).
-    #[arg(short = 'n', long = "nproc-per-node", value_name = "N|cpu|gpu|auto", default_value = "1")]
+    #[arg(
+        short = 'n',
+        long = "nproc-per-node",
+        alias = "nproc_per_node",
+        value_name = "N|cpu|gpu|auto",
+        default_value = "1"
+    )]
     pub nproc_per_node: Nproc,
 
-    /// Number of nodes (launchers) in the job.
+    /// Number of nodes (launchers) in the job; more than 1 needs --master-addr.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub nnodes: u32,
 
     /// This node's rank, from 0 to nnodes-1; node 0 serves the rendezvous store.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, alias = "node_rank", default_value_t = 0)]
     pub node_rank: u32,
 
-    /// Address of node 0, where the rendezvous store listens.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub master_addr: String,
+    /// Address of node 0 (MASTER_ADDR): where the program's own store (e.g.
+    /// PyTorch's TCPStore) and cohort's rendezvous store listen. Default
+    /// 127.0.0.1 with one node; required with several.
+    #[arg(long, alias = "master_addr", value_name = "HOST")]
+    pub master_addr: Option<String>,
 
-    /// Port of the rendezvous store on node 0; 0 picks a free one (one node only).
-    #[arg(long, default_value_t = 29500)]
+    /// MASTER_PORT, the port rank 0 of the program may listen on (PyTorch's
+    /// TCPStore does), as torchrun gives it; 0 picks a free one (one node
+    /// only). cohort's own store listens on --store-port.
+    #[arg(long, alias = "master_port", default_value_t = 29500)]
     pub master_port: u16,
 
+    /// Port of cohort's rendezvous store on node 0 (COHORT_STORE_ADDR):
+    /// default a free port with one node, --master-port + 1 with several.
+    #[arg(long, value_name = "PORT")]
+    pub store_port: Option<u16>,
+
     /// Restart the whole group this many times when a rank fails.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, alias = "max_restarts", default_value_t = 0)]
     pub max_restarts: u32,
+
+    /// The job's id for the program (TORCHELASTIC_RUN_ID), as torchrun's
+    /// --rdzv-id; default `none`, as torchrun's.
+    #[arg(long, alias = "rdzv_id", value_name = "ID", default_value = "none")]
+    pub rdzv_id: String,
+
+    /// Run a Python module: `cohort run -m pkg.train -- args` runs
+    /// `python3 -u -m pkg.train args` as every rank, as torchrun's -m.
+    #[arg(short = 'm', long, value_name = "MODULE")]
+    pub module: Option<String>,
+
+    /// Run the program as it is, even when it ends in `.py` (which otherwise
+    /// runs with `python3 -u`, as under torchrun).
+    #[arg(long, alias = "no_python", conflicts_with = "module")]
+    pub no_python: bool,
 
     /// Write each rank's stdout and stderr to files under this folder
     /// (attempt_<restart>/rank_<rank>/{stdout,stderr}.log) instead of the console.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, alias = "log_dir", value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
 
     /// With --log-dir: write ranks' output to the console too.
@@ -159,24 +210,26 @@ pub struct RunArgs {
     pub tee: bool,
 
     /// Show only these local ranks' output on the console (comma list, e.g. 0,3).
-    #[arg(long, value_name = "RANKS", value_delimiter = ',')]
+    #[arg(long, alias = "local_ranks_filter", value_name = "RANKS", value_delimiter = ',')]
     pub local_ranks_filter: Option<Vec<usize>>,
 
     /// Wall-clock limit for the whole job in seconds (also exported to the
     /// ranks as COHORT_TIMEOUT, the default timeout of their collectives).
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_name = "SECONDS", value_parser = seconds, allow_negative_numbers = true)]
     pub timeout: Option<f64>,
 
     /// Where ranks write their flight recorders (COHORT_TRACE_DIR): default
-    /// <log-dir>/trace with --log-dir, else ./cohort-trace. Cleared of
-    /// rank<N>.json at each attempt's start; merged into the failure summary.
+    /// the launcher's own COHORT_TRACE_DIR when set, else <log-dir>/trace with
+    /// --log-dir, else ./cohort-trace. Made only when a rank writes a dump;
+    /// cleared of rank<N>.json at each attempt's start; merged into the
+    /// failure summary.
     #[arg(long, value_name = "DIR")]
     pub trace_dir: Option<PathBuf>,
 
     /// Stop the job when a rank's heartbeat (written every second by its
     /// Communicator, even while it waits in a collective) stops for this many
     /// seconds: a stopped or frozen process. 0 turns the watchdog off.
-    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = seconds, allow_negative_numbers = true)]
     pub heartbeat_timeout: f64,
 
     /// Use the rendezvous store at HOST:PORT (e.g. `cohort store`) instead of
@@ -184,9 +237,24 @@ pub struct RunArgs {
     #[arg(long, value_name = "HOST:PORT")]
     pub store_addr: Option<String>,
 
-    /// The program to run as every rank, and its arguments.
-    #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]")]
+    /// The program to run as every rank, and its arguments, after `--`. A
+    /// program ending in `.py` runs with `python3 -u`.
+    #[arg(last = true, required_unless_present = "module", value_name = "PROGRAM [ARGS]")]
     pub program: Vec<OsString>,
+}
+
+/// What a user who forgot `--` before the program should read after
+/// clap's error.
+pub const DASHES_HINT: &str = "hint: put `--` between cohort's options and the program, e.g. \
+                               `cohort run -n 4 -- python3 train.py --epochs 3`";
+
+/// Whether `err`, from parsing `argv`, looks like a `cohort run` whose
+/// program was given without `--` before it.
+pub fn missing_dashes(err: &clap::Error, argv: &[OsString]) -> bool {
+    use clap::error::ErrorKind;
+    let kind_fits = matches!(err.kind(), ErrorKind::UnknownArgument | ErrorKind::MissingRequiredArgument);
+    let is_run = argv.iter().skip(1).any(|a| a == "run");
+    kind_fits && is_run && !argv.iter().any(|a| a == "--")
 }
 
 #[cfg(test)]
@@ -215,5 +283,38 @@ mod tests {
         assert_eq!(a.program, vec![OsString::from("prog"), OsString::from("--flag")]);
         assert!(Cli::try_parse_from(["cohort", "run", "--tee", "--", "p"]).is_err());
         assert!(Cli::try_parse_from(["cohort", "run", "--nnodes", "0", "--", "p"]).is_err());
+    }
+
+    #[test]
+    fn torchrun_spellings_are_aliases() {
+        let line = "cohort run --nproc_per_node 2 --nnodes 2 --node_rank 1 --master_addr h --master_port 7 \
+                    --max_restarts 3 --rdzv_id job -- p";
+        let cli = Cli::try_parse_from(line.split_whitespace()).unwrap();
+        let Command::Run(a) = cli.command else { panic!("a run command") };
+        assert_eq!(a.nproc_per_node, Nproc::Count(2));
+        assert_eq!((a.nnodes, a.node_rank, a.master_port, a.max_restarts), (2, 1, 7, 3));
+        assert_eq!((a.master_addr.as_deref(), a.rdzv_id.as_str()), (Some("h"), "job"));
+    }
+
+    #[test]
+    fn huge_or_bad_seconds_are_errors_naming_the_flag() {
+        for flag in ["--timeout", "--heartbeat-timeout"] {
+            for bad in ["1e30", "inf", "NaN", "-1", "soon"] {
+                let err = Cli::try_parse_from(["cohort", "run", flag, bad, "--", "p"]).unwrap_err().to_string();
+                assert!(err.contains(flag) && err.contains(bad), "{err}");
+            }
+        }
+        let ok = Cli::try_parse_from(["cohort", "run", "--timeout", "1e8", "--", "p"]).unwrap();
+        let Command::Run(a) = ok.command else { panic!("a run command") };
+        assert_eq!(a.timeout, Some(1e8));
+    }
+
+    #[test]
+    fn a_program_without_dashes_gets_the_hint() {
+        let argv: Vec<OsString> = ["cohort", "run", "-n", "2", "./train", "--lr", "1"].map(OsString::from).to_vec();
+        let err = Cli::try_parse_from(&argv).unwrap_err();
+        assert!(missing_dashes(&err, &argv), "{err}");
+        let argv: Vec<OsString> = ["cohort", "run", "-n", "2", "--bogus", "--", "p"].map(OsString::from).to_vec();
+        assert!(!missing_dashes(&Cli::try_parse_from(&argv).unwrap_err(), &argv));
     }
 }

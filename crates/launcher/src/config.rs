@@ -47,6 +47,35 @@ pub enum LaunchError {
          fixed port"
     )]
     PortZeroMultiNode,
+    /// Several nodes but no `--master-addr`.
+    #[error(
+        "--nnodes {0} needs --master-addr: the address of node 0 that every node can reach (its host \
+         name or IP); without it each node would wait for itself on 127.0.0.1"
+    )]
+    MasterAddrMissing(u32),
+    /// `--store-port` and `--master-port` are the same port.
+    #[error(
+        "--store-port {0} is --master-port too: MASTER_PORT is for the program's own store (e.g. \
+         PyTorch's TCPStore); give cohort's store another port"
+    )]
+    StorePortClash(u16),
+    /// `--master-port 65535` with several nodes and no `--store-port`.
+    #[error("--master-port 65535 leaves no port after it for cohort's store: pass --store-port")]
+    NoStorePort,
+    /// MASTER_PORT is taken on node 0.
+    #[error(
+        "port {port} on {addr} is already in use (another job, or another service), so the program's \
+         rank 0 could not listen on it as MASTER_PORT: pick another --master-port, or 0 for a free one"
+    )]
+    MasterPortInUse {
+        /// The port.
+        port: u16,
+        /// The address tried.
+        addr: String,
+    },
+    /// `-m ""`.
+    #[error("-m needs a module name, e.g. `cohort run -n 4 -m pkg.train -- --lr 1e-3`")]
+    ModuleMissing,
     /// `--local-ranks-filter` names a rank that does not exist here.
     #[error("--local-ranks-filter names local rank {rank}, but this node runs {nproc} ranks (0 to {})", nproc - 1)]
     BadFilter {
@@ -58,6 +87,9 @@ pub enum LaunchError {
     /// `--heartbeat-timeout` is not a number of seconds.
     #[error("--heartbeat-timeout {0} is not a number of seconds (0 turns the watchdog off)")]
     BadHeartbeat(f64),
+    /// `--timeout` ends past what the clock can hold.
+    #[error("--timeout {0} s ends too far in the future for this machine's clock: give a smaller number")]
+    TimeoutTooFar(f64),
     /// `--store-addr` is not `host:port`, or has no secret to prove.
     #[error("--store-addr {0}")]
     BadStoreAddr(String),
@@ -102,8 +134,14 @@ pub struct JobConfig {
     pub node_rank: u32,
     /// Node 0's address.
     pub master_addr: String,
-    /// The store's port as asked (0: any).
+    /// MASTER_PORT, for the program's own store (resolved: never 0).
     pub master_port: u16,
+    /// cohort's store's port as asked (0: any).
+    pub store_port: u16,
+    /// TORCHELASTIC_RUN_ID.
+    pub run_id: String,
+    /// OMP_NUM_THREADS for the ranks, when the launcher sets it.
+    pub omp_threads: Option<String>,
     /// The job's secret.
     pub secret: String,
     /// Group restarts allowed.
@@ -136,7 +174,13 @@ impl JobConfig {
         if args.master_port == 0 && args.nnodes > 1 {
             return Err(LaunchError::PortZeroMultiNode);
         }
+        if args.nnodes > 1 && args.master_addr.is_none() && args.store_addr.is_none() {
+            return Err(LaunchError::MasterAddrMissing(args.nnodes));
+        }
         let nproc = resolve_nproc(args.nproc_per_node)?;
+        if let Some(warning) = process_limit_warning(nproc, process_limit()) {
+            eprintln!("cohort: warning: {warning}");
+        }
         let filter = match args.local_ranks_filter {
             None => None,
             Some(list) => {
@@ -146,22 +190,35 @@ impl JobConfig {
                 Some(list.into_iter().collect())
             }
         };
+        // The values are checked by the flags' parser; the deadline is
+        // checked against the clock where the job starts.
         let timeout = match args.timeout {
             None => None,
-            Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
+            Some(t) if t > 0.0 => match Duration::try_from_secs_f64(t) {
+                Ok(d) if std::time::Instant::now().checked_add(d).is_some() => Some(d),
+                _ => return Err(LaunchError::TimeoutTooFar(t)),
+            },
             Some(t) => return Err(LaunchError::BadTimeout(t)),
         };
         check_inherited(args.timeout.is_some())?;
         let env_secret = config::JOB_SECRET.get()?;
-        let (mut master_addr, mut master_port) = (args.master_addr, args.master_port);
+        let mut master_addr = args.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
+        let mut store_port = match (args.store_port, args.nnodes) {
+            (Some(p), _) => p,
+            (None, 1) => 0,
+            (None, _) => args.master_port.checked_add(1).ok_or(LaunchError::NoStorePort)?,
+        };
         if let Some(addr) = &args.store_addr {
             let (host, port) = addr.rsplit_once(':').ok_or_else(|| {
                 LaunchError::BadStoreAddr(format!("'{addr}' is not HOST:PORT (e.g. 127.0.0.1:29400)"))
             })?;
-            master_port = port.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
+            store_port = port.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
                 LaunchError::BadStoreAddr(format!("'{addr}': '{port}' is not a port number (1-65535)"))
             })?;
-            master_addr = host.trim_start_matches('[').trim_end_matches(']').to_string();
+            let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+            if args.master_addr.is_none() {
+                master_addr = host.clone();
+            }
             if env_secret.is_none() {
                 return Err(LaunchError::BadStoreAddr(format!(
                     "{addr} needs the secret that store was started with: export {} before `cohort run`",
@@ -169,23 +226,35 @@ impl JobConfig {
                 )));
             }
         }
+        if store_port != 0 && store_port == args.master_port && args.store_addr.is_none() {
+            return Err(LaunchError::StorePortClash(store_port));
+        }
+        let master_port = program_port(&master_addr, args.master_port, args.node_rank == 0)?;
         let heartbeat_timeout = match args.heartbeat_timeout {
             0.0 => None,
-            t if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
+            t if t.is_finite() && t > 0.0 => {
+                Some(Duration::try_from_secs_f64(t).map_err(|_| LaunchError::BadHeartbeat(t))?)
+            }
             t => return Err(LaunchError::BadHeartbeat(t)),
         };
-        let trace_dir = args.trace_dir.unwrap_or_else(|| match &args.log_dir {
+        let from_env = std::env::var_os("COHORT_TRACE_DIR").filter(|d| !d.is_empty()).map(PathBuf::from);
+        let trace_dir = args.trace_dir.or(from_env).unwrap_or_else(|| match &args.log_dir {
             Some(dir) => dir.join("trace"),
             None => PathBuf::from("cohort-trace"),
         });
         let trace_dir = std::env::current_dir().map(|cwd| cwd.join(&trace_dir)).unwrap_or(trace_dir);
         let secret = resolve_secret(env_secret, args.nnodes)?;
+        let program = python_program(args.program, args.module, args.no_python)?;
+        let omp_threads = (nproc > 1 && std::env::var_os("OMP_NUM_THREADS").is_none()).then(|| "1".to_string());
         Ok(JobConfig {
             nproc,
             nnodes: args.nnodes,
             node_rank: args.node_rank,
             master_addr,
             master_port,
+            store_port,
+            run_id: args.rdzv_id,
+            omp_threads,
             trace_dir,
             heartbeat_timeout,
             external_store: args.store_addr.is_some(),
@@ -195,7 +264,7 @@ impl JobConfig {
             tee: args.tee,
             filter,
             timeout,
-            program: args.program,
+            program,
         })
     }
 
@@ -212,6 +281,86 @@ impl JobConfig {
             format!("{}:{port}", self.master_addr)
         }
     }
+}
+
+/// MASTER_PORT for the program: `asked`, or a port free now where 0 was
+/// asked. On node 0 a port something already listens on is an error now,
+/// rather than the program's rank 0 failing to listen later (a connection
+/// attempt tells, and unlike a test bind it cannot collide with another
+/// launcher checking the same port at the same moment).
+fn program_port(addr: &str, asked: u16, node0: bool) -> Result<u16, LaunchError> {
+    use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+    if !node0 {
+        return Ok(asked);
+    }
+    let host = addr.trim_start_matches('[').trim_end_matches(']');
+    if asked == 0 {
+        // Not an address of this host (an alias, a NAT): any local port.
+        let bound = TcpListener::bind((host, 0)).or_else(|_| TcpListener::bind(("0.0.0.0", 0)));
+        return Ok(bound.and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(29500));
+    }
+    let targets = (host, asked).to_socket_addrs().map(|a| a.collect::<Vec<_>>()).unwrap_or_default();
+    if targets.iter().any(|t| TcpStream::connect_timeout(t, Duration::from_millis(500)).is_ok()) {
+        return Err(LaunchError::MasterPortInUse { port: asked, addr: host.to_string() });
+    }
+    Ok(asked)
+}
+
+/// The command line that runs `program`: a `.py` file (or, with `module`, a
+/// module name) runs with `python3 -u`, as torchrun runs it with its own
+/// interpreter; `python3` is the one first on PATH (an active virtual
+/// environment's).
+fn python_program(
+    program: Vec<OsString>,
+    module: Option<String>,
+    no_python: bool,
+) -> Result<Vec<OsString>, LaunchError> {
+    let python = || vec![OsString::from("python3"), OsString::from("-u")];
+    if let Some(module) = module {
+        if module.is_empty() {
+            return Err(LaunchError::ModuleMissing);
+        }
+        let mut cmd = python();
+        cmd.extend(["-m".into(), module.into()]);
+        cmd.extend(program);
+        return Ok(cmd);
+    }
+    let is_py = program.first().is_some_and(|p| p.to_string_lossy().ends_with(".py"));
+    if is_py && !no_python {
+        let mut cmd = python();
+        cmd.extend(program);
+        return Ok(cmd);
+    }
+    Ok(program)
+}
+
+/// How many processes (and threads) this user may run (`ulimit -u`, and the
+/// kernel's thread limit), or `None` when unlimited.
+fn process_limit() -> Option<u64> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `lim`, which outlives the call.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut lim) };
+    let user = (rc == 0 && lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur);
+    let kernel =
+        std::fs::read_to_string("/proc/sys/kernel/threads-max").ok().and_then(|s| s.trim().parse::<u64>().ok());
+    match (user, kernel) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// A warning when `nproc` ranks (each a process, plus the launcher's three
+/// threads that watch it) cannot fit under `limit`.
+fn process_limit_warning(nproc: usize, limit: Option<u64>) -> Option<String> {
+    let limit = limit?;
+    let needed = nproc as u64 * 4;
+    (needed > limit).then(|| {
+        format!(
+            "-n {nproc} needs about {needed} processes and threads (a process per rank, three launcher threads \
+             to watch each), but this user may have at most {limit} (`ulimit -u`, /proc/sys/kernel/threads-max): \
+             ranks past the limit will fail to start; lower -n or raise the limit"
+        )
+    })
 }
 
 /// The secret from the environment, or a fresh one for a one-node job.
@@ -283,6 +432,29 @@ mod tests {
     }
 
     #[test]
+    fn py_programs_run_with_python() {
+        let v = |s: &[&str]| s.iter().map(OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            python_program(v(&["train.py", "--lr", "1"]), None, false).unwrap(),
+            v(&["python3", "-u", "train.py", "--lr", "1"])
+        );
+        assert_eq!(
+            python_program(v(&["x"]), Some("pkg.train".into()), false).unwrap(),
+            v(&["python3", "-u", "-m", "pkg.train", "x"])
+        );
+        assert_eq!(python_program(v(&["train.py"]), None, true).unwrap(), v(&["train.py"]));
+        assert_eq!(python_program(v(&["./train"]), None, false).unwrap(), v(&["./train"]));
+    }
+
+    #[test]
+    fn process_limit_warns_only_far_beyond() {
+        assert_eq!(process_limit_warning(8, None), None);
+        assert_eq!(process_limit_warning(8, Some(4096)), None);
+        let w = process_limit_warning(5000, Some(4096)).unwrap();
+        assert!(w.contains("-n 5000") && w.contains("4096") && w.contains("ulimit -u"), "{w}");
+    }
+
+    #[test]
     fn ipv6_store_addr_is_bracketed() {
         let mut c = JobConfig {
             nproc: 1,
@@ -290,6 +462,9 @@ mod tests {
             node_rank: 0,
             master_addr: "::1".into(),
             master_port: 1,
+            store_port: 2,
+            run_id: "none".into(),
+            omp_threads: None,
             secret: "s".into(),
             max_restarts: 0,
             log_dir: None,

@@ -42,11 +42,59 @@ fn describe(p: &DeviceProperties) -> String {
     )
 }
 
+/// Runs `f` with this process's stderr (fd 2) sent to a memory file, and
+/// returns what was written there meanwhile: the Vulkan loader and drivers
+/// that wgpu loads print their own complaints (`XDG_RUNTIME_DIR is
+/// invalid or not set`, ICD warnings) straight to fd 2, where they would
+/// read as cohort's errors. Where fd 2 cannot be redirected, `f` runs as is.
+fn capture_stderr<T>(f: impl FnOnce() -> T) -> (T, String) {
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let _ = std::io::stderr().flush();
+    // SAFETY: memfd_create takes a NUL-terminated name and flags; it returns
+    // a new descriptor or -1.
+    let mem = unsafe { libc::memfd_create(c"cohort-driver-messages".as_ptr(), libc::MFD_CLOEXEC) };
+    if mem < 0 {
+        return (f(), String::new());
+    }
+    // SAFETY: `mem` is a descriptor we just created and own alone.
+    let mut mem = unsafe { std::fs::File::from_raw_fd(mem) };
+    // SAFETY: dup of fd 2, which is open for the life of the process (or
+    // dup fails with -1, handled).
+    let saved = unsafe { libc::dup(2) };
+    // SAFETY: both descriptors are open; dup2 atomically points fd 2 at the
+    // memory file.
+    if saved < 0 || unsafe { libc::dup2(mem.as_raw_fd(), 2) } < 0 {
+        if saved >= 0 {
+            // SAFETY: `saved` is our own duplicate.
+            unsafe { libc::close(saved) };
+        }
+        return (f(), String::new());
+    }
+    let out = f();
+    let _ = std::io::stderr().flush();
+    // SAFETY: `saved` is the duplicate of the original fd 2 made above; it
+    // is put back and then closed once.
+    unsafe {
+        libc::dup2(saved, 2);
+        libc::close(saved);
+    }
+    let mut text = String::new();
+    if mem.rewind().is_ok() {
+        let _ = mem.read_to_string(&mut text);
+    }
+    (out, text)
+}
+
 /// `cohort devices`: lists every backend's devices; a backend without any
-/// says why. Exits 0 (finding no GPU is an answer, not a failure).
+/// says why. Exits 0 (finding no GPU is an answer, not a failure). What the
+/// wgpu driver stack prints to stderr while probing is not shown as
+/// cohort's: a note counts it, and `COHORT_LOG=debug` shows it.
 pub fn devices() -> ExitCode {
     for name in ["cpu", "cuda", "wgpu"] {
-        match backend(name) {
+        let (found, noise) =
+            if name == "wgpu" { capture_stderr(|| backend(name)) } else { (backend(name), String::new()) };
+        match found {
             Ok(clients) => {
                 println!("{name}: {} device(s)", clients.len());
                 for c in &clients {
@@ -54,6 +102,17 @@ pub fn devices() -> ExitCode {
                 }
             }
             Err(why) => println!("{name}: none: {why}"),
+        }
+        let lines: Vec<&str> = noise.lines().filter(|l| !l.trim().is_empty()).collect();
+        if !lines.is_empty() {
+            println!(
+                "  ({} line(s) from the {name} driver stack while probing, not cohort's errors; COHORT_LOG=debug \
+                 shows them)",
+                lines.len()
+            );
+            for line in lines {
+                tracing::debug!(backend = name, "driver: {line}");
+            }
         }
     }
     ExitCode::SUCCESS
@@ -140,4 +199,25 @@ fn bandwidth(src: &cohort_runtime::Handle, a: &Client, b: &Client, bytes: usize,
     }
     times.sort_by(f64::total_cmp);
     Ok(bytes as f64 / times[times.len() / 2] / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_noise_on_fd_2_is_captured_not_shown() {
+        let noise = b"MESA: error: XDG_RUNTIME_DIR is invalid or not set in the environment.\n";
+        let (value, text) = capture_stderr(|| {
+            // SAFETY: writes `noise`, which outlives the call, to fd 2, as a
+            // C library would.
+            unsafe { libc::write(2, noise.as_ptr().cast(), noise.len()) };
+            7
+        });
+        assert_eq!(value, 7);
+        assert!(text.contains("XDG_RUNTIME_DIR is invalid"), "{text:?}");
+        // fd 2 is the real stderr again.
+        let (_, again) = capture_stderr(|| ());
+        assert!(again.is_empty());
+    }
 }

@@ -11,6 +11,7 @@ mod cli;
 mod config;
 mod devices;
 mod output;
+mod reaper;
 mod rendezvous;
 mod run;
 mod settings;
@@ -28,7 +29,18 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = match cli::Cli::try_parse_from(&argv) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let hint = cli::missing_dashes(&e, &argv);
+            let _ = e.print();
+            if hint {
+                eprintln!("\n{}", cli::DASHES_HINT);
+            }
+            return ExitCode::from(e.exit_code() as u8);
+        }
+    };
     // An unusable COHORT_LOG stops every command but `cohort config`, which
     // shows it among the others.
     let filter = match settings::log_filter() {
@@ -46,11 +58,12 @@ fn main() -> ExitCode {
         .init();
 
     match cli.command {
-        cli::Command::Run(args) => run::run(args),
+        cli::Command::Run(args) => run::run(*args),
         cli::Command::Devices => devices::devices(),
         cli::Command::Peers(args) => devices::peers(args),
         cli::Command::Trace(args) => trace::trace(args),
         cli::Command::Store(args) => trace::store(args),
         cli::Command::Config(args) => settings::config(args),
+        cli::Command::Reaper => reaper::serve(),
     }
 }

@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -15,6 +16,55 @@ use parking_lot::Mutex;
 pub const TAIL_LINES: usize = 20;
 /// Longest line kept in the tail (longer ones are cut).
 const TAIL_LINE_MAX: usize = 4096;
+/// Longest piece of a line copied at once: a longer line is split into
+/// pieces of this size (each its own prefixed line on the console; the log
+/// file gets the bytes unchanged), so one enormous line costs the launcher
+/// this much memory, not the line's size.
+pub const LINE_MAX: usize = 64 << 10;
+
+/// What the readers of one attempt are doing, so the supervisor waits for
+/// every line without waiting forever on a pipe that an escaped process
+/// holds open and never writes to.
+#[derive(Clone, Default)]
+pub struct Activity(Arc<ActivityInner>);
+
+#[derive(Default)]
+struct ActivityInner {
+    /// Pieces copied so far, all readers together.
+    copied: AtomicU64,
+    /// Readers in a write to the console or a file now (a slow consumer,
+    /// `cohort run ... | less`, holds them there).
+    writing: AtomicUsize,
+}
+
+impl Activity {
+    /// Pieces copied so far.
+    pub fn copied(&self) -> u64 {
+        self.0.copied.load(Ordering::SeqCst)
+    }
+
+    /// Whether a reader is writing now.
+    pub fn writing(&self) -> bool {
+        self.0.writing.load(Ordering::SeqCst) > 0
+    }
+}
+
+/// Counts a reader as writing while it lives.
+struct Writing<'a>(&'a ActivityInner);
+
+impl<'a> Writing<'a> {
+    fn start(a: &'a ActivityInner) -> Self {
+        a.writing.fetch_add(1, Ordering::SeqCst);
+        Writing(a)
+    }
+}
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        self.0.writing.fetch_sub(1, Ordering::SeqCst);
+        self.0.copied.fetch_add(1, Ordering::SeqCst);
+    }
+}
 
 /// The last [`TAIL_LINES`] lines a rank wrote, stdout and stderr together.
 #[derive(Clone, Default)]
@@ -57,6 +107,8 @@ pub struct Sinks {
     pub log_dir: Option<PathBuf>,
     /// Its last lines.
     pub tail: Tail,
+    /// Its readers' progress, shared by every rank of the attempt.
+    pub activity: Activity,
 }
 
 impl Sinks {
@@ -88,48 +140,115 @@ pub fn spawn_reader(
     file: Option<File>,
     done: Sender<()>,
 ) -> io::Result<JoinHandle<()>> {
-    let prefix = sinks.prefix.clone();
-    let console = sinks.console;
-    let tail = sinks.tail.clone();
+    let copy = Copy {
+        stream,
+        prefix: sinks.prefix.clone(),
+        console: sinks.console,
+        tail: sinks.tail.clone(),
+        activity: sinks.activity.clone(),
+        file_name: sinks.log_dir.as_ref().map(|d| d.join(stream.file_name())),
+    };
     std::thread::Builder::new().name("cohort-output".into()).spawn(move || {
         let _done = done;
-        copy_lines(pipe, stream, &prefix, console, file, &tail);
+        copy.run(pipe, file, &mut io::stderr());
     })
 }
 
-fn copy_lines(pipe: impl Read, stream: Stream, prefix: &[u8], console: bool, mut file: Option<File>, tail: &Tail) {
-    let mut reader = BufReader::with_capacity(64 << 10, pipe);
-    let mut line = Vec::with_capacity(256);
-    let mut out = Vec::with_capacity(256);
+impl Stream {
+    fn file_name(self) -> &'static str {
+        match self {
+            Stream::Stdout => "stdout.log",
+            Stream::Stderr => "stderr.log",
+        }
+    }
+}
+
+/// One reader's settings.
+struct Copy {
+    stream: Stream,
+    prefix: Arc<[u8]>,
+    console: bool,
+    tail: Tail,
+    activity: Activity,
+    /// The log file's path, for the message when it cannot be written.
+    file_name: Option<PathBuf>,
+}
+
+/// Reads up to and including the next `\n`, or [`LINE_MAX`] bytes of a
+/// longer line, into `line`; 0 at the end of the pipe.
+fn read_piece(reader: &mut impl BufRead, line: &mut Vec<u8>) -> io::Result<usize> {
+    line.clear();
     loop {
-        line.clear();
-        match reader.read_until(b'\n', &mut line) {
-            Ok(0) => return,
-            Ok(_) => {}
+        let buf = match reader.fill_buf() {
+            Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(_) => return,
+            Err(e) => return Err(e),
+        };
+        if buf.is_empty() {
+            return Ok(line.len());
         }
-        tail.push(&line);
-        if let Some(f) = &mut file {
-            // A full disk must not stop the rank: drop the file, keep going.
-            if f.write_all(&line).is_err() {
-                file = None;
-            }
+        let room = LINE_MAX - line.len();
+        let window = &buf[..buf.len().min(room)];
+        if let Some(i) = window.iter().position(|&b| b == b'\n') {
+            line.extend_from_slice(&window[..=i]);
+            reader.consume(i + 1);
+            return Ok(line.len());
         }
-        if console {
-            out.clear();
-            out.extend_from_slice(prefix);
-            out.extend_from_slice(&line);
-            if !line.ends_with(b"\n") {
-                out.push(b'\n');
+        let n = window.len();
+        line.extend_from_slice(window);
+        reader.consume(n);
+        if line.len() >= LINE_MAX {
+            return Ok(line.len());
+        }
+    }
+}
+
+impl Copy {
+    /// Copies `pipe` until it closes; `report` gets the one message about a
+    /// log file that could not be written (a full disk).
+    fn run(&self, pipe: impl Read, mut file: Option<File>, report: &mut impl Write) {
+        let mut reader = BufReader::with_capacity(LINE_MAX, pipe);
+        let mut line = Vec::with_capacity(256);
+        let mut out = Vec::with_capacity(256);
+        let full_disk_said = AtomicBool::new(false);
+        loop {
+            match read_piece(&mut reader, &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
             }
-            // One write per line under the lock, so lines of ranks never mix.
-            // A closed console (`cohort run ... | head`) is not the rank's
-            // problem: ignore write errors.
-            let _ = match stream {
-                Stream::Stdout => io::stdout().lock().write_all(&out),
-                Stream::Stderr => io::stderr().lock().write_all(&out),
-            };
+            let _writing = Writing::start(&self.activity.0);
+            self.tail.push(&line);
+            if let Some(f) = &mut file {
+                // A full disk must not stop the rank: say so once, drop the
+                // file, keep going.
+                if let Err(e) = f.write_all(&line) {
+                    if !full_disk_said.swap(true, Ordering::Relaxed) {
+                        let path = self.file_name.as_ref().map_or("?".into(), |p| p.display().to_string());
+                        let rest = if self.console { "the console still shows it" } else { "the rest is lost" };
+                        let _ = writeln!(
+                            report,
+                            "cohort: cannot write {path}: {e}; stopped logging this stream to it ({rest}): free \
+                             space under --log-dir"
+                        );
+                    }
+                    file = None;
+                }
+            }
+            if self.console {
+                out.clear();
+                out.extend_from_slice(&self.prefix);
+                out.extend_from_slice(&line);
+                if !line.ends_with(b"\n") {
+                    out.push(b'\n');
+                }
+                // One write per line under the lock, so lines of ranks never mix.
+                // A closed console (`cohort run ... | head`) is not the rank's
+                // problem: ignore write errors.
+                let _ = match self.stream {
+                    Stream::Stdout => io::stdout().lock().write_all(&out),
+                    Stream::Stderr => io::stderr().lock().write_all(&out),
+                };
+            }
         }
     }
 }
@@ -150,19 +269,66 @@ mod tests {
         assert_eq!(lines[19], "line 29");
     }
 
+    fn copier(console: bool, log_dir: Option<PathBuf>) -> (Copy, Sinks) {
+        let sinks = Sinks {
+            prefix: Arc::from(&b"[rank 0]: "[..]),
+            console,
+            log_dir: log_dir.clone(),
+            tail: Tail::default(),
+            activity: Activity::default(),
+        };
+        let copy = Copy {
+            stream: Stream::Stdout,
+            prefix: Arc::from(&b""[..]),
+            console,
+            tail: sinks.tail.clone(),
+            activity: sinks.activity.clone(),
+            file_name: log_dir.map(|d| d.join("stdout.log")),
+        };
+        (copy, sinks)
+    }
+
     #[test]
     fn lines_go_to_file_and_tail() {
         let dir = std::env::temp_dir().join(format!("cohort-output-test-{}", std::process::id()));
-        let sinks = Sinks {
-            prefix: Arc::from(&b"[rank 0]: "[..]),
-            console: false,
-            log_dir: Some(dir.clone()),
-            tail: Tail::default(),
-        };
+        let (copy, sinks) = copier(false, Some(dir.clone()));
         let (out, _) = sinks.open_files().unwrap();
-        copy_lines(&b"a\nb\nno newline"[..], Stream::Stdout, b"", false, out, &sinks.tail);
+        let mut report = Vec::new();
+        copy.run(&b"a\nb\nno newline"[..], out, &mut report);
         assert_eq!(std::fs::read_to_string(dir.join("stdout.log")).unwrap(), "a\nb\nno newline");
         assert_eq!(sinks.tail.lines(), ["a", "b", "no newline"]);
+        assert!(report.is_empty());
+        assert_eq!(sinks.activity.copied(), 3);
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn an_enormous_line_is_split_into_bounded_pieces() {
+        let big = vec![b'x'; 5 * LINE_MAX + 10];
+        let mut reader = BufReader::with_capacity(LINE_MAX, &big[..]);
+        let mut piece = Vec::new();
+        let mut sizes = Vec::new();
+        while read_piece(&mut reader, &mut piece).unwrap() > 0 {
+            sizes.push(piece.len());
+            assert!(piece.capacity() <= 2 * LINE_MAX, "the piece buffer stays bounded");
+        }
+        assert_eq!(sizes, [LINE_MAX, LINE_MAX, LINE_MAX, LINE_MAX, LINE_MAX, 10]);
+        let (copy, sinks) = copier(false, None);
+        copy.run(&big[..], None, &mut Vec::new());
+        assert!(sinks.tail.lines().iter().all(|l| l.len() <= TAIL_LINE_MAX));
+    }
+
+    #[test]
+    fn a_full_disk_is_reported_once() {
+        // /dev/full fails every write with ENOSPC, as a full --log-dir does.
+        let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else { return };
+        let (copy, sinks) = copier(false, Some(PathBuf::from("/logs/attempt_0/rank_3")));
+        let mut report = Vec::new();
+        copy.run(&b"one\ntwo\nthree\n"[..], Some(full), &mut report);
+        let report = String::from_utf8(report).unwrap();
+        assert_eq!(report.lines().count(), 1, "{report}");
+        assert!(report.contains("/logs/attempt_0/rank_3/stdout.log") && report.contains("No space left"), "{report}");
+        assert!(report.contains("the rest is lost") && report.contains("--log-dir"), "{report}");
+        assert_eq!(sinks.tail.lines(), ["one", "two", "three"], "the tail still has every line");
     }
 }

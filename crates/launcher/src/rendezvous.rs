@@ -54,12 +54,12 @@ impl Rendezvous {
     /// node. Waits for node 0's store up to the rendezvous limit.
     pub fn start(cfg: &JobConfig, deadline: Option<Instant>) -> Result<Self, LaunchError> {
         let (server, port) = if cfg.node_rank == 0 && !cfg.external_store {
-            let bind_addr = cfg.store_addr(cfg.master_port);
+            let bind_addr = cfg.store_addr(cfg.store_port);
             let server = StoreServer::bind(bind_addr.as_str(), &cfg.secret)?;
             let port = server.local_addr().port();
             (Some(server), port)
         } else {
-            (None, cfg.master_port)
+            (None, cfg.store_port)
         };
         let addr = cfg.store_addr(port);
         let limit = time_left(deadline);
@@ -102,8 +102,8 @@ impl Rendezvous {
                 StoreError::BarrierTimeout { arrived, world_size, waited, .. } => LaunchError::Rendezvous(format!(
                     "waited {waited:.0?} for the launchers of the other nodes: {arrived} of \
                              {world_size} arrived; start `cohort run --nnodes {world_size} \
-                             --node-rank <n> --master-addr {} --master-port {}` on every node",
-                    cfg.master_addr, self.port
+                             --node-rank <n> --master-addr {} --master-port {} --store-port {}` on every node",
+                    cfg.master_addr, cfg.master_port, self.port
                 )),
                 e => e.into(),
             })?;

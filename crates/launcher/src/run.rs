@@ -19,8 +19,8 @@ use crate::{trace, watchdog};
 pub const TIMEOUT_EXIT: u8 = 124;
 
 /// Runs `cohort run` and returns the launcher's exit code: 0 when every rank
-/// of every node exited with 0; otherwise 1 for a rank's non-zero exit code,
-/// 128 + N for a rank killed by signal N or a launcher interrupted by it,
+/// of every node exited with 0; otherwise the first failing rank's own exit
+/// code, 128 + N for a rank killed by signal N or a launcher interrupted by it,
 /// [`TIMEOUT_EXIT`] past `--timeout`, and 1 for the launcher's own errors.
 pub fn run(args: RunArgs) -> ExitCode {
     match run_job(args) {
@@ -46,6 +46,14 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
         .map_err(|e| LaunchError::TraceDir { path: cfg.trace_dir.clone(), source: e.into() })?;
     let (tx, rx) = crossbeam::channel::unbounded();
     signals::install(tx.clone()).map_err(LaunchError::Signals)?;
+    crate::reaper::init();
+    if let Some(n) = &cfg.omp_threads {
+        eprintln!(
+            "cohort: OMP_NUM_THREADS is unset: setting it to {n} for the {} ranks of this node so they do not \
+             overload its cores (export OMP_NUM_THREADS to choose)",
+            cfg.nproc
+        );
+    }
     let rdzv = Rendezvous::start(&cfg, deadline)?;
     tracing::info!(port = rdzv.port(), nproc = cfg.nproc, "rendezvous store ready");
 

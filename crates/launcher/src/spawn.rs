@@ -18,14 +18,26 @@ pub struct RankEnv {
 
 impl RankEnv {
     /// The variables torchrun sets, plus cohort's own, for attempt `restart`
-    /// of the job whose store listens on `store_port`.
+    /// of the job whose (cohort) store listens on `store_port`.
+    ///
+    /// MASTER_ADDR:MASTER_PORT is left to the program (PyTorch's rank 0
+    /// listens there with its TCPStore), as under torchrun; cohort's store is
+    /// in COHORT_STORE_ADDR.
     pub fn new(cfg: &JobConfig, store_port: u16, restart: u32) -> RankEnv {
         let mut vars = vec![
             ("WORLD_SIZE", cfg.world_size().to_string()),
             ("LOCAL_WORLD_SIZE", cfg.nproc.to_string()),
             ("GROUP_RANK", cfg.node_rank.to_string()),
+            ("GROUP_WORLD_SIZE", cfg.nnodes.to_string()),
+            ("ROLE_NAME", "default".to_string()),
+            ("ROLE_WORLD_SIZE", cfg.world_size().to_string()),
             ("MASTER_ADDR", cfg.master_addr.clone()),
-            ("MASTER_PORT", store_port.to_string()),
+            ("MASTER_PORT", cfg.master_port.to_string()),
+            ("TORCHELASTIC_RUN_ID", cfg.run_id.clone()),
+            ("TORCHELASTIC_RESTART_COUNT", restart.to_string()),
+            ("TORCHELASTIC_MAX_RESTARTS", cfg.max_restarts.to_string()),
+            // PyTorch's rank 0 then serves its own store on MASTER_PORT.
+            ("TORCHELASTIC_USE_AGENT_STORE", "False".to_string()),
             (config::JOB_SECRET.name, cfg.secret.clone()),
             (config::STORE_ADDR.name, cfg.store_addr(store_port)),
             (config::RESTART_COUNT.name, restart.to_string()),
@@ -34,6 +46,9 @@ impl RankEnv {
         ];
         if let Some(t) = cfg.timeout {
             vars.push((config::TIMEOUT.name, t.as_secs_f64().to_string()));
+        }
+        if let Some(n) = &cfg.omp_threads {
+            vars.push(("OMP_NUM_THREADS", n.clone()));
         }
         RankEnv { vars }
     }
@@ -59,6 +74,7 @@ pub fn spawn_rank(program: &[OsString], env: &RankEnv, rank: usize, local_rank: 
     cmd.args(args)
         .envs(env.vars.iter().map(|(k, v)| (k, v)))
         .env("RANK", rank.to_string())
+        .env("ROLE_RANK", rank.to_string())
         .env("LOCAL_RANK", local_rank.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -31,12 +31,13 @@ impl Ending {
         self == Ending::Code(0)
     }
 
-    /// The launcher's exit code when this ending failed the job: 1 for a
-    /// non-zero exit code, 128 + the signal's number for a signal (as a shell
-    /// reports it).
+    /// The launcher's exit code when this ending failed the job, as
+    /// `mpirun` gives it: the rank's own exit code, or 128 + the signal's
+    /// number for a signal (as a shell reports it).
     pub fn launcher_code(self) -> u8 {
         match self {
-            Ending::Code(_) => 1,
+            // Exit codes are 0-255 on Unix; a failure is never 0.
+            Ending::Code(c) => u8::try_from(c & 0xff).ok().filter(|&c| c != 0).unwrap_or(1),
             Ending::Signal(s) => 128u8.saturating_add(s as u8),
         }
     }
@@ -98,14 +99,16 @@ pub struct Failure {
     pub after: Duration,
     /// Its last lines of output (stdout and stderr, in arrival order).
     pub tail: Vec<String>,
+    /// Ranks in the job (with one, no other rank was stopped).
+    pub world_size: usize,
 }
 
 impl Failure {
     /// The multi-line summary printed when the job fails.
     pub fn summary(&self) -> String {
+        let (first, others) = if self.world_size > 1 { (" first", "; the other ranks were stopped") } else { ("", "") };
         let mut s = format!(
-            "rank {} failed first: it {} after {:.2} s (local rank {} on node {}, pid {}); the \
-             other ranks were stopped",
+            "rank {} failed{first}: it {} after {:.2} s (local rank {} on node {}, pid {}){others}",
             self.rank,
             self.ending,
             self.after.as_secs_f64(),
@@ -131,10 +134,11 @@ impl Failure {
     /// The summary when this rank stopped heartbeating for `silent` and
     /// was killed.
     pub fn unresponsive_summary(&self, silent: Duration) -> String {
+        let others = if self.world_size > 1 { " and the other ranks were stopped" } else { "" };
         let mut s = format!(
             "rank {} stopped answering: no heartbeat for {:.1} s after {:.2} s (local rank {} on node {}, pid {}: \
-             stopped with SIGSTOP, frozen in a debugger, or hung in the kernel?); it was killed and the other ranks \
-             were stopped; --heartbeat-timeout sets the limit",
+             stopped with SIGSTOP, frozen in a debugger, or hung in the kernel?); it was killed{others}; \
+             --heartbeat-timeout sets the limit",
             self.rank,
             silent.as_secs_f64(),
             self.after.as_secs_f64(),
@@ -212,6 +216,26 @@ mod tests {
         assert_eq!(Ending::Code(3).to_string(), "exited with code 3");
         assert_eq!(Ending::Signal(9).to_string(), "was killed by signal SIGKILL (9)");
         assert_eq!(Ending::Signal(9).launcher_code(), 137);
-        assert_eq!(Ending::Code(3).launcher_code(), 1);
+        assert_eq!(Ending::Code(3).launcher_code(), 3);
+        assert_eq!(Ending::Code(256).launcher_code(), 1);
+    }
+
+    #[test]
+    fn one_rank_summary_names_no_others() {
+        let mut f = Failure {
+            rank: 0,
+            local_rank: 0,
+            node_rank: 0,
+            pid: 1,
+            ending: Ending::Code(2),
+            after: Duration::from_secs(1),
+            tail: vec![],
+            world_size: 1,
+        };
+        let one = f.summary();
+        assert!(one.starts_with("rank 0 failed: it exited with code 2") && !one.contains("other ranks"), "{one}");
+        assert!(!f.unresponsive_summary(Duration::from_secs(3)).contains("other ranks"));
+        f.world_size = 2;
+        assert!(f.summary().contains("rank 0 failed first") && f.summary().contains("the other ranks were stopped"));
     }
 }

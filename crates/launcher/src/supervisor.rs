@@ -21,9 +21,11 @@ pub const SIGNAL_GRACE: Duration = Duration::from_secs(30);
 /// Time ranks that heartbeat get to write their flight recorders (asked
 /// with SIGUSR1) before the launcher stops them.
 pub const DUMP_GRACE: Duration = Duration::from_millis(500);
-/// How long to wait for the last output of exited ranks (held open by
-/// processes that escaped their group, if any).
-const DRAIN_LIMIT: Duration = Duration::from_secs(2);
+/// Once every rank exited: how long the readers may copy nothing (and write
+/// nothing) before the launcher stops waiting for them: the pipes are then
+/// held open by processes that escaped their group. A reader that is busy
+/// writing to a slow console is waited for, however long it takes.
+const DRAIN_IDLE: Duration = Duration::from_secs(2);
 
 /// Something the supervisor reacts to; every source sends on one channel.
 #[derive(Debug)]
@@ -114,10 +116,11 @@ pub fn run_attempt(
     let (done_tx, done_rx) = crossbeam::channel::bounded::<()>(0);
     let mut ranks: Vec<RankProc> = Vec::with_capacity(cfg.nproc);
     let mut reason: Option<Reason> = None;
+    let activity = output::Activity::default();
 
     for local_rank in 0..cfg.nproc {
         let rank = RankEnv::global_rank(cfg, local_rank);
-        match start_rank(cfg, env, attempt, rank, local_rank, tx, &done_tx) {
+        match start_rank(cfg, env, attempt, (rank, local_rank), tx, &done_tx, &activity) {
             Ok(p) => ranks.push(p),
             Err(msg) => {
                 reason = Some(Reason::SpawnFailed(msg));
@@ -215,9 +218,10 @@ pub fn run_attempt(
     // Whatever the ranks started in their groups goes with them.
     for p in &ranks {
         kill_group(p.pid, libc::SIGKILL);
+        crate::reaper::forget(p.pid);
     }
     // Every reader holds a `done` sender: disconnection means all finished.
-    let _ = done_rx.recv_timeout(DRAIN_LIMIT);
+    drain(&done_rx, &activity);
 
     match reason {
         None => Outcome::Success,
@@ -227,6 +231,29 @@ pub fn run_attempt(
         Some(Reason::TimedOut(running)) => Outcome::TimedOut(running),
         Some(Reason::SpawnFailed(msg)) => Outcome::SpawnFailed(msg),
         Some(Reason::Verdict) => Outcome::Verdict(verdict_seen.expect("the verdict that stopped the ranks")),
+    }
+}
+
+/// Waits until every reader has copied its pipe to the end, however slow
+/// the console; gives up only when none copied or wrote anything for
+/// [`DRAIN_IDLE`] (an escaped process holds a pipe open and is silent).
+fn drain(done: &Receiver<()>, activity: &output::Activity) {
+    let mut seen = activity.copied();
+    loop {
+        match done.recv_timeout(DRAIN_IDLE) {
+            Err(RecvTimeoutError::Timeout) => {
+                let now = activity.copied();
+                if now == seen && !activity.writing() {
+                    tracing::warn!(
+                        "stopped waiting for the ranks' output: a process they started holds their pipes open \
+                         and has written nothing for {DRAIN_IDLE:?}"
+                    );
+                    return;
+                }
+                seen = now;
+            }
+            _ => return,
+        }
     }
 }
 
@@ -240,6 +267,7 @@ fn failure(cfg: &JobConfig, p: &RankProc) -> Failure {
         ending,
         after: at - p.started,
         tail: p.tail.lines(),
+        world_size: cfg.world_size(),
     }
 }
 
@@ -275,16 +303,17 @@ fn start_rank(
     cfg: &JobConfig,
     env: &RankEnv,
     attempt: u32,
-    rank: usize,
-    local_rank: usize,
+    (rank, local_rank): (usize, usize),
     events: &Sender<Event>,
     done: &Sender<()>,
+    activity: &output::Activity,
 ) -> Result<RankProc, String> {
     let sinks = Sinks {
         prefix: Arc::from(format!("[rank {rank}]: ").into_bytes()),
         console: (cfg.log_dir.is_none() || cfg.tee) && cfg.filter.as_ref().is_none_or(|f| f.contains(&local_rank)),
         log_dir: cfg.log_dir.as_ref().map(|d| output::rank_log_dir(d, attempt, rank)),
         tail: Tail::default(),
+        activity: activity.clone(),
     };
     let (out_file, err_file) = sinks
         .open_files()
@@ -297,6 +326,7 @@ fn start_rank(
         )
     })?;
     let pid = child.id();
+    crate::reaper::watch(pid);
     let stdout = child.stdout.take().expect("stdout is piped");
     let stderr = child.stderr.take().expect("stderr is piped");
     let threads = output::spawn_reader(stdout, Stream::Stdout, &sinks, out_file, done.clone())
@@ -311,6 +341,7 @@ fn start_rank(
     if let Err(e) = waiter {
         // Out of threads: the rank cannot be watched, so it must not run.
         kill_group(pid, libc::SIGKILL);
+        crate::reaper::forget(pid);
         return Err(format!("cannot start the threads that watch rank {rank}: {e}"));
     }
     Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail, beating: false })

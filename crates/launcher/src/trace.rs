@@ -29,10 +29,14 @@ pub fn trace(args: TraceArgs) -> ExitCode {
 }
 
 /// Removes the flight-recorder dumps (`rank<N>.json`) an earlier run left
-/// in `dir`, and creates it (0700; refused when not this user's own, see
-/// `cohort_runtime::private_fs`).
+/// in `dir`. Does not create it: a rank that writes a dump makes it (0700,
+/// see `cohort_runtime::private_fs`), so a job that writes none leaves no
+/// empty folder behind. A folder that is not this user's own is left alone.
 pub fn clear_dumps(dir: &Path) {
-    let folder = match cohort_runtime::private_fs::PrivateDir::open_or_create(dir) {
+    if !dir.exists() {
+        return;
+    }
+    let folder = match cohort_runtime::private_fs::PrivateDir::open(dir) {
         Ok(folder) => folder,
         Err(e) => {
             tracing::warn!("cannot use the trace folder: {e}");

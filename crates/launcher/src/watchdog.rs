@@ -5,7 +5,12 @@
 //! (SIGSTOP, a debugger, a kernel hang), and the supervisor stops the job.
 //!
 //! Ranks that never form a communicator never beat and are not watched.
-//! Time is the launcher's own clock: ranks' clocks do not matter.
+//! Time is the launcher's own clock: ranks' clocks do not matter. When that
+//! clock jumps between two rounds (the launcher was stopped with Ctrl-Z and
+//! resumed, or the machine slept), the silence is the launcher's own, not
+//! the ranks': every rank gets a fresh window. While the launcher is stopped
+//! so is the store it serves, so the ranks' beats queue up unanswered and
+//! the first reads after the pause would still show the old values.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -55,6 +60,9 @@ pub fn start(
     let spawned = std::thread::Builder::new().name("cohort-watchdog".into()).spawn(move || {
         // Per rank: last value seen, when it last changed, reported.
         let mut seen: Vec<(Option<Vec<u8>>, Instant, bool)> = vec![(None, Instant::now(), false); ranks.len()];
+        // When the previous read (or sleep) ended; a read or sleep that took
+        // far longer than it should means the launcher stood still.
+        let mut last_tick = Instant::now();
         while !stopped.load(Ordering::Relaxed) {
             for (i, &(rank, local_rank)) in ranks.iter().enumerate() {
                 let value = match client.get(&job_heartbeat_key(rank)) {
@@ -63,6 +71,14 @@ pub fn start(
                     Err(_) => return,
                 };
                 let now = Instant::now();
+                let gap = now - last_tick;
+                last_tick = now;
+                if paused(gap, period, limit) {
+                    tracing::info!(?gap, "the launcher itself was paused; restarting every rank's heartbeat window");
+                    for entry in &mut seen {
+                        entry.1 = now;
+                    }
+                }
                 let entry = &mut seen[i];
                 if value.is_some() && value != entry.0 {
                     if entry.0.is_none() {
@@ -83,5 +99,26 @@ pub fn start(
             tracing::warn!("heartbeat watchdog off: cannot start its thread: {e}");
             None
         }
+    }
+}
+
+/// Whether a gap of `gap` between two rounds that should be `period` apart
+/// means the launcher itself stood still (stopped, the machine asleep): more
+/// than a quarter of the limit and more than a second beyond the period.
+fn paused(gap: Duration, period: Duration, limit: Duration) -> bool {
+    gap > period + (limit / 4).max(Duration::from_secs(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_gap_between_rounds_is_a_pause_of_the_launcher() {
+        let (period, limit) = (Duration::from_millis(100), Duration::from_secs(30));
+        assert!(!paused(Duration::from_millis(150), period, limit));
+        assert!(!paused(Duration::from_secs(5), period, limit), "a loaded machine's hiccup");
+        assert!(paused(Duration::from_secs(40), period, limit), "Ctrl-Z, then fg");
+        assert!(paused(Duration::from_secs(3), period, Duration::from_secs(2)));
     }
 }

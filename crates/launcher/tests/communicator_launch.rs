@@ -57,7 +57,7 @@ fn two_launchers_form_one_eight_rank_job_over_tcp_and_shm() {
     let port = free_port().to_string();
     let node = |rank: &str| {
         let mut c = suite_run(
-            &["-n", "4", "--nnodes", "2", "--node-rank", rank, "--master-port", &port],
+            &["-n", "4", "--nnodes", "2", "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", &port],
             &["--large", "65536"],
         );
         c.env("COHORT_JOB_SECRET", "two-node-test-secret");
@@ -96,7 +96,7 @@ fn a_crashed_rank_fails_the_job_with_a_summary_and_leaves_no_process() {
     // LIMIT: the job ends in time only because the launcher stops them.
     let out = output_within(suite_run(&["-n", "4", "--master-port", "0"], &["--pid-dir", d, "crash", "2"]), LIMIT);
     let (_, stderr) = texts(&out);
-    assert_eq!(code(out.status, &out), 1, "{stderr}");
+    assert_eq!(code(out.status, &out), 3, "the crashed rank's own exit code: {stderr}");
     assert!(stderr.contains("rank 2 failed first") && stderr.contains("exited with code 3"), "{stderr}");
     assert!(stderr.contains("crashing on purpose"), "the summary shows its last lines: {stderr}");
     let pids = read_pids(&dir);

@@ -12,7 +12,18 @@ const LIMIT: Duration = Duration::from_secs(60);
 fn node(node_rank: u32, port: u16, secret: &str, extra: &[&str], steps: &[&str]) -> Command {
     let port = port.to_string();
     let node_rank = node_rank.to_string();
-    let mut opts = vec!["-n", "4", "--nnodes", "2", "--node-rank", &node_rank, "--master-port", &port];
+    let mut opts = vec![
+        "-n",
+        "4",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        &node_rank,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port,
+    ];
     opts.extend_from_slice(extra);
     let mut cmd = cohort_run(&opts, steps);
     cmd.env("COHORT_JOB_SECRET", secret);
@@ -69,7 +80,7 @@ fn a_failure_on_one_node_fails_every_node() {
     let out1 = wait_output(n1, LIMIT);
     for out in [&out0, &out1] {
         let (_, stderr) = texts(out);
-        assert_eq!(code(out.status, out), 1, "{stderr}");
+        assert_eq!(code(out.status, out), 7, "the failing rank's own exit code on every node: {stderr}");
         assert!(stderr.contains("rank 6 failed first"), "{stderr}");
         assert!(stderr.contains("exited with code 7"), "{stderr}");
         assert!(stderr.contains("on node 1"), "{stderr}");
@@ -101,7 +112,8 @@ fn wrong_secret_is_refused() {
 
 #[test]
 fn multi_node_needs_an_exported_secret() {
-    let mut cmd = cohort_run(&["-n", "2", "--nnodes", "2", "--master-port", "29999"], &["env"]);
+    let mut cmd =
+        cohort_run(&["-n", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29999"], &["env"]);
     cmd.env_remove("COHORT_JOB_SECRET");
     let out = output_within(cmd, LIMIT);
     let (_, stderr) = texts(&out);

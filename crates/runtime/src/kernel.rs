@@ -9,12 +9,21 @@ use crate::handle::Handle;
 
 static NEXT_KERNEL: AtomicU64 = AtomicU64::new(1);
 
-/// What a CPU kernel sees: the grid it was launched with, its buffers (as
-/// mutable byte slices of device memory) and its scalars.
+/// What a CPU kernel is given, once per launch: the grid it was launched
+/// with, its buffers (whole, as mutable byte slices of device memory) and
+/// its scalars. See [`CpuKernelFn`] for how a CPU kernel differs from a GPU
+/// one.
 pub struct CpuKernelContext<'a> {
+    /// Blocks (workgroups) of the launch along x, y, z: a dynamic grid is
+    /// already read from its buffer. Information only: the kernel runs once
+    /// whatever the grid (a zero-sized grid does not run it at all).
     pub grid: [u32; 3],
+    /// Threads per block, from [`Kernel::with_block`].
     pub block: [u32; 3],
+    /// The launch's buffers, in the order of [`KernelArguments::buffer`]:
+    /// each the whole byte range of its handle, readable and writable.
     pub buffers: Vec<&'a mut [u8]>,
+    /// The launch's scalars, in the order of [`KernelArguments::scalar`].
     pub scalars: &'a [Scalar],
 }
 
@@ -60,6 +69,79 @@ impl CpuKernelContext<'_> {
 }
 
 /// The CPU source of a kernel: a Rust function run on the device's thread.
+///
+/// **It runs once per launch, over whole buffers, whatever the grid.** A
+/// CUDA or WGSL kernel runs once per thread of the grid and finds its
+/// element from its thread index; the CPU function is called a single time
+/// with a [`CpuKernelContext`] and does the whole launch's work itself,
+/// usually in a loop. The grid and block are there to read, not a loop it
+/// is put in. A panic in it fails the launch: the message marks the
+/// launch's buffers, and the next read of one returns it.
+///
+/// # One kernel that behaves the same on every backend
+///
+/// - **Pass the element count as a scalar** and let every source stop
+///   there: the CPU loops `0..n`; CUDA and WGSL return when their index is
+///   `>= n`, because [`GridCount::cover`] rounds the grid up to whole blocks.
+///   Do not take the count from a buffer's length: a wgpu binding is rounded
+///   up to whole 4-byte words, and a handle may be a slice of a larger page.
+/// - **Keep the argument order**: buffer `i` is `ctx.buffer(i)` on the CPU,
+///   the `i`-th pointer parameter in CUDA, `@group(0) @binding(i)` in WGSL;
+///   scalars follow (in CUDA as the next parameters, in WGSL packed as
+///   32-bit words into one storage buffer bound after the buffers).
+/// - **Write only your own elements.** GPU threads run in no particular
+///   order; a CPU loop runs in order. A result that depends on that order
+///   (element `i` reading element `i - 1` of the same launch's output)
+///   differs between backends.
+/// - **Use the same arithmetic.** `f32` on the CPU for `float`/`f32` on the
+///   GPU; results may still differ in the last bit where a GPU compiler
+///   fuses a multiply and an add, so compare floating-point results with a
+///   tolerance.
+///
+/// ```
+/// use cohort_runtime::{GridCount, Kernel, KernelArguments, Scalar};
+///
+/// // y[i] = a * x[i] + y[i] for i < n, on any backend.
+/// let axpy = Kernel::new("axpy")
+///     .with_cpu(|ctx| {
+///         let a = ctx.scalar(0).as_f64() as f32;
+///         let n = ctx.scalar(1).as_f64() as usize;
+///         let (x, y) = ctx.buffer_pair::<f32, f32>(0, 1);
+///         for i in 0..n {
+///             y[i] += a * x[i];
+///         }
+///     })
+///     .with_cuda(
+///         r#"extern "C" __global__ void axpy(const float* x, float* y, float a, unsigned int n) {
+///             unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+///             if (i >= n) return;
+///             y[i] += a * x[i];
+///         }"#,
+///     )
+///     .with_wgsl(
+///         r#"@group(0) @binding(0) var<storage, read_write> x: array<f32>;
+///         @group(0) @binding(1) var<storage, read_write> y: array<f32>;
+///         @group(0) @binding(2) var<storage, read> s: array<u32>;
+///         @compute @workgroup_size(256)
+///         fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+///             let i = gid.x;
+///             if (i >= s[1]) { return; }
+///             y[i] += bitcast<f32>(s[0]) * x[i];
+///         }"#,
+///     );
+/// // On the CPU backend here (on CUDA or wgpu, the same call runs the
+/// // other sources).
+/// use cohort_runtime::{Bytes, CpuRuntime, Runtime};
+/// let client = CpuRuntime::client(0)?;
+/// let n = 1000;
+/// let x = client.create(Bytes::from_elems(&vec![1.0f32; n]));
+/// let y = client.create(Bytes::from_elems(&vec![0.5f32; n]));
+/// let args = KernelArguments::new().buffer(&x).buffer(&y).scalar(Scalar::F32(2.0)).scalar(Scalar::U32(n as u32));
+/// client.launch(&axpy, GridCount::cover(n, 256), args)?;
+/// let y: Vec<f32> = client.read_one(y)?.to_elems();
+/// assert!(y.iter().all(|&v| v == 2.5));
+/// # Ok::<(), cohort_runtime::ServerError>(())
+/// ```
 pub type CpuKernelFn = Arc<dyn Fn(&mut CpuKernelContext<'_>) + Send + Sync>;
 
 /// A kernel: a name, a block size and a source for each backend it runs on.
@@ -95,7 +177,9 @@ impl Kernel {
         self
     }
 
-    /// Adds the CPU source.
+    /// Adds the CPU source: a function run **once per launch over whole
+    /// buffers**, not once per thread (see [`CpuKernelFn`] for what it is
+    /// given and how to make one kernel behave the same on every backend).
     pub fn with_cpu(mut self, f: impl Fn(&mut CpuKernelContext<'_>) + Send + Sync + 'static) -> Self {
         self.cpu = Some(Arc::new(f));
         self

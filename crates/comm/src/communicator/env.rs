@@ -2,6 +2,10 @@
 //! store and the secret.
 
 use cohort_runtime::config;
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::launch_env::{LaunchEnv, LaunchSource};
 use crate::store::StoreServer;
@@ -50,6 +54,115 @@ fn bracket(host: &str) -> String {
     }
 }
 
+/// Rank 0's secret file, until every rank has joined (then it is removed).
+static SECRET_FILE: parking_lot::Mutex<Option<PathBuf>> = parking_lot::Mutex::new(None);
+
+/// Removes rank 0's secret file, if this process wrote one: called once
+/// every rank has joined the store (each read the file before it could).
+pub(crate) fn remove_secret_file() {
+    if let Some(path) = SECRET_FILE.lock().take() {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// How long ranks other than 0 wait for rank 0's secret file.
+const SECRET_FILE_WAIT: Duration = Duration::from_secs(120);
+
+/// This user's private folder for job secrets: `$XDG_RUNTIME_DIR/cohort`
+/// when that is set, else `/tmp/cohort-<uid>`; made with mode 0700, and
+/// refused unless it is a real folder of this user that no one else may
+/// enter (so no one can plant or read a secret there).
+fn secret_dir() -> Result<PathBuf, ConnectError> {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let dir = match var("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| d.is_dir()) {
+        Some(d) => d.join("cohort"),
+        None => std::env::temp_dir().join(format!("cohort-{uid}")),
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(ConnectError::Config(format!("cannot create {} for the job secret: {e}", dir.display()))),
+    }
+    let meta = std::fs::symlink_metadata(&dir)
+        .map_err(|e| ConnectError::Config(format!("cannot inspect {}: {e}", dir.display())))?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(ConnectError::Config(format!(
+            "{} is not a private folder of this user (a link, another owner, or open to others), so the job \
+             secret cannot be shared through it: remove it, or export COHORT_JOB_SECRET=$(openssl rand -hex 32) \
+             before the launcher",
+            dir.display()
+        )));
+    }
+    Ok(dir)
+}
+
+/// The secret file of job `job` in `dir`.
+fn secret_path(dir: &Path, job: &str) -> PathBuf {
+    let name: String =
+        job.chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '-' { c } else { '_' }).collect();
+    dir.join(format!("job-{name}.secret"))
+}
+
+/// The job's secret, shared on one node without COHORT_JOB_SECRET: rank 0
+/// draws 32 random bytes and writes them (mode 0600, never following a
+/// link, renamed into place whole) to the job's file in [`secret_dir`];
+/// the other ranks wait up to `wait` for the file and read it.
+fn shared_secret(rank: usize, job: &str, wait: Duration) -> Result<String, ConnectError> {
+    let dir = secret_dir()?;
+    let path = secret_path(&dir, job);
+    let failed = |what: &str, e: std::io::Error| {
+        ConnectError::Config(format!(
+            "cannot {what} the job secret file {}: {e}; or export COHORT_JOB_SECRET=$(openssl rand -hex 32) before \
+             the launcher",
+            path.display()
+        ))
+    };
+    if rank == 0 {
+        let secret = crate::store::generate_secret().map_err(|e| ConnectError::Config(e.to_string()))?;
+        let tmp =
+            dir.join(format!(".{}.{}", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)
+            .map_err(|e| failed("write", e))?;
+        f.write_all(secret.as_bytes()).map_err(|e| failed("write", e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| failed("write", e))?;
+        *SECRET_FILE.lock() = Some(path);
+        return Ok(secret);
+    }
+    let end = Instant::now() + wait;
+    loop {
+        let read = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path);
+        match read.and_then(|f| {
+            let meta = f.metadata()?;
+            // SAFETY: getuid has no preconditions and cannot fail.
+            let uid = unsafe { libc::getuid() };
+            if meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+                return Err(std::io::Error::other("it is not this user's private file"));
+            }
+            std::io::read_to_string(f)
+        }) {
+            Ok(s) if s.len() == 64 => return Ok(s),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(failed("read", e)),
+        }
+        if Instant::now() >= end {
+            return Err(ConnectError::Config(format!(
+                "rank 0 wrote no job secret to {} within {wait:?}: it has not started, or runs on another node (then \
+                 export COHORT_JOB_SECRET=$(openssl rand -hex 32) before the launcher)",
+                path.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 pub(crate) fn resolve() -> Result<Found, ConnectError> {
     let env = LaunchEnv::from_process()?;
     let (rank, world_size) = (env.rank, env.world_size);
@@ -71,19 +184,17 @@ pub(crate) fn resolve() -> Result<Found, ConnectError> {
     let host = env.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
     let port = env.master_port.unwrap_or_else(|| derived_port(job.as_deref()));
     let single_node = env.local_world_size == world_size;
-    let secret = match (config::JOB_SECRET.get()?, &job) {
+    let exported = config::JOB_SECRET.get()?;
+    let secret = match (exported.clone(), &job) {
         (Some(s), _) => s,
-        (None, Some(job)) if single_node => {
-            if rank == 0 {
-                tracing::warn!(
-                    "COHORT_JOB_SECRET is unset: using a secret derived from the job id {job}, which anyone on \
-                     this node who can see the job id can derive too; export COHORT_JOB_SECRET for a real one"
-                );
-            }
-            format!("cohort-derived-{job}")
-        }
+        // Nothing derived from the job id (anyone who sees it could derive
+        // it too): rank 0 draws a random secret and hands it to the ranks of
+        // its node through a file only this user can read. The store then
+        // listens on loopback only.
+        (None, Some(job)) if single_node => shared_secret(rank, job, SECRET_FILE_WAIT)?,
         (None, _) => {
-            let why = if single_node { "no job id to derive one from" } else { "the job spans several nodes" };
+            let why =
+                if single_node { "no job id to name its secret file after" } else { "the job spans several nodes" };
             return Err(ConnectError::Config(format!(
                 "COHORT_JOB_SECRET is unset and {why}: run `export COHORT_JOB_SECRET=$(openssl rand -hex 32)` \
                  before the launcher ({:?}) so every rank gets it",
@@ -91,6 +202,8 @@ pub(crate) fn resolve() -> Result<Found, ConnectError> {
             )));
         }
     };
+    // Without an exported secret, nothing listens beyond this host.
+    let host = if exported.is_none() { "127.0.0.1".to_string() } else { host };
     let store_addr = format!("{}:{port}", bracket(&host));
     let server = if rank == 0 {
         let bind = if env.source == LaunchSource::Torchrun { store_addr.clone() } else { format!("0.0.0.0:{port}") };
@@ -110,6 +223,29 @@ pub(crate) fn resolve() -> Result<Found, ConnectError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secret_files_are_private_and_random() {
+        let job = format!("test-{}", std::process::id());
+        let reader = {
+            let job = job.clone();
+            std::thread::spawn(move || shared_secret(1, &job, Duration::from_secs(20)))
+        };
+        let written = shared_secret(0, &job, Duration::from_secs(1)).unwrap();
+        let read = reader.join().unwrap().unwrap();
+        assert_eq!(written, read);
+        assert_eq!(written.len(), 64);
+        assert_ne!(written, format!("cohort-derived-{job}"), "nothing derived from the job id");
+        let path = secret_path(&secret_dir().unwrap(), &job);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "only this user may read it");
+        let dir_mode = std::fs::metadata(path.parent().unwrap()).unwrap().permissions().mode();
+        assert_eq!(dir_mode & 0o777, 0o700);
+        // A second job's secret differs.
+        assert_ne!(shared_secret(0, &format!("{job}-b"), Duration::from_secs(1)).unwrap(), written);
+        let _ = std::fs::remove_file(path);
+        remove_secret_file();
+    }
 
     #[test]
     fn ports_come_from_the_job() {

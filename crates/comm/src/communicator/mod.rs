@@ -184,7 +184,8 @@ impl Communicator {
     /// Waits as [`Communicator::connect`] does.
     ///
     /// Under `mpirun` with the `mpi` feature (or `COHORT_TRANSPORT=mpi`) this
-    /// is [`Communicator::from_mpi`]; see the module docs' transports.
+    /// is `Communicator::from_mpi` (built with that feature); see the module
+    /// docs' transports.
     pub fn from_env(clients: Vec<Client>) -> Result<Communicator, ConnectError> {
         let mpi = setup::mpi_wanted()?;
         #[cfg(feature = "mpi")]

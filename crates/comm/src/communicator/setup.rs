@@ -160,6 +160,8 @@ pub(crate) fn form(
         links[r] = Some(Box::new(link));
     }
     store.barrier(&key("ready"), size as u32, deadline.saturating_duration_since(Instant::now()))?;
+    // Every rank is in: none needs the job's secret file any more.
+    super::env::remove_secret_file();
     tracing::debug!(rank, size, local = local.len(), remote = remote.len(), "communicator links formed");
     Ok(World::new(rank, size, links, store, prefix, timeout))
 }

@@ -170,12 +170,27 @@ impl World {
             }
             if now - last_poll >= ABORT_POLL {
                 last_poll = now;
-                if let Ok(Some(why)) = store.get(&format!("{prefix}abort")) {
-                    return Err(format!(
-                        "{} stopped: the communicator was aborted by {}",
-                        current.fp,
-                        String::from_utf8_lossy(&why)
-                    ));
+                match store.get(&format!("{prefix}abort")) {
+                    Ok(Some(why)) => {
+                        return Err(format!(
+                            "{} stopped: the communicator was aborted by {}",
+                            current.fp,
+                            String::from_utf8_lossy(&why)
+                        ))
+                    }
+                    // The store's host died (rank 0, without a launcher):
+                    // no peer can be heard from, so stop now, not at the
+                    // deadline.
+                    Err(
+                        e @ (crate::store::StoreError::Disconnected { .. } | crate::store::StoreError::Broken { .. }),
+                    ) => {
+                        return Err(format!(
+                            "{} stopped on rank {rank}: lost the rendezvous store ({e}); the process that served it \
+                             (rank 0 under mpirun or srun, the launcher under `cohort run`) has probably died",
+                            current.fp
+                        ))
+                    }
+                    _ => {}
                 }
                 for &peer in waiting_on {
                     if let Ok(Some(why)) = store.get(&gone_key(prefix, peer)) {

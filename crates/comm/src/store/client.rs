@@ -347,7 +347,8 @@ fn client_handshake(stream: &mut TcpStream, shown: &str, secret: &[u8], within: 
     stream.set_read_timeout(Some(within)).map_err(Attempt::Retry)?;
     stream.set_write_timeout(Some(within)).map_err(Attempt::Retry)?;
     // A store that is shutting down or still starting may close on us: retry.
-    let hello = protocol::read_frame(stream).map_err(|e| match e.kind() {
+    let deadline = Instant::now() + within;
+    let hello = protocol::read_frame_by(stream, protocol::PREAUTH_MAX_FRAME, deadline).map_err(|e| match e.kind() {
         io::ErrorKind::InvalidData => protocol_error(e.to_string()),
         _ => Attempt::Retry(e),
     })?;
@@ -368,7 +369,7 @@ fn client_handshake(stream: &mut TcpStream, shown: &str, secret: &[u8], within: 
     let mut answer = client_nonce.to_vec();
     answer.extend_from_slice(&tag);
     protocol::write_frame(stream, &answer).map_err(Attempt::Retry)?;
-    let verdict = match protocol::read_frame(stream) {
+    let verdict = match protocol::read_frame_by(stream, protocol::PREAUTH_MAX_FRAME, deadline) {
         Ok(v) => v,
         // The server closes right after refusing; a reset can lose the verdict.
         Err(e) if e.kind() == io::ErrorKind::ConnectionReset => vec![protocol::AUTH_REFUSED],

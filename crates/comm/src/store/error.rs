@@ -29,8 +29,8 @@ pub enum StoreError {
     /// No connection could be made within the timeout.
     #[error(
         "could not reach the rendezvous store at {addr} within {waited:.1?}: {source}; check that \
-         the launcher of node 0 is running and that MASTER_ADDR/MASTER_PORT (or \
-         COHORT_STORE_ADDR) point at it"
+         the launcher of node 0 is running and that COHORT_STORE_ADDR (`cohort run`'s \
+         --master-addr and --store-port; MASTER_ADDR/MASTER_PORT without a launcher) points at it"
     )]
     Connect {
         /// The store's address.
@@ -45,8 +45,8 @@ pub enum StoreError {
     /// The store refused this client's proof of the job secret.
     #[error(
         "the rendezvous store at {addr} refused this client: its job secret is not the job's; \
-         export the same COHORT_JOB_SECRET on every node (and check that MASTER_ADDR/MASTER_PORT \
-         name this job's store, not another job's)"
+         export the same COHORT_JOB_SECRET on every node (and check that COHORT_STORE_ADDR, or \
+         MASTER_ADDR/MASTER_PORT without a launcher, names this job's store, not another job's)"
     )]
     AuthRefused {
         /// The store's address.
@@ -56,7 +56,8 @@ pub enum StoreError {
     /// The server could not prove that it holds the job secret.
     #[error(
         "the server at {addr} does not hold this job's secret, so it is not this job's \
-         rendezvous store: check MASTER_ADDR/MASTER_PORT and COHORT_JOB_SECRET"
+         rendezvous store: check COHORT_STORE_ADDR (MASTER_ADDR/MASTER_PORT without a launcher) and \
+         COHORT_JOB_SECRET"
     )]
     ServerNotAuthentic {
         /// The server's address.
@@ -77,8 +78,9 @@ pub enum StoreError {
 
     /// The connection closed or failed in the middle of a request.
     #[error(
-        "lost the connection to the rendezvous store at {addr}: {source}; the launcher of node 0, \
-         which serves the store, has probably exited (look at its output for why)"
+        "lost the connection to the rendezvous store at {addr}: {source}; the process that serves \
+         it has probably exited (the launcher of node 0 under `cohort run`, rank 0's process under \
+         mpirun or srun: look at its output for why)"
     )]
     Disconnected {
         /// The store's address.
@@ -192,7 +194,8 @@ fn bind_message(addr: &str, source: &io::Error) -> String {
     match source.kind() {
         io::ErrorKind::AddrInUse => format!(
             "port {} on {} is already in use (another job's store, or another service): pick \
-             another --master-port, or 0 to let the system choose a free one",
+             another port for the store (`cohort run --store-port`, `cohort store --port`, MASTER_PORT \
+             without a launcher), or 0 to let the system choose a free one",
             port_of(addr),
             host_of(addr)
         ),
@@ -202,7 +205,8 @@ fn bind_message(addr: &str, source: &io::Error) -> String {
         ),
         io::ErrorKind::PermissionDenied => format!(
             "not allowed to listen on {addr}: ports below 1024 need privileges; pick another \
-             --master-port, or 0 to let the system choose a free one"
+             port for the store (`cohort run --store-port`, `cohort store --port`), or 0 to let the \
+             system choose a free one"
         ),
         _ => format!("cannot serve the rendezvous store on {addr}: {source}"),
     }

@@ -40,8 +40,8 @@ mod tests;
 
 pub use client::{CompareSet, StoreClient};
 pub use error::{Result, StoreError};
-pub use protocol::{MAX_FRAME, MAX_KEY};
-pub use server::StoreServer;
+pub use protocol::{MAX_FRAME, MAX_KEY, PREAUTH_MAX_FRAME};
+pub use server::{StoreServer, MAX_UNAUTHENTICATED};
 
 /// Returns a fresh random job secret: 32 bytes from the operating system, as
 /// 64 hex digits (printable, so it can travel in `COHORT_JOB_SECRET`).

@@ -16,6 +16,8 @@
 //!    neither side ever sends the secret and each knows the other holds it.
 
 use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::time::Instant;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -32,6 +34,9 @@ pub(crate) const NONCE_LEN: usize = 32;
 pub(crate) const MAC_LEN: usize = 32;
 /// Largest frame body either side accepts.
 pub const MAX_FRAME: usize = 64 << 20;
+/// Largest frame body the server reads before the client proved the secret
+/// (the handshake's answer is a nonce and a tag, 64 bytes).
+pub const PREAUTH_MAX_FRAME: usize = NONCE_LEN + MAC_LEN;
 /// Longest key accepted.
 pub const MAX_KEY: usize = 4096;
 
@@ -98,6 +103,48 @@ pub(crate) fn read_frame(r: &mut impl Read) -> io::Result<Vec<u8>> {
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
     Ok(body)
+}
+
+/// Reads one frame's body of at most `max` bytes, all of it before
+/// `deadline`: a client that trickles bytes is cut off at the deadline, not
+/// at a per-read timeout it keeps resetting. A longer body is
+/// `InvalidData`, refused before anything is allocated for it; the
+/// deadline passing is `TimedOut`.
+pub(crate) fn read_frame_by(stream: &mut TcpStream, max: usize, deadline: Instant) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    read_exact_by(stream, &mut len, deadline)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes before authentication exceeds the limit of {max}"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    read_exact_by(stream, &mut body, deadline)?;
+    Ok(body)
+}
+
+fn read_exact_by(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "the handshake's deadline passed"));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf[filled..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => filled += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Builds a frame body.

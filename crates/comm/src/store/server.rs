@@ -1,14 +1,21 @@
 //! [`StoreServer`]: serves the key table over TCP, one thread per connection.
+//!
+//! Before a client proves the secret it costs the server little and not for
+//! long: its frames may hold at most [`protocol::PREAUTH_MAX_FRAME`] bytes,
+//! the whole handshake has one deadline (not one per read, which a client
+//! sending a byte a second would never hit), and at most
+//! [`MAX_UNAUTHENTICATED`] connections may be in the handshake at once; the
+//! ones beyond are closed at once, with a log line.
 
 use std::collections::HashMap;
 use std::fmt::Display;
 use std::io;
 use std::net::ToSocketAddrs;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -16,13 +23,36 @@ use super::error::{Result, StoreError};
 use super::protocol::{self, Request, Response};
 use super::state::State;
 
-/// How long a new connection has to complete the handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a new connection has to complete the whole handshake.
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections allowed in the handshake at once; more are closed at once.
+/// Clients that hold the secret finish it in a round trip, so a real job
+/// never nears this; a flood of idle or slow connections cannot hold more
+/// threads and descriptors than this.
+pub const MAX_UNAUTHENTICATED: usize = 64;
+
+/// What a server allows clients that have not proven the secret.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    /// Deadline of the whole handshake.
+    pub handshake: Duration,
+    /// Connections in the handshake at once.
+    pub unauthenticated: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { handshake: HANDSHAKE_TIMEOUT, unauthenticated: MAX_UNAUTHENTICATED }
+    }
+}
 
 struct Connection {
     /// A second handle on the socket, so that shutdown can close it.
     stream: TcpStream,
     thread: Option<JoinHandle<()>>,
+    /// Still in the handshake (has not proven the secret).
+    pending: bool,
 }
 
 struct Inner {
@@ -31,6 +61,23 @@ struct Inner {
     stop: AtomicBool,
     connections: Mutex<HashMap<u64, Connection>>,
     next_id: AtomicU64,
+    limits: Limits,
+    /// Connections in the handshake now.
+    unauthenticated: AtomicUsize,
+    /// Connections closed because too many were in the handshake.
+    turned_away: AtomicU64,
+    /// Clients refused or dropped during the handshake (wrong secret,
+    /// oversized frame, past the deadline).
+    dropped: AtomicU64,
+}
+
+/// Counts a connection in the handshake until dropped.
+struct Pending<'a>(&'a AtomicUsize);
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// A rendezvous store served on background threads.
@@ -53,6 +100,15 @@ impl StoreServer {
     /// A port already in use is [`StoreError::Bind`], whose message names the
     /// port and says to pick another or 0.
     pub fn bind(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>) -> Result<Self> {
+        Self::bind_with(addr, secret, Limits::default())
+    }
+
+    /// [`StoreServer::bind`] with other limits for unauthenticated clients.
+    pub(crate) fn bind_with(
+        addr: impl ToSocketAddrs + Display,
+        secret: impl AsRef<[u8]>,
+        limits: Limits,
+    ) -> Result<Self> {
         let secret = secret.as_ref();
         if secret.is_empty() {
             return Err(StoreError::EmptySecret);
@@ -66,6 +122,10 @@ impl StoreServer {
             stop: AtomicBool::new(false),
             connections: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
+            limits,
+            unauthenticated: AtomicUsize::new(0),
+            turned_away: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
         });
         let accept_inner = inner.clone();
         let accept = std::thread::Builder::new()
@@ -161,12 +221,36 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
                 continue;
             }
         };
-        let Ok(handle) = stream.try_clone() else { continue };
+        let pending = inner.unauthenticated.fetch_add(1, Ordering::SeqCst);
+        if pending >= 2 * inner.limits.unauthenticated {
+            // Evicted connections not yet gone: refuse this one.
+            inner.unauthenticated.fetch_sub(1, Ordering::SeqCst);
+            turn_away(&inner, peer, "refused a new connection");
+            drop(stream);
+            continue;
+        }
+        if pending >= inner.limits.unauthenticated {
+            // Full: close the oldest connection still in the handshake. A
+            // client that holds the secret answers within a round trip, so
+            // it gets through a flood of idle or slow ones.
+            let mut connections = inner.connections.lock();
+            if let Some((_, oldest)) = connections.iter_mut().filter(|(_, c)| c.pending).min_by_key(|(id, _)| **id) {
+                let _ = oldest.stream.shutdown(Shutdown::Both);
+                // Closed: the next eviction picks the next oldest.
+                oldest.pending = false;
+            }
+            drop(connections);
+            turn_away(&inner, peer, "closed the oldest connection in the handshake");
+        }
+        let Ok(handle) = stream.try_clone() else {
+            inner.unauthenticated.fetch_sub(1, Ordering::SeqCst);
+            continue;
+        };
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-        inner.connections.lock().insert(id, Connection { stream: handle, thread: None });
+        inner.connections.lock().insert(id, Connection { stream: handle, thread: None, pending: true });
         let conn_inner = inner.clone();
         let spawned = std::thread::Builder::new().name(format!("cohort-store-conn-{id}")).spawn(move || {
-            serve_connection(&conn_inner, stream, peer);
+            serve_connection(&conn_inner, id, stream, peer);
             conn_inner.connections.lock().remove(&id);
         });
         match spawned {
@@ -176,24 +260,60 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
                 }
             }
             Err(e) => {
-                tracing::warn!(error = %e, %peer, "rendezvous store could not start a thread");
+                tracing::warn!(error = %e, %peer, "rendezvous store could not start a thread; dropped the client");
                 inner.connections.lock().remove(&id);
+                inner.unauthenticated.fetch_sub(1, Ordering::SeqCst);
             }
         }
     }
 }
 
+/// Counts one more event in `n`; true for the first and every 1000th, which
+/// are logged at warn (the others at debug), so a flood cannot flood the log.
+fn first_or_thousandth(n: &AtomicU64) -> bool {
+    let n = n.fetch_add(1, Ordering::Relaxed) + 1;
+    n == 1 || n % 1000 == 0
+}
+
+/// Logs that the store turned a connection away: at debug every time, at
+/// warn the first time and every 1000th, so a flood cannot flood the log.
+fn turn_away(inner: &Inner, peer: SocketAddr, what: &str) {
+    if first_or_thousandth(&inner.turned_away) {
+        tracing::warn!(
+            %peer,
+            "rendezvous store {what}: {} clients are in the handshake at once (a flood of connections that do \
+             not prove the job secret?)",
+            inner.limits.unauthenticated
+        );
+    } else {
+        tracing::debug!(%peer, "rendezvous store {what}: too many clients in the handshake");
+    }
+}
+
 /// Runs the handshake, then answers requests until the client leaves.
-fn serve_connection(inner: &Inner, mut stream: TcpStream, peer: SocketAddr) {
+fn serve_connection(inner: &Inner, id: u64, mut stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    let pending = Pending(&inner.unauthenticated);
     match handshake(inner, &mut stream, peer) {
         Ok(true) => {}
         Ok(false) => return,
-        Err(e) => {
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof || inner.stop.load(Ordering::SeqCst) => {
             tracing::debug!(%peer, error = %e, "store client left during the handshake");
             return;
         }
+        Err(e) => {
+            if first_or_thousandth(&inner.dropped) {
+                tracing::warn!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
+            } else {
+                tracing::debug!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
+            }
+            return;
+        }
     }
+    if let Some(c) = inner.connections.lock().get_mut(&id) {
+        c.pending = false;
+    }
+    drop(pending);
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_write_timeout(None);
     // A will: set this key (unless present) should the client vanish.
@@ -238,8 +358,8 @@ fn serve_connection(inner: &Inner, mut stream: TcpStream, peer: SocketAddr) {
 
 /// Challenges the client; `Ok(false)` when it was refused.
 fn handshake(inner: &Inner, stream: &mut TcpStream, peer: SocketAddr) -> io::Result<bool> {
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let deadline = Instant::now() + inner.limits.handshake;
+    stream.set_write_timeout(Some(inner.limits.handshake))?;
     let server_nonce = protocol::nonce().map_err(|e| io::Error::other(e.to_string()))?;
     let mut hello = protocol::Encoder::default();
     hello.0.extend_from_slice(protocol::MAGIC);
@@ -247,16 +367,17 @@ fn handshake(inner: &Inner, stream: &mut TcpStream, peer: SocketAddr) -> io::Res
     hello.0.extend_from_slice(&server_nonce);
     protocol::write_frame(stream, &hello.0)?;
 
-    let answer = protocol::read_frame(stream)?;
+    let answer = protocol::read_frame_by(stream, protocol::PREAUTH_MAX_FRAME, deadline)?;
     let ok = answer.len() == protocol::NONCE_LEN + protocol::MAC_LEN && {
         let (client_nonce, tag) = answer.split_at(protocol::NONCE_LEN);
         protocol::verify(&inner.secret, protocol::CLIENT_LABEL, &server_nonce, client_nonce, tag)
     };
     if !ok {
-        tracing::warn!(
-            %peer,
-            "rendezvous store refused a client that does not hold the job secret"
-        );
+        if first_or_thousandth(&inner.dropped) {
+            tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
+        } else {
+            tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
+        }
         let _ = protocol::write_frame(stream, &[protocol::AUTH_REFUSED]);
         return Ok(false);
     }

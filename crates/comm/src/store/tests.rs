@@ -287,7 +287,7 @@ fn store_port_in_use_is_a_clear_error() {
     let msg = err.to_string();
     let port = s.local_addr().port().to_string();
     assert!(msg.contains(&format!("port {port}")) && msg.contains("already in use"), "{msg}");
-    assert!(msg.contains("--master-port") && msg.contains(" 0 "), "{msg}");
+    assert!(msg.contains("--store-port") && msg.contains(" 0 "), "{msg}");
 }
 
 #[test]
@@ -331,4 +331,123 @@ fn store_secret_generation() {
     assert_eq!(a.len(), 64);
     assert_ne!(a, b);
     assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+}
+
+/// A raw TCP client that has read the server's greeting.
+fn raw(s: &StoreServer) -> std::net::TcpStream {
+    use std::io::Read;
+    let mut t = std::net::TcpStream::connect(s.local_addr()).expect("connect raw");
+    t.set_read_timeout(Some(T)).unwrap();
+    let mut len = [0u8; 4];
+    t.read_exact(&mut len).expect("greeting length");
+    let mut hello = vec![0u8; u32::from_le_bytes(len) as usize];
+    t.read_exact(&mut hello).expect("greeting");
+    t
+}
+
+/// Whether the server closed `t` (reads end or fail) within the test limit.
+fn closed_by_server(t: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    t.set_read_timeout(Some(T)).unwrap();
+    let mut buf = [0u8; 64];
+    loop {
+        match t.read(&mut buf) {
+            Ok(0) => return true,
+            // The refusal byte, if any, then the close.
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[test]
+fn store_preauth_frames_are_tiny() {
+    use std::io::Write;
+    let logs = captured_logs();
+    let s = server();
+    // A 64 MiB length before authenticating: closed at once, nothing
+    // allocated for it (the limit is checked before the body is read).
+    let mut t = raw(&s);
+    t.write_all(&(64u32 << 20).to_le_bytes()).unwrap();
+    assert!(closed_by_server(&mut t), "an oversized pre-auth frame must close the connection");
+    // One byte over the answer's size is refused too.
+    let mut t = raw(&s);
+    t.write_all(&((PREAUTH_MAX_FRAME as u32) + 1).to_le_bytes()).unwrap();
+    assert!(closed_by_server(&mut t));
+    // Clients with the secret are unaffected, and may send large values.
+    let c = client(&s);
+    c.set("big", &vec![7u8; 1 << 20]).unwrap();
+    assert_eq!(c.get("big").unwrap().map(|v| v.len()), Some(1 << 20));
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(text.contains("dropped a client during the handshake") && text.contains("exceeds the limit"), "{text}");
+}
+
+#[test]
+fn store_handshake_has_one_deadline_not_one_per_read() {
+    use std::io::Write;
+    let limits = server::Limits { handshake: Duration::from_millis(600), ..Default::default() };
+    let s = StoreServer::bind_with("127.0.0.1:0", SECRET, limits).unwrap();
+    let mut t = raw(&s);
+    // Trickle a well-formed answer a byte every 100 ms: each read is quick,
+    // the whole takes 6.8 s, far past the handshake's 0.6 s.
+    let mut answer = (PREAUTH_MAX_FRAME as u32).to_le_bytes().to_vec();
+    answer.extend_from_slice(&[0u8; PREAUTH_MAX_FRAME]);
+    let mut cut_off = false;
+    for b in answer {
+        if t.write_all(&[b]).is_err() {
+            cut_off = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(cut_off || closed_by_server(&mut t), "a trickling client must be cut off at the handshake's deadline");
+    assert!(cut_off, "the server must close the connection before the trickled answer is complete");
+}
+
+#[test]
+fn store_bounds_unauthenticated_connections_and_lets_the_secret_through() {
+    let logs = captured_logs();
+    let limits = server::Limits { unauthenticated: 8, handshake: Duration::from_secs(60) };
+    let s = StoreServer::bind_with("127.0.0.1:0", SECRET, limits).unwrap();
+    // 40 idle clients that never answer: at most 8 (plus those being closed)
+    // are held; the oldest are closed as new ones come.
+    let mut idle: Vec<std::net::TcpStream> = Vec::new();
+    for _ in 0..40 {
+        match std::net::TcpStream::connect(s.local_addr()) {
+            Ok(t) => idle.push(t),
+            Err(e) => panic!("connect: {e}"),
+        }
+    }
+    // Every connection beyond the 8 closes one: an older one in the
+    // handshake, or itself when evicted ones have not finished closing.
+    let is_closed = |t: &mut std::net::TcpStream| {
+        use std::io::Read;
+        t.set_nonblocking(true).unwrap();
+        let mut buf = [0u8; 128];
+        loop {
+            match t.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                Err(_) => return true,
+            }
+        }
+    };
+    let end = Instant::now() + T;
+    let mut closed = 0;
+    while Instant::now() < end {
+        closed = idle.iter_mut().map(is_closed).filter(|&c| c).count();
+        if closed >= 32 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(closed, 32, "40 idle clients, 8 allowed in the handshake: 32 must be closed");
+    // A client with the secret still gets in while the flood holds its slots.
+    let c = client(&s);
+    c.set("k", b"v").unwrap();
+    assert_eq!(c.get("k").unwrap().as_deref(), Some(&b"v"[..]));
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(text.contains("closed the oldest connection in the handshake"), "{text}");
 }

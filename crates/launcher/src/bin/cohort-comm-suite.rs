@@ -461,7 +461,10 @@ fn main() -> ExitCode {
             "--unset-env" => std::env::remove_var(it.next().expect("--unset-env KEY")),
             "--pid-dir" => {
                 let dir = it.next().expect("--pid-dir DIR");
-                let rank = std::env::var("RANK").or_else(|_| std::env::var("OMPI_COMM_WORLD_RANK")).unwrap_or_default();
+                let rank = std::env::var("RANK")
+                    .or_else(|_| std::env::var("OMPI_COMM_WORLD_RANK"))
+                    .or_else(|_| std::env::var("SLURM_PROCID"))
+                    .unwrap_or_default();
                 std::fs::write(format!("{dir}/rank{rank}.pid"), std::process::id().to_string()).expect("pid file");
             }
             other => mode.push(other.to_string()),

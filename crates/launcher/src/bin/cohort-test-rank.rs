@@ -9,7 +9,11 @@
 //! - `exit-if-rank R CODE`: exit with CODE when RANK is R;
 //! - `signal-if-rank R SIG`: raise signal number SIG when RANK is R;
 //! - `fail-first-attempt R`: exit 1 when RANK is R and COHORT_RESTART_COUNT is 0;
-//! - `sleep SECS`: sleep.
+//! - `sleep SECS`: sleep;
+//! - `master-store`: what PyTorch's TCPStore does with MASTER_ADDR and
+//!   MASTER_PORT: rank 0 listens there and answers every other rank, which
+//!   connects (retrying) and reads the answer; prints `master store ok`;
+//! - `wait-file PATH`: wait (up to 60 s) until PATH exists.
 
 use std::time::Duration;
 
@@ -34,11 +38,20 @@ fn main() {
                     "WORLD_SIZE",
                     "LOCAL_WORLD_SIZE",
                     "GROUP_RANK",
+                    "GROUP_WORLD_SIZE",
+                    "ROLE_RANK",
+                    "ROLE_WORLD_SIZE",
+                    "ROLE_NAME",
+                    "TORCHELASTIC_RUN_ID",
+                    "TORCHELASTIC_RESTART_COUNT",
+                    "TORCHELASTIC_MAX_RESTARTS",
+                    "OMP_NUM_THREADS",
                     "MASTER_ADDR",
                     "MASTER_PORT",
                     config::STORE_ADDR.name,
                     config::RESTART_COUNT.name,
                     config::TIMEOUT.name,
+                    config::TRACE_DIR.name,
                 ];
                 // The values exactly as the launcher set them (what the tests check).
                 let line: Vec<String> = names.iter().map(|n| format!("{n}={}", var(n))).collect();
@@ -84,7 +97,48 @@ fn main() {
                 }
             }
             "sleep" => std::thread::sleep(Duration::from_secs_f64(arg().parse().unwrap())),
+            "master-store" => master_store(rank),
+            "wait-file" => {
+                let path = arg();
+                let end = std::time::Instant::now() + Duration::from_secs(60);
+                while !std::path::Path::new(&path).exists() {
+                    assert!(std::time::Instant::now() < end, "{path} never appeared");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
             other => panic!("unknown step {other}"),
         }
     }
+}
+
+/// Listens on MASTER_ADDR:MASTER_PORT on rank 0 and meets every other rank
+/// there, as torch.distributed's TCPStore does.
+fn master_store(rank: usize) {
+    use std::io::{Read, Write};
+    let addr = format!("{}:{}", var("MASTER_ADDR"), var("MASTER_PORT"));
+    let world: usize = var("WORLD_SIZE").parse().expect("WORLD_SIZE");
+    if rank == 0 {
+        let listener =
+            std::net::TcpListener::bind(&addr).unwrap_or_else(|e| panic!("rank 0 cannot listen on {addr}: {e}"));
+        for _ in 1..world {
+            let (mut s, _) = listener.accept().expect("accept");
+            s.write_all(b"ok").expect("answer");
+        }
+    } else {
+        let end = std::time::Instant::now() + Duration::from_secs(30);
+        let mut s = loop {
+            match std::net::TcpStream::connect(&addr) {
+                Ok(s) => break s,
+                Err(e) if std::time::Instant::now() < end => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("cannot reach rank 0 at {addr}: {e}"),
+            }
+        };
+        let mut ok = [0u8; 2];
+        s.read_exact(&mut ok).expect("rank 0's answer");
+        assert_eq!(&ok, b"ok");
+    }
+    println!("master store ok");
 }

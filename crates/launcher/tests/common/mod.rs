@@ -17,6 +17,9 @@ pub fn cohort_run(opts: &[&str], steps: &[&str]) -> Command {
     let mut c = Command::new(COHORT);
     c.arg("run").args(opts).arg("--").arg(RANK).args(steps);
     c.env_remove("COHORT_JOB_SECRET").env_remove("COHORT_LOG").env_remove("RUST_LOG");
+    // Set, so the launcher does not say it sets it (tests that check that
+    // remove it).
+    c.env("OMP_NUM_THREADS", "1");
     c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     c
 }

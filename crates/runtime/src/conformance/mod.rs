@@ -1,7 +1,7 @@
 //! The runtime conformance suite, written once and run on every backend.
 //!
 //! Each function checks one contract of the runtime on the devices of `R` and
-//! panics with a message naming what broke. [`conformance_tests!`] turns them
+//! panics with a message naming what broke. `conformance_tests!` turns them
 //! into `#[test]`s for a backend; a GPU backend passes
 //! `#[ignore = "..."]` so the suite compiles everywhere and runs with
 //! `--include-ignored` where the GPU is.

@@ -172,7 +172,7 @@ impl MemoryPools {
     /// allocation. Otherwise the pool sweeps its slices for dropped handles
     /// (O(used slices)) and, failing that, runs a periodic cleanup and
     /// allocates a page from `storage`. A periodic cleanup also runs every
-    /// [`CLEANUP_INTERVAL`] reservations. If the backend reports out of memory,
+    /// `CLEANUP_INTERVAL` (256) reservations. If the backend reports out of memory,
     /// an explicit cleanup runs and the allocation is tried once more.
     pub fn reserve(
         &mut self,

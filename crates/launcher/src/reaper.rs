@@ -1,0 +1,134 @@
+//! The reaper: a small process that outlives the launcher just long enough
+//! to kill what the ranks started.
+//!
+//! A rank dies with its launcher through its parent-death signal, but that
+//! signal is not inherited: a process the rank started (`sleep 300 &`, a
+//! data loader, a compiler server) would be left under init when the
+//! launcher is SIGKILLed, which no handler can catch. So `cohort run` starts
+//! `cohort __reaper` first, in a process group of its own, and tells it over
+//! a pipe which process groups hold ranks (`+<pgid>` when one starts, `-<pgid>`
+//! once it is gone). When the pipe closes (the launcher exited, however it
+//! ended), the reaper sends SIGKILL to every group still listed, and exits.
+//!
+//! A process that leaves its rank's group (setsid, a daemon) escapes this as
+//! it escapes the launcher's own stop.
+
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Write};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, ExitCode, Stdio};
+
+use std::sync::OnceLock;
+
+use parking_lot::Mutex;
+
+static REAPER: OnceLock<Option<Reaper>> = OnceLock::new();
+
+/// Starts this launcher's reaper, once; a launcher without one (it could not
+/// start) says so and goes on: its ranks still die with it.
+pub fn init() {
+    REAPER.get_or_init(|| match Reaper::start() {
+        Ok(r) => Some(r),
+        Err(e) => {
+            eprintln!(
+                "cohort: warning: cannot start the reaper ({e}): processes the ranks start may outlive a \
+                 launcher that is killed with SIGKILL"
+            );
+            None
+        }
+    });
+}
+
+/// Lists a rank's process group with the reaper, if there is one.
+pub fn watch(pgid: u32) {
+    if let Some(Some(r)) = REAPER.get() {
+        r.watch(pgid);
+    }
+}
+
+/// Takes a finished rank's process group off the reaper's list.
+pub fn forget(pgid: u32) {
+    if let Some(Some(r)) = REAPER.get() {
+        r.forget(pgid);
+    }
+}
+
+/// The launcher's end of the pipe to its reaper.
+pub struct Reaper {
+    pipe: Mutex<File>,
+}
+
+impl Reaper {
+    /// Starts `cohort __reaper` (this same executable), in its own process
+    /// group so that a terminal's Ctrl-C reaches only the launcher.
+    pub fn start() -> io::Result<Reaper> {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
+        // O_CLOEXEC keeps both ends out of the ranks (a rank's child holding
+        // the write end would keep the reaper from ever seeing the launcher
+        // go).
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: pipe2 just returned these two descriptors; each is owned
+        // once, here.
+        let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let exe = std::env::current_exe()?;
+        Command::new(exe)
+            .arg("__reaper")
+            .stdin(Stdio::from(read))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .process_group(0)
+            .spawn()?;
+        Ok(Reaper { pipe: Mutex::new(File::from(write)) })
+    }
+
+    /// Lists the process group `pgid` (a rank's) for the reaper.
+    pub fn watch(&self, pgid: u32) {
+        self.send(&format!("+{pgid}\n"));
+    }
+
+    /// Takes `pgid` off the list: every process in it is gone.
+    pub fn forget(&self, pgid: u32) {
+        self.send(&format!("-{pgid}\n"));
+    }
+
+    fn send(&self, line: &str) {
+        // A reaper that died is not worth failing the job for: the ranks
+        // still die with the launcher through their parent-death signal.
+        if let Err(e) = self.pipe.lock().write_all(line.as_bytes()) {
+            tracing::debug!("the reaper is gone: {e}");
+        }
+    }
+}
+
+/// `cohort __reaper`: reads `+pgid`/`-pgid` lines from stdin until it closes,
+/// then kills every group still listed.
+pub fn serve() -> ExitCode {
+    for sig in [libc::SIGINT, libc::SIGHUP, libc::SIGTERM] {
+        // SAFETY: setting a signal to SIG_IGN has no memory-safety
+        // preconditions. The reaper must outlive the launcher's own end,
+        // whatever signal ended it.
+        unsafe { libc::signal(sig, libc::SIG_IGN) };
+    }
+    let mut groups: Vec<libc::pid_t> = Vec::new();
+    for line in BufReader::new(io::stdin().lock()).lines() {
+        let Ok(line) = line else { break };
+        let (op, pgid) = line.split_at(line.len().min(1));
+        let Ok(pgid) = pgid.parse::<libc::pid_t>() else { continue };
+        match op {
+            "+" if pgid > 1 => groups.push(pgid),
+            "-" => groups.retain(|&g| g != pgid),
+            _ => {}
+        }
+    }
+    for pgid in groups {
+        // SAFETY: kill(2) has no memory-safety preconditions; the group is a
+        // rank's, which the launcher listed and never took off (it did not
+        // see it end). ESRCH (already gone) is fine.
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+    }
+    ExitCode::SUCCESS
+}

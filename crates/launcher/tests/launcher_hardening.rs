@@ -1,0 +1,377 @@
+//! The launcher and its store under attack and under faults: hostile
+//! clients (memory and threads measured), every output line delivered to a
+//! slow console, a launcher paused with SIGSTOP, ranks' children after a
+//! SIGKILLed launcher, and under srun the death of the rank that serves the
+//! store. Network: loopback only; every loop is bounded.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const LIMIT: Duration = Duration::from_secs(90);
+const SUITE: &str = env!("CARGO_BIN_EXE_cohort-comm-suite");
+
+/// (resident KiB, threads) of process `pid`, from /proc.
+fn rss_and_threads(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("Threads:"))
+}
+
+/// Forwards `child`'s stdout lines to a channel.
+fn lines_of(stdout: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+#[test]
+fn hostile_clients_cannot_exhaust_the_launcher() {
+    let dir = temp_dir("hostile");
+    let go = dir.join("go");
+    let mut child =
+        cohort_run(&["-n", "2", "--master-port", "0"], &["env", "wait-file", go.to_str().unwrap(), "store"])
+            .spawn()
+            .unwrap();
+    let pid = child.id();
+    let lines = lines_of(child.stdout.take().unwrap());
+    let line = lines.recv_timeout(Duration::from_secs(30)).expect("a rank's environment");
+    let addr = line.split("COHORT_STORE_ADDR=").nth(1).unwrap().split(' ').next().unwrap().to_string();
+    let before = rss_and_threads(pid);
+
+    // 16 clients announce a 64 MiB frame before authenticating and send 8
+    // MiB of it (before: read into a 64 MiB buffer each); 300 connect and say nothing (before: a thread
+    // each); 4 trickle a byte every 200 ms (before: never cut off).
+    let mut hostile: Vec<TcpStream> = Vec::new();
+    let body = vec![1u8; 8 << 20];
+    for _ in 0..16 {
+        let mut t = TcpStream::connect(&addr).unwrap();
+        t.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        // Then 8 MiB of it (before: 8 MiB resident each); the server closes
+        // at the length, so the writes fail: fine.
+        let _ = t.write_all(&(64u32 << 20).to_le_bytes());
+        let _ = t.write_all(&body);
+        hostile.push(t);
+    }
+    for _ in 0..300 {
+        hostile.push(TcpStream::connect(&addr).unwrap());
+    }
+    let trickle_addr = addr.clone();
+    let trickler = std::thread::spawn(move || {
+        let mut ts: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(&trickle_addr).unwrap()).collect();
+        let mut cut = 0;
+        for _ in 0..100 {
+            cut = 0;
+            for t in &mut ts {
+                if t.write_all(&[0]).is_err() {
+                    cut += 1;
+                }
+            }
+            if cut == ts.len() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        cut
+    });
+    // Sample while the flood holds its connections.
+    let mut worst = before;
+    for _ in 0..10 {
+        let now = rss_and_threads(pid);
+        worst = (worst.0.max(now.0), worst.1.max(now.1));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "launcher before the flood: {} KiB, {} threads; worst during it: {} KiB, {} threads",
+        before.0, before.1, worst.0, worst.1
+    );
+    assert!(worst.0 < before.0 + 64 * 1024, "RSS grew from {} to {} KiB", before.0, worst.0);
+    let bound = before.1 + 2 * cohort_comm::store::MAX_UNAUTHENTICATED as u64 + 8;
+    assert!(worst.1 <= bound, "threads grew from {} to {} (bound {bound})", before.1, worst.1);
+
+    // Ranks holding the secret still get through, while the flood holds on.
+    std::fs::write(&go, b"").unwrap();
+    let out = wait_output(child, LIMIT);
+    let (_, stderr) = texts(&out);
+    let mut rest: Vec<String> = lines.try_iter().collect();
+    while let Ok(l) = lines.recv_timeout(Duration::from_secs(1)) {
+        rest.push(l);
+    }
+    assert_eq!(code(out.status, &out), 0, "{stderr}");
+    assert_eq!(rest.iter().filter(|l| l.contains("store barrier of 2 passed")).count(), 2, "{rest:?}");
+    assert_eq!(
+        trickler.join().unwrap(),
+        4,
+        "every trickling client was cut off (at the handshake deadline, or by the bound)"
+    );
+    assert!(
+        stderr.contains("rendezvous store closed the oldest connection in the handshake")
+            || stderr.contains("rendezvous store dropped a client"),
+        "drops are logged: {stderr}"
+    );
+    drop(hostile);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn every_output_line_reaches_a_slow_console() {
+    // The console is a pipe nobody reads for 3 s (`| (sleep 4; cat)`): the
+    // launcher used to give its readers 2 s and drop the rest.
+    let mut c = Command::new(COHORT);
+    c.args([
+        "run",
+        "-n",
+        "1",
+        "--master-port",
+        "0",
+        "--",
+        "sh",
+        "-c",
+        "seq 1 20000; echo LAST; echo FINAL-ERROR >&2; exit 3",
+    ]);
+    c.env_remove("COHORT_JOB_SECRET").stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    let mut text = String::new();
+    stdout.read_to_string(&mut text).unwrap();
+    let out = wait_output(child, LIMIT);
+    let (_, stderr) = texts(&out);
+    assert_eq!(text.lines().count(), 20001, "every line arrives");
+    assert!(text.ends_with("[rank 0]: 20000\n[rank 0]: LAST\n"), "{}", &text[text.len() - 60..]);
+    assert_eq!(code(out.status, &out), 3, "{stderr}");
+    assert!(stderr.contains("[rank 0]: FINAL-ERROR"), "the summary has the last line: {stderr}");
+}
+
+#[test]
+fn an_enormous_line_is_split_and_the_launcher_stays_small() {
+    // 256 MiB without a newline: the launcher copies it in 64 KiB pieces.
+    let mut c = Command::new(COHORT);
+    c.args([
+        "run",
+        "-n",
+        "1",
+        "--master-port",
+        "0",
+        "--",
+        "sh",
+        "-c",
+        "head -c 268435456 /dev/zero | tr '\\0' x; echo; echo END",
+    ]);
+    c.env_remove("COHORT_JOB_SECRET").stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let pid = child.id();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let (mut lines, mut longest, mut worst_rss) = (0usize, 0usize, 0u64);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        if stdout.read_until(b'\n', &mut line).unwrap() == 0 {
+            break;
+        }
+        lines += 1;
+        longest = longest.max(line.len());
+        if lines % 512 == 0 {
+            if let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+                let rss = s
+                    .lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.split_whitespace().next()?.parse().ok());
+                worst_rss = worst_rss.max(rss.unwrap_or(0));
+            }
+        }
+    }
+    let out = wait_output(child, LIMIT);
+    eprintln!("{lines} console lines, longest {longest} bytes, launcher RSS at most {worst_rss} KiB");
+    assert_eq!(code(out.status, &out), 0);
+    assert!(longest <= 64 * 1024 + "[rank 0]: \n".len(), "{longest}");
+    assert!(lines >= 4096, "{lines}");
+    assert!(worst_rss < 64 * 1024, "the launcher held {worst_rss} KiB");
+}
+
+#[test]
+fn a_paused_launcher_does_not_blame_a_healthy_rank() {
+    // Ctrl-Z then fg: the launcher (and the store it serves) stands still
+    // for 4 s, twice its heartbeat limit; the ranks keep running.
+    let dir = temp_dir("paused");
+    let mut c = Command::new(COHORT);
+    c.args(["run", "-n", "2", "--master-port", "0", "--heartbeat-timeout", "2", "--trace-dir"])
+        .arg(dir.join("trace"))
+        .args(["--", SUITE, "--pid-dir", dir.to_str().unwrap(), "slow", "1", "8"]);
+    c.env_remove("COHORT_JOB_SECRET").env("COHORT_TIMEOUT", "60").stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = c.spawn().unwrap();
+    wait_pid_files(&dir, 2, Duration::from_secs(20));
+    // Let the ranks form their communicator and beat.
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: kill(2) on the pid of our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGSTOP) };
+    std::thread::sleep(Duration::from_secs(4));
+    // SAFETY: as above.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGCONT) };
+    let out = wait_output(child, LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert!(!stderr.contains("no heartbeat"), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn ranks_children_die_with_a_sigkilled_launcher() {
+    let dir = temp_dir("children");
+    let script = format!("sleep 300 & echo $! > {}/child$RANK.pid; wait", dir.display());
+    let mut c = Command::new(COHORT);
+    c.args(["run", "-n", "2", "--master-port", "0", "--", "sh", "-c", &script]);
+    c.env_remove("COHORT_JOB_SECRET").stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = c.spawn().unwrap();
+    let pids = wait_pid_files(&dir, 2, Duration::from_secs(20));
+    // SAFETY: kill(2) on the pid of our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };
+    let _ = wait_output(child, LIMIT);
+    let left = wait_all_gone(&pids, Duration::from_secs(10));
+    for &p in &left {
+        // SAFETY: kill(2); clean up what the failed check left.
+        unsafe { libc::kill(p, libc::SIGKILL) };
+    }
+    assert!(left.is_empty(), "the ranks' children outlived the launcher: {left:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Sends SIGKILL to its processes when dropped (a failed check included).
+struct KillOnDrop(Vec<libc::pid_t>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            // SAFETY: kill(2) on processes this test started (ESRCH or a
+            // zombie when they already ended: harmless).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// `cohort-comm-suite` as rank `rank` of `n` started by "srun" (Slurm's
+/// variables, no launcher, no COHORT_JOB_SECRET).
+fn srun_rank(rank: usize, n: usize, job: &str, port: u16, dir: &std::path::Path, args: &[&str]) -> Command {
+    let mut c = Command::new(SUITE);
+    c.args(["--pid-dir", dir.to_str().unwrap()]).args(args);
+    for v in ["COHORT_JOB_SECRET", "COHORT_STORE_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "COHORT_LOG"]
+    {
+        c.env_remove(v);
+    }
+    c.env("SLURM_PROCID", rank.to_string())
+        .env("SLURM_NTASKS", n.to_string())
+        .env("SLURM_LOCALID", rank.to_string())
+        .env("SLURM_TASKS_PER_NODE", n.to_string())
+        .env("SLURM_JOB_ID", job)
+        .env("SLURM_STEP_ID", "0")
+        .env("MASTER_PORT", port.to_string())
+        .env("COHORT_TIMEOUT", "600")
+        .env("COHORT_TRACE_DIR", dir.join("trace"));
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c
+}
+
+/// Whether something listens on `port` at an address other than loopback
+/// (from /proc/net/tcp and tcp6).
+fn listens_beyond_loopback(port: u16) -> Option<bool> {
+    let mut found = None;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(state)) = (cols.get(1), cols.get(3)) else { continue };
+            let Some((ip, p)) = local.rsplit_once(':') else { continue };
+            if *state == "0A" && u16::from_str_radix(p, 16).ok() == Some(port) {
+                let loopback = ip == "0100007F" || ip == "00000000000000000000000001000000";
+                found = Some(found.unwrap_or(false) || !loopback);
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn under_srun_without_a_secret_nothing_guessable_and_the_store_hosts_death_is_noticed() {
+    let dir = temp_dir("srun");
+    let job = format!("{}", 900_000 + std::process::id());
+    let port = free_port();
+    let ranks: Vec<_> = (0..3).map(|r| srun_rank(r, 3, &job, port, &dir, &["loop"]).spawn().unwrap()).collect();
+    // Whatever happens below, no rank outlives the test.
+    let mut guard = KillOnDrop(ranks.iter().map(|c| c.id() as libc::pid_t).collect());
+    let pids = wait_pid_files(&dir, 3, Duration::from_secs(30));
+    // The store listens on loopback only, and the secret an outsider could
+    // derive from the job id (as it used to be) is refused.
+    let end = Instant::now() + Duration::from_secs(20);
+    while listens_beyond_loopback(port).is_none() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(listens_beyond_loopback(port), Some(false), "the store listens on loopback only");
+    let outsider = cohort_comm::store::StoreClient::connect(
+        format!("127.0.0.1:{port}").as_str(),
+        format!("cohort-derived-{job}.0"),
+        Duration::from_secs(5),
+    );
+    assert!(
+        matches!(outsider, Err(cohort_comm::store::StoreError::AuthRefused { .. })),
+        "a secret derived from the job id must be refused: {:?}",
+        outsider.map(|_| ())
+    );
+    // The secret went through a file only this user can read, removed once
+    // every rank joined.
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let secret_dir = match std::env::var_os("XDG_RUNTIME_DIR").map(std::path::PathBuf::from).filter(|d| d.is_dir()) {
+        Some(d) => d.join("cohort"),
+        None => std::env::temp_dir().join(format!("cohort-{uid}")),
+    };
+    let secret_file = secret_dir.join(format!("job-{job}.0.secret"));
+    let end = Instant::now() + Duration::from_secs(20);
+    while secret_file.exists() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!secret_file.exists(), "{} is removed once every rank joined", secret_file.display());
+    // Let the ranks run their all-reduces, then kill rank 0, which serves
+    // the store; before, the others waited for the 600 s timeout.
+    std::thread::sleep(Duration::from_millis(1000));
+    let rank0 = pids.iter().copied().find(|&p| p as u32 == ranks[0].id()).expect("rank 0's pid");
+    // SAFETY: kill(2) on a process this test started.
+    unsafe { libc::kill(rank0, libc::SIGKILL) };
+    let mut outs = Vec::new();
+    for (r, child) in ranks.into_iter().enumerate().skip(1) {
+        let out = wait_output(child, Duration::from_secs(60));
+        let (_, stderr) = texts(&out);
+        eprintln!("rank {r}: {stderr}");
+        outs.push((out.status.code(), stderr));
+    }
+    // Ranks 1 and 2 are reaped: their pids may be reused, so never signal
+    // them again (rank 0's Child was dropped unwaited: a zombie keeps its pid).
+    guard.0.truncate(1);
+    for (code, stderr) in &outs {
+        assert_eq!(*code, Some(1), "{stderr}");
+        assert!(
+            stderr.contains("lost the connection to the rendezvous store") || stderr.contains("rank 0"),
+            "{stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
