@@ -15,12 +15,14 @@ pub mod store;
 mod communicator;
 mod transport;
 
+mod check;
 mod collective;
 mod device;
 mod error;
 mod group;
 mod host;
 pub mod launch_env;
+pub mod op;
 mod ops;
 mod order;
 pub mod trace;

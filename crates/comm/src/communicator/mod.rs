@@ -149,7 +149,7 @@ impl Communicator {
         if rank >= world_size {
             return Err(ConnectError::Config(format!("rank {rank} is not below the world size {world_size}")));
         }
-        crate::group::check::check_clients(&clients)?;
+        crate::check::check_clients(&clients)?;
         let timeout = default_timeout();
         let store = StoreClient::connect(store_addr, secret, timeout)?;
         let world = match given {
@@ -222,10 +222,12 @@ impl Communicator {
     /// [`Transport::HostDirect`]: crate::Transport::HostDirect
     /// [`Transport::HostStaged`]: crate::Transport::HostStaged
     pub fn transport(&self) -> crate::Transport {
-        match (&self.inner.nccl, self.inner.clients[0].name()) {
-            (Some(_), _) => crate::Transport::Nccl,
-            (None, "cpu") => crate::Transport::HostDirect,
-            (None, _) => crate::Transport::HostStaged,
+        if self.inner.nccl.is_some() {
+            crate::Transport::Nccl
+        } else if self.inner.clients[0].capabilities().host_addressable_memory {
+            crate::Transport::HostDirect
+        } else {
+            crate::Transport::HostStaged
         }
     }
 

@@ -8,7 +8,8 @@
 //! and why); when all say yes, rank 0 asks its first device for an
 //! `ncclUniqueId` and writes it to `nccl/id`, which every rank reads. When
 //! any rank cannot, every rank keeps the host path (and a capable one says
-//! why once). Nothing is probed on a rank whose devices are not CUDA.
+//! why once). Nothing is probed on a rank whose devices offer no device
+//! collectives.
 //!
 //! Each collective queues one task per local device. The last local task
 //! to start checks the call's fingerprint with its ring neighbours over the
@@ -38,16 +39,16 @@ use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion};
 use cohort_runtime::{BufferAccess, Client, DeviceId, Handle, ServerError};
 use parking_lot::{Condvar, Mutex};
 
-use crate::collective::Kind;
+use crate::check::{overlaps, same_bytes};
 use crate::device::ask;
 use crate::device::plan::{self, Shape};
 use crate::error::CommError;
+use crate::op::{Collective, Op};
 use crate::store::StoreClient;
 
 use super::error::ConnectError;
 use super::fingerprint::Fingerprint;
 use super::local;
-use super::plans::Job;
 use super::world::{arrival_key, World};
 
 /// Set keys of communicators made here carry the top bit, apart from the
@@ -71,10 +72,11 @@ pub(crate) struct Nccl {
 }
 
 /// Why this rank's devices cannot take the NCCL path (`None`: they can).
-/// Asks each device's backend once, and only when every device is CUDA.
+/// Asks each device's backend once, and only when every device offers
+/// device collectives.
 fn refusal(clients: &[Client]) -> Option<String> {
-    if let Some(c) = clients.iter().find(|c| c.name() != "cuda") {
-        return Some(format!("its devices run on {}, not CUDA", c.name()));
+    if let Some(c) = clients.iter().find(|c| !c.capabilities().device_collectives) {
+        return Some(format!("its devices run on {}, which offers no device collectives", c.name()));
     }
     for client in clients {
         match ask(client, |dc| dc.available()) {
@@ -145,43 +147,26 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
 
 /// Whether two handles share bytes without being the same bytes.
 fn partly_overlap(a: &Handle, b: &Handle) -> bool {
-    let (a0, b0) = (a.offset(), b.offset());
-    a.same_allocation(b) && !plan::same_bytes(a, b) && a0 < b0 + b.size() && b0 < a0 + a.size()
+    overlaps(a, b) && !same_bytes(a, b)
 }
 
-/// What the leader checks over the host links before the NCCL calls.
-fn host_check(w: &mut World, fp: &Fingerprint, job: Job) -> Result<(), String> {
-    match job {
-        Job::Send { peer } => w.send(fp, &[], peer),
-        Job::Recv { peer } => w.recv(fp, &mut [], peer),
-        _ => w.ring_check(fp),
+/// What the leader checks over the host links before the NCCL calls: the
+/// ring's fingerprints, or a message's with its other rank.
+fn host_check(w: &mut World, fp: &Fingerprint) -> Result<(), String> {
+    match fp.op.endpoints() {
+        Some((from, to)) if from == w.rank => w.send(fp, &[], to),
+        Some((from, _)) => w.recv(fp, &mut [], from),
+        None => w.ring_check(fp),
     }
 }
 
 impl Nccl {
     /// Whether a call takes the NCCL path (see the module docs).
-    pub(crate) fn takes(&self, job: &Job, inputs: &[Option<Handle>], outputs: &[Option<Handle>]) -> bool {
-        if matches!(job, Job::Send { .. } | Job::Recv { .. }) && self.local > 1 {
+    pub(crate) fn takes(&self, op: &Op, inputs: &[Option<Handle>], outputs: &[Option<Handle>]) -> bool {
+        if op.collective() == Collective::SendRecv && self.local > 1 {
             return false;
         }
         !inputs.iter().flatten().any(|i| outputs.iter().flatten().any(|o| partly_overlap(i, o)))
-    }
-
-    fn kind(&self, job: Job) -> Kind {
-        match job {
-            Job::AllReduce { dtype, op } => Kind::AllReduce { dtype, op },
-            Job::Reduce { dtype, op, root } => Kind::Reduce { dtype, op, root },
-            Job::Broadcast { root } => Kind::Broadcast { root },
-            Job::AllGather => Kind::AllGather,
-            Job::ReduceScatter { dtype, op } => Kind::ReduceScatter { dtype, op },
-            Job::AllToAll => Kind::AllToAll,
-            Job::Gather { root } => Kind::Gather { root },
-            Job::Scatter { root } => Kind::Scatter { root },
-            Job::Barrier => Kind::Barrier,
-            // One device per rank here: members are ranks.
-            Job::Send { peer } => Kind::Copy { from: self.rank, to: peer },
-            Job::Recv { peer } => Kind::Copy { from: peer, to: self.rank },
-        }
     }
 
     /// Queues one part per local device (slot `s` with `inputs[s]` and
@@ -190,33 +175,32 @@ impl Nccl {
         self: &Arc<Self>,
         world: &Arc<Mutex<World>>,
         fp: Fingerprint,
-        job: Job,
         timeout: Duration,
         inputs: Vec<Option<Handle>>,
         outputs: Vec<Option<Handle>>,
     ) -> Result<Arc<Meeting>, CommError> {
-        let kind = self.kind(job);
-        let seg = fp.count as usize * fp.dtype.size();
+        // Roots are members, and a message's endpoints (one device per
+        // rank) ranks: both are ranks of the NCCL communicator.
+        let (op, seg) = (fp.op, fp.op.block_bytes());
         let members = self.size * self.local;
         let devices = self.clients.iter().map(Client::device_id).collect();
-        let meeting = Meeting::new(self.clone(), world.clone(), fp, job, kind, seg, devices, timeout);
+        let meeting = Meeting::new(self.clone(), world.clone(), fp, devices, timeout);
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let input: Vec<Handle> = inputs[slot].iter().cloned().collect();
             let mut output: Vec<Handle> = outputs[slot].iter().cloned().collect();
             // An in-place all-to-all sends from a copy of the source.
-            let scratch = kind == Kind::AllToAll
-                && input.first().zip(output.first()).is_some_and(|(i, o)| plan::same_bytes(i, o));
+            let scratch = op.collective() == Collective::AllToAll
+                && input.first().zip(output.first()).is_some_and(|(i, o)| same_bytes(i, o));
             if scratch {
                 output.push(client.empty(seg * members));
             }
             let shape = Shape { input: !input.is_empty(), output: !output.is_empty(), scratch };
             let ticket = Ticket { meeting: meeting.clone(), slot, ran: false, handed: false };
             let queued =
-                client.submit_buffers_always(kind.name(), input, output, move |access| ticket.run(access, shape));
+                client.submit_buffers_always(op.name(), input, output, move |access| ticket.run(access, shape));
             if let Err(source) = queued {
-                let err =
-                    CommError::Enqueue { operation: kind.name(), member: slot, device: client.device_id(), source };
+                let err = CommError::Enqueue { operation: op.name(), member: slot, device: client.device_id(), source };
                 meeting.fail(ServerError::InvalidState { operation: "collective", reason: err.to_string() });
                 failed.get_or_insert(err);
             }
@@ -319,9 +303,6 @@ pub(crate) struct Meeting {
     nccl: Arc<Nccl>,
     world: Arc<Mutex<World>>,
     fp: Fingerprint,
-    job: Job,
-    kind: Kind,
-    seg: usize,
     devices: Vec<DeviceId>,
     timeout: Duration,
     state: Mutex<State>,
@@ -340,14 +321,10 @@ struct Poll {
 }
 
 impl Meeting {
-    #[allow(clippy::too_many_arguments)]
     fn new(
         nccl: Arc<Nccl>,
         world: Arc<Mutex<World>>,
         fp: Fingerprint,
-        job: Job,
-        kind: Kind,
-        seg: usize,
         devices: Vec<DeviceId>,
         timeout: Duration,
     ) -> Arc<Meeting> {
@@ -356,9 +333,6 @@ impl Meeting {
             nccl,
             world,
             fp,
-            job,
-            kind,
-            seg,
             devices,
             timeout,
             state: Mutex::new(state),
@@ -394,7 +368,7 @@ impl Meeting {
     }
 
     fn error(&self, slot: usize, reason: String) -> ServerError {
-        ServerError::Collective { collective: self.kind.name().to_string(), device: self.devices[slot], reason }
+        ServerError::Collective { collective: self.fp.op.name().to_string(), device: self.devices[slot], reason }
     }
 
     fn fail(&self, err: ServerError) -> ServerError {
@@ -423,8 +397,8 @@ impl Meeting {
         state.arrived += 1;
         if state.arrived == n {
             drop(state);
-            let (fp, job) = (self.fp, self.job);
-            let result = self.world.lock().run(fp, |w| host_check(w, &fp, job));
+            let fp = self.fp;
+            let result = self.world.lock().run(fp, |w| host_check(w, &fp));
             let mut state = self.state.lock();
             state.checked = Some(result.clone());
             self.cv.notify_all();
@@ -474,7 +448,7 @@ impl Meeting {
         self.meet(slot, deadline)?;
         let nccl = &self.nccl;
         let (member, members) = (nccl.rank * nccl.local + slot, nccl.size * nccl.local);
-        let calls = plan::nccl_calls(&self.kind, member, members, self.seg, &buffers);
+        let calls = plan::nccl_calls(&self.fp.op, member, members, &buffers);
         if calls.is_empty() {
             return Ok(());
         }
@@ -487,7 +461,8 @@ impl Meeting {
             poll: Mutex::new(Poll { last: started, noted: false }),
             ended: AtomicBool::new(false),
         });
-        let completion = if self.kind == Kind::Barrier { Completion::Wait } else { Completion::Defer };
+        let completion =
+            if self.fp.op.collective() == Collective::Barrier { Completion::Wait } else { Completion::Defer };
         let result = access.run_collective(&spec, &calls, monitor.clone(), completion);
         // Queued (its monitor ends the part, now or later) unless refused
         // before any call was queued.
@@ -513,7 +488,7 @@ struct PartMonitor {
 
 impl CollectiveMonitor for PartMonitor {
     fn operation(&self) -> &str {
-        self.meeting.kind.name()
+        self.meeting.fp.op.name()
     }
 
     fn timeout(&self) -> Duration {
@@ -587,7 +562,7 @@ impl Drop for Ticket {
         if !self.ran {
             let device = m.devices[self.slot];
             let err = ServerError::Poisoned {
-                operation: m.kind.name().to_string(),
+                operation: m.fp.op.name().to_string(),
                 cause: Arc::new(ServerError::DeviceClosed { device }),
             };
             state.failure.get_or_insert(err);

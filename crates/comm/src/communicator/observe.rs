@@ -26,9 +26,9 @@ use crate::store::StoreClient;
 use crate::trace::{now_micros, CollectiveFingerprint, FlightRecorder, RecordId, Timeline, TimelineEvent};
 
 use super::error::ConnectError;
-use super::fingerprint::{Call, Fingerprint};
+use super::fingerprint::Fingerprint;
 use super::local::Views;
-use super::plans::{self, Job};
+use super::plans;
 use super::world::World;
 
 /// How often a rank's heartbeat thread bumps its counter in the store.
@@ -161,33 +161,20 @@ impl Observer {
         Ok(Observer { shared, _stop: stop })
     }
 
-    /// Records that collective `fp` was queued (`job` says who takes part)
-    /// and returns its tracker, to run the exchange through.
-    pub(crate) fn queued(&self, fp: Fingerprint, job: Job) -> Tracker {
+    /// Records that collective `fp` was queued and returns its tracker, to
+    /// run the exchange through.
+    pub(crate) fn queued(&self, fp: Fingerprint) -> Tracker {
         let s = &self.shared;
-        let (group, ranks) = match job {
-            Job::Send { peer } => (format!("{}/p2p {}->{peer}", s.group, s.rank), Some(vec![s.rank, peer])),
-            Job::Recv { peer } => (format!("{}/p2p {peer}->{}", s.group, s.rank), Some(vec![peer, s.rank])),
-            _ => {
+        let (group, ranks) = match fp.op.endpoints() {
+            Some((from, to)) => (format!("{}/p2p {from}->{to}", s.group), Some(vec![from, to])),
+            None => {
                 s.issued.fetch_max(fp.seq, Ordering::Relaxed);
                 let _ = s.poke.try_send(());
                 (s.group.clone(), None)
             }
         };
-        let record = FlightRecorder::global().start_among(&group, record_of(&fp), ranks);
-        Tracker { shared: s.clone(), group, record, fp, job, ran: false }
-    }
-}
-
-/// A collective's fingerprint as the recorder keeps it.
-fn record_of(fp: &Fingerprint) -> CollectiveFingerprint {
-    CollectiveFingerprint {
-        seq: fp.seq,
-        kind: fp.call.name().to_string(),
-        op: fp.op.map(|op| op.to_string()),
-        dtype: fp.dtype.to_string(),
-        count: fp.count,
-        root: fp.root.map(|r| r as usize),
+        let record = FlightRecorder::global().start_among(&group, CollectiveFingerprint::of(fp.seq, &fp.op), ranks);
+        Tracker { shared: s.clone(), group, record, fp, ran: false }
     }
 }
 
@@ -212,7 +199,6 @@ pub(crate) struct Tracker {
     group: String,
     record: RecordId,
     fp: Fingerprint,
-    job: Job,
     ran: bool,
 }
 
@@ -220,7 +206,7 @@ impl Tracker {
     /// Runs the exchange (the leader's plan) and records how it ended.
     pub(crate) fn run(self, world: &mut World, views: Views) -> Result<Vec<Option<Vec<u8>>>, String> {
         let (start_us, start) = (now_micros(), Instant::now());
-        let result = plans::run(world, self.fp, self.job, views);
+        let result = plans::run(world, self.fp, views);
         self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone), start_us, start);
         result
     }
@@ -232,22 +218,23 @@ impl Tracker {
     pub(crate) fn ended(mut self, outcome: Result<(), String>, start_us: u64, start: Instant) {
         self.ran = true;
         FlightRecorder::global().finish_record(self.record, outcome.clone());
-        if self.fp.call != Call::SendRecv && outcome.is_ok() {
+        if !self.fp.is_p2p() && outcome.is_ok() {
             self.shared.finished.fetch_max(self.fp.seq, Ordering::Relaxed);
         }
         if let Some(timeline) = Timeline::from_env() {
             let fp = &self.fp;
             timeline.record(&TimelineEvent {
-                name: fp.call.name().to_string(),
-                cat: if fp.call == Call::SendRecv { "p2p".into() } else { "collective".into() },
+                name: fp.op.name().to_string(),
+                cat: if fp.is_p2p() { "p2p".into() } else { "collective".into() },
                 ph: "X",
                 ts: start_us,
                 dur: start.elapsed().as_micros() as u64,
                 pid: self.shared.job_rank,
                 tid: 0,
                 args: serde_json::json!({
-                    "group": self.group, "seq": fp.seq, "dtype": fp.dtype.to_string(), "count": fp.count,
-                    "op": fp.op.map(|o| o.to_string()), "root": fp.root, "ok": outcome.is_ok(),
+                    "group": self.group, "seq": fp.seq, "dtype": fp.op.dtype().to_string(), "count": fp.op.count(),
+                    "op": fp.op.reduce_op().map(|o| o.to_string()),
+                    "root": fp.op.root().or(fp.op.endpoints().map(|(from, _)| from)), "ok": outcome.is_ok(),
                 }),
             });
         }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use crate::store::StoreClient;
 use crate::transport::{back_off, exchange, peer_gone, Link, RecvOp, SendOp, Stop};
 
-use super::fingerprint::{Call, Fingerprint, LEN};
+use super::fingerprint::{Fingerprint, LEN};
 use super::observe::{gone_key, parse_progress, progress_key};
 
 /// How often a long-waiting rank looks for an abort.
@@ -265,7 +265,7 @@ fn timeout_message(
         // Its heartbeat says how far it got (collectives only: send/recv
         // count messages per peer).
         let progress = match store.get(&progress_key(prefix, r)) {
-            Ok(Some(v)) if current.fp.call != Call::SendRecv => parse_progress(&v),
+            Ok(Some(v)) if !current.fp.is_p2p() => parse_progress(&v),
             _ => None,
         };
         match progress {

@@ -23,8 +23,8 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::plan::{self, Shape};
 use super::{forget, Mode, NcclSet};
-use crate::collective::Kind;
 use crate::group::Tracked;
+use crate::op::{Collective, Op};
 
 #[derive(Default)]
 struct State {
@@ -40,8 +40,8 @@ struct State {
 
 /// The shared object of one device-path collective.
 pub(crate) struct Meeting {
-    kind: Kind,
-    seg: usize,
+    /// What runs; roots and endpoints are slots.
+    op: Op,
     /// (member, device) of each part, by slot.
     parts: Vec<(usize, DeviceId)>,
     timeout: Duration,
@@ -54,12 +54,11 @@ pub(crate) struct Meeting {
 }
 
 impl Meeting {
-    pub(crate) fn new(kind: Kind, seg: usize, parts: Vec<(usize, DeviceId)>, timeout: Duration) -> Arc<Meeting> {
+    pub(crate) fn new(op: Op, parts: Vec<(usize, DeviceId)>, timeout: Duration) -> Arc<Meeting> {
         let n = parts.len();
         let state = State { present: vec![false; n], finished: vec![false; n], ..State::default() };
         Arc::new(Meeting {
-            kind,
-            seg,
+            op,
             parts,
             timeout,
             state: Mutex::new(state),
@@ -102,7 +101,7 @@ impl Meeting {
 
     fn timeout_error(&self, slot: usize, what: String) -> ServerError {
         ServerError::Collective {
-            collective: self.kind.name().to_string(),
+            collective: self.op.name().to_string(),
             device: self.parts[slot].1,
             reason: format!(
                 "{what} within {:.1} s: their devices are still busy with earlier work or blocked; every member \
@@ -199,7 +198,7 @@ impl Meeting {
         let buffers = shape.bind(|i| access.binding(i));
         if let Mode::Local = mode {
             // A copy needs both buffers: the input is buffer 0, the output 1.
-            if plan::local_copy(&self.kind, &buffers).is_some() {
+            if plan::local_copy(&self.op, &buffers).is_some() {
                 access.copy(0, 1).map_err(|err| self.fail(err))?;
             }
             self.state.lock().finished[slot] = true;
@@ -219,7 +218,7 @@ impl Meeting {
                 }
             }
             Mode::Nccl(set) => {
-                let calls = plan::nccl_calls(&self.kind, slot, self.parts.len(), self.seg, &buffers);
+                let calls = plan::nccl_calls(&self.op, slot, self.parts.len(), &buffers);
                 if calls.is_empty() {
                     Ok(())
                 } else {
@@ -227,7 +226,8 @@ impl Meeting {
                         CommSpec { set: set.key, rank: slot, ranks: self.parts.len(), unique_id: &set.unique_id };
                     // Barriers are waited for (`wait_finished`); the rest
                     // return once queued.
-                    let completion = if self.kind == Kind::Barrier { Completion::Wait } else { Completion::Defer };
+                    let completion =
+                        if self.op.collective() == Collective::Barrier { Completion::Wait } else { Completion::Defer };
                     let monitor = Arc::new(PartMonitor { meeting: self.clone(), slot, set: set.clone(), tracked });
                     let result = access.run_collective(&spec, &calls, monitor, completion);
                     if result.is_err() {
@@ -324,7 +324,7 @@ impl Drop for Ticket {
         if !self.ran {
             let device = self.meeting.parts[self.slot].1;
             let err = ServerError::Poisoned {
-                operation: self.meeting.kind.name().to_string(),
+                operation: self.meeting.op.name().to_string(),
                 cause: Arc::new(ServerError::DeviceClosed { device }),
             };
             self.meeting.fail_locked(&mut state, err);
@@ -347,7 +347,7 @@ struct PartMonitor {
 
 impl CollectiveMonitor for PartMonitor {
     fn operation(&self) -> &str {
-        self.meeting.kind.name()
+        self.meeting.op.name()
     }
 
     fn timeout(&self) -> Duration {

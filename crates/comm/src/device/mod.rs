@@ -26,8 +26,8 @@ use cohort_runtime::backend::DeviceCollectives;
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError, ServiceId};
 use parking_lot::Mutex;
 
-use crate::collective::Kind;
 use crate::error::CommError;
+use crate::op::{Collective, Op};
 use crate::order::enqueue_lock;
 
 pub(crate) use meeting::Meeting;
@@ -95,9 +95,13 @@ fn offer(client: &Client) -> Offer {
     if let Some(found) = known.lock().get(&client.service_id()) {
         return found.clone();
     }
+    let none = || Offer { device: false, library: Err("the backend has no device collectives".into()) };
+    if !client.capabilities().device_collectives {
+        return none();
+    }
     let found = match ask(client, |dc| dc.available()) {
         Some(library) => Offer { device: true, library },
-        None => Offer { device: false, library: Err("the backend has no device collectives".into()) },
+        None => none(),
     };
     known.lock().insert(client.service_id(), found.clone());
     found
@@ -196,18 +200,18 @@ pub(crate) enum Mode {
 
 /// Queues every part of one collective on the device path under the
 /// process-wide order; returns the meeting (to wait on, for barriers).
+/// `op`'s roots and endpoints are slots of `parts`.
 pub(crate) fn launch(
     clients: &[Client],
     timeout: Duration,
-    kind: Kind,
-    seg: usize,
+    op: Op,
     mode: Mode,
     parts: Vec<DevicePart>,
     tracked: Option<Arc<crate::group::Tracked>>,
 ) -> Result<Arc<Meeting>, CommError> {
-    let operation = kind.name();
+    let (operation, seg) = (op.name(), op.block_bytes());
     let devices = parts.iter().map(|p| (p.member, clients[p.member].device_id())).collect();
-    let meeting = Meeting::new(kind, seg, devices, timeout);
+    let meeting = Meeting::new(op, devices, timeout);
     let n = parts.len();
     let mut tasks = Vec::with_capacity(n);
     for (slot, part) in parts.into_iter().enumerate() {
@@ -215,8 +219,8 @@ pub(crate) fn launch(
         let mut outputs: Vec<Handle> = part.output.into_iter().collect();
         // In-place all-to-all over NCCL sends from a copy of the source.
         let scratch = matches!(mode, Mode::Nccl(_))
-            && kind == Kind::AllToAll
-            && part.input.as_ref().zip(outputs.first()).is_some_and(|(i, o)| plan::same_bytes(i, o));
+            && op.collective() == Collective::AllToAll
+            && part.input.as_ref().zip(outputs.first()).is_some_and(|(i, o)| crate::check::same_bytes(i, o));
         if scratch {
             outputs.push(client.empty(seg * n));
         }

@@ -11,7 +11,7 @@ use std::time::Instant;
 use cohort_runtime::{Client, ServerError};
 use parking_lot::Mutex;
 
-use crate::collective::Kind;
+use crate::op::{Collective, Op};
 use crate::trace::{now_micros, CollectiveFingerprint, FlightRecorder, RecordId, Timeline, TimelineEvent};
 
 /// One queued collective of a group; every part's task holds a clone and
@@ -38,25 +38,11 @@ pub(crate) fn group_name(clients: &[Client]) -> String {
 }
 
 impl Tracked {
-    /// Records that collective number `seq` of `group` was queued with
-    /// `parts` parts of `seg` bytes each; `tid` is the timeline row (the
-    /// first part's device index).
-    pub(crate) fn start(group: String, seq: u64, kind: &Kind, seg: usize, parts: usize, tid: u32) -> Arc<Tracked> {
-        let (dtype, op, root) = match *kind {
-            Kind::AllReduce { dtype, op } | Kind::ReduceScatter { dtype, op } => (Some(dtype), Some(op), None),
-            Kind::Reduce { dtype, op, root } => (Some(dtype), Some(op), Some(root)),
-            Kind::Broadcast { root } | Kind::Gather { root } | Kind::Scatter { root } => (None, None, Some(root)),
-            _ => (None, None, None),
-        };
-        let elem = dtype.map_or(1, |d| d.size());
-        let fingerprint = CollectiveFingerprint {
-            seq,
-            kind: kind.name().to_string(),
-            op: op.map(|o| o.to_string()),
-            dtype: dtype.map_or("bytes".to_string(), |d| d.to_string()),
-            count: (seg / elem) as u64,
-            root,
-        };
+    /// Records that collective number `seq` of `group`, `op`, was queued
+    /// with `parts` parts; `tid` is the timeline row (the first part's
+    /// device index).
+    pub(crate) fn start(group: String, seq: u64, op: &Op, parts: usize, tid: u32) -> Arc<Tracked> {
+        let fingerprint = CollectiveFingerprint::of(seq, op);
         // A process-local group: only this process takes part.
         let (rank, _) = FlightRecorder::global().identity();
         let record = FlightRecorder::global().start_among(&group, fingerprint.clone(), Some(vec![rank]));
@@ -69,7 +55,7 @@ impl Tracked {
             failure: Mutex::new(None),
             start_us: now_micros(),
             start: Instant::now(),
-            copy: matches!(kind, Kind::Copy { .. }),
+            copy: op.collective() == Collective::SendRecv,
             tid,
         })
     }

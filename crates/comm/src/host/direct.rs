@@ -22,7 +22,7 @@ use cohort_runtime::{BufferAccess, ServerError};
 use rayon::prelude::*;
 
 use super::Collective;
-use crate::collective::{run_window, Kind, Window};
+use crate::collective::{run_window, Window};
 
 /// Bytes of one window on the direct path: the accumulator stays in the
 /// core's L2 cache while it is reduced and copied out.
@@ -50,7 +50,7 @@ impl Collective {
     /// The addresses of every segment of `slot`'s buffers.
     fn addresses(&self, slot: usize, access: &mut BufferAccess<'_>) -> Result<(Vec<usize>, Vec<usize>), ServerError> {
         let n = self.n();
-        let (in_segs, out_segs) = (self.kind.in_segments(slot, n), self.kind.out_segments(slot, n));
+        let (in_segs, out_segs) = (self.op.in_blocks(slot, n), self.op.out_blocks(slot, n));
         let backend = self.parts[slot].device.backend_name();
         let mut index = 0;
         let mut segments = |segs: usize| -> Result<Vec<usize>, ServerError> {
@@ -123,8 +123,8 @@ impl Collective {
     /// Runs the collective over the published addresses, window by window
     /// in parallel.
     fn compute(&self, ins: &[Vec<usize>], outs: &[Vec<usize>]) {
-        let kind = self.kind;
-        let in_place = kind == Kind::AllToAll && ins.iter().zip(outs).all(|(i, o)| i == o);
+        let op = self.op;
+        let in_place = op.collective() == crate::op::Collective::AllToAll && ins.iter().zip(outs).all(|(i, o)| i == o);
         let chunk = DIRECT_CHUNK;
         // Out of place only: in place, the destination lines were just read
         // and are in cache, so plain stores are cheaper.
@@ -145,7 +145,7 @@ impl Collective {
             // task owns window [start, start + len) of every segment, which no
             // other window overlaps; sources alias destinations only in place
             // (checked before queueing).
-            unsafe { run_window(&kind, &window) };
+            unsafe { run_window(&op, &window) };
         });
     }
 }

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use cohort_runtime::{BufferAccess, DeviceId, Handle, ServerError};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::collective::Kind;
+use crate::op::Op;
 
 /// Default collective timeout: 10 minutes.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -83,8 +83,9 @@ struct State {
 
 /// The shared object of one collective call.
 pub(crate) struct Collective {
-    pub kind: Kind,
-    /// Segment size in bytes.
+    /// What runs; roots and endpoints are slots.
+    pub op: Op,
+    /// Segment (one member's block) size in bytes.
     pub seg: usize,
     pub parts: Vec<Participant>,
     pub timeout: Duration,
@@ -97,21 +98,20 @@ pub(crate) struct Collective {
 
 impl Collective {
     pub(crate) fn new(
-        kind: Kind,
-        seg: usize,
+        op: Op,
         parts: Vec<Participant>,
         timeout: Duration,
         direct: bool,
         stage_chunk: usize,
     ) -> Arc<Self> {
-        let n = parts.len();
+        let (n, seg) = (parts.len(), op.block_bytes());
         let mut state = State { present: vec![false; n], ..State::default() };
         state.direct.init(n);
         if !direct {
             state.staged.init(n, staged::chunk_ranges(seg, stage_chunk).count());
         }
         Arc::new(Collective {
-            kind,
+            op,
             seg,
             parts,
             timeout,
@@ -149,7 +149,7 @@ impl Collective {
             }
             Ok(out)
         };
-        Ok((pieces(input, self.kind.in_segments(slot, n))?, pieces(output, self.kind.out_segments(slot, n))?))
+        Ok((pieces(input, self.op.in_blocks(slot, n))?, pieces(output, self.op.out_blocks(slot, n))?))
     }
 
     /// A participant's task body.
@@ -223,7 +223,7 @@ impl Collective {
             .map(|(p, _)| format!("member {} ({})", p.member, p.device))
             .collect();
         ServerError::Collective {
-            collective: self.kind.name().to_string(),
+            collective: self.op.name().to_string(),
             device: self.parts[slot].device,
             reason: format!(
                 "{} did not arrive within {:.1} s: their devices are still busy with earlier work or blocked; \
@@ -284,7 +284,7 @@ impl Drop for Ticket {
         if !self.ran {
             let p = self.collective.parts[self.slot];
             self.collective.fail(ServerError::Poisoned {
-                operation: self.collective.kind.name().to_string(),
+                operation: self.collective.op.name().to_string(),
                 cause: Arc::new(ServerError::DeviceClosed { device: p.device }),
             });
         }

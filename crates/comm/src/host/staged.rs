@@ -64,7 +64,7 @@ impl Collective {
             self.wait_arrivals(&mut state, slot, deadline)?;
         }
         let n = self.n();
-        let (in_segs, out_segs) = (self.kind.in_segments(slot, n), self.kind.out_segments(slot, n));
+        let (in_segs, out_segs) = (self.op.in_blocks(slot, n), self.op.out_blocks(slot, n));
         let ranges: Vec<(usize, usize)> = chunk_ranges(self.seg, self.stage_chunk).collect();
         for (c, &(_, len)) in ranges.iter().enumerate() {
             let mut pieces = Vec::with_capacity(in_segs);
@@ -109,7 +109,7 @@ impl Collective {
 
     fn stalled_error(&self, slot: usize, chunk: usize) -> ServerError {
         ServerError::Collective {
-            collective: self.kind.name().to_string(),
+            collective: self.op.name().to_string(),
             device: self.parts[slot].device,
             reason: format!(
                 "chunk {chunk} was not ready within {:.1} s although every member arrived: a member's copies \
@@ -125,7 +125,7 @@ impl Collective {
         let n = self.n();
         let result = catch_unwind(AssertUnwindSafe(|| {
             let mut outs: Vec<Vec<Vec<u8>>> =
-                (0..n).map(|s| (0..self.kind.out_segments(s, n)).map(|_| vec![0u8; len]).collect()).collect();
+                (0..n).map(|s| (0..self.op.out_blocks(s, n)).map(|_| vec![0u8; len]).collect()).collect();
             let win_ins: Vec<Vec<*const u8>> =
                 inputs.iter().map(|p| p.iter().flatten().map(|b| b.as_slice().as_ptr()).collect()).collect();
             let win_outs: Vec<Vec<*mut u8>> =
@@ -135,7 +135,7 @@ impl Collective {
             // (moved out of the shared state), every output is a fresh `len`
             // byte vector it owns; inputs and outputs are distinct
             // allocations, and nothing else touches them until it returns.
-            unsafe { run_window(&self.kind, &window) };
+            unsafe { run_window(&self.op, &window) };
             outs
         }));
         let mut state = self.state.lock();
