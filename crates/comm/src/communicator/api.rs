@@ -49,14 +49,13 @@ impl Communicator {
         };
         let fp = Fingerprint { seq, op };
         if let Some(nccl) = self.inner.nccl.as_ref().filter(|n| n.takes(&op, &inputs, &outputs)) {
-            let (start_us, start) = (crate::trace::now_micros(), std::time::Instant::now());
             // Dropped unrun when the launch fails: that aborts for the
             // other ranks, as on the host path.
             let tracker = self.inner.observer.queued(fp);
             let meeting = nccl.launch(&self.inner.world, fp, self.timeout(), inputs, outputs);
             drop((issued, order));
             let meeting = meeting?;
-            meeting.on_done(move |outcome| tracker.ended(outcome, start_us, start));
+            meeting.on_done(move |outcome| tracker.ended(outcome));
             return Ok(Pending::Nccl(meeting));
         }
         let world = self.inner.world.clone();

@@ -44,7 +44,9 @@ mod algo;
 mod api;
 mod env;
 mod error;
+mod failure;
 mod fingerprint;
+mod keys;
 mod local;
 mod nccl;
 mod observe;
@@ -53,7 +55,8 @@ mod setup;
 mod world;
 
 pub use error::ConnectError;
-pub use observe::{job_heartbeat_key, HEARTBEAT_PERIOD};
+pub use keys::job_heartbeat_key;
+pub use observe::HEARTBEAT_PERIOD;
 
 use std::sync::Arc;
 use std::time::Duration;

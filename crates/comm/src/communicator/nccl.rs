@@ -47,9 +47,11 @@ use crate::op::{Collective, Op};
 use crate::store::StoreClient;
 
 use super::error::ConnectError;
+use super::failure::{Failure, FailureKind};
 use super::fingerprint::Fingerprint;
+use super::keys;
 use super::local;
-use super::world::{arrival_key, World};
+use super::world::World;
 
 /// Set keys of communicators made here carry the top bit, apart from the
 /// keys `ClientGroup`s use on the same devices.
@@ -104,10 +106,10 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         None => "yes".to_string(),
         Some(why) => format!("no {why}"),
     };
-    store.set(&format!("{prefix}nccl/can/{rank}"), answer.as_bytes())?;
-    let keys: Vec<String> = (0..size).map(|r| format!("{prefix}nccl/can/{r}")).collect();
-    store.wait(&keys.iter().map(String::as_str).collect::<Vec<_>>(), left())?;
-    for (r, key) in keys.iter().enumerate() {
+    store.set(&keys::nccl_can(&prefix, rank), answer.as_bytes())?;
+    let can: Vec<String> = (0..size).map(|r| keys::nccl_can(&prefix, r)).collect();
+    store.wait(&can.iter().map(String::as_str).collect::<Vec<_>>(), left())?;
+    for (r, key) in can.iter().enumerate() {
         let theirs = String::from_utf8_lossy(&store.get(key)?.unwrap_or_default()).into_owned();
         if theirs != "yes" {
             if mine.is_none() {
@@ -116,7 +118,7 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
             return Ok(None);
         }
     }
-    let id_key = format!("{prefix}nccl/id");
+    let id_key = keys::nccl_id(&prefix);
     if rank == 0 {
         let value = match ask(&clients[0], |dc| dc.unique_id()) {
             Some(Ok(id)) => [b"ok ".as_slice(), &id].concat(),
@@ -152,7 +154,7 @@ fn partly_overlap(a: &Handle, b: &Handle) -> bool {
 
 /// What the leader checks over the host links before the NCCL calls: the
 /// ring's fingerprints, or a message's with its other rank.
-fn host_check(w: &mut World, fp: &Fingerprint) -> Result<(), String> {
+fn host_check(w: &mut World, fp: &Fingerprint) -> Result<(), Failure> {
     match fp.op.endpoints() {
         Some((from, to)) if from == w.rank => w.send(fp, &[], to),
         Some((from, _)) => w.recv(fp, &mut [], from),
@@ -217,19 +219,16 @@ impl Nccl {
         if let Some(mut w) = world.try_lock() {
             w.abort(why);
         }
-        let _ = self.store.compare_set(
-            &format!("{}abort", self.prefix),
-            None,
-            format!("rank {}: {why}", self.rank).as_bytes(),
-        );
+        let _ =
+            self.store.compare_set(&keys::abort(&self.prefix), None, format!("rank {}: {why}", self.rank).as_bytes());
     }
 
     /// The ranks that never noted their arrival at collective `seq`.
     fn missing(&self, seq: u64) -> String {
-        let _ = self.store.set(&arrival_key(&self.prefix, seq, self.rank), b"");
+        let _ = self.store.set(&keys::arrived(&self.prefix, seq, self.rank), b"");
         let absent: Vec<String> = (0..self.size)
             .filter(|&r| r != self.rank)
-            .filter(|&r| !matches!(self.store.get(&arrival_key(&self.prefix, seq, r)), Ok(Some(_))))
+            .filter(|&r| !matches!(self.store.get(&keys::arrived(&self.prefix, seq, r)), Ok(Some(_))))
             .map(|r| r.to_string())
             .collect();
         if absent.is_empty() {
@@ -290,12 +289,26 @@ struct State {
     arrived: usize,
     present: Vec<bool>,
     /// The leader's host check, once done.
-    checked: Option<Result<(), String>>,
+    checked: Option<Result<(), Failure>>,
     returned: usize,
     /// Parts that ended: returned without queueing NCCL calls, or whose
     /// queued calls completed or failed on the device.
     ended: usize,
     failure: Option<ServerError>,
+    /// What kind of failure it was, where one said (a mismatch or timeout
+    /// in the host check, an abort seen in the store, the device's
+    /// timeout); anything else is [`FailureKind::Other`].
+    kind: Option<FailureKind>,
+}
+
+impl State {
+    /// The call's outcome, for its flight record.
+    fn outcome(&self) -> Result<(), Failure> {
+        match &self.failure {
+            None => Ok(()),
+            Some(err) => Err(Failure::new(self.kind.unwrap_or(FailureKind::Other), err.to_string())),
+        }
+    }
 }
 
 /// The local parts of one NCCL-path call.
@@ -312,7 +325,7 @@ pub(crate) struct Meeting {
 }
 
 /// What a finished NCCL-path call reports to (the flight recorder's tracker).
-type DoneHook = Box<dyn FnOnce(Result<(), String>) + Send>;
+type DoneHook = Box<dyn FnOnce(Result<(), Failure>) + Send>;
 
 /// Arrival note and abort polling of one waiting part.
 struct Poll {
@@ -343,13 +356,13 @@ impl Meeting {
 
     /// Runs `hook` with the call's outcome once every local part ended (its
     /// NCCL calls completed on the device, or failed), at once if they have.
-    pub(crate) fn on_done(&self, hook: impl FnOnce(Result<(), String>) + Send + 'static) {
+    pub(crate) fn on_done(&self, hook: impl FnOnce(Result<(), Failure>) + Send + 'static) {
         let state = self.state.lock();
         if state.ended < self.devices.len() {
             *self.on_done.lock() = Some(Box::new(hook));
             return;
         }
-        let outcome = state.failure.as_ref().map_or(Ok(()), |e| Err(e.to_string()));
+        let outcome = state.outcome();
         drop(state);
         hook(outcome);
     }
@@ -359,7 +372,7 @@ impl Meeting {
         let mut state = self.state.lock();
         state.ended += 1;
         if state.ended == self.devices.len() {
-            let outcome = state.failure.as_ref().map_or(Ok(()), |e| Err(e.to_string()));
+            let outcome = state.outcome();
             drop(state);
             if let Some(hook) = self.on_done.lock().take() {
                 hook(outcome);
@@ -369,6 +382,11 @@ impl Meeting {
 
     fn error(&self, slot: usize, reason: String) -> ServerError {
         ServerError::Collective { collective: self.fp.op.name().to_string(), device: self.devices[slot], reason }
+    }
+
+    /// Notes what kind of failure the call met (the first said wins).
+    fn note_kind(&self, kind: FailureKind) {
+        self.state.lock().kind.get_or_insert(kind);
     }
 
     fn fail(&self, err: ServerError) -> ServerError {
@@ -403,14 +421,17 @@ impl Meeting {
             state.checked = Some(result.clone());
             self.cv.notify_all();
             drop(state);
-            return result.map_err(|why| self.fail(self.error(slot, why)));
+            return result.map_err(|failure| {
+                self.note_kind(failure.kind);
+                self.fail(self.error(slot, failure.message))
+            });
         }
         loop {
             if let Some(err) = &state.failure {
                 return Err(err.clone());
             }
             if let Some(checked) = &state.checked {
-                return checked.clone().map_err(|why| self.error(slot, why));
+                return checked.clone().map_err(|failure| self.error(slot, failure.message));
             }
             // Once every part arrived, the leader's check is bounded by the
             // world's own deadline.
@@ -509,19 +530,22 @@ impl CollectiveMonitor for PartMonitor {
         p.last = now;
         if !p.noted {
             p.noted = true;
-            let _ = m.nccl.store.set(&arrival_key(&m.nccl.prefix, m.fp.seq, m.nccl.rank), b"");
+            let _ = m.nccl.store.set(&keys::arrived(&m.nccl.prefix, m.fp.seq, m.nccl.rank), b"");
         }
-        match m.nccl.store.get(&format!("{}abort", m.nccl.prefix)) {
-            Ok(Some(why)) => Some(m.error(
-                self.slot,
-                format!("{} stopped: the communicator was aborted by {}", m.fp, String::from_utf8_lossy(&why)),
-            )),
+        match m.nccl.store.get(&keys::abort(&m.nccl.prefix)) {
+            Ok(Some(why)) => {
+                m.note_kind(FailureKind::Aborted);
+                let why = String::from_utf8_lossy(&why);
+                Some(m.error(self.slot, format!("{} stopped: the communicator was aborted by {why}", m.fp)))
+            }
             _ => None,
         }
     }
 
+    /// Asked by the device only when the part timed out.
     fn missing(&self) -> String {
         let m = &self.meeting;
+        m.note_kind(FailureKind::Timeout);
         format!("{}: {}", m.fp, m.nccl.missing(m.fp.seq))
     }
 

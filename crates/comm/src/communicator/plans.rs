@@ -13,6 +13,7 @@ use crate::ops::{finish, DType, ReduceOp};
 use crate::transport::reduce_into;
 use crate::with_dtype;
 
+use super::failure::Failure;
 use super::fingerprint::Fingerprint;
 use super::local::{InView, OutView, Views};
 use super::world::World;
@@ -131,7 +132,7 @@ fn divide(buf: &mut [u8], dtype: DType, members: usize) {
 
 /// Runs the call `fp` describes (roots are members, endpoints ranks) for
 /// this rank's local slots; returns the staged outputs.
-pub(crate) fn run(world: &mut World, fp: Fingerprint, mut views: Views) -> Result<Vec<Option<Vec<u8>>>, String> {
+pub(crate) fn run(world: &mut World, fp: Fingerprint, mut views: Views) -> Result<Vec<Option<Vec<u8>>>, Failure> {
     let same_ok = matches!(fp.op.collective(), Collective::AllReduce | Collective::Reduce | Collective::Broadcast);
     // SAFETY: the views come from the tasks of this call, which stay blocked
     // (their buffers reserved) until this returns.
@@ -162,7 +163,7 @@ fn execute(
     l: usize,
     rank: usize,
     members: usize,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let input = |b: &Bufs<'_>, slot: usize| -> Vec<u8> {
         if in_place[slot] {
             b.outs[slot].as_deref().expect("in place has an output").to_vec()

@@ -23,8 +23,8 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::plan::{self, Shape};
 use super::{forget, Mode, NcclSet};
-use crate::group::Tracked;
 use crate::op::{Collective, Op};
+use crate::trace::Watched;
 
 #[derive(Default)]
 struct State {
@@ -191,7 +191,7 @@ impl Meeting {
         access: Result<&mut BufferAccess<'_>, ServerError>,
         mode: &Mode,
         shape: Shape,
-        tracked: Option<Arc<Tracked>>,
+        tracked: Option<Arc<Watched>>,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
         let deadline = Instant::now() + self.timeout;
@@ -311,7 +311,7 @@ impl Ticket {
         access: Result<&mut BufferAccess<'_>, ServerError>,
         mode: &Mode,
         shape: Shape,
-        tracked: Option<Arc<Tracked>>,
+        tracked: Option<Arc<Watched>>,
     ) -> Result<(), ServerError> {
         self.ran = true;
         self.meeting.run_part(self.slot, access, mode, shape, tracked)
@@ -342,7 +342,7 @@ struct PartMonitor {
     meeting: Arc<Meeting>,
     slot: usize,
     set: Arc<NcclSet>,
-    tracked: Option<Arc<Tracked>>,
+    tracked: Option<Arc<Watched>>,
 }
 
 impl CollectiveMonitor for PartMonitor {
@@ -375,7 +375,7 @@ impl CollectiveMonitor for PartMonitor {
                 forget(&self.set);
                 self.meeting.fail(err.clone());
                 if let Some(tracked) = &self.tracked {
-                    tracked.fail(err);
+                    tracked.fail(err.to_string());
                 }
             }
         }

@@ -207,7 +207,7 @@ pub(crate) fn launch(
     op: Op,
     mode: Mode,
     parts: Vec<DevicePart>,
-    tracked: Option<Arc<crate::group::Tracked>>,
+    tracked: Option<Arc<crate::trace::Watched>>,
 ) -> Result<Arc<Meeting>, CommError> {
     let (operation, seg) = (op.name(), op.block_bytes());
     let devices = parts.iter().map(|p| (p.member, clients[p.member].device_id())).collect();

@@ -175,6 +175,6 @@ pub fn to_client(src: &Handle, from: &Client, to: &Client) -> Result<Handle, Com
     }
     let (start_us, start) = (crate::trace::now_micros(), std::time::Instant::now());
     let copied = from.to_client(src, to);
-    super::record::timeline_copy(start_us, start, src.size(), from, to, copied.is_ok());
+    crate::trace::timeline_copy(start_us, start, src.size(), from, to, copied.is_ok());
     copied.map_err(|source| CommError::Failed { operation: "to_client", source })
 }

@@ -2,10 +2,8 @@
 //! and the collectives across them.
 
 mod collectives;
-mod record;
 
 pub use collectives::to_client;
-pub(crate) use record::Tracked;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -15,9 +13,10 @@ use cohort_runtime::{Client, Handle};
 
 use crate::device::{self, DevicePart, Meeting, Mode, Route, Transport};
 use crate::error::CommError;
-use crate::host::{default_timeout, Collective, HostPath, Participant, Ticket};
-use crate::op::Op;
+use crate::host::{default_timeout, HostCollective, HostPath, Participant, Ticket};
+use crate::op::{Collective, Op};
 use crate::order::{communicator, enqueue_lock, DeviceSetComm};
+use crate::trace::{FlightRecorder, Watched};
 
 /// Default bytes per pipelined chunk on the staged host path.
 pub const DEFAULT_STAGE_CHUNK: usize = 4 << 20;
@@ -57,7 +56,7 @@ pub(crate) struct Part {
 
 /// A queued collective, to wait on (barriers).
 pub(crate) enum Launched {
-    Host(Arc<Collective>),
+    Host(Arc<HostCollective>),
     Device(Arc<Meeting>),
 }
 
@@ -90,7 +89,7 @@ impl ClientGroup {
         let communicator = communicator(&clients);
         let direct = communicator.host_addressable();
         let route = device::choose(&clients);
-        let record_name = Arc::from(record::group_name(&clients));
+        let record_name = Arc::from(record_name(&clients));
         Ok(ClientGroup {
             record_name,
             clients,
@@ -226,9 +225,12 @@ impl ClientGroup {
     }
 
     /// Records collective `sequence` in the flight recorder (and timeline).
-    fn track(&self, sequence: u64, op: &Op, parts: &[Part]) -> Arc<record::Tracked> {
+    fn track(&self, sequence: u64, op: &Op, parts: &[Part]) -> Arc<Watched> {
         let tid = parts.first().map_or(0, |p| self.clients[p.member].device_id().index);
-        record::Tracked::start(self.record_name.to_string(), sequence, op, parts.len(), tid)
+        let category = if op.collective() == Collective::SendRecv { "copy" } else { "collective" };
+        // A process-local group: only this process takes part.
+        let ranks = Some(vec![FlightRecorder::global().identity().0]);
+        Watched::start(self.record_name.to_string(), sequence, op, parts.len(), ranks, category, tid)
     }
 
     /// Queues every part of one collective, under the process-wide order.
@@ -258,7 +260,7 @@ impl ClientGroup {
             .iter()
             .map(|p| Participant { member: p.member, device: self.clients[p.member].device_id() })
             .collect();
-        let collective = Collective::new(on_slots, participants, self.timeout, self.direct, self.stage_chunk);
+        let collective = HostCollective::new(on_slots, participants, self.timeout, self.direct, self.stage_chunk);
         let mut tasks = Vec::with_capacity(parts.len());
         for (slot, part) in parts.iter().enumerate() {
             let (inputs, outputs) =
@@ -297,4 +299,12 @@ impl ClientGroup {
             None => Ok(Launched::Host(collective)),
         }
     }
+}
+
+/// The recorder's name of the group over `clients`: its device set, the
+/// same for every group over those devices (they share one sequence).
+fn record_name(clients: &[Client]) -> String {
+    let mut devices: Vec<String> = clients.iter().map(|c| c.device_id().to_string()).collect();
+    devices.sort();
+    format!("group[{}]", devices.join(","))
 }

@@ -21,7 +21,7 @@ use std::time::Instant;
 use cohort_runtime::{BufferAccess, ServerError};
 use rayon::prelude::*;
 
-use super::Collective;
+use super::HostCollective;
 use crate::collective::{run_window, Window};
 
 /// Bytes of one window on the direct path: the accumulator stays in the
@@ -46,7 +46,7 @@ impl Addresses {
     }
 }
 
-impl Collective {
+impl HostCollective {
     /// The addresses of every segment of `slot`'s buffers.
     fn addresses(&self, slot: usize, access: &mut BufferAccess<'_>) -> Result<(Vec<usize>, Vec<usize>), ServerError> {
         let n = self.n();

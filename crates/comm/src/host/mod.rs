@@ -1,4 +1,4 @@
-//! The host-staged engine: one [`Collective`] object per call, shared by the
+//! The host-staged engine: one [`HostCollective`] object per call, shared by the
 //! tasks every participant runs on its own device thread.
 //!
 //! Each participant's task arrives at the collective's rendezvous, and the
@@ -82,7 +82,7 @@ struct State {
 }
 
 /// The shared object of one collective call.
-pub(crate) struct Collective {
+pub(crate) struct HostCollective {
     /// What runs; roots and endpoints are slots.
     pub op: Op,
     /// Segment (one member's block) size in bytes.
@@ -96,7 +96,7 @@ pub(crate) struct Collective {
     cv: Condvar,
 }
 
-impl Collective {
+impl HostCollective {
     pub(crate) fn new(
         op: Op,
         parts: Vec<Participant>,
@@ -110,7 +110,7 @@ impl Collective {
         if !direct {
             state.staged.init(n, staged::chunk_ranges(seg, stage_chunk).count());
         }
-        Arc::new(Collective {
+        Arc::new(HostCollective {
             op,
             seg,
             parts,
@@ -261,13 +261,13 @@ impl Collective {
 /// device closed, its queue was dropped), it fails the collective so the
 /// other participants return at once instead of waiting for the timeout.
 pub(crate) struct Ticket {
-    collective: Arc<Collective>,
+    collective: Arc<HostCollective>,
     slot: usize,
     ran: bool,
 }
 
 impl Ticket {
-    pub(crate) fn new(collective: &Arc<Collective>, slot: usize) -> Self {
+    pub(crate) fn new(collective: &Arc<HostCollective>, slot: usize) -> Self {
         Ticket { collective: collective.clone(), slot, ran: false }
     }
 

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use cohort_runtime::{AlignedBytes, BufferAccess, ServerError};
 
-use super::Collective;
+use super::HostCollective;
 use crate::collective::{run_window, Window};
 
 /// Per-chunk staging of one collective.
@@ -44,7 +44,7 @@ pub(crate) fn chunk_ranges(seg: usize, chunk: usize) -> impl Iterator<Item = (us
     (0..seg.div_ceil(chunk)).map(move |c| (c * chunk, chunk.min(seg - c * chunk)))
 }
 
-impl Collective {
+impl HostCollective {
     pub(super) fn staged_member(
         self: &Arc<Self>,
         slot: usize,
