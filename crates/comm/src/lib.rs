@@ -22,6 +22,7 @@ mod error;
 mod group;
 mod host;
 pub mod launch_env;
+mod meeting;
 pub mod op;
 mod ops;
 mod order;

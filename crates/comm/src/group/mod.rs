@@ -13,7 +13,8 @@ use cohort_runtime::{Client, Handle};
 
 use crate::device::{self, DevicePart, Meeting, Mode, Route, Transport};
 use crate::error::CommError;
-use crate::host::{default_timeout, HostCollective, HostPath, Participant, Ticket};
+use crate::host::{default_timeout, HostCollective, HostPath};
+use crate::meeting::{Seat, Ticket};
 use crate::op::{Collective, Op};
 use crate::order::{communicator, enqueue_lock, DeviceSetComm};
 use crate::trace::{FlightRecorder, Watched};
@@ -256,11 +257,9 @@ impl ClientGroup {
             return device::launch(&self.clients, self.timeout, on_slots, mode, parts, Some(tracked))
                 .map(Launched::Device);
         }
-        let participants: Vec<Participant> = parts
-            .iter()
-            .map(|p| Participant { member: p.member, device: self.clients[p.member].device_id() })
-            .collect();
-        let collective = HostCollective::new(on_slots, participants, self.timeout, self.direct, self.stage_chunk);
+        let seats: Vec<Seat> =
+            parts.iter().map(|p| Seat { member: Some(p.member), device: self.clients[p.member].device_id() }).collect();
+        let collective = HostCollective::new(on_slots, seats, self.timeout, self.direct, self.stage_chunk);
         let mut tasks = Vec::with_capacity(parts.len());
         for (slot, part) in parts.iter().enumerate() {
             let (inputs, outputs) =
@@ -285,7 +284,7 @@ impl ClientGroup {
             // collective for the parts already queued.
             let tracked = tracked.clone();
             let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
-                let result = ticket.run(access);
+                let result = ticket.run(|collective, slot| collective.run_member(slot, access));
                 tracked.note(&result);
                 result
             });

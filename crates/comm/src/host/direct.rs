@@ -51,7 +51,7 @@ impl HostCollective {
     fn addresses(&self, slot: usize, access: &mut BufferAccess<'_>) -> Result<(Vec<usize>, Vec<usize>), ServerError> {
         let n = self.n();
         let (in_segs, out_segs) = (self.op.in_blocks(slot, n), self.op.out_blocks(slot, n));
-        let backend = self.parts[slot].device.backend_name();
+        let backend = self.meeting.seat(slot).device.backend_name();
         let mut index = 0;
         let mut segments = |segs: usize| -> Result<Vec<usize>, ServerError> {
             if segs == 0 {
@@ -75,23 +75,23 @@ impl HostCollective {
         access: Result<&mut BufferAccess<'_>, ServerError>,
     ) -> Result<(), ServerError> {
         let addresses = access.and_then(|access| self.addresses(slot, access));
-        let mut state = self.state.lock();
+        let meeting = &self.meeting;
+        let mut state = meeting.lock();
         let (ins, outs) = match addresses {
             Ok(found) => found,
             Err(err) => {
-                self.fail_locked(&mut state, err.clone());
+                meeting.fail_locked(&mut state, err.clone());
                 return Err(err);
             }
         };
-        state.direct.ins[slot] = ins;
-        state.direct.outs[slot] = outs;
-        self.arrive(&mut state, slot)?;
-        if state.arrived == self.n() {
-            let (ins, outs) = (state.direct.ins.clone(), state.direct.outs.clone());
+        state.data.direct.ins[slot] = ins;
+        state.data.direct.outs[slot] = outs;
+        if meeting.arrive_locked(&mut state, slot)? {
+            let (ins, outs) = (state.data.direct.ins.clone(), state.data.direct.outs.clone());
             drop(state);
             let result = catch_unwind(AssertUnwindSafe(|| self.compute(&ins, &outs))).map_err(|payload| {
                 ServerError::TaskPanicked {
-                    device: self.parts[slot].device,
+                    device: meeting.seat(slot).device,
                     message: payload
                         .downcast_ref::<&str>()
                         .map(|s| s.to_string())
@@ -99,22 +99,22 @@ impl HostCollective {
                         .unwrap_or_default(),
                 }
             });
-            let mut state = self.state.lock();
-            state.done = true;
+            let mut state = meeting.lock();
+            state.data.done = true;
             if let Err(err) = result {
-                return Err(self.fail_locked(&mut state, err));
+                return Err(meeting.fail_locked(&mut state, err));
             }
-            self.cv.notify_all();
+            meeting.notify();
             return Ok(());
         }
-        let deadline = Instant::now() + self.timeout;
-        self.wait_arrivals(&mut state, slot, deadline)?;
+        let deadline = Instant::now() + meeting.timeout();
+        meeting.wait_arrivals(&mut state, slot, deadline)?;
         // Everyone arrived: the last arriver is using our memory; wait for it
         // without a deadline (the work is bounded and must not race a return).
-        while !state.done {
-            self.cv.wait(&mut state);
+        while !state.data.done {
+            meeting.sleep(&mut state);
         }
-        match &state.failure {
+        match state.failure() {
             Some(err) => Err(err.clone()),
             None => Ok(()),
         }
