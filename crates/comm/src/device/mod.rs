@@ -27,10 +27,11 @@ use cohort_runtime::{BufferAccess, Client, Handle, ServerError, ServiceId};
 use parking_lot::Mutex;
 
 use crate::error::CommError;
+use crate::meeting::Ticket;
 use crate::op::{Collective, Op};
 use crate::order::enqueue_lock;
 
-pub(crate) use meeting::Meeting;
+pub(crate) use meeting::DeviceCollective;
 
 /// How a group's collectives move bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,10 +209,10 @@ pub(crate) fn launch(
     mode: Mode,
     parts: Vec<DevicePart>,
     tracked: Option<Arc<crate::trace::Watched>>,
-) -> Result<Arc<Meeting>, CommError> {
+) -> Result<Arc<DeviceCollective>, CommError> {
     let (operation, seg) = (op.name(), op.block_bytes());
     let devices = parts.iter().map(|p| (p.member, clients[p.member].device_id())).collect();
-    let meeting = Meeting::new(op, devices, timeout);
+    let meeting = DeviceCollective::new(op, devices, timeout);
     let n = parts.len();
     let mut tasks = Vec::with_capacity(n);
     for (slot, part) in parts.into_iter().enumerate() {
@@ -226,7 +227,7 @@ pub(crate) fn launch(
         }
         let inputs: Vec<Handle> = part.input.into_iter().collect();
         let shape = plan::Shape { input: !inputs.is_empty(), output: !outputs.is_empty(), scratch };
-        tasks.push((part.member, inputs, outputs, meeting.ticket(slot), shape));
+        tasks.push((part.member, inputs, outputs, Ticket::new(&meeting, slot), shape));
     }
     let mut failed = None;
     let order = enqueue_lock();
@@ -235,7 +236,7 @@ pub(crate) fn launch(
         let mode = mode.clone();
         let tracked = tracked.clone();
         let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
-            let result = ticket.run(access, &mode, shape, tracked.clone());
+            let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, shape, tracked.clone()));
             if let Some(t) = &tracked {
                 t.note(&result);
             }

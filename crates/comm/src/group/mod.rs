@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use cohort_runtime::{Client, Handle};
 
-use crate::device::{self, DevicePart, Meeting, Mode, Route, Transport};
+use crate::device::{self, DeviceCollective, DevicePart, Mode, Route, Transport};
 use crate::error::CommError;
 use crate::host::{default_timeout, HostCollective, HostPath};
 use crate::meeting::{Seat, Ticket};
@@ -58,7 +58,7 @@ pub(crate) struct Part {
 /// A queued collective, to wait on (barriers).
 pub(crate) enum Launched {
     Host(Arc<HostCollective>),
-    Device(Arc<Meeting>),
+    Device(Arc<DeviceCollective>),
 }
 
 impl Launched {
