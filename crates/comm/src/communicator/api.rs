@@ -8,11 +8,12 @@
 use cohort_runtime::Handle;
 
 use super::fingerprint::Fingerprint;
-use super::local::Meeting;
+use super::local::LocalCall;
 use super::nccl::Pending;
 use super::Communicator;
 use crate::check::Members;
 use crate::error::CommError;
+use crate::meeting::Ticket;
 use crate::op::Op;
 use crate::ops::{DType, ReduceOp};
 use crate::order::enqueue_lock;
@@ -62,29 +63,32 @@ impl Communicator {
         let tracker = self.inner.observer.queued(fp);
         let plan = Box::new(move |views| tracker.run(&mut world.lock(), views));
         let devices = self.clients().iter().map(|c| c.device_id()).collect();
-        let meeting = Meeting::new(name, devices, self.timeout(), plan);
+        let call = LocalCall::new(name, devices, self.timeout(), plan);
         let mut failed = None;
         for (slot, client) in self.clients().iter().enumerate() {
             let (has_in, has_out) = (inputs[slot].is_some(), outputs[slot].is_some());
-            let m = meeting.clone();
+            let ticket = Ticket::new(&call, slot);
             let ins = inputs[slot].iter().cloned().collect();
             let outs = outputs[slot].iter().cloned().collect();
-            let queued =
-                client.submit_buffers_always(name, ins, outs, move |access| m.run_task(slot, has_in, has_out, access));
+            // A task that cannot be queued drops its ticket, which fails the
+            // call for the tasks already queued.
+            let queued = client.submit_buffers_always(name, ins, outs, move |access| {
+                ticket.run(|call, slot| call.run_task(slot, has_in, has_out, access))
+            });
             if let Err(source) = queued {
-                let err = CommError::Enqueue { operation: name, member: slot, device: client.device_id(), source };
-                meeting.fail(cohort_runtime::ServerError::InvalidState {
-                    operation: "collective",
-                    reason: err.to_string(),
+                failed.get_or_insert(CommError::Enqueue {
+                    operation: name,
+                    member: slot,
+                    device: client.device_id(),
+                    source,
                 });
-                failed.get_or_insert(err);
             }
         }
         drop(issued);
         drop(order);
         match failed {
             Some(err) => Err(err),
-            None => Ok(Pending::Host(meeting)),
+            None => Ok(Pending::Host(call)),
         }
     }
 

@@ -270,7 +270,7 @@ impl Nccl {
 
 /// A queued call: waits on the host path's meeting or the NCCL path's.
 pub(crate) enum Pending {
-    Host(Arc<local::Meeting>),
+    Host(Arc<local::LocalCall>),
     Nccl(Arc<Meeting>),
 }
 
