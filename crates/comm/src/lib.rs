@@ -16,7 +16,6 @@ mod communicator;
 mod transport;
 
 mod check;
-mod collective;
 mod device;
 mod error;
 mod group;

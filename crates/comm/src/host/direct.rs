@@ -21,8 +21,8 @@ use std::time::Instant;
 use cohort_runtime::{BufferAccess, ServerError};
 use rayon::prelude::*;
 
+use super::window::{run_window, Window};
 use super::HostCollective;
-use crate::collective::{run_window, Window};
 
 /// Bytes of one window on the direct path: the accumulator stays in the
 /// core's L2 cache while it is reduced and copied out.

@@ -22,6 +22,7 @@
 
 mod direct;
 mod staged;
+mod window;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use cohort_runtime::{AlignedBytes, BufferAccess, ServerError};
 
+use super::window::{run_window, Window};
 use super::HostCollective;
-use crate::collective::{run_window, Window};
 
 /// Per-chunk staging of one collective.
 #[derive(Default)]

@@ -1,6 +1,6 @@
-//! The collectives as data: which buffers each participant brings, how many
-//! segments each holds, and the kernel that moves and reduces one window of
-//! bytes between them on the host.
+//! The host engine's kernel: moves and reduces one window of bytes between
+//! the participants' segments (which segments each brings is the
+//! description's, [`Op::in_blocks`] and [`Op::out_blocks`]).
 //!
 //! Every collective here works on segments of `S` bytes: a buffer holds one
 //! segment or one per participant (all-gather's destination, say). A window
