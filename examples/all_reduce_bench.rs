@@ -24,7 +24,7 @@
 //! moved only the bytes it must at that `B`: all-reduce must read n inputs and
 //! write n outputs (n copies of `size`, time ≥ n·size / B, so busbw ≤
 //! 2(n-1)/n² · B); the bound of each collective is in
-//! `CollectiveOp::host_copies`.
+//! `Collective::host_copies`.
 //!
 //! On wgpu and CUDA the memory bound does not apply, so the `%bound` and `B`
 //! columns are left out; the header gives device 0's host-to-device and
@@ -35,7 +35,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use cohort::comm::verify::{Buffers, CollectiveOp};
+use cohort::comm::op::Collective;
+use cohort::comm::verify::Buffers;
 use cohort::comm::{ClientGroup, DType, HostPath, ReduceOp};
 use cohort::prelude::*;
 use rayon::prelude::*;
@@ -207,10 +208,10 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     let group = ClientGroup::new(clients(&args.backend, args.devices)?)?;
     let group = group.with_host_path(if args.staged { HostPath::Staged } else { HostPath::Auto })?;
     let n = group.len();
-    let collectives: Vec<CollectiveOp> = if args.collective == "all" {
-        CollectiveOp::ALL.to_vec()
+    let collectives: Vec<Collective> = if args.collective == "all" {
+        Collective::ALL.to_vec()
     } else {
-        vec![CollectiveOp::parse(&args.collective).ok_or_else(|| format!("unknown collective {:?}", args.collective))?]
+        vec![Collective::parse(&args.collective).ok_or_else(|| format!("unknown collective {:?}", args.collective))?]
     };
     let dtypes: Vec<DType> = if args.dtype == "all" {
         DType::ALL.to_vec()

@@ -32,7 +32,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use cohort::comm::verify::{Buffers, CollectiveOp};
+use cohort::comm::op::Collective;
+use cohort::comm::verify::Buffers;
 use cohort::comm::{ClientGroup, DType, ReduceOp};
 use cohort::prelude::*;
 use cohort::runtime::backend::cuda::{cudarc, nccl_version};
@@ -169,7 +170,7 @@ impl Raw {
 
     /// Mean seconds of one `coll` of `bytes` (nccl-tests' size; f32, sum,
     /// root 0).
-    fn time(&self, coll: CollectiveOp, bytes: usize, warmup: u32, iters: u32) -> Result<f64, String> {
+    fn time(&self, coll: Collective, bytes: usize, warmup: u32, iters: u32) -> Result<f64, String> {
         use nccl::ncclDataType_t::ncclFloat32 as F32;
         use nccl::ncclRedOp_t::ncclSum as SUM;
         let n = self.comms.len();
@@ -187,19 +188,19 @@ impl Raw {
                     let (comm, s) = (self.comms[i], self.streams[i] as nccl::cudaStream_t);
                     let (src, dst) = (a as *const _, b as *mut _);
                     match coll {
-                        CollectiveOp::AllReduce => {
+                        Collective::AllReduce => {
                             nok(nccl::ncclAllReduce(src, dst, count, F32, SUM, comm, s), "ncclAllReduce")?
                         }
-                        CollectiveOp::AllGather => {
+                        Collective::AllGather => {
                             nok(nccl::ncclAllGather(src, dst, block, F32, comm, s), "ncclAllGather")?
                         }
-                        CollectiveOp::ReduceScatter => {
+                        Collective::ReduceScatter => {
                             nok(nccl::ncclReduceScatter(src, dst, block, F32, SUM, comm, s), "ncclReduceScatter")?
                         }
-                        CollectiveOp::Broadcast => {
+                        Collective::Broadcast => {
                             nok(nccl::ncclBroadcast(src, dst, count, F32, 0, comm, s), "ncclBroadcast")?
                         }
-                        CollectiveOp::AllToAll => {
+                        Collective::AllToAll => {
                             for peer in 0..n {
                                 let at = (peer * block * 4) as u64;
                                 let to = (a + at) as *const _;
@@ -260,9 +261,9 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     if args.backend != "cuda" {
         return Err(format!("backend {:?}: this bench compares against NCCL, use --backend cuda", args.backend).into());
     }
-    let collectives: Vec<CollectiveOp> = match args.collective.as_str() {
+    let collectives: Vec<Collective> = match args.collective.as_str() {
         "all" => FIVE.to_vec(),
-        name => match CollectiveOp::parse(name).filter(|c| FIVE.contains(c)) {
+        name => match Collective::parse(name).filter(|c| FIVE.contains(c)) {
             Some(c) => vec![c],
             None => {
                 return Err(format!(
@@ -288,12 +289,12 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
 }
 
 /// The five collectives nccl-tests times, in its order.
-const FIVE: [CollectiveOp; 5] = [
-    CollectiveOp::AllReduce,
-    CollectiveOp::AllGather,
-    CollectiveOp::ReduceScatter,
-    CollectiveOp::Broadcast,
-    CollectiveOp::AllToAll,
+const FIVE: [Collective; 5] = [
+    Collective::AllReduce,
+    Collective::AllGather,
+    Collective::ReduceScatter,
+    Collective::Broadcast,
+    Collective::AllToAll,
 ];
 
 /// Prints one collective's table; returns the wrong elements found.
@@ -301,7 +302,7 @@ fn table(
     args: &Args,
     group: &ClientGroup,
     raw: Option<&Raw>,
-    coll: CollectiveOp,
+    coll: Collective,
 ) -> Result<usize, Box<dyn std::error::Error>> {
     let n = group.len();
     println!(

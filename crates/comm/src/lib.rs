@@ -17,12 +17,14 @@ pub mod store;
 mod communicator;
 mod transport;
 
-mod collective;
+mod check;
 mod device;
 mod error;
 mod group;
 mod host;
 pub mod launch_env;
+mod meeting;
+pub mod op;
 mod ops;
 mod order;
 pub mod trace;

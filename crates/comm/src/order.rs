@@ -46,9 +46,8 @@ impl DeviceSetComm {
     }
 }
 
-/// The communicator of `clients`' device set, set up on first use (under
-/// the process-wide order) and cached by the sorted set of devices. Setting
-/// one up waits for each device to answer one small task.
+/// The communicator of `clients`' device set, made on first use and cached
+/// by the sorted set of devices.
 pub(crate) fn communicator(clients: &[Client]) -> Arc<DeviceSetComm> {
     static CACHE: OnceLock<Mutex<HashMap<Vec<ServiceId>, Arc<DeviceSetComm>>>> = OnceLock::new();
     let mut devices: Vec<ServiceId> = clients.iter().map(Client::service_id).collect();
@@ -57,30 +56,8 @@ pub(crate) fn communicator(clients: &[Client]) -> Arc<DeviceSetComm> {
     if let Some(found) = cache.lock().get(&devices) {
         return found.clone();
     }
-    let host_addressable = {
-        let _order = enqueue_lock();
-        clients.iter().all(host_addressable)
-    };
+    let host_addressable = clients.iter().all(|c| c.capabilities().host_addressable_memory);
     let communicator =
         Arc::new(DeviceSetComm { devices: devices.clone(), host_addressable, issued: AtomicU64::new(0) });
     cache.lock().entry(devices).or_insert(communicator).clone()
-}
-
-/// Whether the client's device memory can be addressed from the host (asks
-/// its device thread with a 16-byte buffer; a failure counts as no).
-fn host_addressable(client: &Client) -> bool {
-    static KNOWN: OnceLock<Mutex<HashMap<ServiceId, bool>>> = OnceLock::new();
-    let known = KNOWN.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(&answer) = known.lock().get(&client.service_id()) {
-        return answer;
-    }
-    let probe = client.empty(16);
-    let (tx, rx) = crossbeam::channel::bounded(1);
-    let queued = client.submit_buffers_always("host-path probe", vec![probe], Vec::new(), move |access| {
-        let _ = tx.send(access.map(|a| a.host_ptr(0).is_some()).unwrap_or(false));
-        Ok(())
-    });
-    let answer = queued.is_ok() && rx.recv().unwrap_or(false);
-    known.lock().insert(client.service_id(), answer);
-    answer
 }

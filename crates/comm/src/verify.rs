@@ -20,140 +20,13 @@ use half::{bf16, f16};
 
 use crate::error::CommError;
 use crate::group::ClientGroup;
+use crate::op::Collective;
 use crate::ops::{DType, ReduceOp};
-
-/// A collective, as the bench and tests name it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CollectiveOp {
-    /// [`ClientGroup::all_reduce`].
-    AllReduce,
-    /// [`ClientGroup::reduce`].
-    Reduce,
-    /// [`ClientGroup::broadcast`].
-    Broadcast,
-    /// [`ClientGroup::all_gather`].
-    AllGather,
-    /// [`ClientGroup::reduce_scatter`].
-    ReduceScatter,
-    /// [`ClientGroup::all_to_all`].
-    AllToAll,
-    /// [`ClientGroup::gather`].
-    Gather,
-    /// [`ClientGroup::scatter`].
-    Scatter,
-    /// A ring of paired send/recv: member `m` sends to member `m + 1`.
-    SendRecv,
-}
-
-impl CollectiveOp {
-    /// Every collective, in a fixed order.
-    pub const ALL: [CollectiveOp; 9] = [
-        CollectiveOp::AllReduce,
-        CollectiveOp::Reduce,
-        CollectiveOp::Broadcast,
-        CollectiveOp::AllGather,
-        CollectiveOp::ReduceScatter,
-        CollectiveOp::AllToAll,
-        CollectiveOp::Gather,
-        CollectiveOp::Scatter,
-        CollectiveOp::SendRecv,
-    ];
-
-    /// The name of the `ClientGroup` method.
-    pub fn name(self) -> &'static str {
-        match self {
-            CollectiveOp::AllReduce => "all_reduce",
-            CollectiveOp::Reduce => "reduce",
-            CollectiveOp::Broadcast => "broadcast",
-            CollectiveOp::AllGather => "all_gather",
-            CollectiveOp::ReduceScatter => "reduce_scatter",
-            CollectiveOp::AllToAll => "all_to_all",
-            CollectiveOp::Gather => "gather",
-            CollectiveOp::Scatter => "scatter",
-            CollectiveOp::SendRecv => "send_recv",
-        }
-    }
-
-    /// Parses a name as [`CollectiveOp::name`] gives it (`-` for `_` too).
-    pub fn parse(name: &str) -> Option<CollectiveOp> {
-        CollectiveOp::ALL.into_iter().find(|op| op.name() == name.replace('-', "_"))
-    }
-
-    /// Whether it reduces (takes a [`ReduceOp`]).
-    pub fn reduces(self) -> bool {
-        matches!(self, CollectiveOp::AllReduce | CollectiveOp::Reduce | CollectiveOp::ReduceScatter)
-    }
-
-    /// Whether it takes a root.
-    pub fn rooted(self) -> bool {
-        matches!(self, CollectiveOp::Reduce | CollectiveOp::Broadcast | CollectiveOp::Gather | CollectiveOp::Scatter)
-    }
-
-    /// Whether it has an in-place form.
-    pub fn has_in_place(self) -> bool {
-        self != CollectiveOp::SendRecv
-    }
-
-    /// Whether its buffers split into one block per member (`size / n`
-    /// bytes each): the gathers, scatters and all-to-all.
-    pub fn blocked(self) -> bool {
-        matches!(
-            self,
-            CollectiveOp::AllGather
-                | CollectiveOp::ReduceScatter
-                | CollectiveOp::AllToAll
-                | CollectiveOp::Gather
-                | CollectiveOp::Scatter
-        )
-    }
-
-    /// Bytes of one member's source and destination when a block holds
-    /// `block` bytes among `n` members (a block is the whole buffer of the
-    /// collectives that are not [`CollectiveOp::blocked`]).
-    pub fn lengths(self, block: usize, n: usize) -> (usize, usize) {
-        match self {
-            CollectiveOp::AllGather | CollectiveOp::Gather => (block, n * block),
-            CollectiveOp::ReduceScatter | CollectiveOp::Scatter => (n * block, block),
-            CollectiveOp::AllToAll => (n * block, n * block),
-            _ => (block, block),
-        }
-    }
-
-    /// nccl-tests' bus-bandwidth factor over `n` members: busbw = algbw ×
-    /// factor, where algbw = size / time and size is the largest buffer.
-    pub fn bus_factor(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            CollectiveOp::AllReduce => 2.0 * (n - 1.0) / n,
-            CollectiveOp::AllGather
-            | CollectiveOp::ReduceScatter
-            | CollectiveOp::AllToAll
-            | CollectiveOp::Gather
-            | CollectiveOp::Scatter => (n - 1.0) / n,
-            CollectiveOp::Reduce | CollectiveOp::Broadcast | CollectiveOp::SendRecv => 1.0,
-        }
-    }
-
-    /// The least memory traffic of the collective on one host, in copies of
-    /// `size` bytes (one copy reads and writes `size` bytes): half of the
-    /// bytes every input must be read and every output written. All-reduce
-    /// reads n buffers and writes n: `n`.
-    pub fn host_copies(self, n: usize) -> f64 {
-        let n = n as f64;
-        match self {
-            CollectiveOp::AllReduce | CollectiveOp::AllToAll => n,
-            CollectiveOp::Reduce | CollectiveOp::Broadcast | CollectiveOp::AllGather | CollectiveOp::ReduceScatter => {
-                (n + 1.0) / 2.0
-            }
-            CollectiveOp::Gather | CollectiveOp::Scatter | CollectiveOp::SendRecv => 1.0,
-        }
-    }
-}
 
 /// The buffers of one collective call, and the host copy of its inputs.
 pub struct Buffers {
     /// The collective the buffers are laid out for.
-    pub op: CollectiveOp,
+    pub op: Collective,
     /// Their element type.
     pub dtype: DType,
     /// The root of rooted collectives.
@@ -205,14 +78,7 @@ impl Buffers {
     /// Buffers for `op` of about `size` bytes (rounded down to whole blocks
     /// of `dtype` per member) on every member, inputs filled with
     /// [`pattern`]. Queues the uploads and returns.
-    pub fn new(
-        group: &ClientGroup,
-        op: CollectiveOp,
-        dtype: DType,
-        size: usize,
-        in_place: bool,
-        root: usize,
-    ) -> Buffers {
+    pub fn new(group: &ClientGroup, op: Collective, dtype: DType, size: usize, in_place: bool, root: usize) -> Buffers {
         let n = group.len();
         let e = dtype.size();
         let blocked = op.blocked();
@@ -228,11 +94,11 @@ impl Buffers {
             let (s, d) = if !in_place {
                 (client.create(input), client.create(Bytes::from(vec![0u8; dst_bytes])))
             } else {
-                let outer_is_dst = matches!(op, CollectiveOp::AllGather | CollectiveOp::Gather);
+                let outer_is_dst = matches!(op, Collective::AllGather | Collective::Gather);
                 let outer = client.create(Bytes::from(vec![0u8; src_bytes.max(dst_bytes)]));
-                let at = if matches!(op, CollectiveOp::Gather | CollectiveOp::Scatter) && m != root {
+                let at = if matches!(op, Collective::Gather | Collective::Scatter) && m != root {
                     None
-                } else if blocked && op != CollectiveOp::AllToAll {
+                } else if blocked && op != Collective::AllToAll {
                     Some((m * block) as u64)
                 } else {
                     Some(0)
@@ -267,23 +133,25 @@ impl Buffers {
     pub fn run(&self, group: &ClientGroup, op: ReduceOp) -> Result<(), CommError> {
         let (dtype, root, n) = (self.dtype, self.root, group.len());
         match self.op {
-            CollectiveOp::AllReduce => group.all_reduce_handles(&self.src, &self.dst, dtype, op),
-            CollectiveOp::Reduce => group.reduce_handles(&self.src, &self.dst[root], dtype, op, root),
-            CollectiveOp::Broadcast => group.broadcast_handles(&self.src[root], &self.dst, dtype, root),
-            CollectiveOp::AllGather => group.all_gather_handles(&self.src, &self.dst, dtype),
-            CollectiveOp::ReduceScatter => group.reduce_scatter_handles(&self.src, &self.dst, dtype, op),
-            CollectiveOp::AllToAll => group.all_to_all_handles(&self.src, &self.dst, dtype),
-            CollectiveOp::Gather => group.gather_handles(&self.src, &self.dst[root], dtype, root),
-            CollectiveOp::Scatter => group.scatter_handles(&self.src[root], &self.dst, dtype, root),
-            CollectiveOp::SendRecv => (0..n)
+            Collective::AllReduce => group.all_reduce_handles(&self.src, &self.dst, dtype, op),
+            Collective::Reduce => group.reduce_handles(&self.src, &self.dst[root], dtype, op, root),
+            Collective::Broadcast => group.broadcast_handles(&self.src[root], &self.dst, dtype, root),
+            Collective::AllGather => group.all_gather_handles(&self.src, &self.dst, dtype),
+            Collective::ReduceScatter => group.reduce_scatter_handles(&self.src, &self.dst, dtype, op),
+            Collective::AllToAll => group.all_to_all_handles(&self.src, &self.dst, dtype),
+            Collective::Gather => group.gather_handles(&self.src, &self.dst[root], dtype, root),
+            Collective::Scatter => group.scatter_handles(&self.src[root], &self.dst, dtype, root),
+            Collective::SendRecv => (0..n)
                 .try_for_each(|m| group.send_recv_handles(m, &self.src[m], (m + 1) % n, &self.dst[(m + 1) % n], dtype)),
+            Collective::Barrier => group.barrier(),
         }
     }
 
     /// The destinations the collective writes, by member.
     pub fn written(&self, n: usize) -> Vec<usize> {
         match self.op {
-            CollectiveOp::Reduce | CollectiveOp::Gather => vec![self.root],
+            Collective::Reduce | Collective::Gather => vec![self.root],
+            Collective::Barrier => Vec::new(),
             _ => (0..n).collect(),
         }
     }
@@ -415,7 +283,7 @@ pub fn reduce_reference(dtype: DType, op: ReduceOp, inputs: &[&[u8]]) -> Vec<u8>
 /// What every member's destination must hold after `op` over `inputs`
 /// (`None` where it is not written).
 pub fn expected(
-    op: CollectiveOp,
+    op: Collective,
     dtype: DType,
     rop: ReduceOp,
     root: usize,
@@ -427,22 +295,22 @@ pub fn expected(
     let blk = |m: usize, k: usize| &inputs[m][k * block..(k + 1) * block];
     let concat = || inputs.concat();
     // Computed once, cloned for every member that needs it.
-    let reduced =
-        matches!(op, CollectiveOp::AllReduce | CollectiveOp::Reduce).then(|| reduce_reference(dtype, rop, &all));
+    let reduced = matches!(op, Collective::AllReduce | Collective::Reduce).then(|| reduce_reference(dtype, rop, &all));
     (0..n)
         .map(|m| match op {
-            CollectiveOp::AllReduce => reduced.clone(),
-            CollectiveOp::Reduce => (m == root).then(|| reduced.clone().expect("computed above")),
-            CollectiveOp::Broadcast => Some(inputs[root].clone()),
-            CollectiveOp::AllGather => Some(concat()),
-            CollectiveOp::Gather => (m == root).then(concat),
-            CollectiveOp::ReduceScatter => {
+            Collective::AllReduce => reduced.clone(),
+            Collective::Reduce => (m == root).then(|| reduced.clone().expect("computed above")),
+            Collective::Broadcast => Some(inputs[root].clone()),
+            Collective::AllGather => Some(concat()),
+            Collective::Gather => (m == root).then(concat),
+            Collective::ReduceScatter => {
                 let parts: Vec<&[u8]> = (0..n).map(|k| blk(k, m)).collect();
                 Some(reduce_reference(dtype, rop, &parts))
             }
-            CollectiveOp::AllToAll => Some((0..n).flat_map(|k| blk(k, m).to_vec()).collect()),
-            CollectiveOp::Scatter => Some(blk(root, m).to_vec()),
-            CollectiveOp::SendRecv => Some(inputs[(m + n - 1) % n].clone()),
+            Collective::AllToAll => Some((0..n).flat_map(|k| blk(k, m).to_vec()).collect()),
+            Collective::Scatter => Some(blk(root, m).to_vec()),
+            Collective::SendRecv => Some(inputs[(m + n - 1) % n].clone()),
+            Collective::Barrier => None,
         })
         .collect()
 }
@@ -562,14 +430,14 @@ mod tests {
             let e = dtype.size();
             let block = elems * e;
             let ins = inputs(dtype, n, n * block);
-            let want = expected(CollectiveOp::ReduceScatter, dtype, ReduceOp::Sum, 0, block, &ins);
+            let want = expected(Collective::ReduceScatter, dtype, ReduceOp::Sum, 0, block, &ins);
             for m in 0..n {
                 let next = want[(m + 1) % n].as_deref().unwrap();
                 let wrong = count_wrong(dtype, Some(ReduceOp::Sum), next, want[m].as_deref().unwrap(), n);
                 assert!(wrong > elems / 2, "{dtype}: member {m} given the next block: {wrong} wrong");
             }
             let ins = inputs(dtype, n, block);
-            let want = expected(CollectiveOp::AllGather, dtype, ReduceOp::Sum, 0, block, &ins);
+            let want = expected(Collective::AllGather, dtype, ReduceOp::Sum, 0, block, &ins);
             let whole = want[0].as_deref().unwrap();
             let mut late = whole.to_vec();
             for k in 0..n {
@@ -588,10 +456,10 @@ mod tests {
         let n = 8;
         let ins = inputs(DType::BF16, n, 2 * 256);
         for (op, rop) in [
-            (CollectiveOp::AllReduce, Some(ReduceOp::Sum)),
-            (CollectiveOp::AllReduce, Some(ReduceOp::Prod)),
-            (CollectiveOp::AllReduce, Some(ReduceOp::Max)),
-            (CollectiveOp::Broadcast, None),
+            (Collective::AllReduce, Some(ReduceOp::Sum)),
+            (Collective::AllReduce, Some(ReduceOp::Prod)),
+            (Collective::AllReduce, Some(ReduceOp::Max)),
+            (Collective::Broadcast, None),
         ] {
             let want = expected(op, DType::BF16, rop.unwrap_or(ReduceOp::Sum), 0, 2 * 256, &ins);
             let want = want[0].as_deref().unwrap();
@@ -610,7 +478,7 @@ mod tests {
     fn products_stay_finite_and_a_non_finite_result_is_wrong() {
         for n in 2..=15 {
             let ins = inputs(DType::F16, n, 2 * 1000);
-            let want = expected(CollectiveOp::AllReduce, DType::F16, ReduceOp::Prod, 0, 2 * 1000, &ins);
+            let want = expected(Collective::AllReduce, DType::F16, ReduceOp::Prod, 0, 2 * 1000, &ins);
             let values = load(DType::F16, want[0].as_deref().unwrap());
             assert!(values.iter().all(|v| matches!(v, Value::F(f) if f.is_finite() && *f != 0.0)), "n = {n}");
         }
@@ -628,7 +496,7 @@ mod tests {
         for n in [2, 3, 5, 7, 8] {
             let count = 2000;
             let ins = inputs(DType::BF16, n, 2 * count);
-            let want = expected(CollectiveOp::AllReduce, DType::BF16, ReduceOp::Avg, 0, 2 * count, &ins);
+            let want = expected(Collective::AllReduce, DType::BF16, ReduceOp::Avg, 0, 2 * count, &ins);
             let want = want[0].as_deref().unwrap();
             let decoded: Vec<Vec<Value>> = ins.iter().map(|i| load(DType::BF16, i)).collect();
             let round = |v: f64| bf16::from_f64(v).to_f64();

@@ -7,10 +7,11 @@
 
 mod common;
 
-use cohort_comm::verify::{Buffers, CollectiveOp};
+use cohort_comm::op::Collective;
+use cohort_comm::verify::Buffers;
 use cohort_comm::{ClientGroup, DType, HostPath, ReduceOp};
 
-fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
+fn check(group: &ClientGroup, coll: Collective, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
     let n = group.len();
     let blocked = coll.blocked();
     let size = elems * dtype.size() * if blocked { n } else { 1 };
@@ -24,7 +25,7 @@ fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp, el
 fn matrix(path: HostPath, sizes: &[usize], dtypes: &[DType]) {
     for n in 1..=8 {
         let group = common::group(n).with_host_path(path).unwrap().with_stage_chunk(64);
-        for coll in CollectiveOp::ALL {
+        for coll in Collective::ALL {
             for &dtype in dtypes {
                 let ops: &[ReduceOp] = if coll.reduces() { &ReduceOp::ALL } else { &[ReduceOp::Sum] };
                 for &op in ops {
@@ -54,21 +55,20 @@ fn every_collective_and_group_size_staged_in_pipelined_chunks() {
 fn several_mib() {
     let group = common::group(4);
     let mib = 3 << 20;
-    for coll in [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather, CollectiveOp::AllToAll]
-    {
+    for coll in [Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather, Collective::AllToAll] {
         for in_place in [false, true] {
             check(&group, coll, DType::F32, ReduceOp::Sum, mib / 4 / 4 + 3, in_place);
         }
     }
-    check(&group, CollectiveOp::AllReduce, DType::BF16, ReduceOp::Avg, mib / 2 + 1, false);
+    check(&group, Collective::AllReduce, DType::BF16, ReduceOp::Avg, mib / 2 + 1, false);
     let staged = common::group(3).with_host_path(HostPath::Staged).unwrap().with_stage_chunk(1 << 20);
-    check(&staged, CollectiveOp::AllReduce, DType::I32, ReduceOp::Sum, mib / 4 + 5, true);
+    check(&staged, Collective::AllReduce, DType::I32, ReduceOp::Sum, mib / 4 + 5, true);
 }
 
 #[test]
 fn destinations_of_all_members_agree_bit_for_bit() {
     let group = common::group(5);
-    let bufs = Buffers::new(&group, CollectiveOp::AllReduce, DType::F32, 4099 * 4, false, 0);
+    let bufs = Buffers::new(&group, Collective::AllReduce, DType::F32, 4099 * 4, false, 0);
     bufs.run(&group, ReduceOp::Avg).unwrap();
     let first = group.client(0).read_one(bufs.dst[0].clone()).unwrap().to_vec();
     for m in 1..5 {

@@ -12,8 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use cohort_comm::op::Collective;
 use cohort_comm::store::{StoreClient, StoreServer};
-use cohort_comm::verify::{count_wrong, expected, pattern, CollectiveOp};
+use cohort_comm::verify::{count_wrong, expected, pattern};
 use cohort_comm::{Communicator, DType, ReduceOp, Transport};
 use cohort_runtime::{Client, CpuRuntime, CudaRuntime, Handle, Runtime};
 
@@ -71,12 +72,12 @@ fn a_cpu_communicator_never_takes_nccl() {
         assert_eq!(transport, Transport::HostDirect);
         assert!(ok);
     }
-    // Each rank refused by the devices' backend name, before probing any
+    // Each rank refused by the devices' capabilities, before probing any
     // library.
     let store = StoreClient::connect(server.local_addr(), SECRET, Duration::from_secs(5)).unwrap();
     for rank in 0..2 {
         let said = store.get(&format!("cohort/comm/1/nccl/can/{rank}")).unwrap().unwrap_or_default();
-        assert_eq!(String::from_utf8_lossy(&said), "no its devices run on cpu, not CUDA");
+        assert_eq!(String::from_utf8_lossy(&said), "no its devices run on cpu, which offers no device collectives");
     }
 }
 
@@ -98,13 +99,13 @@ fn a_cuda_communicator_without_a_driver_is_an_error_not_a_panic() {
 }
 
 /// One collective over every member, checked against the host reference.
-fn check(comm: &Communicator, op: CollectiveOp, dtype: DType, rop: ReduceOp, elems: usize, root: usize) {
+fn check(comm: &Communicator, op: Collective, dtype: DType, rop: ReduceOp, elems: usize, root: usize) {
     let (l, m, rank) = (comm.local_devices(), comm.members(), comm.rank());
     let block = elems * dtype.size();
-    let blocked = |o: CollectiveOp| matches!(o, CollectiveOp::ReduceScatter | CollectiveOp::AllToAll);
-    let in_len = if blocked(op) || op == CollectiveOp::Scatter { m * block } else { block };
+    let blocked = |o: Collective| matches!(o, Collective::ReduceScatter | Collective::AllToAll);
+    let in_len = if blocked(op) || op == Collective::Scatter { m * block } else { block };
     let out_len = match op {
-        CollectiveOp::AllGather | CollectiveOp::AllToAll | CollectiveOp::Gather => m * block,
+        Collective::AllGather | Collective::AllToAll | Collective::Gather => m * block,
         _ => block,
     };
     let inputs: Vec<Vec<u8>> = (0..m).map(|member| pattern(dtype, member, in_len)).collect();
@@ -115,20 +116,21 @@ fn check(comm: &Communicator, op: CollectiveOp, dtype: DType, rop: ReduceOp, ele
     let root_slot = if root / l == rank { root % l } else { 0 };
     let what = format!("{op:?} {dtype} {rop} root {root} × {elems}");
     let queued = match op {
-        CollectiveOp::AllReduce => comm.all_reduce_handles(&src, &dst, dtype, rop),
-        CollectiveOp::Reduce => comm.reduce_handles(&src, &dst[root_slot], dtype, rop, root),
-        CollectiveOp::Broadcast => comm.broadcast_handles(&src[root_slot], &dst, dtype, root),
-        CollectiveOp::AllGather => comm.all_gather_handles(&src, &dst, dtype),
-        CollectiveOp::ReduceScatter => comm.reduce_scatter_handles(&src, &dst, dtype, rop),
-        CollectiveOp::AllToAll => comm.all_to_all_handles(&src, &dst, dtype),
-        CollectiveOp::Gather => comm.gather_handles(&src, &dst[root_slot], dtype, root),
-        CollectiveOp::Scatter => comm.scatter_handles(&src[root_slot], &dst, dtype, root),
-        CollectiveOp::SendRecv => unreachable!("checked by `ring_of_messages`"),
+        Collective::AllReduce => comm.all_reduce_handles(&src, &dst, dtype, rop),
+        Collective::Reduce => comm.reduce_handles(&src, &dst[root_slot], dtype, rop, root),
+        Collective::Broadcast => comm.broadcast_handles(&src[root_slot], &dst, dtype, root),
+        Collective::AllGather => comm.all_gather_handles(&src, &dst, dtype),
+        Collective::ReduceScatter => comm.reduce_scatter_handles(&src, &dst, dtype, rop),
+        Collective::AllToAll => comm.all_to_all_handles(&src, &dst, dtype),
+        Collective::Gather => comm.gather_handles(&src, &dst[root_slot], dtype, root),
+        Collective::Scatter => comm.scatter_handles(&src[root_slot], &dst, dtype, root),
+        Collective::SendRecv => unreachable!("checked by `ring_of_messages`"),
+        Collective::Barrier => comm.barrier(),
     };
     queued.unwrap_or_else(|e| panic!("{what}: {e}"));
     let want = expected(op, dtype, rop, root, block, &inputs);
     for (slot, out) in dst.iter().enumerate() {
-        let rooted = matches!(op, CollectiveOp::Reduce | CollectiveOp::Gather);
+        let rooted = matches!(op, Collective::Reduce | Collective::Gather);
         if rooted && (slot != root_slot || root / l != rank) {
             continue;
         }
@@ -145,15 +147,15 @@ fn every_collective(comm: &Communicator) {
     for elems in [1, 37, 65_539] {
         for dtype in [DType::F32, DType::BF16, DType::I32] {
             for rop in ReduceOp::ALL {
-                check(comm, CollectiveOp::AllReduce, dtype, rop, elems, 0);
+                check(comm, Collective::AllReduce, dtype, rop, elems, 0);
             }
         }
         for root in [0, last] {
-            for op in [CollectiveOp::Reduce, CollectiveOp::Broadcast, CollectiveOp::Gather, CollectiveOp::Scatter] {
+            for op in [Collective::Reduce, Collective::Broadcast, Collective::Gather, Collective::Scatter] {
                 check(comm, op, DType::F32, ReduceOp::Sum, elems, root);
             }
         }
-        for op in [CollectiveOp::AllGather, CollectiveOp::ReduceScatter, CollectiveOp::AllToAll] {
+        for op in [Collective::AllGather, Collective::ReduceScatter, Collective::AllToAll] {
             check(comm, op, DType::F64, ReduceOp::Avg, elems, 0);
         }
     }

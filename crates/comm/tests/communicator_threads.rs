@@ -12,19 +12,60 @@ use cohort_runtime::{CpuRuntime, Runtime};
 /// running at once use distinct devices, whose threads a collective blocks)
 /// over a fresh store.
 fn ranks<T: Send + 'static>(first: usize, n: usize, body: fn(Communicator) -> T) -> Vec<T> {
-    std::env::set_var("COHORT_CPU_DEVICES", "8");
+    ranks_of(first, n, 1, body)
+}
+
+/// [`ranks`] with `local` devices per rank (rank r: CPU devices `first + r
+/// × local` onwards).
+fn ranks_of<T: Send + 'static>(first: usize, n: usize, local: usize, body: fn(Communicator) -> T) -> Vec<T> {
+    std::env::set_var("COHORT_CPU_DEVICES", "12");
     let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
     let addr = server.local_addr().to_string();
     let handles: Vec<_> = (0..n)
         .map(|rank| {
             let addr = addr.clone();
             thread::spawn(move || {
-                let client = CpuRuntime::client(first + rank).unwrap();
-                body(Communicator::connect(rank, n, &addr, "secret", vec![client]).unwrap())
+                let clients = (0..local).map(|l| CpuRuntime::client(first + rank * local + l).unwrap()).collect();
+                body(Communicator::connect(rank, n, &addr, "secret", clients).unwrap())
             })
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Two ranks of two devices: every local device's part meets the others
+/// of its rank before the exchange, for collectives and messages alike.
+#[test]
+fn ranks_of_two_devices_reduce_and_exchange_messages() {
+    let results = ranks_of(8, 2, 2, |comm| {
+        let (rank, clients) = (comm.rank(), comm.clients().to_vec());
+        let member = |l: usize| (rank * 2 + l) as f32;
+        let src: Vec<_> =
+            (0..2).map(|l| clients[l].create_from_slice(bytemuck::cast_slice(&[member(l); 64]))).collect();
+        let dst: Vec<_> = clients.iter().map(|c| c.empty(64 * 4)).collect();
+        comm.all_reduce_handles(&src, &dst, DType::F32, ReduceOp::Sum).unwrap();
+        let message = clients[1].empty(4);
+        if rank == 0 {
+            let sent = clients[1].create_from_slice(bytemuck::cast_slice(&[42.0f32]));
+            comm.send_handle(&sent, 1, DType::F32).unwrap();
+        } else {
+            comm.recv_handle(&message, 0, DType::F32).unwrap();
+        }
+        comm.barrier().unwrap();
+        let sums: Vec<f32> = dst
+            .iter()
+            .zip(&clients)
+            .flat_map(|(d, c)| bytemuck::cast_slice::<u8, f32>(&c.read_one(d.clone()).unwrap()).to_vec())
+            .collect();
+        let got: Vec<f32> = bytemuck::cast_slice(&clients[1].read_one(message).unwrap()).to_vec();
+        (sums, got)
+    });
+    for (rank, (sums, got)) in results.into_iter().enumerate() {
+        assert!(sums.iter().all(|&v| v == 6.0), "rank {rank}: {sums:?}");
+        if rank == 1 {
+            assert_eq!(got, [42.0]);
+        }
+    }
 }
 
 #[test]
@@ -73,7 +114,7 @@ fn argument_errors_come_before_anything_is_queued() {
 #[test]
 fn a_wrong_secret_is_refused() {
     let server = StoreServer::bind("127.0.0.1:0", "the-real-secret").unwrap();
-    std::env::set_var("COHORT_CPU_DEVICES", "8");
+    std::env::set_var("COHORT_CPU_DEVICES", "12");
     let client = CpuRuntime::client(7).unwrap();
     let err = Communicator::connect(0, 1, &server.local_addr().to_string(), "a-guess", vec![client]).unwrap_err();
     assert!(matches!(err, ConnectError::Store(_)), "{err:?}");

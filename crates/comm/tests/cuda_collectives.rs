@@ -7,7 +7,7 @@
 
 mod cuda_common;
 
-use cohort_comm::verify::CollectiveOp;
+use cohort_comm::op::Collective;
 use cohort_comm::{to_client, ClientGroup, DType, ReduceOp, Transport};
 use cohort_runtime::{Bytes, CudaRuntime, GridCount, Kernel, KernelArguments, Runtime};
 
@@ -35,7 +35,7 @@ fn a_one_device_group_copies_on_the_device_for_every_collective_and_type() {
     let group = ClientGroup::new(vec![device]).unwrap();
     assert_eq!(group.transport(), Transport::LocalCopy, "a group of one needs no NCCL");
     cuda_common::matrix(&group, &[0, 1, 37, 65_539]);
-    cuda_common::check(&group, CollectiveOp::AllReduce, DType::F32, ReduceOp::Avg, 16 << 20, false);
+    cuda_common::check(&group, Collective::AllReduce, DType::F32, ReduceOp::Avg, 16 << 20, false);
 }
 
 #[test]
@@ -59,8 +59,8 @@ fn two_gpus_every_group_size_the_machine_has_runs_every_collective_through_nccl(
         // Another member order is another communicator, and still right.
         let reversed: Vec<_> = devices[..n].iter().rev().cloned().collect();
         let group = ClientGroup::new(reversed).unwrap();
-        cuda_common::check(&group, CollectiveOp::AllGather, DType::BF16, ReduceOp::Sum, 1001, true);
-        cuda_common::check(&group, CollectiveOp::ReduceScatter, DType::F16, ReduceOp::Avg, 1001, false);
+        cuda_common::check(&group, Collective::AllGather, DType::BF16, ReduceOp::Sum, 1001, true);
+        cuda_common::check(&group, Collective::ReduceScatter, DType::F16, ReduceOp::Avg, 1001, false);
     }
 }
 

@@ -6,7 +6,7 @@ mod cuda_common;
 
 use std::sync::Once;
 
-use cohort_comm::verify::CollectiveOp;
+use cohort_comm::op::Collective;
 use cohort_comm::{ClientGroup, DType, ReduceOp, Transport};
 use cohort_runtime::{Bytes, GridCount, Kernel, KernelArguments};
 
@@ -28,7 +28,7 @@ fn one_rank_group() -> ClientGroup {
 fn a_one_rank_communicator_runs_every_collective_and_type() {
     let group = one_rank_group();
     cuda_common::matrix(&group, &[0, 1, 37, 65_539]);
-    cuda_common::check(&group, CollectiveOp::AllReduce, DType::BF16, ReduceOp::Avg, 8 << 20, true);
+    cuda_common::check(&group, Collective::AllReduce, DType::BF16, ReduceOp::Avg, 8 << 20, true);
     cuda_common::one_gib(&group);
 }
 

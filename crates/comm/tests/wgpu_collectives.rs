@@ -17,7 +17,8 @@
 
 use std::sync::Once;
 
-use cohort_comm::verify::{Buffers, CollectiveOp};
+use cohort_comm::op::Collective;
+use cohort_comm::verify::Buffers;
 use cohort_comm::{ClientGroup, DType, ReduceOp};
 use cohort_runtime::{Client, Runtime, WgpuRuntime};
 
@@ -41,7 +42,7 @@ fn group(n: usize, chunk: usize) -> ClientGroup {
     group
 }
 
-fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
+fn check(group: &ClientGroup, coll: Collective, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
     let n = group.len();
     let size = elems * dtype.size() * if coll.blocked() { n } else { 1 };
     let root = n / 2;
@@ -52,7 +53,7 @@ fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp, el
     assert_eq!(wrong, 0, "{what}: {wrong} wrong elements");
 }
 
-fn ops(coll: CollectiveOp) -> &'static [ReduceOp] {
+fn ops(coll: Collective) -> &'static [ReduceOp] {
     if coll.reduces() {
         &ReduceOp::ALL
     } else {
@@ -65,7 +66,7 @@ fn ops(coll: CollectiveOp) -> &'static [ReduceOp] {
 fn full_matrix(n: usize) {
     // 64-byte chunks: 37 elements of 8 bytes cross several chunks.
     let group = group(n, 64);
-    for coll in CollectiveOp::ALL {
+    for coll in Collective::ALL {
         for dtype in DType::ALL {
             for &op in ops(coll) {
                 for in_place in [false, true] {
@@ -106,7 +107,7 @@ fn every_collective_at_group_sizes_one_to_eight_and_sizes_0_1_odd() {
         // Past 4 members, four types of every width and kind (the full
         // matrix above has every type at those sizes already).
         let dtypes: &[DType] = if n <= 4 { &DType::ALL } else { &[DType::F64, DType::BF16, DType::I8, DType::U32] };
-        for coll in CollectiveOp::ALL {
+        for coll in Collective::ALL {
             for &dtype in dtypes {
                 for elems in [0, 1, 37] {
                     for in_place in [false, true] {
@@ -126,22 +127,21 @@ fn several_mib_in_pipelined_chunks() {
     // 1 MiB chunks: 2-3 MiB buffers cross several.
     let group = group(4, 1 << 20);
     let mib = 2 << 20;
-    for coll in [CollectiveOp::AllReduce, CollectiveOp::ReduceScatter, CollectiveOp::AllGather, CollectiveOp::AllToAll]
-    {
+    for coll in [Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather, Collective::AllToAll] {
         let per_block = if coll.blocked() { mib / 4 / 4 } else { mib / 4 };
-        check(&group, coll, DType::F32, ReduceOp::Sum, per_block + 3, coll == CollectiveOp::AllReduce);
+        check(&group, coll, DType::F32, ReduceOp::Sum, per_block + 3, coll == Collective::AllReduce);
     }
-    check(&group, CollectiveOp::Broadcast, DType::U8, ReduceOp::Sum, mib + 1, false);
-    check(&group, CollectiveOp::AllReduce, DType::BF16, ReduceOp::Avg, mib / 2 + 1, true);
+    check(&group, Collective::Broadcast, DType::U8, ReduceOp::Sum, mib + 1, false);
+    check(&group, Collective::AllReduce, DType::BF16, ReduceOp::Avg, mib / 2 + 1, true);
     let pair = self::group(2, 1 << 20);
-    check(&pair, CollectiveOp::AllReduce, DType::I64, ReduceOp::Max, (3 << 20) / 8 + 5, false);
-    check(&pair, CollectiveOp::SendRecv, DType::F64, ReduceOp::Sum, (3 << 20) / 8 + 1, false);
+    check(&pair, Collective::AllReduce, DType::I64, ReduceOp::Max, (3 << 20) / 8 + 5, false);
+    check(&pair, Collective::SendRecv, DType::F64, ReduceOp::Sum, (3 << 20) / 8 + 1, false);
 }
 
 #[test]
 fn destinations_of_all_members_agree_bit_for_bit() {
     let group = group(4, 1024);
-    let bufs = Buffers::new(&group, CollectiveOp::AllReduce, DType::F32, 4099 * 4, false, 0);
+    let bufs = Buffers::new(&group, Collective::AllReduce, DType::F32, 4099 * 4, false, 0);
     bufs.run(&group, ReduceOp::Avg).unwrap();
     let first = group.client(0).read_one(bufs.dst[0].clone()).unwrap().to_vec();
     for m in 1..4 {

@@ -41,7 +41,7 @@ pub use handle::{contiguous_strides, CopyDescriptor, Handle, LayoutPolicy, Memor
 pub use id::{DeviceId, ServiceId, StreamId};
 pub use kernel::{CpuKernelContext, CpuKernelFn, GridCount, Kernel, KernelArguments, Scalar};
 pub use profile::{ProfileDuration, ProfileWindow, TimingMethod};
-pub use properties::DeviceProperties;
+pub use properties::{Capabilities, DeviceProperties};
 pub use runtime::{clients_from, clients_of, Runtime};
 pub use state::{DeviceStats, StreamMemory};
 

@@ -24,4 +24,24 @@ pub struct DeviceProperties {
     /// Whether graphs are captured natively (CUDA graphs) rather than recorded
     /// as launch lists.
     pub native_graphs: bool,
+    /// What the device offers collectives.
+    pub capabilities: Capabilities,
+}
+
+/// What a device offers the communication layer, decided by its backend:
+/// the layer picks its paths from these, never from the backend's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    /// Its buffers can be read and written through host pointers (a buffer
+    /// task's `host_ptr` answers), so collectives can reduce in place.
+    pub host_addressable_memory: bool,
+    /// Its backend runs collectives device to device
+    /// ([`DeviceCollectives`](crate::backend::DeviceCollectives)), given
+    /// the collective library; without it, collectives stage through host
+    /// memory.
+    pub device_collectives: bool,
+    /// Its backend can copy straight between two of its devices where the
+    /// pair allows it ([`Client::can_access_peer`](crate::Client::can_access_peer)
+    /// says for one pair).
+    pub peer_access: bool,
 }

@@ -15,13 +15,14 @@
 use crate::ops::{DType, ReduceOp};
 use crate::transport::{RecvOp, SendOp};
 
+use super::failure::Failure;
 use super::fingerprint::Fingerprint;
 use super::world::World;
 
 /// All-reduces of this many bytes and more take the ring.
 pub(crate) const RING_FROM: usize = 256 * 1024;
 
-type R = Result<(), String>;
+type R = Result<(), Failure>;
 
 /// `(a, b)`: disjoint ranges of `buf` as a shared and a mutable slice.
 fn split(buf: &mut [u8], a: (usize, usize), b: (usize, usize)) -> (&[u8], &mut [u8]) {

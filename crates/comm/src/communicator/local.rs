@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::{AlignedBytes, BufferAccess, DeviceId, ServerError};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
+
+use crate::meeting::{Meeting, Seat, Seated};
 
 /// A task's input as the leader sees it.
 pub(crate) enum InView {
@@ -36,72 +38,53 @@ pub(crate) struct Views {
     pub outs: Vec<Option<OutView>>,
 }
 
-#[derive(Default)]
-struct State {
-    arrived: usize,
-    present: Vec<bool>,
+/// What one call's meeting keeps: each slot's views until the leader takes
+/// them, then the staged outputs.
+pub(crate) struct LocalState {
     ins: Vec<Option<InView>>,
     outs: Vec<Option<OutView>>,
     /// Staged outputs, per slot, once done.
     results: Vec<Option<Vec<u8>>>,
+    /// The leader's plan ran (or failed).
     done: bool,
-    failure: Option<ServerError>,
 }
 
 /// The leader's work: runs the call over the views, returns staged outputs
 /// (per slot) or why it failed.
 pub(crate) type Plan = Box<dyn FnOnce(Views) -> Result<Vec<Option<Vec<u8>>>, String> + Send>;
 
-/// One call's meeting of local tasks.
-pub(crate) struct Meeting {
-    name: &'static str,
-    devices: Vec<DeviceId>,
-    timeout: Duration,
+/// One call's local tasks and the plan the last of them runs.
+pub(crate) struct LocalCall {
     plan: Mutex<Option<Plan>>,
-    state: Mutex<State>,
-    cv: Condvar,
+    meeting: Meeting<LocalState>,
 }
 
-impl Meeting {
-    pub(crate) fn new(name: &'static str, devices: Vec<DeviceId>, timeout: Duration, plan: Plan) -> Arc<Meeting> {
+impl Seated for LocalCall {
+    type State = LocalState;
+
+    fn meeting(&self) -> &Meeting<LocalState> {
+        &self.meeting
+    }
+}
+
+impl LocalCall {
+    /// The call `name` among this rank's `devices` (one task each).
+    pub(crate) fn new(name: &'static str, devices: Vec<DeviceId>, timeout: Duration, plan: Plan) -> Arc<LocalCall> {
         let n = devices.len();
-        let state = State {
-            present: vec![false; n],
+        let state = LocalState {
             ins: (0..n).map(|_| None).collect(),
             outs: (0..n).map(|_| None).collect(),
             results: vec![None; n],
-            ..State::default()
+            done: false,
         };
-        Arc::new(Meeting {
-            name,
-            devices,
-            timeout,
-            plan: Mutex::new(Some(plan)),
-            state: Mutex::new(state),
-            cv: Condvar::new(),
-        })
+        let seats = devices.into_iter().map(|device| Seat { device, member: None }).collect();
+        Arc::new(LocalCall { plan: Mutex::new(Some(plan)), meeting: Meeting::new(name, seats, timeout, state) })
     }
 
-    fn error(&self, slot: usize, reason: String) -> ServerError {
-        ServerError::Collective { collective: self.name.to_string(), device: self.devices[slot], reason }
-    }
-
-    /// Fails the call (first failure wins) and wakes every waiter.
-    pub(crate) fn fail(&self, err: ServerError) -> ServerError {
-        let mut state = self.state.lock();
-        let failure = state.failure.get_or_insert(err).clone();
-        state.done = true;
-        self.cv.notify_all();
-        failure
-    }
-
-    /// Blocks the calling thread until the call finished; its failure.
+    /// Blocks the calling thread until every local task returned, or the
+    /// call failed; its failure.
     pub(crate) fn wait(&self) -> Result<(), ServerError> {
-        let mut state = self.state.lock();
-        while !state.done {
-            self.cv.wait(&mut state);
-        }
-        state.failure.clone().map_or(Ok(()), Err)
+        self.meeting.wait_returned()
     }
 
     /// A local task's body: `has_in`/`has_out` say which buffers (in that
@@ -113,16 +96,17 @@ impl Meeting {
         has_out: bool,
         access: Result<&mut BufferAccess<'_>, ServerError>,
     ) -> Result<(), ServerError> {
+        let meeting = &self.meeting;
         let access = match access {
             Ok(a) => a,
-            Err(err) => return Err(self.fail(err)),
+            Err(err) => return Err(meeting.fail(err)),
         };
         let mut index = 0;
         let input = if has_in {
             index += 1;
             Some(match access.host_ptr(0) {
                 Some(p) => InView::Ptr(p.ptr as usize, p.len),
-                None => InView::Owned(access.read(0).map_err(|e| self.fail(e))?),
+                None => InView::Owned(access.read(0).map_err(|e| meeting.fail(e))?),
             })
         } else {
             None
@@ -136,65 +120,45 @@ impl Meeting {
         } else {
             None
         };
-        let mut state = self.state.lock();
-        if let Some(err) = &state.failure {
+        let mut state = meeting.lock();
+        if let Some(err) = state.failure() {
             return Err(err.clone());
         }
-        state.ins[slot] = input;
-        state.outs[slot] = output;
-        state.present[slot] = true;
-        state.arrived += 1;
-        if state.arrived == self.devices.len() {
-            let views = Views { ins: std::mem::take(&mut state.ins), outs: std::mem::take(&mut state.outs) };
+        state.data.ins[slot] = input;
+        state.data.outs[slot] = output;
+        if meeting.arrive_locked(&mut state, slot)? {
+            let views = Views { ins: std::mem::take(&mut state.data.ins), outs: std::mem::take(&mut state.data.outs) };
             drop(state);
             let plan = self.plan.lock().take().expect("one leader");
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| plan(views)))
                 .unwrap_or_else(|p| Err(format!("panicked: {}", panic_text(p.as_ref()))));
-            let mut state = self.state.lock();
+            let mut state = meeting.lock();
             match result {
-                Ok(results) => state.results = results,
+                Ok(results) => state.data.results = results,
                 Err(reason) => {
-                    let err = self.error(slot, reason);
-                    state.failure.get_or_insert(err);
+                    meeting.fail_locked(&mut state, meeting.error(slot, reason));
                 }
             }
-            state.done = true;
-            self.cv.notify_all();
+            state.data.done = true;
+            meeting.notify();
         } else {
-            let deadline = Instant::now() + self.timeout;
-            while state.arrived < self.devices.len() && state.failure.is_none() {
-                if self.cv.wait_until(&mut state, deadline).timed_out() && state.arrived < self.devices.len() {
-                    let missing: Vec<String> = (0..self.devices.len())
-                        .filter(|&s| !state.present[s])
-                        .map(|s| self.devices[s].to_string())
-                        .collect();
-                    let err = self.error(
-                        slot,
-                        format!(
-                            "local device(s) {} of this rank never reached it within {:.1} s (still busy with \
-                             earlier work?)",
-                            missing.join(", "),
-                            self.timeout.as_secs_f64()
-                        ),
-                    );
-                    state.failure.get_or_insert(err);
-                    state.done = true;
-                    self.cv.notify_all();
-                }
-            }
-            while !state.done {
-                self.cv.wait(&mut state);
+            let deadline = Instant::now() + meeting.timeout();
+            meeting.wait_arrivals(&mut state, slot, deadline)?;
+            // Every task arrived: the leader uses this task's memory; wait
+            // for it without a deadline (the world's own bounds it).
+            while !state.data.done && state.failure().is_none() {
+                meeting.sleep(&mut state);
             }
             drop(state);
         }
-        let mut state = self.state.lock();
-        if let Some(err) = &state.failure {
+        let mut state = meeting.lock();
+        if let Some(err) = state.failure() {
             return Err(err.clone());
         }
-        let staged = state.results.get_mut(slot).and_then(Option::take);
+        let staged = state.data.results.get_mut(slot).and_then(Option::take);
         drop(state);
         if let Some(bytes) = staged {
-            access.write(index, &bytes).map_err(|e| self.fail(e))?;
+            access.write(index, &bytes).map_err(|e| meeting.fail(e))?;
         }
         Ok(())
     }

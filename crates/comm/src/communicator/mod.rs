@@ -44,7 +44,9 @@ mod algo;
 mod api;
 mod env;
 mod error;
+mod failure;
 mod fingerprint;
+mod keys;
 mod local;
 mod nccl;
 mod observe;
@@ -53,7 +55,8 @@ mod setup;
 mod world;
 
 pub use error::ConnectError;
-pub use observe::{job_heartbeat_key, HEARTBEAT_PERIOD};
+pub use keys::job_heartbeat_key;
+pub use observe::HEARTBEAT_PERIOD;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -151,7 +154,7 @@ impl Communicator {
         if rank >= world_size {
             return Err(ConnectError::Config(format!("rank {rank} is not below the world size {world_size}")));
         }
-        crate::group::check::check_clients(&clients)?;
+        crate::check::check_clients(&clients)?;
         let timeout = default_timeout()?;
         config::check(&[&config::FLIGHT_RECORDER, &config::DESYNC_CHECK, &config::SHM_RING])?;
         let store = StoreClient::connect(store_addr, secret, timeout)?;
@@ -226,10 +229,12 @@ impl Communicator {
     /// [`Transport::HostDirect`]: crate::Transport::HostDirect
     /// [`Transport::HostStaged`]: crate::Transport::HostStaged
     pub fn transport(&self) -> crate::Transport {
-        match (&self.inner.nccl, self.inner.clients[0].name()) {
-            (Some(_), _) => crate::Transport::Nccl,
-            (None, "cpu") => crate::Transport::HostDirect,
-            (None, _) => crate::Transport::HostStaged,
+        if self.inner.nccl.is_some() {
+            crate::Transport::Nccl
+        } else if self.inner.clients[0].capabilities().host_addressable_memory {
+            crate::Transport::HostDirect
+        } else {
+            crate::Transport::HostStaged
         }
     }
 

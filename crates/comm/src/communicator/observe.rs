@@ -3,18 +3,11 @@
 //! a heartbeat in the store, and an abort for the other ranks when a local
 //! part fails before the exchange began.
 //!
-//! Store keys, under the communicator's prefix (`cohort/comm/<k>/`):
-//! - `hb/<r>`: rank r's progress, `<issued> <finished>` (the sequence
-//!   numbers of the last collective it called and the last it finished),
-//!   rewritten when it changes, at most every 50 ms;
-//! - `gone/<r>`: set when rank r's heartbeat connection closes (the store's
-//!   will: the process exited, crashed or was killed) or when it drops its
-//!   communicator; peers waiting on its bytes stop at once instead of at the
-//!   timeout.
-//!
-//! And, for the launcher's watchdog, `cohort/heartbeat/<RANK>` = `<pid>
-//! <beats>`, a counter that moves every period while the process runs, even
-//! while its collectives wait.
+//! The heartbeat thread writes the launcher's `cohort/heartbeat/<RANK>`
+//! every period, even while collectives wait, and this rank's progress
+//! (`hb/<r>`) when it changes, at most every 50 ms; its store connection's
+//! will sets `gone/<r>`, so peers waiting on this rank's bytes stop at once
+//! when its process dies (see [`keys`](super::keys)).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -23,12 +16,14 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{RecvTimeoutError, Sender};
 
 use crate::store::StoreClient;
-use crate::trace::{now_micros, CollectiveFingerprint, FlightRecorder, RecordId, Timeline, TimelineEvent};
+use crate::trace::{FlightRecorder, Watched};
 
 use super::error::ConnectError;
-use super::fingerprint::{Call, Fingerprint};
+use super::failure::Failure;
+use super::fingerprint::Fingerprint;
+use super::keys::{self, job_heartbeat_key};
 use super::local::Views;
-use super::plans::{self, Job};
+use super::plans;
 use super::world::World;
 
 /// How often a rank's heartbeat thread bumps its counter in the store.
@@ -38,26 +33,6 @@ pub const HEARTBEAT_PERIOD: Duration = Duration::from_secs(1);
 /// (each call wakes the heartbeat thread): at most 20 store writes a second
 /// per rank, however fast collectives go.
 const PROGRESS_GAP: Duration = Duration::from_millis(50);
-
-/// The key the launcher's watchdog reads for the job's rank `rank`.
-pub fn job_heartbeat_key(rank: usize) -> String {
-    format!("cohort/heartbeat/{rank}")
-}
-
-pub(super) fn gone_key(prefix: &str, rank: usize) -> String {
-    format!("{prefix}gone/{rank}")
-}
-
-pub(super) fn progress_key(prefix: &str, rank: usize) -> String {
-    format!("{prefix}hb/{rank}")
-}
-
-/// Reads a peer's `hb/<r>` entry: (issued, finished).
-pub(super) fn parse_progress(value: &[u8]) -> Option<(u64, u64)> {
-    let text = std::str::from_utf8(value).ok()?;
-    let (a, b) = text.split_once(' ')?;
-    Some((a.parse().ok()?, b.parse().ok()?))
-}
 
 /// The rank and world size of the job (`RANK`, `WORLD_SIZE`), falling back to
 /// the communicator's when the process has none.
@@ -104,7 +79,7 @@ impl Observer {
         FlightRecorder::global().set_identity(job_rank, job_size);
         crate::trace::install_dump_on_signal();
         let beat = world.store().duplicate()?;
-        beat.set_will(&gone_key(&prefix, rank), b"its store connection closed")?;
+        beat.set_will(&keys::gone(&prefix, rank), b"its store connection closed")?;
         let k = prefix.trim_end_matches('/').rsplit('/').next().unwrap_or("0").to_string();
         let (poke, poked) = crossbeam::channel::bounded::<()>(1);
         let shared = Arc::new(Shared {
@@ -124,12 +99,12 @@ impl Observer {
             .name(format!("cohort-heartbeat-{rank}"))
             .spawn(move || {
                 let job_key = job_heartbeat_key(s.job_rank);
-                let mine = progress_key(&s.prefix, s.rank);
+                let mine = keys::progress(&s.prefix, s.rank);
                 let pid = std::process::id();
                 let (mut beats, mut last_beat, mut reported) = (0u64, None::<Instant>, String::new());
                 loop {
                     let progress =
-                        format!("{} {}", s.issued.load(Ordering::Relaxed), s.finished.load(Ordering::Relaxed));
+                        keys::progress_value(s.issued.load(Ordering::Relaxed), s.finished.load(Ordering::Relaxed));
                     let mut sent = Ok(());
                     if last_beat.is_none_or(|t| t.elapsed() >= HEARTBEAT_PERIOD) {
                         beats += 1;
@@ -155,107 +130,64 @@ impl Observer {
                         default(next_beat) => {}
                     }
                 }
-                let _ = beat.set(&gone_key(&s.prefix, s.rank), b"it closed its communicator");
+                let _ = beat.set(&keys::gone(&s.prefix, s.rank), b"it closed its communicator");
             })
             .map_err(|e| ConnectError::Setup(format!("cannot start the heartbeat thread: {e}")))?;
         Ok(Observer { shared, _stop: stop })
     }
 
-    /// Records that collective `fp` was queued (`job` says who takes part)
-    /// and returns its tracker, to run the exchange through.
-    pub(crate) fn queued(&self, fp: Fingerprint, job: Job) -> Tracker {
+    /// Records that collective `fp` was queued and returns its tracker, to
+    /// run the exchange through.
+    pub(crate) fn queued(&self, fp: Fingerprint) -> Tracker {
         let s = &self.shared;
-        let (group, ranks) = match job {
-            Job::Send { peer } => (format!("{}/p2p {}->{peer}", s.group, s.rank), Some(vec![s.rank, peer])),
-            Job::Recv { peer } => (format!("{}/p2p {peer}->{}", s.group, s.rank), Some(vec![peer, s.rank])),
-            _ => {
+        let (group, ranks) = match fp.op.endpoints() {
+            Some((from, to)) => (format!("{}/p2p {from}->{to}", s.group), Some(vec![from, to])),
+            None => {
                 s.issued.fetch_max(fp.seq, Ordering::Relaxed);
                 let _ = s.poke.try_send(());
                 (s.group.clone(), None)
             }
         };
-        let record = FlightRecorder::global().start_among(&group, record_of(&fp), ranks);
-        Tracker { shared: s.clone(), group, record, fp, job, ran: false }
+        let category = if fp.is_p2p() { "p2p" } else { "collective" };
+        let watched = Watched::start(group, fp.seq, &fp.op, 1, ranks, category, 0);
+        Tracker { shared: s.clone(), watched: Some(watched), fp }
     }
 }
 
-/// A collective's fingerprint as the recorder keeps it.
-fn record_of(fp: &Fingerprint) -> CollectiveFingerprint {
-    CollectiveFingerprint {
-        seq: fp.seq,
-        kind: fp.call.name().to_string(),
-        op: fp.op.map(|op| op.to_string()),
-        dtype: fp.dtype.to_string(),
-        count: fp.count,
-        root: fp.root.map(|r| r as usize),
-    }
-}
-
-/// Why a dump is written, from a failure's message.
-fn dump_reason(why: &str) -> &'static str {
-    if why.contains("collective mismatch") {
-        "mismatch"
-    } else if why.contains("timed out") {
-        "timeout"
-    } else if why.contains("aborted") {
-        "abort"
-    } else {
-        "failure"
-    }
-}
-
-/// One queued collective: records its end, its timeline event, and on
-/// failure writes the flight recorder; dropped without running (a local
-/// part failed first), it aborts the communicator for the other ranks.
+/// One queued collective: its flight record and timeline event (through
+/// [`Watched`]), this rank's progress, and on failure the recorder's dump;
+/// dropped without running (a local part failed first), it aborts the
+/// communicator for the other ranks.
 pub(crate) struct Tracker {
     shared: Arc<Shared>,
-    group: String,
-    record: RecordId,
+    /// Taken when it ended.
+    watched: Option<Arc<Watched>>,
     fp: Fingerprint,
-    job: Job,
-    ran: bool,
 }
 
 impl Tracker {
     /// Runs the exchange (the leader's plan) and records how it ended.
     pub(crate) fn run(self, world: &mut World, views: Views) -> Result<Vec<Option<Vec<u8>>>, String> {
-        let (start_us, start) = (now_micros(), Instant::now());
-        let result = plans::run(world, self.fp, self.job, views);
-        self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone), start_us, start);
-        result
+        let result = plans::run(world, self.fp, views);
+        self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone));
+        result.map_err(|failure| failure.message)
     }
 
-    /// Records how a collective that ran elsewhere (the NCCL path) ended:
-    /// the recorder, progress for the heartbeat, the timeline, and on
-    /// failure the recorder's dump. `start_us`/`start` are when it was
-    /// queued.
-    pub(crate) fn ended(mut self, outcome: Result<(), String>, start_us: u64, start: Instant) {
-        self.ran = true;
-        FlightRecorder::global().finish_record(self.record, outcome.clone());
-        if self.fp.call != Call::SendRecv && outcome.is_ok() {
+    /// Records how the collective ended (the NCCL path calls it when its
+    /// last local part ended on the device): the recorder and timeline,
+    /// progress for the heartbeat, and on failure the recorder's dump.
+    pub(crate) fn ended(mut self, outcome: Result<(), Failure>) {
+        if let Some(watched) = self.watched.take() {
+            watched.ended(outcome.clone().map_err(|failure| failure.message));
+        }
+        if !self.fp.is_p2p() && outcome.is_ok() {
             self.shared.finished.fetch_max(self.fp.seq, Ordering::Relaxed);
         }
-        if let Some(timeline) = Timeline::from_env() {
-            let fp = &self.fp;
-            timeline.record(&TimelineEvent {
-                name: fp.call.name().to_string(),
-                cat: if fp.call == Call::SendRecv { "p2p".into() } else { "collective".into() },
-                ph: "X",
-                ts: start_us,
-                dur: start.elapsed().as_micros() as u64,
-                pid: self.shared.job_rank,
-                tid: 0,
-                args: serde_json::json!({
-                    "group": self.group, "seq": fp.seq, "dtype": fp.dtype.to_string(), "count": fp.count,
-                    "op": fp.op.map(|o| o.to_string()), "root": fp.root, "ok": outcome.is_ok(),
-                }),
-            });
-        }
-        if let Err(why) = &outcome {
+        if let Err(failure) = &outcome {
             // The first failure writes the recorder; later calls are refused
             // at once (the communicator is aborted) and add nothing to it.
             if !self.shared.aborted.swap(true, Ordering::Relaxed) {
-                FlightRecorder::global().write_default(dump_reason(why));
+                FlightRecorder::global().write_default(failure.kind.dump_reason());
             }
         }
     }
@@ -263,19 +195,19 @@ impl Tracker {
 
 impl Drop for Tracker {
     fn drop(&mut self) {
-        if self.ran {
+        let Some(watched) = self.watched.take() else {
             return;
-        }
+        };
         let why = format!(
             "{} failed on rank {} before the exchange with the other ranks began: a local device task failed (a \
              poisoned input, a failed device, or a local device that never reached it)",
             self.fp, self.shared.rank
         );
-        FlightRecorder::global().finish_record(self.record, Err(why.clone()));
+        watched.ended(Err(why.clone()));
         // The first local failure tells the other ranks, so they stop
         // instead of waiting for this rank until their timeout.
         if !self.shared.aborted.swap(true, Ordering::Relaxed) {
-            let key = format!("{}abort", self.shared.prefix);
+            let key = keys::abort(&self.shared.prefix);
             let _ = self.shared.store.compare_set(&key, None, format!("rank {}: {why}", self.shared.rank).as_bytes());
             FlightRecorder::global().write_default("local-failure");
         }

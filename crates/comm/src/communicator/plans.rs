@@ -8,66 +8,15 @@
 //! runs in host scratch memory. An input that overlaps an output (in place)
 //! is read before any output is written.
 
+use crate::op::Collective;
 use crate::ops::{finish, DType, ReduceOp};
 use crate::transport::reduce_into;
 use crate::with_dtype;
 
-use super::fingerprint::{Call, Fingerprint};
+use super::failure::Failure;
+use super::fingerprint::Fingerprint;
 use super::local::{InView, OutView, Views};
 use super::world::World;
-
-/// A call as the leader runs it (roots are members; `peer` is a rank).
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Job {
-    AllReduce { dtype: DType, op: ReduceOp },
-    Reduce { dtype: DType, op: ReduceOp, root: usize },
-    Broadcast { root: usize },
-    AllGather,
-    ReduceScatter { dtype: DType, op: ReduceOp },
-    AllToAll,
-    Gather { root: usize },
-    Scatter { root: usize },
-    Barrier,
-    Send { peer: usize },
-    Recv { peer: usize },
-}
-
-impl Job {
-    /// The call this job's fingerprint names (a send and its receive are
-    /// one `SendRecv`).
-    pub(crate) fn call(&self) -> Call {
-        match self {
-            Job::AllReduce { .. } => Call::AllReduce,
-            Job::Reduce { .. } => Call::Reduce,
-            Job::Broadcast { .. } => Call::Broadcast,
-            Job::AllGather => Call::AllGather,
-            Job::ReduceScatter { .. } => Call::ReduceScatter,
-            Job::AllToAll => Call::AllToAll,
-            Job::Gather { .. } => Call::Gather,
-            Job::Scatter { .. } => Call::Scatter,
-            Job::Barrier => Call::Barrier,
-            Job::Send { .. } | Job::Recv { .. } => Call::SendRecv,
-        }
-    }
-
-    /// The reduction of the jobs that reduce.
-    pub(crate) fn op(&self) -> Option<ReduceOp> {
-        match *self {
-            Job::AllReduce { op, .. } | Job::Reduce { op, .. } | Job::ReduceScatter { op, .. } => Some(op),
-            _ => None,
-        }
-    }
-
-    /// The root member of the rooted collectives.
-    pub(crate) fn root(&self) -> Option<usize> {
-        match *self {
-            Job::Reduce { root, .. } | Job::Broadcast { root } | Job::Gather { root } | Job::Scatter { root } => {
-                Some(root)
-            }
-            _ => None,
-        }
-    }
-}
 
 /// Host scratch memory, 16-byte aligned so any element type can be viewed.
 struct Scratch(Vec<u128>, usize);
@@ -181,21 +130,17 @@ fn divide(buf: &mut [u8], dtype: DType, members: usize) {
     with_dtype!(dtype, T => finish(bytemuck::cast_slice_mut::<u8, T>(buf), ReduceOp::Avg, members))
 }
 
-/// Runs `job` for this rank's local slots; returns the staged outputs.
-pub(crate) fn run(
-    world: &mut World,
-    fp: Fingerprint,
-    job: Job,
-    mut views: Views,
-) -> Result<Vec<Option<Vec<u8>>>, String> {
-    let same_ok = matches!(job, Job::AllReduce { .. } | Job::Reduce { .. } | Job::Broadcast { .. });
+/// Runs the call `fp` describes (roots are members, endpoints ranks) for
+/// this rank's local slots; returns the staged outputs.
+pub(crate) fn run(world: &mut World, fp: Fingerprint, mut views: Views) -> Result<Vec<Option<Vec<u8>>>, Failure> {
+    let same_ok = matches!(fp.op.collective(), Collective::AllReduce | Collective::Reduce | Collective::Broadcast);
     // SAFETY: the views come from the tasks of this call, which stay blocked
     // (their buffers reserved) until this returns.
     let (mut b, in_place) = unsafe { resolve(&mut views, same_ok) };
     let l = b.outs.len().max(b.ins.len());
     let (rank, size) = (world.rank, world.size);
     let members = size * l;
-    world.run(fp, |w| execute(w, &fp, job, &mut b, &in_place, l, rank, members))?;
+    world.run(fp, |w| execute(w, &fp, &mut b, &in_place, l, rank, members))?;
     Ok(std::mem::take(&mut b.staged))
 }
 
@@ -213,13 +158,12 @@ fn local_reduce(acc: &mut [u8], b: &Bufs<'_>, in_place: &[bool], dtype: DType, o
 fn execute(
     w: &mut World,
     fp: &Fingerprint,
-    job: Job,
     b: &mut Bufs<'_>,
     in_place: &[bool],
     l: usize,
     rank: usize,
     members: usize,
-) -> Result<(), String> {
+) -> Result<(), Failure> {
     let input = |b: &Bufs<'_>, slot: usize| -> Vec<u8> {
         if in_place[slot] {
             b.outs[slot].as_deref().expect("in place has an output").to_vec()
@@ -227,12 +171,11 @@ fn execute(
             b.ins[slot].expect("an input").to_vec()
         }
     };
-    match job {
-        Job::AllReduce { dtype, op } | Job::Reduce { dtype, op, .. } => {
-            let root = match job {
-                Job::Reduce { root, .. } => Some(root),
-                _ => None,
-            };
+    let (dtype, root) = (fp.op.dtype(), fp.op.root().unwrap_or(0));
+    let op = fp.op.reduce_op().unwrap_or(ReduceOp::Sum);
+    match fp.op.collective() {
+        Collective::AllReduce | Collective::Reduce => {
+            let root = fp.op.root();
             // One device with its output here: reduce straight in it.
             if l == 1 && b.outs[0].is_some() {
                 let out = b.outs[0].as_deref_mut().expect("checked");
@@ -259,7 +202,7 @@ fn execute(
                 }
             }
         }
-        Job::Broadcast { root } => {
+        Collective::Broadcast => {
             let (root_rank, root_slot) = (root / l, root % l);
             let len = b.outs.iter().flatten().map(|o| o.len()).next().unwrap_or(0);
             let mut work = Scratch::new(len);
@@ -271,7 +214,7 @@ fn execute(
                 out.copy_from_slice(work.bytes());
             }
         }
-        Job::AllGather => {
+        Collective::AllGather => {
             let seg = b.ins[0].map_or(0, <[u8]>::len);
             let part = l * seg;
             let mut work = Scratch::new(members * seg);
@@ -283,7 +226,7 @@ fn execute(
                 out.copy_from_slice(work.bytes());
             }
         }
-        Job::ReduceScatter { dtype, op } => {
+        Collective::ReduceScatter => {
             let mut work = Scratch::new(b.ins[0].map_or(0, <[u8]>::len));
             work.bytes().copy_from_slice(b.ins[0].expect("an input"));
             local_reduce(work.bytes(), b, in_place, dtype, wire_op(op));
@@ -299,7 +242,7 @@ fn execute(
                 }
             }
         }
-        Job::AllToAll => {
+        Collective::AllToAll => {
             let total = b.ins[0].map_or(0, <[u8]>::len);
             let seg = total / members;
             let size = members / l;
@@ -328,7 +271,7 @@ fn execute(
                 }
             }
         }
-        Job::Gather { root } => {
+        Collective::Gather => {
             let seg = b.ins[0].map_or(0, <[u8]>::len);
             let mut part = Scratch::new(l * seg);
             for slot in 0..l {
@@ -342,7 +285,7 @@ fn execute(
                 w.gather(fp, part.bytes(), None, root_rank)?;
             }
         }
-        Job::Scatter { root } => {
+        Collective::Scatter => {
             let seg = b.outs[0].as_deref().map_or(0, <[u8]>::len);
             let (root_rank, root_slot) = (root / l, root % l);
             let mut mine = Scratch::new(l * seg);
@@ -358,14 +301,16 @@ fn execute(
                 }
             }
         }
-        Job::Barrier => w.barrier(fp)?,
-        Job::Send { peer } => {
-            let src = b.ins.iter().flatten().next().copied().unwrap_or(&[]);
-            w.send(fp, src, peer)?;
-        }
-        Job::Recv { peer } => {
-            let dst = b.outs.iter_mut().flatten().next().ok_or("a destination")?;
-            w.recv(fp, dst, peer)?;
+        Collective::Barrier => w.barrier(fp)?,
+        Collective::SendRecv => {
+            let (from, to) = fp.op.endpoints().ok_or("a send/recv without endpoints")?;
+            if from == rank {
+                let src = b.ins.iter().flatten().next().copied().unwrap_or(&[]);
+                w.send(fp, src, to)?;
+            } else {
+                let dst = b.outs.iter_mut().flatten().next().ok_or("a destination")?;
+                w.recv(fp, dst, from)?;
+            }
         }
     }
     Ok(())

@@ -26,6 +26,7 @@ use crate::transport::tcp::{self, TOKEN_LEN};
 use crate::transport::Link;
 
 use super::error::ConnectError;
+use super::keys;
 use super::world::World;
 
 /// One rank's entry in the store.
@@ -70,9 +71,9 @@ pub(crate) fn form(
     timeout: Duration,
 ) -> Result<World, ConnectError> {
     let deadline = Instant::now() + timeout;
-    let k = store.add(&format!("cohort/comm/instance/{rank}"), 1)?;
-    let prefix = format!("cohort/comm/{k}/");
-    let key = |name: &str| format!("{prefix}{name}");
+    let k = store.add(&keys::instance_counter(rank), 1)?;
+    let prefix = keys::prefix(k);
+    let key = |name: &str| keys::under(&prefix, name);
     if rank == 0 {
         let value = format!("{} {}", random_hex(8)?, random_hex(TOKEN_LEN)?);
         store.set(&key("job"), value.as_bytes())?;
@@ -82,8 +83,8 @@ pub(crate) fn form(
         .map_err(|e| ConnectError::Setup(format!("cannot listen for data links on {ip}: {e}")))?;
     let addr = listener.local_addr().map_err(|e| ConnectError::Setup(e.to_string()))?;
     let me = format!("{}\n{}\n{}", node_id(), addr, devices);
-    store.set(&key(&format!("peer/{rank}")), me.as_bytes())?;
-    let peer_keys: Vec<String> = (0..size).map(|r| key(&format!("peer/{r}"))).collect();
+    store.set(&keys::peer(&prefix, rank), me.as_bytes())?;
+    let peer_keys: Vec<String> = (0..size).map(|r| keys::peer(&prefix, r)).collect();
     let mut wait_keys: Vec<&str> = peer_keys.iter().map(String::as_str).collect();
     wait_keys.push("");
     let job_key = key("job");
@@ -121,8 +122,8 @@ pub(crate) fn form(
         let me_local = local.iter().position(|&r| r == rank).expect("in its own node");
         let mut mine = Segment::create(&shm::path(job_id, rank), local.len(), capacity)
             .map_err(|e| ConnectError::Setup(format!("cannot create {}: {e}", shm::path(job_id, rank))))?;
-        store.set(&key(&format!("shm/{rank}")), b"")?;
-        let shm_keys: Vec<String> = local.iter().map(|r| key(&format!("shm/{r}"))).collect();
+        store.set(&keys::shm(&prefix, rank), b"")?;
+        let shm_keys: Vec<String> = local.iter().map(|&r| keys::shm(&prefix, r)).collect();
         let refs: Vec<&str> = shm_keys.iter().map(String::as_str).collect();
         store.wait(&refs, deadline.saturating_duration_since(Instant::now()))?;
         let mut theirs = Vec::new();
@@ -136,7 +137,7 @@ pub(crate) fn form(
         // One barrier per node (named by its lowest rank): with one name for
         // the job, the first `local.len()` arrivals from any nodes would open
         // it, and a segment could be unlinked before its node's ranks mapped it.
-        let mapped = key(&format!("mapped/{}", local[0]));
+        let mapped = keys::mapped(&prefix, local[0]);
         store.barrier(&mapped, local.len() as u32, deadline.saturating_duration_since(Instant::now()))?;
         mine.unlink();
         let mine = Arc::new(mine);
@@ -179,13 +180,13 @@ pub(crate) fn form_with_links(
     links: Vec<Option<Box<dyn Link>>>,
 ) -> Result<World, ConnectError> {
     let deadline = Instant::now() + timeout;
-    let k = store.add(&format!("cohort/comm/instance/{rank}"), 1)?;
-    let prefix = format!("cohort/comm/{k}/");
-    store.set(&format!("{prefix}peer/{rank}"), devices.to_string().as_bytes())?;
-    let keys: Vec<String> = (0..size).map(|r| format!("{prefix}peer/{r}")).collect();
-    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let k = store.add(&keys::instance_counter(rank), 1)?;
+    let prefix = keys::prefix(k);
+    store.set(&keys::peer(&prefix, rank), devices.to_string().as_bytes())?;
+    let peer_keys: Vec<String> = (0..size).map(|r| keys::peer(&prefix, r)).collect();
+    let refs: Vec<&str> = peer_keys.iter().map(String::as_str).collect();
     store.wait(&refs, deadline.saturating_duration_since(Instant::now()))?;
-    for (r, key) in keys.iter().enumerate() {
+    for (r, key) in peer_keys.iter().enumerate() {
         let theirs = String::from_utf8_lossy(&store.get(key)?.unwrap_or_default()).parse::<usize>().ok();
         if theirs != Some(devices) {
             return Err(ConnectError::Setup(format!(
@@ -194,7 +195,7 @@ pub(crate) fn form_with_links(
             )));
         }
     }
-    store.barrier(&format!("{prefix}ready"), size as u32, deadline.saturating_duration_since(Instant::now()))?;
+    store.barrier(&keys::under(&prefix, "ready"), size as u32, deadline.saturating_duration_since(Instant::now()))?;
     tracing::debug!(rank, size, "communicator links formed over MPI");
     Ok(World::new(rank, size, links, store, prefix, timeout))
 }

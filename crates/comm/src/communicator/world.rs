@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 use crate::store::StoreClient;
 use crate::transport::{back_off, exchange, peer_gone, Link, RecvOp, SendOp, Stop};
 
-use super::fingerprint::{Call, Fingerprint, LEN};
-use super::observe::{gone_key, parse_progress, progress_key};
+use super::failure::{Failure, FailureKind};
+use super::fingerprint::{Fingerprint, LEN};
+use super::keys;
 
 /// How often a long-waiting rank looks for an abort.
 const ABORT_POLL: Duration = Duration::from_millis(200);
@@ -103,17 +104,18 @@ impl World {
     pub(crate) fn run(
         &mut self,
         fp: Fingerprint,
-        body: impl FnOnce(&mut World) -> Result<(), String>,
-    ) -> Result<(), String> {
+        body: impl FnOnce(&mut World) -> Result<(), Failure>,
+    ) -> Result<(), Failure> {
         if let Some(why) = &self.aborted {
-            return Err(format!("{fp} refused: the communicator was aborted by an earlier failure: {why}"));
+            let message = format!("{fp} refused: the communicator was aborted by an earlier failure: {why}");
+            return Err(Failure::new(FailureKind::Aborted, message));
         }
         let started = Instant::now();
         self.current = Some(Current { fp, deadline: started + self.timeout, started });
         let result = body(self);
         self.current = None;
-        if let Err(why) = &result {
-            self.abort(why);
+        if let Err(failure) = &result {
+            self.abort(&failure.message);
         }
         result
     }
@@ -125,13 +127,13 @@ impl World {
         crate::transport::mpi::note_failure();
         if self.aborted.is_none() {
             self.aborted = Some(why.to_string());
-            let key = format!("{}abort", self.prefix);
+            let key = keys::abort(&self.prefix);
             let _ = self.store.compare_set(&key, None, format!("rank {}: {why}", self.rank).as_bytes());
         }
     }
 
     /// Sends and receives until all finish, under the collective's deadline.
-    pub(crate) fn exchange(&mut self, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<(), String> {
+    pub(crate) fn exchange(&mut self, sends: &mut [SendOp<'_>], recvs: &mut [RecvOp<'_>]) -> Result<(), Failure> {
         let current = self.current.expect("exchange inside World::run");
         let slow = slow_after(self.timeout);
         let (rank, size) = (self.rank, self.size);
@@ -142,14 +144,14 @@ impl World {
         // exchange once a later pass still got nothing from it: bytes it
         // wrote before it died are read first.
         let mut gone: Option<(usize, String)> = None;
-        let mut idle = |passes: u64, waiting_on: &[usize]| -> Result<(), String> {
+        let mut idle = |passes: u64, waiting_on: &[usize]| -> Result<(), Failure> {
             if let Some((peer, why)) = &gone {
                 if waiting_on.contains(peer) {
-                    return Err(format!(
+                    return Err(Failure::from(format!(
                         "{}: rank {peer} went away ({why}) while rank {rank} waited for its bytes; its process \
                          exited, crashed or was killed (see the launcher's summary for how)",
                         current.fp
-                    ));
+                    )));
                 }
                 gone = None;
             }
@@ -159,24 +161,26 @@ impl World {
             }
             let now = Instant::now();
             if now >= current.deadline {
-                return Err(timeout_message(store, prefix, &current, rank, size, waiting_on));
+                let message = timeout_message(store, prefix, &current, rank, size, waiting_on);
+                return Err(Failure::new(FailureKind::Timeout, message));
             }
             if now - current.started < slow {
                 return Ok(());
             }
             if !noted {
                 noted = true;
-                let _ = store.set(&arrival_key(prefix, current.fp.seq, rank), b"");
+                let _ = store.set(&keys::arrived(prefix, current.fp.seq, rank), b"");
             }
             if now - last_poll >= ABORT_POLL {
                 last_poll = now;
-                match store.get(&format!("{prefix}abort")) {
+                match store.get(&keys::abort(prefix)) {
                     Ok(Some(why)) => {
-                        return Err(format!(
+                        let message = format!(
                             "{} stopped: the communicator was aborted by {}",
                             current.fp,
                             String::from_utf8_lossy(&why)
-                        ))
+                        );
+                        return Err(Failure::new(FailureKind::Aborted, message));
                     }
                     // The store's host died (rank 0, without a launcher):
                     // no peer can be heard from, so stop now, not at the
@@ -184,16 +188,17 @@ impl World {
                     Err(
                         e @ (crate::store::StoreError::Disconnected { .. } | crate::store::StoreError::Broken { .. }),
                     ) => {
-                        return Err(format!(
+                        let message = format!(
                             "{} stopped on rank {rank}: lost the rendezvous store ({e}); the process that served it \
                              (rank 0 under mpirun or srun, the launcher under `cohort run`) has probably died",
                             current.fp
-                        ))
+                        );
+                        return Err(Failure::new(FailureKind::Other, message));
                     }
                     _ => {}
                 }
                 for &peer in waiting_on {
-                    if let Ok(Some(why)) = store.get(&gone_key(prefix, peer)) {
+                    if let Ok(Some(why)) = store.get(&keys::gone(prefix, peer)) {
                         gone = Some((peer, String::from_utf8_lossy(&why).into_owned()));
                         break;
                     }
@@ -205,7 +210,7 @@ impl World {
             Stop::Idle(why) => why,
             Stop::Link { peer, kind, error } => {
                 let how = if peer_gone(&error) { "closed (it exited or crashed)" } else { "failed" };
-                format!("{}: the {kind} link to rank {peer} {how}: {error}", current.fp)
+                Failure::from(format!("{}: the {kind} link to rank {peer} {how}: {error}", current.fp))
             }
         })
     }
@@ -218,7 +223,7 @@ impl World {
         to: usize,
         from: usize,
         expected: &Fingerprint,
-    ) -> Result<(), String> {
+    ) -> Result<(), Failure> {
         let mine = fp.encode();
         let mut theirs = [0u8; LEN];
         if (to == self.rank && from == self.rank) || !desync_check() {
@@ -237,7 +242,7 @@ impl World {
         }
         let got = Fingerprint::decode(&theirs);
         if got.as_ref() != Some(expected) {
-            return Err(expected.mismatch(self.rank, from, got.as_ref()));
+            return Err(Failure::new(FailureKind::Mismatch, expected.mismatch(self.rank, from, got.as_ref())));
         }
         Ok(())
     }
@@ -254,10 +259,6 @@ fn desync_check() -> bool {
     })
 }
 
-pub(super) fn arrival_key(prefix: &str, seq: u64, rank: usize) -> String {
-    format!("{prefix}arrived/{seq}/{rank}")
-}
-
 /// Why a collective timed out: the ranks that never noted their arrival,
 /// and the ones this rank was still waiting for.
 fn timeout_message(
@@ -268,22 +269,22 @@ fn timeout_message(
     size: usize,
     waiting_on: &[usize],
 ) -> String {
-    let _ = store.set(&arrival_key(prefix, current.fp.seq, rank), b"");
+    let _ = store.set(&keys::arrived(prefix, current.fp.seq, rank), b"");
     let seq = current.fp.seq;
     let mut missing: Vec<String> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     for r in (0..size).filter(|&r| r != rank) {
-        if matches!(store.get(&arrival_key(prefix, seq, r)), Ok(Some(_))) {
+        if matches!(store.get(&keys::arrived(prefix, seq, r)), Ok(Some(_))) {
             continue;
         }
-        if let Ok(Some(why)) = store.get(&gone_key(prefix, r)) {
+        if let Ok(Some(why)) = store.get(&keys::gone(prefix, r)) {
             notes.push(format!("rank {r} went away ({})", String::from_utf8_lossy(&why)));
             continue;
         }
         // Its heartbeat says how far it got (collectives only: send/recv
         // count messages per peer).
-        let progress = match store.get(&progress_key(prefix, r)) {
-            Ok(Some(v)) if current.fp.call != Call::SendRecv => parse_progress(&v),
+        let progress = match store.get(&keys::progress(prefix, r)) {
+            Ok(Some(v)) if !current.fp.is_p2p() => keys::parse_progress(&v),
             _ => None,
         };
         match progress {

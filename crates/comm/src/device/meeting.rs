@@ -13,196 +13,87 @@
 //! ([`cohort_runtime::spin_window`]) before they sleep: device threads that
 //! queue collectives back to back meet within microseconds.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerToken};
 use cohort_runtime::{BufferAccess, DeviceId, ServerError};
-use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::plan::{self, Shape};
 use super::{forget, Mode, NcclSet};
-use crate::collective::Kind;
-use crate::group::Tracked;
+use crate::meeting::{Meeting, Seat, Seated};
+use crate::op::{Collective, Op};
+use crate::trace::Watched;
 
-#[derive(Default)]
-struct State {
-    arrived: usize,
-    present: Vec<bool>,
+/// What the device path keeps in its meeting.
+pub(crate) struct DeviceState {
+    /// Parts whose calls completed (or that had nothing to queue).
     finished: Vec<bool>,
-    /// Tasks that returned or were dropped.
-    returned: usize,
-    failure: Option<ServerError>,
     /// Peer copies: the sender's token, then the receiver's.
     tokens: [Option<PeerToken>; 2],
 }
 
 /// The shared object of one device-path collective.
-pub(crate) struct Meeting {
-    kind: Kind,
-    seg: usize,
-    /// (member, device) of each part, by slot.
-    parts: Vec<(usize, DeviceId)>,
-    timeout: Duration,
-    state: Mutex<State>,
-    cv: Condvar,
-    /// `State::arrived` and whether `State::failure` is set, readable
-    /// without the lock by parts polling for the others.
-    arrived: AtomicUsize,
-    failed: AtomicBool,
+pub(crate) struct DeviceCollective {
+    /// What runs; roots and endpoints are slots.
+    op: Op,
+    meeting: Meeting<DeviceState>,
 }
 
-impl Meeting {
-    pub(crate) fn new(kind: Kind, seg: usize, parts: Vec<(usize, DeviceId)>, timeout: Duration) -> Arc<Meeting> {
-        let n = parts.len();
-        let state = State { present: vec![false; n], finished: vec![false; n], ..State::default() };
-        Arc::new(Meeting {
-            kind,
-            seg,
-            parts,
-            timeout,
-            state: Mutex::new(state),
-            cv: Condvar::new(),
-            arrived: AtomicUsize::new(0),
-            failed: AtomicBool::new(false),
-        })
-    }
+impl Seated for DeviceCollective {
+    type State = DeviceState;
 
-    /// Part `slot`'s right to run; dropped unrun, it fails the meeting.
-    pub(crate) fn ticket(self: &Arc<Self>, slot: usize) -> Ticket {
-        Ticket { meeting: self.clone(), slot, ran: false }
+    fn meeting(&self) -> &Meeting<DeviceState> {
+        &self.meeting
     }
+}
 
-    fn fail_locked(&self, state: &mut State, err: ServerError) -> ServerError {
-        let failure = state.failure.get_or_insert(err).clone();
-        self.failed.store(true, Ordering::Release);
-        self.cv.notify_all();
-        failure
+impl DeviceCollective {
+    /// The collective `op` among `parts` ((member, device) by slot).
+    pub(crate) fn new(op: Op, parts: Vec<(usize, DeviceId)>, timeout: Duration) -> Arc<DeviceCollective> {
+        let state = DeviceState { finished: vec![false; parts.len()], tokens: [None, None] };
+        let seats = parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
+        Arc::new(DeviceCollective { op, meeting: Meeting::new(op.name(), seats, timeout, state) })
     }
 
     fn fail(&self, err: ServerError) -> ServerError {
-        self.fail_locked(&mut self.state.lock(), err)
-    }
-
-    fn failure(&self) -> Option<ServerError> {
-        self.state.lock().failure.clone()
-    }
-
-    fn names(&self, flags: &[bool]) -> String {
-        let missing: Vec<String> = self
-            .parts
-            .iter()
-            .zip(flags)
-            .filter(|(_, done)| !**done)
-            .map(|((member, device), _)| format!("member {member} ({device})"))
-            .collect();
-        missing.join(", ")
-    }
-
-    fn timeout_error(&self, slot: usize, what: String) -> ServerError {
-        ServerError::Collective {
-            collective: self.kind.name().to_string(),
-            device: self.parts[slot].1,
-            reason: format!(
-                "{what} within {:.1} s: their devices are still busy with earlier work or blocked; every member \
-                 must call the same collectives in the same order (raise COHORT_TIMEOUT, in seconds, if the work \
-                 before it is legitimately that long)",
-                self.timeout.as_secs_f64()
-            ),
-        }
-    }
-
-    /// Waits (up to `deadline`) until `ready` holds, the meeting failed, or
-    /// the deadline passed (then fails it with `missing`'s words).
-    fn wait_for(
-        &self,
-        state: &mut MutexGuard<'_, State>,
-        slot: usize,
-        deadline: Instant,
-        ready: impl Fn(&State) -> bool,
-        missing: impl Fn(&State) -> String,
-    ) -> Result<(), ServerError> {
-        loop {
-            if let Some(err) = &state.failure {
-                return Err(err.clone());
-            }
-            if ready(state) {
-                return Ok(());
-            }
-            if self.cv.wait_until(state, deadline).timed_out() && !ready(state) && state.failure.is_none() {
-                let err = self.timeout_error(slot, missing(state));
-                return Err(self.fail_locked(state, err));
-            }
-        }
+        self.meeting.fail(err)
     }
 
     fn arrive(&self, slot: usize, deadline: Instant) -> Result<(), ServerError> {
-        let n = self.parts.len();
-        let mut state = self.state.lock();
-        if let Some(err) = &state.failure {
-            return Err(err.clone());
-        }
-        state.present[slot] = true;
-        state.arrived += 1;
-        self.arrived.store(state.arrived, Ordering::Release);
-        if state.arrived == n {
-            self.cv.notify_all();
+        let mut state = self.meeting.lock();
+        if self.meeting.arrive_locked(&mut state, slot)? {
             return Ok(());
         }
-        drop(state);
-        let window = cohort_runtime::spin_window();
-        let started = Instant::now();
-        let mut polls = 0u32;
-        while self.arrived.load(Ordering::Acquire) < n && !self.failed.load(Ordering::Acquire) {
-            polls = polls.wrapping_add(1);
-            if polls % 64 == 0 && started.elapsed() >= window {
-                break;
-            }
-            std::hint::spin_loop();
-        }
-        let mut state = self.state.lock();
-        self.wait_for(
-            &mut state,
-            slot,
-            deadline,
-            |s| s.arrived == n,
-            |s| format!("{} did not arrive", self.names(&s.present)),
-        )
+        self.meeting.wait_arrivals(&mut state, slot, deadline)
     }
 
     /// Blocks the calling thread until every part returned, or the meeting
     /// failed; returns the failure.
     pub(crate) fn wait_finished(&self) -> Result<(), ServerError> {
-        let mut state = self.state.lock();
-        loop {
-            if let Some(err) = &state.failure {
-                return Err(err.clone());
-            }
-            if state.returned == self.parts.len() {
-                return Ok(());
-            }
-            self.cv.wait(&mut state);
-        }
+        self.meeting.wait_returned()
     }
 
-    fn run_part(
+    /// Runs part `slot` on its device thread: meets the other parts and
+    /// queues its calls (waiting for them only for a barrier). `tracked`,
+    /// the collective's flight record, is held until the calls end.
+    pub(crate) fn run_part(
         self: &Arc<Self>,
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
         mode: &Mode,
         shape: Shape,
-        tracked: Option<Arc<Tracked>>,
+        tracked: Option<Arc<Watched>>,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.meeting.timeout();
         let buffers = shape.bind(|i| access.binding(i));
         if let Mode::Local = mode {
             // A copy needs both buffers: the input is buffer 0, the output 1.
-            if plan::local_copy(&self.kind, &buffers).is_some() {
+            if plan::local_copy(&self.op, &buffers).is_some() {
                 access.copy(0, 1).map_err(|err| self.fail(err))?;
             }
-            self.state.lock().finished[slot] = true;
+            self.meeting.lock().data.finished[slot] = true;
             return Ok(());
         }
         self.arrive(slot, deadline)?;
@@ -219,16 +110,17 @@ impl Meeting {
                 }
             }
             Mode::Nccl(set) => {
-                let calls = plan::nccl_calls(&self.kind, slot, self.parts.len(), self.seg, &buffers);
+                let calls = plan::nccl_calls(&self.op, slot, self.meeting.len(), &buffers);
                 if calls.is_empty() {
                     Ok(())
                 } else {
                     let spec =
-                        CommSpec { set: set.key, rank: slot, ranks: self.parts.len(), unique_id: &set.unique_id };
+                        CommSpec { set: set.key, rank: slot, ranks: self.meeting.len(), unique_id: &set.unique_id };
                     // Barriers are waited for (`wait_finished`); the rest
                     // return once queued.
-                    let completion = if self.kind == Kind::Barrier { Completion::Wait } else { Completion::Defer };
-                    let monitor = Arc::new(PartMonitor { meeting: self.clone(), slot, set: set.clone(), tracked });
+                    let completion =
+                        if self.op.collective() == Collective::Barrier { Completion::Wait } else { Completion::Defer };
+                    let monitor = Arc::new(PartMonitor { collective: self.clone(), slot, set: set.clone(), tracked });
                     let result = access.run_collective(&spec, &calls, monitor, completion);
                     if result.is_err() {
                         forget(set);
@@ -247,9 +139,8 @@ impl Meeting {
     }
 
     fn mark_finished(&self, slot: usize) {
-        let mut state = self.state.lock();
-        state.finished[slot] = true;
-        self.cv.notify_all();
+        self.meeting.lock().data.finished[slot] = true;
+        self.meeting.notify();
     }
 
     /// A peer copy: slot 0 exports its source, slot 1 copies it in and
@@ -262,75 +153,35 @@ impl Meeting {
         buffers: &plan::Buffers,
         deadline: Instant,
     ) -> Result<(), ServerError> {
-        let other = 1 - slot;
-        let mut state = self.state.lock();
+        let (meeting, other) = (&self.meeting, 1 - slot);
+        let mut state = meeting.lock();
         if slot == 0 {
             let src = buffers.input.expect("a send has a source");
             drop(state);
             let token = dc.peer_export(stream, src)?;
-            state = self.state.lock();
-            state.tokens[0] = Some(token);
-            self.cv.notify_all();
+            state = meeting.lock();
+            state.data.tokens[0] = Some(token);
+            meeting.notify();
         }
-        let device = self.parts[other].1;
-        self.wait_for(
+        let mut waiting = [true; 2];
+        waiting[other] = false;
+        meeting.wait_for(
             &mut state,
             slot,
             deadline,
-            |s| s.tokens[other].is_some(),
-            |_| format!("member {} ({device}) did not hand over its half of the copy", self.parts[other].0),
+            |s| s.data.tokens[other].is_some(),
+            |_| format!("{} did not hand over its half of the copy", meeting.names(&waiting)),
         )?;
-        let token = state.tokens[other].expect("waited for");
+        let token = state.data.tokens[other].expect("waited for");
         drop(state);
         if slot == 0 {
             return dc.peer_finish(stream, &token);
         }
         let dst = buffers.output.expect("a receive has a destination");
         let done = dc.peer_import(stream, &token, dst)?;
-        let mut state = self.state.lock();
-        state.tokens[1] = Some(done);
-        self.cv.notify_all();
+        meeting.lock().data.tokens[1] = Some(done);
+        meeting.notify();
         Ok(())
-    }
-}
-
-/// A part's right to run. Dropped without running (its device closed), it
-/// fails the meeting so the other parts return at once.
-pub(crate) struct Ticket {
-    meeting: Arc<Meeting>,
-    slot: usize,
-    ran: bool,
-}
-
-impl Ticket {
-    /// Runs the part on its device thread: meets the other parts and
-    /// queues its calls (waiting for them only for a barrier). `tracked`,
-    /// the collective's flight record, is held until the calls end.
-    pub(crate) fn run(
-        mut self,
-        access: Result<&mut BufferAccess<'_>, ServerError>,
-        mode: &Mode,
-        shape: Shape,
-        tracked: Option<Arc<Tracked>>,
-    ) -> Result<(), ServerError> {
-        self.ran = true;
-        self.meeting.run_part(self.slot, access, mode, shape, tracked)
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        let mut state = self.meeting.state.lock();
-        if !self.ran {
-            let device = self.meeting.parts[self.slot].1;
-            let err = ServerError::Poisoned {
-                operation: self.meeting.kind.name().to_string(),
-                cause: Arc::new(ServerError::DeviceClosed { device }),
-            };
-            self.meeting.fail_locked(&mut state, err);
-        }
-        state.returned += 1;
-        self.meeting.cv.notify_all();
     }
 }
 
@@ -339,43 +190,44 @@ impl Drop for Ticket {
 /// ended. It holds the collective's flight record, which is finished when
 /// the last part's monitor and task are gone.
 struct PartMonitor {
-    meeting: Arc<Meeting>,
+    collective: Arc<DeviceCollective>,
     slot: usize,
     set: Arc<NcclSet>,
-    tracked: Option<Arc<Tracked>>,
+    tracked: Option<Arc<Watched>>,
 }
 
 impl CollectiveMonitor for PartMonitor {
     fn operation(&self) -> &str {
-        self.meeting.kind.name()
+        self.collective.meeting.name()
     }
 
     fn timeout(&self) -> Duration {
-        self.meeting.timeout
+        self.collective.meeting.timeout()
     }
 
     fn failed_elsewhere(&self) -> Option<ServerError> {
-        if !self.meeting.failed.load(Ordering::Acquire) {
+        let meeting = &self.collective.meeting;
+        if !meeting.failed() {
             return None;
         }
-        self.meeting.failure()
+        meeting.failure()
     }
 
     fn missing(&self) -> String {
-        let state = self.meeting.state.lock();
-        let mut done = state.finished.clone();
+        let meeting = &self.collective.meeting;
+        let mut done = meeting.lock().data.finished.clone();
         done[self.slot] = false;
-        format!("{} did not finish", self.meeting.names(&done))
+        format!("{} did not finish", meeting.names(&done))
     }
 
     fn finished(&self, outcome: &Result<(), ServerError>) {
         match outcome {
-            Ok(()) => self.meeting.mark_finished(self.slot),
+            Ok(()) => self.collective.mark_finished(self.slot),
             Err(err) => {
                 forget(&self.set);
-                self.meeting.fail(err.clone());
+                self.collective.fail(err.clone());
                 if let Some(tracked) = &self.tracked {
-                    tracked.fail(err);
+                    tracked.fail(err.to_string());
                 }
             }
         }

@@ -27,11 +27,12 @@ use cohort_runtime::config;
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError, ServiceId};
 use parking_lot::Mutex;
 
-use crate::collective::Kind;
 use crate::error::CommError;
+use crate::meeting::Ticket;
+use crate::op::{Collective, Op};
 use crate::order::enqueue_lock;
 
-pub(crate) use meeting::Meeting;
+pub(crate) use meeting::DeviceCollective;
 
 /// How a group's collectives move bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,9 +97,13 @@ fn offer(client: &Client) -> Offer {
     if let Some(found) = known.lock().get(&client.service_id()) {
         return found.clone();
     }
+    let none = || Offer { device: false, library: Err("the backend has no device collectives".into()) };
+    if !client.capabilities().device_collectives {
+        return none();
+    }
     let found = match ask(client, |dc| dc.available()) {
         Some(library) => Offer { device: true, library },
-        None => Offer { device: false, library: Err("the backend has no device collectives".into()) },
+        None => none(),
     };
     known.lock().insert(client.service_id(), found.clone());
     found
@@ -194,18 +199,18 @@ pub(crate) enum Mode {
 
 /// Queues every part of one collective on the device path under the
 /// process-wide order; returns the meeting (to wait on, for barriers).
+/// `op`'s roots and endpoints are slots of `parts`.
 pub(crate) fn launch(
     clients: &[Client],
     timeout: Duration,
-    kind: Kind,
-    seg: usize,
+    op: Op,
     mode: Mode,
     parts: Vec<DevicePart>,
-    tracked: Option<Arc<crate::group::Tracked>>,
-) -> Result<Arc<Meeting>, CommError> {
-    let operation = kind.name();
+    tracked: Option<Arc<crate::trace::Watched>>,
+) -> Result<Arc<DeviceCollective>, CommError> {
+    let (operation, seg) = (op.name(), op.block_bytes());
     let devices = parts.iter().map(|p| (p.member, clients[p.member].device_id())).collect();
-    let meeting = Meeting::new(kind, seg, devices, timeout);
+    let meeting = DeviceCollective::new(op, devices, timeout);
     let n = parts.len();
     let mut tasks = Vec::with_capacity(n);
     for (slot, part) in parts.into_iter().enumerate() {
@@ -213,14 +218,14 @@ pub(crate) fn launch(
         let mut outputs: Vec<Handle> = part.output.into_iter().collect();
         // In-place all-to-all over NCCL sends from a copy of the source.
         let scratch = matches!(mode, Mode::Nccl(_))
-            && kind == Kind::AllToAll
-            && part.input.as_ref().zip(outputs.first()).is_some_and(|(i, o)| plan::same_bytes(i, o));
+            && op.collective() == Collective::AllToAll
+            && part.input.as_ref().zip(outputs.first()).is_some_and(|(i, o)| crate::check::same_bytes(i, o));
         if scratch {
             outputs.push(client.empty(seg * n));
         }
         let inputs: Vec<Handle> = part.input.into_iter().collect();
         let shape = plan::Shape { input: !inputs.is_empty(), output: !outputs.is_empty(), scratch };
-        tasks.push((part.member, inputs, outputs, meeting.ticket(slot), shape));
+        tasks.push((part.member, inputs, outputs, Ticket::new(&meeting, slot), shape));
     }
     let mut failed = None;
     let order = enqueue_lock();
@@ -229,7 +234,7 @@ pub(crate) fn launch(
         let mode = mode.clone();
         let tracked = tracked.clone();
         let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
-            let result = ticket.run(access, &mode, shape, tracked.clone());
+            let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, shape, tracked.clone()));
             if let Some(t) = &tracked {
                 t.note(&result);
             }

@@ -3,9 +3,8 @@
 //! copies of a group of one device.
 
 use cohort_runtime::backend::{Binding, DeviceCall};
-use cohort_runtime::Handle;
 
-use crate::collective::Kind;
+use crate::op::{Collective, Op};
 
 /// Which buffers a part's task holds, in the order the task sees them:
 /// the input, the output, then the scratch copy of an in-place all-to-all.
@@ -41,41 +40,39 @@ impl Shape {
     }
 }
 
-/// Whether two handles are the same bytes of one allocation.
-pub(crate) fn same_bytes(a: &Handle, b: &Handle) -> bool {
-    a.same_allocation(b) && a.offset() == b.offset() && a.size() == b.size()
-}
-
 /// Block `k` (of `seg` bytes) of a binding.
 fn block(b: Binding, k: usize, seg: usize) -> Binding {
     Binding { page: b.page, offset: b.offset + (k * seg) as u64, size: seg as u64 }
 }
 
-fn need(b: Option<Binding>, what: &str, kind: &Kind) -> Binding {
-    b.unwrap_or_else(|| panic!("{} part without its {what}: the group's checks let it through", kind.name()))
+fn need(b: Option<Binding>, what: &str, op: &Op) -> Binding {
+    b.unwrap_or_else(|| panic!("{} part without its {what}: the argument checks let it through", op.name()))
 }
 
-/// The calls of part `rank` of `ranks` on the communicator. Empty for
-/// zero-byte collectives (every member agrees, since they share `seg`).
-pub(crate) fn nccl_calls(kind: &Kind, rank: usize, ranks: usize, seg: usize, b: &Buffers) -> Vec<DeviceCall> {
-    if seg == 0 && *kind != Kind::Barrier {
+/// The calls of part `rank` of `ranks` on the communicator: the one place a
+/// description becomes device instructions. `op`'s roots and endpoints are
+/// ranks of the communicator. Empty for zero-byte collectives (every member
+/// agrees, since they share the count).
+pub(crate) fn nccl_calls(op: &Op, rank: usize, ranks: usize, b: &Buffers) -> Vec<DeviceCall> {
+    let seg = op.block_bytes();
+    if seg == 0 && op.collective() != Collective::Barrier {
         return Vec::new();
     }
-    let input = || need(b.input, "source", kind);
-    let output = || need(b.output, "destination", kind);
-    match *kind {
-        Kind::AllReduce { dtype, op } => {
-            vec![DeviceCall::AllReduce { src: input(), dst: output(), dtype, op }]
+    let input = || need(b.input, "source", op);
+    let output = || need(b.output, "destination", op);
+    let (dtype, root) = (op.dtype(), op.root().unwrap_or(0));
+    let reduction = || op.reduce_op().expect("a reducing collective has an operator");
+    match op.collective() {
+        Collective::AllReduce => vec![DeviceCall::AllReduce { src: input(), dst: output(), dtype, op: reduction() }],
+        Collective::Reduce => {
+            vec![DeviceCall::Reduce { src: input(), dst: b.output, dtype, op: reduction(), root }]
         }
-        Kind::Reduce { dtype, op, root } => {
-            vec![DeviceCall::Reduce { src: input(), dst: b.output, dtype, op, root }]
+        Collective::Broadcast => vec![DeviceCall::Broadcast { src: b.input, dst: output(), root }],
+        Collective::AllGather => vec![DeviceCall::AllGather { src: input(), dst: output() }],
+        Collective::ReduceScatter => {
+            vec![DeviceCall::ReduceScatter { src: input(), dst: output(), dtype, op: reduction() }]
         }
-        Kind::Broadcast { root } => vec![DeviceCall::Broadcast { src: b.input, dst: output(), root }],
-        Kind::AllGather => vec![DeviceCall::AllGather { src: input(), dst: output() }],
-        Kind::ReduceScatter { dtype, op } => {
-            vec![DeviceCall::ReduceScatter { src: input(), dst: output(), dtype, op }]
-        }
-        Kind::AllToAll => {
+        Collective::AllToAll => {
             let (dst, in_place) = (output(), b.scratch.is_some());
             let src = b.scratch.unwrap_or_else(input);
             let mut calls = Vec::with_capacity(2 * ranks);
@@ -103,7 +100,7 @@ pub(crate) fn nccl_calls(kind: &Kind, rank: usize, ranks: usize, seg: usize, b: 
             }
             calls
         }
-        Kind::Gather { root } if rank == root => {
+        Collective::Gather if rank == root => {
             let dst = output();
             (0..ranks)
                 .map(|k| match k == rank {
@@ -112,8 +109,8 @@ pub(crate) fn nccl_calls(kind: &Kind, rank: usize, ranks: usize, seg: usize, b: 
                 })
                 .collect()
         }
-        Kind::Gather { root } => vec![DeviceCall::Send { src: input(), peer: root }],
-        Kind::Scatter { root } if rank == root => {
+        Collective::Gather => vec![DeviceCall::Send { src: input(), peer: root }],
+        Collective::Scatter if rank == root => {
             let src = input();
             (0..ranks)
                 .map(|k| match k == rank {
@@ -122,11 +119,13 @@ pub(crate) fn nccl_calls(kind: &Kind, rank: usize, ranks: usize, seg: usize, b: 
                 })
                 .collect()
         }
-        Kind::Scatter { root } => vec![DeviceCall::Recv { dst: output(), peer: root }],
-        Kind::Copy { from, to } if from == to => vec![DeviceCall::Copy { src: input(), dst: output() }],
-        Kind::Copy { from, to } if rank == from => vec![DeviceCall::Send { src: input(), peer: to }],
-        Kind::Copy { from, .. } => vec![DeviceCall::Recv { dst: output(), peer: from }],
-        Kind::Barrier => vec![DeviceCall::Barrier],
+        Collective::Scatter => vec![DeviceCall::Recv { dst: output(), peer: root }],
+        Collective::SendRecv => match op.endpoints().expect("a send/recv has endpoints") {
+            (from, to) if from == to => vec![DeviceCall::Copy { src: input(), dst: output() }],
+            (from, to) if rank == from => vec![DeviceCall::Send { src: input(), peer: to }],
+            (from, _) => vec![DeviceCall::Recv { dst: output(), peer: from }],
+        },
+        Collective::Barrier => vec![DeviceCall::Barrier],
     }
 }
 
@@ -134,9 +133,9 @@ pub(crate) fn nccl_calls(kind: &Kind, rank: usize, ranks: usize, seg: usize, b: 
 /// in place or no bytes). With one member every collective is the identity
 /// on its one block: a reduction of one value is the value (avg divides by
 /// one), and every gather, scatter or exchange moves the block onto itself.
-pub(crate) fn local_copy(kind: &Kind, b: &Buffers) -> Option<(Binding, Binding)> {
-    match (kind, b.input, b.output) {
-        (Kind::Barrier, _, _) => None,
+pub(crate) fn local_copy(op: &Op, b: &Buffers) -> Option<(Binding, Binding)> {
+    match (op.collective(), b.input, b.output) {
+        (Collective::Barrier, _, _) => None,
         (_, Some(src), Some(dst)) if src != dst && src.size > 0 => Some((src, dst)),
         _ => None,
     }
@@ -155,7 +154,7 @@ mod tests {
     #[test]
     fn all_to_all_pairs_every_block_with_its_peer() {
         let bufs = Buffers { input: Some(b(0, 12)), output: Some(b(64, 12)), scratch: None };
-        let calls = nccl_calls(&Kind::AllToAll, 1, 3, 4, &bufs);
+        let calls = nccl_calls(&Op::all_to_all(DType::U8, 4), 1, 3, &bufs);
         assert_eq!(calls.len(), 6);
         assert!(calls.contains(&DeviceCall::Send { src: b(0, 4), peer: 0 }));
         assert!(calls.contains(&DeviceCall::Recv { dst: b(72, 4), peer: 2 }));
@@ -167,7 +166,7 @@ mod tests {
     #[test]
     fn in_place_all_to_all_sends_from_the_scratch_copy() {
         let bufs = Buffers { input: Some(b(0, 8)), output: Some(b(0, 8)), scratch: Some(b(256, 8)) };
-        let calls = nccl_calls(&Kind::AllToAll, 0, 2, 4, &bufs);
+        let calls = nccl_calls(&Op::all_to_all(DType::U8, 4), 0, 2, &bufs);
         assert_eq!(calls[0], DeviceCall::Copy { src: b(0, 8), dst: b(256, 8) });
         assert!(calls.contains(&DeviceCall::Send { src: b(260, 4), peer: 1 }));
         assert!(calls.contains(&DeviceCall::Recv { dst: b(4, 4), peer: 1 }));
@@ -176,14 +175,14 @@ mod tests {
     #[test]
     fn gather_root_receives_and_others_send() {
         let root = Buffers { input: Some(b(0, 4)), output: Some(b(64, 8)), scratch: None };
-        let calls = nccl_calls(&Kind::Gather { root: 1 }, 1, 2, 4, &root);
+        let calls = nccl_calls(&Op::gather(DType::F32, 1, 1), 1, 2, &root);
         assert_eq!(
             calls,
             vec![DeviceCall::Recv { dst: b(64, 4), peer: 0 }, DeviceCall::Copy { src: b(0, 4), dst: b(68, 4) }]
         );
         let other = Buffers { input: Some(b(0, 4)), output: None, scratch: None };
         assert_eq!(
-            nccl_calls(&Kind::Gather { root: 1 }, 0, 2, 4, &other),
+            nccl_calls(&Op::gather(DType::F32, 1, 1), 0, 2, &other),
             vec![DeviceCall::Send { src: b(0, 4), peer: 1 }]
         );
     }
@@ -191,10 +190,10 @@ mod tests {
     #[test]
     fn zero_bytes_make_no_calls_and_one_device_copies_only_out_of_place() {
         let bufs = Buffers { input: Some(b(0, 0)), output: Some(b(0, 0)), scratch: None };
-        assert!(nccl_calls(&Kind::AllGather, 0, 2, 0, &bufs).is_empty());
-        let kind = Kind::AllReduce { dtype: DType::F32, op: ReduceOp::Sum };
-        assert_eq!(local_copy(&kind, &bufs), None);
+        assert!(nccl_calls(&Op::all_gather(DType::F32, 0), 0, 2, &bufs).is_empty());
+        let op = Op::all_reduce(DType::F32, ReduceOp::Sum, 1);
+        assert_eq!(local_copy(&op, &bufs), None);
         let apart = Buffers { input: Some(b(0, 4)), output: Some(b(4, 4)), scratch: None };
-        assert_eq!(local_copy(&kind, &apart), Some((b(0, 4), b(4, 4))));
+        assert_eq!(local_copy(&op, &apart), Some((b(0, 4), b(4, 4))));
     }
 }

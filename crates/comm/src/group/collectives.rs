@@ -8,19 +8,40 @@
 
 use cohort_runtime::{Client, Handle};
 
-use super::check::{same_bytes, Check};
 use super::{ClientGroup, Part};
-use crate::collective::Kind;
+use crate::check::Members;
 use crate::error::CommError;
+use crate::op::Op;
 use crate::ops::{DType, ReduceOp};
 
 impl ClientGroup {
-    fn check(&self, op: &'static str, dtype: DType) -> Check<'_> {
-        Check { op, clients: self.clients(), first_member: 0, members: self.len(), dtype }
+    /// The group's side of every argument check: all members local, and a
+    /// source may meet its destination only in the in-place layout.
+    fn checks(&self) -> Members<'_> {
+        Members { clients: self.clients(), first: 0, count: self.len(), strict_overlap: true }
     }
 
     fn every(&self, src: &[Handle], dst: &[Handle]) -> Vec<Part> {
         (0..self.len()).map(|m| Part { member: m, input: src.get(m).cloned(), output: dst.get(m).cloned() }).collect()
+    }
+
+    /// Every member's part, the root's with `input` or `output` as well.
+    fn rooted(
+        &self,
+        src: &[Handle],
+        dst: &[Handle],
+        root: usize,
+        input: Option<&Handle>,
+        output: Option<&Handle>,
+    ) -> Vec<Part> {
+        let mut parts = self.every(src, dst);
+        if let Some(input) = input {
+            parts[root].input = Some(input.clone());
+        }
+        if let Some(output) = output {
+            parts[root].output = Some(output.clone());
+        }
+        parts
     }
 
     /// Reduces every member's `src` element-wise with `op` and writes the
@@ -33,16 +54,8 @@ impl ClientGroup {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let c = self.check("all_reduce", dtype);
-        c.per_member("source", src)?;
-        c.per_member("destination", dst)?;
-        let size = c.whole("source", 0, &src[0])?;
-        c.sizes("source", src, size, "every member's source is the size of member 0's")?;
-        c.sizes("destination", dst, size, "the destination is the size of the source")?;
-        for m in 0..self.len() {
-            c.overlap(m, &dst[m], &src[m], 0, "in place, source and destination are the same buffer")?;
-        }
-        self.launch(Kind::AllReduce { dtype, op }, size, self.every(src, dst))?;
+        let op = self.checks().all_reduce(src, dst, dtype, op)?;
+        self.launch(op, self.every(src, dst))?;
         Ok(())
     }
 
@@ -56,55 +69,23 @@ impl ClientGroup {
         op: ReduceOp,
         root: usize,
     ) -> Result<(), CommError> {
-        let c = self.check("reduce", dtype);
-        c.member("root", root)?;
-        c.per_member("source", src)?;
-        c.owned("destination", root, dst)?;
-        let size = c.whole("source", 0, &src[0])?;
-        c.sizes("source", src, size, "every member's source is the size of member 0's")?;
-        c.size("destination", root, dst, size, || "the destination is the size of the source".into())?;
-        c.overlap(root, dst, &src[root], 0, "in place, the root's source and destination are the same buffer")?;
-        let mut parts = self.every(src, &[]);
-        parts[root].output = Some(dst.clone());
-        self.launch(Kind::Reduce { dtype, op, root }, size, parts)?;
+        let op = self.checks().reduce(src, dst, dtype, op, root)?;
+        self.launch(op, self.rooted(src, &[], root, None, Some(dst)))?;
         Ok(())
     }
 
     /// Copies `src`, a buffer of member `root`, to every member's `dst`.
     pub fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
-        let c = self.check("broadcast", dtype);
-        c.member("root", root)?;
-        c.owned("source", root, src)?;
-        c.per_member("destination", dst)?;
-        let size = c.whole("source", root, src)?;
-        c.sizes("destination", dst, size, "every destination is the size of the root's source")?;
-        c.overlap(root, &dst[root], src, 0, "in place, the root's source and destination are the same buffer")?;
-        let mut parts = self.every(&[], dst);
-        parts[root].input = Some(src.clone());
-        self.launch(Kind::Broadcast { root }, size, parts)?;
+        let op = self.checks().broadcast(src, dst, dtype, root)?;
+        self.launch(op, self.rooted(&[], dst, root, Some(src), None))?;
         Ok(())
     }
 
     /// Concatenates every member's `src` (member order) into every member's
     /// `dst`, which holds `len()` times a source.
     pub fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
-        let n = self.len();
-        let c = self.check("all_gather", dtype);
-        c.per_member("source", src)?;
-        c.per_member("destination", dst)?;
-        let size = c.whole("source", 0, &src[0])?;
-        c.sizes("source", src, size, "every member's source is the size of member 0's")?;
-        c.sizes("destination", dst, n * size, &format!("{n} members × the source size"))?;
-        for m in 0..n {
-            c.overlap(
-                m,
-                &dst[m],
-                &src[m],
-                m * size,
-                "in place, the source is the destination's block at member × size",
-            )?;
-        }
-        self.launch(Kind::AllGather, size, self.every(src, dst))?;
+        let op = self.checks().all_gather(src, dst, dtype)?;
+        self.launch(op, self.every(src, dst))?;
         Ok(())
     }
 
@@ -117,23 +98,8 @@ impl ClientGroup {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let n = self.len();
-        let c = self.check("reduce_scatter", dtype);
-        c.per_member("source", src)?;
-        c.per_member("destination", dst)?;
-        let size = c.whole("destination", 0, &dst[0])?;
-        c.sizes("destination", dst, size, "every member's destination is the size of member 0's")?;
-        c.sizes("source", src, n * size, &format!("{n} members × the destination size"))?;
-        for m in 0..n {
-            c.overlap(
-                m,
-                &src[m],
-                &dst[m],
-                m * size,
-                "in place, the destination is the source's block at member × size",
-            )?;
-        }
-        self.launch(Kind::ReduceScatter { dtype, op }, size, self.every(src, dst))?;
+        let op = self.checks().reduce_scatter(src, dst, dtype, op)?;
+        self.launch(op, self.every(src, dst))?;
         Ok(())
     }
 
@@ -141,86 +107,24 @@ impl ClientGroup {
     /// `dst`; every buffer holds `len()` equal blocks. In place when every
     /// member passes the same buffer as source and destination.
     pub fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
-        let n = self.len();
-        let c = self.check("all_to_all", dtype);
-        c.per_member("source", src)?;
-        c.per_member("destination", dst)?;
-        let total = c.whole("source", 0, &src[0])?;
-        let block = n * dtype.size();
-        if total % block != 0 {
-            return Err(CommError::WrongSize {
-                operation: "all_to_all",
-                what: "source",
-                member: 0,
-                expected: (total - total % block) as u64,
-                got: total as u64,
-                why: format!("a whole number of {n} equal blocks of {dtype} elements, one per member"),
-            });
-        }
-        c.sizes("source", src, total, "every member's source is the size of member 0's")?;
-        c.sizes("destination", dst, total, "the destination is the size of the source")?;
-        let in_place: Vec<bool> = src.iter().zip(dst).map(|(s, d)| same_bytes(s, d)).collect();
-        for m in 0..n {
-            c.overlap(m, &dst[m], &src[m], 0, "in place, source and destination are the same buffer")?;
-            if in_place[m] != in_place[0] {
-                return Err(CommError::Overlap {
-                    operation: "all_to_all",
-                    member: m,
-                    detail: "all_to_all runs in place only when every member passes one buffer as both source and \
-                             destination; here some do and some do not"
-                        .into(),
-                });
-            }
-        }
-        self.launch(Kind::AllToAll, total / n, self.every(src, dst))?;
+        let op = self.checks().all_to_all(src, dst, dtype)?;
+        self.launch(op, self.every(src, dst))?;
         Ok(())
     }
 
     /// Concatenates every member's `src` (member order) into `dst`, a buffer
     /// of member `root` holding `len()` sources.
     pub fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
-        let n = self.len();
-        let c = self.check("gather", dtype);
-        c.member("root", root)?;
-        c.per_member("source", src)?;
-        c.owned("destination", root, dst)?;
-        let size = c.whole("source", 0, &src[0])?;
-        c.sizes("source", src, size, "every member's source is the size of member 0's")?;
-        c.size("destination", root, dst, n * size, || format!("{n} members × the source size"))?;
-        c.overlap(
-            root,
-            dst,
-            &src[root],
-            root * size,
-            "in place, the root's source is its destination's block at root × size",
-        )?;
-        let mut parts = self.every(src, &[]);
-        parts[root].output = Some(dst.clone());
-        self.launch(Kind::Gather { root }, size, parts)?;
+        let op = self.checks().gather(src, dst, dtype, root)?;
+        self.launch(op, self.rooted(src, &[], root, None, Some(dst)))?;
         Ok(())
     }
 
     /// Gives member `m` block `m` of `src`, a buffer of member `root`
     /// holding `len()` destinations.
     pub fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
-        let n = self.len();
-        let c = self.check("scatter", dtype);
-        c.member("root", root)?;
-        c.owned("source", root, src)?;
-        c.per_member("destination", dst)?;
-        let size = c.whole("destination", 0, &dst[0])?;
-        c.sizes("destination", dst, size, "every member's destination is the size of member 0's")?;
-        c.size("source", root, src, n * size, || format!("{n} members × the destination size"))?;
-        c.overlap(
-            root,
-            src,
-            &dst[root],
-            root * size,
-            "in place, the root's destination is its source's block at root × size",
-        )?;
-        let mut parts = self.every(&[], dst);
-        parts[root].input = Some(src.clone());
-        self.launch(Kind::Scatter { root }, size, parts)?;
+        let op = self.checks().scatter(src, dst, dtype, root)?;
+        self.launch(op, self.rooted(&[], dst, root, Some(src), None))?;
         Ok(())
     }
 
@@ -235,31 +139,23 @@ impl ClientGroup {
         dst: &Handle,
         dtype: DType,
     ) -> Result<(), CommError> {
-        let c = self.check("send_recv", dtype);
-        c.member("sender", from)?;
-        c.member("receiver", to)?;
-        c.owned("source", from, src)?;
-        c.owned("destination", to, dst)?;
-        let size = c.whole("source", from, src)?;
-        c.size("destination", to, dst, size, || "the destination is the size of the source".into())?;
-        if from == to {
-            c.overlap(from, dst, src, 0, "a send to oneself in place is the same buffer")?;
-            let part = Part { member: from, input: Some(src.clone()), output: Some(dst.clone()) };
-            self.launch(Kind::Copy { from: 0, to: 0 }, size, vec![part])?;
+        let op = self.checks().send_recv(from, src, to, dst, dtype)?;
+        let parts = if from == to {
+            vec![Part { member: from, input: Some(src.clone()), output: Some(dst.clone()) }]
         } else {
-            let parts = vec![
+            vec![
                 Part { member: from, input: Some(src.clone()), output: None },
                 Part { member: to, input: None, output: Some(dst.clone()) },
-            ];
-            self.launch(Kind::Copy { from: 0, to: 1 }, size, parts)?;
-        }
+            ]
+        };
+        self.launch(op, parts)?;
         Ok(())
     }
 
     /// A new buffer on member `to` holding a copy of `src` (a buffer of
     /// member `from`), moved by a send/recv. Returns at once.
     pub fn to_client(&self, src: &Handle, from: usize, to: usize) -> Result<Handle, CommError> {
-        self.check("to_client", DType::U8).member("receiver", to)?;
+        self.checks().within("to_client", "receiver", to, self.len())?;
         let dst = self.client(to).empty(src.size() as usize);
         self.send_recv_handles(from, src, to, &dst, DType::U8)?;
         Ok(dst)
@@ -271,7 +167,7 @@ impl ClientGroup {
     /// the failure of a member's device.
     pub fn barrier(&self) -> Result<(), CommError> {
         let parts = (0..self.len()).map(|m| Part { member: m, input: None, output: None }).collect();
-        let collective = self.launch(Kind::Barrier, 0, parts)?;
+        let collective = self.launch(Op::barrier(), parts)?;
         collective.wait_finished().map_err(|source| CommError::Failed { operation: "barrier", source })
     }
 }
@@ -284,12 +180,13 @@ impl ClientGroup {
 /// backends without device collectives, through host memory (waits for the
 /// read).
 pub fn to_client(src: &Handle, from: &Client, to: &Client) -> Result<Handle, CommError> {
-    if from.name() == to.name() && from.device_id() != to.device_id() {
+    let (a, b) = (from.device_id(), to.device_id());
+    if a.type_id == b.type_id && a != b {
         let pair = ClientGroup::new(vec![from.clone(), to.clone()])?;
         return pair.to_client(src, 0, 1);
     }
     from.check_owned(src).map_err(|source| CommError::Failed { operation: "to_client", source })?;
-    if from.service_id() == to.service_id() && from.name() != "cpu" {
+    if from.service_id() == to.service_id() && from.capabilities().device_collectives {
         let one = ClientGroup::new(vec![from.clone()])?;
         if one.transport() == crate::Transport::LocalCopy {
             return one.to_client(src, 0, 0);
@@ -297,6 +194,6 @@ pub fn to_client(src: &Handle, from: &Client, to: &Client) -> Result<Handle, Com
     }
     let (start_us, start) = (crate::trace::now_micros(), std::time::Instant::now());
     let copied = from.to_client(src, to);
-    super::record::timeline_copy(start_us, start, src.size(), from, to, copied.is_ok());
+    crate::trace::timeline_copy(start_us, start, src.size(), from, to, copied.is_ok());
     copied.map_err(|source| CommError::Failed { operation: "to_client", source })
 }

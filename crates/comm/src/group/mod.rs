@@ -1,12 +1,9 @@
 //! [`ClientGroup`]: one client per device of one runtime, in one process,
 //! and the collectives across them.
 
-pub(crate) mod check;
 mod collectives;
-mod record;
 
 pub use collectives::to_client;
-pub(crate) use record::Tracked;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -15,11 +12,13 @@ use std::time::Duration;
 use cohort_runtime::config;
 use cohort_runtime::{Client, Handle};
 
-use crate::collective::Kind;
-use crate::device::{self, DevicePart, Meeting, Mode, Route, Transport};
+use crate::device::{self, DeviceCollective, DevicePart, Mode, Route, Transport};
 use crate::error::CommError;
-use crate::host::{default_timeout, Collective, HostPath, Participant, Ticket};
+use crate::host::{default_timeout, HostCollective, HostPath};
+use crate::meeting::{Seat, Ticket};
+use crate::op::{Collective, Op};
 use crate::order::{communicator, enqueue_lock, DeviceSetComm};
+use crate::trace::{FlightRecorder, Watched};
 
 /// Default bytes per pipelined chunk on the staged host path.
 pub const DEFAULT_STAGE_CHUNK: usize = 4 << 20;
@@ -59,8 +58,8 @@ pub(crate) struct Part {
 
 /// A queued collective, to wait on (barriers).
 pub(crate) enum Launched {
-    Host(Arc<Collective>),
-    Device(Arc<Meeting>),
+    Host(Arc<HostCollective>),
+    Device(Arc<DeviceCollective>),
 }
 
 impl Launched {
@@ -77,9 +76,9 @@ impl ClientGroup {
     /// A group over `clients`, member `i` being `clients[i]`.
     ///
     /// Refuses an empty list, a device listed twice and clients of different
-    /// runtimes. The first group over a set of devices sets up its
-    /// communicator (cached by the sorted device set), which waits for one
-    /// small task on each device; later groups over the same set do not wait.
+    /// runtimes. The first group over a device that offers device
+    /// collectives waits for one small task there (does the library load?);
+    /// later groups do not wait.
     ///
     /// Where every member's backend offers device collectives (CUDA), the
     /// group's collectives go device to device through NCCL (a group of one
@@ -91,13 +90,13 @@ impl ClientGroup {
     /// An unusable `COHORT_TIMEOUT`, `COHORT_NCCL_SINGLE` or
     /// `COHORT_FLIGHT_RECORDER` is returned as [`CommError::Variable`].
     pub fn new(clients: Vec<Client>) -> Result<ClientGroup, CommError> {
-        check::check_clients(&clients)?;
+        crate::check::check_clients(&clients)?;
         let timeout = default_timeout()?;
         config::check(&[&config::NCCL_SINGLE, &config::FLIGHT_RECORDER])?;
         let communicator = communicator(&clients);
         let direct = communicator.host_addressable();
         let route = device::choose(&clients);
-        let record_name = Arc::from(record::group_name(&clients));
+        let record_name = Arc::from(record_name(&clients));
         Ok(ClientGroup {
             record_name,
             clients,
@@ -200,21 +199,21 @@ impl ClientGroup {
     }
 
     /// How one collective's parts run on the device path, or `None` for the
-    /// host path.
-    fn device_mode(&self, kind: &Kind, parts: &[Part]) -> Result<Option<Mode>, CommError> {
-        if let Kind::Copy { from, to } = *kind {
+    /// host path. `op`'s endpoints are slots of `parts`.
+    fn device_mode(&self, op: &Op, parts: &[Part]) -> Result<Option<Mode>, CommError> {
+        if let Some((from, to)) = op.endpoints() {
             if from == to && !matches!(self.route, Route::Host) {
                 return Ok(Some(Mode::Local));
             }
             if from != to {
-                let (a, b) = (&self.clients[parts[0].member], &self.clients[parts[1].member]);
-                let peers = !matches!(self.route, Route::Host) || self.direct_off_cpu();
+                let (a, b) = (&self.clients[parts[from].member], &self.clients[parts[to].member]);
+                let peers = !matches!(self.route, Route::Host) || self.peer_copies_on_host_path();
                 if peers && a.can_access_peer(b) {
                     return Ok(Some(Mode::Peer));
                 }
                 if let Route::Nccl(_) = self.route {
                     let pair = device::nccl_set(&[a.clone(), b.clone()])
-                        .map_err(|source| CommError::Failed { operation: kind.name(), source })?;
+                        .map_err(|source| CommError::Failed { operation: op.name(), source })?;
                     return Ok(Some(Mode::Nccl(pair)));
                 }
             }
@@ -226,42 +225,47 @@ impl ClientGroup {
         })
     }
 
-    /// Whether the host path was chosen on devices the host cannot address
-    /// (where peer copies may still go device to device).
-    fn direct_off_cpu(&self) -> bool {
-        !self.direct && self.clients[0].name() != "cpu"
+    /// Whether the staged host path was chosen on devices that offer peer
+    /// access (their sends may still go device to device).
+    fn peer_copies_on_host_path(&self) -> bool {
+        !self.direct && self.clients[0].capabilities().peer_access
     }
 
     /// Records collective `sequence` in the flight recorder (and timeline).
-    fn track(&self, sequence: u64, kind: &Kind, seg: usize, parts: &[Part]) -> Arc<record::Tracked> {
+    fn track(&self, sequence: u64, op: &Op, parts: &[Part]) -> Arc<Watched> {
         let tid = parts.first().map_or(0, |p| self.clients[p.member].device_id().index);
-        record::Tracked::start(self.record_name.to_string(), sequence, kind, seg, parts.len(), tid)
+        let category = if op.collective() == Collective::SendRecv { "copy" } else { "collective" };
+        // A process-local group: only this process takes part.
+        let ranks = Some(vec![FlightRecorder::global().identity().0]);
+        Watched::start(self.record_name.to_string(), sequence, op, parts.len(), ranks, category, tid)
     }
 
     /// Queues every part of one collective, under the process-wide order.
     /// Returns the collective (to wait on, for barriers) once all parts are
     /// queued; a part that could not be queued fails the whole collective.
-    fn launch(&self, kind: Kind, seg: usize, parts: Vec<Part>) -> Result<Launched, CommError> {
-        let operation = kind.name();
+    fn launch(&self, op: Op, parts: Vec<Part>) -> Result<Launched, CommError> {
+        let operation = op.name();
         for part in &parts {
             if self.clients[part.member].is_capturing() {
                 return Err(CommError::Capturing { operation, member: part.member });
             }
         }
-        if let Some(mode) = self.device_mode(&kind, &parts)? {
+        // The executors see roots and endpoints as slots of `parts`.
+        let members: Vec<usize> = parts.iter().map(|p| p.member).collect();
+        let on_slots = op.on_slots(&members);
+        let bytes = op.block_bytes();
+        if let Some(mode) = self.device_mode(&on_slots, &parts)? {
             let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
-            tracing::trace!(operation, sequence, bytes = seg, members = parts.len(), ?mode, "queue device collective");
-            let tracked = self.track(sequence, &kind, seg, &parts);
+            tracing::trace!(operation, sequence, bytes, members = parts.len(), ?mode, "queue device collective");
+            let tracked = self.track(sequence, &op, &parts);
             let parts =
                 parts.into_iter().map(|p| DevicePart { member: p.member, input: p.input, output: p.output }).collect();
-            return device::launch(&self.clients, self.timeout, kind, seg, mode, parts, Some(tracked))
+            return device::launch(&self.clients, self.timeout, on_slots, mode, parts, Some(tracked))
                 .map(Launched::Device);
         }
-        let participants: Vec<Participant> = parts
-            .iter()
-            .map(|p| Participant { member: p.member, device: self.clients[p.member].device_id() })
-            .collect();
-        let collective = Collective::new(kind, seg, participants, self.timeout, self.direct, self.stage_chunk);
+        let seats: Vec<Seat> =
+            parts.iter().map(|p| Seat { member: Some(p.member), device: self.clients[p.member].device_id() }).collect();
+        let collective = HostCollective::new(on_slots, seats, self.timeout, self.direct, self.stage_chunk);
         let mut tasks = Vec::with_capacity(parts.len());
         for (slot, part) in parts.iter().enumerate() {
             let (inputs, outputs) =
@@ -276,15 +280,8 @@ impl ClientGroup {
             tasks.push((part.member, inputs, outputs, Ticket::new(&collective, slot)));
         }
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
-        tracing::trace!(
-            operation,
-            sequence,
-            bytes = seg,
-            members = tasks.len(),
-            direct = self.direct,
-            "queue collective"
-        );
-        let tracked = self.track(sequence, &kind, seg, &parts);
+        tracing::trace!(operation, sequence, bytes, members = tasks.len(), direct = self.direct, "queue collective");
+        let tracked = self.track(sequence, &op, &parts);
         let mut failed = None;
         let order = enqueue_lock();
         for (member, inputs, outputs, ticket) in tasks {
@@ -293,7 +290,7 @@ impl ClientGroup {
             // collective for the parts already queued.
             let tracked = tracked.clone();
             let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
-                let result = ticket.run(access);
+                let result = ticket.run(|collective, slot| collective.run_member(slot, access));
                 tracked.note(&result);
                 result
             });
@@ -307,4 +304,12 @@ impl ClientGroup {
             None => Ok(Launched::Host(collective)),
         }
     }
+}
+
+/// The recorder's name of the group over `clients`: its device set, the
+/// same for every group over those devices (they share one sequence).
+fn record_name(clients: &[Client]) -> String {
+    let mut devices: Vec<String> = clients.iter().map(|c| c.device_id().to_string()).collect();
+    devices.sort();
+    format!("group[{}]", devices.join(","))
 }

@@ -21,8 +21,8 @@ use std::time::Instant;
 use cohort_runtime::{BufferAccess, ServerError};
 use rayon::prelude::*;
 
-use super::Collective;
-use crate::collective::{run_window, Kind, Window};
+use super::window::{run_window, Window};
+use super::HostCollective;
 
 /// Bytes of one window on the direct path: the accumulator stays in the
 /// core's L2 cache while it is reduced and copied out.
@@ -46,12 +46,12 @@ impl Addresses {
     }
 }
 
-impl Collective {
+impl HostCollective {
     /// The addresses of every segment of `slot`'s buffers.
     fn addresses(&self, slot: usize, access: &mut BufferAccess<'_>) -> Result<(Vec<usize>, Vec<usize>), ServerError> {
         let n = self.n();
-        let (in_segs, out_segs) = (self.kind.in_segments(slot, n), self.kind.out_segments(slot, n));
-        let backend = self.parts[slot].device.backend_name();
+        let (in_segs, out_segs) = (self.op.in_blocks(slot, n), self.op.out_blocks(slot, n));
+        let backend = self.meeting.seat(slot).device.backend_name();
         let mut index = 0;
         let mut segments = |segs: usize| -> Result<Vec<usize>, ServerError> {
             if segs == 0 {
@@ -75,23 +75,23 @@ impl Collective {
         access: Result<&mut BufferAccess<'_>, ServerError>,
     ) -> Result<(), ServerError> {
         let addresses = access.and_then(|access| self.addresses(slot, access));
-        let mut state = self.state.lock();
+        let meeting = &self.meeting;
+        let mut state = meeting.lock();
         let (ins, outs) = match addresses {
             Ok(found) => found,
             Err(err) => {
-                self.fail_locked(&mut state, err.clone());
+                meeting.fail_locked(&mut state, err.clone());
                 return Err(err);
             }
         };
-        state.direct.ins[slot] = ins;
-        state.direct.outs[slot] = outs;
-        self.arrive(&mut state, slot)?;
-        if state.arrived == self.n() {
-            let (ins, outs) = (state.direct.ins.clone(), state.direct.outs.clone());
+        state.data.direct.ins[slot] = ins;
+        state.data.direct.outs[slot] = outs;
+        if meeting.arrive_locked(&mut state, slot)? {
+            let (ins, outs) = (state.data.direct.ins.clone(), state.data.direct.outs.clone());
             drop(state);
             let result = catch_unwind(AssertUnwindSafe(|| self.compute(&ins, &outs))).map_err(|payload| {
                 ServerError::TaskPanicked {
-                    device: self.parts[slot].device,
+                    device: meeting.seat(slot).device,
                     message: payload
                         .downcast_ref::<&str>()
                         .map(|s| s.to_string())
@@ -99,22 +99,22 @@ impl Collective {
                         .unwrap_or_default(),
                 }
             });
-            let mut state = self.state.lock();
-            state.done = true;
+            let mut state = meeting.lock();
+            state.data.done = true;
             if let Err(err) = result {
-                return Err(self.fail_locked(&mut state, err));
+                return Err(meeting.fail_locked(&mut state, err));
             }
-            self.cv.notify_all();
+            meeting.notify();
             return Ok(());
         }
-        let deadline = Instant::now() + self.timeout;
-        self.wait_arrivals(&mut state, slot, deadline)?;
+        let deadline = Instant::now() + meeting.timeout();
+        meeting.wait_arrivals(&mut state, slot, deadline)?;
         // Everyone arrived: the last arriver is using our memory; wait for it
         // without a deadline (the work is bounded and must not race a return).
-        while !state.done {
-            self.cv.wait(&mut state);
+        while !state.data.done {
+            meeting.sleep(&mut state);
         }
-        match &state.failure {
+        match state.failure() {
             Some(err) => Err(err.clone()),
             None => Ok(()),
         }
@@ -123,8 +123,8 @@ impl Collective {
     /// Runs the collective over the published addresses, window by window
     /// in parallel.
     fn compute(&self, ins: &[Vec<usize>], outs: &[Vec<usize>]) {
-        let kind = self.kind;
-        let in_place = kind == Kind::AllToAll && ins.iter().zip(outs).all(|(i, o)| i == o);
+        let op = self.op;
+        let in_place = op.collective() == crate::op::Collective::AllToAll && ins.iter().zip(outs).all(|(i, o)| i == o);
         let chunk = DIRECT_CHUNK;
         // Out of place only: in place, the destination lines were just read
         // and are in cache, so plain stores are cheaper.
@@ -145,7 +145,7 @@ impl Collective {
             // task owns window [start, start + len) of every segment, which no
             // other window overlaps; sources alias destinations only in place
             // (checked before queueing).
-            unsafe { run_window(&kind, &window) };
+            unsafe { run_window(&op, &window) };
         });
     }
 }

@@ -1,5 +1,6 @@
-//! The host-staged engine: one [`Collective`] object per call, shared by the
-//! tasks every participant runs on its own device thread.
+//! The host-staged engine: one [`HostCollective`] object per call, shared by the
+//! tasks every participant runs on its own device thread, which meet through
+//! its [`Meeting`].
 //!
 //! Each participant's task arrives at the collective's rendezvous, and the
 //! bytes move on the host:
@@ -21,15 +22,16 @@
 
 mod direct;
 mod staged;
+mod window;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cohort_runtime::config::{self, ConfigError};
-use cohort_runtime::{BufferAccess, DeviceId, Handle, ServerError};
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use cohort_runtime::{BufferAccess, Handle, ServerError};
 
-use crate::collective::Kind;
+use crate::meeting::{Meeting, Seat, Seated};
+use crate::op::Op;
 
 /// Default collective timeout: 10 minutes (`COHORT_TIMEOUT`'s default).
 pub const DEFAULT_TIMEOUT: Duration = config::TIMEOUT.fallback;
@@ -54,23 +56,9 @@ pub enum HostPath {
     Staged,
 }
 
-/// One participant of a collective.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Participant {
-    /// Its index in the group.
-    pub member: usize,
-    pub device: DeviceId,
-}
-
-/// Mutable rendezvous state.
+/// What the host engine keeps in its meeting.
 #[derive(Default)]
-struct State {
-    arrived: usize,
-    present: Vec<bool>,
-    /// Tasks that returned (or were dropped without running).
-    finished: usize,
-    /// The first failure; every participant returns it.
-    failure: Option<ServerError>,
+pub(crate) struct HostState {
     /// Direct path: the collective ran (or failed after everyone arrived).
     done: bool,
     direct: direct::Addresses,
@@ -78,48 +66,45 @@ struct State {
 }
 
 /// The shared object of one collective call.
-pub(crate) struct Collective {
-    pub kind: Kind,
-    /// Segment size in bytes.
+pub(crate) struct HostCollective {
+    /// What runs; roots and endpoints are slots.
+    pub op: Op,
+    /// Segment (one member's block) size in bytes.
     pub seg: usize,
-    pub parts: Vec<Participant>,
-    pub timeout: Duration,
     pub direct: bool,
     /// Staged path: bytes per pipelined chunk of a segment.
     pub stage_chunk: usize,
-    state: Mutex<State>,
-    cv: Condvar,
+    meeting: Meeting<HostState>,
 }
 
-impl Collective {
-    pub(crate) fn new(
-        kind: Kind,
-        seg: usize,
-        parts: Vec<Participant>,
-        timeout: Duration,
-        direct: bool,
-        stage_chunk: usize,
-    ) -> Arc<Self> {
-        let n = parts.len();
-        let mut state = State { present: vec![false; n], ..State::default() };
+impl Seated for HostCollective {
+    type State = HostState;
+
+    fn meeting(&self) -> &Meeting<HostState> {
+        &self.meeting
+    }
+}
+
+impl HostCollective {
+    /// The collective `op` among `seats`, on the direct or the staged path.
+    pub(crate) fn new(op: Op, seats: Vec<Seat>, timeout: Duration, direct: bool, stage_chunk: usize) -> Arc<Self> {
+        let (n, seg) = (seats.len(), op.block_bytes());
+        let mut state = HostState::default();
         state.direct.init(n);
         if !direct {
             state.staged.init(n, staged::chunk_ranges(seg, stage_chunk).count());
         }
-        Arc::new(Collective {
-            kind,
+        Arc::new(HostCollective {
+            op,
             seg,
-            parts,
-            timeout,
             direct,
             stage_chunk,
-            state: Mutex::new(state),
-            cv: Condvar::new(),
+            meeting: Meeting::new(op.name(), seats, timeout, state),
         })
     }
 
     fn n(&self) -> usize {
-        self.parts.len()
+        self.meeting.len()
     }
 
     /// The handles a participant's task is queued with: whole buffers on the
@@ -145,11 +130,12 @@ impl Collective {
             }
             Ok(out)
         };
-        Ok((pieces(input, self.kind.in_segments(slot, n))?, pieces(output, self.kind.out_segments(slot, n))?))
+        Ok((pieces(input, self.op.in_blocks(slot, n))?, pieces(output, self.op.out_blocks(slot, n))?))
     }
 
-    /// A participant's task body.
-    fn run_member(
+    /// A participant's task body, on its device thread: waits for the other
+    /// participants (up to the timeout) and for the bytes to move.
+    pub(crate) fn run_member(
         self: &Arc<Self>,
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
@@ -161,129 +147,9 @@ impl Collective {
         }
     }
 
-    /// Records `err` as the collective's failure (the first one wins) and
-    /// wakes every waiter.
-    fn fail_locked(&self, state: &mut State, err: ServerError) -> ServerError {
-        let failure = state.failure.get_or_insert(err).clone();
-        self.cv.notify_all();
-        failure
-    }
-
-    fn fail(&self, err: ServerError) -> ServerError {
-        let mut state = self.state.lock();
-        self.fail_locked(&mut state, err)
-    }
-
-    /// Marks `slot` as arrived; refuses when the collective already failed.
-    fn arrive(&self, state: &mut State, slot: usize) -> Result<(), ServerError> {
-        if let Some(err) = &state.failure {
-            return Err(err.clone());
-        }
-        state.present[slot] = true;
-        state.arrived += 1;
-        if state.arrived == self.n() {
-            self.cv.notify_all();
-        }
-        Ok(())
-    }
-
-    /// Waits (holding `state` between checks) until every participant
-    /// arrived; past the deadline, fails the collective naming those that
-    /// did not.
-    fn wait_arrivals(
-        &self,
-        state: &mut MutexGuard<'_, State>,
-        slot: usize,
-        deadline: Instant,
-    ) -> Result<(), ServerError> {
-        loop {
-            if let Some(err) = &state.failure {
-                return Err(err.clone());
-            }
-            if state.arrived == self.n() {
-                return Ok(());
-            }
-            if self.cv.wait_until(state, deadline).timed_out() && state.arrived < self.n() && state.failure.is_none() {
-                let err = self.timeout_error(state, slot);
-                return Err(self.fail_locked(state, err));
-            }
-        }
-    }
-
-    fn timeout_error(&self, state: &State, slot: usize) -> ServerError {
-        let missing: Vec<String> = self
-            .parts
-            .iter()
-            .zip(&state.present)
-            .filter(|(_, present)| !**present)
-            .map(|(p, _)| format!("member {} ({})", p.member, p.device))
-            .collect();
-        ServerError::Collective {
-            collective: self.kind.name().to_string(),
-            device: self.parts[slot].device,
-            reason: format!(
-                "{} did not arrive within {:.1} s: their devices are still busy with earlier work or blocked; \
-                     every member must call the same collectives in the same order (raise COHORT_TIMEOUT, in \
-                     seconds, if the work before it is legitimately that long)",
-                missing.join(", "),
-                self.timeout.as_secs_f64()
-            ),
-        }
-    }
-
-    fn member_finished(&self) {
-        let mut state = self.state.lock();
-        state.finished += 1;
-        self.cv.notify_all();
-    }
-
     /// Blocks the calling (host) thread until every participant's task
     /// finished, or until the collective failed; returns the failure.
     pub(crate) fn wait_finished(&self) -> Result<(), ServerError> {
-        let mut state = self.state.lock();
-        loop {
-            if let Some(err) = &state.failure {
-                return Err(err.clone());
-            }
-            if state.finished == self.n() {
-                return Ok(());
-            }
-            self.cv.wait(&mut state);
-        }
-    }
-}
-
-/// A participant's right to run its part. Dropped without running (its
-/// device closed, its queue was dropped), it fails the collective so the
-/// other participants return at once instead of waiting for the timeout.
-pub(crate) struct Ticket {
-    collective: Arc<Collective>,
-    slot: usize,
-    ran: bool,
-}
-
-impl Ticket {
-    pub(crate) fn new(collective: &Arc<Collective>, slot: usize) -> Self {
-        Ticket { collective: collective.clone(), slot, ran: false }
-    }
-
-    /// Runs the participant's part on its device thread: waits for the
-    /// other participants (up to the timeout) and for the bytes to move.
-    pub(crate) fn run(mut self, access: Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> {
-        self.ran = true;
-        self.collective.run_member(self.slot, access)
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        if !self.ran {
-            let p = self.collective.parts[self.slot];
-            self.collective.fail(ServerError::Poisoned {
-                operation: self.collective.kind.name().to_string(),
-                cause: Arc::new(ServerError::DeviceClosed { device: p.device }),
-            });
-        }
-        self.collective.member_finished();
+        self.meeting.wait_returned()
     }
 }

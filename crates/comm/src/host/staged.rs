@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use cohort_runtime::{AlignedBytes, BufferAccess, ServerError};
 
-use super::Collective;
-use crate::collective::{run_window, Window};
+use super::window::{run_window, Window};
+use super::HostCollective;
 
 /// Per-chunk staging of one collective.
 #[derive(Default)]
@@ -44,41 +44,43 @@ pub(crate) fn chunk_ranges(seg: usize, chunk: usize) -> impl Iterator<Item = (us
     (0..seg.div_ceil(chunk)).map(move |c| (c * chunk, chunk.min(seg - c * chunk)))
 }
 
-impl Collective {
+impl HostCollective {
     pub(super) fn staged_member(
         self: &Arc<Self>,
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
     ) -> Result<(), ServerError> {
+        let meeting = &self.meeting;
         let access = match access {
             Ok(access) => access,
             Err(err) => {
-                self.fail(err.clone());
+                meeting.fail(err.clone());
                 return Err(err);
             }
         };
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + meeting.timeout();
         {
-            let mut state = self.state.lock();
-            self.arrive(&mut state, slot)?;
-            self.wait_arrivals(&mut state, slot, deadline)?;
+            let mut state = meeting.lock();
+            meeting.arrive_locked(&mut state, slot)?;
+            meeting.wait_arrivals(&mut state, slot, deadline)?;
         }
         let n = self.n();
-        let (in_segs, out_segs) = (self.kind.in_segments(slot, n), self.kind.out_segments(slot, n));
+        let (in_segs, out_segs) = (self.op.in_blocks(slot, n), self.op.out_blocks(slot, n));
         let ranges: Vec<(usize, usize)> = chunk_ranges(self.seg, self.stage_chunk).collect();
         for (c, &(_, len)) in ranges.iter().enumerate() {
             let mut pieces = Vec::with_capacity(in_segs);
             for j in 0..in_segs {
-                pieces.push(access.read(c * in_segs + j).map_err(|err| self.fail(err))?);
+                pieces.push(access.read(c * in_segs + j).map_err(|err| meeting.fail(err))?);
             }
-            let mut state = self.state.lock();
-            if let Some(err) = &state.failure {
+            let mut state = meeting.lock();
+            if let Some(err) = state.failure() {
                 return Err(err.clone());
             }
-            state.staged.inputs[c][slot] = Some(pieces);
-            state.staged.arrivals[c] += 1;
-            if state.staged.arrivals[c] == n {
-                let inputs = std::mem::take(&mut state.staged.inputs[c]);
+            let staged = &mut state.data.staged;
+            staged.inputs[c][slot] = Some(pieces);
+            staged.arrivals[c] += 1;
+            if staged.arrivals[c] == n {
+                let inputs = std::mem::take(&mut staged.inputs[c]);
                 let me = self.clone();
                 rayon::spawn(move || me.compute_chunk(c, len, inputs));
             }
@@ -86,37 +88,36 @@ impl Collective {
         let first_output = ranges.len() * in_segs;
         for c in 0..ranges.len() {
             let pieces = {
-                let mut state = self.state.lock();
+                let mut state = meeting.lock();
                 loop {
-                    if let Some(err) = &state.failure {
+                    if let Some(err) = state.failure() {
                         return Err(err.clone());
                     }
-                    if let Some(outputs) = &mut state.staged.outputs[c] {
+                    if let Some(outputs) = &mut state.data.staged.outputs[c] {
                         break std::mem::take(&mut outputs[slot]);
                     }
-                    if self.cv.wait_until(&mut state, deadline).timed_out() && state.staged.outputs[c].is_none() {
+                    if meeting.sleep_until(&mut state, deadline) && state.data.staged.outputs[c].is_none() {
                         let err = self.stalled_error(slot, c);
-                        return Err(self.fail_locked(&mut state, err));
+                        return Err(meeting.fail_locked(&mut state, err));
                     }
                 }
             };
             for (j, bytes) in pieces.iter().enumerate() {
-                access.write(first_output + c * out_segs + j, bytes).map_err(|err| self.fail(err))?;
+                access.write(first_output + c * out_segs + j, bytes).map_err(|err| meeting.fail(err))?;
             }
         }
         Ok(())
     }
 
     fn stalled_error(&self, slot: usize, chunk: usize) -> ServerError {
-        ServerError::Collective {
-            collective: self.kind.name().to_string(),
-            device: self.parts[slot].device,
-            reason: format!(
-                "chunk {chunk} was not ready within {:.1} s although every member arrived: a member's copies \
-                     to the host stalled (raise COHORT_TIMEOUT, in seconds, for very slow devices)",
-                self.timeout.as_secs_f64()
+        self.meeting.error(
+            slot,
+            format!(
+                "chunk {chunk} was not ready within {:.1} s although every member arrived: a member's copies to \
+                 the host stalled (raise COHORT_TIMEOUT, in seconds, for very slow devices)",
+                self.meeting.timeout().as_secs_f64()
             ),
-        }
+        )
     }
 
     /// Computes chunk `c`'s outputs from every participant's staged input
@@ -125,7 +126,7 @@ impl Collective {
         let n = self.n();
         let result = catch_unwind(AssertUnwindSafe(|| {
             let mut outs: Vec<Vec<Vec<u8>>> =
-                (0..n).map(|s| (0..self.kind.out_segments(s, n)).map(|_| vec![0u8; len]).collect()).collect();
+                (0..n).map(|s| (0..self.op.out_blocks(s, n)).map(|_| vec![0u8; len]).collect()).collect();
             let win_ins: Vec<Vec<*const u8>> =
                 inputs.iter().map(|p| p.iter().flatten().map(|b| b.as_slice().as_ptr()).collect()).collect();
             let win_outs: Vec<Vec<*mut u8>> =
@@ -135,22 +136,23 @@ impl Collective {
             // (moved out of the shared state), every output is a fresh `len`
             // byte vector it owns; inputs and outputs are distinct
             // allocations, and nothing else touches them until it returns.
-            unsafe { run_window(&self.kind, &window) };
+            unsafe { run_window(&self.op, &window) };
             outs
         }));
-        let mut state = self.state.lock();
+        let meeting = &self.meeting;
+        let mut state = meeting.lock();
         match result {
-            Ok(outs) => state.staged.outputs[c] = Some(outs),
+            Ok(outs) => state.data.staged.outputs[c] = Some(outs),
             Err(payload) => {
                 let message = payload
                     .downcast_ref::<&str>()
                     .map(|s| s.to_string())
                     .or_else(|| payload.downcast_ref::<String>().cloned())
                     .unwrap_or_default();
-                let device = self.parts[0].device;
-                self.fail_locked(&mut state, ServerError::TaskPanicked { device, message });
+                let device = meeting.seat(0).device;
+                meeting.fail_locked(&mut state, ServerError::TaskPanicked { device, message });
             }
         }
-        self.cv.notify_all();
+        meeting.notify();
     }
 }

@@ -16,6 +16,7 @@
 mod merge;
 mod recorder;
 mod timeline;
+mod watch;
 
 pub use merge::{merge, merge_files, MergeReport, Straggler};
 pub use recorder::{
@@ -23,6 +24,7 @@ pub use recorder::{
     RecorderDump,
 };
 pub use timeline::{Timeline, TimelineEvent};
+pub(crate) use watch::{timeline_copy, Watched};
 
 /// Microseconds since the Unix epoch: comparable across processes of one
 /// machine (and across machines as far as their clocks agree).

@@ -10,6 +10,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::now_micros;
+use crate::op::Op;
 
 /// What identifies a collective across ranks: every rank must call the same
 /// sequence of these. Two ranks whose fingerprints differ at one sequence
@@ -28,6 +29,21 @@ pub struct CollectiveFingerprint {
     pub count: u64,
     /// Root rank, for rooted collectives.
     pub root: Option<usize>,
+}
+
+impl CollectiveFingerprint {
+    /// Collective number `seq`, described by `op` (a send/recv's root is
+    /// its sender).
+    pub fn of(seq: u64, op: &Op) -> CollectiveFingerprint {
+        CollectiveFingerprint {
+            seq,
+            kind: op.name().to_string(),
+            op: op.reduce_op().map(|o| o.to_string()),
+            dtype: op.dtype().to_string(),
+            count: op.count() as u64,
+            root: op.root().or(op.endpoints().map(|(from, _)| from)),
+        }
+    }
 }
 
 impl fmt::Display for CollectiveFingerprint {

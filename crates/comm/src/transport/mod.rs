@@ -213,16 +213,16 @@ fn reduce_typed<T: Element>(acc: &mut [u8], x: &[u8], op: ReduceOp, x_first: boo
 
 /// Why an exchange stopped before its operations finished.
 #[derive(Debug)]
-pub(crate) enum Stop {
+pub(crate) enum Stop<E> {
     /// A link failed (the peer closed its end: it exited or crashed).
     Link { peer: usize, kind: &'static str, error: io::Error },
-    /// The caller's idle hook gave up (deadline, abort): its message.
-    Idle(String),
+    /// The caller's idle hook gave up (deadline, abort): its error.
+    Idle(E),
 }
 
 /// The idle hook of [`exchange`]: consecutive idle passes and the peers
 /// still owed bytes; an error stops the exchange.
-pub(crate) type Idle<'a> = dyn FnMut(u64, &[usize]) -> Result<(), String> + 'a;
+pub(crate) type Idle<'a, E> = dyn FnMut(u64, &[usize]) -> Result<(), E> + 'a;
 
 /// Drives sends and receives until all finish.
 ///
@@ -230,12 +230,12 @@ pub(crate) type Idle<'a> = dyn FnMut(u64, &[usize]) -> Result<(), String> + 'a;
 /// pass moved no byte, with how many consecutive idle passes there were; it
 /// waits a little (spin, yield, sleep) and returns an error to stop (a
 /// deadline passed, the job aborted).
-pub(crate) fn exchange(
+pub(crate) fn exchange<E>(
     links: &mut [Option<Box<dyn Link>>],
     sends: &mut [SendOp<'_>],
     recvs: &mut [RecvOp<'_>],
-    idle: &mut Idle<'_>,
-) -> Result<(), Stop> {
+    idle: &mut Idle<'_, E>,
+) -> Result<(), Stop<E>> {
     let mut idle_passes = 0u64;
     loop {
         let mut moved = false;

@@ -3,7 +3,8 @@
 
 #![allow(dead_code)]
 
-use cohort_comm::verify::{Buffers, CollectiveOp};
+use cohort_comm::op::Collective;
+use cohort_comm::verify::Buffers;
 use cohort_comm::{ClientGroup, DType, ReduceOp};
 use cohort_runtime::{Client, CudaRuntime, Runtime};
 
@@ -15,7 +16,7 @@ pub fn devices() -> Vec<Client> {
 }
 
 /// Runs one collective and counts wrong elements against the reference.
-pub fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
+pub fn check(group: &ClientGroup, coll: Collective, dtype: DType, op: ReduceOp, elems: usize, in_place: bool) {
     let n = group.len();
     let blocked = coll.blocked();
     let size = elems * dtype.size() * if blocked { n } else { 1 };
@@ -29,7 +30,7 @@ pub fn check(group: &ClientGroup, coll: CollectiveOp, dtype: DType, op: ReduceOp
 
 /// Every collective × element type × reduction × size, in and out of place.
 pub fn matrix(group: &ClientGroup, sizes: &[usize]) {
-    for coll in CollectiveOp::ALL {
+    for coll in Collective::ALL {
         for dtype in DType::ALL {
             let ops: &[ReduceOp] = if coll.reduces() { &ReduceOp::ALL } else { &[ReduceOp::Sum] };
             for &op in ops {
@@ -48,7 +49,7 @@ pub fn matrix(group: &ClientGroup, sizes: &[usize]) {
 /// place), checked element by element: the top of the size range.
 pub fn one_gib(group: &ClientGroup) {
     let n = group.len();
-    for coll in CollectiveOp::ALL {
+    for coll in Collective::ALL {
         let blocked = coll.blocked();
         let elems = (1usize << 28) / if blocked { n } else { 1 };
         check(group, coll, DType::F32, ReduceOp::Sum, elems, false);

@@ -38,7 +38,8 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use cohort_comm::verify::{count_wrong, expected, pattern, CollectiveOp};
+use cohort_comm::op::Collective;
+use cohort_comm::verify::{count_wrong, expected, pattern};
 use cohort_comm::{Communicator, DType, ReduceOp};
 use cohort_runtime::{Client, CpuRuntime, CudaRuntime, Handle, Runtime};
 
@@ -120,7 +121,7 @@ mod faults {
 #[allow(clippy::too_many_arguments)]
 fn queue(
     c: &Communicator,
-    op: CollectiveOp,
+    op: Collective,
     src: &[Handle],
     dst: &[Handle],
     dtype: DType,
@@ -129,15 +130,16 @@ fn queue(
     root_slot: usize,
 ) -> Result<(), cohort_comm::CommError> {
     match op {
-        CollectiveOp::AllReduce => c.all_reduce_handles(src, dst, dtype, rop),
-        CollectiveOp::Reduce => c.reduce_handles(src, &dst[root_slot], dtype, rop, root),
-        CollectiveOp::Broadcast => c.broadcast_handles(&src[root_slot], dst, dtype, root),
-        CollectiveOp::AllGather => c.all_gather_handles(src, dst, dtype),
-        CollectiveOp::ReduceScatter => c.reduce_scatter_handles(src, dst, dtype, rop),
-        CollectiveOp::AllToAll => c.all_to_all_handles(src, dst, dtype),
-        CollectiveOp::Gather => c.gather_handles(src, &dst[root_slot], dtype, root),
-        CollectiveOp::Scatter => c.scatter_handles(&src[root_slot], dst, dtype, root),
-        CollectiveOp::SendRecv => unreachable!("send/recv pairs ranks; callers handle it"),
+        Collective::AllReduce => c.all_reduce_handles(src, dst, dtype, rop),
+        Collective::Reduce => c.reduce_handles(src, &dst[root_slot], dtype, rop, root),
+        Collective::Broadcast => c.broadcast_handles(&src[root_slot], dst, dtype, root),
+        Collective::AllGather => c.all_gather_handles(src, dst, dtype),
+        Collective::ReduceScatter => c.reduce_scatter_handles(src, dst, dtype, rop),
+        Collective::AllToAll => c.all_to_all_handles(src, dst, dtype),
+        Collective::Gather => c.gather_handles(src, &dst[root_slot], dtype, root),
+        Collective::Scatter => c.scatter_handles(&src[root_slot], dst, dtype, root),
+        Collective::SendRecv => unreachable!("send/recv pairs ranks; callers handle it"),
+        Collective::Barrier => c.barrier(),
     }
 }
 
@@ -157,17 +159,17 @@ impl Suite {
     }
 
     /// One collective: inputs from `pattern`, outputs checked.
-    fn run(&mut self, op: CollectiveOp, dtype: DType, rop: ReduceOp, root: usize, elems: usize) -> Result<(), String> {
+    fn run(&mut self, op: Collective, dtype: DType, rop: ReduceOp, root: usize, elems: usize) -> Result<(), String> {
         let c = &self.comm;
         let (l, m) = (c.local_devices(), c.members());
         let block = elems * dtype.size();
         let in_len = match op {
-            CollectiveOp::ReduceScatter | CollectiveOp::AllToAll => m * block,
-            CollectiveOp::Scatter => m * block,
+            Collective::ReduceScatter | Collective::AllToAll => m * block,
+            Collective::Scatter => m * block,
             _ => block,
         };
         let out_len = match op {
-            CollectiveOp::AllGather | CollectiveOp::AllToAll | CollectiveOp::Gather => m * block,
+            Collective::AllGather | Collective::AllToAll | Collective::Gather => m * block,
             _ => block,
         };
         let inputs: Vec<Vec<u8>> = (0..m).map(|member| pattern(dtype, member, in_len)).collect();
@@ -177,7 +179,7 @@ impl Suite {
         let root_slot = if root / l == c.rank() { root % l } else { 0 };
         let e = |r: Result<(), cohort_comm::CommError>| r.map_err(|e| e.to_string());
         match op {
-            CollectiveOp::SendRecv => {
+            Collective::SendRecv => {
                 // A ring of ranks: send to the next, receive from the previous
                 // (even ranks send first, so large messages cannot deadlock).
                 let (n, r) = (c.size(), c.rank());
@@ -192,7 +194,7 @@ impl Suite {
             }
             other => e(queue(c, other, &src, &dst, dtype, rop, root, root_slot))?,
         }
-        let want = if op == CollectiveOp::SendRecv {
+        let want = if op == Collective::SendRecv {
             let n = c.size();
             let per_rank: Vec<Vec<u8>> = (0..n).map(|r| inputs[r * l].clone()).collect();
             expected(op, dtype, rop, 0, block, &per_rank).into_iter().map(|w| (w, l)).collect::<Vec<_>>()
@@ -200,12 +202,12 @@ impl Suite {
             expected(op, dtype, rop, root, block, &inputs).into_iter().map(|w| (w, m)).collect()
         };
         for (slot, out) in dst.iter().enumerate() {
-            if op == CollectiveOp::SendRecv && slot > 0 {
+            if op == Collective::SendRecv && slot > 0 {
                 continue;
             }
-            let index = if op == CollectiveOp::SendRecv { c.rank() } else { me(slot) };
+            let index = if op == Collective::SendRecv { c.rank() } else { me(slot) };
             let (Some(w), n) = &want[index] else { continue };
-            let rooted = op == CollectiveOp::Reduce || op == CollectiveOp::Gather;
+            let rooted = op == Collective::Reduce || op == Collective::Gather;
             if rooted && (slot != root_slot || root / l != c.rank()) {
                 continue;
             }
@@ -232,8 +234,8 @@ impl Suite {
     /// elements differ, and sums over the members stay exact in f32, so a
     /// misplaced member, block or element shows, in the reductions too.
     /// Send/recv is left to [`Suite::run`].
-    fn run_closed_form(&mut self, op: CollectiveOp, root: usize, bytes: usize) -> Result<(), String> {
-        if op == CollectiveOp::SendRecv {
+    fn run_closed_form(&mut self, op: Collective, root: usize, bytes: usize) -> Result<(), String> {
+        if op == Collective::SendRecv {
             return Ok(());
         }
         let c = &self.comm;
@@ -263,15 +265,15 @@ impl Suite {
             // Element `r` of output block `q` (None: not written here).
             let want = |q: usize, r: usize| -> Option<f64> {
                 match op {
-                    CollectiveOp::AllReduce => Some(form.sum(0, r)),
-                    CollectiveOp::Reduce => at_root.then(|| form.sum(0, r)),
-                    CollectiveOp::ReduceScatter => Some(form.sum(member, r)),
-                    CollectiveOp::Broadcast => Some(form.value(root, 0, r)),
-                    CollectiveOp::Scatter => Some(form.value(root, member, r)),
-                    CollectiveOp::AllGather => Some(form.value(q, 0, r)),
-                    CollectiveOp::Gather => at_root.then(|| form.value(q, 0, r)),
-                    CollectiveOp::AllToAll => Some(form.value(q, member, r)),
-                    CollectiveOp::SendRecv => None,
+                    Collective::AllReduce => Some(form.sum(0, r)),
+                    Collective::Reduce => at_root.then(|| form.sum(0, r)),
+                    Collective::ReduceScatter => Some(form.sum(member, r)),
+                    Collective::Broadcast => Some(form.value(root, 0, r)),
+                    Collective::Scatter => Some(form.value(root, member, r)),
+                    Collective::AllGather => Some(form.value(q, 0, r)),
+                    Collective::Gather => at_root.then(|| form.value(q, 0, r)),
+                    Collective::AllToAll => Some(form.value(q, member, r)),
+                    Collective::SendRecv | Collective::Barrier => None,
                 }
             };
             if want(0, 0).is_none() {
@@ -336,8 +338,8 @@ impl ClosedForm {
 fn full(comm: Communicator, big: usize) -> Result<usize, String> {
     let mut s = Suite { comm, checks: 0 };
     let m = s.comm.members();
-    for op in CollectiveOp::ALL {
-        if op == CollectiveOp::SendRecv && s.comm.size() == 1 {
+    for op in Collective::ALL {
+        if op == Collective::SendRecv && s.comm.size() == 1 {
             continue;
         }
         let ops: &[ReduceOp] = if op.reduces() { &ReduceOp::ALL } else { &[ReduceOp::Sum] };
@@ -352,7 +354,7 @@ fn full(comm: Communicator, big: usize) -> Result<usize, String> {
             }
         }
     }
-    for op in CollectiveOp::ALL {
+    for op in Collective::ALL {
         s.run_closed_form(op, m / 2, big)?;
     }
     s.comm.barrier().map_err(|e| e.to_string())?;
@@ -365,32 +367,32 @@ fn suite(comm: Communicator, large: usize) -> Result<usize, String> {
     let small = 37;
     for op in ReduceOp::ALL {
         for dtype in [DType::F32, DType::I32, DType::F16] {
-            s.run(CollectiveOp::AllReduce, dtype, op, 0, small)?;
+            s.run(Collective::AllReduce, dtype, op, 0, small)?;
         }
     }
     // Large ones take the ring (the integer reference is slow: one of them).
     for dtype in [DType::F32, DType::F64, DType::BF16] {
-        s.run(CollectiveOp::AllReduce, dtype, ReduceOp::Sum, 0, large / dtype.size())?;
+        s.run(Collective::AllReduce, dtype, ReduceOp::Sum, 0, large / dtype.size())?;
     }
-    s.run(CollectiveOp::AllReduce, DType::F32, ReduceOp::Avg, 0, large / 4)?;
-    s.run(CollectiveOp::AllReduce, DType::I32, ReduceOp::Max, 0, large / 4 + 3)?;
+    s.run(Collective::AllReduce, DType::F32, ReduceOp::Avg, 0, large / 4)?;
+    s.run(Collective::AllReduce, DType::I32, ReduceOp::Max, 0, large / 4 + 3)?;
     for root in [0, m - 1] {
-        s.run(CollectiveOp::Reduce, DType::F32, ReduceOp::Sum, root, small)?;
-        s.run(CollectiveOp::Reduce, DType::F64, ReduceOp::Avg, root, large / 8 + 1)?;
-        s.run(CollectiveOp::Broadcast, DType::F32, ReduceOp::Sum, root, small)?;
-        s.run(CollectiveOp::Broadcast, DType::U8, ReduceOp::Sum, root, large)?;
-        s.run(CollectiveOp::Gather, DType::I32, ReduceOp::Sum, root, small)?;
-        s.run(CollectiveOp::Scatter, DType::I32, ReduceOp::Sum, root, small)?;
+        s.run(Collective::Reduce, DType::F32, ReduceOp::Sum, root, small)?;
+        s.run(Collective::Reduce, DType::F64, ReduceOp::Avg, root, large / 8 + 1)?;
+        s.run(Collective::Broadcast, DType::F32, ReduceOp::Sum, root, small)?;
+        s.run(Collective::Broadcast, DType::U8, ReduceOp::Sum, root, large)?;
+        s.run(Collective::Gather, DType::I32, ReduceOp::Sum, root, small)?;
+        s.run(Collective::Scatter, DType::I32, ReduceOp::Sum, root, small)?;
     }
     for (dtype, elems) in [(DType::F32, small), (DType::F64, large / 8 / m)] {
-        s.run(CollectiveOp::AllGather, dtype, ReduceOp::Sum, 0, elems)?;
-        s.run(CollectiveOp::ReduceScatter, dtype, ReduceOp::Sum, 0, elems)?;
-        s.run(CollectiveOp::ReduceScatter, dtype, ReduceOp::Avg, 0, elems)?;
-        s.run(CollectiveOp::AllToAll, dtype, ReduceOp::Sum, 0, elems)?;
+        s.run(Collective::AllGather, dtype, ReduceOp::Sum, 0, elems)?;
+        s.run(Collective::ReduceScatter, dtype, ReduceOp::Sum, 0, elems)?;
+        s.run(Collective::ReduceScatter, dtype, ReduceOp::Avg, 0, elems)?;
+        s.run(Collective::AllToAll, dtype, ReduceOp::Sum, 0, elems)?;
     }
     if s.comm.size() > 1 {
-        s.run(CollectiveOp::SendRecv, DType::F32, ReduceOp::Sum, 0, small)?;
-        s.run(CollectiveOp::SendRecv, DType::U8, ReduceOp::Sum, 0, large)?;
+        s.run(Collective::SendRecv, DType::F32, ReduceOp::Sum, 0, small)?;
+        s.run(Collective::SendRecv, DType::U8, ReduceOp::Sum, 0, large)?;
     }
     s.comm.barrier().map_err(|e| e.to_string())?;
     Ok(s.checks)
@@ -572,6 +574,20 @@ fn cuda_clients(devices: usize) -> Result<Vec<Client>, String> {
     (0..devices).map(|i| CudaRuntime::client((local * devices + i) % count).map_err(|e| e.to_string())).collect()
 }
 
+/// Fault injection: lets this process map at most `mib` MiB more than it
+/// has mapped now (RLIMIT_AS), so a large shared-memory ring fails to map.
+fn limit_address_space(mib: u64) {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
+    let pages: u64 = statm.split_whitespace().next().and_then(|p| p.parse().ok()).expect("statm's first field");
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    let bytes = pages * page + (mib << 20);
+    let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+    // SAFETY: `limit` is a valid rlimit that outlives the call.
+    let rc = unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) };
+    assert_eq!(rc, 0, "setrlimit(RLIMIT_AS): {}", std::io::Error::last_os_error());
+}
+
 #[cfg(test)]
 mod tests {
     use super::ClosedForm;
@@ -603,18 +619,4 @@ mod tests {
         }
         assert!(ClosedForm::new(400).is_err());
     }
-}
-
-/// Fault injection: lets this process map at most `mib` MiB more than it
-/// has mapped now (RLIMIT_AS), so a large shared-memory ring fails to map.
-fn limit_address_space(mib: u64) {
-    let statm = std::fs::read_to_string("/proc/self/statm").expect("read /proc/self/statm");
-    let pages: u64 = statm.split_whitespace().next().and_then(|p| p.parse().ok()).expect("statm's first field");
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
-    let bytes = pages * page + (mib << 20);
-    let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
-    // SAFETY: `limit` is a valid rlimit that outlives the call.
-    let rc = unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) };
-    assert_eq!(rc, 0, "setrlimit(RLIMIT_AS): {}", std::io::Error::last_os_error());
 }

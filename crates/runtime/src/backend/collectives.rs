@@ -70,7 +70,8 @@ pub trait CollectiveMonitor: Send + Sync {
     /// Another member's failure, if any: the part is aborted with it rather
     /// than waited for.
     fn failed_elsewhere(&self) -> Option<ServerError>;
-    /// The members that have not finished, in words, for a timeout error.
+    /// The members that have not finished, in words; asked only when the
+    /// part timed out, to build its error.
     fn missing(&self) -> String;
     /// The part ended: `Ok` once its calls completed on the device, or the
     /// error that aborted it (also when the device's context was lost).

@@ -19,7 +19,7 @@ use crate::device::{self, BackendFactory, DeviceHandle, Reply};
 use crate::error::ServerError;
 use crate::handle::{Handle, LayoutPolicy};
 use crate::id::{DeviceId, ServiceId, StreamId};
-use crate::properties::DeviceProperties;
+use crate::properties::{Capabilities, DeviceProperties};
 use crate::state::DeviceStats;
 
 pub use memory::{MemoryReport, MemoryScope};
@@ -95,6 +95,12 @@ impl Client {
     /// The device's name and capabilities.
     pub fn properties(&self) -> &DeviceProperties {
         &self.device.properties
+    }
+
+    /// What the device offers collectives: host-addressable memory, device
+    /// collectives, peer access. Costs nothing (decided when it opened).
+    pub fn capabilities(&self) -> Capabilities {
+        self.device.properties.capabilities
     }
 
     /// The stream this client's work goes to now.

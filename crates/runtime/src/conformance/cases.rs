@@ -444,6 +444,27 @@ pub fn task_panics_reach_the_caller<R: Runtime>() {
     Client::sync_all(&[client, other]).unwrap();
 }
 
+/// A client's capabilities say what its buffer tasks find: host pointers
+/// exactly where memory is host-addressable, device collectives exactly
+/// where the backend offers them.
+pub fn capabilities_match_the_backend<R: Runtime>() {
+    let client = first_client::<R>();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let buffer = client.empty(16);
+    client
+        .submit_buffers_always("capabilities", vec![buffer], Vec::new(), move |access| {
+            let access = access?;
+            let _ = tx.send((access.host_ptr(0).is_some(), access.device_collectives().is_some()));
+            Ok(())
+        })
+        .unwrap();
+    let (host_ptr, device_collectives) = rx.recv().expect("the task ran");
+    let caps = client.capabilities();
+    assert_eq!(caps.host_addressable_memory, host_ptr, "{caps:?}");
+    assert_eq!(caps.device_collectives, device_collectives, "{caps:?}");
+    assert!(!caps.peer_access || caps.device_collectives, "peer copies go through device collectives: {caps:?}");
+}
+
 /// `exclusive` runs a closure on the device thread; client calls inside it
 /// run inline, in order.
 pub fn exclusive_runs_client_calls_inline<R: Runtime>() {

@@ -17,7 +17,7 @@ use crate::error::ServerError;
 use crate::id::{DeviceId, StreamId};
 use crate::kernel::{CpuKernelContext, Kernel, Scalar};
 use crate::memory::PageStorage;
-use crate::properties::DeviceProperties;
+use crate::properties::{Capabilities, DeviceProperties};
 use crate::runtime::Runtime;
 
 use storage::HostPages;
@@ -71,6 +71,11 @@ impl CpuBackend {
                 max_binding_size: 1 << 40,
                 device_timing: false,
                 native_graphs: false,
+                capabilities: Capabilities {
+                    host_addressable_memory: true,
+                    device_collectives: false,
+                    peer_access: false,
+                },
             },
             pages: HostPages::default(),
         }

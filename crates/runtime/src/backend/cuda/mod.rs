@@ -56,7 +56,7 @@ use crate::id::{DeviceId, StreamId};
 use crate::kernel::{Kernel, Scalar};
 use crate::memory::PageStorage;
 use crate::profile::ProfileDuration;
-use crate::properties::DeviceProperties;
+use crate::properties::{Capabilities, DeviceProperties};
 use crate::runtime::Runtime;
 
 use driver::{describe, driver_error, is_sticky, BACKEND};
@@ -176,6 +176,11 @@ impl CudaBackend {
                 max_binding_size: info.memory_bytes,
                 device_timing: true,
                 native_graphs: true,
+                capabilities: Capabilities {
+                    host_addressable_memory: false,
+                    device_collectives: true,
+                    peer_access: true,
+                },
             },
             device,
             raw_device: info.raw,

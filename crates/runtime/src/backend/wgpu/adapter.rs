@@ -23,7 +23,7 @@ use parking_lot::Mutex;
 use crate::config::{self, GraphicsApi};
 use crate::error::ServerError;
 use crate::id::DeviceId;
-use crate::properties::DeviceProperties;
+use crate::properties::{Capabilities, DeviceProperties};
 
 /// The backends tried when `COHORT_WGPU_BACKEND` is unset.
 const DEFAULT_BACKENDS: wgpu::Backends =
@@ -347,6 +347,7 @@ impl Gpu {
             max_binding_size: max_binding_size(&limits),
             device_timing: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             native_graphs: false,
+            capabilities: Capabilities::default(),
         };
         Ok((Gpu { id, device, queue, limits, features, errors }, properties))
     }

@@ -1,6 +1,6 @@
-//! The collectives as data: which buffers each participant brings, how many
-//! segments each holds, and the kernel that moves and reduces one window of
-//! bytes between them on the host.
+//! The host engine's kernel: moves and reduces one window of bytes between
+//! the participants' segments (which segments each brings is the
+//! description's, [`Op::in_blocks`] and [`Op::out_blocks`]).
 //!
 //! Every collective here works on segments of `S` bytes: a buffer holds one
 //! segment or one per participant (all-gather's destination, say). A window
@@ -10,99 +10,9 @@
 
 use std::cell::RefCell;
 
+use crate::op::{Collective, Op};
 use crate::ops::{combine, finish, DType, Element, ReduceOp};
 use crate::with_dtype;
-
-/// One collective and its parameters. Roots and endpoints are participant
-/// slots (the index in the collective's participant list).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    AllReduce {
-        dtype: DType,
-        op: ReduceOp,
-    },
-    Reduce {
-        dtype: DType,
-        op: ReduceOp,
-        root: usize,
-    },
-    Broadcast {
-        root: usize,
-    },
-    AllGather,
-    ReduceScatter {
-        dtype: DType,
-        op: ReduceOp,
-    },
-    AllToAll,
-    Gather {
-        root: usize,
-    },
-    Scatter {
-        root: usize,
-    },
-    /// A paired send/recv: `from`'s input lands in `to`'s output (the same
-    /// slot when a member sends to itself).
-    Copy {
-        from: usize,
-        to: usize,
-    },
-    Barrier,
-}
-
-impl Kind {
-    /// The name errors and logs use.
-    pub(crate) fn name(&self) -> &'static str {
-        match self {
-            Kind::AllReduce { .. } => "all_reduce",
-            Kind::Reduce { .. } => "reduce",
-            Kind::Broadcast { .. } => "broadcast",
-            Kind::AllGather => "all_gather",
-            Kind::ReduceScatter { .. } => "reduce_scatter",
-            Kind::AllToAll => "all_to_all",
-            Kind::Gather { .. } => "gather",
-            Kind::Scatter { .. } => "scatter",
-            Kind::Copy { .. } => "send_recv",
-            Kind::Barrier => "barrier",
-        }
-    }
-
-    /// Segments in `slot`'s input among `n` participants (0: it brings none).
-    pub(crate) fn in_segments(&self, slot: usize, n: usize) -> usize {
-        match *self {
-            Kind::AllReduce { .. } | Kind::Reduce { .. } | Kind::AllGather | Kind::Gather { .. } => 1,
-            Kind::ReduceScatter { .. } | Kind::AllToAll => n,
-            Kind::Broadcast { root } => usize::from(slot == root),
-            Kind::Scatter { root } => {
-                if slot == root {
-                    n
-                } else {
-                    0
-                }
-            }
-            Kind::Copy { from, .. } => usize::from(slot == from),
-            Kind::Barrier => 0,
-        }
-    }
-
-    /// Segments in `slot`'s output among `n` participants (0: it gets none).
-    pub(crate) fn out_segments(&self, slot: usize, n: usize) -> usize {
-        match *self {
-            Kind::AllReduce { .. } | Kind::Broadcast { .. } | Kind::ReduceScatter { .. } | Kind::Scatter { .. } => 1,
-            Kind::AllGather | Kind::AllToAll => n,
-            Kind::Reduce { root, .. } => usize::from(slot == root),
-            Kind::Gather { root } => {
-                if slot == root {
-                    n
-                } else {
-                    0
-                }
-            }
-            Kind::Copy { to, .. } => usize::from(slot == to),
-            Kind::Barrier => 0,
-        }
-    }
-}
 
 /// Segment start addresses of every participant's input and output for one
 /// window (empty where a participant brings none).
@@ -119,47 +29,50 @@ pub(crate) struct Window<'a> {
     pub stream: bool,
 }
 
-/// Runs `kind` over one window.
+/// Runs `op` over one window; its roots and endpoints are slots (see
+/// [`Op::on_slots`]).
 ///
 /// # Safety
 /// Every address must be valid for `len` bytes (reads for inputs, writes for
 /// outputs) while this runs, and no other thread may touch these bytes
 /// meanwhile. An input and an output either are the same address (in place,
 /// as the collective's argument checks allow) or do not overlap.
-pub(crate) unsafe fn run_window(kind: &Kind, w: &Window<'_>) {
+pub(crate) unsafe fn run_window(op: &Op, w: &Window<'_>) {
     let n = w.ins.len();
     if w.len == 0 {
         return;
     }
-    match *kind {
-        Kind::AllReduce { dtype, op } => {
-            let srcs: Vec<*const u8> = w.ins.iter().map(|s| s[0]).collect();
-            let dsts: Vec<*mut u8> = w.outs.iter().map(|s| s[0]).collect();
-            reduce(dtype, op, &srcs, w.len, &dsts, w.stream);
-        }
-        Kind::Reduce { dtype, op, root } => {
-            let srcs: Vec<*const u8> = w.ins.iter().map(|s| s[0]).collect();
-            reduce(dtype, op, &srcs, w.len, &[w.outs[root][0]], w.stream);
-        }
-        Kind::ReduceScatter { dtype, op } => {
-            for m in 0..n {
-                let srcs: Vec<*const u8> = w.ins.iter().map(|s| s[m]).collect();
-                reduce(dtype, op, &srcs, w.len, &[w.outs[m][0]], w.stream);
+    let root = op.root().unwrap_or(0);
+    match op.collective() {
+        Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter => {
+            let (dtype, rop) = (op.dtype(), op.reduce_op().expect("a reducing collective has an operator"));
+            if op.collective() == Collective::ReduceScatter {
+                for m in 0..n {
+                    let srcs: Vec<*const u8> = w.ins.iter().map(|s| s[m]).collect();
+                    reduce(dtype, rop, &srcs, w.len, &[w.outs[m][0]], w.stream);
+                }
+                return;
             }
+            let srcs: Vec<*const u8> = w.ins.iter().map(|s| s[0]).collect();
+            let dsts: Vec<*mut u8> = match op.root() {
+                Some(root) => vec![w.outs[root][0]],
+                None => w.outs.iter().map(|s| s[0]).collect(),
+            };
+            reduce(dtype, rop, &srcs, w.len, &dsts, w.stream);
         }
-        Kind::Broadcast { root } => {
+        Collective::Broadcast => {
             for out in w.outs {
                 copy(w.ins[root][0], out[0], w.len, w.stream);
             }
         }
-        Kind::AllGather => {
+        Collective::AllGather => {
             for out in w.outs {
                 for (k, input) in w.ins.iter().enumerate() {
                     copy(input[0], out[k], w.len, w.stream);
                 }
             }
         }
-        Kind::AllToAll if w.in_place => {
+        Collective::AllToAll if w.in_place => {
             for m in 0..n {
                 for k in m + 1..n {
                     // SAFETY (caller's contract): in place, out[m][k] and
@@ -168,25 +81,28 @@ pub(crate) unsafe fn run_window(kind: &Kind, w: &Window<'_>) {
                 }
             }
         }
-        Kind::AllToAll => {
+        Collective::AllToAll => {
             for (m, out) in w.outs.iter().enumerate() {
                 for (k, input) in w.ins.iter().enumerate() {
                     copy(input[m], out[k], w.len, w.stream);
                 }
             }
         }
-        Kind::Gather { root } => {
+        Collective::Gather => {
             for (k, input) in w.ins.iter().enumerate() {
                 copy(input[0], w.outs[root][k], w.len, w.stream);
             }
         }
-        Kind::Scatter { root } => {
+        Collective::Scatter => {
             for (m, out) in w.outs.iter().enumerate() {
                 copy(w.ins[root][m], out[0], w.len, w.stream);
             }
         }
-        Kind::Copy { from, to } => copy(w.ins[from][0], w.outs[to][0], w.len, w.stream),
-        Kind::Barrier => {}
+        Collective::SendRecv => {
+            let (from, to) = op.endpoints().expect("a send/recv has endpoints");
+            copy(w.ins[from][0], w.outs[to][0], w.len, w.stream)
+        }
+        Collective::Barrier => {}
     }
 }
 

@@ -1,0 +1,285 @@
+//! One NCCL-path call on this rank: its local parts meet (the last runs the
+//! host check: fingerprints with the ring neighbours, or a message's with
+//! its other rank), each queues its NCCL calls, and a [`PartMonitor`] per
+//! part watches them on its device until they end. The call's done hook
+//! (its flight record) runs when the last local part ended.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion};
+use cohort_runtime::{BufferAccess, DeviceId, ServerError};
+use parking_lot::Mutex;
+
+use super::{host_check, Nccl, ABORT_POLL};
+use crate::communicator::failure::{Failure, FailureKind};
+use crate::communicator::fingerprint::Fingerprint;
+use crate::communicator::keys;
+use crate::communicator::world::World;
+use crate::device::plan::{self, Shape};
+use crate::meeting::{Gathering, Meeting, Seat, Seated};
+use crate::op::Collective;
+
+/// What an NCCL-path call keeps in its meeting.
+pub(crate) struct NcclState {
+    /// The leader's host check, once done.
+    checked: Option<Result<(), Failure>>,
+    /// Parts that ended: returned without queueing NCCL calls, or whose
+    /// queued calls completed or failed on the device.
+    ended: usize,
+    /// What kind of failure it was, where one said (a mismatch or timeout
+    /// in the host check, an abort seen in the store, the device's
+    /// timeout); anything else is [`FailureKind::Other`].
+    kind: Option<FailureKind>,
+}
+
+/// The call's outcome, for its flight record.
+fn outcome(state: &Gathering<NcclState>) -> Result<(), Failure> {
+    match state.failure() {
+        None => Ok(()),
+        Some(err) => Err(Failure::new(state.data.kind.unwrap_or(FailureKind::Other), err.to_string())),
+    }
+}
+
+/// What a finished NCCL-path call reports to (the flight recorder's tracker).
+type DoneHook = Box<dyn FnOnce(Result<(), Failure>) + Send>;
+
+/// The local parts of one NCCL-path call.
+pub(crate) struct NcclCall {
+    nccl: Arc<Nccl>,
+    world: Arc<Mutex<World>>,
+    fp: Fingerprint,
+    meeting: Meeting<NcclState>,
+    /// Called once, with the outcome, when every local part has ended.
+    on_done: Mutex<Option<DoneHook>>,
+}
+
+impl Seated for NcclCall {
+    type State = NcclState;
+
+    fn meeting(&self) -> &Meeting<NcclState> {
+        &self.meeting
+    }
+
+    /// A part that never ran has ended.
+    fn dropped_unrun(&self, _slot: usize) {
+        self.end_part();
+    }
+}
+
+impl NcclCall {
+    /// Call `fp` of `nccl` on this rank's `devices`.
+    pub(crate) fn new(
+        nccl: Arc<Nccl>,
+        world: Arc<Mutex<World>>,
+        fp: Fingerprint,
+        devices: Vec<DeviceId>,
+        timeout: Duration,
+    ) -> Arc<NcclCall> {
+        let seats = devices.into_iter().map(|device| Seat { device, member: None }).collect();
+        let state = NcclState { checked: None, ended: 0, kind: None };
+        let meeting = Meeting::new(fp.op.name(), seats, timeout, state);
+        Arc::new(NcclCall { nccl, world, fp, meeting, on_done: Mutex::new(None) })
+    }
+
+    /// Runs `hook` with the call's outcome once every local part ended (its
+    /// NCCL calls completed on the device, or failed), at once if they have.
+    pub(crate) fn on_done(&self, hook: impl FnOnce(Result<(), Failure>) + Send + 'static) {
+        let state = self.meeting.lock();
+        if state.data.ended < self.meeting.len() {
+            *self.on_done.lock() = Some(Box::new(hook));
+            return;
+        }
+        let outcome = outcome(&state);
+        drop(state);
+        hook(outcome);
+    }
+
+    /// One local part ended; the last runs the done hook.
+    fn end_part(&self) {
+        let mut state = self.meeting.lock();
+        state.data.ended += 1;
+        if state.data.ended == self.meeting.len() {
+            let outcome = outcome(&state);
+            drop(state);
+            if let Some(hook) = self.on_done.lock().take() {
+                hook(outcome);
+            }
+        }
+    }
+
+    /// Notes what kind of failure the call met (the first said wins).
+    fn note_kind(&self, kind: FailureKind) {
+        self.meeting.lock().data.kind.get_or_insert(kind);
+    }
+
+    /// Fails the call: `err` for every part and waiter.
+    pub(crate) fn fail(&self, err: ServerError) -> ServerError {
+        self.meeting.fail(err)
+    }
+
+    /// Blocks the calling thread until every local part returned, or the
+    /// call failed; its failure.
+    pub(crate) fn wait(&self) -> Result<(), ServerError> {
+        self.meeting.wait_returned()
+    }
+
+    /// Waits for every local part; the last runs the host check.
+    fn meet(&self, slot: usize, deadline: Instant) -> Result<(), ServerError> {
+        let meeting = &self.meeting;
+        let mut state = meeting.lock();
+        if meeting.arrive_locked(&mut state, slot)? {
+            drop(state);
+            let fp = self.fp;
+            let result = self.world.lock().run(fp, |w| host_check(w, &fp));
+            meeting.lock().data.checked = Some(result.clone());
+            meeting.notify();
+            return result.map_err(|failure| {
+                self.note_kind(failure.kind);
+                meeting.fail(meeting.error(slot, failure.message))
+            });
+        }
+        meeting.wait_arrivals(&mut state, slot, deadline)?;
+        // Every part arrived: the leader's check is bounded by the world's
+        // own deadline.
+        loop {
+            if let Some(err) = state.failure() {
+                return Err(err.clone());
+            }
+            if let Some(checked) = &state.data.checked {
+                return checked.clone().map_err(|failure| meeting.error(slot, failure.message));
+            }
+            meeting.sleep(&mut state);
+        }
+    }
+
+    /// Part `slot`'s task: meets the other local parts and queues its NCCL
+    /// calls, returning once they are queued (a barrier waits for them).
+    /// The part ends here unless a [`PartMonitor`] took over ending it.
+    pub(crate) fn run_part(
+        self: &Arc<Self>,
+        slot: usize,
+        access: Result<&mut BufferAccess<'_>, ServerError>,
+        shape: Shape,
+    ) -> Result<(), ServerError> {
+        let mut handed = false;
+        let result = self.queue_part(slot, access, shape, &mut handed);
+        if !handed {
+            self.end_part();
+        }
+        result
+    }
+
+    fn queue_part(
+        self: &Arc<Self>,
+        slot: usize,
+        access: Result<&mut BufferAccess<'_>, ServerError>,
+        shape: Shape,
+        handed: &mut bool,
+    ) -> Result<(), ServerError> {
+        let access = access.map_err(|err| self.fail(err))?;
+        let buffers = shape.bind(|i| access.binding(i));
+        let deadline = Instant::now() + self.meeting.timeout();
+        self.meet(slot, deadline)?;
+        let nccl = &self.nccl;
+        let (member, members) = (nccl.rank * nccl.local + slot, nccl.size * nccl.local);
+        let calls = plan::nccl_calls(&self.fp.op, member, members, &buffers);
+        if calls.is_empty() {
+            return Ok(());
+        }
+        let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
+        let started = Instant::now();
+        let monitor = Arc::new(PartMonitor {
+            call: self.clone(),
+            slot,
+            started,
+            poll: Mutex::new(Poll { last: started, noted: false }),
+            ended: AtomicBool::new(false),
+        });
+        let completion =
+            if self.fp.op.collective() == Collective::Barrier { Completion::Wait } else { Completion::Defer };
+        let result = access.run_collective(&spec, &calls, monitor.clone(), completion);
+        // Queued (its monitor ends the part, now or later) unless refused
+        // before any call was queued.
+        *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
+        result.map_err(|err| {
+            nccl.abort(&self.world, &err.to_string());
+            self.fail(err)
+        })
+    }
+}
+
+/// Arrival note and abort polling of one waiting part.
+struct Poll {
+    last: Instant,
+    noted: bool,
+}
+
+/// One local part's view while its NCCL calls run (held by its device
+/// until they end, when it ends the part): this rank's other parts'
+/// failures, and (once the part is slow) its arrival note and the store's
+/// abort flag, looked at every [`ABORT_POLL`].
+struct PartMonitor {
+    call: Arc<NcclCall>,
+    slot: usize,
+    started: Instant,
+    poll: Mutex<Poll>,
+    /// Set once the device reported the part's end.
+    ended: AtomicBool,
+}
+
+impl CollectiveMonitor for PartMonitor {
+    fn operation(&self) -> &str {
+        self.call.meeting.name()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.call.meeting.timeout()
+    }
+
+    fn failed_elsewhere(&self) -> Option<ServerError> {
+        let (call, meeting) = (&self.call, &self.call.meeting);
+        if let Some(err) = meeting.failure() {
+            return Some(err);
+        }
+        let slow = (meeting.timeout() / 4).min(Duration::from_secs(1));
+        let now = Instant::now();
+        let mut p = self.poll.lock();
+        if now - self.started < slow || now - p.last < ABORT_POLL {
+            return None;
+        }
+        p.last = now;
+        let nccl = &call.nccl;
+        if !p.noted {
+            p.noted = true;
+            let _ = nccl.store.set(&keys::arrived(&nccl.prefix, call.fp.seq, nccl.rank), b"");
+        }
+        match nccl.store.get(&keys::abort(&nccl.prefix)) {
+            Ok(Some(why)) => {
+                call.note_kind(FailureKind::Aborted);
+                let why = String::from_utf8_lossy(&why);
+                Some(meeting.error(self.slot, format!("{} stopped: the communicator was aborted by {why}", call.fp)))
+            }
+            _ => None,
+        }
+    }
+
+    /// Asked by the device only when the part timed out.
+    fn missing(&self) -> String {
+        let call = &self.call;
+        call.note_kind(FailureKind::Timeout);
+        format!("{}: {}", call.fp, call.nccl.missing(call.fp.seq))
+    }
+
+    fn finished(&self, outcome: &Result<(), ServerError>) {
+        let call = &self.call;
+        if let Err(err) = outcome {
+            call.nccl.abort(&call.world, &err.to_string());
+            call.fail(err.clone());
+        }
+        if !self.ended.swap(true, Ordering::AcqRel) {
+            call.end_part();
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! How a collective's front end tells the flight recorder and the timeline
+//! about it, for a `ClientGroup` and a `Communicator` alike: a
+//! [`Watched`] collective is recorded when queued and finished when its
+//! last holder lets go, with the first failure any of its parts noted. It
+//! only observes: nothing here runs or waits for a collective.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cohort_runtime::{Client, ServerError};
+use parking_lot::Mutex;
+
+use super::{now_micros, CollectiveFingerprint, FlightRecorder, RecordId, Timeline, TimelineEvent};
+use crate::op::Op;
+
+/// One queued collective under watch; each of its parts' tasks (or its one
+/// owner) holds a clone and notes how its part ended.
+pub(crate) struct Watched {
+    group: String,
+    record: RecordId,
+    fingerprint: CollectiveFingerprint,
+    /// The timeline's category ("collective", "copy", "p2p") and row.
+    category: &'static str,
+    tid: u32,
+    parts: usize,
+    noted: AtomicUsize,
+    failure: Mutex<Option<String>>,
+    start_us: u64,
+    start: Instant,
+}
+
+impl Watched {
+    /// Records that collective number `seq` of `group`, `op`, was queued
+    /// with `parts` parts among `ranks` (`None`: every rank of the job).
+    /// Its timeline event goes to row `tid` under `category`.
+    pub(crate) fn start(
+        group: String,
+        seq: u64,
+        op: &Op,
+        parts: usize,
+        ranks: Option<Vec<usize>>,
+        category: &'static str,
+        tid: u32,
+    ) -> Arc<Watched> {
+        let fingerprint = CollectiveFingerprint::of(seq, op);
+        let record = FlightRecorder::global().start_among(&group, fingerprint.clone(), ranks);
+        Arc::new(Watched {
+            group,
+            record,
+            fingerprint,
+            category,
+            tid,
+            parts,
+            noted: AtomicUsize::new(0),
+            failure: Mutex::new(None),
+            start_us: now_micros(),
+            start: Instant::now(),
+        })
+    }
+
+    /// A part returned with `result`.
+    pub(crate) fn note(&self, result: &Result<(), ServerError>) {
+        self.ended(result.as_ref().map(|_| ()).map_err(ToString::to_string));
+    }
+
+    /// A part ended with `outcome` (its failure in words).
+    pub(crate) fn ended(&self, outcome: Result<(), String>) {
+        if let Err(why) = outcome {
+            self.fail(why);
+        }
+        self.noted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The collective failed: `why` (the first failure is kept).
+    pub(crate) fn fail(&self, why: String) {
+        self.failure.lock().get_or_insert(why);
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        let mut failure = self.failure.lock().take();
+        if failure.is_none() && self.noted.load(Ordering::Relaxed) < self.parts {
+            failure = Some("a part was dropped before it ran (its device closed?)".into());
+        }
+        let ok = failure.is_none();
+        FlightRecorder::global().finish_record(self.record, failure.map_or(Ok(()), Err));
+        if let Some(timeline) = Timeline::from_env() {
+            let fp = &self.fingerprint;
+            timeline.record(&TimelineEvent {
+                name: fp.kind.clone(),
+                cat: self.category.into(),
+                ph: "X",
+                ts: self.start_us,
+                dur: self.start.elapsed().as_micros() as u64,
+                pid: FlightRecorder::global().identity().0,
+                tid: self.tid,
+                args: serde_json::json!({
+                    "group": self.group, "seq": fp.seq, "dtype": fp.dtype, "count": fp.count,
+                    "op": fp.op, "root": fp.root, "ok": ok,
+                }),
+            });
+        }
+    }
+}
+
+/// A copy that ran outside any group (between runtimes, through the host)
+/// as a timeline event, when `COHORT_TIMELINE` is set.
+pub(crate) fn timeline_copy(start_us: u64, start: Instant, bytes: u64, from: &Client, to: &Client, ok: bool) {
+    if let Some(timeline) = Timeline::from_env() {
+        timeline.record(&TimelineEvent {
+            name: "to_client".into(),
+            cat: "copy".into(),
+            ph: "X",
+            ts: start_us,
+            dur: start.elapsed().as_micros() as u64,
+            pid: FlightRecorder::global().identity().0,
+            tid: from.device_id().index,
+            args: serde_json::json!({
+                "bytes": bytes, "from": from.device_id().to_string(), "to": to.device_id().to_string(), "ok": ok,
+            }),
+        });
+    }
+}
