@@ -36,14 +36,18 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     let start = Instant::now();
     let cfg = JobConfig::from_args(args)?;
     let deadline = cfg.timeout.map(|t| start + t);
-    // Both folders are made 0700 where missing and refused when another user
-    // owns them or may write into them (they could read the ranks' output or
-    // plant links for cohort to write through).
+    // Both folders are refused when another user owns them or may write
+    // into them (they could read the ranks' output or plant links for cohort
+    // to write through). The log folder is made 0700 where missing; the trace
+    // folder only when a rank writes a dump, so a job that writes none leaves
+    // no empty folder behind.
     if let Some(dir) = &cfg.log_dir {
         PrivateDir::open_or_create(dir).map_err(|e| LaunchError::LogDir { path: dir.clone(), source: e.into() })?;
     }
-    PrivateDir::open_or_create(&cfg.trace_dir)
-        .map_err(|e| LaunchError::TraceDir { path: cfg.trace_dir.clone(), source: e.into() })?;
+    if std::fs::symlink_metadata(&cfg.trace_dir).is_ok() {
+        PrivateDir::open(&cfg.trace_dir)
+            .map_err(|e| LaunchError::TraceDir { path: cfg.trace_dir.clone(), source: e.into() })?;
+    }
     let (tx, rx) = crossbeam::channel::unbounded();
     signals::install(tx.clone()).map_err(LaunchError::Signals)?;
     crate::reaper::init();
