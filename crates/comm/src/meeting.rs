@@ -219,9 +219,12 @@ impl<S> Meeting<S> {
         deadline: Instant,
     ) -> Result<(), ServerError> {
         let n = self.seats.len();
-        if state.arrived < n && state.failure.is_none() {
+        // No window (fewer than 4 cores): sleep at once. Even 64 polls cost
+        // microseconds (a spin-loop hint can take ~100 cycles), which a
+        // meeting of a few-µs collective cannot afford.
+        let window = cohort_runtime::spin_window();
+        if state.arrived < n && state.failure.is_none() && !window.is_zero() {
             MutexGuard::unlocked(state, || {
-                let window = cohort_runtime::spin_window();
                 let started = Instant::now();
                 let mut polls = 0u32;
                 while self.arrived.load(Ordering::Acquire) < n && !self.failed() {
