@@ -2,7 +2,9 @@
 launcher: torchrun's variables are set and consistent, and rank 0 can listen
 on MASTER_ADDR:MASTER_PORT (where PyTorch's TCPStore listens) while cohort's
 own store is elsewhere (COHORT_STORE_ADDR, when launched by cohort). The
-other ranks connect to rank 0 there, as TCPStore clients do.
+other ranks connect to rank 0 there, as TCPStore clients do. Under torchrun
+(TORCHELASTIC_USE_AGENT_STORE=True) the agent's own store holds the port and
+PyTorch connects to it, so the bind is skipped there.
 
   cohort run -n 4 -- scripts/anchors/env_check.py
   torchrun --nproc_per_node 4 scripts/anchors/env_check.py
@@ -32,6 +34,12 @@ def main():
         assert store != f"{addr}:{port}", f"cohort's store sits on MASTER_PORT: {store}"
     if local_world > 1:
         assert os.environ.get("OMP_NUM_THREADS"), "OMP_NUM_THREADS unset with several ranks on a node"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent already serves its own TCPStore on MASTER_PORT and
+        # PyTorch connects to it there: nothing else may bind that port.
+        print(f"rank {rank}/{world}: environment ok, MASTER_PORT {port} held by the launcher's agent store, "
+              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, python {sys.executable}")
+        return 0
     if rank == 0:
         server = socket.create_server((addr, port))
         for _ in range(world - 1):
