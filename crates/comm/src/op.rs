@@ -7,7 +7,7 @@
 //! `verify`, the host engine and the device path all read the same value.
 //! Roots and endpoints are members of whoever runs it: an executor that runs
 //! a collective among some members only (a send/recv between two devices of
-//! a group) sees it through [`Op::on_slots`].
+//! a group) sees it through `Op::on_slots`.
 
 use std::fmt;
 

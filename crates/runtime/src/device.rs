@@ -330,9 +330,8 @@ fn run_caught(state: &mut DeviceState, stream: StreamId, task: Task) {
 /// the thread it waits for needs: measured on a loaded 2-core machine, a
 /// 4-byte read took 10 µs without polling and 70–160 µs with it.
 ///
-/// Read once. An unusable `COHORT_SPIN_US` is returned by
-/// [`checked_spin_window`] (so by every client's creation, which calls it);
-/// this function then uses the default.
+/// Read once. An unusable `COHORT_SPIN_US` is an error from every client's
+/// creation (which checks it first); this function then uses the default.
 pub fn spin_window() -> Duration {
     checked_spin_window().unwrap_or_else(|_| default_spin_window())
 }

@@ -174,8 +174,8 @@ impl PrivateDir {
         &self.path
     }
 
-    /// Creates the file `name` in this folder for writing (see
-    /// [`create_in`]).
+    /// Creates the file `name` in this folder for writing: new, 0600, never
+    /// through a link, refused when something of another user is there.
     pub fn create_file(&self, name: &str) -> Result<File, PrivateFsError> {
         create_in(self.fd.as_raw_fd(), &self.path, name)
     }
@@ -238,7 +238,7 @@ fn is_symlink(path: &Path) -> bool {
 /// parent folder but without checking who owns that folder (for a path the
 /// user names, such as `COHORT_TIMELINE` in the working directory): the
 /// file is new and this user's, never a link's target nor another user's
-/// file (see [`create_in`]).
+/// file.
 pub fn create_private_file(path: &Path) -> Result<File, PrivateFsError> {
     let (parent, name) = match (path.parent(), path.file_name()) {
         (Some(p), Some(n)) => (if p.as_os_str().is_empty() { Path::new(".") } else { p }, n),
