@@ -85,6 +85,14 @@ pub enum CommError {
     /// A collective the caller waits on (barrier, `to_client`) failed.
     #[error("{operation} failed: {source}")]
     Failed { operation: &'static str, source: ServerError },
+    /// A bounded wait on a collective's handle ([`Work::wait_timeout`](crate::Work::wait_timeout))
+    /// ended before every local part finished. The collective goes on.
+    #[error(
+        "{operation}{scope} has not finished within {waited_ms} ms: {missing}; the collective is \
+         not cancelled: wait again, or find what keeps those devices busy (earlier work, or members that never \
+         called it)"
+    )]
+    Unfinished { operation: &'static str, scope: String, missing: String, waited_ms: u64 },
     /// A `COHORT_*` variable has a value that cannot be used (the message
     /// names it and says what is expected).
     #[error(transparent)]

@@ -29,6 +29,7 @@ mod ops;
 mod order;
 pub mod trace;
 pub mod verify;
+mod work;
 
 pub use api::{rank_clients, Buffer, Collectives, Error, World};
 pub use communicator::{job_heartbeat_key, Communicator, ConnectError, HEARTBEAT_PERIOD};
@@ -39,3 +40,4 @@ pub use host::{default_timeout, HostPath, DEFAULT_TIMEOUT};
 pub use ops::{combine, finish, reduce_bytes, DType, Element, ReduceOp};
 pub use order::DeviceSetComm;
 pub use transport::shm::sweep_shared_memory;
+pub use work::Work;

@@ -21,7 +21,7 @@ use cohort_runtime::{BufferAccess, DeviceId, ServerError};
 
 use super::plan::{self, Shape};
 use super::{forget, Mode, NcclSet};
-use crate::meeting::{Meeting, Seat, Seated};
+use crate::meeting::{Gathering, Meeting, Seat, Seated};
 use crate::op::{Collective, Op};
 use crate::trace::Watched;
 
@@ -46,6 +46,11 @@ impl Seated for DeviceCollective {
     fn meeting(&self) -> &Meeting<DeviceState> {
         &self.meeting
     }
+
+    /// A part is done once its calls completed on its device.
+    fn part_done(&self, state: &Gathering<DeviceState>, slot: usize) -> bool {
+        state.data.finished[slot]
+    }
 }
 
 impl DeviceCollective {
@@ -66,12 +71,6 @@ impl DeviceCollective {
             return Ok(());
         }
         self.meeting.wait_arrivals(&mut state, slot, deadline)
-    }
-
-    /// Blocks the calling thread until every part returned, or the meeting
-    /// failed; returns the failure.
-    pub(crate) fn wait_finished(&self) -> Result<(), ServerError> {
-        self.meeting.wait_returned()
     }
 
     /// Runs part `slot` on its device thread: meets the other parts and

@@ -146,10 +146,4 @@ impl HostCollective {
             self.staged_member(slot, access)
         }
     }
-
-    /// Blocks the calling (host) thread until every participant's task
-    /// finished, or until the collective failed; returns the failure.
-    pub(crate) fn wait_finished(&self) -> Result<(), ServerError> {
-        self.meeting.wait_returned()
-    }
 }
