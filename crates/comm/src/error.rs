@@ -85,6 +85,14 @@ pub enum CommError {
     /// A collective the caller waits on (barrier, `to_client`) failed.
     #[error("{operation} failed: {source}")]
     Failed { operation: &'static str, source: ServerError },
+    /// Two calls of a grouped call touch the same memory and one of them
+    /// writes it.
+    #[error(
+        "group: calls {earlier} and {later} of the same group touch the same memory and one of them writes it; \
+         the calls of a group run as one, concurrently, and must not depend on each other: end the group \
+         before call {later}"
+    )]
+    DependentCalls { earlier: usize, later: usize },
     /// A bounded wait on a collective's handle ([`Work::wait_timeout`](crate::Work::wait_timeout))
     /// ended before every local part finished. The collective goes on.
     #[error(

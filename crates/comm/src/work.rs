@@ -41,8 +41,9 @@ pub struct Work {
     operation: &'static str,
     /// Who this process is in the job, for errors ("rank 1").
     scope: Option<String>,
-    /// `None`: nothing was queued on this process (it takes no part).
-    inner: Option<Arc<dyn Waitable>>,
+    /// What it waits on: empty when nothing was queued on this process
+    /// (it takes no part); several for a grouped call that ran as several.
+    inner: Vec<Arc<dyn Waitable>>,
 }
 
 impl fmt::Debug for Work {
@@ -54,12 +55,19 @@ impl fmt::Debug for Work {
 impl Work {
     /// The handle of `executor`'s collective `operation`.
     pub(crate) fn new<E: Seated>(operation: &'static str, executor: Arc<E>) -> Work {
-        Work { operation, scope: None, inner: Some(executor) }
+        Work { operation, scope: None, inner: vec![executor] }
     }
 
     /// A handle that is done already: this process queued nothing.
     pub(crate) fn nothing(operation: &'static str) -> Work {
-        Work { operation, scope: None, inner: None }
+        Work { operation, scope: None, inner: Vec::new() }
+    }
+
+    /// One handle over every handle of `works` (a grouped call queued as
+    /// several collectives).
+    pub(crate) fn all(operation: &'static str, works: Vec<Work>) -> Work {
+        let scope = works.iter().find_map(|w| w.scope.clone());
+        Work { operation, scope, inner: works.into_iter().flat_map(|w| w.inner).collect() }
     }
 
     /// This handle, naming the process (`"rank 1"`) in its errors.
@@ -96,12 +104,18 @@ impl Work {
     /// Whether every local part finished (or the collective failed:
     /// [`Work::wait`] then returns why). Never blocks.
     pub fn is_done(&self) -> bool {
-        self.inner.as_ref().is_none_or(|inner| inner.is_done())
+        self.inner.iter().all(|inner| inner.is_done())
     }
 
     fn wait_until(&self, deadline: Option<Instant>) -> Result<(), CommError> {
-        let Some(inner) = &self.inner else { return Ok(()) };
-        inner.wait_until(deadline).map_err(|end| match end {
+        for inner in &self.inner {
+            self.end(inner.wait_until(deadline))?;
+        }
+        Ok(())
+    }
+
+    fn end(&self, waited: Result<(), WaitEnd>) -> Result<(), CommError> {
+        waited.map_err(|end| match end {
             WaitEnd::Failed(source) => CommError::Failed { operation: self.operation, source },
             WaitEnd::Late(missing) => CommError::Unfinished {
                 operation: self.operation,

@@ -1,4 +1,5 @@
-//! [`Collectives`]: the calls every communicator offers, typed.
+//! [`Collectives`]: the calls every communicator offers, typed; and
+//! [`Grouped`], the builder of a grouped call.
 
 use cohort_runtime::{Client, Handle};
 
@@ -8,6 +9,7 @@ use crate::communicator::Communicator;
 use crate::device::Transport;
 use crate::error::CommError;
 use crate::group::ClientGroup;
+use crate::grouped::GroupCall;
 use crate::ops::{DType, Element, ReduceOp};
 use crate::work::Work;
 
@@ -152,6 +154,45 @@ pub trait Collectives {
         dtype: DType,
     ) -> Result<Work, CommError>;
 
+    /// Untyped [`Collectives::group`]: runs `calls` as one grouped call
+    /// (every call checked first; nothing is queued if one is refused).
+    fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError>;
+
+    /// Runs the collectives `body` records as one grouped call, like
+    /// `ncclGroupStart/End` or PyTorch's coalescing: on the host engine one
+    /// task per device and one meeting for all of them, on NCCL queued back
+    /// to back. Different sizes and element types may be mixed. Every call
+    /// is checked before anything is queued (one bad call refuses the
+    /// group); a call may not read what an earlier call of the group
+    /// writes. Returns one [`Work`] for all of them, at once.
+    ///
+    /// ```
+    /// use cohort_comm::{ClientGroup, Collectives, Error, ReduceOp};
+    /// use cohort_runtime::{CpuRuntime, Runtime};
+    ///
+    /// fn main() -> Result<(), Error> {
+    ///     let group = ClientGroup::new(CpuRuntime::clients()?)?;
+    ///     let a = group.replicate(&[1.0f32; 8])?;
+    ///     let b = group.replicate(&[2i64; 3])?;
+    ///     let work = group.group(|g| {
+    ///         g.all_reduce(&a, &a, ReduceOp::Sum)?;
+    ///         g.all_reduce(&b, &b, ReduceOp::Max)
+    ///     })?;
+    ///     work.wait()?;
+    ///     assert_eq!(a[0].to_vec()?, [group.members() as f32; 8]);
+    ///     assert_eq!(b[0].to_vec()?, [2; 3]);
+    ///     Ok(())
+    /// }
+    /// ```
+    fn group<F>(&self, body: F) -> Result<Work, Error>
+    where
+        F: FnOnce(&mut Grouped<'_, Self>) -> Result<(), Error>,
+    {
+        let mut grouped = Grouped { comm: self, calls: Vec::new() };
+        body(&mut grouped)?;
+        Ok(self.group_handles(grouped.calls)?)
+    }
+
     /// The local slot (index into [`clients`](Collectives::clients)) of
     /// `member`, when this process holds it.
     fn local_slot(&self, member: usize) -> Option<usize> {
@@ -268,6 +309,79 @@ fn pick<'a, C: Collectives + ?Sized, T: Element>(
     })
 }
 
+/// The collectives of one grouped call, recorded in order by the closure
+/// given to [`Collectives::group`] and run as one when it returns: on the
+/// host engine one task per device and one meeting for all of them; on
+/// NCCL the calls are queued back to back. Sizes and element types may
+/// differ between calls; a call may not read what an earlier call of the
+/// same group writes (that is refused). Nothing is queued until every call
+/// passed its argument check: one bad call refuses the whole group.
+pub struct Grouped<'a, C: Collectives + ?Sized> {
+    comm: &'a C,
+    calls: Vec<GroupCall>,
+}
+
+impl<C: Collectives + ?Sized> Grouped<'_, C> {
+    /// Calls recorded so far.
+    pub fn len(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Whether no call was recorded yet.
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    /// Records [`Collectives::all_reduce`].
+    pub fn all_reduce<T: Element>(&mut self, src: &[Buffer<T>], dst: &[Buffer<T>], op: ReduceOp) -> Result<(), Error> {
+        self.calls.push(GroupCall::AllReduce { src: handles(src), dst: handles(dst), dtype: T::DTYPE, op });
+        Ok(())
+    }
+
+    /// Records [`Collectives::reduce`].
+    pub fn reduce<T: Element>(
+        &mut self,
+        src: &[Buffer<T>],
+        dst: &[Buffer<T>],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), Error> {
+        let dst = pick(self.comm, "reduce", "destination", dst, root)?.clone();
+        self.calls.push(GroupCall::Reduce { src: handles(src), dst, dtype: T::DTYPE, op, root });
+        Ok(())
+    }
+
+    /// Records [`Collectives::broadcast`].
+    pub fn broadcast<T: Element>(&mut self, src: &[Buffer<T>], dst: &[Buffer<T>], root: usize) -> Result<(), Error> {
+        let src = pick(self.comm, "broadcast", "source", src, root)?.clone();
+        self.calls.push(GroupCall::Broadcast { src, dst: handles(dst), dtype: T::DTYPE, root });
+        Ok(())
+    }
+
+    /// Records [`Collectives::all_gather`].
+    pub fn all_gather<T: Element>(&mut self, src: &[Buffer<T>], dst: &[Buffer<T>]) -> Result<(), Error> {
+        self.calls.push(GroupCall::AllGather { src: handles(src), dst: handles(dst), dtype: T::DTYPE });
+        Ok(())
+    }
+
+    /// Records [`Collectives::reduce_scatter`].
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        src: &[Buffer<T>],
+        dst: &[Buffer<T>],
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        self.calls.push(GroupCall::ReduceScatter { src: handles(src), dst: handles(dst), dtype: T::DTYPE, op });
+        Ok(())
+    }
+
+    /// Records [`Collectives::all_to_all`].
+    pub fn all_to_all<T: Element>(&mut self, src: &[Buffer<T>], dst: &[Buffer<T>]) -> Result<(), Error> {
+        self.calls.push(GroupCall::AllToAll { src: handles(src), dst: handles(dst), dtype: T::DTYPE });
+        Ok(())
+    }
+}
+
 /// The untyped collectives of `$ty`, from its inherent methods of the same
 /// names.
 macro_rules! untyped_from_inherent {
@@ -320,6 +434,9 @@ macro_rules! untyped_from_inherent {
         }
         fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<Work, CommError> {
             <$ty>::scatter_handles(self, src, dst, dtype, root)
+        }
+        fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError> {
+            <$ty>::group_handles(self, calls)
         }
         fn sync(&self) -> Result<(), CommError> {
             <$ty>::sync(self)

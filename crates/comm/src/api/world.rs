@@ -22,7 +22,7 @@ use crate::work::Work;
 /// ```no_run
 /// use cohort_comm::{rank_clients, Collectives, Error, ReduceOp, World};
 ///
-/// fn main() -> Result<Work, Error> {
+/// fn main() -> Result<(), Error> {
 ///     // One device per rank under a launcher, every CPU device otherwise.
 ///     let world = World::join(rank_clients("cpu", None)?)?;
 ///     let grads = world.replicate(&[1.0f32; 1024])?;
@@ -136,6 +136,9 @@ impl Collectives for World {
     }
     fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<Work, CommError> {
         each!(self, c => c.scatter_handles(src, dst, dtype, root))
+    }
+    fn group_handles(&self, calls: Vec<crate::GroupCall>) -> Result<Work, CommError> {
+        each!(self, c => c.group_handles(calls))
     }
     fn send_recv_members(
         &self,

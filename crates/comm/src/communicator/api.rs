@@ -12,6 +12,7 @@ use super::local::LocalCall;
 use super::Communicator;
 use crate::check::Members;
 use crate::error::CommError;
+use crate::grouped::{check_independent, GroupCall};
 use crate::meeting::Ticket;
 use crate::op::Op;
 use crate::ops::{DType, ReduceOp};
@@ -207,6 +208,41 @@ impl Communicator {
     pub fn barrier(&self) -> Result<(), CommError> {
         let none = vec![None; self.local_devices()];
         self.launch(Op::barrier(), none.clone(), none)?.wait()
+    }
+
+    /// Runs `calls` as one grouped call: every call is checked (and the
+    /// calls checked not to depend on each other) before anything is
+    /// queued, then each is queued in turn; one handle for all of them.
+    pub fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError> {
+        let mut prepared = Vec::with_capacity(calls.len());
+        for call in &calls {
+            let checks = self.checks();
+            prepared.push(match call {
+                GroupCall::AllReduce { src, dst, dtype, op } => {
+                    (checks.all_reduce(src, dst, *dtype, *op)?, some(src), some(dst))
+                }
+                GroupCall::Reduce { src, dst, dtype, op, root } => {
+                    (checks.reduce(src, dst, *dtype, *op, *root)?, some(src), self.at_root(*root, dst))
+                }
+                GroupCall::Broadcast { src, dst, dtype, root } => {
+                    (checks.broadcast(src, dst, *dtype, *root)?, self.at_root(*root, src), some(dst))
+                }
+                GroupCall::AllGather { src, dst, dtype } => {
+                    (checks.all_gather(src, dst, *dtype)?, some(src), some(dst))
+                }
+                GroupCall::ReduceScatter { src, dst, dtype, op } => {
+                    (checks.reduce_scatter(src, dst, *dtype, *op)?, some(src), some(dst))
+                }
+                GroupCall::AllToAll { src, dst, dtype } => (checks.all_to_all(src, dst, *dtype)?, some(src), some(dst)),
+            });
+        }
+        let buffers: Vec<_> = prepared
+            .iter()
+            .map(|(_, ins, outs)| (ins.iter().flatten().collect(), outs.iter().flatten().collect()))
+            .collect();
+        check_independent(&buffers)?;
+        let works = prepared.into_iter().map(|(op, ins, outs)| self.launch(op, ins, outs)).collect::<Result<_, _>>()?;
+        Ok(Work::all("group", works).within(format!("rank {}", self.rank())))
     }
 
     /// One buffer per local device: `handle` at the root's slot when the

@@ -18,16 +18,16 @@ use crate::work::Work;
 impl ClientGroup {
     /// The group's side of every argument check: all members local, and a
     /// source may meet its destination only in the in-place layout.
-    fn checks(&self) -> Members<'_> {
+    pub(super) fn checks(&self) -> Members<'_> {
         Members { clients: self.clients(), first: 0, count: self.len(), strict_overlap: true }
     }
 
-    fn every(&self, src: &[Handle], dst: &[Handle]) -> Vec<Part> {
+    pub(super) fn every(&self, src: &[Handle], dst: &[Handle]) -> Vec<Part> {
         (0..self.len()).map(|m| Part { member: m, input: src.get(m).cloned(), output: dst.get(m).cloned() }).collect()
     }
 
     /// Every member's part, the root's with `input` or `output` as well.
-    fn rooted(
+    pub(super) fn rooted(
         &self,
         src: &[Handle],
         dst: &[Handle],

@@ -2,6 +2,7 @@
 //! and the collectives across them.
 
 mod collectives;
+mod grouped;
 
 pub use collectives::to_client;
 
