@@ -93,6 +93,15 @@ pub enum CommError {
          before call {later}"
     )]
     DependentCalls { earlier: usize, later: usize },
+    /// A mesh's dimensions do not lay out the group's members.
+    #[error(
+        "a mesh of {shape} does not lay out {members} members: give each dimension a distinct name and a size of \
+         at least 1, whose product is the number of members"
+    )]
+    MeshShape { shape: String, members: usize },
+    /// A mesh has no dimension of that name.
+    #[error("the mesh has no dimension {name:?}; its dimensions are {names}")]
+    NoSuchDimension { name: String, names: String },
     /// A bounded wait on a collective's handle ([`Work::wait_timeout`](crate::Work::wait_timeout))
     /// ended before every local part finished. The collective goes on.
     #[error(

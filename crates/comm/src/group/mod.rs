@@ -3,6 +3,7 @@
 
 mod collectives;
 mod grouped;
+mod split;
 
 pub use collectives::to_client;
 
