@@ -16,7 +16,8 @@ pub use cohort_runtime as runtime;
 /// The names most programs need: the runtime's, and the collectives'.
 pub mod prelude {
     pub use cohort_comm::{
-        rank_clients, Buffer, ClientGroup, Collectives, Communicator, DType, Element, Error, ReduceOp, Transport, World,
+        rank_clients, Buffer, ClientGroup, Collectives, Communicator, DType, Element, Error, ReduceOp, Transport, Work,
+        World,
     };
     pub use cohort_runtime::prelude::*;
 }

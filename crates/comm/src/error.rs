@@ -85,6 +85,31 @@ pub enum CommError {
     /// A collective the caller waits on (barrier, `to_client`) failed.
     #[error("{operation} failed: {source}")]
     Failed { operation: &'static str, source: ServerError },
+    /// Two calls of a grouped call touch the same memory and one of them
+    /// writes it.
+    #[error(
+        "group: calls {earlier} and {later} of the same group touch the same memory and one of them writes it; \
+         the calls of a group run as one, concurrently, and must not depend on each other: end the group \
+         before call {later}"
+    )]
+    DependentCalls { earlier: usize, later: usize },
+    /// A mesh's dimensions do not lay out the group's members.
+    #[error(
+        "a mesh of {shape} does not lay out {members} members: give each dimension a distinct name and a size of \
+         at least 1, whose product is the number of members"
+    )]
+    MeshShape { shape: String, members: usize },
+    /// A mesh has no dimension of that name.
+    #[error("the mesh has no dimension {name:?}; its dimensions are {names}")]
+    NoSuchDimension { name: String, names: String },
+    /// A bounded wait on a collective's handle ([`Work::wait_timeout`](crate::Work::wait_timeout))
+    /// ended before every local part finished. The collective goes on.
+    #[error(
+        "{operation}{scope} has not finished within {waited_ms} ms: {missing}; the collective is \
+         not cancelled: wait again, or find what keeps those devices busy (earlier work, or members that never \
+         called it)"
+    )]
+    Unfinished { operation: &'static str, scope: String, missing: String, waited_ms: u64 },
     /// A `COHORT_*` variable has a value that cannot be used (the message
     /// names it and says what is expected).
     #[error(transparent)]

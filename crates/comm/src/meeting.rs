@@ -31,8 +31,9 @@ pub(crate) struct Seat {
 pub(crate) struct Gathering<S> {
     pub arrived: usize,
     present: Vec<bool>,
-    /// Tasks that returned, or were dropped unrun.
+    /// Tasks that returned, or were dropped unrun: how many, and which.
     returned: usize,
+    returned_slots: Vec<bool>,
     failure: Option<ServerError>,
     pub data: S,
 }
@@ -47,6 +48,21 @@ impl<S> Gathering<S> {
     pub(crate) fn all_arrived(&self) -> bool {
         self.arrived == self.present.len()
     }
+
+    /// Whether `slot`'s task returned (or was dropped unrun).
+    pub(crate) fn task_returned(&self, slot: usize) -> bool {
+        self.returned_slots[slot]
+    }
+}
+
+/// Why a wait for a meeting's parts to finish ended without them.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum WaitEnd {
+    /// The meeting failed.
+    Failed(ServerError),
+    /// The deadline passed first; the parts not arrived (or, when all
+    /// did, not finished) yet, in words.
+    Late(String),
 }
 
 /// One collective's meeting of parts.
@@ -66,7 +82,14 @@ impl<S> Meeting<S> {
     /// A meeting of `seats` for collective `name`, whose waits end at
     /// `timeout` after they begin.
     pub(crate) fn new(name: &'static str, seats: Vec<Seat>, timeout: Duration, data: S) -> Meeting<S> {
-        let state = Gathering { arrived: 0, present: vec![false; seats.len()], returned: 0, failure: None, data };
+        let state = Gathering {
+            arrived: 0,
+            present: vec![false; seats.len()],
+            returned: 0,
+            returned_slots: vec![false; seats.len()],
+            failure: None,
+            data,
+        };
         Meeting {
             name,
             seats,
@@ -275,19 +298,50 @@ impl<S> Meeting<S> {
         }
     }
 
-    /// Blocks the calling thread until every part's task returned, or the
-    /// meeting failed; returns the failure.
-    pub(crate) fn wait_returned(&self) -> Result<(), ServerError> {
+    /// Blocks the calling thread until `done` holds for every slot, the
+    /// meeting failed, or `deadline` (if any) passed. Unlike the parts'
+    /// own waits, a deadline passing here fails nothing: the parts go on,
+    /// and the error names those not done yet.
+    pub(crate) fn wait_done(
+        &self,
+        deadline: Option<Instant>,
+        done: impl Fn(&Gathering<S>, usize) -> bool,
+    ) -> Result<(), WaitEnd> {
         let mut state = self.state.lock();
         loop {
             if let Some(err) = &state.failure {
-                return Err(err.clone());
+                return Err(WaitEnd::Failed(err.clone()));
             }
-            if state.returned == self.seats.len() {
+            let flags: Vec<bool> = (0..self.seats.len()).map(|slot| done(&state, slot)).collect();
+            if flags.iter().all(|f| *f) {
                 return Ok(());
             }
-            self.cv.wait(&mut state);
+            match deadline {
+                None => self.cv.wait(&mut state),
+                Some(deadline) => {
+                    if self.cv.wait_until(&mut state, deadline).timed_out() {
+                        let flags: Vec<bool> = (0..self.seats.len()).map(|slot| done(&state, slot)).collect();
+                        if state.failure.is_none() && !flags.iter().all(|f| *f) {
+                            // A rank's own devices (no member numbers) wait for
+                            // other ranks inside their part: "running" covers both.
+                            let members = self.seats.iter().all(|s| s.member.is_some());
+                            let words = match members && !state.all_arrived() {
+                                true => format!("{} not arrived yet", self.names(&state.present)),
+                                false => format!("{} still running", self.names(&flags)),
+                            };
+                            return Err(WaitEnd::Late(words));
+                        }
+                    }
+                }
+            }
         }
+    }
+
+    /// Whether `done` holds for every slot, or the meeting failed (without
+    /// waiting).
+    pub(crate) fn is_done(&self, done: impl Fn(&Gathering<S>, usize) -> bool) -> bool {
+        let state = self.state.lock();
+        state.failure.is_some() || (0..self.seats.len()).all(|slot| done(&state, slot))
     }
 
     /// `slot`'s task returned (`ran`), or was dropped unrun: then its
@@ -303,6 +357,7 @@ impl<S> Meeting<S> {
             self.fail_locked(&mut state, err);
         }
         state.returned += 1;
+        state.returned_slots[slot] = true;
         self.cv.notify_all();
     }
 }
@@ -317,6 +372,13 @@ pub(crate) trait Seated: Send + Sync + 'static {
 
     /// Part `slot`'s task was dropped unrun (after the meeting failed).
     fn dropped_unrun(&self, _slot: usize) {}
+
+    /// Whether part `slot` finished its work: by default, once its task
+    /// returned; executors whose parts leave work running on the device
+    /// after their task returned say when that ended.
+    fn part_done(&self, state: &Gathering<Self::State>, slot: usize) -> bool {
+        state.task_returned(slot)
+    }
 }
 
 /// A part's right to run. Dropped without running (its device closed, its
@@ -389,7 +451,7 @@ mod tests {
         for t in threads {
             t.join().unwrap().unwrap();
         }
-        m.meeting().wait_returned().unwrap();
+        m.meeting().wait_done(None, |s, slot| s.task_returned(slot)).unwrap();
     }
 
     #[test]
@@ -415,7 +477,10 @@ mod tests {
     fn a_ticket_dropped_unrun_fails_the_meeting() {
         let m = bare(2, Duration::from_secs(60), true);
         drop(Ticket::new(&m, 1));
-        let err = m.meeting().wait_returned().unwrap_err();
+        let err = match m.meeting().wait_done(None, |s, slot| s.task_returned(slot)) {
+            Err(WaitEnd::Failed(err)) => err,
+            other => panic!("the meeting should have failed: {other:?}"),
+        };
         assert!(matches!(err.root_cause(), ServerError::DeviceClosed { .. }), "{err}");
         let meeting = m.meeting();
         let refused = meeting.arrive_locked(&mut meeting.lock(), 0).unwrap_err();

@@ -132,7 +132,7 @@ impl Buffers {
     /// Queues the collective once (a ring of `n` transfers for send/recv).
     pub fn run(&self, group: &ClientGroup, op: ReduceOp) -> Result<(), CommError> {
         let (dtype, root, n) = (self.dtype, self.root, group.len());
-        match self.op {
+        let queued = match self.op {
             Collective::AllReduce => group.all_reduce_handles(&self.src, &self.dst, dtype, op),
             Collective::Reduce => group.reduce_handles(&self.src, &self.dst[root], dtype, op, root),
             Collective::Broadcast => group.broadcast_handles(&self.src[root], &self.dst, dtype, root),
@@ -141,10 +141,14 @@ impl Buffers {
             Collective::AllToAll => group.all_to_all_handles(&self.src, &self.dst, dtype),
             Collective::Gather => group.gather_handles(&self.src, &self.dst[root], dtype, root),
             Collective::Scatter => group.scatter_handles(&self.src[root], &self.dst, dtype, root),
-            Collective::SendRecv => (0..n)
-                .try_for_each(|m| group.send_recv_handles(m, &self.src[m], (m + 1) % n, &self.dst[(m + 1) % n], dtype)),
-            Collective::Barrier => group.barrier(),
-        }
+            Collective::SendRecv => {
+                return (0..n).try_for_each(|m| {
+                    group.send_recv_handles(m, &self.src[m], (m + 1) % n, &self.dst[(m + 1) % n], dtype).map(drop)
+                })
+            }
+            Collective::Barrier => return group.barrier(),
+        };
+        queued.map(drop)
     }
 
     /// The destinations the collective writes, by member.

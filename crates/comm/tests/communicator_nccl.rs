@@ -116,14 +116,14 @@ fn check(comm: &Communicator, op: Collective, dtype: DType, rop: ReduceOp, elems
     let root_slot = if root / l == rank { root % l } else { 0 };
     let what = format!("{op:?} {dtype} {rop} root {root} × {elems}");
     let queued = match op {
-        Collective::AllReduce => comm.all_reduce_handles(&src, &dst, dtype, rop),
-        Collective::Reduce => comm.reduce_handles(&src, &dst[root_slot], dtype, rop, root),
-        Collective::Broadcast => comm.broadcast_handles(&src[root_slot], &dst, dtype, root),
-        Collective::AllGather => comm.all_gather_handles(&src, &dst, dtype),
-        Collective::ReduceScatter => comm.reduce_scatter_handles(&src, &dst, dtype, rop),
-        Collective::AllToAll => comm.all_to_all_handles(&src, &dst, dtype),
-        Collective::Gather => comm.gather_handles(&src, &dst[root_slot], dtype, root),
-        Collective::Scatter => comm.scatter_handles(&src[root_slot], &dst, dtype, root),
+        Collective::AllReduce => comm.all_reduce_handles(&src, &dst, dtype, rop).map(drop),
+        Collective::Reduce => comm.reduce_handles(&src, &dst[root_slot], dtype, rop, root).map(drop),
+        Collective::Broadcast => comm.broadcast_handles(&src[root_slot], &dst, dtype, root).map(drop),
+        Collective::AllGather => comm.all_gather_handles(&src, &dst, dtype).map(drop),
+        Collective::ReduceScatter => comm.reduce_scatter_handles(&src, &dst, dtype, rop).map(drop),
+        Collective::AllToAll => comm.all_to_all_handles(&src, &dst, dtype).map(drop),
+        Collective::Gather => comm.gather_handles(&src, &dst[root_slot], dtype, root).map(drop),
+        Collective::Scatter => comm.scatter_handles(&src[root_slot], &dst, dtype, root).map(drop),
         Collective::SendRecv => unreachable!("checked by `ring_of_messages`"),
         Collective::Barrier => comm.barrier(),
     };

@@ -12,7 +12,13 @@ fn filled(client: &Client, bytes: usize, value: u8) -> Handle {
 
 /// Asserts `result` is an error whose message contains every word, and that
 /// `untouched` buffers still hold `value`.
-fn refused(result: Result<(), CommError>, words: &[&str], group: &ClientGroup, untouched: &[Handle], value: u8) {
+fn refused(
+    result: Result<cohort_comm::Work, CommError>,
+    words: &[&str],
+    group: &ClientGroup,
+    untouched: &[Handle],
+    value: u8,
+) {
     let err = result.expect_err("the call must be refused");
     let message = err.to_string();
     for word in words {

@@ -111,6 +111,13 @@ impl Handle {
         Ok(Handle { alloc: self.alloc.clone(), offset: self.offset + start, size: len })
     }
 
+    /// An identity of the handle's allocation, equal for exactly the
+    /// handles that [`Handle::same_allocation`] pairs while they live (to
+    /// sort or hash handles by allocation).
+    pub fn allocation_key(&self) -> usize {
+        Arc::as_ptr(&self.alloc) as *const () as usize
+    }
+
     /// Whether both handles share one allocation.
     pub fn same_allocation(&self, other: &Handle) -> bool {
         Arc::ptr_eq(&self.alloc, &other.alloc)

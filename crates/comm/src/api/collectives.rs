@@ -1,4 +1,5 @@
-//! [`Collectives`]: the calls every communicator offers, typed.
+//! [`Collectives`]: the calls every communicator offers, typed; and
+//! [`Grouped`], the builder of a grouped call.
 
 use cohort_runtime::{Client, Handle};
 
@@ -8,7 +9,9 @@ use crate::communicator::Communicator;
 use crate::device::Transport;
 use crate::error::CommError;
 use crate::group::ClientGroup;
+use crate::grouped::GroupCall;
 use crate::ops::{DType, Element, ReduceOp};
+use crate::work::Work;
 
 /// The collectives of a set of devices, written once for every way a job
 /// runs: [`ClientGroup`] (one process over several devices), and
@@ -35,6 +38,11 @@ use crate::ops::{DType, Element, ReduceOp};
 /// on every local device and returns at once. A later read of a destination
 /// (or any work on it on its device) runs after the collective. A collective
 /// that fails marks its destinations; reading one returns why.
+///
+/// **Handles.** Every collective returns a [`Work`]: `wait()`,
+/// `wait_timeout(d)` (an expiry names the members not finished yet) and
+/// `is_done()`. Dropping it cancels nothing, so `?;` alone is fine where
+/// reads of the destinations are the only wait needed.
 ///
 /// ```
 /// use cohort_comm::{Buffer, ClientGroup, Collectives, Error, ReduceOp};
@@ -105,7 +113,8 @@ pub trait Collectives {
 
     /// The untyped layer beneath [`Collectives::all_reduce`]: handles and an
     /// explicit element type (for code that handles many types at once).
-    fn all_reduce_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<(), CommError>;
+    fn all_reduce_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp)
+        -> Result<Work, CommError>;
     /// Untyped [`Collectives::reduce`]; `dst` is the root's destination
     /// where this process holds the root.
     fn reduce_handles(
@@ -115,12 +124,12 @@ pub trait Collectives {
         dtype: DType,
         op: ReduceOp,
         root: usize,
-    ) -> Result<(), CommError>;
+    ) -> Result<Work, CommError>;
     /// Untyped [`Collectives::broadcast`]; `src` is the root's source where
     /// this process holds the root.
-    fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError>;
+    fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<Work, CommError>;
     /// Untyped [`Collectives::all_gather`].
-    fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError>;
+    fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError>;
     /// Untyped [`Collectives::reduce_scatter`].
     fn reduce_scatter_handles(
         &self,
@@ -128,13 +137,13 @@ pub trait Collectives {
         dst: &[Handle],
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<(), CommError>;
+    ) -> Result<Work, CommError>;
     /// Untyped [`Collectives::all_to_all`].
-    fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError>;
+    fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError>;
     /// Untyped [`Collectives::gather`].
-    fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError>;
+    fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<Work, CommError>;
     /// Untyped [`Collectives::scatter`].
-    fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError>;
+    fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<Work, CommError>;
     /// Untyped [`Collectives::send_recv`].
     fn send_recv_members(
         &self,
@@ -143,7 +152,46 @@ pub trait Collectives {
         to: usize,
         dst: Option<&Handle>,
         dtype: DType,
-    ) -> Result<(), CommError>;
+    ) -> Result<Work, CommError>;
+
+    /// Untyped [`Collectives::group`]: runs `calls` as one grouped call
+    /// (every call checked first; nothing is queued if one is refused).
+    fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError>;
+
+    /// Runs the collectives `body` records as one grouped call, like
+    /// `ncclGroupStart/End` or PyTorch's coalescing: on the host engine one
+    /// task per device and one meeting for all of them, on NCCL queued back
+    /// to back. Different sizes and element types may be mixed. Every call
+    /// is checked before anything is queued (one bad call refuses the
+    /// group); a call may not read what an earlier call of the group
+    /// writes. Returns one [`Work`] for all of them, at once.
+    ///
+    /// ```
+    /// use cohort_comm::{ClientGroup, Collectives, Error, ReduceOp};
+    /// use cohort_runtime::{CpuRuntime, Runtime};
+    ///
+    /// fn main() -> Result<(), Error> {
+    ///     let group = ClientGroup::new(CpuRuntime::clients()?)?;
+    ///     let a = group.replicate(&[1.0f32; 8])?;
+    ///     let b = group.replicate(&[2i64; 3])?;
+    ///     let work = group.group(|g| {
+    ///         g.all_reduce(&a, &a, ReduceOp::Sum)?;
+    ///         g.all_reduce(&b, &b, ReduceOp::Max)
+    ///     })?;
+    ///     work.wait()?;
+    ///     assert_eq!(a[0].to_vec()?, [group.members() as f32; 8]);
+    ///     assert_eq!(b[0].to_vec()?, [2; 3]);
+    ///     Ok(())
+    /// }
+    /// ```
+    fn group<F>(&self, body: F) -> Result<Work, Error>
+    where
+        F: FnOnce(&mut Grouped<'_, Self>) -> Result<(), Error>,
+    {
+        let mut grouped = Grouped { comm: self, calls: Vec::new() };
+        body(&mut grouped)?;
+        Ok(self.group_handles(grouped.calls)?)
+    }
 
     /// The local slot (index into [`clients`](Collectives::clients)) of
     /// `member`, when this process holds it.
@@ -162,53 +210,67 @@ pub trait Collectives {
     }
 
     /// Reduces every member's `src` element-wise with `op` and writes the
-    /// result to every member's `dst` (same lengths). Returns at once.
-    fn all_reduce<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], op: ReduceOp) -> Result<(), Error> {
+    /// result to every member's `dst` (same lengths). Returns its [`Work`] handle at
+    /// once.
+    fn all_reduce<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], op: ReduceOp) -> Result<Work, Error> {
         Ok(self.all_reduce_handles(&handles(src), &handles(dst), T::DTYPE, op)?)
     }
 
     /// Reduces every member's `src` with `op` into member `root`'s `dst`;
-    /// no other destination is written. Returns at once.
-    fn reduce<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], op: ReduceOp, root: usize) -> Result<(), Error> {
+    /// no other destination is written. Returns its [`Work`] handle at
+    /// once.
+    fn reduce<T: Element>(
+        &self,
+        src: &[Buffer<T>],
+        dst: &[Buffer<T>],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<Work, Error> {
         let dst = pick(self, "reduce", "destination", dst, root)?;
         Ok(self.reduce_handles(&handles(src), dst, T::DTYPE, op, root)?)
     }
 
     /// Copies member `root`'s `src` into every member's `dst`; no other
-    /// source is read. Returns at once.
-    fn broadcast<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], root: usize) -> Result<(), Error> {
+    /// source is read. Returns its [`Work`] handle at
+    /// once.
+    fn broadcast<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], root: usize) -> Result<Work, Error> {
         let src = pick(self, "broadcast", "source", src, root)?;
         Ok(self.broadcast_handles(src, &handles(dst), T::DTYPE, root)?)
     }
 
     /// Concatenates every member's `src` (member order) into every member's
-    /// `dst`, which holds `members()` times a source. Returns at once.
-    fn all_gather<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>]) -> Result<(), Error> {
+    /// `dst`, which holds `members()` times a source. Returns its [`Work`] handle at
+    /// once.
+    fn all_gather<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>]) -> Result<Work, Error> {
         Ok(self.all_gather_handles(&handles(src), &handles(dst), T::DTYPE)?)
     }
 
     /// Reduces every member's `src` (`members()` blocks) with `op` and gives
-    /// member `m` block `m` of the result in its `dst`. Returns at once.
-    fn reduce_scatter<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], op: ReduceOp) -> Result<(), Error> {
+    /// member `m` block `m` of the result in its `dst`. Returns its [`Work`] handle at
+    /// once.
+    fn reduce_scatter<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], op: ReduceOp) -> Result<Work, Error> {
         Ok(self.reduce_scatter_handles(&handles(src), &handles(dst), T::DTYPE, op)?)
     }
 
     /// Sends block `k` of member `m`'s `src` to block `m` of member `k`'s
-    /// `dst`; every buffer holds `members()` equal blocks. Returns at once.
-    fn all_to_all<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>]) -> Result<(), Error> {
+    /// `dst`; every buffer holds `members()` equal blocks. Returns its [`Work`] handle at
+    /// once.
+    fn all_to_all<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>]) -> Result<Work, Error> {
         Ok(self.all_to_all_handles(&handles(src), &handles(dst), T::DTYPE)?)
     }
 
     /// Concatenates every member's `src` (member order) into member
-    /// `root`'s `dst`, which holds `members()` sources. Returns at once.
-    fn gather<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], root: usize) -> Result<(), Error> {
+    /// `root`'s `dst`, which holds `members()` sources. Returns its [`Work`] handle at
+    /// once.
+    fn gather<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], root: usize) -> Result<Work, Error> {
         let dst = pick(self, "gather", "destination", dst, root)?;
         Ok(self.gather_handles(&handles(src), dst, T::DTYPE, root)?)
     }
 
     /// Gives member `m` block `m` of member `root`'s `src` (which holds
-    /// `members()` destinations). Returns at once.
-    fn scatter<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], root: usize) -> Result<(), Error> {
+    /// `members()` destinations). Returns its [`Work`] handle at
+    /// once.
+    fn scatter<T: Element>(&self, src: &[Buffer<T>], dst: &[Buffer<T>], root: usize) -> Result<Work, Error> {
         let src = pick(self, "scatter", "source", src, root)?;
         Ok(self.scatter_handles(src, &handles(dst), T::DTYPE, root)?)
     }
@@ -223,7 +285,7 @@ pub trait Collectives {
         src: Option<&Buffer<T>>,
         to: usize,
         dst: Option<&Buffer<T>>,
-    ) -> Result<(), Error> {
+    ) -> Result<Work, Error> {
         Ok(self.send_recv_members(from, src.map(Buffer::handle), to, dst.map(Buffer::handle), T::DTYPE)?)
     }
 }
@@ -247,6 +309,79 @@ fn pick<'a, C: Collectives + ?Sized, T: Element>(
     })
 }
 
+/// The collectives of one grouped call, recorded in order by the closure
+/// given to [`Collectives::group`] and run as one when it returns: on the
+/// host engine one task per device and one meeting for all of them; on
+/// NCCL the calls are queued back to back. Sizes and element types may
+/// differ between calls; a call may not read what an earlier call of the
+/// same group writes (that is refused). Nothing is queued until every call
+/// passed its argument check: one bad call refuses the whole group.
+pub struct Grouped<'a, C: Collectives + ?Sized> {
+    comm: &'a C,
+    calls: Vec<GroupCall>,
+}
+
+impl<C: Collectives + ?Sized> Grouped<'_, C> {
+    /// Calls recorded so far.
+    pub fn len(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Whether no call was recorded yet.
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    /// Records [`Collectives::all_reduce`].
+    pub fn all_reduce<T: Element>(&mut self, src: &[Buffer<T>], dst: &[Buffer<T>], op: ReduceOp) -> Result<(), Error> {
+        self.calls.push(GroupCall::AllReduce { src: handles(src), dst: handles(dst), dtype: T::DTYPE, op });
+        Ok(())
+    }
+
+    /// Records [`Collectives::reduce`].
+    pub fn reduce<T: Element>(
+        &mut self,
+        src: &[Buffer<T>],
+        dst: &[Buffer<T>],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), Error> {
+        let dst = pick(self.comm, "reduce", "destination", dst, root)?.clone();
+        self.calls.push(GroupCall::Reduce { src: handles(src), dst, dtype: T::DTYPE, op, root });
+        Ok(())
+    }
+
+    /// Records [`Collectives::broadcast`].
+    pub fn broadcast<T: Element>(&mut self, src: &[Buffer<T>], dst: &[Buffer<T>], root: usize) -> Result<(), Error> {
+        let src = pick(self.comm, "broadcast", "source", src, root)?.clone();
+        self.calls.push(GroupCall::Broadcast { src, dst: handles(dst), dtype: T::DTYPE, root });
+        Ok(())
+    }
+
+    /// Records [`Collectives::all_gather`].
+    pub fn all_gather<T: Element>(&mut self, src: &[Buffer<T>], dst: &[Buffer<T>]) -> Result<(), Error> {
+        self.calls.push(GroupCall::AllGather { src: handles(src), dst: handles(dst), dtype: T::DTYPE });
+        Ok(())
+    }
+
+    /// Records [`Collectives::reduce_scatter`].
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        src: &[Buffer<T>],
+        dst: &[Buffer<T>],
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        self.calls.push(GroupCall::ReduceScatter { src: handles(src), dst: handles(dst), dtype: T::DTYPE, op });
+        Ok(())
+    }
+
+    /// Records [`Collectives::all_to_all`].
+    pub fn all_to_all<T: Element>(&mut self, src: &[Buffer<T>], dst: &[Buffer<T>]) -> Result<(), Error> {
+        self.calls.push(GroupCall::AllToAll { src: handles(src), dst: handles(dst), dtype: T::DTYPE });
+        Ok(())
+    }
+}
+
 /// The untyped collectives of `$ty`, from its inherent methods of the same
 /// names.
 macro_rules! untyped_from_inherent {
@@ -257,7 +392,7 @@ macro_rules! untyped_from_inherent {
             dst: &[Handle],
             dtype: DType,
             op: ReduceOp,
-        ) -> Result<(), CommError> {
+        ) -> Result<Work, CommError> {
             <$ty>::all_reduce_handles(self, src, dst, dtype, op)
         }
         fn reduce_handles(
@@ -267,13 +402,19 @@ macro_rules! untyped_from_inherent {
             dtype: DType,
             op: ReduceOp,
             root: usize,
-        ) -> Result<(), CommError> {
+        ) -> Result<Work, CommError> {
             <$ty>::reduce_handles(self, src, dst, dtype, op, root)
         }
-        fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+        fn broadcast_handles(
+            &self,
+            src: &Handle,
+            dst: &[Handle],
+            dtype: DType,
+            root: usize,
+        ) -> Result<Work, CommError> {
             <$ty>::broadcast_handles(self, src, dst, dtype, root)
         }
-        fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+        fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError> {
             <$ty>::all_gather_handles(self, src, dst, dtype)
         }
         fn reduce_scatter_handles(
@@ -282,17 +423,20 @@ macro_rules! untyped_from_inherent {
             dst: &[Handle],
             dtype: DType,
             op: ReduceOp,
-        ) -> Result<(), CommError> {
+        ) -> Result<Work, CommError> {
             <$ty>::reduce_scatter_handles(self, src, dst, dtype, op)
         }
-        fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+        fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError> {
             <$ty>::all_to_all_handles(self, src, dst, dtype)
         }
-        fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
+        fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<Work, CommError> {
             <$ty>::gather_handles(self, src, dst, dtype, root)
         }
-        fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+        fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<Work, CommError> {
             <$ty>::scatter_handles(self, src, dst, dtype, root)
+        }
+        fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError> {
+            <$ty>::group_handles(self, calls)
         }
         fn sync(&self) -> Result<(), CommError> {
             <$ty>::sync(self)
@@ -335,7 +479,7 @@ impl Collectives for ClientGroup {
         to: usize,
         dst: Option<&Handle>,
         dtype: DType,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         // One process holds every member: both ends are its own.
         let src = src.ok_or(CommError::MissingBuffer { operation: "send_recv", what: "source", member: from })?;
         let dst = dst.ok_or(CommError::MissingBuffer { operation: "send_recv", what: "destination", member: to })?;
@@ -369,7 +513,7 @@ impl Collectives for Communicator {
         to: usize,
         dst: Option<&Handle>,
         dtype: DType,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         let members = Communicator::members(self);
         for (what, index) in [("sender", from), ("receiver", to)] {
             if index >= members {
@@ -412,7 +556,7 @@ impl Collectives for Communicator {
                 owned("destination", to, dst)?;
                 self.recv_handle(dst, from_rank, dtype)
             }
-            (false, false) => Ok(()),
+            (false, false) => Ok(Work::nothing("send_recv")),
         }
     }
 }

@@ -16,6 +16,6 @@ mod error;
 mod world;
 
 pub use buffer::Buffer;
-pub use collectives::Collectives;
+pub use collectives::{Collectives, Grouped};
 pub use error::Error;
 pub use world::{rank_clients, World};

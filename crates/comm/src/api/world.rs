@@ -10,6 +10,7 @@ use crate::error::CommError;
 use crate::group::ClientGroup;
 use crate::launch_env::{LaunchEnv, LaunchEnvError};
 use crate::ops::{DType, ReduceOp};
+use crate::work::Work;
 
 /// Every device of the job, as this process sees it: a [`ClientGroup`] when
 /// the process runs alone (no launcher), a [`Communicator`] when `cohort
@@ -93,7 +94,13 @@ impl Collectives for World {
     fn barrier(&self) -> Result<(), CommError> {
         each!(self, c => Collectives::barrier(c))
     }
-    fn all_reduce_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+    fn all_reduce_handles(
+        &self,
+        src: &[Handle],
+        dst: &[Handle],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<Work, CommError> {
         each!(self, c => c.all_reduce_handles(src, dst, dtype, op))
     }
     fn reduce_handles(
@@ -103,13 +110,13 @@ impl Collectives for World {
         dtype: DType,
         op: ReduceOp,
         root: usize,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         each!(self, c => c.reduce_handles(src, dst, dtype, op, root))
     }
-    fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<Work, CommError> {
         each!(self, c => c.broadcast_handles(src, dst, dtype, root))
     }
-    fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError> {
         each!(self, c => c.all_gather_handles(src, dst, dtype))
     }
     fn reduce_scatter_handles(
@@ -118,17 +125,20 @@ impl Collectives for World {
         dst: &[Handle],
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         each!(self, c => c.reduce_scatter_handles(src, dst, dtype, op))
     }
-    fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError> {
         each!(self, c => c.all_to_all_handles(src, dst, dtype))
     }
-    fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
+    fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<Work, CommError> {
         each!(self, c => c.gather_handles(src, dst, dtype, root))
     }
-    fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<Work, CommError> {
         each!(self, c => c.scatter_handles(src, dst, dtype, root))
+    }
+    fn group_handles(&self, calls: Vec<crate::GroupCall>) -> Result<Work, CommError> {
+        each!(self, c => c.group_handles(calls))
     }
     fn send_recv_members(
         &self,
@@ -137,7 +147,7 @@ impl Collectives for World {
         to: usize,
         dst: Option<&Handle>,
         dtype: DType,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         each!(self, c => c.send_recv_members(from, src, to, dst, dtype))
     }
 }

@@ -9,14 +9,15 @@ use cohort_runtime::Handle;
 
 use super::fingerprint::Fingerprint;
 use super::local::LocalCall;
-use super::nccl::Pending;
 use super::Communicator;
 use crate::check::Members;
 use crate::error::CommError;
+use crate::grouped::{check_independent, GroupCall};
 use crate::meeting::Ticket;
 use crate::op::Op;
 use crate::ops::{DType, ReduceOp};
 use crate::order::enqueue_lock;
+use crate::work::Work;
 
 impl Communicator {
     /// This rank's side of every argument check: its local devices among
@@ -28,9 +29,9 @@ impl Communicator {
 
     /// Queues one task per local device (slot `s` with `inputs[s]` and
     /// `outputs[s]`), the last of which runs `op` between ranks. Returns
-    /// the meeting (to wait on). The call's fingerprint (its sequence number
+    /// its handle. The call's fingerprint (its sequence number
     /// and `op`) is what ranks compare to find mismatched calls.
-    fn launch(&self, op: Op, inputs: Vec<Option<Handle>>, outputs: Vec<Option<Handle>>) -> Result<Pending, CommError> {
+    fn launch(&self, op: Op, inputs: Vec<Option<Handle>>, outputs: Vec<Option<Handle>>) -> Result<Work, CommError> {
         let name = op.name();
         for (slot, client) in self.clients().iter().enumerate() {
             if client.is_capturing() {
@@ -57,7 +58,7 @@ impl Communicator {
             drop((issued, order));
             let meeting = meeting?;
             meeting.on_done(move |outcome| tracker.ended(outcome));
-            return Ok(Pending::Nccl(meeting));
+            return Ok(Work::new(name, meeting).within(format!("rank {}", self.rank())));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp);
@@ -88,7 +89,7 @@ impl Communicator {
         drop(order);
         match failed {
             Some(err) => Err(err),
-            None => Ok(Pending::Host(call)),
+            None => Ok(Work::new(name, call).within(format!("rank {}", self.rank()))),
         }
     }
 
@@ -100,10 +101,9 @@ impl Communicator {
         dst: &[Handle],
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         let op = self.checks().all_reduce(src, dst, dtype, op)?;
-        self.launch(op, some(src), some(dst))?;
-        Ok(())
+        self.launch(op, some(src), some(dst))
     }
 
     /// Reduces every member's `src` with `op` into `dst` on member `root`
@@ -116,26 +116,29 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
         root: usize,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         let op = self.checks().reduce(src, dst, dtype, op, root)?;
-        self.launch(op, some(src), self.at_root(root, dst))?;
-        Ok(())
+        self.launch(op, some(src), self.at_root(root, dst))
     }
 
     /// Copies `src` of member `root` to every member's `dst` (`src` is
     /// ignored on other ranks). Returns at once.
-    pub fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn broadcast_handles(
+        &self,
+        src: &Handle,
+        dst: &[Handle],
+        dtype: DType,
+        root: usize,
+    ) -> Result<Work, CommError> {
         let op = self.checks().broadcast(src, dst, dtype, root)?;
-        self.launch(op, self.at_root(root, src), some(dst))?;
-        Ok(())
+        self.launch(op, self.at_root(root, src), some(dst))
     }
 
     /// Concatenates every member's `src` (member order) into every member's
     /// `dst`, which holds `members()` sources. Returns at once.
-    pub fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    pub fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError> {
         let op = self.checks().all_gather(src, dst, dtype)?;
-        self.launch(op, some(src), some(dst))?;
-        Ok(())
+        self.launch(op, some(src), some(dst))
     }
 
     /// Reduces every member's `src` (`members()` blocks) with `op` and gives
@@ -146,36 +149,32 @@ impl Communicator {
         dst: &[Handle],
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         let op = self.checks().reduce_scatter(src, dst, dtype, op)?;
-        self.launch(op, some(src), some(dst))?;
-        Ok(())
+        self.launch(op, some(src), some(dst))
     }
 
     /// Sends block `k` of member `m`'s `src` to block `m` of member `k`'s
     /// `dst`; every buffer holds `members()` equal blocks. Returns at once.
-    pub fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    pub fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError> {
         let op = self.checks().all_to_all(src, dst, dtype)?;
-        self.launch(op, some(src), some(dst))?;
-        Ok(())
+        self.launch(op, some(src), some(dst))
     }
 
     /// Concatenates every member's `src` into `dst` on member `root`, which
     /// holds `members()` sources (`dst` is ignored elsewhere). Returns at
     /// once.
-    pub fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<Work, CommError> {
         let op = self.checks().gather(src, dst, dtype, root)?;
-        self.launch(op, some(src), self.at_root(root, dst))?;
-        Ok(())
+        self.launch(op, some(src), self.at_root(root, dst))
     }
 
     /// Gives member `m` block `m` of `src`, a buffer of member `root`
     /// holding `members()` destinations (`src` is ignored elsewhere).
     /// Returns at once.
-    pub fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<Work, CommError> {
         let op = self.checks().scatter(src, dst, dtype, root)?;
-        self.launch(op, self.at_root(root, src), some(dst))?;
-        Ok(())
+        self.launch(op, self.at_root(root, src), some(dst))
     }
 
     /// Sends `src` (a buffer of one of this rank's devices) to rank `to`,
@@ -184,24 +183,22 @@ impl Communicator {
     /// larger than the link's buffer (4 MiB over shared memory), waits there
     /// for the receiver, so two ranks that send large messages to each other
     /// first must order them (lower rank sends first) .
-    pub fn send_handle(&self, src: &Handle, to: usize, dtype: DType) -> Result<(), CommError> {
+    pub fn send_handle(&self, src: &Handle, to: usize, dtype: DType) -> Result<Work, CommError> {
         let (op, slot) = self.checks().message(true, src, self.rank(), to, self.size(), dtype)?;
         let mut inputs = vec![None; self.local_devices()];
         inputs[slot] = Some(src.clone());
-        self.launch(op, inputs, vec![None; self.local_devices()])?;
-        Ok(())
+        self.launch(op, inputs, vec![None; self.local_devices()])
     }
 
     /// Receives into `dst` (a buffer of one of this rank's devices) what rank
     /// `from` sends with [`Communicator::send_handle`]. Returns at once; reads of
     /// `dst` wait for the message. A message of another size or type is an
     /// error naming both sides.
-    pub fn recv_handle(&self, dst: &Handle, from: usize, dtype: DType) -> Result<(), CommError> {
+    pub fn recv_handle(&self, dst: &Handle, from: usize, dtype: DType) -> Result<Work, CommError> {
         let (op, slot) = self.checks().message(false, dst, self.rank(), from, self.size(), dtype)?;
         let mut outputs = vec![None; self.local_devices()];
         outputs[slot] = Some(dst.clone());
-        self.launch(op, vec![None; self.local_devices()], outputs)?;
-        Ok(())
+        self.launch(op, vec![None; self.local_devices()], outputs)
     }
 
     /// Waits, on the calling thread, until every rank's every local device
@@ -210,8 +207,42 @@ impl Communicator {
     /// or any other failure.
     pub fn barrier(&self) -> Result<(), CommError> {
         let none = vec![None; self.local_devices()];
-        let meeting = self.launch(Op::barrier(), none.clone(), none)?;
-        meeting.wait().map_err(|source| CommError::Failed { operation: "barrier", source })
+        self.launch(Op::barrier(), none.clone(), none)?.wait()
+    }
+
+    /// Runs `calls` as one grouped call: every call is checked (and the
+    /// calls checked not to depend on each other) before anything is
+    /// queued, then each is queued in turn; one handle for all of them.
+    pub fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError> {
+        let mut prepared = Vec::with_capacity(calls.len());
+        for call in &calls {
+            let checks = self.checks();
+            prepared.push(match call {
+                GroupCall::AllReduce { src, dst, dtype, op } => {
+                    (checks.all_reduce(src, dst, *dtype, *op)?, some(src), some(dst))
+                }
+                GroupCall::Reduce { src, dst, dtype, op, root } => {
+                    (checks.reduce(src, dst, *dtype, *op, *root)?, some(src), self.at_root(*root, dst))
+                }
+                GroupCall::Broadcast { src, dst, dtype, root } => {
+                    (checks.broadcast(src, dst, *dtype, *root)?, self.at_root(*root, src), some(dst))
+                }
+                GroupCall::AllGather { src, dst, dtype } => {
+                    (checks.all_gather(src, dst, *dtype)?, some(src), some(dst))
+                }
+                GroupCall::ReduceScatter { src, dst, dtype, op } => {
+                    (checks.reduce_scatter(src, dst, *dtype, *op)?, some(src), some(dst))
+                }
+                GroupCall::AllToAll { src, dst, dtype } => (checks.all_to_all(src, dst, *dtype)?, some(src), some(dst)),
+            });
+        }
+        let buffers: Vec<_> = prepared
+            .iter()
+            .map(|(_, ins, outs)| (ins.iter().flatten().collect(), outs.iter().flatten().collect()))
+            .collect();
+        check_independent(&buffers)?;
+        let works = prepared.into_iter().map(|(op, ins, outs)| self.launch(op, ins, outs)).collect::<Result<_, _>>()?;
+        Ok(Work::all("group", works).within(format!("rank {}", self.rank())))
     }
 
     /// One buffer per local device: `handle` at the root's slot when the

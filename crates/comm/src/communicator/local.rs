@@ -81,12 +81,6 @@ impl LocalCall {
         Arc::new(LocalCall { plan: Mutex::new(Some(plan)), meeting: Meeting::new(name, seats, timeout, state) })
     }
 
-    /// Blocks the calling thread until every local task returned, or the
-    /// call failed; its failure.
-    pub(crate) fn wait(&self) -> Result<(), ServerError> {
-        self.meeting.wait_returned()
-    }
-
     /// A local task's body: `has_in`/`has_out` say which buffers (in that
     /// order) the task was queued with.
     pub(crate) fn run_task(

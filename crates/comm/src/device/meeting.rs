@@ -21,7 +21,7 @@ use cohort_runtime::{BufferAccess, DeviceId, ServerError};
 
 use super::plan::{self, Shape};
 use super::{forget, Mode, NcclSet};
-use crate::meeting::{Meeting, Seat, Seated};
+use crate::meeting::{Gathering, Meeting, Seat, Seated};
 use crate::op::{Collective, Op};
 use crate::trace::Watched;
 
@@ -35,8 +35,10 @@ pub(crate) struct DeviceState {
 
 /// The shared object of one device-path collective.
 pub(crate) struct DeviceCollective {
-    /// What runs; roots and endpoints are slots.
-    op: Op,
+    /// What runs; roots and endpoints are slots. The calls of a grouped
+    /// call are several, all on one NCCL communicator (`ops[0]` alone runs
+    /// on the other modes).
+    ops: Vec<Op>,
     meeting: Meeting<DeviceState>,
 }
 
@@ -46,14 +48,25 @@ impl Seated for DeviceCollective {
     fn meeting(&self) -> &Meeting<DeviceState> {
         &self.meeting
     }
+
+    /// A part is done once its calls completed on its device.
+    fn part_done(&self, state: &Gathering<DeviceState>, slot: usize) -> bool {
+        state.data.finished[slot]
+    }
 }
 
 impl DeviceCollective {
-    /// The collective `op` among `parts` ((member, device) by slot).
-    pub(crate) fn new(op: Op, parts: Vec<(usize, DeviceId)>, timeout: Duration) -> Arc<DeviceCollective> {
+    /// The grouped call `ops` (queued on one NCCL communicator, inside one
+    /// `ncclGroupStart/End` per part) among `parts`.
+    pub(crate) fn grouped(
+        ops: Vec<Op>,
+        name: &'static str,
+        parts: Vec<(usize, DeviceId)>,
+        timeout: Duration,
+    ) -> Arc<DeviceCollective> {
         let state = DeviceState { finished: vec![false; parts.len()], tokens: [None, None] };
         let seats = parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
-        Arc::new(DeviceCollective { op, meeting: Meeting::new(op.name(), seats, timeout, state) })
+        Arc::new(DeviceCollective { ops, meeting: Meeting::new(name, seats, timeout, state) })
     }
 
     fn fail(&self, err: ServerError) -> ServerError {
@@ -68,12 +81,6 @@ impl DeviceCollective {
         self.meeting.wait_arrivals(&mut state, slot, deadline)
     }
 
-    /// Blocks the calling thread until every part returned, or the meeting
-    /// failed; returns the failure.
-    pub(crate) fn wait_finished(&self) -> Result<(), ServerError> {
-        self.meeting.wait_returned()
-    }
-
     /// Runs part `slot` on its device thread: meets the other parts and
     /// queues its calls (waiting for them only for a barrier). `tracked`,
     /// the collective's flight record, is held until the calls end.
@@ -82,15 +89,16 @@ impl DeviceCollective {
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
         mode: &Mode,
-        shape: Shape,
+        shapes: &[Shape],
         tracked: Option<Arc<Watched>>,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
         let deadline = Instant::now() + self.meeting.timeout();
-        let buffers = shape.bind(|i| access.binding(i));
+        let op = &self.ops[0];
+        let buffers = shapes[0].bind(|i| access.binding(i));
         if let Mode::Local = mode {
             // A copy needs both buffers: the input is buffer 0, the output 1.
-            if plan::local_copy(&self.op, &buffers).is_some() {
+            if plan::local_copy(op, &buffers).is_some() {
                 access.copy(0, 1).map_err(|err| self.fail(err))?;
             }
             self.meeting.lock().data.finished[slot] = true;
@@ -110,7 +118,17 @@ impl DeviceCollective {
                 }
             }
             Mode::Nccl(set) => {
-                let calls = plan::nccl_calls(&self.op, slot, self.meeting.len(), &buffers);
+                // Sources first, then destinations (and scratch), call by call.
+                let inputs = shapes.iter().filter(|s| s.input).count();
+                let (mut next_in, mut next_out) = (0, inputs);
+                let mut calls = Vec::new();
+                for (op, shape) in self.ops.iter().zip(shapes) {
+                    let (at_in, at_out) = (next_in, next_out);
+                    let buffers = shape.bind_at(|i| access.binding(if i == 0 { at_in } else { at_out + i - 1 }));
+                    next_in += usize::from(shape.input);
+                    next_out += usize::from(shape.output) + usize::from(shape.scratch);
+                    calls.extend(plan::nccl_calls(op, slot, self.meeting.len(), &buffers));
+                }
                 if calls.is_empty() {
                     Ok(())
                 } else {
@@ -119,7 +137,7 @@ impl DeviceCollective {
                     // Barriers are waited for (`wait_finished`); the rest
                     // return once queued.
                     let completion =
-                        if self.op.collective() == Collective::Barrier { Completion::Wait } else { Completion::Defer };
+                        if op.collective() == Collective::Barrier { Completion::Wait } else { Completion::Defer };
                     let monitor = Arc::new(PartMonitor { collective: self.clone(), slot, set: set.clone(), tracked });
                     let result = access.run_collective(&spec, &calls, monitor, completion);
                     if result.is_err() {

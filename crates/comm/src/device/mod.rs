@@ -198,7 +198,7 @@ pub(crate) enum Mode {
 }
 
 /// Queues every part of one collective on the device path under the
-/// process-wide order; returns the meeting (to wait on, for barriers).
+/// process-wide order; returns the meeting (to wait on).
 /// `op`'s roots and endpoints are slots of `parts`.
 pub(crate) fn launch(
     clients: &[Client],
@@ -208,33 +208,61 @@ pub(crate) fn launch(
     parts: Vec<DevicePart>,
     tracked: Option<Arc<crate::trace::Watched>>,
 ) -> Result<Arc<DeviceCollective>, CommError> {
-    let (operation, seg) = (op.name(), op.block_bytes());
-    let devices = parts.iter().map(|p| (p.member, clients[p.member].device_id())).collect();
-    let meeting = DeviceCollective::new(op, devices, timeout);
-    let n = parts.len();
-    let mut tasks = Vec::with_capacity(n);
-    for (slot, part) in parts.into_iter().enumerate() {
-        let client = &clients[part.member];
-        let mut outputs: Vec<Handle> = part.output.into_iter().collect();
-        // In-place all-to-all over NCCL sends from a copy of the source.
-        let scratch = matches!(mode, Mode::Nccl(_))
-            && op.collective() == Collective::AllToAll
-            && part.input.as_ref().zip(outputs.first()).is_some_and(|(i, o)| crate::check::same_bytes(i, o));
-        if scratch {
-            outputs.push(client.empty(seg * n));
+    launch_grouped(clients, timeout, op.name(), vec![(op, parts)], mode, tracked)
+}
+
+/// Queues a grouped call on the device path: one task per member carrying
+/// every call's buffers, whose NCCL calls go inside one
+/// `ncclGroupStart/End`. Every call has one part per member, in the same
+/// member order (`mode` must be [`Mode::Nccl`] for more than one call).
+pub(crate) fn launch_grouped(
+    clients: &[Client],
+    timeout: Duration,
+    operation: &'static str,
+    calls: Vec<(Op, Vec<DevicePart>)>,
+    mode: Mode,
+    tracked: Option<Arc<crate::trace::Watched>>,
+) -> Result<Arc<DeviceCollective>, CommError> {
+    let n = calls[0].1.len();
+    let devices = calls[0].1.iter().map(|p| (p.member, clients[p.member].device_id())).collect();
+    let members: Vec<usize> = calls[0].1.iter().map(|p| p.member).collect();
+    let ops: Vec<Op> = calls.iter().map(|(op, _)| *op).collect();
+    let meeting = DeviceCollective::grouped(ops, operation, devices, timeout);
+    // Per slot: sources, then destinations and scratch, and each call's shape.
+    let mut slots: Vec<(Vec<Handle>, Vec<Handle>, Vec<plan::Shape>)> = vec![Default::default(); n];
+    for (op, parts) in calls {
+        let seg = op.block_bytes();
+        for (slot, part) in parts.into_iter().enumerate() {
+            let client = &clients[part.member];
+            let output = part.output.is_some();
+            let mut outputs: Vec<Handle> = part.output.into_iter().collect();
+            // In-place all-to-all over NCCL sends from a copy of the source.
+            let scratch = matches!(mode, Mode::Nccl(_))
+                && op.collective() == Collective::AllToAll
+                && part.input.as_ref().zip(outputs.first()).is_some_and(|(i, o)| crate::check::same_bytes(i, o));
+            if scratch {
+                outputs.push(client.empty(seg * n));
+            }
+            let shape = plan::Shape { input: part.input.is_some(), output, scratch };
+            let (ins, outs, shapes) = &mut slots[slot];
+            ins.extend(part.input);
+            outs.extend(outputs);
+            shapes.push(shape);
         }
-        let inputs: Vec<Handle> = part.input.into_iter().collect();
-        let shape = plan::Shape { input: !inputs.is_empty(), output: !outputs.is_empty(), scratch };
-        tasks.push((part.member, inputs, outputs, Ticket::new(&meeting, slot), shape));
     }
+    let tasks: Vec<_> = slots
+        .into_iter()
+        .enumerate()
+        .map(|(slot, (inputs, outputs, shapes))| (members[slot], inputs, outputs, Ticket::new(&meeting, slot), shapes))
+        .collect();
     let mut failed = None;
     let order = enqueue_lock();
-    for (member, inputs, outputs, ticket, shape) in tasks {
+    for (member, inputs, outputs, ticket, shapes) in tasks {
         let client = &clients[member];
         let mode = mode.clone();
         let tracked = tracked.clone();
         let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
-            let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, shape, tracked.clone()));
+            let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, &shapes, tracked.clone()));
             if let Some(t) = &tracked {
                 t.note(&result);
             }

@@ -40,6 +40,18 @@ impl Shape {
     }
 }
 
+impl Shape {
+    /// Resolves the shape where its source is binding `0` of `binding` and
+    /// its destination and scratch follow from `1` (a grouped call's
+    /// buffers: `binding` maps these onto the task's).
+    pub(crate) fn bind_at(&self, binding: impl Fn(usize) -> Binding) -> Buffers {
+        let input = self.input.then(|| binding(0));
+        let output = self.output.then(|| binding(1));
+        let scratch = self.scratch.then(|| binding(1 + usize::from(self.output)));
+        Buffers { input, output, scratch }
+    }
+}
+
 /// Block `k` (of `seg` bytes) of a binding.
 fn block(b: Binding, k: usize, seg: usize) -> Binding {
     Binding { page: b.page, offset: b.offset + (k * seg) as u64, size: seg as u64 }

@@ -13,20 +13,21 @@ use crate::check::Members;
 use crate::error::CommError;
 use crate::op::Op;
 use crate::ops::{DType, ReduceOp};
+use crate::work::Work;
 
 impl ClientGroup {
     /// The group's side of every argument check: all members local, and a
     /// source may meet its destination only in the in-place layout.
-    fn checks(&self) -> Members<'_> {
+    pub(super) fn checks(&self) -> Members<'_> {
         Members { clients: self.clients(), first: 0, count: self.len(), strict_overlap: true }
     }
 
-    fn every(&self, src: &[Handle], dst: &[Handle]) -> Vec<Part> {
+    pub(super) fn every(&self, src: &[Handle], dst: &[Handle]) -> Vec<Part> {
         (0..self.len()).map(|m| Part { member: m, input: src.get(m).cloned(), output: dst.get(m).cloned() }).collect()
     }
 
     /// Every member's part, the root's with `input` or `output` as well.
-    fn rooted(
+    pub(super) fn rooted(
         &self,
         src: &[Handle],
         dst: &[Handle],
@@ -53,10 +54,9 @@ impl ClientGroup {
         dst: &[Handle],
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         let op = self.checks().all_reduce(src, dst, dtype, op)?;
-        self.launch(op, self.every(src, dst))?;
-        Ok(())
+        self.launch(op, self.every(src, dst))
     }
 
     /// Reduces every member's `src` with `op` into `dst`, a buffer of member
@@ -68,25 +68,28 @@ impl ClientGroup {
         dtype: DType,
         op: ReduceOp,
         root: usize,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         let op = self.checks().reduce(src, dst, dtype, op, root)?;
-        self.launch(op, self.rooted(src, &[], root, None, Some(dst)))?;
-        Ok(())
+        self.launch(op, self.rooted(src, &[], root, None, Some(dst)))
     }
 
     /// Copies `src`, a buffer of member `root`, to every member's `dst`.
-    pub fn broadcast_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn broadcast_handles(
+        &self,
+        src: &Handle,
+        dst: &[Handle],
+        dtype: DType,
+        root: usize,
+    ) -> Result<Work, CommError> {
         let op = self.checks().broadcast(src, dst, dtype, root)?;
-        self.launch(op, self.rooted(&[], dst, root, Some(src), None))?;
-        Ok(())
+        self.launch(op, self.rooted(&[], dst, root, Some(src), None))
     }
 
     /// Concatenates every member's `src` (member order) into every member's
     /// `dst`, which holds `len()` times a source.
-    pub fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    pub fn all_gather_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError> {
         let op = self.checks().all_gather(src, dst, dtype)?;
-        self.launch(op, self.every(src, dst))?;
-        Ok(())
+        self.launch(op, self.every(src, dst))
     }
 
     /// Reduces every member's `src` with `op` and gives member `m` block `m`
@@ -97,35 +100,31 @@ impl ClientGroup {
         dst: &[Handle],
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         let op = self.checks().reduce_scatter(src, dst, dtype, op)?;
-        self.launch(op, self.every(src, dst))?;
-        Ok(())
+        self.launch(op, self.every(src, dst))
     }
 
     /// Sends block `k` of member `m`'s `src` to block `m` of member `k`'s
     /// `dst`; every buffer holds `len()` equal blocks. In place when every
     /// member passes the same buffer as source and destination.
-    pub fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<(), CommError> {
+    pub fn all_to_all_handles(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Work, CommError> {
         let op = self.checks().all_to_all(src, dst, dtype)?;
-        self.launch(op, self.every(src, dst))?;
-        Ok(())
+        self.launch(op, self.every(src, dst))
     }
 
     /// Concatenates every member's `src` (member order) into `dst`, a buffer
     /// of member `root` holding `len()` sources.
-    pub fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn gather_handles(&self, src: &[Handle], dst: &Handle, dtype: DType, root: usize) -> Result<Work, CommError> {
         let op = self.checks().gather(src, dst, dtype, root)?;
-        self.launch(op, self.rooted(src, &[], root, None, Some(dst)))?;
-        Ok(())
+        self.launch(op, self.rooted(src, &[], root, None, Some(dst)))
     }
 
     /// Gives member `m` block `m` of `src`, a buffer of member `root`
     /// holding `len()` destinations.
-    pub fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<(), CommError> {
+    pub fn scatter_handles(&self, src: &Handle, dst: &[Handle], dtype: DType, root: usize) -> Result<Work, CommError> {
         let op = self.checks().scatter(src, dst, dtype, root)?;
-        self.launch(op, self.rooted(&[], dst, root, Some(src), None))?;
-        Ok(())
+        self.launch(op, self.rooted(&[], dst, root, Some(src), None))
     }
 
     /// A paired send/recv: copies `src` of member `from` into `dst` of member
@@ -138,7 +137,7 @@ impl ClientGroup {
         to: usize,
         dst: &Handle,
         dtype: DType,
-    ) -> Result<(), CommError> {
+    ) -> Result<Work, CommError> {
         let op = self.checks().send_recv(from, src, to, dst, dtype)?;
         let parts = if from == to {
             vec![Part { member: from, input: Some(src.clone()), output: Some(dst.clone()) }]
@@ -148,8 +147,7 @@ impl ClientGroup {
                 Part { member: to, input: None, output: Some(dst.clone()) },
             ]
         };
-        self.launch(op, parts)?;
-        Ok(())
+        self.launch(op, parts)
     }
 
     /// A new buffer on member `to` holding a copy of `src` (a buffer of
@@ -167,8 +165,7 @@ impl ClientGroup {
     /// the failure of a member's device.
     pub fn barrier(&self) -> Result<(), CommError> {
         let parts = (0..self.len()).map(|m| Part { member: m, input: None, output: None }).collect();
-        let collective = self.launch(Op::barrier(), parts)?;
-        collective.wait_finished().map_err(|source| CommError::Failed { operation: "barrier", source })
+        self.launch(Op::barrier(), parts)?.wait()
     }
 }
 

@@ -2,6 +2,8 @@
 //! and the collectives across them.
 
 mod collectives;
+mod grouped;
+mod split;
 
 pub use collectives::to_client;
 
@@ -12,13 +14,14 @@ use std::time::Duration;
 use cohort_runtime::config;
 use cohort_runtime::{Client, Handle};
 
-use crate::device::{self, DeviceCollective, DevicePart, Mode, Route, Transport};
+use crate::device::{self, DevicePart, Mode, Route, Transport};
 use crate::error::CommError;
 use crate::host::{default_timeout, HostCollective, HostPath};
 use crate::meeting::{Seat, Ticket};
 use crate::op::{Collective, Op};
 use crate::order::{communicator, enqueue_lock, DeviceSetComm};
 use crate::trace::{FlightRecorder, Watched};
+use crate::work::Work;
 
 /// Default bytes per pipelined chunk on the staged host path.
 pub const DEFAULT_STAGE_CHUNK: usize = 4 << 20;
@@ -54,22 +57,6 @@ pub(crate) struct Part {
     member: usize,
     input: Option<Handle>,
     output: Option<Handle>,
-}
-
-/// A queued collective, to wait on (barriers).
-pub(crate) enum Launched {
-    Host(Arc<HostCollective>),
-    Device(Arc<DeviceCollective>),
-}
-
-impl Launched {
-    /// Blocks until every part returned, or the collective failed.
-    pub(crate) fn wait_finished(&self) -> Result<(), cohort_runtime::ServerError> {
-        match self {
-            Launched::Host(c) => c.wait_finished(),
-            Launched::Device(m) => m.wait_finished(),
-        }
-    }
 }
 
 impl ClientGroup {
@@ -241,9 +228,9 @@ impl ClientGroup {
     }
 
     /// Queues every part of one collective, under the process-wide order.
-    /// Returns the collective (to wait on, for barriers) once all parts are
+    /// Returns its handle once all parts are
     /// queued; a part that could not be queued fails the whole collective.
-    fn launch(&self, op: Op, parts: Vec<Part>) -> Result<Launched, CommError> {
+    fn launch(&self, op: Op, parts: Vec<Part>) -> Result<Work, CommError> {
         let operation = op.name();
         for part in &parts {
             if self.clients[part.member].is_capturing() {
@@ -261,7 +248,7 @@ impl ClientGroup {
             let parts =
                 parts.into_iter().map(|p| DevicePart { member: p.member, input: p.input, output: p.output }).collect();
             return device::launch(&self.clients, self.timeout, on_slots, mode, parts, Some(tracked))
-                .map(Launched::Device);
+                .map(|collective| Work::new(operation, collective));
         }
         let seats: Vec<Seat> =
             parts.iter().map(|p| Seat { member: Some(p.member), device: self.clients[p.member].device_id() }).collect();
@@ -301,7 +288,7 @@ impl ClientGroup {
         drop(order);
         match failed {
             Some(err) => Err(err),
-            None => Ok(Launched::Host(collective)),
+            None => Ok(Work::new(operation, collective)),
         }
     }
 }

@@ -23,6 +23,7 @@ use rayon::prelude::*;
 
 use super::window::{run_window, Window};
 use super::HostCollective;
+use crate::op::Op;
 
 /// Bytes of one window on the direct path: the accumulator stays in the
 /// core's L2 cache while it is reduced and copied out.
@@ -62,7 +63,7 @@ impl HostCollective {
                 backend,
             })?;
             index += 1;
-            Ok((0..segs).map(|j| ptr.ptr as usize + j * self.seg).collect())
+            Ok(segments(ptr.ptr as usize, segs, self.seg))
         };
         let ins = segments(in_segs)?;
         let outs = segments(out_segs)?;
@@ -123,29 +124,42 @@ impl HostCollective {
     /// Runs the collective over the published addresses, window by window
     /// in parallel.
     fn compute(&self, ins: &[Vec<usize>], outs: &[Vec<usize>]) {
-        let op = self.op;
-        let in_place = op.collective() == crate::op::Collective::AllToAll && ins.iter().zip(outs).all(|(i, o)| i == o);
-        let chunk = DIRECT_CHUNK;
-        // Out of place only: in place, the destination lines were just read
-        // and are in cache, so plain stores are cheaper.
-        let aliased = ins.iter().zip(outs).any(|(i, o)| i.iter().any(|a| o.contains(a)));
-        let stream = self.seg >= STREAM_FROM && !aliased;
-        let chunks = self.seg.div_ceil(chunk);
-        (0..chunks).into_par_iter().for_each(|c| {
-            let start = c * chunk;
-            let len = chunk.min(self.seg - start);
-            let win_ins: Vec<Vec<*const u8>> =
-                ins.iter().map(|segs| segs.iter().map(|&a| (a + start) as *const u8).collect()).collect();
-            let win_outs: Vec<Vec<*mut u8>> =
-                outs.iter().map(|segs| segs.iter().map(|&a| (a + start) as *mut u8).collect()).collect();
-            let window = Window { ins: &win_ins, outs: &win_outs, len, in_place, stream };
-            // SAFETY: every address is a segment start inside a buffer whose
-            // task is blocked on this collective (see the module docs), so
-            // the memory is alive and untouched by its device thread; this
-            // task owns window [start, start + len) of every segment, which no
-            // other window overlaps; sources alias destinations only in place
-            // (checked before queueing).
-            unsafe { run_window(&op, &window) };
-        });
+        compute(self.op, self.seg, ins, outs)
     }
+}
+
+/// The segment start addresses of a buffer at `base` holding `segs`
+/// segments of `seg` bytes.
+pub(super) fn segments(base: usize, segs: usize, seg: usize) -> Vec<usize> {
+    (0..segs).map(|j| base + j * seg).collect()
+}
+
+/// Runs `op` (segments of `seg` bytes) over the addresses every slot
+/// published, window by window in parallel. Every address must be a
+/// segment start inside memory that stays alive and untouched until it
+/// returns (see the module docs).
+pub(super) fn compute(op: Op, seg: usize, ins: &[Vec<usize>], outs: &[Vec<usize>]) {
+    let in_place = op.collective() == crate::op::Collective::AllToAll && ins.iter().zip(outs).all(|(i, o)| i == o);
+    let chunk = DIRECT_CHUNK;
+    // Out of place only: in place, the destination lines were just read
+    // and are in cache, so plain stores are cheaper.
+    let aliased = ins.iter().zip(outs).any(|(i, o)| i.iter().any(|a| o.contains(a)));
+    let stream = seg >= STREAM_FROM && !aliased;
+    let chunks = seg.div_ceil(chunk);
+    (0..chunks).into_par_iter().for_each(|c| {
+        let start = c * chunk;
+        let len = chunk.min(seg - start);
+        let win_ins: Vec<Vec<*const u8>> =
+            ins.iter().map(|segs| segs.iter().map(|&a| (a + start) as *const u8).collect()).collect();
+        let win_outs: Vec<Vec<*mut u8>> =
+            outs.iter().map(|segs| segs.iter().map(|&a| (a + start) as *mut u8).collect()).collect();
+        let window = Window { ins: &win_ins, outs: &win_outs, len, in_place, stream };
+        // SAFETY: every address is a segment start inside a buffer whose
+        // task is blocked on this collective (see the module docs), so
+        // the memory is alive and untouched by its device thread; this
+        // task owns window [start, start + len) of every segment, which no
+        // other window overlaps; sources alias destinations only in place
+        // (checked before queueing).
+        unsafe { run_window(&op, &window) };
+    });
 }

@@ -21,6 +21,7 @@
 //! that never arrives.
 
 mod direct;
+mod grouped;
 mod staged;
 mod window;
 
@@ -29,6 +30,8 @@ use std::time::Duration;
 
 use cohort_runtime::config::{self, ConfigError};
 use cohort_runtime::{BufferAccess, Handle, ServerError};
+
+pub(crate) use grouped::{CallBuffers, GroupedHost};
 
 use crate::meeting::{Meeting, Seat, Seated};
 use crate::op::Op;
@@ -145,11 +148,5 @@ impl HostCollective {
         } else {
             self.staged_member(slot, access)
         }
-    }
-
-    /// Blocks the calling (host) thread until every participant's task
-    /// finished, or until the collective failed; returns the failure.
-    pub(crate) fn wait_finished(&self) -> Result<(), ServerError> {
-        self.meeting.wait_returned()
     }
 }

@@ -129,7 +129,7 @@ fn queue(
     root: usize,
     root_slot: usize,
 ) -> Result<(), cohort_comm::CommError> {
-    match op {
+    let work = match op {
         Collective::AllReduce => c.all_reduce_handles(src, dst, dtype, rop),
         Collective::Reduce => c.reduce_handles(src, &dst[root_slot], dtype, rop, root),
         Collective::Broadcast => c.broadcast_handles(&src[root_slot], dst, dtype, root),
@@ -139,8 +139,9 @@ fn queue(
         Collective::Gather => c.gather_handles(src, &dst[root_slot], dtype, root),
         Collective::Scatter => c.scatter_handles(&src[root_slot], dst, dtype, root),
         Collective::SendRecv => unreachable!("send/recv pairs ranks; callers handle it"),
-        Collective::Barrier => c.barrier(),
-    }
+        Collective::Barrier => return c.barrier(),
+    };
+    work.map(drop)
 }
 
 struct Suite {
@@ -185,11 +186,11 @@ impl Suite {
                 let (n, r) = (c.size(), c.rank());
                 let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
                 if r % 2 == 0 {
-                    e(c.send_handle(&src[0], next, dtype))?;
-                    e(c.recv_handle(&dst[0], prev, dtype))?;
+                    e(c.send_handle(&src[0], next, dtype).map(drop))?;
+                    e(c.recv_handle(&dst[0], prev, dtype).map(drop))?;
                 } else {
-                    e(c.recv_handle(&dst[0], prev, dtype))?;
-                    e(c.send_handle(&src[0], next, dtype))?;
+                    e(c.recv_handle(&dst[0], prev, dtype).map(drop))?;
+                    e(c.send_handle(&src[0], next, dtype).map(drop))?;
                 }
             }
             other => e(queue(c, other, &src, &dst, dtype, rop, root, root_slot))?,
@@ -542,9 +543,9 @@ fn main() -> ExitCode {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
                 Ok(())
             } else if rank == who {
-                comm.broadcast_handles(&buf, &bufs, DType::F32, 0)
+                comm.broadcast_handles(&buf, &bufs, DType::F32, 0).map(drop)
             } else {
-                comm.all_reduce_handles(&bufs, &bufs, DType::F32, ReduceOp::Sum)
+                comm.all_reduce_handles(&bufs, &bufs, DType::F32, ReduceOp::Sum).map(drop)
             };
             queued.map_err(|e| e.to_string()).and_then(|()| client.read_one(buf).map(|_| ()).map_err(|e| e.to_string()))
         }

@@ -26,8 +26,9 @@ pub(crate) struct NcclState {
     /// The leader's host check, once done.
     checked: Option<Result<(), Failure>>,
     /// Parts that ended: returned without queueing NCCL calls, or whose
-    /// queued calls completed or failed on the device.
+    /// queued calls completed or failed on the device (how many, which).
     ended: usize,
+    ended_slots: Vec<bool>,
     /// What kind of failure it was, where one said (a mismatch or timeout
     /// in the host check, an abort seen in the store, the device's
     /// timeout); anything else is [`FailureKind::Other`].
@@ -63,8 +64,13 @@ impl Seated for NcclCall {
     }
 
     /// A part that never ran has ended.
-    fn dropped_unrun(&self, _slot: usize) {
-        self.end_part();
+    fn dropped_unrun(&self, slot: usize) {
+        self.end_part(slot);
+    }
+
+    /// A part is done once it ended (its NCCL calls completed or failed).
+    fn part_done(&self, state: &Gathering<NcclState>, slot: usize) -> bool {
+        state.data.ended_slots[slot]
     }
 }
 
@@ -77,8 +83,9 @@ impl NcclCall {
         devices: Vec<DeviceId>,
         timeout: Duration,
     ) -> Arc<NcclCall> {
-        let seats = devices.into_iter().map(|device| Seat { device, member: None }).collect();
-        let state = NcclState { checked: None, ended: 0, kind: None };
+        let seats: Vec<Seat> = devices.into_iter().map(|device| Seat { device, member: None }).collect();
+        let n = seats.len();
+        let state = NcclState { checked: None, ended: 0, ended_slots: vec![false; n], kind: None };
         let meeting = Meeting::new(fp.op.name(), seats, timeout, state);
         Arc::new(NcclCall { nccl, world, fp, meeting, on_done: Mutex::new(None) })
     }
@@ -97,9 +104,13 @@ impl NcclCall {
     }
 
     /// One local part ended; the last runs the done hook.
-    fn end_part(&self) {
+    fn end_part(&self, slot: usize) {
         let mut state = self.meeting.lock();
+        if std::mem::replace(&mut state.data.ended_slots[slot], true) {
+            return;
+        }
         state.data.ended += 1;
+        self.meeting.notify();
         if state.data.ended == self.meeting.len() {
             let outcome = outcome(&state);
             drop(state);
@@ -117,12 +128,6 @@ impl NcclCall {
     /// Fails the call: `err` for every part and waiter.
     pub(crate) fn fail(&self, err: ServerError) -> ServerError {
         self.meeting.fail(err)
-    }
-
-    /// Blocks the calling thread until every local part returned, or the
-    /// call failed; its failure.
-    pub(crate) fn wait(&self) -> Result<(), ServerError> {
-        self.meeting.wait_returned()
     }
 
     /// Waits for every local part; the last runs the host check.
@@ -166,7 +171,7 @@ impl NcclCall {
         let mut handed = false;
         let result = self.queue_part(slot, access, shape, &mut handed);
         if !handed {
-            self.end_part();
+            self.end_part(slot);
         }
         result
     }
@@ -279,7 +284,7 @@ impl CollectiveMonitor for PartMonitor {
             call.fail(err.clone());
         }
         if !self.ended.swap(true, Ordering::AcqRel) {
-            call.end_part();
+            call.end_part(self.slot);
         }
     }
 }

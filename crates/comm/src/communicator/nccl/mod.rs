@@ -54,7 +54,6 @@ use super::error::ConnectError;
 use super::failure::Failure;
 use super::fingerprint::Fingerprint;
 use super::keys;
-use super::local;
 use super::world::World;
 
 /// Set keys of communicators made here carry the top bit, apart from the
@@ -269,22 +268,6 @@ impl Nccl {
                 tracing::warn!("the NCCL communicator was not released within 10 s (a device is still busy)");
                 return;
             }
-        }
-    }
-}
-
-/// A queued call: waits on the host path's meeting or the NCCL path's.
-pub(crate) enum Pending {
-    Host(Arc<local::LocalCall>),
-    Nccl(Arc<NcclCall>),
-}
-
-impl Pending {
-    /// Blocks the calling thread until the call finished; its failure.
-    pub(crate) fn wait(&self) -> Result<(), ServerError> {
-        match self {
-            Pending::Host(m) => m.wait(),
-            Pending::Nccl(m) => m.wait(),
         }
     }
 }

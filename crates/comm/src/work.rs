@@ -1,0 +1,128 @@
+//! [`Work`]: the handle every collective returns, to wait on or poll.
+//!
+//! A collective is queued on its members' device threads when the call
+//! returns; the handle watches its meeting (the one primitive every
+//! executor meets on) and says when every local part finished: the host
+//! engine's and a communicator's host path once their tasks returned, the
+//! device path and NCCL once the calls they queued completed on the device.
+//! Dropping the handle cancels nothing: stream order still holds, and reads
+//! of the destinations still wait for the collective.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::CommError;
+use crate::meeting::{Seated, WaitEnd};
+
+/// What a [`Work`] waits on: one executor's meeting.
+trait Waitable: Send + Sync {
+    fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd>;
+    fn is_done(&self) -> bool;
+}
+
+impl<E: Seated> Waitable for E {
+    fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
+        self.meeting().wait_done(deadline, |state, slot| self.part_done(state, slot))
+    }
+
+    fn is_done(&self) -> bool {
+        self.meeting().is_done(|state, slot| self.part_done(state, slot))
+    }
+}
+
+/// A queued collective (or grouped call), like PyTorch's `Work`: wait for
+/// it, with or without a bound, or ask whether it is done.
+///
+/// It covers this process's parts only: on a [`Communicator`](crate::Communicator)
+/// the other ranks' parts are theirs to wait on. Dropping it does not
+/// cancel the collective; later work on its buffers still runs after it.
+pub struct Work {
+    operation: &'static str,
+    /// Who this process is in the job, for errors ("rank 1").
+    scope: Option<String>,
+    /// What it waits on: empty when nothing was queued on this process
+    /// (it takes no part); several for a grouped call that ran as several.
+    inner: Vec<Arc<dyn Waitable>>,
+}
+
+impl fmt::Debug for Work {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Work").field("operation", &self.operation).field("done", &self.is_done()).finish()
+    }
+}
+
+impl Work {
+    /// The handle of `executor`'s collective `operation`.
+    pub(crate) fn new<E: Seated>(operation: &'static str, executor: Arc<E>) -> Work {
+        Work { operation, scope: None, inner: vec![executor] }
+    }
+
+    /// A handle that is done already: this process queued nothing.
+    pub(crate) fn nothing(operation: &'static str) -> Work {
+        Work { operation, scope: None, inner: Vec::new() }
+    }
+
+    /// One handle over every handle of `works` (a grouped call queued as
+    /// several collectives).
+    pub(crate) fn all(operation: &'static str, works: Vec<Work>) -> Work {
+        let scope = works.iter().find_map(|w| w.scope.clone());
+        Work { operation, scope, inner: works.into_iter().flat_map(|w| w.inner).collect() }
+    }
+
+    /// This handle, naming the process (`"rank 1"`) in its errors.
+    pub(crate) fn within(mut self, scope: String) -> Work {
+        self.scope = Some(scope);
+        self
+    }
+
+    /// The collective's name (`"all_reduce"`; `"group"` for a grouped call).
+    pub fn operation(&self) -> &'static str {
+        self.operation
+    }
+
+    /// Blocks the calling thread until every local part finished; returns
+    /// the collective's failure, if it failed. The parts' own waits are
+    /// bounded by the collective's timeout, so this returns by then.
+    pub fn wait(&self) -> Result<(), CommError> {
+        self.wait_until(None)
+    }
+
+    /// [`Work::wait`] for at most `timeout`. When it passes first, the
+    /// error names the members (or, on a communicator, this rank's devices)
+    /// that have not finished yet; the collective is not cancelled, and a
+    /// later wait may still succeed.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<(), CommError> {
+        self.wait_until(Some(Instant::now() + timeout)).map_err(|err| match err {
+            CommError::Unfinished { operation, scope, missing, .. } => {
+                CommError::Unfinished { operation, scope, missing, waited_ms: timeout.as_millis() as u64 }
+            }
+            other => other,
+        })
+    }
+
+    /// Whether every local part finished (or the collective failed:
+    /// [`Work::wait`] then returns why). Never blocks.
+    pub fn is_done(&self) -> bool {
+        self.inner.iter().all(|inner| inner.is_done())
+    }
+
+    fn wait_until(&self, deadline: Option<Instant>) -> Result<(), CommError> {
+        for inner in &self.inner {
+            self.end(inner.wait_until(deadline))?;
+        }
+        Ok(())
+    }
+
+    fn end(&self, waited: Result<(), WaitEnd>) -> Result<(), CommError> {
+        waited.map_err(|end| match end {
+            WaitEnd::Failed(source) => CommError::Failed { operation: self.operation, source },
+            WaitEnd::Late(missing) => CommError::Unfinished {
+                operation: self.operation,
+                scope: self.scope.as_ref().map_or_else(String::new, |s| format!(" on {s}")),
+                missing,
+                waited_ms: 0,
+            },
+        })
+    }
+}

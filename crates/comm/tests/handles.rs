@@ -1,0 +1,109 @@
+//! Handles: every collective returns a `Work` to wait on (with or without a
+//! bound) or poll; a bounded wait that expires names who has not finished,
+//! and dropping the handle cancels nothing.
+//!
+//! A member is held busy by a task that blocks its device thread until the
+//! test releases it through a channel, so every order is set by
+//! synchronisation, never by time.
+
+mod common;
+
+use std::sync::mpsc;
+use std::thread;
+use std::time::Duration;
+
+use cohort_comm::store::StoreServer;
+use cohort_comm::{Buffer, Collectives, CommError, Communicator, ReduceOp};
+use cohort_runtime::Client;
+
+/// Blocks `client`'s device thread until the returned sender is used (or
+/// dropped).
+fn hold(client: &Client) -> mpsc::Sender<()> {
+    let (release, held) = mpsc::channel::<()>();
+    client
+        .submit(move |_| {
+            let _ = held.recv();
+        })
+        .unwrap();
+    release
+}
+
+#[test]
+fn a_timed_wait_names_the_member_that_has_not_arrived_and_is_done_flips_after() {
+    let clients = common::clients(2);
+    let group = cohort_comm::ClientGroup::new(clients.clone()).unwrap();
+    let bufs: Vec<Buffer<f32>> =
+        (0..2).map(|m| Buffer::from_slice(&clients[m], &[m as f32 + 1.0; 5]).unwrap()).collect();
+    let release = hold(&clients[1]);
+    let work = group.all_reduce(&bufs, &bufs, ReduceOp::Sum).unwrap();
+    assert_eq!(work.operation(), "all_reduce");
+    assert!(!work.is_done(), "member 1's device is held: the all-reduce cannot have finished");
+    let err = work.wait_timeout(Duration::from_millis(20)).unwrap_err();
+    assert!(matches!(err, CommError::Unfinished { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("member 1 (cpu:1) not arrived yet"), "{text}");
+    assert!(text.starts_with("all_reduce has not finished within 20 ms"), "{text}");
+    assert!(!work.is_done(), "an expired wait cancels nothing");
+    release.send(()).unwrap();
+    work.wait().unwrap();
+    assert!(work.is_done());
+    work.wait_timeout(Duration::from_millis(1)).unwrap();
+    for b in &bufs {
+        assert_eq!(b.to_vec().unwrap(), [3.0; 5]);
+    }
+}
+
+#[test]
+fn dropping_the_handle_still_completes_the_work() {
+    let clients = common::clients(4)[2..4].to_vec();
+    let group = cohort_comm::ClientGroup::new(clients.clone()).unwrap();
+    let src: Vec<Buffer<i32>> = (0..2).map(|m| Buffer::from_slice(&clients[m], &[m as i32 + 10; 3]).unwrap()).collect();
+    let dst: Vec<Buffer<i32>> = (0..2).map(|m| Buffer::zeros(&clients[m], 6).unwrap()).collect();
+    let release = hold(&clients[0]);
+    drop(group.all_gather(&src, &dst).unwrap());
+    release.send(()).unwrap();
+    for d in &dst {
+        assert_eq!(d.to_vec().unwrap(), [10, 10, 10, 11, 11, 11]);
+    }
+}
+
+#[test]
+fn a_communicators_handle_waits_for_its_rank_and_names_its_device() {
+    common::clients(8);
+    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+    let addr = server.local_addr().to_string();
+    let (go, gate) = mpsc::channel::<()>();
+    let (timed, timed_out) = mpsc::channel::<String>();
+    let mut gates = [None, Some(gate)];
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let addr = addr.clone();
+            let gate = gates[rank].take();
+            let timed = timed.clone();
+            thread::spawn(move || {
+                let client = common::clients(8)[4 + rank].clone();
+                let comm = Communicator::connect(rank, 2, &addr, "secret", vec![client.clone()]).unwrap();
+                let bufs = vec![Buffer::from_slice(&client, &[rank as f64 + 1.0; 4]).unwrap()];
+                if let Some(gate) = gate {
+                    // Rank 1 calls only once rank 0's bounded wait expired.
+                    let _ = gate.recv();
+                }
+                let work = comm.all_reduce(&bufs, &bufs, ReduceOp::Sum).unwrap();
+                if rank == 0 {
+                    let err = work.wait_timeout(Duration::from_millis(20)).unwrap_err();
+                    timed.send(err.to_string()).unwrap();
+                }
+                work.wait().unwrap();
+                assert!(work.is_done());
+                bufs[0].to_vec().unwrap()
+            })
+        })
+        .collect();
+    let text = timed_out.recv().unwrap();
+    assert!(text.contains("all_reduce on rank 0 has not finished"), "{text}");
+    assert!(text.contains("cpu:4 still running"), "{text}");
+    go.send(()).unwrap();
+    for rank in ranks {
+        assert_eq!(rank.join().unwrap(), [3.0; 4]);
+    }
+}
