@@ -6,7 +6,10 @@ use cohort_comm::{Buffer, Error};
 use cohort_runtime::{Client, KernelArguments, Scalar};
 
 use super::grads::GradientSink;
-use super::kernels::{cover, kernels, matmul_grid, U32s};
+use cohort_runtime::backend::Gemm;
+
+use super::kernels::{cover, kernels, U32s};
+use super::matmul::{queue, uses_blas, Matmul};
 use super::{uniform, Parameter};
 
 /// The shape of an [`Mlp`].
@@ -59,6 +62,8 @@ impl MlpConfig {
 /// One replica's device buffers.
 struct Replica {
     client: Client,
+    /// Products through the backend's BLAS (cuBLAS) rather than kernels.
+    blas: bool,
     /// `weight, bias` per layer, in order.
     params: Vec<Buffer<f32>>,
     /// Each layer's output (`rows × width`); the last is the model's output.
@@ -86,6 +91,18 @@ impl Mlp {
     /// loss (step `s` writes slot `s % loss_slots`). Weights are uniform in
     /// ±√(6/width) (He), ±√(3/width) for the last layer; biases zero.
     pub fn new(clients: &[Client], config: MlpConfig, rows: usize, seed: u64) -> Result<Mlp, Error> {
+        Mlp::with_matmul(clients, config, rows, seed, Matmul::Auto)
+    }
+
+    /// [`Mlp::new`] with the matrix products computed as `matmul` says
+    /// (waits for one probe per device).
+    pub fn with_matmul(
+        clients: &[Client],
+        config: MlpConfig,
+        rows: usize,
+        seed: u64,
+        matmul: Matmul,
+    ) -> Result<Mlp, Error> {
         config.check()?;
         if rows == 0 || rows.checked_mul(config.width).is_none_or(|n| n > u32::MAX as usize / 2) {
             return Err(Error::InvalidArgument(format!(
@@ -105,6 +122,7 @@ impl Mlp {
             .map(|client| {
                 Ok(Replica {
                     client: client.clone(),
+                    blas: uses_blas(client, matmul)?,
                     params: host.iter().map(|p| Buffer::from_slice(client, p)).collect::<Result<_, Error>>()?,
                     outputs: (0..config.depth).map(|_| Buffer::uninit(client, rows * w)).collect::<Result<_, _>>()?,
                     delta: [Buffer::uninit(client, rows * w)?, Buffer::uninit(client, rows * w)?],
@@ -182,12 +200,8 @@ impl Mlp {
             for layer in 0..depth {
                 let input = if layer == 0 { x } else { &r.outputs[layer - 1] };
                 let out = &r.outputs[layer];
-                let args = KernelArguments::new()
-                    .buffer(input.handle())
-                    .buffer(r.params[2 * layer].handle())
-                    .buffer(out.handle())
-                    .u32s([rows, w, w, 0, 1, 0]);
-                r.client.launch(&k.matmul, matmul_grid(rows, w), args)?;
+                let gemm = Gemm { m: rows, n: w, k: w, trans_a: false, trans_b: true, accumulate: false };
+                queue(&r.client, r.blas, input, &r.params[2 * layer], out, gemm)?;
                 let relu = u32::from(layer + 1 < depth);
                 let args = KernelArguments::new()
                     .buffer(out.handle())
@@ -241,12 +255,8 @@ impl Mlp {
                 let input = if layer == 0 { r.input.as_ref().expect("checked above") } else { &r.outputs[layer - 1] };
                 // dW += dzᵀ · input: [width × rows] · [rows × width].
                 let dw = &grads.gradient(2 * layer)[i];
-                let args = KernelArguments::new()
-                    .buffer(dz.handle())
-                    .buffer(input.handle())
-                    .buffer(dw.handle())
-                    .u32s([w, w, rows, 1, 0, 1]);
-                r.client.launch(&k.matmul, matmul_grid(w, w), args)?;
+                let gemm = Gemm { m: w, n: w, k: rows, trans_a: true, trans_b: false, accumulate: true };
+                queue(&r.client, r.blas, dz, input, dw, gemm)?;
                 let db = &grads.gradient(2 * layer + 1)[i];
                 let args = KernelArguments::new()
                     .buffer(dz.handle())
@@ -262,12 +272,8 @@ impl Mlp {
             for r in &self.replicas {
                 // d(input) = dz · W, masked by the ReLU that made the input.
                 let next = &r.delta[1 - current];
-                let args = KernelArguments::new()
-                    .buffer(r.delta[current].handle())
-                    .buffer(r.params[2 * layer].handle())
-                    .buffer(next.handle())
-                    .u32s([rows, w, w, 0, 0, 0]);
-                r.client.launch(&k.matmul, matmul_grid(rows, w), args)?;
+                let gemm = Gemm { m: rows, n: w, k: w, trans_a: false, trans_b: false, accumulate: false };
+                queue(&r.client, r.blas, &r.delta[current], &r.params[2 * layer], next, gemm)?;
                 let args = KernelArguments::new()
                     .buffer(next.handle())
                     .buffer(r.outputs[layer - 1].handle())

@@ -11,6 +11,7 @@
 mod data;
 mod grads;
 pub mod kernels;
+mod matmul;
 mod mlp;
 mod optim;
 
@@ -19,6 +20,7 @@ use cohort_comm::Buffer;
 pub use data::TeacherData;
 pub(crate) use grads::zero as grads_zero;
 pub use grads::{GradientSink, Gradients, LocalGradients};
+pub use matmul::Matmul;
 pub use mlp::{Mlp, MlpConfig};
 pub use optim::Sgd;
 
