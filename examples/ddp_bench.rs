@@ -127,7 +127,8 @@ fn measure(all: &[Client], count: usize, args: &Args, timeline: Option<&PathBuf>
     let data = TeacherData::new(&clients[0], &clients, 0, count, cfg, 99, rows * count, 2)?;
     let mut model = Mlp::new(&clients, cfg, rows, 7)?;
     let params = model.parameters();
-    let options = DdpOptions { bucket_cap_bytes: (args.bucket_cap_mb * (1 << 20) as f64) as usize, ..DdpOptions::default() };
+    let options =
+        DdpOptions { bucket_cap_bytes: (args.bucket_cap_mb * (1 << 20) as f64) as usize, ..DdpOptions::default() };
     let mut ddp = DistributedDataParallel::new(&world, &params, options)?;
     let sgd = Sgd::new(&params, 1e-3, 0.9)?;
     let drain = || -> Result<(), Error> {
@@ -271,9 +272,13 @@ fn write_timeline(
             us(d.saturating_sub(*q))
         ));
     }
-    events.push(r#"{"name":"thread_name","ph":"M","pid":0,"tid":100,"args":{"name":"all-reduces (queued → done)"}}"#.into());
+    events.push(
+        r#"{"name":"thread_name","ph":"M","pid":0,"tid":100,"args":{"name":"all-reduces (queued → done)"}}"#.into(),
+    );
     for dev in 0..compute_end.len() {
-        events.push(format!(r#"{{"name":"thread_name","ph":"M","pid":0,"tid":{dev},"args":{{"name":"device {dev} compute"}}}}"#));
+        events.push(format!(
+            r#"{{"name":"thread_name","ph":"M","pid":0,"tid":{dev},"args":{{"name":"device {dev} compute"}}}}"#
+        ));
     }
     std::fs::write(path, format!("[\n{}\n]\n", events.join(",\n")))
         .map_err(|e| Error::InvalidArgument(format!("--timeline {}: {e}", path.display())))?;
@@ -297,10 +302,11 @@ fn torch(args: &Args, count: usize) -> Result<(f64, f64), String> {
         .output()
         .map_err(|e| format!("python3 did not start: {e}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout.lines().find_map(|l| l.split_once("TORCH_DDP ").map(|(_, j)| j.to_string())).ok_or_else(|| {
-        let err = String::from_utf8_lossy(&out.stderr);
-        format!("no TORCH_DDP line ({}): {}", out.status, err.lines().rev().take(3).collect::<Vec<_>>().join(" | "))
-    })?;
+    let line =
+        stdout.lines().find_map(|l| l.split_once("TORCH_DDP ").map(|(_, j)| j.to_string())).ok_or_else(|| {
+            let err = String::from_utf8_lossy(&out.stderr);
+            format!("no TORCH_DDP line ({}): {}", out.status, err.lines().rev().take(3).collect::<Vec<_>>().join(" | "))
+        })?;
     let field = |name: &str| -> Result<f64, String> {
         let at = line.find(&format!("\"{name}\": ")).ok_or(format!("no {name} in {line}"))?;
         let rest = &line[at + name.len() + 4..];
@@ -379,7 +385,8 @@ fn main() -> Result<(), Error> {
     }
     let all = cohort::runtime::clients_from(&args.backend, 0, None)?;
     let counts: Vec<usize> = if args.counts.is_empty() {
-        let mut c: Vec<usize> = std::iter::successors(Some(1usize), |c| Some(c * 2)).take_while(|c| *c <= all.len()).collect();
+        let mut c: Vec<usize> =
+            std::iter::successors(Some(1usize), |c| Some(c * 2)).take_while(|c| *c <= all.len()).collect();
         if c.last() != Some(&all.len()) {
             c.push(all.len());
         }
@@ -391,8 +398,10 @@ fn main() -> Result<(), Error> {
         return Err(Error::InvalidArgument(format!("--counts {bad}: the backend has {} devices", all.len())));
     }
     let cfg = config(&args);
-    let options = DdpOptions { bucket_cap_bytes: (args.bucket_cap_mb * (1 << 20) as f64) as usize, ..DdpOptions::default() };
-    let lens: Vec<usize> = (0..2 * cfg.depth).map(|i| if i % 2 == 0 { cfg.width * cfg.width } else { cfg.width }).collect();
+    let options =
+        DdpOptions { bucket_cap_bytes: (args.bucket_cap_mb * (1 << 20) as f64) as usize, ..DdpOptions::default() };
+    let lens: Vec<usize> =
+        (0..2 * cfg.depth).map(|i| if i % 2 == 0 { cfg.width * cfg.width } else { cfg.width }).collect();
     let buckets = cohort::ddp::plan(&lens, options.first_bucket_bytes, options.bucket_cap_bytes).0.len();
     let device = all[0].properties().name.clone();
     println!(
@@ -431,7 +440,17 @@ fn main() -> Result<(), Error> {
     let per_sample = |ms: f64| ms / batch(&args) as f64;
     println!(
         "{:>7} {:>12} {:>12} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11} {:>8} {:>12}",
-        "devices", "cohort ms", "torch ms", "c/t", "cohort eff", "torch eff", "compute ms", "t compute", "allred ms", "hidden", "samples/s"
+        "devices",
+        "cohort ms",
+        "torch ms",
+        "c/t",
+        "cohort eff",
+        "torch eff",
+        "compute ms",
+        "t compute",
+        "allred ms",
+        "hidden",
+        "samples/s"
     );
     for r in &rows {
         let ratio = r.torch_step_ms.map(|t| r.step_ms / t);

@@ -53,13 +53,20 @@ pub(crate) fn queue(
     gemm: Gemm,
 ) -> Result<(), Error> {
     if blas {
-        client.submit_buffers("cublas sgemm", vec![a.handle().clone(), b.handle().clone()], vec![c.handle().clone()], move |access| {
-            let (ba, bb, bc, stream) = (access.binding(0), access.binding(1), access.binding(2), access.stream());
-            match access.blas() {
-                Some(blas) => blas.sgemm(stream, &gemm, ba, bb, bc),
-                None => Err(ServerError::InvalidState { operation: "sgemm", reason: "the backend has no BLAS".into() }),
-            }
-        })?;
+        client.submit_buffers(
+            "cublas sgemm",
+            vec![a.handle().clone(), b.handle().clone()],
+            vec![c.handle().clone()],
+            move |access| {
+                let (ba, bb, bc, stream) = (access.binding(0), access.binding(1), access.binding(2), access.stream());
+                match access.blas() {
+                    Some(blas) => blas.sgemm(stream, &gemm, ba, bb, bc),
+                    None => {
+                        Err(ServerError::InvalidState { operation: "sgemm", reason: "the backend has no BLAS".into() })
+                    }
+                }
+            },
+        )?;
         return Ok(());
     }
     let args = KernelArguments::new().buffer(a.handle()).buffer(b.handle()).buffer(c.handle()).u32s([

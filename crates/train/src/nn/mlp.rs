@@ -218,7 +218,12 @@ impl Mlp {
     /// `slot`) and the backward pass, accumulating every parameter's
     /// gradient into `grads` and telling it as each is complete, last layer
     /// first. Call after [`Mlp::forward`].
-    pub fn backward(&mut self, targets: &[Buffer<f32>], slot: usize, grads: &mut impl GradientSink) -> Result<(), Error> {
+    pub fn backward(
+        &mut self,
+        targets: &[Buffer<f32>],
+        slot: usize,
+        grads: &mut impl GradientSink,
+    ) -> Result<(), Error> {
         let (w, rows, depth) = (self.config.width, self.rows, self.config.depth);
         let count = rows * w;
         if targets.len() != self.replicas.len() || targets.iter().any(|t| t.len() != count) {
@@ -258,10 +263,7 @@ impl Mlp {
                 let gemm = Gemm { m: w, n: w, k: rows, trans_a: true, trans_b: false, accumulate: true };
                 queue(&r.client, r.blas, dz, input, dw, gemm)?;
                 let db = &grads.gradient(2 * layer + 1)[i];
-                let args = KernelArguments::new()
-                    .buffer(dz.handle())
-                    .buffer(db.handle())
-                    .u32s([rows, w]);
+                let args = KernelArguments::new().buffer(dz.handle()).buffer(db.handle()).u32s([rows, w]);
                 r.client.launch(&k.bias_grad, cover(w), args)?;
             }
             grads.ready(2 * layer)?;

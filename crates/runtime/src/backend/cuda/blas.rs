@@ -88,12 +88,10 @@ fn handle(device: crate::DeviceId) -> Result<blas::cublasHandle_t, ServerError> 
 }
 
 fn dim(device: crate::DeviceId, what: &str, value: usize) -> Result<i32, ServerError> {
-    i32::try_from(value).map_err(|_| {
-        ServerError::KernelFailed {
-            kernel: "cublas sgemm".into(),
-            device,
-            reason: format!("{what} = {value} is larger than cuBLAS's 32-bit dimensions"),
-        }
+    i32::try_from(value).map_err(|_| ServerError::KernelFailed {
+        kernel: "cublas sgemm".into(),
+        device,
+        reason: format!("{what} = {value} is larger than cuBLAS's 32-bit dimensions"),
     })
 }
 
@@ -127,8 +125,16 @@ impl DeviceBlas for CudaBackend {
         // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: B
         // first. A row-major k × n B is a column-major n × k (ld n), used as
         // is; a stored n × k B is transposed (ld k). Likewise A.
-        let (op_b, ldb) = if gemm.trans_b { (blas::cublasOperation_t::CUBLAS_OP_T, k) } else { (blas::cublasOperation_t::CUBLAS_OP_N, n) };
-        let (op_a, lda) = if gemm.trans_a { (blas::cublasOperation_t::CUBLAS_OP_T, m) } else { (blas::cublasOperation_t::CUBLAS_OP_N, k) };
+        let (op_b, ldb) = if gemm.trans_b {
+            (blas::cublasOperation_t::CUBLAS_OP_T, k)
+        } else {
+            (blas::cublasOperation_t::CUBLAS_OP_N, n)
+        };
+        let (op_a, lda) = if gemm.trans_a {
+            (blas::cublasOperation_t::CUBLAS_OP_T, m)
+        } else {
+            (blas::cublasOperation_t::CUBLAS_OP_N, k)
+        };
         let (alpha, beta) = (1.0f32, if gemm.accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: the handle belongs to this thread and context; `raw` is a
         // live stream of this context; the three pointers address buffers of

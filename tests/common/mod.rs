@@ -54,7 +54,12 @@ pub fn bits(params: &[Parameter]) -> Vec<Vec<u32>> {
 /// `steps` steps of `micro` micro-batches through DDP (no_sync for all but
 /// the last); returns the replicas' parameters and every step's loss
 /// (replica 0, last micro-batch).
-pub fn train_ddp(world: &impl Collectives, options: DdpOptions, steps: usize, micro: usize) -> (Vec<Vec<u32>>, Vec<f32>) {
+pub fn train_ddp(
+    world: &impl Collectives,
+    options: DdpOptions,
+    steps: usize,
+    micro: usize,
+) -> (Vec<Vec<u32>>, Vec<f32>) {
     let mut s = setup(world, 5).unwrap();
     let mut ddp = DistributedDataParallel::new(world, &s.params, options).unwrap();
     let sgd = Sgd::new(&s.params, LR, 0.9).unwrap();
@@ -143,7 +148,10 @@ pub fn every_scenario(world: &impl Collectives) {
     assert!(last < 0.9 * first, "the loss did not fall: {losses:?}");
     // Compression hooks within their stated tolerance of the f32 average.
     let exact = averaged_gradients(world, small_buckets());
-    for (hook, tol) in [(cohort_train::ddp::CommHook::Bf16Compress, 1.0 / 128.0), (cohort_train::ddp::CommHook::Fp16Compress, 1.0 / 512.0)] {
+    for (hook, tol) in [
+        (cohort_train::ddp::CommHook::Bf16Compress, 1.0 / 128.0),
+        (cohort_train::ddp::CommHook::Fp16Compress, 1.0 / 512.0),
+    ] {
         let got = averaged_gradients(world, DdpOptions { hook, ..small_buckets() });
         let worst = worst_relative(&got, &exact);
         assert!(worst <= tol, "{hook:?}: worst difference {worst:e} of the largest gradient, above {tol:e}");
