@@ -5,7 +5,7 @@
 
 mod common;
 
-use cohort_comm::{ClientGroup, Collectives};
+use cohort_comm::ClientGroup;
 use cohort_runtime::{CpuRuntime, Runtime};
 use cohort_train::ddp::{DdpOptions, DistributedDataParallel};
 use cohort_train::nn::{GradientSink, LocalGradients};
@@ -30,10 +30,11 @@ fn small_caps_make_several_buckets_filled_from_the_last_layer() {
     let s = common::setup(&world, 1).unwrap();
     let ddp = DistributedDataParallel::new(&world, &s.params, common::small_buckets()).unwrap();
     let buckets = ddp.buckets();
-    assert!(buckets.len() >= 3, "{buckets:?}");
-    // The last parameter (the last layer's bias) is in the first bucket.
-    assert_eq!(buckets[0].params[0], s.params.len() - 1);
-    assert!(buckets[0].len * 4 <= 4 << 10);
+    assert_eq!(buckets.len(), 3, "{buckets:?}");
+    // The last layer's bias, then its weight, fill the first bucket.
+    let n = s.params.len();
+    assert_eq!(buckets[0].params, [n - 1, n - 2]);
+    assert_eq!(ddp.place(n - 2).offset, 64, "the weight's place is aligned after the bias's 64 floats");
 }
 
 #[test]

@@ -13,9 +13,10 @@ pub const ROWS: usize = 8;
 pub const BATCHES: usize = 4;
 pub const LR: f32 = 0.02;
 
-/// Small caps, so the 3 layers spread over several buckets.
+/// Small caps, so the 3 layers spread over 3 buckets (a weight of 16 KiB
+/// and its bias each).
 pub fn small_buckets() -> DdpOptions {
-    DdpOptions { bucket_cap_bytes: 20 << 10, first_bucket_bytes: 4 << 10, ..DdpOptions::default() }
+    DdpOptions { bucket_cap_bytes: 8 << 10, first_bucket_bytes: 4 << 10, ..DdpOptions::default() }
 }
 
 /// A model and its data on `world`'s compute clients.

@@ -27,22 +27,23 @@ pub struct BucketPlan {
 }
 
 /// Assigns `lens` (elements of each parameter, registration order) to
-/// buckets of f32 gradients: from the last parameter back, the first bucket
-/// closed once it holds `first_cap_bytes`, every later one once it holds
-/// `cap_bytes` (a parameter larger than the cap gets a bucket to itself).
+/// buckets of f32 gradients by PyTorch DDP's rule: from the last parameter
+/// back, parameters are added to a bucket until it holds at least its cap,
+/// then the bucket is closed (its last parameter may take it past the cap;
+/// a parameter larger than the cap closes a bucket by itself). The first
+/// bucket's cap is `first_cap_bytes`, every later one's `cap_bytes`.
 pub fn plan(lens: &[usize], first_cap_bytes: usize, cap_bytes: usize) -> (Vec<BucketPlan>, Vec<Place>) {
     let mut places = vec![Place { bucket: 0, offset: 0, len: 0 }; lens.len()];
     let mut buckets: Vec<BucketPlan> = Vec::new();
     let mut current = BucketPlan { params: Vec::new(), len: 0 };
     for index in (0..lens.len()).rev() {
-        let cap = if buckets.is_empty() { first_cap_bytes } else { cap_bytes };
-        let padded = lens[index].next_multiple_of(ALIGN_ELEMS);
-        if !current.params.is_empty() && (current.len + padded) * 4 > cap {
-            buckets.push(std::mem::replace(&mut current, BucketPlan { params: Vec::new(), len: 0 }));
-        }
         places[index] = Place { bucket: buckets.len(), offset: current.len, len: lens[index] };
         current.params.push(index);
-        current.len += padded;
+        current.len += lens[index].next_multiple_of(ALIGN_ELEMS);
+        let cap = if buckets.is_empty() { first_cap_bytes } else { cap_bytes };
+        if current.len * 4 >= cap {
+            buckets.push(std::mem::replace(&mut current, BucketPlan { params: Vec::new(), len: 0 }));
+        }
     }
     if !current.params.is_empty() {
         buckets.push(current);
@@ -67,10 +68,13 @@ mod tests {
     }
 
     #[test]
-    fn a_parameter_larger_than_the_cap_gets_its_own_bucket() {
+    fn a_parameter_larger_than_the_cap_closes_its_bucket() {
         let (buckets, _) = plan(&[10, 1 << 20, 10], 1 << 20, 1 << 10);
         assert_eq!(buckets.iter().map(|b| b.params.clone()).collect::<Vec<_>>(), [vec![2, 1], vec![0]]);
         let (buckets, _) = plan(&[10, 1 << 20, 10], 100, 100);
         assert_eq!(buckets.len(), 3);
+        // A weight and its bias (registered weight first) share a bucket.
+        let (buckets, _) = plan(&[1 << 20, 10, 1 << 20, 10], 1 << 20, 25 << 20);
+        assert_eq!(buckets.iter().map(|b| b.params.clone()).collect::<Vec<_>>(), [vec![3, 2], vec![1, 0]]);
     }
 }

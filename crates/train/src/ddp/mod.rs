@@ -4,9 +4,10 @@
 //! `World` that is either), with the same training loop.
 //!
 //! * Parameters are registered in order; their gradients live in flat
-//!   bucket buffers, filled from the last parameter back (backward's order),
-//!   the first bucket small ([`DdpOptions::first_bucket_bytes`], 1 MiB) and
-//!   the rest up to [`DdpOptions::bucket_cap_bytes`] (25 MiB).
+//!   bucket buffers, filled from the last parameter back (backward's order)
+//!   until they hold at least their cap: the first bucket's is small
+//!   ([`DdpOptions::first_bucket_bytes`], 1 MiB), the rest's
+//!   [`DdpOptions::bucket_cap_bytes`] (25 MiB), as in PyTorch DDP.
 //! * The moment backward reports a bucket's last gradient
 //!   ([`GradientSink::ready`]), the bucket's all-reduce (average) is queued,
 //!   while the rest of backward is still being queued.
@@ -97,8 +98,9 @@ pub enum CommHook {
 /// Settings of [`DistributedDataParallel`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DdpOptions {
-    /// Bytes of f32 gradients a bucket holds at most (a larger parameter
-    /// gets a bucket of its own). Default 25 MiB.
+    /// Bytes of f32 gradients at which a bucket is closed (PyTorch's rule:
+    /// parameters are added until the bucket holds at least this much, so
+    /// its last one may take it past). Default 25 MiB.
     pub bucket_cap_bytes: usize,
     /// The cap of the first bucket (the last parameters). Default 1 MiB.
     pub first_bucket_bytes: usize,

@@ -37,8 +37,8 @@ pub struct Kernels {
     pub matmul: Kernel,
     pub bias_act: Kernel,
     pub relu_grad: Kernel,
-    pub bias_grad: Kernel,
     pub mse_grad: Kernel,
+    pub mse_partial: Kernel,
     pub mse_loss: Kernel,
     pub sgd_momentum: Kernel,
     pub fill: Kernel,
@@ -53,8 +53,8 @@ pub fn kernels() -> &'static Kernels {
         matmul: matmul(),
         bias_act: bias_act(),
         relu_grad: relu_grad(),
-        bias_grad: bias_grad(),
         mse_grad: mse_grad(),
+        mse_partial: mse_partial(),
         mse_loss: mse_loss(),
         sgd_momentum: sgd_momentum(),
         fill: fill(),
@@ -246,47 +246,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         )
 }
 
-/// `db[j] += Σ_r dz[r, j]`, rows summed in order. Buffers `dz`, `db`;
-/// scalars `rows`, `cols`. One thread per column.
-fn bias_grad() -> Kernel {
-    Kernel::new("bias_grad")
-        .with_cpu(|ctx| {
-            let (rows, cols) = (u(ctx, 0), u(ctx, 1));
-            let (dz, db) = ctx.buffer_pair::<f32, f32>(0, 1);
-            for (j, d) in db[..cols].iter_mut().enumerate() {
-                let mut sum = 0.0f32;
-                for r in 0..rows {
-                    sum += dz[r * cols + j];
-                }
-                *d += sum;
-            }
-        })
-        .with_cuda(
-            r#"extern "C" __global__ void bias_grad(const float* dz, float* db,
-    unsigned long long z_bytes, unsigned long long b_bytes, unsigned int rows, unsigned int cols) {
-    unsigned int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= cols) return;
-    float sum = 0.0f;
-    for (unsigned int r = 0; r < rows; r++) sum += dz[(unsigned long long)r * cols + j];
-    db[j] += sum;
-}"#,
-        )
-        .with_wgsl(
-            r#"@group(0) @binding(0) var<storage, read_write> dz: array<f32>;
-@group(0) @binding(1) var<storage, read_write> db: array<f32>;
-@group(0) @binding(2) var<storage, read> s: array<u32>;
-@compute @workgroup_size(256)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let j = gid.x;
-    let rows = s[0]; let cols = s[1];
-    if (j >= cols) { return; }
-    var sum = 0.0;
-    for (var r = 0u; r < rows; r++) { sum += dz[r * cols + j]; }
-    db[j] = db[j] + sum;
-}"#,
-        )
-}
-
 /// The gradient of the mean squared error: `dy[i] = scale · (y[i] - t[i])`.
 /// Buffers `y`, `t`, `dy`; scalars `count`, `scale` (f32).
 fn mse_grad() -> Kernel {
@@ -322,66 +281,116 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         )
 }
 
-/// `loss[slot] = Σ (y - t)² / count`. Buffers `y`, `t`, `loss`; scalars
-/// `count`, `slot`. One block: each thread sums a stride of the elements,
-/// then thread 0 adds the partial sums in order (deterministic).
-fn mse_loss() -> Kernel {
-    Kernel::new("mse_loss")
-        .with_cpu(|ctx| {
-            let (count, slot) = (u(ctx, 0), u(ctx, 1));
-            let [y, t, loss] = &mut ctx.buffers[..] else { panic!("mse_loss takes 3 buffers") };
-            let (y, t, loss): (&[f32], &[f32], &mut [f32]) =
-                (bytemuck::cast_slice(y), bytemuck::cast_slice(t), bytemuck::cast_slice_mut(loss));
-            // The GPU sources' order: 256 strided partial sums, then in order.
-            let mut partial = [0.0f32; BLOCK as usize];
-            for (i, p) in partial.iter_mut().enumerate() {
-                let mut sum = 0.0f32;
-                let mut at = i;
-                while at < count {
-                    let e = y[at] - t[at];
-                    sum += e * e;
-                    at += BLOCK as usize;
-                }
-                *p = sum;
-            }
-            loss[slot] = partial.iter().fold(0.0f32, |a, p| a + p) / count as f32;
-        })
-        .with_cuda(
-            r#"extern "C" __global__ void mse_loss(const float* y, const float* t, float* loss,
-    unsigned long long y_bytes, unsigned long long t_bytes, unsigned long long l_bytes, unsigned int count, unsigned int slot) {
-    __shared__ float partial[256];
+/// Blocks of the first stage of the loss: each sums a fixed share of the
+/// squared errors.
+pub const LOSS_PARTS: usize = 128;
+
+/// The first stage of the mean squared error: `partial[b]` = the sum of
+/// `(y - t)²` over elements `b·256 + i + k·(PARTS·256)` (thread `i` of block
+/// `b`), the block's 256 sums added as a fixed tree. Buffers `y`, `t`,
+/// `partial` (`LOSS_PARTS` floats); scalar `count`. Grid: `LOSS_PARTS`
+/// blocks. A fixed order everywhere: deterministic.
+fn mse_partial() -> Kernel {
+    let cuda = format!(
+        r#"#define PARTS {LOSS_PARTS}
+extern "C" __global__ void mse_partial(const float* y, const float* t, float* partial,
+    unsigned long long y_bytes, unsigned long long t_bytes, unsigned long long p_bytes, unsigned int count) {{
+    __shared__ float sums[256];
     unsigned int i = threadIdx.x;
     float sum = 0.0f;
-    for (unsigned int at = i; at < count; at += 256) { float e = y[at] - t[at]; sum += e * e; }
-    partial[i] = sum;
+    for (unsigned int at = blockIdx.x * 256 + i; at < count; at += PARTS * 256) {{ float e = y[at] - t[at]; sum += e * e; }}
+    sums[i] = sum;
     __syncthreads();
-    if (i == 0) {
-        float total = 0.0f;
-        for (int p = 0; p < 256; p++) total += partial[p];
-        loss[slot] = total / (float)count;
-    }
-}"#,
-        )
-        .with_wgsl(
-            r#"@group(0) @binding(0) var<storage, read_write> y: array<f32>;
+    for (unsigned int half = 128; half > 0; half >>= 1) {{
+        if (i < half) sums[i] += sums[i + half];
+        __syncthreads();
+    }}
+    if (i == 0) partial[blockIdx.x] = sums[0];
+}}"#
+    );
+    let wgsl = format!(
+        r#"const PARTS: u32 = {LOSS_PARTS}u;
+@group(0) @binding(0) var<storage, read_write> y: array<f32>;
 @group(0) @binding(1) var<storage, read_write> t: array<f32>;
-@group(0) @binding(2) var<storage, read_write> loss: array<f32>;
+@group(0) @binding(2) var<storage, read_write> partial: array<f32>;
 @group(0) @binding(3) var<storage, read> s: array<u32>;
-var<workgroup> partial: array<f32, 256>;
+var<workgroup> sums: array<f32, 256>;
 @compute @workgroup_size(256)
-fn main(@builtin(local_invocation_index) i: u32) {
+fn main(@builtin(local_invocation_index) i: u32, @builtin(workgroup_id) wg: vec3<u32>) {{
     let count = s[0];
     var sum = 0.0;
-    for (var at = i; at < count; at += 256u) { let e = y[at] - t[at]; sum += e * e; }
-    partial[i] = sum;
+    for (var at = wg.x * 256u + i; at < count; at += PARTS * 256u) {{ let e = y[at] - t[at]; sum += e * e; }}
+    sums[i] = sum;
     workgroupBarrier();
-    if (i == 0u) {
-        var total = 0.0;
-        for (var p = 0u; p < 256u; p++) { total += partial[p]; }
-        loss[s[1]] = total / f32(count);
-    }
-}"#,
-        )
+    for (var half = 128u; half > 0u; half = half >> 1u) {{
+        if (i < half) {{ sums[i] = sums[i] + sums[i + half]; }}
+        workgroupBarrier();
+    }}
+    if (i == 0u) {{ partial[wg.x] = sums[0]; }}
+}}"#
+    );
+    Kernel::new("mse_partial")
+        .with_cpu(|ctx| {
+            let count = u(ctx, 0);
+            let [y, t, partial] = &mut ctx.buffers[..] else { panic!("mse_partial takes 3 buffers") };
+            let (y, t, partial): (&[f32], &[f32], &mut [f32]) =
+                (bytemuck::cast_slice(y), bytemuck::cast_slice(t), bytemuck::cast_slice_mut(partial));
+            // The GPU sources' order: per block, 256 strided sums, then a tree.
+            let mut sums = [0.0f32; 256];
+            for (b, p) in partial[..LOSS_PARTS].iter_mut().enumerate() {
+                for (i, sum) in sums.iter_mut().enumerate() {
+                    *sum = 0.0;
+                    let mut at = b * 256 + i;
+                    while at < count {
+                        let e = y[at] - t[at];
+                        *sum += e * e;
+                        at += LOSS_PARTS * 256;
+                    }
+                }
+                let mut half = 128;
+                while half > 0 {
+                    for i in 0..half {
+                        sums[i] += sums[i + half];
+                    }
+                    half >>= 1;
+                }
+                *p = sums[0];
+            }
+        })
+        .with_cuda(cuda)
+        .with_wgsl(wgsl)
+}
+
+/// The second stage: `loss[slot] = Σ partial / count`, the `LOSS_PARTS`
+/// partial sums added in order by one thread. Buffers `partial`, `loss`;
+/// scalars `count`, `slot`.
+fn mse_loss() -> Kernel {
+    Kernel::new("mse_loss")
+        .with_block([1, 1, 1])
+        .with_cpu(|ctx| {
+            let (count, slot) = (u(ctx, 0), u(ctx, 1));
+            let (partial, loss) = ctx.buffer_pair::<f32, f32>(0, 1);
+            loss[slot] = partial[..LOSS_PARTS].iter().fold(0.0f32, |a, p| a + p) / count as f32;
+        })
+        .with_cuda(format!(
+            r#"extern "C" __global__ void mse_loss(const float* partial, float* loss,
+    unsigned long long p_bytes, unsigned long long l_bytes, unsigned int count, unsigned int slot) {{
+    float total = 0.0f;
+    for (int p = 0; p < {LOSS_PARTS}; p++) total += partial[p];
+    loss[slot] = total / (float)count;
+}}"#
+        ))
+        .with_wgsl(format!(
+            r#"@group(0) @binding(0) var<storage, read_write> partial: array<f32>;
+@group(0) @binding(1) var<storage, read_write> loss: array<f32>;
+@group(0) @binding(2) var<storage, read> s: array<u32>;
+@compute @workgroup_size(1)
+fn main() {{
+    var total = 0.0;
+    for (var p = 0u; p < {LOSS_PARTS}u; p++) {{ total += partial[p]; }}
+    loss[s[1]] = total / f32(s[0]);
+}}"#
+        ))
 }
 
 /// SGD with momentum (PyTorch's form): `v = μ·v + g; p -= lr·v`. Buffers

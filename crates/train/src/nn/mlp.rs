@@ -8,7 +8,7 @@ use cohort_runtime::{Client, KernelArguments, Scalar};
 use super::grads::GradientSink;
 use cohort_runtime::backend::Gemm;
 
-use super::kernels::{cover, kernels, U32s};
+use super::kernels::{cover, kernels, U32s, LOSS_PARTS};
 use super::matmul::{queue, uses_blas, Matmul};
 use super::{uniform, Parameter};
 
@@ -74,6 +74,10 @@ struct Replica {
     input: Option<Buffer<f32>>,
     /// One slot per step of the mean squared error.
     losses: Buffer<f32>,
+    /// The loss's first-stage sums.
+    partial: Buffer<f32>,
+    /// `rows` ones: a bias's gradient is `dzᵀ · ones`, a matrix product.
+    ones: Buffer<f32>,
 }
 
 /// A multi-layer perceptron, one replica per client, every replica
@@ -128,6 +132,8 @@ impl Mlp {
                     delta: [Buffer::uninit(client, rows * w)?, Buffer::uninit(client, rows * w)?],
                     input: None,
                     losses: Buffer::zeros(client, 1)?,
+                    partial: Buffer::zeros(client, LOSS_PARTS)?,
+                    ones: Buffer::from_slice(client, &vec![1.0f32; rows])?,
                 })
             })
             .collect::<Result<_, Error>>()?;
@@ -239,11 +245,10 @@ impl Mlp {
             }
             let slot = slot % r.losses.len();
             let y = &r.outputs[depth - 1];
-            let args = KernelArguments::new()
-                .buffer(y.handle())
-                .buffer(t.handle())
-                .buffer(r.losses.handle())
-                .u32s([count, slot]);
+            let args =
+                KernelArguments::new().buffer(y.handle()).buffer(t.handle()).buffer(r.partial.handle()).u32s([count]);
+            r.client.launch(&k.mse_partial, cohort_runtime::GridCount::Static(LOSS_PARTS as u32, 1, 1), args)?;
+            let args = KernelArguments::new().buffer(r.partial.handle()).buffer(r.losses.handle()).u32s([count, slot]);
             r.client.launch(&k.mse_loss, cohort_runtime::GridCount::Static(1, 1, 1), args)?;
             let args = KernelArguments::new()
                 .buffer(y.handle())
@@ -262,9 +267,10 @@ impl Mlp {
                 let dw = &grads.gradient(2 * layer)[i];
                 let gemm = Gemm { m: w, n: w, k: rows, trans_a: true, trans_b: false, accumulate: true };
                 queue(&r.client, r.blas, dz, input, dw, gemm)?;
+                // db += dzᵀ · ones: [width × rows] · [rows × 1].
                 let db = &grads.gradient(2 * layer + 1)[i];
-                let args = KernelArguments::new().buffer(dz.handle()).buffer(db.handle()).u32s([rows, w]);
-                r.client.launch(&k.bias_grad, cover(w), args)?;
+                let gemm = Gemm { m: w, n: 1, k: rows, trans_a: true, trans_b: false, accumulate: true };
+                queue(&r.client, r.blas, dz, &r.ones, db, gemm)?;
             }
             grads.ready(2 * layer)?;
             grads.ready(2 * layer + 1)?;
