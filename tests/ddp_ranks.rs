@@ -20,7 +20,13 @@ fn profile_dir() -> PathBuf {
     exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>/deps").to_path_buf()
 }
 
+/// The launcher, built once per test process (both tests use it).
 fn launcher() -> PathBuf {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(build_launcher).clone()
+}
+
+fn build_launcher() -> PathBuf {
     let release = profile_dir().ends_with("release");
     let status = Command::new(env!("CARGO"))
         .args(["build", "-q", "-p", "cohort-launch", "--bin", "cohort"])

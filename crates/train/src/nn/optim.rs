@@ -18,7 +18,7 @@ pub struct Sgd {
 impl Sgd {
     /// An optimizer for `params` (velocities start at zero).
     pub fn new(params: &[Parameter], lr: f32, momentum: f32) -> Result<Sgd, Error> {
-        if !(lr.is_finite() && lr > 0.0) || !(0.0..1.0).contains(&momentum) {
+        if !(lr.is_finite() && lr > 0.0 && (0.0..1.0).contains(&momentum)) {
             return Err(Error::InvalidArgument(format!(
                 "SGD with lr {lr} and momentum {momentum}: lr must be a positive number and momentum in [0, 1)"
             )));
