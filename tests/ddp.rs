@@ -5,7 +5,7 @@
 
 mod common;
 
-use cohort_comm::ClientGroup;
+use cohort_comm::{ClientGroup, Collectives};
 use cohort_runtime::{CpuRuntime, Runtime};
 use cohort_train::ddp::{DdpOptions, DistributedDataParallel};
 use cohort_train::nn::{GradientSink, LocalGradients};
@@ -66,4 +66,41 @@ fn a_parameter_without_a_gradient_is_an_error_at_finish() {
     // A reference that is not DDP at all still works with the same model.
     LocalGradients::new(&s.params).unwrap();
     world.sync().unwrap();
+}
+
+#[test]
+fn careless_inputs_get_errors_that_name_the_problem() {
+    use cohort_runtime::Client;
+    use cohort_train::nn::{Mlp, MlpConfig, Parameter, Sgd, TeacherData};
+    let world = group(2);
+    let clients: Vec<Client> = world.clients().to_vec();
+    let msg = |r: Result<Mlp, cohort_comm::Error>| r.err().expect("refused").to_string();
+    assert!(msg(Mlp::new(&clients, MlpConfig { width: 0, depth: 2 }, 4, 1)).contains("width 0"));
+    assert!(msg(Mlp::new(&clients, MlpConfig { width: 1 << 20, depth: 2 }, 4, 1)).contains("2^31"));
+    assert!(msg(Mlp::new(&clients, MlpConfig { width: 8, depth: 2 }, 0, 1)).contains("0 rows"));
+    let mut model = Mlp::new(&clients, MlpConfig { width: 8, depth: 2 }, 4, 1).unwrap();
+    let params = model.parameters();
+    for (lr, momentum) in [(f32::NAN, 0.9), (-1.0, 0.9), (0.1, 1.0)] {
+        let err = Sgd::new(&params, lr, momentum).err().expect("refused").to_string();
+        assert!(err.contains("lr") && err.contains("momentum"), "{err}");
+    }
+    // Backward before forward, then a forward of the wrong size.
+    let mut grads = LocalGradients::new(&params).unwrap();
+    let targets = world.zeros::<f32>(32).unwrap();
+    let err = model.backward(&targets, 0, &mut grads).unwrap_err().to_string();
+    assert!(err.contains("backward before forward"), "{err}");
+    let err = model.forward(&world.zeros::<f32>(31).unwrap()).unwrap_err().to_string();
+    assert!(err.contains("4 × 8") && err.contains("31"), "{err}");
+    // A batch the members cannot split.
+    let config = MlpConfig { width: 8, depth: 2 };
+    let err = TeacherData::new(&clients[0], &clients, 0, 2, config, 1, 5, 1).err().expect("refused").to_string();
+    assert!(err.contains("5 rows") && err.contains("2 members"), "{err}");
+    // Both replicas of a parameter on device 0 of a two-device world.
+    let misplaced = Parameter {
+        name: "layers.0.weight".into(),
+        shape: vec![2, 2],
+        replicas: vec![params[0].replicas[0].slice(0..4).unwrap(), params[0].replicas[0].slice(4..8).unwrap()],
+    };
+    let err = DistributedDataParallel::new(&world, &[misplaced], DdpOptions::default()).err().expect("refused");
+    assert!(err.to_string().contains("layers.0.weight") && err.to_string().contains("replica 1"), "{err}");
 }

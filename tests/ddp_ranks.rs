@@ -53,8 +53,9 @@ fn launch(ranks: usize, role: &str) -> (bool, String) {
 }
 
 /// One rank: `same` trains 6 steps and checks every rank's parameters are
-/// bit-identical; `mismatch` makes rank 1's second layer wider and expects
-/// the start-up check's error.
+/// bit-identical; `mismatch` makes rank 1's second layer wider, `count`
+/// leaves out rank 1's last parameter; both expect the start-up check's
+/// error.
 #[test]
 fn rank_body() {
     let Ok(role) = std::env::var(ROLE) else { return };
@@ -62,11 +63,14 @@ fn rank_body() {
     let clients = compute_clients(&world);
     let config = MlpConfig { width: 32, depth: 3 };
     let rows = 4;
-    if role == "mismatch" {
+    if role == "mismatch" || role == "count" {
         let mut params = Mlp::new(&clients, config, rows, 1).unwrap().parameters();
-        if world.rank() == 1 {
+        if world.rank() == 1 && role == "mismatch" {
             let wide = Mlp::new(&clients, MlpConfig { width: 48, depth: 3 }, rows, 1).unwrap().parameters();
             params[2] = wide[2].clone();
+        }
+        if world.rank() == 1 && role == "count" {
+            params.pop();
         }
         let err = DistributedDataParallel::new(&world, &params, DdpOptions::default()).err().expect("refused");
         println!("refused: {err}");
@@ -117,5 +121,22 @@ fn a_rank_with_another_shape_gets_an_error_naming_it_and_the_parameter() {
     assert_eq!(refusals.len(), 2, "every rank is told:\n{out}");
     for line in refusals {
         assert!(line.contains("rank 1") && line.contains("layers.1.weight") && line.contains("[48, 48]"), "{line}");
+    }
+}
+
+#[test]
+fn a_rank_with_fewer_parameters_gets_an_error_naming_it() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let (ok, out) = launch(3, "count");
+    assert!(ok, "{out}");
+    let refusals: Vec<&str> = out.lines().filter(|l| l.contains("refused:")).collect();
+    assert_eq!(refusals.len(), 3, "every rank is told:\n{out}");
+    for line in refusals {
+        assert!(
+            line.contains("rank 1") && line.contains("registers 5 parameters") && line.contains("rank 0 registers 6"),
+            "{line}"
+        );
     }
 }
