@@ -17,7 +17,7 @@ pub trait Gradients {
     fn gradient(&self, index: usize) -> &[Buffer<f32>];
 }
 
-/// Gradients backward accumulates into (`+=`; [`GradientSink::zero_grad`]
+/// Gradients backward accumulates into (`+=`; each sink's own `zero_grad`
 /// clears them).
 pub trait GradientSink: Gradients {
     /// Called once the kernels that write parameter `index`'s gradient are
