@@ -104,3 +104,25 @@ fn careless_inputs_get_errors_that_name_the_problem() {
     let err = DistributedDataParallel::new(&world, &[misplaced], DdpOptions::default()).err().expect("refused");
     assert!(err.to_string().contains("layers.0.weight") && err.to_string().contains("replica 1"), "{err}");
 }
+
+#[test]
+fn finish_after_a_no_sync_backward_keeps_the_local_sums_with_a_hook() {
+    use cohort_train::ddp::CommHook;
+    use cohort_train::nn::Gradients;
+    let world = group(2);
+    let mut s = common::setup(&world, 1).unwrap();
+    let options = DdpOptions { hook: CommHook::Bf16Compress, ..common::small_buckets() };
+    let mut ddp = DistributedDataParallel::new(&world, &s.params, options).unwrap();
+    let mut local = LocalGradients::new(&s.params).unwrap();
+    s.model.forward(&s.data.inputs[0]).unwrap();
+    s.model.backward(&s.data.targets[0], 0, &mut local).unwrap();
+    s.model.forward(&s.data.inputs[0]).unwrap();
+    ddp.no_sync(|ddp| s.model.backward(&s.data.targets[0], 0, ddp)).unwrap();
+    ddp.finish().unwrap();
+    for i in 0..s.params.len() {
+        for r in 0..2 {
+            let (got, want) = (ddp.gradient(i)[r].to_vec().unwrap(), local.gradient(i)[r].to_vec().unwrap());
+            assert!(got == want, "parameter {i}, replica {r}: a no_sync gradient changed at finish");
+        }
+    }
+}

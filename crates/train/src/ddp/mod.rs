@@ -304,10 +304,12 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
     }
 
     /// Ends a backward pass: every parameter must have been reported ready
-    /// (an error names the first that was not). With synchronisation on,
-    /// every bucket's all-reduce is queued by now; a compressing hook's
-    /// cast back to f32 is queued here, on the compute streams. Returns at
-    /// once; the optimizer's reads of the gradients wait for the
+    /// (an error names the first that was not). Every bucket that filled
+    /// with synchronisation on has its all-reduce queued by now; a
+    /// compressing hook's cast back to f32 of those buckets is queued here,
+    /// on the compute streams (buckets that filled under `no_sync` keep
+    /// their local sums, whether `finish` is called inside it or after).
+    /// Returns at once; the optimizer's reads of the gradients wait for the
     /// collectives.
     pub fn finish(&mut self) -> Result<(), Error> {
         if let Some(missing) = self.seen.iter().position(|s| !s) {
@@ -317,12 +319,12 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
             )));
         }
         self.seen.fill(false);
-        if !self.sync {
-            return Ok(());
-        }
         let decompress = &kernels().decompress;
         for bucket in &mut self.buckets {
-            debug_assert!(bucket.queued, "every parameter was ready, so every bucket was queued");
+            // Only buckets all-reduced in this pass (none under no_sync).
+            if !std::mem::replace(&mut bucket.queued, false) {
+                continue;
+            }
             if let Some(packed) = &bucket.packed {
                 for (r, flat) in bucket.flat.iter().enumerate() {
                     let args = KernelArguments::new()
@@ -332,7 +334,6 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
                     flat.client().launch(decompress, cover(bucket.plan.len / 2), args)?;
                 }
             }
-            bucket.queued = false;
         }
         Ok(())
     }
