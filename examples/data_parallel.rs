@@ -1,6 +1,8 @@
-//! Data-parallel training: a small MLP learns a synthetic regression task on
-//! every device of a backend, each device taking its share of every global
-//! batch and the gradients averaged with `all_reduce(avg)`.
+//! Data-parallel training through `cohort::ddp::DistributedDataParallel`:
+//! an MLP (`cohort::nn::Mlp`, 4 layers of 256 by default, `--large` for 8 ×
+//! 4096, 134 M parameters) learns a teacher network's outputs on every
+//! device of a backend, each device taking its share of every global batch,
+//! the gradients averaged bucket by bucket while backward runs.
 //!
 //! Run: `cargo run --release --example data_parallel` (CPU, 4 devices), or
 //! `-- --devices 8 --epochs 10 --steps 50`; `--backend wgpu` trains on every
@@ -17,30 +19,39 @@
 //! every rank.
 //!
 //! At the end it checks that every replica's parameters are bit-identical
-//! (across ranks: gathered with `all_gather`) and that the loss matches a
-//! one-device run over the same global batches, on the same backend (on
-//! rank 0's first device), within a relative 1e-3 per epoch (the two runs
-//! sum the batch in a different order, so float rounding differs slightly;
-//! the observed difference is around 1e-6), prints both, and exits non-zero
-//! if a check fails. The kernels carry a CPU (Rust), a CUDA C and a WGSL
-//! source.
+//! (across ranks: gathered with `all_gather`) and that each epoch's loss
+//! matches a one-device run over the same global batches, on the same
+//! backend (on rank 0's first device), within a relative 1e-3 (the two runs
+//! sum a batch's gradient in a different order, so float rounding differs
+//! slightly; the difference seen is around 1e-6), prints both, and exits
+//! non-zero if a check fails.
 
-use std::io::Write;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
+use cohort::ddp::{compute_clients, CommHook, DdpOptions, DistributedDataParallel};
+use cohort::nn::{Mlp, MlpConfig, Sgd, TeacherData};
 use cohort::prelude::*;
+use indicatif::{ProgressBar, ProgressStyle};
 
-const INPUTS: usize = 16;
-const HIDDEN: usize = 32;
-/// Parameters: W1 (HIDDEN × INPUTS), b1 (HIDDEN), W2 (HIDDEN), b2 (1).
-const PARAMS: usize = HIDDEN * INPUTS + HIDDEN + HIDDEN + 1;
-/// Samples per global batch: divisible by every device count 1..=8.
-const BATCH: usize = 840;
+/// The relative difference allowed between the N-device and the 1-device
+/// run's loss, per epoch.
+const TOLERANCE: f32 = 1e-3;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Hook {
+    /// f32 all-reduce.
+    None,
+    /// bf16 compression.
+    Bf16,
+    /// fp16 compression.
+    Fp16,
+}
 
 #[derive(Parser, Debug)]
-#[command(about = "Data-parallel MLP training across the devices of a backend")]
+#[command(about = "Data-parallel MLP training across the devices of a backend, through DistributedDataParallel")]
 struct Args {
     /// Backend: cpu, wgpu or cuda.
     #[arg(long, default_value = "cpu")]
@@ -55,353 +66,176 @@ struct Args {
     /// Steps (global batches) per epoch.
     #[arg(long, default_value_t = 40)]
     steps: usize,
-    /// Learning rate.
-    #[arg(long, default_value_t = 0.05)]
+    /// Samples per global batch (split evenly among the devices).
+    #[arg(long, default_value_t = 240)]
+    batch: usize,
+    /// The large model: 8 layers of 4096 (134 M parameters).
+    #[arg(long)]
+    large: bool,
+    /// Layer width (default 256, or 4096 with --large).
+    #[arg(long)]
+    width: Option<usize>,
+    /// Layers (default 4, or 8 with --large).
+    #[arg(long)]
+    depth: Option<usize>,
+    /// Learning rate of SGD (momentum 0.9).
+    #[arg(long, default_value_t = 0.01)]
     lr: f32,
+    /// Bucket cap in MiB.
+    #[arg(long, default_value_t = 25.0)]
+    bucket_cap_mb: f64,
+    /// Communication hook.
+    #[arg(long, value_enum, default_value_t = Hook::None)]
+    hook: Hook,
+    /// Micro-batches per step: all but the last run under no_sync.
+    #[arg(long, default_value_t = 1)]
+    accumulate: usize,
 }
 
-/// A deterministic pseudo-random number in [-1, 1).
-fn noise(seed: u64) -> f32 {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(0x2545_F491_4F6C_DD1D);
-    x ^= x >> 31;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 29;
-    (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-}
+impl Args {
+    fn config(&self) -> MlpConfig {
+        let base = if self.large { MlpConfig::LARGE } else { MlpConfig::SMALL };
+        MlpConfig { width: self.width.unwrap_or(base.width), depth: self.depth.unwrap_or(base.depth) }
+    }
 
-/// Sample `i`: its inputs and target.
-fn sample(i: usize) -> ([f32; INPUTS], f32) {
-    let x: [f32; INPUTS] = std::array::from_fn(|k| noise((i * INPUTS + k) as u64));
-    let y = (x[0] * 1.5 - x[3]).sin() + 0.5 * x[7] * x[9] - 0.25 * x[12];
-    (x, y)
-}
-
-/// Floats per row in the scratch buffer of the GPU kernels: h (HIDDEN),
-/// dh (HIDDEN), dout, squared error.
-const STRIDE: usize = 2 * HIDDEN + 2;
-/// Threads of the one block (workgroup) the GPU forward/backward runs on.
-const THREADS: usize = 256;
-
-/// Forward and backward over one step's rows: buffers params, x (all
-/// steps), y (all steps), grads (PARAMS + 1: the last is the mean loss),
-/// scratch (rows × STRIDE floats, used by the GPU sources); scalars step,
-/// rows.
-///
-/// The CPU source runs the rows in order on one thread. The GPU sources run
-/// on one block of THREADS threads in two phases: one thread per row
-/// computes activations and per-row gradients into scratch; after a block
-/// barrier, one thread per gradient slot sums them over the rows in order.
-/// Every sum has a fixed order, so a run is deterministic on its backend.
-///
-/// The WGSL binds every buffer `read_write`: small buffers are slices of one
-/// pooled wgpu buffer, and wgpu refuses one buffer bound both read-only and
-/// read-write in a dispatch.
-fn forward_backward() -> Kernel {
-    let cuda = format!(
-        r#"#define INPUTS {INPUTS}
-#define HIDDEN {HIDDEN}
-#define PARAMS {PARAMS}
-#define STRIDE {STRIDE}
-extern "C" __global__ void mlp_forward_backward(
-    const float* p, const float* xs, const float* ys, float* grads, float* scratch,
-    unsigned long long p_bytes, unsigned long long xs_bytes, unsigned long long ys_bytes,
-    unsigned long long grads_bytes, unsigned long long scratch_bytes,
-    unsigned int step, unsigned int rows) {{
-    const float* w1 = p;
-    const float* b1 = p + HIDDEN * INPUTS;
-    const float* w2 = b1 + HIDDEN;
-    float b2 = w2[HIDDEN];
-    for (unsigned int r = threadIdx.x; r < rows; r += blockDim.x) {{
-        const float* x = xs + (unsigned long long)(step * rows + r) * INPUTS;
-        float* s = scratch + (unsigned long long)r * STRIDE;
-        float out = b2;
-        for (int j = 0; j < HIDDEN; j++) {{
-            float z = b1[j];
-            for (int k = 0; k < INPUTS; k++) z += w1[j * INPUTS + k] * x[k];
-            float h = tanhf(fminf(fmaxf(z, -15.0f), 15.0f));
-            s[j] = h;
-            out += w2[j] * h;
-        }}
-        float err = out - ys[step * rows + r];
-        float dout = 2.0f * err / (float)rows;
-        for (int j = 0; j < HIDDEN; j++) s[HIDDEN + j] = dout * w2[j] * (1.0f - s[j] * s[j]);
-        s[2 * HIDDEN] = dout;
-        s[2 * HIDDEN + 1] = err * err;
-    }}
-    __syncthreads();
-    for (unsigned int q = threadIdx.x; q <= PARAMS; q += blockDim.x) {{
-        float acc = 0.0f;
-        for (unsigned int r = 0; r < rows; r++) {{
-            const float* s = scratch + (unsigned long long)r * STRIDE;
-            if (q < HIDDEN * INPUTS) acc += s[HIDDEN + q / INPUTS] * xs[(unsigned long long)(step * rows + r) * INPUTS + q % INPUTS];
-            else if (q < HIDDEN * INPUTS + HIDDEN) acc += s[HIDDEN + (q - HIDDEN * INPUTS)];
-            else if (q < HIDDEN * INPUTS + 2 * HIDDEN) acc += s[2 * HIDDEN] * s[q - HIDDEN * INPUTS - HIDDEN];
-            else if (q == PARAMS - 1) acc += s[2 * HIDDEN];
-            else acc += s[2 * HIDDEN + 1];
-        }}
-        grads[q] = q == PARAMS ? acc / (float)rows : acc;
-    }}
-}}"#
-    );
-    let wgsl = format!(
-        r#"const INPUTS: u32 = {INPUTS}u;
-const HIDDEN: u32 = {HIDDEN}u;
-const PARAMS: u32 = {PARAMS}u;
-const STRIDE: u32 = {STRIDE}u;
-const THREADS: u32 = {THREADS}u;
-@group(0) @binding(0) var<storage, read_write> p: array<f32>;
-@group(0) @binding(1) var<storage, read_write> xs: array<f32>;
-@group(0) @binding(2) var<storage, read_write> ys: array<f32>;
-@group(0) @binding(3) var<storage, read_write> grads: array<f32>;
-@group(0) @binding(4) var<storage, read_write> scratch: array<f32>;
-@group(0) @binding(5) var<storage, read> scalars: array<u32>;
-@compute @workgroup_size({THREADS})
-fn main(@builtin(local_invocation_index) t: u32) {{
-    let step = scalars[0];
-    let rows = scalars[1];
-    let b1 = HIDDEN * INPUTS;
-    let w2 = b1 + HIDDEN;
-    for (var r = t; r < rows; r += THREADS) {{
-        let x = (step * rows + r) * INPUTS;
-        let s = r * STRIDE;
-        var out = p[PARAMS - 1u];
-        for (var j = 0u; j < HIDDEN; j++) {{
-            var z = p[b1 + j];
-            for (var k = 0u; k < INPUTS; k++) {{ z += p[j * INPUTS + k] * xs[x + k]; }}
-            let h = tanh(clamp(z, -15.0, 15.0));
-            scratch[s + j] = h;
-            out += p[w2 + j] * h;
-        }}
-        let err = out - ys[step * rows + r];
-        let dout = 2.0 * err / f32(rows);
-        for (var j = 0u; j < HIDDEN; j++) {{
-            let h = scratch[s + j];
-            scratch[s + HIDDEN + j] = dout * p[w2 + j] * (1.0 - h * h);
-        }}
-        scratch[s + 2u * HIDDEN] = dout;
-        scratch[s + 2u * HIDDEN + 1u] = err * err;
-    }}
-    storageBarrier();
-    workgroupBarrier();
-    for (var q = t; q <= PARAMS; q += THREADS) {{
-        var acc = 0.0;
-        for (var r = 0u; r < rows; r++) {{
-            let s = r * STRIDE;
-            if (q < b1) {{
-                acc += scratch[s + HIDDEN + q / INPUTS] * xs[(step * rows + r) * INPUTS + q % INPUTS];
-            }} else if (q < w2) {{
-                acc += scratch[s + HIDDEN + (q - b1)];
-            }} else if (q < w2 + HIDDEN) {{
-                acc += scratch[s + 2u * HIDDEN] * scratch[s + (q - w2)];
-            }} else if (q == PARAMS - 1u) {{
-                acc += scratch[s + 2u * HIDDEN];
-            }} else {{
-                acc += scratch[s + 2u * HIDDEN + 1u];
-            }}
-        }}
-        if (q == PARAMS) {{ acc = acc / f32(rows); }}
-        grads[q] = acc;
-    }}
-}}"#
-    );
-    Kernel::new("mlp_forward_backward")
-        .with_block([THREADS as u32, 1, 1])
-        .with_cpu(|ctx| {
-            let step = ctx.scalar(0).as_u64() as usize;
-            let rows = ctx.scalar(1).as_u64() as usize;
-            let [params, xs, ys, grads, _scratch] = &mut ctx.buffers[..] else {
-                panic!("mlp_forward_backward takes 5 buffers");
-            };
-            let p: &[f32] = bytemuck::cast_slice(&params[..]);
-            let xs: &[f32] = bytemuck::cast_slice(&xs[..]);
-            let ys: &[f32] = bytemuck::cast_slice(&ys[..]);
-            let g: &mut [f32] = bytemuck::cast_slice_mut(&mut grads[..]);
-            g.fill(0.0);
-            let (w1, rest) = p.split_at(HIDDEN * INPUTS);
-            let (b1, rest) = rest.split_at(HIDDEN);
-            let (w2, b2) = rest.split_at(HIDDEN);
-            let mut loss = 0.0f32;
-            let mut h = [0.0f32; HIDDEN];
-            for r in 0..rows {
-                let row = step * rows + r;
-                let x = &xs[row * INPUTS..(row + 1) * INPUTS];
-                for j in 0..HIDDEN {
-                    let z: f32 = b1[j] + (0..INPUTS).map(|k| w1[j * INPUTS + k] * x[k]).sum::<f32>();
-                    h[j] = z.tanh();
-                }
-                let out = b2[0] + (0..HIDDEN).map(|j| w2[j] * h[j]).sum::<f32>();
-                let err = out - ys[row];
-                loss += err * err;
-                let dout = 2.0 * err / rows as f32;
-                let (gw1, grest) = g.split_at_mut(HIDDEN * INPUTS);
-                let (gb1, grest) = grest.split_at_mut(HIDDEN);
-                let (gw2, grest) = grest.split_at_mut(HIDDEN);
-                grest[0] += dout;
-                for j in 0..HIDDEN {
-                    gw2[j] += dout * h[j];
-                    let dh = dout * w2[j] * (1.0 - h[j] * h[j]);
-                    gb1[j] += dh;
-                    for k in 0..INPUTS {
-                        gw1[j * INPUTS + k] += dh * x[k];
-                    }
-                }
-            }
-            g[PARAMS] = loss / rows as f32;
-        })
-        .with_cuda(cuda)
-        .with_wgsl(wgsl)
-}
-
-/// SGD: buffers params, grads (averaged), loss sum; scalar lr. One thread
-/// per parameter on the GPU.
-fn sgd() -> Kernel {
-    let cuda = format!(
-        r#"extern "C" __global__ void sgd(float* p, const float* g, float* loss,
-    unsigned long long p_bytes, unsigned long long g_bytes, unsigned long long loss_bytes, float lr) {{
-    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < {PARAMS}) p[i] -= lr * g[i];
-    if (i == 0) loss[0] += g[{PARAMS}];
-}}"#
-    );
-    let wgsl = format!(
-        r#"@group(0) @binding(0) var<storage, read_write> p: array<f32>;
-@group(0) @binding(1) var<storage, read_write> g: array<f32>;
-@group(0) @binding(2) var<storage, read_write> loss: array<f32>;
-@group(0) @binding(3) var<storage, read> scalars: array<u32>;
-@compute @workgroup_size(256)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{
-    let lr = bitcast<f32>(scalars[0]);
-    let i = gid.x;
-    if (i < {PARAMS}u) {{ p[i] = p[i] - lr * g[i]; }}
-    if (i == 0u) {{ loss[0] = loss[0] + g[{PARAMS}u]; }}
-}}"#
-    );
-    Kernel::new("sgd")
-        .with_cpu(|ctx| {
-            let lr = ctx.scalar(0).as_f64() as f32;
-            let [params, grads, loss] = &mut ctx.buffers[..] else {
-                panic!("sgd takes 3 buffers");
-            };
-            let p: &mut [f32] = bytemuck::cast_slice_mut(&mut params[..]);
-            let g: &[f32] = bytemuck::cast_slice(&grads[..]);
-            let loss: &mut [f32] = bytemuck::cast_slice_mut(&mut loss[..]);
-            p.iter_mut().zip(g).for_each(|(p, g)| *p -= lr * g);
-            loss[0] += g[PARAMS];
-        })
-        .with_cuda(cuda)
-        .with_wgsl(wgsl)
+    fn options(&self) -> DdpOptions {
+        let hook = match self.hook {
+            Hook::None => CommHook::AllReduce,
+            Hook::Bf16 => CommHook::Bf16Compress,
+            Hook::Fp16 => CommHook::Fp16Compress,
+        };
+        DdpOptions { bucket_cap_bytes: (self.bucket_cap_mb * (1 << 20) as f64) as usize, hook, ..DdpOptions::default() }
+    }
 }
 
 struct Run {
+    /// Mean loss of each epoch, over every replica.
     epoch_losses: Vec<f32>,
     /// Every replica's parameters, as bits.
     replicas: Vec<Vec<u32>>,
-    /// The training loop.
     seconds: f64,
-    /// The warm-up collective before it (creates NCCL communicators).
+    /// Start-up: data, model, DDP's shape check and broadcast.
     setup_seconds: f64,
 }
 
-/// Averages one float per device and waits for it, so communicators exist
-/// before the clock starts (NCCL takes up to a second to make them; the host
-/// path next to nothing); returns the seconds it took.
-fn warm_up(world: &impl Collectives) -> Result<f64, Error> {
-    let start = Instant::now();
-    let probes = world.replicate(&[1.0f32])?;
-    world.all_reduce(&probes, &probes, ReduceOp::Avg)?;
-    world.sync()?;
-    Ok(start.elapsed().as_secs_f64())
+/// The progress of one run: a bar on a terminal, a line per epoch
+/// elsewhere (a log, a pipe, CI).
+struct Progress {
+    bar: Option<ProgressBar>,
+    label: String,
 }
 
-/// Trains on every replica; `label` prefixes the progress bar.
-fn train(world: &impl Collectives, args: &Args, label: &str) -> Result<Run, Error> {
-    let n = world.members();
-    let rows = BATCH / n;
-    let init: Vec<f32> = (0..PARAMS).map(|i| 0.3 * noise(1_000_000 + i as u64)).collect();
-    let (fb, step_kernel) = (forward_backward(), sgd());
-    let mut params = Vec::new();
-    let mut grads = Vec::new();
-    let mut losses = Vec::new();
-    let mut data = Vec::new();
-    let mut scratch = Vec::new();
-    for (l, client) in world.clients().iter().enumerate() {
-        // Replica m takes rows [m·rows, (m+1)·rows) of every global batch.
-        let m = world.first_member() + l;
-        let mut xs = Vec::with_capacity(args.steps * rows * INPUTS);
-        let mut ys = Vec::with_capacity(args.steps * rows);
-        for s in 0..args.steps {
-            for r in 0..rows {
-                let (x, y) = sample(s * BATCH + m * rows + r);
-                xs.extend_from_slice(&x);
-                ys.push(y);
-            }
-        }
-        params.push(Buffer::from_slice(client, &init)?);
-        grads.push(Buffer::<f32>::uninit(client, PARAMS + 1)?);
-        scratch.push(Buffer::<f32>::uninit(client, rows * STRIDE)?);
-        losses.push(Buffer::from_slice(client, &[0.0f32])?);
-        data.push((Buffer::from_slice(client, &xs)?, Buffer::from_slice(client, &ys)?));
+impl Progress {
+    fn new(show: bool, label: &str, total: usize) -> Progress {
+        let bar = (show && std::io::stderr().is_terminal()).then(|| {
+            let bar = ProgressBar::new(total as u64);
+            bar.set_style(
+                ProgressStyle::with_template("{prefix} [{bar:30}] step {pos}/{len} {msg}")
+                    .expect("a valid template")
+                    .progress_chars("#>."),
+            );
+            bar.set_prefix(label.to_string());
+            bar
+        });
+        Progress { bar, label: label.to_string() }
     }
-    let setup_seconds = warm_up(world)?;
+
+    fn step(&self, done: usize, loss: f32, samples_per_s: f64) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(done as u64);
+            bar.set_message(format!("loss {loss:.5}  {samples_per_s:.0} samples/s"));
+        }
+    }
+
+    fn epoch(&self, show: bool, epoch: usize, epochs: usize, loss: f32, samples_per_s: f64) {
+        if show && self.bar.is_none() {
+            eprintln!("{} epoch {epoch}/{epochs}: loss {loss:.5}, {samples_per_s:.0} samples/s", self.label);
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}
+
+/// Trains on every replica of `world`; `label` names the run in its progress.
+fn train(world: &impl Collectives, args: &Args, label: &str) -> Result<Run, Error> {
+    let setup = Instant::now();
+    let n = world.members();
+    let rows = args.batch / n;
+    let config = args.config();
+    let clients = compute_clients(world);
+    let data = TeacherData::new(&clients[0], &clients, world.first_member(), n, config, 99, args.batch, args.steps)?;
+    let mut model = Mlp::new(&clients, config, rows, 7)?;
+    model.set_loss_slots(args.steps)?;
+    let params = model.parameters();
+    let mut ddp = DistributedDataParallel::new(world, &params, args.options())?;
+    let sgd = Sgd::new(&params, args.lr, 0.9)?;
+    let losses: Vec<Buffer<f32>> = (0..model.replicas()).map(|r| model.losses(r).clone()).collect();
+    world.sync()?;
+    for c in &clients {
+        c.sync()?;
+    }
+    let setup_seconds = setup.elapsed().as_secs_f64();
+
+    let leads = world.rank() == 0;
+    let total = args.epochs * args.steps;
+    let progress = Progress::new(leads, label, total);
     let start = Instant::now();
     let mut epoch_losses = Vec::new();
-    let total = args.epochs * args.steps;
     for epoch in 0..args.epochs {
         for step in 0..args.steps {
-            for (m, client) in world.clients().iter().enumerate() {
-                let a = KernelArguments::new()
-                    .buffer(params[m].handle())
-                    .buffer(data[m].0.handle())
-                    .buffer(data[m].1.handle())
-                    .buffer(grads[m].handle())
-                    .buffer(scratch[m].handle())
-                    .scalar(Scalar::U32(step as u32))
-                    .scalar(Scalar::U32(rows as u32));
-                // One block: the GPU sources sync their two phases inside it.
-                client.launch(&fb, GridCount::Static(1, 1, 1), a)?;
+            for micro in 0..args.accumulate {
+                model.forward(&data.inputs[step])?;
+                if micro + 1 < args.accumulate {
+                    ddp.no_sync(|ddp| {
+                        model.backward(&data.targets[step], step, ddp)?;
+                        ddp.finish()
+                    })?;
+                } else {
+                    model.backward(&data.targets[step], step, &mut ddp)?;
+                    ddp.finish()?;
+                }
             }
-            // Average gradients (and the last slot, the loss) in place.
-            world.all_reduce(&grads, &grads, ReduceOp::Avg)?;
-            for (m, client) in world.clients().iter().enumerate() {
-                let a = KernelArguments::new()
-                    .buffer(params[m].handle())
-                    .buffer(grads[m].handle())
-                    .buffer(losses[m].handle())
-                    .scalar(Scalar::F32(args.lr));
-                client.launch(&step_kernel, GridCount::cover(PARAMS, 256), a)?;
-            }
+            sgd.step(&params, &ddp)?;
+            ddp.zero_grad()?;
             let done = epoch * args.steps + step + 1;
-            if world.rank() == 0 && (step % 8 == 7 || step + 1 == args.steps) {
-                // Reading the loss waits for the step: the bar shows work done.
-                let sum = losses[0].to_vec()?[0];
-                let width = 30 * done / total;
-                eprint!(
-                    "\r{label} epoch {}/{} [{}{}] step {:>4}/{total} loss {:.5}",
-                    epoch + 1,
-                    args.epochs,
-                    "#".repeat(width),
-                    ".".repeat(30 - width),
-                    done,
-                    sum / (step + 1) as f32
-                );
-                let _ = std::io::stderr().flush();
+            if leads && (step % 8 == 7 || step + 1 == args.steps) {
+                // Reading a loss waits for its step: the bar shows work done.
+                let loss = losses[0].to_vec()?[step];
+                progress.step(done, loss, (done * args.batch) as f64 / start.elapsed().as_secs_f64());
             }
         }
-        let sum = losses[0].to_vec()?[0];
-        epoch_losses.push(sum / args.steps as f32);
-        for loss in &losses {
-            loss.write(&[0.0f32])?;
-        }
+        // The mean over every replica of this epoch's step losses.
+        world.all_reduce(&losses, &losses, ReduceOp::Avg)?;
+        let all = losses[0].to_vec()?;
+        let loss = all.iter().sum::<f32>() / args.steps as f32;
+        epoch_losses.push(loss);
+        let done = (epoch + 1) * args.steps;
+        progress.epoch(leads, epoch + 1, args.epochs, loss, (done * args.batch) as f64 / start.elapsed().as_secs_f64());
     }
-    if world.rank() == 0 {
-        eprintln!();
+    progress.finish();
+    for c in &clients {
+        c.sync()?;
     }
     let seconds = start.elapsed().as_secs_f64();
     // Every replica's parameters, gathered on every device.
-    let gathered = world.zeros::<f32>(n * PARAMS)?;
-    world.all_gather(&params, &gathered)?;
-    let copies = gathered[0].to_vec()?.chunks(PARAMS).map(|c| c.iter().map(|v| v.to_bits()).collect()).collect();
-    Ok(Run { epoch_losses, replicas: copies, seconds, setup_seconds })
+    let total_params = config.parameters();
+    let flat = world.zeros::<f32>(total_params)?;
+    let gathered = world.zeros::<f32>(n * total_params)?;
+    for (l, f) in flat.iter().enumerate() {
+        let mut host = Vec::with_capacity(total_params);
+        for p in &params {
+            host.extend(p.replicas[l].to_vec()?);
+        }
+        f.write(&host)?;
+    }
+    world.all_gather(&flat, &gathered)?;
+    let replicas =
+        gathered[0].to_vec()?.chunks(total_params).map(|c| c.iter().map(|v| v.to_bits()).collect()).collect();
+    Ok(Run { epoch_losses, replicas, seconds, setup_seconds })
 }
 
 /// The devices' names, repeated ones counted once (`name ×4`).
@@ -425,10 +259,16 @@ fn main() -> Result<ExitCode, Error> {
 }
 
 fn run(args: &Args) -> Result<bool, Error> {
+    if args.batch == 0 || args.steps == 0 || args.epochs == 0 || args.accumulate == 0 {
+        return Err(Error::InvalidArgument(
+            "--batch, --steps, --epochs and --accumulate must each be at least 1".into(),
+        ));
+    }
     if let Some(n) = args.devices {
-        if n == 0 || !BATCH.is_multiple_of(n) {
+        if n == 0 || !args.batch.is_multiple_of(n) {
             return Err(Error::InvalidArgument(format!(
-                "--devices {n}: the global batch of {BATCH} must split evenly: use a divisor of it, e.g. 1 to 8"
+                "--devices {n}: the global batch of {} must split evenly: use a divisor of it",
+                args.batch
             )));
         }
         if args.backend == "cpu" {
@@ -440,9 +280,10 @@ fn run(args: &Args) -> Result<bool, Error> {
     // rank (default 1), chosen by LOCAL_RANK.
     let world = World::join(rank_clients(&args.backend, args.devices)?)?;
     let n = world.members();
-    if !BATCH.is_multiple_of(n) {
+    if !args.batch.is_multiple_of(n) {
         return Err(Error::InvalidArgument(format!(
-            "{n} devices do not split the global batch of {BATCH} evenly: use 1 to 8 devices in all"
+            "{n} devices do not split the global batch of {} evenly: pick --batch as a multiple of {n}",
+            args.batch
         )));
     }
     let leads = world.rank() == 0;
@@ -450,11 +291,23 @@ fn run(args: &Args) -> Result<bool, Error> {
         1 => "one process".to_string(),
         ranks => format!("{ranks} processes ({} per process, {:?})", world.clients().len(), world.transport()),
     };
+    let config = args.config();
     if leads {
         println!("data_parallel: backend {}, {n} devices in {place}: {}", args.backend, describe(world.clients()));
+        let options = args.options();
         println!(
-            "data_parallel: MLP {INPUTS}-{HIDDEN}-1 ({PARAMS} parameters), global batch {BATCH}, {} epochs × {} steps, lr {}",
-            args.epochs, args.steps, args.lr
+            "data_parallel: MLP {} layers × {} ({} parameters), global batch {}, {} epochs × {} steps, SGD lr {} momentum 0.9, buckets of {:.1} MiB (first {:.1} MiB), hook {:?}{}",
+            config.depth,
+            config.width,
+            config.parameters(),
+            args.batch,
+            args.epochs,
+            args.steps,
+            args.lr,
+            options.bucket_cap_bytes as f64 / (1 << 20) as f64,
+            options.first_bucket_bytes as f64 / (1 << 20) as f64,
+            options.hook,
+            if args.accumulate > 1 { format!(", {} micro-batches per step (no_sync)", args.accumulate) } else { String::new() }
         );
     }
     let parallel = train(&world, args, &format!("{n} devices"))?;
@@ -474,15 +327,21 @@ fn run(args: &Args) -> Result<bool, Error> {
         worst = worst.max(rel);
         println!("{:>6} {:>14.6} {:>14.6} {:>10.2e}", e + 1, a, b, rel);
     }
+    let samples = (args.epochs * args.steps * args.batch * args.accumulate) as f64;
     println!(
-        "time: {:.2} s on {n} devices, {:.2} s on 1 device; before them, a first collective (communicator set-up): {:.2} s and {:.2} s",
-        parallel.seconds, single.seconds, parallel.setup_seconds, single.setup_seconds
+        "time: {:.2} s on {n} devices ({:.0} samples/s), {:.2} s on 1 device ({:.0} samples/s); before them, start-up (data, model, shape check, broadcast): {:.2} s and {:.2} s",
+        parallel.seconds,
+        samples / parallel.seconds,
+        single.seconds,
+        samples / single.seconds,
+        parallel.setup_seconds,
+        single.setup_seconds
     );
-    let loss_ok = worst <= 1e-3;
+    let loss_ok = worst <= TOLERANCE;
     let learned = parallel.epoch_losses.last() < parallel.epoch_losses.first();
     println!("check: replicas bit-identical across {n} devices: {}", if identical { "yes" } else { "NO" });
     println!(
-        "check: loss matches the 1-device run within 1e-3 relative (worst {worst:.2e}): {}",
+        "check: loss matches the 1-device run within {TOLERANCE:e} relative (worst {worst:.2e}): {}",
         if loss_ok { "yes" } else { "NO" }
     );
     println!("check: loss went down: {}", if learned { "yes" } else { "NO" });

@@ -8,6 +8,7 @@
 #   ./run.sh tests | ./run.sh bench  # one half only
 #   TESTS='cuda_*' ./run.sh tests    # only some test binaries
 #   BENCHES='cuda_runtime_bench nccl_bench' ./run.sh bench
+#   BENCHES=ddp_bench BENCH_ARGS='--backend cuda --large' ./run.sh bench   # DDP beside torch DDP
 #   LOG=second ./run.sh ...          # log to $OUT/second.log (several runs in one command)
 #   ./torchrun-check.sh              # PyTorch DDP (NCCL) and gloo under cohort run and torchrun, start-up times
 #
@@ -53,7 +54,8 @@ matches() {
     return 1
 }
 
-for package in cohort-runtime cohort-comm; do
+# cohort (the facade) holds the DDP tests (cuda_ddp: one GPU and two_gpus_).
+for package in cohort-runtime cohort-comm cohort; do
     if ! cargo test --release --no-run --tests -p "$package" --message-format=json >"$bundle/.build-$package.json" 2>"$bundle/.build-$package.err"; then
         echo "warning: the tests of $package did not build; skipping them (see gpu-bundle/.build-$package.err)" >&2
     fi

@@ -6,12 +6,18 @@
 //!   the [`Collectives`](comm::Collectives) trait over typed
 //!   [`Buffer`](comm::Buffer)s.
 //!
+//! * [`ddp`] — data-parallel training: [`ddp::DistributedDataParallel`],
+//!   gradient buckets all-reduced while backward runs.
+//! * [`nn`] — a model worth measuring on device kernels: an MLP of
+//!   configurable width and depth, SGD with momentum, teacher data.
+//!
 //! [`Error`] is the one error type a program needs: every error of the
 //! layers beneath converts into it, and its `Debug` prints the message.
 
 pub use cohort_comm as comm;
 pub use cohort_comm::Error;
 pub use cohort_runtime as runtime;
+pub use cohort_train::{ddp, nn};
 
 /// The names most programs need: the runtime's, and the collectives'.
 pub mod prelude {

@@ -108,6 +108,13 @@ impl BufferAccess<'_> {
         self.state.backend.device_collectives()
     }
 
+    /// The backend's BLAS (cuBLAS on CUDA), or `None` where it has none.
+    /// Calls on it run on this device thread; pass them
+    /// [`BufferAccess::stream`] and the task's [`BufferAccess::binding`]s.
+    pub fn blas(&mut self) -> Option<&mut dyn crate::backend::DeviceBlas> {
+        self.state.backend.blas()
+    }
+
     /// Queues `calls` on the backend's communicator of `comm`, on this
     /// task's stream (see [`DeviceCollectives::run`]). With
     /// [`Completion::Defer`] it returns once they are queued: later work on

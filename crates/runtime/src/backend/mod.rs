@@ -12,11 +12,13 @@ pub mod cuda;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
+mod blas;
 mod collectives;
 
 use std::any::Any;
 use std::time::Instant;
 
+pub use blas::{DeviceBlas, Gemm};
 pub use collectives::{CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerToken, PendingPart};
 
 use crate::bytes::AlignedBytes;
@@ -192,6 +194,12 @@ pub trait Backend: 'static {
     /// CUDA); `None`, the default, where the backend has none and the
     /// communication layer stages through the host.
     fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
+        None
+    }
+
+    /// Matrix products through the backend's vendor BLAS (cuBLAS on CUDA);
+    /// `None`, the default, where it has none (kernels do the work there).
+    fn blas(&mut self) -> Option<&mut dyn DeviceBlas> {
         None
     }
 }

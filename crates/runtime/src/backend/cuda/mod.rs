@@ -25,6 +25,7 @@
 //! are unaffected. Errors that are not sticky (a compile error, a launch with
 //! too many threads) fail only the call that made them.
 
+mod blas;
 mod disk_cache;
 mod driver;
 mod events;
@@ -69,6 +70,8 @@ use transfer::Staging;
 
 pub use disk_cache::nvrtc_cache_dir;
 pub use kernels::{nvrtc_cache_stats, NvrtcCacheStats};
+
+pub use blas::cublas_version;
 
 /// Whether NCCL can be used in this process: `Ok` with its version
 /// (`2.28.7`) once libnccl loaded, or why not (no library, or
@@ -524,6 +527,10 @@ impl Backend for CudaBackend {
     fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
         Some(self)
     }
+
+    fn blas(&mut self) -> Option<&mut dyn crate::backend::DeviceBlas> {
+        Some(self)
+    }
 }
 
 impl Drop for CudaBackend {
@@ -543,6 +550,7 @@ impl Drop for CudaBackend {
         if self.lost.is_none() {
             self.nccl.close();
         }
+        blas::release();
         self.kernels.release_all();
         self.streams.release_all();
         self.events.close();

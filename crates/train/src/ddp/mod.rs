@@ -1,0 +1,415 @@
+//! [`DistributedDataParallel`]: data-parallel training as PyTorch DDP does
+//! it, over any [`Collectives`] (a `ClientGroup` in one process, a
+//! `Communicator` per rank under `cohort run`, `mpirun` or `srun`, or the
+//! `World` that is either), with the same training loop.
+//!
+//! * Parameters are registered in order; their gradients live in flat
+//!   bucket buffers, filled from the last parameter back (backward's order)
+//!   until they hold at least their cap: the first bucket's is small
+//!   ([`DdpOptions::first_bucket_bytes`], 1 MiB), the rest's
+//!   [`DdpOptions::bucket_cap_bytes`] (25 MiB), as in PyTorch DDP.
+//! * The moment backward reports a bucket's last gradient
+//!   ([`GradientSink::ready`]), the bucket's all-reduce (average) is queued,
+//!   while the rest of backward is still being queued.
+//! * Start-up checks that every member registered the same parameters
+//!   (names and shapes; an error names the rank and the parameter) and
+//!   broadcasts them from member 0.
+//! * [`DistributedDataParallel::no_sync`] accumulates gradients locally;
+//!   [`CommHook`] compresses buckets to bf16 or fp16 for the all-reduce
+//!   (parameters and the optimizer stay f32).
+//! * Every replica applies the same averaged bits: replicas stay
+//!   bit-identical.
+//!
+//! # What overlaps
+//!
+//! Compute goes to the clients of [`compute_clients`] (a stream of their own
+//! per device); the collectives go through `world`, on the streams of the
+//! world's clients. Where a bucket's all-reduce needs a gradient, the
+//! runtime orders it after the kernel that wrote it with a fence between
+//! the two streams; the optimizer's reads wait for the all-reduce the same
+//! way. On CUDA the two are two CUDA streams: NCCL runs on one while the
+//! rest of backward runs on the other. On the CPU and wgpu backends each
+//! device has one server thread that runs its tasks in order, so a bucket's
+//! all-reduce runs between two of backward's kernels on that device rather
+//! than beside them; devices still run their parts concurrently.
+//!
+//! ```
+//! use cohort_comm::{ClientGroup, Collectives};
+//! use cohort_runtime::{CpuRuntime, Runtime};
+//! use cohort_train::ddp::{compute_clients, DdpOptions, DistributedDataParallel};
+//! use cohort_train::nn::{Mlp, MlpConfig, Sgd, TeacherData};
+//!
+//! # fn main() -> Result<(), cohort_comm::Error> {
+//! let world = ClientGroup::new(CpuRuntime::clients()?)?;
+//! let clients = compute_clients(&world);
+//! let config = MlpConfig { width: 32, depth: 2 };
+//! let rows = 8;
+//! let data = TeacherData::new(&clients[0], &clients, 0, world.members(), config, 7, rows * world.members(), 2)?;
+//! let mut model = Mlp::new(&clients, config, rows, 1)?;
+//! let params = model.parameters();
+//! let mut ddp = DistributedDataParallel::new(&world, &params, DdpOptions::default())?;
+//! let sgd = Sgd::new(&params, 0.01, 0.9)?;
+//! for step in 0..4 {
+//!     let b = step % 2;
+//!     model.forward(&data.inputs[b])?;
+//!     model.backward(&data.targets[b], 0, &mut ddp)?; // buckets all-reduced as they fill
+//!     ddp.finish()?;
+//!     sgd.step(&params, &ddp)?;
+//!     ddp.zero_grad()?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+mod buckets;
+mod shapes;
+
+use cohort_comm::{Buffer, Collectives, Error, ReduceOp, Work};
+use cohort_runtime::{Client, KernelArguments, StreamId};
+use half::{bf16, f16};
+
+use crate::nn::kernels::{cover, kernels, U32s};
+use crate::nn::{GradientSink, Gradients, Parameter};
+
+pub use buckets::{plan, BucketPlan, Place, ALIGN_ELEMS};
+pub use shapes::{check_same_everywhere, MAX_DIMS};
+
+/// PyTorch DDP's default bucket cap: 25 MiB.
+pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 << 20;
+/// PyTorch DDP's first bucket: 1 MiB, so the first all-reduce starts early.
+pub const DEFAULT_FIRST_BUCKET_BYTES: usize = 1 << 20;
+
+/// How a bucket is communicated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CommHook {
+    /// All-reduce (average) the f32 gradients.
+    #[default]
+    AllReduce,
+    /// Cast the bucket to bf16, all-reduce (average) that, cast back: half
+    /// the bytes; each averaged gradient within 2⁻⁷ of the largest
+    /// magnitude in its gradient of the f32 average (PyTorch's
+    /// `bf16_compress_hook`).
+    Bf16Compress,
+    /// The same through IEEE fp16 (within 2⁻⁹ of the largest magnitude;
+    /// values under 6·10⁻⁸ flush to zero).
+    Fp16Compress,
+}
+
+/// Settings of [`DistributedDataParallel`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DdpOptions {
+    /// Bytes of f32 gradients at which a bucket is closed (PyTorch's rule:
+    /// parameters are added until the bucket holds at least this much, so
+    /// its last one may take it past). Default 25 MiB.
+    pub bucket_cap_bytes: usize,
+    /// The cap of the first bucket (the last parameters). Default 1 MiB.
+    pub first_bucket_bytes: usize,
+    /// How buckets are communicated.
+    pub hook: CommHook,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        DdpOptions {
+            bucket_cap_bytes: DEFAULT_BUCKET_CAP_BYTES,
+            first_bucket_bytes: DEFAULT_FIRST_BUCKET_BYTES,
+            hook: CommHook::AllReduce,
+        }
+    }
+}
+
+/// The 16-bit copy a compressing hook all-reduces.
+enum Packed {
+    Bf16(Vec<Buffer<bf16>>),
+    F16(Vec<Buffer<f16>>),
+}
+
+impl Packed {
+    fn handle(&self, replica: usize) -> &cohort_runtime::Handle {
+        match self {
+            Packed::Bf16(b) => b[replica].handle(),
+            Packed::F16(b) => b[replica].handle(),
+        }
+    }
+}
+
+struct Bucket {
+    plan: BucketPlan,
+    /// The flat f32 gradients, one buffer per local replica.
+    flat: Vec<Buffer<f32>>,
+    packed: Option<Packed>,
+    /// Gradients reported ready in this backward.
+    ready: usize,
+    /// Its all-reduce is queued for this step.
+    queued: bool,
+}
+
+/// One clone of each of `world`'s clients pinned to a stream of its own: the
+/// clients a model's kernels go to, so the collectives (on the world's
+/// clients' streams) can run beside them.
+pub fn compute_clients(world: &impl Collectives) -> Vec<Client> {
+    world.clients().iter().map(|c| c.with_stream(StreamId::fresh())).collect()
+}
+
+/// Data-parallel gradients over `world`: see the [module](self) for what it
+/// does and what overlaps where.
+pub struct DistributedDataParallel<'w, C: Collectives> {
+    world: &'w C,
+    names: Vec<String>,
+    places: Vec<Place>,
+    buckets: Vec<Bucket>,
+    /// Per parameter, per replica: its slice of its bucket.
+    grads: Vec<Vec<Buffer<f32>>>,
+    /// Reported ready in this backward, per parameter.
+    seen: Vec<bool>,
+    sync: bool,
+    hook: CommHook,
+    works: Vec<Work>,
+}
+
+impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
+    /// Registers `params` (in order; each with one replica per local device
+    /// of `world`, in client order) and lays out their gradient buckets
+    /// (zeroed). Waits for the check that every member registered the same
+    /// names and shapes (an error names the first rank and parameter that
+    /// differ), then queues the broadcast of every parameter from member 0.
+    pub fn new(world: &'w C, params: &[Parameter], options: DdpOptions) -> Result<Self, Error> {
+        if options.bucket_cap_bytes == 0 || options.first_bucket_bytes == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "DdpOptions: bucket caps of {} and {} bytes: both must be at least 1 byte",
+                options.first_bucket_bytes, options.bucket_cap_bytes
+            )));
+        }
+        let local = world.clients();
+        for p in params {
+            if p.shape.len() > MAX_DIMS {
+                return Err(Error::InvalidArgument(format!(
+                    "parameter `{}` has {} dimensions; DistributedDataParallel takes at most {MAX_DIMS}",
+                    p.name,
+                    p.shape.len()
+                )));
+            }
+            if p.replicas.len() != local.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "parameter `{}` has {} replicas, but this process has {} devices: give one per device, in client order",
+                    p.name,
+                    p.replicas.len(),
+                    local.len()
+                )));
+            }
+            for (l, (r, c)) in p.replicas.iter().zip(local).enumerate() {
+                if r.len() != p.numel() || r.client().service_id() != c.service_id() {
+                    return Err(Error::InvalidArgument(format!(
+                        "parameter `{}` (shape {:?}): its replica {l} holds {} elements on {}, but must hold {} on {} (local device {l} of the world)",
+                        p.name,
+                        p.shape,
+                        r.len(),
+                        r.client().device_id(),
+                        p.numel(),
+                        c.device_id()
+                    )));
+                }
+                if p.numel() > u32::MAX as usize / 2 {
+                    return Err(Error::InvalidArgument(format!(
+                        "parameter `{}` holds {} elements; at most 2^31 per parameter",
+                        p.name,
+                        p.numel()
+                    )));
+                }
+            }
+        }
+        check_same_everywhere(world, params)?;
+        if !params.is_empty() {
+            world.group(|g| params.iter().try_for_each(|p| g.broadcast(&p.replicas, &p.replicas, 0)))?;
+        }
+        let lens: Vec<usize> = params.iter().map(Parameter::numel).collect();
+        let (plans, places) = plan(&lens, options.first_bucket_bytes, options.bucket_cap_bytes);
+        let replica_clients: Vec<Client> = match params.first() {
+            Some(p) => p.replicas.iter().map(|r| r.client().clone()).collect(),
+            None => Vec::new(),
+        };
+        let mut buckets = Vec::with_capacity(plans.len());
+        for plan in plans {
+            let flat = replica_clients.iter().map(|c| Buffer::zeros(c, plan.len)).collect::<Result<Vec<_>, _>>()?;
+            let packed = match options.hook {
+                CommHook::AllReduce => None,
+                CommHook::Bf16Compress => Some(Packed::Bf16(
+                    replica_clients.iter().map(|c| Buffer::uninit(c, plan.len)).collect::<Result<_, _>>()?,
+                )),
+                CommHook::Fp16Compress => Some(Packed::F16(
+                    replica_clients.iter().map(|c| Buffer::uninit(c, plan.len)).collect::<Result<_, _>>()?,
+                )),
+            };
+            buckets.push(Bucket { plan, flat, packed, ready: 0, queued: false });
+        }
+        let grads = places
+            .iter()
+            .map(|place| {
+                buckets[place.bucket].flat.iter().map(|f| f.slice(place.offset..place.offset + place.len)).collect()
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(DistributedDataParallel {
+            world,
+            names: params.iter().map(|p| p.name.clone()).collect(),
+            places,
+            buckets,
+            grads,
+            seen: vec![false; params.len()],
+            sync: true,
+            hook: options.hook,
+            works: Vec::new(),
+        })
+    }
+
+    /// The buckets' parameters (registration indices, in the order backward
+    /// fills them) and lengths in elements.
+    pub fn buckets(&self) -> Vec<BucketPlan> {
+        self.buckets.iter().map(|b| b.plan.clone()).collect()
+    }
+
+    /// Where parameter `index`'s gradient lives.
+    pub fn place(&self, index: usize) -> Place {
+        self.places[index]
+    }
+
+    /// The flat gradient buffers of bucket `bucket`, one per replica.
+    pub fn bucket_gradients(&self, bucket: usize) -> &[Buffer<f32>] {
+        &self.buckets[bucket].flat
+    }
+
+    /// Runs `body` with gradient synchronisation off, like PyTorch's
+    /// `with ddp.no_sync()`: the backward passes in it accumulate
+    /// gradients locally; the next backward outside it all-reduces the
+    /// sum.
+    pub fn no_sync<R>(&mut self, body: impl FnOnce(&mut Self) -> R) -> R {
+        let before = self.sync;
+        self.sync = false;
+        let out = body(self);
+        self.sync = before;
+        out
+    }
+
+    /// The collectives queued since the last [`DistributedDataParallel::zero_grad`],
+    /// one per bucket in the order they were queued.
+    pub fn works(&self) -> &[Work] {
+        &self.works
+    }
+
+    /// Waits for every all-reduce queued since the last zero_grad.
+    pub fn wait(&self) -> Result<(), Error> {
+        for w in &self.works {
+            w.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Ends a backward pass: every parameter must have been reported ready
+    /// (an error names the first that was not). Every bucket that filled
+    /// with synchronisation on has its all-reduce queued by now; a
+    /// compressing hook's cast back to f32 of those buckets is queued here,
+    /// on the compute streams (buckets that filled under `no_sync` keep
+    /// their local sums, whether `finish` is called inside it or after).
+    /// Returns at once; the optimizer's reads of the gradients wait for the
+    /// collectives.
+    pub fn finish(&mut self) -> Result<(), Error> {
+        if let Some(missing) = self.seen.iter().position(|s| !s) {
+            return Err(Error::InvalidArgument(format!(
+                "DistributedDataParallel: parameter {missing} `{}` got no gradient in this backward pass: every registered parameter must get one in each backward",
+                self.names[missing]
+            )));
+        }
+        self.seen.fill(false);
+        let decompress = &kernels().decompress;
+        for bucket in &mut self.buckets {
+            // Only buckets all-reduced in this pass (none under no_sync).
+            if !std::mem::replace(&mut bucket.queued, false) {
+                continue;
+            }
+            if let Some(packed) = &bucket.packed {
+                for (r, flat) in bucket.flat.iter().enumerate() {
+                    let args = KernelArguments::new()
+                        .buffer(packed.handle(r))
+                        .buffer(flat.handle())
+                        .u32s([bucket.plan.len, format_of(self.hook)]);
+                    flat.client().launch(decompress, cover(bucket.plan.len / 2), args)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets every gradient to zero (queued on the compute streams), ready
+    /// for the next accumulation.
+    pub fn zero_grad(&mut self) -> Result<(), Error> {
+        for bucket in &self.buckets {
+            for flat in &bucket.flat {
+                crate::nn::grads_zero(flat)?;
+            }
+        }
+        self.works.clear();
+        Ok(())
+    }
+
+    fn queue(&mut self, b: usize) -> Result<(), Error> {
+        let bucket = &mut self.buckets[b];
+        let work = match &bucket.packed {
+            None => self.world.all_reduce(&bucket.flat, &bucket.flat, ReduceOp::Avg)?,
+            Some(packed) => {
+                let compress = &kernels().compress;
+                for (r, flat) in bucket.flat.iter().enumerate() {
+                    let args = KernelArguments::new()
+                        .buffer(flat.handle())
+                        .buffer(packed.handle(r))
+                        .u32s([bucket.plan.len, format_of(self.hook)]);
+                    flat.client().launch(compress, cover(bucket.plan.len / 2), args)?;
+                }
+                match packed {
+                    Packed::Bf16(p) => self.world.all_reduce(p, p, ReduceOp::Avg)?,
+                    Packed::F16(p) => self.world.all_reduce(p, p, ReduceOp::Avg)?,
+                }
+            }
+        };
+        bucket.queued = true;
+        self.works.push(work);
+        Ok(())
+    }
+}
+
+fn format_of(hook: CommHook) -> usize {
+    usize::from(hook == CommHook::Fp16Compress)
+}
+
+impl<C: Collectives> Gradients for DistributedDataParallel<'_, C> {
+    fn gradient(&self, index: usize) -> &[Buffer<f32>] {
+        &self.grads[index]
+    }
+}
+
+impl<C: Collectives> GradientSink for DistributedDataParallel<'_, C> {
+    /// Counts parameter `index` ready; when it completes its bucket (and
+    /// synchronisation is on), queues the bucket's all-reduce at once.
+    fn ready(&mut self, index: usize) -> Result<(), Error> {
+        let Some(seen) = self.seen.get_mut(index) else {
+            return Err(Error::InvalidArgument(format!(
+                "DistributedDataParallel: parameter {index} reported ready, but {} are registered",
+                self.names.len()
+            )));
+        };
+        if std::mem::replace(seen, true) {
+            return Err(Error::InvalidArgument(format!(
+                "DistributedDataParallel: parameter {index} `{}` reported ready twice in one backward pass (call finish() after each backward)",
+                self.names[index]
+            )));
+        }
+        let b = self.places[index].bucket;
+        let bucket = &mut self.buckets[b];
+        bucket.ready += 1;
+        if bucket.ready == bucket.plan.params.len() {
+            bucket.ready = 0;
+            if self.sync {
+                self.queue(b)?;
+            }
+        }
+        Ok(())
+    }
+}

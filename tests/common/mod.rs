@@ -1,0 +1,170 @@
+//! The scenarios every backend's DDP tests run, against references built
+//! from the same kernels without DistributedDataParallel.
+
+#![allow(dead_code)]
+
+use cohort_comm::{Buffer, Collectives, Error};
+use cohort_train::ddp::{compute_clients, DdpOptions, DistributedDataParallel};
+use cohort_train::nn::{Gradients, LocalGradients, Mlp, MlpConfig, Parameter, Sgd, TeacherData};
+
+pub const CONFIG: MlpConfig = MlpConfig { width: 64, depth: 3 };
+/// Rows per replica per micro-batch.
+pub const ROWS: usize = 8;
+pub const BATCHES: usize = 4;
+pub const LR: f32 = 0.02;
+
+/// Small caps, so the 3 layers spread over 3 buckets (a weight of 16 KiB
+/// and its bias each).
+pub fn small_buckets() -> DdpOptions {
+    DdpOptions { bucket_cap_bytes: 8 << 10, first_bucket_bytes: 4 << 10, ..DdpOptions::default() }
+}
+
+/// A model and its data on `world`'s compute clients.
+pub struct Setup {
+    pub model: Mlp,
+    pub params: Vec<Parameter>,
+    pub data: TeacherData,
+}
+
+pub fn setup(world: &impl Collectives, seed: u64) -> Result<Setup, Error> {
+    let clients = compute_clients(world);
+    let data = TeacherData::new(
+        &clients[0],
+        &clients,
+        world.first_member(),
+        world.members(),
+        CONFIG,
+        99,
+        ROWS * world.members(),
+        BATCHES,
+    )?;
+    let mut model = Mlp::new(&clients, CONFIG, ROWS, seed)?;
+    model.set_loss_slots(64)?;
+    let params = model.parameters();
+    Ok(Setup { model, params, data })
+}
+
+/// Every replica's parameters, as bits, parameter after parameter.
+pub fn bits(params: &[Parameter]) -> Vec<Vec<u32>> {
+    let replicas = params[0].replicas.len();
+    (0..replicas)
+        .map(|r| params.iter().flat_map(|p| p.replicas[r].to_vec().unwrap()).map(f32::to_bits).collect())
+        .collect()
+}
+
+/// `steps` steps of `micro` micro-batches through DDP (no_sync for all but
+/// the last); returns the replicas' parameters and every step's loss
+/// (replica 0, last micro-batch).
+pub fn train_ddp(
+    world: &impl Collectives,
+    options: DdpOptions,
+    steps: usize,
+    micro: usize,
+) -> (Vec<Vec<u32>>, Vec<f32>) {
+    let mut s = setup(world, 5).unwrap();
+    let mut ddp = DistributedDataParallel::new(world, &s.params, options).unwrap();
+    let sgd = Sgd::new(&s.params, LR, 0.9).unwrap();
+    let mut batch = 0;
+    for step in 0..steps {
+        for m in 0..micro {
+            let b = batch % BATCHES;
+            batch += 1;
+            s.model.forward(&s.data.inputs[b]).unwrap();
+            if m + 1 < micro {
+                ddp.no_sync(|ddp| -> Result<(), Error> {
+                    s.model.backward(&s.data.targets[b], step, ddp)?;
+                    ddp.finish()
+                })
+                .unwrap();
+            } else {
+                s.model.backward(&s.data.targets[b], step, &mut ddp).unwrap();
+                ddp.finish().unwrap();
+            }
+        }
+        sgd.step(&s.params, &ddp).unwrap();
+        ddp.zero_grad().unwrap();
+    }
+    let losses = s.model.losses(0).to_vec().unwrap()[..steps].to_vec();
+    (bits(&s.params), losses)
+}
+
+/// The reference: plain per-parameter gradients, one all-reduce per
+/// parameter after the whole (accumulated) backward.
+pub fn train_reference(world: &impl Collectives, steps: usize, micro: usize) -> Vec<Vec<u32>> {
+    let mut s = setup(world, 5).unwrap();
+    // The same start as DDP's broadcast from member 0 (every replica is
+    // initialised alike already).
+    let mut grads = LocalGradients::new(&s.params).unwrap();
+    let sgd = Sgd::new(&s.params, LR, 0.9).unwrap();
+    let mut batch = 0;
+    for step in 0..steps {
+        for _ in 0..micro {
+            let b = batch % BATCHES;
+            batch += 1;
+            s.model.forward(&s.data.inputs[b]).unwrap();
+            s.model.backward(&s.data.targets[b], step, &mut grads).unwrap();
+        }
+        grads.all_reduce(world).unwrap();
+        sgd.step(&s.params, &grads).unwrap();
+        grads.zero_grad().unwrap();
+    }
+    bits(&s.params)
+}
+
+/// One backward's averaged gradients under `options`, per parameter
+/// (replica 0).
+pub fn averaged_gradients(world: &impl Collectives, options: DdpOptions) -> Vec<Vec<f32>> {
+    let mut s = setup(world, 5).unwrap();
+    let mut ddp = DistributedDataParallel::new(world, &s.params, options).unwrap();
+    s.model.forward(&s.data.inputs[0]).unwrap();
+    s.model.backward(&s.data.targets[0], 0, &mut ddp).unwrap();
+    ddp.finish().unwrap();
+    (0..s.params.len()).map(|i| ddp.gradient(i)[0].to_vec().unwrap()).collect()
+}
+
+/// The largest difference between `got` and `want` of each parameter, over
+/// the largest magnitude of `want`'s.
+pub fn worst_relative(got: &[Vec<f32>], want: &[Vec<f32>]) -> f32 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            let scale = w.iter().fold(0.0f32, |a, v| a.max(v.abs())).max(f32::MIN_POSITIVE);
+            g.iter().zip(w).fold(0.0f32, |a, (x, y)| a.max((x - y).abs())) / scale
+        })
+        .fold(0.0, f32::max)
+}
+
+/// Runs every scenario on `world` (two members or more).
+pub fn every_scenario(world: &impl Collectives) {
+    // Bucketing, overlap and no_sync against an all-reduce after the whole backward.
+    let (ddp, losses) = train_ddp(world, small_buckets(), 3, 2);
+    let reference = train_reference(world, 3, 2);
+    assert_eq!(ddp.len(), world.clients().len());
+    assert!(ddp == reference, "DDP (buckets, no_sync) differs from an all-reduce after the whole backward");
+    assert!(losses.iter().all(|l| l.is_finite() && *l > 0.0), "{losses:?}");
+    // Replicas bit-identical after N steps, and the loss falls.
+    let (replicas, losses) = train_ddp(world, DdpOptions::default(), 12, 1);
+    assert!(replicas.iter().all(|r| r == &replicas[0]), "replicas differ after 12 steps");
+    let (first, last) = (losses[..4].iter().sum::<f32>(), losses[8..].iter().sum::<f32>());
+    assert!(last < 0.9 * first, "the loss did not fall: {losses:?}");
+    // Compression hooks within their stated tolerance of the f32 average.
+    let exact = averaged_gradients(world, small_buckets());
+    for (hook, tol) in [
+        (cohort_train::ddp::CommHook::Bf16Compress, 1.0 / 128.0),
+        (cohort_train::ddp::CommHook::Fp16Compress, 1.0 / 512.0),
+    ] {
+        let got = averaged_gradients(world, DdpOptions { hook, ..small_buckets() });
+        let worst = worst_relative(&got, &exact);
+        assert!(worst <= tol, "{hook:?}: worst difference {worst:e} of the largest gradient, above {tol:e}");
+        assert!(worst > 0.0, "{hook:?} changed nothing: is the hook on?");
+    }
+}
+
+/// Buffers of `len` zeros on each client: a parameter of the wrong length.
+pub fn wrong_param(world: &impl Collectives, len: usize) -> Parameter {
+    Parameter {
+        name: "head.weight".into(),
+        shape: vec![4, 4],
+        replicas: world.clients().iter().map(|c| Buffer::zeros(c, len).unwrap()).collect(),
+    }
+}
