@@ -4,7 +4,9 @@
 use super::client::Client;
 use std::sync::Arc;
 
-use crate::backend::{Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PendingPart};
+use crate::backend::{
+    Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerCall, PeerSpec, PendingPart,
+};
 use crate::bytes::AlignedBytes;
 use crate::device::panic_message;
 use crate::error::ServerError;
@@ -131,6 +133,29 @@ impl BufferAccess<'_> {
             });
         };
         if let Some(part) = collectives.run(stream, comm, calls, monitor, completion)? {
+            self.deferred.push(part);
+        }
+        Ok(())
+    }
+
+    /// Queues this member's part of a peer-memory collective on this task's
+    /// stream (see [`DeviceCollectives::run_peer`]); completes as
+    /// [`BufferAccess::run_collective`] does.
+    pub fn run_peer_collective(
+        &mut self,
+        spec: &PeerSpec<'_>,
+        call: &PeerCall,
+        monitor: Arc<dyn CollectiveMonitor>,
+        completion: Completion,
+    ) -> Result<(), ServerError> {
+        let stream = self.stream;
+        let Some(collectives) = self.state.backend.device_collectives() else {
+            return Err(ServerError::InvalidState {
+                operation: "a peer-memory collective",
+                reason: "the device's backend offers no device collectives".into(),
+            });
+        };
+        if let Some(part) = collectives.run_peer(stream, spec, call, monitor, completion)? {
             self.deferred.push(part);
         }
         Ok(())
