@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use cohort_comm::trace::FlightRecorder;
 use cohort_comm::{reduce_bytes, Algo, ClientGroup, DType, Path, ReduceOp};
 use cohort_runtime::backend::{CollectiveMonitor, Completion, PeerAlgo, PeerCall, PeerSpec, PEER_MAX_BYTES};
-use cohort_runtime::{BufferAccess, Client, CudaRuntime, Handle, Runtime, ServerError};
+use cohort_runtime::{
+    BufferAccess, Bytes, Client, CudaRuntime, GridCount, Handle, KernelArguments, Runtime, Scalar, ServerError, StreamId,
+};
 
 /// Random elements of `dtype` (floats with full significands in ±4,
 /// integers over their whole range), different for every seed.
@@ -309,4 +311,94 @@ fn groups_off_the_nccl_route_have_no_path_to_choose() {
     group.all_reduce_handles(&src, &src, DType::F32, ReduceOp::Sum).unwrap();
     let got = group.client(1).read_one(src[1].clone()).unwrap();
     assert_eq!(bytemuck::cast_slice::<u8, f32>(&got[..]), &[3.0; 4]);
+}
+
+/// One `scale` launch then an all-reduce of `x` into `y` on every member.
+fn scale_then_all_reduce(group: &ClientGroup, x: &[Handle], y: &[Handle], count: usize) {
+    let scale = cohort_runtime::conformance::kernels::scale();
+    for (m, h) in x.iter().enumerate() {
+        let args = KernelArguments::new().buffer(h).scalar(Scalar::F32(2.0));
+        group.client(m).launch(&scale, GridCount::cover(count, 256), args).unwrap();
+    }
+    group.all_reduce_handles(x, y, DType::F32, ReduceOp::Sum).unwrap();
+}
+
+fn floats(client: &Client, h: &Handle) -> Vec<f32> {
+    client.read_one(h.clone()).unwrap().to_elems::<f32>()
+}
+
+/// Captures `scale_then_all_reduce` on every member of `group` (whose
+/// clients are pinned to their own streams), then checks that replays run
+/// it again, with refreshed inputs too.
+fn capture_and_replay(group: &ClientGroup) {
+    let (n, count) = (group.len(), 4096);
+    let x: Vec<Handle> = (0..n).map(|m| group.client(m).create(Bytes::from_elems(&vec![1.0f32; count]))).collect();
+    let y: Vec<Handle> = (0..n).map(|m| group.client(m).empty(count * 4)).collect();
+    for m in 0..n {
+        group.client(m).graph_prepare().unwrap();
+    }
+    // Warm-up outside the window: kernels compiled, communicators made.
+    scale_then_all_reduce(group, &x, &y, count);
+    group.sync().unwrap();
+    for m in 0..n {
+        group.client(m).start_capture().unwrap();
+    }
+    scale_then_all_reduce(group, &x, &y, count);
+    let graphs: Vec<_> = (0..n).map(|m| group.client(m).stop_capture().unwrap()).collect();
+    let what = format!("{n} member(s), {:?}", group.algo());
+    assert_eq!(floats(group.client(0), &x[0])[0], 2.0, "{what}: the capture ran nothing");
+    for g in &graphs {
+        g.replay().unwrap();
+    }
+    for m in 0..n {
+        assert_eq!(floats(group.client(m), &x[m]), vec![4.0; count], "{what}: member {m}'s replay scaled");
+        assert_eq!(floats(group.client(m), &y[m]), vec![4.0 * n as f32; count], "{what}: member {m}'s replay reduced");
+    }
+    for (m, h) in x.iter().enumerate() {
+        group.client(m).write(h, Bytes::from_elems(&vec![m as f32 + 1.0; count])).unwrap();
+    }
+    for _ in 0..3 {
+        for g in &graphs {
+            g.replay().unwrap();
+        }
+    }
+    // Each replay doubles every input, then sums them.
+    let want: f32 = (0..n).map(|m| (m as f32 + 1.0) * 8.0).sum();
+    for m in 0..n {
+        assert_eq!(floats(group.client(m), &y[m]), vec![want; count], "{what}: member {m} after three replays");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_one_device_group_records_its_collectives_in_a_graph_and_replays_them() {
+    let client = CudaRuntime::client(0).unwrap().with_stream(StreamId::fresh());
+    capture_and_replay(&ClientGroup::new(vec![client]).unwrap());
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_nccl_and_peer_kernels_captured_on_every_member_replay_as_graphs() {
+    let devices = cuda_common::devices();
+    assert!(devices.len() >= 2, "this test needs two GPUs or more, found {}", devices.len());
+    let clients: Vec<Client> = devices[..2].iter().map(|c| c.with_stream(StreamId::fresh())).collect();
+    let group = ClientGroup::new(clients).unwrap();
+    for algo in [Algo::Nccl, Algo::OneShot, Algo::TwoShot] {
+        capture_and_replay(&group.clone().with_algo(algo));
+    }
+}
+
+#[test]
+fn capture_on_the_host_path_is_refused_before_anything_is_queued() {
+    let client = cohort_runtime::CpuRuntime::client(0).unwrap().with_stream(StreamId::fresh());
+    let group = ClientGroup::new(vec![client.clone()]).unwrap();
+    let x = client.create(Bytes::from_elems(&[1.0f32; 4]));
+    let y = client.create(Bytes::from_elems(&[0.0f32; 4]));
+    client.start_capture().unwrap();
+    let err = group.all_reduce_handles(std::slice::from_ref(&x), std::slice::from_ref(&y), DType::F32, ReduceOp::Sum);
+    let text = err.expect_err("the host path cannot be captured").to_string();
+    assert!(text.contains("all_reduce") && text.contains("capturing a graph") && text.contains("member 0"), "{text}");
+    let graph = client.stop_capture().unwrap();
+    assert!(graph.is_empty(), "nothing was queued");
+    assert_eq!(client.read_one(y).unwrap().to_elems::<f32>(), vec![0.0; 4]);
 }

@@ -269,16 +269,22 @@ impl ClientGroup {
     /// queued; a part that could not be queued fails the whole collective.
     fn launch(&self, op: Op, parts: Vec<Part>) -> Result<Work, CommError> {
         let operation = op.name();
-        for part in &parts {
-            if self.clients[part.member].is_capturing() {
-                return Err(CommError::Capturing { operation, member: part.member });
-            }
-        }
         // The executors see roots and endpoints as slots of `parts`.
         let members: Vec<usize> = parts.iter().map(|p| p.member).collect();
         let on_slots = op.on_slots(&members);
         let bytes = op.block_bytes();
-        if let Some(mut mode) = self.device_mode(&on_slots, &parts)? {
+        let mode = self.device_mode(&on_slots, &parts)?;
+        // Inside a capture window only work queued on the device's own
+        // stream can be recorded: NCCL calls, peer kernels and device
+        // copies. Host staging and peer copies (events across devices)
+        // cannot, and are refused before anything is queued.
+        let recordable = matches!(mode, Some(Mode::Nccl(_) | Mode::PeerKernel(..) | Mode::Local));
+        for part in &parts {
+            if !recordable && self.clients[part.member].is_capturing() {
+                return Err(CommError::Capturing { operation, member: part.member });
+            }
+        }
+        if let Some(mut mode) = mode {
             let mut path = None;
             if let Mode::Nccl(set) = &mode {
                 if parts.len() == self.len() {

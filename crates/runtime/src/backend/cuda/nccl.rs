@@ -609,6 +609,17 @@ impl DeviceCollectives for CudaBackend {
         }
         let comm = self.comm(lib, spec, monitor.operation())?;
         let raw = self.streams.raw(stream)?;
+        if self.streams.is_capturing(stream) {
+            // Recorded into the stream's graph: nothing runs now, so there
+            // is nothing to poll; a replay runs the calls in the graph's
+            // order (the communicator was made before the window).
+            let issued = self.issue(lib, comm, spec.ranks, raw, calls);
+            let issued = issued.map_err(|reason| self.nccl_error(monitor.operation(), reason));
+            if issued.is_ok() {
+                monitor.finished(&Ok(()));
+            }
+            return issued.map(|()| None);
+        }
         if let Some(previous) = self.nccl.pending.back().filter(|p| p.stream != stream) {
             // SAFETY: live stream and event of this context; the wait is on
             // the device (it captures the event's current record).
@@ -696,6 +707,16 @@ impl DeviceCollectives for CudaBackend {
             ));
         }
         let raw = self.streams.raw(stream)?;
+        if self.streams.is_capturing(stream) {
+            // Recorded into the stream's graph (the kernel keeps its own
+            // counters, so every replay meets the peers' replays afresh).
+            let launched = self.launch_peer(raw, spec, call, monitor.timeout());
+            let launched = launched.map_err(|reason| self.nccl_error(monitor.operation(), reason));
+            if launched.is_ok() {
+                monitor.finished(&Ok(()));
+            }
+            return launched.map(|()| None);
+        }
         if let Some(previous) = self.nccl.pending.back().filter(|p| p.stream != stream) {
             // SAFETY: live stream and event of this context.
             let code = unsafe { sys::cuStreamWaitEvent(raw, previous.done, 0) };

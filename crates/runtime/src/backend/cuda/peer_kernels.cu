@@ -8,12 +8,16 @@
 //   ELEM_KIND  0 integer, 1 float/double, 2 f16, 3 bf16;
 // the operator is an argument (0 sum, 1 prod, 2 max, 3 min, 4 avg).
 //
-// Arena of each rank: FLAGS_BYTES of flags (u32 flags[MAX_BLOCKS][MAX_RANKS];
-// rank r writes slot [b][r] of every peer's arena when its block b reaches a
-// barrier), then two staging slots of `slot_bytes` (calls alternate between
-// them): the first half of a slot receives the caller's input, the second
-// half holds a two-shot call's reduced chunk. Flag values only grow (each
-// barrier of a device set uses the next value), so the arena is never reset.
+// Arena of each rank: a header of FLAGS_BYTES, then two staging slots of
+// `slot_bytes` (calls alternate between them): the first half of a slot
+// receives the caller's input, the second half holds a two-shot call's
+// reduced chunk. The header holds the flags (u32 flags[MAX_BLOCKS][MAX_RANKS]
+// at 0: rank r writes slot [b][r] of every peer's arena when its block b
+// reaches a barrier) and, at COUNTERS, this rank's own counters: the last
+// barrier value used, the calls so far, and the blocks of the running call
+// that finished. The kernel reads and advances the counters itself (the last
+// block of a call does), so a call captured in a CUDA graph takes fresh
+// values at every replay; flag values only grow, so nothing is ever reset.
 //
 // Reductions fold the ranks in rank order, rounding after each step like the
 // host reference, so every rank gets the same bits.
@@ -26,6 +30,7 @@ typedef unsigned short u16;
 #define MAX_BLOCKS 128
 #define FLAGS_BYTES 16384
 #define THREADS 512
+#define COUNTERS 8192
 
 struct PeerArgs {
     u64 arenas[MAX_RANKS];
@@ -37,11 +42,44 @@ struct PeerArgs {
     u64 slot_bytes;
     u32 rank;
     u32 ranks;
+    u32 op;          // 0 sum, 1 prod, 2 max, 3 min, 4 avg
+    u32 barriers;    // barriers this call uses
+    // Filled in by `begin` on the device, from the rank's counters:
     u32 epoch;       // the first barrier's flag value
     u32 parity;      // the staging slot of this call
-    u32 op;          // 0 sum, 1 prod, 2 max, 3 min, 4 avg
-    u32 unused;
 };
+
+__device__ __forceinline__ u32* counters(const PeerArgs& a) {
+    return (u32*)((unsigned char*)a.arenas[a.rank] + COUNTERS);
+}
+
+// Every block reads the rank's counters before any block can advance them:
+// the last block of the call advances them after every block arrived here.
+__device__ __forceinline__ void begin(PeerArgs& a) {
+    __shared__ u32 epoch, parity;
+    if (threadIdx.x == 0) {
+        volatile u32* c = counters(a);
+        epoch = c[0] + 1;
+        parity = c[1] & 1;
+    }
+    __syncthreads();
+    a.epoch = epoch;
+    a.parity = parity;
+}
+
+__device__ __forceinline__ void end(const PeerArgs& a) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32* c = counters(a);
+        __threadfence();
+        if (atomicAdd(&c[2], 1u) == gridDim.x - 1) {
+            c[2] = 0;
+            c[0] += a.barriers;
+            c[1] += 1;
+            __threadfence();
+        }
+    }
+}
 
 __device__ __forceinline__ void store_release(u32* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -271,9 +309,12 @@ template <int P> __device__ void gather(const PeerArgs& a) {
 
 #define WIDE (16 / sizeof(ELEM_T))
 
-extern "C" __global__ void __launch_bounds__(THREADS) cohort_peer_one_shot_wide(PeerArgs a) { one_shot<WIDE>(a); }
-extern "C" __global__ void __launch_bounds__(THREADS) cohort_peer_one_shot_narrow(PeerArgs a) { one_shot<1>(a); }
-extern "C" __global__ void __launch_bounds__(THREADS) cohort_peer_two_shot_wide(PeerArgs a) { two_shot<WIDE>(a); }
-extern "C" __global__ void __launch_bounds__(THREADS) cohort_peer_two_shot_narrow(PeerArgs a) { two_shot<1>(a); }
-extern "C" __global__ void __launch_bounds__(THREADS) cohort_peer_gather_wide(PeerArgs a) { gather<16>(a); }
-extern "C" __global__ void __launch_bounds__(THREADS) cohort_peer_gather_narrow(PeerArgs a) { gather<1>(a); }
+#define KERNEL(name, body) \
+    extern "C" __global__ void __launch_bounds__(THREADS) name(PeerArgs a) { begin(a); body; end(a); }
+
+KERNEL(cohort_peer_one_shot_wide, one_shot<WIDE>(a))
+KERNEL(cohort_peer_one_shot_narrow, one_shot<1>(a))
+KERNEL(cohort_peer_two_shot_wide, two_shot<WIDE>(a))
+KERNEL(cohort_peer_two_shot_narrow, two_shot<1>(a))
+KERNEL(cohort_peer_gather_wide, gather<16>(a))
+KERNEL(cohort_peer_gather_narrow, gather<1>(a))

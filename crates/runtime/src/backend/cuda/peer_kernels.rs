@@ -9,9 +9,10 @@
 //! device's earlier collective parts, an event after it, polled by the same
 //! machinery): its blocks copy the input into the arena, meet the same
 //! blocks of every other member through flags in the arenas, and read the
-//! peers' staging. Flags take the next value of a per-set counter at every
-//! barrier and calls alternate between two staging slots, so nothing is
-//! reset between calls. A barrier gives up after the collective's timeout,
+//! peers' staging. Flags take the next value of a counter at every barrier
+//! and calls alternate between two staging slots, so nothing is reset
+//! between calls; the counters live in the arena and the kernel advances
+//! them, so a call captured in a CUDA graph replays correctly. A barrier gives up after the collective's timeout,
 //! writing the rank it waited for into a host-mapped word that the host
 //! reads once the kernel's event fired; the host writes that word itself to
 //! stop a kernel whose collective failed elsewhere. No kernel spins forever.
@@ -53,10 +54,10 @@ struct PeerArgs {
     slot_bytes: u64,
     rank: u32,
     ranks: u32,
+    op: u32,
+    barriers: u32,
     epoch: u32,
     parity: u32,
-    op: u32,
-    unused: u32,
 }
 
 /// One device set's arena on this device.
@@ -65,10 +66,6 @@ pub(crate) struct PeerSet {
     /// Host-mapped error word: host and device addresses.
     error_host: *mut u32,
     error_device: u64,
-    /// The next barrier's flag value.
-    epoch: u32,
-    /// Calls so far (their parity picks the staging slot).
-    calls: u64,
     /// Other processes' arenas opened here.
     opened: Vec<sys::CUdeviceptr>,
 }
@@ -222,8 +219,6 @@ impl CudaBackend {
                 arena,
                 error_host: host.cast(),
                 error_device: mapped,
-                epoch: 1,
-                calls: 0,
                 opened: Vec::new(),
             };
             self.nccl.peer.sets.insert(set, state);
@@ -352,10 +347,10 @@ impl CudaBackend {
             slot_bytes: SLOT_BYTES,
             rank: spec.rank as u32,
             ranks: ranks as u32,
-            epoch: set.epoch,
-            parity: (set.calls % 2) as u32,
             op: op_code(op),
-            unused: 0,
+            barriers,
+            epoch: 0,
+            parity: 0,
         };
         let mut params = [(&mut args as *mut PeerArgs).cast::<c_void>()];
         // SAFETY: `function` is loaded in this context and takes one
@@ -369,8 +364,6 @@ impl CudaBackend {
         if code != sys::CUresult::CUDA_SUCCESS {
             return Err(format!("cuLaunchKernel ({name}): {}", super::driver::describe(code)));
         }
-        set.epoch = set.epoch.wrapping_add(barriers);
-        set.calls += 1;
         Ok(())
     }
 }
