@@ -44,8 +44,8 @@ use std::time::Instant;
 
 use clap::Parser;
 use cohort::comm::op::Collective;
-use cohort::comm::verify::Buffers;
 use cohort::comm::op::Op;
+use cohort::comm::verify::Buffers;
 use cohort::comm::{Algo, ClientGroup, Crossover, CrossoverRow, DType, ReduceOp, TableKind};
 use cohort::prelude::*;
 use cohort::runtime::backend::cuda::{cudarc, nccl_version};
@@ -117,7 +117,9 @@ fn parse_algos(text: &str) -> Result<Vec<Algo>, String> {
         return Ok(vec![Algo::Nccl, Algo::OneShot, Algo::TwoShot, Algo::Auto]);
     }
     let raw = std::ffi::OsString::from(text);
-    cohort::runtime::config::parse_algo(&raw).map(|a| vec![a]).map_err(|e| format!("--algo {text:?}: {e}; use auto, nccl, oneshot, twoshot or all"))
+    cohort::runtime::config::parse_algo(&raw)
+        .map(|a| vec![a])
+        .map_err(|e| format!("--algo {text:?}: {e}; use auto, nccl, oneshot, twoshot or all"))
 }
 
 fn parse_size(text: &str) -> Result<usize, String> {
@@ -336,7 +338,9 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     if args.write_crossover {
         let device = group.client(0).properties().name.clone();
         let mut table = Crossover::for_machine();
-        for (coll, kind) in [(Collective::AllReduce, TableKind::AllReduce), (Collective::AllGather, TableKind::AllGather)] {
+        for (coll, kind) in
+            [(Collective::AllReduce, TableKind::AllReduce), (Collective::AllGather, TableKind::AllGather)]
+        {
             if let Some(row) = crossover(&timings, coll, kind, &device, n) {
                 println!("# crossover {}: {row:?}", coll.name());
                 table.set(row);
@@ -352,10 +356,15 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
 /// the largest size where it beats NCCL and the two-shot kernel, the
 /// two-shot kernel up to the largest where it beats NCCL (all-gathers: one
 /// kernel).
-fn crossover(timings: &[Timing], coll: Collective, kind: TableKind, device: &str, ranks: usize) -> Option<CrossoverRow> {
-    let time = |algo: Algo, bytes: usize| {
-        timings.iter().find(|t| t.0 == coll && t.1 == algo && t.2 == bytes).map(|t| t.3)
-    };
+fn crossover(
+    timings: &[Timing],
+    coll: Collective,
+    kind: TableKind,
+    device: &str,
+    ranks: usize,
+) -> Option<CrossoverRow> {
+    let time =
+        |algo: Algo, bytes: usize| timings.iter().find(|t| t.0 == coll && t.1 == algo && t.2 == bytes).map(|t| t.3);
     let mut sizes: Vec<usize> = timings.iter().filter(|t| t.0 == coll).map(|t| t.2).collect();
     sizes.sort_unstable();
     sizes.dedup();
@@ -373,7 +382,13 @@ fn crossover(timings: &[Timing], coll: Collective, kind: TableKind, device: &str
     if sizes.is_empty() {
         return None;
     }
-    Some(CrossoverRow { device: device.to_string(), ranks, kind, one_shot_max, two_shot_max: two_shot_max.max(one_shot_max) })
+    Some(CrossoverRow {
+        device: device.to_string(),
+        ranks,
+        kind,
+        one_shot_max,
+        two_shot_max: two_shot_max.max(one_shot_max),
+    })
 }
 
 /// The collective a row of `size` bytes (nccl-tests' size) runs.
@@ -523,7 +538,8 @@ fn median(values: &mut [f64]) -> f64 {
 }
 
 /// The step's all-reduce sizes in bytes: 4 KiB to 1 MiB.
-const STEP_SIZES: [usize; 10] = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 64 << 10];
+const STEP_SIZES: [usize; 10] =
+    [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 64 << 10];
 
 /// Eager against graph replay of a step of ten all-reduces, each after a
 /// small kernel, on `n` devices, for each path.
@@ -583,7 +599,13 @@ fn step_bench(args: &Args, n: usize, algos: &[Algo]) -> Result<(), Box<dyn std::
         }
         group.sync()?;
         let replay = start.elapsed().as_secs_f64() / args.iters.max(1) as f64;
-        println!("  {:>8} | {:>12.2} {:>12.2} | {:>7.2}", format!("{algo:?}"), eager * 1e6, replay * 1e6, replay / eager);
+        println!(
+            "  {:>8} | {:>12.2} {:>12.2} | {:>7.2}",
+            format!("{algo:?}"),
+            eager * 1e6,
+            replay * 1e6,
+            replay / eager
+        );
     }
     Ok(())
 }

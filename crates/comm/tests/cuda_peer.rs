@@ -15,7 +15,8 @@ use cohort_comm::trace::FlightRecorder;
 use cohort_comm::{reduce_bytes, Algo, ClientGroup, DType, Path, ReduceOp};
 use cohort_runtime::backend::{CollectiveMonitor, Completion, PeerAlgo, PeerCall, PeerSpec, PEER_MAX_BYTES};
 use cohort_runtime::{
-    BufferAccess, Bytes, Client, CudaRuntime, GridCount, Handle, KernelArguments, Runtime, Scalar, ServerError, StreamId,
+    BufferAccess, Bytes, Client, CudaRuntime, GridCount, Handle, KernelArguments, Runtime, Scalar, ServerError,
+    StreamId,
 };
 
 /// Random elements of `dtype` (floats with full significands in ±4,
@@ -196,7 +197,8 @@ fn try_peer_sum(
     let buf = client.create_from_slice(bytemuck::cast_slice(data));
     on_device(client, vec![buf.clone()], move |access| {
         let b = access.binding(0);
-        let call = PeerCall::AllReduce { src: b, dst: b, dtype: DType::F32, op: ReduceOp::Sum, algo: PeerAlgo::OneShot };
+        let call =
+            PeerCall::AllReduce { src: b, dst: b, dtype: DType::F32, op: ReduceOp::Sum, algo: PeerAlgo::OneShot };
         let spec = PeerSpec { set, rank, arenas: &arenas };
         access.run_peer_collective(&spec, &call, Arc::new(Alone(timeout)), Completion::Defer)
     })?;
@@ -238,14 +240,16 @@ fn ipc_child() {
     let device: usize = std::env::var("COHORT_TEST_IPC_DEVICE").unwrap().parse().unwrap();
     let client = CudaRuntime::client(device).unwrap();
     let set = 4242;
-    let handle = on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_arena_handle(set)).unwrap();
+    let handle =
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_arena_handle(set)).unwrap();
     let mine = arena(&client, set);
     println!("HANDLE {}", hex(&handle));
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
     std::io::stdin().lock().read_line(&mut line).unwrap();
     let theirs = unhex(line.trim().strip_prefix("HANDLE ").expect("the parent's handle"));
-    let opened = on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
+    let opened =
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
     let data: Vec<f32> = (0..4099).map(|i| (i % 7) as f32).collect();
     let out = peer_sum(&client, set, 1, vec![opened, mine], &data, Duration::from_secs(20));
     let got = client.read_one(out).unwrap();
@@ -273,7 +277,12 @@ fn a_peer_all_reduce_runs_across_two_processes_through_ipc_handles() {
     let client = CudaRuntime::client(0).unwrap();
     let set = 4242;
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "a_peer_all_reduce_runs_across_two_processes_through_ipc_handles", "--include-ignored", "--nocapture"])
+        .args([
+            "--exact",
+            "a_peer_all_reduce_runs_across_two_processes_through_ipc_handles",
+            "--include-ignored",
+            "--nocapture",
+        ])
         .env("COHORT_TEST_IPC_DEVICE", child_device.to_string())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -286,10 +295,12 @@ fn a_peer_all_reduce_runs_across_two_processes_through_ipc_handles() {
             break unhex(h);
         }
     };
-    let handle = on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_arena_handle(set)).unwrap();
+    let handle =
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_arena_handle(set)).unwrap();
     let mine = arena(&client, set);
     writeln!(child.stdin.as_mut().unwrap(), "HANDLE {}", hex(&handle)).unwrap();
-    let opened = on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
+    let opened =
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
     let data: Vec<f32> = (0..4099).map(|i| (i % 5) as f32 * 0.5).collect();
     let out = peer_sum(&client, set, 0, vec![mine, opened], &data, Duration::from_secs(20));
     let got = client.read_one(out).unwrap();
@@ -307,7 +318,8 @@ fn groups_off_the_nccl_route_have_no_path_to_choose() {
     let op = cohort_comm::op::Op::all_reduce(DType::F32, ReduceOp::Sum, 4);
     assert_eq!(group.path_of(&op), None);
     // Forcing a peer path on the host route changes nothing: still right.
-    let src: Vec<Handle> = (0..2).map(|m| group.client(m).create_from_slice(bytemuck::cast_slice(&[m as f32 + 1.0; 4]))).collect();
+    let src: Vec<Handle> =
+        (0..2).map(|m| group.client(m).create_from_slice(bytemuck::cast_slice(&[m as f32 + 1.0; 4]))).collect();
     group.all_reduce_handles(&src, &src, DType::F32, ReduceOp::Sum).unwrap();
     let got = group.client(1).read_one(src[1].clone()).unwrap();
     assert_eq!(bytemuck::cast_slice::<u8, f32>(&got[..]), &[3.0; 4]);

@@ -199,10 +199,24 @@ impl Client {
         outputs: Vec<Handle>,
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
+        self.refuse_if_capturing("a buffer task")?;
+        self.submit_buffers_recorded(operation, inputs, outputs, task)
+    }
+
+    /// [`Client::submit_buffers_always`], also inside a capture window: for
+    /// tasks that only queue device work on their stream (kernels, device
+    /// copies, device collectives), which the capture records; a task that
+    /// reads, waits or allocates there fails the capture.
+    pub fn submit_buffers_recorded(
+        &self,
+        operation: &str,
+        inputs: Vec<Handle>,
+        outputs: Vec<Handle>,
+        task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
+    ) -> Result<(), ServerError> {
         for handle in inputs.iter().chain(&outputs) {
             self.check_owned(handle)?;
         }
-        self.refuse_if_capturing("a buffer task")?;
         let stream = self.stream_id();
         let operation = operation.to_string();
         let device = self.device_id();

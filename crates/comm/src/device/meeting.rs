@@ -66,7 +66,8 @@ impl DeviceCollective {
         parts: Vec<(usize, DeviceId)>,
         timeout: Duration,
     ) -> Arc<DeviceCollective> {
-        let state = DeviceState { finished: vec![false; parts.len()], tokens: [None, None], arenas: vec![0; parts.len()] };
+        let state =
+            DeviceState { finished: vec![false; parts.len()], tokens: [None, None], arenas: vec![0; parts.len()] };
         let seats = parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
         Arc::new(DeviceCollective { ops, meeting: Meeting::new(name, seats, timeout, state) })
     }
@@ -136,10 +137,9 @@ impl DeviceCollective {
                     }
                     (Collective::AllGather, _) => PeerCall::AllGather { src, dst },
                     _ => {
-                        return Err(self.fail(ServerError::InvalidArgument(format!(
-                            "{} has no peer-memory kernel",
-                            op.name()
-                        ))))
+                        return Err(
+                            self.fail(ServerError::InvalidArgument(format!("{} has no peer-memory kernel", op.name())))
+                        )
                     }
                 };
                 let spec = PeerSpec { set: set.key, rank: slot, arenas: &arenas };

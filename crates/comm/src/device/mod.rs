@@ -265,7 +265,9 @@ pub(crate) fn launch_grouped(
         let client = &clients[member];
         let mode = mode.clone();
         let tracked = tracked.clone();
-        let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
+        // Recorded when the member's stream is capturing: the group refused
+        // every mode that does more than queue device work (see launch).
+        let queued = client.submit_buffers_recorded(operation, inputs, outputs, move |access| {
             let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, &shapes, tracked.clone()));
             if let Some(t) = &tracked {
                 t.note(&result);

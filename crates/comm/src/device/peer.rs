@@ -95,17 +95,29 @@ pub struct Crossover {
 const HEADER: &str = "# cohort crossover v1: device\tranks\tcollective\tone_shot_max_bytes\ttwo_shot_max_bytes";
 
 impl Crossover {
-    /// The table used where the machine has none: the crossovers measured
-    /// on two NVLinked H200s (docs/benchmarks.md), for any device.
+    /// The table used where the machine has none, for any device: for two
+    /// members the crossovers measured on two NVLinked H200s
+    /// (docs/benchmarks.md: the one-shot kernel beat NCCL and the two-shot
+    /// kernel up to the arena's 8 MiB, the all-gather kernel up to 4 MiB per
+    /// member); for more members, where the one-shot kernel reads `n - 1`
+    /// inputs, unmeasured guesses (one-shot to 256 KiB, two-shot to 8 MiB,
+    /// all-gather to 1 MiB).
     pub fn builtin() -> Crossover {
-        let row = |kind, one_shot_max, two_shot_max| CrossoverRow {
+        let row = |ranks, kind, one_shot_max, two_shot_max| CrossoverRow {
             device: "*".into(),
-            ranks: 0,
+            ranks,
             kind,
             one_shot_max,
             two_shot_max,
         };
-        Crossover { rows: vec![row(TableKind::AllReduce, 512 << 10, 4 << 20), row(TableKind::AllGather, 1 << 20, 0)] }
+        Crossover {
+            rows: vec![
+                row(2, TableKind::AllReduce, 8 << 20, 8 << 20),
+                row(2, TableKind::AllGather, 4 << 20, 0),
+                row(0, TableKind::AllReduce, 256 << 10, 8 << 20),
+                row(0, TableKind::AllGather, 1 << 20, 0),
+            ],
+        }
     }
 
     /// Reads a table written by [`Crossover::to_text`]; a bad line is an
@@ -122,7 +134,9 @@ impl Crossover {
             if fields.len() != 5 {
                 return Err(bad("expected 5 tab-separated fields"));
             }
-            let number = |s: &str, what: &str| s.trim().parse::<u64>().map_err(|_| bad(&format!("{what} is not a whole number")));
+            let number = |s: &str, what: &str| {
+                s.trim().parse::<u64>().map_err(|_| bad(&format!("{what} is not a whole number")))
+            };
             let kind = match fields[2].trim() {
                 "all_reduce" => TableKind::AllReduce,
                 "all_gather" => TableKind::AllGather,
@@ -290,8 +304,9 @@ mod tests {
         let table = Crossover::builtin();
         let pick = |algo, op: &Op, ranks| choose_with(&table, algo, op, ranks, "NVIDIA H200");
         assert_eq!(pick(Algo::Auto, &sum(8), 2), Path::OneShot);
-        assert_eq!(pick(Algo::Auto, &sum(512 << 10), 2), Path::OneShot);
-        assert_eq!(pick(Algo::Auto, &sum(1 << 20), 2), Path::TwoShot);
+        assert_eq!(pick(Algo::Auto, &sum(8 << 20), 2), Path::OneShot);
+        assert_eq!(pick(Algo::Auto, &sum(256 << 10), 4), Path::OneShot);
+        assert_eq!(pick(Algo::Auto, &sum(1 << 20), 4), Path::TwoShot);
         assert_eq!(pick(Algo::Auto, &sum(64 << 20), 2), Path::Nccl);
         assert_eq!(pick(Algo::Nccl, &sum(8), 2), Path::Nccl);
         assert_eq!(pick(Algo::TwoShot, &sum(8), 2), Path::TwoShot);
@@ -308,6 +323,7 @@ mod tests {
         assert_eq!(pick(Algo::TwoShot, &gather, 4), Path::OneShot);
         assert_eq!(pick(Algo::Auto, &gather, 4), Path::OneShot);
         assert_eq!(pick(Algo::Auto, &Op::all_gather(DType::U8, 2 << 20), 4), Path::Nccl);
+        assert_eq!(pick(Algo::Auto, &Op::all_gather(DType::U8, 2 << 20), 2), Path::OneShot);
     }
 
     #[test]
@@ -321,8 +337,9 @@ mod tests {
         assert_eq!(choose_with(&table, Algo::Auto, &sum(131072), 2, "NVIDIA H200"), Path::TwoShot);
         // Four H200s: the device's any-count row sends everything to NCCL.
         assert_eq!(choose_with(&table, Algo::Auto, &sum(8), 4, "NVIDIA H200"), Path::Nccl);
-        // Another device falls back to the built-in row.
+        // Another device falls back to the built-in rows.
         assert_eq!(choose_with(&table, Algo::Auto, &sum(8), 4, "NVIDIA H100"), Path::OneShot);
+        assert_eq!(choose_with(&table, Algo::Auto, &sum(4 << 20), 2, "NVIDIA H100"), Path::OneShot);
     }
 
     #[test]
@@ -342,7 +359,7 @@ mod tests {
             one_shot_max: 3,
             two_shot_max: 4,
         });
-        assert_eq!(table.rows.len(), 3);
+        assert_eq!(table.rows.len(), 5);
         assert_eq!(Crossover::parse(&table.to_text()).unwrap(), table);
         let err = Crossover::parse("x\t2\tall_reduce\t1\n").unwrap_err();
         assert!(err.starts_with("line 1: expected 5"), "{err}");

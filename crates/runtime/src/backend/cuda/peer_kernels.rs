@@ -180,9 +180,11 @@ impl CudaBackend {
             if code != sys::CUresult::CUDA_SUCCESS {
                 return Err(driver_error(device, "cuMemAlloc (peer arena)", code));
             }
-            // Flags start at 0; the first barrier waits for 1.
-            // SAFETY: the arena just allocated holds FLAGS_BYTES.
-            let code = unsafe { sys::cuMemsetD8_v2(arena, 0, FLAGS_BYTES as usize) };
+            // Flags and counters start at 0 (the first barrier waits for 1),
+            // cleared on a stream of its own and waited for there: the
+            // device's other streams may be capturing, which forbids a
+            // context-wide sync and the legacy stream.
+            let code = zero_on_own_stream(arena, FLAGS_BYTES as usize);
             let mut host: *mut c_void = std::ptr::null_mut();
             let mut mapped: sys::CUdeviceptr = 0;
             let code = if code == sys::CUresult::CUDA_SUCCESS {
@@ -201,10 +203,6 @@ impl CudaBackend {
             } else {
                 code
             };
-            // The memset is on the legacy stream: wait for it before any
-            // kernel of another stream reads the flags.
-            // SAFETY: context current.
-            let code = if code == sys::CUresult::CUDA_SUCCESS { unsafe { sys::cuCtxSynchronize() } } else { code };
             if code != sys::CUresult::CUDA_SUCCESS {
                 // SAFETY: releases what was allocated above, once.
                 unsafe {
@@ -215,12 +213,7 @@ impl CudaBackend {
                 }
                 return Err(driver_error(device, "peer arena set-up", code));
             }
-            let state = PeerSet {
-                arena,
-                error_host: host.cast(),
-                error_device: mapped,
-                opened: Vec::new(),
-            };
+            let state = PeerSet { arena, error_host: host.cast(), error_device: mapped, opened: Vec::new() };
             self.nccl.peer.sets.insert(set, state);
         }
         Ok(self.nccl.peer.sets.get_mut(&set).expect("inserted above"))
@@ -230,6 +223,10 @@ impl CudaBackend {
     /// process that can reach it address it.
     pub(crate) fn peer_arena(&mut self, set: u64) -> Result<u64, ServerError> {
         self.check_lost()?;
+        if let Some(found) = self.nccl.peer.sets.get(&set) {
+            // Shared when it was made (every call asks).
+            return Ok(found.arena);
+        }
         super::peer::share(self)?;
         Ok(self.peer_set(set)?.arena)
     }
@@ -359,12 +356,44 @@ impl CudaBackend {
         // input and output pages are held by the task, the arenas by their
         // owners until the set is closed.
         let code = unsafe {
-            sys::cuLaunchKernel(function, grid, 1, 1, THREADS, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut())
+            sys::cuLaunchKernel(
+                function,
+                grid,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
         };
         if code != sys::CUresult::CUDA_SUCCESS {
             return Err(format!("cuLaunchKernel ({name}): {}", super::driver::describe(code)));
         }
         Ok(())
+    }
+}
+
+/// Clears `bytes` at `ptr` on a new non-blocking stream and waits there.
+fn zero_on_own_stream(ptr: sys::CUdeviceptr, bytes: usize) -> sys::CUresult {
+    let mut stream: sys::CUstream = std::ptr::null_mut();
+    let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+    // SAFETY: context current; the stream is made, used and destroyed
+    // here, and `ptr` holds `bytes` (the caller's allocation).
+    unsafe {
+        let code = sys::cuStreamCreate(&mut stream, flags);
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return code;
+        }
+        let mut code = sys::cuMemsetD8Async(ptr, 0, bytes, stream);
+        if code == sys::CUresult::CUDA_SUCCESS {
+            code = sys::cuStreamSynchronize(stream);
+        }
+        let _ = sys::cuStreamDestroy_v2(stream);
+        code
     }
 }
 
@@ -402,7 +431,13 @@ mod tests {
         };
         assert_eq!(plan(&call, (256, 512), 2).0, "cohort_peer_one_shot_wide");
         assert_eq!(plan(&call, (260, 512), 2).0, "cohort_peer_one_shot_narrow");
-        let odd = PeerCall::AllReduce { src: b(12), dst: b(12), dtype: DType::F32, op: ReduceOp::Sum, algo: PeerAlgo::TwoShot };
+        let odd = PeerCall::AllReduce {
+            src: b(12),
+            dst: b(12),
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            algo: PeerAlgo::TwoShot,
+        };
         let (name, _, _, count, grid) = plan(&odd, (256, 512), 2);
         assert_eq!((name, count, grid), ("cohort_peer_two_shot_narrow", 3, 1));
         let gather = PeerCall::AllGather { src: b(1 << 20), dst: b(2 << 20) };
