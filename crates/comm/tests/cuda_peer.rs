@@ -68,7 +68,7 @@ fn all_reduce_bitwise(group: &ClientGroup, dtype: DType, op: ReduceOp, count: us
     for (m, d) in dst.iter().enumerate() {
         let got = group.client(m).read_one(d.clone()).unwrap_or_else(|e| panic!("{what}: member {m}: {e}"));
         if got[..] != want[..] {
-            let at = &got[..].iter().zip(&want).position(|(a, b)| a != b).unwrap() / dtype.size();
+            let at = got[..].iter().zip(&want).position(|(a, b)| a != b).unwrap() / dtype.size();
             panic!("{what}: member {m} differs from the host reference first at element {at}");
         }
     }
@@ -376,8 +376,8 @@ fn capture_and_replay(group: &ClientGroup) {
     }
     // Each replay doubles every input, then sums them.
     let want: f32 = (0..n).map(|m| (m as f32 + 1.0) * 8.0).sum();
-    for m in 0..n {
-        assert_eq!(floats(group.client(m), &y[m]), vec![want; count], "{what}: member {m} after three replays");
+    for (m, h) in y.iter().enumerate() {
+        assert_eq!(floats(group.client(m), h), vec![want; count], "{what}: member {m} after three replays");
     }
 }
 

@@ -147,7 +147,8 @@ fn blocks_for(work: u64) -> u32 {
 /// wide kernels move 16 bytes at a time and need every address and the
 /// size aligned to 16.
 fn plan(call: &PeerCall, addresses: (u64, u64), ranks: u64) -> (&'static str, DType, ReduceOp, u64, u32) {
-    let aligned = |bytes: u64| addresses.0 % 16 == 0 && addresses.1 % 16 == 0 && bytes % 16 == 0;
+    let aligned =
+        |bytes: u64| addresses.0.is_multiple_of(16) && addresses.1.is_multiple_of(16) && bytes.is_multiple_of(16);
     match *call {
         PeerCall::AllReduce { src, dtype, op, algo, .. } => {
             let wide = aligned(src.size);
