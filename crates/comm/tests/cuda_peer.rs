@@ -414,3 +414,76 @@ fn capture_on_the_host_path_is_refused_before_anything_is_queued() {
     assert!(graph.is_empty(), "nothing was queued");
     assert_eq!(client.read_one(y).unwrap().to_elems::<f32>(), vec![0.0; 4]);
 }
+
+/// One rank of the two-process test (`COHORT_TEST_PEER_RANK` set): joins
+/// the parent's store with GPU `rank`, then runs every element type and
+/// operator on the peer kernels, checked against the host reference of
+/// both ranks' inputs.
+fn communicator_rank(rank: usize) {
+    let addr = std::env::var("COHORT_TEST_PEER_STORE").unwrap();
+    let client = CudaRuntime::client(rank).unwrap();
+    let comm = cohort_comm::Communicator::connect(rank, 2, &addr, "peer-test", vec![client.clone()]).unwrap();
+    let want_path = if std::env::var("COHORT_ALGO").unwrap() == "oneshot" { Path::OneShot } else { Path::TwoShot };
+    let probe = cohort_comm::op::Op::all_reduce(DType::F32, ReduceOp::Sum, 4);
+    assert_eq!(comm.path_of(&probe), Some(want_path), "rank {rank}: the fast path is set up across the processes");
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            for count in [1, 4099, 65536] {
+                let inputs: Vec<Vec<u8>> = (0..2).map(|m| random(dtype, count, (m * 7919 + count) as u64)).collect();
+                let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+                let mut want = vec![0u8; count * dtype.size()];
+                reduce_bytes(dtype, op, &refs, &mut want);
+                let src = client.create_from_slice(&inputs[rank]);
+                let dst = client.empty(want.len());
+                let what = format!("rank {rank}: all_reduce {dtype} {op} count={count}");
+                comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), dtype, op)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let got = client.read_one(dst).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(got[..] == want[..], "{what}: differs from the host reference");
+            }
+        }
+    }
+    let block: Vec<Vec<u8>> = (0..2).map(|m| random(DType::U8, 4099, 31 + m as u64)).collect();
+    let src = client.create_from_slice(&block[rank]);
+    let dst = client.empty(2 * 4099);
+    comm.all_gather_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U8).unwrap();
+    assert!(client.read_one(dst).unwrap()[..] == block.concat()[..], "rank {rank}: all_gather differs");
+    println!("RANK {rank} OK");
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit() {
+    if let Ok(rank) = std::env::var("COHORT_TEST_PEER_RANK") {
+        return communicator_rank(rank.parse().unwrap());
+    }
+    let count = CudaRuntime::device_count().unwrap();
+    assert!(count >= 2, "this test needs two GPUs or more, found {count}");
+    for algo in ["oneshot", "twoshot"] {
+        let server = cohort_comm::store::StoreServer::bind("127.0.0.1:0", "peer-test").unwrap();
+        let children: Vec<_> = (0..2)
+            .map(|rank| {
+                std::process::Command::new(std::env::current_exe().unwrap())
+                    .args([
+                        "--exact",
+                        "two_gpus_peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit",
+                        "--include-ignored",
+                        "--nocapture",
+                    ])
+                    .env("COHORT_TEST_PEER_RANK", rank.to_string())
+                    .env("COHORT_TEST_PEER_STORE", server.local_addr().to_string())
+                    .env("COHORT_ALGO", algo)
+                    .env("COHORT_TIMEOUT", "60")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for (rank, child) in children.into_iter().enumerate() {
+            let out = child.wait_with_output().unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success() && text.contains(&format!("RANK {rank} OK")), "{algo}, rank {rank}: {text}");
+        }
+    }
+}
