@@ -30,6 +30,9 @@
 //! `--algo all`) stores the sizes where each peer-memory kernel stops
 //! beating NCCL as this machine's crossover table, which `auto` reads.
 //!
+//! `--plot FILE.svg` draws each collective's time and busbw against size,
+//! one line per path and one for raw NCCL, on log axes.
+//!
 //! `--step` times a training-like step instead: ten all-reduces of 4 KiB
 //! to 1 MiB with a small kernel before each, queued eagerly against the
 //! same step captured once into a CUDA graph per device and replayed, for
@@ -107,7 +110,15 @@ struct Args {
     /// instead of the tables.
     #[arg(long)]
     step: bool,
+    /// Draw time and busbw against size for each path and raw NCCL into
+    /// this SVG file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
+
+/// One plotted point: collective, series, bytes (nccl-tests' size), µs,
+/// busbw in GB/s.
+type Point = (Collective, String, f64, f64, f64);
 
 /// One timed row: collective, path asked for, bytes per member, seconds.
 type Timing = (Collective, Algo, usize, f64);
@@ -328,12 +339,17 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     }
     let mut total_wrong = 0;
     let mut timings: Vec<Timing> = Vec::new();
-    for coll in collectives {
+    let mut points: Vec<Point> = Vec::new();
+    for &coll in &collectives {
         let peer_path = matches!(coll, Collective::AllReduce | Collective::AllGather);
         for &algo in if peer_path { &algos[..] } else { &algos[algos.len() - 1..] } {
             let group = group.clone().with_algo(algo);
-            total_wrong += table(args, &group, raw.as_ref().ok(), coll, &mut timings)?;
+            total_wrong += table(args, &group, raw.as_ref().ok(), coll, &mut timings, &mut points)?;
         }
+    }
+    if let Some(path) = &args.plot {
+        plot(path, &collectives, &points)?;
+        println!("# plot written to {}", path.display());
     }
     if args.write_crossover {
         let device = group.client(0).properties().name.clone();
@@ -416,6 +432,7 @@ fn table(
     raw: Option<&Raw>,
     coll: Collective,
     timings: &mut Vec<Timing>,
+    points: &mut Vec<Point>,
 ) -> Result<usize, Box<dyn std::error::Error>> {
     let n = group.len();
     println!(
@@ -479,6 +496,8 @@ fn table(
         let path = group.path_of(&op_of(coll, n, size)).map_or("-", |p| p.name());
         let per_member = if coll == Collective::AllGather { size / n } else { size };
         timings.push((coll, group.algo(), per_member, time));
+        let series = format!("cohort {}", format!("{:?}", group.algo()).to_lowercase());
+        points.push((coll, series, size as f64, time * 1e6, size as f64 / time / 1e9 * factor));
         let algbw = size as f64 / time / 1e9;
         let busbw = algbw * factor;
         let raw_cols = if raw_times.is_empty() {
@@ -489,6 +508,10 @@ fn table(
             ratios.sort_by(f64::total_cmp);
             let t = median(&mut raw_times);
             let (a, b) = (size as f64 / t / 1e9, size as f64 / t / 1e9 * factor);
+            // Raw NCCL is timed beside every path's table: plot its first.
+            if !points.iter().any(|p| p.0 == coll && p.1 == "raw NCCL" && p.2 == size as f64) {
+                points.push((coll, "raw NCCL".into(), size as f64, t * 1e6, b));
+            }
             let ratio = if n == 1 { algbw / a } else { busbw / b };
             let spread = format!("{:.2}-{:.2}", ratios[0], ratios[ratios.len() - 1]);
             format!("{:>9.2} {:>8.2} {:>8.2} | {:>7.2} {:>11}", t * 1e6, a, b, ratio, spread)
@@ -607,5 +630,64 @@ fn step_bench(args: &Args, n: usize, algos: &[Algo]) -> Result<(), Box<dyn std::
             replay / eager
         );
     }
+    Ok(())
+}
+
+/// Draws, per collective, time (µs) and busbw (GB/s) against size on log
+/// axes, one line per series.
+fn plot(
+    path: &std::path::Path,
+    collectives: &[Collective],
+    points: &[Point],
+) -> Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    let rows = collectives.len().max(1);
+    let root = SVGBackend::new(path, (1200, 420 * rows as u32)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((rows, 2));
+    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    for (row, &coll) in collectives.iter().enumerate() {
+        let mine: Vec<&Point> = points.iter().filter(|p| p.0 == coll && p.3 > 0.0).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let mut series: Vec<&str> = Vec::new();
+        for p in &mine {
+            if !series.contains(&p.1.as_str()) {
+                series.push(&p.1);
+            }
+        }
+        let range = |f: fn(&Point) -> f64| {
+            let values = mine.iter().map(|p| f(p)).filter(|v| *v > 0.0);
+            let (lo, hi) = values.fold((f64::MAX, 0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+            (lo / 1.5)..(hi * 1.5)
+        };
+        for (col, (title, value)) in
+            [("time (us)", (|p: &Point| p.3) as fn(&Point) -> f64), ("busbw (GB/s)", |p: &Point| p.4)]
+                .into_iter()
+                .enumerate()
+        {
+            let area = &panels[row * 2 + col];
+            let mut chart = ChartBuilder::on(area)
+                .caption(format!("{} {title}", coll.name()), ("sans-serif", 18))
+                .margin(10)
+                .x_label_area_size(35)
+                .y_label_area_size(55)
+                .build_cartesian_2d(range(|p| p.2).log_scale(), range(value).log_scale())?;
+            chart.configure_mesh().x_desc("bytes").y_desc(title).draw()?;
+            for (i, name) in series.iter().enumerate() {
+                let color = colors[i % colors.len()];
+                let line: Vec<(f64, f64)> =
+                    mine.iter().filter(|p| p.1 == *name && value(p) > 0.0).map(|p| (p.2, value(p))).collect();
+                chart
+                    .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))?
+                    .label(name.to_string())
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
+                chart.draw_series(line.into_iter().map(|xy| Circle::new(xy, 3, color.filled())))?;
+            }
+            chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+        }
+    }
+    root.present()?;
     Ok(())
 }
