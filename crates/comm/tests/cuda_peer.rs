@@ -487,3 +487,30 @@ fn two_gpus_peer_kernels_across_two_processes_give_the_host_reference_bit_for_bi
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn bad_peer_arguments_are_refused_with_a_clear_error() {
+    let client = CudaRuntime::client(0).unwrap();
+    let set = 9_100_001;
+    let mine = arena(&client, set);
+    let open = |bytes: Vec<u8>| {
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &bytes)).unwrap_err()
+    };
+    let err = open(vec![1; 10]).to_string();
+    assert!(err.contains("64 bytes, not 10"), "{err}");
+    let err = open(vec![0; 64]).to_string();
+    assert!(err.contains("cuIpcOpenMemHandle"), "{err}");
+    let sum = |rank, arenas: Vec<u64>| {
+        try_peer_sum(&client, set, rank, arenas, &[1.0; 4], Duration::from_secs(1)).unwrap_err().to_string()
+    };
+    let err = sum(0, vec![mine; 9]);
+    assert!(err.contains("1 to 8 members"), "{err}");
+    let err = sum(1, vec![mine, mine + 4096]);
+    assert!(err.contains("not its own"), "{err}");
+    let err = sum(2, vec![mine, mine]);
+    assert!(err.contains("rank 2 of 2"), "{err}");
+    // None of it touched the device.
+    let fine = client.create_from_slice(&[5u8; 8]);
+    assert_eq!(&client.read_one(fine).unwrap()[..], &[5u8; 8]);
+}

@@ -706,6 +706,9 @@ impl DeviceCollectives for CudaBackend {
                 format!("its device set failed earlier ({why}); make a new ClientGroup for these devices"),
             ));
         }
+        if let Err(reason) = self.check_peer(spec, call) {
+            return Err(ServerError::InvalidArgument(format!("{}: {reason}", monitor.operation())));
+        }
         let raw = self.streams.raw(stream)?;
         if self.streams.is_capturing(stream) {
             // Recorded into the stream's graph (the kernel keeps its own

@@ -272,15 +272,9 @@ impl CudaBackend {
         Ok(ptr)
     }
 
-    /// Queues one member's peer kernel on `stream` (the caller orders it
-    /// after the device's earlier parts). Returns the set's error word.
-    pub(crate) fn launch_peer(
-        &mut self,
-        stream: sys::CUstream,
-        spec: &PeerSpec<'_>,
-        call: &PeerCall,
-        timeout: std::time::Duration,
-    ) -> Result<(), String> {
+    /// Refuses a peer call whose arguments cannot run (nothing queued, the
+    /// set left as it was): the member count, this member's arena, sizes.
+    pub(crate) fn check_peer(&self, spec: &PeerSpec<'_>, call: &PeerCall) -> Result<(), String> {
         let ranks = spec.arenas.len();
         if ranks == 0 || ranks > PEER_MAX_RANKS || spec.rank >= ranks {
             return Err(format!(
@@ -310,6 +304,31 @@ impl CudaBackend {
                 return Err(format!("{} bytes are not whole {dtype:?} elements", src.size));
             }
         }
+        let arena = self.nccl.peer.sets.get(&spec.set).map(|s| s.arena);
+        match arena {
+            None => Err("the device set has no peer arena here (peer_arena was not called)".into()),
+            Some(arena) if spec.arenas[spec.rank] != arena => {
+                Err(format!("rank {}'s arena in the set's list is not its own", spec.rank))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Queues one member's peer kernel on `stream` (the caller orders it
+    /// after the device's earlier parts). Returns the set's error word.
+    pub(crate) fn launch_peer(
+        &mut self,
+        stream: sys::CUstream,
+        spec: &PeerSpec<'_>,
+        call: &PeerCall,
+        timeout: std::time::Duration,
+    ) -> Result<(), String> {
+        self.check_peer(spec, call)?;
+        let ranks = spec.arenas.len();
+        let (src, dst) = match *call {
+            PeerCall::AllReduce { src, dst, .. } => (src, dst),
+            PeerCall::AllGather { src, dst } => (src, dst),
+        };
         let input = self.pages.ptr(src).map_err(|e| e.to_string())?;
         let output = self.pages.ptr(dst).map_err(|e| e.to_string())?;
         let (name, dtype, op, count, grid) = plan(call, (input, output), ranks as u64);
@@ -330,9 +349,6 @@ impl CudaBackend {
             .sets
             .get_mut(&spec.set)
             .ok_or_else(|| "the device set has no peer arena here (peer_arena was not called)".to_string())?;
-        if spec.arenas[spec.rank] != set.arena {
-            return Err("this member's arena in the set's list is not its own".into());
-        }
         let mut arenas = [0u64; PEER_MAX_RANKS];
         arenas[..ranks].copy_from_slice(spec.arenas);
         let mut args = PeerArgs {
