@@ -343,6 +343,21 @@ mod tests {
     }
 
     #[test]
+    fn the_flight_recorder_keeps_the_path_that_ran() {
+        use crate::trace::{FlightRecorder, Watched};
+        let op = sum(64);
+        let watched = Watched::start("peer-path-test".into(), 7, &op, 1, None, "collective", 0);
+        watched.set_path(Path::TwoShot.name());
+        watched.set_path(Path::Nccl.name()); // the first path noted stays
+        watched.ended(Ok(()));
+        drop(watched);
+        let records = FlightRecorder::global().snapshot();
+        let mine = records.iter().rev().find(|r| r.group == "peer-path-test").expect("recorded");
+        assert_eq!(mine.path.as_deref(), Some("twoshot"));
+        assert_eq!(mine.fingerprint.seq, 7);
+    }
+
+    #[test]
     fn a_table_survives_its_text_and_bad_lines_are_named() {
         let mut table = Crossover::builtin();
         table.set(CrossoverRow {
