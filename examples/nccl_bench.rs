@@ -24,6 +24,20 @@
 //! reference (`-c 0` skips the check; sizes above `--check-max` are not
 //! checked: the reference of a GiB takes seconds).
 //!
+//! `--algo auto|nccl|oneshot|twoshot` forces the path of cohort's
+//! all-reduces and all-gathers (`all`: one table per path, then auto); the
+//! `path` column says which ran for each row. `--write-crossover` (with
+//! `--algo all`) stores the sizes where each peer-memory kernel stops
+//! beating NCCL as this machine's crossover table, which `auto` reads.
+//!
+//! `--plot FILE.svg` draws each collective's time and busbw against size,
+//! one line per path and one for raw NCCL, on log axes.
+//!
+//! `--step` times a training-like step instead: ten all-reduces of 4 KiB
+//! to 1 MiB with a small kernel before each, queued eagerly against the
+//! same step captured once into a CUDA graph per device and replayed, for
+//! each path of `--algo` (`ratio` = replay / eager time).
+//!
 //! The raw baseline calls cudarc's NCCL bindings, which load `libnccl.so`:
 //! where only `libnccl.so.2` is installed (the pip wheel), put a
 //! `libnccl.so` link to it on `LD_LIBRARY_PATH`, or the baseline is skipped.
@@ -33,8 +47,9 @@ use std::time::Instant;
 
 use clap::Parser;
 use cohort::comm::op::Collective;
+use cohort::comm::op::Op;
 use cohort::comm::verify::Buffers;
-use cohort::comm::{ClientGroup, DType, ReduceOp};
+use cohort::comm::{Algo, ClientGroup, Crossover, CrossoverRow, DType, ReduceOp, TableKind};
 use cohort::prelude::*;
 use cohort::runtime::backend::cuda::{cudarc, nccl_version};
 use cohort::runtime::CudaRuntime;
@@ -83,6 +98,39 @@ struct Args {
     /// learn when a collective ended: shows what that costs the baseline.
     #[arg(long)]
     raw_events: bool,
+    /// Path of cohort's all-reduces and all-gathers: auto, nccl, oneshot,
+    /// twoshot, or all (one table each, auto last).
+    #[arg(long, default_value = "auto")]
+    algo: String,
+    /// Store the measured crossovers as this machine's table (needs
+    /// `--algo all`).
+    #[arg(long)]
+    write_crossover: bool,
+    /// Time a step of ten small all-reduces, eager and replayed as a graph,
+    /// instead of the tables.
+    #[arg(long)]
+    step: bool,
+    /// Draw time and busbw against size for each path and raw NCCL into
+    /// this SVG file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+}
+
+/// One plotted point: collective, series, bytes (nccl-tests' size), µs,
+/// busbw in GB/s.
+type Point = (Collective, String, f64, f64, f64);
+
+/// One timed row: collective, path asked for, bytes per member, seconds.
+type Timing = (Collective, Algo, usize, f64);
+
+fn parse_algos(text: &str) -> Result<Vec<Algo>, String> {
+    if text == "all" {
+        return Ok(vec![Algo::Nccl, Algo::OneShot, Algo::TwoShot, Algo::Auto]);
+    }
+    let raw = std::ffi::OsString::from(text);
+    cohort::runtime::config::parse_algo(&raw)
+        .map(|a| vec![a])
+        .map_err(|e| format!("--algo {text:?}: {e}; use auto, nccl, oneshot, twoshot or all"))
 }
 
 fn parse_size(text: &str) -> Result<usize, String> {
@@ -281,11 +329,91 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     if let Err(why) = &raw {
         println!("# raw NCCL baseline skipped: {why}");
     }
+    let algos = parse_algos(&args.algo)?;
+    if args.step {
+        drop(raw);
+        return step_bench(args, n, &algos).map(|()| 0);
+    }
+    if args.write_crossover && algos.len() < 4 {
+        return Err("--write-crossover measures every path: add --algo all".into());
+    }
     let mut total_wrong = 0;
-    for coll in collectives {
-        total_wrong += table(args, &group, raw.as_ref().ok(), coll)?;
+    let mut timings: Vec<Timing> = Vec::new();
+    let mut points: Vec<Point> = Vec::new();
+    for &coll in &collectives {
+        let peer_path = matches!(coll, Collective::AllReduce | Collective::AllGather);
+        for &algo in if peer_path { &algos[..] } else { &algos[algos.len() - 1..] } {
+            let group = group.clone().with_algo(algo);
+            total_wrong += table(args, &group, raw.as_ref().ok(), coll, &mut timings, &mut points)?;
+        }
+    }
+    if let Some(path) = &args.plot {
+        plot(path, &collectives, &points)?;
+        println!("# plot written to {}", path.display());
+    }
+    if args.write_crossover {
+        let device = group.client(0).properties().name.clone();
+        let mut table = Crossover::for_machine();
+        for (coll, kind) in
+            [(Collective::AllReduce, TableKind::AllReduce), (Collective::AllGather, TableKind::AllGather)]
+        {
+            if let Some(row) = crossover(&timings, coll, kind, &device, n) {
+                println!("# crossover {}: {row:?}", coll.name());
+                table.set(row);
+            }
+        }
+        table.rows.retain(|r| r.device != "*");
+        println!("# crossover table written to {}", table.save()?.display());
     }
     Ok(total_wrong)
+}
+
+/// The crossover row of `coll` from the timings: the one-shot kernel up to
+/// the largest size where it beats NCCL and the two-shot kernel, the
+/// two-shot kernel up to the largest where it beats NCCL (all-gathers: one
+/// kernel).
+fn crossover(
+    timings: &[Timing],
+    coll: Collective,
+    kind: TableKind,
+    device: &str,
+    ranks: usize,
+) -> Option<CrossoverRow> {
+    let time =
+        |algo: Algo, bytes: usize| timings.iter().find(|t| t.0 == coll && t.1 == algo && t.2 == bytes).map(|t| t.3);
+    let mut sizes: Vec<usize> = timings.iter().filter(|t| t.0 == coll).map(|t| t.2).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let (mut one_shot_max, mut two_shot_max) = (0u64, 0u64);
+    for &bytes in &sizes {
+        let (Some(nccl), Some(one)) = (time(Algo::Nccl, bytes), time(Algo::OneShot, bytes)) else { continue };
+        let two = time(Algo::TwoShot, bytes).unwrap_or(f64::INFINITY);
+        if one < nccl && (kind == TableKind::AllGather || one <= two) {
+            one_shot_max = bytes as u64;
+        }
+        if kind == TableKind::AllReduce && two < nccl {
+            two_shot_max = bytes as u64;
+        }
+    }
+    if sizes.is_empty() {
+        return None;
+    }
+    Some(CrossoverRow {
+        device: device.to_string(),
+        ranks,
+        kind,
+        one_shot_max,
+        two_shot_max: two_shot_max.max(one_shot_max),
+    })
+}
+
+/// The collective a row of `size` bytes (nccl-tests' size) runs.
+fn op_of(coll: Collective, n: usize, size: usize) -> Op {
+    match coll {
+        Collective::AllReduce => Op::all_reduce(DType::F32, ReduceOp::Sum, size / 4),
+        Collective::AllGather => Op::all_gather(DType::F32, size / 4 / n),
+        _ => Op::broadcast(DType::F32, 0, size / 4),
+    }
 }
 
 /// The five collectives nccl-tests times, in its order.
@@ -303,13 +431,16 @@ fn table(
     group: &ClientGroup,
     raw: Option<&Raw>,
     coll: Collective,
+    timings: &mut Vec<Timing>,
+    points: &mut Vec<Point>,
 ) -> Result<usize, Box<dyn std::error::Error>> {
     let n = group.len();
     println!(
-        "# cohort nccl_bench: {}, float, sum, {n} CUDA device(s) ({}), cohort transport {:?}, NCCL {}",
+        "# cohort nccl_bench: {}, float, sum, {n} CUDA device(s) ({}), cohort transport {:?}, --algo {:?}, NCCL {}",
         coll.name(),
         group.client(0).properties().name,
         group.transport(),
+        group.algo(),
         nccl_version().unwrap_or_else(|why| format!("unavailable: {why}"))
     );
     println!(
@@ -317,9 +448,10 @@ fn table(
         args.trials.max(1)
     );
     println!(
-        "# {:>10} {:>11} | {:>9} {:>9} {:>8} {:>8} {:>6} | {:>9} {:>8} {:>8} | {:>7} {:>11}",
+        "# {:>10} {:>11} {:>7} | {:>9} {:>9} {:>8} {:>8} {:>6} | {:>9} {:>8} {:>8} | {:>7} {:>11}",
         "size",
         "count",
+        "path",
         "call(us)",
         "time(us)",
         "algbw",
@@ -331,7 +463,7 @@ fn table(
         "ratio",
         "trials"
     );
-    println!("# {:>23} | {:^44} | {:^27} |", "", "cohort ClientGroup", "raw NCCL (cudarc)");
+    println!("# {:>31} | {:^44} | {:^27} |", "", "cohort ClientGroup", "raw NCCL (cudarc)");
     let factor = coll.bus_factor(n);
     let mut total_wrong = 0;
     let mut bytes = args.min_bytes.max(4);
@@ -361,6 +493,11 @@ fn table(
         };
         drop(bufs);
         let (queued, time) = (median(&mut queued), median(&mut times));
+        let path = group.path_of(&op_of(coll, n, size)).map_or("-", |p| p.name());
+        let per_member = if coll == Collective::AllGather { size / n } else { size };
+        timings.push((coll, group.algo(), per_member, time));
+        let series = format!("cohort {}", format!("{:?}", group.algo()).to_lowercase());
+        points.push((coll, series, size as f64, time * 1e6, size as f64 / time / 1e9 * factor));
         let algbw = size as f64 / time / 1e9;
         let busbw = algbw * factor;
         let raw_cols = if raw_times.is_empty() {
@@ -371,14 +508,19 @@ fn table(
             ratios.sort_by(f64::total_cmp);
             let t = median(&mut raw_times);
             let (a, b) = (size as f64 / t / 1e9, size as f64 / t / 1e9 * factor);
+            // Raw NCCL is timed beside every path's table: plot its first.
+            if !points.iter().any(|p| p.0 == coll && p.1 == "raw NCCL" && p.2 == size as f64) {
+                points.push((coll, "raw NCCL".into(), size as f64, t * 1e6, b));
+            }
             let ratio = if n == 1 { algbw / a } else { busbw / b };
             let spread = format!("{:.2}-{:.2}", ratios[0], ratios[ratios.len() - 1]);
             format!("{:>9.2} {:>8.2} {:>8.2} | {:>7.2} {:>11}", t * 1e6, a, b, ratio, spread)
         };
         println!(
-            "  {:>10} {:>11} | {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>6} | {raw_cols}",
+            "  {:>10} {:>11} {:>7} | {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>6} | {raw_cols}",
             size,
             size / 4,
+            path,
             queued * 1e6,
             time * 1e6,
             algbw,
@@ -416,4 +558,136 @@ fn time_cohort(
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
+}
+
+/// The step's all-reduce sizes in bytes: 4 KiB to 1 MiB.
+const STEP_SIZES: [usize; 10] =
+    [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 64 << 10];
+
+/// Eager against graph replay of a step of ten all-reduces, each after a
+/// small kernel, on `n` devices, for each path.
+fn step_bench(args: &Args, n: usize, algos: &[Algo]) -> Result<(), Box<dyn std::error::Error>> {
+    use cohort::runtime::{Bytes, GridCount, KernelArguments, Scalar, StreamId};
+    let clients: Vec<Client> =
+        (0..n).map(|i| CudaRuntime::client(i).map(|c| c.with_stream(StreamId::fresh()))).collect::<Result<_, _>>()?;
+    let base = ClientGroup::new(clients)?;
+    let scale = cohort::runtime::conformance::kernels::scale();
+    let bufs: Vec<(Vec<Handle>, Vec<Handle>)> = STEP_SIZES
+        .iter()
+        .map(|&bytes| {
+            let x = (0..n).map(|m| base.client(m).create(Bytes::from_elems(&vec![1.0f32; bytes / 4]))).collect();
+            let y = (0..n).map(|m| base.client(m).empty(bytes)).collect();
+            (x, y)
+        })
+        .collect();
+    println!("# cohort nccl_bench --step: 10 all-reduces (4 KiB-1 MiB, f32 sum), a scale kernel before each, {n} device(s) ({})", base.client(0).properties().name);
+    println!("# {:>8} | {:>12} {:>12} | {:>7}", "algo", "eager(us)", "replay(us)", "ratio");
+    for &algo in algos {
+        let group = base.clone().with_algo(algo);
+        let step = || -> Result<(), Box<dyn std::error::Error>> {
+            for (bytes, (x, y)) in STEP_SIZES.iter().zip(&bufs) {
+                for (m, h) in x.iter().enumerate() {
+                    let args = KernelArguments::new().buffer(h).scalar(Scalar::F32(1.0));
+                    group.client(m).launch(&scale, GridCount::cover(bytes / 4, 256), args)?;
+                }
+                group.all_reduce_handles(x, y, DType::F32, ReduceOp::Sum)?;
+            }
+            Ok(())
+        };
+        for m in 0..n {
+            group.client(m).graph_prepare()?;
+        }
+        for _ in 0..args.warmup.max(1) {
+            step()?;
+        }
+        group.sync()?;
+        let start = Instant::now();
+        for _ in 0..args.iters {
+            step()?;
+        }
+        group.sync()?;
+        let eager = start.elapsed().as_secs_f64() / args.iters.max(1) as f64;
+        for m in 0..n {
+            group.client(m).start_capture()?;
+        }
+        step()?;
+        let graphs = (0..n).map(|m| group.client(m).stop_capture()).collect::<Result<Vec<_>, _>>()?;
+        for _ in 0..args.warmup.max(1) {
+            graphs.iter().try_for_each(|g| g.replay())?;
+        }
+        group.sync()?;
+        let start = Instant::now();
+        for _ in 0..args.iters {
+            graphs.iter().try_for_each(|g| g.replay())?;
+        }
+        group.sync()?;
+        let replay = start.elapsed().as_secs_f64() / args.iters.max(1) as f64;
+        println!(
+            "  {:>8} | {:>12.2} {:>12.2} | {:>7.2}",
+            format!("{algo:?}"),
+            eager * 1e6,
+            replay * 1e6,
+            replay / eager
+        );
+    }
+    Ok(())
+}
+
+/// Draws, per collective, time (µs) and busbw (GB/s) against size on log
+/// axes, one line per series.
+fn plot(
+    path: &std::path::Path,
+    collectives: &[Collective],
+    points: &[Point],
+) -> Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    let rows = collectives.len().max(1);
+    let root = SVGBackend::new(path, (1200, 420 * rows as u32)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((rows, 2));
+    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    for (row, &coll) in collectives.iter().enumerate() {
+        let mine: Vec<&Point> = points.iter().filter(|p| p.0 == coll && p.3 > 0.0).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let mut series: Vec<&str> = Vec::new();
+        for p in &mine {
+            if !series.contains(&p.1.as_str()) {
+                series.push(&p.1);
+            }
+        }
+        let range = |f: fn(&Point) -> f64| {
+            let values = mine.iter().map(|p| f(p)).filter(|v| *v > 0.0);
+            let (lo, hi) = values.fold((f64::MAX, 0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+            (lo / 1.5)..(hi * 1.5)
+        };
+        for (col, (title, value)) in
+            [("time (us)", (|p: &Point| p.3) as fn(&Point) -> f64), ("busbw (GB/s)", |p: &Point| p.4)]
+                .into_iter()
+                .enumerate()
+        {
+            let area = &panels[row * 2 + col];
+            let mut chart = ChartBuilder::on(area)
+                .caption(format!("{} {title}", coll.name()), ("sans-serif", 18))
+                .margin(10)
+                .x_label_area_size(35)
+                .y_label_area_size(55)
+                .build_cartesian_2d(range(|p| p.2).log_scale(), range(value).log_scale())?;
+            chart.configure_mesh().x_desc("bytes").y_desc(title).draw()?;
+            for (i, name) in series.iter().enumerate() {
+                let color = colors[i % colors.len()];
+                let line: Vec<(f64, f64)> =
+                    mine.iter().filter(|p| p.1 == *name && value(p) > 0.0).map(|p| (p.2, value(p))).collect();
+                chart
+                    .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))?
+                    .label(name.to_string())
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
+                chart.draw_series(line.into_iter().map(|xy| Circle::new(xy, 3, color.filled())))?;
+            }
+            chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+        }
+    }
+    root.present()?;
+    Ok(())
 }

@@ -35,6 +35,7 @@ mod work;
 
 pub use api::{rank_clients, Buffer, Collectives, Error, Grouped, World};
 pub use communicator::{job_heartbeat_key, Communicator, ConnectError, HEARTBEAT_PERIOD};
+pub use device::peer::{Algo, Crossover, CrossoverRow, Path, TableKind};
 pub use device::Transport;
 pub use error::CommError;
 pub use group::{to_client, ClientGroup, DEFAULT_STAGE_CHUNK};

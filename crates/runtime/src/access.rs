@@ -4,7 +4,9 @@
 use super::client::Client;
 use std::sync::Arc;
 
-use crate::backend::{Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PendingPart};
+use crate::backend::{
+    Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerCall, PeerSpec, PendingPart,
+};
 use crate::bytes::AlignedBytes;
 use crate::device::panic_message;
 use crate::error::ServerError;
@@ -142,6 +144,29 @@ impl BufferAccess<'_> {
         }
         Ok(())
     }
+
+    /// Queues this member's part of a peer-memory collective on this task's
+    /// stream (see [`DeviceCollectives::run_peer`]); completes as
+    /// [`BufferAccess::run_collective`] does.
+    pub fn run_peer_collective(
+        &mut self,
+        spec: &PeerSpec<'_>,
+        call: &PeerCall,
+        monitor: Arc<dyn CollectiveMonitor>,
+        completion: Completion,
+    ) -> Result<(), ServerError> {
+        let stream = self.stream;
+        let Some(collectives) = self.state.backend.device_collectives() else {
+            return Err(ServerError::InvalidState {
+                operation: "a peer-memory collective",
+                reason: "the device's backend offers no device collectives".into(),
+            });
+        };
+        if let Some(part) = collectives.run_peer(stream, spec, call, monitor, completion)? {
+            self.deferred.push(part);
+        }
+        Ok(())
+    }
 }
 
 impl Client {
@@ -181,10 +206,24 @@ impl Client {
         outputs: Vec<Handle>,
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
+        self.refuse_if_capturing("a buffer task")?;
+        self.submit_buffers_recorded(operation, inputs, outputs, task)
+    }
+
+    /// [`Client::submit_buffers_always`], also inside a capture window: for
+    /// tasks that only queue device work on their stream (kernels, device
+    /// copies, device collectives), which the capture records; a task that
+    /// reads, waits or allocates there fails the capture.
+    pub fn submit_buffers_recorded(
+        &self,
+        operation: &str,
+        inputs: Vec<Handle>,
+        outputs: Vec<Handle>,
+        task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
+    ) -> Result<(), ServerError> {
         for handle in inputs.iter().chain(&outputs) {
             self.check_owned(handle)?;
         }
-        self.refuse_if_capturing("a buffer task")?;
         let stream = self.stream_id();
         let operation = operation.to_string();
         let device = self.device_id();

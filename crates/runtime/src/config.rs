@@ -440,6 +440,30 @@ pub fn parse_transport(raw: &OsStr) -> Result<TransportChoice, String> {
     }
 }
 
+/// Which path a device collective that a peer-memory kernel can run takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AlgoChoice {
+    /// By size and member count, from the machine's crossover table.
+    Auto,
+    /// Always the collective library (NCCL).
+    Nccl,
+    /// The one-shot peer-memory kernel wherever it can run.
+    OneShot,
+    /// The two-shot peer-memory kernel wherever it can run.
+    TwoShot,
+}
+
+/// `auto`, `nccl`, `oneshot` or `twoshot` (`one-shot`, `two-shot` too).
+pub fn parse_algo(raw: &OsStr) -> Result<AlgoChoice, String> {
+    match text(raw)?.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+        "auto" => Ok(AlgoChoice::Auto),
+        "nccl" => Ok(AlgoChoice::Nccl),
+        "oneshot" => Ok(AlgoChoice::OneShot),
+        "twoshot" => Ok(AlgoChoice::TwoShot),
+        _ => Err("it is not a collective path".into()),
+    }
+}
+
 /// The largest shared-memory ring accepted, in bytes (1 GiB).
 pub const MAX_SHM_RING: usize = 1 << 30;
 
@@ -546,6 +570,16 @@ pub static NCCL_SINGLE: Param<bool> = Param::new(
     "1 sends a group of one CUDA device through a one-rank NCCL communicator instead of plain device copies",
     "1, true, yes, on or 0, false, no, off",
     parse_flag,
+);
+
+/// Which path device all-reduces and all-gathers take.
+pub static ALGO: Param<AlgoChoice> = Param::new(
+    "COHORT_ALGO",
+    AlgoChoice::Auto,
+    "auto",
+    "Path of CUDA all-reduces and all-gathers of 2 to 8 devices: auto (by size and member count from the machine's crossover table), nccl, oneshot or twoshot (peer-memory kernels wherever they can run; other calls go to NCCL); a Communicator's ranks follow rank 0's",
+    "auto, nccl, oneshot or twoshot",
+    parse_algo,
 );
 
 /// The libnccl file to load.
@@ -667,7 +701,7 @@ pub static NNODES: Param<u32> = Param::new(
 
 /// Every variable cohort reads, in the order `cohort config` and
 /// `docs/configuration.md` list them.
-pub static ALL: [&dyn Setting; 21] = [
+pub static ALL: [&dyn Setting; 22] = [
     &JOB_SECRET,
     &STORE_ADDR,
     &TIMEOUT,
@@ -677,6 +711,7 @@ pub static ALL: [&dyn Setting; 21] = [
     &TRANSPORT,
     &DISABLE_NCCL,
     &NCCL_SINGLE,
+    &ALGO,
     &NCCL_LIBRARY,
     &PINNED_LIMIT_MB,
     &CACHE_DIR,
@@ -752,6 +787,11 @@ mod tests {
         let err = DISABLE_NCCL.parse_value(os("maybe")).unwrap_err().to_string();
         assert!(err.contains("COHORT_DISABLE_NCCL=\"maybe\"") && err.contains("not a switch"), "{err}");
         assert_eq!(TRANSPORT.parse_value(os("shm")), Ok(TransportChoice::Host));
+        assert_eq!(ALGO.parse_value(os("One-Shot")), Ok(AlgoChoice::OneShot));
+        assert_eq!(ALGO.parse_value(os("twoshot")), Ok(AlgoChoice::TwoShot));
+        assert_eq!(ALGO.parse_value(os(ALGO.default)), Ok(AlgoChoice::Auto));
+        let err = ALGO.parse_value(os("ring")).unwrap_err().to_string();
+        assert!(err.starts_with("COHORT_ALGO=\"ring\"") && err.contains("auto, nccl, oneshot or twoshot"), "{err}");
         assert_eq!(TRANSPORT.parse_value(os("MPI")), Ok(TransportChoice::Mpi));
         assert!(TRANSPORT.parse_value(os("ib")).unwrap_err().to_string().contains("auto, mpi or host"));
         assert_eq!(WGPU_BACKEND.parse_value(os("vk, GL,vulkan")), Ok(vec![GraphicsApi::Vulkan, GraphicsApi::Gl]));

@@ -93,6 +93,13 @@ impl Communicator {
         }
     }
 
+    /// The path a collective `op` takes: NCCL or a peer-memory kernel
+    /// (`None` off the NCCL path). Every rank follows rank 0's
+    /// `COHORT_ALGO` and crossover table.
+    pub fn path_of(&self, op: &Op) -> Option<crate::device::peer::Path> {
+        self.inner.nccl.as_ref().map(|nccl| nccl.path_of(op))
+    }
+
     /// Reduces every member's `src` (one per local device) element-wise with
     /// `op` and writes the result to every member's `dst`. Returns at once.
     pub fn all_reduce_handles(

@@ -86,6 +86,23 @@ pub(super) fn nccl_id(prefix: &str) -> String {
     format!("{prefix}nccl/id")
 }
 
+/// Member `rank`'s peer-memory arena (its process, host, address and CUDA
+/// IPC handle), or why it has none.
+pub(super) fn peer_arena(prefix: &str, rank: usize) -> String {
+    format!("{prefix}nccl/peer/arena/{rank}")
+}
+
+/// Rank 0's path choice (`COHORT_ALGO` and crossover sizes), which every
+/// rank follows so that all take the same path for every call.
+pub(super) fn peer_choice(prefix: &str) -> String {
+    format!("{prefix}nccl/peer/choice")
+}
+
+/// Whether member `rank` opened every other member's arena.
+pub(super) fn peer_ready(prefix: &str, rank: usize) -> String {
+    format!("{prefix}nccl/peer/ready/{rank}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerToken};
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerCall, PeerSpec, PeerToken};
 use cohort_runtime::{BufferAccess, DeviceId, ServerError};
 
 use super::plan::{self, Shape};
@@ -31,6 +31,8 @@ pub(crate) struct DeviceState {
     finished: Vec<bool>,
     /// Peer copies: the sender's token, then the receiver's.
     tokens: [Option<PeerToken>; 2],
+    /// Peer kernels: every part's arena, as this process addresses it.
+    arenas: Vec<u64>,
 }
 
 /// The shared object of one device-path collective.
@@ -64,7 +66,8 @@ impl DeviceCollective {
         parts: Vec<(usize, DeviceId)>,
         timeout: Duration,
     ) -> Arc<DeviceCollective> {
-        let state = DeviceState { finished: vec![false; parts.len()], tokens: [None, None] };
+        let state =
+            DeviceState { finished: vec![false; parts.len()], tokens: [None, None], arenas: vec![0; parts.len()] };
         let seats = parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
         Arc::new(DeviceCollective { ops, meeting: Meeting::new(name, seats, timeout, state) })
     }
@@ -104,9 +107,49 @@ impl DeviceCollective {
             self.meeting.lock().data.finished[slot] = true;
             return Ok(());
         }
+        if let Mode::PeerKernel(set, _) = mode {
+            // Every part publishes its arena before it arrives, so each finds
+            // all of them once the meeting is complete.
+            let arena = match access.device_collectives() {
+                Some(dc) => dc.peer_arena(set.key),
+                None => Err(ServerError::InvalidState {
+                    operation: "a peer-memory collective",
+                    reason: "the device's backend offers no device collectives".into(),
+                }),
+            };
+            self.meeting.lock().data.arenas[slot] = arena.map_err(|err| self.fail(err))?;
+        }
         self.arrive(slot, deadline)?;
         let result = match mode {
             Mode::Local => unreachable!("handled above"),
+            Mode::PeerKernel(set, algo) => {
+                let arenas = self.meeting.lock().data.arenas.clone();
+                let (src, dst) = (buffers.input, buffers.output);
+                let (Some(src), Some(dst)) = (src, dst) else {
+                    return Err(self.fail(ServerError::InvalidArgument(format!(
+                        "{} part without its source or destination",
+                        op.name()
+                    ))));
+                };
+                let call = match (op.collective(), op.reduce_op()) {
+                    (Collective::AllReduce, Some(reduce)) => {
+                        PeerCall::AllReduce { src, dst, dtype: op.dtype(), op: reduce, algo: *algo }
+                    }
+                    (Collective::AllGather, _) => PeerCall::AllGather { src, dst },
+                    _ => {
+                        return Err(
+                            self.fail(ServerError::InvalidArgument(format!("{} has no peer-memory kernel", op.name())))
+                        )
+                    }
+                };
+                let spec = PeerSpec { set: set.key, rank: slot, arenas: &arenas };
+                let monitor = Arc::new(PartMonitor { collective: self.clone(), slot, set: set.clone(), tracked });
+                let result = access.run_peer_collective(&spec, &call, monitor, Completion::Defer);
+                if result.is_err() {
+                    forget(set);
+                }
+                return result.map_err(|err| self.fail(err));
+            }
             Mode::Peer => {
                 let stream = access.stream();
                 match access.device_collectives() {

@@ -15,6 +15,7 @@
 //! order: every group over the same devices in the same order shares it.
 
 mod meeting;
+pub mod peer;
 pub(crate) mod plan;
 
 use std::collections::HashMap;
@@ -195,6 +196,9 @@ pub(crate) enum Mode {
     Nccl(Arc<NcclSet>),
     /// A peer copy from slot 0 to slot 1.
     Peer,
+    /// A peer-memory kernel (all-reduce or all-gather) among the set's
+    /// devices; a part's rank is its slot.
+    PeerKernel(Arc<NcclSet>, cohort_runtime::backend::PeerAlgo),
 }
 
 /// Queues every part of one collective on the device path under the
@@ -261,7 +265,9 @@ pub(crate) fn launch_grouped(
         let client = &clients[member];
         let mode = mode.clone();
         let tracked = tracked.clone();
-        let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
+        // Recorded when the member's stream is capturing: the group refused
+        // every mode that does more than queue device work (see launch).
+        let queued = client.submit_buffers_recorded(operation, inputs, outputs, move |access| {
             let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, &shapes, tracked.clone()));
             if let Some(t) = &tracked {
                 t.note(&result);

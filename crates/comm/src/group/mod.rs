@@ -14,6 +14,7 @@ use std::time::Duration;
 use cohort_runtime::config;
 use cohort_runtime::{Client, Handle};
 
+use crate::device::peer::{self, Algo, Path};
 use crate::device::{self, DevicePart, Mode, Route, Transport};
 use crate::error::CommError;
 use crate::host::{default_timeout, HostCollective, HostPath};
@@ -49,6 +50,11 @@ pub struct ClientGroup {
     stage_chunk: usize,
     /// The flight recorder's name of this device set.
     record_name: Arc<str>,
+    /// Which path all-reduces and all-gathers take on NCCL routes.
+    algo: Algo,
+    /// Whether every member reaches every other's memory (peer kernels can
+    /// run): decided once, for NCCL routes of 2 to 8 members.
+    peers_reach: bool,
 }
 
 /// One buffer's worth of a collective for one member: what it sends and
@@ -79,12 +85,17 @@ impl ClientGroup {
     pub fn new(clients: Vec<Client>) -> Result<ClientGroup, CommError> {
         crate::check::check_clients(&clients)?;
         let timeout = default_timeout()?;
-        config::check(&[&config::NCCL_SINGLE, &config::FLIGHT_RECORDER])?;
+        config::check(&[&config::NCCL_SINGLE, &config::FLIGHT_RECORDER, &config::ALGO])?;
         let communicator = communicator(&clients);
         let direct = communicator.host_addressable();
         let route = device::choose(&clients);
         let record_name = Arc::from(record_name(&clients));
+        let peers_reach = matches!(route, Route::Nccl(_))
+            && (2..=cohort_runtime::backend::PEER_MAX_RANKS).contains(&clients.len())
+            && clients.iter().all(|a| clients.iter().all(|b| a.can_access_peer(b)));
         Ok(ClientGroup {
+            algo: peer::algo_from_env(),
+            peers_reach,
             record_name,
             clients,
             communicator,
@@ -150,6 +161,32 @@ impl ClientGroup {
     /// device memory through host pointers) or the staged one.
     pub fn is_direct(&self) -> bool {
         self.direct
+    }
+
+    /// This group with a forced path for its CUDA all-reduces and
+    /// all-gathers (default: `COHORT_ALGO`, else [`Algo::Auto`]): `Nccl`,
+    /// or a peer-memory kernel (`OneShot`, `TwoShot`) wherever one can run
+    /// (2 to 8 devices that reach each other's memory, at most
+    /// [`cohort_runtime::backend::PEER_MAX_BYTES`] per member); the rest
+    /// goes to NCCL. Cheap: clone the group to force a path for one call.
+    pub fn with_algo(mut self, algo: Algo) -> ClientGroup {
+        self.algo = algo;
+        self
+    }
+
+    /// The path `with_algo` (or `COHORT_ALGO`) set.
+    pub fn algo(&self) -> Algo {
+        self.algo
+    }
+
+    /// The path a collective `op` of this group takes now: NCCL or a
+    /// peer-memory kernel (`None` off the NCCL route).
+    pub fn path_of(&self, op: &Op) -> Option<Path> {
+        let Route::Nccl(_) = self.route else { return None };
+        if !self.peers_reach {
+            return Some(Path::Nccl);
+        }
+        Some(peer::choose(self.algo, op, self.len(), &self.clients[0].properties().name))
     }
 
     /// This group with a chosen host path. `Direct` is refused where a
@@ -232,19 +269,38 @@ impl ClientGroup {
     /// queued; a part that could not be queued fails the whole collective.
     fn launch(&self, op: Op, parts: Vec<Part>) -> Result<Work, CommError> {
         let operation = op.name();
-        for part in &parts {
-            if self.clients[part.member].is_capturing() {
-                return Err(CommError::Capturing { operation, member: part.member });
-            }
-        }
         // The executors see roots and endpoints as slots of `parts`.
         let members: Vec<usize> = parts.iter().map(|p| p.member).collect();
         let on_slots = op.on_slots(&members);
         let bytes = op.block_bytes();
-        if let Some(mode) = self.device_mode(&on_slots, &parts)? {
+        let mode = self.device_mode(&on_slots, &parts)?;
+        // Inside a capture window only work queued on the device's own
+        // stream can be recorded: NCCL calls, peer kernels and device
+        // copies. Host staging and peer copies (events across devices)
+        // cannot, and are refused before anything is queued.
+        let recordable = matches!(mode, Some(Mode::Nccl(_) | Mode::PeerKernel(..) | Mode::Local));
+        for part in &parts {
+            if !recordable && self.clients[part.member].is_capturing() {
+                return Err(CommError::Capturing { operation, member: part.member });
+            }
+        }
+        if let Some(mut mode) = mode {
+            let mut path = None;
+            if let Mode::Nccl(set) = &mode {
+                if parts.len() == self.len() {
+                    let chosen = self.path_of(&on_slots).unwrap_or(Path::Nccl);
+                    if let Some(algo) = chosen.peer() {
+                        mode = Mode::PeerKernel(set.clone(), algo);
+                    }
+                    path = Some(chosen);
+                }
+            }
             let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
             tracing::trace!(operation, sequence, bytes, members = parts.len(), ?mode, "queue device collective");
             let tracked = self.track(sequence, &op, &parts);
+            if let Some(path) = path {
+                tracked.set_path(path.name());
+            }
             let parts =
                 parts.into_iter().map(|p| DevicePart { member: p.member, input: p.input, output: p.output }).collect();
             return device::launch(&self.clients, self.timeout, on_slots, mode, parts, Some(tracked))

@@ -199,6 +199,7 @@ mod tests {
             state,
             id: 0,
             ranks: None,
+            path: None,
         }
     }
 

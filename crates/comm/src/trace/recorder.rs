@@ -84,6 +84,10 @@ pub struct CollectiveRecord {
     /// its own rank, so the merge does not expect the others to see it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<Vec<usize>>,
+    /// The path that ran it where there is a choice (`nccl`, `oneshot`,
+    /// `twoshot`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
     /// This process's id of the record ([`FlightRecorder::start_among`]
     /// returns it), so two communicators whose group names collide in one
     /// process (ranks as threads in a test) finish their own records.
@@ -189,9 +193,18 @@ impl FlightRecorder {
             ended_us: None,
             state: RecordState::Started,
             ranks,
+            path: None,
             id,
         });
         RecordId(id)
+    }
+
+    /// Notes which path ran record `id` (ignored once it fell off the ring).
+    pub fn set_path(&self, id: RecordId, path: &str) {
+        let mut records = self.records.lock();
+        if let Ok(at) = records.binary_search_by_key(&id.0, |r| r.id) {
+            records[at].path = Some(path.to_string());
+        }
     }
 
     /// Records the end of the record `id` returned by

@@ -26,6 +26,8 @@ pub(crate) struct Watched {
     parts: usize,
     noted: AtomicUsize,
     failure: Mutex<Option<String>>,
+    /// The path that runs it, where there is a choice.
+    path: std::sync::OnceLock<&'static str>,
     start_us: u64,
     start: Instant,
 }
@@ -54,9 +56,18 @@ impl Watched {
             parts,
             noted: AtomicUsize::new(0),
             failure: Mutex::new(None),
+            path: std::sync::OnceLock::new(),
             start_us: now_micros(),
             start: Instant::now(),
         })
+    }
+
+    /// Notes which path runs it (`nccl`, `oneshot`, `twoshot`), for the
+    /// flight recorder and the timeline.
+    pub(crate) fn set_path(&self, path: &'static str) {
+        if self.path.set(path).is_ok() {
+            FlightRecorder::global().set_path(self.record, path);
+        }
     }
 
     /// A part returned with `result`.
@@ -98,7 +109,7 @@ impl Drop for Watched {
                 tid: self.tid,
                 args: serde_json::json!({
                     "group": self.group, "seq": fp.seq, "dtype": fp.dtype, "count": fp.count,
-                    "op": fp.op, "root": fp.root, "ok": ok,
+                    "op": fp.op, "root": fp.root, "ok": ok, "path": self.path.get(),
                 }),
             });
         }

@@ -174,4 +174,91 @@ pub trait DeviceCollectives {
     /// Orders `stream` after the copy that `done` stands for (so the source
     /// is not overwritten before it is read). Does not wait.
     fn peer_finish(&mut self, stream: StreamId, done: &PeerToken) -> Result<(), ServerError>;
+
+    /// This device's staging arena for the peer-memory collectives of
+    /// `set` (allocated on first use, [`PEER_ARENA_BYTES`]): its device
+    /// address, which every member of the set passes to
+    /// [`DeviceCollectives::run_peer`]. Also lets the devices of this process
+    /// that can reach this one address it. Unsupported by default.
+    fn peer_arena(&mut self, set: u64) -> Result<u64, ServerError> {
+        let _ = set;
+        Err(ServerError::Unsupported { feature: "peer-memory collectives", backend: "this backend" })
+    }
+
+    /// The arena of `set` as an inter-process handle (64 bytes on CUDA) that
+    /// another process on this node opens with
+    /// [`DeviceCollectives::peer_open`]. Allocates the arena on first use.
+    fn peer_arena_handle(&mut self, set: u64) -> Result<Vec<u8>, ServerError> {
+        let _ = set;
+        Err(ServerError::Unsupported { feature: "inter-process peer memory", backend: "this backend" })
+    }
+
+    /// Opens another process's arena `handle` (from
+    /// [`DeviceCollectives::peer_arena_handle`]) for `set`; returns its
+    /// address in this process. Closed with the set's other state.
+    fn peer_open(&mut self, set: u64, handle: &[u8]) -> Result<u64, ServerError> {
+        let _ = (set, handle);
+        Err(ServerError::Unsupported { feature: "inter-process peer memory", backend: "this backend" })
+    }
+
+    /// Queues this member's part of a peer-memory collective on `stream`
+    /// (after the device's earlier collective parts, as [`DeviceCollectives::run`]):
+    /// one kernel that reads and writes the arenas of `spec`'s members
+    /// directly, meeting them through flags in those arenas. A member whose
+    /// kernel never arrives makes the others give up after the monitor's
+    /// timeout, naming its rank. Returns as `run` does.
+    fn run_peer(
+        &mut self,
+        stream: StreamId,
+        spec: &PeerSpec<'_>,
+        call: &PeerCall,
+        monitor: Arc<dyn CollectiveMonitor>,
+        completion: Completion,
+    ) -> Result<Option<PendingPart>, ServerError> {
+        let _ = (stream, spec, call, monitor, completion);
+        Err(ServerError::Unsupported { feature: "peer-memory collectives", backend: "this backend" })
+    }
+}
+
+/// Bytes of one member's input that a peer-memory collective accepts at
+/// most (larger calls go to the collective library).
+pub const PEER_MAX_BYTES: u64 = 8 << 20;
+
+/// Bytes of device memory each member's arena takes per device set.
+pub const PEER_ARENA_BYTES: u64 = 16384 + 4 * PEER_MAX_BYTES;
+
+/// The most members a peer-memory collective takes.
+pub const PEER_MAX_RANKS: usize = 8;
+
+/// Which peer-memory all-reduce runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PeerAlgo {
+    /// Every member reads every other member's input and reduces all of
+    /// it: one barrier, `ranks - 1` inputs read per member.
+    OneShot,
+    /// Member `r` reduces chunk `r` (reduce-scatter), then every member
+    /// reads the other reduced chunks (all-gather): two barriers, about
+    /// twice the input read per member whatever the member count.
+    TwoShot,
+}
+
+/// One member's part of a peer-memory collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerCall {
+    /// Element-wise reduction of every rank's `src` into every rank's `dst`.
+    AllReduce { src: Binding, dst: Binding, dtype: DType, op: ReduceOp, algo: PeerAlgo },
+    /// Every rank's `src` concatenated, in rank order, into every `dst`.
+    AllGather { src: Binding, dst: Binding },
+}
+
+/// The device set a peer-memory collective runs on: `arenas[r]` is rank
+/// `r`'s arena as this process addresses it.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerSpec<'a> {
+    /// The set's key (unique in the process; its flags live in the arenas).
+    pub set: u64,
+    /// This member's rank.
+    pub rank: usize,
+    /// Every rank's arena address.
+    pub arenas: &'a [u64],
 }

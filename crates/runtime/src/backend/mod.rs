@@ -19,7 +19,10 @@ use std::any::Any;
 use std::time::Instant;
 
 pub use blas::{DeviceBlas, Gemm};
-pub use collectives::{CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerToken, PendingPart};
+pub use collectives::{
+    CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerAlgo, PeerCall, PeerSpec, PeerToken,
+    PendingPart, PEER_ARENA_BYTES, PEER_MAX_BYTES, PEER_MAX_RANKS,
+};
 
 use crate::bytes::AlignedBytes;
 use crate::error::ServerError;

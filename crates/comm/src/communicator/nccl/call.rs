@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion};
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerCall, PeerSpec};
 use cohort_runtime::{BufferAccess, DeviceId, ServerError};
 use parking_lot::Mutex;
 
@@ -189,6 +189,23 @@ impl NcclCall {
         self.meet(slot, deadline)?;
         let nccl = &self.nccl;
         let (member, members) = (nccl.rank * nccl.local + slot, nccl.size * nccl.local);
+        if let Some(peer_call) = self.peer_call(&buffers) {
+            let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
+            let started = Instant::now();
+            let monitor = Arc::new(PartMonitor {
+                call: self.clone(),
+                slot,
+                started,
+                poll: Mutex::new(Poll { last: started, noted: false }),
+                ended: AtomicBool::new(false),
+            });
+            let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
+            *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
+            return result.map_err(|err| {
+                nccl.abort(&self.world, &err.to_string());
+                self.fail(err)
+            });
+        }
         let calls = plan::nccl_calls(&self.fp.op, member, members, &buffers);
         if calls.is_empty() {
             return Ok(());
@@ -212,6 +229,24 @@ impl NcclCall {
             nccl.abort(&self.world, &err.to_string());
             self.fail(err)
         })
+    }
+}
+
+impl NcclCall {
+    /// The peer kernel this call's part runs, where the communicator has
+    /// the fast path and its choice for this call is a kernel.
+    fn peer_call(&self, buffers: &plan::Buffers) -> Option<PeerCall> {
+        let peer = self.nccl.peer.as_ref()?;
+        let op = &self.fp.op;
+        let algo = peer.path(op).peer()?;
+        let (src, dst) = (buffers.input?, buffers.output?);
+        match (op.collective(), op.reduce_op()) {
+            (Collective::AllReduce, Some(reduce)) => {
+                Some(PeerCall::AllReduce { src, dst, dtype: op.dtype(), op: reduce, algo })
+            }
+            (Collective::AllGather, _) => Some(PeerCall::AllGather { src, dst }),
+            _ => None,
+        }
     }
 }
 

@@ -47,6 +47,7 @@ use crate::op::{Collective, Op};
 use crate::store::StoreClient;
 
 mod call;
+mod peer;
 
 pub(crate) use call::NcclCall;
 
@@ -74,6 +75,8 @@ pub(crate) struct Nccl {
     /// Arrival notes and aborts (its own connection).
     store: StoreClient,
     prefix: String,
+    /// The peer-memory fast path, where every rank could set it up.
+    peer: Option<peer::PeerPath>,
 }
 
 /// Why this rank's devices cannot take the NCCL path (`None`: they can).
@@ -137,9 +140,12 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         return Ok(None);
     };
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    tracing::debug!(rank, size, local = clients.len(), "the communicator runs on NCCL");
+    let key = SET_BASE | NEXT.fetch_add(1, Ordering::Relaxed);
+    let peer = peer::setup(store, &prefix, rank, size, clients, key, deadline)?;
+    tracing::debug!(rank, size, local = clients.len(), peer = peer.is_some(), "the communicator runs on NCCL");
     Ok(Some(Arc::new(Nccl {
-        key: SET_BASE | NEXT.fetch_add(1, Ordering::Relaxed),
+        peer,
+        key,
         rank,
         size,
         local: clients.len(),
@@ -148,6 +154,14 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         store: store.duplicate()?,
         prefix,
     })))
+}
+
+impl Nccl {
+    /// The path `op` takes on this communicator: a peer kernel where the
+    /// fast path is set up and chooses one, else NCCL.
+    pub(crate) fn path_of(&self, op: &Op) -> crate::device::peer::Path {
+        self.peer.as_ref().map_or(crate::device::peer::Path::Nccl, |p| p.path(op))
+    }
 }
 
 /// Whether two handles share bytes without being the same bytes.

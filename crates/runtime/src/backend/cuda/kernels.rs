@@ -80,6 +80,64 @@ impl Kernels {
         found
     }
 
+    /// The loaded functions `names` of the backend's own `source`, compiled
+    /// once into one module (through the disk cache). Callers keep the
+    /// functions: this hashes the source.
+    pub fn functions_of(&mut self, names: &[&str], source: &str) -> Result<Vec<sys::CUfunction>, String> {
+        ensure_nvrtc()?;
+        let options = [format!("--gpu-architecture={}", self.arch)];
+        let joined = names.join(",");
+        let version = self.nvrtc_version();
+        let key = entry_key(&[source.as_bytes(), joined.as_bytes(), options[0].as_bytes(), version.as_bytes()]);
+        let disk = DiskCache::open_default();
+        let cubin = match disk.as_ref().and_then(|d| d.load(&key)) {
+            Some(cubin) => {
+                DISK_HITS.fetch_add(1, Ordering::Relaxed);
+                cubin
+            }
+            None => {
+                let cubin = compile(names[0], source, &options)?;
+                COMPILES.fetch_add(1, Ordering::Relaxed);
+                if let Some(disk) = &disk {
+                    disk.store(&key, &cubin);
+                }
+                cubin
+            }
+        };
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: the context is current on the device thread; `cubin` is an
+        // image NVRTC produced (a bad one is refused with an error code).
+        let code = unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr().cast()) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuModuleLoadData: {}", describe(code)));
+        }
+        self.modules.push(module);
+        names
+            .iter()
+            .map(|name| {
+                let entry = CString::new(*name).map_err(|_| format!("kernel name {name:?} contains a NUL byte"))?;
+                let mut function: sys::CUfunction = std::ptr::null_mut();
+                // SAFETY: live module; the call writes one handle.
+                let code = unsafe { sys::cuModuleGetFunction(&mut function, module, entry.as_ptr()) };
+                if code != sys::CUresult::CUDA_SUCCESS {
+                    return Err(format!("the module has no function `{name}` ({})", describe(code)));
+                }
+                Ok(function)
+            })
+            .collect()
+    }
+
+    fn nvrtc_version(&mut self) -> String {
+        if self.nvrtc_version.is_empty() {
+            let (mut major, mut minor) = (0 as c_int, 0 as c_int);
+            // SAFETY: NVRTC is present (checked by the callers); the call
+            // writes two ints.
+            unsafe { nvrtc::nvrtcVersion(&mut major, &mut minor) };
+            self.nvrtc_version = format!("{major}.{minor}");
+        }
+        self.nvrtc_version.clone()
+    }
+
     fn load(&mut self, name: &str, source: &str) -> Result<sys::CUfunction, String> {
         ensure_nvrtc()?;
         if self.nvrtc_version.is_empty() {

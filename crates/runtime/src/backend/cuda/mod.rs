@@ -34,6 +34,7 @@ mod kernels;
 mod nccl;
 mod nccl_lib;
 mod peer;
+mod peer_kernels;
 mod pinned;
 mod storage;
 mod streams;

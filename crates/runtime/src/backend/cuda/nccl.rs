@@ -40,7 +40,8 @@ use super::driver::{driver_error, BACKEND};
 use super::nccl_lib::{self, Nccl, RawComm, RawStream, UniqueId};
 use super::CudaBackend;
 use crate::backend::{
-    Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerToken, PendingPart,
+    Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerCall, PeerSpec, PeerToken,
+    PendingPart,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::ServerError;
@@ -63,6 +64,8 @@ pub(crate) struct NcclState {
     next_part: u64,
     /// When the pending parts were last looked at for failures.
     checked: Option<Instant>,
+    /// Peer-memory arenas and kernels.
+    pub(crate) peer: super::peer_kernels::PeerSets,
 }
 
 /// A part whose calls are queued on the device.
@@ -71,7 +74,10 @@ struct Pending {
     /// The caller's stream the calls were queued on.
     stream: StreamId,
     set: u64,
+    /// Null for a peer-memory part.
     comm: RawComm,
+    /// A peer-memory part's error word (host-mapped), read once it completed.
+    peer_error: Option<*mut u32>,
     /// Recorded after the part's calls.
     done: sys::CUevent,
     monitor: Arc<dyn CollectiveMonitor>,
@@ -137,6 +143,7 @@ impl NcclState {
                 unsafe { (lib.comm_destroy)(comm) };
             }
         }
+        self.peer.close();
         if let Some(ptr) = self.scratch.take() {
             // SAFETY: memory this state allocated; released once.
             unsafe {
@@ -399,6 +406,17 @@ impl CudaBackend {
                 self.fail_set(lib, set, &reason);
                 continue;
             }
+            if let Some(word) = front.peer_error {
+                // SAFETY: the set's host-mapped word, alive while the set is;
+                // the kernel that could write it has completed.
+                let value = unsafe { word.read_volatile() };
+                let timeout = front.monitor.timeout();
+                if let Some(reason) = super::peer_kernels::gave_up(value, &front.monitor.missing(), timeout) {
+                    let set = front.set;
+                    self.fail_set(lib, set, &reason);
+                    continue;
+                }
+            }
             let pending = self.nccl.pending.pop_front().expect("looked at");
             self.events.give(pending.done);
             self.end_part(pending, Ok(()));
@@ -421,7 +439,7 @@ impl CudaBackend {
             if failed.iter().any(|(set, _)| *set == pending.set) {
                 continue;
             }
-            if !asked.contains(&pending.comm) {
+            if !pending.comm.is_null() && !asked.contains(&pending.comm) {
                 asked.push(pending.comm);
                 let mut state: c_int = nccl_lib::SUCCESS;
                 // SAFETY: a live communicator of this device; writes one status.
@@ -439,12 +457,22 @@ impl CudaBackend {
                 }
             }
             if let Some(err) = pending.monitor.failed_elsewhere() {
+                if let Some(word) = pending.peer_error {
+                    // SAFETY: the set's host-mapped word: the kernel polls it
+                    // and stops.
+                    unsafe { word.write_volatile(super::peer_kernels::STOP) };
+                }
                 failed.push((pending.set, format!("aborted because another member failed: {err}")));
                 continue;
             }
             if index == 0 {
                 let since = *pending.front_since.get_or_insert(now);
-                let timeout = pending.monitor.timeout();
+                // A peer kernel gives up by itself at the timeout and names
+                // the rank it waited for; the host waits longer.
+                let timeout = match pending.peer_error {
+                    Some(_) => pending.monitor.timeout() * 2 + Duration::from_secs(1),
+                    None => pending.monitor.timeout(),
+                };
                 if now - since >= timeout {
                     failed.push((
                         pending.set,
@@ -581,6 +609,17 @@ impl DeviceCollectives for CudaBackend {
         }
         let comm = self.comm(lib, spec, monitor.operation())?;
         let raw = self.streams.raw(stream)?;
+        if self.streams.is_capturing(stream) {
+            // Recorded into the stream's graph: nothing runs now, so there
+            // is nothing to poll; a replay runs the calls in the graph's
+            // order (the communicator was made before the window).
+            let issued = self.issue(lib, comm, spec.ranks, raw, calls);
+            let issued = issued.map_err(|reason| self.nccl_error(monitor.operation(), reason));
+            if issued.is_ok() {
+                monitor.finished(&Ok(()));
+            }
+            return issued.map(|()| None);
+        }
         if let Some(previous) = self.nccl.pending.back().filter(|p| p.stream != stream) {
             // SAFETY: live stream and event of this context; the wait is on
             // the device (it captures the event's current record).
@@ -612,7 +651,113 @@ impl DeviceCollectives for CudaBackend {
         let part = PendingPart(self.nccl.next_part);
         self.nccl.next_part += 1;
         let front_since = self.nccl.pending.is_empty().then(Instant::now);
-        self.nccl.pending.push_back(Pending { part, stream, set: spec.set, comm, done, monitor, front_since });
+        self.nccl.pending.push_back(Pending {
+            part,
+            stream,
+            set: spec.set,
+            comm,
+            peer_error: None,
+            done,
+            monitor,
+            front_since,
+        });
+        self.update_held_frees();
+        if completion == Completion::Defer {
+            return Ok(Some(part));
+        }
+        let mut backoff = Backoff::new();
+        loop {
+            self.poll_pending(lib);
+            if let Some(at) = self.nccl.ended.iter().position(|(p, _)| *p == part) {
+                return self.nccl.ended.swap_remove(at).1.map(|()| None);
+            }
+            backoff.pause();
+        }
+    }
+
+    fn peer_arena(&mut self, set: u64) -> Result<u64, ServerError> {
+        CudaBackend::peer_arena(self, set)
+    }
+
+    fn peer_arena_handle(&mut self, set: u64) -> Result<Vec<u8>, ServerError> {
+        CudaBackend::peer_arena_handle(self, set)
+    }
+
+    fn peer_open(&mut self, set: u64, handle: &[u8]) -> Result<u64, ServerError> {
+        CudaBackend::peer_open(self, set, handle)
+    }
+
+    fn run_peer(
+        &mut self,
+        stream: StreamId,
+        spec: &PeerSpec<'_>,
+        call: &PeerCall,
+        monitor: Arc<dyn CollectiveMonitor>,
+        completion: Completion,
+    ) -> Result<Option<PendingPart>, ServerError> {
+        self.check_lost()?;
+        let lib = nccl_lib::load().map_err(|reason| self.nccl_error(monitor.operation(), reason))?;
+        if self.nccl.pending.len() >= REAP_AT {
+            self.poll_pending(lib);
+        }
+        if let Some(why) = self.nccl.aborted.get(&spec.set) {
+            return Err(self.nccl_error(
+                monitor.operation(),
+                format!("its device set failed earlier ({why}); make a new ClientGroup for these devices"),
+            ));
+        }
+        if let Err(reason) = self.check_peer(spec, call) {
+            return Err(ServerError::InvalidArgument(format!("{}: {reason}", monitor.operation())));
+        }
+        let raw = self.streams.raw(stream)?;
+        if self.streams.is_capturing(stream) {
+            // Recorded into the stream's graph (the kernel keeps its own
+            // counters, so every replay meets the peers' replays afresh).
+            let launched = self.launch_peer(raw, spec, call, monitor.timeout());
+            let launched = launched.map_err(|reason| self.nccl_error(monitor.operation(), reason));
+            if launched.is_ok() {
+                monitor.finished(&Ok(()));
+            }
+            return launched.map(|()| None);
+        }
+        if let Some(previous) = self.nccl.pending.back().filter(|p| p.stream != stream) {
+            // SAFETY: live stream and event of this context.
+            let code = unsafe { sys::cuStreamWaitEvent(raw, previous.done, 0) };
+            if code != sys::CUresult::CUDA_SUCCESS {
+                return Err(
+                    self.classify(stream, driver_error(self.device, "cuStreamWaitEvent (collective order)", code))
+                );
+            }
+        }
+        let done = self.events.take()?;
+        let issued = self.launch_peer(raw, spec, call, monitor.timeout()).and_then(|()| {
+            // SAFETY: a live event and stream of this context.
+            let code = unsafe { sys::cuEventRecord(done, raw) };
+            if code == sys::CUresult::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(format!("cuEventRecord after the peer kernel: {}", super::driver::describe(code)))
+            }
+        });
+        if let Err(reason) = issued {
+            self.events.give(done);
+            self.fail_set(lib, spec.set, &reason);
+            return Err(self.nccl_error(monitor.operation(), reason));
+        }
+        let part = PendingPart(self.nccl.next_part);
+        self.nccl.next_part += 1;
+        let front_since = self.nccl.pending.is_empty().then(Instant::now);
+        let peer_error = self.nccl.peer.error_word(spec.set);
+        self.nccl.pending.push_back(Pending {
+            part,
+            stream,
+            set: spec.set,
+            comm: std::ptr::null_mut(),
+            peer_error,
+            done,
+            monitor,
+            front_since,
+        });
         self.update_held_frees();
         if completion == Completion::Defer {
             return Ok(Some(part));

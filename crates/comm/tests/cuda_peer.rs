@@ -1,0 +1,516 @@
+//! The peer-memory fast path on CUDA: one-shot and two-shot all-reduce and
+//! the all-gather kernel give every member the host reference bit for bit,
+//! for every element type and operator; the path is chosen and forced as
+//! asked and recorded; a member that never arrives makes its peers give up
+//! naming it; and arenas exchanged as CUDA IPC handles work across two
+//! processes. GPU tests are ignored where there is none.
+
+mod cuda_common;
+
+use std::io::{BufRead, Write};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cohort_comm::trace::FlightRecorder;
+use cohort_comm::{reduce_bytes, Algo, ClientGroup, DType, Path, ReduceOp};
+use cohort_runtime::backend::{CollectiveMonitor, Completion, PeerAlgo, PeerCall, PeerSpec, PEER_MAX_BYTES};
+use cohort_runtime::{
+    BufferAccess, Bytes, Client, CudaRuntime, GridCount, Handle, KernelArguments, Runtime, Scalar, ServerError,
+    StreamId,
+};
+
+/// Random elements of `dtype` (floats with full significands in ±4,
+/// integers over their whole range), different for every seed.
+fn random(dtype: DType, count: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        let r = next();
+        let f = ((r >> 11) as f64 / (1u64 << 53) as f64) * 8.0 - 4.0;
+        match dtype {
+            DType::F32 => out.extend((f as f32).to_le_bytes()),
+            DType::F64 => out.extend(f.to_le_bytes()),
+            DType::F16 => out.extend(half::f16::from_f64(f).to_le_bytes()),
+            DType::BF16 => out.extend(half::bf16::from_f64(f).to_le_bytes()),
+            _ => out.extend(&r.to_le_bytes()[..dtype.size()]),
+        }
+    }
+    out
+}
+
+/// One all-reduce through `group`, `offset` bytes into its buffers (16:
+/// the wide kernels; 4: the narrow ones), checked on every member against
+/// the host reference bit for bit.
+fn all_reduce_bitwise(group: &ClientGroup, dtype: DType, op: ReduceOp, count: usize, offset: u64, in_place: bool) {
+    let n = group.len();
+    let bytes = count * dtype.size();
+    let inputs: Vec<Vec<u8>> = (0..n).map(|m| random(dtype, count, (m * 1000 + count) as u64 + offset)).collect();
+    let mut want = vec![0u8; bytes];
+    let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+    reduce_bytes(dtype, op, &refs, &mut want);
+    let place = |c: &Client, data: Option<&[u8]>| {
+        let mut padded = vec![0u8; bytes + offset as usize];
+        if let Some(d) = data {
+            padded[offset as usize..].copy_from_slice(d);
+        }
+        c.create_from_slice(&padded).slice(offset, bytes as u64).unwrap()
+    };
+    let src: Vec<Handle> = (0..n).map(|m| place(group.client(m), Some(&inputs[m]))).collect();
+    let dst: Vec<Handle> = if in_place { src.clone() } else { (0..n).map(|m| place(group.client(m), None)).collect() };
+    let what = format!("{:?} all_reduce {dtype} {op} count={count} offset={offset} in_place={in_place}", group.algo());
+    group.all_reduce_handles(&src, &dst, dtype, op).unwrap_or_else(|e| panic!("{what}: {e}"));
+    for (m, d) in dst.iter().enumerate() {
+        let got = group.client(m).read_one(d.clone()).unwrap_or_else(|e| panic!("{what}: member {m}: {e}"));
+        if got[..] != want[..] {
+            let at = got[..].iter().zip(&want).position(|(a, b)| a != b).unwrap() / dtype.size();
+            panic!("{what}: member {m} differs from the host reference first at element {at}");
+        }
+    }
+}
+
+fn all_gather_bitwise(group: &ClientGroup, count: usize, offset: u64) {
+    let n = group.len();
+    let inputs: Vec<Vec<u8>> = (0..n).map(|m| random(DType::U8, count, (77 + m * 31 + count) as u64)).collect();
+    let want: Vec<u8> = inputs.concat();
+    let src: Vec<Handle> = (0..n)
+        .map(|m| {
+            let mut padded = vec![0u8; count + offset as usize];
+            padded[offset as usize..].copy_from_slice(&inputs[m]);
+            group.client(m).create_from_slice(&padded).slice(offset, count as u64).unwrap()
+        })
+        .collect();
+    let dst: Vec<Handle> = (0..n).map(|m| group.client(m).empty(count * n)).collect();
+    group.all_gather_handles(&src, &dst, DType::U8).unwrap();
+    for (m, d) in dst.iter().enumerate() {
+        let got = group.client(m).read_one(d.clone()).unwrap();
+        assert!(got[..] == want[..], "all_gather of {count} bytes (offset {offset}): member {m} differs");
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_peer_kernels_give_every_member_the_host_reference_bit_for_bit() {
+    let devices = cuda_common::devices();
+    assert!(devices.len() >= 2, "this test needs two GPUs or more, found {}", devices.len());
+    for n in 2..=devices.len().min(8) {
+        for algo in [Algo::OneShot, Algo::TwoShot] {
+            let group = ClientGroup::new(devices[..n].to_vec()).unwrap().with_algo(algo);
+            for dtype in DType::ALL {
+                for op in ReduceOp::ALL {
+                    let probe = cohort_comm::op::Op::all_reduce(dtype, op, 1);
+                    let want = if algo == Algo::OneShot { Path::OneShot } else { Path::TwoShot };
+                    assert_eq!(group.path_of(&probe), Some(want), "{n} GPUs reach each other: the kernel runs");
+                    for count in [1, 7, 4099, 65536] {
+                        all_reduce_bitwise(&group, dtype, op, count, 16, false);
+                    }
+                    all_reduce_bitwise(&group, dtype, op, 4099, 4 * dtype.size() as u64, false);
+                    all_reduce_bitwise(&group, dtype, op, 1000, 16, true);
+                }
+            }
+            // The largest call the arena takes, and the bytes beside it.
+            let most = PEER_MAX_BYTES as usize / 4;
+            all_reduce_bitwise(&group, DType::F32, ReduceOp::Sum, most, 16, false);
+            for count in [1, 13, 4096, 1 << 20] {
+                all_gather_bitwise(&group, count, 16);
+                all_gather_bitwise(&group, count, 3);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_the_chosen_path_runs_and_the_flight_recorder_names_it() {
+    let devices = cuda_common::devices();
+    assert!(devices.len() >= 2, "this test needs two GPUs or more, found {}", devices.len());
+    let group = ClientGroup::new(devices[..2].to_vec()).unwrap();
+    let small = cohort_comm::op::Op::all_reduce(DType::F32, ReduceOp::Sum, 2);
+    let huge = cohort_comm::op::Op::all_reduce(DType::F32, ReduceOp::Sum, 64 << 20);
+    let broadcast = cohort_comm::op::Op::broadcast(DType::F32, 0, 2);
+    assert_eq!(group.clone().with_algo(Algo::Auto).path_of(&huge), Some(Path::Nccl));
+    assert_eq!(group.clone().with_algo(Algo::OneShot).path_of(&huge), Some(Path::Nccl), "past the arena");
+    assert_eq!(group.clone().with_algo(Algo::TwoShot).path_of(&broadcast), Some(Path::Nccl), "no kernel");
+    assert_eq!(group.clone().with_algo(Algo::Nccl).path_of(&small), Some(Path::Nccl));
+    for (algo, path) in [(Algo::Nccl, "nccl"), (Algo::OneShot, "oneshot"), (Algo::TwoShot, "twoshot")] {
+        let g = group.clone().with_algo(algo);
+        all_reduce_bitwise(&g, DType::F32, ReduceOp::Sum, 2, 16, false);
+        g.sync().unwrap();
+        let records = FlightRecorder::global().snapshot();
+        let last = records.iter().rev().find(|r| r.fingerprint.kind == "all_reduce").expect("recorded");
+        assert_eq!(last.path.as_deref(), Some(path), "{algo:?}");
+    }
+}
+
+/// Runs `f` on `client`'s device thread with `outputs` bound, and waits.
+fn on_device<R: Send + 'static>(
+    client: &Client,
+    outputs: Vec<Handle>,
+    f: impl FnOnce(&mut BufferAccess<'_>) -> Result<R, ServerError> + Send + 'static,
+) -> Result<R, ServerError> {
+    let (tx, rx) = crossbeam::channel::bounded(1);
+    client
+        .submit_buffers_always("peer test", Vec::new(), outputs, move |access| {
+            let result = access.and_then(f);
+            let failed = result.as_ref().err().cloned();
+            let _ = tx.send(result);
+            failed.map_or(Ok(()), Err)
+        })
+        .unwrap();
+    rx.recv().unwrap()
+}
+
+/// A part's monitor with nobody else in the process to ask.
+struct Alone(Duration);
+
+impl CollectiveMonitor for Alone {
+    fn operation(&self) -> &str {
+        "all_reduce (peer test)"
+    }
+    fn timeout(&self) -> Duration {
+        self.0
+    }
+    fn failed_elsewhere(&self) -> Option<ServerError> {
+        None
+    }
+    fn missing(&self) -> String {
+        "the other member".into()
+    }
+    fn finished(&self, _: &Result<(), ServerError>) {}
+}
+
+/// Queues rank `rank`'s part of an f32 sum over `arenas` with `data` as
+/// input; returns the output handle (read it to wait).
+fn try_peer_sum(
+    client: &Client,
+    set: u64,
+    rank: usize,
+    arenas: Vec<u64>,
+    data: &[f32],
+    timeout: Duration,
+) -> Result<Handle, ServerError> {
+    let buf = client.create_from_slice(bytemuck::cast_slice(data));
+    on_device(client, vec![buf.clone()], move |access| {
+        let b = access.binding(0);
+        let call =
+            PeerCall::AllReduce { src: b, dst: b, dtype: DType::F32, op: ReduceOp::Sum, algo: PeerAlgo::OneShot };
+        let spec = PeerSpec { set, rank, arenas: &arenas };
+        access.run_peer_collective(&spec, &call, Arc::new(Alone(timeout)), Completion::Defer)
+    })?;
+    Ok(buf)
+}
+
+fn peer_sum(client: &Client, set: u64, rank: usize, arenas: Vec<u64>, data: &[f32], timeout: Duration) -> Handle {
+    try_peer_sum(client, set, rank, arenas, data, timeout).unwrap()
+}
+
+fn arena(client: &Client, set: u64) -> u64 {
+    on_device(client, Vec::new(), move |a| a.device_collectives().expect("CUDA").peer_arena(set)).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_peer_kernel_whose_peer_never_arrives_gives_up_at_the_timeout_naming_its_rank() {
+    let client = CudaRuntime::client(0).unwrap();
+    // Two ranks' arenas on one device; only rank 0 ever runs.
+    let arenas = vec![arena(&client, 9_000_001), arena(&client, 9_000_002)];
+    let started = Instant::now();
+    let out = peer_sum(&client, 9_000_001, 0, arenas, &[1.0; 64], Duration::from_millis(500));
+    let err = client.read_one(out).expect_err("the other rank never came");
+    let waited = started.elapsed();
+    let text = err.to_string();
+    assert!(text.contains("rank 1 of the peer-memory set never arrived within 0.5 s"), "{text}");
+    assert!(waited < Duration::from_secs(10), "it gave up after {waited:?}");
+    // The set is refused from then on; the device itself still works.
+    let again = try_peer_sum(&client, 9_000_001, 0, vec![0, 0], &[1.0; 4], Duration::from_millis(100));
+    let err = again.expect_err("a failed set stays failed").to_string();
+    assert!(err.contains("failed earlier"), "{err}");
+    let fine = client.create_from_slice(&[7u8; 16]);
+    assert_eq!(&client.read_one(fine).unwrap()[..], &[7u8; 16]);
+}
+
+/// The child half of the IPC test: opens device `COHORT_TEST_IPC_DEVICE`,
+/// prints its arena's handle, reads the parent's, and runs rank 1.
+fn ipc_child() {
+    let device: usize = std::env::var("COHORT_TEST_IPC_DEVICE").unwrap().parse().unwrap();
+    let client = CudaRuntime::client(device).unwrap();
+    let set = 4242;
+    let handle =
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_arena_handle(set)).unwrap();
+    let mine = arena(&client, set);
+    println!("HANDLE {}", hex(&handle));
+    std::io::stdout().flush().unwrap();
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line).unwrap();
+    let theirs = unhex(line.trim().strip_prefix("HANDLE ").expect("the parent's handle"));
+    let opened =
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
+    let data: Vec<f32> = (0..4099).map(|i| (i % 7) as f32).collect();
+    let out = peer_sum(&client, set, 1, vec![opened, mine], &data, Duration::from_secs(20));
+    let got = client.read_one(out).unwrap();
+    println!("RESULT {}", hex(&got[..]).len());
+    std::io::stdout().flush().unwrap();
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap()).collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_peer_all_reduce_runs_across_two_processes_through_ipc_handles() {
+    if std::env::var_os("COHORT_TEST_IPC_DEVICE").is_some() {
+        return ipc_child();
+    }
+    let count = CudaRuntime::device_count().unwrap();
+    // Two GPUs: one each; one GPU: both processes on it.
+    let child_device = if count >= 2 { 1 } else { 0 };
+    let client = CudaRuntime::client(0).unwrap();
+    let set = 4242;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_peer_all_reduce_runs_across_two_processes_through_ipc_handles",
+            "--include-ignored",
+            "--nocapture",
+        ])
+        .env("COHORT_TEST_IPC_DEVICE", child_device.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let theirs = loop {
+        let line = lines.next().expect("the child's handle").unwrap();
+        if let Some(h) = line.strip_prefix("HANDLE ") {
+            break unhex(h);
+        }
+    };
+    let handle =
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_arena_handle(set)).unwrap();
+    let mine = arena(&client, set);
+    writeln!(child.stdin.as_mut().unwrap(), "HANDLE {}", hex(&handle)).unwrap();
+    let opened =
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
+    let data: Vec<f32> = (0..4099).map(|i| (i % 5) as f32 * 0.5).collect();
+    let out = peer_sum(&client, set, 0, vec![mine, opened], &data, Duration::from_secs(20));
+    let got = client.read_one(out).unwrap();
+    let want: Vec<f32> = (0..4099).map(|i| (i % 5) as f32 * 0.5 + (i % 7) as f32).collect();
+    assert_eq!(bytemuck::cast_slice::<u8, f32>(&got[..]), want.as_slice());
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(child.wait().unwrap().success(), "the child failed: {rest:?}");
+    assert!(rest.iter().any(|l| l.starts_with("RESULT ")), "the child got its result: {rest:?}");
+}
+
+#[test]
+fn groups_off_the_nccl_route_have_no_path_to_choose() {
+    let clients: Vec<Client> = (0..2).map(|i| cohort_runtime::CpuRuntime::client(i).unwrap()).collect();
+    let group = ClientGroup::new(clients).unwrap().with_algo(Algo::OneShot);
+    let op = cohort_comm::op::Op::all_reduce(DType::F32, ReduceOp::Sum, 4);
+    assert_eq!(group.path_of(&op), None);
+    // Forcing a peer path on the host route changes nothing: still right.
+    let src: Vec<Handle> =
+        (0..2).map(|m| group.client(m).create_from_slice(bytemuck::cast_slice(&[m as f32 + 1.0; 4]))).collect();
+    group.all_reduce_handles(&src, &src, DType::F32, ReduceOp::Sum).unwrap();
+    let got = group.client(1).read_one(src[1].clone()).unwrap();
+    assert_eq!(bytemuck::cast_slice::<u8, f32>(&got[..]), &[3.0; 4]);
+}
+
+/// One `scale` launch then an all-reduce of `x` into `y` on every member.
+fn scale_then_all_reduce(group: &ClientGroup, x: &[Handle], y: &[Handle], count: usize) {
+    let scale = cohort_runtime::conformance::kernels::scale();
+    for (m, h) in x.iter().enumerate() {
+        let args = KernelArguments::new().buffer(h).scalar(Scalar::F32(2.0));
+        group.client(m).launch(&scale, GridCount::cover(count, 256), args).unwrap();
+    }
+    group.all_reduce_handles(x, y, DType::F32, ReduceOp::Sum).unwrap();
+}
+
+fn floats(client: &Client, h: &Handle) -> Vec<f32> {
+    client.read_one(h.clone()).unwrap().to_elems::<f32>()
+}
+
+/// Captures `scale_then_all_reduce` on every member of `group` (whose
+/// clients are pinned to their own streams), then checks that replays run
+/// it again, with refreshed inputs too.
+fn capture_and_replay(group: &ClientGroup) {
+    let (n, count) = (group.len(), 4096);
+    let x: Vec<Handle> = (0..n).map(|m| group.client(m).create(Bytes::from_elems(&vec![1.0f32; count]))).collect();
+    let y: Vec<Handle> = (0..n).map(|m| group.client(m).empty(count * 4)).collect();
+    for m in 0..n {
+        group.client(m).graph_prepare().unwrap();
+    }
+    // Warm-up outside the window: kernels compiled, communicators made.
+    scale_then_all_reduce(group, &x, &y, count);
+    group.sync().unwrap();
+    for m in 0..n {
+        group.client(m).start_capture().unwrap();
+    }
+    scale_then_all_reduce(group, &x, &y, count);
+    let graphs: Vec<_> = (0..n).map(|m| group.client(m).stop_capture().unwrap()).collect();
+    let what = format!("{n} member(s), {:?}", group.algo());
+    assert_eq!(floats(group.client(0), &x[0])[0], 2.0, "{what}: the capture ran nothing");
+    for g in &graphs {
+        g.replay().unwrap();
+    }
+    for m in 0..n {
+        assert_eq!(floats(group.client(m), &x[m]), vec![4.0; count], "{what}: member {m}'s replay scaled");
+        assert_eq!(floats(group.client(m), &y[m]), vec![4.0 * n as f32; count], "{what}: member {m}'s replay reduced");
+    }
+    for (m, h) in x.iter().enumerate() {
+        group.client(m).write(h, Bytes::from_elems(&vec![m as f32 + 1.0; count])).unwrap();
+    }
+    for _ in 0..3 {
+        for g in &graphs {
+            g.replay().unwrap();
+        }
+    }
+    // Each replay doubles every input, then sums them.
+    let want: f32 = (0..n).map(|m| (m as f32 + 1.0) * 8.0).sum();
+    for (m, h) in y.iter().enumerate() {
+        assert_eq!(floats(group.client(m), h), vec![want; count], "{what}: member {m} after three replays");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_one_device_group_records_its_collectives_in_a_graph_and_replays_them() {
+    let client = CudaRuntime::client(0).unwrap().with_stream(StreamId::fresh());
+    capture_and_replay(&ClientGroup::new(vec![client]).unwrap());
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_nccl_and_peer_kernels_captured_on_every_member_replay_as_graphs() {
+    let devices = cuda_common::devices();
+    assert!(devices.len() >= 2, "this test needs two GPUs or more, found {}", devices.len());
+    let clients: Vec<Client> = devices[..2].iter().map(|c| c.with_stream(StreamId::fresh())).collect();
+    let group = ClientGroup::new(clients).unwrap();
+    for algo in [Algo::Nccl, Algo::OneShot, Algo::TwoShot] {
+        capture_and_replay(&group.clone().with_algo(algo));
+    }
+}
+
+#[test]
+fn capture_on_the_host_path_is_refused_before_anything_is_queued() {
+    let client = cohort_runtime::CpuRuntime::client(0).unwrap().with_stream(StreamId::fresh());
+    let group = ClientGroup::new(vec![client.clone()]).unwrap();
+    let x = client.create(Bytes::from_elems(&[1.0f32; 4]));
+    let y = client.create(Bytes::from_elems(&[0.0f32; 4]));
+    client.start_capture().unwrap();
+    let err = group.all_reduce_handles(std::slice::from_ref(&x), std::slice::from_ref(&y), DType::F32, ReduceOp::Sum);
+    let text = err.expect_err("the host path cannot be captured").to_string();
+    assert!(text.contains("all_reduce") && text.contains("capturing a graph") && text.contains("member 0"), "{text}");
+    let graph = client.stop_capture().unwrap();
+    assert!(graph.is_empty(), "nothing was queued");
+    assert_eq!(client.read_one(y).unwrap().to_elems::<f32>(), vec![0.0; 4]);
+}
+
+/// One rank of the two-process test (`COHORT_TEST_PEER_RANK` set): joins
+/// the parent's store with GPU `rank`, then runs every element type and
+/// operator on the peer kernels, checked against the host reference of
+/// both ranks' inputs.
+fn communicator_rank(rank: usize) {
+    let addr = std::env::var("COHORT_TEST_PEER_STORE").unwrap();
+    let client = CudaRuntime::client(rank).unwrap();
+    let comm = cohort_comm::Communicator::connect(rank, 2, &addr, "peer-test", vec![client.clone()]).unwrap();
+    let want_path = if std::env::var("COHORT_ALGO").unwrap() == "oneshot" { Path::OneShot } else { Path::TwoShot };
+    let probe = cohort_comm::op::Op::all_reduce(DType::F32, ReduceOp::Sum, 4);
+    assert_eq!(comm.path_of(&probe), Some(want_path), "rank {rank}: the fast path is set up across the processes");
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            for count in [1, 4099, 65536] {
+                let inputs: Vec<Vec<u8>> = (0..2).map(|m| random(dtype, count, (m * 7919 + count) as u64)).collect();
+                let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
+                let mut want = vec![0u8; count * dtype.size()];
+                reduce_bytes(dtype, op, &refs, &mut want);
+                let src = client.create_from_slice(&inputs[rank]);
+                let dst = client.empty(want.len());
+                let what = format!("rank {rank}: all_reduce {dtype} {op} count={count}");
+                comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), dtype, op)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let got = client.read_one(dst).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(got[..] == want[..], "{what}: differs from the host reference");
+            }
+        }
+    }
+    let block: Vec<Vec<u8>> = (0..2).map(|m| random(DType::U8, 4099, 31 + m as u64)).collect();
+    let src = client.create_from_slice(&block[rank]);
+    let dst = client.empty(2 * 4099);
+    comm.all_gather_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U8).unwrap();
+    assert!(client.read_one(dst).unwrap()[..] == block.concat()[..], "rank {rank}: all_gather differs");
+    println!("RANK {rank} OK");
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit() {
+    if let Ok(rank) = std::env::var("COHORT_TEST_PEER_RANK") {
+        return communicator_rank(rank.parse().unwrap());
+    }
+    let count = CudaRuntime::device_count().unwrap();
+    assert!(count >= 2, "this test needs two GPUs or more, found {count}");
+    for algo in ["oneshot", "twoshot"] {
+        let server = cohort_comm::store::StoreServer::bind("127.0.0.1:0", "peer-test").unwrap();
+        let children: Vec<_> = (0..2)
+            .map(|rank| {
+                std::process::Command::new(std::env::current_exe().unwrap())
+                    .args([
+                        "--exact",
+                        "two_gpus_peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit",
+                        "--include-ignored",
+                        "--nocapture",
+                    ])
+                    .env("COHORT_TEST_PEER_RANK", rank.to_string())
+                    .env("COHORT_TEST_PEER_STORE", server.local_addr().to_string())
+                    .env("COHORT_ALGO", algo)
+                    .env("COHORT_TIMEOUT", "60")
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for (rank, child) in children.into_iter().enumerate() {
+            let out = child.wait_with_output().unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success() && text.contains(&format!("RANK {rank} OK")), "{algo}, rank {rank}: {text}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn bad_peer_arguments_are_refused_with_a_clear_error() {
+    let client = CudaRuntime::client(0).unwrap();
+    let set = 9_100_001;
+    let mine = arena(&client, set);
+    let open = |bytes: Vec<u8>| {
+        on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &bytes)).unwrap_err()
+    };
+    let err = open(vec![1; 10]).to_string();
+    assert!(err.contains("64 bytes, not 10"), "{err}");
+    let err = open(vec![0; 64]).to_string();
+    assert!(err.contains("cuIpcOpenMemHandle"), "{err}");
+    let sum = |rank, arenas: Vec<u64>| {
+        try_peer_sum(&client, set, rank, arenas, &[1.0; 4], Duration::from_secs(1)).unwrap_err().to_string()
+    };
+    let err = sum(0, vec![mine; 9]);
+    assert!(err.contains("1 to 8 members"), "{err}");
+    let err = sum(1, vec![mine, mine + 4096]);
+    assert!(err.contains("not its own"), "{err}");
+    let err = sum(2, vec![mine, mine]);
+    assert!(err.contains("rank 2 of 2"), "{err}");
+    // None of it touched the device.
+    let fine = client.create_from_slice(&[5u8; 8]);
+    assert_eq!(&client.read_one(fine).unwrap()[..], &[5u8; 8]);
+}

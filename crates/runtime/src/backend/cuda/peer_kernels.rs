@@ -1,0 +1,478 @@
+//! Peer-memory collectives: one-shot and two-shot all-reduce and all-gather
+//! kernels (`peer_kernels.cu`, compiled by NVRTC per element type and
+//! operator) over one staging arena per member and device set.
+//!
+//! Each member's arena is plain device memory: the members of one process
+//! reach each other's through peer access, the members of other processes
+//! through CUDA IPC handles (`cuIpcGetMemHandle` / `cuIpcOpenMemHandle`).
+//! A call is one kernel per member, queued like an NCCL part (after the
+//! device's earlier collective parts, an event after it, polled by the same
+//! machinery): its blocks copy the input into the arena, meet the same
+//! blocks of every other member through flags in the arenas, and read the
+//! peers' staging. Flags take the next value of a counter at every barrier
+//! and calls alternate between two staging slots, so nothing is reset
+//! between calls; the counters live in the arena and the kernel advances
+//! them, so a call captured in a CUDA graph replays correctly. A barrier gives up after the collective's timeout,
+//! writing the rank it waited for into a host-mapped word that the host
+//! reads once the kernel's event fired; the host writes that word itself to
+//! stop a kernel whose collective failed elsewhere. No kernel spins forever.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+use super::driver::driver_error;
+use super::CudaBackend;
+use crate::backend::{PeerAlgo, PeerCall, PeerSpec, PEER_ARENA_BYTES, PEER_MAX_BYTES, PEER_MAX_RANKS};
+use crate::dtype::{DType, ReduceOp};
+use crate::error::ServerError;
+
+const SOURCE: &str = include_str!("peer_kernels.cu");
+
+/// Threads per block and the most blocks (flags are laid out per block).
+const THREADS: u32 = 512;
+const MAX_BLOCKS: u64 = 128;
+const FLAGS_BYTES: u64 = 16384;
+const SLOT_BYTES: u64 = 2 * PEER_MAX_BYTES;
+
+/// The host-mapped word a peer kernel writes when it gives up (1 + the
+/// rank it waited for); the host writes [`STOP`] into it to end a kernel
+/// whose collective failed elsewhere.
+pub(crate) const STOP: u32 = u32::MAX;
+
+/// The kernel's argument block (matches `struct PeerArgs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PeerArgs {
+    arenas: [u64; PEER_MAX_RANKS],
+    input: u64,
+    output: u64,
+    count: u64,
+    error: u64,
+    timeout_ns: u64,
+    slot_bytes: u64,
+    rank: u32,
+    ranks: u32,
+    op: u32,
+    barriers: u32,
+    epoch: u32,
+    parity: u32,
+}
+
+/// One device set's arena on this device.
+pub(crate) struct PeerSet {
+    arena: sys::CUdeviceptr,
+    /// Host-mapped error word: host and device addresses.
+    error_host: *mut u32,
+    error_device: u64,
+    /// Other processes' arenas opened here.
+    opened: Vec<sys::CUdeviceptr>,
+}
+
+/// The peer-memory state of one device.
+#[derive(Default)]
+pub(crate) struct PeerSets {
+    sets: HashMap<u64, PeerSet>,
+    /// Each element type's kernels, in [`KERNELS`] order.
+    functions: HashMap<DType, Vec<sys::CUfunction>>,
+}
+
+impl PeerSets {
+    /// Frees every arena and error word, and closes opened handles (the
+    /// device drained first; its context is current).
+    pub(crate) fn close(&mut self) {
+        for (_, set) in self.sets.drain() {
+            // SAFETY: memory this state allocated or opened; released once.
+            unsafe {
+                for ptr in set.opened {
+                    let _ = sys::cuIpcCloseMemHandle(ptr);
+                }
+                let _ = sys::cuMemFree_v2(set.arena);
+                let _ = sys::cuMemFreeHost(set.error_host.cast());
+            }
+        }
+        self.functions.clear();
+    }
+
+    /// The host-mapped error word of `set`.
+    pub(crate) fn error_word(&self, set: u64) -> Option<*mut u32> {
+        self.sets.get(&set).map(|s| s.error_host)
+    }
+}
+
+/// Every kernel of `SOURCE`, compiled together once per element type.
+const KERNELS: [&str; 6] = [
+    "cohort_peer_one_shot_wide",
+    "cohort_peer_one_shot_narrow",
+    "cohort_peer_two_shot_wide",
+    "cohort_peer_two_shot_narrow",
+    "cohort_peer_gather_wide",
+    "cohort_peer_gather_narrow",
+];
+
+fn op_code(op: ReduceOp) -> u32 {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Prod => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Avg => 4,
+    }
+}
+
+/// The preamble that makes `SOURCE` the kernels of `dtype`.
+fn preamble(dtype: DType) -> String {
+    let (elem, unsigned, kind) = match dtype {
+        DType::I8 => ("signed char", "unsigned char", 0),
+        DType::U8 => ("unsigned char", "unsigned char", 0),
+        DType::I32 => ("int", "unsigned int", 0),
+        DType::U32 => ("unsigned int", "unsigned int", 0),
+        DType::I64 => ("long long", "unsigned long long", 0),
+        DType::U64 => ("unsigned long long", "unsigned long long", 0),
+        DType::F32 => ("float", "float", 1),
+        DType::F64 => ("double", "double", 1),
+        DType::F16 => ("unsigned short", "unsigned short", 2),
+        DType::BF16 => ("unsigned short", "unsigned short", 3),
+    };
+    format!("#define ELEM_T {elem}\n#define ELEM_U {unsigned}\n#define ELEM_KIND {kind}\n")
+}
+
+/// Blocks for `work` packs (at least one, at most `MAX_BLOCKS`).
+fn blocks_for(work: u64) -> u32 {
+    work.div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS) as u32
+}
+
+/// Which kernel runs a call, how many elements it sees, and its grid: the
+/// wide kernels move 16 bytes at a time and need every address and the
+/// size aligned to 16.
+fn plan(call: &PeerCall, addresses: (u64, u64), ranks: u64) -> (&'static str, DType, ReduceOp, u64, u32) {
+    let aligned =
+        |bytes: u64| addresses.0.is_multiple_of(16) && addresses.1.is_multiple_of(16) && bytes.is_multiple_of(16);
+    match *call {
+        PeerCall::AllReduce { src, dtype, op, algo, .. } => {
+            let wide = aligned(src.size);
+            let elems = src.size / dtype.size() as u64;
+            let packs = if wide { src.size / 16 } else { elems };
+            let (name, work) = match (algo, wide) {
+                (PeerAlgo::OneShot, true) => ("cohort_peer_one_shot_wide", packs),
+                (PeerAlgo::OneShot, false) => ("cohort_peer_one_shot_narrow", packs),
+                (PeerAlgo::TwoShot, true) => ("cohort_peer_two_shot_wide", packs.div_ceil(ranks)),
+                (PeerAlgo::TwoShot, false) => ("cohort_peer_two_shot_narrow", packs.div_ceil(ranks)),
+            };
+            (name, dtype, op, elems, blocks_for(work))
+        }
+        PeerCall::AllGather { src, .. } => {
+            let wide = aligned(src.size);
+            let name = if wide { "cohort_peer_gather_wide" } else { "cohort_peer_gather_narrow" };
+            let work = if wide { src.size / 16 } else { src.size };
+            (name, DType::U8, ReduceOp::Sum, src.size, blocks_for(work))
+        }
+    }
+}
+
+impl CudaBackend {
+    fn peer_set(&mut self, set: u64) -> Result<&mut PeerSet, ServerError> {
+        if !self.nccl.peer.sets.contains_key(&set) {
+            let device = self.device;
+            let mut arena: sys::CUdeviceptr = 0;
+            // SAFETY: context current on the device thread; writes one address.
+            let code = unsafe { sys::cuMemAlloc_v2(&mut arena, PEER_ARENA_BYTES as usize) };
+            if code != sys::CUresult::CUDA_SUCCESS {
+                return Err(driver_error(device, "cuMemAlloc (peer arena)", code));
+            }
+            // Flags and counters start at 0 (the first barrier waits for 1),
+            // cleared on a stream of its own and waited for there: the
+            // device's other streams may be capturing, which forbids a
+            // context-wide sync and the legacy stream.
+            let code = zero_on_own_stream(arena, FLAGS_BYTES as usize);
+            let mut host: *mut c_void = std::ptr::null_mut();
+            let mut mapped: sys::CUdeviceptr = 0;
+            let code = if code == sys::CUresult::CUDA_SUCCESS {
+                let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+                // SAFETY: context current; writes one host pointer.
+                unsafe { sys::cuMemHostAlloc(&mut host, 64, flags) }
+            } else {
+                code
+            };
+            let code = if code == sys::CUresult::CUDA_SUCCESS {
+                // SAFETY: `host` was just allocated mapped; writes one address.
+                unsafe {
+                    host.cast::<u32>().write_volatile(0);
+                    sys::cuMemHostGetDevicePointer_v2(&mut mapped, host, 0)
+                }
+            } else {
+                code
+            };
+            if code != sys::CUresult::CUDA_SUCCESS {
+                // SAFETY: releases what was allocated above, once.
+                unsafe {
+                    let _ = sys::cuMemFree_v2(arena);
+                    if !host.is_null() {
+                        let _ = sys::cuMemFreeHost(host);
+                    }
+                }
+                return Err(driver_error(device, "peer arena set-up", code));
+            }
+            let state = PeerSet { arena, error_host: host.cast(), error_device: mapped, opened: Vec::new() };
+            self.nccl.peer.sets.insert(set, state);
+        }
+        Ok(self.nccl.peer.sets.get_mut(&set).expect("inserted above"))
+    }
+
+    /// This device's arena of `set`, after letting the devices of this
+    /// process that can reach it address it.
+    pub(crate) fn peer_arena(&mut self, set: u64) -> Result<u64, ServerError> {
+        self.check_lost()?;
+        if let Some(found) = self.nccl.peer.sets.get(&set) {
+            // Shared when it was made (every call asks).
+            return Ok(found.arena);
+        }
+        super::peer::share(self)?;
+        Ok(self.peer_set(set)?.arena)
+    }
+
+    /// The arena of `set` as a CUDA IPC handle (64 bytes).
+    pub(crate) fn peer_arena_handle(&mut self, set: u64) -> Result<Vec<u8>, ServerError> {
+        self.check_lost()?;
+        let device = self.device;
+        let arena = self.peer_set(set)?.arena;
+        let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: `arena` is a live allocation of this context; writes 64 bytes.
+        let code = unsafe { sys::cuIpcGetMemHandle(&mut handle, arena) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver_error(device, "cuIpcGetMemHandle (peer arena)", code));
+        }
+        Ok(handle.reserved.iter().map(|&c| c as u8).collect())
+    }
+
+    /// Opens another process's arena for `set`.
+    pub(crate) fn peer_open(&mut self, set: u64, bytes: &[u8]) -> Result<u64, ServerError> {
+        self.check_lost()?;
+        if bytes.len() != 64 {
+            return Err(ServerError::InvalidArgument(format!(
+                "a CUDA IPC memory handle has 64 bytes, not {}",
+                bytes.len()
+            )));
+        }
+        let device = self.device;
+        let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        for (to, from) in handle.reserved.iter_mut().zip(bytes) {
+            *to = *from as _;
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: context current; the driver checks the handle and writes
+        // one address.
+        let code = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, handle, flags) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver_error(device, "cuIpcOpenMemHandle (a peer's arena)", code));
+        }
+        self.peer_set(set)?.opened.push(ptr);
+        Ok(ptr)
+    }
+
+    /// Refuses a peer call whose arguments cannot run (nothing queued, the
+    /// set left as it was): the member count, this member's arena, sizes.
+    pub(crate) fn check_peer(&self, spec: &PeerSpec<'_>, call: &PeerCall) -> Result<(), String> {
+        let ranks = spec.arenas.len();
+        if ranks == 0 || ranks > PEER_MAX_RANKS || spec.rank >= ranks {
+            return Err(format!(
+                "a peer-memory collective takes 1 to {PEER_MAX_RANKS} members (rank {} of {ranks} given)",
+                spec.rank
+            ));
+        }
+        let (src, dst) = match *call {
+            PeerCall::AllReduce { src, dst, .. } => (src, dst),
+            PeerCall::AllGather { src, dst } => (src, dst),
+        };
+        if src.size > PEER_MAX_BYTES {
+            return Err(format!(
+                "a peer-memory collective takes at most {PEER_MAX_BYTES} bytes per member, not {}",
+                src.size
+            ));
+        }
+        let want = match call {
+            PeerCall::AllReduce { .. } => src.size,
+            PeerCall::AllGather { .. } => src.size * ranks as u64,
+        };
+        if dst.size != want {
+            return Err(format!("a destination of {} bytes where {want} are written", dst.size));
+        }
+        if let PeerCall::AllReduce { dtype, .. } = call {
+            if src.size % dtype.size() as u64 != 0 {
+                return Err(format!("{} bytes are not whole {dtype:?} elements", src.size));
+            }
+        }
+        let arena = self.nccl.peer.sets.get(&spec.set).map(|s| s.arena);
+        match arena {
+            None => Err("the device set has no peer arena here (peer_arena was not called)".into()),
+            Some(arena) if spec.arenas[spec.rank] != arena => {
+                Err(format!("rank {}'s arena in the set's list is not its own", spec.rank))
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Queues one member's peer kernel on `stream` (the caller orders it
+    /// after the device's earlier parts). Returns the set's error word.
+    pub(crate) fn launch_peer(
+        &mut self,
+        stream: sys::CUstream,
+        spec: &PeerSpec<'_>,
+        call: &PeerCall,
+        timeout: std::time::Duration,
+    ) -> Result<(), String> {
+        self.check_peer(spec, call)?;
+        let ranks = spec.arenas.len();
+        let (src, dst) = match *call {
+            PeerCall::AllReduce { src, dst, .. } => (src, dst),
+            PeerCall::AllGather { src, dst } => (src, dst),
+        };
+        let input = self.pages.ptr(src).map_err(|e| e.to_string())?;
+        let output = self.pages.ptr(dst).map_err(|e| e.to_string())?;
+        let (name, dtype, op, count, grid) = plan(call, (input, output), ranks as u64);
+        if !self.nccl.peer.functions.contains_key(&dtype) {
+            let source = format!("{}{SOURCE}", preamble(dtype));
+            let functions = self.kernels.functions_of(&KERNELS, &source)?;
+            self.nccl.peer.functions.insert(dtype, functions);
+        }
+        let at = KERNELS.iter().position(|k| *k == name).expect("a kernel of the source");
+        let function = self.nccl.peer.functions[&dtype][at];
+        let barriers = match call {
+            PeerCall::AllReduce { algo: PeerAlgo::TwoShot, .. } => 2,
+            _ => 1,
+        };
+        let set = self
+            .nccl
+            .peer
+            .sets
+            .get_mut(&spec.set)
+            .ok_or_else(|| "the device set has no peer arena here (peer_arena was not called)".to_string())?;
+        let mut arenas = [0u64; PEER_MAX_RANKS];
+        arenas[..ranks].copy_from_slice(spec.arenas);
+        let mut args = PeerArgs {
+            arenas,
+            input,
+            output,
+            count,
+            error: set.error_device,
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            slot_bytes: SLOT_BYTES,
+            rank: spec.rank as u32,
+            ranks: ranks as u32,
+            op: op_code(op),
+            barriers,
+            epoch: 0,
+            parity: 0,
+        };
+        let mut params = [(&mut args as *mut PeerArgs).cast::<c_void>()];
+        // SAFETY: `function` is loaded in this context and takes one
+        // `PeerArgs` by value, which `params` points at until the call
+        // returns (the driver copies it). Every address in it is live: the
+        // input and output pages are held by the task, the arenas by their
+        // owners until the set is closed.
+        let code = unsafe {
+            sys::cuLaunchKernel(
+                function,
+                grid,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuLaunchKernel ({name}): {}", super::driver::describe(code)));
+        }
+        Ok(())
+    }
+}
+
+/// Clears `bytes` at `ptr` on a new non-blocking stream and waits there.
+fn zero_on_own_stream(ptr: sys::CUdeviceptr, bytes: usize) -> sys::CUresult {
+    let mut stream: sys::CUstream = std::ptr::null_mut();
+    let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+    // SAFETY: context current; the stream is made, used and destroyed
+    // here, and `ptr` holds `bytes` (the caller's allocation).
+    unsafe {
+        let code = sys::cuStreamCreate(&mut stream, flags);
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return code;
+        }
+        let mut code = sys::cuMemsetD8Async(ptr, 0, bytes, stream);
+        if code == sys::CUresult::CUDA_SUCCESS {
+            code = sys::cuStreamSynchronize(stream);
+        }
+        let _ = sys::cuStreamDestroy_v2(stream);
+        code
+    }
+}
+
+/// What a peer kernel's error word says, in words (`None`: all is well).
+pub(crate) fn gave_up(word: u32, ranks_hint: &str, timeout: std::time::Duration) -> Option<String> {
+    match word {
+        0 => None,
+        STOP => Some("stopped because the collective failed on another member".into()),
+        rank => Some(format!(
+            "rank {} of the peer-memory set never arrived within {:.1} s ({ranks_hint}): its kernel never ran (stopped, hung or failed before its part); raise COHORT_TIMEOUT if it is legitimately that late",
+            rank - 1,
+            timeout.as_secs_f64()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Binding;
+    use crate::memory::PageId;
+
+    fn b(size: u64) -> Binding {
+        Binding { page: PageId(1), offset: 0, size }
+    }
+
+    #[test]
+    fn wide_kernels_need_sixteen_byte_alignment_and_size() {
+        let call = PeerCall::AllReduce {
+            src: b(64),
+            dst: b(64),
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            algo: PeerAlgo::OneShot,
+        };
+        assert_eq!(plan(&call, (256, 512), 2).0, "cohort_peer_one_shot_wide");
+        assert_eq!(plan(&call, (260, 512), 2).0, "cohort_peer_one_shot_narrow");
+        let odd = PeerCall::AllReduce {
+            src: b(12),
+            dst: b(12),
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+            algo: PeerAlgo::TwoShot,
+        };
+        let (name, _, _, count, grid) = plan(&odd, (256, 512), 2);
+        assert_eq!((name, count, grid), ("cohort_peer_two_shot_narrow", 3, 1));
+        let gather = PeerCall::AllGather { src: b(1 << 20), dst: b(2 << 20) };
+        let (name, dtype, _, count, grid) = plan(&gather, (0, 0), 2);
+        assert_eq!((name, dtype, count, grid), ("cohort_peer_gather_wide", DType::U8, 1 << 20, 128));
+    }
+
+    #[test]
+    fn the_error_word_names_the_rank_that_never_arrived() {
+        let t = std::time::Duration::from_secs(2);
+        assert_eq!(gave_up(0, "", t), None);
+        assert!(gave_up(2, "x", t).unwrap().starts_with("rank 1 of the peer-memory set never arrived within 2.0 s"));
+        assert!(gave_up(STOP, "", t).unwrap().contains("another member"));
+    }
+
+    #[test]
+    fn the_arena_holds_the_flags_and_two_slots_of_input_and_result() {
+        assert_eq!(PEER_ARENA_BYTES, FLAGS_BYTES + 2 * SLOT_BYTES);
+        assert!(MAX_BLOCKS * PEER_MAX_RANKS as u64 * 4 <= FLAGS_BYTES);
+    }
+}
