@@ -51,8 +51,15 @@ impl Fingerprint {
         self.op.collective() == Collective::SendRecv
     }
 
-    /// The mismatch message between this rank's call and a peer's.
-    pub(crate) fn mismatch(&self, me: usize, peer: usize, theirs: Option<&Fingerprint>) -> String {
+    /// The mismatch message between this rank's call and a peer's (ranks
+    /// by job rank), `within` naming the group (see `Label`'s Display).
+    pub(crate) fn mismatch(
+        &self,
+        me: usize,
+        peer: usize,
+        theirs: Option<&Fingerprint>,
+        within: impl fmt::Display,
+    ) -> String {
         let theirs = match theirs {
             Some(fp) => fp.to_string(),
             None => "something that is not a collective of this communicator (its bytes are data: it is further \
@@ -60,7 +67,7 @@ impl Fingerprint {
                 .to_string(),
         };
         format!(
-            "collective mismatch: rank {me} called {self} but rank {peer} called {theirs}; every rank must call \
+            "collective mismatch{within}: rank {me} called {self} but rank {peer} called {theirs}; every rank must call \
              the same collectives, in the same order, with the same element type, count, operator and root"
         )
     }
@@ -84,7 +91,7 @@ mod tests {
         assert_eq!(Fingerprint::decode(&fp.encode()), Some(fp));
         assert_eq!(fp.to_string(), "reduce #7 (bf16 × 1099511627776, op max, root 3)");
         let other = Fingerprint { op: Op::broadcast(DType::BF16, 3, 1 << 40), ..fp };
-        let msg = fp.mismatch(1, 0, Some(&other));
+        let msg = fp.mismatch(1, 0, Some(&other), "");
         assert!(msg.contains("rank 1 called reduce #7") && msg.contains("rank 0 called broadcast #7"), "{msg}");
         assert_eq!(Fingerprint::decode(&[0u8; LEN]), None);
     }

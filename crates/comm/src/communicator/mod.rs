@@ -47,17 +47,20 @@ mod error;
 mod failure;
 mod fingerprint;
 mod keys;
+mod label;
 mod local;
 mod nccl;
 mod observe;
 mod plans;
 mod setup;
+mod split;
 mod world;
 
 pub use error::ConnectError;
 pub use keys::job_heartbeat_key;
 pub use observe::HEARTBEAT_PERIOD;
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -103,6 +106,11 @@ struct Inner {
     nccl: Option<Arc<nccl::Nccl>>,
     /// Sequence number of the last collective issued; held while queueing.
     issued: Mutex<u64>,
+    /// How many splits this communicator made (names the next one's keys).
+    splits: AtomicU64,
+    /// The communicator a group was split from (kept alive with it: its
+    /// store, and its store server where it serves one).
+    _parent: Option<Communicator>,
     /// The store rank 0 serves when no launcher does (kept alive with it).
     _server: Option<StoreServer>,
 }
@@ -175,6 +183,8 @@ impl Communicator {
                 observer,
                 nccl,
                 issued: Mutex::new(0),
+                splits: AtomicU64::new(0),
+                _parent: None,
                 _server: server,
             }),
         })

@@ -46,8 +46,11 @@ fn job_identity(rank: usize, size: usize) -> (usize, usize) {
 
 /// What every tracked call shares.
 struct Shared {
-    /// The recorder's group name, `comm<k>`, the same on every rank.
+    /// The recorder's group name (`comm<k>`, `comm<k>.s<n>c<color>`), the
+    /// same on every rank.
     group: String,
+    /// Its ranks' job ranks: the ranks of its records.
+    label: super::label::Label,
     rank: usize,
     /// The job rank (timeline rows).
     job_rank: usize,
@@ -75,16 +78,21 @@ impl Observer {
     /// SIGUSR1 dump and names the recorder's dumps after the job's rank.
     pub(crate) fn start(world: &World) -> Result<Observer, ConnectError> {
         let (rank, size, prefix) = (world.rank, world.size, world.prefix().to_string());
-        let (job_rank, job_size) = job_identity(rank, size);
-        FlightRecorder::global().set_identity(job_rank, job_size);
+        let job_rank = if world.label.split {
+            world.label.global(rank)
+        } else {
+            let (job_rank, job_size) = job_identity(rank, size);
+            FlightRecorder::global().set_identity(job_rank, job_size);
+            job_rank
+        };
         crate::trace::install_dump_on_signal();
         let beat = world.store().duplicate()?;
         beat.set_will(&keys::gone(&prefix, rank), b"its store connection closed")?;
-        let k = prefix.trim_end_matches('/').rsplit('/').next().unwrap_or("0").to_string();
         let (poke, poked) = crossbeam::channel::bounded::<()>(1);
         let shared = Arc::new(Shared {
             poke,
-            group: format!("comm{k}"),
+            group: world.label.name.clone(),
+            label: world.label.clone(),
             rank,
             job_rank,
             issued: AtomicU64::new(0),
@@ -141,11 +149,16 @@ impl Observer {
     pub(crate) fn queued(&self, fp: Fingerprint) -> Tracker {
         let s = &self.shared;
         let (group, ranks) = match fp.op.endpoints() {
-            Some((from, to)) => (format!("{}/p2p {from}->{to}", s.group), Some(vec![from, to])),
+            Some((from, to)) => {
+                let (from, to) = (s.label.global(from), s.label.global(to));
+                (format!("{}/p2p {from}->{to}", s.group), Some(vec![from, to]))
+            }
             None => {
                 s.issued.fetch_max(fp.seq, Ordering::Relaxed);
                 let _ = s.poke.try_send(());
-                (s.group.clone(), None)
+                // A group's records name its ranks, so the merge expects
+                // only them; a job's communicator is every rank.
+                (s.group.clone(), s.label.split.then(|| s.label.ranks.clone()))
             }
         };
         let category = if fp.is_p2p() { "p2p" } else { "collective" };
@@ -198,17 +211,18 @@ impl Drop for Tracker {
         let Some(watched) = self.watched.take() else {
             return;
         };
+        let me = self.shared.label.global(self.shared.rank);
         let why = format!(
-            "{} failed on rank {} before the exchange with the other ranks began: a local device task failed (a \
+            "{}{} failed on rank {me} before the exchange with the other ranks began: a local device task failed (a \
              poisoned input, a failed device, or a local device that never reached it)",
-            self.fp, self.shared.rank
+            self.fp, self.shared.label
         );
         watched.ended(Err(why.clone()));
         // The first local failure tells the other ranks, so they stop
         // instead of waiting for this rank until their timeout.
         if !self.shared.aborted.swap(true, Ordering::Relaxed) {
             let key = keys::abort(&self.shared.prefix);
-            let _ = self.shared.store.compare_set(&key, None, format!("rank {}: {why}", self.shared.rank).as_bytes());
+            let _ = self.shared.store.compare_set(&key, None, format!("rank {me}: {why}").as_bytes());
             FlightRecorder::global().write_default("local-failure");
         }
     }

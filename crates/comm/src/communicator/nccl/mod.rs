@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
+use cohort_runtime::backend::CommSpec;
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError};
 use parking_lot::Mutex;
 
@@ -54,6 +55,7 @@ use super::error::ConnectError;
 use super::failure::Failure;
 use super::fingerprint::Fingerprint;
 use super::keys;
+use super::label::Label;
 use super::world::World;
 
 /// Set keys of communicators made here carry the top bit, apart from the
@@ -62,6 +64,12 @@ const SET_BASE: u64 = 1 << 63;
 
 /// How often a waiting part looks at the store's abort flag.
 const ABORT_POLL: Duration = Duration::from_millis(200);
+
+/// The next set key of a communicator made here (with [`SET_BASE`]).
+fn next_set() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    SET_BASE | NEXT.fetch_add(1, Ordering::Relaxed)
+}
 
 /// A communicator's NCCL side.
 pub(crate) struct Nccl {
@@ -74,6 +82,8 @@ pub(crate) struct Nccl {
     /// Arrival notes and aborts (its own connection).
     store: StoreClient,
     prefix: String,
+    /// Names ranks by job rank in messages.
+    label: Label,
 }
 
 /// Why this rank's devices cannot take the NCCL path (`None`: they can).
@@ -136,10 +146,10 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         warn_host(&String::from_utf8_lossy(&value[value.len().min(3)..]));
         return Ok(None);
     };
-    static NEXT: AtomicU64 = AtomicU64::new(0);
     tracing::debug!(rank, size, local = clients.len(), "the communicator runs on NCCL");
     Ok(Some(Arc::new(Nccl {
-        key: SET_BASE | NEXT.fetch_add(1, Ordering::Relaxed),
+        label: world.label.clone(),
+        key: next_set(),
         rank,
         size,
         local: clients.len(),
@@ -223,8 +233,8 @@ impl Nccl {
         if let Some(mut w) = world.try_lock() {
             w.abort(why);
         }
-        let _ =
-            self.store.compare_set(&keys::abort(&self.prefix), None, format!("rank {}: {why}", self.rank).as_bytes());
+        let me = self.label.global(self.rank);
+        let _ = self.store.compare_set(&keys::abort(&self.prefix), None, format!("rank {me}: {why}").as_bytes());
     }
 
     /// The ranks that never noted their arrival at collective `seq`.
@@ -233,7 +243,7 @@ impl Nccl {
         let absent: Vec<String> = (0..self.size)
             .filter(|&r| r != self.rank)
             .filter(|&r| !matches!(self.store.get(&keys::arrived(&self.prefix, seq, r)), Ok(Some(_))))
-            .map(|r| r.to_string())
+            .map(|r| self.label.global(r).to_string())
             .collect();
         if absent.is_empty() {
             "every rank arrived, but the NCCL calls did not finish (a rank is stuck inside them)".into()
@@ -244,6 +254,74 @@ impl Nccl {
 }
 
 impl Nccl {
+    /// Splits this communicator on every local device (`ncclCommSplit`,
+    /// collective over every member of every rank): slot `s` joins the
+    /// group `asks[s]` = `(group, key)` names (`None`: no group), `key`
+    /// being its rank there; with `share`, the groups share this
+    /// communicator's resources. Returns each group's set key, by group.
+    /// Waits for every local device, up to `timeout`.
+    pub(crate) fn split(
+        &self,
+        asks: &[Option<(u32, usize)>],
+        share: bool,
+        timeout: Duration,
+    ) -> Result<Vec<(u32, u64)>, String> {
+        let mut sets: Vec<(u32, u64)> = Vec::new();
+        for (group, _) in asks.iter().flatten() {
+            if !sets.iter().any(|(g, _)| g == group) {
+                sets.push((*group, next_set()));
+            }
+        }
+        let (tx, rx) = crossbeam::channel::unbounded();
+        let members = self.size * self.local;
+        for (slot, client) in self.clients.iter().enumerate() {
+            let ask = asks[slot];
+            let set = ask.and_then(|(g, _)| sets.iter().find(|(x, _)| *x == g)).map_or(0, |(_, k)| *k);
+            let (parent, member, unique_id, tx) =
+                (self.key, self.rank * self.local + slot, self.unique_id.clone(), tx.clone());
+            let queued = client.submit_buffers_always("split", Vec::new(), Vec::new(), move |access| {
+                let spec = CommSpec { set: parent, rank: member, ranks: members, unique_id: &unique_id };
+                let result = match access.map(|a: &mut BufferAccess<'_>| a.device_collectives()) {
+                    Ok(Some(dc)) => dc.split(&spec, set, ask.map(|(g, _)| g), ask.map_or(0, |(_, k)| k), share),
+                    Ok(None) => Err(ServerError::InvalidState {
+                        operation: "split",
+                        reason: "the device offers no device collectives".into(),
+                    }),
+                    Err(err) => Err(err),
+                };
+                let _ = tx.send((slot, result.as_ref().map_err(ToString::to_string).cloned()));
+                result
+            });
+            queued.map_err(|e| format!("could not queue the split on local device {slot}: {e}"))?;
+        }
+        let deadline = Instant::now() + timeout;
+        for _ in 0..self.clients.len() {
+            match rx.recv_deadline(deadline) {
+                Ok((_, Ok(()))) => {}
+                Ok((slot, Err(why))) => return Err(format!("ncclCommSplit on local device {slot}: {why}")),
+                Err(_) => return Err(format!("ncclCommSplit did not return within {:.1} s", timeout.as_secs_f64())),
+            }
+        }
+        Ok(sets)
+    }
+
+    /// The NCCL side of a group split from this one: its communicator
+    /// `set` exists on every device of `clients` already (made by
+    /// [`Nccl::split`]).
+    pub(crate) fn child(&self, set: u64, world: &World, clients: &[Client]) -> Result<Arc<Nccl>, ConnectError> {
+        Ok(Arc::new(Nccl {
+            key: set,
+            rank: world.rank,
+            size: world.size,
+            local: clients.len(),
+            unique_id: Vec::new(),
+            clients: clients.to_vec(),
+            store: world.store().duplicate()?,
+            prefix: world.prefix().to_string(),
+            label: world.label.clone(),
+        }))
+    }
+
     /// Destroys each local device's NCCL communicator, after the work
     /// queued there before, and waits for that (up to 10 s), so that no
     /// device thread is still inside NCCL when the process exits. Called
