@@ -200,23 +200,40 @@ fn a_grouped_call_of_a_hundred_mixed_tensors_equals_a_hundred_separate_calls() {
             (f.collect(), n.collect())
         };
         let (grouped, separate): (Vec<_>, Vec<_>) = (0..50).map(|i| (make(i), make(i))).unzip();
+        // Beside them, calls that are not all-reduces: an all-gather of
+        // u8 and a broadcast of f64 from member 3.
+        let bytes = |l: usize| Buffer::from_slice(&comm.clients()[l], &[member(l) as u8; 3]).unwrap();
+        let floats = |l: usize| Buffer::from_slice(&comm.clients()[l], &[member(l) as f64 + 0.5; 7]).unwrap();
+        let extra = || -> (Vec<Buffer<u8>>, Vec<Buffer<u8>>, Vec<Buffer<f64>>) {
+            ((0..2).map(bytes).collect(), comm.zeros::<u8>(18).unwrap(), (0..2).map(floats).collect())
+        };
+        let (gx, sx) = (extra(), extra());
         let work = comm
             .group(|g| {
                 for (i, (f, n)) in grouped.iter().enumerate() {
-                    let op = if i % 3 == 0 { ReduceOp::Max } else { ReduceOp::Sum };
-                    g.all_reduce(f, f, ReduceOp::Sum)?;
-                    g.all_reduce(n, n, op)?;
+                    let op = if i % 3 == 0 { ReduceOp::Max } else { ReduceOp::Avg };
+                    g.all_reduce(f, f, if i % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Avg })?;
+                    g.all_reduce(n, n, if op == ReduceOp::Max { op } else { ReduceOp::Sum })?;
                 }
-                Ok(())
+                g.all_gather(&gx.0, &gx.1)?;
+                g.broadcast(&gx.2, &gx.2, 3)
             })
             .unwrap();
         work.wait().unwrap();
         for (i, (f, n)) in separate.iter().enumerate() {
-            let op = if i % 3 == 0 { ReduceOp::Max } else { ReduceOp::Sum };
-            comm.all_reduce(f, f, ReduceOp::Sum).unwrap();
-            comm.all_reduce(n, n, op).unwrap();
+            let op = if i % 3 == 0 { ReduceOp::Max } else { ReduceOp::Avg };
+            comm.all_reduce(f, f, if i % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Avg }).unwrap();
+            comm.all_reduce(n, n, if op == ReduceOp::Max { op } else { ReduceOp::Sum }).unwrap();
         }
-        let read = |set: &[((Vec<Buffer<f32>>, Vec<Buffer<i64>>))]| -> Vec<(Vec<f32>, Vec<i64>)> {
+        comm.all_gather(&sx.0, &sx.1).unwrap();
+        comm.broadcast(&sx.2, &sx.2, 3).unwrap();
+        let extras = |x: &(Vec<Buffer<u8>>, Vec<Buffer<u8>>, Vec<Buffer<f64>>)| {
+            (x.1[1].to_vec().unwrap(), x.2[0].to_vec().unwrap())
+        };
+        assert_eq!(extras(&gx), extras(&sx));
+        assert_eq!(extras(&gx).0, (0..6u8).flat_map(|m| [m; 3]).collect::<Vec<_>>());
+        assert_eq!(extras(&gx).1, [3.5; 7]);
+        let read = |set: &[(Vec<Buffer<f32>>, Vec<Buffer<i64>>)]| -> Vec<(Vec<f32>, Vec<i64>)> {
             set.iter().flat_map(|(f, n)| (0..2).map(|l| (f[l].to_vec().unwrap(), n[l].to_vec().unwrap()))).collect()
         };
         (read(&grouped), read(&separate))
@@ -257,5 +274,28 @@ fn a_timeout_inside_a_group_names_the_group_and_stays_in_it() {
             }
             _ => assert_eq!(got.unwrap(), [1.0; 4], "rank 3 called nothing"),
         }
+    }
+}
+
+#[test]
+fn a_grouped_call_against_separate_calls_is_a_mismatch_naming_both() {
+    let results = ranks(34, 2, 1, |comm| {
+        comm.set_timeout(Duration::from_secs(20));
+        let a = comm.replicate(&[1.0f32; 8]).unwrap();
+        let b = comm.replicate(&[2i32; 8]).unwrap();
+        if comm.rank() == 0 {
+            let _ = comm.group(|g| {
+                g.all_reduce(&a, &a, ReduceOp::Sum)?;
+                g.all_reduce(&b, &b, ReduceOp::Sum)
+            });
+        } else {
+            comm.all_reduce(&a, &a, ReduceOp::Sum).unwrap();
+        }
+        a[0].to_vec().map_err(|e| e.to_string())
+    });
+    for (rank, got) in results.into_iter().enumerate() {
+        let err = got.unwrap_err();
+        assert!(err.contains("collective mismatch"), "rank {rank}: {err}");
+        assert!(err.contains("called group #1 (2 calls") && err.contains("called all_reduce #1 (f32 × 8"), "{err}");
     }
 }

@@ -5,10 +5,12 @@
 //! `ClientGroup` allows it (all-reduce, reduce at the root, broadcast at the
 //! root, all-to-all); other overlaps are copied first.
 
+use std::sync::Arc;
+
 use cohort_runtime::Handle;
 
 use super::fingerprint::Fingerprint;
-use super::local::LocalCall;
+use super::local::{LocalCall, Part, Plan, Views};
 use super::Communicator;
 use crate::check::Members;
 use crate::error::CommError;
@@ -49,7 +51,7 @@ impl Communicator {
                 *issued
             }
         };
-        let fp = Fingerprint { seq, op };
+        let fp = Fingerprint::of(seq, op);
         if let Some(nccl) = self.inner.nccl.as_ref().filter(|n| n.takes(&op, &inputs, &outputs)) {
             // Dropped unrun when the launch fails: that aborts for the
             // other ranks, as on the host path.
@@ -62,19 +64,61 @@ impl Communicator {
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp);
-        let plan = Box::new(move |views| tracker.run(&mut world.lock(), views));
+        let plan: Plan = Box::new(move |mut views: Vec<Views>| {
+            let views = views.pop().expect("one call");
+            tracker.run(&mut world.lock(), views).map(|staged| vec![staged])
+        });
+        let call = self.queue_local(name, plan, vec![(inputs, outputs)]);
+        drop(issued);
+        drop(order);
+        Ok(Work::new(name, call?).within(format!("rank {}", self.rank())))
+    }
+
+    /// A grouped call on the host path: one sequence number and one
+    /// fingerprint for all of `calls` (op, inputs and outputs by slot), one
+    /// task per local device holding every call's buffers, one meeting, and
+    /// one exchange per (element type, operator) of its all-reduces.
+    fn launch_group(&self, calls: Vec<(Op, Vec<Option<Handle>>, Vec<Option<Handle>>)>) -> Result<Work, CommError> {
+        for (slot, client) in self.clients().iter().enumerate() {
+            if client.is_capturing() {
+                return Err(CommError::Capturing { operation: "group", member: slot });
+            }
+        }
+        let order = enqueue_lock();
+        let mut issued = self.inner.issued.lock();
+        *issued += 1;
+        let ops: Vec<Op> = calls.iter().map(|c| c.0).collect();
+        let fp = Fingerprint::of_group(*issued, &ops);
+        let world = self.inner.world.clone();
+        let tracker = self.inner.observer.queued(fp);
+        let plan: Plan = Box::new(move |views: Vec<Views>| tracker.run_group(&mut world.lock(), &ops, views));
+        let call = self.queue_local("group", plan, calls.into_iter().map(|(_, i, o)| (i, o)).collect());
+        drop(issued);
+        drop(order);
+        Ok(Work::new("group", call?).within(format!("rank {}", self.rank())))
+    }
+
+    /// Queues one task per local device for the calls `calls` (inputs and
+    /// outputs by slot) of one meeting, whose leader runs `plan`. A task
+    /// that cannot be queued drops its ticket, which fails the call for the
+    /// tasks already queued.
+    fn queue_local(
+        &self,
+        name: &'static str,
+        plan: Plan,
+        calls: Vec<(Vec<Option<Handle>>, Vec<Option<Handle>>)>,
+    ) -> Result<Arc<LocalCall>, CommError> {
         let devices = self.clients().iter().map(|c| c.device_id()).collect();
-        let call = LocalCall::new(name, devices, self.timeout(), plan);
+        let call = LocalCall::new(name, calls.len(), devices, self.timeout(), plan);
         let mut failed = None;
         for (slot, client) in self.clients().iter().enumerate() {
-            let (has_in, has_out) = (inputs[slot].is_some(), outputs[slot].is_some());
+            let parts: Vec<Part> =
+                calls.iter().map(|(i, o)| Part { has_in: i[slot].is_some(), has_out: o[slot].is_some() }).collect();
+            let ins = calls.iter().filter_map(|(i, _)| i[slot].clone()).collect();
+            let outs = calls.iter().filter_map(|(_, o)| o[slot].clone()).collect();
             let ticket = Ticket::new(&call, slot);
-            let ins = inputs[slot].iter().cloned().collect();
-            let outs = outputs[slot].iter().cloned().collect();
-            // A task that cannot be queued drops its ticket, which fails the
-            // call for the tasks already queued.
             let queued = client.submit_buffers_always(name, ins, outs, move |access| {
-                ticket.run(|call, slot| call.run_task(slot, has_in, has_out, access))
+                ticket.run(|call, slot| call.run_task(slot, &parts, access))
             });
             if let Err(source) = queued {
                 failed.get_or_insert(CommError::Enqueue {
@@ -85,11 +129,9 @@ impl Communicator {
                 });
             }
         }
-        drop(issued);
-        drop(order);
         match failed {
             Some(err) => Err(err),
-            None => Ok(Work::new(name, call).within(format!("rank {}", self.rank()))),
+            None => Ok(call),
         }
     }
 
@@ -212,7 +254,12 @@ impl Communicator {
 
     /// Runs `calls` as one grouped call: every call is checked (and the
     /// calls checked not to depend on each other) before anything is
-    /// queued, then each is queued in turn; one handle for all of them.
+    /// queued. On the host path the group is one call between ranks: one
+    /// sequence number and one fingerprint check for all of them, one task
+    /// per local device and one meeting, its all-reduces packed into one
+    /// exchange per element type and operator, its other calls run after
+    /// one another in that exchange. On NCCL each call is queued in turn.
+    /// One handle for all of them.
     pub fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError> {
         let mut prepared = Vec::with_capacity(calls.len());
         for call in &calls {
@@ -241,6 +288,11 @@ impl Communicator {
             .map(|(_, ins, outs)| (ins.iter().flatten().collect(), outs.iter().flatten().collect()))
             .collect();
         check_independent(&buffers)?;
+        // On NCCL each call is queued in turn (one NCCL group per device
+        // part); on the host the whole group is one call.
+        if self.inner.nccl.is_none() && prepared.len() > 1 {
+            return self.launch_group(prepared);
+        }
         let works = prepared.into_iter().map(|(op, ins, outs)| self.launch(op, ins, outs)).collect::<Result<_, _>>()?;
         Ok(Work::all("group", works).within(format!("rank {}", self.rank())))
     }

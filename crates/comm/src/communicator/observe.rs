@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{RecvTimeoutError, Sender};
 
+use crate::op::Op;
 use crate::store::StoreClient;
-use crate::trace::{FlightRecorder, Watched};
+use crate::trace::{CollectiveFingerprint, FlightRecorder, Watched};
 
 use super::error::ConnectError;
 use super::failure::Failure;
@@ -162,7 +163,20 @@ impl Observer {
             }
         };
         let category = if fp.is_p2p() { "p2p" } else { "collective" };
-        let watched = Watched::start(group, fp.seq, &fp.op, 1, ranks, category, 0);
+        let watched = match fp.group {
+            None => Watched::start(group, fp.seq, &fp.op, 1, ranks, category, 0),
+            Some(g) => {
+                let described = CollectiveFingerprint {
+                    seq: fp.seq,
+                    kind: "group".into(),
+                    op: None,
+                    dtype: "calls".into(),
+                    count: u64::from(g.calls),
+                    root: None,
+                };
+                Watched::start_described(group, described, 1, ranks, category, 0)
+            }
+        };
         Tracker { shared: s.clone(), watched: Some(watched), fp }
     }
 }
@@ -182,6 +196,19 @@ impl Tracker {
     /// Runs the exchange (the leader's plan) and records how it ended.
     pub(crate) fn run(self, world: &mut World, views: Views) -> Result<Vec<Option<Vec<u8>>>, String> {
         let result = plans::run(world, self.fp, views);
+        self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone));
+        result.map_err(|failure| failure.message)
+    }
+
+    /// Runs a grouped call's exchange (its calls `ops`, one [`Views`] each)
+    /// and records how it ended.
+    pub(crate) fn run_group(
+        self,
+        world: &mut World,
+        ops: &[Op],
+        views: Vec<Views>,
+    ) -> Result<Vec<Vec<Option<Vec<u8>>>>, String> {
+        let result = plans::run_group(world, self.fp, ops, views);
         self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone));
         result.map_err(|failure| failure.message)
     }

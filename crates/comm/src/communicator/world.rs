@@ -54,6 +54,9 @@ pub(crate) struct World {
     received: Vec<u64>,
     /// Its name and its ranks' job ranks, for every message.
     pub label: Label,
+    /// Inside a grouped call, whose one fingerprint was checked already:
+    /// its calls skip their own check.
+    pub in_group: bool,
 }
 
 impl World {
@@ -68,6 +71,7 @@ impl World {
         let k = prefix.trim_end_matches('/').rsplit('/').next().unwrap_or("0").to_string();
         World {
             label: Label::root(&k, size),
+            in_group: false,
             rank,
             size,
             links,
