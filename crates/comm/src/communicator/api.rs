@@ -74,10 +74,11 @@ impl Communicator {
         Ok(Work::new(name, call?).within(format!("rank {}", self.rank())))
     }
 
-    /// A grouped call on the host path: one sequence number and one
-    /// fingerprint for all of `calls` (op, inputs and outputs by slot), one
-    /// task per local device holding every call's buffers, one meeting, and
-    /// one exchange per (element type, operator) of its all-reduces.
+    /// A grouped call: one sequence number and one fingerprint for all of
+    /// `calls` (op, inputs and outputs by slot), one task per local device
+    /// holding every call's buffers, one meeting. On NCCL each part issues
+    /// every call inside one `ncclGroupStart/End`; on the host path the
+    /// all-reduces make one exchange per (element type, operator).
     fn launch_group(&self, calls: Vec<(Op, Vec<Option<Handle>>, Vec<Option<Handle>>)>) -> Result<Work, CommError> {
         for (slot, client) in self.clients().iter().enumerate() {
             if client.is_capturing() {
@@ -89,6 +90,15 @@ impl Communicator {
         *issued += 1;
         let ops: Vec<Op> = calls.iter().map(|c| c.0).collect();
         let fp = Fingerprint::of_group(*issued, &ops);
+        let nccl = self.inner.nccl.as_ref();
+        if let Some(nccl) = nccl.filter(|n| calls.iter().all(|(op, i, o)| n.takes(op, i, o))) {
+            let tracker = self.inner.observer.queued(fp);
+            let meeting = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls);
+            drop((issued, order));
+            let meeting = meeting?;
+            meeting.on_done(move |outcome| tracker.ended(outcome));
+            return Ok(Work::new("group", meeting).within(format!("rank {}", self.rank())));
+        }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp);
         let plan: Plan = Box::new(move |views: Vec<Views>| tracker.run_group(&mut world.lock(), &ops, views));
@@ -258,8 +268,8 @@ impl Communicator {
     /// sequence number and one fingerprint check for all of them, one task
     /// per local device and one meeting, its all-reduces packed into one
     /// exchange per element type and operator, its other calls run after
-    /// one another in that exchange. On NCCL each call is queued in turn.
-    /// One handle for all of them.
+    /// one another in that exchange. On NCCL the same meeting issues every
+    /// call in one `ncclGroupStart/End` per device. One handle for all.
     pub fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError> {
         let mut prepared = Vec::with_capacity(calls.len());
         for call in &calls {
@@ -288,9 +298,7 @@ impl Communicator {
             .map(|(_, ins, outs)| (ins.iter().flatten().collect(), outs.iter().flatten().collect()))
             .collect();
         check_independent(&buffers)?;
-        // On NCCL each call is queued in turn (one NCCL group per device
-        // part); on the host the whole group is one call.
-        if self.inner.nccl.is_none() && prepared.len() > 1 {
+        if prepared.len() > 1 {
             return self.launch_group(prepared);
         }
         let works = prepared.into_iter().map(|(op, ins, outs)| self.launch(op, ins, outs)).collect::<Result<_, _>>()?;

@@ -41,7 +41,6 @@ use parking_lot::Mutex;
 
 use crate::check::{overlaps, same_bytes};
 use crate::device::ask;
-use crate::device::plan::Shape;
 use crate::error::CommError;
 use crate::meeting::Ticket;
 use crate::op::{Collective, Op};
@@ -49,7 +48,7 @@ use crate::store::StoreClient;
 
 mod call;
 
-pub(crate) use call::NcclCall;
+pub(crate) use call::{NcclCall, PartLayout};
 
 use super::error::ConnectError;
 use super::failure::Failure;
@@ -194,29 +193,63 @@ impl Nccl {
         inputs: Vec<Option<Handle>>,
         outputs: Vec<Option<Handle>>,
     ) -> Result<Arc<NcclCall>, CommError> {
+        self.launch_calls(world, fp, timeout, vec![(fp.op, inputs, outputs)])
+    }
+
+    /// Queues one part per local device for `calls` (op, inputs and outputs
+    /// by slot) under one fingerprint `fp`: a grouped call's parts issue
+    /// every call's NCCL calls inside one `ncclGroupStart/End`. The caller
+    /// holds the process-wide enqueue order.
+    pub(crate) fn launch_calls(
+        self: &Arc<Self>,
+        world: &Arc<Mutex<World>>,
+        fp: Fingerprint,
+        timeout: Duration,
+        calls: Vec<(Op, Vec<Option<Handle>>, Vec<Option<Handle>>)>,
+    ) -> Result<Arc<NcclCall>, CommError> {
         // Roots are members, and a message's endpoints (one device per
         // rank) ranks: both are ranks of the NCCL communicator.
-        let (op, seg) = (fp.op, fp.op.block_bytes());
         let members = self.size * self.local;
         let devices = self.clients.iter().map(Client::device_id).collect();
         let call = NcclCall::new(self.clone(), world.clone(), fp, devices, timeout);
+        let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
-            let input: Vec<Handle> = inputs[slot].iter().cloned().collect();
-            let mut output: Vec<Handle> = outputs[slot].iter().cloned().collect();
-            // An in-place all-to-all sends from a copy of the source.
-            let scratch = op.collective() == Collective::AllToAll
-                && input.first().zip(output.first()).is_some_and(|(i, o)| same_bytes(i, o));
-            if scratch {
-                output.push(client.empty(seg * members));
+            let (mut input, mut output): (Vec<Handle>, Vec<Handle>) = (Vec::new(), Vec::new());
+            let mut layout = Vec::with_capacity(calls.len());
+            for (op, ins, outs) in &calls {
+                let src = ins[slot].clone();
+                let dst = outs[slot].clone();
+                // An in-place all-to-all sends from a copy of the source.
+                let scratch = op.collective() == Collective::AllToAll
+                    && src.as_ref().zip(dst.as_ref()).is_some_and(|(i, o)| same_bytes(i, o));
+                let mut part = PartLayout { op: *op, input: None, output: None, scratch: None };
+                if let Some(src) = src {
+                    part.input = Some(input.len());
+                    input.push(src);
+                }
+                if let Some(dst) = dst {
+                    part.output = Some(output.len());
+                    output.push(dst);
+                }
+                if scratch {
+                    part.scratch = Some(output.len());
+                    output.push(client.empty(op.block_bytes() * members));
+                }
+                layout.push(part);
             }
-            let shape = Shape { input: !input.is_empty(), output: !output.is_empty(), scratch };
+            // Bindings number inputs first, then outputs.
+            let inputs_here = input.len();
+            for part in &mut layout {
+                part.output = part.output.map(|o| o + inputs_here);
+                part.scratch = part.scratch.map(|o| o + inputs_here);
+            }
             let ticket = Ticket::new(&call, slot);
-            let queued = client.submit_buffers_always(op.name(), input, output, move |access| {
-                ticket.run(|call, slot| call.run_part(slot, access, shape))
+            let queued = client.submit_buffers_always(name, input, output, move |access| {
+                ticket.run(|call, slot| call.run_part(slot, access, &layout))
             });
             if let Err(source) = queued {
-                let err = CommError::Enqueue { operation: op.name(), member: slot, device: client.device_id(), source };
+                let err = CommError::Enqueue { operation: name, member: slot, device: client.device_id(), source };
                 call.fail(ServerError::InvalidState { operation: "collective", reason: err.to_string() });
                 failed.get_or_insert(err);
             }
