@@ -32,6 +32,12 @@ fn ranks<T: Send + 'static>(first: usize, n: usize, local: usize, body: fn(Commu
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// A tensor of f32 and one of i64, one buffer per local device each.
+type Pair = (Vec<Buffer<f32>>, Vec<Buffer<i64>>);
+
+/// An all-gather's source and destination (u8) and a broadcast's buffer (f64).
+type Extra = (Vec<Buffer<u8>>, Vec<Buffer<u8>>, Vec<Buffer<f64>>);
+
 fn input(m: usize, k: usize) -> Vec<f32> {
     (0..k).map(|j| (m * 100 + j) as f32).collect()
 }
@@ -188,7 +194,7 @@ fn a_grouped_call_of_a_hundred_mixed_tensors_equals_a_hundred_separate_calls() {
     let results = ranks(22, 3, 2, |comm| {
         let member = |l: usize| comm.rank() * 2 + l;
         let len = |i: usize| 1 + (i * 37) % 300;
-        let make = |i: usize| -> (Vec<Buffer<f32>>, Vec<Buffer<i64>>) {
+        let make = |i: usize| -> Pair {
             let f = (0..2).map(|l| {
                 let data: Vec<f32> = (0..len(i)).map(|j| (member(l) * 7 + i + j) as f32).collect();
                 Buffer::from_slice(&comm.clients()[l], &data).unwrap()
@@ -204,9 +210,8 @@ fn a_grouped_call_of_a_hundred_mixed_tensors_equals_a_hundred_separate_calls() {
         // u8 and a broadcast of f64 from member 3.
         let bytes = |l: usize| Buffer::from_slice(&comm.clients()[l], &[member(l) as u8; 3]).unwrap();
         let floats = |l: usize| Buffer::from_slice(&comm.clients()[l], &[member(l) as f64 + 0.5; 7]).unwrap();
-        let extra = || -> (Vec<Buffer<u8>>, Vec<Buffer<u8>>, Vec<Buffer<f64>>) {
-            ((0..2).map(bytes).collect(), comm.zeros::<u8>(18).unwrap(), (0..2).map(floats).collect())
-        };
+        let extra =
+            || -> Extra { ((0..2).map(bytes).collect(), comm.zeros::<u8>(18).unwrap(), (0..2).map(floats).collect()) };
         let (gx, sx) = (extra(), extra());
         let work = comm
             .group(|g| {
@@ -227,13 +232,11 @@ fn a_grouped_call_of_a_hundred_mixed_tensors_equals_a_hundred_separate_calls() {
         }
         comm.all_gather(&sx.0, &sx.1).unwrap();
         comm.broadcast(&sx.2, &sx.2, 3).unwrap();
-        let extras = |x: &(Vec<Buffer<u8>>, Vec<Buffer<u8>>, Vec<Buffer<f64>>)| {
-            (x.1[1].to_vec().unwrap(), x.2[0].to_vec().unwrap())
-        };
+        let extras = |x: &Extra| (x.1[1].to_vec().unwrap(), x.2[0].to_vec().unwrap());
         assert_eq!(extras(&gx), extras(&sx));
         assert_eq!(extras(&gx).0, (0..6u8).flat_map(|m| [m; 3]).collect::<Vec<_>>());
         assert_eq!(extras(&gx).1, [3.5; 7]);
-        let read = |set: &[(Vec<Buffer<f32>>, Vec<Buffer<i64>>)]| -> Vec<(Vec<f32>, Vec<i64>)> {
+        let read = |set: &[Pair]| -> Vec<(Vec<f32>, Vec<i64>)> {
             set.iter().flat_map(|(f, n)| (0..2).map(|l| (f[l].to_vec().unwrap(), n[l].to_vec().unwrap()))).collect()
         };
         (read(&grouped), read(&separate))

@@ -35,27 +35,36 @@ fn input(m: usize, k: usize) -> Vec<f32> {
     (0..k).map(|j| (m * 1000 + j) as f32).collect()
 }
 
-/// 100 all-reduces of mixed sizes and types (f32 sum/avg, i64 max/sum)
-/// grouped and separately; returns (grouped, separate) results.
+/// One f32 tensor and one i64 tensor of a test: 100 in all.
+type Pair = (Vec<Buffer<f32>>, Vec<Buffer<i64>>);
+
+/// The operators of pair `i`: f32 sum or avg, i64 max or sum.
+fn ops(i: usize) -> (ReduceOp, ReduceOp) {
+    (if i % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Avg }, if i % 3 == 0 { ReduceOp::Max } else { ReduceOp::Sum })
+}
+
+/// Pair `i` of member `m`, of mixed sizes.
+fn make(comm: &Communicator, i: usize) -> Pair {
+    let (m, len) = (comm.first_member(), 1 + (i * 97) % 1024);
+    let f: Vec<f32> = (0..len).map(|j| (m * 5 + i + j % 7) as f32).collect();
+    let n: Vec<i64> = (0..len / 3 + 1).map(|j| (m * 11 + i * j) as i64).collect();
+    (comm.replicate(&f).unwrap(), comm.replicate(&n).unwrap())
+}
+
+/// Every tensor's values (the i64 ones as f32).
+fn read(set: &[Pair]) -> Vec<Vec<f32>> {
+    set.iter()
+        .flat_map(|(f, n)| {
+            let ints: Vec<f32> = n[0].to_vec().unwrap().into_iter().map(|v| v as f32).collect();
+            [f[0].to_vec().unwrap(), ints]
+        })
+        .collect()
+}
+
+/// 100 all-reduces of mixed sizes and types grouped and separately;
+/// returns (grouped, separate) results.
 fn grouped_against_separate(comm: &Communicator) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let m = comm.first_member();
-    let len = |i: usize| 1 + (i * 97) % 1024;
-    let make = |i: usize| -> (Vec<Buffer<f32>>, Vec<Buffer<i64>>) {
-        let f: Vec<f32> = (0..len(i)).map(|j| (m * 5 + i + j % 7) as f32).collect();
-        let n: Vec<i64> = (0..len(i) / 3 + 1).map(|j| (m * 11 + i * j) as i64).collect();
-        (comm.replicate(&f).unwrap(), comm.replicate(&n).unwrap())
-    };
-    let run = |g: &dyn Fn(&[Buffer<f32>], &[Buffer<i64>], usize)| {
-        let bufs: Vec<_> = (0..50).map(make).collect();
-        for (i, (f, n)) in bufs.iter().enumerate() {
-            g(f, n, i);
-        }
-        bufs
-    };
-    let ops = |i: usize| {
-        (if i % 2 == 0 { ReduceOp::Sum } else { ReduceOp::Avg }, if i % 3 == 0 { ReduceOp::Max } else { ReduceOp::Sum })
-    };
-    let grouped: Vec<_> = (0..50).map(make).collect();
+    let grouped: Vec<Pair> = (0..50).map(|i| make(comm, i)).collect();
     let work = comm
         .group(|g| {
             for (i, (f, n)) in grouped.iter().enumerate() {
@@ -66,18 +75,11 @@ fn grouped_against_separate(comm: &Communicator) -> (Vec<Vec<f32>>, Vec<Vec<f32>
         })
         .unwrap();
     work.wait().unwrap();
-    let separate = run(&|f, n, i| {
+    let separate: Vec<Pair> = (0..50).map(|i| make(comm, i)).collect();
+    for (i, (f, n)) in separate.iter().enumerate() {
         comm.all_reduce(f, f, ops(i).0).unwrap();
         comm.all_reduce(n, n, ops(i).1).unwrap();
-    });
-    let read = |set: &[(Vec<Buffer<f32>>, Vec<Buffer<i64>>)]| -> Vec<Vec<f32>> {
-        set.iter()
-            .flat_map(|(f, n)| {
-                let ints: Vec<f32> = n[0].to_vec().unwrap().into_iter().map(|v| v as f32).collect();
-                [f[0].to_vec().unwrap(), ints]
-            })
-            .collect()
-    };
+    }
     (read(&grouped), read(&separate))
 }
 

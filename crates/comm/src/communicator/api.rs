@@ -11,7 +11,7 @@ use cohort_runtime::Handle;
 
 use super::fingerprint::Fingerprint;
 use super::local::{LocalCall, Part, Plan, Views};
-use super::Communicator;
+use super::{Communicator, SlotCall, Slots};
 use crate::check::Members;
 use crate::error::CommError;
 use crate::grouped::{check_independent, GroupCall};
@@ -79,7 +79,7 @@ impl Communicator {
     /// holding every call's buffers, one meeting. On NCCL each part issues
     /// every call inside one `ncclGroupStart/End`; on the host path the
     /// all-reduces make one exchange per (element type, operator).
-    fn launch_group(&self, calls: Vec<(Op, Vec<Option<Handle>>, Vec<Option<Handle>>)>) -> Result<Work, CommError> {
+    fn launch_group(&self, calls: Vec<SlotCall>) -> Result<Work, CommError> {
         for (slot, client) in self.clients().iter().enumerate() {
             if client.is_capturing() {
                 return Err(CommError::Capturing { operation: "group", member: slot });
@@ -116,7 +116,7 @@ impl Communicator {
         &self,
         name: &'static str,
         plan: Plan,
-        calls: Vec<(Vec<Option<Handle>>, Vec<Option<Handle>>)>,
+        calls: Vec<(Slots, Slots)>,
     ) -> Result<Arc<LocalCall>, CommError> {
         let devices = self.clients().iter().map(|c| c.device_id()).collect();
         let call = LocalCall::new(name, calls.len(), devices, self.timeout(), plan);

@@ -73,6 +73,12 @@ use crate::store::{StoreClient, StoreServer};
 
 use world::World;
 
+/// One optional buffer per local device (slot).
+pub(crate) type Slots = Vec<Option<cohort_runtime::Handle>>;
+
+/// One call of a grouped call: its description, inputs and outputs by slot.
+pub(crate) type SlotCall = (crate::op::Op, Slots, Slots);
+
 /// One rank of a job: collectives with the other processes' ranks.
 ///
 /// Every collective takes one buffer per local device, checks its arguments

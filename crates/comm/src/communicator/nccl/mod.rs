@@ -56,6 +56,7 @@ use super::fingerprint::Fingerprint;
 use super::keys;
 use super::label::Label;
 use super::world::World;
+use super::SlotCall;
 
 /// Set keys of communicators made here carry the top bit, apart from the
 /// keys `ClientGroup`s use on the same devices.
@@ -205,7 +206,7 @@ impl Nccl {
         world: &Arc<Mutex<World>>,
         fp: Fingerprint,
         timeout: Duration,
-        calls: Vec<(Op, Vec<Option<Handle>>, Vec<Option<Handle>>)>,
+        calls: Vec<SlotCall>,
     ) -> Result<Arc<NcclCall>, CommError> {
         // Roots are members, and a message's endpoints (one device per
         // rank) ranks: both are ranks of the NCCL communicator.
