@@ -302,3 +302,42 @@ fn a_grouped_call_against_separate_calls_is_a_mismatch_naming_both() {
         assert!(err.contains("called group #1 (2 calls") && err.contains("called all_reduce #1 (f32 × 8"), "{err}");
     }
 }
+
+#[test]
+fn splits_that_cannot_be_formed_across_processes_are_refused_on_every_rank() {
+    // 2 ranks × 2 devices (members 0, 1 | 2, 3).
+    let results = ranks(36, 2, 2, |comm| {
+        let r = comm.rank() as i64;
+        // Wrong lengths: refused before anything is exchanged.
+        let count = comm.split_members(&[Some(0)], &[0, 0]).map(|g| g.len());
+        // Keys interleave the ranks' devices: 0, 2 | 1, 3 → members 0, 2, 1, 3.
+        let apart = comm.split_members(&[Some(0), Some(0)], &[r, r + 2]).map(|g| g.len());
+        // Rank 0 brings two devices, rank 1 one.
+        let colors = if r == 0 { [Some(5), Some(5)] } else { [Some(5), None] };
+        let uneven = comm.split_members(&colors, &[0, 0]).map(|g| g.len());
+        // A mesh asks for a group this process holds no member of.
+        let mesh = Mesh::new(&comm, &[("a", 2), ("b", 2)]).unwrap();
+        let foreign = if r == 0 { 3 } else { 0 };
+        let elsewhere = mesh.group_of("b", foreign).map(|g| g.members());
+        let bad_dims = Mesh::new(&comm, &[("a", 3)]).map(|m| m.shape().to_vec());
+        comm.barrier().unwrap();
+        (count, apart, uneven, elsewhere, bad_dims)
+    });
+    for (rank, (count, apart, uneven, elsewhere, bad_dims)) in results.into_iter().enumerate() {
+        assert!(matches!(count, Err(CommError::BufferCount { what: "colors", expected: 2, got: 1, .. })), "{count:?}");
+        assert!(
+            matches!(&apart, Err(CommError::InvalidGroup { detail, .. }) if detail.contains("rank 0's devices apart")),
+            "rank {rank}: {apart:?}"
+        );
+        assert!(
+            matches!(&uneven, Err(CommError::InvalidGroup { detail, .. })
+                if detail.contains("takes 2 device(s) of rank 0 but 1 of rank 1")),
+            "rank {rank}: {uneven:?}"
+        );
+        assert!(
+            matches!(&elsewhere, Err(CommError::InvalidGroup { detail, .. }) if detail.contains("holds no device of this process")),
+            "rank {rank}: {elsewhere:?}"
+        );
+        assert!(matches!(bad_dims, Err(CommError::MeshShape { members: 4, .. })), "{bad_dims:?}");
+    }
+}

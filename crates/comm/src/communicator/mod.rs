@@ -39,6 +39,15 @@
 //!   communicator over every member, its id shared through the store; see
 //!   [`Communicator::transport`]. The host links still carry each call's
 //!   fingerprint check (and, with several devices per rank, `send`/`recv`).
+//!
+//! # Groups
+//! [`Communicator::split`], [`Communicator::split_members`] and
+//! [`Communicator::subgroup`] make communicators over some of the members,
+//! collectively over this one (see the `split` module for what a group
+//! shares with its parent). [`Mesh::new`](crate::Mesh::new) over a
+//! communicator splits it once per dimension. Grouped calls
+//! ([`Collectives::group`](crate::Collectives::group)) are one call between
+//! ranks: one fingerprint and one meeting for the whole group.
 
 mod algo;
 mod api;
