@@ -341,3 +341,28 @@ fn splits_that_cannot_be_formed_across_processes_are_refused_on_every_rank() {
         assert!(matches!(bad_dims, Err(CommError::MeshShape { members: 4, .. })), "{bad_dims:?}");
     }
 }
+
+#[test]
+fn a_world_of_ranks_splits_and_subgroups_like_a_world_alone() {
+    use cohort_comm::World;
+    // As ranks: 2 ranks × 2 devices, members 0..4; alone: one group of 4.
+    let ranks_side = ranks(40, 2, 2, |comm| {
+        let world = World::Ranks(comm);
+        let split = world.split_members(&[Some(1), Some(2)], &[0, 0]).unwrap();
+        let sub = world.subgroup(&[3, 0]).unwrap().unwrap();
+        let ones = split[0].as_ref().unwrap();
+        let x = ones.replicate(&[world.first_member() as f32]).unwrap();
+        ones.all_reduce(&x, &x, ReduceOp::Sum).unwrap();
+        (x[0].to_vec().unwrap(), sub.members(), sub.first_member())
+    });
+    assert_eq!(ranks_side[0], (vec![2.0], 2, 1), "rank 0: members 0 and 2 sum 0 + 2; member 0 is second of [3, 0]");
+    assert_eq!(ranks_side[1], (vec![2.0], 2, 0), "rank 1: member 3 is first of [3, 0]");
+    std::env::set_var("COHORT_CPU_DEVICES", "48");
+    let alone = World::Local(
+        cohort_comm::ClientGroup::new((44..48).map(|i| CpuRuntime::client(i).unwrap()).collect()).unwrap(),
+    );
+    let split = alone.split_members(&[Some(1), Some(2), Some(1), None], &[0; 4]).unwrap();
+    assert!(split[3].is_none());
+    assert_eq!(split[0].as_ref().unwrap().members(), 2);
+    assert_eq!(alone.subgroup(&[3, 0]).unwrap().unwrap().members(), 2);
+}
