@@ -58,8 +58,9 @@ struct Shared {
     /// Last collective called / finished (not counting send/recv).
     issued: AtomicU64,
     finished: AtomicU64,
-    /// A connection for aborts raised outside the exchange.
-    store: StoreClient,
+    /// The communicator's store connection, for aborts raised outside the
+    /// exchange.
+    store: Arc<StoreClient>,
     prefix: String,
     aborted: AtomicBool,
     /// Wakes the heartbeat thread to report progress (never blocks).
@@ -98,7 +99,7 @@ impl Observer {
             job_rank,
             issued: AtomicU64::new(0),
             finished: AtomicU64::new(0),
-            store: world.store().duplicate()?,
+            store: world.shared_store(),
             prefix,
             aborted: AtomicBool::new(false),
         });

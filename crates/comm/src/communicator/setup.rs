@@ -74,15 +74,17 @@ pub(crate) fn form(
     form_under(store, keys::prefix(k), rank, size, devices, timeout)
 }
 
-/// [`form`] under a given key `prefix` (a subgroup's, under its parent's).
+/// [`form`] under a given key `prefix` (a subgroup's, under its parent's),
+/// over `store` (a group's is its parent's connection).
 pub(crate) fn form_under(
-    store: StoreClient,
+    store: impl Into<Arc<StoreClient>>,
     prefix: String,
     rank: usize,
     size: usize,
     devices: usize,
     timeout: Duration,
 ) -> Result<World, ConnectError> {
+    let store: Arc<StoreClient> = store.into();
     let deadline = Instant::now() + timeout;
     let key = |name: &str| keys::under(&prefix, name);
     if rank == 0 {

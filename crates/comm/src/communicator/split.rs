@@ -9,9 +9,10 @@
 //! of waiting for each other. Then each group forms under its own store
 //! prefix (`split/<n>/<color>/` under the parent's; see `keys`):
 //!
-//! - **shared with the parent**: the rendezvous store (a duplicate of the
-//!   parent's connection: no new handshake with the launcher), the job's
-//!   node identity, member numbering by job rank in every message and
+//! - **shared with the parent**: its connection to the rendezvous store
+//!   (the group forms, notes arrivals and aborts over it; only the group's
+//!   heartbeat opens its own, whose closing tells the other ranks this one
+//!   is gone), the job's node identity, member numbering by job rank in every message and
 //!   flight record, and on NCCL the parent's communicator, which
 //!   `ncclCommSplit` splits with `splitShare` (the parent's buffers and
 //!   connections shared where NCCL allows);
@@ -237,7 +238,7 @@ impl Communicator {
         let setup_error = |e: &dyn std::fmt::Display| CommError::GroupSetup { operation, detail: e.to_string() };
         let (store, prefix) = {
             let w = self.inner.world.lock();
-            (w.store().duplicate().map_err(|e| setup_error(&e))?, w.prefix().to_string())
+            (w.shared_store(), w.prefix().to_string())
         };
         let timeout = self.timeout();
         let prefix = keys::split_prefix(&prefix, n, group.color);

@@ -10,6 +10,7 @@
 //! so every live rank stops within a fraction of a second with the same
 //! message instead of hanging.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::store::StoreClient;
@@ -42,7 +43,8 @@ pub(crate) struct World {
     pub rank: usize,
     pub size: usize,
     links: Vec<Option<Box<dyn Link>>>,
-    store: StoreClient,
+    /// Its connection to the store (a group shares its parent's).
+    store: Arc<StoreClient>,
     /// Store key prefix of this communicator.
     prefix: String,
     pub timeout: Duration,
@@ -64,10 +66,11 @@ impl World {
         rank: usize,
         size: usize,
         links: Vec<Option<Box<dyn Link>>>,
-        store: StoreClient,
+        store: impl Into<Arc<StoreClient>>,
         prefix: String,
         timeout: Duration,
     ) -> World {
+        let store = store.into();
         let k = prefix.trim_end_matches('/').rsplit('/').next().unwrap_or("0").to_string();
         World {
             label: Label::root(&k, size),
@@ -93,6 +96,12 @@ impl World {
     /// The store this communicator was formed through.
     pub(crate) fn store(&self) -> &StoreClient {
         &self.store
+    }
+
+    /// Its store connection, to share (with the groups split from it, and
+    /// their observers).
+    pub(crate) fn shared_store(&self) -> Arc<StoreClient> {
+        self.store.clone()
     }
 
     /// The transport to `peer` ("shm", "tcp"; "self" for this rank).

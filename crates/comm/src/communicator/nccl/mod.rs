@@ -79,8 +79,9 @@ pub(crate) struct Nccl {
     local: usize,
     unique_id: Vec<u8>,
     clients: Vec<Client>,
-    /// Arrival notes and aborts (its own connection).
-    store: StoreClient,
+    /// Arrival notes and aborts (its own connection; a group's shares its
+    /// communicator's).
+    store: Arc<StoreClient>,
     prefix: String,
     /// Names ranks by job rank in messages.
     label: Label,
@@ -155,7 +156,7 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         local: clients.len(),
         unique_id: unique_id.to_vec(),
         clients: clients.to_vec(),
-        store: store.duplicate()?,
+        store: Arc::new(store.duplicate()?),
         prefix,
     })))
 }
@@ -350,7 +351,7 @@ impl Nccl {
             local: clients.len(),
             unique_id: Vec::new(),
             clients: clients.to_vec(),
-            store: world.store().duplicate()?,
+            store: world.shared_store(),
             prefix: world.prefix().to_string(),
             label: world.label.clone(),
         }))
