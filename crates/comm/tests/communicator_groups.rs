@@ -17,7 +17,7 @@ use cohort_runtime::{CpuRuntime, Runtime};
 /// devices `first + r × local` onwards; tests running at once use distinct
 /// devices) over a fresh store.
 fn ranks<T: Send + 'static>(first: usize, n: usize, local: usize, body: fn(Communicator) -> T) -> Vec<T> {
-    std::env::set_var("COHORT_CPU_DEVICES", "48");
+    std::env::set_var("COHORT_CPU_DEVICES", "64");
     let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
     let addr = server.local_addr().to_string();
     let handles: Vec<_> = (0..n)
@@ -357,7 +357,7 @@ fn a_world_of_ranks_splits_and_subgroups_like_a_world_alone() {
     });
     assert_eq!(ranks_side[0], (vec![2.0], 2, 1), "rank 0: members 0 and 2 sum 0 + 2; member 0 is second of [3, 0]");
     assert_eq!(ranks_side[1], (vec![2.0], 2, 0), "rank 1: member 3 is first of [3, 0]");
-    std::env::set_var("COHORT_CPU_DEVICES", "48");
+    std::env::set_var("COHORT_CPU_DEVICES", "64");
     let alone = World::Local(
         cohort_comm::ClientGroup::new((44..48).map(|i| CpuRuntime::client(i).unwrap()).collect()).unwrap(),
     );
@@ -365,4 +365,33 @@ fn a_world_of_ranks_splits_and_subgroups_like_a_world_alone() {
     assert!(split[3].is_none());
     assert_eq!(split[0].as_ref().unwrap().members(), 2);
     assert_eq!(alone.subgroup(&[3, 0]).unwrap().unwrap().members(), 2);
+}
+
+#[test]
+fn a_rank_that_leaves_a_group_is_named_by_its_job_rank() {
+    let results = ranks(50, 4, 1, |comm| {
+        // Group of ranks 3 and 1 (keys reverse them): rank 3 is the group's rank 0.
+        let group = comm.split(Some((comm.rank() % 2) as u32), -(comm.rank() as i64)).unwrap().unwrap();
+        group.set_timeout(Duration::from_secs(30));
+        let x = group.replicate(&[1.0f32; 4]).unwrap();
+        if comm.rank() == 3 {
+            // Leaves without calling: its group's heartbeat says it is gone.
+            drop((x, group));
+            thread::sleep(Duration::from_secs(2));
+            return (3, Ok(vec![]));
+        }
+        group.all_reduce(&x, &x, ReduceOp::Sum).unwrap();
+        (comm.rank(), x[0].to_vec().map_err(|e| e.to_string()))
+    });
+    for (rank, got) in results {
+        match rank {
+            0 | 2 => assert_eq!(got.unwrap(), [2.0; 4]),
+            1 => {
+                let err = got.unwrap_err();
+                assert!(err.contains("in group comm") && err.contains("(ranks 3, 1)"), "{err}");
+                assert!(err.contains("rank 3 went away") && !err.contains("timed out"), "{err}");
+            }
+            _ => {}
+        }
+    }
 }
