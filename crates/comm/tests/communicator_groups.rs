@@ -257,10 +257,14 @@ fn a_timeout_inside_a_group_names_the_group_and_stays_in_it() {
         let group = comm.split(Some((comm.rank() % 2) as u32), 0).unwrap().unwrap();
         group.set_timeout(Duration::from_millis(800));
         let x = group.replicate(&[1.0f32; 4]).unwrap();
+        let mut waited = None;
         if comm.rank() != 3 {
-            group.all_reduce(&x, &x, ReduceOp::Sum).unwrap();
+            let work = group.all_reduce(&x, &x, ReduceOp::Sum).unwrap();
+            if comm.rank() == 1 {
+                waited = Some(work.wait_timeout(Duration::from_millis(100)).unwrap_err().to_string());
+            }
         }
-        let got = x[0].to_vec();
+        let got = x[0].to_vec().map_err(|e| format!("{e} | {}", waited.unwrap_or_default()));
         if comm.rank() == 3 {
             // Alive (not gone) until rank 1 timed out.
             thread::sleep(Duration::from_secs(3));
@@ -271,8 +275,13 @@ fn a_timeout_inside_a_group_names_the_group_and_stays_in_it() {
         match rank {
             0 | 2 => assert_eq!(got.unwrap(), [2.0; 4]),
             1 => {
-                let text = got.unwrap_err().to_string();
+                let text = got.unwrap_err();
                 assert!(text.contains("timed out") && text.contains("in group comm"), "{text}");
+                // The handle's timed wait names the rank and group too.
+                assert!(
+                    text.contains("has not finished within 100 ms") && text.contains("on rank 1 in group comm"),
+                    "{text}"
+                );
                 assert!(text.contains("rank(s) 3 never arrived"), "{text}");
             }
             _ => assert_eq!(got.unwrap(), [1.0; 4], "rank 3 called nothing"),

@@ -60,7 +60,7 @@ impl Communicator {
             drop((issued, order));
             let meeting = meeting?;
             meeting.on_done(move |outcome| tracker.ended(outcome));
-            return Ok(Work::new(name, meeting).within(format!("rank {}", self.rank())));
+            return Ok(Work::new(name, meeting).within(self.scope()));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp);
@@ -71,7 +71,7 @@ impl Communicator {
         let call = self.queue_local(name, plan, vec![(inputs, outputs)]);
         drop(issued);
         drop(order);
-        Ok(Work::new(name, call?).within(format!("rank {}", self.rank())))
+        Ok(Work::new(name, call?).within(self.scope()))
     }
 
     /// A grouped call: one sequence number and one fingerprint for all of
@@ -97,7 +97,7 @@ impl Communicator {
             drop((issued, order));
             let meeting = meeting?;
             meeting.on_done(move |outcome| tracker.ended(outcome));
-            return Ok(Work::new("group", meeting).within(format!("rank {}", self.rank())));
+            return Ok(Work::new("group", meeting).within(self.scope()));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp);
@@ -105,7 +105,7 @@ impl Communicator {
         let call = self.queue_local("group", plan, calls.into_iter().map(|(_, i, o)| (i, o)).collect());
         drop(issued);
         drop(order);
-        Ok(Work::new("group", call?).within(format!("rank {}", self.rank())))
+        Ok(Work::new("group", call?).within(self.scope()))
     }
 
     /// Queues one task per local device for the calls `calls` (inputs and
@@ -302,7 +302,7 @@ impl Communicator {
             return self.launch_group(prepared);
         }
         let works = prepared.into_iter().map(|(op, ins, outs)| self.launch(op, ins, outs)).collect::<Result<_, _>>()?;
-        Ok(Work::all("group", works).within(format!("rank {}", self.rank())))
+        Ok(Work::all("group", works).within(self.scope()))
     }
 
     /// One buffer per local device: `handle` at the root's slot when the

@@ -121,6 +121,9 @@ struct Inner {
     nccl: Option<Arc<nccl::Nccl>>,
     /// Sequence number of the last collective issued; held while queueing.
     issued: Mutex<u64>,
+    /// Its name and job ranks (the world's label, kept here to read
+    /// without the world's lock).
+    label: label::Label,
     /// How many splits this communicator made (names the next one's keys).
     splits: AtomicU64,
     /// The communicator a group was split from (kept alive with it: its
@@ -190,6 +193,7 @@ impl Communicator {
         let nccl = nccl::setup(&world, &clients)?;
         Ok(Communicator {
             inner: Arc::new(Inner {
+                label: world.label.clone(),
                 rank,
                 size: world_size,
                 clients,
@@ -266,6 +270,12 @@ impl Communicator {
     /// This process's rank.
     pub fn rank(&self) -> usize {
         self.inner.rank
+    }
+
+    /// Where a handle's timed wait says it waited: `rank 1`, or `rank 3 in
+    /// group comm1.s0c1 (ranks 1, 3)` (by job rank).
+    fn scope(&self) -> String {
+        format!("rank {}{}", self.inner.label.global(self.inner.rank), self.inner.label)
     }
 
     /// Number of ranks.

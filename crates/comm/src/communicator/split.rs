@@ -134,14 +134,14 @@ impl Communicator {
     /// trace`: `comm<k>` for a job's communicator, `<parent>.s<n>c<color>`
     /// for a group (split `n` of its parent, color `color`).
     pub fn group_name(&self) -> String {
-        self.inner.world.lock().label.name.clone()
+        self.inner.label.name.clone()
     }
 
     /// The job rank of each of this communicator's ranks (the ranks of the
     /// communicator it was split from, first of all): `0..size` for a
     /// job's communicator.
     pub fn job_ranks(&self) -> Vec<usize> {
-        self.inner.world.lock().label.ranks.clone()
+        self.inner.label.ranks.clone()
     }
 
     /// The split: the exchange, the checks, then each group with a local
@@ -155,7 +155,7 @@ impl Communicator {
         let all = self.exchange_asks(operation, &asks)?;
         let n = self.inner.splits.fetch_add(1, Ordering::Relaxed);
         let (l, size) = (self.local_devices(), self.size());
-        let label = self.inner.world.lock().label.clone();
+        let label = self.inner.label.clone();
         if operation == "subgroup" {
             let reference = all[0].list;
             let differ: Vec<usize> = (0..size).filter(|r| all[r * l].list != reference).collect();
@@ -253,6 +253,7 @@ impl Communicator {
         tracing::debug!(group = %world.label.name, rank, size = group.ranks.len(), "group formed");
         Ok(Communicator {
             inner: Arc::new(Inner {
+                label: world.label.clone(),
                 rank,
                 size: group.ranks.len(),
                 clients,
