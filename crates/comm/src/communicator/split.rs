@@ -12,10 +12,10 @@
 //! - **shared with the parent**: its connection to the rendezvous store
 //!   (the group forms, notes arrivals and aborts over it; only the group's
 //!   heartbeat opens its own, whose closing tells the other ranks this one
-//!   is gone), the job's node identity, member numbering by job rank in every message and
-//!   flight record, and on NCCL the parent's communicator, which
-//!   `ncclCommSplit` splits with `splitShare` (the parent's buffers and
-//!   connections shared where NCCL allows);
+//!   is gone), the job's node identity, member numbering by job rank in
+//!   every message and flight record, and on NCCL the parent's
+//!   communicator, which `ncclCommSplit` splits with `splitShare` (the
+//!   parent's buffers and connections shared where NCCL allows);
 //! - **its own**: its host links (shared-memory rings within a node, TCP
 //!   across), so its collectives never interleave with the parent's or a
 //!   sibling's bytes and groups may run in any order with respect to each
@@ -23,8 +23,8 @@
 //!
 //! With `L` devices per rank, a group holds members `rank × L + l`; across
 //! processes every rank of a group brings the same number `L'` of its
-//! devices, listed next to each other (member `i` of the group is local
-//! device `i mod L'` of the group's rank `i / L'`).
+//! devices, listed next to each other (member `i` of the group is the
+//! group's local device `i mod L'` on its rank `i / L'`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
