@@ -1,11 +1,16 @@
 //! Grouped against separate: 256 all-reduces of 4 KiB each (f32 sum, in
 //! place), queued as one grouped call (`Collectives::group`) and as 256
-//! separate calls, on CPU devices and (where a CUDA driver and two or more
-//! GPUs are present) on CUDA. Prints the median time of each over the
-//! iterations and the ratio separate / grouped (goal ≥ 5×).
+//! separate calls. Prints the median time of each over the iterations and
+//! the ratio separate / grouped (goal ≥ 5×).
 //!
-//! Run: `cargo run --release --example grouped_bench -- [iterations] [cpu devices]`
+//! In one process: on CPU devices and (where a CUDA driver and two or more
+//! GPUs are present) on CUDA, as one `ClientGroup` each:
+//! `cargo run --release --example grouped_bench -- [iterations] [cpu devices]`
 //! (default 20 iterations, 4 CPU devices).
+//!
+//! Across processes, one `Communicator` rank per process (host links on
+//! CPU devices, NCCL on CUDA); rank 0 prints:
+//! `cohort run -n 4 -- target/release/examples/grouped_bench [iterations] [cpu|cuda]`
 
 use std::time::{Duration, Instant};
 
@@ -21,7 +26,7 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 /// Median seconds of the grouped and the separate run over `iters`, after
 /// one warm-up of each; checks the sums once.
-fn bench(group: &ClientGroup, iters: usize) -> Result<(Duration, Duration), Error> {
+fn bench(group: &impl Collectives, iters: usize) -> Result<(Duration, Duration), Error> {
     let bufs: Vec<Vec<Buffer<f32>>> =
         (0..CALLS).map(|_| group.replicate(&[1.0f32; ELEMS])).collect::<Result<_, _>>()?;
     let grouped = || -> Result<Duration, Error> {
@@ -48,7 +53,7 @@ fn bench(group: &ClientGroup, iters: usize) -> Result<(Duration, Duration), Erro
     };
     grouped()?;
     separate()?;
-    let n = group.len() as f32;
+    let n = group.members() as f32;
     let want = n * n; // two all-reduces of all-ones, in place
     let got = bufs[CALLS - 1][0].to_vec()?;
     if got[0] != want || got[ELEMS - 1] != want {
@@ -62,11 +67,16 @@ fn bench(group: &ClientGroup, iters: usize) -> Result<(Duration, Duration), Erro
     Ok((median(g), median(s)))
 }
 
-fn report(name: &str, group: &ClientGroup, iters: usize) -> Result<(), Error> {
+fn report(name: &str, group: &impl Collectives, iters: usize) -> Result<(), Error> {
     let (g, s) = bench(group, iters)?;
+    if group.rank() != 0 {
+        return Ok(());
+    }
     println!(
-        "{name:<6} {} devices  {:?}  {CALLS} x 4 KiB all_reduce: grouped {:>9.1} us  separate {:>9.1} us  ratio {:.1}x",
-        group.len(),
+        "{name:<6} {} ranks x {} devices  {:?}  {CALLS} x 4 KiB all_reduce: grouped {:>9.1} us  separate {:>9.1} us  \
+         ratio {:.1}x",
+        group.world_size(),
+        group.clients().len(),
         group.transport(),
         g.as_secs_f64() * 1e6,
         s.as_secs_f64() * 1e6,
@@ -78,6 +88,12 @@ fn report(name: &str, group: &ClientGroup, iters: usize) -> Result<(), Error> {
 fn main() -> Result<(), Error> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let iters = args.first().and_then(|a| a.parse().ok()).unwrap_or(20usize).max(1);
+    if cohort::comm::launch_env::LaunchEnv::from_process().is_ok() {
+        // One rank of a job: its device(s) of the backend asked for.
+        let backend = args.get(1).map_or("cpu", String::as_str);
+        let world = World::join(rank_clients(backend, None)?)?;
+        return report(backend, &world, iters);
+    }
     let devices = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(4usize);
     if std::env::var_os("COHORT_CPU_DEVICES").is_none() {
         std::env::set_var("COHORT_CPU_DEVICES", devices.to_string());

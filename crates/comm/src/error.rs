@@ -110,6 +110,21 @@ pub enum CommError {
          called it)"
     )]
     Unfinished { operation: &'static str, scope: String, missing: String, waited_ms: u64 },
+    /// The ranks of a communicator called a split or subgroup with
+    /// arguments that cannot form one set of groups (different member
+    /// lists, say); the message names the ranks.
+    #[error(
+        "{operation}: {detail}; every rank of the parent must call it, in the same order, with the same arguments"
+    )]
+    GroupDisagreement { operation: &'static str, detail: String },
+    /// A group's members are listed in a way it cannot be formed (a member
+    /// listed twice, out of range, or a layout across processes that is
+    /// not one block of devices per rank).
+    #[error("{operation}: {detail}")]
+    InvalidGroup { operation: &'static str, detail: String },
+    /// A group's links could not be formed (a store or link failure).
+    #[error("{operation}: forming the group's links failed: {detail}")]
+    GroupSetup { operation: &'static str, detail: String },
     /// A `COHORT_*` variable has a value that cannot be used (the message
     /// names it and says what is expected).
     #[error(transparent)]

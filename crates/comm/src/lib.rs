@@ -41,7 +41,7 @@ pub use error::CommError;
 pub use group::{to_client, ClientGroup, DEFAULT_STAGE_CHUNK};
 pub use grouped::GroupCall;
 pub use host::{default_timeout, HostPath, DEFAULT_TIMEOUT};
-pub use mesh::Mesh;
+pub use mesh::{Mesh, MeshOver};
 pub use ops::{combine, finish, reduce_bytes, DType, Element, ReduceOp};
 pub use order::DeviceSetComm;
 pub use transport::shm::sweep_shared_memory;

@@ -31,12 +31,15 @@ fn mesh_collectives(group: &ClientGroup, rows: usize, cols: usize) {
             // The members of m's line along `dim`, in coordinate order.
             let coord = mesh.coords(m)[if dim == "dp" { 0 } else { 1 }];
             let line: Vec<usize> = (0..size).map(|k| m - coord * stride + k * stride).collect();
-            assert_eq!(sub.client(coord).device_id(), group.client(m).device_id(), "{dim} member {m}");
+            assert_eq!(sub.clients()[coord].device_id(), group.client(m).device_id(), "{dim} member {m}");
             if coord != 0 {
                 continue; // one check per line
             }
-            let src: Vec<Buffer<f32>> =
-                line.iter().enumerate().map(|(i, &g)| Buffer::from_slice(sub.client(i), &input(g)).unwrap()).collect();
+            let src: Vec<Buffer<f32>> = line
+                .iter()
+                .enumerate()
+                .map(|(i, &g)| Buffer::from_slice(&sub.clients()[i], &input(g)).unwrap())
+                .collect();
             let sum: Vec<f32> = (0..K).map(|j| line.iter().map(|&g| input(g)[j]).sum()).collect();
             let dst = sub.zeros::<f32>(K).unwrap();
             sub.all_reduce(&src, &dst, ReduceOp::Sum).unwrap().wait().unwrap();

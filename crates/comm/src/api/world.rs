@@ -57,6 +57,30 @@ impl World {
     pub fn leads(&self) -> bool {
         self.rank() == 0
     }
+
+    /// Splits the job's members by color, as `MPI_Comm_split` does, with
+    /// one color and key per local device (`colors[l]`, `keys[l]`): members
+    /// of one color form a group ordered by key, then member number; `None`
+    /// joins no group. Returns local device `l`'s group at index `l`. Alone,
+    /// every member is local ([`ClientGroup::split`]); as one rank of a job
+    /// it is collective over the job ([`Communicator::split_members`]).
+    pub fn split_members(&self, colors: &[Option<u32>], keys: &[i64]) -> Result<Vec<Option<World>>, CommError> {
+        Ok(match self {
+            World::Local(g) => g.split(colors, keys)?.into_iter().map(|g| g.map(World::Local)).collect(),
+            World::Ranks(c) => c.split_members(colors, keys)?.into_iter().map(|c| c.map(World::Ranks)).collect(),
+        })
+    }
+
+    /// The group of `members` (member `i` of it being `members[i]`), or
+    /// `None` where this process holds none of them. As one rank of a job
+    /// it is collective: every rank passes the same list
+    /// ([`Communicator::subgroup`]).
+    pub fn subgroup(&self, members: &[usize]) -> Result<Option<World>, CommError> {
+        Ok(match self {
+            World::Local(g) => Some(World::Local(g.subgroup(members)?)),
+            World::Ranks(c) => c.subgroup(members)?.map(World::Ranks),
+        })
+    }
 }
 
 /// `$body` with `$c` bound to the world's group or communicator.

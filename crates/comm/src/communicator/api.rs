@@ -5,11 +5,13 @@
 //! `ClientGroup` allows it (all-reduce, reduce at the root, broadcast at the
 //! root, all-to-all); other overlaps are copied first.
 
+use std::sync::Arc;
+
 use cohort_runtime::Handle;
 
 use super::fingerprint::Fingerprint;
-use super::local::LocalCall;
-use super::Communicator;
+use super::local::{LocalCall, Part, Plan, Views};
+use super::{Communicator, SlotCall, Slots};
 use crate::check::Members;
 use crate::error::CommError;
 use crate::grouped::{check_independent, GroupCall};
@@ -49,7 +51,7 @@ impl Communicator {
                 *issued
             }
         };
-        let fp = Fingerprint { seq, op };
+        let fp = Fingerprint::of(seq, op);
         if let Some(nccl) = self.inner.nccl.as_ref().filter(|n| n.takes(&op, &inputs, &outputs)) {
             // Dropped unrun when the launch fails: that aborts for the
             // other ranks, as on the host path.
@@ -58,23 +60,75 @@ impl Communicator {
             drop((issued, order));
             let meeting = meeting?;
             meeting.on_done(move |outcome| tracker.ended(outcome));
-            return Ok(Work::new(name, meeting).within(format!("rank {}", self.rank())));
+            return Ok(Work::new(name, meeting).within(self.scope()));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp);
-        let plan = Box::new(move |views| tracker.run(&mut world.lock(), views));
+        let plan: Plan = Box::new(move |mut views: Vec<Views>| {
+            let views = views.pop().expect("one call");
+            tracker.run(&mut world.lock(), views).map(|staged| vec![staged])
+        });
+        let call = self.queue_local(name, plan, vec![(inputs, outputs)]);
+        drop(issued);
+        drop(order);
+        Ok(Work::new(name, call?).within(self.scope()))
+    }
+
+    /// A grouped call: one sequence number and one fingerprint for all of
+    /// `calls` (op, inputs and outputs by slot), one task per local device
+    /// holding every call's buffers, one meeting. On NCCL each part issues
+    /// every call inside one `ncclGroupStart/End`; on the host path the
+    /// all-reduces make one exchange per (element type, operator).
+    fn launch_group(&self, calls: Vec<SlotCall>) -> Result<Work, CommError> {
+        for (slot, client) in self.clients().iter().enumerate() {
+            if client.is_capturing() {
+                return Err(CommError::Capturing { operation: "group", member: slot });
+            }
+        }
+        let order = enqueue_lock();
+        let mut issued = self.inner.issued.lock();
+        *issued += 1;
+        let ops: Vec<Op> = calls.iter().map(|c| c.0).collect();
+        let fp = Fingerprint::of_group(*issued, &ops);
+        let nccl = self.inner.nccl.as_ref();
+        if let Some(nccl) = nccl.filter(|n| calls.iter().all(|(op, i, o)| n.takes(op, i, o))) {
+            let tracker = self.inner.observer.queued(fp);
+            let meeting = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls);
+            drop((issued, order));
+            let meeting = meeting?;
+            meeting.on_done(move |outcome| tracker.ended(outcome));
+            return Ok(Work::new("group", meeting).within(self.scope()));
+        }
+        let world = self.inner.world.clone();
+        let tracker = self.inner.observer.queued(fp);
+        let plan: Plan = Box::new(move |views: Vec<Views>| tracker.run_group(&mut world.lock(), &ops, views));
+        let call = self.queue_local("group", plan, calls.into_iter().map(|(_, i, o)| (i, o)).collect());
+        drop(issued);
+        drop(order);
+        Ok(Work::new("group", call?).within(self.scope()))
+    }
+
+    /// Queues one task per local device for the calls `calls` (inputs and
+    /// outputs by slot) of one meeting, whose leader runs `plan`. A task
+    /// that cannot be queued drops its ticket, which fails the call for the
+    /// tasks already queued.
+    fn queue_local(
+        &self,
+        name: &'static str,
+        plan: Plan,
+        calls: Vec<(Slots, Slots)>,
+    ) -> Result<Arc<LocalCall>, CommError> {
         let devices = self.clients().iter().map(|c| c.device_id()).collect();
-        let call = LocalCall::new(name, devices, self.timeout(), plan);
+        let call = LocalCall::new(name, calls.len(), devices, self.timeout(), plan);
         let mut failed = None;
         for (slot, client) in self.clients().iter().enumerate() {
-            let (has_in, has_out) = (inputs[slot].is_some(), outputs[slot].is_some());
+            let parts: Vec<Part> =
+                calls.iter().map(|(i, o)| Part { has_in: i[slot].is_some(), has_out: o[slot].is_some() }).collect();
+            let ins = calls.iter().filter_map(|(i, _)| i[slot].clone()).collect();
+            let outs = calls.iter().filter_map(|(_, o)| o[slot].clone()).collect();
             let ticket = Ticket::new(&call, slot);
-            let ins = inputs[slot].iter().cloned().collect();
-            let outs = outputs[slot].iter().cloned().collect();
-            // A task that cannot be queued drops its ticket, which fails the
-            // call for the tasks already queued.
             let queued = client.submit_buffers_always(name, ins, outs, move |access| {
-                ticket.run(|call, slot| call.run_task(slot, has_in, has_out, access))
+                ticket.run(|call, slot| call.run_task(slot, &parts, access))
             });
             if let Err(source) = queued {
                 failed.get_or_insert(CommError::Enqueue {
@@ -85,11 +139,9 @@ impl Communicator {
                 });
             }
         }
-        drop(issued);
-        drop(order);
         match failed {
             Some(err) => Err(err),
-            None => Ok(Work::new(name, call).within(format!("rank {}", self.rank()))),
+            None => Ok(call),
         }
     }
 
@@ -219,7 +271,12 @@ impl Communicator {
 
     /// Runs `calls` as one grouped call: every call is checked (and the
     /// calls checked not to depend on each other) before anything is
-    /// queued, then each is queued in turn; one handle for all of them.
+    /// queued. On the host path the group is one call between ranks: one
+    /// sequence number and one fingerprint check for all of them, one task
+    /// per local device and one meeting, its all-reduces packed into one
+    /// exchange per element type and operator, its other calls run after
+    /// one another in that exchange. On NCCL the same meeting issues every
+    /// call in one `ncclGroupStart/End` per device. One handle for all.
     pub fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError> {
         let mut prepared = Vec::with_capacity(calls.len());
         for call in &calls {
@@ -248,8 +305,11 @@ impl Communicator {
             .map(|(_, ins, outs)| (ins.iter().flatten().collect(), outs.iter().flatten().collect()))
             .collect();
         check_independent(&buffers)?;
+        if prepared.len() > 1 {
+            return self.launch_group(prepared);
+        }
         let works = prepared.into_iter().map(|(op, ins, outs)| self.launch(op, ins, outs)).collect::<Result<_, _>>()?;
-        Ok(Work::all("group", works).within(format!("rank {}", self.rank())))
+        Ok(Work::all("group", works).within(self.scope()))
     }
 
     /// One buffer per local device: `handle` at the root's slot when the

@@ -16,7 +16,10 @@
 //!   will) or when it drops its communicator;
 //! - `arrived/<seq>/<r>`: rank r waited long at collective `seq`;
 //! - `abort`: the first failure, `rank <r>: <why>`;
-//! - `nccl/can/<r>` (`yes`, or `no <why>`) and `nccl/id`: the NCCL set-up.
+//! - `nccl/can/<r>` (`yes`, or `no <why>`) and `nccl/id`: the NCCL set-up;
+//! - `split/<n>/<color>/`: the prefix of the group of color `color` of this
+//!   communicator's split number `n` (every rank splits in the same order),
+//!   under which that group's own keys (the ones above) live.
 
 /// The key the launcher's watchdog reads for the job's rank `rank`.
 pub fn job_heartbeat_key(rank: usize) -> String {
@@ -82,6 +85,12 @@ pub(super) fn nccl_can(prefix: &str, rank: usize) -> String {
     format!("{prefix}nccl/can/{rank}")
 }
 
+/// The prefix of the group of `color` of split number `n` of the
+/// communicator at `prefix`.
+pub(super) fn split_prefix(prefix: &str, n: u64, color: u32) -> String {
+    format!("{prefix}split/{n}/{color}/")
+}
+
 pub(super) fn nccl_id(prefix: &str) -> String {
     format!("{prefix}nccl/id")
 }
@@ -112,5 +121,6 @@ mod tests {
         assert_eq!(parse_progress(progress_value(7, 5).as_bytes()), Some((7, 5)));
         assert_eq!(parse_progress(b"7"), None);
         assert_eq!(arrived(&prefix(3), 9, 1), "cohort/comm/3/arrived/9/1");
+        assert_eq!(split_prefix(&prefix(3), 0, 7), "cohort/comm/3/split/0/7/");
     }
 }

@@ -1,7 +1,9 @@
 //! The meeting of one call's local parts: each local device's task brings
 //! its buffers (host pointers on the CPU backend, staged copies elsewhere),
 //! the last to arrive runs the call between ranks for all of them, and each
-//! task then writes its staged outputs back on its own device thread.
+//! task then writes its staged outputs back on its own device thread. A
+//! grouped call is one meeting too: each task brings the buffers of every
+//! call of the group, and the leader gets one [`Views`] per call.
 //!
 //! Who touches which bytes when: a task publishes the addresses of its
 //! buffers and then blocks until the meeting is `done`; once every local
@@ -38,20 +40,26 @@ pub(crate) struct Views {
     pub outs: Vec<Option<OutView>>,
 }
 
-/// What one call's meeting keeps: each slot's views until the leader takes
-/// them, then the staged outputs.
+/// What one call's meeting keeps: each call's views (by slot) until the
+/// leader takes them, then the staged outputs.
 pub(crate) struct LocalState {
-    ins: Vec<Option<InView>>,
-    outs: Vec<Option<OutView>>,
-    /// Staged outputs, per slot, once done.
-    results: Vec<Option<Vec<u8>>>,
+    views: Vec<Views>,
+    /// Staged outputs, per call and slot, once done.
+    results: Vec<Vec<Option<Vec<u8>>>>,
     /// The leader's plan ran (or failed).
     done: bool,
 }
 
-/// The leader's work: runs the call over the views, returns staged outputs
-/// (per slot) or why it failed.
-pub(crate) type Plan = Box<dyn FnOnce(Views) -> Result<Vec<Option<Vec<u8>>>, String> + Send>;
+/// The leader's work: runs the calls over their views (one [`Views`] per
+/// call), returns staged outputs (per call, per slot) or why it failed.
+pub(crate) type Plan = Box<dyn FnOnce(Vec<Views>) -> Result<Vec<Vec<Option<Vec<u8>>>>, String> + Send>;
+
+/// Which buffers a task was queued with for one call of its meeting.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Part {
+    pub has_in: bool,
+    pub has_out: bool,
+}
 
 /// One call's local tasks and the plan the last of them runs.
 pub(crate) struct LocalCall {
@@ -68,26 +76,31 @@ impl Seated for LocalCall {
 }
 
 impl LocalCall {
-    /// The call `name` among this rank's `devices` (one task each).
-    pub(crate) fn new(name: &'static str, devices: Vec<DeviceId>, timeout: Duration, plan: Plan) -> Arc<LocalCall> {
+    /// The `calls` calls named `name` among this rank's `devices` (one task
+    /// each).
+    pub(crate) fn new(
+        name: &'static str,
+        calls: usize,
+        devices: Vec<DeviceId>,
+        timeout: Duration,
+        plan: Plan,
+    ) -> Arc<LocalCall> {
         let n = devices.len();
-        let state = LocalState {
-            ins: (0..n).map(|_| None).collect(),
-            outs: (0..n).map(|_| None).collect(),
-            results: vec![None; n],
-            done: false,
-        };
+        let views = (0..calls)
+            .map(|_| Views { ins: (0..n).map(|_| None).collect(), outs: (0..n).map(|_| None).collect() })
+            .collect();
+        let state = LocalState { views, results: Vec::new(), done: false };
         let seats = devices.into_iter().map(|device| Seat { device, member: None }).collect();
         Arc::new(LocalCall { plan: Mutex::new(Some(plan)), meeting: Meeting::new(name, seats, timeout, state) })
     }
 
-    /// A local task's body: `has_in`/`has_out` say which buffers (in that
-    /// order) the task was queued with.
+    /// A local task's body: `parts[k]` says which buffers of call `k` the
+    /// task was queued with (every call's input, in call order, then every
+    /// call's output).
     pub(crate) fn run_task(
         &self,
         slot: usize,
-        has_in: bool,
-        has_out: bool,
+        parts: &[Part],
         access: Result<&mut BufferAccess<'_>, ServerError>,
     ) -> Result<(), ServerError> {
         let meeting = &self.meeting;
@@ -95,33 +108,46 @@ impl LocalCall {
             Ok(a) => a,
             Err(err) => return Err(meeting.fail(err)),
         };
-        let mut index = 0;
-        let input = if has_in {
-            index += 1;
-            Some(match access.host_ptr(0) {
-                Some(p) => InView::Ptr(p.ptr as usize, p.len),
-                None => InView::Owned(access.read(0).map_err(|e| meeting.fail(e))?),
-            })
-        } else {
-            None
-        };
-        let output = if has_out {
-            let size = access.size(index) as usize;
-            Some(match access.host_ptr(index) {
-                Some(p) => OutView::Ptr(p.ptr as usize, p.len),
-                None => OutView::Staged(size),
-            })
-        } else {
-            None
-        };
+        let inputs = parts.iter().filter(|p| p.has_in).count();
+        let (mut next_in, mut next_out) = (0, inputs);
+        let mut mine = Vec::with_capacity(parts.len());
+        let mut out_index = Vec::with_capacity(parts.len());
+        for part in parts {
+            let input = if part.has_in {
+                let index = next_in;
+                next_in += 1;
+                Some(match access.host_ptr(index) {
+                    Some(p) => InView::Ptr(p.ptr as usize, p.len),
+                    None => InView::Owned(access.read(index).map_err(|e| meeting.fail(e))?),
+                })
+            } else {
+                None
+            };
+            let output = if part.has_out {
+                let index = next_out;
+                next_out += 1;
+                out_index.push(Some(index));
+                let size = access.size(index) as usize;
+                Some(match access.host_ptr(index) {
+                    Some(p) => OutView::Ptr(p.ptr as usize, p.len),
+                    None => OutView::Staged(size),
+                })
+            } else {
+                out_index.push(None);
+                None
+            };
+            mine.push((input, output));
+        }
         let mut state = meeting.lock();
         if let Some(err) = state.failure() {
             return Err(err.clone());
         }
-        state.data.ins[slot] = input;
-        state.data.outs[slot] = output;
+        for (call, (input, output)) in mine.into_iter().enumerate() {
+            state.data.views[call].ins[slot] = input;
+            state.data.views[call].outs[slot] = output;
+        }
         if meeting.arrive_locked(&mut state, slot)? {
-            let views = Views { ins: std::mem::take(&mut state.data.ins), outs: std::mem::take(&mut state.data.outs) };
+            let views = std::mem::take(&mut state.data.views);
             drop(state);
             let plan = self.plan.lock().take().expect("one leader");
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| plan(views)))
@@ -149,10 +175,13 @@ impl LocalCall {
         if let Some(err) = state.failure() {
             return Err(err.clone());
         }
-        let staged = state.data.results.get_mut(slot).and_then(Option::take);
+        let staged: Vec<Option<Vec<u8>>> =
+            state.data.results.iter_mut().map(|per_slot| per_slot.get_mut(slot).and_then(Option::take)).collect();
         drop(state);
-        if let Some(bytes) = staged {
-            access.write(index, &bytes).map_err(|e| meeting.fail(e))?;
+        for (call, bytes) in staged.into_iter().enumerate() {
+            if let (Some(bytes), Some(Some(index))) = (bytes, out_index.get(call)) {
+                access.write(*index, &bytes).map_err(|e| meeting.fail(e))?;
+            }
         }
         Ok(())
     }

@@ -39,6 +39,15 @@
 //!   communicator over every member, its id shared through the store; see
 //!   [`Communicator::transport`]. The host links still carry each call's
 //!   fingerprint check (and, with several devices per rank, `send`/`recv`).
+//!
+//! # Groups
+//! [`Communicator::split`], [`Communicator::split_members`] and
+//! [`Communicator::subgroup`] make communicators over some of the members,
+//! collectively over this one (see the `split` module for what a group
+//! shares with its parent). [`Mesh::new`](crate::Mesh::new) over a
+//! communicator splits it once per dimension. Grouped calls
+//! ([`Collectives::group`](crate::Collectives::group)) are one call between
+//! ranks: one fingerprint and one meeting for the whole group.
 
 mod algo;
 mod api;
@@ -47,17 +56,20 @@ mod error;
 mod failure;
 mod fingerprint;
 mod keys;
+mod label;
 mod local;
 mod nccl;
 mod observe;
 mod plans;
 mod setup;
+mod split;
 mod world;
 
 pub use error::ConnectError;
 pub use keys::job_heartbeat_key;
 pub use observe::HEARTBEAT_PERIOD;
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,6 +81,12 @@ use crate::host::default_timeout;
 use crate::store::{StoreClient, StoreServer};
 
 use world::World;
+
+/// One optional buffer per local device (slot).
+pub(crate) type Slots = Vec<Option<cohort_runtime::Handle>>;
+
+/// One call of a grouped call: its description, inputs and outputs by slot.
+pub(crate) type SlotCall = (crate::op::Op, Slots, Slots);
 
 /// One rank of a job: collectives with the other processes' ranks.
 ///
@@ -103,6 +121,14 @@ struct Inner {
     nccl: Option<Arc<nccl::Nccl>>,
     /// Sequence number of the last collective issued; held while queueing.
     issued: Mutex<u64>,
+    /// Its name and job ranks (the world's label, kept here to read
+    /// without the world's lock).
+    label: label::Label,
+    /// How many splits this communicator made (names the next one's keys).
+    splits: AtomicU64,
+    /// The communicator a group was split from (kept alive with it: its
+    /// store, and its store server where it serves one).
+    _parent: Option<Communicator>,
     /// The store rank 0 serves when no launcher does (kept alive with it).
     _server: Option<StoreServer>,
 }
@@ -167,6 +193,7 @@ impl Communicator {
         let nccl = nccl::setup(&world, &clients)?;
         Ok(Communicator {
             inner: Arc::new(Inner {
+                label: world.label.clone(),
                 rank,
                 size: world_size,
                 clients,
@@ -175,6 +202,8 @@ impl Communicator {
                 observer,
                 nccl,
                 issued: Mutex::new(0),
+                splits: AtomicU64::new(0),
+                _parent: None,
                 _server: server,
             }),
         })
@@ -241,6 +270,12 @@ impl Communicator {
     /// This process's rank.
     pub fn rank(&self) -> usize {
         self.inner.rank
+    }
+
+    /// Where a handle's timed wait says it waited: `rank 1`, or `rank 3 in
+    /// group comm1.s0c1 (ranks 1, 3)` (by job rank).
+    fn scope(&self) -> String {
+        format!("rank {}{}", self.inner.label.global(self.inner.rank), self.inner.label)
     }
 
     /// Number of ranks.

@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam::channel::{RecvTimeoutError, Sender};
 
+use crate::op::Op;
 use crate::store::StoreClient;
-use crate::trace::{FlightRecorder, Watched};
+use crate::trace::{CollectiveFingerprint, FlightRecorder, Watched};
 
 use super::error::ConnectError;
 use super::failure::Failure;
@@ -46,16 +47,20 @@ fn job_identity(rank: usize, size: usize) -> (usize, usize) {
 
 /// What every tracked call shares.
 struct Shared {
-    /// The recorder's group name, `comm<k>`, the same on every rank.
+    /// The recorder's group name (`comm<k>`, `comm<k>.s<n>c<color>`), the
+    /// same on every rank.
     group: String,
+    /// Its ranks' job ranks: the ranks of its records.
+    label: super::label::Label,
     rank: usize,
     /// The job rank (timeline rows).
     job_rank: usize,
     /// Last collective called / finished (not counting send/recv).
     issued: AtomicU64,
     finished: AtomicU64,
-    /// A connection for aborts raised outside the exchange.
-    store: StoreClient,
+    /// The communicator's store connection, for aborts raised outside the
+    /// exchange.
+    store: Arc<StoreClient>,
     prefix: String,
     aborted: AtomicBool,
     /// Wakes the heartbeat thread to report progress (never blocks).
@@ -75,21 +80,26 @@ impl Observer {
     /// SIGUSR1 dump and names the recorder's dumps after the job's rank.
     pub(crate) fn start(world: &World) -> Result<Observer, ConnectError> {
         let (rank, size, prefix) = (world.rank, world.size, world.prefix().to_string());
-        let (job_rank, job_size) = job_identity(rank, size);
-        FlightRecorder::global().set_identity(job_rank, job_size);
+        let job_rank = if world.label.split {
+            world.label.global(rank)
+        } else {
+            let (job_rank, job_size) = job_identity(rank, size);
+            FlightRecorder::global().set_identity(job_rank, job_size);
+            job_rank
+        };
         crate::trace::install_dump_on_signal();
         let beat = world.store().duplicate()?;
         beat.set_will(&keys::gone(&prefix, rank), b"its store connection closed")?;
-        let k = prefix.trim_end_matches('/').rsplit('/').next().unwrap_or("0").to_string();
         let (poke, poked) = crossbeam::channel::bounded::<()>(1);
         let shared = Arc::new(Shared {
             poke,
-            group: format!("comm{k}"),
+            group: world.label.name.clone(),
+            label: world.label.clone(),
             rank,
             job_rank,
             issued: AtomicU64::new(0),
             finished: AtomicU64::new(0),
-            store: world.store().duplicate()?,
+            store: world.shared_store(),
             prefix,
             aborted: AtomicBool::new(false),
         });
@@ -141,15 +151,33 @@ impl Observer {
     pub(crate) fn queued(&self, fp: Fingerprint) -> Tracker {
         let s = &self.shared;
         let (group, ranks) = match fp.op.endpoints() {
-            Some((from, to)) => (format!("{}/p2p {from}->{to}", s.group), Some(vec![from, to])),
+            Some((from, to)) => {
+                let (from, to) = (s.label.global(from), s.label.global(to));
+                (format!("{}/p2p {from}->{to}", s.group), Some(vec![from, to]))
+            }
             None => {
                 s.issued.fetch_max(fp.seq, Ordering::Relaxed);
                 let _ = s.poke.try_send(());
-                (s.group.clone(), None)
+                // A group's records name its ranks, so the merge expects
+                // only them; a job's communicator is every rank.
+                (s.group.clone(), s.label.split.then(|| s.label.ranks.clone()))
             }
         };
         let category = if fp.is_p2p() { "p2p" } else { "collective" };
-        let watched = Watched::start(group, fp.seq, &fp.op, 1, ranks, category, 0);
+        let watched = match fp.group {
+            None => Watched::start(group, fp.seq, &fp.op, 1, ranks, category, 0),
+            Some(g) => {
+                let described = CollectiveFingerprint {
+                    seq: fp.seq,
+                    kind: "group".into(),
+                    op: None,
+                    dtype: "calls".into(),
+                    count: u64::from(g.calls),
+                    root: None,
+                };
+                Watched::start_described(group, described, 1, ranks, category, 0)
+            }
+        };
         Tracker { shared: s.clone(), watched: Some(watched), fp }
     }
 }
@@ -169,6 +197,19 @@ impl Tracker {
     /// Runs the exchange (the leader's plan) and records how it ended.
     pub(crate) fn run(self, world: &mut World, views: Views) -> Result<Vec<Option<Vec<u8>>>, String> {
         let result = plans::run(world, self.fp, views);
+        self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone));
+        result.map_err(|failure| failure.message)
+    }
+
+    /// Runs a grouped call's exchange (its calls `ops`, one [`Views`] each)
+    /// and records how it ended.
+    pub(crate) fn run_group(
+        self,
+        world: &mut World,
+        ops: &[Op],
+        views: Vec<Views>,
+    ) -> Result<Vec<Vec<Option<Vec<u8>>>>, String> {
+        let result = plans::run_group(world, self.fp, ops, views);
         self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone));
         result.map_err(|failure| failure.message)
     }
@@ -198,17 +239,18 @@ impl Drop for Tracker {
         let Some(watched) = self.watched.take() else {
             return;
         };
+        let me = self.shared.label.global(self.shared.rank);
         let why = format!(
-            "{} failed on rank {} before the exchange with the other ranks began: a local device task failed (a \
+            "{}{} failed on rank {me} before the exchange with the other ranks began: a local device task failed (a \
              poisoned input, a failed device, or a local device that never reached it)",
-            self.fp, self.shared.rank
+            self.fp, self.shared.label
         );
         watched.ended(Err(why.clone()));
         // The first local failure tells the other ranks, so they stop
         // instead of waiting for this rank until their timeout.
         if !self.shared.aborted.swap(true, Ordering::Relaxed) {
             let key = keys::abort(&self.shared.prefix);
-            let _ = self.shared.store.compare_set(&key, None, format!("rank {}: {why}", self.shared.rank).as_bytes());
+            let _ = self.shared.store.compare_set(&key, None, format!("rank {me}: {why}").as_bytes());
             FlightRecorder::global().write_default("local-failure");
         }
     }

@@ -8,7 +8,7 @@
 //! runs in host scratch memory. An input that overlaps an output (in place)
 //! is read before any output is written.
 
-use crate::op::Collective;
+use crate::op::{Collective, Op};
 use crate::ops::{finish, DType, ReduceOp};
 use crate::transport::reduce_into;
 use crate::with_dtype;
@@ -142,6 +142,105 @@ pub(crate) fn run(world: &mut World, fp: Fingerprint, mut views: Views) -> Resul
     let members = size * l;
     world.run(fp, |w| execute(w, &fp, &mut b, &in_place, l, rank, members))?;
     Ok(std::mem::take(&mut b.staged))
+}
+
+/// Runs grouped call `fp`, whose calls are `ops` (one [`Views`] each), for
+/// this rank's local slots: one check of the group's fingerprint, then the
+/// all-reduces packed per (element type, operator) into one exchange each,
+/// then every other call in order, none checking a fingerprint of its own.
+/// Returns the staged outputs, per call and slot.
+pub(crate) fn run_group(
+    world: &mut World,
+    fp: Fingerprint,
+    ops: &[Op],
+    mut views: Vec<Views>,
+) -> Result<Vec<Vec<Option<Vec<u8>>>>, Failure> {
+    let mut resolved: Vec<(Bufs<'_>, Vec<bool>)> = views
+        .iter_mut()
+        .zip(ops)
+        .map(|(v, op)| {
+            let same_ok = matches!(op.collective(), Collective::AllReduce | Collective::Reduce | Collective::Broadcast);
+            // SAFETY: as in `run`: every call's views come from this group's
+            // tasks, which stay blocked until this returns.
+            unsafe { resolve(v, same_ok) }
+        })
+        .collect();
+    let l = resolved.first().map_or(1, |(b, _)| b.outs.len().max(b.ins.len()));
+    let (rank, size) = (world.rank, world.size);
+    let members = size * l;
+    world.run(fp, |w| {
+        w.ring_check(&fp)?;
+        w.in_group = true;
+        let result = execute_group(w, &fp, ops, &mut resolved, l, rank, members);
+        w.in_group = false;
+        result
+    })?;
+    Ok(resolved.into_iter().map(|(mut b, _)| std::mem::take(&mut b.staged)).collect())
+}
+
+/// Slot `slot`'s input of a call (its output where it runs in place).
+fn input_of<'b>(b: &'b Bufs<'_>, in_place: &[bool], slot: usize) -> &'b [u8] {
+    if in_place[slot] {
+        b.outs[slot].as_deref().expect("in place has an output")
+    } else {
+        b.ins[slot].expect("an input")
+    }
+}
+
+fn execute_group(
+    w: &mut World,
+    fp: &Fingerprint,
+    ops: &[Op],
+    resolved: &mut [(Bufs<'_>, Vec<bool>)],
+    l: usize,
+    rank: usize,
+    members: usize,
+) -> Result<(), Failure> {
+    // All-reduces by (element type, operator on the wire), in the order
+    // each pair first appears (the same on every rank: the group's
+    // fingerprint covers every call's description).
+    let mut buckets: Vec<((DType, ReduceOp), Vec<usize>)> = Vec::new();
+    for (k, op) in ops.iter().enumerate() {
+        if op.collective() != Collective::AllReduce {
+            continue;
+        }
+        let key = (op.dtype(), wire_op(op.reduce_op().unwrap_or(ReduceOp::Sum)));
+        match buckets.iter_mut().find(|(b, _)| *b == key) {
+            Some((_, calls)) => calls.push(k),
+            None => buckets.push((key, vec![k])),
+        }
+    }
+    for ((dtype, op), calls) in &buckets {
+        let lens: Vec<usize> = calls.iter().map(|&k| input_of(&resolved[k].0, &resolved[k].1, 0).len()).collect();
+        let mut packed = Scratch::new(lens.iter().sum());
+        let mut at = 0;
+        for (&k, &len) in calls.iter().zip(&lens) {
+            let (b, in_place) = &resolved[k];
+            let part = &mut packed.bytes()[at..at + len];
+            part.copy_from_slice(input_of(b, in_place, 0));
+            local_reduce(part, b, in_place, *dtype, *op);
+            at += len;
+        }
+        w.all_reduce(fp, packed.bytes(), None, *dtype, *op)?;
+        at = 0;
+        for (&k, &len) in calls.iter().zip(&lens) {
+            let part = &mut packed.bytes()[at..at + len];
+            if ops[k].reduce_op() == Some(ReduceOp::Avg) {
+                divide(part, *dtype, members);
+            }
+            for out in resolved[k].0.outs.iter_mut().flatten() {
+                out.copy_from_slice(part);
+            }
+            at += len;
+        }
+    }
+    for (k, op) in ops.iter().enumerate() {
+        if op.collective() != Collective::AllReduce {
+            let (b, in_place) = &mut resolved[k];
+            execute(w, &Fingerprint::of(fp.seq, *op), b, in_place, l, rank, members)?;
+        }
+    }
+    Ok(())
 }
 
 /// Combines every local input into `acc` (`acc` already holds slot 0's).

@@ -70,9 +70,22 @@ pub(crate) fn form(
     devices: usize,
     timeout: Duration,
 ) -> Result<World, ConnectError> {
-    let deadline = Instant::now() + timeout;
     let k = store.add(&keys::instance_counter(rank), 1)?;
-    let prefix = keys::prefix(k);
+    form_under(store, keys::prefix(k), rank, size, devices, timeout)
+}
+
+/// [`form`] under a given key `prefix` (a subgroup's, under its parent's),
+/// over `store` (a group's is its parent's connection).
+pub(crate) fn form_under(
+    store: impl Into<Arc<StoreClient>>,
+    prefix: String,
+    rank: usize,
+    size: usize,
+    devices: usize,
+    timeout: Duration,
+) -> Result<World, ConnectError> {
+    let store: Arc<StoreClient> = store.into();
+    let deadline = Instant::now() + timeout;
     let key = |name: &str| keys::under(&prefix, name);
     if rank == 0 {
         let value = format!("{} {}", random_hex(8)?, random_hex(TOKEN_LEN)?);

@@ -10,6 +10,7 @@
 //! so every live rank stops within a fraction of a second with the same
 //! message instead of hanging.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::store::StoreClient;
@@ -18,6 +19,7 @@ use crate::transport::{back_off, exchange, peer_gone, Link, RecvOp, SendOp, Stop
 use super::failure::{Failure, FailureKind};
 use super::fingerprint::{Fingerprint, LEN};
 use super::keys;
+use super::label::Label;
 
 /// How often a long-waiting rank looks for an abort.
 const ABORT_POLL: Duration = Duration::from_millis(200);
@@ -41,7 +43,8 @@ pub(crate) struct World {
     pub rank: usize,
     pub size: usize,
     links: Vec<Option<Box<dyn Link>>>,
-    store: StoreClient,
+    /// Its connection to the store (a group shares its parent's).
+    store: Arc<StoreClient>,
     /// Store key prefix of this communicator.
     prefix: String,
     pub timeout: Duration,
@@ -51,6 +54,11 @@ pub(crate) struct World {
     /// Messages sent to / received from each rank (send/recv).
     sent: Vec<u64>,
     received: Vec<u64>,
+    /// Its name and its ranks' job ranks, for every message.
+    pub label: Label,
+    /// Inside a grouped call, whose one fingerprint was checked already:
+    /// its calls skip their own check.
+    pub in_group: bool,
 }
 
 impl World {
@@ -58,11 +66,15 @@ impl World {
         rank: usize,
         size: usize,
         links: Vec<Option<Box<dyn Link>>>,
-        store: StoreClient,
+        store: impl Into<Arc<StoreClient>>,
         prefix: String,
         timeout: Duration,
     ) -> World {
+        let store = store.into();
+        let k = prefix.trim_end_matches('/').rsplit('/').next().unwrap_or("0").to_string();
         World {
+            label: Label::root(&k, size),
+            in_group: false,
             rank,
             size,
             links,
@@ -86,6 +98,12 @@ impl World {
         &self.store
     }
 
+    /// Its store connection, to share (with the groups split from it, and
+    /// their observers).
+    pub(crate) fn shared_store(&self) -> Arc<StoreClient> {
+        self.store.clone()
+    }
+
     /// The transport to `peer` ("shm", "tcp"; "self" for this rank).
     pub(crate) fn link_kind(&self, peer: usize) -> &'static str {
         self.links[peer].as_ref().map_or("self", |l| l.kind())
@@ -107,7 +125,8 @@ impl World {
         body: impl FnOnce(&mut World) -> Result<(), Failure>,
     ) -> Result<(), Failure> {
         if let Some(why) = &self.aborted {
-            let message = format!("{fp} refused: the communicator was aborted by an earlier failure: {why}");
+            let message =
+                format!("{fp}{} refused: the communicator was aborted by an earlier failure: {why}", self.label);
             return Err(Failure::new(FailureKind::Aborted, message));
         }
         let started = Instant::now();
@@ -128,7 +147,8 @@ impl World {
         if self.aborted.is_none() {
             self.aborted = Some(why.to_string());
             let key = keys::abort(&self.prefix);
-            let _ = self.store.compare_set(&key, None, format!("rank {}: {why}", self.rank).as_bytes());
+            let me = self.label.global(self.rank);
+            let _ = self.store.compare_set(&key, None, format!("rank {me}: {why}").as_bytes());
         }
     }
 
@@ -137,7 +157,8 @@ impl World {
         let current = self.current.expect("exchange inside World::run");
         let slow = slow_after(self.timeout);
         let (rank, size) = (self.rank, self.size);
-        let (store, prefix) = (&self.store, &self.prefix);
+        let (store, prefix, label) = (&self.store, &self.prefix, &self.label);
+        let me = label.global(rank);
         let mut noted = false;
         let mut last_poll = Instant::now();
         // A peer whose process went away (its store will fired) fails the
@@ -148,9 +169,10 @@ impl World {
             if let Some((peer, why)) = &gone {
                 if waiting_on.contains(peer) {
                     return Err(Failure::from(format!(
-                        "{}: rank {peer} went away ({why}) while rank {rank} waited for its bytes; its process \
+                        "{}{label}: rank {} went away ({why}) while rank {me} waited for its bytes; its process \
                          exited, crashed or was killed (see the launcher's summary for how)",
-                        current.fp
+                        current.fp,
+                        label.global(*peer)
                     )));
                 }
                 gone = None;
@@ -161,7 +183,7 @@ impl World {
             }
             let now = Instant::now();
             if now >= current.deadline {
-                let message = timeout_message(store, prefix, &current, rank, size, waiting_on);
+                let message = timeout_message(store, prefix, label, &current, rank, size, waiting_on);
                 return Err(Failure::new(FailureKind::Timeout, message));
             }
             if now - current.started < slow {
@@ -176,7 +198,7 @@ impl World {
                 match store.get(&keys::abort(prefix)) {
                     Ok(Some(why)) => {
                         let message = format!(
-                            "{} stopped: the communicator was aborted by {}",
+                            "{}{label} stopped: the communicator was aborted by {}",
                             current.fp,
                             String::from_utf8_lossy(&why)
                         );
@@ -189,7 +211,7 @@ impl World {
                         e @ (crate::store::StoreError::Disconnected { .. } | crate::store::StoreError::Broken { .. }),
                     ) => {
                         let message = format!(
-                            "{} stopped on rank {rank}: lost the rendezvous store ({e}); the process that served it \
+                            "{} stopped on rank {me}: lost the rendezvous store ({e}); the process that served it \
                              (rank 0 under mpirun or srun, the launcher under `cohort run`) has probably died",
                             current.fp
                         );
@@ -210,7 +232,8 @@ impl World {
             Stop::Idle(why) => why,
             Stop::Link { peer, kind, error } => {
                 let how = if peer_gone(&error) { "closed (it exited or crashed)" } else { "failed" };
-                Failure::from(format!("{}: the {kind} link to rank {peer} {how}: {error}", current.fp))
+                let peer = label.global(peer);
+                Failure::from(format!("{}{label}: the {kind} link to rank {peer} {how}: {error}", current.fp))
             }
         })
     }
@@ -242,7 +265,9 @@ impl World {
         }
         let got = Fingerprint::decode(&theirs);
         if got.as_ref() != Some(expected) {
-            return Err(Failure::new(FailureKind::Mismatch, expected.mismatch(self.rank, from, got.as_ref())));
+            let (me, peer) = (self.label.global(self.rank), self.label.global(from));
+            let message = expected.mismatch(me, peer, got.as_ref(), &self.label);
+            return Err(Failure::new(FailureKind::Mismatch, message));
         }
         Ok(())
     }
@@ -261,9 +286,11 @@ fn desync_check() -> bool {
 
 /// Why a collective timed out: the ranks that never noted their arrival,
 /// and the ones this rank was still waiting for.
+#[allow(clippy::too_many_arguments)]
 fn timeout_message(
     store: &StoreClient,
     prefix: &str,
+    label: &Label,
     current: &Current,
     rank: usize,
     size: usize,
@@ -274,11 +301,12 @@ fn timeout_message(
     let mut missing: Vec<String> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     for r in (0..size).filter(|&r| r != rank) {
+        let g = label.global(r);
         if matches!(store.get(&keys::arrived(prefix, seq, r)), Ok(Some(_))) {
             continue;
         }
         if let Ok(Some(why)) = store.get(&keys::gone(prefix, r)) {
-            notes.push(format!("rank {r} went away ({})", String::from_utf8_lossy(&why)));
+            notes.push(format!("rank {g} went away ({})", String::from_utf8_lossy(&why)));
             continue;
         }
         // Its heartbeat says how far it got (collectives only: send/recv
@@ -288,21 +316,22 @@ fn timeout_message(
             _ => None,
         };
         match progress {
-            Some((_, finished)) if finished >= seq => notes.push(format!("rank {r} finished #{seq} and went on")),
+            Some((_, finished)) if finished >= seq => notes.push(format!("rank {g} finished #{seq} and went on")),
             Some((issued, _)) if issued >= seq => {
-                notes.push(format!("rank {r} called #{seq} but its devices never started it (busy with earlier work?)"))
+                notes.push(format!("rank {g} called #{seq} but its devices never started it (busy with earlier work?)"))
             }
             Some((issued, _)) => {
-                missing.push(r.to_string());
-                notes.push(format!("rank {r} last reported calling #{issued}"));
+                missing.push(g.to_string());
+                notes.push(format!("rank {g} last reported calling #{issued}"));
             }
-            None => missing.push(r.to_string()),
+            None => missing.push(g.to_string()),
         }
     }
     let mut waiting: Vec<usize> = waiting_on.to_vec();
     waiting.sort_unstable();
     waiting.dedup();
-    let waiting: Vec<String> = waiting.iter().map(|r| r.to_string()).collect();
+    let waiting: Vec<String> = waiting.iter().map(|&r| label.global(r).to_string()).collect();
+    let me = label.global(rank);
     let missing = match (missing.is_empty(), notes.is_empty()) {
         (true, true) => "every rank arrived but the data did not move (a rank is stuck inside it)".to_string(),
         (true, false) => notes.join("; "),
@@ -310,7 +339,7 @@ fn timeout_message(
         (false, false) => format!("rank(s) {} never arrived ({})", missing.join(", "), notes.join("; ")),
     };
     format!(
-        "{} timed out after {:.1} s on rank {rank}: {missing}; rank {rank} was waiting for rank(s) {}. Every \
+        "{}{label} timed out after {:.1} s on rank {me}: {missing}; rank {me} was waiting for rank(s) {}. Every \
          rank must call the same collectives in the same order; raise COHORT_TIMEOUT (seconds) if the work \
          before it legitimately takes that long",
         current.fp,

@@ -10,6 +10,9 @@ use super::recorder::{CollectiveFingerprint, RecordState, RecorderDump};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Straggler {
     pub group: String,
+    /// The job ranks of the group, where its records name them (a group
+    /// split from the job's communicator; `None`: every rank).
+    pub members: Option<Vec<usize>>,
     pub fingerprint: CollectiveFingerprint,
     /// Ranks that finished it.
     pub finished: Vec<usize>,
@@ -68,6 +71,7 @@ pub fn merge(dumps: &[RecorderDump]) -> MergeReport {
         let reference = per_rank.values().next().map(|(f, _)| f.clone()).expect("an entry has a rank");
         let mut straggler = Straggler {
             group: group.clone(),
+            members: among.get(&(group.clone(), *seq)).cloned(),
             fingerprint: reference.clone(),
             finished: vec![],
             stuck: vec![],
@@ -162,7 +166,11 @@ impl fmt::Display for MergeReport {
         match &self.first_unfinished {
             None => writeln!(f, "every recorded collective finished on every rank"),
             Some(s) => {
-                writeln!(f, "first collective not finished everywhere: {} in group {}", s.fingerprint, s.group)?;
+                write!(f, "first collective not finished everywhere: {} in group {}", s.fingerprint, s.group)?;
+                match &s.members {
+                    Some(members) => writeln!(f, " (ranks {})", list(members))?,
+                    None => writeln!(f)?,
+                }
                 writeln!(f, "  finished:       {}", list(&s.finished))?;
                 writeln!(f, "  stuck inside:   {}", list(&s.stuck))?;
                 writeln!(f, "  never arrived:  {}", list(&s.never_arrived))?;
@@ -237,5 +245,27 @@ mod tests {
         assert_eq!(s.mismatched.len(), 1);
         assert_eq!(s.mismatched[0].0, 1);
         assert_eq!(s.failures.len(), 2);
+    }
+
+    #[test]
+    fn names_a_groups_members() {
+        use RecordState::*;
+        let among = |mut r: CollectiveRecord| {
+            r.group = "comm1.s0c1".into();
+            r.ranks = Some(vec![1, 2]);
+            r
+        };
+        let dumps = vec![
+            dump(0, vec![record(0, "all_reduce", Completed)]),
+            dump(1, vec![record(0, "all_reduce", Completed), among(record(0, "broadcast", Failed("mismatch".into())))]),
+            dump(
+                2,
+                vec![record(0, "all_reduce", Completed), among(record(0, "all_reduce", Failed("mismatch".into())))],
+            ),
+        ];
+        let report = merge(&dumps);
+        let s = report.first_unfinished.clone().unwrap();
+        assert_eq!((s.group.as_str(), s.members.clone()), ("comm1.s0c1", Some(vec![1, 2])));
+        assert!(report.to_string().contains("in group comm1.s0c1 (ranks 1, 2)"), "{report}");
     }
 }

@@ -45,7 +45,19 @@ impl Watched {
         category: &'static str,
         tid: u32,
     ) -> Arc<Watched> {
-        let fingerprint = CollectiveFingerprint::of(seq, op);
+        Watched::start_described(group, CollectiveFingerprint::of(seq, op), parts, ranks, category, tid)
+    }
+
+    /// [`Watched::start`] of a call described by `fingerprint` (a grouped
+    /// call's: kind `group`, its number of calls as the count).
+    pub(crate) fn start_described(
+        group: String,
+        fingerprint: CollectiveFingerprint,
+        parts: usize,
+        ranks: Option<Vec<usize>>,
+        category: &'static str,
+        tid: u32,
+    ) -> Arc<Watched> {
         let record = FlightRecorder::global().start_among(&group, fingerprint.clone(), ranks);
         Arc::new(Watched {
             group,

@@ -140,6 +140,30 @@ pub trait DeviceCollectives {
         completion: Completion,
     ) -> Result<Option<PendingPart>, ServerError>;
 
+    /// Creates this device's communicator `set` by splitting its
+    /// communicator of `parent` (created first from `parent`'s id when this
+    /// device has none yet), as `ncclCommSplit` does: collective over every
+    /// member of `parent`, each of which calls it with its `color` (`None`:
+    /// it joins no group but must still call) and `key` (ranks in the new
+    /// communicator follow keys, then parent ranks). With `share`, the new
+    /// communicator shares the parent's resources where the library allows.
+    /// Waits for every member of `parent`. The default refuses: only a
+    /// backend with a collective library splits.
+    fn split(
+        &mut self,
+        parent: &CommSpec<'_>,
+        set: u64,
+        color: Option<u32>,
+        key: usize,
+        share: bool,
+    ) -> Result<(), ServerError> {
+        let _ = (parent, set, color, key, share);
+        Err(ServerError::InvalidState {
+            operation: "split",
+            reason: "this device's backend cannot split a device communicator".into(),
+        })
+    }
+
     /// Whether parts are running, or ended without being reported by
     /// [`DeviceCollectives::poll`] yet.
     fn has_pending(&mut self) -> bool;

@@ -17,9 +17,20 @@ use crate::communicator::failure::{Failure, FailureKind};
 use crate::communicator::fingerprint::Fingerprint;
 use crate::communicator::keys;
 use crate::communicator::world::World;
-use crate::device::plan::{self, Shape};
+use crate::device::plan::{self, Buffers};
 use crate::meeting::{Gathering, Meeting, Seat, Seated};
 use crate::op::Collective;
+use crate::op::Op;
+
+/// One call of a part: its description and the binding indices of its
+/// buffers in the part's task.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PartLayout {
+    pub op: Op,
+    pub input: Option<usize>,
+    pub output: Option<usize>,
+    pub scratch: Option<usize>,
+}
 
 /// What an NCCL-path call keeps in its meeting.
 pub(crate) struct NcclState {
@@ -86,7 +97,8 @@ impl NcclCall {
         let seats: Vec<Seat> = devices.into_iter().map(|device| Seat { device, member: None }).collect();
         let n = seats.len();
         let state = NcclState { checked: None, ended: 0, ended_slots: vec![false; n], kind: None };
-        let meeting = Meeting::new(fp.op.name(), seats, timeout, state);
+        let name = if fp.group.is_some() { "group" } else { fp.op.name() };
+        let meeting = Meeting::new(name, seats, timeout, state);
         Arc::new(NcclCall { nccl, world, fp, meeting, on_done: Mutex::new(None) })
     }
 
@@ -166,10 +178,10 @@ impl NcclCall {
         self: &Arc<Self>,
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
-        shape: Shape,
+        layout: &[PartLayout],
     ) -> Result<(), ServerError> {
         let mut handed = false;
-        let result = self.queue_part(slot, access, shape, &mut handed);
+        let result = self.queue_part(slot, access, layout, &mut handed);
         if !handed {
             self.end_part(slot);
         }
@@ -180,16 +192,28 @@ impl NcclCall {
         self: &Arc<Self>,
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
-        shape: Shape,
+        layout: &[PartLayout],
         handed: &mut bool,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
-        let buffers = shape.bind(|i| access.binding(i));
+        let parts: Vec<(Op, Buffers)> = layout
+            .iter()
+            .map(|p| {
+                let bind = |i: Option<usize>| i.map(|i| access.binding(i));
+                (p.op, Buffers { input: bind(p.input), output: bind(p.output), scratch: bind(p.scratch) })
+            })
+            .collect();
         let deadline = Instant::now() + self.meeting.timeout();
         self.meet(slot, deadline)?;
         let nccl = &self.nccl;
         let (member, members) = (nccl.rank * nccl.local + slot, nccl.size * nccl.local);
-        if let Some(peer_call) = self.peer_call(&buffers) {
+        // The peer-memory kernels take one call at a time; a grouped call
+        // goes to NCCL whole.
+        let peer_call = match parts.as_slice() {
+            [(op, buffers)] if self.fp.group.is_none() => self.peer_call(op, buffers),
+            _ => None,
+        };
+        if let Some(peer_call) = peer_call {
             let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
             let started = Instant::now();
             let monitor = Arc::new(PartMonitor {
@@ -206,7 +230,8 @@ impl NcclCall {
                 self.fail(err)
             });
         }
-        let calls = plan::nccl_calls(&self.fp.op, member, members, &buffers);
+        let calls: Vec<_> =
+            parts.iter().flat_map(|(op, buffers)| plan::nccl_calls(op, member, members, buffers)).collect();
         if calls.is_empty() {
             return Ok(());
         }
@@ -219,8 +244,8 @@ impl NcclCall {
             poll: Mutex::new(Poll { last: started, noted: false }),
             ended: AtomicBool::new(false),
         });
-        let completion =
-            if self.fp.op.collective() == Collective::Barrier { Completion::Wait } else { Completion::Defer };
+        let barrier = self.fp.group.is_none() && self.fp.op.collective() == Collective::Barrier;
+        let completion = if barrier { Completion::Wait } else { Completion::Defer };
         let result = access.run_collective(&spec, &calls, monitor.clone(), completion);
         // Queued (its monitor ends the part, now or later) unless refused
         // before any call was queued.
@@ -235,9 +260,8 @@ impl NcclCall {
 impl NcclCall {
     /// The peer kernel this call's part runs, where the communicator has
     /// the fast path and its choice for this call is a kernel.
-    fn peer_call(&self, buffers: &plan::Buffers) -> Option<PeerCall> {
+    fn peer_call(&self, op: &Op, buffers: &plan::Buffers) -> Option<PeerCall> {
         let peer = self.nccl.peer.as_ref()?;
-        let op = &self.fp.op;
         let algo = peer.path(op).peer()?;
         let (src, dst) = (buffers.input?, buffers.output?);
         match (op.collective(), op.reduce_op()) {

@@ -35,12 +35,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
+use cohort_runtime::backend::CommSpec;
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError};
 use parking_lot::Mutex;
 
 use crate::check::{overlaps, same_bytes};
 use crate::device::ask;
-use crate::device::plan::Shape;
 use crate::error::CommError;
 use crate::meeting::Ticket;
 use crate::op::{Collective, Op};
@@ -49,13 +49,15 @@ use crate::store::StoreClient;
 mod call;
 mod peer;
 
-pub(crate) use call::NcclCall;
+pub(crate) use call::{NcclCall, PartLayout};
 
 use super::error::ConnectError;
 use super::failure::Failure;
 use super::fingerprint::Fingerprint;
 use super::keys;
+use super::label::Label;
 use super::world::World;
+use super::SlotCall;
 
 /// Set keys of communicators made here carry the top bit, apart from the
 /// keys `ClientGroup`s use on the same devices.
@@ -63,6 +65,12 @@ const SET_BASE: u64 = 1 << 63;
 
 /// How often a waiting part looks at the store's abort flag.
 const ABORT_POLL: Duration = Duration::from_millis(200);
+
+/// The next set key of a communicator made here (with [`SET_BASE`]).
+fn next_set() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    SET_BASE | NEXT.fetch_add(1, Ordering::Relaxed)
+}
 
 /// A communicator's NCCL side.
 pub(crate) struct Nccl {
@@ -72,11 +80,14 @@ pub(crate) struct Nccl {
     local: usize,
     unique_id: Vec<u8>,
     clients: Vec<Client>,
-    /// Arrival notes and aborts (its own connection).
-    store: StoreClient,
+    /// Arrival notes and aborts (its own connection; a group's shares its
+    /// communicator's).
+    store: Arc<StoreClient>,
     prefix: String,
     /// The peer-memory fast path, where every rank could set it up.
     peer: Option<peer::PeerPath>,
+    /// Names ranks by job rank in messages.
+    label: Label,
 }
 
 /// Why this rank's devices cannot take the NCCL path (`None`: they can).
@@ -139,11 +150,11 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         warn_host(&String::from_utf8_lossy(&value[value.len().min(3)..]));
         return Ok(None);
     };
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let key = SET_BASE | NEXT.fetch_add(1, Ordering::Relaxed);
+    let key = next_set();
     let peer = peer::setup(store, &prefix, rank, size, clients, key, deadline)?;
     tracing::debug!(rank, size, local = clients.len(), peer = peer.is_some(), "the communicator runs on NCCL");
     Ok(Some(Arc::new(Nccl {
+        label: world.label.clone(),
         peer,
         key,
         rank,
@@ -151,7 +162,7 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         local: clients.len(),
         unique_id: unique_id.to_vec(),
         clients: clients.to_vec(),
-        store: store.duplicate()?,
+        store: Arc::new(store.duplicate()?),
         prefix,
     })))
 }
@@ -198,29 +209,63 @@ impl Nccl {
         inputs: Vec<Option<Handle>>,
         outputs: Vec<Option<Handle>>,
     ) -> Result<Arc<NcclCall>, CommError> {
+        self.launch_calls(world, fp, timeout, vec![(fp.op, inputs, outputs)])
+    }
+
+    /// Queues one part per local device for `calls` (op, inputs and outputs
+    /// by slot) under one fingerprint `fp`: a grouped call's parts issue
+    /// every call's NCCL calls inside one `ncclGroupStart/End`. The caller
+    /// holds the process-wide enqueue order.
+    pub(crate) fn launch_calls(
+        self: &Arc<Self>,
+        world: &Arc<Mutex<World>>,
+        fp: Fingerprint,
+        timeout: Duration,
+        calls: Vec<SlotCall>,
+    ) -> Result<Arc<NcclCall>, CommError> {
         // Roots are members, and a message's endpoints (one device per
         // rank) ranks: both are ranks of the NCCL communicator.
-        let (op, seg) = (fp.op, fp.op.block_bytes());
         let members = self.size * self.local;
         let devices = self.clients.iter().map(Client::device_id).collect();
         let call = NcclCall::new(self.clone(), world.clone(), fp, devices, timeout);
+        let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
-            let input: Vec<Handle> = inputs[slot].iter().cloned().collect();
-            let mut output: Vec<Handle> = outputs[slot].iter().cloned().collect();
-            // An in-place all-to-all sends from a copy of the source.
-            let scratch = op.collective() == Collective::AllToAll
-                && input.first().zip(output.first()).is_some_and(|(i, o)| same_bytes(i, o));
-            if scratch {
-                output.push(client.empty(seg * members));
+            let (mut input, mut output): (Vec<Handle>, Vec<Handle>) = (Vec::new(), Vec::new());
+            let mut layout = Vec::with_capacity(calls.len());
+            for (op, ins, outs) in &calls {
+                let src = ins[slot].clone();
+                let dst = outs[slot].clone();
+                // An in-place all-to-all sends from a copy of the source.
+                let scratch = op.collective() == Collective::AllToAll
+                    && src.as_ref().zip(dst.as_ref()).is_some_and(|(i, o)| same_bytes(i, o));
+                let mut part = PartLayout { op: *op, input: None, output: None, scratch: None };
+                if let Some(src) = src {
+                    part.input = Some(input.len());
+                    input.push(src);
+                }
+                if let Some(dst) = dst {
+                    part.output = Some(output.len());
+                    output.push(dst);
+                }
+                if scratch {
+                    part.scratch = Some(output.len());
+                    output.push(client.empty(op.block_bytes() * members));
+                }
+                layout.push(part);
             }
-            let shape = Shape { input: !input.is_empty(), output: !output.is_empty(), scratch };
+            // Bindings number inputs first, then outputs.
+            let inputs_here = input.len();
+            for part in &mut layout {
+                part.output = part.output.map(|o| o + inputs_here);
+                part.scratch = part.scratch.map(|o| o + inputs_here);
+            }
             let ticket = Ticket::new(&call, slot);
-            let queued = client.submit_buffers_always(op.name(), input, output, move |access| {
-                ticket.run(|call, slot| call.run_part(slot, access, shape))
+            let queued = client.submit_buffers_always(name, input, output, move |access| {
+                ticket.run(|call, slot| call.run_part(slot, access, &layout))
             });
             if let Err(source) = queued {
-                let err = CommError::Enqueue { operation: op.name(), member: slot, device: client.device_id(), source };
+                let err = CommError::Enqueue { operation: name, member: slot, device: client.device_id(), source };
                 call.fail(ServerError::InvalidState { operation: "collective", reason: err.to_string() });
                 failed.get_or_insert(err);
             }
@@ -237,8 +282,8 @@ impl Nccl {
         if let Some(mut w) = world.try_lock() {
             w.abort(why);
         }
-        let _ =
-            self.store.compare_set(&keys::abort(&self.prefix), None, format!("rank {}: {why}", self.rank).as_bytes());
+        let me = self.label.global(self.rank);
+        let _ = self.store.compare_set(&keys::abort(&self.prefix), None, format!("rank {me}: {why}").as_bytes());
     }
 
     /// The ranks that never noted their arrival at collective `seq`.
@@ -247,7 +292,7 @@ impl Nccl {
         let absent: Vec<String> = (0..self.size)
             .filter(|&r| r != self.rank)
             .filter(|&r| !matches!(self.store.get(&keys::arrived(&self.prefix, seq, r)), Ok(Some(_))))
-            .map(|r| r.to_string())
+            .map(|r| self.label.global(r).to_string())
             .collect();
         if absent.is_empty() {
             "every rank arrived, but the NCCL calls did not finish (a rank is stuck inside them)".into()
@@ -258,6 +303,77 @@ impl Nccl {
 }
 
 impl Nccl {
+    /// Splits this communicator on every local device (`ncclCommSplit`,
+    /// collective over every member of every rank): slot `s` joins the
+    /// group `asks[s]` = `(group, key)` names (`None`: no group), `key`
+    /// being its rank there; with `share`, the groups share this
+    /// communicator's resources. Returns each group's set key, by group.
+    /// Waits for every local device, up to `timeout`.
+    pub(crate) fn split(
+        &self,
+        asks: &[Option<(u32, usize)>],
+        share: bool,
+        timeout: Duration,
+    ) -> Result<Vec<(u32, u64)>, String> {
+        let mut sets: Vec<(u32, u64)> = Vec::new();
+        for (group, _) in asks.iter().flatten() {
+            if !sets.iter().any(|(g, _)| g == group) {
+                sets.push((*group, next_set()));
+            }
+        }
+        let (tx, rx) = crossbeam::channel::unbounded();
+        let members = self.size * self.local;
+        for (slot, client) in self.clients.iter().enumerate() {
+            let ask = asks[slot];
+            let set = ask.and_then(|(g, _)| sets.iter().find(|(x, _)| *x == g)).map_or(0, |(_, k)| *k);
+            let (parent, member, unique_id, tx) =
+                (self.key, self.rank * self.local + slot, self.unique_id.clone(), tx.clone());
+            let queued = client.submit_buffers_always("split", Vec::new(), Vec::new(), move |access| {
+                let spec = CommSpec { set: parent, rank: member, ranks: members, unique_id: &unique_id };
+                let result = match access.map(|a: &mut BufferAccess<'_>| a.device_collectives()) {
+                    Ok(Some(dc)) => dc.split(&spec, set, ask.map(|(g, _)| g), ask.map_or(0, |(_, k)| k), share),
+                    Ok(None) => Err(ServerError::InvalidState {
+                        operation: "split",
+                        reason: "the device offers no device collectives".into(),
+                    }),
+                    Err(err) => Err(err),
+                };
+                let _ = tx.send((slot, result.as_ref().map_err(ToString::to_string).cloned()));
+                result
+            });
+            queued.map_err(|e| format!("could not queue the split on local device {slot}: {e}"))?;
+        }
+        let deadline = Instant::now() + timeout;
+        for _ in 0..self.clients.len() {
+            match rx.recv_deadline(deadline) {
+                Ok((_, Ok(()))) => {}
+                Ok((slot, Err(why))) => return Err(format!("ncclCommSplit on local device {slot}: {why}")),
+                Err(_) => return Err(format!("ncclCommSplit did not return within {:.1} s", timeout.as_secs_f64())),
+            }
+        }
+        Ok(sets)
+    }
+
+    /// The NCCL side of a group split from this one: its communicator
+    /// `set` exists on every device of `clients` already (made by
+    /// [`Nccl::split`]).
+    pub(crate) fn child(&self, set: u64, world: &World, clients: &[Client]) -> Result<Arc<Nccl>, ConnectError> {
+        Ok(Arc::new(Nccl {
+            key: set,
+            rank: world.rank,
+            size: world.size,
+            local: clients.len(),
+            unique_id: Vec::new(),
+            clients: clients.to_vec(),
+            store: world.shared_store(),
+            prefix: world.prefix().to_string(),
+            label: world.label.clone(),
+            // A split group runs on NCCL alone: its members' peer arenas are
+            // not exchanged.
+            peer: None,
+        }))
+    }
+
     /// Destroys each local device's NCCL communicator, after the work
     /// queued there before, and waits for that (up to 10 s), so that no
     /// device thread is still inside NCCL when the process exits. Called

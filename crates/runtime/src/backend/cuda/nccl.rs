@@ -772,6 +772,46 @@ impl DeviceCollectives for CudaBackend {
         }
     }
 
+    fn split(
+        &mut self,
+        parent: &CommSpec<'_>,
+        set: u64,
+        color: Option<u32>,
+        key: usize,
+        share: bool,
+    ) -> Result<(), ServerError> {
+        self.check_lost()?;
+        let lib = nccl_lib::load().map_err(|reason| self.nccl_error("split", reason))?;
+        let Some(split) = lib.comm_split else {
+            let why =
+                format!("{} (NCCL {}) has no ncclCommSplit: NCCL 2.18 or newer splits", lib.path, lib.version_text());
+            return Err(self.nccl_error("split", why));
+        };
+        let comm = self.comm(lib, parent, "split")?;
+        let color = match color {
+            None => nccl_lib::SPLIT_NOCOLOR,
+            Some(c) => c_int::try_from(c)
+                .map_err(|_| self.nccl_error("split", format!("color {c} is above {}", c_int::MAX)))?,
+        };
+        let key =
+            c_int::try_from(key).map_err(|_| self.nccl_error("split", format!("key {key} is above {}", c_int::MAX)))?;
+        let mut config = nccl_lib::SplitConfig::new(share);
+        let mut child: RawComm = std::ptr::null_mut();
+        // SAFETY: `comm` is this device's live communicator of the parent
+        // (its context is current); `child` and `config` outlive the call,
+        // which is blocking (the parent was made blocking).
+        let code = unsafe { split(comm, color, key, &mut child, &mut config) };
+        if code != nccl_lib::SUCCESS {
+            let reason = format!("ncclCommSplit (color {color}, key {key}) failed: {}", lib.describe(code, comm));
+            return Err(self.nccl_error("split", reason));
+        }
+        if !child.is_null() {
+            tracing::debug!(device = %self.device, parent = parent.set, set, color, key, share, "NCCL communicator split");
+            self.nccl.comms.insert(set, child);
+        }
+        Ok(())
+    }
+
     fn has_pending(&mut self) -> bool {
         !self.nccl.pending.is_empty() || !self.nccl.ended.is_empty()
     }

@@ -25,6 +25,43 @@ pub(crate) struct UniqueId {
     pub internal: [c_char; 128],
 }
 
+/// The leading fields of `ncclConfig_t` as NCCL 2.17 laid them out (NCCL
+/// reads `size` and `version` to know which fields a caller's struct has);
+/// every field but `splitShare` is left "undefined" (NCCL's default).
+#[repr(C)]
+pub(crate) struct SplitConfig {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+impl SplitConfig {
+    /// `NCCL_CONFIG_INITIALIZER` with `splitShare` = `share`.
+    pub(crate) fn new(share: bool) -> SplitConfig {
+        const UNDEF: c_int = c_int::MIN;
+        SplitConfig {
+            size: std::mem::size_of::<SplitConfig>(),
+            magic: 0xcafe_beef,
+            version: 2 * 10000 + 17 * 100,
+            blocking: UNDEF,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: c_int::from(share),
+        }
+    }
+}
+
+/// `NCCL_SPLIT_NOCOLOR`.
+pub(crate) const SPLIT_NOCOLOR: c_int = -1;
+
 /// `ncclSuccess`.
 pub(crate) const SUCCESS: c_int = 0;
 /// `ncclInProgress`.
@@ -59,6 +96,8 @@ pub(crate) struct Nccl {
     pub recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, RawStream) -> Res,
     pub group_start: unsafe extern "C" fn() -> Res,
     pub group_end: unsafe extern "C" fn() -> Res,
+    /// `ncclCommSplit` (NCCL 2.18 and newer; `None` before).
+    pub comm_split: Option<unsafe extern "C" fn(RawComm, c_int, c_int, *mut RawComm, *mut SplitConfig) -> Res>,
     /// Which file was loaded, for logs.
     pub path: String,
     _library: libloading::Library,
@@ -155,6 +194,8 @@ fn resolve(library: libloading::Library, path: &str) -> Result<Nccl, String> {
         recv: sym!("ncclRecv"),
         group_start: sym!("ncclGroupStart"),
         group_end: sym!("ncclGroupEnd"),
+        // SAFETY: as `sym!`, for an entry point older libraries lack.
+        comm_split: unsafe { library.get(b"ncclCommSplit\0").ok().map(|s| *s) },
         path: path.to_string(),
         _library: library,
     })
