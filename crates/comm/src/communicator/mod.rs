@@ -52,11 +52,17 @@ mod nccl;
 mod observe;
 mod plans;
 mod setup;
+mod timings;
 mod world;
 
 pub use error::ConnectError;
 pub use keys::job_heartbeat_key;
+pub use keys::{
+    abort_key, arrived_key, call_key, communicator_prefix, gone_key, parse_progress, progress_key, startup_timings_key,
+    CurrentCall, LAST_COMMUNICATOR_KEY,
+};
 pub use observe::HEARTBEAT_PERIOD;
+pub use timings::parse_phases;
 
 use std::sync::Arc;
 use std::time::Duration;
