@@ -41,8 +41,8 @@ pub use communicator::{job_heartbeat_key, Communicator, ConnectError, HEARTBEAT_
 /// call, who left) and `cohort run --timings` (start-up phases).
 pub mod published {
     pub use crate::communicator::{
-        abort_key, arrived_key, call_key, communicator_prefix, gone_key, parse_phases, parse_progress, progress_key,
-        startup_timings_key, CurrentCall, LAST_COMMUNICATOR_KEY,
+        abort_key, arrived_key, call_key, communicator_prefix, directory_key, gone_key, newest_communicator_key,
+        parse_phases, parse_progress, progress_key, startup_timings_key, CurrentCall,
     };
 }
 pub use device::Transport;

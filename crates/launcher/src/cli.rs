@@ -41,6 +41,13 @@ pub enum Command {
     ///
     /// Example: COHORT_JOB_SECRET=s cohort store --port 29400
     Store(StoreArgs),
+    /// Show where every rank of a running (or hung) job is: its state, the
+    /// collective it is in and for how long, its last heartbeat, and which
+    /// ranks the others wait for. Needs the job's store address and secret
+    /// (COHORT_STORE_ADDR and COHORT_JOB_SECRET, or the flags).
+    ///
+    /// Example: COHORT_JOB_SECRET=s cohort status --store-addr node0:29501 --watch 1
+    Status(StatusArgs),
     /// Print every COHORT_* variable: its current value (secrets masked),
     /// its default and what it does. Exits with 1 when a set value cannot
     /// be used.
@@ -68,6 +75,36 @@ pub struct TraceArgs {
     /// Folders of dumps (every *.json in them) or dump files.
     #[arg(required = true, value_name = "DIR|FILE")]
     pub paths: Vec<PathBuf>,
+}
+
+/// Options of `cohort status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The job's store, HOST:PORT (default COHORT_STORE_ADDR).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub store_addr: Option<String>,
+    /// A file holding the job's secret (default COHORT_JOB_SECRET); a file,
+    /// not a flag, so that the secret does not show in `ps`.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
+    /// Print the status as JSON (for scripts).
+    #[arg(long)]
+    pub json: bool,
+    /// Print it again every SECS seconds (default 1) until interrupted.
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "1", value_parser = watch_period)]
+    pub watch: Option<f64>,
+    /// Seconds to wait for the store to answer the connection.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0, value_parser = seconds)]
+    pub connect_timeout: f64,
+}
+
+/// Parses `--watch`'s period: at least 0.05 s.
+fn watch_period(s: &str) -> Result<f64, String> {
+    let t = seconds(s)?;
+    if t < 0.05 {
+        return Err(format!("{s} is too short a period: at least 0.05 seconds"));
+    }
+    Ok(t)
 }
 
 /// Options of `cohort store`.

@@ -3,8 +3,9 @@
 //! Outside any communicator:
 //! - `cohort/comm/instance/<r>`: a counter rank r bumps per communicator it
 //!   forms; the count names the communicator, `<k>`;
-//! - `cohort/heartbeat/<RANK>` = `<pid> <beats>`, for the launcher's
-//!   watchdog: a counter that moves every period while the process runs.
+//! - `cohort/heartbeat/<RANK>` = `<pid> <beats> <unix ms>`, for the
+//!   launcher's watchdog and `cohort status`: a counter that moves every
+//!   period while the process runs, and when it last did.
 //!
 //! Under a communicator's prefix, `cohort/comm/<k>/`:
 //! - `job`: rank 0's job id and link token; `peer/<r>`: rank r's node,
@@ -23,9 +24,7 @@
 //!   `joined`: the barrier after every rank appended to it;
 //! - `timings`: rank 0's start-up phases, lines `<phase> <unix µs>`;
 //! - `call/<r>` = `<seq> <kind> <bytes> <since unix ms>`: the collective
-//!   rank r is in now (or last was), written with its progress;
-//! - `cohort/comm/last`: the number of the newest communicator, so that
-//!   `cohort status` finds its prefix.
+//!   rank r is in now (or last was), written with its progress.
 
 /// The key the launcher's watchdog reads for the job's rank `rank`.
 pub fn job_heartbeat_key(rank: usize) -> String {
@@ -113,8 +112,17 @@ pub fn startup_timings_key(instance: u64) -> String {
     setup_timings(&prefix(instance as i64))
 }
 
-/// The number of the newest communicator rank 0 formed.
-pub const LAST_COMMUNICATOR_KEY: &str = "cohort/comm/last";
+/// The counter that numbers rank `rank`'s communicators: its value is the
+/// number of the newest one the rank began to form.
+pub fn newest_communicator_key(rank: usize) -> String {
+    instance_counter(rank)
+}
+
+/// A communicator's directory (one line per rank that joined:
+/// `<rank>\t<node>\t<address>\t<devices>`), for readers outside it.
+pub fn directory_key(prefix: &str) -> String {
+    directory(prefix)
+}
 
 /// The prefix of communicator number `instance`, for readers outside it
 /// (`cohort status`).

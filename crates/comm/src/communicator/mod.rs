@@ -58,8 +58,8 @@ mod world;
 pub use error::ConnectError;
 pub use keys::job_heartbeat_key;
 pub use keys::{
-    abort_key, arrived_key, call_key, communicator_prefix, gone_key, parse_progress, progress_key, startup_timings_key,
-    CurrentCall, LAST_COMMUNICATOR_KEY,
+    abort_key, arrived_key, call_key, communicator_prefix, directory_key, gone_key, newest_communicator_key,
+    parse_progress, progress_key, startup_timings_key, CurrentCall,
 };
 pub use observe::HEARTBEAT_PERIOD;
 pub use timings::parse_phases;

@@ -117,7 +117,8 @@ impl Observer {
                     if last_beat.is_none_or(|t| t.elapsed() >= HEARTBEAT_PERIOD) {
                         beats += 1;
                         last_beat = Some(Instant::now());
-                        sent = beat.set(&job_key, format!("{pid} {beats}").as_bytes());
+                        let now_ms = crate::trace::now_micros() / 1000;
+                        sent = beat.set(&job_key, format!("{pid} {beats} {now_ms}").as_bytes());
                     }
                     if sent.is_ok() && progress != reported {
                         // The call first: a reader that sees the progress

@@ -235,9 +235,6 @@ pub(crate) fn form(
     // The start-up phases the launcher reports (`cohort run --timings`).
     timings::passed(&store, &prefix, rank, "joined", joined_at);
     timings::passed(&store, &prefix, rank, "links", Instant::now());
-    if rank == 0 {
-        store.set(keys::LAST_COMMUNICATOR_KEY, k.to_string().as_bytes())?;
-    }
     // Every rank is in: none needs the job's secret file any more.
     super::env::remove_secret_file();
     tracing::debug!(rank, size, local = local.len(), remote = remote.len(), "communicator links formed");
