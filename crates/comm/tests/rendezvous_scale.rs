@@ -92,3 +92,34 @@ fn communicator_setup_names_the_ranks_that_never_joined() {
         assert!(text.contains("2 of 4 ranks joined") && text.contains("rank(s) 1, 3"), "{text}");
     }
 }
+
+#[test]
+fn the_flight_recorder_keeps_the_start_up_phases() {
+    std::env::set_var("COHORT_CPU_DEVICES", "4");
+    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+    let addr = server.local_addr().to_string();
+    let handles: Vec<_> = (0..2)
+        .map(|r| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let client = CpuRuntime::client(2 + r).unwrap();
+                Communicator::connect(r, 2, &addr, "secret", vec![client]).unwrap()
+            })
+        })
+        .collect();
+    let comms: Vec<Communicator> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let dump = cohort_comm::trace::FlightRecorder::global().dump("request");
+    let names: Vec<&str> = dump.startup.iter().map(|(n, _)| n.as_str()).collect();
+    for phase in ["joined", "links", "ready"] {
+        assert_eq!(names.iter().filter(|&&n| n == phase).count(), 2, "both ranks kept {phase}: {names:?}");
+    }
+    let at = |phase: &str| dump.startup.iter().filter(|(n, _)| n == phase).map(|(_, t)| *t).max().unwrap();
+    assert!(at("joined") <= at("links") && at("links") <= at("ready"), "{:?}", dump.startup);
+    // Rank 0 published them for the launcher, in order.
+    let store = StoreClient::connect(addr.as_str(), "secret", T).unwrap();
+    let published = store.get(&cohort_comm::published::startup_timings_key(1)).unwrap().expect("published");
+    let phases = cohort_comm::published::parse_phases(&published);
+    let names: Vec<&str> = phases.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["joined", "links", "ready"]);
+    drop(comms);
+}

@@ -269,6 +269,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = seconds, allow_negative_numbers = true)]
     pub heartbeat_timeout: f64,
 
+    /// Print the job's start-up phases on stderr once its first communicator
+    /// is formed: launcher start, store up, ranks started, all ranks joined,
+    /// links formed, NCCL chosen (with its unique id shared), each in ms
+    /// from this launcher's start.
+    #[arg(long)]
+    pub timings: bool,
+
     /// Use the rendezvous store at HOST:PORT (e.g. `cohort store`) instead of
     /// serving one on node 0.
     #[arg(long, value_name = "HOST:PORT")]

@@ -146,6 +146,8 @@ pub struct JobConfig {
     pub secret: String,
     /// Group restarts allowed.
     pub max_restarts: u32,
+    /// Print the start-up phases (`--timings`).
+    pub timings: bool,
     /// Per-rank log files' folder.
     pub log_dir: Option<PathBuf>,
     /// Console output too when logging to files.
@@ -260,6 +262,7 @@ impl JobConfig {
             external_store: args.store_addr.is_some(),
             secret,
             max_restarts: args.max_restarts,
+            timings: args.timings,
             log_dir: args.log_dir,
             tee: args.tee,
             filter,
@@ -467,6 +470,7 @@ mod tests {
             omp_threads: None,
             secret: "s".into(),
             max_restarts: 0,
+            timings: false,
             log_dir: None,
             tee: false,
             filter: None,

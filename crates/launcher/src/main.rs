@@ -21,6 +21,7 @@ mod spawn;
 mod status;
 mod summary;
 mod supervisor;
+mod timings;
 mod trace;
 mod watchdog;
 

@@ -13,7 +13,7 @@ use crate::signals;
 use crate::spawn::RankEnv;
 use crate::summary::{signal_name, Verdict};
 use crate::supervisor::{self, Event, Outcome};
-use crate::{trace, watchdog};
+use crate::{timings, trace, watchdog};
 
 /// Exit code when the job ran past `--timeout` (as timeout(1) uses).
 pub const TIMEOUT_EXIT: u8 = 124;
@@ -34,6 +34,7 @@ pub fn run(args: RunArgs) -> ExitCode {
 
 fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     let start = Instant::now();
+    let mut clock = timings::LaunchClock::start();
     let cfg = JobConfig::from_args(args)?;
     let deadline = cfg.timeout.map(|t| start + t);
     // Both folders are refused when another user owns them or may write
@@ -60,6 +61,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     }
     let rdzv = Rendezvous::start(&cfg, deadline)?;
     tracing::info!(port = rdzv.port(), nproc = cfg.nproc, "rendezvous store ready");
+    clock.mark("store up");
 
     let mut attempt = 0;
     loop {
@@ -70,6 +72,11 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
         let dog =
             cfg.heartbeat_timeout.and_then(|limit| watchdog::start(rdzv.store(), ranks, attempt, limit, tx.clone()));
         signals::set_supervising(true);
+        if cfg.timings {
+            let mut clock = clock.clone();
+            clock.mark("spawning ranks");
+            timings::report_when_ready(rdzv.store(), clock, attempt);
+        }
         let outcome = supervisor::run_attempt(&cfg, &env, attempt, (&tx, &rx), deadline);
         drop(dog);
         let verdict = settle(&rdzv, &cfg, attempt, outcome, &rx, deadline);

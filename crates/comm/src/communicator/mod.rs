@@ -171,6 +171,7 @@ impl Communicator {
         };
         let observer = observe::Observer::start(&world)?;
         let nccl = nccl::setup(&world, &clients)?;
+        timings::passed(world.store(), world.prefix(), rank, "ready", std::time::Instant::now());
         Ok(Communicator {
             inner: Arc::new(Inner {
                 rank,

@@ -8,7 +8,8 @@
 //!   `joined` barrier opened);
 //! - `links`: every rank formed its links (the `ready` barrier opened);
 //! - `nccl`: every rank agreed on NCCL and holds its unique id (the NCCL
-//!   communicator itself is created on each device at its first call).
+//!   communicator itself is created on each device at its first call);
+//! - `ready`: rank 0's `Communicator::connect` returns (the last phase).
 //!
 //! Each rank also keeps the phases it passed in its flight recorder.
 
