@@ -25,8 +25,9 @@ use serde::Serialize;
 use crate::cli::StatusArgs;
 use crate::rendezvous::PREFIX;
 
-/// Nodes looked up in one request (`cohort/launcher/node/<n>`).
-const MAX_NODES: usize = 4096;
+/// Nodes looked up in one request (`cohort/launcher/node/<n>`), and at most.
+const NODE_BATCH: usize = 64;
+const MAX_NODES: usize = 1 << 16;
 
 /// A heartbeat older than this many periods counts as stopped.
 const SILENT_PERIODS: u32 = 3;
@@ -161,17 +162,29 @@ fn now_ms() -> u64 {
 }
 
 /// Reads the job's state: two round trips to find the world and the
-/// communicator, one for every rank's entries.
+/// communicator (more with over 64 nodes), one for every rank's entries.
 pub fn collect(store: &StoreClient) -> Result<JobStatus, StoreError> {
     let started = Instant::now();
-    // The launchers' nodes (`<nproc> <host>`), and rank 0's newest communicator.
-    let mut keys: Vec<String> = (0..MAX_NODES).map(|n| format!("{PREFIX}node/{n}")).collect();
-    keys.push(newest_communicator_key(0));
-    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let mut first = store.multi_get(&refs)?;
-    let newest = text(&first.pop().flatten()).and_then(|k| k.trim().parse::<u64>().ok());
-    let nodes: Vec<usize> =
-        first.iter().map_while(|v| text(v).and_then(|e| e.split(' ').next()?.parse::<usize>().ok())).collect();
+    // The launchers' nodes (`<nproc> <host>`), a batch at a time until one
+    // is missing, and rank 0's newest communicator with the first batch.
+    let mut nodes: Vec<usize> = Vec::new();
+    let mut newest = None;
+    while nodes.len() < MAX_NODES {
+        let from = nodes.len();
+        let mut keys: Vec<String> = (from..from + NODE_BATCH).map(|n| format!("{PREFIX}node/{n}")).collect();
+        if from == 0 {
+            keys.push(newest_communicator_key(0));
+        }
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let mut batch = store.multi_get(&refs)?;
+        if from == 0 {
+            newest = text(&batch.pop().flatten()).and_then(|k| k.trim().parse::<u64>().ok());
+        }
+        nodes.extend(batch.iter().map_while(|v| text(v).and_then(|e| e.split(' ').next()?.parse::<usize>().ok())));
+        if nodes.len() < from + NODE_BATCH {
+            break;
+        }
+    }
     let prefix = newest.map(communicator_prefix);
     let directory = match &prefix {
         Some(p) => store.get(&directory_key(p))?,
