@@ -8,7 +8,7 @@ use crossbeam::channel::{Receiver, RecvTimeoutError};
 
 use crate::cli::RunArgs;
 use crate::config::{JobConfig, LaunchError};
-use crate::rendezvous::Rendezvous;
+use crate::rendezvous::{Rendezvous, Round};
 use crate::signals;
 use crate::spawn::RankEnv;
 use crate::summary::{signal_name, Verdict};
@@ -65,10 +65,28 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
 
     let mut attempt = 0;
     loop {
-        rdzv.begin(&cfg, attempt, tx.clone())?;
+        // This node's part in the attempt (an elastic job's group changes).
+        let cfg = match rdzv.begin(&cfg, attempt, tx.clone())? {
+            Round::Member { position, members, attempt: joined } if cfg.elastic => {
+                attempt = joined;
+                if attempt > 0 || members < cfg.nnodes {
+                    eprintln!(
+                        "cohort: attempt {attempt} runs on {members} node(s) ({} ranks); this node is node {position}",
+                        members as usize * cfg.nproc
+                    );
+                }
+                cfg.for_round(position, members)
+            }
+            Round::Member { .. } => cfg.clone(),
+            Round::JobDone => {
+                eprintln!("cohort: the job finished before this node was needed");
+                return Ok(0);
+            }
+        };
+        let cfg = &cfg;
         trace::clear_dumps(&cfg.trace_dir);
-        let env = RankEnv::new(&cfg, rdzv.port(), attempt);
-        let ranks = (0..cfg.nproc).map(|l| (RankEnv::global_rank(&cfg, l), l)).collect();
+        let env = RankEnv::new(cfg, rdzv.port(), attempt);
+        let ranks = (0..cfg.nproc).map(|l| (RankEnv::global_rank(cfg, l), l)).collect();
         let dog =
             cfg.heartbeat_timeout.and_then(|limit| watchdog::start(rdzv.store(), ranks, attempt, limit, tx.clone()));
         signals::set_supervising(true);
@@ -77,11 +95,11 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
             clock.mark("spawning ranks");
             timings::report_when_ready(rdzv.store(), clock, attempt);
         }
-        let outcome = supervisor::run_attempt(&cfg, &env, attempt, (&tx, &rx), deadline);
+        let outcome = supervisor::run_attempt(cfg, &env, attempt, (&tx, &rx), deadline);
         drop(dog);
-        let verdict = settle(&rdzv, &cfg, attempt, outcome, &rx, deadline);
+        let verdict = settle(&rdzv, cfg, attempt, outcome, &rx, deadline);
         signals::set_supervising(false);
-        sweep_shared_memory(&rdzv, &cfg);
+        sweep_shared_memory(&rdzv, cfg);
         match verdict {
             Verdict::Ok => {
                 tracing::info!(elapsed = ?start.elapsed(), "every rank exited with 0");

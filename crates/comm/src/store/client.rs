@@ -90,6 +90,12 @@ impl StoreClient {
         StoreClient::connect(self.addr.as_str(), &self.secret, self.timeout)
     }
 
+    /// A second handle on the connection's socket (tests cut it).
+    #[cfg(test)]
+    pub(crate) fn socket(&self) -> TcpStream {
+        self.conn.lock().stream.try_clone().expect("clone the socket")
+    }
+
     /// The store's address as given to [`StoreClient::connect`].
     pub fn addr(&self) -> &str {
         &self.addr

@@ -397,7 +397,7 @@ fn serve_connection(inner: &Inner, id: u64, mut stream: TcpStream, peer: SocketA
                 will = None;
                 Response::Ok
             }
-            Ok(req) => inner.state.apply(req),
+            Ok(req) => inner.state.apply(req, &|| client_connected(&stream)),
             Err(detail) => {
                 tracing::warn!(%peer, %detail, "malformed store request; closing the connection");
                 let _ = protocol::write_frame(&mut stream, &Response::Refused(detail).encode());
@@ -413,6 +413,35 @@ fn serve_connection(inner: &Inner, id: u64, mut stream: TcpStream, peer: SocketA
             tracing::debug!(%peer, %key, "store client left; setting its will");
             inner.state.set_if_absent(key, value);
         }
+    }
+}
+
+/// Whether the client of `stream` is still connected: a peek that finds
+/// the connection closed (or failed) says no. Never blocks.
+fn client_connected(stream: &TcpStream) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        let mut byte = 0u8;
+        // SAFETY: recv writes at most 1 byte into `byte`, which outlives the
+        // call; MSG_PEEK leaves the data in the socket and MSG_DONTWAIT
+        // keeps it from blocking.
+        let n = unsafe {
+            libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+        };
+        if n == 0 {
+            return false;
+        }
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            return matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted);
+        }
+        true
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = stream;
+        true
     }
 }
 

@@ -24,6 +24,17 @@ const DONE: u8 = 1;
 const LOOK_AGAIN: u8 = 2;
 /// The store is shutting down.
 const STOP: u8 = 3;
+/// Not a wake-up reason: the waiter's client closed its connection.
+const CLIENT_LEFT: u8 = 4;
+
+/// How often a blocked request checks that its client is still connected
+/// (a client that dies while it waits must not count in a barrier, and its
+/// will must be set).
+const CHECK_CLIENT_EVERY: Duration = Duration::from_millis(500);
+
+/// Whether the client of a connection is still there (see
+/// [`State::apply`]).
+pub(crate) type Alive<'a> = &'a dyn Fn() -> bool;
 
 /// Wakes one blocked connection thread directly (`unpark`), so that waking
 /// thousands of them at once needs no lock: each checks its own flag and
@@ -46,23 +57,27 @@ impl Signal {
     }
 
     /// Blocks the calling thread (the one that made the signal) until fired
-    /// or `deadline`; returns the reason, `PENDING` on timeout.
-    fn wait(&self, deadline: Option<Instant>) -> u8 {
+    /// or `deadline`; returns the reason, `PENDING` on timeout and
+    /// `CLIENT_LEFT` when `alive` says the client went away.
+    fn wait(&self, deadline: Option<Instant>, alive: Alive<'_>) -> u8 {
+        let mut next_check = Instant::now() + CHECK_CLIENT_EVERY;
         loop {
             let state = self.state.load(Ordering::Acquire);
             if state != PENDING {
                 return state;
             }
-            match deadline {
-                None => std::thread::park(),
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return PENDING;
-                    }
-                    std::thread::park_timeout(d - now);
-                }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return PENDING;
             }
+            if now >= next_check {
+                if !alive() {
+                    return CLIENT_LEFT;
+                }
+                next_check = now + CHECK_CLIENT_EVERY;
+            }
+            let until = deadline.map_or(next_check, |d| d.min(next_check));
+            std::thread::park_timeout(until.saturating_duration_since(now));
         }
     }
 }
@@ -142,6 +157,10 @@ fn shutting_down() -> Response {
     Response::Refused("the store is shutting down".into())
 }
 
+fn client_left() -> Response {
+    Response::Refused("the client closed its connection".into())
+}
+
 fn too_large(what: &str, len: usize) -> Response {
     Response::Refused(format!("{what} would hold {len} bytes, over the store's limit of {MAX_VALUE}"))
 }
@@ -149,7 +168,8 @@ fn too_large(what: &str, len: usize) -> Response {
 impl State {
     /// Runs one request to completion (blocking for `Wait` and `Barrier`).
     /// `SetWill`/`ClearWill` belong to the connection and are answered there.
-    pub(crate) fn apply(&self, req: super::protocol::Request) -> Response {
+    /// `alive` tells a blocked request whether its client is still there.
+    pub(crate) fn apply(&self, req: super::protocol::Request, alive: Alive<'_>) -> Response {
         use super::protocol::Request as R;
         let mut t = self.table.lock();
         if t.shutting_down {
@@ -184,7 +204,7 @@ impl State {
                 }
                 Response::Ok
             }
-            R::Wait { keys, timeout_ms } => self.wait(t, keys, timeout_ms),
+            R::Wait { keys, timeout_ms } => self.wait(t, keys, timeout_ms, alive),
             R::Add { key, delta } => {
                 let current: i64 = match t.keys.get(&key) {
                     None => 0,
@@ -214,14 +234,20 @@ impl State {
                 }
                 Response::Bool(existed)
             }
-            R::Barrier { name, world_size, timeout_ms } => self.barrier(t, name, world_size, timeout_ms),
+            R::Barrier { name, world_size, timeout_ms } => self.barrier(t, name, world_size, timeout_ms, alive),
             R::SetWill { .. } | R::ClearWill => Response::Ok,
         }
     }
 
     /// Blocks until every key of `keys` is set at once (registered under the
     /// missing ones, woken when the last arrives), or the deadline passes.
-    fn wait<'a>(&'a self, mut t: MutexGuard<'a, Table>, keys: Vec<String>, timeout_ms: u64) -> Response {
+    fn wait<'a>(
+        &'a self,
+        mut t: MutexGuard<'a, Table>,
+        keys: Vec<String>,
+        timeout_ms: u64,
+        alive: Alive<'_>,
+    ) -> Response {
         let deadline = deadline(timeout_ms);
         loop {
             if t.shutting_down {
@@ -240,7 +266,7 @@ impl State {
             }
             let removals = self.removals.load(Ordering::Relaxed);
             drop(t);
-            let why = waiter.signal.wait(deadline);
+            let why = waiter.signal.wait(deadline, alive);
             if why == DONE && self.removals.load(Ordering::Relaxed) == removals {
                 // Every missing key arrived and none was removed since.
                 return Response::Ok;
@@ -258,10 +284,20 @@ impl State {
                     }
                 }
             }
+            if why == CLIENT_LEFT {
+                return client_left();
+            }
         }
     }
 
-    fn barrier(&self, mut t: MutexGuard<'_, Table>, name: String, world_size: u32, timeout_ms: u64) -> Response {
+    fn barrier(
+        &self,
+        mut t: MutexGuard<'_, Table>,
+        name: String,
+        world_size: u32,
+        timeout_ms: u64,
+        alive: Alive<'_>,
+    ) -> Response {
         if world_size == 0 {
             return Response::Refused(format!("barrier '{name}' needs a world size of at least 1"));
         }
@@ -280,13 +316,14 @@ impl State {
         let signal = Signal::new();
         b.waiting.push(signal.clone());
         drop(t);
-        match signal.wait(deadline(timeout_ms)) {
+        let why = signal.wait(deadline(timeout_ms), alive);
+        match why {
             DONE | LOOK_AGAIN => return Response::Ok,
             STOP => return shutting_down(),
             _ => {}
         }
-        // Timed out: withdraw, unless it opened meanwhile, so that a retry or
-        // a late participant counts right.
+        // Timed out or the client left: withdraw, unless it opened
+        // meanwhile, so that a retry or a late participant counts right.
         let mut t = self.table.lock();
         match signal.state.load(Ordering::Acquire) {
             PENDING => {}
@@ -296,6 +333,9 @@ impl State {
         let Some(b) = t.barriers.get_mut(&name) else { return Response::Ok };
         let arrived = b.waiting.len() as u32;
         b.waiting.retain(|s| !Arc::ptr_eq(s, &signal));
+        if why == CLIENT_LEFT {
+            return client_left();
+        }
         Response::BarrierTimeout { arrived, world_size }
     }
 

@@ -542,3 +542,28 @@ fn store_shutdown_answers_blocked_waiters_and_barriers() {
     assert!(tb.join().unwrap().is_err());
     assert!(start.elapsed() < Duration::from_secs(5), "blocked requests answered at shutdown");
 }
+
+#[test]
+fn store_a_client_that_dies_in_a_barrier_is_withdrawn_and_its_will_set() {
+    let s = server();
+    let dying = client(&s);
+    dying.set_will("gone/dying", b"vanished").unwrap();
+    let socket = dying.socket();
+    let t = std::thread::spawn(move || dying.barrier("b", 2, T));
+    wait_for(|| s.barrier_arrivals("b") == 1);
+    // Its connection closes while it waits (the process died).
+    socket.shutdown(std::net::Shutdown::Both).unwrap();
+    let _ = t.join().unwrap();
+    let c = client(&s);
+    c.wait(&["gone/dying"], T).unwrap();
+    assert_eq!(c.get("gone/dying").unwrap().as_deref(), Some(&b"vanished"[..]));
+    wait_for(|| s.barrier_arrivals("b") == 0);
+    assert_eq!(s.barrier_arrivals("b"), 0, "the dead client no longer counts");
+    // So a new pair forms the barrier, not the dead client and one more.
+    let other = client(&s);
+    let t = std::thread::spawn(move || other.barrier("b", 2, T));
+    wait_for(|| s.barrier_arrivals("b") == 1);
+    assert_eq!(s.barrier_arrivals("b"), 1);
+    c.barrier("b", 2, T).unwrap();
+    t.join().unwrap().unwrap();
+}
