@@ -289,10 +289,13 @@ impl Rendezvous {
     }
 
     /// Reports that `attempt` failed here; the first failure reported becomes
-    /// the job's verdict.
-    pub fn report_failure(&self, attempt: u32, verdict: &Verdict) -> Result<(), StoreError> {
-        self.client.compare_set(&key("verdict", attempt), None, &verdict.encode())?;
-        Ok(())
+    /// the job's verdict, which this returns (this one, or the one another
+    /// node reported first).
+    pub fn report_failure(&self, attempt: u32, verdict: &Verdict) -> Result<Verdict, StoreError> {
+        match self.client.compare_set(&key("verdict", attempt), None, &verdict.encode())? {
+            cohort_comm::store::CompareSet::Mismatch(Some(first)) => Ok(Verdict::decode(&first)),
+            _ => Ok(verdict.clone()),
+        }
     }
 
     /// Leaves the job after its final verdict for `attempt`: other nodes say

@@ -176,14 +176,20 @@ fn settle(
         Outcome::Verdict(Err(e)) => return lost_store(e),
     };
     if let Some(v) = &local {
-        if let Err(e) = rdzv.report_failure(attempt, v) {
-            tracing::warn!("could not report the failure to the other nodes: {e}");
-            return v.clone();
-        }
+        // The first failure reported anywhere is the verdict. (Waiting for
+        // the watcher to relay it could wait forever: the supervisor may
+        // have taken its event while it stopped the ranks.)
+        return match rdzv.report_failure(attempt, v) {
+            Ok(verdict) => verdict,
+            Err(e) => {
+                tracing::warn!("could not report the failure to the other nodes: {e}");
+                v.clone()
+            }
+        };
     }
-    // Wait for the verdict, which the watcher thread relays. Another node may
-    // still be running: signals and the deadline still count.
-    let mut deadline = deadline;
+    // This node succeeded: wait for the verdict, which the watcher thread
+    // relays. Another node may still be running: signals and the deadline
+    // still count (and fail the job).
     loop {
         let event = match deadline {
             Some(d) => events.recv_deadline(d),
@@ -198,15 +204,13 @@ fn settle(
             }
             Ok(Event::Signal(sig)) => interrupted(sig, node),
             Ok(_) => continue,
-            Err(RecvTimeoutError::Timeout) => {
-                deadline = None;
-                timed_out(cfg, &[])
-            }
-            Err(RecvTimeoutError::Disconnected) => return local.unwrap_or_else(|| lost_store("".into())),
+            Err(RecvTimeoutError::Timeout) => timed_out(cfg, &[]),
+            Err(RecvTimeoutError::Disconnected) => return lost_store("".into()),
         };
-        if let Err(e) = rdzv.report_failure(attempt, &failure) {
-            return lost_store(e.to_string());
-        }
+        return match rdzv.report_failure(attempt, &failure) {
+            Ok(verdict) => verdict,
+            Err(e) => lost_store(e.to_string()),
+        };
     }
 }
 

@@ -169,15 +169,23 @@ pub fn collect(store: &StoreClient) -> Result<JobStatus, StoreError> {
     // is missing, and rank 0's newest communicator with the first batch.
     let mut nodes: Vec<usize> = Vec::new();
     let mut newest = None;
+    let mut attempt_world = None;
     while nodes.len() < MAX_NODES {
         let from = nodes.len();
         let mut keys: Vec<String> = (from..from + NODE_BATCH).map(|n| format!("{PREFIX}node/{n}")).collect();
         if from == 0 {
             keys.push(newest_communicator_key(0));
+            keys.push(format!("{PREFIX}world"));
         }
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let mut batch = store.multi_get(&refs)?;
         if from == 0 {
+            // The attempt running now (an elastic job's nodes change).
+            let world = text(&batch.pop().flatten());
+            attempt_world = world.and_then(|w| {
+                let (ranks, nodes) = w.split_once(' ')?;
+                Some((ranks.parse::<usize>().ok()?, nodes.trim().parse::<usize>().ok()?))
+            });
             newest = text(&batch.pop().flatten()).and_then(|k| k.trim().parse::<u64>().ok());
         }
         nodes.extend(batch.iter().map_while(|v| text(v).and_then(|e| e.split(' ').next()?.parse::<usize>().ok())));
@@ -192,8 +200,11 @@ pub fn collect(store: &StoreClient) -> Result<JobStatus, StoreError> {
     };
     let joined: Vec<usize> =
         text(&directory).unwrap_or_default().lines().filter_map(|l| l.split('\t').next()?.parse().ok()).collect();
-    let world_size =
-        if nodes.is_empty() { joined.iter().map(|r| r + 1).max().unwrap_or(0) } else { nodes.iter().sum() };
+    let (world_size, node_count) = match attempt_world {
+        Some(w) => w,
+        None if nodes.is_empty() => (joined.iter().map(|r| r + 1).max().unwrap_or(0), 0),
+        None => (nodes.iter().sum(), nodes.len()),
+    };
 
     // Every rank's heartbeat, progress, current call and `gone`, at once.
     let mut keys: Vec<String> = Vec::with_capacity(4 * world_size + 1);
@@ -264,7 +275,7 @@ pub fn collect(store: &StoreClient) -> Result<JobStatus, StoreError> {
     Ok(JobStatus {
         store: store.addr().to_string(),
         world_size,
-        nodes: nodes.len(),
+        nodes: node_count,
         communicator: group,
         abort,
         stuck_on,

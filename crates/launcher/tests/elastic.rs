@@ -161,3 +161,43 @@ fn elastic_below_min_nodes_is_a_clear_error_with_nothing_left_running() {
     assert!(stderr.contains("for at least 2 nodes") && stderr.contains("only 1 joined (node(s) 0)"), "{stderr}");
     no_rank_left(&dir);
 }
+
+/// The survivor's own ranks fail too (their peers died inside all-reduces)
+/// at the moment the dead launcher's will fails the attempt: the survivor
+/// must still restart (it once waited forever for a verdict it had
+/// already seen).
+#[test]
+fn elastic_survivor_restarts_when_its_ranks_fail_with_the_dead_node() {
+    const SUITE: &str = env!("CARGO_BIN_EXE_cohort-comm-suite");
+    let dir = temp_dir("elastic-collective");
+    let port = free_port();
+    // Attempt 0: all-reduce until a peer dies; attempt 1: the collective suite.
+    let script = format!(
+        "if [ \"$COHORT_RESTART_COUNT\" = 0 ]; then exec {SUITE} --pid-dir {d} loop; else exec {SUITE} suite; fi",
+        d = dir.to_str().unwrap()
+    );
+    let launch = |n: u32| {
+        let (port, n) = (port.to_string(), n.to_string());
+        let mut c = Command::new(COHORT);
+        c.args(["run", "-n", "2", "--nnodes", "1:2", "--node-rank", &n, "--max-restarts", "1"]);
+        c.args(["--master-addr", "127.0.0.1", "--master-port", &port, "--heartbeat-timeout", "0", "--no-python"]);
+        c.args(["--", "sh", "-c", &script]);
+        c.env("COHORT_JOB_SECRET", "elastic-secret").env("COHORT_TIMEOUT", "20").env("OMP_NUM_THREADS", "1");
+        for v in ["COHORT_LOG", "RUST_LOG", "COHORT_STORE_ADDR", "COHORT_TIMELINE"] {
+            c.env_remove(v);
+        }
+        c.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        c.spawn().expect("start cohort")
+    };
+    let n0 = launch(0);
+    let n1 = launch(1);
+    wait_pid_files(&dir, 4, LIMIT);
+    std::thread::sleep(Duration::from_millis(300));
+    kill(&n1, libc::SIGKILL);
+    let out0 = wait_output(n0, LIMIT);
+    let _ = wait_output(n1, LIMIT);
+    let (stdout, stderr) = texts(&out0);
+    assert_eq!(code(out0.status, &out0), 0, "{stderr}");
+    assert!(stdout.contains("suite passed") && stdout.contains("2 ranks"), "{stdout}\n{stderr}");
+    no_rank_left(&dir);
+}
