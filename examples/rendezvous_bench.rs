@@ -17,8 +17,8 @@
 //! PyTorch's TCPStore (libuv) for the cross-framework ratio.
 //!
 //! Run: `cargo run --release --example rendezvous_bench -- [counts...]`
-//! (default 1024 4096 16384). Counts above what the descriptor limit
-//! (`ulimit -n`) allows are skipped with a note.
+//! (default 1024 4096 16384). It raises its soft descriptor limit to the
+//! hard one; counts above that (`ulimit -Hn`) are skipped with a note.
 
 use std::io::{BufRead, Write};
 use std::process::{Child, Command, Stdio};
@@ -144,15 +144,23 @@ fn simulate(n: usize, pattern: Pattern) -> Steps {
     last
 }
 
-/// The soft limit on open descriptors (`ulimit -n`), from /proc.
+/// Raises the soft limit on open descriptors to the hard one (the store's
+/// child process inherits it) and returns it.
 fn fd_limit() -> u64 {
-    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
-    limits
-        .lines()
-        .find(|l| l.starts_with("Max open files"))
-        .and_then(|l| l.split_whitespace().nth(3))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1024)
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit and setrlimit read and write the struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return 1024;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                lim = raised;
+            }
+        }
+    }
+    lim.rlim_cur
 }
 
 fn main() {
