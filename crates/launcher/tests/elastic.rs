@@ -20,7 +20,9 @@ fn node(node_rank: u32, port: u16, nnodes: &str, extra: &[&str], steps: &[&str])
     opts.extend_from_slice(&["--master-addr", "127.0.0.1", "--master-port", &port, "--heartbeat-timeout", "0"]);
     opts.extend_from_slice(extra);
     let mut cmd = cohort_run(&opts, steps);
-    cmd.env("COHORT_JOB_SECRET", "elastic-secret");
+    // A secret of this job's own: tests running at once cannot join each
+    // other's stores should their ports meet.
+    cmd.env("COHORT_JOB_SECRET", format!("elastic-secret-{port}"));
     cmd
 }
 
@@ -49,8 +51,11 @@ fn elastic_goes_on_without_a_launcher_that_died() {
     let port = free_port();
     let d = dir.to_str().unwrap();
     let steps = ["pid", d, "env", "store", "sleep-first-attempt", "120"];
-    let n0 = start(node(0, port, "1:2", &["--max-restarts", "2"], &steps));
-    let n1 = start(node(1, port, "1:2", &["--max-restarts", "2"], &steps));
+    // A last call long enough for both launchers to be in attempt 0 on a
+    // loaded machine (the survivor waits it out once more after the death).
+    let extra = ["--max-restarts", "2", "--last-call", "5"];
+    let n0 = start(node(0, port, "1:2", &extra, &steps));
+    let n1 = start(node(1, port, "1:2", &extra, &steps));
     // Both nodes' ranks run attempt 0 (world of 4), then node 1's launcher dies.
     wait_pid_files(&dir, 4, LIMIT);
     kill(&n1, libc::SIGKILL);
@@ -179,10 +184,12 @@ fn elastic_survivor_restarts_when_its_ranks_fail_with_the_dead_node() {
     let launch = |n: u32| {
         let (port, n) = (port.to_string(), n.to_string());
         let mut c = Command::new(COHORT);
-        c.args(["run", "-n", "2", "--nnodes", "1:2", "--node-rank", &n, "--max-restarts", "1"]);
+        c.args(["run", "-n", "2", "--nnodes", "1:2", "--node-rank", &n, "--max-restarts", "1", "--last-call", "5"]);
         c.args(["--master-addr", "127.0.0.1", "--master-port", &port, "--heartbeat-timeout", "0", "--no-python"]);
         c.args(["--", "sh", "-c", &script]);
-        c.env("COHORT_JOB_SECRET", "elastic-secret").env("COHORT_TIMEOUT", "20").env("OMP_NUM_THREADS", "1");
+        c.env("COHORT_JOB_SECRET", format!("elastic-secret-{port}"))
+            .env("COHORT_TIMEOUT", "20")
+            .env("OMP_NUM_THREADS", "1");
         for v in ["COHORT_LOG", "RUST_LOG", "COHORT_STORE_ADDR", "COHORT_TIMELINE"] {
             c.env_remove(v);
         }
