@@ -98,6 +98,12 @@ pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     w.flush()
 }
 
+/// Writes a frame made by [`Response::encode_frame`] and flushes.
+pub(crate) fn write_whole_frame(w: &mut impl Write, frame: &[u8]) -> io::Result<()> {
+    w.write_all(frame)?;
+    w.flush()
+}
+
 /// Reads one frame's body; a body over [`MAX_FRAME`] is `InvalidData`.
 pub(crate) fn read_frame(r: &mut impl Read) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
@@ -391,8 +397,28 @@ pub(crate) enum Response {
 }
 
 impl Response {
+    /// The whole frame (length prefix and body) in one buffer, so that a
+    /// large answer is copied once on its way out, not twice.
+    pub(crate) fn encode_frame(&self) -> Vec<u8> {
+        // Room for the values up front: growing by doubling would copy them.
+        let values: usize = match self {
+            Response::Value(Some(v)) => v.len(),
+            Response::Values(values) => values.iter().map(|v| v.as_ref().map_or(1, |v| v.len() + 5)).sum(),
+            _ => 0,
+        };
+        let mut buf = Vec::with_capacity(values + 64);
+        buf.extend_from_slice(&[0u8; 4]);
+        let mut frame = self.encode_into(Encoder(buf));
+        let len = (frame.len() - 4) as u32;
+        frame[..4].copy_from_slice(&len.to_le_bytes());
+        frame
+    }
+
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut e = Encoder::default();
+        self.encode_into(Encoder::default())
+    }
+
+    fn encode_into(&self, mut e: Encoder) -> Vec<u8> {
         match self {
             Response::Ok => e.u8(0),
             Response::Value(v) => e.u8(1).opt_bytes(v.as_deref().map(Vec::as_slice)),

@@ -404,7 +404,7 @@ fn serve_connection(inner: &Inner, id: u64, mut stream: TcpStream, peer: SocketA
                 break;
             }
         };
-        if protocol::write_frame(&mut stream, &response.encode()).is_err() {
+        if protocol::write_whole_frame(&mut stream, &response.encode_frame()).is_err() {
             break;
         }
     }
