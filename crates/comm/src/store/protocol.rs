@@ -520,6 +520,8 @@ mod tests {
         ];
         for r in resps {
             assert_eq!(Response::decode(&r.encode()).unwrap(), r);
+            let frame = r.encode_frame();
+            assert_eq!(read_frame(&mut &frame[..]).unwrap(), r.encode(), "{r:?} as one frame");
         }
         assert!(Request::decode(&[42]).is_err());
         assert!(Request::decode(&[1, 5, 0]).is_err());
