@@ -36,6 +36,16 @@ mod work;
 pub use api::{rank_clients, Buffer, Collectives, Error, Grouped, World};
 pub use communicator::{job_heartbeat_key, Communicator, ConnectError, HEARTBEAT_PERIOD};
 pub use device::peer::{Algo, Crossover, CrossoverRow, Path, TableKind};
+
+/// What a running communicator publishes about itself in the rendezvous
+/// store, for tools outside its ranks: `cohort status` (progress, current
+/// call, who left) and `cohort run --timings` (start-up phases).
+pub mod published {
+    pub use crate::communicator::{
+        abort_key, arrived_key, call_key, communicator_prefix, directory_key, gone_key, newest_communicator_key,
+        parse_phases, parse_progress, progress_key, startup_timings_key, CurrentCall,
+    };
+}
 pub use device::Transport;
 pub use error::CommError;
 pub use group::{to_client, ClientGroup, DEFAULT_STAGE_CHUNK};

@@ -41,6 +41,13 @@ pub enum Command {
     ///
     /// Example: COHORT_JOB_SECRET=s cohort store --port 29400
     Store(StoreArgs),
+    /// Show where every rank of a running (or hung) job is: its state, the
+    /// collective it is in and for how long, its last heartbeat, and which
+    /// ranks the others wait for. Needs the job's store address and secret
+    /// (COHORT_STORE_ADDR and COHORT_JOB_SECRET, or the flags).
+    ///
+    /// Example: COHORT_JOB_SECRET=s cohort status --store-addr node0:29501 --watch 1
+    Status(StatusArgs),
     /// Print every COHORT_* variable: its current value (secrets masked),
     /// its default and what it does. Exits with 1 when a set value cannot
     /// be used.
@@ -68,6 +75,36 @@ pub struct TraceArgs {
     /// Folders of dumps (every *.json in them) or dump files.
     #[arg(required = true, value_name = "DIR|FILE")]
     pub paths: Vec<PathBuf>,
+}
+
+/// Options of `cohort status`.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// The job's store, HOST:PORT (default COHORT_STORE_ADDR).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub store_addr: Option<String>,
+    /// A file holding the job's secret (default COHORT_JOB_SECRET); a file,
+    /// not a flag, so that the secret does not show in `ps`.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
+    /// Print the status as JSON (for scripts).
+    #[arg(long)]
+    pub json: bool,
+    /// Print it again every SECS seconds (default 1) until interrupted.
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "1", value_parser = watch_period)]
+    pub watch: Option<f64>,
+    /// Seconds to wait for the store to answer the connection.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0, value_parser = seconds)]
+    pub connect_timeout: f64,
+}
+
+/// Parses `--watch`'s period: at least 0.05 s.
+fn watch_period(s: &str) -> Result<f64, String> {
+    let t = seconds(s)?;
+    if t < 0.05 {
+        return Err(format!("{s} is too short a period: at least 0.05 seconds"));
+    }
+    Ok(t)
 }
 
 /// Options of `cohort store`.
@@ -126,6 +163,33 @@ impl FromStr for Nproc {
     }
 }
 
+/// `--nnodes`: a fixed count `N`, or `MIN:MAX` for an elastic job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRange {
+    pub min: u32,
+    pub max: u32,
+}
+
+impl FromStr for NodeRange {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let count = |v: &str| match v.trim().parse::<u32>() {
+            Ok(0) => Err("needs at least 1 node".to_string()),
+            Ok(n) => Ok(n),
+            Err(_) => Err(format!("'{v}' is not a number of nodes")),
+        };
+        let range = match s.split_once(':') {
+            None => NodeRange { min: count(s)?, max: count(s)? },
+            Some((min, max)) => NodeRange { min: count(min)?, max: count(max)? },
+        };
+        if range.min > range.max {
+            return Err(format!("'{s}': MIN ({}) is above MAX ({})", range.min, range.max));
+        }
+        Ok(range)
+    }
+}
+
 /// Longest `--timeout` or `--heartbeat-timeout` accepted: ten years.
 pub const MAX_SECONDS: f64 = 10.0 * 365.0 * 86400.0;
 
@@ -156,9 +220,25 @@ pub struct RunArgs {
     )]
     pub nproc_per_node: Nproc,
 
-    /// Number of nodes (launchers) in the job; more than 1 needs --master-addr.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    pub nnodes: u32,
+    /// Number of nodes (launchers) in the job; more than 1 needs
+    /// --master-addr. MIN:MAX makes the job elastic: it starts once MIN nodes
+    /// joined (and --last-call passed, or MAX joined), and when a node's
+    /// launcher dies or a rank fails the others stop their ranks and restart
+    /// them (up to --max-restarts) with the nodes still there, as long as
+    /// there are MIN; a node that joins later is taken in at the next
+    /// restart, up to MAX.
+    #[arg(long, value_name = "N|MIN:MAX", default_value = "1")]
+    pub nnodes: NodeRange,
+
+    /// Elastic jobs (--nnodes MIN:MAX): how long a restart waits for MIN
+    /// nodes before it gives up with an error.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600.0, value_parser = seconds)]
+    pub join_timeout: f64,
+
+    /// Elastic jobs: once MIN nodes joined, how long to wait for more (up
+    /// to MAX) before the ranks start.
+    #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = seconds)]
+    pub last_call: f64,
 
     /// This node's rank, from 0 to nnodes-1; node 0 serves the rendezvous store.
     #[arg(long, alias = "node_rank", default_value_t = 0)]
@@ -232,6 +312,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = seconds, allow_negative_numbers = true)]
     pub heartbeat_timeout: f64,
 
+    /// Print the job's start-up phases on stderr once its first communicator
+    /// is formed: launcher start, store up, ranks started, all ranks joined,
+    /// links formed, NCCL chosen (with its unique id shared), each in ms
+    /// from this launcher's start.
+    #[arg(long)]
+    pub timings: bool,
+
     /// Use the rendezvous store at HOST:PORT (e.g. `cohort store`) instead of
     /// serving one on node 0.
     #[arg(long, value_name = "HOST:PORT")]
@@ -277,12 +364,16 @@ mod tests {
         let cli = Cli::try_parse_from(line.split(' ')).unwrap();
         let Command::Run(a) = cli.command else { panic!("a run command") };
         assert_eq!(a.nproc_per_node, Nproc::Count(4));
-        assert_eq!((a.nnodes, a.node_rank), (2, 1));
+        assert_eq!((a.nnodes, a.node_rank), (NodeRange { min: 2, max: 2 }, 1));
         assert_eq!(a.local_ranks_filter, Some(vec![0, 3]));
         assert_eq!(a.timeout, Some(2.5));
         assert_eq!(a.program, vec![OsString::from("prog"), OsString::from("--flag")]);
         assert!(Cli::try_parse_from(["cohort", "run", "--tee", "--", "p"]).is_err());
         assert!(Cli::try_parse_from(["cohort", "run", "--nnodes", "0", "--", "p"]).is_err());
+        assert_eq!("1:4".parse::<NodeRange>(), Ok(NodeRange { min: 1, max: 4 }));
+        assert!("3:2".parse::<NodeRange>().unwrap_err().contains("MIN (3) is above MAX (2)"));
+        assert!("0:2".parse::<NodeRange>().is_err());
+        assert!("a:2".parse::<NodeRange>().unwrap_err().contains("'a'"));
     }
 
     #[test]
@@ -292,7 +383,7 @@ mod tests {
         let cli = Cli::try_parse_from(line.split_whitespace()).unwrap();
         let Command::Run(a) = cli.command else { panic!("a run command") };
         assert_eq!(a.nproc_per_node, Nproc::Count(2));
-        assert_eq!((a.nnodes, a.node_rank, a.master_port, a.max_restarts), (2, 1, 7, 3));
+        assert_eq!((a.nnodes.max, a.node_rank, a.master_port, a.max_restarts), (2, 1, 7, 3));
         assert_eq!((a.master_addr.as_deref(), a.rdzv_id.as_str()), (Some("h"), "job"));
     }
 

@@ -128,6 +128,16 @@ pub enum LaunchError {
 pub struct JobConfig {
     /// Ranks on this node.
     pub nproc: usize,
+    /// Elastic jobs (`--nnodes MIN:MAX`): the fewest nodes an attempt runs
+    /// with (`nnodes` is then MAX, and in an attempt's own copy the nodes
+    /// in it: see [`JobConfig::for_round`]).
+    pub min_nodes: u32,
+    /// Whether the job is elastic (MIN below MAX).
+    pub elastic: bool,
+    /// How long an elastic attempt waits for `min_nodes`.
+    pub join_timeout: Duration,
+    /// How long an elastic attempt waits for more nodes once it has MIN.
+    pub last_call: Duration,
     /// Nodes in the job.
     pub nnodes: u32,
     /// This node's rank.
@@ -146,6 +156,8 @@ pub struct JobConfig {
     pub secret: String,
     /// Group restarts allowed.
     pub max_restarts: u32,
+    /// Print the start-up phases (`--timings`).
+    pub timings: bool,
     /// Per-rank log files' folder.
     pub log_dir: Option<PathBuf>,
     /// Console output too when logging to files.
@@ -167,15 +179,18 @@ pub struct JobConfig {
 impl JobConfig {
     /// Checks `args` and resolves what they leave open (device counts,
     /// secret).
-    pub fn from_args(args: RunArgs) -> Result<Self, LaunchError> {
-        if args.node_rank >= args.nnodes {
-            return Err(LaunchError::BadNodeRank { node_rank: args.node_rank, nnodes: args.nnodes });
+    pub fn from_args(mut args: RunArgs) -> Result<Self, LaunchError> {
+        let range = args.nnodes;
+        // Every check below holds for the largest job.
+        let nnodes = range.max;
+        if args.node_rank >= nnodes {
+            return Err(LaunchError::BadNodeRank { node_rank: args.node_rank, nnodes });
         }
-        if args.master_port == 0 && args.nnodes > 1 {
+        if args.master_port == 0 && nnodes > 1 {
             return Err(LaunchError::PortZeroMultiNode);
         }
-        if args.nnodes > 1 && args.master_addr.is_none() && args.store_addr.is_none() {
-            return Err(LaunchError::MasterAddrMissing(args.nnodes));
+        if nnodes > 1 && args.master_addr.is_none() && args.store_addr.is_none() {
+            return Err(LaunchError::MasterAddrMissing(nnodes));
         }
         let nproc = resolve_nproc(args.nproc_per_node)?;
         if let Some(warning) = process_limit_warning(nproc, process_limit()) {
@@ -203,7 +218,7 @@ impl JobConfig {
         check_inherited(args.timeout.is_some())?;
         let env_secret = config::JOB_SECRET.get()?;
         let mut master_addr = args.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
-        let mut store_port = match (args.store_port, args.nnodes) {
+        let mut store_port = match (args.store_port, nnodes) {
             (Some(p), _) => p,
             (None, 1) => 0,
             (None, _) => args.master_port.checked_add(1).ok_or(LaunchError::NoStorePort)?,
@@ -243,12 +258,17 @@ impl JobConfig {
             None => PathBuf::from("cohort-trace"),
         });
         let trace_dir = std::env::current_dir().map(|cwd| cwd.join(&trace_dir)).unwrap_or(trace_dir);
-        let secret = resolve_secret(env_secret, args.nnodes)?;
-        let program = python_program(args.program, args.module, args.no_python)?;
+        let secret = resolve_secret(env_secret, nnodes)?;
+        let program = std::mem::take(&mut args.program);
+        let program = python_program(program, args.module, args.no_python)?;
         let omp_threads = (nproc > 1 && std::env::var_os("OMP_NUM_THREADS").is_none()).then(|| "1".to_string());
         Ok(JobConfig {
             nproc,
-            nnodes: args.nnodes,
+            nnodes,
+            min_nodes: range.min,
+            elastic: range.min < range.max,
+            join_timeout: Duration::from_secs_f64(args.join_timeout),
+            last_call: Duration::from_secs_f64(args.last_call),
             node_rank: args.node_rank,
             master_addr,
             master_port,
@@ -260,12 +280,20 @@ impl JobConfig {
             external_store: args.store_addr.is_some(),
             secret,
             max_restarts: args.max_restarts,
+            timings: args.timings,
             log_dir: args.log_dir,
             tee: args.tee,
             filter,
             timeout,
             program,
         })
+    }
+
+    /// This node's part in one attempt of an elastic job: node `position`
+    /// of `members` (GROUP_RANK and GROUP_WORLD_SIZE; the ranks' global
+    /// ranks follow).
+    pub fn for_round(&self, position: u32, members: u32) -> JobConfig {
+        JobConfig { node_rank: position, nnodes: members, ..self.clone() }
     }
 
     /// Ranks in the whole job.
@@ -459,6 +487,10 @@ mod tests {
         let mut c = JobConfig {
             nproc: 1,
             nnodes: 1,
+            min_nodes: 1,
+            elastic: false,
+            join_timeout: Duration::from_secs(1),
+            last_call: Duration::from_secs(1),
             node_rank: 0,
             master_addr: "::1".into(),
             master_port: 1,
@@ -467,6 +499,7 @@ mod tests {
             omp_threads: None,
             secret: "s".into(),
             max_restarts: 0,
+            timings: false,
             log_dir: None,
             tee: false,
             filter: None,

@@ -1,7 +1,8 @@
 //! `cohort`: launch and watch the ranks of a job (`cohort run`), like
 //! torchrun; list devices (`cohort devices`) and their peer access and copy
 //! bandwidth (`cohort peers`); merge the ranks' flight recorders (`cohort
-//! trace`); serve a rendezvous store (`cohort store`); show the `COHORT_*`
+//! trace`); serve a rendezvous store (`cohort store`); show where a running
+//! job's ranks are (`cohort status`); show the `COHORT_*`
 //! variables (`cohort config`).
 //!
 //! Logs go to stderr through `tracing`, filtered by `COHORT_LOG` (falling
@@ -17,8 +18,10 @@ mod run;
 mod settings;
 mod signals;
 mod spawn;
+mod status;
 mod summary;
 mod supervisor;
+mod timings;
 mod trace;
 mod watchdog;
 
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
         cli::Command::Peers(args) => devices::peers(args),
         cli::Command::Trace(args) => trace::trace(args),
         cli::Command::Store(args) => trace::store(args),
+        cli::Command::Status(args) => status::status(args),
         cli::Command::Config(args) => settings::config(args),
         cli::Command::Reaper => reaper::serve(),
     }

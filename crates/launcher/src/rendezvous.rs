@@ -11,8 +11,20 @@
 //!   to fail; each launcher's watcher connection leaves a will on it, so a
 //!   launcher that dies unannounced fails the attempt for everyone;
 //! - `left/<a>`, `all-left/<a>`: the other nodes have read the final
-//!   verdict, so node 0 may stop serving.
+//!   verdict, so node 0 may stop serving;
+//! - `world`: `<world size> <nodes>` of the attempt running now (for
+//!   `cohort status`).
+//!
+//! Elastic jobs (`--nnodes MIN:MAX`) form each attempt's group anew:
+//! - `members/<a>`: the node ranks that want to take part in attempt a, one
+//!   line each, appended as they arrive;
+//! - `closed/<a>`: the nodes of attempt a (sorted node ranks), set once by
+//!   the first launcher to see MAX nodes, or MIN and the last call passed;
+//!   a node's place in it is its GROUP_RANK for the attempt. A node that
+//!   arrives after it closed waits for attempt a+1;
+//! - `current`: the newest attempt that closed, where a late node starts.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,7 +49,9 @@ fn key(name: &str, attempt: u32) -> String {
 /// This launcher's place in the job's rendezvous.
 pub struct Rendezvous {
     node_rank: u32,
-    nnodes: u32,
+    /// Nodes in the attempt running now (all of them in a fixed job).
+    nnodes: AtomicU32,
+    elastic: bool,
     /// The store, on node 0.
     server: Option<StoreServer>,
     /// The port the store listens on.
@@ -65,7 +79,16 @@ impl Rendezvous {
         let limit = time_left(deadline);
         let client = StoreClient::connect(addr.as_str(), &cfg.secret, limit)?;
         let watcher = Arc::new(client.duplicate()?);
-        let me = Rendezvous { node_rank: cfg.node_rank, nnodes: cfg.nnodes, server, port, client, watcher, deadline };
+        let me = Rendezvous {
+            node_rank: cfg.node_rank,
+            nnodes: AtomicU32::new(cfg.nnodes),
+            elastic: cfg.elastic,
+            server,
+            port,
+            client,
+            watcher,
+            deadline,
+        };
         let entry = format!("{} {}", cfg.nproc, hostname());
         let node_key = format!("{PREFIX}node/{}", cfg.node_rank);
         if let cohort_comm::store::CompareSet::Mismatch(Some(other)) =
@@ -95,10 +118,31 @@ impl Rendezvous {
     /// Waits for every node to be ready for `attempt`, clears what ranks of
     /// the previous attempt left in the store, and starts the watcher that
     /// sends [`Event::Verdict`] once the attempt's verdict is known.
-    pub fn begin(&self, cfg: &JobConfig, attempt: u32, events: Sender<Event>) -> Result<(), LaunchError> {
-        if self.nnodes > 1 || attempt > 0 {
+    ///
+    /// In an elastic job this first forms the attempt's group (see the
+    /// module docs) and returns this node's place in it; a fixed job's is
+    /// always its own node rank of all nodes.
+    pub fn begin(&self, cfg: &JobConfig, attempt: u32, events: Sender<Event>) -> Result<Round, LaunchError> {
+        let round = if self.elastic {
+            match self.join(cfg, attempt)? {
+                Round::Member { position, members, attempt } => {
+                    self.nnodes.store(members, Ordering::SeqCst);
+                    Round::Member { position, members, attempt }
+                }
+                Round::JobDone => return Ok(Round::JobDone),
+            }
+        } else {
+            Round::Member { position: cfg.node_rank, members: cfg.nnodes, attempt }
+        };
+        // A late node's first attempt is a later one.
+        let attempt = match round {
+            Round::Member { attempt, .. } => attempt,
+            Round::JobDone => attempt,
+        };
+        let nnodes = self.nnodes();
+        if nnodes > 1 || attempt > 0 {
             let limit = time_left(self.deadline);
-            self.client.barrier(&key("ready", attempt), self.nnodes, limit).map_err(|e| match e {
+            self.client.barrier(&key("ready", attempt), nnodes, limit).map_err(|e| match e {
                 StoreError::BarrierTimeout { arrived, world_size, waited, .. } => LaunchError::Rendezvous(format!(
                     "waited {waited:.0?} for the launchers of the other nodes: {arrived} of \
                              {world_size} arrived; start `cohort run --nnodes {world_size} \
@@ -107,7 +151,7 @@ impl Rendezvous {
                 )),
                 e => e.into(),
             })?;
-            if attempt == 0 {
+            if attempt == 0 && !self.elastic {
                 self.check_nodes_agree(cfg)?;
             }
             if attempt > 0 {
@@ -116,12 +160,17 @@ impl Rendezvous {
                 }
                 // Nobody starts ranks before node 0 has cleared the store.
                 let limit = time_left(self.deadline);
-                self.client.barrier(&key("cleared", attempt), self.nnodes, limit)?;
+                self.client.barrier(&key("cleared", attempt), nnodes, limit)?;
             }
+        }
+        if matches!(round, Round::Member { position: 0, .. }) {
+            let world = format!("{} {nnodes}", cfg.nproc * nnodes as usize);
+            self.client.set(&format!("{PREFIX}world"), world.as_bytes())?;
         }
         let verdict_key = key("verdict", attempt);
         let will = Verdict::Failed {
-            restartable: false,
+            // An elastic job goes on without the node.
+            restartable: self.elastic,
             exit_code: 1,
             summary: format!(
                 "the launcher of node {} went away without a word (killed?); its ranks died with it",
@@ -137,24 +186,116 @@ impl Rendezvous {
                 let _ = events.send(Event::Verdict { attempt, result });
             })
             .map_err(|e| LaunchError::Rendezvous(format!("cannot start the watcher thread: {e}")))?;
-        Ok(())
+        Ok(round)
+    }
+
+    /// Nodes in the attempt running now.
+    fn nnodes(&self) -> u32 {
+        self.nnodes.load(Ordering::SeqCst)
+    }
+
+    /// Joins the group of elastic attempt `attempt` (or, for a node that
+    /// arrives late, of the next attempt to form): appends this node, then
+    /// waits until the group closes with MAX nodes, or with MIN once the
+    /// last call passed. Fails when MIN nodes do not come within
+    /// `--join-timeout`; returns [`Round::JobDone`] when the job ended
+    /// before this node was needed.
+    fn join(&self, cfg: &JobConfig, attempt: u32) -> Result<Round, LaunchError> {
+        let current = self.client.get(&format!("{PREFIX}current"))?;
+        let current = current.and_then(|v| String::from_utf8_lossy(&v).parse::<u32>().ok());
+        // A late node joins the attempt after the one running now.
+        let mut attempt = match current {
+            Some(c) if c >= attempt => c + 1,
+            _ => attempt,
+        };
+        let me = cfg.node_rank;
+        // When this attempt could first form.
+        let mut start = Instant::now();
+        let mut appended = None;
+        loop {
+            if appended != Some(attempt) {
+                self.client.append(&key("members", attempt), format!("{me}\n").as_bytes())?;
+                appended = Some(attempt);
+            }
+            let closed_key = key("closed", attempt);
+            let values = self.client.multi_get(&[
+                &closed_key,
+                &key("members", attempt),
+                &key("verdict", attempt.saturating_sub(1)),
+            ])?;
+            if let Some(closed) = &values[0] {
+                let nodes = parse_nodes(closed);
+                match nodes.iter().position(|&n| n == me) {
+                    Some(p) => {
+                        tracing::info!(attempt, nodes = ?nodes, "elastic attempt formed");
+                        return Ok(Round::Member { position: p as u32, members: nodes.len() as u32, attempt });
+                    }
+                    // Closed without this node: wait for the next attempt.
+                    None => {
+                        attempt += 1;
+                        continue;
+                    }
+                }
+            }
+            // Attempt a forms once attempt a-1 failed: until then a late
+            // node only waits (however long the job runs).
+            let previous = values[2].as_deref().map(Verdict::decode);
+            match previous {
+                Some(Verdict::Ok) if attempt > 0 => return Ok(Round::JobDone),
+                None if attempt > 0 => {
+                    start = Instant::now();
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+                _ => {}
+            }
+            let mut arrived = parse_nodes(values[1].as_deref().unwrap_or_default());
+            arrived.dedup();
+            let waited = start.elapsed();
+            let enough = arrived.len() as u32 >= cfg.min_nodes;
+            let full = arrived.len() as u32 >= cfg.nnodes;
+            if full || (enough && waited >= cfg.last_call) {
+                arrived.truncate(cfg.nnodes as usize);
+                let list: String = arrived.iter().map(|n| format!("{n}\n")).collect();
+                if self.client.compare_set(&closed_key, None, list.as_bytes())?.swapped() {
+                    self.client.set(&format!("{PREFIX}current"), attempt.to_string().as_bytes())?;
+                }
+                continue;
+            }
+            if !enough && waited >= cfg.join_timeout {
+                return Err(LaunchError::Rendezvous(format!(
+                    "waited {:.1} s (--join-timeout) for at least {} nodes (--nnodes {}:{}) to start attempt \
+                     {attempt}, but only {} joined (node(s) {}); stopping",
+                    waited.as_secs_f64(),
+                    cfg.min_nodes,
+                    cfg.min_nodes,
+                    cfg.nnodes,
+                    arrived.len(),
+                    arrived.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Reports that this node's ranks all succeeded in `attempt`; the last
     /// node to do so sets the verdict to `ok`.
     pub fn report_success(&self, attempt: u32) -> Result<(), StoreError> {
         let n = self.client.add(&key("ok", attempt), 1)?;
-        if n == i64::from(self.nnodes) {
+        if n == i64::from(self.nnodes()) {
             self.client.compare_set(&key("verdict", attempt), None, &Verdict::Ok.encode())?;
         }
         Ok(())
     }
 
     /// Reports that `attempt` failed here; the first failure reported becomes
-    /// the job's verdict.
-    pub fn report_failure(&self, attempt: u32, verdict: &Verdict) -> Result<(), StoreError> {
-        self.client.compare_set(&key("verdict", attempt), None, &verdict.encode())?;
-        Ok(())
+    /// the job's verdict, which this returns (this one, or the one another
+    /// node reported first).
+    pub fn report_failure(&self, attempt: u32, verdict: &Verdict) -> Result<Verdict, StoreError> {
+        match self.client.compare_set(&key("verdict", attempt), None, &verdict.encode())? {
+            cohort_comm::store::CompareSet::Mismatch(Some(first)) => Ok(Verdict::decode(&first)),
+            _ => Ok(verdict.clone()),
+        }
     }
 
     /// Leaves the job after its final verdict for `attempt`: other nodes say
@@ -162,24 +303,44 @@ impl Rendezvous {
     /// serving the store.
     pub fn finish(mut self, attempt: u32) {
         let _ = self.watcher.clear_will();
-        if self.nnodes == 1 {
+        let nnodes = self.nnodes();
+        if nnodes == 1 && !self.elastic {
             return;
         }
         if self.node_rank != 0 {
             if let Ok(n) = self.client.add(&key("left", attempt), 1) {
-                if n == i64::from(self.nnodes) - 1 {
+                if n == i64::from(nnodes) - 1 {
                     let _ = self.client.set(&key("all-left", attempt), b"");
                 }
             }
             return;
         }
-        if let Err(e) = self.client.wait(&[&key("all-left", attempt)], LEAVE_LIMIT) {
+        if nnodes == 1 {
+            // Alone in the last attempt (an elastic job): nobody to wait for.
+        } else if let Err(e) = self.client.wait(&[&key("all-left", attempt)], LEAVE_LIMIT) {
             tracing::warn!("not every node read the job's verdict before the store closed: {e}");
         }
         if let Some(mut s) = self.server.take() {
             s.shutdown();
         }
     }
+}
+
+/// This node's place in an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Round {
+    /// Node `position` of `members` (GROUP_RANK, GROUP_WORLD_SIZE) in
+    /// `attempt` (later than asked for a node that came late).
+    Member { position: u32, members: u32, attempt: u32 },
+    /// The job ended (every rank succeeded) before this late node was needed.
+    JobDone,
+}
+
+/// The node ranks of a `members/<a>` or `closed/<a>` value, sorted.
+fn parse_nodes(value: &[u8]) -> Vec<u32> {
+    let mut nodes: Vec<u32> = String::from_utf8_lossy(value).lines().filter_map(|l| l.trim().parse().ok()).collect();
+    nodes.sort_unstable();
+    nodes
 }
 
 /// Blocks until `key` is set and returns its value.
@@ -220,7 +381,7 @@ fn time_left(deadline: Option<Instant>) -> Duration {
 impl Rendezvous {
     /// After the first barrier: every node must run the same number of ranks.
     fn check_nodes_agree(&self, cfg: &JobConfig) -> Result<(), LaunchError> {
-        for n in 0..self.nnodes {
+        for n in 0..self.nnodes() {
             let entry = self.client.get(&format!("{PREFIX}node/{n}"))?;
             let entry = entry.map(|e| String::from_utf8_lossy(&e).into_owned());
             let nproc = entry.as_deref().and_then(|e| e.split(' ').next()?.parse::<usize>().ok());

@@ -8,12 +8,12 @@ use crossbeam::channel::{Receiver, RecvTimeoutError};
 
 use crate::cli::RunArgs;
 use crate::config::{JobConfig, LaunchError};
-use crate::rendezvous::Rendezvous;
+use crate::rendezvous::{Rendezvous, Round};
 use crate::signals;
 use crate::spawn::RankEnv;
 use crate::summary::{signal_name, Verdict};
 use crate::supervisor::{self, Event, Outcome};
-use crate::{trace, watchdog};
+use crate::{timings, trace, watchdog};
 
 /// Exit code when the job ran past `--timeout` (as timeout(1) uses).
 pub const TIMEOUT_EXIT: u8 = 124;
@@ -34,6 +34,7 @@ pub fn run(args: RunArgs) -> ExitCode {
 
 fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     let start = Instant::now();
+    let mut clock = timings::LaunchClock::start();
     let cfg = JobConfig::from_args(args)?;
     let deadline = cfg.timeout.map(|t| start + t);
     // Both folders are refused when another user owns them or may write
@@ -60,21 +61,45 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     }
     let rdzv = Rendezvous::start(&cfg, deadline)?;
     tracing::info!(port = rdzv.port(), nproc = cfg.nproc, "rendezvous store ready");
+    clock.mark("store up");
 
     let mut attempt = 0;
     loop {
-        rdzv.begin(&cfg, attempt, tx.clone())?;
+        // This node's part in the attempt (an elastic job's group changes).
+        let cfg = match rdzv.begin(&cfg, attempt, tx.clone())? {
+            Round::Member { position, members, attempt: joined } if cfg.elastic => {
+                attempt = joined;
+                if attempt > 0 || members < cfg.nnodes {
+                    eprintln!(
+                        "cohort: attempt {attempt} runs on {members} node(s) ({} ranks); this node is node {position}",
+                        members as usize * cfg.nproc
+                    );
+                }
+                cfg.for_round(position, members)
+            }
+            Round::Member { .. } => cfg.clone(),
+            Round::JobDone => {
+                eprintln!("cohort: the job finished before this node was needed");
+                return Ok(0);
+            }
+        };
+        let cfg = &cfg;
         trace::clear_dumps(&cfg.trace_dir);
-        let env = RankEnv::new(&cfg, rdzv.port(), attempt);
-        let ranks = (0..cfg.nproc).map(|l| (RankEnv::global_rank(&cfg, l), l)).collect();
+        let env = RankEnv::new(cfg, rdzv.port(), attempt);
+        let ranks = (0..cfg.nproc).map(|l| (RankEnv::global_rank(cfg, l), l)).collect();
         let dog =
             cfg.heartbeat_timeout.and_then(|limit| watchdog::start(rdzv.store(), ranks, attempt, limit, tx.clone()));
         signals::set_supervising(true);
-        let outcome = supervisor::run_attempt(&cfg, &env, attempt, (&tx, &rx), deadline);
+        if cfg.timings {
+            let mut clock = clock.clone();
+            clock.mark("spawning ranks");
+            timings::report_when_ready(rdzv.store(), clock, attempt);
+        }
+        let outcome = supervisor::run_attempt(cfg, &env, attempt, (&tx, &rx), deadline);
         drop(dog);
-        let verdict = settle(&rdzv, &cfg, attempt, outcome, &rx, deadline);
+        let verdict = settle(&rdzv, cfg, attempt, outcome, &rx, deadline);
         signals::set_supervising(false);
-        sweep_shared_memory(&rdzv, &cfg);
+        sweep_shared_memory(&rdzv, cfg);
         match verdict {
             Verdict::Ok => {
                 tracing::info!(elapsed = ?start.elapsed(), "every rank exited with 0");
@@ -151,14 +176,20 @@ fn settle(
         Outcome::Verdict(Err(e)) => return lost_store(e),
     };
     if let Some(v) = &local {
-        if let Err(e) = rdzv.report_failure(attempt, v) {
-            tracing::warn!("could not report the failure to the other nodes: {e}");
-            return v.clone();
-        }
+        // The first failure reported anywhere is the verdict. (Waiting for
+        // the watcher to relay it could wait forever: the supervisor may
+        // have taken its event while it stopped the ranks.)
+        return match rdzv.report_failure(attempt, v) {
+            Ok(verdict) => verdict,
+            Err(e) => {
+                tracing::warn!("could not report the failure to the other nodes: {e}");
+                v.clone()
+            }
+        };
     }
-    // Wait for the verdict, which the watcher thread relays. Another node may
-    // still be running: signals and the deadline still count.
-    let mut deadline = deadline;
+    // This node succeeded: wait for the verdict, which the watcher thread
+    // relays. Another node may still be running: signals and the deadline
+    // still count (and fail the job).
     loop {
         let event = match deadline {
             Some(d) => events.recv_deadline(d),
@@ -173,15 +204,13 @@ fn settle(
             }
             Ok(Event::Signal(sig)) => interrupted(sig, node),
             Ok(_) => continue,
-            Err(RecvTimeoutError::Timeout) => {
-                deadline = None;
-                timed_out(cfg, &[])
-            }
-            Err(RecvTimeoutError::Disconnected) => return local.unwrap_or_else(|| lost_store("".into())),
+            Err(RecvTimeoutError::Timeout) => timed_out(cfg, &[]),
+            Err(RecvTimeoutError::Disconnected) => return lost_store("".into()),
         };
-        if let Err(e) = rdzv.report_failure(attempt, &failure) {
-            return lost_store(e.to_string());
-        }
+        return match rdzv.report_failure(attempt, &failure) {
+            Ok(verdict) => verdict,
+            Err(e) => lost_store(e.to_string()),
+        };
     }
 }
 

@@ -3,8 +3,9 @@
 //! Outside any communicator:
 //! - `cohort/comm/instance/<r>`: a counter rank r bumps per communicator it
 //!   forms; the count names the communicator, `<k>`;
-//! - `cohort/heartbeat/<RANK>` = `<pid> <beats>`, for the launcher's
-//!   watchdog: a counter that moves every period while the process runs.
+//! - `cohort/heartbeat/<RANK>` = `<pid> <beats> <unix ms>`, for the
+//!   launcher's watchdog and `cohort status`: a counter that moves every
+//!   period while the process runs, and when it last did.
 //!
 //! Under a communicator's prefix, `cohort/comm/<k>/`:
 //! - `job`: rank 0's job id and link token; `peer/<r>`: rank r's node,
@@ -20,6 +21,13 @@
 //! - `split/<n>/<color>/`: the prefix of the group of color `color` of this
 //!   communicator's split number `n` (every rank splits in the same order),
 //!   under which that group's own keys (the ones above) live.
+//!
+//! Start-up and status (see `timings` and `observe`):
+//! - `peers`: the directory of a communicator (one line per rank);
+//!   `joined`: the barrier after every rank appended to it;
+//! - `timings`: rank 0's start-up phases, lines `<phase> <unix µs>`;
+//! - `call/<r>` = `<seq> <kind> <bytes> <since unix ms>`: the collective
+//!   rank r is in now (or last was), written with its progress.
 
 /// The key the launcher's watchdog reads for the job's rank `rank`.
 pub fn job_heartbeat_key(rank: usize) -> String {
@@ -41,6 +49,8 @@ pub(super) fn under(prefix: &str, name: &str) -> String {
     format!("{prefix}{name}")
 }
 
+/// Rank r's entry (the MPI path's set-up; the host path uses the directory).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(super) fn peer(prefix: &str, rank: usize) -> String {
     format!("{prefix}peer/{rank}")
 }
@@ -67,7 +77,7 @@ pub(super) fn progress_value(issued: u64, finished: u64) -> String {
 }
 
 /// Reads a peer's progress entry: (issued, finished).
-pub(super) fn parse_progress(value: &[u8]) -> Option<(u64, u64)> {
+pub fn parse_progress(value: &[u8]) -> Option<(u64, u64)> {
     let text = std::str::from_utf8(value).ok()?;
     let (a, b) = text.split_once(' ')?;
     Some((a.parse().ok()?, b.parse().ok()?))
@@ -112,6 +122,95 @@ pub(super) fn peer_ready(prefix: &str, rank: usize) -> String {
     format!("{prefix}nccl/peer/ready/{rank}")
 }
 
+/// The directory of a communicator: one line per rank, appended by it.
+pub(super) fn directory(prefix: &str) -> String {
+    format!("{prefix}peers")
+}
+
+/// Rank 0's start-up phases of communicator `prefix`.
+pub(super) fn setup_timings(prefix: &str) -> String {
+    format!("{prefix}timings")
+}
+
+/// The start-up phases of communicator number `instance` (the first a job
+/// forms is 1), for the launcher's `--timings`.
+pub fn startup_timings_key(instance: u64) -> String {
+    setup_timings(&prefix(instance as i64))
+}
+
+/// The counter that numbers rank `rank`'s communicators: its value is the
+/// number of the newest one the rank began to form.
+pub fn newest_communicator_key(rank: usize) -> String {
+    instance_counter(rank)
+}
+
+/// A communicator's directory (one line per rank that joined:
+/// `<rank>\t<node>\t<address>\t<devices>`), for readers outside it.
+pub fn directory_key(prefix: &str) -> String {
+    directory(prefix)
+}
+
+/// The prefix of communicator number `instance`, for readers outside it
+/// (`cohort status`).
+pub fn communicator_prefix(instance: u64) -> String {
+    prefix(instance as i64)
+}
+
+/// Rank `rank`'s progress entry under `prefix` (see [`parse_progress`]).
+pub fn progress_key(prefix: &str, rank: usize) -> String {
+    progress(prefix, rank)
+}
+
+/// Rank `rank`'s current-call entry under `prefix`.
+pub fn call_key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}call/{rank}")
+}
+
+/// Whether rank `rank` left communicator `prefix` (its `gone` key).
+pub fn gone_key(prefix: &str, rank: usize) -> String {
+    gone(prefix, rank)
+}
+
+/// Whether rank `rank` reported waiting long at collective `seq`.
+pub fn arrived_key(prefix: &str, seq: u64, rank: usize) -> String {
+    arrived(prefix, seq, rank)
+}
+
+/// The communicator's abort key (the first failure).
+pub fn abort_key(prefix: &str) -> String {
+    abort(prefix)
+}
+
+/// The collective a rank is in: sequence number, kind, bytes per rank and
+/// since when (Unix milliseconds).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CurrentCall {
+    pub seq: u64,
+    pub kind: String,
+    pub bytes: u64,
+    pub since_ms: u64,
+}
+
+impl CurrentCall {
+    /// The value written at [`call_key`].
+    pub fn encode(&self) -> String {
+        format!("{} {} {} {}", self.seq, self.kind, self.bytes, self.since_ms)
+    }
+
+    /// Reads a value written by [`CurrentCall::encode`].
+    pub fn parse(value: &[u8]) -> Option<CurrentCall> {
+        let text = std::str::from_utf8(value).ok()?;
+        let mut f = text.split(' ');
+        let call = CurrentCall {
+            seq: f.next()?.parse().ok()?,
+            kind: f.next()?.to_string(),
+            bytes: f.next()?.parse().ok()?,
+            since_ms: f.next()?.parse().ok()?,
+        };
+        f.next().is_none().then_some(call)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,5 +221,14 @@ mod tests {
         assert_eq!(parse_progress(b"7"), None);
         assert_eq!(arrived(&prefix(3), 9, 1), "cohort/comm/3/arrived/9/1");
         assert_eq!(split_prefix(&prefix(3), 0, 7), "cohort/comm/3/split/0/7/");
+    }
+
+    #[test]
+    fn current_call_round_trips() {
+        let c = CurrentCall { seq: 12, kind: "all_reduce".into(), bytes: 4096, since_ms: 1_700_000_000_000 };
+        assert_eq!(CurrentCall::parse(c.encode().as_bytes()), Some(c));
+        assert_eq!(CurrentCall::parse(b"12 all_reduce 4096"), None);
+        assert_eq!(CurrentCall::parse(b"12 all_reduce x 5"), None);
+        assert_eq!(startup_timings_key(1), "cohort/comm/1/timings");
     }
 }

@@ -63,11 +63,17 @@ mod observe;
 mod plans;
 mod setup;
 mod split;
+mod timings;
 mod world;
 
 pub use error::ConnectError;
 pub use keys::job_heartbeat_key;
+pub use keys::{
+    abort_key, arrived_key, call_key, communicator_prefix, directory_key, gone_key, newest_communicator_key,
+    parse_progress, progress_key, startup_timings_key, CurrentCall,
+};
 pub use observe::HEARTBEAT_PERIOD;
+pub use timings::parse_phases;
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -191,6 +197,7 @@ impl Communicator {
         };
         let observer = observe::Observer::start(&world)?;
         let nccl = nccl::setup(&world, &clients)?;
+        timings::passed(world.store(), world.prefix(), rank, "ready", std::time::Instant::now());
         Ok(Communicator {
             inner: Arc::new(Inner {
                 label: world.label.clone(),

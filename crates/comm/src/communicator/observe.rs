@@ -5,7 +5,9 @@
 //!
 //! The heartbeat thread writes the launcher's `cohort/heartbeat/<RANK>`
 //! every period, even while collectives wait, and this rank's progress
-//! (`hb/<r>`) when it changes, at most every 50 ms; its store connection's
+//! (`hb/<r>`) and current call (`call/<r>`: sequence number, kind, bytes,
+//! since when; read by `cohort status`) when they change, at most every
+//! 50 ms; its store connection's
 //! will sets `gone/<r>`, so peers waiting on this rank's bytes stop at once
 //! when its process dies (see [`keys`](super::keys)).
 
@@ -22,7 +24,7 @@ use crate::trace::{CollectiveFingerprint, FlightRecorder, Watched};
 use super::error::ConnectError;
 use super::failure::Failure;
 use super::fingerprint::Fingerprint;
-use super::keys::{self, job_heartbeat_key};
+use super::keys::{self, job_heartbeat_key, CurrentCall};
 use super::local::Views;
 use super::plans;
 use super::world::World;
@@ -65,6 +67,9 @@ struct Shared {
     aborted: AtomicBool,
     /// Wakes the heartbeat thread to report progress (never blocks).
     poke: Sender<()>,
+    /// The last collective called, for `cohort status` (written beside the
+    /// progress when it changes).
+    current: parking_lot::Mutex<Option<CurrentCall>>,
 }
 
 /// A communicator's observer: the heartbeat and the recorder's group.
@@ -102,6 +107,7 @@ impl Observer {
             store: world.shared_store(),
             prefix,
             aborted: AtomicBool::new(false),
+            current: parking_lot::Mutex::new(None),
         });
         let (stop, stopped) = crossbeam::channel::bounded::<()>(0);
         let s = shared.clone();
@@ -110,6 +116,8 @@ impl Observer {
             .spawn(move || {
                 let job_key = job_heartbeat_key(s.job_rank);
                 let mine = keys::progress(&s.prefix, s.rank);
+                let call_key = keys::call_key(&s.prefix, s.rank);
+                let mut call_reported = 0u64;
                 let pid = std::process::id();
                 let (mut beats, mut last_beat, mut reported) = (0u64, None::<Instant>, String::new());
                 loop {
@@ -119,10 +127,20 @@ impl Observer {
                     if last_beat.is_none_or(|t| t.elapsed() >= HEARTBEAT_PERIOD) {
                         beats += 1;
                         last_beat = Some(Instant::now());
-                        sent = beat.set(&job_key, format!("{pid} {beats}").as_bytes());
+                        let now_ms = crate::trace::now_micros() / 1000;
+                        sent = beat.set(&job_key, format!("{pid} {beats} {now_ms}").as_bytes());
                     }
                     if sent.is_ok() && progress != reported {
-                        sent = beat.set(&mine, progress.as_bytes());
+                        // The call first: a reader that sees the progress
+                        // move finds the call it moved to.
+                        let call = s.current.lock().clone();
+                        if let Some(call) = call.filter(|c| c.seq != call_reported) {
+                            call_reported = call.seq;
+                            sent = beat.set(&call_key, call.encode().as_bytes());
+                        }
+                        if sent.is_ok() {
+                            sent = beat.set(&mine, progress.as_bytes());
+                        }
                         reported = progress;
                     }
                     if let Err(err) = sent {
@@ -156,6 +174,13 @@ impl Observer {
                 (format!("{}/p2p {from}->{to}", s.group), Some(vec![from, to]))
             }
             None => {
+                let call = CurrentCall {
+                    seq: fp.seq,
+                    kind: fp.op.name().to_string(),
+                    bytes: fp.op.block_bytes() as u64,
+                    since_ms: crate::trace::now_micros() / 1000,
+                };
+                *s.current.lock() = Some(call);
                 s.issued.fetch_max(fp.seq, Ordering::Relaxed);
                 let _ = s.poke.try_send(());
                 // A group's records name its ranks, so the merge expects

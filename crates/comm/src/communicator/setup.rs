@@ -4,11 +4,17 @@
 //! rank formed (every rank forms them in the same order):
 //! - `job`: rank 0's random job id (names the shared-memory files) and TCP
 //!   link token;
-//! - `peer/<r>`: rank r's node id, TCP listening address and local device
-//!   count;
+//! - `peers`: the directory, one line per rank appended by that rank (its
+//!   rank, node id, TCP listening address and local device count); barrier
+//!   `joined` opens once every rank appended, then each reads it whole;
 //! - `shm/<r>`: rank r created its shared-memory file;
 //! - barriers `mapped` (every file is mapped: owners unlink them) and
-//!   `ready`.
+//!   `ready`;
+//! - `timings`: rank 0's start-up phases (see `timings`).
+//!
+//! Every step is one round trip per rank, so a communicator of thousands of
+//! ranks forms without per-rank sequential reads or key scans
+//! (`examples/rendezvous_bench.rs` measures it).
 //!
 //! Ranks with the same node id (host name and boot id, plus the launcher's
 //! node rank `GROUP_RANK` when set) talk through shared memory; the others
@@ -27,6 +33,7 @@ use crate::transport::Link;
 
 use super::error::ConnectError;
 use super::keys;
+use super::timings;
 use super::world::World;
 
 /// One rank's entry in the store.
@@ -59,6 +66,70 @@ fn random_hex(bytes: usize) -> Result<String, ConnectError> {
     let mut b = vec![0u8; bytes];
     getrandom::fill(&mut b).map_err(|e| ConnectError::Setup(format!("no randomness for the job id: {e}")))?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// One rank's line in a communicator's directory:
+/// `<rank> <node> <address> <devices>` (tab-separated).
+fn directory_line(rank: usize, node: &str, addr: &str, devices: usize) -> String {
+    format!("{rank}\t{node}\t{addr}\t{devices}\n")
+}
+
+/// Every rank's entry, by rank, from the directory the ranks appended to:
+/// each of `0..size` exactly once.
+fn parse_directory(listing: &[u8], size: usize) -> Result<Vec<Peer>, ConnectError> {
+    let text = String::from_utf8_lossy(listing);
+    let mut peers: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
+    for line in text.lines() {
+        let mut fields = line.split('\t');
+        let (r, node, addr, devices) = (fields.next(), fields.next(), fields.next(), fields.next());
+        let (Some(Ok(r)), Some(node), Some(addr), Some(Ok(devices))) =
+            (r.map(str::parse::<usize>), node, addr, devices.map(str::parse::<usize>))
+        else {
+            return Err(ConnectError::Setup(format!("malformed entry in the communicator's directory: {line:?}")));
+        };
+        let Some(slot) = peers.get_mut(r) else {
+            return Err(ConnectError::Setup(format!(
+                "rank {r} joined a communicator of {size} ranks: every rank must pass the same world size"
+            )));
+        };
+        if slot.is_some() {
+            return Err(ConnectError::Setup(format!(
+                "two processes joined as rank {r}: every rank of a communicator needs its own rank"
+            )));
+        }
+        *slot = Some(Peer { node: node.into(), addr: addr.into(), devices });
+    }
+    peers
+        .into_iter()
+        .enumerate()
+        .map(|(r, p)| p.ok_or_else(|| ConnectError::Setup(format!("rank {r} is missing from the directory"))))
+        .collect()
+}
+
+/// The error for a `joined` barrier that timed out: names the ranks that
+/// never published their entry (read from the directory).
+fn missing_ranks(store: &StoreClient, directory: &str, size: usize, waited: Duration) -> ConnectError {
+    let mut seen = vec![false; size];
+    if let Ok(Some(listing)) = store.get(directory) {
+        for line in String::from_utf8_lossy(&listing).lines() {
+            if let Some(Ok(r)) = line.split('\t').next().map(str::parse::<usize>) {
+                if r < size {
+                    seen[r] = true;
+                }
+            }
+        }
+    }
+    let missing: Vec<String> = (0..size).filter(|&r| !seen[r]).map(|r| r.to_string()).collect();
+    let shown = if missing.len() > 32 {
+        format!("{} and {} more", missing[..32].join(", "), missing.len() - 32)
+    } else {
+        missing.join(", ")
+    };
+    let joined = size - missing.len();
+    ConnectError::Setup(format!(
+        "{joined} of {size} ranks joined within {waited:?}; still missing: rank(s) {shown} (not started, \
+         crashed, or given another world size or store address)"
+    ))
 }
 
 /// Forms `rank`'s links to every other rank of a world of `size` and returns
@@ -95,30 +166,30 @@ pub(crate) fn form_under(
     let listener = TcpListener::bind((ip.as_str(), 0))
         .map_err(|e| ConnectError::Setup(format!("cannot listen for data links on {ip}: {e}")))?;
     let addr = listener.local_addr().map_err(|e| ConnectError::Setup(e.to_string()))?;
-    let me = format!("{}\n{}\n{}", node_id(), addr, devices);
-    store.set(&keys::peer(&prefix, rank), me.as_bytes())?;
-    let peer_keys: Vec<String> = (0..size).map(|r| keys::peer(&prefix, r)).collect();
-    let mut wait_keys: Vec<&str> = peer_keys.iter().map(String::as_str).collect();
-    wait_keys.push("");
+    // Publish this rank's entry: one append to the communicator's directory,
+    // then one barrier for all, then one read of the whole directory (three
+    // round trips per rank, whatever the world size).
+    let directory = keys::directory(&prefix);
+    store.append(&directory, directory_line(rank, &node_id(), &addr.to_string(), devices).as_bytes())?;
+    let joined = key("joined");
+    match store.barrier(&joined, size as u32, deadline.saturating_duration_since(Instant::now())) {
+        Ok(()) => {}
+        Err(crate::store::StoreError::BarrierTimeout { waited, .. }) => {
+            return Err(missing_ranks(&store, &directory, size, waited));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let joined_at = Instant::now();
     let job_key = key("job");
-    *wait_keys.last_mut().expect("pushed") = &job_key;
-    store.wait(&wait_keys, deadline.saturating_duration_since(Instant::now()))?;
-    let job = String::from_utf8_lossy(&store.get(&job_key)?.unwrap_or_default()).into_owned();
+    let mut values = store.multi_get(&[job_key.as_str(), directory.as_str()])?.into_iter();
+    let (job, listing) = (values.next().flatten(), values.next().flatten());
+    let job = String::from_utf8_lossy(&job.unwrap_or_default()).into_owned();
     let (job_id, token_hex) = job.split_once(' ').ok_or_else(|| ConnectError::Setup("malformed job entry".into()))?;
     let mut token = [0u8; TOKEN_LEN];
     for (i, t) in token.iter_mut().enumerate() {
         *t = u8::from_str_radix(token_hex.get(2 * i..2 * i + 2).unwrap_or("00"), 16).unwrap_or(0);
     }
-    let mut peers = Vec::with_capacity(size);
-    for (r, k) in peer_keys.iter().enumerate() {
-        let v = String::from_utf8_lossy(&store.get(k)?.unwrap_or_default()).into_owned();
-        let mut lines = v.lines();
-        let (node, addr, devices_there) = (lines.next(), lines.next(), lines.next().and_then(|d| d.parse().ok()));
-        let (Some(node), Some(addr), Some(devices_there)) = (node, addr, devices_there) else {
-            return Err(ConnectError::Setup(format!("rank {r}'s entry in the store is malformed")));
-        };
-        peers.push(Peer { node: node.into(), addr: addr.into(), devices: devices_there });
-    }
+    let peers = parse_directory(&listing.unwrap_or_default(), size)?;
     if let Some((r, p)) = peers.iter().enumerate().find(|(_, p)| p.devices != devices) {
         return Err(ConnectError::Setup(format!(
             "rank {r} brings {} local devices but rank {rank} brings {devices}: every rank of a communicator \
@@ -174,6 +245,9 @@ pub(crate) fn form_under(
         links[r] = Some(Box::new(link));
     }
     store.barrier(&key("ready"), size as u32, deadline.saturating_duration_since(Instant::now()))?;
+    // The start-up phases the launcher reports (`cohort run --timings`).
+    timings::passed(&store, &prefix, rank, "joined", joined_at);
+    timings::passed(&store, &prefix, rank, "links", Instant::now());
     // Every rank is in: none needs the job's secret file any more.
     super::env::remove_secret_file();
     tracing::debug!(rank, size, local = local.len(), remote = remote.len(), "communicator links formed");
@@ -199,8 +273,8 @@ pub(crate) fn form_with_links(
     let peer_keys: Vec<String> = (0..size).map(|r| keys::peer(&prefix, r)).collect();
     let refs: Vec<&str> = peer_keys.iter().map(String::as_str).collect();
     store.wait(&refs, deadline.saturating_duration_since(Instant::now()))?;
-    for (r, key) in peer_keys.iter().enumerate() {
-        let theirs = String::from_utf8_lossy(&store.get(key)?.unwrap_or_default()).parse::<usize>().ok();
+    for (r, value) in store.multi_get(&refs)?.into_iter().enumerate() {
+        let theirs = String::from_utf8_lossy(&value.unwrap_or_default()).parse::<usize>().ok();
         if theirs != Some(devices) {
             return Err(ConnectError::Setup(format!(
                 "rank {r} brings {theirs:?} local devices but rank {rank} brings {devices}: every rank of a \

@@ -90,6 +90,12 @@ impl StoreClient {
         StoreClient::connect(self.addr.as_str(), &self.secret, self.timeout)
     }
 
+    /// A second handle on the connection's socket (tests cut it).
+    #[cfg(test)]
+    pub(crate) fn socket(&self) -> TcpStream {
+        self.conn.lock().stream.try_clone().expect("clone the socket")
+    }
+
     /// The store's address as given to [`StoreClient::connect`].
     pub fn addr(&self) -> &str {
         &self.addr
@@ -110,7 +116,43 @@ impl StoreClient {
     pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
         check_key(key)?;
         match self.request(&Request::Get { key: key.into() }, self.timeout)? {
-            Response::Value(v) => Ok(v),
+            Response::Value(v) => Ok(v.map(owned)),
+            r => Err(self.unexpected(r)),
+        }
+    }
+
+    /// The values of `keys` (each `None` where not set), in one round trip.
+    /// Does not wait.
+    ///
+    /// This is how a rank reads many peers' entries at once: one request
+    /// instead of one per key. The answer must fit one frame: more than
+    /// [`MAX_VALUE`](super::MAX_VALUE) bytes in all is refused.
+    pub fn multi_get(&self, keys: &[&str]) -> Result<Vec<Option<Vec<u8>>>> {
+        for k in keys {
+            check_key(k)?;
+        }
+        let req = Request::MultiGet { keys: keys.iter().map(|k| k.to_string()).collect() };
+        match self.request(&req, self.timeout)? {
+            Response::Values(values) if values.len() == keys.len() => {
+                Ok(values.into_iter().map(|v| v.map(owned)).collect())
+            }
+            r => Err(self.unexpected(r)),
+        }
+    }
+
+    /// Appends `value` to `key`'s value (an absent key starts empty) and
+    /// wakes the key's waiters if it was absent, atomically.
+    ///
+    /// Many ranks appending one line each build a directory that one
+    /// [`StoreClient::get`] reads whole. A value may not grow past
+    /// [`MAX_VALUE`](super::MAX_VALUE) bytes: the store refuses
+    /// the append that would.
+    pub fn append(&self, key: &str, value: &[u8]) -> Result<()> {
+        check_key(key)?;
+        check_value(value)?;
+        let req = Request::Append { key: key.into(), value: value.to_vec() };
+        match self.request(&req, self.timeout)? {
+            Response::Ok => Ok(()),
             r => Err(self.unexpected(r)),
         }
     }
@@ -154,7 +196,7 @@ impl StoreClient {
         let req = Request::CompareSet { key: key.into(), expected: expected.map(<[u8]>::to_vec), new: new.to_vec() };
         match self.request(&req, self.timeout)? {
             Response::Cas { swapped: true, .. } => Ok(CompareSet::Swapped),
-            Response::Cas { swapped: false, current } => Ok(CompareSet::Mismatch(current)),
+            Response::Cas { swapped: false, current } => Ok(CompareSet::Mismatch(current.map(owned))),
             r => Err(self.unexpected(r)),
         }
     }
@@ -263,6 +305,11 @@ fn exchange(stream: &mut TcpStream, body: &[u8], answer_within: Duration) -> io:
     protocol::read_frame(stream)
 }
 
+/// The bytes of a value answered by the server (shared only on its side).
+fn owned(v: super::protocol::Value) -> Vec<u8> {
+    std::sync::Arc::try_unwrap(v).unwrap_or_else(|shared| shared.as_ref().clone())
+}
+
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -276,7 +323,7 @@ fn check_key(key: &str) -> Result<()> {
 
 fn check_value(value: &[u8]) -> Result<()> {
     // Leave room for the request's own fields.
-    let max = MAX_FRAME - MAX_KEY - 64;
+    let max = super::protocol::MAX_VALUE;
     if value.len() > max {
         return Err(StoreError::TooLarge { what: "the value", len: value.len(), max });
     }

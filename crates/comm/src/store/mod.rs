@@ -2,7 +2,7 @@
 //! and every rank of a job talks to while it forms its communicators.
 //!
 //! It is the counterpart of torch.distributed's `TCPStore`: `set`, `get`,
-//! `wait` (with a timeout that names the missing keys), `add` (an atomic
+//! `multi_get`, `append`, `wait` (with a timeout that names the missing keys), `add` (an atomic
 //! counter), `compare_set`, `delete` and a reusable `barrier`, plus a *will*
 //! (a key the server sets when a client vanishes) so that peers learn of a
 //! dead process without waiting for a timeout.
@@ -40,7 +40,7 @@ mod tests;
 
 pub use client::{CompareSet, StoreClient};
 pub use error::{Result, StoreError};
-pub use protocol::{MAX_FRAME, MAX_KEY, PREAUTH_MAX_FRAME};
+pub use protocol::{MAX_FRAME, MAX_KEY, MAX_VALUE, PREAUTH_MAX_FRAME};
 pub use server::{StoreServer, MAX_UNAUTHENTICATED};
 
 /// Returns a fresh random job secret: 32 bytes from the operating system, as

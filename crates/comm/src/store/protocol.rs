@@ -17,6 +17,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
+use std::sync::Arc;
 use std::time::Instant;
 
 use hmac::{Hmac, Mac};
@@ -39,6 +40,14 @@ pub const MAX_FRAME: usize = 64 << 20;
 pub const PREAUTH_MAX_FRAME: usize = NONCE_LEN + MAC_LEN;
 /// Longest key accepted.
 pub const MAX_KEY: usize = 4096;
+/// Largest value the store holds (what an append may grow a key to, and
+/// what one multi-get may answer): a frame less room for the request's
+/// own fields.
+pub const MAX_VALUE: usize = MAX_FRAME - MAX_KEY - 64;
+
+/// A value as the server holds it: shared, so answering a read takes a
+/// reference count under the table's lock, not a copy.
+pub(crate) type Value = Arc<Vec<u8>>;
 
 /// Handshake answer: accepted.
 pub(crate) const AUTH_OK: u8 = 0;
@@ -86,6 +95,12 @@ pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     buf.extend_from_slice(&len.to_le_bytes());
     buf.extend_from_slice(body);
     w.write_all(&buf)?;
+    w.flush()
+}
+
+/// Writes a frame made by [`Response::encode_frame`] and flushes.
+pub(crate) fn write_whole_frame(w: &mut impl Write, frame: &[u8]) -> io::Result<()> {
+    w.write_all(frame)?;
     w.flush()
 }
 
@@ -237,15 +252,48 @@ impl<'a> Decoder<'a> {
 /// A client's request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Request {
-    Set { key: String, value: Vec<u8> },
-    Get { key: String },
-    Wait { keys: Vec<String>, timeout_ms: u64 },
-    Add { key: String, delta: i64 },
-    CompareSet { key: String, expected: Option<Vec<u8>>, new: Vec<u8> },
-    Delete { key: String },
-    Barrier { name: String, world_size: u32, timeout_ms: u64 },
-    SetWill { key: String, value: Vec<u8> },
+    Set {
+        key: String,
+        value: Vec<u8>,
+    },
+    Get {
+        key: String,
+    },
+    Wait {
+        keys: Vec<String>,
+        timeout_ms: u64,
+    },
+    Add {
+        key: String,
+        delta: i64,
+    },
+    CompareSet {
+        key: String,
+        expected: Option<Vec<u8>>,
+        new: Vec<u8>,
+    },
+    Delete {
+        key: String,
+    },
+    Barrier {
+        name: String,
+        world_size: u32,
+        timeout_ms: u64,
+    },
+    SetWill {
+        key: String,
+        value: Vec<u8>,
+    },
     ClearWill,
+    /// The values of many keys in one round trip.
+    MultiGet {
+        keys: Vec<String>,
+    },
+    /// Appends bytes to a key's value (creating it).
+    Append {
+        key: String,
+        value: Vec<u8>,
+    },
 }
 
 impl Request {
@@ -271,6 +319,14 @@ impl Request {
             }
             Request::SetWill { key, value } => e.u8(8).bytes(key.as_bytes()).bytes(value),
             Request::ClearWill => e.u8(9),
+            Request::MultiGet { keys } => {
+                e.u8(10).u32(keys.len() as u32);
+                for k in keys {
+                    e.bytes(k.as_bytes());
+                }
+                &mut e
+            }
+            Request::Append { key, value } => e.u8(11).bytes(key.as_bytes()).bytes(value),
         };
         e.0
     }
@@ -283,6 +339,9 @@ impl Request {
             3 => {
                 let timeout_ms = d.u64()?;
                 let n = d.u32()? as usize;
+                if n > d.0.len() / 4 {
+                    return Err(format!("wait for {n} keys in a body of {} bytes", d.0.len()));
+                }
                 let keys = (0..n).map(|_| d.key()).collect::<Result<_, _>>()?;
                 Request::Wait { keys, timeout_ms }
             }
@@ -292,6 +351,17 @@ impl Request {
             7 => Request::Barrier { name: d.key()?, world_size: d.u32()?, timeout_ms: d.u64()? },
             8 => Request::SetWill { key: d.key()?, value: d.bytes()? },
             9 => Request::ClearWill,
+            10 => {
+                let n = d.u32()? as usize;
+                // Each key takes at least its 4-byte length: a count beyond
+                // what the body holds is malformed, not an allocation.
+                if n > d.0.len() / 4 {
+                    return Err(format!("multi-get of {n} keys in a body of {} bytes", d.0.len()));
+                }
+                let keys = (0..n).map(|_| d.key()).collect::<Result<_, _>>()?;
+                Request::MultiGet { keys }
+            }
+            11 => Request::Append { key: d.key()?, value: d.bytes()? },
             op => return Err(format!("unknown request code {op}")),
         };
         d.finish()?;
@@ -303,26 +373,60 @@ impl Request {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Response {
     Ok,
-    Value(Option<Vec<u8>>),
+    Value(Option<Value>),
     Int(i64),
     Bool(bool),
-    Cas { swapped: bool, current: Option<Vec<u8>> },
-    WaitTimeout { missing: Vec<String> },
-    BarrierTimeout { arrived: u32, world_size: u32 },
-    BarrierMismatch { others: u32 },
+    Cas {
+        swapped: bool,
+        current: Option<Value>,
+    },
+    WaitTimeout {
+        missing: Vec<String>,
+    },
+    BarrierTimeout {
+        arrived: u32,
+        world_size: u32,
+    },
+    BarrierMismatch {
+        others: u32,
+    },
     NotACounter,
     Refused(String),
+    /// The values of a multi-get, in the order asked.
+    Values(Vec<Option<Value>>),
 }
 
 impl Response {
+    /// The whole frame (length prefix and body) in one buffer, so that a
+    /// large answer is copied once on its way out, not twice.
+    pub(crate) fn encode_frame(&self) -> Vec<u8> {
+        // Room for the values up front: growing by doubling would copy them.
+        let values: usize = match self {
+            Response::Value(Some(v)) => v.len(),
+            Response::Values(values) => values.iter().map(|v| v.as_ref().map_or(1, |v| v.len() + 5)).sum(),
+            _ => 0,
+        };
+        let mut buf = Vec::with_capacity(values + 64);
+        buf.extend_from_slice(&[0u8; 4]);
+        let mut frame = self.encode_into(Encoder(buf));
+        let len = (frame.len() - 4) as u32;
+        frame[..4].copy_from_slice(&len.to_le_bytes());
+        frame
+    }
+
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut e = Encoder::default();
+        self.encode_into(Encoder::default())
+    }
+
+    fn encode_into(&self, mut e: Encoder) -> Vec<u8> {
         match self {
             Response::Ok => e.u8(0),
-            Response::Value(v) => e.u8(1).opt_bytes(v.as_deref()),
+            Response::Value(v) => e.u8(1).opt_bytes(v.as_deref().map(Vec::as_slice)),
             Response::Int(v) => e.u8(2).i64(*v),
             Response::Bool(v) => e.u8(3).u8(*v as u8),
-            Response::Cas { swapped, current } => e.u8(4).u8(*swapped as u8).opt_bytes(current.as_deref()),
+            Response::Cas { swapped, current } => {
+                e.u8(4).u8(*swapped as u8).opt_bytes(current.as_deref().map(Vec::as_slice))
+            }
             Response::WaitTimeout { missing } => {
                 e.u8(5).u32(missing.len() as u32);
                 for k in missing {
@@ -334,6 +438,13 @@ impl Response {
             Response::BarrierMismatch { others } => e.u8(7).u32(*others),
             Response::NotACounter => e.u8(8),
             Response::Refused(msg) => e.u8(9).bytes(msg.as_bytes()),
+            Response::Values(values) => {
+                e.u8(10).u32(values.len() as u32);
+                for v in values {
+                    e.opt_bytes(v.as_deref().map(Vec::as_slice));
+                }
+                &mut e
+            }
         };
         e.0
     }
@@ -342,10 +453,10 @@ impl Response {
         let mut d = Decoder(body);
         let resp = match d.u8()? {
             0 => Response::Ok,
-            1 => Response::Value(d.opt_bytes()?),
+            1 => Response::Value(d.opt_bytes()?.map(Arc::new)),
             2 => Response::Int(d.i64()?),
             3 => Response::Bool(d.u8()? != 0),
-            4 => Response::Cas { swapped: d.u8()? != 0, current: d.opt_bytes()? },
+            4 => Response::Cas { swapped: d.u8()? != 0, current: d.opt_bytes()?.map(Arc::new) },
             5 => {
                 let n = d.u32()? as usize;
                 let missing = (0..n).map(|_| d.key()).collect::<Result<_, _>>()?;
@@ -355,6 +466,14 @@ impl Response {
             7 => Response::BarrierMismatch { others: d.u32()? },
             8 => Response::NotACounter,
             9 => Response::Refused(String::from_utf8_lossy(&d.bytes()?).into_owned()),
+            10 => {
+                let n = d.u32()? as usize;
+                if n > d.0.len() {
+                    return Err(format!("{n} values in a body of {} bytes", d.0.len()));
+                }
+                let values = (0..n).map(|_| Ok(d.opt_bytes()?.map(Arc::new))).collect::<Result<_, String>>()?;
+                Response::Values(values)
+            }
             code => return Err(format!("unknown response code {code}")),
         };
         d.finish()?;
@@ -379,6 +498,8 @@ mod tests {
             Request::Barrier { name: "f".into(), world_size: 8, timeout_ms: 1 },
             Request::SetWill { key: "g".into(), value: b"gone".to_vec() },
             Request::ClearWill,
+            Request::MultiGet { keys: vec!["h".into(), "".into()] },
+            Request::Append { key: "i".into(), value: b"more".to_vec() },
         ];
         for r in reqs {
             assert_eq!(Request::decode(&r.encode()).unwrap(), r);
@@ -386,21 +507,27 @@ mod tests {
         let resps = [
             Response::Ok,
             Response::Value(None),
-            Response::Value(Some(vec![3])),
+            Response::Value(Some(Arc::new(vec![3]))),
             Response::Int(-9),
             Response::Bool(true),
-            Response::Cas { swapped: false, current: Some(vec![1]) },
+            Response::Cas { swapped: false, current: Some(Arc::new(vec![1])) },
             Response::WaitTimeout { missing: vec!["k".into()] },
             Response::BarrierTimeout { arrived: 3, world_size: 8 },
             Response::BarrierMismatch { others: 4 },
             Response::NotACounter,
             Response::Refused("no".into()),
+            Response::Values(vec![None, Some(Arc::new(vec![])), Some(Arc::new(vec![1, 2]))]),
         ];
         for r in resps {
             assert_eq!(Response::decode(&r.encode()).unwrap(), r);
+            let frame = r.encode_frame();
+            assert_eq!(read_frame(&mut &frame[..]).unwrap(), r.encode(), "{r:?} as one frame");
         }
         assert!(Request::decode(&[42]).is_err());
         assert!(Request::decode(&[1, 5, 0]).is_err());
+        // A count of keys the body cannot hold is refused before allocating.
+        assert!(Request::decode(&[10, 0xff, 0xff, 0xff, 0xff]).is_err());
+        assert!(Response::decode(&[10, 0xff, 0xff, 0xff, 0x7f]).is_err());
     }
 
     #[test]

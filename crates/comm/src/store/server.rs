@@ -4,9 +4,16 @@
 //! long: its frames may hold at most [`protocol::PREAUTH_MAX_FRAME`] bytes,
 //! the whole handshake has one deadline (not one per read, which a client
 //! sending a byte a second would never hit), and at most
-//! [`MAX_UNAUTHENTICATED`] connections may be in the handshake at once; the
-//! ones beyond are closed at once, with a log line.
-
+//! [`MAX_UNAUTHENTICATED`] connections may be in the handshake at once.
+//! When that many are, the server closes the oldest of them once it has
+//! been in the handshake for [`EVICT_AFTER`] (a client that holds the
+//! secret answers well within that), and until then leaves the new ones in
+//! the kernel's queue: thousands of ranks connecting at once all get
+//! through, and a flood of idle connections cannot hold the slots.
+//!
+//! The listening queue is as deep as the kernel allows (`somaxconn`), so a
+//! burst of connections is queued rather than dropped (a dropped SYN costs
+//! a client a second before it tries again).
 use std::collections::HashMap;
 use std::fmt::Display;
 use std::io;
@@ -30,7 +37,18 @@ pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Clients that hold the secret finish it in a round trip, so a real job
 /// never nears this; a flood of idle or slow connections cannot hold more
 /// threads and descriptors than this.
-pub const MAX_UNAUTHENTICATED: usize = 64;
+pub const MAX_UNAUTHENTICATED: usize = 256;
+
+/// How long a connection may sit in the handshake before a newer one, with
+/// every slot taken, closes it.
+pub const EVICT_AFTER: Duration = Duration::from_millis(250);
+
+/// The listening queue asked of the kernel (which caps it at `somaxconn`).
+const LISTEN_BACKLOG: i32 = 65535;
+
+/// Stack of a connection's thread: it parses frames and answers requests
+/// (buffers live on the heap), so thousands of them stay small.
+const CONNECTION_STACK: usize = 256 << 10;
 
 /// What a server allows clients that have not proven the secret.
 #[derive(Debug, Clone, Copy)]
@@ -39,11 +57,14 @@ pub(crate) struct Limits {
     pub handshake: Duration,
     /// Connections in the handshake at once.
     pub unauthenticated: usize,
+    /// How long the oldest connection in the handshake is left alone when
+    /// every slot is taken.
+    pub evict_after: Duration,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { handshake: HANDSHAKE_TIMEOUT, unauthenticated: MAX_UNAUTHENTICATED }
+        Limits { handshake: HANDSHAKE_TIMEOUT, unauthenticated: MAX_UNAUTHENTICATED, evict_after: EVICT_AFTER }
     }
 }
 
@@ -53,6 +74,8 @@ struct Connection {
     thread: Option<JoinHandle<()>>,
     /// Still in the handshake (has not proven the secret).
     pending: bool,
+    /// When it was accepted.
+    since: Instant,
 }
 
 struct Inner {
@@ -116,6 +139,7 @@ impl StoreServer {
         let shown = addr.to_string();
         let listener = TcpListener::bind(&addr).map_err(|source| StoreError::Bind { addr: shown.clone(), source })?;
         let local_addr = listener.local_addr().map_err(|source| StoreError::Bind { addr: shown, source })?;
+        deepen_backlog(&listener);
         let inner = Arc::new(Inner {
             state: State::default(),
             secret: secret.to_vec(),
@@ -196,6 +220,24 @@ impl Drop for StoreServer {
     }
 }
 
+/// Asks the kernel for a listening queue of [`LISTEN_BACKLOG`] (std's is
+/// 128, too short for a thousand ranks connecting at once). Best effort: on
+/// failure the queue stays as it was.
+fn deepen_backlog(listener: &TcpListener) {
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor belongs to `listener`, which outlives this
+        // call; listen() on a listening socket only changes its queue length.
+        let rc = unsafe { libc::listen(listener.as_raw_fd(), LISTEN_BACKLOG) };
+        if rc != 0 {
+            tracing::debug!(error = %io::Error::last_os_error(), "could not deepen the store's listening queue");
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = listener;
+}
+
 /// Where to connect to reach a listener bound to `addr` from this host.
 fn wake_addr(addr: SocketAddr) -> SocketAddr {
     let ip = match addr.ip() {
@@ -229,17 +271,7 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
             drop(stream);
             continue;
         }
-        if pending >= inner.limits.unauthenticated {
-            // Full: close the oldest connection still in the handshake. A
-            // client that holds the secret answers within a round trip, so
-            // it gets through a flood of idle or slow ones.
-            let mut connections = inner.connections.lock();
-            if let Some((_, oldest)) = connections.iter_mut().filter(|(_, c)| c.pending).min_by_key(|(id, _)| **id) {
-                let _ = oldest.stream.shutdown(Shutdown::Both);
-                // Closed: the next eviction picks the next oldest.
-                oldest.pending = false;
-            }
-            drop(connections);
+        if pending >= inner.limits.unauthenticated && !make_room(&inner) {
             turn_away(&inner, peer, "closed the oldest connection in the handshake");
         }
         let Ok(handle) = stream.try_clone() else {
@@ -247,9 +279,11 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
             continue;
         };
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-        inner.connections.lock().insert(id, Connection { stream: handle, thread: None, pending: true });
+        let connection = Connection { stream: handle, thread: None, pending: true, since: Instant::now() };
+        inner.connections.lock().insert(id, connection);
         let conn_inner = inner.clone();
-        let spawned = std::thread::Builder::new().name(format!("cohort-store-conn-{id}")).spawn(move || {
+        let builder = std::thread::Builder::new().name(format!("cohort-store-conn-{id}")).stack_size(CONNECTION_STACK);
+        let spawned = builder.spawn(move || {
             serve_connection(&conn_inner, id, stream, peer);
             conn_inner.connections.lock().remove(&id);
         });
@@ -265,6 +299,32 @@ fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
                 inner.unauthenticated.fetch_sub(1, Ordering::SeqCst);
             }
         }
+    }
+}
+
+/// Every handshake slot is taken: waits until one frees (returns true) or
+/// the oldest connection in the handshake has been there
+/// [`Limits::evict_after`], and closes that one (returns false).
+fn make_room(inner: &Inner) -> bool {
+    loop {
+        if inner.unauthenticated.load(Ordering::SeqCst) <= inner.limits.unauthenticated
+            || inner.stop.load(Ordering::SeqCst)
+        {
+            return true;
+        }
+        let mut connections = inner.connections.lock();
+        let Some((_, oldest)) = connections.iter_mut().filter(|(_, c)| c.pending).min_by_key(|(id, _)| **id) else {
+            return true;
+        };
+        let age = oldest.since.elapsed();
+        if age >= inner.limits.evict_after {
+            let _ = oldest.stream.shutdown(Shutdown::Both);
+            // Closed: the next eviction picks the next oldest.
+            oldest.pending = false;
+            return false;
+        }
+        drop(connections);
+        std::thread::sleep((inner.limits.evict_after - age).min(Duration::from_millis(1)));
     }
 }
 
@@ -337,14 +397,14 @@ fn serve_connection(inner: &Inner, id: u64, mut stream: TcpStream, peer: SocketA
                 will = None;
                 Response::Ok
             }
-            Ok(req) => inner.state.apply(req),
+            Ok(req) => inner.state.apply(req, &|| client_connected(&stream)),
             Err(detail) => {
                 tracing::warn!(%peer, %detail, "malformed store request; closing the connection");
                 let _ = protocol::write_frame(&mut stream, &Response::Refused(detail).encode());
                 break;
             }
         };
-        if protocol::write_frame(&mut stream, &response.encode()).is_err() {
+        if protocol::write_whole_frame(&mut stream, &response.encode_frame()).is_err() {
             break;
         }
     }
@@ -353,6 +413,35 @@ fn serve_connection(inner: &Inner, id: u64, mut stream: TcpStream, peer: SocketA
             tracing::debug!(%peer, %key, "store client left; setting its will");
             inner.state.set_if_absent(key, value);
         }
+    }
+}
+
+/// Whether the client of `stream` is still connected: a peek that finds
+/// the connection closed (or failed) says no. Never blocks.
+fn client_connected(stream: &TcpStream) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsRawFd;
+        let mut byte = 0u8;
+        // SAFETY: recv writes at most 1 byte into `byte`, which outlives the
+        // call; MSG_PEEK leaves the data in the socket and MSG_DONTWAIT
+        // keeps it from blocking.
+        let n = unsafe {
+            libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+        };
+        if n == 0 {
+            return false;
+        }
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            return matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted);
+        }
+        true
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = stream;
+        true
     }
 }
 

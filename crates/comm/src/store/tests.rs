@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use super::protocol::MAX_VALUE;
 use super::*;
 
 const SECRET: &str = "test-secret";
@@ -408,7 +409,7 @@ fn store_handshake_has_one_deadline_not_one_per_read() {
 #[test]
 fn store_bounds_unauthenticated_connections_and_lets_the_secret_through() {
     let logs = captured_logs();
-    let limits = server::Limits { unauthenticated: 8, handshake: Duration::from_secs(60) };
+    let limits = server::Limits { unauthenticated: 8, handshake: Duration::from_secs(60), evict_after: Duration::ZERO };
     let s = StoreServer::bind_with("127.0.0.1:0", SECRET, limits).unwrap();
     // 40 idle clients that never answer: at most 8 (plus those being closed)
     // are held; the oldest are closed as new ones come.
@@ -450,4 +451,119 @@ fn store_bounds_unauthenticated_connections_and_lets_the_secret_through() {
     assert_eq!(c.get("k").unwrap().as_deref(), Some(&b"v"[..]));
     let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
     assert!(text.contains("closed the oldest connection in the handshake"), "{text}");
+}
+
+#[test]
+fn store_multi_get_answers_in_order_with_absent_keys() {
+    let s = server();
+    let c = client(&s);
+    c.set("a", b"1").unwrap();
+    c.set("c", b"333").unwrap();
+    let got = c.multi_get(&["c", "b", "a", "c"]).unwrap();
+    assert_eq!(got, vec![Some(b"333".to_vec()), None, Some(b"1".to_vec()), Some(b"333".to_vec())]);
+    assert_eq!(c.multi_get(&[]).unwrap(), Vec::<Option<Vec<u8>>>::new());
+}
+
+#[test]
+fn store_append_builds_a_value_and_wakes_waiters() {
+    let s = server();
+    let c = client(&s);
+    let waiter = c.duplicate().unwrap();
+    let t = std::thread::spawn(move || waiter.wait(&["dir"], T));
+    std::thread::sleep(Duration::from_millis(100));
+    c.append("dir", b"0 a\n").unwrap();
+    t.join().unwrap().unwrap();
+    c.append("dir", b"1 b\n").unwrap();
+    assert_eq!(c.get("dir").unwrap().unwrap(), b"0 a\n1 b\n".to_vec());
+    // A value may not grow past the limit: the append is refused, the value kept.
+    let big = vec![b'x'; MAX_VALUE - 4];
+    c.append("big", &big).unwrap();
+    let err = c.append("big", b"12345").unwrap_err();
+    assert!(err.to_string().contains("key 'big'") && err.to_string().contains("limit"), "{err}");
+    assert_eq!(c.get("big").unwrap().unwrap().len(), MAX_VALUE - 4);
+    // The connection still answers.
+    assert_eq!(c.get("dir").unwrap().unwrap().len(), 8);
+}
+
+/// Polls `cond` for up to T.
+fn wait_for(cond: impl Fn() -> bool) {
+    let end = Instant::now() + T;
+    while !cond() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn store_wait_sees_a_key_deleted_before_the_last_arrives() {
+    let s = server();
+    let c = client(&s);
+    c.set("x", b"1").unwrap();
+    let waiter = c.duplicate().unwrap();
+    let t = std::thread::spawn(move || waiter.wait(&["x", "y"], Duration::from_millis(800)));
+    std::thread::sleep(Duration::from_millis(100));
+    // x goes away, then y arrives: the keys are never all set at once.
+    assert!(c.delete("x").unwrap());
+    c.set("y", b"2").unwrap();
+    let err = t.join().unwrap().unwrap_err();
+    match err {
+        StoreError::WaitTimeout { missing, .. } => assert_eq!(missing, vec!["x".to_string()]),
+        e => panic!("expected a timeout naming x, got {e}"),
+    }
+}
+
+#[test]
+fn store_many_waiters_on_one_key_all_wake() {
+    let s = server();
+    let c = client(&s);
+    let waiters: Vec<_> = (0..32)
+        .map(|_| {
+            let w = c.duplicate().unwrap();
+            std::thread::spawn(move || w.wait(&["go", "go"], T))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    c.set("go", b"").unwrap();
+    for w in waiters {
+        w.join().unwrap().unwrap();
+    }
+}
+
+#[test]
+fn store_shutdown_answers_blocked_waiters_and_barriers() {
+    let mut s = server();
+    let (a, b) = (client(&s), client(&s));
+    let ta = std::thread::spawn(move || a.wait(&["never"], T));
+    let tb = std::thread::spawn(move || b.barrier("bar", 2, T));
+    wait_for(|| s.barrier_arrivals("bar") == 1);
+    std::thread::sleep(Duration::from_millis(50));
+    let start = Instant::now();
+    s.shutdown();
+    assert!(ta.join().unwrap().is_err());
+    assert!(tb.join().unwrap().is_err());
+    assert!(start.elapsed() < Duration::from_secs(5), "blocked requests answered at shutdown");
+}
+
+#[test]
+fn store_a_client_that_dies_in_a_barrier_is_withdrawn_and_its_will_set() {
+    let s = server();
+    let dying = client(&s);
+    dying.set_will("gone/dying", b"vanished").unwrap();
+    let socket = dying.socket();
+    let t = std::thread::spawn(move || dying.barrier("b", 2, T));
+    wait_for(|| s.barrier_arrivals("b") == 1);
+    // Its connection closes while it waits (the process died).
+    socket.shutdown(std::net::Shutdown::Both).unwrap();
+    let _ = t.join().unwrap();
+    let c = client(&s);
+    c.wait(&["gone/dying"], T).unwrap();
+    assert_eq!(c.get("gone/dying").unwrap().as_deref(), Some(&b"vanished"[..]));
+    wait_for(|| s.barrier_arrivals("b") == 0);
+    assert_eq!(s.barrier_arrivals("b"), 0, "the dead client no longer counts");
+    // So a new pair forms the barrier, not the dead client and one more.
+    let other = client(&s);
+    let t = std::thread::spawn(move || other.barrier("b", 2, T));
+    wait_for(|| s.barrier_arrivals("b") == 1);
+    assert_eq!(s.barrier_arrivals("b"), 1);
+    c.barrier("b", 2, T).unwrap();
+    t.join().unwrap().unwrap();
 }

@@ -212,7 +212,16 @@ mod tests {
     }
 
     fn dump(rank: usize, records: Vec<CollectiveRecord>) -> RecorderDump {
-        RecorderDump { rank, world_size: 3, host: "h".into(), pid: 1, reason: "test".into(), written_us: 0, records }
+        RecorderDump {
+            rank,
+            world_size: 3,
+            host: "h".into(),
+            pid: 1,
+            reason: "test".into(),
+            written_us: 0,
+            records,
+            startup: vec![],
+        }
     }
 
     #[test]

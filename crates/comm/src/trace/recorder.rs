@@ -111,6 +111,11 @@ pub struct RecorderDump {
     pub written_us: u64,
     /// Oldest first.
     pub records: Vec<CollectiveRecord>,
+    /// When this process passed each start-up phase of its communicators
+    /// (`joined`, `links`, ...: see `cohort run --timings`), in Unix
+    /// microseconds, in the order passed.
+    #[serde(default)]
+    pub startup: Vec<(String, u64)>,
 }
 
 /// The last collectives of this process (a ring buffer; old ones fall off).
@@ -118,6 +123,7 @@ pub struct FlightRecorder {
     capacity: usize,
     identity: Mutex<(usize, usize)>,
     records: Mutex<VecDeque<CollectiveRecord>>,
+    startup: Mutex<Vec<(String, u64)>>,
 }
 
 impl CollectiveRecord {
@@ -142,6 +148,7 @@ impl FlightRecorder {
             capacity,
             identity: Mutex::new((0, 1)),
             records: Mutex::new(VecDeque::with_capacity(capacity.min(4096))),
+            startup: Mutex::new(Vec::new()),
         }
     }
 
@@ -160,6 +167,17 @@ impl FlightRecorder {
     /// Sets the rank and world size written in dumps.
     pub fn set_identity(&self, rank: usize, world_size: usize) {
         *self.identity.lock() = (rank, world_size);
+    }
+
+    /// Keeps that this process passed start-up phase `name` at `at_us`
+    /// (Unix microseconds); dumps carry every phase kept.
+    pub fn record_startup(&self, name: &str, at_us: u64) {
+        self.startup.lock().push((name.to_string(), at_us));
+    }
+
+    /// The start-up phases kept, in the order passed.
+    pub fn startup(&self) -> Vec<(String, u64)> {
+        self.startup.lock().clone()
     }
 
     /// The rank and world size written in dumps.
@@ -243,6 +261,7 @@ impl FlightRecorder {
             reason: reason.to_string(),
             written_us: now_micros(),
             records: self.snapshot(),
+            startup: self.startup(),
         }
     }
 

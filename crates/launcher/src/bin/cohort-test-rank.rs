@@ -10,6 +10,7 @@
 //! - `signal-if-rank R SIG`: raise signal number SIG when RANK is R;
 //! - `fail-first-attempt R`: exit 1 when RANK is R and COHORT_RESTART_COUNT is 0;
 //! - `sleep SECS`: sleep;
+//! - `sleep-first-attempt SECS`: sleep when COHORT_RESTART_COUNT is 0;
 //! - `master-store`: what PyTorch's TCPStore does with MASTER_ADDR and
 //!   MASTER_PORT: rank 0 listens there and answers every other rank, which
 //!   connects (retrying) and reads the answer; prints `master store ok`;
@@ -97,6 +98,12 @@ fn main() {
                 }
             }
             "sleep" => std::thread::sleep(Duration::from_secs_f64(arg().parse().unwrap())),
+            "sleep-first-attempt" => {
+                let secs: f64 = arg().parse().unwrap();
+                if config::RESTART_COUNT.get().expect("a usable restart count") == 0 {
+                    std::thread::sleep(Duration::from_secs_f64(secs));
+                }
+            }
             "master-store" => master_store(rank),
             "wait-file" => {
                 let path = arg();

@@ -125,9 +125,11 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
     };
     store.set(&keys::nccl_can(&prefix, rank), answer.as_bytes())?;
     let can: Vec<String> = (0..size).map(|r| keys::nccl_can(&prefix, r)).collect();
-    store.wait(&can.iter().map(String::as_str).collect::<Vec<_>>(), left())?;
-    for (r, key) in can.iter().enumerate() {
-        let theirs = String::from_utf8_lossy(&store.get(key)?.unwrap_or_default()).into_owned();
+    let can: Vec<&str> = can.iter().map(String::as_str).collect();
+    store.wait(&can, left())?;
+    // One round trip for every rank's answer (not one per rank).
+    for (r, value) in store.multi_get(&can)?.into_iter().enumerate() {
+        let theirs = String::from_utf8_lossy(&value.unwrap_or_default()).into_owned();
         if theirs != "yes" {
             if mine.is_none() {
                 warn_host(&format!("rank {r} cannot: {}", theirs.trim_start_matches("no ")));
@@ -153,6 +155,7 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
     let key = next_set();
     let peer = peer::setup(store, &prefix, rank, size, clients, key, deadline)?;
     tracing::debug!(rank, size, local = clients.len(), peer = peer.is_some(), "the communicator runs on NCCL");
+    super::timings::passed(store, &prefix, rank, "nccl", Instant::now());
     Ok(Some(Arc::new(Nccl {
         label: world.label.clone(),
         peer,
