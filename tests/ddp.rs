@@ -57,9 +57,19 @@ fn a_parameter_without_a_gradient_is_an_error_at_finish() {
     }
     let msg = ddp.finish().unwrap_err().to_string();
     assert!(msg.contains("layers.0.weight") && msg.contains("no gradient"), "{msg}");
-    // Parameter 3 was reported in this (unfinished) backward already.
+    // Reported twice in one backward pass.
+    ddp.ready(3).unwrap();
     let msg = ddp.ready(3).unwrap_err().to_string();
     assert!(msg.contains("twice") && msg.contains("layers.1.bias"), "{msg}");
+    // The failed passes are forgotten: a whole backward after zero_grad
+    // finishes, every bucket all-reduced once.
+    ddp.zero_grad().unwrap();
+    for i in 0..s.params.len() {
+        ddp.ready(i).unwrap();
+    }
+    ddp.finish().unwrap();
+    assert_eq!(ddp.works().len(), ddp.buckets().len());
+    ddp.wait().unwrap();
     // Bad caps are refused.
     let zero = DdpOptions { bucket_cap_bytes: 0, ..DdpOptions::default() };
     assert!(DistributedDataParallel::new(&world, &s.params, zero).is_err());

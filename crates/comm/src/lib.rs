@@ -19,6 +19,7 @@ mod transport;
 
 mod check;
 mod device;
+pub mod digest;
 mod error;
 mod group;
 mod grouped;

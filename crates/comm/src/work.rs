@@ -91,9 +91,10 @@ impl Work {
     /// [`Work::wait`] for at most `timeout`. When it passes first, the
     /// error names the members (or, on a communicator, this rank's devices)
     /// that have not finished yet; the collective is not cancelled, and a
-    /// later wait may still succeed.
+    /// later wait may still succeed. A timeout too long for a deadline
+    /// (`Duration::MAX`) waits like [`Work::wait`].
     pub fn wait_timeout(&self, timeout: Duration) -> Result<(), CommError> {
-        self.wait_until(Some(Instant::now() + timeout)).map_err(|err| match err {
+        self.wait_until(Instant::now().checked_add(timeout)).map_err(|err| match err {
             CommError::Unfinished { operation, scope, missing, .. } => {
                 CommError::Unfinished { operation, scope, missing, waited_ms: timeout.as_millis() as u64 }
             }

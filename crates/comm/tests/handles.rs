@@ -107,3 +107,23 @@ fn a_communicators_handle_waits_for_its_rank_and_names_its_device() {
         assert_eq!(rank.join().unwrap(), [3.0; 4]);
     }
 }
+
+#[test]
+fn a_timeout_of_duration_max_means_no_limit_and_overflows_nothing() {
+    let clients = common::clients(2);
+    let group = cohort_comm::ClientGroup::new(clients.clone()).unwrap().with_timeout(Duration::MAX);
+    assert!(group.timeout() >= Duration::from_secs(365 * 24 * 3600), "{:?}", group.timeout());
+    let bufs: Vec<Buffer<f32>> =
+        (0..2).map(|m| Buffer::from_slice(&clients[m], &[m as f32 + 1.0; 5]).unwrap()).collect();
+    let work = group.all_reduce(&bufs, &bufs, ReduceOp::Sum).unwrap();
+    work.wait_timeout(Duration::MAX).unwrap();
+    assert_eq!(bufs[1].to_vec().unwrap(), vec![3.0; 5]);
+
+    let server = StoreServer::bind("127.0.0.1:0", "handles-max").unwrap();
+    let addr = server.local_addr().to_string();
+    let comm = Communicator::connect(0, 1, &addr, "handles-max", vec![clients[0].clone()]).unwrap();
+    comm.set_timeout(Duration::MAX);
+    let one = [bufs[0].clone()];
+    comm.all_reduce(&one, &one, ReduceOp::Sum).unwrap().wait().unwrap();
+    assert_eq!(bufs[0].to_vec().unwrap(), vec![3.0; 5]);
+}

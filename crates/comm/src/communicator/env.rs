@@ -40,7 +40,7 @@ fn derived_port(job: Option<&str>) -> u16 {
     match job {
         None => 29500,
         Some(job) => {
-            let hash = job.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+            let hash = crate::digest::Fnv1a::of(job.bytes());
             20000 + (hash % 20000) as u16
         }
     }

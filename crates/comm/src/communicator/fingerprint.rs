@@ -10,6 +10,7 @@
 
 use std::fmt;
 
+use crate::digest::Fnv1a;
 use crate::op::{Collective, Op};
 
 /// Bytes of an encoded fingerprint.
@@ -49,12 +50,7 @@ impl Fingerprint {
     /// Grouped call number `seq` of `ops`, in order: one fingerprint for
     /// all of them (their count and a digest of their descriptions).
     pub(crate) fn of_group(seq: u64, ops: &[Op]) -> Fingerprint {
-        let mut digest: u64 = 0xcbf2_9ce4_8422_2325;
-        for op in ops {
-            for b in op.encode() {
-                digest = (digest ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-            }
-        }
+        let digest = ops.iter().fold(Fnv1a::default(), |d, op| d.write(op.encode())).finish();
         let group = GroupOf { calls: ops.len() as u32, digest };
         Fingerprint { seq, op: Op::barrier(), group: Some(group) }
     }

@@ -316,7 +316,7 @@ impl Communicator {
     /// (every clone shares it). Waits for the collective running now, if
     /// any, to release the links. Every rank should set the same value.
     pub fn set_timeout(&self, timeout: Duration) {
-        let timeout = timeout.max(Duration::from_millis(1));
+        let timeout = crate::host::bounded_timeout(timeout);
         self.inner.world.lock().timeout = timeout;
         *self.inner.timeout.lock() = timeout;
     }

@@ -34,6 +34,7 @@ use parking_lot::Mutex;
 
 use super::label::Label;
 use super::{keys, observe, setup, Communicator, Inner};
+use crate::digest::Fnv1a;
 use crate::error::CommError;
 use crate::ops::DType;
 
@@ -288,13 +289,8 @@ fn list_problem(members: &[usize], total: usize) -> Option<String> {
 
 /// FNV-1a of the list, as every rank computes it.
 fn list_hash(members: &[usize]) -> i64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &m in std::iter::once(&members.len()).chain(members) {
-        for b in (m as u64).to_le_bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    h as i64
+    let words = std::iter::once(members.len()).chain(members.iter().copied());
+    Fnv1a::of(words.flat_map(|m| (m as u64).to_le_bytes())) as i64
 }
 
 /// The groups every member's ask forms, in color order: members of one

@@ -151,9 +151,10 @@ impl ClientGroup {
         self.timeout
     }
 
-    /// This group with another collective timeout.
+    /// This group with another collective timeout (kept from 1 ms to about
+    /// 31 years: `Duration::MAX` means no practical limit).
     pub fn with_timeout(mut self, timeout: Duration) -> ClientGroup {
-        self.timeout = timeout;
+        self.timeout = crate::host::bounded_timeout(timeout);
         self
     }
 

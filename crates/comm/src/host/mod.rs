@@ -46,6 +46,13 @@ pub fn default_timeout() -> Result<Duration, ConfigError> {
     config::TIMEOUT.get()
 }
 
+/// A timeout a caller gave, kept within what deadlines can hold: from 1 ms
+/// to [`config::MAX_SECONDS`] (about 31 years, so `Duration::MAX` means "no
+/// timeout" without overflowing `Instant` arithmetic on a device thread).
+pub fn bounded_timeout(timeout: Duration) -> Duration {
+    timeout.clamp(Duration::from_millis(1), Duration::from_secs_f64(config::MAX_SECONDS))
+}
+
 /// How a collective moves bytes through the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HostPath {

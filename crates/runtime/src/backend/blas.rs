@@ -21,9 +21,11 @@ pub struct Gemm {
 }
 
 impl Gemm {
-    /// Elements each operand must hold at least: `A`, `B`, `C`.
-    pub fn sizes(&self) -> [usize; 3] {
-        [self.m * self.k, self.k * self.n, self.m * self.n]
+    /// Bytes each operand must hold at least (`A`, `B`, `C`), or `None` when
+    /// a size does not fit in 64 bits.
+    pub fn byte_sizes(&self) -> Option<[u64; 3]> {
+        let bytes = |rows: usize, cols: usize| (rows as u64).checked_mul(cols as u64)?.checked_mul(4);
+        Some([bytes(self.m, self.k)?, bytes(self.k, self.n)?, bytes(self.m, self.n)?])
     }
 }
 

@@ -311,12 +311,17 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
     /// their local sums, whether `finish` is called inside it or after).
     /// Returns at once; the optimizer's reads of the gradients wait for the
     /// collectives.
+    ///
+    /// After an error the pass is dropped (its gradients are not usable):
+    /// call [`DistributedDataParallel::zero_grad`] and run the backward again.
     pub fn finish(&mut self) -> Result<(), Error> {
         if let Some(missing) = self.seen.iter().position(|s| !s) {
-            return Err(Error::InvalidArgument(format!(
+            let err = Error::InvalidArgument(format!(
                 "DistributedDataParallel: parameter {missing} `{}` got no gradient in this backward pass: every registered parameter must get one in each backward",
                 self.names[missing]
-            )));
+            ));
+            self.forget_pass();
+            return Err(err);
         }
         self.seen.fill(false);
         let decompress = &kernels().decompress;
@@ -339,8 +344,10 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
     }
 
     /// Sets every gradient to zero (queued on the compute streams), ready
-    /// for the next accumulation.
+    /// for the next accumulation; a backward pass left unfinished is
+    /// forgotten.
     pub fn zero_grad(&mut self) -> Result<(), Error> {
+        self.forget_pass();
         for bucket in &self.buckets {
             for flat in &bucket.flat {
                 crate::nn::grads_zero(flat)?;
@@ -348,6 +355,16 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
         }
         self.works.clear();
         Ok(())
+    }
+
+    /// Forgets which parameters and buckets this backward pass reported, so
+    /// that the next pass starts clean.
+    fn forget_pass(&mut self) {
+        self.seen.fill(false);
+        for bucket in &mut self.buckets {
+            bucket.ready = 0;
+            bucket.queued = false;
+        }
     }
 
     fn queue(&mut self, b: usize) -> Result<(), Error> {

@@ -14,7 +14,7 @@ const WORDS: usize = 2 + MAX_DIMS;
 
 /// FNV-1a of a name: the same on every machine and build.
 fn name_hash(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+    cohort_comm::digest::Fnv1a::of(name.bytes())
 }
 
 fn describe(params: &[Parameter]) -> Vec<u64> {

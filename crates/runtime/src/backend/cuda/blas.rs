@@ -103,17 +103,22 @@ impl DeviceBlas for CudaBackend {
     fn sgemm(&mut self, stream: StreamId, gemm: &Gemm, a: Binding, b: Binding, c: Binding) -> Result<(), ServerError> {
         self.check_lost()?;
         let device = self.device;
-        for ((name, binding), need) in [("A", a), ("B", b), ("C", c)].into_iter().zip(gemm.sizes()) {
-            if binding.size < need as u64 * 4 {
+        let shape = format!("sgemm {}×{}×{}", gemm.m, gemm.n, gemm.k);
+        let Some(needs) = gemm.byte_sizes() else {
+            return Err(ServerError::InvalidArgument(format!("{shape}: the operands' sizes overflow 64 bits")));
+        };
+        for ((name, binding), need) in [("A", a), ("B", b), ("C", c)].into_iter().zip(needs) {
+            if binding.size < need {
                 return Err(ServerError::InvalidArgument(format!(
-                    "sgemm {}×{}×{}: {name} holds {} bytes, needs {}",
-                    gemm.m,
-                    gemm.n,
-                    gemm.k,
-                    binding.size,
-                    need * 4
+                    "{shape}: {name} holds {} bytes, needs {need}",
+                    binding.size
                 )));
             }
+        }
+        if gemm.k == 0 {
+            return Err(ServerError::InvalidArgument(format!(
+                "{shape}: k = 0 (an empty inner dimension) is not a matrix product"
+            )));
         }
         if gemm.m == 0 || gemm.n == 0 {
             return Ok(());
