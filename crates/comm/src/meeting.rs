@@ -12,7 +12,7 @@
 //! [`Ticket`] dropped unrun (its device closed) fails the meeting, so the
 //! other parts return at once instead of at the deadline.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -76,6 +76,9 @@ pub(crate) struct Meeting<S> {
     /// the lock by parts polling for the others.
     arrived: AtomicUsize,
     failed: AtomicBool,
+    /// Bumped at every wake-up, so a waiter can poll for a change without
+    /// the lock during the runtime's spin window before it sleeps.
+    changes: AtomicU64,
 }
 
 impl<S> Meeting<S> {
@@ -98,6 +101,7 @@ impl<S> Meeting<S> {
             cv: Condvar::new(),
             arrived: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
+            changes: AtomicU64::new(0),
         }
     }
 
@@ -128,7 +132,60 @@ impl<S> Meeting<S> {
 
     /// Wakes every part waiting on the meeting.
     pub(crate) fn notify(&self) {
+        self.wake_all();
+    }
+
+    /// Wakes every waiter: those polling (see [`Meeting::await_change`])
+    /// and those asleep.
+    fn wake_all(&self) {
+        self.changes.fetch_add(1, Ordering::Release);
         self.cv.notify_all();
+    }
+
+    /// Sleeps until woken or `deadline`; first, with the lock released,
+    /// polls for a wake-up for up to the runtime's spin window
+    /// (`COHORT_SPIN_US`), which saves the sleep and wake-up of a short
+    /// wait. Returns whether the deadline passed.
+    fn await_change(&self, state: &mut MutexGuard<'_, Gathering<S>>, deadline: Option<Instant>) -> bool {
+        let window = cohort_runtime::spin_window();
+        if !window.is_zero() {
+            let seen = self.changes.load(Ordering::Acquire);
+            let changed = MutexGuard::unlocked(state, || {
+                let start = Instant::now();
+                let mut polls = 0u32;
+                loop {
+                    if self.changes.load(Ordering::Acquire) != seen {
+                        return true;
+                    }
+                    polls = polls.wrapping_add(1);
+                    // Reading the clock costs more than a poll: look every 64.
+                    if polls.is_multiple_of(64) && start.elapsed() >= window {
+                        return false;
+                    }
+                    if polls < 256 {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+            });
+            if changed {
+                return false;
+            }
+            // Whatever changed while the lock was released is seen by the
+            // caller's next look; a wake-up after this point reaches the
+            // condition variable, since it is sent under the lock.
+            if self.changes.load(Ordering::Acquire) != seen {
+                return false;
+            }
+        }
+        match deadline {
+            None => {
+                self.cv.wait(state);
+                false
+            }
+            Some(deadline) => self.cv.wait_until(state, deadline).timed_out(),
+        }
     }
 
     /// Sleeps until woken (no deadline: for waits bounded by someone else's).
@@ -156,7 +213,7 @@ impl<S> Meeting<S> {
     pub(crate) fn fail_locked(&self, state: &mut Gathering<S>, err: ServerError) -> ServerError {
         let failure = state.failure.get_or_insert(err).clone();
         self.failed.store(true, Ordering::Release);
-        self.cv.notify_all();
+        self.wake_all();
         failure
     }
 
@@ -227,7 +284,7 @@ impl<S> Meeting<S> {
         self.arrived.store(state.arrived, Ordering::Release);
         let last = state.all_arrived();
         if last {
-            self.cv.notify_all();
+            self.wake_all();
         }
         Ok(last)
     }
@@ -312,14 +369,15 @@ impl<S> Meeting<S> {
             if let Some(err) = &state.failure {
                 return Err(WaitEnd::Failed(err.clone()));
             }
-            let flags: Vec<bool> = (0..self.seats.len()).map(|slot| done(&state, slot)).collect();
-            if flags.iter().all(|f| *f) {
+            if (0..self.seats.len()).all(|slot| done(&state, slot)) {
                 return Ok(());
             }
             match deadline {
-                None => self.cv.wait(&mut state),
+                None => {
+                    self.await_change(&mut state, None);
+                }
                 Some(deadline) => {
-                    if self.cv.wait_until(&mut state, deadline).timed_out() {
+                    if self.await_change(&mut state, Some(deadline)) {
                         let flags: Vec<bool> = (0..self.seats.len()).map(|slot| done(&state, slot)).collect();
                         if state.failure.is_none() && !flags.iter().all(|f| *f) {
                             // A rank's own devices (no member numbers) wait for
@@ -358,7 +416,7 @@ impl<S> Meeting<S> {
         }
         state.returned += 1;
         state.returned_slots[slot] = true;
-        self.cv.notify_all();
+        self.wake_all();
     }
 }
 
