@@ -159,7 +159,7 @@ impl<S> Meeting<S> {
                     }
                     polls = polls.wrapping_add(1);
                     // Reading the clock costs more than a poll: look every 64.
-                    if polls.is_multiple_of(64) && start.elapsed() >= window {
+                    if polls % 64 == 0 && start.elapsed() >= window {
                         return false;
                     }
                     if polls < 256 {
