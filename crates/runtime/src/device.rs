@@ -559,3 +559,43 @@ pub fn shutdown() {
         handle.close();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_sent_later_reaches_a_waiter_that_went_to_sleep() {
+        let (sender, receiver) = oneshot::<Vec<u32>>();
+        let waiter = std::thread::spawn(move || receiver.wait());
+        // Past any spin window: the waiter sleeps on the condition variable.
+        std::thread::sleep(Duration::from_millis(100));
+        sender.send(vec![1, 2, 3]);
+        assert_eq!(waiter.join().unwrap(), Some(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn a_reply_sent_before_the_wait_is_there_at_once() {
+        let (sender, receiver) = oneshot::<&str>();
+        sender.send("ready");
+        assert_eq!(receiver.wait(), Some("ready"));
+    }
+
+    #[test]
+    fn a_sender_dropped_unsent_wakes_the_waiter_with_nothing() {
+        let (sender, receiver) = oneshot::<u8>();
+        let waiter = std::thread::spawn(move || receiver.wait());
+        std::thread::sleep(Duration::from_millis(50));
+        drop(sender);
+        assert_eq!(waiter.join().unwrap(), None);
+    }
+
+    #[test]
+    fn a_task_dropped_unrun_is_a_closed_device_not_a_hang() {
+        let device = DeviceId { type_id: 0, index: 0 };
+        let (task, receiver) = with_reply(device, |_| 7u32);
+        drop(task);
+        let reply = Reply { receiver, device };
+        assert!(matches!(reply.wait(), Err(ServerError::DeviceClosed { .. })));
+    }
+}
