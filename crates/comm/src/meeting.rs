@@ -135,57 +135,40 @@ impl<S> Meeting<S> {
         self.wake_all();
     }
 
-    /// Wakes every waiter: those polling (see [`Meeting::await_change`])
+    /// Wakes every waiter: those polling (see [`Meeting::spin_for_change`])
     /// and those asleep.
     fn wake_all(&self) {
         self.changes.fetch_add(1, Ordering::Release);
         self.cv.notify_all();
     }
 
-    /// Sleeps until woken or `deadline`; first, with the lock released,
-    /// polls for a wake-up for up to the runtime's spin window
-    /// (`COHORT_SPIN_US`), which saves the sleep and wake-up of a short
-    /// wait. Returns whether the deadline passed.
-    fn await_change(&self, state: &mut MutexGuard<'_, Gathering<S>>, deadline: Option<Instant>) -> bool {
+    /// Polls for a wake-up with the lock released, for up to the runtime's
+    /// spin window (`COHORT_SPIN_US`), and returns with the lock held again:
+    /// a short wait then costs no sleep and wake-up. The caller looks at the
+    /// state again before it sleeps on the condition variable (a wake-up may
+    /// have come and gone while the lock was released).
+    fn spin_for_change(&self, state: &mut MutexGuard<'_, Gathering<S>>) {
         let window = cohort_runtime::spin_window();
-        if !window.is_zero() {
-            let seen = self.changes.load(Ordering::Acquire);
-            let changed = MutexGuard::unlocked(state, || {
-                let start = Instant::now();
-                let mut polls = 0u32;
-                loop {
-                    if self.changes.load(Ordering::Acquire) != seen {
-                        return true;
-                    }
-                    polls = polls.wrapping_add(1);
-                    // Reading the clock costs more than a poll: look every 64.
-                    if polls % 64 == 0 && start.elapsed() >= window {
-                        return false;
-                    }
-                    if polls < 256 {
-                        std::hint::spin_loop();
-                    } else {
-                        std::thread::yield_now();
-                    }
+        if window.is_zero() {
+            return;
+        }
+        let seen = self.changes.load(Ordering::Acquire);
+        MutexGuard::unlocked(state, || {
+            let start = Instant::now();
+            let mut polls = 0u32;
+            while self.changes.load(Ordering::Acquire) == seen {
+                polls = polls.wrapping_add(1);
+                // Reading the clock costs more than a poll: look every 64.
+                if polls % 64 == 0 && start.elapsed() >= window {
+                    return;
                 }
-            });
-            if changed {
-                return false;
+                if polls < 256 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
             }
-            // Whatever changed while the lock was released is seen by the
-            // caller's next look; a wake-up after this point reaches the
-            // condition variable, since it is sent under the lock.
-            if self.changes.load(Ordering::Acquire) != seen {
-                return false;
-            }
-        }
-        match deadline {
-            None => {
-                self.cv.wait(state);
-                false
-            }
-            Some(deadline) => self.cv.wait_until(state, deadline).timed_out(),
-        }
+        });
     }
 
     /// Sleeps until woken (no deadline: for waits bounded by someone else's).
@@ -365,6 +348,7 @@ impl<S> Meeting<S> {
         done: impl Fn(&Gathering<S>, usize) -> bool,
     ) -> Result<(), WaitEnd> {
         let mut state = self.state.lock();
+        let mut spun = false;
         loop {
             if let Some(err) = &state.failure {
                 return Err(WaitEnd::Failed(err.clone()));
@@ -372,12 +356,17 @@ impl<S> Meeting<S> {
             if (0..self.seats.len()).all(|slot| done(&state, slot)) {
                 return Ok(());
             }
+            if !spun {
+                // Once per wait, then the state is looked at again (above)
+                // before any sleep.
+                spun = true;
+                self.spin_for_change(&mut state);
+                continue;
+            }
             match deadline {
-                None => {
-                    self.await_change(&mut state, None);
-                }
+                None => self.cv.wait(&mut state),
                 Some(deadline) => {
-                    if self.await_change(&mut state, Some(deadline)) {
+                    if self.cv.wait_until(&mut state, deadline).timed_out() {
                         let flags: Vec<bool> = (0..self.seats.len()).map(|slot| done(&state, slot)).collect();
                         if state.failure.is_none() && !flags.iter().all(|f| *f) {
                             // A rank's own devices (no member numbers) wait for
