@@ -12,7 +12,7 @@
 //! [`Ticket`] dropped unrun (its device closed) fails the meeting, so the
 //! other parts return at once instead of at the deadline.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -76,6 +76,9 @@ pub(crate) struct Meeting<S> {
     /// the lock by parts polling for the others.
     arrived: AtomicUsize,
     failed: AtomicBool,
+    /// Bumped at every wake-up, so a waiter can poll for a change without
+    /// the lock during the runtime's spin window before it sleeps.
+    changes: AtomicU64,
 }
 
 impl<S> Meeting<S> {
@@ -98,6 +101,7 @@ impl<S> Meeting<S> {
             cv: Condvar::new(),
             arrived: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
+            changes: AtomicU64::new(0),
         }
     }
 
@@ -128,7 +132,43 @@ impl<S> Meeting<S> {
 
     /// Wakes every part waiting on the meeting.
     pub(crate) fn notify(&self) {
+        self.wake_all();
+    }
+
+    /// Wakes every waiter: those polling (see [`Meeting::spin_for_change`])
+    /// and those asleep.
+    fn wake_all(&self) {
+        self.changes.fetch_add(1, Ordering::Release);
         self.cv.notify_all();
+    }
+
+    /// Polls for a wake-up with the lock released, for up to the runtime's
+    /// spin window (`COHORT_SPIN_US`), and returns with the lock held again:
+    /// a short wait then costs no sleep and wake-up. The caller looks at the
+    /// state again before it sleeps on the condition variable (a wake-up may
+    /// have come and gone while the lock was released).
+    fn spin_for_change(&self, state: &mut MutexGuard<'_, Gathering<S>>) {
+        let window = cohort_runtime::spin_window();
+        if window.is_zero() {
+            return;
+        }
+        let seen = self.changes.load(Ordering::Acquire);
+        MutexGuard::unlocked(state, || {
+            let start = Instant::now();
+            let mut polls = 0u32;
+            while self.changes.load(Ordering::Acquire) == seen {
+                polls = polls.wrapping_add(1);
+                // Reading the clock costs more than a poll: look every 64.
+                if polls % 64 == 0 && start.elapsed() >= window {
+                    return;
+                }
+                if polls < 256 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        });
     }
 
     /// Sleeps until woken (no deadline: for waits bounded by someone else's).
@@ -156,7 +196,7 @@ impl<S> Meeting<S> {
     pub(crate) fn fail_locked(&self, state: &mut Gathering<S>, err: ServerError) -> ServerError {
         let failure = state.failure.get_or_insert(err).clone();
         self.failed.store(true, Ordering::Release);
-        self.cv.notify_all();
+        self.wake_all();
         failure
     }
 
@@ -227,7 +267,7 @@ impl<S> Meeting<S> {
         self.arrived.store(state.arrived, Ordering::Release);
         let last = state.all_arrived();
         if last {
-            self.cv.notify_all();
+            self.wake_all();
         }
         Ok(last)
     }
@@ -308,13 +348,20 @@ impl<S> Meeting<S> {
         done: impl Fn(&Gathering<S>, usize) -> bool,
     ) -> Result<(), WaitEnd> {
         let mut state = self.state.lock();
+        let mut spun = false;
         loop {
             if let Some(err) = &state.failure {
                 return Err(WaitEnd::Failed(err.clone()));
             }
-            let flags: Vec<bool> = (0..self.seats.len()).map(|slot| done(&state, slot)).collect();
-            if flags.iter().all(|f| *f) {
+            if (0..self.seats.len()).all(|slot| done(&state, slot)) {
                 return Ok(());
+            }
+            if !spun {
+                // Once per wait, then the state is looked at again (above)
+                // before any sleep.
+                spun = true;
+                self.spin_for_change(&mut state);
+                continue;
             }
             match deadline {
                 None => self.cv.wait(&mut state),
@@ -358,7 +405,7 @@ impl<S> Meeting<S> {
         }
         state.returned += 1;
         state.returned_slots[slot] = true;
-        self.cv.notify_all();
+        self.wake_all();
     }
 }
 

@@ -41,9 +41,12 @@ pub struct Work {
     operation: &'static str,
     /// Who this process is in the job, for errors ("rank 1").
     scope: Option<String>,
-    /// What it waits on: empty when nothing was queued on this process
-    /// (it takes no part); several for a grouped call that ran as several.
-    inner: Vec<Arc<dyn Waitable>>,
+    /// What it waits on: none when nothing was queued on this process
+    /// (it takes no part); `first` alone for one collective (no heap
+    /// allocation beyond the executor's own); `first` and `rest` for a
+    /// grouped call that ran as several.
+    first: Option<Arc<dyn Waitable>>,
+    rest: Vec<Arc<dyn Waitable>>,
 }
 
 impl fmt::Debug for Work {
@@ -55,19 +58,21 @@ impl fmt::Debug for Work {
 impl Work {
     /// The handle of `executor`'s collective `operation`.
     pub(crate) fn new<E: Seated>(operation: &'static str, executor: Arc<E>) -> Work {
-        Work { operation, scope: None, inner: vec![executor] }
+        Work { operation, scope: None, first: Some(executor), rest: Vec::new() }
     }
 
     /// A handle that is done already: this process queued nothing.
     pub(crate) fn nothing(operation: &'static str) -> Work {
-        Work { operation, scope: None, inner: Vec::new() }
+        Work { operation, scope: None, first: None, rest: Vec::new() }
     }
 
     /// One handle over every handle of `works` (a grouped call queued as
     /// several collectives).
     pub(crate) fn all(operation: &'static str, works: Vec<Work>) -> Work {
         let scope = works.iter().find_map(|w| w.scope.clone());
-        Work { operation, scope, inner: works.into_iter().flat_map(|w| w.inner).collect() }
+        let mut inner = works.into_iter().flat_map(|w| w.first.into_iter().chain(w.rest));
+        let first = inner.next();
+        Work { operation, scope, first, rest: inner.collect() }
     }
 
     /// This handle, naming the process (`"rank 1"`) in its errors.
@@ -105,11 +110,16 @@ impl Work {
     /// Whether every local part finished (or the collective failed:
     /// [`Work::wait`] then returns why). Never blocks.
     pub fn is_done(&self) -> bool {
-        self.inner.iter().all(|inner| inner.is_done())
+        self.parts().all(|inner| inner.is_done())
+    }
+
+    /// Every executor this handle waits on.
+    fn parts(&self) -> impl Iterator<Item = &Arc<dyn Waitable>> {
+        self.first.iter().chain(&self.rest)
     }
 
     fn wait_until(&self, deadline: Option<Instant>) -> Result<(), CommError> {
-        for inner in &self.inner {
+        for inner in self.parts() {
             self.end(inner.wait_until(deadline))?;
         }
         Ok(())

@@ -2,6 +2,7 @@
 //! to move and reduce bytes on a device's own thread.
 
 use super::client::Client;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::backend::{
@@ -180,7 +181,7 @@ impl Client {
     /// the task in those errors ("all_reduce", say).
     pub fn submit_buffers(
         &self,
-        operation: &str,
+        operation: impl Into<Cow<'static, str>>,
         inputs: Vec<Handle>,
         outputs: Vec<Handle>,
         task: impl FnOnce(&mut BufferAccess<'_>) -> Result<(), ServerError> + Send + 'static,
@@ -201,7 +202,7 @@ impl Client {
     /// with `submit_buffers`. Returns at once.
     pub fn submit_buffers_always(
         &self,
-        operation: &str,
+        operation: impl Into<Cow<'static, str>>,
         inputs: Vec<Handle>,
         outputs: Vec<Handle>,
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
@@ -216,7 +217,7 @@ impl Client {
     /// reads, waits or allocates there fails the capture.
     pub fn submit_buffers_recorded(
         &self,
-        operation: &str,
+        operation: impl Into<Cow<'static, str>>,
         inputs: Vec<Handle>,
         outputs: Vec<Handle>,
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
@@ -225,7 +226,8 @@ impl Client {
             self.check_owned(handle)?;
         }
         let stream = self.stream_id();
-        let operation = operation.to_string();
+        // Named in errors only: a static name is kept as it is, not copied.
+        let operation = operation.into();
         let device = self.device_id();
         self.device().submit(stream, move |state| {
             let prepared = (|| {

@@ -12,13 +12,13 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::backend::Backend;
 use crate::config::{self, ConfigError};
@@ -215,8 +215,8 @@ impl DeviceHandle {
     ) -> Result<Reply<R>, ServerError> {
         let device = self.service.device;
         if self.on_server_thread() {
-            let (done, receiver) = channel::bounded(1);
-            let _ = done.send(self.run(stream, task));
+            let (done, receiver) = oneshot();
+            done.send(self.run(stream, task));
             return Ok(Reply { receiver, device });
         }
         if self.is_closed() {
@@ -263,12 +263,12 @@ impl DeviceHandle {
     }
 }
 
-/// A task and the channel its caller waits on. Dropping it drops the task
-/// before the sender, so a caller that sees the channel close knows the task
+/// A task and the one-shot its caller waits on. Dropping it drops the task
+/// before the sender, so a caller that sees the sender gone knows the task
 /// (and whatever it borrowed) is gone.
 struct PendingReply<F, R> {
     task: Option<F>,
-    reply: Option<Sender<Result<R, ServerError>>>,
+    reply: Option<ReplySender<Result<R, ServerError>>>,
 }
 
 impl<F, R> Drop for PendingReply<F, R> {
@@ -279,21 +279,22 @@ impl<F, R> Drop for PendingReply<F, R> {
 }
 
 /// Wraps `task` so that its result (or its panic, as
-/// [`ServerError::TaskPanicked`]) is sent on the returned channel; the
-/// channel disconnects without a result if the task is dropped unrun.
+/// [`ServerError::TaskPanicked`]) is sent on the returned one-shot; the
+/// receiver sees the sender gone without a result if the task is dropped
+/// unrun.
 #[allow(clippy::type_complexity)]
 fn with_reply<'a, R: Send + 'a>(
     device: DeviceId,
     task: impl FnOnce(&mut DeviceState) -> R + Send + 'a,
-) -> (Box<dyn FnOnce(&mut DeviceState) + Send + 'a>, Receiver<Result<R, ServerError>>) {
-    let (reply_tx, reply_rx) = channel::bounded::<Result<R, ServerError>>(1);
+) -> (Box<dyn FnOnce(&mut DeviceState) + Send + 'a>, ReplyReceiver<Result<R, ServerError>>) {
+    let (reply_tx, reply_rx) = oneshot::<Result<R, ServerError>>();
     let mut pending = PendingReply { task: Some(task), reply: Some(reply_tx) };
     let boxed = Box::new(move |state: &mut DeviceState| {
         let task = pending.task.take().expect("a task runs once");
         let result = catch_unwind(AssertUnwindSafe(|| task(state)))
             .map_err(|p| ServerError::TaskPanicked { device, message: panic_message(p.as_ref()) });
         if let Some(reply) = pending.reply.take() {
-            let _ = reply.send(result);
+            reply.send(result);
         }
     });
     (boxed, reply_rx)
@@ -302,7 +303,7 @@ fn with_reply<'a, R: Send + 'a>(
 /// The result of a task queued with [`DeviceHandle::request`], not yet
 /// waited for.
 pub struct Reply<R> {
-    receiver: Receiver<Result<R, ServerError>>,
+    receiver: ReplyReceiver<Result<R, ServerError>>,
     device: DeviceId,
 }
 
@@ -310,7 +311,91 @@ impl<R> Reply<R> {
     /// Waits for the task's result (polling for [`spin_window`] first); a
     /// device closed before the task ran is [`ServerError::DeviceClosed`].
     pub fn wait(self) -> Result<R, ServerError> {
-        recv_spinning(&self.receiver, None).map_err(|_| ServerError::DeviceClosed { device: self.device })?
+        self.receiver.wait().ok_or(ServerError::DeviceClosed { device: self.device })?
+    }
+}
+
+/// Where a one-shot reply stands.
+const REPLY_EMPTY: u8 = 0;
+const REPLY_SENT: u8 = 1;
+const REPLY_GONE: u8 = 2;
+
+/// One value handed from the device thread to one waiting caller: a single
+/// allocation, a flag the caller polls during its spin window, and a
+/// condition variable it sleeps on after.
+struct OneShot<T> {
+    state: AtomicU8,
+    value: Mutex<Option<T>>,
+    woken: Condvar,
+}
+
+/// The sending half of [`oneshot`]: dropped unsent, the receiver gets `None`.
+struct ReplySender<T>(Option<Arc<OneShot<T>>>);
+
+/// The receiving half of [`oneshot`].
+struct ReplyReceiver<T>(Arc<OneShot<T>>);
+
+fn oneshot<T>() -> (ReplySender<T>, ReplyReceiver<T>) {
+    let shared =
+        Arc::new(OneShot { state: AtomicU8::new(REPLY_EMPTY), value: Mutex::new(None), woken: Condvar::new() });
+    (ReplySender(Some(shared.clone())), ReplyReceiver(shared))
+}
+
+impl<T> OneShot<T> {
+    /// Sets the state (and the value) under the lock, so a receiver that
+    /// looked and went to sleep is always woken.
+    fn settle(&self, state: u8, value: Option<T>) {
+        let mut slot = self.value.lock();
+        *slot = value;
+        self.state.store(state, Ordering::Release);
+        drop(slot);
+        self.woken.notify_one();
+    }
+}
+
+impl<T> ReplySender<T> {
+    fn send(mut self, value: T) {
+        if let Some(shared) = self.0.take() {
+            shared.settle(REPLY_SENT, Some(value));
+        }
+    }
+}
+
+impl<T> Drop for ReplySender<T> {
+    fn drop(&mut self) {
+        if let Some(shared) = self.0.take() {
+            shared.settle(REPLY_GONE, None);
+        }
+    }
+}
+
+impl<T> ReplyReceiver<T> {
+    /// Waits for the value, polling for [`spin_window`] before sleeping;
+    /// `None` when the sender was dropped without sending.
+    fn wait(self) -> Option<T> {
+        let shared = &self.0;
+        let window = spin_window();
+        if !window.is_zero() {
+            let start = Instant::now();
+            let mut polls = 0u32;
+            while shared.state.load(Ordering::Acquire) == REPLY_EMPTY {
+                polls = polls.wrapping_add(1);
+                // Reading the clock costs more than a poll: look every 64.
+                if polls.is_multiple_of(64) && start.elapsed() >= window {
+                    break;
+                }
+                if polls < 256 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        let mut slot = shared.value.lock();
+        while shared.state.load(Ordering::Acquire) == REPLY_EMPTY {
+            shared.woken.wait(&mut slot);
+        }
+        slot.take()
     }
 }
 
@@ -357,6 +442,12 @@ fn recv_spinning<T>(receiver: &Receiver<T>, nap: Option<Duration>) -> Result<T, 
         Some(nap) => receiver.recv_timeout(nap),
         None => receiver.recv().map_err(|_| RecvTimeoutError::Disconnected),
     };
+    // Work that is already queued is taken without reading the clock.
+    match receiver.try_recv() {
+        Ok(message) => return Ok(message),
+        Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
+        Err(TryRecvError::Empty) => {}
+    }
     let window = spin_window();
     if window.is_zero() {
         return sleep(receiver);
@@ -466,5 +557,45 @@ pub fn shutdown() {
     let handles: Vec<_> = registry().lock().open.drain().map(|(_, h)| h).collect();
     for handle in handles {
         handle.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_sent_later_reaches_a_waiter_that_went_to_sleep() {
+        let (sender, receiver) = oneshot::<Vec<u32>>();
+        let waiter = std::thread::spawn(move || receiver.wait());
+        // Past any spin window: the waiter sleeps on the condition variable.
+        std::thread::sleep(Duration::from_millis(100));
+        sender.send(vec![1, 2, 3]);
+        assert_eq!(waiter.join().unwrap(), Some(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn a_reply_sent_before_the_wait_is_there_at_once() {
+        let (sender, receiver) = oneshot::<&str>();
+        sender.send("ready");
+        assert_eq!(receiver.wait(), Some("ready"));
+    }
+
+    #[test]
+    fn a_sender_dropped_unsent_wakes_the_waiter_with_nothing() {
+        let (sender, receiver) = oneshot::<u8>();
+        let waiter = std::thread::spawn(move || receiver.wait());
+        std::thread::sleep(Duration::from_millis(50));
+        drop(sender);
+        assert_eq!(waiter.join().unwrap(), None);
+    }
+
+    #[test]
+    fn a_task_dropped_unrun_is_a_closed_device_not_a_hang() {
+        let device = DeviceId { type_id: 0, index: 0 };
+        let (task, receiver) = with_reply(device, |_| 7u32);
+        drop(task);
+        let reply = Reply { receiver, device };
+        assert!(matches!(reply.wait(), Err(ServerError::DeviceClosed { .. })));
     }
 }

@@ -408,23 +408,29 @@ impl DeviceState {
         handles: &[Handle],
     ) -> Result<Vec<crate::bytes::AlignedBytes>, ServerError> {
         self.refuse_in_capture(stream, "read")?;
-        let refs: Vec<&Handle> = handles.iter().collect();
-        if let Some(err) = refs.iter().find_map(|h| h.error()) {
+        if let Some(err) = handles.iter().find_map(|h| h.error()) {
             return Err(err);
         }
-        let mut bindings = Vec::with_capacity(handles.len());
-        for handle in handles {
-            bindings.push(self.binding(handle)?);
-        }
-        self.order_after_writers(stream, refs.iter().copied())?;
-        let result = self.backend.read(stream, &bindings);
+        // The bindings go in the state's scratch vector (no allocation per
+        // read); it is put back on every return.
+        let mut bindings = std::mem::take(&mut self.scratch_bindings);
+        bindings.clear();
+        let result: Result<_, ServerError> = (|| {
+            for handle in handles {
+                bindings.push(self.binding(handle)?);
+            }
+            self.order_after_writers(stream, handles)?;
+            Ok(self.backend.read(stream, &bindings))
+        })();
+        self.scratch_bindings = bindings;
+        let result = result?;
         // A collective that wrote these handles (or the launches after it
         // that read them) may have failed while the read waited: its error,
         // not the bytes, is the answer. Polled before the stream's unsynced
         // launches are forgotten.
         self.poll_collectives();
         self.drained(stream, result.as_ref().err());
-        if let Some(err) = refs.iter().find_map(|h| h.error()) {
+        if let Some(err) = handles.iter().find_map(|h| h.error()) {
             return Err(err);
         }
         result

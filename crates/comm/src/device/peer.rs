@@ -346,7 +346,7 @@ mod tests {
     fn the_flight_recorder_keeps_the_path_that_ran() {
         use crate::trace::{FlightRecorder, Watched};
         let op = sum(64);
-        let watched = Watched::start("peer-path-test".into(), 7, &op, 1, None, "collective", 0);
+        let watched = Watched::start("peer-path-test", 7, &op, 1, None, "collective", 0);
         watched.set_path(Path::TwoShot.name());
         watched.set_path(Path::Nccl.name()); // the first path noted stays
         watched.ended(Ok(()));

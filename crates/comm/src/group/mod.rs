@@ -262,7 +262,7 @@ impl ClientGroup {
         let category = if op.collective() == Collective::SendRecv { "copy" } else { "collective" };
         // A process-local group: only this process takes part.
         let ranks = Some(vec![FlightRecorder::global().identity().0]);
-        Watched::start(self.record_name.to_string(), sequence, op, parts.len(), ranks, category, tid)
+        Watched::start(&*self.record_name, sequence, op, parts.len(), ranks, category, tid)
     }
 
     /// Queues every part of one collective, under the process-wide order.

@@ -17,9 +17,10 @@ use crate::op::Op;
 /// One queued collective under watch; each of its parts' tasks (or its one
 /// owner) holds a clone and notes how its part ended.
 pub(crate) struct Watched {
-    group: String,
     record: RecordId,
-    fingerprint: CollectiveFingerprint,
+    /// The group's name and the call, kept for the timeline event only
+    /// while `COHORT_TIMELINE` is set (the flight recorder has its own).
+    timeline: Option<(String, CollectiveFingerprint)>,
     /// The timeline's category ("collective", "copy", "p2p") and row.
     category: &'static str,
     tid: u32,
@@ -37,7 +38,7 @@ impl Watched {
     /// with `parts` parts among `ranks` (`None`: every rank of the job).
     /// Its timeline event goes to row `tid` under `category`.
     pub(crate) fn start(
-        group: String,
+        group: impl AsRef<str>,
         seq: u64,
         op: &Op,
         parts: usize,
@@ -51,18 +52,19 @@ impl Watched {
     /// [`Watched::start`] of a call described by `fingerprint` (a grouped
     /// call's: kind `group`, its number of calls as the count).
     pub(crate) fn start_described(
-        group: String,
+        group: impl AsRef<str>,
         fingerprint: CollectiveFingerprint,
         parts: usize,
         ranks: Option<Vec<usize>>,
         category: &'static str,
         tid: u32,
     ) -> Arc<Watched> {
-        let record = FlightRecorder::global().start_among(&group, fingerprint.clone(), ranks);
+        let group = group.as_ref();
+        let timeline = Timeline::from_env().map(|_| (group.to_string(), fingerprint.clone()));
+        let record = FlightRecorder::global().start_among(group, fingerprint, ranks);
         Arc::new(Watched {
-            group,
             record,
-            fingerprint,
+            timeline,
             category,
             tid,
             parts,
@@ -109,8 +111,7 @@ impl Drop for Watched {
         }
         let ok = failure.is_none();
         FlightRecorder::global().finish_record(self.record, failure.map_or(Ok(()), Err));
-        if let Some(timeline) = Timeline::from_env() {
-            let fp = &self.fingerprint;
+        if let (Some(timeline), Some((group, fp))) = (Timeline::from_env(), &self.timeline) {
             timeline.record(&TimelineEvent {
                 name: fp.kind.clone(),
                 cat: self.category.into(),
@@ -120,7 +121,7 @@ impl Drop for Watched {
                 pid: FlightRecorder::global().identity().0,
                 tid: self.tid,
                 args: serde_json::json!({
-                    "group": self.group, "seq": fp.seq, "dtype": fp.dtype, "count": fp.count,
+                    "group": group, "seq": fp.seq, "dtype": fp.dtype, "count": fp.count,
                     "op": fp.op, "root": fp.root, "ok": ok, "path": self.path.get(),
                 }),
             });

@@ -155,7 +155,11 @@ impl Client {
 
     /// Reads one handle; see [`Client::read`].
     pub fn read_one(&self, handle: Handle) -> Result<Bytes, ServerError> {
-        Ok(self.read(vec![handle])?.pop().expect("one handle in, one read out"))
+        self.check_owned(&handle)?;
+        self.refuse_if_capturing("read")?;
+        let stream = self.stream_id();
+        let mut bytes = self.device().run(stream, move |state| state.read(stream, std::slice::from_ref(&handle)))??;
+        Ok(Bytes::from_aligned(bytes.pop().expect("one handle in, one read out")))
     }
 
     /// Reads one handle and panics with the cause when that fails (for tests).

@@ -1,0 +1,97 @@
+//! What one small call costs cohort itself, on CPU devices (no GPU needed):
+//! heap allocations per call (every thread's, counted by this binary's
+//! allocator) and wall time per call, for a one-device and a two-device
+//! `ClientGroup` all-reduce of 8 floats (waited on), a kernel launch
+//! enqueue, and a 4-byte read round trip. Run it under
+//! `perf stat -e task-clock,context-switches` for context switches per call
+//! and under `perf record -e cpu-clock` for where the time goes.
+//!
+//! Run: `cargo run --release --example call_cost -- [CALLS]`
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use cohort::comm::{Buffer, ClientGroup, Collectives, ReduceOp};
+use cohort::runtime::conformance::kernels;
+use cohort::runtime::{Bytes, Client, GridCount, KernelArguments, Scalar};
+
+/// The system allocator, counting allocations (and reallocations).
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Runs `call` `calls` times after a warm-up; prints µs and allocations per
+/// call.
+fn measure(what: &str, calls: usize, mut call: impl FnMut()) {
+    for _ in 0..calls / 10 + 1 {
+        call();
+    }
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let start = Instant::now();
+    for _ in 0..calls {
+        call();
+    }
+    let elapsed = start.elapsed();
+    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    println!(
+        "{what:<44} {:>8.2} µs/call {:>7.1} allocations/call",
+        elapsed.as_secs_f64() * 1e6 / calls as f64,
+        allocations as f64 / calls as f64
+    );
+}
+
+fn all_reduce(clients: &[Client], calls: usize) {
+    let group = ClientGroup::new(clients.to_vec()).expect("group");
+    let bufs: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
+    let what = format!("all_reduce 32 B, {} CPU device(s), wait", clients.len());
+    measure(&what, calls, || group.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce").wait().expect("wait"));
+    for b in &bufs {
+        assert_eq!(b.to_vec().expect("read"), [1.0; 8], "max of ones is one");
+    }
+}
+
+fn main() {
+    let calls: usize = std::env::args().nth(1).map_or(20_000, |n| n.parse().expect("CALLS is a count"));
+    std::env::set_var(cohort::runtime::config::CPU_DEVICES.name, "2");
+    let clients = cohort::runtime::clients_of("cpu", Some(2)).expect("two CPU devices");
+    println!("# cohort call_cost: {calls} calls each, CPU backend");
+    all_reduce(&clients[..1], calls);
+    all_reduce(&clients, calls);
+
+    let client = &clients[0];
+    let scale = kernels::scale();
+    let x = client.create(Bytes::from_elems(&[1.0f32; 8]));
+    measure("launch enqueue (scale, 8 floats)", calls, || {
+        client
+            .launch(&scale, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&x).scalar(Scalar::F32(1.0)))
+            .expect("launch")
+    });
+    client.sync().expect("sync");
+    let four = client.create(Bytes::from_elems(&[7u32]));
+    measure("read_one 4 B", calls, || {
+        let bytes = client.read_one(four.clone()).expect("read");
+        assert_eq!(bytes.len(), 4);
+    });
+}
