@@ -257,7 +257,23 @@ fn try_peer_sum(
     data: &[f32],
     timeout: Duration,
 ) -> Result<Handle, ServerError> {
-    let buf = client.create_from_slice(bytemuck::cast_slice(data));
+    try_peer_sum_at(client, set, rank, arenas, data, 0, timeout)
+}
+
+/// [`try_peer_sum`] with the buffer `offset` bytes into its allocation.
+fn try_peer_sum_at(
+    client: &Client,
+    set: u64,
+    rank: usize,
+    arenas: Vec<u64>,
+    data: &[f32],
+    offset: u64,
+    timeout: Duration,
+) -> Result<Handle, ServerError> {
+    let bytes: &[u8] = bytemuck::cast_slice(data);
+    let mut padded = vec![0u8; offset as usize + bytes.len()];
+    padded[offset as usize..].copy_from_slice(bytes);
+    let buf = client.create_from_slice(&padded).slice(offset, bytes.len() as u64).unwrap();
     on_device(client, vec![buf.clone()], move |access| {
         let b = access.binding(0);
         let call =
@@ -313,16 +329,29 @@ fn ipc_child() {
     let theirs = unhex(line.trim().strip_prefix("HANDLE ").expect("the parent's handle"));
     let opened =
         on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
-    let data: Vec<f32> = (0..4099).map(|i| (i % 7) as f32).collect();
-    let out = peer_sum(&client, set, 1, vec![opened, mine], &data, Duration::from_secs(20));
-    let got = client.read_one(out).unwrap();
-    println!("RESULT {}", hex(&got[..]));
+    for (call, &(count, _, offset)) in IPC_CALLS.iter().enumerate() {
+        let data = ipc_input(1, count);
+        let out = try_peer_sum_at(&client, set, 1, vec![opened, mine], &data, offset, Duration::from_secs(20)).unwrap();
+        let got = client.read_one(out).unwrap();
+        println!("RESULT {call} {}", hex(&got[..]));
+    }
     std::io::stdout().flush().unwrap();
 }
 
-/// The sum both halves of the IPC test compute.
-fn ipc_reference() -> Vec<f32> {
-    (0..4099).map(|i| (i % 5) as f32 * 0.5 + (i % 7) as f32).collect()
+/// The IPC test's calls: element count, then the parent's and the child's
+/// byte offsets. A size the wide kernel takes with the members aligned
+/// differently (by whole elements, then inside an element), and a ragged
+/// size: both members must run the same kernel over the same packs.
+const IPC_CALLS: [(usize, u64, u64); 4] = [(4099, 0, 0), (4096, 0, 4), (4096, 16, 2), (1000, 2, 6)];
+
+/// Rank `rank`'s input to an IPC call of `count` elements.
+fn ipc_input(rank: usize, count: usize) -> Vec<f32> {
+    (0..count).map(|i| if rank == 0 { (i % 5) as f32 * 0.5 } else { (i % 7) as f32 }).collect()
+}
+
+/// The sum both halves of an IPC call compute.
+fn ipc_reference(count: usize) -> Vec<f32> {
+    ipc_input(0, count).iter().zip(ipc_input(1, count)).map(|(a, b)| a + b).collect()
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -369,15 +398,21 @@ fn a_peer_all_reduce_runs_across_two_processes_through_ipc_handles() {
     writeln!(child.stdin.as_mut().unwrap(), "HANDLE {}", hex(&handle)).unwrap();
     let opened =
         on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
-    let data: Vec<f32> = (0..4099).map(|i| (i % 5) as f32 * 0.5).collect();
-    let out = peer_sum(&client, set, 0, vec![mine, opened], &data, Duration::from_secs(20));
-    let got = client.read_one(out).unwrap();
-    let want = ipc_reference();
-    assert_eq!(bytemuck::cast_slice::<u8, f32>(&got[..]), want.as_slice());
+    for (call, &(count, offset, _)) in IPC_CALLS.iter().enumerate() {
+        let data = ipc_input(0, count);
+        let out = try_peer_sum_at(&client, set, 0, vec![mine, opened], &data, offset, Duration::from_secs(20)).unwrap();
+        let got = client.read_one(out).unwrap();
+        let want = ipc_reference(count);
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&got[..]), want.as_slice(), "call {call}: rank 0 differs");
+    }
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     assert!(child.wait().unwrap().success(), "the child failed: {rest:?}");
-    let theirs = rest.iter().find_map(|l| l.strip_prefix("RESULT ")).expect("the child printed its result");
-    assert_eq!(bytemuck::cast_slice::<u8, f32>(&unhex(theirs)), want.as_slice(), "rank 1 (the child) differs");
+    for (call, &(count, _, _)) in IPC_CALLS.iter().enumerate() {
+        let prefix = format!("RESULT {call} ");
+        let theirs = rest.iter().find_map(|l| l.strip_prefix(prefix.as_str())).expect("the child printed its result");
+        let want = ipc_reference(count);
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&unhex(theirs)), want.as_slice(), "call {call}: rank 1 differs");
+    }
 }
 
 #[test]
