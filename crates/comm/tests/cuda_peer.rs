@@ -329,11 +329,16 @@ fn ipc_child() {
     let theirs = unhex(line.trim().strip_prefix("HANDLE ").expect("the parent's handle"));
     let opened =
         on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
+    let mut results = Vec::new();
     for (call, &(count, _, offset)) in IPC_CALLS.iter().enumerate() {
         let data = ipc_input(1, count);
         let out = try_peer_sum_at(&client, set, 1, vec![opened, mine], &data, offset, Duration::from_secs(20)).unwrap();
-        let got = client.read_one(out).unwrap();
-        println!("RESULT {call} {}", hex(&got[..]));
+        results.push(format!("RESULT {call} {}", hex(&client.read_one(out).unwrap()[..])));
+    }
+    // Printed once every call ran: the parent reads them only after its
+    // own calls, and a full pipe would stall this process in between.
+    for line in results {
+        println!("{line}");
     }
     std::io::stdout().flush().unwrap();
 }
