@@ -78,13 +78,14 @@ fn my_entry(client: &Client, set: u64) -> String {
     }
 }
 
-/// Rank 0's choice as text: algo, one-shot and two-shot all-reduce maxima,
-/// all-gather maximum, for `ranks` members of `device`. A Communicator
+/// Rank 0's choice as text under `algo` (its `COHORT_ALGO`): algo, one-shot
+/// and two-shot all-reduce maxima, all-gather maximum, for `ranks` members
+/// of `device`. A Communicator
 /// takes the peer path only when `COHORT_ALGO` forces it (`oneshot`,
 /// `twoshot`): unset or `auto`, it runs on NCCL.
-fn choice_text(device: &str, ranks: usize) -> String {
+fn choice_text(algo: Algo, device: &str, ranks: usize) -> String {
     let table = machine_table();
-    let algo = match algo_from_env() {
+    let algo = match algo {
         Algo::Auto | Algo::Nccl => "nccl",
         Algo::OneShot => "oneshot",
         Algo::TwoShot => "twoshot",
@@ -129,7 +130,10 @@ pub(crate) fn setup(
 ) -> Result<Option<PeerPath>, ConnectError> {
     let left = || deadline.saturating_duration_since(Instant::now());
     if rank == 0 {
-        store.set(&keys::peer_choice(prefix), choice_text(&clients[0].properties().name, size).as_bytes())?;
+        store.set(
+            &keys::peer_choice(prefix),
+            choice_text(algo_from_env(), &clients[0].properties().name, size).as_bytes(),
+        )?;
     }
     // Rank 0's choice first: no rank allocates an arena the path will not use.
     store.wait(&[keys::peer_choice(prefix).as_str()], left())?;
@@ -220,6 +224,11 @@ mod tests {
         assert!(parse_choice("auto 1 2").is_none());
         assert!(parse_choice("ring 1 2 3").is_none());
         assert_eq!(unhex(&hex(&[0, 255, 16])), Some(vec![0, 255, 16]));
+        // A Communicator takes the peer kernels only where they are forced.
+        for (algo, forced) in [(Algo::Auto, Algo::Nccl), (Algo::Nccl, Algo::Nccl), (Algo::OneShot, Algo::OneShot)] {
+            let (sent, _) = parse_choice(&choice_text(algo, "NVIDIA H200", 2)).unwrap();
+            assert_eq!(sent, forced, "{algo:?}");
+        }
         assert_eq!(unhex("abc"), None);
     }
 }
