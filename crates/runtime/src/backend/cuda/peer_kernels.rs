@@ -323,8 +323,15 @@ impl CudaBackend {
         if code != sys::CUresult::CUDA_SUCCESS {
             return Err(driver_error(device, "cuIpcOpenMemHandle (a peer's arena)", code));
         }
+        match self.peer_set(set) {
+            Ok(state) => state.opened.push(ptr),
+            Err(err) => {
+                // SAFETY: the handle just opened, tracked nowhere else.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+                return Err(err);
+            }
+        }
         know_arena(set, ptr);
-        self.peer_set(set)?.opened.push(ptr);
         Ok(ptr)
     }
 
