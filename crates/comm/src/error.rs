@@ -75,6 +75,12 @@ pub enum CommError {
          run it before start_capture or after stop_capture"
     )]
     Capturing { operation: &'static str, member: usize },
+    /// Some members' streams are capturing a graph and others' are not.
+    #[error(
+        "{operation}: member {member}'s stream is not capturing a graph while other members' are; \
+         a collective is captured on every member's stream or on none"
+    )]
+    CapturingPartly { operation: &'static str, member: usize },
     /// The host path asked for is not available on this runtime.
     #[error("the direct host path needs device memory the host can address; {backend} devices cannot: use HostPath::Staged or HostPath::Auto")]
     DirectUnsupported { backend: &'static str },

@@ -44,26 +44,34 @@ fn random(dtype: DType, count: usize, seed: u64) -> Vec<u8> {
     out
 }
 
-/// One all-reduce through `group`, `offset` bytes into its buffers (16:
-/// the wide kernels; 4: the narrow ones), checked on every member against
-/// the host reference bit for bit.
+/// One all-reduce through `group`, `offset` bytes into its buffers,
+/// checked on every member against the host reference bit for bit.
 fn all_reduce_bitwise(group: &ClientGroup, dtype: DType, op: ReduceOp, count: usize, offset: u64, in_place: bool) {
+    all_reduce_at(group, dtype, op, count, &vec![offset; group.len()], in_place);
+}
+
+/// [`all_reduce_bitwise`] with member `m`'s buffers `offsets[m]` bytes in
+/// (members may differ: the kernel's choice must not depend on them).
+fn all_reduce_at(group: &ClientGroup, dtype: DType, op: ReduceOp, count: usize, offsets: &[u64], in_place: bool) {
     let n = group.len();
+    let offset = offsets[0];
     let bytes = count * dtype.size();
     let inputs: Vec<Vec<u8>> = (0..n).map(|m| random(dtype, count, (m * 1000 + count) as u64 + offset)).collect();
     let mut want = vec![0u8; bytes];
     let refs: Vec<&[u8]> = inputs.iter().map(|v| v.as_slice()).collect();
     reduce_bytes(dtype, op, &refs, &mut want);
-    let place = |c: &Client, data: Option<&[u8]>| {
+    let place = |m: usize, data: Option<&[u8]>| {
+        let offset = offsets[m];
         let mut padded = vec![0u8; bytes + offset as usize];
         if let Some(d) = data {
             padded[offset as usize..].copy_from_slice(d);
         }
-        c.create_from_slice(&padded).slice(offset, bytes as u64).unwrap()
+        group.client(m).create_from_slice(&padded).slice(offset, bytes as u64).unwrap()
     };
-    let src: Vec<Handle> = (0..n).map(|m| place(group.client(m), Some(&inputs[m]))).collect();
-    let dst: Vec<Handle> = if in_place { src.clone() } else { (0..n).map(|m| place(group.client(m), None)).collect() };
-    let what = format!("{:?} all_reduce {dtype} {op} count={count} offset={offset} in_place={in_place}", group.algo());
+    let src: Vec<Handle> = (0..n).map(|m| place(m, Some(&inputs[m]))).collect();
+    let dst: Vec<Handle> = if in_place { src.clone() } else { (0..n).map(|m| place(m, None)).collect() };
+    let what =
+        format!("{:?} all_reduce {dtype} {op} count={count} offsets={offsets:?} in_place={in_place}", group.algo());
     group.all_reduce_handles(&src, &dst, dtype, op).unwrap_or_else(|e| panic!("{what}: {e}"));
     for (m, d) in dst.iter().enumerate() {
         let got = group.client(m).read_one(d.clone()).unwrap_or_else(|e| panic!("{what}: member {m}: {e}"));
@@ -75,21 +83,36 @@ fn all_reduce_bitwise(group: &ClientGroup, dtype: DType, op: ReduceOp, count: us
 }
 
 fn all_gather_bitwise(group: &ClientGroup, count: usize, offset: u64) {
+    all_gather_at(group, count, &vec![offset; group.len()], &vec![0; group.len()]);
+}
+
+/// An all-gather with member `m`'s source `offsets[m]` bytes into its
+/// buffer and its destination `out_offsets[m]` bytes into its own.
+fn all_gather_at(group: &ClientGroup, count: usize, offsets: &[u64], out_offsets: &[u64]) {
     let n = group.len();
     let inputs: Vec<Vec<u8>> = (0..n).map(|m| random(DType::U8, count, (77 + m * 31 + count) as u64)).collect();
     let want: Vec<u8> = inputs.concat();
     let src: Vec<Handle> = (0..n)
         .map(|m| {
+            let offset = offsets[m];
             let mut padded = vec![0u8; count + offset as usize];
             padded[offset as usize..].copy_from_slice(&inputs[m]);
             group.client(m).create_from_slice(&padded).slice(offset, count as u64).unwrap()
         })
         .collect();
-    let dst: Vec<Handle> = (0..n).map(|m| group.client(m).empty(count * n)).collect();
+    let dst: Vec<Handle> = (0..n)
+        .map(|m| {
+            let at = out_offsets[m];
+            group.client(m).empty(count * n + at as usize).slice(at, (count * n) as u64).unwrap()
+        })
+        .collect();
     group.all_gather_handles(&src, &dst, DType::U8).unwrap();
     for (m, d) in dst.iter().enumerate() {
         let got = group.client(m).read_one(d.clone()).unwrap();
-        assert!(got[..] == want[..], "all_gather of {count} bytes (offset {offset}): member {m} differs");
+        assert!(
+            got[..] == want[..],
+            "all_gather of {count} bytes (offsets {offsets:?} into {out_offsets:?}): member {m} differs"
+        );
     }
 }
 
@@ -126,6 +149,34 @@ fn two_gpus_peer_kernels_give_every_member_the_host_reference_bit_for_bit() {
 
 #[test]
 #[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_members_with_differently_aligned_buffers_agree_bit_for_bit() {
+    let devices = cuda_common::devices();
+    assert!(devices.len() >= 2, "this test needs two GPUs or more, found {}", devices.len());
+    for algo in [Algo::OneShot, Algo::TwoShot] {
+        let group = ClientGroup::new(devices[..2].to_vec()).unwrap().with_algo(algo);
+        for dtype in [DType::F32, DType::F16, DType::F64, DType::I8] {
+            let size = dtype.size() as u64;
+            // A size that takes the wide kernels (a multiple of 16 bytes)
+            // and one that does not; member 0 aligned, member 1 not (by a
+            // whole element, then inside an element).
+            for count in [4096, 4099] {
+                for offsets in [[16, 16 + size], [16, 2], [3, 16], [5, 7]] {
+                    all_reduce_at(&group, dtype, ReduceOp::Sum, count, &offsets, false);
+                    all_reduce_at(&group, dtype, ReduceOp::Max, count, &offsets, true);
+                }
+            }
+        }
+        // f32 two bytes off element alignment on both members.
+        all_reduce_at(&group, DType::F32, ReduceOp::Sum, 1 << 16, &[2, 2], false);
+        for count in [4096, 4099] {
+            all_gather_at(&group, count, &[16, 4], &[0, 0]);
+            all_gather_at(&group, count, &[1, 16], &[3, 16]);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
 fn two_gpus_the_chosen_path_runs_and_the_flight_recorder_names_it() {
     let devices = cuda_common::devices();
     assert!(devices.len() >= 2, "this test needs two GPUs or more, found {}", devices.len());
@@ -142,9 +193,21 @@ fn two_gpus_the_chosen_path_runs_and_the_flight_recorder_names_it() {
         all_reduce_bitwise(&g, DType::F32, ReduceOp::Sum, 2, 16, false);
         g.sync().unwrap();
         let records = FlightRecorder::global().snapshot();
-        let last = records.iter().rev().find(|r| r.fingerprint.kind == "all_reduce").expect("recorded");
+        let ours = group_record_name(&g);
+        let last = records
+            .iter()
+            .rev()
+            .find(|r| r.group == ours && r.fingerprint.kind == "all_reduce")
+            .unwrap_or_else(|| panic!("{ours} recorded its all_reduce"));
         assert_eq!(last.path.as_deref(), Some(path), "{algo:?}");
     }
+}
+
+/// The flight recorder's name of `group`'s records: its device set.
+fn group_record_name(group: &ClientGroup) -> String {
+    let mut devices: Vec<String> = (0..group.len()).map(|m| group.client(m).device_id().to_string()).collect();
+    devices.sort();
+    format!("group[{}]", devices.join(","))
 }
 
 /// Runs `f` on `client`'s device thread with `outputs` bound, and waits.
@@ -194,7 +257,23 @@ fn try_peer_sum(
     data: &[f32],
     timeout: Duration,
 ) -> Result<Handle, ServerError> {
-    let buf = client.create_from_slice(bytemuck::cast_slice(data));
+    try_peer_sum_at(client, set, rank, arenas, data, 0, timeout)
+}
+
+/// [`try_peer_sum`] with the buffer `offset` bytes into its allocation.
+fn try_peer_sum_at(
+    client: &Client,
+    set: u64,
+    rank: usize,
+    arenas: Vec<u64>,
+    data: &[f32],
+    offset: u64,
+    timeout: Duration,
+) -> Result<Handle, ServerError> {
+    let bytes: &[u8] = bytemuck::cast_slice(data);
+    let mut padded = vec![0u8; offset as usize + bytes.len()];
+    padded[offset as usize..].copy_from_slice(bytes);
+    let buf = client.create_from_slice(&padded).slice(offset, bytes.len() as u64).unwrap();
     on_device(client, vec![buf.clone()], move |access| {
         let b = access.binding(0);
         let call =
@@ -250,11 +329,34 @@ fn ipc_child() {
     let theirs = unhex(line.trim().strip_prefix("HANDLE ").expect("the parent's handle"));
     let opened =
         on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
-    let data: Vec<f32> = (0..4099).map(|i| (i % 7) as f32).collect();
-    let out = peer_sum(&client, set, 1, vec![opened, mine], &data, Duration::from_secs(20));
-    let got = client.read_one(out).unwrap();
-    println!("RESULT {}", hex(&got[..]).len());
+    let mut results = Vec::new();
+    for (call, &(count, _, offset)) in IPC_CALLS.iter().enumerate() {
+        let data = ipc_input(1, count);
+        let out = try_peer_sum_at(&client, set, 1, vec![opened, mine], &data, offset, Duration::from_secs(20)).unwrap();
+        results.push(format!("RESULT {call} {}", hex(&client.read_one(out).unwrap()[..])));
+    }
+    // Printed once every call ran: the parent reads them only after its
+    // own calls, and a full pipe would stall this process in between.
+    for line in results {
+        println!("{line}");
+    }
     std::io::stdout().flush().unwrap();
+}
+
+/// The IPC test's calls: element count, then the parent's and the child's
+/// byte offsets. A size the wide kernel takes with the members aligned
+/// differently (by whole elements, then inside an element), and a ragged
+/// size: both members must run the same kernel over the same packs.
+const IPC_CALLS: [(usize, u64, u64); 4] = [(4099, 0, 0), (4096, 0, 4), (4096, 16, 2), (1000, 2, 6)];
+
+/// Rank `rank`'s input to an IPC call of `count` elements.
+fn ipc_input(rank: usize, count: usize) -> Vec<f32> {
+    (0..count).map(|i| if rank == 0 { (i % 5) as f32 * 0.5 } else { (i % 7) as f32 }).collect()
+}
+
+/// The sum both halves of an IPC call compute.
+fn ipc_reference(count: usize) -> Vec<f32> {
+    ipc_input(0, count).iter().zip(ipc_input(1, count)).map(|(a, b)| a + b).collect()
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -301,14 +403,21 @@ fn a_peer_all_reduce_runs_across_two_processes_through_ipc_handles() {
     writeln!(child.stdin.as_mut().unwrap(), "HANDLE {}", hex(&handle)).unwrap();
     let opened =
         on_device(&client, Vec::new(), move |a| a.device_collectives().unwrap().peer_open(set, &theirs)).unwrap();
-    let data: Vec<f32> = (0..4099).map(|i| (i % 5) as f32 * 0.5).collect();
-    let out = peer_sum(&client, set, 0, vec![mine, opened], &data, Duration::from_secs(20));
-    let got = client.read_one(out).unwrap();
-    let want: Vec<f32> = (0..4099).map(|i| (i % 5) as f32 * 0.5 + (i % 7) as f32).collect();
-    assert_eq!(bytemuck::cast_slice::<u8, f32>(&got[..]), want.as_slice());
+    for (call, &(count, offset, _)) in IPC_CALLS.iter().enumerate() {
+        let data = ipc_input(0, count);
+        let out = try_peer_sum_at(&client, set, 0, vec![mine, opened], &data, offset, Duration::from_secs(20)).unwrap();
+        let got = client.read_one(out).unwrap();
+        let want = ipc_reference(count);
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&got[..]), want.as_slice(), "call {call}: rank 0 differs");
+    }
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     assert!(child.wait().unwrap().success(), "the child failed: {rest:?}");
-    assert!(rest.iter().any(|l| l.starts_with("RESULT ")), "the child got its result: {rest:?}");
+    for (call, &(count, _, _)) in IPC_CALLS.iter().enumerate() {
+        let prefix = format!("RESULT {call} ");
+        let theirs = rest.iter().find_map(|l| l.strip_prefix(prefix.as_str())).expect("the child printed its result");
+        let want = ipc_reference(count);
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&unhex(theirs)), want.as_slice(), "call {call}: rank 1 differs");
+    }
 }
 
 #[test]
@@ -386,6 +495,33 @@ fn capture_and_replay(group: &ClientGroup) {
 fn a_one_device_group_records_its_collectives_in_a_graph_and_replays_them() {
     let client = CudaRuntime::client(0).unwrap().with_stream(StreamId::fresh());
     capture_and_replay(&ClientGroup::new(vec![client]).unwrap());
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_a_collective_captured_on_only_some_members_is_refused() {
+    let devices = cuda_common::devices();
+    assert!(devices.len() >= 2, "this test needs two GPUs or more, found {}", devices.len());
+    let clients: Vec<Client> = devices[..2].iter().map(|c| c.with_stream(StreamId::fresh())).collect();
+    let group = ClientGroup::new(clients).unwrap();
+    let count = 256;
+    for algo in [Algo::Nccl, Algo::OneShot] {
+        let g = group.clone().with_algo(algo);
+        let x: Vec<Handle> = (0..2).map(|m| g.client(m).create(Bytes::from_elems(&vec![m as f32; count]))).collect();
+        for m in 0..2 {
+            g.client(m).graph_prepare().unwrap();
+        }
+        g.all_reduce_handles(&x, &x, DType::F32, ReduceOp::Sum).unwrap();
+        g.sync().unwrap();
+        g.client(1).start_capture().unwrap();
+        let err = g.all_reduce_handles(&x, &x, DType::F32, ReduceOp::Sum).expect_err("member 0 is not capturing");
+        let text = err.to_string();
+        assert!(text.contains("member 0's stream is not capturing"), "{algo:?}: {text}");
+        g.client(1).stop_capture().unwrap();
+        // Nothing was queued: the group still works, with the right sums.
+        g.all_reduce_handles(&x, &x, DType::F32, ReduceOp::Sum).unwrap();
+        assert_eq!(floats(g.client(0), &x[0]), vec![2.0; count], "{algo:?}");
+    }
 }
 
 #[test]
@@ -506,8 +642,13 @@ fn bad_peer_arguments_are_refused_with_a_clear_error() {
     };
     let err = sum(0, vec![mine; 9]);
     assert!(err.contains("1 to 8 members"), "{err}");
-    let err = sum(1, vec![mine, mine + 4096]);
+    let other = arena(&client, set + 1);
+    let err = sum(1, vec![mine, other]);
     assert!(err.contains("not its own"), "{err}");
+    // An address that is no arena is refused: safe code cannot aim a
+    // kernel at arbitrary device memory.
+    let err = sum(0, vec![mine, mine + 4096]);
+    assert!(err.contains("rank 1's arena") && err.contains("no arena of this process"), "{err}");
     let err = sum(2, vec![mine, mine]);
     assert!(err.contains("rank 2 of 2"), "{err}");
     // None of it touched the device.

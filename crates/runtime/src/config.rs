@@ -577,7 +577,7 @@ pub static ALGO: Param<AlgoChoice> = Param::new(
     "COHORT_ALGO",
     AlgoChoice::Auto,
     "auto",
-    "Path of CUDA all-reduces and all-gathers of 2 to 8 devices: auto (by size and member count from the machine's crossover table), nccl, oneshot or twoshot (peer-memory kernels wherever they can run; other calls go to NCCL); a Communicator's ranks follow rank 0's",
+    "Path of CUDA all-reduces and all-gathers of 2 to 8 devices: auto (by size and member count from the machine's crossover table), nccl, oneshot or twoshot (peer-memory kernels wherever they can run; other calls go to NCCL); a Communicator's ranks follow rank 0's, and a Communicator takes the peer kernels only when rank 0 sets oneshot or twoshot",
     "auto, nccl, oneshot or twoshot",
     parse_algo,
 );

@@ -117,6 +117,12 @@ pub(super) fn peer_choice(prefix: &str) -> String {
     format!("{prefix}nccl/peer/choice")
 }
 
+/// Member `rank` closed the other members' arenas it opened and drained
+/// its parts: once every member wrote it, each frees its own arena.
+pub(super) fn peer_closed(prefix: &str, rank: usize) -> String {
+    format!("{prefix}nccl/peer/closed/{rank}")
+}
+
 /// Whether member `rank` opened every other member's arena.
 pub(super) fn peer_ready(prefix: &str, rank: usize) -> String {
     format!("{prefix}nccl/peer/ready/{rank}")

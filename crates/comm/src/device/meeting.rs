@@ -16,7 +16,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerCall, PeerSpec, PeerToken};
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerSpec, PeerToken};
 use cohort_runtime::{BufferAccess, DeviceId, ServerError};
 
 use super::plan::{self, Shape};
@@ -131,16 +131,10 @@ impl DeviceCollective {
                         op.name()
                     ))));
                 };
-                let call = match (op.collective(), op.reduce_op()) {
-                    (Collective::AllReduce, Some(reduce)) => {
-                        PeerCall::AllReduce { src, dst, dtype: op.dtype(), op: reduce, algo: *algo }
-                    }
-                    (Collective::AllGather, _) => PeerCall::AllGather { src, dst },
-                    _ => {
-                        return Err(
-                            self.fail(ServerError::InvalidArgument(format!("{} has no peer-memory kernel", op.name())))
-                        )
-                    }
+                let Some(call) = super::peer::peer_call_for(op, *algo, src, dst) else {
+                    return Err(
+                        self.fail(ServerError::InvalidArgument(format!("{} has no peer-memory kernel", op.name())))
+                    );
                 };
                 let spec = PeerSpec { set: set.key, rank: slot, arenas: &arenas };
                 let monitor = Arc::new(PartMonitor { collective: self.clone(), slot, set: set.clone(), tracked });

@@ -19,7 +19,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use cohort_runtime::backend::{PeerAlgo, PEER_MAX_BYTES, PEER_MAX_RANKS};
+use cohort_runtime::backend::{Binding, PeerAlgo, PeerCall, PEER_MAX_BYTES, PEER_MAX_RANKS};
 use cohort_runtime::private_fs::PrivateDir;
 
 pub use cohort_runtime::config::AlgoChoice as Algo;
@@ -240,9 +240,21 @@ impl Crossover {
 }
 
 /// This process's table (read once).
-fn table() -> &'static Crossover {
+pub(crate) fn machine_table() -> &'static Crossover {
     static TABLE: OnceLock<Crossover> = OnceLock::new();
     TABLE.get_or_init(Crossover::for_machine)
+}
+
+/// The peer kernel call that runs `op` from `src` into `dst` with `algo`
+/// (`None`: no kernel runs this collective).
+pub(crate) fn peer_call_for(op: &Op, algo: PeerAlgo, src: Binding, dst: Binding) -> Option<PeerCall> {
+    match (op.collective(), op.reduce_op()) {
+        (Collective::AllReduce, Some(reduce)) => {
+            Some(PeerCall::AllReduce { src, dst, dtype: op.dtype(), op: reduce, algo })
+        }
+        (Collective::AllGather, _) => Some(PeerCall::AllGather { src, dst }),
+        _ => None,
+    }
 }
 
 /// Whether a peer kernel can run `op` among `ranks` members at all.
@@ -281,7 +293,7 @@ pub fn choose_with(table: &Crossover, algo: Algo, op: &Op, ranks: usize, device:
 
 /// [`choose_with`] this machine's table.
 pub fn choose(algo: Algo, op: &Op, ranks: usize, device: &str) -> Path {
-    choose_with(table(), algo, op, ranks, device)
+    choose_with(machine_table(), algo, op, ranks, device)
 }
 
 /// The path `COHORT_ALGO` asks for (`Auto` when unset; an unusable value

@@ -280,10 +280,18 @@ impl ClientGroup {
         // copies. Host staging and peer copies (events across devices)
         // cannot, and are refused before anything is queued.
         let recordable = matches!(mode, Some(Mode::Nccl(_) | Mode::PeerKernel(..) | Mode::Local));
-        for part in &parts {
-            if !recordable && self.clients[part.member].is_capturing() {
+        let capturing: Vec<bool> = parts.iter().map(|p| self.clients[p.member].is_capturing()).collect();
+        for (part, &captured) in parts.iter().zip(&capturing) {
+            if !recordable && captured {
                 return Err(CommError::Capturing { operation, member: part.member });
             }
+        }
+        // A part recorded into a graph runs only at replay, one queued now
+        // at once: captured on some members only, the two would wait for
+        // each other forever.
+        if let Some(at) = capturing.iter().position(|&c| c != capturing[0]) {
+            let member = parts[if capturing[at] { 0 } else { at }].member;
+            return Err(CommError::CapturingPartly { operation, member });
         }
         if let Some(mut mode) = mode {
             let mut path = None;

@@ -147,8 +147,12 @@ pub trait DeviceCollectives {
     /// it joins no group but must still call) and `key` (ranks in the new
     /// communicator follow keys, then parent ranks). With `share`, the new
     /// communicator shares the parent's resources where the library allows.
-    /// Waits for every member of `parent`. The default refuses: only a
+    /// Waits for every member of `parent`, up to `timeout`, asking `stop`
+    /// now and then whether the job gave up (`Some(why)`): past either the
+    /// new communicator is aborted and the split fails, so a member that
+    /// died never hangs the device thread. The default refuses: only a
     /// backend with a collective library splits.
+    #[allow(clippy::too_many_arguments)]
     fn split(
         &mut self,
         parent: &CommSpec<'_>,
@@ -156,8 +160,10 @@ pub trait DeviceCollectives {
         color: Option<u32>,
         key: usize,
         share: bool,
+        timeout: std::time::Duration,
+        stop: &dyn Fn() -> Option<String>,
     ) -> Result<(), ServerError> {
-        let _ = (parent, set, color, key, share);
+        let _ = (parent, set, color, key, share, timeout, stop);
         Err(ServerError::InvalidState {
             operation: "split",
             reason: "this device's backend cannot split a device communicator".into(),
@@ -223,6 +229,16 @@ pub trait DeviceCollectives {
     fn peer_open(&mut self, set: u64, handle: &[u8]) -> Result<u64, ServerError> {
         let _ = (set, handle);
         Err(ServerError::Unsupported { feature: "inter-process peer memory", backend: "this backend" })
+    }
+
+    /// Releases `set`'s peer-memory state here, once its parts still
+    /// running ended (waits for them, polling). With `own_arena` false, only
+    /// the other members' arenas this device opened are closed; with true,
+    /// its own arena is freed too: call that only once no member can still
+    /// read it (every member closed what it opened and drained its parts).
+    /// Nothing happens where the set has no arena.
+    fn release_peer(&mut self, set: u64, own_arena: bool) {
+        let _ = (set, own_arena);
     }
 
     /// Queues this member's part of a peer-memory collective on `stream`

@@ -263,14 +263,7 @@ impl NcclCall {
     fn peer_call(&self, op: &Op, buffers: &plan::Buffers) -> Option<PeerCall> {
         let peer = self.nccl.peer.as_ref()?;
         let algo = peer.path(op).peer()?;
-        let (src, dst) = (buffers.input?, buffers.output?);
-        match (op.collective(), op.reduce_op()) {
-            (Collective::AllReduce, Some(reduce)) => {
-                Some(PeerCall::AllReduce { src, dst, dtype: op.dtype(), op: reduce, algo })
-            }
-            (Collective::AllGather, _) => Some(PeerCall::AllGather { src, dst }),
-            _ => None,
-        }
+        crate::device::peer::peer_call_for(op, algo, buffers.input?, buffers.output?)
     }
 }
 

@@ -326,15 +326,26 @@ impl Nccl {
         }
         let (tx, rx) = crossbeam::channel::unbounded();
         let members = self.size * self.local;
+        // Every local device's split is queued under the process-wide
+        // order, like a collective's parts: each blocks its device thread
+        // until the other members call it.
+        let order = crate::order::enqueue_lock();
         for (slot, client) in self.clients.iter().enumerate() {
             let ask = asks[slot];
             let set = ask.and_then(|(g, _)| sets.iter().find(|(x, _)| *x == g)).map_or(0, |(_, k)| *k);
             let (parent, member, unique_id, tx) =
                 (self.key, self.rank * self.local + slot, self.unique_id.clone(), tx.clone());
+            let (store, abort_key) = (self.store.clone(), keys::abort(&self.prefix));
             let queued = client.submit_buffers_always("split", Vec::new(), Vec::new(), move |access| {
                 let spec = CommSpec { set: parent, rank: member, ranks: members, unique_id: &unique_id };
+                // Another rank's abort ends the wait for the split.
+                let stop = || match store.get(&abort_key) {
+                    Ok(Some(why)) => Some(String::from_utf8_lossy(&why).into_owned()),
+                    _ => None,
+                };
+                let (color, key) = (ask.map(|(g, _)| g), ask.map_or(0, |(_, k)| k));
                 let result = match access.map(|a: &mut BufferAccess<'_>| a.device_collectives()) {
-                    Ok(Some(dc)) => dc.split(&spec, set, ask.map(|(g, _)| g), ask.map_or(0, |(_, k)| k), share),
+                    Ok(Some(dc)) => dc.split(&spec, set, color, key, share, timeout, &stop),
                     Ok(None) => Err(ServerError::InvalidState {
                         operation: "split",
                         reason: "the device offers no device collectives".into(),
@@ -346,6 +357,7 @@ impl Nccl {
             });
             queued.map_err(|e| format!("could not queue the split on local device {slot}: {e}"))?;
         }
+        drop(order);
         let deadline = Instant::now() + timeout;
         for _ in 0..self.clients.len() {
             match rx.recv_deadline(deadline) {
@@ -379,16 +391,54 @@ impl Nccl {
 
     /// Destroys each local device's NCCL communicator, after the work
     /// queued there before, and waits for that (up to 10 s), so that no
-    /// device thread is still inside NCCL when the process exits. Called
-    /// when the last clone of the communicator drops.
+    /// device thread is still inside NCCL when the process exits. With the
+    /// peer-memory path, each device also closes the other ranks' arenas it
+    /// opened; once every rank wrote `nccl/peer/closed/<r>` (waited for up
+    /// to 10 s more) each frees its own arena, else it keeps it (a peer may
+    /// still read it) until the device closes. Called when the last clone
+    /// of the communicator drops.
     pub(crate) fn release(&self) {
+        let peer = self.peer.is_some();
+        let closed = self.on_every_device("nccl release", move |dc, key| {
+            dc.release(key);
+            if peer {
+                dc.release_peer(key, false);
+            }
+        });
+        if !closed || !peer {
+            return;
+        }
+        let mine = keys::peer_closed(&self.prefix, self.rank);
+        let everyone: Vec<String> = (0..self.size).map(|r| keys::peer_closed(&self.prefix, r)).collect();
+        let all_closed = self.store.set(&mine, b"").is_ok()
+            && self
+                .store
+                .wait(&everyone.iter().map(String::as_str).collect::<Vec<_>>(), Duration::from_secs(10))
+                .is_ok();
+        if !all_closed {
+            tracing::warn!(
+                "not every rank closed its peer-memory arenas within 10 s: this rank's stays until its device closes"
+            );
+            return;
+        }
+        self.on_every_device("peer arena release", |dc, key| dc.release_peer(key, true));
+    }
+
+    /// Runs `f` with this communicator's set key on every local device's
+    /// thread, after the work queued there before; waits up to 10 s for all.
+    /// Returns whether every device did.
+    fn on_every_device(
+        &self,
+        name: &'static str,
+        f: impl Fn(&mut dyn cohort_runtime::backend::DeviceCollectives, u64) + Clone + Send + 'static,
+    ) -> bool {
         let (tx, rx) = crossbeam::channel::unbounded();
         let mut queued = 0;
         for client in &self.clients {
-            let (key, tx) = (self.key, tx.clone());
-            let sent = client.submit_buffers_always("nccl release", Vec::new(), Vec::new(), move |access| {
+            let (key, tx, f) = (self.key, tx.clone(), f.clone());
+            let sent = client.submit_buffers_always(name, Vec::new(), Vec::new(), move |access| {
                 if let Some(dc) = access.ok().and_then(|a: &mut BufferAccess<'_>| a.device_collectives()) {
-                    dc.release(key);
+                    f(dc, key);
                 }
                 let _ = tx.send(());
                 Ok(())
@@ -398,9 +448,10 @@ impl Nccl {
         let deadline = Instant::now() + Duration::from_secs(10);
         for _ in 0..queued {
             if rx.recv_deadline(deadline).is_err() {
-                tracing::warn!("the NCCL communicator was not released within 10 s (a device is still busy)");
-                return;
+                tracing::warn!("{name}: not done within 10 s (a device is still busy)");
+                return false;
             }
         }
+        queued == self.clients.len()
     }
 }

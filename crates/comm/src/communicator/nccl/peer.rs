@@ -6,9 +6,12 @@
 //! Set-up, at connect time through the store, after the NCCL set-up: every
 //! rank writes `nccl/peer/arena/<r>`: `ok <pid> <host> <address> <handle>`
 //! (its arena's address in its process and its CUDA IPC handle, both hex)
-//! or `no <why>`; rank 0 also writes `nccl/peer/choice`, its `COHORT_ALGO`
+//! or `no <why>`; rank 0 first writes `nccl/peer/choice`, its `COHORT_ALGO`
 //! and crossover sizes, which every rank follows (so every rank takes the
-//! same path for every call whatever its own environment says). A rank
+//! same path for every call whatever its own environment says), and which
+//! every rank reads before making an arena (none when the choice is NCCL).
+//! The path is on only where `COHORT_ALGO` forces it (`oneshot` or
+//! `twoshot` on rank 0): by default a Communicator runs on NCCL. A rank
 //! then opens every other rank's arena (the address itself for a rank of
 //! its own process, the IPC handle for one of its host) and writes
 //! `nccl/peer/ready/<r>`; the path is on only if every rank is ready.
@@ -19,7 +22,7 @@ use cohort_runtime::backend::PEER_MAX_RANKS;
 use cohort_runtime::Client;
 
 use crate::device::ask;
-use crate::device::peer::{algo_from_env, choose_with, Algo, Crossover, CrossoverRow, Path, TableKind};
+use crate::device::peer::{algo_from_env, choose_with, machine_table, Algo, Crossover, CrossoverRow, Path, TableKind};
 use crate::op::Op;
 use crate::store::StoreClient;
 
@@ -75,13 +78,15 @@ fn my_entry(client: &Client, set: u64) -> String {
     }
 }
 
-/// Rank 0's choice as text: algo, one-shot and two-shot all-reduce maxima,
-/// all-gather maximum, for `ranks` members of `device`.
-fn choice_text(device: &str, ranks: usize) -> String {
-    let table = Crossover::for_machine();
-    let algo = match algo_from_env() {
-        Algo::Auto => "auto",
-        Algo::Nccl => "nccl",
+/// Rank 0's choice as text under `algo` (its `COHORT_ALGO`): algo, one-shot
+/// and two-shot all-reduce maxima, all-gather maximum, for `ranks` members
+/// of `device`. A Communicator
+/// takes the peer path only when `COHORT_ALGO` forces it (`oneshot`,
+/// `twoshot`): unset or `auto`, it runs on NCCL.
+fn choice_text(algo: Algo, device: &str, ranks: usize) -> String {
+    let table = machine_table();
+    let algo = match algo {
+        Algo::Auto | Algo::Nccl => "nccl",
         Algo::OneShot => "oneshot",
         Algo::TwoShot => "twoshot",
     };
@@ -124,33 +129,37 @@ pub(crate) fn setup(
     deadline: Instant,
 ) -> Result<Option<PeerPath>, ConnectError> {
     let left = || deadline.saturating_duration_since(Instant::now());
+    if rank == 0 {
+        store.set(
+            &keys::peer_choice(prefix),
+            choice_text(algo_from_env(), &clients[0].properties().name, size).as_bytes(),
+        )?;
+    }
+    // Rank 0's choice first: no rank allocates an arena the path will not use.
+    store.wait(&[keys::peer_choice(prefix).as_str()], left())?;
+    let choice = String::from_utf8_lossy(&store.get(&keys::peer_choice(prefix))?.unwrap_or_default()).into_owned();
+    let parsed = parse_choice(&choice);
     let entry = if clients.len() != 1 {
         "no the fast path of a Communicator takes one device per rank".to_string()
     } else if !(2..=PEER_MAX_RANKS).contains(&size) {
         format!("no the fast path takes 2 to {PEER_MAX_RANKS} ranks, not {size}")
+    } else if parsed.as_ref().is_none_or(|(algo, _)| *algo == Algo::Nccl) {
+        "no rank 0 chose NCCL (COHORT_ALGO unset, auto or nccl)".to_string()
     } else {
         my_entry(&clients[0], set)
     };
-    if rank == 0 {
-        store.set(&keys::peer_choice(prefix), choice_text(&clients[0].properties().name, size).as_bytes())?;
-    }
     store.set(&keys::peer_arena(prefix, rank), entry.as_bytes())?;
-    let mut wanted: Vec<String> = (0..size).map(|r| keys::peer_arena(prefix, r)).collect();
-    wanted.push(keys::peer_choice(prefix));
+    let wanted: Vec<String> = (0..size).map(|r| keys::peer_arena(prefix, r)).collect();
     store.wait(&wanted.iter().map(String::as_str).collect::<Vec<_>>(), left())?;
-    let choice = String::from_utf8_lossy(&store.get(&keys::peer_choice(prefix))?.unwrap_or_default()).into_owned();
-    let Some((algo, table)) = parse_choice(&choice) else { return Ok(None) };
+    let Some((algo, table)) = parsed else { return Ok(None) };
     let entries: Vec<String> = (0..size)
         .map(
             |r| Ok(String::from_utf8_lossy(&store.get(&keys::peer_arena(prefix, r))?.unwrap_or_default()).into_owned()),
         )
         .collect::<Result<_, ConnectError>>()?;
     // Every rank writes its readiness, so that none waits for a missing key.
-    let opened = if algo == Algo::Nccl {
-        Err("COHORT_ALGO=nccl on rank 0".to_string())
-    } else {
-        open_all(clients, set, &entries)
-    };
+    let opened =
+        if algo == Algo::Nccl { Err("rank 0 chose NCCL".to_string()) } else { open_all(clients, set, &entries) };
     let ready = match &opened {
         Ok(_) => "yes".to_string(),
         Err(why) => format!("no {why}"),
@@ -215,6 +224,11 @@ mod tests {
         assert!(parse_choice("auto 1 2").is_none());
         assert!(parse_choice("ring 1 2 3").is_none());
         assert_eq!(unhex(&hex(&[0, 255, 16])), Some(vec![0, 255, 16]));
+        // A Communicator takes the peer kernels only where they are forced.
+        for (algo, forced) in [(Algo::Auto, Algo::Nccl), (Algo::Nccl, Algo::Nccl), (Algo::OneShot, Algo::OneShot)] {
+            let (sent, _) = parse_choice(&choice_text(algo, "NVIDIA H200", 2)).unwrap();
+            assert_eq!(sent, forced, "{algo:?}");
+        }
         assert_eq!(unhex("abc"), None);
     }
 }

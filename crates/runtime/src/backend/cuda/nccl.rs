@@ -190,6 +190,29 @@ fn one_rank_op(op: ReduceOp, ranks: usize) -> c_int {
     }
 }
 
+/// Waits until a non-blocking communicator that answered "in progress"
+/// is ready (`ncclCommGetAsyncError` no longer says so), up to `timeout`.
+fn wait_ready(lib: &Nccl, comm: RawComm, timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    let mut backoff = Backoff::new();
+    loop {
+        let mut state: c_int = nccl_lib::IN_PROGRESS;
+        // SAFETY: a live communicator of this device; writes one status.
+        let polled = unsafe { (lib.comm_get_async_error)(comm, &mut state) };
+        if polled != nccl_lib::SUCCESS {
+            return Err(format!("ncclCommGetAsyncError failed: {}", lib.describe(polled, comm)));
+        }
+        match state {
+            nccl_lib::SUCCESS => return Ok(()),
+            nccl_lib::IN_PROGRESS if Instant::now() < deadline => backoff.pause(),
+            nccl_lib::IN_PROGRESS => {
+                return Err(format!("the NCCL communicator was still connecting after {:.1} s", timeout.as_secs_f64()))
+            }
+            other => return Err(format!("NCCL reported an asynchronous error: {}", lib.describe(other, comm))),
+        }
+    }
+}
+
 impl CudaBackend {
     fn nccl_error(&self, operation: &str, reason: String) -> ServerError {
         ServerError::Collective { collective: operation.to_string(), device: self.device, reason }
@@ -267,13 +290,21 @@ impl CudaBackend {
         ranks: usize,
         stream: sys::CUstream,
         calls: &[DeviceCall],
+        timeout: Duration,
     ) -> Result<(), String> {
         let s = stream as RawStream;
         let ptr = |b: Binding| -> Result<*mut c_void, String> {
             self.pages.ptr(b).map(|p| p as *mut c_void).map_err(|e| e.to_string())
         };
+        // A non-blocking communicator (one made by a split) may answer
+        // "in progress" while it connects: it is waited for below, since
+        // NCCL takes no further call on it until it is ready.
+        let in_progress = std::cell::Cell::new(false);
         let check = |call: &str, code: c_int| {
-            if code == nccl_lib::SUCCESS || code == nccl_lib::IN_PROGRESS {
+            if code == nccl_lib::SUCCESS {
+                Ok(())
+            } else if code == nccl_lib::IN_PROGRESS {
+                in_progress.set(true);
                 Ok(())
             } else {
                 Err(format!("{call} failed: {}", lib.describe(code, comm)))
@@ -386,6 +417,9 @@ impl CudaBackend {
                 result = check("ncclGroupEnd", code);
             }
         }
+        if result.is_ok() && in_progress.get() {
+            result = wait_ready(lib, comm, timeout);
+        }
         result
     }
 
@@ -410,8 +444,10 @@ impl CudaBackend {
                 // SAFETY: the set's host-mapped word, alive while the set is;
                 // the kernel that could write it has completed.
                 let value = unsafe { word.read_volatile() };
-                let timeout = front.monitor.timeout();
-                if let Some(reason) = super::peer_kernels::gave_up(value, &front.monitor.missing(), timeout) {
+                if value != 0 {
+                    // Only now: naming the missing members asks the store.
+                    let (timeout, missing) = (front.monitor.timeout(), front.monitor.missing());
+                    let reason = super::peer_kernels::gave_up(value, &missing, timeout).unwrap_or_default();
                     let set = front.set;
                     self.fail_set(lib, set, &reason);
                     continue;
@@ -494,6 +530,13 @@ impl CudaBackend {
     /// Aborts `set`'s communicator and ends every pending part on it with
     /// `reason`.
     fn fail_set(&mut self, lib: &Nccl, set: u64, reason: &str) {
+        if let Some(word) = self.nccl.peer.error_word(set) {
+            // SAFETY: the set's host-mapped word, alive while the set is: a
+            // peer kernel of the set that still runs (or runs later, after
+            // its part was given up) sees STOP at its next barrier and
+            // writes nothing more into the caller's buffers.
+            unsafe { word.write_volatile(super::peer_kernels::STOP) };
+        }
         self.abort(lib, set, reason);
         let (gone, kept): (Vec<Pending>, Vec<Pending>) = self.nccl.pending.drain(..).partition(|p| p.set == set);
         self.nccl.pending = kept.into();
@@ -613,7 +656,7 @@ impl DeviceCollectives for CudaBackend {
             // Recorded into the stream's graph: nothing runs now, so there
             // is nothing to poll; a replay runs the calls in the graph's
             // order (the communicator was made before the window).
-            let issued = self.issue(lib, comm, spec.ranks, raw, calls);
+            let issued = self.issue(lib, comm, spec.ranks, raw, calls, monitor.timeout());
             let issued = issued.map_err(|reason| self.nccl_error(monitor.operation(), reason));
             if issued.is_ok() {
                 monitor.finished(&Ok(()));
@@ -633,7 +676,7 @@ impl DeviceCollectives for CudaBackend {
         // Taken before the calls are issued: once they are, the part must be
         // tracked (or its communicator aborted).
         let done = self.events.take()?;
-        let issued = self.issue(lib, comm, spec.ranks, raw, calls).and_then(|()| {
+        let issued = self.issue(lib, comm, spec.ranks, raw, calls, monitor.timeout()).and_then(|()| {
             // SAFETY: a live event and stream of this context.
             let code = unsafe { sys::cuEventRecord(done, raw) };
             if code == sys::CUresult::CUDA_SUCCESS {
@@ -709,6 +752,20 @@ impl DeviceCollectives for CudaBackend {
         if let Err(reason) = self.check_peer(spec, call) {
             return Err(ServerError::InvalidArgument(format!("{}: {reason}", monitor.operation())));
         }
+        if let Some(word) = self.nccl.peer.error_word(spec.set) {
+            // SAFETY: the set's host-mapped word, alive while the set is.
+            let value = unsafe { word.read_volatile() };
+            if value != 0 {
+                // Eager parts read the word when they end (a failure there
+                // aborts the set), so a value here was left by a kernel
+                // replayed from a CUDA graph: the set is no longer in step.
+                let reason =
+                    super::peer_kernels::gave_up(value, &monitor.missing(), monitor.timeout()).unwrap_or_default();
+                let reason = format!("a replayed CUDA graph's peer kernel of this set failed: {reason}");
+                self.fail_set(lib, spec.set, &reason);
+                return Err(self.nccl_error(monitor.operation(), reason));
+            }
+        }
         let raw = self.streams.raw(stream)?;
         if self.streams.is_capturing(stream) {
             // Recorded into the stream's graph (the kernel keeps its own
@@ -779,6 +836,8 @@ impl DeviceCollectives for CudaBackend {
         color: Option<u32>,
         key: usize,
         share: bool,
+        timeout: Duration,
+        stop: &dyn Fn() -> Option<String>,
     ) -> Result<(), ServerError> {
         self.check_lost()?;
         let lib = nccl_lib::load().map_err(|reason| self.nccl_error("split", reason))?;
@@ -799,16 +858,53 @@ impl DeviceCollectives for CudaBackend {
         let mut child: RawComm = std::ptr::null_mut();
         // SAFETY: `comm` is this device's live communicator of the parent
         // (its context is current); `child` and `config` outlive the call,
-        // which is blocking (the parent was made blocking).
+        // which returns at once (the child is non-blocking).
         let code = unsafe { split(comm, color, key, &mut child, &mut config) };
-        if code != nccl_lib::SUCCESS {
+        if code != nccl_lib::SUCCESS && code != nccl_lib::IN_PROGRESS {
             let reason = format!("ncclCommSplit (color {color}, key {key}) failed: {}", lib.describe(code, comm));
             return Err(self.nccl_error("split", reason));
         }
-        if !child.is_null() {
-            tracing::debug!(device = %self.device, parent = parent.set, set, color, key, share, "NCCL communicator split");
-            self.nccl.comms.insert(set, child);
+        if child.is_null() {
+            // No color: this member joins no group.
+            return Ok(());
         }
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Backoff::new();
+        let mut asked_stop = Instant::now();
+        let failure = loop {
+            let mut state: c_int = nccl_lib::IN_PROGRESS;
+            // SAFETY: the child just made (live until aborted below); writes one status.
+            let polled = unsafe { (lib.comm_get_async_error)(child, &mut state) };
+            if polled != nccl_lib::SUCCESS {
+                break Some(format!("ncclCommGetAsyncError failed: {}", lib.describe(polled, child)));
+            }
+            if state == nccl_lib::SUCCESS {
+                break None;
+            }
+            if state != nccl_lib::IN_PROGRESS {
+                break Some(format!("ncclCommSplit (color {color}, key {key}) failed: {}", lib.describe(state, child)));
+            }
+            if Instant::now() >= deadline {
+                break Some(format!(
+                    "ncclCommSplit (color {color}, key {key}) did not complete within {:.1} s (a member never called it; raise COHORT_TIMEOUT if it is legitimately that late)",
+                    timeout.as_secs_f64()
+                ));
+            }
+            if asked_stop.elapsed() >= Duration::from_millis(200) {
+                asked_stop = Instant::now();
+                if let Some(why) = stop() {
+                    break Some(format!("ncclCommSplit abandoned: the job aborted ({why})"));
+                }
+            }
+            backoff.pause();
+        };
+        if let Some(reason) = failure {
+            // SAFETY: our child communicator; abort ends its set-up and frees it.
+            unsafe { (lib.comm_abort)(child) };
+            return Err(self.nccl_error("split", reason));
+        }
+        tracing::debug!(device = %self.device, parent = parent.set, set, color, key, share, "NCCL communicator split");
+        self.nccl.comms.insert(set, child);
         Ok(())
     }
 
@@ -838,6 +934,17 @@ impl DeviceCollectives for CudaBackend {
             // SAFETY: our communicator, no longer in the map.
             unsafe { (lib.comm_destroy)(comm) };
         }
+    }
+
+    fn release_peer(&mut self, set: u64, own_arena: bool) {
+        if let Ok(lib) = nccl_lib::load() {
+            let mut backoff = Backoff::new();
+            while self.nccl.pending.iter().any(|p| p.set == set) {
+                self.poll_pending(lib);
+                backoff.pause();
+            }
+        }
+        self.nccl.peer.release(set, own_arena);
     }
 
     fn can_access_peer(&mut self, peer: DeviceId) -> bool {

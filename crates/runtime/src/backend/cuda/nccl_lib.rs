@@ -25,9 +25,10 @@ pub(crate) struct UniqueId {
     pub internal: [c_char; 128],
 }
 
-/// The leading fields of `ncclConfig_t` as NCCL 2.17 laid them out (NCCL
-/// reads `size` and `version` to know which fields a caller's struct has);
-/// every field but `splitShare` is left "undefined" (NCCL's default).
+/// The leading fields of `ncclConfig_t` as NCCL 2.18 laid them out (NCCL
+/// reads `size` and `version` to know which fields a caller's struct has;
+/// `splitShare` is read from 2.18 on): `blocking` is 0 and `splitShare` the
+/// caller's, every other field is left "undefined" (NCCL's default).
 #[repr(C)]
 pub(crate) struct SplitConfig {
     size: usize,
@@ -42,14 +43,17 @@ pub(crate) struct SplitConfig {
 }
 
 impl SplitConfig {
-    /// `NCCL_CONFIG_INITIALIZER` with `splitShare` = `share`.
+    /// `NCCL_CONFIG_INITIALIZER` of NCCL 2.18 (the first with
+    /// `splitShare`) with `splitShare` = `share` and `blocking` = 0: the
+    /// split returns at once and the caller polls the new communicator's
+    /// state (`ncclCommGetAsyncError`) until it is ready, so it can give up.
     pub(crate) fn new(share: bool) -> SplitConfig {
         const UNDEF: c_int = c_int::MIN;
         SplitConfig {
             size: std::mem::size_of::<SplitConfig>(),
             magic: 0xcafe_beef,
-            version: 2 * 10000 + 17 * 100,
-            blocking: UNDEF,
+            version: 2 * 10000 + 18 * 100,
+            blocking: 0,
             cga_cluster_size: UNDEF,
             min_ctas: UNDEF,
             max_ctas: UNDEF,

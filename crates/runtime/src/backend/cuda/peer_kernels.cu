@@ -208,6 +208,38 @@ template <typename E, int P> union Pack {
 // A load that skips L1: peers rewrite the staging slots between calls.
 template <typename R> __device__ __forceinline__ R load_cg(const R* p) { return __ldcg(p); }
 
+// Pack i of the caller's input or output. The pack layout (and so which
+// block handles which bytes) follows from the size alone, the same on every
+// member; a caller's pointer that is not aligned to the pack (any byte
+// offset, even one inside an element) is read and written byte by byte
+// inside the same pack. The staging arenas are always 16-byte aligned.
+template <typename R> __device__ __forceinline__ R load_user(const void* base, u64 i) {
+    if (((u64)base & (sizeof(R) - 1)) == 0) return ((const R*)base)[i];
+    union {
+        R r;
+        unsigned char b[sizeof(R)];
+    } u;
+    const unsigned char* p = (const unsigned char*)base + i * sizeof(R);
+#pragma unroll
+    for (int k = 0; k < (int)sizeof(R); k++) u.b[k] = p[k];
+    return u.r;
+}
+
+template <typename R> __device__ __forceinline__ void store_user(void* base, u64 i, R v) {
+    if (((u64)base & (sizeof(R) - 1)) == 0) {
+        ((R*)base)[i] = v;
+        return;
+    }
+    union {
+        R r;
+        unsigned char b[sizeof(R)];
+    } u;
+    u.r = v;
+    unsigned char* p = (unsigned char*)base + i * sizeof(R);
+#pragma unroll
+    for (int k = 0; k < (int)sizeof(R); k++) p[k] = u.b[k];
+}
+
 __device__ __forceinline__ unsigned char* staging(const PeerArgs& a, u32 r) {
     return (unsigned char*)a.arenas[r] + FLAGS_BYTES + (u64)a.parity * a.slot_bytes;
 }
@@ -244,11 +276,11 @@ template <int P> __device__ void one_shot(const PeerArgs& a) {
     u64 stride = (u64)gridDim.x * blockDim.x;
     u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     R* mine = (R*)staging(a, a.rank);
-    const R* in = (const R*)a.input;
-    for (u64 i = first; i < packs; i += stride) mine[i] = in[i];
+    const void* in = (const void*)a.input;
+    for (u64 i = first; i < packs; i += stride) mine[i] = load_user<R>(in, i);
     if (!meet(a, a.epoch)) return;
-    R* out = (R*)a.output;
-    for (u64 i = first; i < packs; i += stride) out[i] = fold<P>(a, i).raw;
+    void* out = (void*)a.output;
+    for (u64 i = first; i < packs; i += stride) store_user<R>(out, i, fold<P>(a, i).raw);
 }
 
 template <int P> __device__ void two_shot(const PeerArgs& a) {
@@ -257,53 +289,47 @@ template <int P> __device__ void two_shot(const PeerArgs& a) {
     u64 chunk = (packs + a.ranks - 1) / a.ranks;
     u64 stride = (u64)gridDim.x * blockDim.x;
     u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const R* in = (const R*)a.input;
-    R* out = (R*)a.output;
+    const void* in = (const void*)a.input;
+    void* out = (void*)a.output;
     // Chunk by chunk, so block b copies the same positions of every chunk
     // that it reduces and gathers below (barriers are per block).
     R* mine = (R*)staging(a, a.rank);
     for (u32 c = 0; c < a.ranks; c++) {
         u64 lo = c * chunk, hi = min(packs, lo + chunk);
-        for (u64 i = lo + first; i < hi; i += stride) mine[i] = in[i];
+        for (u64 i = lo + first; i < hi; i += stride) mine[i] = load_user<R>(in, i);
     }
     if (!meet(a, a.epoch)) return;
     {
         u64 lo = a.rank * chunk, hi = min(packs, lo + chunk);
         R* result = (R*)reduced(a, a.rank);
-        for (u64 i = lo + first; i < hi; i += stride) {
-            R v = fold<P>(a, i).raw;
-            result[i] = v;
-            out[i] = v;
-        }
+        for (u64 i = lo + first; i < hi; i += stride) result[i] = fold<P>(a, i).raw;
     }
+    // The caller's output is written only after the second barrier: a
+    // kernel that gives up (or that the host stopped) writes nothing there.
     if (!meet(a, a.epoch + 1)) return;
     for (u32 c = 0; c < a.ranks; c++) {
-        if (c == a.rank) continue;
         u64 lo = c * chunk, hi = min(packs, lo + chunk);
         const R* theirs = (const R*)reduced(a, c);
-        for (u64 i = lo + first; i < hi; i += stride) out[i] = load_cg(theirs + i);
+        for (u64 i = lo + first; i < hi; i += stride) store_user<R>(out, i, load_cg(theirs + i));
     }
 }
 
-// All-gather of `count` bytes per rank, P bytes at a time.
+// All-gather of `count` bytes per rank, P bytes at a time. The caller's
+// output (its own block included) is written only after the barrier.
 template <int P> __device__ void gather(const PeerArgs& a) {
     typedef typename Raw<P>::T R;
     u64 packs = a.count / P;
     u64 stride = (u64)gridDim.x * blockDim.x;
     u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const R* in = (const R*)a.input;
+    const void* in = (const void*)a.input;
     R* mine = (R*)staging(a, a.rank);
-    R* out = (R*)a.output;
-    for (u64 i = first; i < packs; i += stride) {
-        R v = in[i];
-        mine[i] = v;
-        out[a.rank * packs + i] = v;
-    }
+    unsigned char* out = (unsigned char*)a.output;
+    for (u64 i = first; i < packs; i += stride) mine[i] = load_user<R>(in, i);
     if (!meet(a, a.epoch)) return;
     for (u32 c = 0; c < a.ranks; c++) {
-        if (c == a.rank) continue;
         const R* theirs = (const R*)staging(a, c);
-        for (u64 i = first; i < packs; i += stride) out[c * packs + i] = load_cg(theirs + i);
+        void* block = out + c * a.count;
+        for (u64 i = first; i < packs; i += stride) store_user<R>(block, i, load_cg(theirs + i));
     }
 }
 

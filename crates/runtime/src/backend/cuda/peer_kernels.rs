@@ -60,6 +60,23 @@ struct PeerArgs {
     parity: u32,
 }
 
+/// Every arena this process allocated or opened (any device, any set),
+/// with its device set's key: a peer call may name no other address, so
+/// safe code cannot aim a kernel at arbitrary device memory.
+static KNOWN_ARENAS: parking_lot::Mutex<Vec<(u64, u64)>> = parking_lot::Mutex::new(Vec::new());
+
+fn know_arena(set: u64, ptr: u64) {
+    KNOWN_ARENAS.lock().push((set, ptr));
+}
+
+fn forget_arena(ptr: u64) {
+    KNOWN_ARENAS.lock().retain(|&(_, p)| p != ptr);
+}
+
+fn is_known_arena(ptr: u64) -> bool {
+    KNOWN_ARENAS.lock().iter().any(|&(_, p)| p == ptr)
+}
+
 /// One device set's arena on this device.
 pub(crate) struct PeerSet {
     arena: sys::CUdeviceptr,
@@ -68,6 +85,27 @@ pub(crate) struct PeerSet {
     error_device: u64,
     /// Other processes' arenas opened here.
     opened: Vec<sys::CUdeviceptr>,
+}
+
+impl PeerSet {
+    /// Closes the opened handles, frees the arena and the error word.
+    ///
+    /// # Safety
+    /// Once per set, with no kernel of the set still running; the device's
+    /// context is current.
+    unsafe fn free(self) {
+        for ptr in self.opened {
+            forget_arena(ptr);
+            // SAFETY: the caller's contract.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+        }
+        forget_arena(self.arena);
+        // SAFETY: the caller's contract.
+        unsafe {
+            let _ = sys::cuMemFree_v2(self.arena);
+            let _ = sys::cuMemFreeHost(self.error_host.cast());
+        }
+    }
 }
 
 /// The peer-memory state of one device.
@@ -84,15 +122,30 @@ impl PeerSets {
     pub(crate) fn close(&mut self) {
         for (_, set) in self.sets.drain() {
             // SAFETY: memory this state allocated or opened; released once.
-            unsafe {
-                for ptr in set.opened {
-                    let _ = sys::cuIpcCloseMemHandle(ptr);
-                }
-                let _ = sys::cuMemFree_v2(set.arena);
-                let _ = sys::cuMemFreeHost(set.error_host.cast());
-            }
+            unsafe { set.free() };
         }
         self.functions.clear();
+    }
+
+    /// Closes the set's opened handles and, with `own_arena`, frees its
+    /// arena and error word (its parts ended first; the peers that opened
+    /// this arena closed their handles first: see
+    /// `DeviceCollectives::release_peer`).
+    pub(crate) fn release(&mut self, set: u64, own_arena: bool) {
+        if own_arena {
+            if let Some(found) = self.sets.remove(&set) {
+                // SAFETY: memory this state allocated or opened, out of the
+                // map now, so released once; no part of the set is pending.
+                unsafe { found.free() };
+            }
+        } else if let Some(found) = self.sets.get_mut(&set) {
+            for ptr in found.opened.drain(..) {
+                forget_arena(ptr);
+                // SAFETY: a handle this state opened, out of the list now;
+                // no part of the set is pending.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+            }
+        }
     }
 
     /// The host-mapped error word of `set`.
@@ -143,15 +196,16 @@ fn blocks_for(work: u64) -> u32 {
     work.div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS) as u32
 }
 
-/// Which kernel runs a call, how many elements it sees, and its grid: the
-/// wide kernels move 16 bytes at a time and need every address and the
-/// size aligned to 16.
-fn plan(call: &PeerCall, addresses: (u64, u64), ranks: u64) -> (&'static str, DType, ReduceOp, u64, u32) {
-    let aligned =
-        |bytes: u64| addresses.0.is_multiple_of(16) && addresses.1.is_multiple_of(16) && bytes.is_multiple_of(16);
+/// Which kernel runs a call, how many elements it sees, and its grid. The
+/// wide kernels move 16 bytes at a time and run when the size is a multiple
+/// of 16; the choice, and so the split of work between blocks, follows
+/// from the size alone, which every member shares (each member's pointers
+/// may be aligned differently: the kernels read and write a misaligned
+/// caller's buffer byte by byte within the same packs).
+fn plan(call: &PeerCall, ranks: u64) -> (&'static str, DType, ReduceOp, u64, u32) {
     match *call {
         PeerCall::AllReduce { src, dtype, op, algo, .. } => {
-            let wide = aligned(src.size);
+            let wide = src.size.is_multiple_of(16);
             let elems = src.size / dtype.size() as u64;
             let packs = if wide { src.size / 16 } else { elems };
             let (name, work) = match (algo, wide) {
@@ -163,7 +217,7 @@ fn plan(call: &PeerCall, addresses: (u64, u64), ranks: u64) -> (&'static str, DT
             (name, dtype, op, elems, blocks_for(work))
         }
         PeerCall::AllGather { src, .. } => {
-            let wide = aligned(src.size);
+            let wide = src.size.is_multiple_of(16);
             let name = if wide { "cohort_peer_gather_wide" } else { "cohort_peer_gather_narrow" };
             let work = if wide { src.size / 16 } else { src.size };
             (name, DType::U8, ReduceOp::Sum, src.size, blocks_for(work))
@@ -214,6 +268,7 @@ impl CudaBackend {
                 }
                 return Err(driver_error(device, "peer arena set-up", code));
             }
+            know_arena(set, arena);
             let state = PeerSet { arena, error_host: host.cast(), error_device: mapped, opened: Vec::new() };
             self.nccl.peer.sets.insert(set, state);
         }
@@ -268,7 +323,15 @@ impl CudaBackend {
         if code != sys::CUresult::CUDA_SUCCESS {
             return Err(driver_error(device, "cuIpcOpenMemHandle (a peer's arena)", code));
         }
-        self.peer_set(set)?.opened.push(ptr);
+        match self.peer_set(set) {
+            Ok(state) => state.opened.push(ptr),
+            Err(err) => {
+                // SAFETY: the handle just opened, tracked nowhere else.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+                return Err(err);
+            }
+        }
+        know_arena(set, ptr);
         Ok(ptr)
     }
 
@@ -304,6 +367,12 @@ impl CudaBackend {
                 return Err(format!("{} bytes are not whole {dtype:?} elements", src.size));
             }
         }
+        if let Some(r) = spec.arenas.iter().position(|&a| !is_known_arena(a)) {
+            return Err(format!(
+                "rank {r}'s arena {:#x} is no arena of this process (peer_arena or peer_open gives them)",
+                spec.arenas[r]
+            ));
+        }
         let arena = self.nccl.peer.sets.get(&spec.set).map(|s| s.arena);
         match arena {
             None => Err("the device set has no peer arena here (peer_arena was not called)".into()),
@@ -331,7 +400,7 @@ impl CudaBackend {
         };
         let input = self.pages.ptr(src).map_err(|e| e.to_string())?;
         let output = self.pages.ptr(dst).map_err(|e| e.to_string())?;
-        let (name, dtype, op, count, grid) = plan(call, (input, output), ranks as u64);
+        let (name, dtype, op, count, grid) = plan(call, ranks as u64);
         if !self.nccl.peer.functions.contains_key(&dtype) {
             let source = format!("{}{SOURCE}", preamble(dtype));
             let functions = self.kernels.functions_of(&KERNELS, &source)?;
@@ -438,7 +507,7 @@ mod tests {
     }
 
     #[test]
-    fn wide_kernels_need_sixteen_byte_alignment_and_size() {
+    fn the_kernel_and_grid_follow_from_the_size_alone() {
         let call = PeerCall::AllReduce {
             src: b(64),
             dst: b(64),
@@ -446,8 +515,8 @@ mod tests {
             op: ReduceOp::Sum,
             algo: PeerAlgo::OneShot,
         };
-        assert_eq!(plan(&call, (256, 512), 2).0, "cohort_peer_one_shot_wide");
-        assert_eq!(plan(&call, (260, 512), 2).0, "cohort_peer_one_shot_narrow");
+        // Every member plans the same kernel and grid whatever its pointers.
+        assert_eq!(plan(&call, 2).0, "cohort_peer_one_shot_wide");
         let odd = PeerCall::AllReduce {
             src: b(12),
             dst: b(12),
@@ -455,11 +524,13 @@ mod tests {
             op: ReduceOp::Sum,
             algo: PeerAlgo::TwoShot,
         };
-        let (name, _, _, count, grid) = plan(&odd, (256, 512), 2);
+        let (name, _, _, count, grid) = plan(&odd, 2);
         assert_eq!((name, count, grid), ("cohort_peer_two_shot_narrow", 3, 1));
         let gather = PeerCall::AllGather { src: b(1 << 20), dst: b(2 << 20) };
-        let (name, dtype, _, count, grid) = plan(&gather, (0, 0), 2);
+        let (name, dtype, _, count, grid) = plan(&gather, 2);
         assert_eq!((name, dtype, count, grid), ("cohort_peer_gather_wide", DType::U8, 1 << 20, 128));
+        let ragged = PeerCall::AllGather { src: b(1000), dst: b(2000) };
+        assert_eq!(plan(&ragged, 2).0, "cohort_peer_gather_narrow");
     }
 
     #[test]
