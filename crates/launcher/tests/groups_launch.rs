@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -14,15 +14,9 @@ use common::*;
 const SUITE: &str = env!("CARGO_BIN_EXE_cohort-group-suite");
 const LIMIT: Duration = Duration::from_secs(180);
 
-/// `cohort run <opts> -- cohort-group-suite <args>`.
+/// `cohort run <opts> -- <the suite> <args>`.
 fn suite_run(opts: &[&str], args: &[&str]) -> Command {
-    let mut c = Command::new(COHORT);
-    c.arg("run").args(opts).arg("--").arg(SUITE).args(args);
-    for v in ["COHORT_JOB_SECRET", "COHORT_LOG", "RUST_LOG", "COHORT_TIMEOUT", "COHORT_STORE_ADDR"] {
-        c.env_remove(v);
-    }
-    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    c
+    cohort_run_program(SUITE, opts, args)
 }
 
 #[test]

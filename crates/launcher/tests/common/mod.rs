@@ -11,6 +11,19 @@ pub const COHORT: &str = env!("CARGO_BIN_EXE_cohort");
 /// The test rank program.
 pub const RANK: &str = env!("CARGO_BIN_EXE_cohort-test-rank");
 
+/// `cohort run <opts> -- <program> <args>`, not yet started: output piped,
+/// stdin closed, and none of the variables a developer's shell may carry
+/// that would change the job (its secret, log filter, timeout, store).
+pub fn cohort_run_program(program: &str, opts: &[&str], args: &[&str]) -> Command {
+    let mut c = Command::new(COHORT);
+    c.arg("run").args(opts).arg("--").arg(program).args(args);
+    for v in ["COHORT_JOB_SECRET", "COHORT_LOG", "RUST_LOG", "COHORT_TIMEOUT", "COHORT_STORE_ADDR"] {
+        c.env_remove(v);
+    }
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c
+}
+
 /// `cohort run <opts> -- cohort-test-rank <steps>`, not yet started, with a
 /// clean environment as far as the launcher is concerned.
 pub fn cohort_run(opts: &[&str], steps: &[&str]) -> Command {
