@@ -123,9 +123,28 @@ pub fn wait_pid_files(dir: &Path, n: usize, limit: Duration) -> Vec<i32> {
     }
 }
 
-/// A port that was free a moment ago.
+/// A port that was free a moment ago, for a launcher to serve its store on.
+///
+/// Taken below the kernel's ephemeral range (32768 and up on Linux): a port
+/// the kernel hands out for `bind(0)` can be given, before the launcher binds
+/// it, to one of the many outgoing connections the tests' ranks make, which
+/// leaves a job with no store. Each call of a process takes the next
+/// candidate from a start that differs between processes, so tests running
+/// at once do not pick the same one.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let start = std::process::id().wrapping_mul(7919) ^ nanos;
+    for _ in 0..SPAN {
+        let port = (LOW + start.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed).wrapping_mul(97)) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {LOW}..{}", LOW + SPAN)
 }
 
 /// Stdout and stderr as text.
