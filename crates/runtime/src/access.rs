@@ -134,12 +134,7 @@ impl BufferAccess<'_> {
         completion: Completion,
     ) -> Result<(), ServerError> {
         let stream = self.stream;
-        let Some(collectives) = self.state.backend.device_collectives() else {
-            return Err(ServerError::InvalidState {
-                operation: "a device-path collective",
-                reason: "the device's backend offers no device collectives".into(),
-            });
-        };
+        let collectives = self.offered_collectives("a device-path collective")?;
         if let Some(part) = collectives.run(stream, comm, calls, monitor, completion)? {
             self.deferred.push(part);
         }
@@ -157,16 +152,20 @@ impl BufferAccess<'_> {
         completion: Completion,
     ) -> Result<(), ServerError> {
         let stream = self.stream;
-        let Some(collectives) = self.state.backend.device_collectives() else {
-            return Err(ServerError::InvalidState {
-                operation: "a peer-memory collective",
-                reason: "the device's backend offers no device collectives".into(),
-            });
-        };
+        let collectives = self.offered_collectives("a peer-memory collective")?;
         if let Some(part) = collectives.run_peer(stream, spec, call, monitor, completion)? {
             self.deferred.push(part);
         }
         Ok(())
+    }
+
+    /// The backend's device collectives, or an error saying `operation`
+    /// needs them and this device has none.
+    fn offered_collectives(&mut self, operation: &'static str) -> Result<&mut dyn DeviceCollectives, ServerError> {
+        self.state.backend.device_collectives().ok_or_else(|| ServerError::InvalidState {
+            operation,
+            reason: "the device's backend offers no device collectives".into(),
+        })
     }
 }
 

@@ -215,14 +215,7 @@ impl NcclCall {
         };
         if let Some(peer_call) = peer_call {
             let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
-            let started = Instant::now();
-            let monitor = Arc::new(PartMonitor {
-                call: self.clone(),
-                slot,
-                started,
-                poll: Mutex::new(Poll { last: started, noted: false }),
-                ended: AtomicBool::new(false),
-            });
+            let monitor = PartMonitor::start(self, slot);
             let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
             *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
             return result.map_err(|err| {
@@ -236,14 +229,7 @@ impl NcclCall {
             return Ok(());
         }
         let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
-        let started = Instant::now();
-        let monitor = Arc::new(PartMonitor {
-            call: self.clone(),
-            slot,
-            started,
-            poll: Mutex::new(Poll { last: started, noted: false }),
-            ended: AtomicBool::new(false),
-        });
+        let monitor = PartMonitor::start(self, slot);
         let barrier = self.fp.group.is_none() && self.fp.op.collective() == Collective::Barrier;
         let completion = if barrier { Completion::Wait } else { Completion::Defer };
         let result = access.run_collective(&spec, &calls, monitor.clone(), completion);
@@ -284,6 +270,20 @@ struct PartMonitor {
     poll: Mutex<Poll>,
     /// Set once the device reported the part's end.
     ended: AtomicBool,
+}
+
+impl PartMonitor {
+    /// The monitor of local part `slot` of `call`, its clock started now.
+    fn start(call: &Arc<NcclCall>, slot: usize) -> Arc<PartMonitor> {
+        let started = Instant::now();
+        Arc::new(PartMonitor {
+            call: call.clone(),
+            slot,
+            started,
+            poll: Mutex::new(Poll { last: started, noted: false }),
+            ended: AtomicBool::new(false),
+        })
+    }
 }
 
 impl CollectiveMonitor for PartMonitor {
