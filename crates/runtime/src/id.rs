@@ -59,9 +59,36 @@ impl fmt::Display for ServiceId {
 
 /// A logical stream. Each OS thread gets its own ([`StreamId::current`]) unless a
 /// client is pinned to one with `Client::set_stream`.
+///
+/// A stream's scheduling [`StreamPriority`] is part of its id (its top bit):
+/// [`StreamId::fresh_with_priority`] makes a high-priority one, and every
+/// client pinned to it (`client.with_stream(id)`) queues work there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamId {
     pub value: u64,
+}
+
+/// How the device schedules a stream's work against other streams' work.
+///
+/// * CUDA: the stream is created with `cuStreamCreateWithPriority`; `High`
+///   is the greatest priority of the device's range
+///   (`cuCtxGetStreamPriorityRange`), `Normal` the default. When both have
+///   kernels waiting, the block scheduler starts the high-priority stream's
+///   blocks first (running blocks are not preempted), e.g. a collective's
+///   kernels beside compute that fills the device.
+/// * CPU and wgpu: accepted and without effect: each device has one server
+///   thread that runs every stream's tasks in the order they were queued.
+///
+/// Ordering, fences, events, errors and memory pools are the same at every
+/// priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum StreamPriority {
+    /// The device's default priority (every stream from
+    /// [`StreamId::current`] and [`StreamId::fresh`]).
+    #[default]
+    Normal,
+    /// The device's greatest priority.
+    High,
 }
 
 static NEXT_STREAM: AtomicU64 = AtomicU64::new(0);
@@ -82,7 +109,30 @@ impl StreamId {
     pub fn fresh() -> StreamId {
         StreamId { value: NEXT_STREAM.fetch_add(1, Ordering::Relaxed) }
     }
+
+    /// A fresh stream (as [`StreamId::fresh`]) scheduled at `priority`, for
+    /// pinning a client to it: `client.with_stream(StreamId::fresh_with_priority(StreamPriority::High))`.
+    pub fn fresh_with_priority(priority: StreamPriority) -> StreamId {
+        let fresh = Self::fresh();
+        match priority {
+            StreamPriority::Normal => fresh,
+            StreamPriority::High => StreamId { value: fresh.value | HIGH_PRIORITY_BIT },
+        }
+    }
+
+    /// The priority this stream is scheduled at.
+    pub fn priority(&self) -> StreamPriority {
+        if self.value & HIGH_PRIORITY_BIT != 0 {
+            StreamPriority::High
+        } else {
+            StreamPriority::Normal
+        }
+    }
 }
+
+/// The bit of [`StreamId::value`] that marks a high-priority stream (ids are
+/// counted up from 0 and never reach it).
+const HIGH_PRIORITY_BIT: u64 = 1 << 63;
 
 /// A hasher for maps keyed by small integer ids (streams, pages, kernels):
 /// one multiply instead of SipHash, on the device thread's hot path. Ids are
@@ -129,5 +179,18 @@ mod tests {
         }
         assert_eq!(map.len(), 10_000);
         assert!((0..10_000u64).all(|v| map[&StreamId { value: v }] == v * 2));
+    }
+
+    #[test]
+    fn priority_is_carried_by_the_id() {
+        let normal = StreamId::fresh_with_priority(StreamPriority::Normal);
+        let high = StreamId::fresh_with_priority(StreamPriority::High);
+        assert_eq!(normal.priority(), StreamPriority::Normal);
+        assert_eq!(high.priority(), StreamPriority::High);
+        assert_eq!(StreamId::fresh().priority(), StreamPriority::Normal);
+        assert_eq!(StreamId::current().priority(), StreamPriority::Normal);
+        assert_ne!(high, StreamId::fresh_with_priority(StreamPriority::High), "each call is a new stream");
+        // Kept through the u64 a handle stores as its last writer.
+        assert_eq!(StreamId { value: high.value }.priority(), StreamPriority::High);
     }
 }

@@ -31,14 +31,14 @@ pub use backend::cuda::CudaRuntime;
 #[cfg(feature = "wgpu")]
 pub use backend::wgpu::WgpuRuntime;
 pub use bytes::{AlignedBytes, Bytes};
-pub use client::{Client, Fence, MemoryReport, MemoryScope, PendingSync};
+pub use client::{Client, Fence, MemoryReport, MemoryScope, PendingSync, Timestamp};
 pub use config::ConfigError;
 pub use device::{close_device, shutdown, spin_window, BackendFactory};
 pub use dtype::{DType, ReduceOp};
 pub use error::{MemoryConfigError, ProfileError, ServerError};
 pub use graph::Graph;
 pub use handle::{contiguous_strides, CopyDescriptor, Handle, LayoutPolicy, MemoryLayout, MemoryLayoutDescriptor};
-pub use id::{DeviceId, ServiceId, StreamId};
+pub use id::{DeviceId, ServiceId, StreamId, StreamPriority};
 pub use kernel::{CpuKernelContext, CpuKernelFn, GridCount, Kernel, KernelArguments, Scalar};
 pub use profile::{ProfileDuration, ProfileWindow, TimingMethod};
 pub use properties::{Capabilities, DeviceProperties};

@@ -112,6 +112,8 @@ pub(crate) struct DeviceState {
     pub pending_errors: IdMap<StreamId, ServerError>,
     pub stats: DeviceStats,
     pub profiles: HashMap<u64, TimerStart>,
+    /// Timestamps from `Client::timestamp`, by token (or why one was not taken).
+    pub timestamps: HashMap<u64, Result<TimerStart, ServerError>>,
     pub next_profile: u64,
     pub graphs: HashMap<u64, Box<dyn Any>>,
     pub next_graph: u64,
@@ -133,6 +135,7 @@ impl DeviceState {
             pending_errors: IdMap::default(),
             stats: DeviceStats::default(),
             profiles: HashMap::new(),
+            timestamps: HashMap::new(),
             next_profile: 0,
             graphs: HashMap::new(),
             next_graph: 0,

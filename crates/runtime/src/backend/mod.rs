@@ -143,6 +143,34 @@ pub trait Backend: 'static {
         }
     }
 
+    /// Records a timestamp on the stream after the work queued on it so far.
+    /// The default drains the stream and reads the host clock; CUDA records
+    /// a timing event and returns at once.
+    fn timestamp(&mut self, stream: StreamId) -> Result<TimerStart, ServerError> {
+        self.sync(stream)?;
+        Ok(TimerStart::Host(Instant::now()))
+    }
+
+    /// Milliseconds from `from` to `to` (both from [`Backend::timestamp`] on
+    /// this device, any streams; negative where `to` came first), and how
+    /// they were taken. Waits until both were reached.
+    fn time_between(&mut self, from: &TimerStart, to: &TimerStart) -> Result<(f64, TimingMethod), ServerError> {
+        match (from, to) {
+            (TimerStart::Host(a), TimerStart::Host(b)) => {
+                let ms = if b >= a {
+                    b.duration_since(*a).as_secs_f64() * 1e3
+                } else {
+                    -(a.duration_since(*b).as_secs_f64() * 1e3)
+                };
+                Ok((ms, TimingMethod::Host))
+            }
+            _ => Err(ServerError::InvalidState {
+                operation: "time_between",
+                reason: "a device timestamp reached a backend without device timing".into(),
+            }),
+        }
+    }
+
     /// Starts a native graph capture on the stream. Returns `false` when the
     /// backend has none: the runtime then records launches itself and replays
     /// them one by one.

@@ -10,6 +10,7 @@ mod io;
 mod launch;
 mod memory;
 mod peer;
+mod timestamps;
 
 use std::any::Any;
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use crate::properties::{Capabilities, DeviceProperties};
 use crate::state::DeviceStats;
 
 pub use memory::{MemoryReport, MemoryScope};
+pub use timestamps::Timestamp;
 
 /// One device, seen from any thread.
 #[derive(Clone)]

@@ -13,9 +13,11 @@
 mod cases;
 mod graph_cases;
 pub mod kernels;
+mod stream_cases;
 
 pub use cases::*;
 pub use graph_cases::*;
+pub use stream_cases::*;
 
 use crate::{Client, Runtime};
 
@@ -37,7 +39,8 @@ macro_rules! conformance_tests {
             foreign_handles_are_refused, zero_sized_grid_is_a_no_op, dynamic_grid_reads_its_buffer,
             graph_replay_matches_direct_launches, capture_window_refusals, eight_threads_share_one_device,
             pool_layout_configuration, allocation_modes,
-            task_panics_reach_the_caller, exclusive_runs_client_calls_inline, capabilities_match_the_backend);
+            task_panics_reach_the_caller, exclusive_runs_client_calls_inline, capabilities_match_the_backend,
+            high_priority_streams_behave_like_others, timestamps_follow_stream_order);
     };
     (@cases $runtime:ty, $attrs:tt, $($case:ident),*) => {
         $( $crate::conformance_tests!(@one $runtime, $attrs, $case); )*

@@ -471,6 +471,37 @@ impl Backend for CudaBackend {
         result.map_err(|err| self.classify(stream, err))
     }
 
+    fn timestamp(&mut self, stream: StreamId) -> Result<TimerStart, ServerError> {
+        self.timing_start(stream)
+    }
+
+    fn time_between(
+        &mut self,
+        from: &TimerStart,
+        to: &TimerStart,
+    ) -> Result<(f64, crate::profile::TimingMethod), ServerError> {
+        self.check_lost()?;
+        let (TimerStart::Device(from), TimerStart::Device(to)) = (from, to) else {
+            return Err(ServerError::InvalidState {
+                operation: "time_between",
+                reason: "a host timestamp reached the CUDA backend".into(),
+            });
+        };
+        let (Some(from), Some(to)) =
+            (from.downcast_ref::<timing::DeviceTimer>(), to.downcast_ref::<timing::DeviceTimer>())
+        else {
+            return Err(ServerError::InvalidState {
+                operation: "time_between",
+                reason: "the timestamp was not taken by the CUDA backend".into(),
+            });
+        };
+        // A collective that failed or expired is ended rather than waited
+        // for forever.
+        self.settle();
+        let ms = timing::between(self.device, from, to)?;
+        Ok((ms, crate::profile::TimingMethod::Device))
+    }
+
     fn begin_native_capture(&mut self, stream: StreamId) -> Result<bool, ServerError> {
         self.check_lost()?;
         let raw = self.streams.raw(stream)?;

@@ -1,7 +1,10 @@
 //! One CUDA stream per logical stream, created on first use.
 //!
 //! Streams are created non-blocking, so no work of ours ever waits on the
-//! legacy default stream (which would also break graph captures).
+//! legacy default stream (which would also break graph captures). A stream
+//! whose id is [`StreamPriority::High`] is created with the device's
+//! greatest priority (`cuStreamCreateWithPriority`); every other with the
+//! default one.
 
 use crate::id::IdMap;
 
@@ -9,7 +12,7 @@ use cudarc::driver::sys;
 
 use super::driver::driver_error;
 use crate::error::ServerError;
-use crate::id::{DeviceId, StreamId};
+use crate::id::{DeviceId, StreamId, StreamPriority};
 
 /// How many kernel names a stream remembers since its last sync, to name
 /// suspects when a fault surfaces.
@@ -28,23 +31,57 @@ pub(crate) struct StreamEntry {
 pub(crate) struct Streams {
     device: DeviceId,
     map: IdMap<StreamId, StreamEntry>,
+    /// The device's greatest stream priority (numerically the least), asked
+    /// once, when the first high-priority stream is made.
+    greatest_priority: Option<i32>,
 }
 
 impl Streams {
     pub fn new(device: DeviceId) -> Self {
-        Self { device, map: IdMap::default() }
+        Self { device, map: IdMap::default(), greatest_priority: None }
     }
 
-    /// The stream's entry, creating its CUDA stream on first use.
+    /// The device's greatest stream priority (`cuCtxGetStreamPriorityRange`).
+    fn greatest_priority(&mut self) -> Result<i32, ServerError> {
+        if let Some(p) = self.greatest_priority {
+            return Ok(p);
+        }
+        let (mut least, mut greatest) = (0i32, 0i32);
+        // SAFETY: the device's context is current on this thread; the call
+        // writes two integers.
+        let code = unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(driver_error(self.device, "cuCtxGetStreamPriorityRange", code));
+        }
+        tracing::debug!(device = %self.device, least, greatest, "stream priority range");
+        self.greatest_priority = Some(greatest);
+        Ok(greatest)
+    }
+
+    /// The stream's entry, creating its CUDA stream on first use (at the
+    /// priority its id carries).
     pub fn entry(&mut self, stream: StreamId) -> Result<&mut StreamEntry, ServerError> {
         if !self.map.contains_key(&stream) {
             let mut raw: sys::CUstream = std::ptr::null_mut();
             let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-            // SAFETY: the device's context is current on this thread (set when
-            // the backend was built); the call writes one handle.
-            let code = unsafe { sys::cuStreamCreate(&mut raw, flags) };
+            let code = match stream.priority() {
+                // SAFETY: the device's context is current on this thread (set
+                // when the backend was built); the call writes one handle.
+                StreamPriority::Normal => unsafe { sys::cuStreamCreate(&mut raw, flags) },
+                StreamPriority::High => {
+                    let priority = self.greatest_priority()?;
+                    tracing::debug!(device = %self.device, stream = stream.value, priority, "high-priority stream");
+                    // SAFETY: as above; the priority is within the device's
+                    // range (its greatest).
+                    unsafe { sys::cuStreamCreateWithPriority(&mut raw, flags, priority) }
+                }
+            };
             if code != sys::CUresult::CUDA_SUCCESS {
-                return Err(driver_error(self.device, "cuStreamCreate", code));
+                let call = match stream.priority() {
+                    StreamPriority::Normal => "cuStreamCreate",
+                    StreamPriority::High => "cuStreamCreateWithPriority",
+                };
+                return Err(driver_error(self.device, call, code));
             }
             self.map.insert(stream, StreamEntry { raw, capturing: false, since_sync: Vec::new() });
         }

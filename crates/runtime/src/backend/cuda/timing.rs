@@ -65,3 +65,25 @@ pub(crate) fn end(
     let duration = Duration::from_secs_f64((millis.max(0.0) as f64) / 1e3).max(Duration::from_nanos(1));
     Ok(ProfileDuration { duration, method: TimingMethod::Device })
 }
+
+/// Milliseconds from `from`'s event to `to`'s (negative where `to` was
+/// reached first); waits until both were reached. Both were recorded on
+/// this device, on any streams.
+pub(crate) fn between(device: DeviceId, from: &DeviceTimer, to: &DeviceTimer) -> Result<f64, ServerError> {
+    let mut millis = 0f32;
+    // SAFETY: live, recorded events of the current context.
+    let code = unsafe {
+        let mut code = sys::cuEventSynchronize(from.start);
+        if code == sys::CUresult::CUDA_SUCCESS {
+            code = sys::cuEventSynchronize(to.start);
+        }
+        if code == sys::CUresult::CUDA_SUCCESS {
+            code = sys::cuEventElapsedTime_v2(&mut millis, from.start, to.start);
+        }
+        code
+    };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(driver_error(device, "reading timestamps (cuEventElapsedTime)", code));
+    }
+    Ok(f64::from(millis))
+}
