@@ -31,7 +31,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use cohort::ddp::{compute_clients, CommHook, DdpOptions, DistributedDataParallel};
+use cohort::ddp::{communication_clients, compute_clients, CommHook, DdpOptions, DistributedDataParallel};
 use cohort::nn::{Mlp, MlpConfig, Sgd, TeacherData};
 use cohort::prelude::*;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -278,7 +278,8 @@ fn run(args: &Args) -> Result<bool, Error> {
     }
     // Alone: every device (or --devices). Under a launcher: --devices per
     // rank (default 1), chosen by LOCAL_RANK.
-    let world = World::join(rank_clients(&args.backend, args.devices)?)?;
+    // The world's clients are the communication streams (high priority).
+    let world = World::join(communication_clients(&rank_clients(&args.backend, args.devices)?))?;
     let n = world.members();
     if !args.batch.is_multiple_of(n) {
         return Err(Error::InvalidArgument(format!(

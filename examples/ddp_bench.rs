@@ -8,31 +8,39 @@
 //! ddp_bench --backend cuda --large [--plot ddp.svg] [--timeline step.json]
 //! ```
 //!
-//! For each count it times, per step (mean over `--steps` after
-//! `--warmup`): the full step (forward, backward with each bucket's
-//! all-reduce queued as it fills, SGD); the same step with no_sync
-//! (compute alone); and the buckets' all-reduces alone. From these:
-//! scaling efficiency (throughput per device against one device, samples
-//! per device fixed) and the share of all-reduce time hidden behind
-//! compute, `(compute + all-reduce − step) / all-reduce`. `--timeline` writes
-//! one step of the largest count as Chrome trace events (open in
-//! ui.perfetto.dev): the compute stream's span on each device and each
-//! bucket's all-reduce, from when it was queued to when its `Work` was done,
-//! both observed from the host.
+//! For each count (and each communication-stream priority of
+//! `--priorities`, default `high`) it times, per step (mean over `--steps`
+//! after `--warmup`, host clock around the drained devices): the full step
+//! (forward, backward with each bucket's all-reduce queued as it fills, on
+//! the world's streams, SGD); the same step with no_sync (compute alone);
+//! and the buckets' all-reduces alone. From these: scaling efficiency
+//! (throughput per device against one device, samples per device fixed).
 //!
-//! With `--torch` (default on CUDA) it runs `scripts/anchors/torch_ddp.py`
-//! under `python3 -m torch.distributed.run` for each count with the same
-//! sizes and prints its step times beside cohort's.
-
+//! The share of all-reduce time hidden behind backward comes from device
+//! timestamps (`Client::timestamp`: CUDA events; the host clock on the CPU
+//! and wgpu, which say so), over `--probe-steps` more steps: on each device,
+//! one at the step's start and one after backward on the compute stream,
+//! and per bucket one on the compute stream when its last gradient was
+//! queued (`ready`) and one on the communication stream after its
+//! all-reduce (`done`). A bucket's all-reduce runs from
+//! `max(ready, previous bucket's done)` (its stream waits for both) to
+//! `done`; hidden = the part of those intervals inside `[step start, end of
+//! backward]` over their sum, averaged over devices and steps; exposed =
+//! the last `done` past the end of backward. `--timeline` writes one such
+//! step of the largest count as Chrome trace events (open in
+//! ui.perfetto.dev): per device, the compute stream's forward+backward and
+//! each bucket's all-reduce on the communication stream, device times from
+//! the step's start on that device.
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::Parser;
-use cohort::ddp::{compute_clients, DdpOptions, DistributedDataParallel};
+use cohort::ddp::{compute_clients, CommHook, DdpOptions, DistributedDataParallel};
 use cohort::nn::{Mlp, MlpConfig, Sgd, TeacherData};
 use cohort::prelude::*;
+use cohort::runtime::{StreamPriority, Timestamp, TimingMethod};
 
 #[derive(Parser, Debug)]
 #[command(about = "DDP step time: cohort against PyTorch DDP, and scaling over device counts")]
@@ -54,8 +62,22 @@ struct Args {
     steps: usize,
     #[arg(long, default_value_t = 5)]
     warmup: usize,
+    /// Steps timed with device timestamps for the hidden share.
+    #[arg(long, default_value_t = 5)]
+    probe_steps: usize,
     #[arg(long, default_value_t = 25.0)]
     bucket_cap_mb: f64,
+    /// The first bucket's cap (PyTorch DDP's default: 1 MiB).
+    #[arg(long, default_value_t = 1.0)]
+    first_bucket_mb: f64,
+    /// The communication hook: none, bf16 or fp16 (the torch anchor runs
+    /// none, so it is skipped with a hook).
+    #[arg(long, default_value = "none")]
+    hook: String,
+    /// Priorities of the communication streams to measure, comma-separated:
+    /// high (the default), normal, or both.
+    #[arg(long, value_delimiter = ',', default_value = "high")]
+    priorities: Vec<String>,
     /// Device counts, comma-separated (default: 1 and every power of two up
     /// to the machine's count, and the count; 1 and 4 on the CPU).
     #[arg(long, value_delimiter = ',')]
@@ -75,22 +97,66 @@ struct Args {
     timeline: Option<PathBuf>,
 }
 
+impl Args {
+    fn options(&self) -> Result<DdpOptions, Error> {
+        let hook = match self.hook.as_str() {
+            "none" => CommHook::AllReduce,
+            "bf16" => CommHook::Bf16Compress,
+            "fp16" => CommHook::Fp16Compress,
+            other => return Err(Error::InvalidArgument(format!("--hook {other}: none, bf16 or fp16"))),
+        };
+        let bytes = |mb: f64, name: &str| -> Result<usize, Error> {
+            if !(mb.is_finite() && mb > 0.0 && mb < 1e6) {
+                return Err(Error::InvalidArgument(format!("--{name} {mb}: a size in MiB above 0")));
+            }
+            Ok(((mb * (1 << 20) as f64) as usize).max(1))
+        };
+        Ok(DdpOptions {
+            bucket_cap_bytes: bytes(self.bucket_cap_mb, "bucket-cap-mb")?,
+            first_bucket_bytes: bytes(self.first_bucket_mb, "first-bucket-mb")?,
+            hook,
+        })
+    }
+
+    fn priorities(&self) -> Result<Vec<StreamPriority>, Error> {
+        let mut out = Vec::new();
+        for p in &self.priorities {
+            match p.as_str() {
+                "high" => out.push(StreamPriority::High),
+                "normal" => out.push(StreamPriority::Normal),
+                "both" => out.extend([StreamPriority::Normal, StreamPriority::High]),
+                other => return Err(Error::InvalidArgument(format!("--priorities {other}: high, normal or both"))),
+            }
+        }
+        out.dedup();
+        Ok(out)
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 struct Row {
     count: usize,
+    priority: StreamPriority,
     step_ms: f64,
     compute_ms: f64,
-    comm_ms: f64,
+    comm_ms: Option<f64>,
+    /// From device timestamps (see the module).
+    probe: Option<Probe>,
     torch_step_ms: Option<f64>,
     torch_compute_ms: Option<f64>,
 }
 
-impl Row {
-    /// Share of all-reduce time hidden behind compute, in [0, 1].
-    fn hidden(&self) -> Option<f64> {
-        (self.count > 1 && self.comm_ms > 0.0)
-            .then(|| ((self.compute_ms + self.comm_ms - self.step_ms) / self.comm_ms).clamp(0.0, 1.0))
-    }
+/// What the timestamped steps measured, averaged over devices and steps.
+#[derive(Debug, Clone, Copy)]
+struct Probe {
+    /// The buckets' all-reduce time inside the step.
+    comm_ms: f64,
+    /// The part of it past the end of backward.
+    exposed_ms: f64,
+    /// Share of all-reduce time inside `[step start, end of backward]`.
+    hidden: f64,
+    backward_end_ms: f64,
+    method: TimingMethod,
 }
 
 fn config(args: &Args) -> MlpConfig {
@@ -118,18 +184,25 @@ fn timed(
     Ok(start.elapsed().as_secs_f64() * 1e3 / steps as f64)
 }
 
-/// Times cohort on the first `count` devices; writes a timeline when asked.
-fn measure(all: &[Client], count: usize, args: &Args, timeline: Option<&PathBuf>) -> Result<Row, Error> {
-    let world = ClientGroup::new(all[..count].to_vec())?;
+/// Times cohort on the first `count` devices with the communication streams
+/// at `priority`; writes a timeline when asked.
+fn measure(
+    all: &[Client],
+    count: usize,
+    priority: StreamPriority,
+    args: &Args,
+    timeline: Option<&PathBuf>,
+) -> Result<Row, Error> {
+    let comm: Vec<Client> =
+        all[..count].iter().map(|c| c.with_stream(StreamId::fresh_with_priority(priority))).collect();
+    let world = ClientGroup::new(comm)?;
     let cfg = config(args);
     let rows = batch(args);
     let clients = compute_clients(&world);
     let data = TeacherData::new(&clients[0], &clients, 0, count, cfg, 99, rows * count, 2)?;
     let mut model = Mlp::new(&clients, cfg, rows, 7)?;
     let params = model.parameters();
-    let options =
-        DdpOptions { bucket_cap_bytes: (args.bucket_cap_mb * (1 << 20) as f64) as usize, ..DdpOptions::default() };
-    let mut ddp = DistributedDataParallel::new(&world, &params, options)?;
+    let mut ddp = DistributedDataParallel::new(&world, &params, args.options()?)?;
     let sgd = Sgd::new(&params, 1e-3, 0.9)?;
     let drain = || -> Result<(), Error> {
         for c in &clients {
@@ -168,8 +241,10 @@ fn measure(all: &[Client], count: usize, args: &Args, timeline: Option<&PathBuf>
         drain,
     )?;
     let buckets = ddp.buckets().len();
-    let comm_ms = if count > 1 {
-        timed(
+    // A group of one device on plain copies has nothing to all-reduce.
+    let communicates = world.transport() != cohort::comm::Transport::LocalCopy || args.hook != "none";
+    let comm_ms = if communicates {
+        Some(timed(
             args.steps,
             args.warmup,
             || {
@@ -180,110 +255,217 @@ fn measure(all: &[Client], count: usize, args: &Args, timeline: Option<&PathBuf>
                 Ok(())
             },
             drain,
-        )?
+        )?)
     } else {
-        0.0
+        None
     };
-    if let Some(path) = timeline {
-        write_timeline(path, &world, &clients, &mut model, &data, &mut ddp, &sgd, &params)?;
+    let mut probe = None;
+    if communicates && args.probe_steps > 0 {
+        let mut sum =
+            Probe { comm_ms: 0.0, exposed_ms: 0.0, hidden: 0.0, backward_end_ms: 0.0, method: TimingMethod::Device };
+        let mut last = None;
+        for _ in 0..args.probe_steps {
+            i += 1;
+            let step = probed_step(&world, &clients, &mut model, &data, i % 2, &mut ddp, &sgd, &params)?;
+            let p = step.summary();
+            sum.comm_ms += p.comm_ms;
+            sum.exposed_ms += p.exposed_ms;
+            sum.hidden += p.hidden;
+            sum.backward_end_ms += p.backward_end_ms;
+            sum.method = p.method;
+            last = Some(step);
+        }
+        let n = args.probe_steps as f64;
+        probe = Some(Probe {
+            comm_ms: sum.comm_ms / n,
+            exposed_ms: sum.exposed_ms / n,
+            hidden: sum.hidden / n,
+            backward_end_ms: sum.backward_end_ms / n,
+            method: sum.method,
+        });
+        if let (Some(path), Some(step)) = (timeline, last) {
+            step.write_timeline(path, &ddp)?;
+        }
     }
-    Ok(Row { count, step_ms, compute_ms, comm_ms, ..Row::default() })
+    Ok(Row { count, priority, step_ms, compute_ms, comm_ms, probe, ..Row::default() })
 }
 
-/// One step, observed from the host: each device's compute stream from the
-/// step's start to its fence after backward, and each bucket's all-reduce
-/// from when it was queued to when its `Work` said done.
+/// One step's device times on each device, in ms from the step's start
+/// there.
+struct ProbedStep {
+    /// Per device: end of backward on the compute stream.
+    backward_end: Vec<f64>,
+    /// Per device, per bucket (in the order queued): `(ready, done)`.
+    buckets: Vec<Vec<(f64, f64)>>,
+    method: TimingMethod,
+}
+
+impl ProbedStep {
+    /// Per device, per bucket: the all-reduce's interval on the
+    /// communication stream, `(max(ready, previous done), done)`.
+    fn intervals(&self, device: usize) -> Vec<(f64, f64)> {
+        let mut previous = 0.0f64;
+        self.buckets[device]
+            .iter()
+            .map(|&(ready, done)| {
+                let start = ready.max(previous).min(done);
+                previous = done;
+                (start, done)
+            })
+            .collect()
+    }
+
+    /// All-reduce time, exposed time and hidden share, averaged over devices.
+    fn summary(&self) -> Probe {
+        let devices = self.backward_end.len() as f64;
+        let (mut comm, mut exposed, mut hidden) = (0.0, 0.0, 0.0);
+        for (d, &end) in self.backward_end.iter().enumerate() {
+            let spans = self.intervals(d);
+            let total: f64 = spans.iter().map(|(a, b)| b - a).sum();
+            let inside: f64 = spans.iter().map(|&(a, b)| (b.min(end) - a.min(end)).max(0.0)).sum();
+            let last = spans.iter().map(|s| s.1).fold(end, f64::max);
+            comm += total;
+            exposed += last - end;
+            hidden += if total > 0.0 { inside / total } else { 1.0 };
+        }
+        Probe {
+            comm_ms: comm / devices,
+            exposed_ms: exposed / devices,
+            hidden: hidden / devices,
+            backward_end_ms: self.backward_end.iter().sum::<f64>() / devices,
+            method: self.method,
+        }
+    }
+
+    /// Chrome trace events: per device, forward+backward on the compute
+    /// stream and each bucket's all-reduce on the communication stream.
+    fn write_timeline<C: cohort::comm::Collectives>(
+        &self,
+        path: &PathBuf,
+        ddp: &DistributedDataParallel<'_, C>,
+    ) -> Result<(), Error> {
+        let plans = ddp.buckets();
+        let how = match self.method {
+            TimingMethod::Device => "device timestamps",
+            TimingMethod::Host => "host clock",
+        };
+        let mut events = Vec::new();
+        for (dev, end) in self.backward_end.iter().enumerate() {
+            let (compute, comm) = (2 * dev, 2 * dev + 1);
+            events.push(format!(
+                r#"{{"name":"forward+backward","cat":"compute","ph":"X","pid":0,"tid":{compute},"ts":0,"dur":{:.1}}}"#,
+                end * 1e3
+            ));
+            for (b, ((start, done), (ready, _))) in self.intervals(dev).iter().zip(&self.buckets[dev]).enumerate() {
+                events.push(format!(
+                    r#"{{"name":"all_reduce bucket {b} ({:.1} MiB)","cat":"collective","ph":"X","pid":0,"tid":{comm},"ts":{:.1},"dur":{:.1},"args":{{"gradients ready at (us)":{:.1}}}}}"#,
+                    plans[b].len as f64 * 4.0 / (1 << 20) as f64,
+                    start * 1e3,
+                    (done - start) * 1e3,
+                    ready * 1e3
+                ));
+            }
+            events.push(format!(
+                r#"{{"name":"thread_name","ph":"M","pid":0,"tid":{compute},"args":{{"name":"device {dev} compute stream"}}}}"#
+            ));
+            events.push(format!(
+                r#"{{"name":"thread_name","ph":"M","pid":0,"tid":{comm},"args":{{"name":"device {dev} communication stream"}}}}"#
+            ));
+        }
+        events.push(format!(
+            r#"{{"name":"process_name","ph":"M","pid":0,"args":{{"name":"one DDP step ({how}; each device from its step start)"}}}}"#
+        ));
+        std::fs::write(path, format!("[\n{}\n]\n", events.join(",\n")))
+            .map_err(|e| Error::InvalidArgument(format!("--timeline {}: {e}", path.display())))?;
+        println!(
+            "timeline of one step on {} devices ({how}): {} (open in ui.perfetto.dev)",
+            self.backward_end.len(),
+            path.display()
+        );
+        Ok(())
+    }
+}
+
+/// One step with device timestamps: at the start and after backward on each
+/// compute stream; per bucket, on the compute streams when its all-reduce
+/// was queued (its gradients are the compute stream's work so far) and on
+/// the communication streams after it. Drains, then reads them.
 #[allow(clippy::too_many_arguments)]
-fn write_timeline(
-    path: &PathBuf,
-    world: &ClientGroup,
+fn probed_step<C: cohort::comm::Collectives>(
+    world: &C,
     clients: &[Client],
     model: &mut Mlp,
     data: &TeacherData,
-    ddp: &mut DistributedDataParallel<'_, ClientGroup>,
+    batch: usize,
+    ddp: &mut DistributedDataParallel<'_, C>,
     sgd: &Sgd,
     params: &[cohort::nn::Parameter],
-) -> Result<(), Error> {
-    for c in clients {
-        c.sync()?;
+) -> Result<ProbedStep, Error> {
+    let drain = || -> Result<(), Error> {
+        for c in clients {
+            c.sync()?;
+        }
+        Ok(world.sync()?)
+    };
+    drain()?;
+    let origin: Vec<Timestamp> = clients.iter().map(Client::timestamp).collect::<Result<_, _>>()?;
+    model.forward(&data.inputs[batch])?;
+    struct Watch<'a, 'w, C: cohort::comm::Collectives> {
+        ddp: &'a mut DistributedDataParallel<'w, C>,
+        compute: &'a [Client],
+        comm: &'a [Client],
+        /// Per bucket: per device (ready, done).
+        stamps: Vec<Vec<(Timestamp, Timestamp)>>,
     }
-    world.sync()?;
-    let t0 = Instant::now();
-    model.forward(&data.inputs[0])?;
-    // Each bucket's queue time: backward queues them in order.
-    let mut queued = Vec::new();
-    {
-        struct Watch<'a, 'w> {
-            ddp: &'a mut DistributedDataParallel<'w, ClientGroup>,
-            queued: &'a mut Vec<Duration>,
-            t0: Instant,
+    impl<C: cohort::comm::Collectives> cohort::nn::Gradients for Watch<'_, '_, C> {
+        fn gradient(&self, index: usize) -> &[Buffer<f32>] {
+            self.ddp.gradient(index)
         }
-        impl cohort::nn::Gradients for Watch<'_, '_> {
-            fn gradient(&self, index: usize) -> &[Buffer<f32>] {
-                self.ddp.gradient(index)
-            }
-        }
-        impl cohort::nn::GradientSink for Watch<'_, '_> {
-            fn ready(&mut self, index: usize) -> Result<(), Error> {
-                let before = self.ddp.works().len();
-                self.ddp.ready(index)?;
-                if self.ddp.works().len() > before {
-                    self.queued.push(self.t0.elapsed());
-                }
-                Ok(())
-            }
-        }
-        let mut watch = Watch { ddp, queued: &mut queued, t0 };
-        model.backward(&data.targets[0], 0, &mut watch)?;
     }
-    let fences: Vec<_> = clients.iter().map(Client::fence).collect::<Result<_, _>>()?;
-    let waiter = std::thread::spawn(move || {
-        fences.into_iter().map(|f| f.wait().map(|()| t0.elapsed())).collect::<Result<Vec<_>, _>>()
-    });
-    let mut done = vec![None; ddp.works().len()];
-    while done.iter().any(Option::is_none) {
-        for (d, w) in done.iter_mut().zip(ddp.works()) {
-            if d.is_none() && w.is_done() {
-                *d = Some(t0.elapsed());
+    impl<C: cohort::comm::Collectives> cohort::nn::GradientSink for Watch<'_, '_, C> {
+        fn ready(&mut self, index: usize) -> Result<(), Error> {
+            let before = self.ddp.works().len();
+            self.ddp.ready(index)?;
+            if self.ddp.works().len() > before {
+                let pairs = self
+                    .compute
+                    .iter()
+                    .zip(self.comm)
+                    .map(|(compute, comm)| Ok((compute.timestamp()?, comm.timestamp()?)))
+                    .collect::<Result<Vec<_>, Error>>()?;
+                self.stamps.push(pairs);
             }
+            Ok(())
         }
-        std::hint::spin_loop();
     }
-    ddp.wait()?;
-    let compute_end = waiter.join().expect("the fence thread")?;
+    let mut watch = Watch { ddp, compute: clients, comm: world.clients(), stamps: Vec::new() };
+    model.backward(&data.targets[batch], 0, &mut watch)?;
+    let stamps = std::mem::take(&mut watch.stamps);
+    let backward_end: Vec<Timestamp> = clients.iter().map(Client::timestamp).collect::<Result<_, _>>()?;
     ddp.finish()?;
     sgd.step(params, ddp)?;
     ddp.zero_grad()?;
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    let mut events = Vec::new();
-    for (dev, end) in compute_end.iter().enumerate() {
-        events.push(format!(
-            r#"{{"name":"forward+backward","cat":"compute","ph":"X","pid":0,"tid":{dev},"ts":0,"dur":{:.1}}}"#,
-            us(*end)
-        ));
+    drain()?;
+    let mut method = TimingMethod::Device;
+    let mut ends = Vec::new();
+    let mut buckets = Vec::new();
+    for (d, client) in clients.iter().enumerate() {
+        let mut points = vec![&backward_end[d]];
+        for bucket in &stamps {
+            points.push(&bucket[d].0);
+            points.push(&bucket[d].1);
+        }
+        let (ms, how) = client.timestamps_since(&origin[d], &points).map_err(|e| match e {
+            cohort::runtime::ProfileError::Server(e) => Error::Device(e),
+            other => Error::InvalidArgument(other.to_string()),
+        })?;
+        if how == TimingMethod::Host {
+            method = TimingMethod::Host;
+        }
+        ends.push(ms[0]);
+        buckets.push(ms[1..].chunks(2).map(|p| (p[0], p[1])).collect());
     }
-    let plans = ddp.buckets();
-    for (b, (q, d)) in queued.iter().zip(&done).enumerate() {
-        let d = d.expect("every work done");
-        events.push(format!(
-            r#"{{"name":"all_reduce bucket {b} ({:.1} MiB)","cat":"collective","ph":"X","pid":0,"tid":100,"ts":{:.1},"dur":{:.1}}}"#,
-            plans[b].len as f64 * 4.0 / (1 << 20) as f64,
-            us(*q),
-            us(d.saturating_sub(*q))
-        ));
-    }
-    events.push(
-        r#"{"name":"thread_name","ph":"M","pid":0,"tid":100,"args":{"name":"all-reduces (queued → done)"}}"#.into(),
-    );
-    for dev in 0..compute_end.len() {
-        events.push(format!(
-            r#"{{"name":"thread_name","ph":"M","pid":0,"tid":{dev},"args":{{"name":"device {dev} compute"}}}}"#
-        ));
-    }
-    std::fs::write(path, format!("[\n{}\n]\n", events.join(",\n")))
-        .map_err(|e| Error::InvalidArgument(format!("--timeline {}: {e}", path.display())))?;
-    println!("timeline of one step on {} devices: {} (open in ui.perfetto.dev)", clients.len(), path.display());
-    Ok(())
+    Ok(ProbedStep { backward_end: ends, buckets, method })
 }
 
 fn batch(args: &Args) -> usize {
@@ -398,49 +580,57 @@ fn main() -> Result<(), Error> {
         return Err(Error::InvalidArgument(format!("--counts {bad}: the backend has {} devices", all.len())));
     }
     let cfg = config(&args);
-    let options =
-        DdpOptions { bucket_cap_bytes: (args.bucket_cap_mb * (1 << 20) as f64) as usize, ..DdpOptions::default() };
+    let options = args.options()?;
+    let priorities = args.priorities()?;
     let lens: Vec<usize> =
         (0..2 * cfg.depth).map(|i| if i % 2 == 0 { cfg.width * cfg.width } else { cfg.width }).collect();
     let buckets = cohort::ddp::plan(&lens, options.first_bucket_bytes, options.bucket_cap_bytes).0.len();
     let device = all[0].properties().name.clone();
     println!(
-        "ddp_bench: MLP {} × {} ({:.1} M parameters, {:.0} MiB of f32 gradients), {} samples per device, buckets of {} MiB (first {} MiB): {buckets} buckets; {} steps after {} warm-up; backend {} ({device} ×{})",
+        "ddp_bench: MLP {} × {} ({:.1} M parameters, {:.0} MiB of f32 gradients), {} samples per device, buckets of {} MiB (first {} MiB): {buckets} buckets, hook {:?}; communication streams at {:?} priority; {} steps after {} warm-up; backend {} ({device} ×{})",
         cfg.depth,
         cfg.width,
         cfg.parameters() as f64 / 1e6,
         cfg.parameters() as f64 * 4.0 / (1 << 20) as f64,
         batch(&args),
         args.bucket_cap_mb,
-        options.first_bucket_bytes >> 20,
+        args.first_bucket_mb,
+        options.hook,
+        priorities,
         args.steps,
         args.warmup,
         args.backend,
         all.len()
     );
     let run_torch = args.torch.unwrap_or(args.backend == "cuda");
+    if run_torch && options.hook != CommHook::AllReduce {
+        println!("torch anchor skipped: it runs no communication hook");
+    }
+    let run_torch = run_torch && options.hook == CommHook::AllReduce;
     let mut rows = Vec::new();
     let largest = counts.iter().copied().max().unwrap_or(1);
     for &count in &counts {
-        let timeline = args.timeline.as_ref().filter(|_| count == largest);
-        let mut row = measure(&all, count, &args, timeline)?;
+        let (mut torch_step, mut torch_compute) = (None, None);
         if run_torch {
             match torch(&args, count) {
-                Ok((step, compute)) => {
-                    row.torch_step_ms = Some(step);
-                    row.torch_compute_ms = Some(compute);
-                }
+                Ok((step, compute)) => (torch_step, torch_compute) = (Some(step), Some(compute)),
                 Err(why) => println!("torch anchor on {count} devices did not run: {why}"),
             }
         }
-        let _ = std::io::stdout().flush();
-        rows.push(row);
+        for &priority in &priorities {
+            let timeline = args.timeline.as_ref().filter(|_| count == largest && Some(&priority) == priorities.last());
+            let mut row = measure(&all, count, priority, &args, timeline)?;
+            row.torch_step_ms = torch_step;
+            row.torch_compute_ms = torch_compute;
+            let _ = std::io::stdout().flush();
+            rows.push(row);
+        }
     }
-    let base = rows.iter().find(|r| r.count == 1).cloned();
     let per_sample = |ms: f64| ms / batch(&args) as f64;
     println!(
-        "{:>7} {:>12} {:>12} {:>9} {:>12} {:>12} {:>11} {:>11} {:>11} {:>8} {:>12}",
+        "{:>7} {:>8} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10}",
         "devices",
+        "comm pri",
         "cohort ms",
         "torch ms",
         "c/t",
@@ -449,17 +639,25 @@ fn main() -> Result<(), Error> {
         "compute ms",
         "t compute",
         "allred ms",
+        "in step ms",
+        "exposed ms",
         "hidden",
         "samples/s"
     );
+    let mut methods = Vec::new();
     for r in &rows {
+        let base = rows.iter().find(|b| b.count == 1 && b.priority == r.priority);
         let ratio = r.torch_step_ms.map(|t| r.step_ms / t);
-        let eff = base.as_ref().map(|b| b.step_ms / r.step_ms);
-        let torch_eff = base.as_ref().and_then(|b| Some(b.torch_step_ms? / r.torch_step_ms?));
+        let eff = base.map(|b| b.step_ms / r.step_ms);
+        let torch_eff = base.and_then(|b| Some(b.torch_step_ms? / r.torch_step_ms?));
         let fmt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
+        if let Some(p) = &r.probe {
+            methods.push(p.method);
+        }
         println!(
-            "{:>7} {:>12.2} {:>12} {:>9} {:>12} {:>12} {:>11.2} {:>11} {:>11} {:>8} {:>12.0}",
+            "{:>7} {:>8} {:>10.2} {:>10} {:>7} {:>10} {:>10} {:>10.2} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10.0}",
             r.count,
+            format!("{:?}", r.priority).to_lowercase(),
             r.step_ms,
             fmt(r.torch_step_ms, 2),
             fmt(ratio, 3),
@@ -467,16 +665,29 @@ fn main() -> Result<(), Error> {
             fmt(torch_eff, 3),
             r.compute_ms,
             fmt(r.torch_compute_ms, 2),
-            if r.count > 1 { format!("{:.2}", r.comm_ms) } else { "-".into() },
-            r.hidden().map_or("-".into(), |h| format!("{:.0}%", h * 100.0)),
+            fmt(r.comm_ms, 2),
+            fmt(r.probe.map(|p| p.comm_ms), 2),
+            fmt(r.probe.map(|p| p.exposed_ms), 2),
+            // On the host clock (CPU, wgpu) a device's one server thread ran
+            // the all-reduce between backward's kernels: nothing to hide.
+            r.probe
+                .filter(|p| p.method == TimingMethod::Device)
+                .map_or("-".into(), |p| format!("{:.0}%", p.hidden * 100.0)),
             r.count as f64 * 1e3 / per_sample(r.step_ms),
         );
     }
+    let how = if methods.contains(&TimingMethod::Host) {
+        "the host clock (this backend has no device timestamps, and its one server thread per device runs an all-reduce between backward's kernels: hidden is not shown)"
+    } else {
+        "device timestamps (CUDA events)"
+    };
     println!(
-        "c/t: cohort's step time over torch's (goal ≤ 1.0); eff: throughput per device over 1 device's; hidden: (compute + all-reduce − step) / all-reduce"
+        "c/t: cohort's step time over torch's (goal ≤ 1.0); eff: throughput per device over 1 device's; allred: the buckets' all-reduces alone; in step, exposed, hidden: from {how} over {} steps, per device: a bucket's all-reduce runs from max(its gradients ready on the compute stream, the previous bucket's done) to done on the communication stream; hidden = its time inside [step start, end of backward] / its time; exposed = last done − end of backward",
+        args.probe_steps
     );
     if let Some(path) = &args.plot {
-        plot(path, &rows, &device).map_err(|e| Error::InvalidArgument(format!("--plot {}: {e}", path.display())))?;
+        let high: Vec<Row> = rows.iter().filter(|r| Some(&r.priority) == priorities.last()).cloned().collect();
+        plot(path, &high, &device).map_err(|e| Error::InvalidArgument(format!("--plot {}: {e}", path.display())))?;
         println!("plot: {}", path.display());
     }
     Ok(())

@@ -30,6 +30,21 @@ fn two_gpus_ddp_over_nccl_matches_the_reference_and_keeps_replicas_identical() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_ddp_on_a_high_priority_communication_stream_gives_the_same_bits() {
+    let one: Vec<Client> = devices().into_iter().take(1).collect();
+    common::high_priority_world_gives_the_same_bits(&one);
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_ddp_on_high_priority_communication_streams_gives_the_same_bits() {
+    let all = devices();
+    assert!(all.len() >= 2, "this test needs two GPUs or more, found {}", all.len());
+    common::high_priority_world_gives_the_same_bits(&all);
+}
+
+#[test]
 fn the_cublas_probe_names_the_library_when_it_is_missing_and_never_panics() {
     match cohort_runtime::backend::cuda::cublas_version() {
         Ok(version) => assert!(!version.is_empty()),

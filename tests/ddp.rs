@@ -20,6 +20,12 @@ fn ddp_on_four_cpu_devices_matches_the_reference_and_keeps_replicas_identical() 
 }
 
 #[test]
+fn ddp_on_high_priority_communication_streams_gives_the_same_bits() {
+    let clients: Vec<_> = (0..2).map(|i| CpuRuntime::client(i).unwrap()).collect();
+    common::high_priority_world_gives_the_same_bits(&clients);
+}
+
+#[test]
 fn ddp_on_one_device_matches_local_training() {
     common::every_scenario(&group(1));
 }

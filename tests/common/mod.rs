@@ -168,3 +168,29 @@ pub fn wrong_param(world: &impl Collectives, len: usize) -> Parameter {
         replicas: world.clients().iter().map(|c| Buffer::zeros(c, len).unwrap()).collect(),
     }
 }
+
+/// The world over `clients` on their own streams, and the same devices over
+/// [`cohort_train::ddp::communication_clients`] (a high-priority
+/// communication stream per device): every scenario holds there too, and
+/// both give the same bits: parameters after several steps (buckets and
+/// no_sync), and each hook's averaged gradients.
+pub fn high_priority_world_gives_the_same_bits(clients: &[cohort_runtime::Client]) {
+    use cohort_comm::ClientGroup;
+    use cohort_runtime::StreamPriority;
+    use cohort_train::ddp::{communication_clients, CommHook};
+    let normal = ClientGroup::new(clients.to_vec()).unwrap();
+    let high = ClientGroup::new(communication_clients(clients)).unwrap();
+    assert!(high.clients().iter().all(|c| c.stream_id().priority() == StreamPriority::High));
+    assert!(compute_clients(&high).iter().all(|c| c.stream_id().priority() == StreamPriority::Normal));
+    every_scenario(&high);
+    assert!(
+        train_ddp(&normal, small_buckets(), 4, 2) == train_ddp(&high, small_buckets(), 4, 2),
+        "parameters differ between a normal- and a high-priority communication stream"
+    );
+    for hook in [CommHook::AllReduce, CommHook::Bf16Compress, CommHook::Fp16Compress] {
+        let options = DdpOptions { hook, ..small_buckets() };
+        let (a, b) = (averaged_gradients(&normal, options), averaged_gradients(&high, options));
+        let same = a.iter().zip(&b).all(|(x, y)| x.iter().map(|v| v.to_bits()).eq(y.iter().map(|v| v.to_bits())));
+        assert!(same, "{hook:?}: averaged gradients differ between the two worlds");
+    }
+}

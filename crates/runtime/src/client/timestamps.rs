@@ -113,17 +113,18 @@ impl Client {
         let from = origin.token;
         let tokens: Vec<u64> = stamps.iter().map(|s| s.token).collect();
         let answer = self.device.run(self.stream_id(), move |state| {
-            let taken = |state: &crate::state::DeviceState, token: u64, which: String| match state.timestamps.get(&token) {
-                Some(Ok(_)) => Ok(()),
-                Some(Err(err)) => Err(ServerError::InvalidState {
-                    operation: "timestamps_since",
-                    reason: format!("{which} was not taken: {err}"),
-                }),
-                None => Err(ServerError::InvalidState {
-                    operation: "timestamps_since",
-                    reason: format!("{which} is unknown to this device"),
-                }),
-            };
+            let taken =
+                |state: &crate::state::DeviceState, token: u64, which: String| match state.timestamps.get(&token) {
+                    Some(Ok(_)) => Ok(()),
+                    Some(Err(err)) => Err(ServerError::InvalidState {
+                        operation: "timestamps_since",
+                        reason: format!("{which} was not taken: {err}"),
+                    }),
+                    None => Err(ServerError::InvalidState {
+                        operation: "timestamps_since",
+                        reason: format!("{which} is unknown to this device"),
+                    }),
+                };
             taken(state, from, "the origin".into())?;
             for (i, &t) in tokens.iter().enumerate() {
                 taken(state, t, format!("timestamp {i}"))?;

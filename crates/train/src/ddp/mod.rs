@@ -23,24 +23,31 @@
 //! # What overlaps
 //!
 //! Compute goes to the clients of [`compute_clients`] (a stream of their own
-//! per device); the collectives go through `world`, on the streams of the
-//! world's clients. Where a bucket's all-reduce needs a gradient, the
-//! runtime orders it after the kernel that wrote it with a fence between
-//! the two streams; the optimizer's reads wait for the all-reduce the same
-//! way. On CUDA the two are two CUDA streams: NCCL runs on one while the
-//! rest of backward runs on the other. On the CPU and wgpu backends each
-//! device has one server thread that runs its tasks in order, so a bucket's
-//! all-reduce runs between two of backward's kernels on that device rather
-//! than beside them; devices still run their parts concurrently.
+//! per device, at normal priority); the collectives go through `world`, on
+//! the streams of the world's clients, and so do a compressing hook's casts
+//! to and from 16 bits. Build the world over [`communication_clients`] (each
+//! device's client pinned to a high-priority stream of its own) and those
+//! are the communication streams. Where a bucket's all-reduce needs a
+//! gradient, the runtime orders it after the kernel that wrote it with a
+//! fence between the two streams; the optimizer's reads wait for the
+//! all-reduce the same way. On CUDA the two are two CUDA streams: NCCL runs
+//! on one while the rest of backward runs on the other, and at high
+//! priority the block scheduler starts NCCL's blocks before waiting GEMM
+//! blocks, so a bucket's all-reduce is not starved by the backward that
+//! fills the device. On the CPU and wgpu backends each device has one
+//! server thread that runs its tasks in order (priorities have no effect
+//! there), so a bucket's all-reduce runs between two of backward's kernels
+//! on that device rather than beside them; devices still run their parts
+//! concurrently.
 //!
 //! ```
 //! use cohort_comm::{ClientGroup, Collectives};
 //! use cohort_runtime::{CpuRuntime, Runtime};
-//! use cohort_train::ddp::{compute_clients, DdpOptions, DistributedDataParallel};
+//! use cohort_train::ddp::{communication_clients, compute_clients, DdpOptions, DistributedDataParallel};
 //! use cohort_train::nn::{Mlp, MlpConfig, Sgd, TeacherData};
 //!
 //! # fn main() -> Result<(), cohort_comm::Error> {
-//! let world = ClientGroup::new(CpuRuntime::clients()?)?;
+//! let world = ClientGroup::new(communication_clients(&CpuRuntime::clients()?))?;
 //! let clients = compute_clients(&world);
 //! let config = MlpConfig { width: 32, depth: 2 };
 //! let rows = 8;
@@ -65,7 +72,7 @@ mod buckets;
 mod shapes;
 
 use cohort_comm::{Buffer, Collectives, Error, ReduceOp, Work};
-use cohort_runtime::{Client, KernelArguments, StreamId};
+use cohort_runtime::{Client, KernelArguments, StreamId, StreamPriority};
 use half::{bf16, f16};
 
 use crate::nn::kernels::{cover, kernels, U32s};
@@ -149,6 +156,16 @@ struct Bucket {
 /// clients' streams) can run beside them.
 pub fn compute_clients(world: &impl Collectives) -> Vec<Client> {
     world.clients().iter().map(|c| c.with_stream(StreamId::fresh())).collect()
+}
+
+/// Each of `clients` pinned to a fresh high-priority stream of its own: the
+/// clients to build the world over (`ClientGroup::new`, `World::join`,
+/// `Communicator::from_env`), so that the buckets' all-reduces and a hook's
+/// casts run on a communication stream per device that the device
+/// schedules ahead of compute (CUDA; no effect on the CPU and wgpu
+/// backends, see [`StreamPriority`]).
+pub fn communication_clients(clients: &[Client]) -> Vec<Client> {
+    clients.iter().map(|c| c.with_stream(StreamId::fresh_with_priority(StreamPriority::High))).collect()
 }
 
 /// Data-parallel gradients over `world`: see the [module](self) for what it
@@ -307,7 +324,7 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
     /// (an error names the first that was not). Every bucket that filled
     /// with synchronisation on has its all-reduce queued by now; a
     /// compressing hook's cast back to f32 of those buckets is queued here,
-    /// on the compute streams (buckets that filled under `no_sync` keep
+    /// on the world's (communication) streams (buckets that filled under `no_sync` keep
     /// their local sums, whether `finish` is called inside it or after).
     /// Returns at once; the optimizer's reads of the gradients wait for the
     /// collectives.
@@ -336,7 +353,8 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
                         .buffer(packed.handle(r))
                         .buffer(flat.handle())
                         .u32s([bucket.plan.len, format_of(self.hook)]);
-                    flat.client().launch(decompress, cover(bucket.plan.len / 2), args)?;
+                    // On the communication stream, behind the all-reduce.
+                    self.world.clients()[r].launch(decompress, cover(bucket.plan.len / 2), args)?;
                 }
             }
         }
@@ -378,7 +396,9 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
                         .buffer(flat.handle())
                         .buffer(packed.handle(r))
                         .u32s([bucket.plan.len, format_of(self.hook)]);
-                    flat.client().launch(compress, cover(bucket.plan.len / 2), args)?;
+                    // On the communication stream (ordered after the
+                    // gradients' writes by a fence), not behind backward.
+                    self.world.clients()[r].launch(compress, cover(bucket.plan.len / 2), args)?;
                 }
                 match packed {
                     Packed::Bf16(p) => self.world.all_reduce(p, p, ReduceOp::Avg)?,
