@@ -2,7 +2,8 @@
 //! and over NCCL on every GPU of the machine (`two_gpus_`), the same
 //! scenarios as on the CPU: buckets overlapped with backward on two
 //! streams and no_sync against an all-reduce after the whole backward,
-//! bit-identical replicas, the hooks' tolerance. Ignored without a GPU.
+//! bit-identical replicas, the hooks' tolerance; and the same bits with the
+//! world on high-priority communication streams. Ignored without a GPU.
 
 mod common;
 

@@ -1,7 +1,8 @@
 //! DistributedDataParallel on CPU devices in one process (a ClientGroup):
 //! buckets, overlap and no_sync against an all-reduce after the whole
-//! backward, bit-identical replicas, the compression hooks' tolerance, and
-//! the errors of bad registrations.
+//! backward, bit-identical replicas, the compression hooks' tolerance, the
+//! same bits with the world on high-priority communication streams, and the
+//! errors of bad registrations.
 
 mod common;
 
