@@ -41,6 +41,7 @@ use parking_lot::Mutex;
 
 use crate::check::{overlaps, same_bytes};
 use crate::device::ask;
+use crate::device::fusion::{self, Bucket};
 use crate::error::CommError;
 use crate::meeting::Ticket;
 use crate::op::{Collective, Op};
@@ -49,7 +50,7 @@ use crate::store::StoreClient;
 mod call;
 mod peer;
 
-pub(crate) use call::{NcclCall, PartLayout};
+pub(crate) use call::{NcclCall, PartFusion, PartLayout};
 
 use super::error::ConnectError;
 use super::failure::Failure;
@@ -232,6 +233,9 @@ impl Nccl {
         let devices = self.clients.iter().map(Client::device_id).collect();
         let call = NcclCall::new(self.clone(), world.clone(), fp, devices, timeout);
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
+        // The same buckets on every member (they follow from the calls).
+        let ops: Vec<Op> = calls.iter().map(|(op, _, _)| *op).collect();
+        let fused: Arc<[Bucket]> = fusion::buckets(&ops, fusion::cap()).into();
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output): (Vec<Handle>, Vec<Handle>) = (Vec::new(), Vec::new());
@@ -257,15 +261,23 @@ impl Nccl {
                 }
                 layout.push(part);
             }
+            // Each bucket's scratch (from the pool), after the outputs.
+            let mut scratch: Vec<usize> = Vec::with_capacity(fused.len());
+            for bucket in fused.iter() {
+                scratch.push(output.len());
+                output.push(client.empty(bucket.bytes as usize));
+            }
             // Bindings number inputs first, then outputs.
             let inputs_here = input.len();
             for part in &mut layout {
                 part.output = part.output.map(|o| o + inputs_here);
                 part.scratch = part.scratch.map(|o| o + inputs_here);
             }
+            let scratch: Vec<usize> = scratch.into_iter().map(|o| o + inputs_here).collect();
+            let fusion = PartFusion { buckets: fused.clone(), scratch };
             let ticket = Ticket::new(&call, slot);
             let queued = client.submit_buffers_always(name, input, output, move |access| {
-                ticket.run(|call, slot| call.run_part(slot, access, &layout))
+                ticket.run(|call, slot| call.run_part(slot, access, &layout, &fusion))
             });
             if let Err(source) = queued {
                 let err = CommError::Enqueue { operation: name, member: slot, device: client.device_id(), source };
