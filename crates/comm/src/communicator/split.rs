@@ -26,8 +26,10 @@
 //! devices, listed next to each other (member `i` of the group is the
 //! group's local device `i mod L'` on its rank `i / L'`).
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cohort_runtime::{Client, Handle};
 use parking_lot::Mutex;
@@ -145,6 +147,15 @@ impl Communicator {
         self.inner.label.ranks.clone()
     }
 
+    /// How long each phase of this thread's last split took, in order:
+    /// `exchange` (the all-gather of every member's color and key),
+    /// `device split` (`ncclCommSplit` on every local device, on NCCL only),
+    /// `form` (the group's store rendezvous, links and heartbeat). For
+    /// benchmarks (`examples/split_bench.rs`); empty before any split.
+    pub fn last_split_phases() -> Vec<(&'static str, Duration)> {
+        SPLIT_PHASES.with(|p| p.borrow().clone())
+    }
+
     /// The split: the exchange, the checks, then each group with a local
     /// member formed in color order.
     fn split_by(
@@ -153,7 +164,9 @@ impl Communicator {
         asks: Vec<Ask>,
         problem: Option<String>,
     ) -> Result<Vec<Option<Communicator>>, CommError> {
+        let mut phases = Phases::start();
         let all = self.exchange_asks(operation, &asks)?;
+        phases.passed("exchange");
         let n = self.inner.splits.fetch_add(1, Ordering::Relaxed);
         let (l, size) = (self.local_devices(), self.size());
         let label = self.inner.label.clone();
@@ -189,6 +202,7 @@ impl Communicator {
                 let sets = nccl
                     .split(&mine, SHARE, self.timeout())
                     .map_err(|detail| CommError::GroupSetup { operation, detail })?;
+                phases.passed("device split");
                 Some(sets)
             }
             None => None,
@@ -204,6 +218,8 @@ impl Communicator {
                 out[m % l] = Some(comm.clone());
             }
         }
+        phases.passed("form");
+        phases.keep();
         Ok(out)
     }
 
@@ -268,6 +284,34 @@ impl Communicator {
                 _server: None,
             }),
         })
+    }
+}
+
+thread_local! {
+    /// This thread's last split's phases ([`Communicator::last_split_phases`]).
+    static SPLIT_PHASES: RefCell<Vec<(&'static str, Duration)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The phases of one split as it passes them.
+struct Phases {
+    last: Instant,
+    passed: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    fn start() -> Phases {
+        Phases { last: Instant::now(), passed: Vec::new() }
+    }
+
+    fn passed(&mut self, phase: &'static str) {
+        let now = Instant::now();
+        self.passed.push((phase, now - self.last));
+        self.last = now;
+    }
+
+    /// Keeps them as this thread's last split's.
+    fn keep(self) {
+        SPLIT_PHASES.with(|p| *p.borrow_mut() = self.passed);
     }
 }
 
