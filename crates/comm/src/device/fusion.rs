@@ -60,8 +60,9 @@ pub(crate) struct Bucket {
 }
 
 /// The cap on one bucket in bytes from `COHORT_FUSION_MB` (read once; an
-/// unusable value means the default, and is refused with a message where
-/// configuration is checked); 0 turns fusion off.
+/// unusable value is refused by `ClientGroup::new` and
+/// `Communicator::connect`, and means the default here); 0 turns fusion
+/// off.
 pub(crate) fn cap() -> u64 {
     static CAP: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *CAP.get_or_init(|| {
