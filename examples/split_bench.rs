@@ -1,11 +1,16 @@
 //! `split` against a fresh communicator for the same members: the time from
 //! the call until a first all-reduce on the result has finished (every rank
-//! joins one group, so both communicators hold the same members). On NCCL a
-//! split is `ncclCommSplit` of the parent with shared resources, a fresh
-//! communicator its own rendezvous, links and `ncclCommInitRank`; on the
+//! joins one group, so both communicators hold the same members). On NCCL
+//! such a group (every rank, in the parent's order) runs on the parent's
+//! NCCL communicator, and a split that reorders or leaves out ranks is
+//! `ncclCommSplit` of the parent with shared resources (timed too, with two
+//! ranks or more: the ranks reversed); a fresh communicator is its own
+//! rendezvous, links and `ncclCommInitRank`; on the
 //! host a split forms only the group's links over the parent's store
 //! connection. Prints the median of each over the iterations and the ratio
-//! split / fresh (goal ≤ 0.2× on NCCL).
+//! split / fresh (goal ≤ 0.2× on NCCL), then where each one's time goes;
+//! on NCCL also `ncclCommSplit` alone against the NCCL communicator's
+//! creation alone (what the library allows).
 //!
 //! Across processes (rank 0 prints):
 //! `cohort run -n 2 -- target/release/examples/split_bench [iterations] [cpu|cuda]`
@@ -36,8 +41,41 @@ fn first_collective(comm: &Communicator) -> Result<(), Error> {
     }
 }
 
+/// Times of one round: the split's call and phases, its group's first
+/// collective, the fresh communicator's connect, first and second
+/// collectives.
+#[derive(Default, Clone)]
+struct Round {
+    split: Duration,
+    phases: Vec<(&'static str, Duration)>,
+    split_first: Duration,
+    connect: Duration,
+    fresh_first: Duration,
+    fresh_second: Duration,
+    /// A split that reverses the ranks (with two or more): a real
+    /// `ncclCommSplit` on NCCL, where a group of every rank in order runs
+    /// on the parent's communicator.
+    reversed: Duration,
+}
+
+/// Times `f`.
+fn timed<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<(T, Duration), Error> {
+    let start = Instant::now();
+    let out = f()?;
+    Ok((out, start.elapsed()))
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
 /// The medians of `split` and of `fresh()` over `iters`, each timed to the
-/// end of its first collective; prints them on rank 0.
+/// end of its first collective; prints them on rank 0, with where the time
+/// goes: the split's phases (`Communicator::last_split_phases`: on NCCL
+/// `device split` is `ncclCommSplit` on every local device) and the fresh
+/// communicator's connect and first collective (on NCCL its first
+/// collective makes the NCCL communicator, `ncclCommInitRank`; a second
+/// collective's time is taken off to leave the creation alone).
 fn bench(
     name: &str,
     comm: &Communicator,
@@ -45,23 +83,33 @@ fn bench(
     fresh: impl Fn() -> Result<Communicator, Error>,
 ) -> Result<(), Error> {
     first_collective(comm)?;
-    let (mut split, mut new) = (Vec::new(), Vec::new());
+    let mut rounds = Vec::new();
     for _ in 0..iters + 1 {
+        let mut r = Round::default();
         comm.barrier()?;
-        let start = Instant::now();
-        let group = comm.split(Some(0), comm.rank() as i64)?.expect("every rank joins");
-        first_collective(&group)?;
-        split.push(start.elapsed());
+        let (group, split) = timed(|| Ok(comm.split(Some(0), comm.rank() as i64)?.expect("every rank joins")))?;
+        r.phases = Communicator::last_split_phases();
+        r.split_first = timed(|| first_collective(&group))?.1;
+        r.split = split;
         drop(group);
         comm.barrier()?;
-        let start = Instant::now();
-        let other = fresh()?;
-        first_collective(&other)?;
-        new.push(start.elapsed());
+        let (other, connect) = timed(&fresh)?;
+        r.connect = connect;
+        r.fresh_first = timed(|| first_collective(&other))?.1;
+        r.fresh_second = timed(|| first_collective(&other))?.1;
         drop(other);
+        if comm.size() > 1 {
+            comm.barrier()?;
+            let (group, split) = timed(|| Ok(comm.split(Some(0), -(comm.rank() as i64))?.expect("every rank joins")))?;
+            r.reversed = split + timed(|| first_collective(&group))?.1;
+        }
+        rounds.push(r);
     }
     // The first round warms both up.
-    let (s, f) = (median(split.split_off(1)), median(new.split_off(1)));
+    rounds.remove(0);
+    let med = |f: &dyn Fn(&Round) -> Duration| median(rounds.iter().map(f).collect());
+    let s = med(&|r| r.split + r.split_first);
+    let f = med(&|r| r.connect + r.fresh_first);
     if comm.rank() == 0 {
         println!(
             "{name:<5} {} ranks x {} devices  {:?}  split {:>8.2} ms  fresh communicator {:>8.2} ms  ratio split/fresh \
@@ -69,10 +117,46 @@ fn bench(
             comm.size(),
             comm.local_devices(),
             comm.transport(),
-            s.as_secs_f64() * 1e3,
-            f.as_secs_f64() * 1e3,
+            ms(s),
+            ms(f),
             s.as_secs_f64() / f.as_secs_f64()
         );
+        let phases: Vec<String> = rounds[0]
+            .phases
+            .iter()
+            .enumerate()
+            .map(|(i, (phase, _))| {
+                format!("{phase} {:.2}", ms(med(&|r| r.phases.get(i).map_or(Duration::ZERO, |p| p.1))))
+            })
+            .collect();
+        let creation = med(&|r| r.fresh_first.saturating_sub(r.fresh_second));
+        println!(
+            "      split: {} ms, first collective {:.2} ms | fresh: connect {:.2} ms, first collective {:.2} ms \
+             (second {:.2} ms: creation {:.2} ms)",
+            phases.join(", "),
+            ms(med(&|r| r.split_first)),
+            ms(med(&|r| r.connect)),
+            ms(med(&|r| r.fresh_first)),
+            ms(med(&|r| r.fresh_second)),
+            ms(creation),
+        );
+        if comm.size() > 1 {
+            let reversed = med(&|r| r.reversed);
+            println!(
+                "      split reversing the ranks {:.2} ms: ratio reversed/fresh {:.3}x",
+                ms(reversed),
+                reversed.as_secs_f64() / f.as_secs_f64()
+            );
+        }
+        if let Some(device) = rounds[0].phases.iter().position(|(p, _)| *p == "device split") {
+            let alone = med(&|r| r.phases[device].1);
+            println!(
+                "      the library alone: device split {:.2} ms against creation {:.2} ms = {:.3}x",
+                ms(alone),
+                ms(creation),
+                alone.as_secs_f64() / creation.as_secs_f64()
+            );
+        }
     }
     Ok(())
 }

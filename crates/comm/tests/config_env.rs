@@ -1,7 +1,8 @@
 //! A `COHORT_*` variable that cannot be used is an error naming it, returned
 //! by the constructor that reads it: `ClientGroup::new` and
 //! `Communicator::connect` (`COHORT_TIMEOUT`, which neither read in silence
-//! as 600 s nor panic on any more), `CpuRuntime::client` (`COHORT_CPU_DEVICES`).
+//! as 600 s nor panic on any more; `COHORT_FLIGHT_RECORDER`,
+//! `COHORT_FUSION_MB`), `CpuRuntime::client` (`COHORT_CPU_DEVICES`).
 //!
 //! One test: the environment is the process's, so the cases run in order.
 
@@ -35,6 +36,17 @@ fn unusable_values_are_errors_naming_the_variable() {
     let err = ClientGroup::new(clients.clone()).expect_err("an unusable recorder size");
     assert!(err.to_string().contains("COHORT_FLIGHT_RECORDER=\"lots\""), "{err}");
     std::env::remove_var("COHORT_FLIGHT_RECORDER");
+
+    for bad in ["lots", "-1", "1.5"] {
+        std::env::set_var("COHORT_FUSION_MB", bad);
+        let err = ClientGroup::new(clients.clone()).expect_err("an unusable fusion cap");
+        assert!(err.to_string().contains(&format!("COHORT_FUSION_MB=\"{bad}\"")), "{err}");
+        let err = Communicator::connect(0, 1, "127.0.0.1:9", "secret", clients.clone()).expect_err(bad);
+        assert!(err.to_string().contains("COHORT_FUSION_MB"), "{bad}: {err}");
+    }
+    std::env::set_var("COHORT_FUSION_MB", "0");
+    ClientGroup::new(clients.clone()).expect("0 turns fusion off");
+    std::env::remove_var("COHORT_FUSION_MB");
 
     std::env::set_var("COHORT_TRANSPORT", "carrier-pigeon");
     let err = Communicator::from_env(clients.clone()).expect_err("an unusable transport");

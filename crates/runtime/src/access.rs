@@ -93,6 +93,19 @@ impl BufferAccess<'_> {
         self.state.backend.copy(self.stream, s, d)
     }
 
+    /// Copies every region of `regions` between this task's buffers on the
+    /// device, as one operation queued on the task's stream (see
+    /// [`crate::copy_regions`]); does not wait. Refuses, before copying
+    /// anything, a region past its buffer and destinations that overlap
+    /// another region's bytes.
+    pub fn copy_regions(&mut self, regions: &[crate::CopyRegion]) -> Result<(), ServerError> {
+        let pairs = crate::copy_regions::resolve(&self.bindings, regions)?;
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        self.state.backend.copy_regions(self.stream, &pairs)
+    }
+
     /// Waits for the stream's queued work.
     pub fn sync(&mut self) -> Result<(), ServerError> {
         self.state.backend.sync(self.stream)

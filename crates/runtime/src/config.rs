@@ -572,6 +572,16 @@ pub static NCCL_SINGLE: Param<bool> = Param::new(
     parse_flag,
 );
 
+/// The cap on one fused buffer of a grouped call's all-reduces.
+pub static FUSION_MB: Param<usize> = Param::new(
+    "COHORT_FUSION_MB",
+    64,
+    "64",
+    "MiB of one fused buffer: a grouped call's NCCL all-reduces of one element type and operator are packed into buffers of at most this size, each reduced by one NCCL all-reduce (0 turns fusion off); every rank must agree",
+    "a whole number of MiB (0 turns fusion off)",
+    parse_mib,
+);
+
 /// Which path device all-reduces and all-gathers take.
 pub static ALGO: Param<AlgoChoice> = Param::new(
     "COHORT_ALGO",
@@ -701,7 +711,7 @@ pub static NNODES: Param<u32> = Param::new(
 
 /// Every variable cohort reads, in the order `cohort config` and
 /// `docs/configuration.md` list them.
-pub static ALL: [&dyn Setting; 22] = [
+pub static ALL: [&dyn Setting; 23] = [
     &JOB_SECRET,
     &STORE_ADDR,
     &TIMEOUT,
@@ -711,6 +721,7 @@ pub static ALL: [&dyn Setting; 22] = [
     &TRANSPORT,
     &DISABLE_NCCL,
     &NCCL_SINGLE,
+    &FUSION_MB,
     &ALGO,
     &NCCL_LIBRARY,
     &PINNED_LIMIT_MB,
@@ -845,7 +856,7 @@ mod tests {
     #[test]
     fn every_typed_default_is_its_documented_default() {
         assert_eq!(TIMEOUT.parse_value(os(TIMEOUT.default)), Ok(TIMEOUT.fallback));
-        for p in [&CPU_DEVICES, &PINNED_LIMIT_MB, &SHM_RING, &FLIGHT_RECORDER] {
+        for p in [&CPU_DEVICES, &PINNED_LIMIT_MB, &SHM_RING, &FLIGHT_RECORDER, &FUSION_MB] {
             assert_eq!(p.parse_value(os(p.default)), Ok(p.fallback), "{}", p.name);
         }
         for p in [&DISABLE_NCCL, &NCCL_SINGLE, &DESYNC_CHECK] {

@@ -89,9 +89,17 @@ impl Communicator {
         let mut issued = self.inner.issued.lock();
         *issued += 1;
         let ops: Vec<Op> = calls.iter().map(|c| c.0).collect();
-        let fp = Fingerprint::of_group(*issued, &ops);
+        let mut fp = Fingerprint::of_group(*issued, &ops);
         let nccl = self.inner.nccl.as_ref();
         if let Some(nccl) = nccl.filter(|n| calls.iter().all(|(op, i, o)| n.takes(op, i, o))) {
+            // Every rank must fuse the same all-reduces (`device::fusion`):
+            // a rank with another `COHORT_FUSION_MB` is a mismatch.
+            if let Some(group) = &mut fp.group {
+                group.digest = crate::digest::Fnv1a::default()
+                    .write(group.digest.to_le_bytes())
+                    .write(crate::device::fusion::cap().to_le_bytes())
+                    .finish();
+            }
             let tracker = self.inner.observer.queued(fp);
             let meeting = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls);
             drop((issued, order));

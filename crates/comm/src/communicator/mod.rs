@@ -188,7 +188,7 @@ impl Communicator {
         }
         crate::check::check_clients(&clients)?;
         let timeout = default_timeout()?;
-        config::check(&[&config::FLIGHT_RECORDER, &config::DESYNC_CHECK, &config::SHM_RING])?;
+        config::check(&[&config::FLIGHT_RECORDER, &config::DESYNC_CHECK, &config::SHM_RING, &config::FUSION_MB])?;
         let store = StoreClient::connect(store_addr, secret, timeout)?;
         let world = match given {
             #[cfg(feature = "mpi")]

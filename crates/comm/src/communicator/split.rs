@@ -15,7 +15,14 @@
 //!   is gone), the job's node identity, member numbering by job rank in
 //!   every message and flight record, and on NCCL the parent's
 //!   communicator, which `ncclCommSplit` splits with `splitShare` (the
-//!   parent's buffers and connections shared where NCCL allows);
+//!   parent's buffers and connections shared where NCCL allows). A split
+//!   whose one group holds every member in the parent's order (a 1-D mesh,
+//!   `split(Some(c), 0)` everywhere) makes no NCCL communicator at all: the
+//!   group runs on the parent's (NCCL would make the same one, at the cost
+//!   of a fresh creation), which it leaves to the parent to release. Its
+//!   collectives still have their own sequence numbers, fingerprints and
+//!   host links; a failure that aborts the NCCL communicator ends the
+//!   parent's NCCL calls too, since they are one communicator;
 //! - **its own**: its host links (shared-memory rings within a node, TCP
 //!   across), so its collectives never interleave with the parent's or a
 //!   sibling's bytes and groups may run in any order with respect to each
@@ -26,8 +33,10 @@
 //! devices, listed next to each other (member `i` of the group is the
 //! group's local device `i mod L'` on its rank `i / L'`).
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cohort_runtime::{Client, Handle};
 use parking_lot::Mutex;
@@ -145,6 +154,15 @@ impl Communicator {
         self.inner.label.ranks.clone()
     }
 
+    /// How long each phase of this thread's last split took, in order:
+    /// `exchange` (the all-gather of every member's color and key),
+    /// `device split` (`ncclCommSplit` on every local device, on NCCL only),
+    /// `form` (the group's store rendezvous, links and heartbeat). For
+    /// benchmarks (`examples/split_bench.rs`); empty before any split.
+    pub fn last_split_phases() -> Vec<(&'static str, Duration)> {
+        SPLIT_PHASES.with(|p| p.borrow().clone())
+    }
+
     /// The split: the exchange, the checks, then each group with a local
     /// member formed in color order.
     fn split_by(
@@ -153,7 +171,9 @@ impl Communicator {
         asks: Vec<Ask>,
         problem: Option<String>,
     ) -> Result<Vec<Option<Communicator>>, CommError> {
+        let mut phases = Phases::start();
         let all = self.exchange_asks(operation, &asks)?;
+        phases.passed("exchange");
         let n = self.inner.splits.fetch_add(1, Ordering::Relaxed);
         let (l, size) = (self.local_devices(), self.size());
         let label = self.inner.label.clone();
@@ -175,7 +195,12 @@ impl Communicator {
         let planned = plan(&all, l).map_err(|detail| CommError::InvalidGroup { operation, detail })?;
         // On NCCL every device of every rank splits the parent (also those
         // joining no group), each group's NCCL rank being its member index.
+        // A single group of every member in the parent's order is the
+        // parent's NCCL communicator again: it runs on that one (every rank
+        // plans alike, so none calls ncclCommSplit).
+        let whole = planned.len() == 1 && planned[0].members.iter().copied().eq(0..all.len());
         let sets = match &self.inner.nccl {
+            Some(nccl) if whole => Some(vec![(0, nccl.key())]),
             Some(nccl) => {
                 let first = self.rank() * l;
                 let mine: Vec<Option<(u32, usize)>> = (0..l)
@@ -189,6 +214,7 @@ impl Communicator {
                 let sets = nccl
                     .split(&mine, SHARE, self.timeout())
                     .map_err(|detail| CommError::GroupSetup { operation, detail })?;
+                phases.passed("device split");
                 Some(sets)
             }
             None => None,
@@ -204,6 +230,8 @@ impl Communicator {
                 out[m % l] = Some(comm.clone());
             }
         }
+        phases.passed("form");
+        phases.keep();
         Ok(out)
     }
 
@@ -268,6 +296,34 @@ impl Communicator {
                 _server: None,
             }),
         })
+    }
+}
+
+thread_local! {
+    /// This thread's last split's phases ([`Communicator::last_split_phases`]).
+    static SPLIT_PHASES: RefCell<Vec<(&'static str, Duration)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The phases of one split as it passes them.
+struct Phases {
+    last: Instant,
+    passed: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    fn start() -> Phases {
+        Phases { last: Instant::now(), passed: Vec::new() }
+    }
+
+    fn passed(&mut self, phase: &'static str) {
+        let now = Instant::now();
+        self.passed.push((phase, now - self.last));
+        self.last = now;
+    }
+
+    /// Keeps them as this thread's last split's.
+    fn keep(self) {
+        SPLIT_PHASES.with(|p| *p.borrow_mut() = self.passed);
     }
 }
 

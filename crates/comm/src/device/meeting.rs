@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerSpec, PeerToken};
 use cohort_runtime::{BufferAccess, DeviceId, ServerError};
 
+use super::fusion::{self, Bucket};
 use super::plan::{self, Shape};
 use super::{forget, Mode, NcclSet};
 use crate::meeting::{Gathering, Meeting, Seat, Seated};
@@ -41,6 +42,8 @@ pub(crate) struct DeviceCollective {
     /// call are several, all on one NCCL communicator (`ops[0]` alone runs
     /// on the other modes).
     ops: Vec<Op>,
+    /// The grouped all-reduces fused on NCCL (see `fusion`).
+    buckets: Vec<Bucket>,
     meeting: Meeting<DeviceState>,
 }
 
@@ -62,6 +65,7 @@ impl DeviceCollective {
     /// `ncclGroupStart/End` per part) among `parts`.
     pub(crate) fn grouped(
         ops: Vec<Op>,
+        buckets: Vec<Bucket>,
         name: &'static str,
         parts: Vec<(usize, DeviceId)>,
         timeout: Duration,
@@ -69,7 +73,7 @@ impl DeviceCollective {
         let state =
             DeviceState { finished: vec![false; parts.len()], tokens: [None, None], arenas: vec![0; parts.len()] };
         let seats = parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
-        Arc::new(DeviceCollective { ops, meeting: Meeting::new(name, seats, timeout, state) })
+        Arc::new(DeviceCollective { ops, buckets, meeting: Meeting::new(name, seats, timeout, state) })
     }
 
     fn fail(&self, err: ServerError) -> ServerError {
@@ -93,6 +97,7 @@ impl DeviceCollective {
         access: Result<&mut BufferAccess<'_>, ServerError>,
         mode: &Mode,
         shapes: &[Shape],
+        scratch: &[usize],
         tracked: Option<Arc<Watched>>,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
@@ -159,15 +164,30 @@ impl DeviceCollective {
                 let inputs = shapes.iter().filter(|s| s.input).count();
                 let (mut next_in, mut next_out) = (0, inputs);
                 let mut calls = Vec::new();
+                let mut at = Vec::with_capacity(self.ops.len());
+                let mut unfused = Vec::with_capacity(self.ops.len());
                 for (op, shape) in self.ops.iter().zip(shapes) {
                     let (at_in, at_out) = (next_in, next_out);
                     let buffers = shape.bind_at(|i| access.binding(if i == 0 { at_in } else { at_out + i - 1 }));
                     next_in += usize::from(shape.input);
                     next_out += usize::from(shape.output) + usize::from(shape.scratch);
-                    calls.extend(plan::nccl_calls(op, slot, self.meeting.len(), &buffers));
+                    at.push((at_in, at_out));
+                    unfused.push((op, buffers));
                 }
+                // Fused all-reduces: packed into each bucket's scratch
+                // first, one call per bucket, unpacked after.
+                let fused = fusion::part(&self.buckets, self.ops.len(), scratch, |c| at[c], |i| access.binding(i));
+                for ((op, buffers), fused) in unfused.iter().zip(&fused.fused) {
+                    if !fused {
+                        calls.extend(plan::nccl_calls(op, slot, self.meeting.len(), buffers));
+                    }
+                }
+                calls.extend(fused.calls.iter().copied());
                 if calls.is_empty() {
                     Ok(())
+                } else if let Err(err) = access.copy_regions(&fused.pack) {
+                    forget(set);
+                    return Err(self.fail(err));
                 } else {
                     let spec =
                         CommSpec { set: set.key, rank: slot, ranks: self.meeting.len(), unique_id: &set.unique_id };
@@ -176,7 +196,9 @@ impl DeviceCollective {
                     let completion =
                         if op.collective() == Collective::Barrier { Completion::Wait } else { Completion::Defer };
                     let monitor = Arc::new(PartMonitor { collective: self.clone(), slot, set: set.clone(), tracked });
-                    let result = access.run_collective(&spec, &calls, monitor, completion);
+                    let result = access
+                        .run_collective(&spec, &calls, monitor, completion)
+                        .and_then(|()| access.copy_regions(&fused.unpack));
                     if result.is_err() {
                         forget(set);
                     }

@@ -14,6 +14,7 @@
 //! out by rank), so a communicator is kept per device set *and* member
 //! order: every group over the same devices in the same order shares it.
 
+pub(crate) mod fusion;
 mod meeting;
 pub mod peer;
 pub(crate) mod plan;
@@ -231,7 +232,13 @@ pub(crate) fn launch_grouped(
     let devices = calls[0].1.iter().map(|p| (p.member, clients[p.member].device_id())).collect();
     let members: Vec<usize> = calls[0].1.iter().map(|p| p.member).collect();
     let ops: Vec<Op> = calls.iter().map(|(op, _)| *op).collect();
-    let meeting = DeviceCollective::grouped(ops, operation, devices, timeout);
+    // A grouped call's all-reduces on NCCL fuse (see `fusion`).
+    let buckets = match mode {
+        Mode::Nccl(_) => fusion::buckets(&ops, fusion::cap()),
+        _ => Vec::new(),
+    };
+    let bucket_bytes: Vec<u64> = buckets.iter().map(|b| b.bytes).collect();
+    let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout);
     // Per slot: sources, then destinations and scratch, and each call's shape.
     let mut slots: Vec<(Vec<Handle>, Vec<Handle>, Vec<plan::Shape>)> = vec![Default::default(); n];
     for (op, parts) in calls {
@@ -257,7 +264,18 @@ pub(crate) fn launch_grouped(
     let tasks: Vec<_> = slots
         .into_iter()
         .enumerate()
-        .map(|(slot, (inputs, outputs, shapes))| (members[slot], inputs, outputs, Ticket::new(&meeting, slot), shapes))
+        .map(|(slot, (inputs, mut outputs, shapes))| {
+            // Each bucket's scratch (from the pool), after every other buffer.
+            let client = &clients[members[slot]];
+            let scratch: Vec<usize> = bucket_bytes
+                .iter()
+                .map(|&bytes| {
+                    outputs.push(client.empty(bytes as usize));
+                    inputs.len() + outputs.len() - 1
+                })
+                .collect();
+            (members[slot], inputs, outputs, Ticket::new(&meeting, slot), (shapes, scratch))
+        })
         .collect();
     let mut failed = None;
     let order = enqueue_lock();
@@ -268,7 +286,8 @@ pub(crate) fn launch_grouped(
         // Recorded when the member's stream is capturing: the group refused
         // every mode that does more than queue device work (see launch).
         let queued = client.submit_buffers_recorded(operation, inputs, outputs, move |access| {
-            let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, &shapes, tracked.clone()));
+            let (shapes, scratch) = &shapes;
+            let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, shapes, scratch, tracked.clone()));
             if let Some(t) = &tracked {
                 t.note(&result);
             }

@@ -85,7 +85,7 @@ impl ClientGroup {
     pub fn new(clients: Vec<Client>) -> Result<ClientGroup, CommError> {
         crate::check::check_clients(&clients)?;
         let timeout = default_timeout()?;
-        config::check(&[&config::NCCL_SINGLE, &config::FLIGHT_RECORDER, &config::ALGO])?;
+        config::check(&[&config::NCCL_SINGLE, &config::FLIGHT_RECORDER, &config::ALGO, &config::FUSION_MB])?;
         let communicator = communicator(&clients);
         let direct = communicator.host_addressable();
         let route = device::choose(&clients);

@@ -99,6 +99,14 @@ pub trait Backend: 'static {
     /// Copies `src` into `dst` on the device (equal sizes).
     fn copy(&mut self, stream: StreamId, src: Binding, dst: Binding) -> Result<(), ServerError>;
 
+    /// Copies each (source, destination) pair of `regions` (equal sizes, no
+    /// destination overlapping another pair's bytes: checked by the
+    /// caller) on the device, after the stream's earlier work; does not
+    /// wait. The default copies pair by pair; CUDA runs one kernel.
+    fn copy_regions(&mut self, stream: StreamId, regions: &[(Binding, Binding)]) -> Result<(), ServerError> {
+        regions.iter().try_for_each(|&(src, dst)| self.copy(stream, src, dst))
+    }
+
     /// Queues `kernel` on the stream. Errors known at launch time (no source,
     /// compile error, invalid arguments) are returned; faults found later are
     /// returned by the next `sync`.

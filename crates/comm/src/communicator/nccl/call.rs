@@ -17,6 +17,7 @@ use crate::communicator::failure::{Failure, FailureKind};
 use crate::communicator::fingerprint::Fingerprint;
 use crate::communicator::keys;
 use crate::communicator::world::World;
+use crate::device::fusion::{self, Bucket};
 use crate::device::plan::{self, Buffers};
 use crate::meeting::{Gathering, Meeting, Seat, Seated};
 use crate::op::Collective;
@@ -30,6 +31,14 @@ pub(crate) struct PartLayout {
     pub input: Option<usize>,
     pub output: Option<usize>,
     pub scratch: Option<usize>,
+}
+
+/// A part's fused all-reduces: the group's buckets (the same on every
+/// member) and, by bucket, the binding of this part's scratch buffer.
+#[derive(Debug, Clone)]
+pub(crate) struct PartFusion {
+    pub buckets: Arc<[Bucket]>,
+    pub scratch: Vec<usize>,
 }
 
 /// What an NCCL-path call keeps in its meeting.
@@ -179,9 +188,10 @@ impl NcclCall {
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
         layout: &[PartLayout],
+        fusion: &PartFusion,
     ) -> Result<(), ServerError> {
         let mut handed = false;
-        let result = self.queue_part(slot, access, layout, &mut handed);
+        let result = self.queue_part(slot, access, layout, fusion, &mut handed);
         if !handed {
             self.end_part(slot);
         }
@@ -193,6 +203,7 @@ impl NcclCall {
         slot: usize,
         access: Result<&mut BufferAccess<'_>, ServerError>,
         layout: &[PartLayout],
+        fusion: &PartFusion,
         handed: &mut bool,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
@@ -223,11 +234,28 @@ impl NcclCall {
                 self.fail(err)
             });
         }
-        let calls: Vec<_> =
-            parts.iter().flat_map(|(op, buffers)| plan::nccl_calls(op, member, members, buffers)).collect();
+        // Fused all-reduces: their sources packed into each bucket's
+        // scratch first, one call per bucket, unpacked after.
+        let at = |c: usize| {
+            let p = &layout[c];
+            (p.input.expect("an all-reduce has a source"), p.output.expect("an all-reduce has a destination"))
+        };
+        let fused = fusion::part(&fusion.buckets, layout.len(), &fusion.scratch, at, |i| access.binding(i));
+        let mut calls: Vec<_> = parts
+            .iter()
+            .zip(&fused.fused)
+            .filter(|(_, fused)| !**fused)
+            .flat_map(|((op, buffers), _)| plan::nccl_calls(op, member, members, buffers))
+            .collect();
+        calls.extend(fused.calls.iter().copied());
         if calls.is_empty() {
             return Ok(());
         }
+        let fail = |err: ServerError| {
+            nccl.abort(&self.world, &err.to_string());
+            self.fail(err)
+        };
+        access.copy_regions(&fused.pack).map_err(fail)?;
         let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
         let monitor = PartMonitor::start(self, slot);
         let barrier = self.fp.group.is_none() && self.fp.op.collective() == Collective::Barrier;
@@ -236,10 +264,8 @@ impl NcclCall {
         // Queued (its monitor ends the part, now or later) unless refused
         // before any call was queued.
         *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
-        result.map_err(|err| {
-            nccl.abort(&self.world, &err.to_string());
-            self.fail(err)
-        })
+        result.map_err(fail)?;
+        access.copy_regions(&fused.unpack).map_err(fail)
     }
 }
 

@@ -41,6 +41,7 @@ use parking_lot::Mutex;
 
 use crate::check::{overlaps, same_bytes};
 use crate::device::ask;
+use crate::device::fusion::{self, Bucket};
 use crate::error::CommError;
 use crate::meeting::Ticket;
 use crate::op::{Collective, Op};
@@ -49,7 +50,7 @@ use crate::store::StoreClient;
 mod call;
 mod peer;
 
-pub(crate) use call::{NcclCall, PartLayout};
+pub(crate) use call::{NcclCall, PartFusion, PartLayout};
 
 use super::error::ConnectError;
 use super::failure::Failure;
@@ -88,6 +89,10 @@ pub(crate) struct Nccl {
     peer: Option<peer::PeerPath>,
     /// Names ranks by job rank in messages.
     label: Label,
+    /// Whether `key` is the parent's own NCCL communicator (a group of
+    /// every member in the parent's order): released with the parent, not
+    /// here.
+    borrowed: bool,
 }
 
 /// Why this rank's devices cannot take the NCCL path (`None`: they can).
@@ -167,6 +172,7 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         clients: clients.to_vec(),
         store: Arc::new(store.duplicate()?),
         prefix,
+        borrowed: false,
     })))
 }
 
@@ -232,6 +238,9 @@ impl Nccl {
         let devices = self.clients.iter().map(Client::device_id).collect();
         let call = NcclCall::new(self.clone(), world.clone(), fp, devices, timeout);
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
+        // The same buckets on every member (they follow from the calls).
+        let ops: Vec<Op> = calls.iter().map(|(op, _, _)| *op).collect();
+        let fused: Arc<[Bucket]> = fusion::buckets(&ops, fusion::cap()).into();
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output): (Vec<Handle>, Vec<Handle>) = (Vec::new(), Vec::new());
@@ -257,15 +266,23 @@ impl Nccl {
                 }
                 layout.push(part);
             }
+            // Each bucket's scratch (from the pool), after the outputs.
+            let mut scratch: Vec<usize> = Vec::with_capacity(fused.len());
+            for bucket in fused.iter() {
+                scratch.push(output.len());
+                output.push(client.empty(bucket.bytes as usize));
+            }
             // Bindings number inputs first, then outputs.
             let inputs_here = input.len();
             for part in &mut layout {
                 part.output = part.output.map(|o| o + inputs_here);
                 part.scratch = part.scratch.map(|o| o + inputs_here);
             }
+            let scratch: Vec<usize> = scratch.into_iter().map(|o| o + inputs_here).collect();
+            let fusion = PartFusion { buckets: fused.clone(), scratch };
             let ticket = Ticket::new(&call, slot);
             let queued = client.submit_buffers_always(name, input, output, move |access| {
-                ticket.run(|call, slot| call.run_part(slot, access, &layout))
+                ticket.run(|call, slot| call.run_part(slot, access, &layout, &fusion))
             });
             if let Err(source) = queued {
                 let err = CommError::Enqueue { operation: name, member: slot, device: client.device_id(), source };
@@ -369,11 +386,19 @@ impl Nccl {
         Ok(sets)
     }
 
+    /// This communicator's set key (its NCCL communicator on each device).
+    pub(crate) fn key(&self) -> u64 {
+        self.key
+    }
+
     /// The NCCL side of a group split from this one: its communicator
     /// `set` exists on every device of `clients` already (made by
-    /// [`Nccl::split`]).
+    /// [`Nccl::split`], or this communicator's own when `set` is its key:
+    /// a group of every member in order, which then runs on it and leaves
+    /// its release to this one).
     pub(crate) fn child(&self, set: u64, world: &World, clients: &[Client]) -> Result<Arc<Nccl>, ConnectError> {
         Ok(Arc::new(Nccl {
+            borrowed: set == self.key,
             key: set,
             rank: world.rank,
             size: world.size,
@@ -398,6 +423,9 @@ impl Nccl {
     /// still read it) until the device closes. Called when the last clone
     /// of the communicator drops.
     pub(crate) fn release(&self) {
+        if self.borrowed {
+            return;
+        }
         let peer = self.peer.is_some();
         let closed = self.on_every_device("nccl release", move |dc, key| {
             dc.release(key);

@@ -26,6 +26,7 @@
 //! too many threads) fail only the call that made them.
 
 mod blas;
+mod copy_regions;
 mod disk_cache;
 mod driver;
 mod events;
@@ -363,6 +364,10 @@ impl Backend for CudaBackend {
         // stream is live.
         let code = unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, src.size as usize, raw) };
         self.check(stream, "cuMemcpyDtoDAsync", code)
+    }
+
+    fn copy_regions(&mut self, stream: StreamId, regions: &[(Binding, Binding)]) -> Result<(), ServerError> {
+        self.copy_regions_batched(stream, regions)
     }
 
     fn launch(
