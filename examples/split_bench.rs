@@ -1,11 +1,8 @@
 //! `split` against a fresh communicator for the same members: the time from
 //! the call until a first all-reduce on the result has finished (every rank
-//! joins one group, so both communicators hold the same members). On NCCL
-//! such a group (every rank, in the parent's order) runs on the parent's
-//! NCCL communicator, and a split that reorders or leaves out ranks is
-//! `ncclCommSplit` of the parent with shared resources (timed too, with two
-//! ranks or more: the ranks reversed); a fresh communicator is its own
-//! rendezvous, links and `ncclCommInitRank`; on the
+//! joins one group, so both communicators hold the same members). On NCCL a
+//! split is `ncclCommSplit` of the parent with shared resources, a fresh
+//! communicator its own rendezvous, links and `ncclCommInitRank`; on the
 //! host a split forms only the group's links over the parent's store
 //! connection. Prints the median of each over the iterations and the ratio
 //! split / fresh (goal ≤ 0.2× on NCCL), then where each one's time goes;
@@ -52,10 +49,6 @@ struct Round {
     connect: Duration,
     fresh_first: Duration,
     fresh_second: Duration,
-    /// A split that reverses the ranks (with two or more): a real
-    /// `ncclCommSplit` on NCCL, where a group of every rank in order runs
-    /// on the parent's communicator.
-    reversed: Duration,
 }
 
 /// Times `f`.
@@ -98,11 +91,6 @@ fn bench(
         r.fresh_first = timed(|| first_collective(&other))?.1;
         r.fresh_second = timed(|| first_collective(&other))?.1;
         drop(other);
-        if comm.size() > 1 {
-            comm.barrier()?;
-            let (group, split) = timed(|| Ok(comm.split(Some(0), -(comm.rank() as i64))?.expect("every rank joins")))?;
-            r.reversed = split + timed(|| first_collective(&group))?.1;
-        }
         rounds.push(r);
     }
     // The first round warms both up.
@@ -140,14 +128,6 @@ fn bench(
             ms(med(&|r| r.fresh_second)),
             ms(creation),
         );
-        if comm.size() > 1 {
-            let reversed = med(&|r| r.reversed);
-            println!(
-                "      split reversing the ranks {:.2} ms: ratio reversed/fresh {:.3}x",
-                ms(reversed),
-                reversed.as_secs_f64() / f.as_secs_f64()
-            );
-        }
         if let Some(device) = rounds[0].phases.iter().position(|(p, _)| *p == "device split") {
             let alone = med(&|r| r.phases[device].1);
             println!(

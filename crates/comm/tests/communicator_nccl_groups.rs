@@ -1,9 +1,7 @@
 //! Groups and grouped calls of a Communicator on NCCL (ignored without CUDA
 //! GPUs; `two_gpus_*` need two): a group split from an NCCL communicator
 //! runs on NCCL (`ncclCommSplit`), orders its ranks by key and computes
-//! what the host computes; a group of every member in the parent's order
-//! runs on the parent's NCCL communicator and leaves it working when it
-//! drops; a grouped call of 100 mixed tensors (one
+//! what the host computes; a grouped call of 100 mixed tensors (one
 //! `ncclGroupStart/End` per device) equals 100 separate calls. The ranks are
 //! threads of this process, one GPU each.
 
@@ -102,53 +100,6 @@ fn cuda_a_group_split_from_one_rank_runs_on_nccl_and_groups_its_calls() {
     assert!(none, "a rank without a color joins no group");
     assert_eq!(grouped.len(), 100);
     assert_eq!(grouped, separate);
-}
-
-/// A group of every member in order (it runs on the parent's NCCL
-/// communicator): its all-reduce, then the parent's after the group
-/// dropped (the parent's communicator was not released with it), then a
-/// split of a fresh whole group by rank (a real `ncclCommSplit` of the
-/// shared communicator) and its all-reduce. Returns the three results.
-fn whole_group_then_parent(comm: Communicator) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let r = comm.rank();
-    let whole = comm.split(Some(0), 0).unwrap().expect("every rank joins");
-    assert_eq!(whole.transport(), Transport::Nccl);
-    assert_eq!(whole.rank(), r, "the same order as the parent");
-    let x = whole.replicate(&input(r, 4099)).unwrap();
-    whole.all_reduce(&x, &x, ReduceOp::Sum).unwrap();
-    let grouped = x[0].to_vec().unwrap();
-    drop((x, whole));
-    let y = comm.replicate(&input(r, 33)).unwrap();
-    comm.all_reduce(&y, &y, ReduceOp::Sum).unwrap();
-    let parent = y[0].to_vec().unwrap();
-    let again = comm.split(Some(0), 0).unwrap().expect("every rank joins");
-    let alone = again.split(Some(r as u32), 0).unwrap().expect("each rank alone");
-    assert_eq!(alone.transport(), Transport::Nccl);
-    let z = alone.replicate(&input(r, 17)).unwrap();
-    alone.all_reduce(&z, &z, ReduceOp::Sum).unwrap();
-    (grouped, parent, z[0].to_vec().unwrap())
-}
-
-/// Element `j` of the sum of `input(m, k)` over members `0..n`.
-fn summed(n: usize, k: usize) -> Vec<f32> {
-    (0..k).map(|j| (0..n).map(|m| input(m, k)[j]).sum()).collect()
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn cuda_a_group_of_every_member_in_order_shares_the_parent_communicator_and_leaves_it_working() {
-    let (grouped, parent, alone) = ranks(1, whole_group_then_parent).remove(0);
-    assert_eq!((grouped, parent, alone), (input(0, 4099), input(0, 33), input(0, 17)));
-}
-
-#[test]
-#[ignore = "needs CUDA GPUs: two or more"]
-fn two_gpus_a_group_of_every_member_in_order_shares_the_parent_communicator_and_leaves_it_working() {
-    for (r, (grouped, parent, alone)) in ranks(2, whole_group_then_parent).into_iter().enumerate() {
-        assert_eq!(grouped, summed(2, 4099), "rank {r}");
-        assert_eq!(parent, summed(2, 33), "rank {r}");
-        assert_eq!(alone, input(r, 17), "rank {r}");
-    }
 }
 
 #[test]

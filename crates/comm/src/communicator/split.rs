@@ -15,14 +15,7 @@
 //!   is gone), the job's node identity, member numbering by job rank in
 //!   every message and flight record, and on NCCL the parent's
 //!   communicator, which `ncclCommSplit` splits with `splitShare` (the
-//!   parent's buffers and connections shared where NCCL allows). A split
-//!   whose one group holds every member in the parent's order (a 1-D mesh,
-//!   `split(Some(c), 0)` everywhere) makes no NCCL communicator at all: the
-//!   group runs on the parent's (NCCL would make the same one, at the cost
-//!   of a fresh creation), which it leaves to the parent to release. Its
-//!   collectives still have their own sequence numbers, fingerprints and
-//!   host links; a failure that aborts the NCCL communicator ends the
-//!   parent's NCCL calls too, since they are one communicator;
+//!   parent's buffers and connections shared where NCCL allows);
 //! - **its own**: its host links (shared-memory rings within a node, TCP
 //!   across), so its collectives never interleave with the parent's or a
 //!   sibling's bytes and groups may run in any order with respect to each
@@ -195,12 +188,7 @@ impl Communicator {
         let planned = plan(&all, l).map_err(|detail| CommError::InvalidGroup { operation, detail })?;
         // On NCCL every device of every rank splits the parent (also those
         // joining no group), each group's NCCL rank being its member index.
-        // A single group of every member in the parent's order is the
-        // parent's NCCL communicator again: it runs on that one (every rank
-        // plans alike, so none calls ncclCommSplit).
-        let whole = planned.len() == 1 && planned[0].members.iter().copied().eq(0..all.len());
         let sets = match &self.inner.nccl {
-            Some(nccl) if whole => Some(vec![(0, nccl.key())]),
             Some(nccl) => {
                 let first = self.rank() * l;
                 let mine: Vec<Option<(u32, usize)>> = (0..l)

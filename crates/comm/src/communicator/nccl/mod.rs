@@ -89,10 +89,6 @@ pub(crate) struct Nccl {
     peer: Option<peer::PeerPath>,
     /// Names ranks by job rank in messages.
     label: Label,
-    /// Whether `key` is the parent's own NCCL communicator (a group of
-    /// every member in the parent's order): released with the parent, not
-    /// here.
-    borrowed: bool,
 }
 
 /// Why this rank's devices cannot take the NCCL path (`None`: they can).
@@ -172,7 +168,6 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         clients: clients.to_vec(),
         store: Arc::new(store.duplicate()?),
         prefix,
-        borrowed: false,
     })))
 }
 
@@ -386,19 +381,11 @@ impl Nccl {
         Ok(sets)
     }
 
-    /// This communicator's set key (its NCCL communicator on each device).
-    pub(crate) fn key(&self) -> u64 {
-        self.key
-    }
-
     /// The NCCL side of a group split from this one: its communicator
     /// `set` exists on every device of `clients` already (made by
-    /// [`Nccl::split`], or this communicator's own when `set` is its key:
-    /// a group of every member in order, which then runs on it and leaves
-    /// its release to this one).
+    /// [`Nccl::split`]).
     pub(crate) fn child(&self, set: u64, world: &World, clients: &[Client]) -> Result<Arc<Nccl>, ConnectError> {
         Ok(Arc::new(Nccl {
-            borrowed: set == self.key,
             key: set,
             rank: world.rank,
             size: world.size,
@@ -423,9 +410,6 @@ impl Nccl {
     /// still read it) until the device closes. Called when the last clone
     /// of the communicator drops.
     pub(crate) fn release(&self) {
-        if self.borrowed {
-            return;
-        }
         let peer = self.peer.is_some();
         let closed = self.on_every_device("nccl release", move |dc, key| {
             dc.release(key);
