@@ -567,3 +567,48 @@ fn store_a_client_that_dies_in_a_barrier_is_withdrawn_and_its_will_set() {
     c.barrier("b", 2, T).unwrap();
     t.join().unwrap().unwrap();
 }
+
+#[test]
+fn store_barrier_get_answers_every_participant_the_values_at_the_opening() {
+    let s = server();
+    let n = 6;
+    let threads: Vec<_> = (0..n)
+        .map(|r| {
+            let c = client(&s);
+            std::thread::spawn(move || {
+                c.append("dir", format!("{r}\n").as_bytes()).unwrap();
+                c.barrier_get("joined", n, T, &["dir", "absent"]).unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        let values = t.join().unwrap();
+        assert_eq!(values.len(), 2);
+        assert_eq!(values[1], None);
+        let mut lines: Vec<u32> = String::from_utf8(values[0].clone().expect("the directory"))
+            .unwrap()
+            .lines()
+            .map(|l| l.parse().unwrap())
+            .collect();
+        lines.sort();
+        assert_eq!(lines, (0..n).collect::<Vec<_>>(), "every participant reads every entry");
+    }
+    // A participant of a plain barrier and one of a barrier_get meet.
+    let (a, b) = (client(&s), client(&s));
+    let t = std::thread::spawn(move || a.barrier("mixed", 2, T));
+    wait_arrivals(&s, "mixed", 1);
+    assert_eq!(b.barrier_get("mixed", 2, T, &["dir"]).unwrap()[0].as_ref().map(Vec::len), Some(12));
+    t.join().unwrap().unwrap();
+    // Alone, it times out saying how many came; a world-size mismatch is named.
+    let c = client(&s);
+    let err = c.barrier_get("alone", 2, Duration::from_millis(100), &["dir"]).unwrap_err();
+    assert!(matches!(err, StoreError::BarrierTimeout { arrived: 1, world_size: 2, .. }), "{err}");
+    let d = client(&s);
+    let t = std::thread::spawn(move || d.barrier_get("sizes", 2, T, &[]));
+    wait_arrivals(&s, "sizes", 1);
+    let err = c.barrier_get("sizes", 3, T, &[]).unwrap_err();
+    assert!(matches!(err, StoreError::BarrierMismatch { this: 3, others: 2, .. }), "{err}");
+    c.barrier_get("sizes", 2, T, &[]).unwrap();
+    assert_eq!(t.join().unwrap().unwrap(), Vec::<Option<Vec<u8>>>::new());
+}
+
