@@ -451,7 +451,10 @@ impl EventLoop {
                     Token(id) => self.to_drive.push(id),
                 }
             }
+            // Serve what arrived before taking new connections, so that a
+            // client that answered its handshake is never evicted for it.
             self.fire_timers();
+            self.deliver();
             self.accept();
             self.deliver();
         }
@@ -580,6 +583,14 @@ impl EventLoop {
                     continue;
                 }
             };
+            // It may have answered since the last poll: serve that first.
+            if let Err(why) = self.drive(oldest) {
+                self.close(oldest, why);
+                continue;
+            }
+            if !matches!(self.conns.get(&oldest).map(|c| &c.phase), Some(Phase::Handshake { .. })) {
+                continue;
+            }
             if since.elapsed() < self.limits.evict_after {
                 self.timers.push(Reverse((since + self.limits.evict_after, Timer::Accept)));
                 self.may_accept = false;
