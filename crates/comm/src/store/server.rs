@@ -1,14 +1,19 @@
-//! [`StoreServer`]: serves the key table over TCP from one event-loop
-//! thread, whatever the number of clients.
+//! [`StoreServer`]: serves the key table over TCP from a few event-loop
+//! threads, whatever the number of clients.
 //!
-//! Every socket is non-blocking and watched by one `mio` poll. A request
-//! that must wait (`wait`, `barrier`) is recorded in the table and costs
-//! no thread; its answer is written when the request that completes it
-//! arrives, or when its deadline passes (the loop keeps one timer per
-//! blocked request and per connection in the handshake). A client that
-//! closes its connection while it waits is seen at once (its socket turns
-//! readable at end of stream): it is withdrawn from its barrier and its
-//! will is set.
+//! Every socket is non-blocking and watched by a `mio` poll. One thread
+//! accepts connections and runs their handshakes; a client that proved
+//! the secret is handed to one of a few worker threads (one per two cores,
+//! at most [`MAX_WORKERS`]), which serves its requests. A request that must
+//! wait (`wait`, `barrier`) is recorded in the table and costs no thread;
+//! its answer is written when the request that completes it arrives (the
+//! worker that applied that request passes the answers to the workers of
+//! the waiting clients), or when its deadline passes (each worker keeps one
+//! timer per blocked request). Answering the same large value to thousands
+//! of clients (the directory at a barrier) shares one copy of it, and the
+//! workers write it to their sockets in parallel. A client that closes its
+//! connection while it waits is seen at once (its socket turns readable at
+//! end of stream): it is withdrawn from its barrier and its will is set.
 //!
 //! Before a client proves the secret it costs the server little and not for
 //! long: its frames may hold at most [`protocol::PREAUTH_MAX_FRAME`] bytes,
@@ -16,10 +21,10 @@
 //! sending a byte a second would never hit), and at most
 //! [`MAX_UNAUTHENTICATED`] connections may be in the handshake at once.
 //! When that many are, the server closes the oldest of them once it has
-//! been in the handshake for [`EVICT_AFTER`] (a client that holds the
-//! secret answers well within that), and until then leaves the new ones in
-//! the kernel's queue: thousands of ranks connecting at once all get
-//! through, and a flood of idle connections cannot hold the slots.
+//! been in the handshake for [`EVICT_AFTER`] without answering (a client
+//! that holds the secret answers well within that), and until then leaves
+//! the new ones in the kernel's queue: thousands of ranks connecting at once
+//! all get through, and a flood of idle connections cannot hold the slots.
 //!
 //! The listening queue is as deep as the kernel allows (`somaxconn`), so a
 //! burst of connections is queued rather than dropped (a dropped SYN costs
@@ -54,6 +59,9 @@ pub const MAX_UNAUTHENTICATED: usize = 256;
 /// every slot taken, closes it.
 pub const EVICT_AFTER: Duration = Duration::from_millis(250);
 
+/// Most threads serving authenticated clients.
+pub const MAX_WORKERS: usize = 8;
+
 /// The listening queue asked of the kernel (which caps it at `somaxconn`).
 const LISTEN_BACKLOG: i32 = 65535;
 
@@ -87,24 +95,71 @@ impl Default for Limits {
     }
 }
 
-/// What the event loop shares with [`StoreServer`]'s own calls.
-struct Shared {
-    table: Mutex<Table>,
-    stop: AtomicBool,
+/// A message to a worker.
+enum Message {
+    /// Serve this connection (it just proved the secret).
+    Adopt(ConnId, Conn),
+    /// The answer to a blocked request of one of its connections.
+    Answer(Ticket, Response),
+}
+
+/// A worker thread's mailbox.
+struct Mailbox {
+    inbox: Mutex<Vec<Message>>,
     waker: Waker,
 }
 
-/// A rendezvous store served by one background thread.
+/// What the threads share with [`StoreServer`]'s own calls.
+struct Shared {
+    table: Mutex<Table>,
+    stop: AtomicBool,
+    workers: Vec<Mailbox>,
+    acceptor: Waker,
+}
+
+impl Shared {
+    /// The worker that serves connection `id`.
+    fn owner(&self, id: ConnId) -> usize {
+        id % self.workers.len()
+    }
+
+    /// Sends the table's answers to blocked requests to their connections'
+    /// workers (waking each once); returns those of worker `me`.
+    fn route(&self, table: &mut Table, me: Option<usize>) -> Vec<(Ticket, Response)> {
+        if table.woken.is_empty() {
+            return Vec::new();
+        }
+        let mut mine = Vec::new();
+        let mut woke = vec![false; self.workers.len()];
+        for (ticket, response) in table.woken.drain(..) {
+            let w = self.owner(ticket.conn);
+            if Some(w) == me {
+                mine.push((ticket, response));
+            } else {
+                self.workers[w].inbox.lock().push(Message::Answer(ticket, response));
+                woke[w] = true;
+            }
+        }
+        for (w, woke) in woke.into_iter().enumerate() {
+            if woke {
+                let _ = self.workers[w].waker.wake();
+            }
+        }
+        mine
+    }
+}
+
+/// A rendezvous store served by a few background threads.
 ///
-/// The thread accepts connections and serves every client with
-/// non-blocking sockets; blocked `wait`s and barriers cost it no thread. A
-/// client must prove it holds the job's secret (see the protocol in the
-/// module docs) before any request; a refusal is logged with
-/// `tracing::warn!` and the peer's address. Dropping the server shuts it down.
+/// One thread accepts connections and checks that each proves the job's
+/// secret (see the protocol in the module docs); a refusal is logged with
+/// `tracing::warn!` and the peer's address. A few worker threads serve
+/// the authenticated clients with non-blocking sockets; blocked `wait`s and
+/// barriers cost them no thread. Dropping the server shuts it down.
 pub struct StoreServer {
     shared: Arc<Shared>,
     local_addr: SocketAddr,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl StoreServer {
@@ -124,6 +179,18 @@ impl StoreServer {
         secret: impl AsRef<[u8]>,
         limits: Limits,
     ) -> Result<Self> {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        Self::bind_workers(addr, secret, limits, (cores / 2).clamp(1, MAX_WORKERS))
+    }
+
+    /// [`StoreServer::bind_with`] with `threads` workers serving
+    /// authenticated clients.
+    pub(crate) fn bind_workers(
+        addr: impl ToSocketAddrs + Display,
+        secret: impl AsRef<[u8]>,
+        limits: Limits,
+        threads: usize,
+    ) -> Result<Self> {
         let secret = secret.as_ref();
         if secret.is_empty() {
             return Err(StoreError::EmptySecret);
@@ -137,9 +204,36 @@ impl StoreServer {
         let mut listener = MioListener::from_std(listener);
         let poll = Poll::new().map_err(bind_error)?;
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE).map_err(bind_error)?;
-        let waker = Waker::new(poll.registry(), WAKER).map_err(bind_error)?;
-        let shared = Arc::new(Shared { table: Mutex::new(Table::default()), stop: AtomicBool::new(false), waker });
-        let mut event_loop = EventLoop {
+        let acceptor = Waker::new(poll.registry(), WAKER).map_err(bind_error)?;
+        let mut polls = Vec::new();
+        let mut workers = Vec::new();
+        for _ in 0..threads.max(1) {
+            let p = Poll::new().map_err(bind_error)?;
+            let waker = Waker::new(p.registry(), WAKER).map_err(bind_error)?;
+            workers.push(Mailbox { inbox: Mutex::new(Vec::new()), waker });
+            polls.push(p);
+        }
+        let shared =
+            Arc::new(Shared { table: Mutex::new(Table::default()), stop: AtomicBool::new(false), workers, acceptor });
+        let mut threads = Vec::new();
+        let spawn_error = |source| StoreError::Bind { addr: local_addr.to_string(), source };
+        for (index, poll) in polls.into_iter().enumerate() {
+            let mut worker = Worker {
+                index,
+                poll,
+                shared: shared.clone(),
+                conns: HashMap::new(),
+                timers: BinaryHeap::new(),
+                to_drive: Vec::new(),
+                answers: Vec::new(),
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("cohort-store-{index}"))
+                .spawn(move || worker.run())
+                .map_err(spawn_error)?;
+            threads.push(thread);
+        }
+        let mut acceptor = Acceptor {
             poll,
             listener,
             shared: shared.clone(),
@@ -149,18 +243,18 @@ impl StoreServer {
             next_id: FIRST_CONN,
             timers: BinaryHeap::new(),
             handshakes: VecDeque::new(),
-            in_handshake: 0,
             may_accept: true,
             turned_away: 0,
             dropped: 0,
             to_drive: Vec::new(),
         };
         let thread = std::thread::Builder::new()
-            .name("cohort-store".into())
-            .spawn(move || event_loop.run())
-            .map_err(|source| StoreError::Bind { addr: local_addr.to_string(), source })?;
-        tracing::debug!(%local_addr, "rendezvous store listening");
-        Ok(StoreServer { shared, local_addr, thread: Some(thread) })
+            .name("cohort-store-accept".into())
+            .spawn(move || acceptor.run())
+            .map_err(spawn_error)?;
+        threads.push(thread);
+        tracing::debug!(%local_addr, workers = shared.workers.len(), "rendezvous store listening");
+        Ok(StoreServer { shared, local_addr, threads })
     }
 
     /// The address the server listens on (with the real port where 0 was asked).
@@ -185,20 +279,34 @@ impl StoreServer {
     /// restarted group does not see the keys of the one before. Blocked
     /// waits see the change; barriers removed open.
     pub fn reset_except(&self, keep: &str) {
-        self.shared.table.lock().reset_except(keep);
-        let _ = self.shared.waker.wake();
+        let mut table = self.shared.table.lock();
+        table.reset_except(keep);
+        self.shared.route(&mut table, None);
     }
 
     /// Stops serving: refuses new requests, answers blocked `wait`s and
     /// barriers with an error, closes every connection and joins the server's
-    /// thread. Idempotent; dropping the server does the same.
+    /// threads. Idempotent; dropping the server does the same.
     pub fn shutdown(&mut self) {
-        let Some(thread) = self.thread.take() else { return };
-        self.shared.stop.store(true, Ordering::SeqCst);
-        self.shared.table.lock().shut_down();
-        if self.shared.waker.wake().is_ok() {
-            let _ = thread.join();
+        if self.threads.is_empty() {
+            return;
         }
+        self.shared.stop.store(true, Ordering::SeqCst);
+        {
+            let mut table = self.shared.table.lock();
+            table.shut_down();
+            self.shared.route(&mut table, None);
+        }
+        let mut woken = self.shared.acceptor.wake().is_ok();
+        for w in &self.shared.workers {
+            woken &= w.waker.wake().is_ok();
+        }
+        if woken {
+            for t in self.threads.drain(..) {
+                let _ = t.join();
+            }
+        }
+        self.threads.clear();
         tracing::debug!(local_addr = %self.local_addr, "rendezvous store shut down");
     }
 }
@@ -256,6 +364,21 @@ struct Conn {
 }
 
 impl Conn {
+    fn new(stream: TcpStream, peer: SocketAddr, phase: Phase) -> Conn {
+        Conn {
+            stream,
+            peer,
+            phase,
+            input: Vec::new(),
+            read_at: 0,
+            output: VecDeque::new(),
+            written: 0,
+            blocked: None,
+            seq: 0,
+            will: None,
+        }
+    }
+
     fn unread(&self) -> &[u8] {
         &self.input[self.read_at..]
     }
@@ -377,16 +500,20 @@ impl Conn {
     }
 }
 
-/// A deadline the loop keeps.
+/// A deadline a thread keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Timer {
     /// The connection's handshake must be done by now.
     Handshake(ConnId),
-    /// The blocked request times out.
-    Blocked(Ticket),
     /// Try accepting again (every handshake slot was taken, or accept failed).
     Accept,
+    /// The blocked request times out.
+    Blocked(Ticket),
+    /// A refused connection that has not taken its refusal is closed.
+    Linger(ConnId),
 }
+
+type Timers = BinaryHeap<Reverse<(Instant, Timer)>>;
 
 /// Why a connection is closed.
 enum Close {
@@ -398,30 +525,6 @@ enum Close {
     Failed(String),
 }
 
-struct EventLoop {
-    poll: Poll,
-    listener: MioListener,
-    shared: Arc<Shared>,
-    secret: Vec<u8>,
-    limits: Limits,
-    conns: HashMap<ConnId, Conn>,
-    next_id: ConnId,
-    timers: BinaryHeap<Reverse<(Instant, Timer)>>,
-    /// Connections accepted into the handshake, oldest first (some may have
-    /// finished it or closed since).
-    handshakes: VecDeque<ConnId>,
-    /// Connections in the handshake now.
-    in_handshake: usize,
-    /// The listener may hold connections not yet accepted.
-    may_accept: bool,
-    /// Connections closed because too many were in the handshake.
-    turned_away: u64,
-    /// Clients refused or dropped during the handshake.
-    dropped: u64,
-    /// Connections with something to do (an answer delivered, bytes read).
-    to_drive: Vec<ConnId>,
-}
-
 /// True for the first and every 1000th event counted in `n`, which are
 /// logged at warn (the others at debug), so a flood cannot flood the log.
 fn first_or_thousandth(n: &mut u64) -> bool {
@@ -429,19 +532,51 @@ fn first_or_thousandth(n: &mut u64) -> bool {
     *n == 1 || *n % 1000 == 0
 }
 
-impl EventLoop {
+/// Polls until an event or the first timer.
+fn poll_once(poll: &mut Poll, events: &mut Events, timers: &Timers) -> io::Result<()> {
+    let timeout = timers.peek().map(|Reverse((at, _))| at.saturating_duration_since(Instant::now()));
+    match poll.poll(events, timeout) {
+        Err(e) if e.kind() != io::ErrorKind::Interrupted => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// The thread that accepts connections and runs their handshakes.
+struct Acceptor {
+    poll: Poll,
+    listener: MioListener,
+    shared: Arc<Shared>,
+    secret: Vec<u8>,
+    limits: Limits,
+    /// Connections in the handshake (or closing after a refusal).
+    conns: HashMap<ConnId, Conn>,
+    next_id: ConnId,
+    timers: Timers,
+    /// Connections accepted into the handshake, oldest first (some may have
+    /// finished it or closed since).
+    handshakes: VecDeque<ConnId>,
+    /// The listener may hold connections not yet accepted.
+    may_accept: bool,
+    /// Connections closed because too many were in the handshake.
+    turned_away: u64,
+    /// Clients refused or dropped during the handshake.
+    dropped: u64,
+    /// Connections with something to do.
+    to_drive: Vec<ConnId>,
+}
+
+impl Acceptor {
     fn run(&mut self) {
         let mut events = Events::with_capacity(1024);
         loop {
-            let timeout = self.timers.peek().map(|Reverse((at, _))| at.saturating_duration_since(Instant::now()));
-            if let Err(e) = self.poll.poll(&mut events, timeout) {
-                if e.kind() != io::ErrorKind::Interrupted {
-                    tracing::error!(error = %e, "rendezvous store's event loop failed; it stops serving");
-                    return;
-                }
+            if let Err(e) = poll_once(&mut self.poll, &mut events, &self.timers) {
+                tracing::error!(error = %e, "rendezvous store's accepting thread failed; it accepts no more clients");
+                return;
             }
             if self.shared.stop.load(Ordering::SeqCst) {
-                self.stop();
+                for (_, c) in self.conns.drain() {
+                    let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                }
                 return;
             }
             for event in events.iter() {
@@ -451,28 +586,18 @@ impl EventLoop {
                     Token(id) => self.to_drive.push(id),
                 }
             }
+            self.fire_timers();
             // Serve what arrived before taking new connections, so that a
             // client that answered its handshake is never evicted for it.
-            self.fire_timers();
-            self.deliver();
+            self.drive_all();
             self.accept();
-            self.deliver();
+            self.drive_all();
         }
     }
 
-    /// Answers blocked requests with a refusal (the table did at shutdown),
-    /// writes what the sockets take at once, and closes every connection.
-    fn stop(&mut self) {
-        let woken = std::mem::take(&mut self.shared.table.lock().woken);
-        for (ticket, response) in woken {
-            if let Some(c) = self.conns.get_mut(&ticket.conn) {
-                c.output.extend(response.encode_chunks());
-                let _ = c.flush();
-            }
-        }
-        for (_, c) in self.conns.drain() {
-            let _ = c.stream.shutdown(std::net::Shutdown::Both);
-        }
+    /// Connections in the handshake now.
+    fn in_handshake(&self) -> usize {
+        self.conns.values().filter(|c| matches!(c.phase, Phase::Handshake { .. })).count()
     }
 
     fn fire_timers(&mut self) {
@@ -484,23 +609,14 @@ impl EventLoop {
             self.timers.pop();
             match timer {
                 Timer::Accept => self.may_accept = true,
-                Timer::Handshake(id) => {
-                    let Some(c) = self.conns.get(&id) else { continue };
-                    match c.phase {
-                        Phase::Handshake { .. } => {
-                            self.close(id, Close::Dropped("the handshake's deadline passed".into()))
-                        }
-                        Phase::Closing => self.close(id, Close::Left("refused".into())),
-                        Phase::Ready => {}
+                Timer::Handshake(id) | Timer::Linger(id) => match self.conns.get(&id).map(|c| &c.phase) {
+                    Some(Phase::Handshake { .. }) => {
+                        self.close(id, Close::Dropped("the handshake's deadline passed".into()))
                     }
-                }
-                Timer::Blocked(ticket) => {
-                    let Some(c) = self.conns.get_mut(&ticket.conn) else { continue };
-                    let Some((seq, blocked)) = c.blocked.take_if(|(seq, _)| *seq == ticket.seq) else { continue };
-                    let response = self.shared.table.lock().withdraw(Ticket { conn: ticket.conn, seq }, &blocked);
-                    c.output.extend(response.encode_chunks());
-                    self.to_drive.push(ticket.conn);
-                }
+                    Some(_) => self.close(id, Close::Left("refused".into())),
+                    None => {}
+                },
+                Timer::Blocked(_) => {}
             }
         }
     }
@@ -543,25 +659,13 @@ impl EventLoop {
                     continue;
                 }
             };
-            let mut conn = Conn {
-                stream,
-                peer,
-                phase: Phase::Handshake { nonce, since: Instant::now() },
-                input: Vec::new(),
-                read_at: 0,
-                output: VecDeque::new(),
-                written: 0,
-                blocked: None,
-                seq: 0,
-                will: None,
-            };
+            let mut conn = Conn::new(stream, peer, Phase::Handshake { nonce, since: Instant::now() });
             let mut hello = protocol::Encoder::default();
             hello.0.extend_from_slice(protocol::MAGIC);
             hello.u8(protocol::VERSION);
             hello.0.extend_from_slice(&nonce);
             conn.send(&hello.0);
             self.conns.insert(id, conn);
-            self.in_handshake += 1;
             self.handshakes.push_back(id);
             self.timers.push(Reverse((Instant::now() + self.limits.handshake, Timer::Handshake(id))));
             self.to_drive.push(id);
@@ -570,11 +674,13 @@ impl EventLoop {
     }
 
     /// With more connections in the handshake than allowed, closes the
-    /// oldest of them if it has been there [`Limits::evict_after`], until
-    /// they are within the limit (true); or stops accepting until it will
-    /// have been (false).
+    /// oldest of them if it has been there [`Limits::evict_after`] without
+    /// answering, until they are within the limit (true); or stops
+    /// accepting until it will have been (false).
     fn make_room(&mut self) -> bool {
-        while self.in_handshake > self.limits.unauthenticated {
+        while self.handshakes.len() > self.limits.unauthenticated
+            && self.in_handshake() > self.limits.unauthenticated
+        {
             let Some(&oldest) = self.handshakes.front() else { return true };
             let since = match self.conns.get(&oldest).map(|c| &c.phase) {
                 Some(Phase::Handshake { since, .. }) => *since,
@@ -617,19 +723,173 @@ impl EventLoop {
         }
     }
 
+    fn drive_all(&mut self) {
+        for id in std::mem::take(&mut self.to_drive) {
+            if let Err(why) = self.drive(id) {
+                self.close(id, why);
+            }
+        }
+    }
+
+    /// Writes what a connection in the handshake has to write and reads its
+    /// answer; hands it to its worker once it proved the secret.
+    fn drive(&mut self, id: ConnId) -> std::result::Result<(), Close> {
+        let Some(c) = self.conns.get_mut(&id) else { return Ok(()) };
+        let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
+        let Phase::Handshake { nonce, .. } = c.phase else {
+            // Refused: closed once the refusal is written.
+            return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
+        };
+        let max = protocol::PREAUTH_MAX_FRAME;
+        let open = c.fill(4 + max, max).map_err(|e| Close::Left(e.to_string()))?;
+        let Some(answer) = c.take_frame(max, " before authentication").map_err(|e| Close::Dropped(e.to_string()))?
+        else {
+            return if open { Ok(()) } else { Err(Close::Left("left during the handshake".into())) };
+        };
+        if !check_proof(&self.secret, c, &nonce, &answer) {
+            let peer = c.peer;
+            if first_or_thousandth(&mut self.dropped) {
+                tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
+            } else {
+                tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
+            }
+            self.timers.push(Reverse((Instant::now() + self.limits.handshake, Timer::Linger(id))));
+            let c = self.conns.get_mut(&id).expect("still here");
+            return if c.flush().map_err(|e| Close::Left(e.to_string()))? {
+                Err(Close::Left("refused".into()))
+            } else {
+                Ok(())
+            };
+        }
+        // Proven: its worker serves it from now on.
+        let mut c = self.conns.remove(&id).expect("still here");
+        let _ = self.poll.registry().deregister(&mut c.stream);
+        let _ = c.flush();
+        self.may_accept = true;
+        let worker = &self.shared.workers[self.shared.owner(id)];
+        worker.inbox.lock().push(Message::Adopt(id, c));
+        let _ = worker.waker.wake();
+        Ok(())
+    }
+
+    fn close(&mut self, id: ConnId, why: Close) {
+        let Some(mut c) = self.conns.remove(&id) else { return };
+        let _ = self.poll.registry().deregister(&mut c.stream);
+        if let Close::Dropped(e) = &why {
+            let peer = c.peer;
+            if first_or_thousandth(&mut self.dropped) {
+                tracing::warn!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
+            } else {
+                tracing::debug!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
+            }
+        }
+        self.may_accept = true;
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// A thread that serves authenticated connections.
+struct Worker {
+    index: usize,
+    poll: Poll,
+    shared: Arc<Shared>,
+    conns: HashMap<ConnId, Conn>,
+    timers: Timers,
+    /// Connections with something to do (an answer delivered, bytes read).
+    to_drive: Vec<ConnId>,
+    /// Answers to blocked requests of this worker's connections.
+    answers: Vec<(Ticket, Response)>,
+}
+
+impl Worker {
+    fn run(&mut self) {
+        let mut events = Events::with_capacity(1024);
+        loop {
+            if let Err(e) = poll_once(&mut self.poll, &mut events, &self.timers) {
+                tracing::error!(error = %e, "a rendezvous store thread failed; its clients are cut off");
+                return;
+            }
+            let stop = self.shared.stop.load(Ordering::SeqCst);
+            for event in events.iter() {
+                if event.token() != WAKER {
+                    self.to_drive.push(event.token().0);
+                }
+            }
+            let messages = std::mem::take(&mut *self.shared.workers[self.index].inbox.lock());
+            for m in messages {
+                match m {
+                    Message::Adopt(id, mut c) => {
+                        if stop {
+                            continue;
+                        }
+                        match self.poll.registry().register(&mut c.stream, Token(id), Interest::READABLE | Interest::WRITABLE) {
+                            Ok(()) => {
+                                self.conns.insert(id, c);
+                                self.to_drive.push(id);
+                            }
+                            Err(e) => tracing::warn!(error = %e, peer = %c.peer, "rendezvous store could not watch a connection; dropped it"),
+                        }
+                    }
+                    Message::Answer(ticket, response) => self.answers.push((ticket, response)),
+                }
+            }
+            if stop {
+                // The table answered every blocked request with a refusal:
+                // write what the sockets take at once, then close them all.
+                self.deliver_answers();
+                for (_, mut c) in self.conns.drain() {
+                    let _ = c.flush();
+                    let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                }
+                return;
+            }
+            self.fire_timers();
+            self.deliver();
+        }
+    }
+
+    fn fire_timers(&mut self) {
+        let now = Instant::now();
+        while let Some(&Reverse((at, timer))) = self.timers.peek() {
+            if at > now {
+                break;
+            }
+            self.timers.pop();
+            match timer {
+                Timer::Blocked(ticket) => {
+                    let Some(c) = self.conns.get_mut(&ticket.conn) else { continue };
+                    let Some((seq, blocked)) = c.blocked.take_if(|(seq, _)| *seq == ticket.seq) else { continue };
+                    let response = self.shared.table.lock().withdraw(Ticket { conn: ticket.conn, seq }, &blocked);
+                    c.output.extend(response.encode_chunks());
+                    self.to_drive.push(ticket.conn);
+                }
+                Timer::Linger(id) => {
+                    if self.conns.get(&id).is_some_and(|c| matches!(c.phase, Phase::Closing)) {
+                        self.close(id, Close::Left("refused".into()));
+                    }
+                }
+                Timer::Handshake(_) | Timer::Accept => {}
+            }
+        }
+    }
+
+    /// Queues the answers for blocked requests that are still waiting.
+    fn deliver_answers(&mut self) {
+        for (ticket, response) in std::mem::take(&mut self.answers) {
+            let Some(c) = self.conns.get_mut(&ticket.conn) else { continue };
+            if c.blocked.as_ref().is_some_and(|(seq, _)| *seq == ticket.seq) {
+                c.blocked = None;
+                c.output.extend(response.encode_chunks());
+                self.to_drive.push(ticket.conn);
+            }
+        }
+    }
+
     /// Drives every connection with something to do, and the ones their
     /// requests woke, until none is left.
     fn deliver(&mut self) {
         loop {
-            let woken = std::mem::take(&mut self.shared.table.lock().woken);
-            for (ticket, response) in woken {
-                let Some(c) = self.conns.get_mut(&ticket.conn) else { continue };
-                if c.blocked.as_ref().is_some_and(|(seq, _)| *seq == ticket.seq) {
-                    c.blocked = None;
-                    c.output.extend(response.encode_chunks());
-                    self.to_drive.push(ticket.conn);
-                }
-            }
+            self.deliver_answers();
             if self.to_drive.is_empty() {
                 return;
             }
@@ -644,43 +904,20 @@ impl EventLoop {
     /// Writes what a connection has to write, reads what it sent and serves
     /// its requests, one at a time, until it blocks or has nothing more.
     fn drive(&mut self, id: ConnId) -> std::result::Result<(), Close> {
-        let EventLoop { conns, shared, secret, timers, limits, in_handshake, may_accept, dropped, to_drive, .. } = self;
+        let Worker { index, shared, conns, timers, to_drive, answers, .. } = self;
         let Some(c) = conns.get_mut(&id) else { return Ok(()) };
         loop {
             let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
             if matches!(c.phase, Phase::Closing) {
                 return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
             }
-            let (ahead, max_frame) = match c.phase {
-                Phase::Handshake { .. } => (4 + protocol::PREAUTH_MAX_FRAME, protocol::PREAUTH_MAX_FRAME),
-                _ => (READ_AHEAD, protocol::MAX_FRAME),
-            };
-            let open = c.fill(ahead, max_frame).map_err(|e| Close::Left(e.to_string()))?;
+            let open = c.fill(READ_AHEAD, protocol::MAX_FRAME).map_err(|e| Close::Left(e.to_string()))?;
             if c.blocked.is_some() || !flushed {
                 // The answer comes first; an end of stream now means the
                 // client left while it waited.
                 return if open { Ok(()) } else { Err(Close::Left("end of stream while blocked".into())) };
             }
-            if let Phase::Handshake { nonce, .. } = c.phase {
-                let Some(answer) =
-                    c.take_frame(max_frame, " before authentication").map_err(|e| Close::Dropped(e.to_string()))?
-                else {
-                    return if open { Ok(()) } else { Err(Close::Left("left during the handshake".into())) };
-                };
-                *in_handshake -= 1;
-                // A handshake slot freed: the listener may go on.
-                *may_accept |= *in_handshake <= limits.unauthenticated;
-                if !check_proof(secret, c, &nonce, &answer) {
-                    let peer = c.peer;
-                    if first_or_thousandth(dropped) {
-                        tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
-                    } else {
-                        tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
-                    }
-                }
-                continue;
-            }
-            let Some(body) = c.take_frame(max_frame, "").map_err(|e| Close::Failed(e.to_string()))? else {
+            let Some(body) = c.take_frame(protocol::MAX_FRAME, "").map_err(|e| Close::Failed(e.to_string()))? else {
                 return if open { Ok(()) } else { Err(Close::Left("end of stream".into())) };
             };
             c.seq += 1;
@@ -705,11 +942,13 @@ impl EventLoop {
                             }
                         }
                     }
-                    if !table.woken.is_empty() {
+                    let mine = shared.route(&mut table, Some(*index));
+                    drop(table);
+                    if !mine.is_empty() {
                         // Deliver to the clients this request woke first;
                         // this one goes on afterwards.
+                        answers.extend(mine);
                         to_drive.push(id);
-                        drop(table);
                         let _ = c.flush();
                         return Ok(());
                     }
@@ -718,7 +957,7 @@ impl EventLoop {
                     tracing::warn!(peer = %c.peer, %detail, "malformed store request; closing the connection");
                     c.send(&Response::Refused(detail).encode());
                     c.phase = Phase::Closing;
-                    timers.push(Reverse((Instant::now() + limits.handshake, Timer::Handshake(id))));
+                    timers.push(Reverse((Instant::now() + HANDSHAKE_TIMEOUT, Timer::Linger(id))));
                 }
             }
         }
@@ -731,19 +970,8 @@ impl EventLoop {
         let _ = self.poll.registry().deregister(&mut c.stream);
         let peer = c.peer;
         match &why {
-            Close::Dropped(e) => {
-                if first_or_thousandth(&mut self.dropped) {
-                    tracing::warn!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
-                } else {
-                    tracing::debug!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
-                }
-            }
-            Close::Failed(e) => tracing::debug!(%peer, error = %e, "store connection failed"),
+            Close::Failed(e) | Close::Dropped(e) => tracing::debug!(%peer, error = %e, "store connection failed"),
             Close::Left(e) => tracing::trace!(%peer, reason = %e, "store connection closed"),
-        }
-        if matches!(c.phase, Phase::Handshake { .. }) {
-            self.in_handshake -= 1;
-            self.may_accept |= self.in_handshake <= self.limits.unauthenticated;
         }
         let mut table = self.shared.table.lock();
         if let Some((seq, blocked)) = c.blocked.take() {
@@ -755,7 +983,9 @@ impl EventLoop {
                 table.set_if_absent(key, value);
             }
         }
+        let mine = self.shared.route(&mut table, Some(self.index));
         drop(table);
+        self.answers.extend(mine);
         let _ = c.stream.shutdown(std::net::Shutdown::Both);
     }
 }

@@ -612,3 +612,57 @@ fn store_barrier_get_answers_every_participant_the_values_at_the_opening() {
     assert_eq!(t.join().unwrap().unwrap(), Vec::<Option<Vec<u8>>>::new());
 }
 
+
+#[test]
+fn store_with_four_workers_wakes_clients_served_by_other_threads() {
+    // Clients land on different worker threads (by connection number): a
+    // barrier, a wait and a will must reach across them.
+    let mut s = StoreServer::bind_workers("127.0.0.1:0", SECRET, server::Limits::default(), 4).unwrap();
+    let n = 16u32;
+    let threads: Vec<_> = (0..n)
+        .map(|r| {
+            let c = client(&s);
+            std::thread::spawn(move || {
+                c.append("dir", format!("{r}\n").as_bytes()).unwrap();
+                let dir = c.barrier_get("all", n, T, &["dir"]).unwrap().remove(0).unwrap();
+                assert_eq!(dir.iter().filter(|&&b| b == b'\n').count(), n as usize, "client {r}");
+                if r % 2 == 0 {
+                    c.set(&format!("k{r}"), b"").unwrap();
+                } else {
+                    c.wait(&[&format!("k{}", r - 1)], T).unwrap();
+                }
+                c.barrier("end", n, T).unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    // A client that dies in a barrier is withdrawn and its will set, seen
+    // by a waiter on another worker.
+    let watcher = client(&s);
+    let dying = client(&s);
+    dying.set_will("gone", b"x").unwrap();
+    let socket = dying.socket();
+    let t = std::thread::spawn(move || dying.barrier("b", 2, T));
+    wait_arrivals(&s, "b", 1);
+    socket.shutdown(std::net::Shutdown::Both).unwrap();
+    let _ = t.join().unwrap();
+    watcher.wait(&["gone"], T).unwrap();
+    wait_for(|| s.barrier_arrivals("b") == 0);
+    assert_eq!(s.barrier_arrivals("b"), 0);
+    // Shutdown answers blocked clients on every worker.
+    let blocked: Vec<_> = (0..4)
+        .map(|_| {
+            let c = client(&s);
+            std::thread::spawn(move || c.wait(&["never"], T))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    s.shutdown();
+    for b in blocked {
+        assert!(b.join().unwrap().is_err());
+    }
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
