@@ -36,7 +36,10 @@
 //! bottleneck. Then ratios against TCPStore at every count.
 //!
 //! Run: `cargo run --release --example rendezvous_bench -- [--tcpstore CMD]
-//! [--threads T] [--window W] [counts...]` (default counts 1024 4096 16384).
+//! [--threads T] [--window W] [--store-workers S] [--no-two-trips]
+//! [counts...]` (default counts 1024 4096 16384; `--store-workers` sets the
+//! threads serving cohort's authenticated clients, default one per two
+//! cores up to 8).
 //! It raises its soft descriptor limit to the hard one; counts above that
 //! (`ulimit -Hn`) are skipped with a note.
 
@@ -54,11 +57,17 @@ use mio::{Events, Interest, Poll, Token};
 const TIMEOUT: Duration = Duration::from_secs(300);
 const JOB: &[u8] = b"0123456789abcdef 00112233445566778899aabbccddeeff";
 
-/// Serves a cohort store until stdin closes (the child's side).
-fn serve() {
+/// Serves a cohort store until stdin closes (the child's side), with
+/// `workers` threads serving authenticated clients (0: the default).
+fn serve(workers: usize) {
     let mut secret = String::new();
     std::io::stdin().read_line(&mut secret).expect("secret on stdin");
-    let server = StoreServer::bind("127.0.0.1:0", secret.trim()).expect("bind the store");
+    let server = if workers == 0 {
+        StoreServer::bind("127.0.0.1:0", secret.trim())
+    } else {
+        StoreServer::bind_with_workers("127.0.0.1:0", secret.trim(), workers)
+    };
+    let server = server.expect("bind the store");
     println!("{}", server.local_addr().port());
     std::io::stdout().flush().expect("stdout");
     let mut rest = String::new();
@@ -552,6 +561,8 @@ fn drive(
     loop {
         while connecting < window && slots.len() < ranks.len() {
             let mut stream = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+            // As both stores' own clients do: no Nagle delay on small requests.
+            stream.set_nodelay(true).map_err(|e| e.to_string())?;
             let token = Token(slots.len());
             poll.registry()
                 .register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
@@ -699,9 +710,13 @@ fn main() {
     let mut threads = cores.saturating_sub(1).clamp(1, 8);
     let mut window = 256;
     let mut two_trips = true;
+    let mut store_workers = 0usize;
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--serve" => return serve(),
+            "--serve" => return serve(args.next().and_then(|v| v.parse().ok()).unwrap_or(0)),
+            "--store-workers" => {
+                store_workers = args.next().and_then(|v| v.parse().ok()).expect("--store-workers takes a number")
+            }
             "--tcpstore" => {
                 let cmd = args.next().expect("--tcpstore takes a command");
                 tcpstore = Some(cmd.split_whitespace().map(String::from).collect());
@@ -743,7 +758,7 @@ fn main() {
             let secret = generate_secret().expect("secret");
             let server = match (kind, &tcpstore) {
                 (Kind::TcpStore, Some(cmd)) => Server::start(cmd, "-"),
-                _ => Server::start(&[me.clone(), "--serve".into()], &secret),
+                _ => Server::start(&[me.clone(), "--serve".into(), store_workers.to_string()], &secret),
             };
             let name = match kind {
                 Kind::Cohort => "cohort",

@@ -173,6 +173,13 @@ impl StoreServer {
         Self::bind_with(addr, secret, Limits::default())
     }
 
+    /// [`StoreServer::bind`] with `workers` threads serving authenticated
+    /// clients instead of one per two cores (at most [`MAX_WORKERS`]); the
+    /// rendezvous bench measures whether more threads help.
+    pub fn bind_with_workers(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>, workers: usize) -> Result<Self> {
+        Self::bind_workers(addr, secret, Limits::default(), workers.clamp(1, MAX_WORKERS))
+    }
+
     /// [`StoreServer::bind`] with other limits for unauthenticated clients.
     pub(crate) fn bind_with(
         addr: impl ToSocketAddrs + Display,
