@@ -116,8 +116,8 @@ fn cpu_of(path: &str) -> Duration {
     // Fields after the command name (which may hold spaces), from field 3.
     let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+    let ticks: u64 =
+        f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0) + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
     // SAFETY: sysconf only reads a system constant.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Duration::from_micros(ticks * 1_000_000 / hz)
@@ -385,7 +385,12 @@ impl Rank {
 
     /// Publishes this rank's entry (after the job key, for rank 0).
     fn publish(&mut self, kind: Kind, n: usize, t0: Instant) {
-        let line = format!("{}\thost-{}/boot-id-0000-1111-2222/0\t127.0.0.1:{}\t1\n", self.rank, self.rank / 8, 20000 + self.rank);
+        let line = format!(
+            "{}\thost-{}/boot-id-0000-1111-2222/0\t127.0.0.1:{}\t1\n",
+            self.rank,
+            self.rank / 8,
+            20000 + self.rank
+        );
         if kind == Kind::TcpStore {
             let mut b = Vec::new();
             if self.rank == 0 {
@@ -419,7 +424,14 @@ impl Rank {
     }
 
     /// Acts on a whole answer; returns whether the rank is done.
-    fn on_answer(&mut self, kind: Kind, n: usize, t0: Instant, answer: Answered, secret: &[u8]) -> Result<bool, String> {
+    fn on_answer(
+        &mut self,
+        kind: Kind,
+        n: usize,
+        t0: Instant,
+        answer: Answered,
+        secret: &[u8],
+    ) -> Result<bool, String> {
         let ok = |a: &Answered| match a {
             Answered::Frame(body) => match raw::parse_answer(body) {
                 raw::Answer::Ok => Ok(()),

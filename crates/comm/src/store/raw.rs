@@ -115,7 +115,10 @@ pub fn parse_answer(body: &[u8]) -> Answer {
     match Response::decode(body) {
         Ok(Response::Ok) => Answer::Ok,
         Ok(Response::Values(values)) => Answer::Values(
-            values.into_iter().map(|v| v.map(|v| std::sync::Arc::try_unwrap(v).unwrap_or_else(|v| v.to_vec()))).collect(),
+            values
+                .into_iter()
+                .map(|v| v.map(|v| std::sync::Arc::try_unwrap(v).unwrap_or_else(|v| v.to_vec())))
+                .collect(),
         ),
         Ok(other) => Answer::Other(format!("{other:?}")),
         Err(detail) => Answer::Other(format!("malformed answer: {detail}")),

@@ -98,7 +98,7 @@ impl Default for Limits {
 /// A message to a worker.
 enum Message {
     /// Serve this connection (it just proved the secret).
-    Adopt(ConnId, Conn),
+    Adopt(ConnId, Box<Conn>),
     /// The answer to a blocked request of one of its connections.
     Answer(Ticket, Response),
 }
@@ -176,7 +176,11 @@ impl StoreServer {
     /// [`StoreServer::bind`] with `workers` threads serving authenticated
     /// clients instead of one per two cores (at most [`MAX_WORKERS`]); the
     /// rendezvous bench measures whether more threads help.
-    pub fn bind_with_workers(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>, workers: usize) -> Result<Self> {
+    pub fn bind_with_workers(
+        addr: impl ToSocketAddrs + Display,
+        secret: impl AsRef<[u8]>,
+        workers: usize,
+    ) -> Result<Self> {
         Self::bind_workers(addr, secret, Limits::default(), workers.clamp(1, MAX_WORKERS))
     }
 
@@ -233,6 +237,7 @@ impl StoreServer {
                 timers: BinaryHeap::new(),
                 to_drive: Vec::new(),
                 answers: Vec::new(),
+                scratch: vec![0; READ_AHEAD],
             };
             let thread = std::thread::Builder::new()
                 .name(format!("cohort-store-{index}"))
@@ -254,6 +259,7 @@ impl StoreServer {
             turned_away: 0,
             dropped: 0,
             to_drive: Vec::new(),
+            scratch: vec![0; 4096],
         };
         let thread = std::thread::Builder::new()
             .name("cohort-store-accept".into())
@@ -410,16 +416,22 @@ impl Conn {
         let body = unread[4..4 + len].to_vec();
         self.read_at += 4 + len;
         if self.read_at == self.input.len() {
+            // A large request's buffer goes back at once.
+            if self.input.capacity() > READ_AHEAD {
+                self.input = Vec::new();
+            }
             self.input.clear();
             self.read_at = 0;
         }
         Ok(Some(body))
     }
 
-    /// Reads what the socket holds: at least the rest of the frame being
-    /// read (unless its length is over `max_frame`: the caller refuses it)
-    /// and up to `ahead` unread bytes. `Ok(false)` at end of stream.
-    fn fill(&mut self, ahead: usize, max_frame: usize) -> io::Result<bool> {
+    /// Reads what the socket holds, through `scratch` (a buffer of the
+    /// thread, so an idle connection holds no read buffer): at least the
+    /// rest of the frame being read (unless its length is over `max_frame`:
+    /// the caller refuses it) and up to `ahead` unread bytes. `Ok(false)` at
+    /// end of stream.
+    fn fill(&mut self, scratch: &mut [u8], ahead: usize, max_frame: usize) -> io::Result<bool> {
         loop {
             let unread = self.unread();
             let frame_left = if unread.len() < 4 {
@@ -439,23 +451,15 @@ impl Conn {
                 self.input.drain(..self.read_at);
                 self.read_at = 0;
             }
-            let chunk = want.clamp(4096, 1 << 20);
-            let old = self.input.len();
-            self.input.resize(old + chunk, 0);
-            match self.stream.read(&mut self.input[old..]) {
-                Ok(0) => {
-                    self.input.truncate(old);
-                    return Ok(false);
-                }
-                Ok(n) => self.input.truncate(old + n),
-                Err(e) => {
-                    self.input.truncate(old);
-                    match e.kind() {
-                        io::ErrorKind::WouldBlock => return Ok(true),
-                        io::ErrorKind::Interrupted => {}
-                        _ => return Err(e),
-                    }
-                }
+            let n = want.min(scratch.len());
+            match self.stream.read(&mut scratch[..n]) {
+                Ok(0) => return Ok(false),
+                Ok(n) => self.input.extend_from_slice(&scratch[..n]),
+                Err(e) => match e.kind() {
+                    io::ErrorKind::WouldBlock => return Ok(true),
+                    io::ErrorKind::Interrupted => {}
+                    _ => return Err(e),
+                },
             }
         }
     }
@@ -570,6 +574,8 @@ struct Acceptor {
     dropped: u64,
     /// Connections with something to do.
     to_drive: Vec<ConnId>,
+    /// Where sockets are read into.
+    scratch: Vec<u8>,
 }
 
 impl Acceptor {
@@ -685,9 +691,14 @@ impl Acceptor {
     /// answering, until they are within the limit (true); or stops
     /// accepting until it will have been (false).
     fn make_room(&mut self) -> bool {
-        while self.handshakes.len() > self.limits.unauthenticated
-            && self.in_handshake() > self.limits.unauthenticated
-        {
+        // Forget the front entries that finished the handshake.
+        while let Some(front) = self.handshakes.front() {
+            if matches!(self.conns.get(front).map(|c| &c.phase), Some(Phase::Handshake { .. })) {
+                break;
+            }
+            self.handshakes.pop_front();
+        }
+        while self.handshakes.len() > self.limits.unauthenticated && self.in_handshake() > self.limits.unauthenticated {
             let Some(&oldest) = self.handshakes.front() else { return true };
             let since = match self.conns.get(&oldest).map(|c| &c.phase) {
                 Some(Phase::Handshake { since, .. }) => *since,
@@ -748,7 +759,7 @@ impl Acceptor {
             return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
         };
         let max = protocol::PREAUTH_MAX_FRAME;
-        let open = c.fill(4 + max, max).map_err(|e| Close::Left(e.to_string()))?;
+        let open = c.fill(&mut self.scratch, 4 + max, max).map_err(|e| Close::Left(e.to_string()))?;
         let Some(answer) = c.take_frame(max, " before authentication").map_err(|e| Close::Dropped(e.to_string()))?
         else {
             return if open { Ok(()) } else { Err(Close::Left("left during the handshake".into())) };
@@ -774,7 +785,7 @@ impl Acceptor {
         let _ = c.flush();
         self.may_accept = true;
         let worker = &self.shared.workers[self.shared.owner(id)];
-        worker.inbox.lock().push(Message::Adopt(id, c));
+        worker.inbox.lock().push(Message::Adopt(id, Box::new(c)));
         let _ = worker.waker.wake();
         Ok(())
     }
@@ -806,6 +817,8 @@ struct Worker {
     to_drive: Vec<ConnId>,
     /// Answers to blocked requests of this worker's connections.
     answers: Vec<(Ticket, Response)>,
+    /// Where sockets are read into.
+    scratch: Vec<u8>,
 }
 
 impl Worker {
@@ -829,12 +842,18 @@ impl Worker {
                         if stop {
                             continue;
                         }
-                        match self.poll.registry().register(&mut c.stream, Token(id), Interest::READABLE | Interest::WRITABLE) {
+                        match self.poll.registry().register(
+                            &mut c.stream,
+                            Token(id),
+                            Interest::READABLE | Interest::WRITABLE,
+                        ) {
                             Ok(()) => {
-                                self.conns.insert(id, c);
+                                self.conns.insert(id, *c);
                                 self.to_drive.push(id);
                             }
-                            Err(e) => tracing::warn!(error = %e, peer = %c.peer, "rendezvous store could not watch a connection; dropped it"),
+                            Err(e) => {
+                                tracing::warn!(error = %e, peer = %c.peer, "rendezvous store could not watch a connection; dropped it")
+                            }
                         }
                     }
                     Message::Answer(ticket, response) => self.answers.push((ticket, response)),
@@ -856,6 +875,17 @@ impl Worker {
     }
 
     fn fire_timers(&mut self) {
+        // Timers of requests answered long before their deadline: dropped
+        // once they outnumber the connections.
+        if self.timers.len() > 4 * self.conns.len() + 1024 {
+            let conns = &self.conns;
+            self.timers.retain(|Reverse((_, t))| match t {
+                Timer::Blocked(ticket) => {
+                    conns.get(&ticket.conn).and_then(|c| c.blocked.as_ref()).is_some_and(|(seq, _)| *seq == ticket.seq)
+                }
+                _ => true,
+            });
+        }
         let now = Instant::now();
         while let Some(&Reverse((at, timer))) = self.timers.peek() {
             if at > now {
@@ -911,14 +941,14 @@ impl Worker {
     /// Writes what a connection has to write, reads what it sent and serves
     /// its requests, one at a time, until it blocks or has nothing more.
     fn drive(&mut self, id: ConnId) -> std::result::Result<(), Close> {
-        let Worker { index, shared, conns, timers, to_drive, answers, .. } = self;
+        let Worker { index, shared, conns, timers, to_drive, answers, scratch, .. } = self;
         let Some(c) = conns.get_mut(&id) else { return Ok(()) };
         loop {
             let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
             if matches!(c.phase, Phase::Closing) {
                 return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
             }
-            let open = c.fill(READ_AHEAD, protocol::MAX_FRAME).map_err(|e| Close::Left(e.to_string()))?;
+            let open = c.fill(scratch, READ_AHEAD, protocol::MAX_FRAME).map_err(|e| Close::Left(e.to_string()))?;
             if c.blocked.is_some() || !flushed {
                 // The answer comes first; an end of stream now means the
                 // client left while it waited.

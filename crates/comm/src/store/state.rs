@@ -229,9 +229,7 @@ impl Table {
         reads: Option<Vec<String>>,
     ) -> Outcome {
         if world_size == 0 {
-            return Outcome::Answer(Response::Refused(format!(
-                "barrier '{name}' needs a world size of at least 1"
-            )));
+            return Outcome::Answer(Response::Refused(format!("barrier '{name}' needs a world size of at least 1")));
         }
         let b = self.barriers.entry(name.clone()).or_default();
         if !b.waiting.is_empty() && b.world_size != world_size {

@@ -612,7 +612,6 @@ fn store_barrier_get_answers_every_participant_the_values_at_the_opening() {
     assert_eq!(t.join().unwrap().unwrap(), Vec::<Option<Vec<u8>>>::new());
 }
 
-
 #[test]
 fn store_with_four_workers_wakes_clients_served_by_other_threads() {
     // Clients land on different worker threads (by connection number): a
