@@ -49,7 +49,7 @@ mod tests;
 pub use client::{CompareSet, StoreClient};
 pub use error::{Result, StoreError};
 pub use protocol::{MAX_FRAME, MAX_KEY, MAX_VALUE, PREAUTH_MAX_FRAME};
-pub use server::{StoreServer, MAX_UNAUTHENTICATED};
+pub use server::{StoreServer, MAX_UNAUTHENTICATED, MAX_WORKERS};
 
 /// Returns a fresh random job secret: 32 bytes from the operating system, as
 /// 64 hex digits (printable, so it can travel in `COHORT_JOB_SECRET`).
