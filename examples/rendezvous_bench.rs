@@ -1,147 +1,694 @@
-//! Rendezvous at scale: N simulated ranks, each a thread with its own store
+//! Rendezvous at scale: N simulated ranks, each with its own store
 //! connection, doing what a rank does while it forms a communicator: prove
 //! the job secret, publish its entry (one append to the directory), wait
-//! for every rank (barrier `joined`), read every peer's entry (one
-//! multi-get of the directory and the job key), and pass the `ready`
-//! barrier. The store runs in a child process (as the launcher's does), so
-//! each process holds N descriptors, not 2N.
+//! for every rank, read every peer's entry, and pass the `ready` barrier.
 //!
-//! For every count it prints the time until all ranks connected, all
-//! joined and all passed `ready`, measured from the moment the threads are
-//! released. At the smallest count it also runs, on a fresh store, the key
-//! pattern set-up used before (each rank sets `peer/<r>`, waits for every
-//! peer key, then reads them one `get` at a time: N² round trips in all) as
-//! the baseline, and prints the ratio.
+//! The ranks are state machines on non-blocking sockets, driven by a few
+//! threads (`--threads`, default: the cores less one, at most 8), not a
+//! thread each, so the count is bounded by descriptors and memory only.
+//! The store runs in a child process (as the launcher's does), so each
+//! process holds N descriptors, not 2N. At most `--window` connections
+//! (default 256) are being opened at once: the kernel's listening
+//! queue never overflows (a dropped SYN costs a second), and no more are
+//! in the store's handshake than it lets wait
+//! ([`MAX_UNAUTHENTICATED`](cohort_comm::store::MAX_UNAUTHENTICATED)).
 //!
-//! `scripts/anchors/tcpstore_bench.py` runs the same pattern against
-//! PyTorch's TCPStore (libuv) for the cross-framework ratio.
+//! Three runs per count, each against a fresh server:
+//! - `cohort`: the Communicator's pattern: `append`, then `barrier_get`
+//!   (the barrier answers the job key and the whole directory), then the
+//!   `ready` barrier;
+//! - `cohort-2rt`: the same with the read as its own round trip (`barrier`
+//!   then `multi_get`), the pattern before `barrier_get`;
+//! - `tcpstore`: PyTorch's TCPStore (libuv backend), when `--tcpstore CMD`
+//!   names a command that serves one and prints its port
+//!   (`python3 scripts/anchors/tcpstore_bench.py --serve`), spoken to by
+//!   the same client machinery in its own wire format: `append`, torch's
+//!   store barrier (`add` to a counter, the last sets a key, all `wait` for
+//!   it), `multi_get` of the job key and the directory, a second barrier.
+//!   TCPStore's `set` and `append` have no answer, so its `published` is
+//!   when the request was written; its connect includes one round trip
+//!   (what torch's client does to check the server: here `getNumKeys`).
 //!
-//! Run: `cargo run --release --example rendezvous_bench -- [counts...]`
-//! (default 1024 4096 16384). It raises its soft descriptor limit to the
-//! hard one; counts above that (`ulimit -Hn`) are skipped with a note.
+//! For every run it prints when the last rank had connected, published,
+//! joined (passed the first barrier), read the directory and passed
+//! `ready`, from the common release, and the CPU time the server's process
+//! and the clients spent: a store busy for most of the run is the
+//! bottleneck. Then ratios against TCPStore at every count.
+//!
+//! Run: `cargo run --release --example rendezvous_bench -- [--tcpstore CMD]
+//! [--threads T] [--window W] [--store-workers S] [--no-two-trips]
+//! [counts...]` (default counts 1024 4096 16384; `--store-workers` sets the
+//! threads serving cohort's authenticated clients, default one per two
+//! cores up to 8).
+//! It raises its soft descriptor limit to the hard one; counts above that
+//! (`ulimit -Hn`) are skipped with a note.
 
-use std::io::{BufRead, Write};
+use std::io::{BufRead, Read, Write};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use cohort_comm::store::{generate_secret, StoreClient, StoreServer};
+use cohort_comm::store::raw::{self, Handshake};
+use cohort_comm::store::{generate_secret, StoreServer};
+use mio::net::TcpStream;
+use mio::{Events, Interest, Poll, Token};
 
 const TIMEOUT: Duration = Duration::from_secs(300);
+const JOB: &[u8] = b"0123456789abcdef 00112233445566778899aabbccddeeff";
 
-/// Serves a store until stdin closes (the child's side).
-fn serve() {
+/// Serves a cohort store until stdin closes (the child's side), with
+/// `workers` threads serving authenticated clients (0: the default).
+fn serve(workers: usize) {
     let mut secret = String::new();
     std::io::stdin().read_line(&mut secret).expect("secret on stdin");
-    let server = StoreServer::bind("127.0.0.1:0", secret.trim()).expect("bind the store");
-    println!("{}", server.local_addr());
+    let server = if workers == 0 {
+        StoreServer::bind("127.0.0.1:0", secret.trim())
+    } else {
+        StoreServer::bind_with_workers("127.0.0.1:0", secret.trim(), workers)
+    };
+    let server = server.expect("bind the store");
+    println!("{}", server.local_addr().port());
     std::io::stdout().flush().expect("stdout");
     let mut rest = String::new();
     while std::io::stdin().read_line(&mut rest).map(|n| n > 0).unwrap_or(false) {}
 }
 
-/// A store in a child process: (child, address).
-fn spawn_store(secret: &str) -> (Child, String) {
-    let exe = std::env::current_exe().expect("own path");
-    let mut child = Command::new(exe)
-        .arg("--serve")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start the store process");
-    writeln!(child.stdin.as_mut().expect("stdin"), "{secret}").expect("send the secret");
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("its address");
-    (child, line.trim().to_string())
+/// A store server in a child process.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
 }
 
-/// When each rank passed each step, from the common release.
+impl Server {
+    /// Starts `cmd` (the first word the program), writes `stdin_line` to it
+    /// and reads the port it prints.
+    fn start(cmd: &[String], stdin_line: &str) -> Server {
+        let mut child = Command::new(&cmd[0])
+            .args(&cmd[1..])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start the store server {cmd:?}: {e}"));
+        writeln!(child.stdin.as_mut().expect("stdin"), "{stdin_line}").expect("write to the server");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("its port");
+        let port: u16 = line.trim().parse().unwrap_or_else(|_| panic!("{cmd:?} printed {line:?}, not a port"));
+        Server { child, addr: SocketAddr::from(([127, 0, 0, 1], port)) }
+    }
+
+    /// CPU time (user + system) the server's process has used.
+    fn cpu(&self) -> Duration {
+        cpu_of(&format!("/proc/{}/stat", self.child.id()))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+/// User + system CPU time of the process whose `stat` file is `path`.
+fn cpu_of(path: &str) -> Duration {
+    let Ok(stat) = std::fs::read_to_string(path) else { return Duration::ZERO };
+    // Fields after the command name (which may hold spaces), from field 3.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 =
+        f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0) + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_micros(ticks * 1_000_000 / hz)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    /// cohort's store, `barrier_get` after the append.
+    Cohort,
+    /// cohort's store, `barrier` then `multi_get`.
+    CohortTwoTrips,
+    /// PyTorch's TCPStore.
+    TcpStore,
+}
+
+/// When a rank passed each step, from the common release.
 #[derive(Default, Clone, Copy)]
-struct Steps {
+struct Times {
     connected: Duration,
     published: Duration,
     joined: Duration,
+    read: Duration,
     ready: Duration,
 }
 
-/// The pattern of `Communicator` set-up (crates/comm/src/communicator/setup.rs).
-fn rank_now(store: &StoreClient, rank: usize, n: usize, start: Instant) -> Steps {
-    let mut steps = Steps { connected: start.elapsed(), ..Default::default() };
-    if rank == 0 {
-        store.set("c/1/job", b"0123456789abcdef 00112233445566778899aabbccddeeff").expect("job");
-    }
-    let line = format!("{rank}\thost-{}/boot-id-0000-1111-2222/0\t127.0.0.1:{}\t1\n", rank / 8, 20000 + rank);
-    store.append("c/1/peers", line.as_bytes()).expect("append");
-    steps.published = start.elapsed();
-    store.barrier("c/1/joined", n as u32, TIMEOUT).expect("joined");
-    steps.joined = start.elapsed();
-    let values = store.multi_get(&["c/1/job", "c/1/peers"]).expect("multi_get");
-    let listing = values[1].as_ref().expect("the directory");
-    let lines = listing.split(|&b| b == b'\n').filter(|l| !l.is_empty()).count();
-    assert_eq!(lines, n, "rank {rank} read {lines} entries of {n}");
-    store.barrier("c/1/ready", n as u32, TIMEOUT).expect("ready");
-    steps.ready = start.elapsed();
-    steps
+/// What the rank waits for next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Connecting,
+    Greeting,
+    Verdict,
+    /// TCPStore: the round trip that checks the server.
+    Checked,
+    JobSet,
+    Appended,
+    /// cohort: the joined barrier (with the directory for `Cohort`).
+    Joined,
+    /// TCPStore: the counter of barrier `joined` (0) or `ready` (1).
+    Counted(u8),
+    /// TCPStore: the wait of barrier `joined` (0) or `ready` (1).
+    Waited(u8),
+    Read,
+    Ready,
+    Done,
 }
 
-/// The key pattern used before: a key per rank, read one round trip each.
-fn rank_before(store: &StoreClient, rank: usize, n: usize, start: Instant) -> Steps {
-    let mut steps = Steps { connected: start.elapsed(), ..Default::default() };
-    let line = format!("host-{}/boot-id-0000-1111-2222/0\n127.0.0.1:{}\n1", rank / 8, 20000 + rank);
-    store.set(&format!("c/1/peer/{rank}"), line.as_bytes()).expect("set");
-    steps.published = start.elapsed();
-    let keys: Vec<String> = (0..n).map(|r| format!("c/1/peer/{r}")).collect();
-    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    store.wait(&refs, TIMEOUT).expect("wait");
-    steps.joined = start.elapsed();
-    for k in &refs {
-        store.get(k).expect("get").expect("present");
-    }
-    store.barrier("c/1/ready", n as u32, TIMEOUT).expect("ready");
-    steps.ready = start.elapsed();
-    steps
+/// A field of the answer being read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    /// A cohort frame's length, then its body (small answers).
+    FrameLen,
+    FrameBody,
+    /// A cohort `Values` answer: length, code and count (9 bytes).
+    ValuesHead,
+    /// A cohort value's present flag, then its length.
+    ValueFlag,
+    ValueLen,
+    /// TCPStore: an i64, a u8, a value's u64 length.
+    TcpI64,
+    TcpU8,
+    TcpLen,
+    /// A value's bytes, counted as they stream by (never kept whole).
+    Blob,
 }
 
-type Pattern = fn(&StoreClient, usize, usize, Instant) -> Steps;
+/// One simulated rank.
+struct Rank {
+    rank: usize,
+    stream: TcpStream,
+    step: Step,
+    out: Vec<u8>,
+    out_at: usize,
+    /// The field being read: its bytes so far and how many it needs.
+    field: Field,
+    head: Vec<u8>,
+    need: usize,
+    /// Values still to read in a multi-value answer, and which one this is.
+    values_left: u32,
+    value_index: u32,
+    /// Lines counted in the directory value.
+    lines: usize,
+    handshake: Option<Handshake>,
+    times: Times,
+}
 
-/// Runs `n` simulated ranks through `pattern` against a fresh store;
-/// returns the latest of each step.
-fn simulate(n: usize, pattern: Pattern) -> Steps {
-    let secret = generate_secret().expect("secret");
-    let (mut child, addr) = spawn_store(&secret);
-    let go = Arc::new(Barrier::new(n + 1));
+/// The outcome of one answer.
+enum Answered {
+    Frame(Vec<u8>),
+    Int(i64),
+    Byte,
+    /// A multi-value answer, with the lines of its directory value.
+    Values(usize),
+}
+
+/// TCPStore's wire format (torch/csrc/distributed/c10d): a command byte,
+/// keys and values as a u64 length then bytes, integers in native order.
+mod tcp {
+    pub const VALIDATE: u8 = 0;
+    pub const SET: u8 = 1;
+    pub const ADD: u8 = 4;
+    pub const WAIT: u8 = 6;
+    pub const GETNUMKEYS: u8 = 7;
+    pub const APPEND: u8 = 9;
+    pub const MULTI_GET: u8 = 10;
+    pub const MAGIC: u32 = 0x3C85_F7CE;
+
+    pub fn bytes(out: &mut Vec<u8>, b: &[u8]) {
+        out.extend_from_slice(&(b.len() as u64).to_ne_bytes());
+        out.extend_from_slice(b);
+    }
+    pub fn keys(out: &mut Vec<u8>, cmd: u8, keys: &[&str]) {
+        out.push(cmd);
+        out.extend_from_slice(&(keys.len() as u64).to_ne_bytes());
+        for k in keys {
+            bytes(out, k.as_bytes());
+        }
+    }
+}
+
+impl Rank {
+    fn expect(&mut self, field: Field, need: usize) {
+        self.field = field;
+        self.need = need;
+        self.head.clear();
+    }
+
+    /// Starts reading a `Values` answer of `n` values.
+    fn expect_values(&mut self, kind: Kind, n: u32) {
+        self.values_left = n;
+        self.value_index = 0;
+        self.lines = 0;
+        if kind == Kind::TcpStore {
+            self.expect(Field::TcpLen, 8);
+        } else {
+            self.expect(Field::ValuesHead, 9);
+        }
+    }
+
+    /// Feeds received bytes; returns an answer once one is whole.
+    fn feed(&mut self, kind: Kind, data: &mut &[u8]) -> Result<Option<Answered>, String> {
+        while !data.is_empty() {
+            let take = self.need.min(data.len());
+            if self.field == Field::Blob {
+                if self.value_index == 1 {
+                    self.lines += data[..take].iter().filter(|&&b| b == b'\n').count();
+                }
+            } else {
+                self.head.extend_from_slice(&data[..take]);
+            }
+            *data = &data[take..];
+            self.need -= take;
+            if self.need > 0 {
+                continue;
+            }
+            let h = &self.head;
+            let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
+            match self.field {
+                Field::FrameLen => {
+                    let len = u32_at(0) as usize;
+                    if len > 1 << 16 {
+                        return Err(format!("unexpected answer of {len} bytes"));
+                    }
+                    self.expect(Field::FrameBody, len);
+                    if len == 0 {
+                        return Ok(Some(Answered::Frame(Vec::new())));
+                    }
+                }
+                Field::FrameBody => return Ok(Some(Answered::Frame(std::mem::take(&mut self.head)))),
+                Field::ValuesHead => {
+                    if h[4] != 10 {
+                        return Err(format!("answer code {} where values were expected", h[4]));
+                    }
+                    if u32_at(5) != self.values_left {
+                        return Err(format!("{} values where {} were asked", u32_at(5), self.values_left));
+                    }
+                    self.expect(Field::ValueFlag, 1);
+                }
+                Field::ValueFlag => {
+                    if h[0] == 1 {
+                        self.expect(Field::ValueLen, 4);
+                    } else if let Some(a) = self.next_value(kind) {
+                        return Ok(Some(a));
+                    }
+                }
+                Field::ValueLen => {
+                    let len = u32_at(0) as usize;
+                    self.expect(Field::Blob, len);
+                    if len == 0 {
+                        if let Some(a) = self.next_value(kind) {
+                            return Ok(Some(a));
+                        }
+                    }
+                }
+                Field::TcpLen => {
+                    let len = u64::from_ne_bytes(h[..8].try_into().expect("8 bytes")) as usize;
+                    self.expect(Field::Blob, len);
+                    if len == 0 {
+                        if let Some(a) = self.next_value(kind) {
+                            return Ok(Some(a));
+                        }
+                    }
+                }
+                Field::Blob => {
+                    if let Some(a) = self.next_value(kind) {
+                        return Ok(Some(a));
+                    }
+                }
+                Field::TcpI64 => {
+                    return Ok(Some(Answered::Int(i64::from_ne_bytes(h[..8].try_into().expect("8 bytes")))))
+                }
+                Field::TcpU8 => return Ok(Some(Answered::Byte)),
+            }
+        }
+        Ok(None)
+    }
+
+    /// One value of a multi-value answer is read: the next, or the end.
+    fn next_value(&mut self, kind: Kind) -> Option<Answered> {
+        self.values_left -= 1;
+        self.value_index += 1;
+        if self.values_left == 0 {
+            return Some(Answered::Values(self.lines));
+        }
+        if kind == Kind::TcpStore {
+            self.expect(Field::TcpLen, 8);
+        } else {
+            self.expect(Field::ValueFlag, 1);
+        }
+        None
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        self.out.extend_from_slice(bytes);
+    }
+
+    /// Writes what the socket takes.
+    fn flush(&mut self) -> Result<(), String> {
+        while self.out_at < self.out.len() {
+            match self.stream.write(&self.out[self.out_at..]) {
+                Ok(n) => self.out_at += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("write: {e}")),
+            }
+        }
+        self.out.clear();
+        self.out_at = 0;
+        Ok(())
+    }
+
+    /// The rank's first bytes once connected.
+    fn on_connected(&mut self, kind: Kind) {
+        if kind == Kind::TcpStore {
+            let mut b = vec![tcp::VALIDATE];
+            b.extend_from_slice(&tcp::MAGIC.to_ne_bytes());
+            b.push(tcp::GETNUMKEYS);
+            self.send(&b);
+            self.step = Step::Checked;
+            self.expect(Field::TcpI64, 8);
+        } else {
+            self.step = Step::Greeting;
+            self.expect(Field::FrameLen, 4);
+        }
+    }
+
+    /// Publishes this rank's entry (after the job key, for rank 0).
+    fn publish(&mut self, kind: Kind, n: usize, t0: Instant) {
+        let line = format!(
+            "{}\thost-{}/boot-id-0000-1111-2222/0\t127.0.0.1:{}\t1\n",
+            self.rank,
+            self.rank / 8,
+            20000 + self.rank
+        );
+        if kind == Kind::TcpStore {
+            let mut b = Vec::new();
+            if self.rank == 0 {
+                b.push(tcp::SET);
+                tcp::bytes(&mut b, b"c/1/job");
+                tcp::bytes(&mut b, JOB);
+            }
+            b.push(tcp::APPEND);
+            tcp::bytes(&mut b, b"c/1/peers");
+            tcp::bytes(&mut b, line.as_bytes());
+            self.send(&b);
+            // No answer to wait for: published once written.
+            self.times.published = t0.elapsed();
+            self.tcp_barrier(0);
+            let _ = n;
+        } else {
+            self.send(&raw::append("c/1/peers", line.as_bytes()));
+            self.step = Step::Appended;
+            self.expect(Field::FrameLen, 4);
+        }
+    }
+
+    /// TCPStore: torch's store barrier, first request (the counter).
+    fn tcp_barrier(&mut self, which: u8) {
+        let mut b = vec![tcp::ADD];
+        tcp::bytes(&mut b, if which == 0 { b"c/1/joined/count" } else { b"c/1/ready/count" });
+        b.extend_from_slice(&1i64.to_ne_bytes());
+        self.send(&b);
+        self.step = Step::Counted(which);
+        self.expect(Field::TcpI64, 8);
+    }
+
+    /// Acts on a whole answer; returns whether the rank is done.
+    fn on_answer(
+        &mut self,
+        kind: Kind,
+        n: usize,
+        t0: Instant,
+        answer: Answered,
+        secret: &[u8],
+    ) -> Result<bool, String> {
+        let ok = |a: &Answered| match a {
+            Answered::Frame(body) => match raw::parse_answer(body) {
+                raw::Answer::Ok => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+            _ => Err("unexpected answer".to_string()),
+        };
+        match (self.step, answer) {
+            (Step::Greeting, Answered::Frame(body)) => {
+                let (hs, frame) = Handshake::answer(secret, &body).map_err(|e| e.to_string())?;
+                self.handshake = Some(hs);
+                self.send(&frame);
+                self.step = Step::Verdict;
+                self.expect(Field::FrameLen, 4);
+            }
+            (Step::Verdict, Answered::Frame(body)) => {
+                self.handshake.take().expect("answered").check(secret, &body).map_err(|e| e.to_string())?;
+                self.times.connected = t0.elapsed();
+                if self.rank == 0 {
+                    self.send(&raw::set("c/1/job", JOB));
+                    self.step = Step::JobSet;
+                    self.expect(Field::FrameLen, 4);
+                } else {
+                    self.publish(kind, n, t0);
+                }
+            }
+            (Step::Checked, Answered::Int(_)) => {
+                self.times.connected = t0.elapsed();
+                self.publish(kind, n, t0);
+            }
+            (Step::JobSet, a) => {
+                ok(&a)?;
+                self.publish(kind, n, t0);
+            }
+            (Step::Appended, a) => {
+                ok(&a)?;
+                self.times.published = t0.elapsed();
+                if kind == Kind::Cohort {
+                    self.send(&raw::barrier_get("c/1/joined", n as u32, TIMEOUT, &["c/1/job", "c/1/peers"]));
+                    self.expect_values(kind, 2);
+                } else {
+                    self.send(&raw::barrier("c/1/joined", n as u32, TIMEOUT));
+                    self.expect(Field::FrameLen, 4);
+                }
+                self.step = Step::Joined;
+            }
+            (Step::Joined, Answered::Values(lines)) => {
+                self.times.joined = t0.elapsed();
+                self.times.read = self.times.joined;
+                self.read_done(kind, lines, n)?;
+            }
+            (Step::Joined, a) => {
+                ok(&a)?;
+                self.times.joined = t0.elapsed();
+                self.send(&raw::multi_get(&["c/1/job", "c/1/peers"]));
+                self.expect_values(kind, 2);
+                self.step = Step::Read;
+            }
+            (Step::Counted(which), Answered::Int(count)) => {
+                let done: &[u8] = if which == 0 { b"c/1/joined/done" } else { b"c/1/ready/done" };
+                let mut b = Vec::new();
+                if count == n as i64 {
+                    b.push(tcp::SET);
+                    tcp::bytes(&mut b, done);
+                    tcp::bytes(&mut b, b"1");
+                }
+                tcp::keys(&mut b, tcp::WAIT, &[std::str::from_utf8(done).expect("ascii")]);
+                self.send(&b);
+                self.step = Step::Waited(which);
+                self.expect(Field::TcpU8, 1);
+            }
+            (Step::Waited(0), Answered::Byte) => {
+                self.times.joined = t0.elapsed();
+                let mut b = Vec::new();
+                tcp::keys(&mut b, tcp::MULTI_GET, &["c/1/job", "c/1/peers"]);
+                self.send(&b);
+                self.expect_values(kind, 2);
+                self.step = Step::Read;
+            }
+            (Step::Waited(_), Answered::Byte) => {
+                self.times.ready = t0.elapsed();
+                self.step = Step::Done;
+                return Ok(true);
+            }
+            (Step::Read, Answered::Values(lines)) => {
+                self.times.read = t0.elapsed();
+                self.read_done(kind, lines, n)?;
+            }
+            (Step::Ready, a) => {
+                ok(&a)?;
+                self.times.ready = t0.elapsed();
+                self.step = Step::Done;
+                return Ok(true);
+            }
+            (step, _) => return Err(format!("unexpected answer at step {step:?}")),
+        }
+        Ok(false)
+    }
+
+    /// The directory is read: check it, then the `ready` barrier.
+    fn read_done(&mut self, kind: Kind, lines: usize, n: usize) -> Result<(), String> {
+        if lines != n {
+            return Err(format!("rank {} read {lines} entries of {n}", self.rank));
+        }
+        if kind == Kind::TcpStore {
+            self.tcp_barrier(1);
+        } else {
+            self.send(&raw::barrier("c/1/ready", n as u32, TIMEOUT));
+            self.step = Step::Ready;
+            self.expect(Field::FrameLen, 4);
+        }
+        Ok(())
+    }
+
+    fn connecting(&self) -> bool {
+        matches!(self.step, Step::Connecting | Step::Greeting | Step::Verdict | Step::Checked)
+    }
+}
+
+/// Drives `ranks` through the pattern on one thread; returns their times.
+#[allow(clippy::too_many_arguments)]
+fn drive(
+    kind: Kind,
+    addr: SocketAddr,
+    ranks: Vec<usize>,
+    n: usize,
+    secret: &[u8],
+    window: usize,
+    go: &Barrier,
+    start: &parking_lot::Mutex<Option<Instant>>,
+) -> Result<Vec<Times>, String> {
+    let mut poll = Poll::new().map_err(|e| e.to_string())?;
+    let mut events = Events::with_capacity(4096);
+    let mut slots: Vec<Rank> = Vec::with_capacity(ranks.len());
+    let mut buf = vec![0u8; 256 << 10];
+    go.wait();
+    let t0 = start.lock().expect("set before the release");
+    let (mut connecting, mut done) = (0usize, 0usize);
+    loop {
+        while connecting < window && slots.len() < ranks.len() {
+            let mut stream = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+            // As both stores' own clients do: no Nagle delay on small requests.
+            stream.set_nodelay(true).map_err(|e| e.to_string())?;
+            let token = Token(slots.len());
+            poll.registry()
+                .register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
+                .map_err(|e| e.to_string())?;
+            slots.push(Rank {
+                rank: ranks[slots.len()],
+                stream,
+                step: Step::Connecting,
+                out: Vec::new(),
+                out_at: 0,
+                field: Field::FrameLen,
+                head: Vec::new(),
+                need: 4,
+                values_left: 0,
+                value_index: 0,
+                lines: 0,
+                handshake: None,
+                times: Times::default(),
+            });
+            connecting += 1;
+        }
+        if done == ranks.len() {
+            return Ok(slots.iter().map(|r| r.times).collect());
+        }
+        if t0.elapsed() > TIMEOUT {
+            let stuck = slots.iter().find(|r| r.step != Step::Done).map(|r| (r.rank, r.step));
+            return Err(format!("{} of {} ranks done after {TIMEOUT:?}; first stuck: {stuck:?}", done, ranks.len()));
+        }
+        poll.poll(&mut events, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
+        for ev in events.iter() {
+            let r = &mut slots[ev.token().0];
+            if r.step == Step::Done {
+                continue;
+            }
+            let was_connecting = r.connecting();
+            if r.step == Step::Connecting {
+                if let Ok(Some(e)) | Err(e) = r.stream.take_error() {
+                    return Err(format!("rank {} could not connect: {e}", r.rank));
+                }
+                match r.stream.peer_addr() {
+                    Ok(_) => r.on_connected(kind),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotConnected => continue,
+                    Err(e) => return Err(format!("rank {} could not connect: {e}", r.rank)),
+                }
+            }
+            r.flush()?;
+            loop {
+                let k = match r.stream.read(&mut buf) {
+                    Ok(0) => return Err(format!("the server closed rank {}'s connection at {:?}", r.rank, r.step)),
+                    Ok(k) => k,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(format!("rank {}: read: {e}", r.rank)),
+                };
+                let mut data = &buf[..k];
+                while let Some(answer) = r.feed(kind, &mut data)? {
+                    if r.on_answer(kind, n, t0, answer, secret)? {
+                        done += 1;
+                    }
+                    r.flush()?;
+                }
+            }
+            if was_connecting && !r.connecting() {
+                connecting -= 1;
+            }
+        }
+    }
+}
+
+/// The latest of each step over all ranks, and the CPU time the server
+/// and this process (the clients) spent.
+struct Run {
+    last: Times,
+    server_cpu: Duration,
+    client_cpu: Duration,
+}
+
+/// Runs `n` simulated ranks of `kind` against `server`.
+fn simulate(kind: Kind, server: &Server, n: usize, secret: &str, threads: usize, window: usize) -> Result<Run, String> {
+    let threads = threads.min(n).max(1);
+    let go = Arc::new(Barrier::new(threads + 1));
     let start = Arc::new(parking_lot::Mutex::new(None::<Instant>));
-    let threads: Vec<_> = (0..n)
-        .map(|rank| {
-            let (go, start, addr, secret) = (go.clone(), start.clone(), addr.clone(), secret.clone());
-            std::thread::Builder::new()
-                .stack_size(128 << 10)
-                .spawn(move || {
-                    go.wait();
-                    let t0 = start.lock().expect("set before release");
-                    let store = StoreClient::connect(addr.as_str(), &secret, TIMEOUT).expect("connect");
-                    let steps = pattern(&store, rank, n, t0);
-                    // Hold the connection until every rank is through, as
-                    // ranks do (they keep it for the job).
-                    (steps, store)
-                })
-                .expect("thread")
+    let addr = server.addr;
+    let workers: Vec<_> = (0..threads)
+        .map(|t| {
+            let (go, start, secret) = (go.clone(), start.clone(), secret.as_bytes().to_vec());
+            let ranks: Vec<usize> = (t..n).step_by(threads).collect();
+            let window = window.div_ceil(threads);
+            std::thread::spawn(move || drive(kind, addr, ranks, n, &secret, window, &go, &start))
         })
         .collect();
+    let (server_before, client_before) = (server.cpu(), cpu_of("/proc/self/stat"));
     *start.lock() = Some(Instant::now());
     go.wait();
-    let results: Vec<(Steps, StoreClient)> = threads.into_iter().map(|t| t.join().expect("rank thread")).collect();
-    let mut last = Steps::default();
-    for (s, _) in &results {
-        last.connected = last.connected.max(s.connected);
-        last.published = last.published.max(s.published);
-        last.joined = last.joined.max(s.joined);
-        last.ready = last.ready.max(s.ready);
+    let mut last = Times::default();
+    let mut failure = None;
+    for w in workers {
+        match w.join().expect("a client thread panicked") {
+            Ok(times) => {
+                for t in times {
+                    last.connected = last.connected.max(t.connected);
+                    last.published = last.published.max(t.published);
+                    last.joined = last.joined.max(t.joined);
+                    last.read = last.read.max(t.read);
+                    last.ready = last.ready.max(t.ready);
+                }
+            }
+            Err(e) => failure = failure.or(Some(e)),
+        }
     }
-    drop(results);
-    drop(child.stdin.take());
-    let _ = child.wait();
-    last
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    Ok(Run { last, server_cpu: server.cpu() - server_before, client_cpu: cpu_of("/proc/self/stat") - client_before })
 }
 
 /// Raises the soft limit on open descriptors to the hard one (the store's
@@ -163,46 +710,108 @@ fn fd_limit() -> u64 {
     lim.rlim_cur
 }
 
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("--serve") {
-        serve();
-        return;
+    let mut args = std::env::args().skip(1);
+    let mut counts = Vec::new();
+    let mut tcpstore: Option<Vec<String>> = None;
+    let cores = std::thread::available_parallelism().map_or(2, |c| c.get());
+    let mut threads = cores.saturating_sub(1).clamp(1, 8);
+    let mut window = 256;
+    let mut two_trips = true;
+    let mut store_workers = 0usize;
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--serve" => return serve(args.next().and_then(|v| v.parse().ok()).unwrap_or(0)),
+            "--store-workers" => {
+                store_workers = args.next().and_then(|v| v.parse().ok()).expect("--store-workers takes a number")
+            }
+            "--tcpstore" => {
+                let cmd = args.next().expect("--tcpstore takes a command");
+                tcpstore = Some(cmd.split_whitespace().map(String::from).collect());
+            }
+            "--threads" => threads = args.next().and_then(|v| v.parse().ok()).expect("--threads takes a number"),
+            "--window" => window = args.next().and_then(|v| v.parse().ok()).expect("--window takes a number"),
+            "--no-two-trips" => two_trips = false,
+            n => counts.push(n.parse::<usize>().unwrap_or_else(|_| panic!("not a count or option: {n}"))),
+        }
     }
-    let counts: Vec<usize> = if args.is_empty() {
-        vec![1024, 4096, 16384]
-    } else {
-        args.iter().map(|a| a.parse().expect("counts are numbers")).collect()
-    };
+    if counts.is_empty() {
+        counts = vec![1024, 4096, 16384];
+    }
     let limit = fd_limit();
-    println!("rendezvous_bench: simulated ranks as threads, store in a child process; fd limit {limit}");
-    println!("{:>7} {:>12} {:>12} {:>12} {:>12}", "ranks", "connected", "published", "joined", "ready");
-    let mut first = None;
-    let skip_baseline = std::env::var_os("RENDEZVOUS_BENCH_NO_BASELINE").is_some();
+    println!(
+        "rendezvous_bench: simulated ranks on {threads} client threads (non-blocking sockets, {window} connecting at \
+         once), each server in a child process; fd limit {limit}; {cores} cores"
+    );
+    println!(
+        "{:>7} {:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12} {:>12}",
+        "ranks", "store", "connected", "published", "joined", "read", "ready", "store cpu", "clients cpu"
+    );
+    let me = std::env::current_exe().expect("own path").to_string_lossy().into_owned();
+    let mut ratios = Vec::new();
     for &n in &counts {
-        // Each process holds one descriptor per rank, plus a few.
         if n as u64 + 64 > limit {
-            println!("{n:>7} skipped: needs {} descriptors per process, the limit is {limit} (ulimit -n)", n + 64);
+            println!("{n:>7} skipped: needs {} descriptors per process, the limit is {limit} (ulimit -Hn)", n + 64);
             continue;
         }
-        let s = simulate(n, rank_now);
-        println!(
-            "{n:>7} {:>10.1}ms {:>10.1}ms {:>10.1}ms {:>10.1}ms",
-            s.connected.as_secs_f64() * 1e3,
-            s.published.as_secs_f64() * 1e3,
-            s.joined.as_secs_f64() * 1e3,
-            s.ready.as_secs_f64() * 1e3
-        );
-        first.get_or_insert((n, s.ready));
+        let mut kinds = vec![Kind::Cohort];
+        if two_trips {
+            kinds.push(Kind::CohortTwoTrips);
+        }
+        if tcpstore.is_some() {
+            kinds.push(Kind::TcpStore);
+        }
+        let mut ready = Vec::new();
+        for kind in kinds {
+            let secret = generate_secret().expect("secret");
+            let server = match (kind, &tcpstore) {
+                (Kind::TcpStore, Some(cmd)) => Server::start(cmd, "-"),
+                _ => Server::start(&[me.clone(), "--serve".into(), store_workers.to_string()], &secret),
+            };
+            let name = match kind {
+                Kind::Cohort => "cohort",
+                Kind::CohortTwoTrips => "cohort-2rt",
+                Kind::TcpStore => "tcpstore",
+            };
+            match simulate(kind, &server, n, &secret, threads, window) {
+                Ok(run) => {
+                    let t = run.last;
+                    println!(
+                        "{n:>7} {name:<11} {:>9.1}ms {:>9.1}ms {:>9.1}ms {:>9.1}ms {:>9.1}ms {:>10.0}ms {:>10.0}ms",
+                        ms(t.connected),
+                        ms(t.published),
+                        ms(t.joined),
+                        ms(t.read),
+                        ms(t.ready),
+                        ms(run.server_cpu),
+                        ms(run.client_cpu)
+                    );
+                    ready.push((kind, t));
+                }
+                Err(e) => println!("{n:>7} {name:<11} failed: {e}"),
+            }
+        }
+        let cohort = ready.iter().find(|(k, _)| *k == Kind::Cohort).map(|(_, t)| *t);
+        let torch = ready.iter().find(|(k, _)| *k == Kind::TcpStore).map(|(_, t)| *t);
+        if let (Some(c), Some(t)) = (cohort, torch) {
+            ratios.push((n, c, t));
+        }
     }
-    if let Some((n, now)) = first.filter(|_| !skip_baseline) {
-        let before = simulate(n, rank_before);
+    for (n, c, t) in ratios {
+        let r = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
         println!(
-            "baseline at {n} ranks, a key per rank read one get at a time: ready in {:.1} ms; directory pattern \
-             {:.1} ms; ratio {:.1}x",
-            before.ready.as_secs_f64() * 1e3,
-            now.as_secs_f64() * 1e3,
-            before.ready.as_secs_f64() / now.as_secs_f64()
+            "{n:>7} ranks: ready {:.1} ms (cohort) vs {:.1} ms (TCPStore): {:.1}x; by phase: connect {:.1}x, \
+             publish+join+read {:.1}x, ready barrier {:.1}x",
+            ms(c.ready),
+            ms(t.ready),
+            r(t.ready, c.ready),
+            r(t.connected, c.connected),
+            r(t.read - t.connected, c.read - c.connected),
+            r(t.ready - t.read, c.ready - c.read)
         );
     }
 }

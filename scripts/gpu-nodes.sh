@@ -44,8 +44,8 @@ if [ "$gpus" -ge 2 ]; then
 fi
 
 step rendezvous: cohort store, then TCPStore "(libuv)", same key pattern
-timeout 30 examples/rendezvous_bench 1024 4096 16384 2>&1 | tee -a "$L"
-timeout 45 python3 scripts/anchors/tcpstore_bench.py 1024 4096 2>&1 | grep -v Warning | tee -a "$L"
+timeout 150 examples/rendezvous_bench --tcpstore "python3 scripts/anchors/tcpstore_bench.py --serve" \
+    1024 4096 16384 2>&1 | grep -v Warning | tee -a "$L"
 
 export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 # Runs "$@" as the program of a two-node job: node n on GPU n (GPU 0 for

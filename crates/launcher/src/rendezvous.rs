@@ -39,6 +39,8 @@ use crate::supervisor::Event;
 pub const PREFIX: &str = "cohort/launcher/";
 /// Longest the launchers wait for each other when no `--timeout` is given.
 const RENDEZVOUS_LIMIT: Duration = Duration::from_secs(900);
+/// How often a launcher that waits for node 0's store says so.
+const WAIT_NOTICE_EVERY: Duration = Duration::from_secs(5);
 /// How long node 0 keeps serving for the others to read the final verdict.
 const LEAVE_LIMIT: Duration = Duration::from_secs(5);
 
@@ -77,7 +79,11 @@ impl Rendezvous {
         };
         let addr = cfg.store_addr(port);
         let limit = time_left(deadline);
-        let client = StoreClient::connect(addr.as_str(), &cfg.secret, limit)?;
+        let client = if server.is_some() {
+            StoreClient::connect(addr.as_str(), &cfg.secret, limit)?
+        } else {
+            connect_saying_so(&addr, &cfg.secret, limit, cfg.node_rank, WAIT_NOTICE_EVERY)?
+        };
         let watcher = Arc::new(client.duplicate()?);
         let me = Rendezvous {
             node_rank: cfg.node_rank,
@@ -369,6 +375,44 @@ fn hostname() -> String {
     }
     let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
     format!("on host {}", String::from_utf8_lossy(&buf[..end]))
+}
+
+/// Connects to node 0's store, trying for up to `limit`, and says on
+/// stderr every `every` that it still waits and for what (the store's
+/// address), so that a node whose node 0 never comes up is not silent.
+fn connect_saying_so(
+    addr: &str,
+    secret: &str,
+    limit: Duration,
+    node_rank: u32,
+    every: Duration,
+) -> Result<StoreClient, StoreError> {
+    let start = Instant::now();
+    loop {
+        let slice = limit.saturating_sub(start.elapsed()).min(every);
+        match StoreClient::connect(addr, secret, slice) {
+            Ok(client) => {
+                if start.elapsed() >= every {
+                    eprintln!("cohort: node {node_rank} reached node 0's store at {addr}");
+                }
+                return Ok(client);
+            }
+            Err(StoreError::Connect { source, .. }) => {
+                let waited = start.elapsed();
+                if waited >= limit {
+                    return Err(StoreError::Connect { addr: addr.to_string(), waited, source });
+                }
+                eprintln!(
+                    "cohort: node {node_rank} is waiting for node 0's store at {addr} ({} s so far, giving up after \
+                     {} s; last error: {source}): is node 0's launcher running, given the same --master-addr and \
+                     --master-port (or --store-port, --store-addr)?",
+                    waited.as_secs(),
+                    limit.as_secs()
+                );
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 fn time_left(deadline: Option<Instant>) -> Duration {

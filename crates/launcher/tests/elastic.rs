@@ -208,3 +208,45 @@ fn elastic_survivor_restarts_when_its_ranks_fail_with_the_dead_node() {
     assert!(stdout.contains("suite passed") && stdout.contains("2 ranks"), "{stdout}\n{stderr}");
     no_rank_left(&dir);
 }
+
+/// A node whose node 0 is not up says, every few seconds, that it waits
+/// and for which store address (it once waited up to 900 s in silence),
+/// and goes on once node 0 comes.
+#[test]
+fn elastic_node_waiting_for_node_0_says_what_it_waits_for() {
+    use std::io::{BufRead, BufReader};
+    let port = free_port();
+    let mut n1 = start(node(1, port, "2:2", &[], &["env"]));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = n1.stderr.take().expect("stderr");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    // The store listens on the master port + 1.
+    let wanted = format!("node 1 is waiting for node 0's store at 127.0.0.1:{}", port + 1);
+    let started = std::time::Instant::now();
+    let mut seen = Vec::new();
+    while !seen.iter().any(|l: &String| l.contains(&wanted)) {
+        let left = Duration::from_secs(20).saturating_sub(started.elapsed());
+        match rx.recv_timeout(left) {
+            Ok(line) => seen.push(line),
+            Err(_) => {
+                kill(&n1, libc::SIGKILL);
+                panic!("no line saying what node 1 waits for within 20 s; it said: {seen:?}")
+            }
+        }
+    }
+    // Within a few seconds (the notice comes every 5 s), not after minutes.
+    assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    assert!(seen.iter().any(|l| l.contains("--master-port")), "{seen:?}");
+    // Node 0 comes: both run.
+    let out0 = output_within(node(0, port, "2:2", &[], &["env"]), LIMIT);
+    let out1 = wait_output(n1, LIMIT);
+    assert_eq!(code(out0.status, &out0), 0, "{}", texts(&out0).1);
+    assert_eq!(code(out1.status, &out1), 0, "{:?}", seen);
+    assert_eq!(env_lines(&texts(&out1).0).len(), 2, "node 1's two ranks ran");
+    let reached = rx.iter().any(|l| l.contains(&format!("node 1 reached node 0's store at 127.0.0.1:{}", port + 1)));
+    assert!(reached, "node 1 says when it reached the store");
+}

@@ -24,7 +24,8 @@
 //!
 //! Start-up and status (see `timings` and `observe`):
 //! - `peers`: the directory of a communicator (one line per rank);
-//!   `joined`: the barrier after every rank appended to it;
+//!   `joined`: the barrier after every rank appended to it, whose answer
+//!   (`barrier_get`) is `job` and the whole directory;
 //! - `timings`: rank 0's start-up phases, lines `<phase> <unix µs>`;
 //! - `call/<r>` = `<seq> <kind> <bytes> <since unix ms>`: the collective
 //!   rank r is in now (or last was), written with its progress.

@@ -6,14 +6,16 @@
 //!   link token;
 //! - `peers`: the directory, one line per rank appended by that rank (its
 //!   rank, node id, TCP listening address and local device count); barrier
-//!   `joined` opens once every rank appended, then each reads it whole;
+//!   `joined` opens once every rank appended and answers each rank the
+//!   directory whole (with `job`);
 //! - `shm/<r>`: rank r created its shared-memory file;
 //! - barriers `mapped` (every file is mapped: owners unlink them) and
 //!   `ready`;
 //! - `timings`: rank 0's start-up phases (see `timings`).
 //!
 //! Every step is one round trip per rank, so a communicator of thousands of
-//! ranks forms without per-rank sequential reads or key scans
+//! ranks forms without per-rank sequential reads or key scans, and each rank
+//! reads the directory (O(N) bytes) once
 //! (`examples/rendezvous_bench.rs` measures it).
 //!
 //! Ranks with the same node id (host name and boot id, plus the launcher's
@@ -167,22 +169,26 @@ pub(crate) fn form_under(
         .map_err(|e| ConnectError::Setup(format!("cannot listen for data links on {ip}: {e}")))?;
     let addr = listener.local_addr().map_err(|e| ConnectError::Setup(e.to_string()))?;
     // Publish this rank's entry: one append to the communicator's directory,
-    // then one barrier for all, then one read of the whole directory (three
-    // round trips per rank, whatever the world size).
+    // then one barrier for all that answers the job key and the whole
+    // directory as they stood when the last rank arrived (two round trips
+    // per rank, whatever the world size; the store sends every rank one
+    // shared copy of the directory).
     let directory = keys::directory(&prefix);
     store.append(&directory, directory_line(rank, &node_id(), &addr.to_string(), devices).as_bytes())?;
     let joined = key("joined");
-    match store.barrier(&joined, size as u32, deadline.saturating_duration_since(Instant::now())) {
-        Ok(()) => {}
+    let job_key = key("job");
+    let left = deadline.saturating_duration_since(Instant::now());
+    let (job, listing) = match store.barrier_get(&joined, size as u32, left, &[job_key.as_str(), directory.as_str()]) {
+        Ok(values) => {
+            let mut values = values.into_iter();
+            (values.next().flatten(), values.next().flatten())
+        }
         Err(crate::store::StoreError::BarrierTimeout { waited, .. }) => {
             return Err(missing_ranks(&store, &directory, size, waited));
         }
         Err(e) => return Err(e.into()),
-    }
+    };
     let joined_at = Instant::now();
-    let job_key = key("job");
-    let mut values = store.multi_get(&[job_key.as_str(), directory.as_str()])?.into_iter();
-    let (job, listing) = (values.next().flatten(), values.next().flatten());
     let job = String::from_utf8_lossy(&job.unwrap_or_default()).into_owned();
     let (job_id, token_hex) = job.split_once(' ').ok_or_else(|| ConnectError::Setup("malformed job entry".into()))?;
     let mut token = [0u8; TOKEN_LEN];

@@ -232,6 +232,45 @@ impl StoreClient {
         }
     }
 
+    /// [`StoreClient::barrier`] that also reads `keys` when the barrier
+    /// opens: the answer holds their values (each `None` where not set) as
+    /// they were when the last participant arrived, in the order asked.
+    ///
+    /// This is how every rank reads a directory all ranks wrote before the
+    /// barrier, in the barrier's own round trip: the store sends every
+    /// participant one shared copy of the values, not one per request. The
+    /// values must fit one frame ([`MAX_VALUE`](super::MAX_VALUE) bytes in all).
+    pub fn barrier_get(
+        &self,
+        name: &str,
+        world_size: u32,
+        timeout: Duration,
+        keys: &[&str],
+    ) -> Result<Vec<Option<Vec<u8>>>> {
+        check_key(name)?;
+        for k in keys {
+            check_key(k)?;
+        }
+        let req = Request::BarrierGet {
+            name: name.into(),
+            world_size,
+            timeout_ms: millis(timeout),
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+        };
+        match self.request(&req, timeout.saturating_add(ANSWER_GRACE))? {
+            Response::Values(values) if values.len() == keys.len() => {
+                Ok(values.into_iter().map(|v| v.map(owned)).collect())
+            }
+            Response::BarrierTimeout { arrived, world_size } => {
+                Err(StoreError::BarrierTimeout { name: name.into(), arrived, world_size, waited: timeout })
+            }
+            Response::BarrierMismatch { others } => {
+                Err(StoreError::BarrierMismatch { name: name.into(), this: world_size, others })
+            }
+            r => Err(self.unexpected(r)),
+        }
+    }
+
     /// Leaves a will: should this connection close before
     /// [`StoreClient::clear_will`], the server sets `key` to `value` unless
     /// the key exists. Replaces any earlier will of this connection.

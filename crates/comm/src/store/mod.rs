@@ -3,7 +3,9 @@
 //!
 //! It is the counterpart of torch.distributed's `TCPStore`: `set`, `get`,
 //! `multi_get`, `append`, `wait` (with a timeout that names the missing keys), `add` (an atomic
-//! counter), `compare_set`, `delete` and a reusable `barrier`, plus a *will*
+//! counter), `compare_set`, `delete`, a reusable `barrier` and `barrier_get`
+//! (a barrier that answers the values of some keys as they were when it
+//! opened, to every participant, in one round trip), plus a *will*
 //! (a key the server sets when a client vanishes) so that peers learn of a
 //! dead process without waiting for a timeout.
 //!
@@ -27,11 +29,17 @@
 //! }
 //! ```
 //!
-//! Wire format and handshake: see the `protocol` module's source.
+//! One thread serves every connection (an event loop over non-blocking
+//! sockets): a client blocked in `wait` or `barrier` costs the server no
+//! thread, so one store serves tens of thousands of ranks.
+//!
+//! Wire format and handshake: see the `protocol` module's source; [`raw`]
+//! builds and reads frames for programs that drive their own sockets.
 
 mod client;
 mod error;
 mod protocol;
+pub mod raw;
 mod server;
 mod state;
 
@@ -41,7 +49,7 @@ mod tests;
 pub use client::{CompareSet, StoreClient};
 pub use error::{Result, StoreError};
 pub use protocol::{MAX_FRAME, MAX_KEY, MAX_VALUE, PREAUTH_MAX_FRAME};
-pub use server::{StoreServer, MAX_UNAUTHENTICATED};
+pub use server::{StoreServer, MAX_UNAUTHENTICATED, MAX_WORKERS};
 
 /// Returns a fresh random job secret: 32 bytes from the operating system, as
 /// 64 hex digits (printable, so it can travel in `COHORT_JOB_SECRET`).

@@ -49,6 +49,23 @@ pub const MAX_VALUE: usize = MAX_FRAME - MAX_KEY - 64;
 /// reference count under the table's lock, not a copy.
 pub(crate) type Value = Arc<Vec<u8>>;
 
+/// A piece of a frame on its way out: bytes of its own, or a value shared
+/// with the key table.
+#[derive(Debug)]
+pub(crate) enum Chunk {
+    Own(Vec<u8>),
+    Shared(Value),
+}
+
+impl Chunk {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            Chunk::Own(v) => v,
+            Chunk::Shared(v) => v,
+        }
+    }
+}
+
 /// Handshake answer: accepted.
 pub(crate) const AUTH_OK: u8 = 0;
 /// Handshake answer: refused.
@@ -95,12 +112,6 @@ pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     buf.extend_from_slice(&len.to_le_bytes());
     buf.extend_from_slice(body);
     w.write_all(&buf)?;
-    w.flush()
-}
-
-/// Writes a frame made by [`Response::encode_frame`] and flushes.
-pub(crate) fn write_whole_frame(w: &mut impl Write, frame: &[u8]) -> io::Result<()> {
-    w.write_all(frame)?;
     w.flush()
 }
 
@@ -294,6 +305,14 @@ pub(crate) enum Request {
         key: String,
         value: Vec<u8>,
     },
+    /// A barrier whose answer, once it opens, is the values of `keys` as
+    /// they were at the opening (a [`Response::Values`]).
+    BarrierGet {
+        name: String,
+        world_size: u32,
+        timeout_ms: u64,
+        keys: Vec<String>,
+    },
 }
 
 impl Request {
@@ -327,6 +346,13 @@ impl Request {
                 &mut e
             }
             Request::Append { key, value } => e.u8(11).bytes(key.as_bytes()).bytes(value),
+            Request::BarrierGet { name, world_size, timeout_ms, keys } => {
+                e.u8(12).bytes(name.as_bytes()).u32(*world_size).u64(*timeout_ms).u32(keys.len() as u32);
+                for k in keys {
+                    e.bytes(k.as_bytes());
+                }
+                &mut e
+            }
         };
         e.0
     }
@@ -362,6 +388,15 @@ impl Request {
                 Request::MultiGet { keys }
             }
             11 => Request::Append { key: d.key()?, value: d.bytes()? },
+            12 => {
+                let (name, world_size, timeout_ms) = (d.key()?, d.u32()?, d.u64()?);
+                let n = d.u32()? as usize;
+                if n > d.0.len() / 4 {
+                    return Err(format!("barrier reading {n} keys in a body of {} bytes", d.0.len()));
+                }
+                let keys = (0..n).map(|_| d.key()).collect::<Result<_, _>>()?;
+                Request::BarrierGet { name, world_size, timeout_ms, keys }
+            }
             op => return Err(format!("unknown request code {op}")),
         };
         d.finish()?;
@@ -416,6 +451,42 @@ impl Response {
 
     pub(crate) fn encode(&self) -> Vec<u8> {
         self.encode_into(Encoder::default())
+    }
+
+    /// The whole frame as pieces to write one after another: the values a
+    /// `Value` or `Values` answer carries are shared with the table, not
+    /// copied, so answering the same large value to thousands of clients
+    /// (a directory after a barrier) copies it only into their sockets.
+    pub(crate) fn encode_chunks(&self) -> Vec<Chunk> {
+        let values: Vec<Option<&Value>> = match self {
+            Response::Value(v) => vec![v.as_ref()],
+            Response::Values(values) => values.iter().map(Option::as_ref).collect(),
+            _ => return vec![Chunk::Own(self.encode_frame())],
+        };
+        let body: usize = 5 + values.iter().map(|v| v.map_or(1, |v| 5 + v.len())).sum::<usize>();
+        let mut head = Encoder(Vec::with_capacity(16));
+        head.u32(body as u32 - if matches!(self, Response::Value(_)) { 4 } else { 0 });
+        match self {
+            Response::Value(_) => head.u8(1),
+            _ => head.u8(10).u32(values.len() as u32),
+        };
+        let mut chunks = Vec::new();
+        for v in values {
+            match v {
+                None => {
+                    head.u8(0);
+                }
+                Some(v) => {
+                    head.u8(1).u32(v.len() as u32);
+                    chunks.push(Chunk::Own(std::mem::take(&mut head.0)));
+                    chunks.push(Chunk::Shared(v.clone()));
+                }
+            }
+        }
+        if !head.0.is_empty() {
+            chunks.push(Chunk::Own(head.0));
+        }
+        chunks
     }
 
     fn encode_into(&self, mut e: Encoder) -> Vec<u8> {
@@ -500,6 +571,7 @@ mod tests {
             Request::ClearWill,
             Request::MultiGet { keys: vec!["h".into(), "".into()] },
             Request::Append { key: "i".into(), value: b"more".to_vec() },
+            Request::BarrierGet { name: "j".into(), world_size: 3, timeout_ms: 9, keys: vec!["k".into()] },
         ];
         for r in reqs {
             assert_eq!(Request::decode(&r.encode()).unwrap(), r);
@@ -522,6 +594,8 @@ mod tests {
             assert_eq!(Response::decode(&r.encode()).unwrap(), r);
             let frame = r.encode_frame();
             assert_eq!(read_frame(&mut &frame[..]).unwrap(), r.encode(), "{r:?} as one frame");
+            let chunks: Vec<u8> = r.encode_chunks().iter().flat_map(|c| c.bytes().to_vec()).collect();
+            assert_eq!(chunks, frame, "{r:?} in chunks");
         }
         assert!(Request::decode(&[42]).is_err());
         assert!(Request::decode(&[1, 5, 0]).is_err());

@@ -1,4 +1,19 @@
-//! [`StoreServer`]: serves the key table over TCP, one thread per connection.
+//! [`StoreServer`]: serves the key table over TCP from a few event-loop
+//! threads, whatever the number of clients.
+//!
+//! Every socket is non-blocking and watched by a `mio` poll. One thread
+//! accepts connections and runs their handshakes; a client that proved
+//! the secret is handed to one of a few worker threads (one per two cores,
+//! at most [`MAX_WORKERS`]), which serves its requests. A request that must
+//! wait (`wait`, `barrier`) is recorded in the table and costs no thread;
+//! its answer is written when the request that completes it arrives (the
+//! worker that applied that request passes the answers to the workers of
+//! the waiting clients), or when its deadline passes (each worker keeps one
+//! timer per blocked request). Answering the same large value to thousands
+//! of clients (the directory at a barrier) shares one copy of it, and the
+//! workers write it to their sockets in parallel. A client that closes its
+//! connection while it waits is seen at once (its socket turns readable at
+//! end of stream): it is withdrawn from its barrier and its will is set.
 //!
 //! Before a client proves the secret it costs the server little and not for
 //! long: its frames may hold at most [`protocol::PREAUTH_MAX_FRAME`] bytes,
@@ -6,49 +21,61 @@
 //! sending a byte a second would never hit), and at most
 //! [`MAX_UNAUTHENTICATED`] connections may be in the handshake at once.
 //! When that many are, the server closes the oldest of them once it has
-//! been in the handshake for [`EVICT_AFTER`] (a client that holds the
-//! secret answers well within that), and until then leaves the new ones in
-//! the kernel's queue: thousands of ranks connecting at once all get
-//! through, and a flood of idle connections cannot hold the slots.
+//! been in the handshake for [`EVICT_AFTER`] without answering (a client
+//! that holds the secret answers well within that), and until then leaves
+//! the new ones in the kernel's queue: thousands of ranks connecting at once
+//! all get through, and a flood of idle connections cannot hold the slots.
 //!
 //! The listening queue is as deep as the kernel allows (`somaxconn`), so a
 //! burst of connections is queued rather than dropped (a dropped SYN costs
 //! a client a second before it tries again).
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::fmt::Display;
-use std::io;
-use std::net::ToSocketAddrs;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use mio::net::{TcpListener as MioListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 
 use super::error::{Result, StoreError};
-use super::protocol::{self, Request, Response};
-use super::state::State;
+use super::protocol::{self, Chunk, Request, Response};
+use super::state::{Blocked, ConnId, Outcome, Table, Ticket};
 
 /// How long a new connection has to complete the whole handshake.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Connections allowed in the handshake at once; more are closed at once.
-/// Clients that hold the secret finish it in a round trip, so a real job
-/// never nears this; a flood of idle or slow connections cannot hold more
-/// threads and descriptors than this.
+/// Connections allowed in the handshake at once. Clients that hold the
+/// secret finish it in a round trip, so a real job never nears this; a
+/// flood of idle or slow connections cannot hold more descriptors than this.
 pub const MAX_UNAUTHENTICATED: usize = 256;
 
 /// How long a connection may sit in the handshake before a newer one, with
 /// every slot taken, closes it.
 pub const EVICT_AFTER: Duration = Duration::from_millis(250);
 
+/// Most threads serving authenticated clients.
+pub const MAX_WORKERS: usize = 8;
+
 /// The listening queue asked of the kernel (which caps it at `somaxconn`).
 const LISTEN_BACKLOG: i32 = 65535;
 
-/// Stack of a connection's thread: it parses frames and answers requests
-/// (buffers live on the heap), so thousands of them stay small.
-const CONNECTION_STACK: usize = 256 << 10;
+/// Bytes a connection may have read ahead of the request being answered
+/// (a client sends one request at a time; more waits in the kernel).
+const READ_AHEAD: usize = 64 << 10;
+
+/// Pieces handed to one vectored write.
+const MAX_SLICES: usize = 64;
+
+const LISTENER: Token = Token(0);
+const WAKER: Token = Token(1);
+/// The first connection's token; ids are never reused.
+const FIRST_CONN: usize = 2;
 
 /// What a server allows clients that have not proven the secret.
 #[derive(Debug, Clone, Copy)]
@@ -68,51 +95,71 @@ impl Default for Limits {
     }
 }
 
-struct Connection {
-    /// A second handle on the socket, so that shutdown can close it.
-    stream: TcpStream,
-    thread: Option<JoinHandle<()>>,
-    /// Still in the handshake (has not proven the secret).
-    pending: bool,
-    /// When it was accepted.
-    since: Instant,
+/// A message to a worker.
+enum Message {
+    /// Serve this connection (it just proved the secret).
+    Adopt(ConnId, Box<Conn>),
+    /// The answer to a blocked request of one of its connections.
+    Answer(Ticket, Response),
 }
 
-struct Inner {
-    state: State,
-    secret: Vec<u8>,
+/// A worker thread's mailbox.
+struct Mailbox {
+    inbox: Mutex<Vec<Message>>,
+    waker: Waker,
+}
+
+/// What the threads share with [`StoreServer`]'s own calls.
+struct Shared {
+    table: Mutex<Table>,
     stop: AtomicBool,
-    connections: Mutex<HashMap<u64, Connection>>,
-    next_id: AtomicU64,
-    limits: Limits,
-    /// Connections in the handshake now.
-    unauthenticated: AtomicUsize,
-    /// Connections closed because too many were in the handshake.
-    turned_away: AtomicU64,
-    /// Clients refused or dropped during the handshake (wrong secret,
-    /// oversized frame, past the deadline).
-    dropped: AtomicU64,
+    workers: Vec<Mailbox>,
+    acceptor: Waker,
 }
 
-/// Counts a connection in the handshake until dropped.
-struct Pending<'a>(&'a AtomicUsize);
+impl Shared {
+    /// The worker that serves connection `id`.
+    fn owner(&self, id: ConnId) -> usize {
+        id % self.workers.len()
+    }
 
-impl Drop for Pending<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+    /// Sends the table's answers to blocked requests to their connections'
+    /// workers (waking each once); returns those of worker `me`.
+    fn route(&self, table: &mut Table, me: Option<usize>) -> Vec<(Ticket, Response)> {
+        if table.woken.is_empty() {
+            return Vec::new();
+        }
+        let mut mine = Vec::new();
+        let mut woke = vec![false; self.workers.len()];
+        for (ticket, response) in table.woken.drain(..) {
+            let w = self.owner(ticket.conn);
+            if Some(w) == me {
+                mine.push((ticket, response));
+            } else {
+                self.workers[w].inbox.lock().push(Message::Answer(ticket, response));
+                woke[w] = true;
+            }
+        }
+        for (w, woke) in woke.into_iter().enumerate() {
+            if woke {
+                let _ = self.workers[w].waker.wake();
+            }
+        }
+        mine
     }
 }
 
-/// A rendezvous store served on background threads.
+/// A rendezvous store served by a few background threads.
 ///
-/// One thread accepts connections and one thread serves each authenticated
-/// client. A client must prove it holds the job's secret (see the protocol in
-/// the module docs) before any request; a refusal is logged with
-/// `tracing::warn!` and the peer's address. Dropping the server shuts it down.
+/// One thread accepts connections and checks that each proves the job's
+/// secret (see the protocol in the module docs); a refusal is logged with
+/// `tracing::warn!` and the peer's address. A few worker threads serve
+/// the authenticated clients with non-blocking sockets; blocked `wait`s and
+/// barriers cost them no thread. Dropping the server shuts it down.
 pub struct StoreServer {
-    inner: Arc<Inner>,
+    shared: Arc<Shared>,
     local_addr: SocketAddr,
-    accept: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl StoreServer {
@@ -126,38 +173,101 @@ impl StoreServer {
         Self::bind_with(addr, secret, Limits::default())
     }
 
+    /// [`StoreServer::bind`] with `workers` threads serving authenticated
+    /// clients instead of one per two cores (at most [`MAX_WORKERS`]); the
+    /// rendezvous bench measures whether more threads help.
+    pub fn bind_with_workers(
+        addr: impl ToSocketAddrs + Display,
+        secret: impl AsRef<[u8]>,
+        workers: usize,
+    ) -> Result<Self> {
+        Self::bind_workers(addr, secret, Limits::default(), workers.clamp(1, MAX_WORKERS))
+    }
+
     /// [`StoreServer::bind`] with other limits for unauthenticated clients.
     pub(crate) fn bind_with(
         addr: impl ToSocketAddrs + Display,
         secret: impl AsRef<[u8]>,
         limits: Limits,
     ) -> Result<Self> {
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        Self::bind_workers(addr, secret, limits, (cores / 2).clamp(1, MAX_WORKERS))
+    }
+
+    /// [`StoreServer::bind_with`] with `threads` workers serving
+    /// authenticated clients.
+    pub(crate) fn bind_workers(
+        addr: impl ToSocketAddrs + Display,
+        secret: impl AsRef<[u8]>,
+        limits: Limits,
+        threads: usize,
+    ) -> Result<Self> {
         let secret = secret.as_ref();
         if secret.is_empty() {
             return Err(StoreError::EmptySecret);
         }
         let shown = addr.to_string();
-        let listener = TcpListener::bind(&addr).map_err(|source| StoreError::Bind { addr: shown.clone(), source })?;
-        let local_addr = listener.local_addr().map_err(|source| StoreError::Bind { addr: shown, source })?;
+        let bind_error = |source| StoreError::Bind { addr: shown.clone(), source };
+        let listener = TcpListener::bind(&addr).map_err(bind_error)?;
+        let local_addr = listener.local_addr().map_err(bind_error)?;
         deepen_backlog(&listener);
-        let inner = Arc::new(Inner {
-            state: State::default(),
+        listener.set_nonblocking(true).map_err(bind_error)?;
+        let mut listener = MioListener::from_std(listener);
+        let poll = Poll::new().map_err(bind_error)?;
+        poll.registry().register(&mut listener, LISTENER, Interest::READABLE).map_err(bind_error)?;
+        let acceptor = Waker::new(poll.registry(), WAKER).map_err(bind_error)?;
+        let mut polls = Vec::new();
+        let mut workers = Vec::new();
+        for _ in 0..threads.max(1) {
+            let p = Poll::new().map_err(bind_error)?;
+            let waker = Waker::new(p.registry(), WAKER).map_err(bind_error)?;
+            workers.push(Mailbox { inbox: Mutex::new(Vec::new()), waker });
+            polls.push(p);
+        }
+        let shared =
+            Arc::new(Shared { table: Mutex::new(Table::default()), stop: AtomicBool::new(false), workers, acceptor });
+        let mut threads = Vec::new();
+        let spawn_error = |source| StoreError::Bind { addr: local_addr.to_string(), source };
+        for (index, poll) in polls.into_iter().enumerate() {
+            let mut worker = Worker {
+                index,
+                poll,
+                shared: shared.clone(),
+                conns: HashMap::new(),
+                timers: BinaryHeap::new(),
+                to_drive: Vec::new(),
+                answers: Vec::new(),
+                scratch: vec![0; READ_AHEAD],
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("cohort-store-{index}"))
+                .spawn(move || worker.run())
+                .map_err(spawn_error)?;
+            threads.push(thread);
+        }
+        let mut acceptor = Acceptor {
+            poll,
+            listener,
+            shared: shared.clone(),
             secret: secret.to_vec(),
-            stop: AtomicBool::new(false),
-            connections: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(0),
             limits,
-            unauthenticated: AtomicUsize::new(0),
-            turned_away: AtomicU64::new(0),
-            dropped: AtomicU64::new(0),
-        });
-        let accept_inner = inner.clone();
-        let accept = std::thread::Builder::new()
+            conns: HashMap::new(),
+            next_id: FIRST_CONN,
+            timers: BinaryHeap::new(),
+            handshakes: VecDeque::new(),
+            may_accept: true,
+            turned_away: 0,
+            dropped: 0,
+            to_drive: Vec::new(),
+            scratch: vec![0; 4096],
+        };
+        let thread = std::thread::Builder::new()
             .name("cohort-store-accept".into())
-            .spawn(move || accept_loop(accept_inner, listener))
-            .map_err(|source| StoreError::Bind { addr: local_addr.to_string(), source })?;
-        tracing::debug!(%local_addr, "rendezvous store listening");
-        Ok(StoreServer { inner, local_addr, accept: Some(accept) })
+            .spawn(move || acceptor.run())
+            .map_err(spawn_error)?;
+        threads.push(thread);
+        tracing::debug!(%local_addr, workers = shared.workers.len(), "rendezvous store listening");
+        Ok(StoreServer { shared, local_addr, threads })
     }
 
     /// The address the server listens on (with the real port where 0 was asked).
@@ -168,48 +278,48 @@ impl StoreServer {
     /// Participants waiting in barrier `name` now.
     #[cfg(test)]
     pub(crate) fn barrier_arrivals(&self, name: &str) -> u32 {
-        self.inner.state.barrier_arrivals(name)
+        self.shared.table.lock().barrier_arrivals(name)
     }
 
     /// Number of keys the store holds now.
     pub fn num_keys(&self) -> usize {
-        self.inner.state.len()
+        self.shared.table.lock().len()
     }
 
     /// Removes every key and barrier whose name does not start with `keep`.
     ///
     /// The launcher calls this between restarts, with no rank alive, so that a
-    /// restarted group does not see the keys of the one before. Waiters are
-    /// woken and see the change.
+    /// restarted group does not see the keys of the one before. Blocked
+    /// waits see the change; barriers removed open.
     pub fn reset_except(&self, keep: &str) {
-        self.inner.state.reset_except(keep);
+        let mut table = self.shared.table.lock();
+        table.reset_except(keep);
+        self.shared.route(&mut table, None);
     }
 
     /// Stops serving: refuses new requests, answers blocked `wait`s and
     /// barriers with an error, closes every connection and joins the server's
     /// threads. Idempotent; dropping the server does the same.
     pub fn shutdown(&mut self) {
-        let Some(accept) = self.accept.take() else { return };
-        self.inner.stop.store(true, Ordering::SeqCst);
-        self.inner.state.shut_down();
-        // Wake the accept loop, which blocks in accept(): connect to it once.
-        let wake = wake_addr(self.local_addr);
-        if TcpStream::connect_timeout(&wake, Duration::from_secs(1)).is_ok() {
-            let _ = accept.join();
-        } else {
-            // Unreachable from here (odd routing): leave the thread blocked
-            // rather than hang; it exits at its next connection or with us.
-            tracing::debug!(%wake, "could not wake the store's accept thread");
+        if self.threads.is_empty() {
+            return;
         }
-        let connections: Vec<Connection> = self.inner.connections.lock().drain().map(|(_, c)| c).collect();
-        for c in &connections {
-            let _ = c.stream.shutdown(Shutdown::Both);
+        self.shared.stop.store(true, Ordering::SeqCst);
+        {
+            let mut table = self.shared.table.lock();
+            table.shut_down();
+            self.shared.route(&mut table, None);
         }
-        for c in connections {
-            if let Some(t) = c.thread {
+        let mut woken = self.shared.acceptor.wake().is_ok();
+        for w in &self.shared.workers {
+            woken &= w.waker.wake().is_ok();
+        }
+        if woken {
+            for t in self.threads.drain(..) {
                 let _ = t.join();
             }
         }
+        self.threads.clear();
         tracing::debug!(local_addr = %self.local_addr, "rendezvous store shut down");
     }
 }
@@ -238,242 +348,702 @@ fn deepen_backlog(listener: &TcpListener) {
     let _ = listener;
 }
 
-/// Where to connect to reach a listener bound to `addr` from this host.
-fn wake_addr(addr: SocketAddr) -> SocketAddr {
-    let ip = match addr.ip() {
-        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-        ip => ip,
-    };
-    SocketAddr::new(ip, addr.port())
+/// Where a connection stands.
+enum Phase {
+    /// Greeted with this nonce, has not proven the secret yet.
+    Handshake { nonce: [u8; protocol::NONCE_LEN], since: Instant },
+    /// Proved the secret: its requests are served.
+    Ready,
+    /// To be closed once its last answer (a refusal) is written.
+    Closing,
 }
 
-fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
-    loop {
-        let accepted = listener.accept();
-        if inner.stop.load(Ordering::SeqCst) {
-            return;
+struct Conn {
+    stream: TcpStream,
+    peer: SocketAddr,
+    phase: Phase,
+    /// Bytes read and not yet taken as frames, from `read_at`.
+    input: Vec<u8>,
+    read_at: usize,
+    /// Answers not yet written, the first from `written`.
+    output: VecDeque<Chunk>,
+    written: usize,
+    /// The request this connection waits in, if any.
+    blocked: Option<(u64, Blocked)>,
+    /// Requests taken so far (numbers the blocked ones).
+    seq: u64,
+    /// A will: set this key (unless present) should the client vanish.
+    will: Option<(String, Vec<u8>)>,
+}
+
+impl Conn {
+    fn new(stream: TcpStream, peer: SocketAddr, phase: Phase) -> Conn {
+        Conn {
+            stream,
+            peer,
+            phase,
+            input: Vec::new(),
+            read_at: 0,
+            output: VecDeque::new(),
+            written: 0,
+            blocked: None,
+            seq: 0,
+            will: None,
         }
-        let (stream, peer) = match accepted {
-            Ok(s) => s,
-            Err(e) => {
-                // Out of descriptors and the like: say so, back off, go on.
-                tracing::warn!(error = %e, "rendezvous store could not accept a connection");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
+    }
+
+    fn unread(&self) -> &[u8] {
+        &self.input[self.read_at..]
+    }
+
+    /// The next whole frame's body, if its bytes are all here; a length over
+    /// `max` is an error before anything is read for it.
+    fn take_frame(&mut self, max: usize, what: &str) -> io::Result<Option<Vec<u8>>> {
+        let unread = self.unread();
+        if unread.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes(unread[..4].try_into().expect("4 bytes")) as usize;
+        if len > max {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("frame of {len} bytes{what} exceeds the limit of {max}"),
+            ));
+        }
+        if unread.len() < 4 + len {
+            return Ok(None);
+        }
+        let body = unread[4..4 + len].to_vec();
+        self.read_at += 4 + len;
+        if self.read_at == self.input.len() {
+            // A large request's buffer goes back at once.
+            if self.input.capacity() > READ_AHEAD {
+                self.input = Vec::new();
             }
-        };
-        let pending = inner.unauthenticated.fetch_add(1, Ordering::SeqCst);
-        if pending >= 2 * inner.limits.unauthenticated {
-            // Evicted connections not yet gone: refuse this one.
-            inner.unauthenticated.fetch_sub(1, Ordering::SeqCst);
-            turn_away(&inner, peer, "refused a new connection");
-            drop(stream);
-            continue;
+            self.input.clear();
+            self.read_at = 0;
         }
-        if pending >= inner.limits.unauthenticated && !make_room(&inner) {
-            turn_away(&inner, peer, "closed the oldest connection in the handshake");
+        Ok(Some(body))
+    }
+
+    /// Reads what the socket holds, through `scratch` (a buffer of the
+    /// thread, so an idle connection holds no read buffer): at least the
+    /// rest of the frame being read (unless its length is over `max_frame`:
+    /// the caller refuses it) and up to `ahead` unread bytes. `Ok(false)` at
+    /// end of stream.
+    fn fill(&mut self, scratch: &mut [u8], ahead: usize, max_frame: usize) -> io::Result<bool> {
+        loop {
+            let unread = self.unread();
+            let frame_left = if unread.len() < 4 {
+                4 - unread.len()
+            } else {
+                let len = u32::from_le_bytes(unread[..4].try_into().expect("4 bytes")) as usize;
+                if len > max_frame {
+                    return Ok(true);
+                }
+                (4 + len).saturating_sub(unread.len())
+            };
+            let want = frame_left.max(ahead.saturating_sub(unread.len()));
+            if want == 0 {
+                return Ok(true);
+            }
+            if self.read_at > 0 && self.read_at >= self.input.len() / 2 {
+                self.input.drain(..self.read_at);
+                self.read_at = 0;
+            }
+            let n = want.min(scratch.len());
+            match self.stream.read(&mut scratch[..n]) {
+                Ok(0) => return Ok(false),
+                Ok(n) => self.input.extend_from_slice(&scratch[..n]),
+                Err(e) => match e.kind() {
+                    io::ErrorKind::WouldBlock => return Ok(true),
+                    io::ErrorKind::Interrupted => {}
+                    _ => return Err(e),
+                },
+            }
         }
-        let Ok(handle) = stream.try_clone() else {
-            inner.unauthenticated.fetch_sub(1, Ordering::SeqCst);
-            continue;
-        };
-        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let connection = Connection { stream: handle, thread: None, pending: true, since: Instant::now() };
-        inner.connections.lock().insert(id, connection);
-        let conn_inner = inner.clone();
-        let builder = std::thread::Builder::new().name(format!("cohort-store-conn-{id}")).stack_size(CONNECTION_STACK);
-        let spawned = builder.spawn(move || {
-            serve_connection(&conn_inner, id, stream, peer);
-            conn_inner.connections.lock().remove(&id);
-        });
-        match spawned {
-            Ok(thread) => {
-                if let Some(c) = inner.connections.lock().get_mut(&id) {
-                    c.thread = Some(thread);
+    }
+
+    fn send(&mut self, body: &[u8]) {
+        let mut frame = Vec::with_capacity(4 + body.len());
+        frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        frame.extend_from_slice(body);
+        self.output.push_back(Chunk::Own(frame));
+    }
+
+    /// Writes what the socket takes; `Ok(true)` once nothing is left.
+    fn flush(&mut self) -> io::Result<bool> {
+        loop {
+            // Empty pieces (an empty value) take no write.
+            while self.output.front().is_some_and(|c| c.bytes().len() == self.written) {
+                self.output.pop_front();
+                self.written = 0;
+            }
+            if self.output.is_empty() {
+                return Ok(true);
+            }
+            let mut slices = Vec::with_capacity(self.output.len().min(MAX_SLICES));
+            for (i, c) in self.output.iter().take(MAX_SLICES).enumerate() {
+                let bytes = c.bytes();
+                slices.push(IoSlice::new(if i == 0 { &bytes[self.written..] } else { bytes }));
+            }
+            match self.stream.write_vectored(&slices) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(mut n) => {
+                    while n > 0 {
+                        let front = self.output.front().expect("written bytes were queued").bytes().len();
+                        let left = front - self.written;
+                        if n >= left {
+                            n -= left;
+                            self.output.pop_front();
+                            self.written = 0;
+                        } else {
+                            self.written += n;
+                            n = 0;
+                        }
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// A deadline a thread keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Timer {
+    /// The connection's handshake must be done by now.
+    Handshake(ConnId),
+    /// Try accepting again (every handshake slot was taken, or accept failed).
+    Accept,
+    /// The blocked request times out.
+    Blocked(Ticket),
+    /// A refused connection that has not taken its refusal is closed.
+    Linger(ConnId),
+}
+
+type Timers = BinaryHeap<Reverse<(Instant, Timer)>>;
+
+/// Why a connection is closed.
+enum Close {
+    /// The client left (end of stream, reset): nothing to log above debug.
+    Left(String),
+    /// The server dropped it during the handshake (logged at warn).
+    Dropped(String),
+    /// It broke the protocol after the handshake (logged at debug).
+    Failed(String),
+}
+
+/// True for the first and every 1000th event counted in `n`, which are
+/// logged at warn (the others at debug), so a flood cannot flood the log.
+fn first_or_thousandth(n: &mut u64) -> bool {
+    *n += 1;
+    *n == 1 || *n % 1000 == 0
+}
+
+/// Polls until an event or the first timer.
+fn poll_once(poll: &mut Poll, events: &mut Events, timers: &Timers) -> io::Result<()> {
+    let timeout = timers.peek().map(|Reverse((at, _))| at.saturating_duration_since(Instant::now()));
+    match poll.poll(events, timeout) {
+        Err(e) if e.kind() != io::ErrorKind::Interrupted => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// The thread that accepts connections and runs their handshakes.
+struct Acceptor {
+    poll: Poll,
+    listener: MioListener,
+    shared: Arc<Shared>,
+    secret: Vec<u8>,
+    limits: Limits,
+    /// Connections in the handshake (or closing after a refusal).
+    conns: HashMap<ConnId, Conn>,
+    next_id: ConnId,
+    timers: Timers,
+    /// Connections accepted into the handshake, oldest first (some may have
+    /// finished it or closed since).
+    handshakes: VecDeque<ConnId>,
+    /// The listener may hold connections not yet accepted.
+    may_accept: bool,
+    /// Connections closed because too many were in the handshake.
+    turned_away: u64,
+    /// Clients refused or dropped during the handshake.
+    dropped: u64,
+    /// Connections with something to do.
+    to_drive: Vec<ConnId>,
+    /// Where sockets are read into.
+    scratch: Vec<u8>,
+}
+
+impl Acceptor {
+    fn run(&mut self) {
+        let mut events = Events::with_capacity(1024);
+        loop {
+            if let Err(e) = poll_once(&mut self.poll, &mut events, &self.timers) {
+                tracing::error!(error = %e, "rendezvous store's accepting thread failed; it accepts no more clients");
+                return;
+            }
+            if self.shared.stop.load(Ordering::SeqCst) {
+                for (_, c) in self.conns.drain() {
+                    let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                }
+                return;
+            }
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.may_accept = true,
+                    WAKER => {}
+                    Token(id) => self.to_drive.push(id),
                 }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, %peer, "rendezvous store could not start a thread; dropped the client");
-                inner.connections.lock().remove(&id);
-                inner.unauthenticated.fetch_sub(1, Ordering::SeqCst);
+            self.fire_timers();
+            // Serve what arrived before taking new connections, so that a
+            // client that answered its handshake is never evicted for it.
+            self.drive_all();
+            self.accept();
+            self.drive_all();
+        }
+    }
+
+    /// Connections in the handshake now.
+    fn in_handshake(&self) -> usize {
+        self.conns.values().filter(|c| matches!(c.phase, Phase::Handshake { .. })).count()
+    }
+
+    fn fire_timers(&mut self) {
+        let now = Instant::now();
+        while let Some(&Reverse((at, timer))) = self.timers.peek() {
+            if at > now {
+                break;
+            }
+            self.timers.pop();
+            match timer {
+                Timer::Accept => self.may_accept = true,
+                Timer::Handshake(id) | Timer::Linger(id) => match self.conns.get(&id).map(|c| &c.phase) {
+                    Some(Phase::Handshake { .. }) => {
+                        self.close(id, Close::Dropped("the handshake's deadline passed".into()))
+                    }
+                    Some(_) => self.close(id, Close::Left("refused".into())),
+                    None => {}
+                },
+                Timer::Blocked(_) => {}
             }
         }
     }
-}
 
-/// Every handshake slot is taken: waits until one frees (returns true) or
-/// the oldest connection in the handshake has been there
-/// [`Limits::evict_after`], and closes that one (returns false).
-fn make_room(inner: &Inner) -> bool {
-    loop {
-        if inner.unauthenticated.load(Ordering::SeqCst) <= inner.limits.unauthenticated
-            || inner.stop.load(Ordering::SeqCst)
-        {
-            return true;
+    /// Accepts connections while the listener has them and a handshake slot
+    /// is free (or the oldest connection in the handshake may be evicted).
+    fn accept(&mut self) {
+        while self.may_accept {
+            if !self.make_room() {
+                return;
+            }
+            let (mut stream, peer) = match self.listener.accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.may_accept = false;
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Out of descriptors and the like: say so, back off, go on.
+                    tracing::warn!(error = %e, "rendezvous store could not accept a connection");
+                    self.may_accept = false;
+                    self.timers.push(Reverse((Instant::now() + Duration::from_millis(10), Timer::Accept)));
+                    return;
+                }
+            };
+            let id = self.next_id;
+            self.next_id += 1;
+            if let Err(e) =
+                self.poll.registry().register(&mut stream, Token(id), Interest::READABLE | Interest::WRITABLE)
+            {
+                tracing::warn!(error = %e, %peer, "rendezvous store could not watch a connection; dropped it");
+                continue;
+            }
+            let _ = stream.set_nodelay(true);
+            let nonce = match protocol::nonce() {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!(error = %e, %peer, "rendezvous store dropped a client: no nonce");
+                    continue;
+                }
+            };
+            let mut conn = Conn::new(stream, peer, Phase::Handshake { nonce, since: Instant::now() });
+            let mut hello = protocol::Encoder::default();
+            hello.0.extend_from_slice(protocol::MAGIC);
+            hello.u8(protocol::VERSION);
+            hello.0.extend_from_slice(&nonce);
+            conn.send(&hello.0);
+            self.conns.insert(id, conn);
+            self.handshakes.push_back(id);
+            self.timers.push(Reverse((Instant::now() + self.limits.handshake, Timer::Handshake(id))));
+            self.to_drive.push(id);
+            self.make_room();
         }
-        let mut connections = inner.connections.lock();
-        let Some((_, oldest)) = connections.iter_mut().filter(|(_, c)| c.pending).min_by_key(|(id, _)| **id) else {
-            return true;
+    }
+
+    /// With more connections in the handshake than allowed, closes the
+    /// oldest of them if it has been there [`Limits::evict_after`] without
+    /// answering, until they are within the limit (true); or stops
+    /// accepting until it will have been (false).
+    fn make_room(&mut self) -> bool {
+        // Forget the front entries that finished the handshake.
+        while let Some(front) = self.handshakes.front() {
+            if matches!(self.conns.get(front).map(|c| &c.phase), Some(Phase::Handshake { .. })) {
+                break;
+            }
+            self.handshakes.pop_front();
+        }
+        while self.handshakes.len() > self.limits.unauthenticated && self.in_handshake() > self.limits.unauthenticated {
+            let Some(&oldest) = self.handshakes.front() else { return true };
+            let since = match self.conns.get(&oldest).map(|c| &c.phase) {
+                Some(Phase::Handshake { since, .. }) => *since,
+                _ => {
+                    self.handshakes.pop_front();
+                    continue;
+                }
+            };
+            // It may have answered since the last poll: serve that first.
+            if let Err(why) = self.drive(oldest) {
+                self.close(oldest, why);
+                continue;
+            }
+            if !matches!(self.conns.get(&oldest).map(|c| &c.phase), Some(Phase::Handshake { .. })) {
+                continue;
+            }
+            if since.elapsed() < self.limits.evict_after {
+                self.timers.push(Reverse((since + self.limits.evict_after, Timer::Accept)));
+                self.may_accept = false;
+                return false;
+            }
+            let peer = self.conns[&oldest].peer;
+            self.turn_away(peer, "closed the oldest connection in the handshake");
+            self.close(oldest, Close::Left("evicted".into()));
+        }
+        true
+    }
+
+    /// Logs that the store turned a connection away.
+    fn turn_away(&mut self, peer: SocketAddr, what: &str) {
+        if first_or_thousandth(&mut self.turned_away) {
+            tracing::warn!(
+                %peer,
+                "rendezvous store {what}: {} clients are in the handshake at once (a flood of connections that do \
+                 not prove the job secret?)",
+                self.limits.unauthenticated
+            );
+        } else {
+            tracing::debug!(%peer, "rendezvous store {what}: too many clients in the handshake");
+        }
+    }
+
+    fn drive_all(&mut self) {
+        for id in std::mem::take(&mut self.to_drive) {
+            if let Err(why) = self.drive(id) {
+                self.close(id, why);
+            }
+        }
+    }
+
+    /// Writes what a connection in the handshake has to write and reads its
+    /// answer; hands it to its worker once it proved the secret.
+    fn drive(&mut self, id: ConnId) -> std::result::Result<(), Close> {
+        let Some(c) = self.conns.get_mut(&id) else { return Ok(()) };
+        let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
+        let Phase::Handshake { nonce, .. } = c.phase else {
+            // Refused: closed once the refusal is written.
+            return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
         };
-        let age = oldest.since.elapsed();
-        if age >= inner.limits.evict_after {
-            let _ = oldest.stream.shutdown(Shutdown::Both);
-            // Closed: the next eviction picks the next oldest.
-            oldest.pending = false;
-            return false;
+        let max = protocol::PREAUTH_MAX_FRAME;
+        let open = c.fill(&mut self.scratch, 4 + max, max).map_err(|e| Close::Left(e.to_string()))?;
+        let Some(answer) = c.take_frame(max, " before authentication").map_err(|e| Close::Dropped(e.to_string()))?
+        else {
+            return if open { Ok(()) } else { Err(Close::Left("left during the handshake".into())) };
+        };
+        if !check_proof(&self.secret, c, &nonce, &answer) {
+            let peer = c.peer;
+            if first_or_thousandth(&mut self.dropped) {
+                tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
+            } else {
+                tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
+            }
+            self.timers.push(Reverse((Instant::now() + self.limits.handshake, Timer::Linger(id))));
+            let c = self.conns.get_mut(&id).expect("still here");
+            return if c.flush().map_err(|e| Close::Left(e.to_string()))? {
+                Err(Close::Left("refused".into()))
+            } else {
+                Ok(())
+            };
         }
-        drop(connections);
-        std::thread::sleep((inner.limits.evict_after - age).min(Duration::from_millis(1)));
+        // Proven: its worker serves it from now on.
+        let mut c = self.conns.remove(&id).expect("still here");
+        let _ = self.poll.registry().deregister(&mut c.stream);
+        let _ = c.flush();
+        self.may_accept = true;
+        let worker = &self.shared.workers[self.shared.owner(id)];
+        worker.inbox.lock().push(Message::Adopt(id, Box::new(c)));
+        let _ = worker.waker.wake();
+        Ok(())
     }
-}
 
-/// Counts one more event in `n`; true for the first and every 1000th, which
-/// are logged at warn (the others at debug), so a flood cannot flood the log.
-fn first_or_thousandth(n: &AtomicU64) -> bool {
-    let n = n.fetch_add(1, Ordering::Relaxed) + 1;
-    n == 1 || n % 1000 == 0
-}
-
-/// Logs that the store turned a connection away: at debug every time, at
-/// warn the first time and every 1000th, so a flood cannot flood the log.
-fn turn_away(inner: &Inner, peer: SocketAddr, what: &str) {
-    if first_or_thousandth(&inner.turned_away) {
-        tracing::warn!(
-            %peer,
-            "rendezvous store {what}: {} clients are in the handshake at once (a flood of connections that do \
-             not prove the job secret?)",
-            inner.limits.unauthenticated
-        );
-    } else {
-        tracing::debug!(%peer, "rendezvous store {what}: too many clients in the handshake");
-    }
-}
-
-/// Runs the handshake, then answers requests until the client leaves.
-fn serve_connection(inner: &Inner, id: u64, mut stream: TcpStream, peer: SocketAddr) {
-    let _ = stream.set_nodelay(true);
-    let pending = Pending(&inner.unauthenticated);
-    match handshake(inner, &mut stream, peer) {
-        Ok(true) => {}
-        Ok(false) => return,
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof || inner.stop.load(Ordering::SeqCst) => {
-            tracing::debug!(%peer, error = %e, "store client left during the handshake");
-            return;
-        }
-        Err(e) => {
-            if first_or_thousandth(&inner.dropped) {
+    fn close(&mut self, id: ConnId, why: Close) {
+        let Some(mut c) = self.conns.remove(&id) else { return };
+        let _ = self.poll.registry().deregister(&mut c.stream);
+        if let Close::Dropped(e) = &why {
+            let peer = c.peer;
+            if first_or_thousandth(&mut self.dropped) {
                 tracing::warn!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
             } else {
                 tracing::debug!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
             }
-            return;
         }
+        self.may_accept = true;
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
     }
-    if let Some(c) = inner.connections.lock().get_mut(&id) {
-        c.pending = false;
-    }
-    drop(pending);
-    let _ = stream.set_read_timeout(None);
-    let _ = stream.set_write_timeout(None);
-    // A will: set this key (unless present) should the client vanish.
-    let mut will: Option<(String, Vec<u8>)> = None;
-    loop {
-        let body = match protocol::read_frame(&mut stream) {
-            Ok(b) => b,
-            Err(e) => {
-                if e.kind() != io::ErrorKind::UnexpectedEof {
-                    tracing::debug!(%peer, error = %e, "store connection failed");
+}
+
+/// A thread that serves authenticated connections.
+struct Worker {
+    index: usize,
+    poll: Poll,
+    shared: Arc<Shared>,
+    conns: HashMap<ConnId, Conn>,
+    timers: Timers,
+    /// Connections with something to do (an answer delivered, bytes read).
+    to_drive: Vec<ConnId>,
+    /// Answers to blocked requests of this worker's connections.
+    answers: Vec<(Ticket, Response)>,
+    /// Where sockets are read into.
+    scratch: Vec<u8>,
+}
+
+impl Worker {
+    fn run(&mut self) {
+        let mut events = Events::with_capacity(1024);
+        loop {
+            if let Err(e) = poll_once(&mut self.poll, &mut events, &self.timers) {
+                tracing::error!(error = %e, "a rendezvous store thread failed; its clients are cut off");
+                return;
+            }
+            let stop = self.shared.stop.load(Ordering::SeqCst);
+            for event in events.iter() {
+                if event.token() != WAKER {
+                    self.to_drive.push(event.token().0);
                 }
-                break;
             }
-        };
-        let response = match Request::decode(&body) {
-            Ok(Request::SetWill { key, value }) => {
-                will = Some((key, value));
-                Response::Ok
+            let messages = std::mem::take(&mut *self.shared.workers[self.index].inbox.lock());
+            for m in messages {
+                match m {
+                    Message::Adopt(id, mut c) => {
+                        if stop {
+                            continue;
+                        }
+                        match self.poll.registry().register(
+                            &mut c.stream,
+                            Token(id),
+                            Interest::READABLE | Interest::WRITABLE,
+                        ) {
+                            Ok(()) => {
+                                self.conns.insert(id, *c);
+                                self.to_drive.push(id);
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, peer = %c.peer, "rendezvous store could not watch a connection; dropped it")
+                            }
+                        }
+                    }
+                    Message::Answer(ticket, response) => self.answers.push((ticket, response)),
+                }
             }
-            Ok(Request::ClearWill) => {
-                will = None;
-                Response::Ok
+            if stop {
+                // The table answered every blocked request with a refusal:
+                // write what the sockets take at once, then close them all.
+                self.deliver_answers();
+                for (_, mut c) in self.conns.drain() {
+                    let _ = c.flush();
+                    let _ = c.stream.shutdown(std::net::Shutdown::Both);
+                }
+                return;
             }
-            Ok(req) => inner.state.apply(req, &|| client_connected(&stream)),
-            Err(detail) => {
-                tracing::warn!(%peer, %detail, "malformed store request; closing the connection");
-                let _ = protocol::write_frame(&mut stream, &Response::Refused(detail).encode());
-                break;
-            }
-        };
-        if protocol::write_whole_frame(&mut stream, &response.encode_frame()).is_err() {
-            break;
+            self.fire_timers();
+            self.deliver();
         }
     }
-    if let Some((key, value)) = will {
-        if !inner.state.is_shutting_down() {
-            tracing::debug!(%peer, %key, "store client left; setting its will");
-            inner.state.set_if_absent(key, value);
+
+    fn fire_timers(&mut self) {
+        // Timers of requests answered long before their deadline: dropped
+        // once they outnumber the connections.
+        if self.timers.len() > 4 * self.conns.len() + 1024 {
+            let conns = &self.conns;
+            self.timers.retain(|Reverse((_, t))| match t {
+                Timer::Blocked(ticket) => {
+                    conns.get(&ticket.conn).and_then(|c| c.blocked.as_ref()).is_some_and(|(seq, _)| *seq == ticket.seq)
+                }
+                _ => true,
+            });
         }
+        let now = Instant::now();
+        while let Some(&Reverse((at, timer))) = self.timers.peek() {
+            if at > now {
+                break;
+            }
+            self.timers.pop();
+            match timer {
+                Timer::Blocked(ticket) => {
+                    let Some(c) = self.conns.get_mut(&ticket.conn) else { continue };
+                    let Some((seq, blocked)) = c.blocked.take_if(|(seq, _)| *seq == ticket.seq) else { continue };
+                    let response = self.shared.table.lock().withdraw(Ticket { conn: ticket.conn, seq }, &blocked);
+                    c.output.extend(response.encode_chunks());
+                    self.to_drive.push(ticket.conn);
+                }
+                Timer::Linger(id) => {
+                    if self.conns.get(&id).is_some_and(|c| matches!(c.phase, Phase::Closing)) {
+                        self.close(id, Close::Left("refused".into()));
+                    }
+                }
+                Timer::Handshake(_) | Timer::Accept => {}
+            }
+        }
+    }
+
+    /// Queues the answers for blocked requests that are still waiting.
+    fn deliver_answers(&mut self) {
+        for (ticket, response) in std::mem::take(&mut self.answers) {
+            let Some(c) = self.conns.get_mut(&ticket.conn) else { continue };
+            if c.blocked.as_ref().is_some_and(|(seq, _)| *seq == ticket.seq) {
+                c.blocked = None;
+                c.output.extend(response.encode_chunks());
+                self.to_drive.push(ticket.conn);
+            }
+        }
+    }
+
+    /// Drives every connection with something to do, and the ones their
+    /// requests woke, until none is left.
+    fn deliver(&mut self) {
+        loop {
+            self.deliver_answers();
+            if self.to_drive.is_empty() {
+                return;
+            }
+            for id in std::mem::take(&mut self.to_drive) {
+                if let Err(why) = self.drive(id) {
+                    self.close(id, why);
+                }
+            }
+        }
+    }
+
+    /// Writes what a connection has to write, reads what it sent and serves
+    /// its requests, one at a time, until it blocks or has nothing more.
+    fn drive(&mut self, id: ConnId) -> std::result::Result<(), Close> {
+        let Worker { index, shared, conns, timers, to_drive, answers, scratch, .. } = self;
+        let Some(c) = conns.get_mut(&id) else { return Ok(()) };
+        loop {
+            let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
+            if matches!(c.phase, Phase::Closing) {
+                return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
+            }
+            let open = c.fill(scratch, READ_AHEAD, protocol::MAX_FRAME).map_err(|e| Close::Left(e.to_string()))?;
+            if c.blocked.is_some() || !flushed {
+                // The answer comes first; an end of stream now means the
+                // client left while it waited.
+                return if open { Ok(()) } else { Err(Close::Left("end of stream while blocked".into())) };
+            }
+            let Some(body) = c.take_frame(protocol::MAX_FRAME, "").map_err(|e| Close::Failed(e.to_string()))? else {
+                return if open { Ok(()) } else { Err(Close::Left("end of stream".into())) };
+            };
+            c.seq += 1;
+            let ticket = Ticket { conn: id, seq: c.seq };
+            match Request::decode(&body) {
+                Ok(Request::SetWill { key, value }) => {
+                    c.will = Some((key, value));
+                    c.output.extend(Response::Ok.encode_chunks());
+                }
+                Ok(Request::ClearWill) => {
+                    c.will = None;
+                    c.output.extend(Response::Ok.encode_chunks());
+                }
+                Ok(req) => {
+                    let mut table = shared.table.lock();
+                    match table.apply(ticket, req) {
+                        Outcome::Answer(r) => c.output.extend(r.encode_chunks()),
+                        Outcome::Blocked(on, deadline) => {
+                            c.blocked = Some((ticket.seq, on));
+                            if let Some(at) = deadline {
+                                timers.push(Reverse((at, Timer::Blocked(ticket))));
+                            }
+                        }
+                    }
+                    let mine = shared.route(&mut table, Some(*index));
+                    drop(table);
+                    if !mine.is_empty() {
+                        // Deliver to the clients this request woke first;
+                        // this one goes on afterwards.
+                        answers.extend(mine);
+                        to_drive.push(id);
+                        let _ = c.flush();
+                        return Ok(());
+                    }
+                }
+                Err(detail) => {
+                    tracing::warn!(peer = %c.peer, %detail, "malformed store request; closing the connection");
+                    c.send(&Response::Refused(detail).encode());
+                    c.phase = Phase::Closing;
+                    timers.push(Reverse((Instant::now() + HANDSHAKE_TIMEOUT, Timer::Linger(id))));
+                }
+            }
+        }
+    }
+
+    /// Closes connection `id`: withdraws its blocked request and sets its
+    /// will (unless the store is shutting down).
+    fn close(&mut self, id: ConnId, why: Close) {
+        let Some(mut c) = self.conns.remove(&id) else { return };
+        let _ = self.poll.registry().deregister(&mut c.stream);
+        let peer = c.peer;
+        match &why {
+            Close::Failed(e) | Close::Dropped(e) => tracing::debug!(%peer, error = %e, "store connection failed"),
+            Close::Left(e) => tracing::trace!(%peer, reason = %e, "store connection closed"),
+        }
+        let mut table = self.shared.table.lock();
+        if let Some((seq, blocked)) = c.blocked.take() {
+            table.withdraw(Ticket { conn: id, seq }, &blocked);
+        }
+        if let Some((key, value)) = c.will.take() {
+            if !table.is_shutting_down() {
+                tracing::debug!(%peer, %key, "store client left; setting its will");
+                table.set_if_absent(key, value);
+            }
+        }
+        let mine = self.shared.route(&mut table, Some(self.index));
+        drop(table);
+        self.answers.extend(mine);
+        let _ = c.stream.shutdown(std::net::Shutdown::Both);
     }
 }
 
-/// Whether the client of `stream` is still connected: a peek that finds
-/// the connection closed (or failed) says no. Never blocks.
-fn client_connected(stream: &TcpStream) -> bool {
-    #[cfg(unix)]
-    {
-        use std::os::fd::AsRawFd;
-        let mut byte = 0u8;
-        // SAFETY: recv writes at most 1 byte into `byte`, which outlives the
-        // call; MSG_PEEK leaves the data in the socket and MSG_DONTWAIT
-        // keeps it from blocking.
-        let n = unsafe {
-            libc::recv(stream.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
-        };
-        if n == 0 {
-            return false;
-        }
-        if n < 0 {
-            let err = io::Error::last_os_error();
-            return matches!(err.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted);
-        }
-        true
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = stream;
-        true
-    }
-}
-
-/// Challenges the client; `Ok(false)` when it was refused.
-fn handshake(inner: &Inner, stream: &mut TcpStream, peer: SocketAddr) -> io::Result<bool> {
-    let deadline = Instant::now() + inner.limits.handshake;
-    stream.set_write_timeout(Some(inner.limits.handshake))?;
-    let server_nonce = protocol::nonce().map_err(|e| io::Error::other(e.to_string()))?;
-    let mut hello = protocol::Encoder::default();
-    hello.0.extend_from_slice(protocol::MAGIC);
-    hello.u8(protocol::VERSION);
-    hello.0.extend_from_slice(&server_nonce);
-    protocol::write_frame(stream, &hello.0)?;
-
-    let answer = protocol::read_frame_by(stream, protocol::PREAUTH_MAX_FRAME, deadline)?;
+/// Checks a handshake answer; queues the verdict and moves the connection
+/// on (to `Ready`, or to `Closing` after a refusal). True when accepted.
+fn check_proof(secret: &[u8], c: &mut Conn, nonce: &[u8; protocol::NONCE_LEN], answer: &[u8]) -> bool {
     let ok = answer.len() == protocol::NONCE_LEN + protocol::MAC_LEN && {
         let (client_nonce, tag) = answer.split_at(protocol::NONCE_LEN);
-        protocol::verify(&inner.secret, protocol::CLIENT_LABEL, &server_nonce, client_nonce, tag)
+        protocol::verify(secret, protocol::CLIENT_LABEL, nonce, client_nonce, tag)
     };
     if !ok {
-        if first_or_thousandth(&inner.dropped) {
-            tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
-        } else {
-            tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
-        }
-        let _ = protocol::write_frame(stream, &[protocol::AUTH_REFUSED]);
-        return Ok(false);
+        c.send(&[protocol::AUTH_REFUSED]);
+        c.phase = Phase::Closing;
+        return false;
     }
     let client_nonce = &answer[..protocol::NONCE_LEN];
-    let tag = protocol::proof(&inner.secret, protocol::SERVER_LABEL, client_nonce, &server_nonce);
+    let tag = protocol::proof(secret, protocol::SERVER_LABEL, client_nonce, nonce);
     let mut accept = vec![protocol::AUTH_OK];
     accept.extend_from_slice(&tag);
-    protocol::write_frame(stream, &accept)?;
-    Ok(true)
+    c.send(&accept);
+    c.phase = Phase::Ready;
+    true
 }

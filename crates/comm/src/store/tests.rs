@@ -567,3 +567,101 @@ fn store_a_client_that_dies_in_a_barrier_is_withdrawn_and_its_will_set() {
     c.barrier("b", 2, T).unwrap();
     t.join().unwrap().unwrap();
 }
+
+#[test]
+fn store_barrier_get_answers_every_participant_the_values_at_the_opening() {
+    let s = server();
+    let n = 6;
+    let threads: Vec<_> = (0..n)
+        .map(|r| {
+            let c = client(&s);
+            std::thread::spawn(move || {
+                c.append("dir", format!("{r}\n").as_bytes()).unwrap();
+                c.barrier_get("joined", n, T, &["dir", "absent"]).unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        let values = t.join().unwrap();
+        assert_eq!(values.len(), 2);
+        assert_eq!(values[1], None);
+        let mut lines: Vec<u32> = String::from_utf8(values[0].clone().expect("the directory"))
+            .unwrap()
+            .lines()
+            .map(|l| l.parse().unwrap())
+            .collect();
+        lines.sort();
+        assert_eq!(lines, (0..n).collect::<Vec<_>>(), "every participant reads every entry");
+    }
+    // A participant of a plain barrier and one of a barrier_get meet.
+    let (a, b) = (client(&s), client(&s));
+    let t = std::thread::spawn(move || a.barrier("mixed", 2, T));
+    wait_arrivals(&s, "mixed", 1);
+    assert_eq!(b.barrier_get("mixed", 2, T, &["dir"]).unwrap()[0].as_ref().map(Vec::len), Some(12));
+    t.join().unwrap().unwrap();
+    // Alone, it times out saying how many came; a world-size mismatch is named.
+    let c = client(&s);
+    let err = c.barrier_get("alone", 2, Duration::from_millis(100), &["dir"]).unwrap_err();
+    assert!(matches!(err, StoreError::BarrierTimeout { arrived: 1, world_size: 2, .. }), "{err}");
+    let d = client(&s);
+    let t = std::thread::spawn(move || d.barrier_get("sizes", 2, T, &[]));
+    wait_arrivals(&s, "sizes", 1);
+    let err = c.barrier_get("sizes", 3, T, &[]).unwrap_err();
+    assert!(matches!(err, StoreError::BarrierMismatch { this: 3, others: 2, .. }), "{err}");
+    c.barrier_get("sizes", 2, T, &[]).unwrap();
+    assert_eq!(t.join().unwrap().unwrap(), Vec::<Option<Vec<u8>>>::new());
+}
+
+#[test]
+fn store_with_four_workers_wakes_clients_served_by_other_threads() {
+    // Clients land on different worker threads (by connection number): a
+    // barrier, a wait and a will must reach across them.
+    let mut s = StoreServer::bind_workers("127.0.0.1:0", SECRET, server::Limits::default(), 4).unwrap();
+    let n = 16u32;
+    let threads: Vec<_> = (0..n)
+        .map(|r| {
+            let c = client(&s);
+            std::thread::spawn(move || {
+                c.append("dir", format!("{r}\n").as_bytes()).unwrap();
+                let dir = c.barrier_get("all", n, T, &["dir"]).unwrap().remove(0).unwrap();
+                assert_eq!(dir.iter().filter(|&&b| b == b'\n').count(), n as usize, "client {r}");
+                if r % 2 == 0 {
+                    c.set(&format!("k{r}"), b"").unwrap();
+                } else {
+                    c.wait(&[&format!("k{}", r - 1)], T).unwrap();
+                }
+                c.barrier("end", n, T).unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    // A client that dies in a barrier is withdrawn and its will set, seen
+    // by a waiter on another worker.
+    let watcher = client(&s);
+    let dying = client(&s);
+    dying.set_will("gone", b"x").unwrap();
+    let socket = dying.socket();
+    let t = std::thread::spawn(move || dying.barrier("b", 2, T));
+    wait_arrivals(&s, "b", 1);
+    socket.shutdown(std::net::Shutdown::Both).unwrap();
+    let _ = t.join().unwrap();
+    watcher.wait(&["gone"], T).unwrap();
+    wait_for(|| s.barrier_arrivals("b") == 0);
+    assert_eq!(s.barrier_arrivals("b"), 0);
+    // Shutdown answers blocked clients on every worker.
+    let blocked: Vec<_> = (0..4)
+        .map(|_| {
+            let c = client(&s);
+            std::thread::spawn(move || c.wait(&["never"], T))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    s.shutdown();
+    for b in blocked {
+        assert!(b.join().unwrap().is_err());
+    }
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
