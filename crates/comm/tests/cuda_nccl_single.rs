@@ -166,3 +166,31 @@ fn parts_from_two_streams_run_in_queue_order() {
         assert_eq!(client.read_one(dst).unwrap().to_elems::<u32>(), vec![want; 4096]);
     }
 }
+
+/// Collectives queued back to back on one stream get no event each: the
+/// device records one after the last of them when it runs out of work.
+/// Every handle still ends, whichever order they are waited on in, and
+/// every result is right.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn back_to_back_collectives_on_one_stream_all_end() {
+    let group = one_rank_group();
+    let device = group.client(0).clone();
+    let (mut works, mut outputs) = (Vec::new(), Vec::new());
+    for round in 0..100u32 {
+        let src = device.create(Bytes::from_elems(&[round; 64]));
+        let dst = device.empty(256);
+        let work = group
+            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Sum)
+            .unwrap();
+        works.push(work);
+        outputs.push((round, dst));
+    }
+    for work in works.iter().rev() {
+        work.wait().unwrap();
+    }
+    assert!(works.iter().all(|w| w.is_done()));
+    for (round, dst) in outputs {
+        assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![round; 64]);
+    }
+}

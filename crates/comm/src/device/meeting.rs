@@ -156,16 +156,22 @@ impl DeviceCollective {
             }
             Mode::Nccl(set) => {
                 // Sources first, then destinations (and scratch), call by call.
-                let inputs = shapes.iter().filter(|s| s.input).count();
-                let (mut next_in, mut next_out) = (0, inputs);
-                let mut calls = Vec::new();
-                for (op, shape) in self.ops.iter().zip(shapes) {
-                    let (at_in, at_out) = (next_in, next_out);
-                    let buffers = shape.bind_at(|i| access.binding(if i == 0 { at_in } else { at_out + i - 1 }));
-                    next_in += usize::from(shape.input);
-                    next_out += usize::from(shape.output) + usize::from(shape.scratch);
-                    calls.extend(plan::nccl_calls(op, slot, self.meeting.len(), &buffers));
-                }
+                let calls = if self.ops.len() == 1 {
+                    // One call: its buffers are the task's, as bound above.
+                    plan::nccl_calls(op, slot, self.meeting.len(), &buffers)
+                } else {
+                    let inputs = shapes.iter().filter(|s| s.input).count();
+                    let (mut next_in, mut next_out) = (0, inputs);
+                    let mut calls = Vec::new();
+                    for (op, shape) in self.ops.iter().zip(shapes) {
+                        let (at_in, at_out) = (next_in, next_out);
+                        let buffers = shape.bind_at(|i| access.binding(if i == 0 { at_in } else { at_out + i - 1 }));
+                        next_in += usize::from(shape.input);
+                        next_out += usize::from(shape.output) + usize::from(shape.scratch);
+                        calls.extend(plan::nccl_calls(op, slot, self.meeting.len(), &buffers));
+                    }
+                    calls
+                };
                 if calls.is_empty() {
                     Ok(())
                 } else {

@@ -326,10 +326,21 @@ impl Backend for CudaBackend {
         self.check_lost()?;
         let raw = self.streams.raw(stream)?;
         self.settle_collectives(raw);
-        let mut addresses = Vec::with_capacity(sources.len());
-        for binding in sources {
-            addresses.push((self.pages.ptr(*binding)?, binding.size as usize));
-        }
+        // One source (the most frequent read) needs no vector.
+        let (one, many);
+        let addresses: &[(sys::CUdeviceptr, usize)] = match sources {
+            [binding] => {
+                one = [(self.pages.ptr(*binding)?, binding.size as usize)];
+                &one
+            }
+            _ => {
+                many = sources
+                    .iter()
+                    .map(|b| Ok((self.pages.ptr(*b)?, b.size as usize)))
+                    .collect::<Result<Vec<_>, ServerError>>()?;
+                &many
+            }
+        };
         let device = self.device;
         let sync = move || {
             // SAFETY: a live stream of the current context.
@@ -340,7 +351,7 @@ impl Backend for CudaBackend {
                 Err(driver_error(device, "cuStreamSynchronize", code))
             }
         };
-        match self.staging.read(raw, &addresses, sync) {
+        match self.staging.read(raw, addresses, sync) {
             Ok(bytes) => {
                 self.streams.take_suspects(stream);
                 Ok(bytes)
