@@ -639,6 +639,29 @@ mod tests {
     }
 
     #[test]
+    fn an_idle_device_polls_its_collectives_before_it_naps() {
+        let (sender, receiver) = channel::unbounded::<u8>();
+        let mut polls = 0;
+        let got = recv_spinning(&receiver, Some(&mut || polls += 1));
+        assert!(matches!(got, Err(RecvTimeoutError::Timeout)), "{got:?}");
+        assert!(polls >= 1, "polled {polls} times");
+        // Work already queued is taken at once, without a poll.
+        sender.send(7).unwrap();
+        let mut polls = 0;
+        assert_eq!(recv_spinning(&receiver, Some(&mut || polls += 1)), Ok(7));
+        assert_eq!(polls, 0);
+    }
+
+    #[test]
+    fn a_spin_ends_within_its_window() {
+        let started = Instant::now();
+        let mut spin = Spin::new();
+        while spin.pause() != Paced::Over {}
+        // The clock is read every 64 polls: the last stretch may yield 64 times.
+        assert!(started.elapsed() < spin_window() + Duration::from_millis(100), "{:?}", started.elapsed());
+    }
+
+    #[test]
     fn a_task_dropped_unrun_is_a_closed_device_not_a_hang() {
         let device = DeviceId { type_id: 0, index: 0 };
         let (task, receiver) = with_reply(device, |_| 7u32);
