@@ -194,3 +194,50 @@ fn back_to_back_collectives_on_one_stream_all_end() {
         assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![round; 64]);
     }
 }
+
+/// A collective followed on its stream by other work ends when its own
+/// calls do: before a kernel that runs longer than the group's timeout (it
+/// is not timed out), and before a capture begins there (its end is not
+/// recorded into the graph).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_collective_ends_on_its_own_before_the_work_queued_behind_it() {
+    use cohort_runtime::{Scalar, StreamId};
+    use std::time::Duration;
+
+    let device = one_rank_group().client(0).with_stream(StreamId::fresh());
+    let group = ClientGroup::new(vec![device.clone()]).unwrap().with_timeout(Duration::from_millis(400));
+    let flag = device.create(Bytes::from(vec![0u8; 4]));
+    let busy = |ns: u64| {
+        device
+            .launch(
+                &busy_kernel(),
+                GridCount::Static(1, 1, 1),
+                KernelArguments::new().buffer(&flag).scalar(Scalar::U64(ns)),
+            )
+            .unwrap()
+    };
+    busy(1_000);
+    let src = device.create(Bytes::from_elems(&[5.0f32; 256]));
+    let all_reduce = |dst: &cohort_runtime::Handle| {
+        group
+            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(dst), DType::F32, ReduceOp::Sum)
+            .unwrap()
+    };
+
+    // 2 s of work behind it, five times its timeout.
+    let dst = device.empty(1024);
+    all_reduce(&dst);
+    busy(2_000_000_000);
+    assert_eq!(device.read_one(dst).unwrap().to_elems::<f32>(), vec![5.0; 256]);
+
+    // A capture begun on its stream right after it.
+    let out = device.empty(1024);
+    let work = all_reduce(&out);
+    device.start_capture().unwrap();
+    busy(1_000);
+    let graph = device.stop_capture().unwrap();
+    work.wait().unwrap();
+    graph.replay().unwrap();
+    assert_eq!(device.read_one(out).unwrap().to_elems::<f32>(), vec![5.0; 256]);
+}

@@ -20,8 +20,10 @@
 //! It also means parts end in that order, so one event stands for every
 //! part before it: a part gets an event only when something needs one (a
 //! part from another stream, a poll that finds none recorded, a caller that
-//! waits for the part), and parts queued back to back on one stream share
-//! the event recorded after the last of them.
+//! waits for the part, or any other work about to be queued on its stream,
+//! a capture included), and parts queued back to back on one stream share
+//! the event recorded after the last of them. So a part's end is seen when
+//! its own calls end, never after work queued behind it.
 //!
 //! The pending parts are polled (`poll`) when the device is idle, while it
 //! waits for any stream, and when a caller asks to wait: parts up to an
@@ -607,6 +609,22 @@ impl CudaBackend {
     fn fail_all(&mut self, lib: &Nccl, reason: &str) {
         while let Some(set) = self.nccl.pending.front().map(|p| p.set) {
             self.fail_set(lib, set, reason);
+        }
+    }
+
+    /// Records the event after the last pending part when it ran on
+    /// `stream` and has none yet: before other work is queued there (see
+    /// [`CudaBackend::raw_stream`]), or before the stream begins a capture,
+    /// where a record would be captured rather than run. A record that
+    /// fails ends every pending part with its error.
+    pub(crate) fn close_run_on(&mut self, stream: StreamId) {
+        if !self.nccl.pending.back().is_some_and(|p| p.stream == stream && p.done.is_none()) {
+            return;
+        }
+        if let Err(reason) = self.close_run() {
+            if let Ok(lib) = nccl_lib::load() {
+                self.fail_all(lib, &reason);
+            }
         }
     }
 
