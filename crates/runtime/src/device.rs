@@ -371,8 +371,8 @@ impl<T> Drop for ReplySender<T> {
 
 impl<T> ReplyReceiver<T> {
     /// Waits for the value, polling for [`spin_window`] (paced by
-    /// [`Spin`]) before sleeping;
-    /// `None` when the sender was dropped without sending.
+    /// [`Spin`]) before sleeping; `None` when the sender was dropped
+    /// without sending.
     fn wait(self) -> Option<T> {
         let shared = &self.0;
         let mut spin = Spin::new();
