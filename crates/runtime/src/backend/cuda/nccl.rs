@@ -629,10 +629,9 @@ impl CudaBackend {
     }
 
     /// The event recorded after the last pending part, recording one on its
-    /// stream now when it has none. A record made later than the part
-    /// itself also covers what its stream queued since (kernels, copies),
-    /// all queued before whatever waits on it, so waiting on it may wait
-    /// longer but never on work queued after the waiter.
+    /// stream now when it has none. Nothing but parts was queued on that
+    /// stream since ([`CudaBackend::close_run_on`] runs first otherwise), so
+    /// the record fires when the last part ends.
     fn close_run(&mut self) -> Result<sys::CUevent, String> {
         let back = self.nccl.pending.back().expect("called with a pending part");
         if let Some(event) = back.done {
