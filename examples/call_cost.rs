@@ -2,7 +2,10 @@
 //! heap allocations per call (every thread's, counted by this binary's
 //! allocator) and wall time per call, for a one-device and a two-device
 //! `ClientGroup` all-reduce of 8 floats (waited on), a kernel launch
-//! enqueue, and a 4-byte read round trip. Run it under
+//! enqueue, and a 4-byte read round trip. Where a CUDA device and NCCL
+//! are found, the same for a one-device `ClientGroup` all-reduce through a
+//! one-rank NCCL communicator (`COHORT_NCCL_SINGLE=1`), waited on and
+//! queued back to back (then one sync per 100 calls). Run it under
 //! `perf stat -e task-clock,context-switches` for context switches per call
 //! and under `perf record -e cpu-clock` for where the time goes.
 //!
@@ -44,22 +47,53 @@ static GLOBAL: Counting = Counting;
 
 /// Runs `call` `calls` times after a warm-up; prints µs and allocations per
 /// call.
-fn measure(what: &str, calls: usize, mut call: impl FnMut()) {
-    for _ in 0..calls / 10 + 1 {
-        call();
+fn measure(what: &str, calls: usize, call: impl FnMut()) {
+    measure_batches(what, calls, 1, call)
+}
+
+/// Runs `batch`, which makes `per` calls, `batches` times after a warm-up;
+/// prints µs and allocations per call.
+fn measure_batches(what: &str, batches: usize, per: usize, mut batch: impl FnMut()) {
+    for _ in 0..batches / 10 + 1 {
+        batch();
     }
     let before = ALLOCATIONS.load(Ordering::Relaxed);
     let start = Instant::now();
-    for _ in 0..calls {
-        call();
+    for _ in 0..batches {
+        batch();
     }
     let elapsed = start.elapsed();
     let allocations = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let calls = (batches * per) as f64;
     println!(
         "{what:<44} {:>8.2} µs/call {:>7.1} allocations/call",
-        elapsed.as_secs_f64() * 1e6 / calls as f64,
-        allocations as f64 / calls as f64
+        elapsed.as_secs_f64() * 1e6 / calls,
+        allocations as f64 / calls
     );
+}
+
+/// A one-device all-reduce through a one-rank NCCL communicator, waited on
+/// and queued back to back, where a CUDA device and NCCL are found.
+fn nccl_all_reduce(calls: usize) {
+    let clients = match cohort::runtime::clients_of("cuda", Some(1)) {
+        Ok(clients) => clients,
+        Err(why) => return println!("# no CUDA device, NCCL rows skipped: {why}"),
+    };
+    let group = ClientGroup::new(clients.clone()).expect("group");
+    if group.transport() != cohort::comm::Transport::Nccl {
+        return println!("# NCCL rows skipped: the group's transport is {:?}", group.transport());
+    }
+    let bufs: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
+    let call = || group.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce");
+    // At most 2,000: a waited call may cost a millisecond.
+    measure("all_reduce 32 B, 1 CUDA device (NCCL), wait", calls.min(2000), || call().wait().expect("wait"));
+    measure_batches("all_reduce 32 B, 1 CUDA device (NCCL), queued", calls / 100, 100, || {
+        for _ in 0..100 {
+            call();
+        }
+        group.sync().expect("sync");
+    });
+    assert_eq!(bufs[0].to_vec().expect("read"), [1.0; 8], "max of ones is one");
 }
 
 fn all_reduce(clients: &[Client], calls: usize) {
@@ -75,6 +109,7 @@ fn all_reduce(clients: &[Client], calls: usize) {
 fn main() {
     let calls: usize = std::env::args().nth(1).map_or(20_000, |n| n.parse().expect("CALLS is a count"));
     std::env::set_var(cohort::runtime::config::CPU_DEVICES.name, "2");
+    std::env::set_var(cohort::runtime::config::NCCL_SINGLE.name, "1");
     let clients = cohort::runtime::clients_of("cpu", Some(2)).expect("two CPU devices");
     println!("# cohort call_cost: {calls} calls each, CPU backend");
     all_reduce(&clients[..1], calls);
@@ -94,4 +129,5 @@ fn main() {
         let bytes = client.read_one(four.clone()).expect("read");
         assert_eq!(bytes.len(), 4);
     });
+    nccl_all_reduce(calls);
 }

@@ -166,3 +166,78 @@ fn parts_from_two_streams_run_in_queue_order() {
         assert_eq!(client.read_one(dst).unwrap().to_elems::<u32>(), vec![want; 4096]);
     }
 }
+
+/// Collectives queued back to back on one stream get no event each: the
+/// device records one after the last of them when it runs out of work.
+/// Every handle still ends, whichever order they are waited on in, and
+/// every result is right.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn back_to_back_collectives_on_one_stream_all_end() {
+    let group = one_rank_group();
+    let device = group.client(0).clone();
+    let (mut works, mut outputs) = (Vec::new(), Vec::new());
+    for round in 0..100u32 {
+        let src = device.create(Bytes::from_elems(&[round; 64]));
+        let dst = device.empty(256);
+        let work = group
+            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Sum)
+            .unwrap();
+        works.push(work);
+        outputs.push((round, dst));
+    }
+    for work in works.iter().rev() {
+        work.wait().unwrap();
+    }
+    assert!(works.iter().all(|w| w.is_done()));
+    for (round, dst) in outputs {
+        assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![round; 64]);
+    }
+}
+
+/// A collective followed on its stream by other work ends when its own
+/// calls do: before a kernel that runs longer than the group's timeout (it
+/// is not timed out), and before a capture begins there (its end is not
+/// recorded into the graph).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_collective_ends_on_its_own_before_the_work_queued_behind_it() {
+    use cohort_runtime::{Scalar, StreamId};
+    use std::time::Duration;
+
+    let device = one_rank_group().client(0).with_stream(StreamId::fresh());
+    let group = ClientGroup::new(vec![device.clone()]).unwrap().with_timeout(Duration::from_millis(400));
+    let flag = device.create(Bytes::from(vec![0u8; 4]));
+    let busy = |ns: u64| {
+        device
+            .launch(
+                &busy_kernel(),
+                GridCount::Static(1, 1, 1),
+                KernelArguments::new().buffer(&flag).scalar(Scalar::U64(ns)),
+            )
+            .unwrap()
+    };
+    busy(1_000);
+    let src = device.create(Bytes::from_elems(&[5.0f32; 256]));
+    let all_reduce = |dst: &cohort_runtime::Handle| {
+        group
+            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(dst), DType::F32, ReduceOp::Sum)
+            .unwrap()
+    };
+
+    // 2 s of work behind it, five times its timeout.
+    let dst = device.empty(1024);
+    all_reduce(&dst);
+    busy(2_000_000_000);
+    assert_eq!(device.read_one(dst).unwrap().to_elems::<f32>(), vec![5.0; 256]);
+
+    // A capture begun on its stream right after it.
+    let out = device.empty(1024);
+    let work = all_reduce(&out);
+    device.start_capture().unwrap();
+    busy(1_000);
+    let graph = device.stop_capture().unwrap();
+    work.wait().unwrap();
+    graph.replay().unwrap();
+    assert_eq!(device.read_one(out).unwrap().to_elems::<f32>(), vec![5.0; 256]);
+}

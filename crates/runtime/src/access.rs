@@ -36,9 +36,9 @@ pub struct BufferAccess<'a> {
     state: &'a mut DeviceState,
     stream: StreamId,
     bindings: Vec<Binding>,
-    /// Collectives this task queued that were still running when it
-    /// returned: their failure marks the task's outputs later.
-    deferred: Vec<PendingPart>,
+    /// The task's outputs: a collective it queues that is still running
+    /// when it returns marks them if it fails later.
+    outputs: &'a [Handle],
 }
 
 impl BufferAccess<'_> {
@@ -148,9 +148,8 @@ impl BufferAccess<'_> {
     ) -> Result<(), ServerError> {
         let stream = self.stream;
         let collectives = self.offered_collectives("a device-path collective")?;
-        if let Some(part) = collectives.run(stream, comm, calls, monitor, completion)? {
-            self.deferred.push(part);
-        }
+        let part = collectives.run(stream, comm, calls, monitor, completion)?;
+        self.defer(part);
         Ok(())
     }
 
@@ -166,10 +165,17 @@ impl BufferAccess<'_> {
     ) -> Result<(), ServerError> {
         let stream = self.stream;
         let collectives = self.offered_collectives("a peer-memory collective")?;
-        if let Some(part) = collectives.run_peer(stream, spec, call, monitor, completion)? {
-            self.deferred.push(part);
-        }
+        let part = collectives.run_peer(stream, spec, call, monitor, completion)?;
+        self.defer(part);
         Ok(())
+    }
+
+    /// Remembers a collective still running (`Some`) with the task's
+    /// outputs, which its failure marks when the device finds it.
+    fn defer(&mut self, part: Option<PendingPart>) {
+        if let Some(part) = part {
+            self.state.note_pending_collective(part, self.stream, self.outputs);
+        }
     }
 
     /// The backend's device collectives, or an error saying `operation`
@@ -242,32 +248,32 @@ impl Client {
         let operation = operation.into();
         let device = self.device_id();
         self.device().submit(stream, move |state| {
+            // The bindings go in the state's reused vector (no allocation
+            // per task); a task nested inside (`exclusive`) takes its own.
+            let mut bindings = std::mem::take(&mut state.scratch_bindings);
+            bindings.clear();
             let prepared = (|| {
                 if let Some(err) = DeviceState::poisoned_input(&inputs, &operation) {
                     return Err(err);
                 }
-                let mut bindings = Vec::with_capacity(inputs.len() + outputs.len());
                 for handle in inputs.iter().chain(&outputs) {
                     bindings.push(state.binding(handle)?);
                 }
-                state.order_after_writers(stream, inputs.iter().chain(&outputs))?;
-                Ok(bindings)
+                state.order_after_writers(stream, inputs.iter().chain(&outputs))
             })();
             let run = std::panic::AssertUnwindSafe(|| match prepared {
-                Ok(bindings) => {
-                    let mut access = BufferAccess { state: &mut *state, stream, bindings, deferred: Vec::new() };
+                Ok(()) => {
+                    let mut access = BufferAccess { state: &mut *state, stream, bindings, outputs: &outputs };
                     let result = task(Ok(&mut access));
-                    (result, access.deferred)
+                    (result, access.bindings)
                 }
-                Err(err) => (task(Err(err)), Vec::new()),
+                Err(err) => (task(Err(err)), bindings),
             });
-            let (result, deferred) = std::panic::catch_unwind(run).unwrap_or_else(|payload| {
+            let (result, bindings) = std::panic::catch_unwind(run).unwrap_or_else(|payload| {
                 (Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) }), Vec::new())
             });
+            state.scratch_bindings = bindings;
             DeviceState::mark_outputs(stream, &outputs, &result);
-            for part in deferred {
-                state.note_pending_collective(part, stream, &outputs);
-            }
         })
     }
 }

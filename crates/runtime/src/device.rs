@@ -370,25 +370,15 @@ impl<T> Drop for ReplySender<T> {
 }
 
 impl<T> ReplyReceiver<T> {
-    /// Waits for the value, polling for [`spin_window`] before sleeping;
-    /// `None` when the sender was dropped without sending.
+    /// Waits for the value, polling for [`spin_window`] (paced by
+    /// [`Spin`]) before sleeping; `None` when the sender was dropped
+    /// without sending.
     fn wait(self) -> Option<T> {
         let shared = &self.0;
-        let window = spin_window();
-        if !window.is_zero() {
-            let start = Instant::now();
-            let mut polls = 0u32;
-            while shared.state.load(Ordering::Acquire) == REPLY_EMPTY {
-                polls = polls.wrapping_add(1);
-                // Reading the clock costs more than a poll: look every 64.
-                if polls.is_multiple_of(64) && start.elapsed() >= window {
-                    break;
-                }
-                if polls < 256 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
+        let mut spin = Spin::new();
+        while shared.state.load(Ordering::Acquire) == REPLY_EMPTY {
+            if spin.pause() == Paced::Over {
+                break;
             }
         }
         let mut slot = shared.value.lock();
@@ -434,43 +424,96 @@ fn default_spin_window() -> Duration {
 }
 
 /// Receives from `receiver`, polling for up to [`spin_window`] before
-/// sleeping: busy for the first polls, then yielding the core between polls
-/// so a thread it waits for can run. With `nap`, sleeps at most that long
-/// and then reports a timeout.
-fn recv_spinning<T>(receiver: &Receiver<T>, nap: Option<Duration>) -> Result<T, RecvTimeoutError> {
-    let sleep = |receiver: &Receiver<T>| match nap {
-        Some(nap) => receiver.recv_timeout(nap),
-        None => receiver.recv().map_err(|_| RecvTimeoutError::Disconnected),
+/// sleeping, paced by [`Spin`]. With `poll` (the device has
+/// collectives running), calls it once before the spin, every 64 polls of
+/// the channel during it (a collective that completes meanwhile is ended
+/// within microseconds, not at the next nap), and sleeps at most
+/// [`COLLECTIVE_POLL`], then reports a timeout.
+fn recv_spinning<T>(receiver: &Receiver<T>, mut poll: Option<&mut dyn FnMut()>) -> Result<T, RecvTimeoutError> {
+    let sleep = |receiver: &Receiver<T>, napping: bool| match napping {
+        true => receiver.recv_timeout(COLLECTIVE_POLL),
+        false => receiver.recv().map_err(|_| RecvTimeoutError::Disconnected),
     };
+    let napping = poll.is_some();
     // Work that is already queued is taken without reading the clock.
     match receiver.try_recv() {
         Ok(message) => return Ok(message),
         Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
         Err(TryRecvError::Empty) => {}
     }
-    let window = spin_window();
-    if window.is_zero() {
-        return sleep(receiver);
+    if let Some(poll) = poll.as_mut() {
+        poll();
     }
-    let start = Instant::now();
-    let mut polls = 0u32;
+    let mut spin = Spin::new();
     loop {
         match receiver.try_recv() {
             Ok(message) => return Ok(message),
             Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
-            Err(TryRecvError::Empty) => {
-                polls = polls.wrapping_add(1);
-                // Reading the clock costs more than a poll: look every 64.
-                if polls.is_multiple_of(64) && start.elapsed() >= window {
-                    return sleep(receiver);
+            Err(TryRecvError::Empty) => match spin.pause() {
+                Paced::Over => return sleep(receiver, napping),
+                Paced::Looked => {
+                    if let Some(poll) = poll.as_mut() {
+                        poll();
+                    }
                 }
-                if polls < 256 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
-            }
+                Paced::Polled => {}
+            },
         }
+    }
+}
+
+/// What [`Spin::pause`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Paced {
+    /// Paused before the next poll.
+    Polled,
+    /// Paused, and read the clock (every 64 polls): a moment for slower
+    /// polls of something else.
+    Looked,
+    /// The spin window is over: sleep instead.
+    Over,
+}
+
+/// Paces a thread that polls for up to [`spin_window`]: a spin-loop hint
+/// between polls for the first half of the window (a value that arrives
+/// then is seen within a few dozen nanoseconds), then a yield of the core
+/// between polls, so a thread it waits for can run. With no window
+/// (fewer than 4 hardware threads) it is over at once.
+struct Spin {
+    /// `None` without a window: the clock is not read then.
+    start: Option<Instant>,
+    window: Duration,
+    polls: u32,
+    yielding: bool,
+}
+
+impl Spin {
+    fn new() -> Spin {
+        let window = spin_window();
+        let start = (!window.is_zero()).then(Instant::now);
+        Spin { start, window, polls: 0, yielding: false }
+    }
+
+    /// Waits a moment before the next poll, or says the window is over.
+    fn pause(&mut self) -> Paced {
+        let Some(start) = self.start else { return Paced::Over };
+        self.polls = self.polls.wrapping_add(1);
+        let mut paced = Paced::Polled;
+        // Reading the clock costs more than a poll: look every 64.
+        if self.polls.is_multiple_of(64) {
+            let spun = start.elapsed();
+            if spun >= self.window {
+                return Paced::Over;
+            }
+            self.yielding = spun >= self.window / 2;
+            paced = Paced::Looked;
+        }
+        if self.yielding {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+        paced
     }
 }
 
@@ -492,10 +535,15 @@ const POLL_BUSY_AT: usize = 64;
 
 fn serve(state: &mut DeviceState, receiver: Receiver<Message>) {
     loop {
-        // With device collectives running, the thread wakes now and then
-        // to poll them (and end or abort them) even when no work comes.
-        let nap = state.has_pending_collectives().then_some(COLLECTIVE_POLL);
-        let message = match recv_spinning(&receiver, nap) {
+        // With device collectives running, the thread polls them (to end
+        // or abort them) when it runs out of work, while it spins, and
+        // then every millisecond even when no work comes.
+        let received = if state.has_pending_collectives() {
+            recv_spinning(&receiver, Some(&mut || state.poll_collectives()))
+        } else {
+            recv_spinning(&receiver, None)
+        };
+        let message = match received {
             Ok(message) => message,
             Err(RecvTimeoutError::Timeout) => {
                 state.poll_collectives();
@@ -588,6 +636,29 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         drop(sender);
         assert_eq!(waiter.join().unwrap(), None);
+    }
+
+    #[test]
+    fn an_idle_device_polls_its_collectives_before_it_naps() {
+        let (sender, receiver) = channel::unbounded::<u8>();
+        let mut polls = 0;
+        let got = recv_spinning(&receiver, Some(&mut || polls += 1));
+        assert!(matches!(got, Err(RecvTimeoutError::Timeout)), "{got:?}");
+        assert!(polls >= 1, "polled {polls} times");
+        // Work already queued is taken at once, without a poll.
+        sender.send(7).unwrap();
+        let mut polls = 0;
+        assert_eq!(recv_spinning(&receiver, Some(&mut || polls += 1)), Ok(7));
+        assert_eq!(polls, 0);
+    }
+
+    #[test]
+    fn a_spin_ends_within_its_window() {
+        let started = Instant::now();
+        let mut spin = Spin::new();
+        while spin.pause() != Paced::Over {}
+        // The clock is read every 64 polls: the last stretch may yield 64 times.
+        assert!(started.elapsed() < spin_window() + Duration::from_millis(100), "{:?}", started.elapsed());
     }
 
     #[test]

@@ -117,8 +117,8 @@ pub(crate) struct DeviceState {
     pub next_profile: u64,
     pub graphs: HashMap<u64, Box<dyn Any>>,
     pub next_graph: u64,
-    /// Reused by every launch for its resolved bindings.
-    scratch_bindings: Vec<Binding>,
+    /// Reused by every launch and buffer task for its resolved bindings.
+    pub(crate) scratch_bindings: Vec<Binding>,
     /// Device collectives queued and still running
     /// ([`crate::BufferAccess::run_collective`]), with the outputs their
     /// failure marks.
@@ -385,7 +385,16 @@ impl DeviceState {
                 if state.unsynced.len() >= MAX_UNSYNCED {
                     state.unsynced.drain(..MAX_UNSYNCED / 2);
                 }
-                state.unsynced.extend(outputs.iter().map(|h| Arc::downgrade(&h.alloc)));
+                for handle in outputs {
+                    // A buffer launched on again and again is remembered once.
+                    if !state
+                        .unsynced
+                        .last()
+                        .is_some_and(|last| std::ptr::eq(last.as_ptr(), Arc::as_ptr(&handle.alloc)))
+                    {
+                        state.unsynced.push(Arc::downgrade(&handle.alloc));
+                    }
+                }
             }
             Ok(())
         })();

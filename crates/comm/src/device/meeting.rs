@@ -161,31 +161,42 @@ impl DeviceCollective {
             }
             Mode::Nccl(set) => {
                 // Sources first, then destinations (and scratch), call by call.
-                let inputs = shapes.iter().filter(|s| s.input).count();
-                let (mut next_in, mut next_out) = (0, inputs);
-                let mut calls = Vec::new();
-                let mut at = Vec::with_capacity(self.ops.len());
-                let mut unfused = Vec::with_capacity(self.ops.len());
-                for (op, shape) in self.ops.iter().zip(shapes) {
-                    let (at_in, at_out) = (next_in, next_out);
-                    let buffers = shape.bind_at(|i| access.binding(if i == 0 { at_in } else { at_out + i - 1 }));
-                    next_in += usize::from(shape.input);
-                    next_out += usize::from(shape.output) + usize::from(shape.scratch);
-                    at.push((at_in, at_out));
-                    unfused.push((op, buffers));
-                }
-                // Fused all-reduces: packed into each bucket's scratch
-                // first, one call per bucket, unpacked after.
-                let fused = fusion::part(&self.buckets, self.ops.len(), scratch, |c| at[c], |i| access.binding(i));
-                for ((op, buffers), fused) in unfused.iter().zip(&fused.fused) {
-                    if !fused {
-                        calls.extend(plan::nccl_calls(op, slot, self.meeting.len(), buffers));
+                let (calls, fused) = if self.ops.len() == 1 {
+                    // One call: its buffers are the task's, as bound above;
+                    // nothing to fuse.
+                    (plan::nccl_calls(op, slot, self.meeting.len(), &buffers), None)
+                } else {
+                    let inputs = shapes.iter().filter(|s| s.input).count();
+                    let (mut next_in, mut next_out) = (0, inputs);
+                    let mut calls = Vec::new();
+                    let mut at = Vec::with_capacity(self.ops.len());
+                    let mut unfused = Vec::with_capacity(self.ops.len());
+                    for (op, shape) in self.ops.iter().zip(shapes) {
+                        let (at_in, at_out) = (next_in, next_out);
+                        let buffers = shape.bind_at(|i| access.binding(if i == 0 { at_in } else { at_out + i - 1 }));
+                        next_in += usize::from(shape.input);
+                        next_out += usize::from(shape.output) + usize::from(shape.scratch);
+                        at.push((at_in, at_out));
+                        unfused.push((op, buffers));
                     }
-                }
-                calls.extend(fused.calls.iter().copied());
+                    // Fused all-reduces: packed into each bucket's scratch
+                    // first, one call per bucket, unpacked after.
+                    let fused = fusion::part(&self.buckets, self.ops.len(), scratch, |c| at[c], |i| access.binding(i));
+                    for ((op, buffers), fused) in unfused.iter().zip(&fused.fused) {
+                        if !fused {
+                            calls.extend(plan::nccl_calls(op, slot, self.meeting.len(), buffers));
+                        }
+                    }
+                    calls.extend(fused.calls.iter().copied());
+                    (calls, Some(fused))
+                };
+                let (pack, unpack) = match &fused {
+                    Some(fused) => (&fused.pack[..], &fused.unpack[..]),
+                    None => (&[][..], &[][..]),
+                };
                 if calls.is_empty() {
                     Ok(())
-                } else if let Err(err) = access.copy_regions(&fused.pack) {
+                } else if let Err(err) = access.copy_regions(pack) {
                     forget(set);
                     return Err(self.fail(err));
                 } else {
@@ -198,7 +209,7 @@ impl DeviceCollective {
                     let monitor = Arc::new(PartMonitor { collective: self.clone(), slot, set: set.clone(), tracked });
                     let result = access
                         .run_collective(&spec, &calls, monitor, completion)
-                        .and_then(|()| access.copy_regions(&fused.unpack));
+                        .and_then(|()| access.copy_regions(unpack));
                     if result.is_err() {
                         forget(set);
                     }

@@ -125,7 +125,7 @@ impl DeviceBlas for CudaBackend {
         }
         let (m, n, k) = (dim(device, "m", gemm.m)?, dim(device, "n", gemm.n)?, dim(device, "k", gemm.k)?);
         let (pa, pb, pc) = (self.pages.ptr(a)?, self.pages.ptr(b)?, self.pages.ptr(c)?);
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         let handle = handle(device)?;
         // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: B
         // first. A row-major k × n B is a column-major n × k (ld n), used as

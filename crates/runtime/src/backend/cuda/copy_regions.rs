@@ -52,7 +52,7 @@ impl CudaBackend {
         self.check_lost()?;
         let failed = |device, reason: String| ServerError::KernelFailed { kernel: NAME.to_string(), device, reason };
         let function = self.kernels.function(kernel(), SOURCE).map_err(|reason| failed(self.device, reason))?;
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         for batch in regions.chunks(MAX_REGIONS) {
             let mut table =
                 CopyTable { src: [0; MAX_REGIONS], dst: [0; MAX_REGIONS], bytes: [0; MAX_REGIONS], count: 0 };

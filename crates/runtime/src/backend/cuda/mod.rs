@@ -243,6 +243,16 @@ impl CudaBackend {
         fault
     }
 
+    /// `stream`'s handle, to queue work on it. When the device's last
+    /// collective part ran on this stream without an event of its own (see
+    /// `nccl`'s module doc), its event is recorded first: parts share an
+    /// event only while nothing else is queued behind them, so a part's end
+    /// is never seen later than the part's own.
+    fn raw_stream(&mut self, stream: StreamId) -> Result<sys::CUstream, ServerError> {
+        self.close_run_on(stream);
+        self.streams.raw(stream)
+    }
+
     /// Holds page frees while a capture is open or a device collective is
     /// pending (`cuMemFree` may wait for the whole device, and a collective
     /// may never complete until it is aborted), and frees what was held once
@@ -261,7 +271,7 @@ impl CudaBackend {
     }
 
     fn stream_sync(&mut self, stream: StreamId) -> Result<(), ServerError> {
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         self.settle_collectives(raw);
         // SAFETY: a live stream of the current context.
         let code = unsafe { sys::cuStreamSynchronize(raw) };
@@ -281,7 +291,7 @@ impl CudaBackend {
                 reason: "a CUDA graph cannot read its grid from a buffer at replay; use a static grid inside capture windows".into(),
             });
         }
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         self.settle_collectives(raw);
         let src = self.pages.ptr(Binding { size: 12, ..binding })?;
         let device = self.device;
@@ -316,7 +326,7 @@ impl Backend for CudaBackend {
     fn write(&mut self, stream: StreamId, dst: Binding, data: &[u8]) -> Result<(), ServerError> {
         self.check_lost()?;
         let ptr = self.pages.ptr(dst)?;
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         // A staged copy can wait for the stream's earlier work.
         self.settle_collectives(raw);
         let result = self.staging.write(raw, ptr, data);
@@ -325,12 +335,23 @@ impl Backend for CudaBackend {
 
     fn read(&mut self, stream: StreamId, sources: &[Binding]) -> Result<Vec<AlignedBytes>, ServerError> {
         self.check_lost()?;
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         self.settle_collectives(raw);
-        let mut addresses = Vec::with_capacity(sources.len());
-        for binding in sources {
-            addresses.push((self.pages.ptr(*binding)?, binding.size as usize));
-        }
+        // One source (the most frequent read) needs no vector.
+        let (one, many);
+        let addresses: &[(sys::CUdeviceptr, usize)] = match sources {
+            [binding] => {
+                one = [(self.pages.ptr(*binding)?, binding.size as usize)];
+                &one
+            }
+            _ => {
+                many = sources
+                    .iter()
+                    .map(|b| Ok((self.pages.ptr(*b)?, b.size as usize)))
+                    .collect::<Result<Vec<_>, ServerError>>()?;
+                &many
+            }
+        };
         let device = self.device;
         let sync = move || {
             // SAFETY: a live stream of the current context.
@@ -341,7 +362,7 @@ impl Backend for CudaBackend {
                 Err(driver_error(device, "cuStreamSynchronize", code))
             }
         };
-        match self.staging.read(raw, &addresses, sync) {
+        match self.staging.read(raw, addresses, sync) {
             Ok(bytes) => {
                 self.streams.take_suspects(stream);
                 Ok(bytes)
@@ -359,7 +380,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (from, to) = (self.pages.ptr(src)?, self.pages.ptr(dst)?);
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         // SAFETY: both ranges lie in live pages (checked by `ptr`) and the
         // stream is live.
         let code = unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, src.size as usize, raw) };
@@ -396,7 +417,7 @@ impl Backend for CudaBackend {
         for binding in buffers {
             resolved.push((self.pages.ptr(*binding)?, binding.size));
         }
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         let code = self.kernels.launch(function, grid, kernel.block(), raw, &resolved, scalars);
         self.buffers = resolved;
         if code != sys::CUresult::CUDA_SUCCESS {
@@ -427,14 +448,14 @@ impl Backend for CudaBackend {
             // Work captured on `target` has not run; nothing to wait for.
             return Ok(());
         }
-        let target_raw = self.streams.raw(target)?;
+        let target_raw = self.raw_stream(target)?;
         let result = if self.streams.is_capturing(waiter) {
             // A capture may not wait on an event recorded outside it: wait on
             // the host instead (the data is then ready for the capture).
             self.settle_collectives(target_raw);
             self.events.wait_host(target_raw)
         } else {
-            let waiter_raw = self.streams.raw(waiter)?;
+            let waiter_raw = self.raw_stream(waiter)?;
             self.events.order(waiter_raw, target_raw)
         };
         result.map_err(|err| self.classify(target, err))
@@ -442,7 +463,7 @@ impl Backend for CudaBackend {
 
     fn fence(&mut self, stream: StreamId) -> Result<Box<dyn FenceWait>, ServerError> {
         self.check_lost()?;
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         match self.events.fence(raw) {
             Ok(fence) => Ok(Box::new(fence)),
             Err(err) => Err(self.classify(stream, err)),
@@ -451,14 +472,14 @@ impl Backend for CudaBackend {
 
     fn timing_start(&mut self, stream: StreamId) -> Result<TimerStart, ServerError> {
         self.check_lost()?;
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         let timer = timing::start(&self.timing_events, self.device, raw)?;
         Ok(TimerStart::Device(Box::new(timer)))
     }
 
     fn timing_end(&mut self, stream: StreamId, start: TimerStart) -> Result<ProfileDuration, ServerError> {
         self.check_lost()?;
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         self.settle_collectives(raw);
         let timer = match start {
             TimerStart::Device(any) => {
@@ -509,7 +530,7 @@ impl Backend for CudaBackend {
 
     fn begin_native_capture(&mut self, stream: StreamId) -> Result<bool, ServerError> {
         self.check_lost()?;
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         graphs::begin(self.device, raw)?;
         self.streams.entry(stream)?.capturing = true;
         self.pages.hold_frees = true;
@@ -517,7 +538,7 @@ impl Backend for CudaBackend {
     }
 
     fn end_native_capture(&mut self, stream: StreamId) -> Result<Box<dyn Any>, ServerError> {
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         self.streams.entry(stream)?.capturing = false;
         self.update_held_frees();
         self.check_lost()?;
@@ -533,7 +554,7 @@ impl Backend for CudaBackend {
                 reason: "the graph was not captured by the CUDA backend".into(),
             });
         };
-        let raw = self.streams.raw(stream)?;
+        let raw = self.raw_stream(stream)?;
         let result = graphs::replay(self.device, exec, raw);
         result.map_err(|err| self.classify(stream, err))
     }

@@ -11,17 +11,24 @@
 //!
 //! A part's calls are queued on the caller's own stream (inside one NCCL
 //! group when there are several), so later work there sees the results
-//! with no extra event, as with a kernel, and an event is recorded after
-//! them. Parts of one device run in the order they were queued, whatever
-//! stream they came from: a part from another stream than the device's
-//! previous pending part first waits (on the device) for that part's event.
-//! NCCL needs that order: every member's communicators must see their
-//! operations in the same order, or two communicators can wait on each
-//! other across devices.
+//! with no extra event, as with a kernel. Parts of one device run in the
+//! order they were queued, whatever stream they came from: a part from
+//! another stream than the device's previous pending part first waits (on
+//! the device) for an event recorded after that part. NCCL needs that
+//! order: every member's communicators must see their operations in the
+//! same order, or two communicators can wait on each other across devices.
+//! It also means parts end in that order, so one event stands for every
+//! part before it: a part gets an event only when something needs one (a
+//! part from another stream, a poll that finds none recorded, a caller that
+//! waits for the part, or any other work about to be queued on its stream,
+//! a capture included), and parts queued back to back on one stream share
+//! the event recorded after the last of them. So a part's end is seen when
+//! its own calls end, never after work queued behind it.
 //!
 //! The pending parts are polled (`poll`) when the device is idle, while it
-//! waits for any stream, and when a caller asks to wait: a part whose event
-//! fired has completed (completed parts are reaped at every poll); one
+//! waits for any stream, and when a caller asks to wait: parts up to an
+//! event that fired have completed (completed parts are reaped at every
+//! poll); one
 //! whose communicator reports an asynchronous error
 //! (`ncclCommGetAsyncError`), whose monitor reports another member's
 //! failure, or that stays at the front longer than its timeout fails (those
@@ -78,12 +85,23 @@ struct Pending {
     comm: RawComm,
     /// A peer-memory part's error word (host-mapped), read once it completed.
     peer_error: Option<*mut u32>,
-    /// Recorded after the part's calls.
-    done: sys::CUevent,
+    /// Recorded after the part's calls, or `None` while a later record
+    /// stands for it: parts end in the order they were queued (see
+    /// [`CudaBackend::queue_part`]), so an event recorded after a part on
+    /// its stream fires only once it and every part before it completed.
+    done: Option<sys::CUevent>,
     monitor: Arc<dyn CollectiveMonitor>,
     /// When the part reached the front of the queue; its timeout counts
     /// from then (the parts before it run first).
     front_since: Option<Instant>,
+}
+
+/// What one part queues on its stream.
+enum PartWork<'a> {
+    /// Calls on this device's communicator of the set.
+    Nccl { comm: RawComm, ranks: usize, calls: &'a [DeviceCall] },
+    /// A peer-memory kernel.
+    Peer { spec: &'a PeerSpec<'a>, call: &'a PeerCall },
 }
 
 /// How often pending parts are looked at for failures (asynchronous
@@ -429,33 +447,55 @@ impl CudaBackend {
     /// failure, or of the front part past its timeout (those communicators
     /// are aborted). Does not wait.
     fn poll_pending(&mut self, lib: &Nccl) {
-        while let Some(front) = self.nccl.pending.front() {
-            // SAFETY: a live event of this context, recorded after the part.
-            let code = unsafe { sys::cuEventQuery(front.done) };
+        while !self.nccl.pending.is_empty() {
+            // Parts end in queue order: the first event says for its part
+            // and every part before it. With none queued, one is recorded
+            // after the last part now.
+            let at = match self.nccl.pending.iter().position(|p| p.done.is_some()) {
+                Some(at) => at,
+                None => match self.close_run() {
+                    Ok(_) => self.nccl.pending.len() - 1,
+                    Err(reason) => {
+                        self.fail_all(lib, &reason);
+                        break;
+                    }
+                },
+            };
+            let done = self.nccl.pending[at].done.expect("found or recorded above");
+            // SAFETY: a live event of this context, recorded after part `at`.
+            let code = unsafe { sys::cuEventQuery(done) };
             if code == sys::CUresult::CUDA_ERROR_NOT_READY {
                 break;
             }
             if code != sys::CUresult::CUDA_SUCCESS {
-                let (set, reason) = (front.set, format!("cuEventQuery: {}", super::driver::describe(code)));
+                let (set, reason) =
+                    (self.nccl.pending[at].set, format!("cuEventQuery: {}", super::driver::describe(code)));
                 self.fail_set(lib, set, &reason);
                 continue;
             }
-            if let Some(word) = front.peer_error {
-                // SAFETY: the set's host-mapped word, alive while the set is;
-                // the kernel that could write it has completed.
-                let value = unsafe { word.read_volatile() };
-                if value != 0 {
-                    // Only now: naming the missing members asks the store.
-                    let (timeout, missing) = (front.monitor.timeout(), front.monitor.missing());
-                    let reason = super::peer_kernels::gave_up(value, &missing, timeout).unwrap_or_default();
-                    let set = front.set;
-                    self.fail_set(lib, set, &reason);
-                    continue;
+            for _ in 0..=at {
+                let front = self.nccl.pending.front().expect("at most `at + 1` parts taken");
+                if let Some(word) = front.peer_error {
+                    // SAFETY: the set's host-mapped word, alive while the set is;
+                    // the kernel that could write it has completed.
+                    let value = unsafe { word.read_volatile() };
+                    if value != 0 {
+                        // Only now: naming the missing members asks the store.
+                        let (timeout, missing) = (front.monitor.timeout(), front.monitor.missing());
+                        let reason = super::peer_kernels::gave_up(value, &missing, timeout).unwrap_or_default();
+                        let set = front.set;
+                        // Ends this part and its set's later ones; the parts
+                        // after it are looked at again by the loop.
+                        self.fail_set(lib, set, &reason);
+                        break;
+                    }
                 }
+                let pending = self.nccl.pending.pop_front().expect("looked at");
+                if let Some(event) = pending.done {
+                    self.events.give(event);
+                }
+                self.end_part(pending, Ok(()));
             }
-            let pending = self.nccl.pending.pop_front().expect("looked at");
-            self.events.give(pending.done);
-            self.end_part(pending, Ok(()));
         }
         // Failures are looked for at most every FAILURE_CHECK: asking NCCL
         // costs microseconds, and a device thread queueing collectives back
@@ -538,14 +578,188 @@ impl CudaBackend {
             unsafe { word.write_volatile(super::peer_kernels::STOP) };
         }
         self.abort(lib, set, reason);
-        let (gone, kept): (Vec<Pending>, Vec<Pending>) = self.nccl.pending.drain(..).partition(|p| p.set == set);
-        self.nccl.pending = kept.into();
+        let mut kept: VecDeque<Pending> = VecDeque::with_capacity(self.nccl.pending.len());
+        let mut gone = Vec::new();
+        for mut pending in std::mem::take(&mut self.nccl.pending) {
+            if pending.set != set {
+                kept.push_back(pending);
+                continue;
+            }
+            // A kept part before it with no event of its own ended when
+            // this event fires (the aborted calls end, the stream goes on):
+            // it takes the event over.
+            if let Some(event) = pending.done.take() {
+                match kept.back_mut() {
+                    Some(before) if before.done.is_none() => before.done = Some(event),
+                    _ => self.events.give(event),
+                }
+            }
+            gone.push(pending);
+        }
+        self.nccl.pending = kept;
         for pending in gone {
             let err = self.nccl_error(pending.monitor.operation(), reason.to_string());
-            self.events.give(pending.done);
             self.end_part(pending, Err(err));
         }
         self.update_held_frees();
+    }
+
+    /// Ends every pending part with `reason`, aborting their sets: when an
+    /// event cannot be recorded after them, nothing would say they ended.
+    fn fail_all(&mut self, lib: &Nccl, reason: &str) {
+        while let Some(set) = self.nccl.pending.front().map(|p| p.set) {
+            self.fail_set(lib, set, reason);
+        }
+    }
+
+    /// Records the event after the last pending part when it ran on
+    /// `stream` and has none yet: before other work is queued there (see
+    /// [`CudaBackend::raw_stream`]), or before the stream begins a capture,
+    /// where a record would be captured rather than run. A record that
+    /// fails ends every pending part with its error.
+    pub(crate) fn close_run_on(&mut self, stream: StreamId) {
+        if !self.nccl.pending.back().is_some_and(|p| p.stream == stream && p.done.is_none()) {
+            return;
+        }
+        if let Err(reason) = self.close_run() {
+            if let Ok(lib) = nccl_lib::load() {
+                self.fail_all(lib, &reason);
+            }
+        }
+    }
+
+    /// The event recorded after the last pending part, recording one on its
+    /// stream now when it has none. Nothing but parts was queued on that
+    /// stream since ([`CudaBackend::close_run_on`] runs first otherwise), so
+    /// the record fires when the last part ends.
+    fn close_run(&mut self) -> Result<sys::CUevent, String> {
+        let back = self.nccl.pending.back().expect("called with a pending part");
+        if let Some(event) = back.done {
+            return Ok(event);
+        }
+        let stream = back.stream;
+        let raw = self.streams.raw(stream).map_err(|err| err.to_string())?;
+        let event = self.events.take().map_err(|err| err.to_string())?;
+        // SAFETY: a live event and stream of this context.
+        let code = unsafe { sys::cuEventRecord(event, raw) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            self.events.give(event);
+            return Err(format!("cuEventRecord after the collectives: {}", super::driver::describe(code)));
+        }
+        self.nccl.pending.back_mut().expect("looked at").done = Some(event);
+        Ok(event)
+    }
+
+    /// Queues a part's calls (or kernel) on the caller's `stream` after the
+    /// device's previous part, and tracks it until it ends: the one path of
+    /// [`DeviceCollectives::run`] and [`DeviceCollectives::run_peer`].
+    ///
+    /// Parts run one after the other in the order they were queued: a part
+    /// on the previous part's stream follows it there; one on another stream
+    /// first waits (on the device) for an event recorded after it. So parts
+    /// also end in that order, and a part that nothing waits for yet gets no
+    /// event of its own: the device thread records one after the last part
+    /// when it polls them with none recorded (as it does when idle), or when
+    /// a part from another stream comes. A part waited for here
+    /// ([`Completion::Wait`]) is recorded at once.
+    fn queue_part(
+        &mut self,
+        lib: &Nccl,
+        stream: StreamId,
+        set: u64,
+        work: PartWork<'_>,
+        monitor: Arc<dyn CollectiveMonitor>,
+        completion: Completion,
+    ) -> Result<Option<PendingPart>, ServerError> {
+        let raw = self.streams.raw(stream)?;
+        if self.streams.is_capturing(stream) {
+            // Recorded into the stream's graph: nothing runs now, so there
+            // is nothing to poll; a replay runs the calls in the graph's
+            // order (the communicator was made before the window; a peer
+            // kernel keeps its own counters, so every replay meets the
+            // peers' replays afresh).
+            let queued = self.queue_work(lib, raw, &work, monitor.timeout());
+            let queued = queued.map_err(|reason| self.nccl_error(monitor.operation(), reason));
+            if queued.is_ok() {
+                monitor.finished(&Ok(()));
+            }
+            return queued.map(|()| None);
+        }
+        if self.nccl.pending.back().is_some_and(|p| p.stream != stream) {
+            let previous = match self.close_run() {
+                Ok(event) => event,
+                Err(reason) => {
+                    self.fail_all(lib, &reason);
+                    return Err(self.nccl_error(monitor.operation(), reason));
+                }
+            };
+            // SAFETY: live stream and event of this context; the wait is on
+            // the device (it captures the event's current record).
+            let code = unsafe { sys::cuStreamWaitEvent(raw, previous, 0) };
+            if code != sys::CUresult::CUDA_SUCCESS {
+                return Err(
+                    self.classify(stream, driver_error(self.device, "cuStreamWaitEvent (collective order)", code))
+                );
+            }
+        }
+        // Taken before the calls are queued: once they are, the part must be
+        // tracked (or its set failed).
+        let done = match completion {
+            Completion::Wait => Some(self.events.take()?),
+            Completion::Defer => None,
+        };
+        let queued = self.queue_work(lib, raw, &work, monitor.timeout()).and_then(|()| {
+            let Some(event) = done else { return Ok(()) };
+            // SAFETY: a live event and stream of this context.
+            let code = unsafe { sys::cuEventRecord(event, raw) };
+            if code == sys::CUresult::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(format!("cuEventRecord after the part: {}", super::driver::describe(code)))
+            }
+        });
+        if let Err(reason) = queued {
+            if let Some(event) = done {
+                self.events.give(event);
+            }
+            // Earlier parts of this set end with it.
+            self.fail_set(lib, set, &reason);
+            return Err(self.nccl_error(monitor.operation(), reason));
+        }
+        let part = PendingPart(self.nccl.next_part);
+        self.nccl.next_part += 1;
+        let front_since = self.nccl.pending.is_empty().then(Instant::now);
+        let (comm, peer_error) = match work {
+            PartWork::Nccl { comm, .. } => (comm, None),
+            PartWork::Peer { .. } => (std::ptr::null_mut(), self.nccl.peer.error_word(set)),
+        };
+        self.nccl.pending.push_back(Pending { part, stream, set, comm, peer_error, done, monitor, front_since });
+        self.update_held_frees();
+        if completion == Completion::Defer {
+            return Ok(Some(part));
+        }
+        let mut backoff = Backoff::new();
+        loop {
+            self.poll_pending(lib);
+            if let Some(at) = self.nccl.ended.iter().position(|(p, _)| *p == part) {
+                return self.nccl.ended.swap_remove(at).1.map(|()| None);
+            }
+            backoff.pause();
+        }
+    }
+
+    /// Queues `work` on `raw` (no event, no tracking).
+    fn queue_work(
+        &mut self,
+        lib: &Nccl,
+        raw: sys::CUstream,
+        work: &PartWork<'_>,
+        timeout: Duration,
+    ) -> Result<(), String> {
+        match *work {
+            PartWork::Nccl { comm, ranks, calls } => self.issue(lib, comm, ranks, raw, calls, timeout),
+            PartWork::Peer { spec, call } => self.launch_peer(raw, spec, call, timeout),
+        }
     }
 
     /// Waits until `stream` drained, polling the pending parts meanwhile so a
@@ -651,71 +865,8 @@ impl DeviceCollectives for CudaBackend {
             self.scratch()?;
         }
         let comm = self.comm(lib, spec, monitor.operation())?;
-        let raw = self.streams.raw(stream)?;
-        if self.streams.is_capturing(stream) {
-            // Recorded into the stream's graph: nothing runs now, so there
-            // is nothing to poll; a replay runs the calls in the graph's
-            // order (the communicator was made before the window).
-            let issued = self.issue(lib, comm, spec.ranks, raw, calls, monitor.timeout());
-            let issued = issued.map_err(|reason| self.nccl_error(monitor.operation(), reason));
-            if issued.is_ok() {
-                monitor.finished(&Ok(()));
-            }
-            return issued.map(|()| None);
-        }
-        if let Some(previous) = self.nccl.pending.back().filter(|p| p.stream != stream) {
-            // SAFETY: live stream and event of this context; the wait is on
-            // the device (it captures the event's current record).
-            let code = unsafe { sys::cuStreamWaitEvent(raw, previous.done, 0) };
-            if code != sys::CUresult::CUDA_SUCCESS {
-                return Err(
-                    self.classify(stream, driver_error(self.device, "cuStreamWaitEvent (collective order)", code))
-                );
-            }
-        }
-        // Taken before the calls are issued: once they are, the part must be
-        // tracked (or its communicator aborted).
-        let done = self.events.take()?;
-        let issued = self.issue(lib, comm, spec.ranks, raw, calls, monitor.timeout()).and_then(|()| {
-            // SAFETY: a live event and stream of this context.
-            let code = unsafe { sys::cuEventRecord(done, raw) };
-            if code == sys::CUresult::CUDA_SUCCESS {
-                Ok(())
-            } else {
-                Err(format!("cuEventRecord after the calls: {}", super::driver::describe(code)))
-            }
-        });
-        if let Err(reason) = issued {
-            self.events.give(done);
-            // Earlier parts on this communicator end with it.
-            self.fail_set(lib, spec.set, &reason);
-            return Err(self.nccl_error(monitor.operation(), reason));
-        }
-        let part = PendingPart(self.nccl.next_part);
-        self.nccl.next_part += 1;
-        let front_since = self.nccl.pending.is_empty().then(Instant::now);
-        self.nccl.pending.push_back(Pending {
-            part,
-            stream,
-            set: spec.set,
-            comm,
-            peer_error: None,
-            done,
-            monitor,
-            front_since,
-        });
-        self.update_held_frees();
-        if completion == Completion::Defer {
-            return Ok(Some(part));
-        }
-        let mut backoff = Backoff::new();
-        loop {
-            self.poll_pending(lib);
-            if let Some(at) = self.nccl.ended.iter().position(|(p, _)| *p == part) {
-                return self.nccl.ended.swap_remove(at).1.map(|()| None);
-            }
-            backoff.pause();
-        }
+        let work = PartWork::Nccl { comm, ranks: spec.ranks, calls };
+        self.queue_part(lib, stream, spec.set, work, monitor, completion)
     }
 
     fn peer_arena(&mut self, set: u64) -> Result<u64, ServerError> {
@@ -766,67 +917,7 @@ impl DeviceCollectives for CudaBackend {
                 return Err(self.nccl_error(monitor.operation(), reason));
             }
         }
-        let raw = self.streams.raw(stream)?;
-        if self.streams.is_capturing(stream) {
-            // Recorded into the stream's graph (the kernel keeps its own
-            // counters, so every replay meets the peers' replays afresh).
-            let launched = self.launch_peer(raw, spec, call, monitor.timeout());
-            let launched = launched.map_err(|reason| self.nccl_error(monitor.operation(), reason));
-            if launched.is_ok() {
-                monitor.finished(&Ok(()));
-            }
-            return launched.map(|()| None);
-        }
-        if let Some(previous) = self.nccl.pending.back().filter(|p| p.stream != stream) {
-            // SAFETY: live stream and event of this context.
-            let code = unsafe { sys::cuStreamWaitEvent(raw, previous.done, 0) };
-            if code != sys::CUresult::CUDA_SUCCESS {
-                return Err(
-                    self.classify(stream, driver_error(self.device, "cuStreamWaitEvent (collective order)", code))
-                );
-            }
-        }
-        let done = self.events.take()?;
-        let issued = self.launch_peer(raw, spec, call, monitor.timeout()).and_then(|()| {
-            // SAFETY: a live event and stream of this context.
-            let code = unsafe { sys::cuEventRecord(done, raw) };
-            if code == sys::CUresult::CUDA_SUCCESS {
-                Ok(())
-            } else {
-                Err(format!("cuEventRecord after the peer kernel: {}", super::driver::describe(code)))
-            }
-        });
-        if let Err(reason) = issued {
-            self.events.give(done);
-            self.fail_set(lib, spec.set, &reason);
-            return Err(self.nccl_error(monitor.operation(), reason));
-        }
-        let part = PendingPart(self.nccl.next_part);
-        self.nccl.next_part += 1;
-        let front_since = self.nccl.pending.is_empty().then(Instant::now);
-        let peer_error = self.nccl.peer.error_word(spec.set);
-        self.nccl.pending.push_back(Pending {
-            part,
-            stream,
-            set: spec.set,
-            comm: std::ptr::null_mut(),
-            peer_error,
-            done,
-            monitor,
-            front_since,
-        });
-        self.update_held_frees();
-        if completion == Completion::Defer {
-            return Ok(Some(part));
-        }
-        let mut backoff = Backoff::new();
-        loop {
-            self.poll_pending(lib);
-            if let Some(at) = self.nccl.ended.iter().position(|(p, _)| *p == part) {
-                return self.nccl.ended.swap_remove(at).1.map(|()| None);
-            }
-            backoff.pause();
-        }
+        self.queue_part(lib, stream, spec.set, PartWork::Peer { spec, call }, monitor, completion)
     }
 
     fn split(

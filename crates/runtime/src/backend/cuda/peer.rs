@@ -140,7 +140,7 @@ pub(crate) fn export(backend: &mut CudaBackend, stream: StreamId, src: Binding) 
     backend.check_lost()?;
     share(backend)?;
     let address = backend.pages.ptr(src)?;
-    let raw = backend.streams.raw(stream)?;
+    let raw = backend.raw_stream(stream)?;
     let event = record(backend, raw)?;
     Ok(PeerToken { device: backend.device, address, size: src.size, event: event as usize as u64 })
 }
@@ -164,7 +164,7 @@ pub(crate) fn import(
         )));
     }
     let to = backend.pages.ptr(dst)?;
-    let raw = backend.streams.raw(stream)?;
+    let raw = backend.raw_stream(stream)?;
     consume(backend, raw, from)?;
     if dst.size > 0 {
         // SAFETY: `to` lies in a live page of this device; `from.address`
@@ -181,6 +181,6 @@ pub(crate) fn import(
 /// The sender's end: its stream waits for the receiver's copy.
 pub(crate) fn finish(backend: &mut CudaBackend, stream: StreamId, done: &PeerToken) -> Result<(), ServerError> {
     backend.check_lost()?;
-    let raw = backend.streams.raw(stream)?;
+    let raw = backend.raw_stream(stream)?;
     consume(backend, raw, done)
 }

@@ -162,6 +162,19 @@ impl Staging {
                 })?);
         }
         let scratch = self.scratch.as_ref().expect("set above").as_ptr();
+        if let [(src, len)] = *sources {
+            if len > 0 && len < SMALL {
+                // One small read, the most frequent kind: no plan to keep.
+                // SAFETY: the scratch block holds at least `len` bytes;
+                // nothing else uses it until this read returns.
+                check(device, "cuMemcpyDtoHAsync", unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(scratch.cast(), src, len, stream)
+                })?;
+                sync()?;
+                // SAFETY: the copy finished (the stream drained).
+                return Ok(vec![AlignedBytes::from_slice(unsafe { std::slice::from_raw_parts(scratch, len) })]);
+            }
+        }
         enum Plan {
             Scratch(usize),
             Lent(PinnedBlock),
