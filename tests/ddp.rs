@@ -40,8 +40,18 @@ fn small_caps_make_several_buckets_filled_from_the_last_layer() {
     assert_eq!(buckets.len(), 3, "{buckets:?}");
     // The last layer's bias, then its weight, fill the first bucket.
     let n = s.params.len();
-    assert_eq!(buckets[0].params, [n - 1, n - 2]);
-    assert_eq!(ddp.place(n - 2).offset, 64, "the weight's place is aligned after the bias's 64 floats");
+    assert_eq!(buckets[0].params(), [n - 1, n - 2]);
+    assert_eq!(ddp.places(n - 2)[0].offset, 64, "the weight's place is aligned after the bias's 64 floats");
+}
+
+#[test]
+fn split_parameters_on_four_cpu_devices_give_the_same_bits_as_whole_ones() {
+    common::split_scenarios(&group(4));
+}
+
+#[test]
+fn split_parameters_on_one_device_give_the_same_bits_as_whole_ones() {
+    common::split_scenarios(&group(1));
 }
 
 #[test]
@@ -138,7 +148,7 @@ fn finish_after_a_no_sync_backward_keeps_the_local_sums_with_a_hook() {
     ddp.finish().unwrap();
     for i in 0..s.params.len() {
         for r in 0..2 {
-            let (got, want) = (ddp.gradient(i)[r].to_vec().unwrap(), local.gradient(i)[r].to_vec().unwrap());
+            let (got, want) = (ddp.gradient_to_vec(i, r).unwrap(), local.gradient_to_vec(i, r).unwrap());
             assert!(got == want, "parameter {i}, replica {r}: a no_sync gradient changed at finish");
         }
     }

@@ -27,18 +27,22 @@ pub struct Setup {
 }
 
 pub fn setup(world: &impl Collectives, seed: u64) -> Result<Setup, Error> {
+    setup_with(world, CONFIG, seed)
+}
+
+pub fn setup_with(world: &impl Collectives, config: MlpConfig, seed: u64) -> Result<Setup, Error> {
     let clients = compute_clients(world);
     let data = TeacherData::new(
         &clients[0],
         &clients,
         world.first_member(),
         world.members(),
-        CONFIG,
+        config,
         99,
         ROWS * world.members(),
         BATCHES,
     )?;
-    let mut model = Mlp::new(&clients, CONFIG, ROWS, seed)?;
+    let mut model = Mlp::new(&clients, config, ROWS, seed)?;
     model.set_loss_slots(64)?;
     let params = model.parameters();
     Ok(Setup { model, params, data })
@@ -61,7 +65,18 @@ pub fn train_ddp(
     steps: usize,
     micro: usize,
 ) -> (Vec<Vec<u32>>, Vec<f32>) {
-    let mut s = setup(world, 5).unwrap();
+    train_ddp_with(world, CONFIG, options, steps, micro)
+}
+
+/// [`train_ddp`] of a model of `config`.
+pub fn train_ddp_with(
+    world: &impl Collectives,
+    config: MlpConfig,
+    options: DdpOptions,
+    steps: usize,
+    micro: usize,
+) -> (Vec<Vec<u32>>, Vec<f32>) {
+    let mut s = setup_with(world, config, 5).unwrap();
     let mut ddp = DistributedDataParallel::new(world, &s.params, options).unwrap();
     let sgd = Sgd::new(&s.params, LR, 0.9).unwrap();
     let mut batch = 0;
@@ -91,7 +106,12 @@ pub fn train_ddp(
 /// The reference: plain per-parameter gradients, one all-reduce per
 /// parameter after the whole (accumulated) backward.
 pub fn train_reference(world: &impl Collectives, steps: usize, micro: usize) -> Vec<Vec<u32>> {
-    let mut s = setup(world, 5).unwrap();
+    train_reference_with(world, CONFIG, steps, micro)
+}
+
+/// [`train_reference`] of a model of `config`.
+pub fn train_reference_with(world: &impl Collectives, config: MlpConfig, steps: usize, micro: usize) -> Vec<Vec<u32>> {
+    let mut s = setup_with(world, config, 5).unwrap();
     // The same start as DDP's broadcast from member 0 (every replica is
     // initialised alike already).
     let mut grads = LocalGradients::new(&s.params).unwrap();
@@ -114,12 +134,17 @@ pub fn train_reference(world: &impl Collectives, steps: usize, micro: usize) -> 
 /// One backward's averaged gradients under `options`, per parameter
 /// (replica 0).
 pub fn averaged_gradients(world: &impl Collectives, options: DdpOptions) -> Vec<Vec<f32>> {
-    let mut s = setup(world, 5).unwrap();
+    averaged_gradients_with(world, CONFIG, options)
+}
+
+/// [`averaged_gradients`] of a model of `config`.
+pub fn averaged_gradients_with(world: &impl Collectives, config: MlpConfig, options: DdpOptions) -> Vec<Vec<f32>> {
+    let mut s = setup_with(world, config, 5).unwrap();
     let mut ddp = DistributedDataParallel::new(world, &s.params, options).unwrap();
     s.model.forward(&s.data.inputs[0]).unwrap();
     s.model.backward(&s.data.targets[0], 0, &mut ddp).unwrap();
     ddp.finish().unwrap();
-    (0..s.params.len()).map(|i| ddp.gradient(i)[0].to_vec().unwrap()).collect()
+    (0..s.params.len()).map(|i| ddp.gradient_to_vec(i, 0).unwrap()).collect()
 }
 
 /// The largest difference between `got` and `want` of each parameter, over
@@ -156,6 +181,68 @@ pub fn every_scenario(world: &impl Collectives) {
         let got = averaged_gradients(world, DdpOptions { hook, ..small_buckets() });
         let worst = worst_relative(&got, &exact);
         assert!(worst <= tol, "{hook:?}: worst difference {worst:e} of the largest gradient, above {tol:e}");
+        assert!(worst > 0.0, "{hook:?} changed nothing: is the hook on?");
+    }
+}
+
+/// The model of the split scenarios: weights of 256 rows, so a bucket cap
+/// of 64 KiB (64 rows) cuts each into 4 pieces.
+pub const SPLIT_CONFIG: MlpConfig = MlpConfig { width: 256, depth: 2 };
+
+/// Caps that split every weight of [`SPLIT_CONFIG`] (256 KiB) into pieces.
+pub fn split_buckets() -> DdpOptions {
+    DdpOptions { bucket_cap_bytes: 64 << 10, first_bucket_bytes: 16 << 10, split_parameters: true, ..DdpOptions::default() }
+}
+
+/// Parameters split across buckets (by whole rows, computed piece by piece
+/// by the model's backward) on `world`:
+/// * the bucket layout: every weight in several pieces, every bucket within
+///   one granule (64 rows) of its cap;
+/// * the same bits as whole-parameter buckets (PyTorch's layout) and as an
+///   all-reduce after the whole backward, with no_sync, after several
+///   steps: a piece of a weight's gradient is rows of the same product,
+///   each element the same dot product in the same order (CPU:
+///   `matrixmultiply`, packed alike whatever the layout; wgpu and the CUDA
+///   kernels: one thread per element summing over k in order; cuBLAS: the
+///   test says whether its kernels for the two shapes agree);
+/// * a cap of one element: one granule per bucket, still the same bits;
+/// * the compression hooks within their tolerance of the split f32 average.
+pub fn split_scenarios(world: &impl Collectives) {
+    let s = setup_with(world, SPLIT_CONFIG, 5).unwrap();
+    let ddp = DistributedDataParallel::new(world, &s.params, split_buckets()).unwrap();
+    for (i, p) in s.params.iter().enumerate() {
+        let pieces = ddp.places(i);
+        if p.shape.len() == 2 {
+            assert_eq!(pieces.len(), 4, "{}: a 256 KiB weight in 64 KiB buckets: {pieces:?}", p.name);
+        }
+        assert_eq!(pieces.iter().map(|p| p.len).sum::<usize>(), p.numel());
+    }
+    let buckets = ddp.buckets();
+    for b in &buckets[1..buckets.len() - 1] {
+        assert!((16384..16384 + 64 * 256).contains(&b.len), "a bucket of {} floats", b.len);
+    }
+    drop(ddp);
+    let whole = DdpOptions { split_parameters: false, ..split_buckets() };
+    let (split, losses) = train_ddp_with(world, SPLIT_CONFIG, split_buckets(), 3, 2);
+    let (unsplit, _) = train_ddp_with(world, SPLIT_CONFIG, whole, 3, 2);
+    let reference = train_reference_with(world, SPLIT_CONFIG, 3, 2);
+    assert!(losses.iter().all(|l| l.is_finite() && *l > 0.0), "{losses:?}");
+    assert!(split.iter().all(|r| r == &split[0]), "replicas differ with split parameters");
+    assert!(split == unsplit, "split parameters give other bits than whole-parameter buckets");
+    assert!(split == reference, "split parameters give other bits than an all-reduce after the whole backward");
+    let tiny = DdpOptions { bucket_cap_bytes: 4, first_bucket_bytes: 4, ..split_buckets() };
+    let (one_granule, _) = train_ddp_with(world, SPLIT_CONFIG, tiny, 3, 2);
+    assert!(one_granule == reference, "a cap of one element gives other bits");
+    let exact = averaged_gradients_with(world, SPLIT_CONFIG, split_buckets());
+    let exact_whole = averaged_gradients_with(world, SPLIT_CONFIG, whole);
+    assert!(exact == exact_whole, "split and whole averaged gradients differ");
+    for (hook, tol) in [
+        (cohort_train::ddp::CommHook::Bf16Compress, 1.0 / 128.0),
+        (cohort_train::ddp::CommHook::Fp16Compress, 1.0 / 512.0),
+    ] {
+        let got = averaged_gradients_with(world, SPLIT_CONFIG, DdpOptions { hook, ..split_buckets() });
+        let worst = worst_relative(&got, &exact);
+        assert!(worst <= tol, "{hook:?} split: worst difference {worst:e} of the largest gradient, above {tol:e}");
         assert!(worst > 0.0, "{hook:?} changed nothing: is the hook on?");
     }
 }
