@@ -46,12 +46,12 @@ fn small_caps_make_several_buckets_filled_from_the_last_layer() {
 
 #[test]
 fn split_parameters_on_four_cpu_devices_give_the_same_bits_as_whole_ones() {
-    common::split_scenarios(&group(4));
+    common::split_scenarios(&group(4), common::SplitBits::Same);
 }
 
 #[test]
 fn split_parameters_on_one_device_give_the_same_bits_as_whole_ones() {
-    common::split_scenarios(&group(1));
+    common::split_scenarios(&group(1), common::SplitBits::Same);
 }
 
 #[test]

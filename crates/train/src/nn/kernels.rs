@@ -35,7 +35,7 @@ pub fn matmul_grid(m: usize, n: usize) -> GridCount {
 /// pipeline, so one instance is shared by every launch).
 pub struct Kernels {
     pub matmul: Kernel,
-    pub transpose: Kernel,
+    pub columns: Kernel,
     pub bias_act: Kernel,
     pub relu_grad: Kernel,
     pub mse_grad: Kernel,
@@ -52,7 +52,7 @@ pub fn kernels() -> &'static Kernels {
     static KERNELS: OnceLock<Kernels> = OnceLock::new();
     KERNELS.get_or_init(|| Kernels {
         matmul: matmul(),
-        transpose: transpose(),
+        columns: columns(),
         bias_act: bias_act(),
         relu_grad: relu_grad(),
         mse_grad: mse_grad(),
@@ -178,66 +178,41 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
         .with_wgsl(wgsl)
 }
 
-/// The grid of a [`Kernels::transpose`] of a `rows × cols` matrix.
-pub fn transpose_grid(rows: usize, cols: usize) -> GridCount {
-    GridCount::Static((cols as u32).div_ceil(TILE), (rows as u32).div_ceil(TILE), 1)
-}
-
-/// `out = inᵀ`: `in` is row-major `rows × cols`, `out` row-major
-/// `cols × rows`. Buffers `in`, `out`; scalars `rows`, `cols`. Copies only
-/// (no arithmetic): the bits are moved, not changed. CUDA and WGSL: a
-/// `TILE × TILE` tile through workgroup memory (reads and writes both
-/// along rows); CPU: blocks of 32 × 32.
-fn transpose() -> Kernel {
-    let cuda = format!(
-        r#"#define TILE {TILE}
-extern "C" __global__ void transpose(const float* in, float* out,
-    unsigned long long i_bytes, unsigned long long o_bytes, unsigned int rows, unsigned int cols) {{
-    __shared__ float tile[TILE][TILE + 1];
-    unsigned int tx = threadIdx.x, ty = threadIdx.y;
-    unsigned int r = blockIdx.y * TILE + ty, c = blockIdx.x * TILE + tx;
-    if (r < rows && c < cols) tile[ty][tx] = in[(unsigned long long)r * cols + c];
-    __syncthreads();
-    unsigned int orow = blockIdx.x * TILE + ty, ocol = blockIdx.y * TILE + tx;
-    if (orow < cols && ocol < rows) out[(unsigned long long)orow * rows + ocol] = tile[tx][ty];
-}}"#
-    );
-    let wgsl = format!(
-        r#"const TILE: u32 = {TILE}u;
-@group(0) @binding(0) var<storage, read_write> src: array<f32>;
-@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
-@group(0) @binding(2) var<storage, read> s: array<u32>;
-var<workgroup> tile: array<array<f32, {TILE}>, {TILE}>;
-@compute @workgroup_size({TILE}, {TILE}, 1)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {{
-    let rows = s[0]; let cols = s[1];
-    let tx = lid.x; let ty = lid.y;
-    let r = wg.y * TILE + ty; let c = wg.x * TILE + tx;
-    if (r < rows && c < cols) {{ tile[ty][tx] = src[r * cols + c]; }}
-    workgroupBarrier();
-    let orow = wg.x * TILE + ty; let ocol = wg.y * TILE + tx;
-    if (orow < cols && ocol < rows) {{ dst[orow * rows + ocol] = tile[tx][ty]; }}
-}}"#
-    );
-    Kernel::new("transpose")
-        .with_block([TILE, TILE, 1])
+/// `out[r, j] = in[r, first + j]` for `r < rows`, `j < width`: columns
+/// `first..first + width` of the row-major `rows × cols` matrix `in`, as a
+/// row-major `rows × width` matrix. Buffers `in`, `out`; scalars `rows`,
+/// `cols`, `first`, `width`. Copies only (the bits are moved, not changed).
+fn columns() -> Kernel {
+    Kernel::new("columns")
         .with_cpu(|ctx| {
-            let (rows, cols) = (u(ctx, 0), u(ctx, 1));
+            let (rows, cols, first, width) = (u(ctx, 0), u(ctx, 1), u(ctx, 2), u(ctx, 3));
             let (src, dst) = ctx.buffer_pair::<f32, f32>(0, 1);
-            assert!(src.len() >= rows * cols && dst.len() >= rows * cols, "transpose: a buffer is too small");
-            const B: usize = 32;
-            for r0 in (0..rows).step_by(B) {
-                for c0 in (0..cols).step_by(B) {
-                    for r in r0..(r0 + B).min(rows) {
-                        for c in c0..(c0 + B).min(cols) {
-                            dst[c * rows + r] = src[r * cols + c];
-                        }
-                    }
-                }
+            assert!(src.len() >= rows * cols && dst.len() >= rows * width && first + width <= cols, "columns: out of range");
+            for r in 0..rows {
+                dst[r * width..(r + 1) * width].copy_from_slice(&src[r * cols + first..r * cols + first + width]);
             }
         })
-        .with_cuda(cuda)
-        .with_wgsl(wgsl)
+        .with_cuda(
+            r#"extern "C" __global__ void columns(const float* in, float* out,
+    unsigned long long i_bytes, unsigned long long o_bytes, unsigned int rows, unsigned int cols, unsigned int first, unsigned int width) {
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (unsigned long long)rows * width) return;
+    unsigned long long r = i / width, j = i % width;
+    out[i] = in[r * cols + first + j];
+}"#,
+        )
+        .with_wgsl(
+            r#"@group(0) @binding(0) var<storage, read_write> src: array<f32>;
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+@group(0) @binding(2) var<storage, read> s: array<u32>;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    let rows = s[0]; let cols = s[1]; let first = s[2]; let width = s[3];
+    if (i >= rows * width) { return; }
+    dst[i] = src[(i / width) * cols + first + i % width];
+}"#,
+        )
 }
 
 /// `out[r, j] = act(out[r, j] + bias[j])`, `act` ReLU when `relu` is 1, else

@@ -8,7 +8,7 @@ use cohort_runtime::{Client, KernelArguments, Scalar};
 use super::grads::{GradientSink, Gradients};
 use cohort_runtime::backend::Gemm;
 
-use super::kernels::{cover, kernels, transpose_grid, U32s, LOSS_PARTS};
+use super::kernels::{cover, kernels, U32s, LOSS_PARTS};
 use super::matmul::{queue, uses_blas, Matmul};
 use super::{uniform, Parameter};
 use crate::ddp::ALIGN_ELEMS;
@@ -71,9 +71,9 @@ struct Replica {
     outputs: Vec<Buffer<f32>>,
     /// The gradient flowing back, and the next layer's (swapped per layer).
     delta: [Buffer<f32>; 2],
-    /// The current gradient transposed (`width × rows`), for gradients the
-    /// sink splits into row pieces.
-    delta_t: Buffer<f32>,
+    /// Column blocks of the current gradient (each `rows × piece` at
+    /// `first column × rows`), for gradients the sink splits into row pieces.
+    delta_cols: Buffer<f32>,
     /// The input of the last forward.
     input: Option<Buffer<f32>>,
     /// One slot per step of the mean squared error.
@@ -134,7 +134,7 @@ impl Mlp {
                     params: host.iter().map(|p| Buffer::from_slice(client, p)).collect::<Result<_, Error>>()?,
                     outputs: (0..config.depth).map(|_| Buffer::uninit(client, rows * w)).collect::<Result<_, _>>()?,
                     delta: [Buffer::uninit(client, rows * w)?, Buffer::uninit(client, rows * w)?],
-                    delta_t: Buffer::uninit(client, rows * w)?,
+                    delta_cols: Buffer::uninit(client, rows * w)?,
                     input: None,
                     losses: Buffer::zeros(client, 1)?,
                     partial: Buffer::zeros(client, LOSS_PARTS)?,
@@ -266,14 +266,9 @@ impl Mlp {
         let mut current = 0;
         for layer in (0..depth).rev() {
             let (weight, bias) = (2 * layer, 2 * layer + 1);
-            let split = grads.pieces(weight).len() > 1 || grads.pieces(bias).len() > 1;
-            if split {
-                for idx in [weight, bias] {
+            for idx in [weight, bias] {
+                if grads.pieces(idx).len() > 1 {
                     check_pieces(grads, idx, w, rows)?;
-                }
-                for r in &self.replicas {
-                    let args = KernelArguments::new().buffer(r.delta[current].handle()).buffer(r.delta_t.handle()).u32s([rows, w]);
-                    r.client.launch(&k.transpose, transpose_grid(rows, w), args)?;
                 }
             }
             // The bias first, then the weight: backward reports parameters
@@ -297,13 +292,19 @@ impl Mlp {
                             let gemm = Gemm { m: w, n: cols, k: rows, trans_a: true, trans_b: false, accumulate: true };
                             queue(&r.client, r.blas, &r.delta[current], other, out, gemm)?;
                         } else {
-                            // Rows r0..r1 of the gradient: dzᵀ[r0..r1] · other,
-                            // the same dot products as the whole product's.
+                            // Rows r0..r1 of the gradient are dz[:, r0..r1]ᵀ ·
+                            // other: the same product on columns r0..r1 of dz
+                            // (copied out, contiguous), the same dot products.
                             let (r0, r1) = (piece.range.start / cols, piece.range.end / cols);
-                            let a = r.delta_t.slice(r0 * rows..r1 * rows)?;
+                            let block = r.delta_cols.slice(r0 * rows..r1 * rows)?;
+                            let args = KernelArguments::new()
+                                .buffer(r.delta[current].handle())
+                                .buffer(block.handle())
+                                .u32s([rows, w, r0, r1 - r0]);
+                            r.client.launch(&k.columns, cover(rows * (r1 - r0)), args)?;
                             let gemm =
-                                Gemm { m: r1 - r0, n: cols, k: rows, trans_a: false, trans_b: false, accumulate: true };
-                            queue(&r.client, r.blas, &a, other, out, gemm)?;
+                                Gemm { m: r1 - r0, n: cols, k: rows, trans_a: true, trans_b: false, accumulate: true };
+                            queue(&r.client, r.blas, &block, other, out, gemm)?;
                         }
                     }
                     if pieces == 1 {
@@ -335,8 +336,9 @@ impl Mlp {
 
 /// Checks that the sink cut parameter `index` (`width` rows) where the
 /// model can compute each piece as a row chunk: whole rows, each piece's
-/// first row a multiple of [`ALIGN_ELEMS`] rows of the transposed gradient
-/// (`rows` elements each) so its slice can be bound on every backend.
+/// first row a multiple of [`ALIGN_ELEMS`] columns of the gradient flowing
+/// back (its block of those columns, `rows` elements per column, then starts
+/// on an aligned element and can be bound on every backend).
 fn check_pieces(grads: &impl Gradients, index: usize, width: usize, rows: usize) -> Result<(), Error> {
     let pieces = grads.pieces(index);
     let numel = pieces.last().map_or(0, |p| p.range.end);
