@@ -72,16 +72,19 @@ pub fn split_granule(shape: &[usize]) -> usize {
 /// buckets of f32 gradients, from the last parameter back. The first
 /// bucket's cap is `first_cap_bytes`, every later one's `cap_bytes`.
 ///
-/// A parameter whose `granules` entry is at least its length is never
-/// split, and PyTorch DDP's rule holds for it: it is added whole, and the
-/// bucket is closed once it holds at least its cap (so a parameter larger
-/// than the cap makes a bucket larger than the cap). A parameter with a
-/// smaller granule is cut: each piece fills the current bucket's room
-/// rounded up to a multiple of its granule (so a bucket passes its cap by
-/// less than one granule), the last piece takes the rest. Pieces of a
-/// parameter are in element order; a parameter's last piece is padded to
-/// [`ALIGN_ELEMS`]. The result depends only on the arguments (every rank
-/// computes the same layout).
+/// PyTorch DDP's rule: a parameter is added whole, and the bucket is closed
+/// once it holds at least its cap (so a parameter larger than the cap makes
+/// a bucket larger than the cap). A parameter larger than `cap_bytes` whose
+/// `granules` entry is smaller than its length is cut instead: into the
+/// fewest pieces, a power of two of them, of at most `cap_bytes` each
+/// (rounded up to whole granules; the last piece takes the rest), each
+/// piece closing its bucket. Equal pieces keep the products that compute
+/// them efficient: a power of two of them divides a layer's rows evenly,
+/// and a GEMM on a fraction of a power-of-two row count fills the GPU's
+/// waves about as well as the whole one (slivers of a few rows would
+/// not). Pieces of a parameter are in element order; a parameter's last
+/// piece is padded to [`ALIGN_ELEMS`]. The result depends only on the
+/// arguments (every rank computes the same layout).
 ///
 /// Returns the buckets and, per parameter, its pieces in element order.
 pub fn plan(
@@ -96,16 +99,22 @@ pub fn plan(
     let mut current = BucketPlan { pieces: Vec::new(), len: 0 };
     for index in (0..lens.len()).rev() {
         let (len, granule) = (lens[index], granules[index].max(1));
+        let split = granule < len && len.saturating_mul(4) > cap_bytes;
+        let piece = if split {
+            let pieces = len.saturating_mul(4).div_ceil(cap_bytes.max(1)).next_power_of_two();
+            len.div_ceil(granule).div_ceil(pieces) * granule
+        } else {
+            len
+        };
         let mut start = 0;
         loop {
-            let cap = if buckets.is_empty() { first_cap_bytes } else { cap_bytes };
-            let room = cap.div_ceil(4).saturating_sub(current.len).max(1);
-            let take = if granule >= len { len - start } else { room.next_multiple_of(granule).min(len - start) };
+            let take = piece.min(len - start);
             current.pieces.push((index, places[index].len()));
             places[index].push(Place { bucket: buckets.len(), offset: current.len, start, len: take });
             start += take;
             current.len += if start == len { take.next_multiple_of(ALIGN_ELEMS) } else { take };
-            if current.len * 4 >= cap {
+            let cap = if buckets.is_empty() { first_cap_bytes } else { cap_bytes };
+            if split || current.len * 4 >= cap {
                 buckets.push(std::mem::replace(&mut current, BucketPlan { pieces: Vec::new(), len: 0 }));
             }
             if start >= len {
@@ -178,27 +187,37 @@ mod tests {
     }
 
     #[test]
-    fn split_parameters_fill_buckets_to_the_cap() {
+    fn split_parameters_make_equal_pieces_each_closing_a_bucket() {
         // The large MLP: 8 × (4096² weight, 4096 bias), caps 1 and 25 MiB.
         let (w, depth) = (4096, 8);
         let lens: Vec<usize> = (0..2 * depth).map(|i| if i % 2 == 0 { w * w } else { w }).collect();
         let granules: Vec<usize> = (0..2 * depth).map(|i| if i % 2 == 0 { 64 * w } else { 64 }).collect();
         let (buckets, places) = plan(&lens, &granules, 1 << 20, 25 << 20);
         check_cover(&lens, &granules, &buckets, &places);
-        let mib = |b: &BucketPlan| b.len as f64 * 4.0 / (1 << 20) as f64;
-        // First bucket: bias 7 and 1 MiB (64 rows) of weight 7.
+        // 64 MiB over 25: 3 pieces, rounded up to 4 of 1024 rows (16 MiB).
+        assert!(places.iter().step_by(2).all(|p| p.len() == 4 && p.iter().all(|p| p.len == 1024 * w)));
+        assert!(places.iter().skip(1).step_by(2).all(|p| p.len() == 1), "biases stay whole");
+        assert_eq!(buckets.len(), 32);
+        // Each layer's bias goes with its weight's first piece.
         assert_eq!(buckets[0].pieces, [(15, 0), (14, 0)]);
-        assert!((1.0..1.1).contains(&mib(&buckets[0])));
-        // Every bucket but the last is within a granule (1 MiB) past 25 MiB.
-        for b in &buckets[1..buckets.len() - 1] {
-            assert!((25.0..26.0).contains(&mib(b)), "bucket of {} MiB", mib(b));
-        }
-        // The last bucket holds the last rows of weight 0, nothing else.
-        let last = buckets.last().unwrap();
-        assert_eq!(last.params(), [0]);
-        assert!(mib(last) <= 25.0);
-        // 512.125 MiB in all: 1 MiB first, then 20 of ~25 MiB, then the rest.
-        assert_eq!(buckets.len(), 22);
+        assert_eq!(buckets[0].len, 1024 * w + w);
+        assert!(buckets[1..].iter().all(|b| b.len == 1024 * w || b.len == 1024 * w + w));
+        // The last bucket: the last quarter of weight 0, nothing else.
+        assert_eq!(buckets.last().unwrap().pieces, [(0, 3)]);
+        // A cap of 8 MiB: 8 pieces of 512 rows.
+        let (buckets, places) = plan(&lens, &granules, 1 << 20, 8 << 20);
+        check_cover(&lens, &granules, &buckets, &places);
+        assert!(places[0].iter().all(|p| p.len == 512 * w) && places[0].len() == 8);
+        assert_eq!(buckets.len(), 64);
+        // Rows that do not divide evenly (1000 rows, a cap of 100 rows: 16
+        // pieces of 64 rows, the granule): the last piece takes the rest.
+        let (_, places) = plan(&[1000 * 64], &[64 * 64], 1 << 20, 100 * 64 * 4);
+        let rows: Vec<usize> = places[0].iter().map(|p| p.len / 64).collect();
+        assert_eq!(rows.len(), 16);
+        assert!(rows[..15].iter().all(|&r| r == 64) && rows[15] == 40, "{rows:?}");
+        // 1000 rows, a cap of 300 rows: 4 pieces of 256 rows (4 granules).
+        let (_, places) = plan(&[1000 * 64], &[64 * 64], 1 << 20, 300 * 64 * 4);
+        assert_eq!(places[0].iter().map(|p| p.len / 64).collect::<Vec<_>>(), [256, 256, 256, 232]);
     }
 
     #[test]

@@ -20,7 +20,8 @@
 //!   ([`GradientSink::ready`]), the bucket's all-reduce (average) is queued,
 //!   while the rest of backward is still being queued.
 //! * Start-up checks that every member registered the same parameters
-//!   (names and shapes; an error names the rank and the parameter) and
+//!   (names and shapes; an error names the rank and the parameter) with the
+//!   same [`DdpOptions`] (an error names the rank and the option), and
 //!   broadcasts them from member 0.
 //! * [`DistributedDataParallel::no_sync`] accumulates gradients locally;
 //!   [`CommHook`] compresses buckets to bf16 or fp16 for the all-reduce
@@ -87,7 +88,7 @@ use crate::nn::kernels::{cover, kernels, U32s};
 use crate::nn::{GradientPiece, GradientSink, Gradients, Parameter};
 
 pub use buckets::{plan, split_granule, BucketPlan, Place, ALIGN_ELEMS, SPLIT_ROWS};
-pub use shapes::{check_same_everywhere, MAX_DIMS};
+pub use shapes::{check_same_everywhere, check_same_settings, MAX_DIMS};
 
 /// PyTorch DDP's default bucket cap: 25 MiB.
 pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 << 20;
@@ -251,6 +252,16 @@ impl<'w, C: Collectives> DistributedDataParallel<'w, C> {
             }
         }
         check_same_everywhere(world, params)?;
+        check_same_settings(
+            world,
+            &["bucket_cap_bytes", "first_bucket_bytes", "hook", "split_parameters"],
+            &[
+                options.bucket_cap_bytes as u64,
+                options.first_bucket_bytes as u64,
+                options.hook as u64,
+                u64::from(options.split_parameters),
+            ],
+        )?;
         if !params.is_empty() {
             world.group(|g| params.iter().try_for_each(|p| g.broadcast(&p.replicas, &p.replicas, 0)))?;
         }
