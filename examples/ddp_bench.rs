@@ -37,7 +37,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use clap::Parser;
-use cohort::ddp::{compute_clients, CommHook, DdpOptions, DistributedDataParallel};
+use cohort::ddp::{compute_clients, CommHook, DdpOptions, DistributedDataParallel, SplitParameters};
 use cohort::nn::{Mlp, MlpConfig, Sgd, TeacherData};
 use cohort::prelude::*;
 use cohort::runtime::{StreamPriority, Timestamp, TimingMethod};
@@ -78,11 +78,12 @@ struct Args {
     /// high (the default), normal, or both.
     #[arg(long, value_delimiter = ',', default_value = "high")]
     priorities: Vec<String>,
-    /// Bucket layouts to measure, comma-separated: on (parameters split
-    /// across buckets by whole rows, each piece's all-reduce queued as
-    /// backward writes it; the default), off (PyTorch's whole parameters),
-    /// or both.
-    #[arg(long, value_delimiter = ',', default_value = "on")]
+    /// Bucket layouts to measure, comma-separated: last (the first layer's
+    /// weight, the last gradient backward produces, cut into row pieces of
+    /// at most the cap, each all-reduced as backward writes it; the
+    /// default), all (every weight cut so), off (PyTorch's whole
+    /// parameters), or every (all three).
+    #[arg(long, value_delimiter = ',', default_value = "last")]
     split: Vec<String>,
     /// Device counts, comma-separated (default: 1 and every power of two up
     /// to the machine's count, and the count; 1 and 4 on the CPU).
@@ -121,18 +122,19 @@ impl Args {
             bucket_cap_bytes: bytes(self.bucket_cap_mb, "bucket-cap-mb")?,
             first_bucket_bytes: bytes(self.first_bucket_mb, "first-bucket-mb")?,
             hook,
-            split_parameters: false,
+            split_parameters: SplitParameters::Off,
         })
     }
 
-    fn splits(&self) -> Result<Vec<bool>, Error> {
+    fn splits(&self) -> Result<Vec<SplitParameters>, Error> {
         let mut out = Vec::new();
         for s in &self.split {
             match s.as_str() {
-                "on" => out.push(true),
-                "off" => out.push(false),
-                "both" => out.extend([false, true]),
-                other => return Err(Error::InvalidArgument(format!("--split {other}: on, off or both"))),
+                "off" => out.push(SplitParameters::Off),
+                "last" => out.push(SplitParameters::Last(2)),
+                "all" => out.push(SplitParameters::All),
+                "every" => out.extend([SplitParameters::Off, SplitParameters::Last(2), SplitParameters::All]),
+                other => return Err(Error::InvalidArgument(format!("--split {other}: off, last, all or every"))),
             }
         }
         out.dedup();
@@ -158,7 +160,7 @@ impl Args {
 struct Row {
     count: usize,
     priority: StreamPriority,
-    split: bool,
+    split: SplitParameters,
     step_ms: f64,
     compute_ms: f64,
     comm_ms: Option<f64>,
@@ -212,7 +214,7 @@ fn measure(
     all: &[Client],
     count: usize,
     priority: StreamPriority,
-    split: bool,
+    split: SplitParameters,
     args: &Args,
     timeline: Option<&PathBuf>,
 ) -> Result<Row, Error> {
@@ -593,6 +595,14 @@ fn plot(path: &PathBuf, rows: &[Row], device: &str) -> Result<(), String> {
     Ok(())
 }
 
+fn split_name(split: SplitParameters) -> &'static str {
+    match split {
+        SplitParameters::Off => "off",
+        SplitParameters::All => "all",
+        SplitParameters::Last(_) => "last",
+    }
+}
+
 /// The bucket layout `options` gives the MLP of `cfg`: the count, each
 /// bucket's size (runs of equal sizes counted), the parameters cut into
 /// pieces, and what the last bucket (the all-reduce left after backward)
@@ -601,11 +611,11 @@ fn layout(cfg: MlpConfig, options: DdpOptions) -> String {
     let shapes: Vec<Vec<usize>> =
         (0..2 * cfg.depth).map(|i| if i % 2 == 0 { vec![cfg.width, cfg.width] } else { vec![cfg.width] }).collect();
     let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
-    let granules: Vec<usize> = if options.split_parameters {
-        shapes.iter().map(|s| cohort::ddp::split_granule(s)).collect()
-    } else {
-        lens.clone()
-    };
+    let granules: Vec<usize> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| if options.split_parameters.covers(i) { cohort::ddp::split_granule(s) } else { lens[i] })
+        .collect();
     let (buckets, places) = cohort::ddp::plan(&lens, &granules, options.first_bucket_bytes, options.bucket_cap_bytes);
     let mib = |elems: usize| elems as f64 * 4.0 / (1 << 20) as f64;
     let mut sizes: Vec<(String, usize)> = Vec::new();
@@ -639,7 +649,7 @@ fn layout(cfg: MlpConfig, options: DdpOptions) -> String {
     });
     format!(
         "bucket layout, split {}: {} buckets of {} MiB (in the order backward fills them); {split} parameters cut into {pieces} pieces{last}",
-        if options.split_parameters { "on" } else { "off" },
+        split_name(options.split_parameters),
         buckets.len(),
         sizes.join(", "),
     )
@@ -753,7 +763,7 @@ fn main() -> Result<(), Error> {
             "{:>7} {:>8} {:>5} {:>10.2} {:>10} {:>7} {:>10} {:>10} {:>10.2} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10.0}",
             r.count,
             format!("{:?}", r.priority).to_lowercase(),
-            if r.split { "on" } else { "off" },
+            split_name(r.split),
             r.step_ms,
             fmt(r.torch_step_ms, 2),
             fmt(ratio, 3),

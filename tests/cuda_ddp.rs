@@ -96,7 +96,7 @@ fn two_gpus_split_parameters_give_the_same_bits_as_whole_ones() {
 /// of 64 rows and whole.
 fn split_and_whole_gradients(width: usize, rows: usize, matmul: cohort_train::nn::Matmul) -> [Vec<Vec<f32>>; 2] {
     use cohort_comm::Buffer;
-    use cohort_train::ddp::{compute_clients, DdpOptions, DistributedDataParallel};
+    use cohort_train::ddp::{compute_clients, DdpOptions, DistributedDataParallel, SplitParameters};
     use cohort_train::nn::{noise, Gradients, Mlp, MlpConfig};
     let world = ClientGroup::new(devices().into_iter().take(1).collect()).unwrap();
     let clients = compute_clients(&world);
@@ -111,7 +111,7 @@ fn split_and_whole_gradients(width: usize, rows: usize, matmul: cohort_train::nn
         let options = DdpOptions {
             bucket_cap_bytes: 64 * width * 4,
             first_bucket_bytes: 64 * width * 4,
-            split_parameters: split,
+            split_parameters: if split { SplitParameters::All } else { SplitParameters::Off },
             ..DdpOptions::default()
         };
         let mut ddp = DistributedDataParallel::new(&world, &params, options).unwrap();

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use cohort_comm::{Buffer, Collectives, Error};
-use cohort_train::ddp::{compute_clients, DdpOptions, DistributedDataParallel};
+use cohort_train::ddp::{compute_clients, DdpOptions, DistributedDataParallel, SplitParameters};
 use cohort_train::nn::{Gradients, LocalGradients, Mlp, MlpConfig, Parameter, Sgd, TeacherData};
 
 pub const CONFIG: MlpConfig = MlpConfig { width: 64, depth: 3 };
@@ -191,7 +191,12 @@ pub const SPLIT_CONFIG: MlpConfig = MlpConfig { width: 256, depth: 2 };
 
 /// Caps that split every weight of [`SPLIT_CONFIG`] (256 KiB) into pieces.
 pub fn split_buckets() -> DdpOptions {
-    DdpOptions { bucket_cap_bytes: 64 << 10, first_bucket_bytes: 16 << 10, split_parameters: true, ..DdpOptions::default() }
+    DdpOptions {
+        bucket_cap_bytes: 64 << 10,
+        first_bucket_bytes: 16 << 10,
+        split_parameters: SplitParameters::All,
+        ..DdpOptions::default()
+    }
 }
 
 /// Whether each backend's products give the same bits split into row
@@ -239,7 +244,13 @@ pub fn split_scenarios(world: &impl Collectives, bits: SplitBits) {
         assert!((16384..16384 + 64 * 256).contains(&b.len), "a bucket of {} floats", b.len);
     }
     drop(ddp);
-    let whole = DdpOptions { split_parameters: false, ..split_buckets() };
+    let whole = DdpOptions { split_parameters: SplitParameters::Off, ..split_buckets() };
+    // Only the first layer (the last gradients backward produces).
+    let last = DdpOptions { split_parameters: SplitParameters::Last(2), ..split_buckets() };
+    let tail = DistributedDataParallel::new(world, &s.params, last).unwrap();
+    assert_eq!((tail.places(0).len(), tail.places(2).len()), (4, 1), "Last(2) cuts layer 0's weight only");
+    drop(tail);
+    let (last_run, _) = train_ddp_with(world, SPLIT_CONFIG, last, 3, 2);
     let tiny = DdpOptions { bucket_cap_bytes: 4, first_bucket_bytes: 4, ..split_buckets() };
     let (split, losses) = train_ddp_with(world, SPLIT_CONFIG, split_buckets(), 3, 2);
     let (unsplit, _) = train_ddp_with(world, SPLIT_CONFIG, whole, 3, 2);
@@ -251,7 +262,7 @@ pub fn split_scenarios(world: &impl Collectives, bits: SplitBits) {
     assert!(unsplit == reference, "whole-parameter buckets differ from an all-reduce after the whole backward");
     let exact = averaged_gradients_with(world, SPLIT_CONFIG, split_buckets());
     let exact_whole = averaged_gradients_with(world, SPLIT_CONFIG, whole);
-    let runs = [("split", &split), ("a cap of one element", &one_granule)];
+    let runs = [("split", &split), ("a cap of one element", &one_granule), ("the first layer split", &last_run)];
     match bits {
         SplitBits::Same => {
             for (what, run) in runs {

@@ -3,8 +3,9 @@
 //! the last layer's gradients first), a small first bucket so the first
 //! all-reduce starts early, a cap on the rest; and, where parameters may be
 //! split ([`DdpOptions::split_parameters`](super::DdpOptions::split_parameters)),
-//! buckets filled to their cap with pieces of a parameter (element ranges,
-//! as ZeRO/FSDP flat buffers do), so no bucket is much larger than the cap.
+//! a parameter larger than the cap cut into equal pieces of whole rows
+//! (element ranges, as ZeRO/FSDP flat buffers are cut), each piece a
+//! bucket, so no bucket is larger than the cap by a whole parameter.
 
 use std::ops::Range;
 
