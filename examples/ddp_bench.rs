@@ -626,8 +626,7 @@ fn layout(cfg: MlpConfig, options: DdpOptions) -> String {
             _ => sizes.push((size, 1)),
         }
     }
-    let sizes: Vec<String> =
-        sizes.into_iter().map(|(s, n)| if n > 1 { format!("{s} ×{n}") } else { s }).collect();
+    let sizes: Vec<String> = sizes.into_iter().map(|(s, n)| if n > 1 { format!("{s} ×{n}") } else { s }).collect();
     let split = places.iter().filter(|p| p.len() > 1).count();
     let pieces: usize = places.iter().filter(|p| p.len() > 1).map(Vec::len).sum();
     let name = |i: usize| format!("layers.{}.{}", i / 2, if i % 2 == 0 { "weight" } else { "bias" });

@@ -138,6 +138,8 @@ fn cuda_split_gradients_at_the_bench_shapes_match_the_whole_product() {
     let [split, whole] = split_and_whole_gradients(1024, 512, Matmul::Auto);
     let identical = split == whole;
     let worst = common::worst_relative(&split, &whole);
-    println!("cuBLAS: split gradients bit-identical to whole ones: {identical} (worst difference {worst:e} of the largest)");
+    println!(
+        "cuBLAS: split gradients bit-identical to whole ones: {identical} (worst difference {worst:e} of the largest)"
+    );
     assert!(worst <= 1e-5, "cuBLAS: split gradients differ by {worst:e} of the largest, above 1e-5");
 }

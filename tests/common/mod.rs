@@ -216,7 +216,9 @@ pub enum SplitBits {
 /// The largest difference between two runs' parameters (as bits), over
 /// the largest magnitude.
 fn worst_bits(a: &[Vec<u32>], b: &[Vec<u32>]) -> f32 {
-    let f = |v: &[Vec<u32>]| -> Vec<Vec<f32>> { v.iter().map(|r| r.iter().map(|x| f32::from_bits(*x)).collect()).collect() };
+    let f = |v: &[Vec<u32>]| -> Vec<Vec<f32>> {
+        v.iter().map(|r| r.iter().map(|x| f32::from_bits(*x)).collect()).collect()
+    };
     worst_relative(&f(a), &f(b))
 }
 
