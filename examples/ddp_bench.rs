@@ -608,8 +608,9 @@ fn split_name(split: SplitParameters) -> &'static str {
 /// pieces, and what the last bucket (the all-reduce left after backward)
 /// holds.
 fn layout(cfg: MlpConfig, options: DdpOptions) -> String {
-    let shapes: Vec<Vec<usize>> =
-        (0..2 * cfg.depth).map(|i| if i % 2 == 0 { vec![cfg.width, cfg.width] } else { vec![cfg.width] }).collect();
+    let shapes: Vec<Vec<usize>> = (0..2 * cfg.depth)
+        .map(|i| if i.is_multiple_of(2) { vec![cfg.width, cfg.width] } else { vec![cfg.width] })
+        .collect();
     let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
     let granules: Vec<usize> = shapes
         .iter()
@@ -629,7 +630,7 @@ fn layout(cfg: MlpConfig, options: DdpOptions) -> String {
     let sizes: Vec<String> = sizes.into_iter().map(|(s, n)| if n > 1 { format!("{s} ×{n}") } else { s }).collect();
     let split = places.iter().filter(|p| p.len() > 1).count();
     let pieces: usize = places.iter().filter(|p| p.len() > 1).map(Vec::len).sum();
-    let name = |i: usize| format!("layers.{}.{}", i / 2, if i % 2 == 0 { "weight" } else { "bias" });
+    let name = |i: usize| format!("layers.{}.{}", i / 2, if i.is_multiple_of(2) { "weight" } else { "bias" });
     let last = buckets.last().map_or(String::new(), |b| {
         let held: Vec<String> = b
             .pieces

@@ -345,7 +345,11 @@ fn check_pieces(grads: &impl Gradients, index: usize, width: usize, rows: usize)
     let cols = numel / width;
     for p in pieces {
         let (start, end) = (p.range.start, p.range.end);
-        if cols == 0 || start % cols != 0 || end % cols != 0 || (start / cols * rows) % ALIGN_ELEMS != 0 {
+        if cols == 0
+            || !start.is_multiple_of(cols)
+            || !end.is_multiple_of(cols)
+            || !(start / cols * rows).is_multiple_of(ALIGN_ELEMS)
+        {
             return Err(Error::InvalidArgument(format!(
                 "Mlp::backward: the gradient sink splits parameter {index} at elements {start}..{end}: pieces must be whole rows of {cols} elements, starting at a multiple of {} rows",
                 ALIGN_ELEMS
