@@ -90,6 +90,11 @@ struct Args {
     /// Micro-batches per step: all but the last run under no_sync.
     #[arg(long, default_value_t = 1)]
     accumulate: usize,
+    /// Cut parameters larger than the bucket cap into row pieces, each a
+    /// bucket all-reduced as backward writes it (DdpOptions::split_parameters):
+    /// the first layer's (the last gradients backward produces).
+    #[arg(long)]
+    split_parameters: bool,
 }
 
 impl Args {
@@ -104,7 +109,16 @@ impl Args {
             Hook::Bf16 => CommHook::Bf16Compress,
             Hook::Fp16 => CommHook::Fp16Compress,
         };
-        DdpOptions { bucket_cap_bytes: (self.bucket_cap_mb * (1 << 20) as f64) as usize, hook, ..DdpOptions::default() }
+        DdpOptions {
+            bucket_cap_bytes: (self.bucket_cap_mb * (1 << 20) as f64) as usize,
+            hook,
+            split_parameters: if self.split_parameters {
+                cohort::ddp::SplitParameters::Last(2)
+            } else {
+                cohort::ddp::SplitParameters::Off
+            },
+            ..DdpOptions::default()
+        }
     }
 }
 

@@ -37,7 +37,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use clap::Parser;
-use cohort::ddp::{compute_clients, CommHook, DdpOptions, DistributedDataParallel};
+use cohort::ddp::{compute_clients, CommHook, DdpOptions, DistributedDataParallel, SplitParameters};
 use cohort::nn::{Mlp, MlpConfig, Sgd, TeacherData};
 use cohort::prelude::*;
 use cohort::runtime::{StreamPriority, Timestamp, TimingMethod};
@@ -78,6 +78,13 @@ struct Args {
     /// high (the default), normal, or both.
     #[arg(long, value_delimiter = ',', default_value = "high")]
     priorities: Vec<String>,
+    /// Bucket layouts to measure, comma-separated: last (the first layer's
+    /// weight, the last gradient backward produces, cut into row pieces of
+    /// at most the cap, each all-reduced as backward writes it; the
+    /// default), all (every weight cut so), off (PyTorch's whole
+    /// parameters), or every (all three).
+    #[arg(long, value_delimiter = ',', default_value = "last")]
+    split: Vec<String>,
     /// Device counts, comma-separated (default: 1 and every power of two up
     /// to the machine's count, and the count; 1 and 4 on the CPU).
     #[arg(long, value_delimiter = ',')]
@@ -115,7 +122,23 @@ impl Args {
             bucket_cap_bytes: bytes(self.bucket_cap_mb, "bucket-cap-mb")?,
             first_bucket_bytes: bytes(self.first_bucket_mb, "first-bucket-mb")?,
             hook,
+            split_parameters: SplitParameters::Off,
         })
+    }
+
+    fn splits(&self) -> Result<Vec<SplitParameters>, Error> {
+        let mut out = Vec::new();
+        for s in &self.split {
+            match s.as_str() {
+                "off" => out.push(SplitParameters::Off),
+                "last" => out.push(SplitParameters::Last(2)),
+                "all" => out.push(SplitParameters::All),
+                "every" => out.extend([SplitParameters::Off, SplitParameters::Last(2), SplitParameters::All]),
+                other => return Err(Error::InvalidArgument(format!("--split {other}: off, last, all or every"))),
+            }
+        }
+        out.dedup();
+        Ok(out)
     }
 
     fn priorities(&self) -> Result<Vec<StreamPriority>, Error> {
@@ -137,6 +160,7 @@ impl Args {
 struct Row {
     count: usize,
     priority: StreamPriority,
+    split: SplitParameters,
     step_ms: f64,
     compute_ms: f64,
     comm_ms: Option<f64>,
@@ -190,6 +214,7 @@ fn measure(
     all: &[Client],
     count: usize,
     priority: StreamPriority,
+    split: SplitParameters,
     args: &Args,
     timeline: Option<&PathBuf>,
 ) -> Result<Row, Error> {
@@ -202,7 +227,8 @@ fn measure(
     let data = TeacherData::new(&clients[0], &clients, 0, count, cfg, 99, rows * count, 2)?;
     let mut model = Mlp::new(&clients, cfg, rows, 7)?;
     let params = model.parameters();
-    let mut ddp = DistributedDataParallel::new(&world, &params, args.options()?)?;
+    let options = DdpOptions { split_parameters: split, ..args.options()? };
+    let mut ddp = DistributedDataParallel::new(&world, &params, options)?;
     let sgd = Sgd::new(&params, 1e-3, 0.9)?;
     let drain = || -> Result<(), Error> {
         for c in &clients {
@@ -287,7 +313,7 @@ fn measure(
             step.write_timeline(path, &ddp)?;
         }
     }
-    Ok(Row { count, priority, step_ms, compute_ms, comm_ms, probe, ..Row::default() })
+    Ok(Row { count, priority, split, step_ms, compute_ms, comm_ms, probe, ..Row::default() })
 }
 
 /// One step's device times on each device, in ms from the step's start
@@ -417,16 +443,17 @@ fn probed_step<C: cohort::comm::Collectives>(
         /// Per bucket: per device (ready, done).
         stamps: Vec<Vec<(Timestamp, Timestamp)>>,
     }
-    impl<C: cohort::comm::Collectives> cohort::nn::Gradients for Watch<'_, '_, C> {
-        fn gradient(&self, index: usize) -> &[Buffer<f32>] {
-            self.ddp.gradient(index)
-        }
-    }
-    impl<C: cohort::comm::Collectives> cohort::nn::GradientSink for Watch<'_, '_, C> {
-        fn ready(&mut self, index: usize) -> Result<(), Error> {
+    impl<C: cohort::comm::Collectives> Watch<'_, '_, C> {
+        /// Stamps both streams when `report` queued a bucket's all-reduce.
+        fn stamp_after(
+            &mut self,
+            report: impl FnOnce(&mut DistributedDataParallel<'_, C>) -> Result<(), Error>,
+        ) -> Result<(), Error> {
             let before = self.ddp.works().len();
-            self.ddp.ready(index)?;
-            if self.ddp.works().len() > before {
+            report(self.ddp)?;
+            // Buckets completed by this report, each stamped after its
+            // all-reduce was queued (the last one's stamps cover them all).
+            for _ in before..self.ddp.works().len() {
                 let pairs = self
                     .compute
                     .iter()
@@ -436,6 +463,19 @@ fn probed_step<C: cohort::comm::Collectives>(
                 self.stamps.push(pairs);
             }
             Ok(())
+        }
+    }
+    impl<C: cohort::comm::Collectives> cohort::nn::Gradients for Watch<'_, '_, C> {
+        fn pieces(&self, index: usize) -> &[cohort::nn::GradientPiece] {
+            self.ddp.pieces(index)
+        }
+    }
+    impl<C: cohort::comm::Collectives> cohort::nn::GradientSink for Watch<'_, '_, C> {
+        fn ready(&mut self, index: usize) -> Result<(), Error> {
+            self.stamp_after(|ddp| ddp.ready(index))
+        }
+        fn ready_piece(&mut self, index: usize, piece: usize) -> Result<(), Error> {
+            self.stamp_after(|ddp| ddp.ready_piece(index, piece))
         }
     }
     let mut watch = Watch { ddp, compute: clients, comm: world.clients(), stamps: Vec::new() };
@@ -555,6 +595,66 @@ fn plot(path: &PathBuf, rows: &[Row], device: &str) -> Result<(), String> {
     Ok(())
 }
 
+fn split_name(split: SplitParameters) -> &'static str {
+    match split {
+        SplitParameters::Off => "off",
+        SplitParameters::All => "all",
+        SplitParameters::Last(_) => "last",
+    }
+}
+
+/// The bucket layout `options` gives the MLP of `cfg`: the count, each
+/// bucket's size (runs of equal sizes counted), the parameters cut into
+/// pieces, and what the last bucket (the all-reduce left after backward)
+/// holds.
+fn layout(cfg: MlpConfig, options: DdpOptions) -> String {
+    let shapes: Vec<Vec<usize>> = (0..2 * cfg.depth)
+        .map(|i| if i.is_multiple_of(2) { vec![cfg.width, cfg.width] } else { vec![cfg.width] })
+        .collect();
+    let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+    let granules: Vec<usize> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| if options.split_parameters.covers(i) { cohort::ddp::split_granule(s) } else { lens[i] })
+        .collect();
+    let (buckets, places) = cohort::ddp::plan(&lens, &granules, options.first_bucket_bytes, options.bucket_cap_bytes);
+    let mib = |elems: usize| elems as f64 * 4.0 / (1 << 20) as f64;
+    let mut sizes: Vec<(String, usize)> = Vec::new();
+    for b in &buckets {
+        let size = format!("{:.2}", mib(b.len));
+        match sizes.last_mut() {
+            Some((last, n)) if *last == size => *n += 1,
+            _ => sizes.push((size, 1)),
+        }
+    }
+    let sizes: Vec<String> = sizes.into_iter().map(|(s, n)| if n > 1 { format!("{s} ×{n}") } else { s }).collect();
+    let split = places.iter().filter(|p| p.len() > 1).count();
+    let pieces: usize = places.iter().filter(|p| p.len() > 1).map(Vec::len).sum();
+    let name = |i: usize| format!("layers.{}.{}", i / 2, if i.is_multiple_of(2) { "weight" } else { "bias" });
+    let last = buckets.last().map_or(String::new(), |b| {
+        let held: Vec<String> = b
+            .pieces
+            .iter()
+            .map(|&(i, k)| {
+                let p = places[i][k];
+                let row = lens[i] / shapes[i][0];
+                if places[i].len() > 1 {
+                    format!("{} rows {}..{}", name(i), p.start / row, (p.start + p.len) / row)
+                } else {
+                    name(i)
+                }
+            })
+            .collect();
+        format!("; the last holds {} ({:.2} MiB)", held.join(", "), mib(b.len))
+    });
+    format!(
+        "bucket layout, split {}: {} buckets of {} MiB (in the order backward fills them); {split} parameters cut into {pieces} pieces{last}",
+        split_name(options.split_parameters),
+        buckets.len(),
+        sizes.join(", "),
+    )
+}
+
 fn main() -> Result<(), Error> {
     let args = Args::parse();
     if args.steps == 0 {
@@ -582,12 +682,10 @@ fn main() -> Result<(), Error> {
     let cfg = config(&args);
     let options = args.options()?;
     let priorities = args.priorities()?;
-    let lens: Vec<usize> =
-        (0..2 * cfg.depth).map(|i| if i % 2 == 0 { cfg.width * cfg.width } else { cfg.width }).collect();
-    let buckets = cohort::ddp::plan(&lens, options.first_bucket_bytes, options.bucket_cap_bytes).0.len();
+    let splits = args.splits()?;
     let device = all[0].properties().name.clone();
     println!(
-        "ddp_bench: MLP {} × {} ({:.1} M parameters, {:.0} MiB of f32 gradients), {} samples per device, buckets of {} MiB (first {} MiB): {buckets} buckets, hook {:?}; communication streams at {:?} priority; {} steps after {} warm-up; backend {} ({device} ×{})",
+        "ddp_bench: MLP {} × {} ({:.1} M parameters, {:.0} MiB of f32 gradients), {} samples per device, buckets of {} MiB (first {} MiB), hook {:?}; communication streams at {:?} priority; {} steps after {} warm-up; backend {} ({device} ×{})",
         cfg.depth,
         cfg.width,
         cfg.parameters() as f64 / 1e6,
@@ -602,6 +700,9 @@ fn main() -> Result<(), Error> {
         args.backend,
         all.len()
     );
+    for &split in &splits {
+        println!("{}", layout(cfg, DdpOptions { split_parameters: split, ..options }));
+    }
     let run_torch = args.torch.unwrap_or(args.backend == "cuda");
     if run_torch && options.hook != CommHook::AllReduce {
         println!("torch anchor skipped: it runs no communication hook");
@@ -617,20 +718,24 @@ fn main() -> Result<(), Error> {
                 Err(why) => println!("torch anchor on {count} devices did not run: {why}"),
             }
         }
-        for &priority in &priorities {
-            let timeline = args.timeline.as_ref().filter(|_| count == largest && Some(&priority) == priorities.last());
-            let mut row = measure(&all, count, priority, &args, timeline)?;
-            row.torch_step_ms = torch_step;
-            row.torch_compute_ms = torch_compute;
-            let _ = std::io::stdout().flush();
-            rows.push(row);
+        for &split in &splits {
+            for &priority in &priorities {
+                let last = Some(&priority) == priorities.last() && Some(&split) == splits.last();
+                let timeline = args.timeline.as_ref().filter(|_| count == largest && last);
+                let mut row = measure(&all, count, priority, split, &args, timeline)?;
+                row.torch_step_ms = torch_step;
+                row.torch_compute_ms = torch_compute;
+                let _ = std::io::stdout().flush();
+                rows.push(row);
+            }
         }
     }
     let per_sample = |ms: f64| ms / batch(&args) as f64;
     println!(
-        "{:>7} {:>8} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10}",
+        "{:>7} {:>8} {:>5} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10}",
         "devices",
         "comm pri",
+        "split",
         "cohort ms",
         "torch ms",
         "c/t",
@@ -646,7 +751,7 @@ fn main() -> Result<(), Error> {
     );
     let mut methods = Vec::new();
     for r in &rows {
-        let base = rows.iter().find(|b| b.count == 1 && b.priority == r.priority);
+        let base = rows.iter().find(|b| b.count == 1 && b.priority == r.priority && b.split == r.split);
         let ratio = r.torch_step_ms.map(|t| r.step_ms / t);
         let eff = base.map(|b| b.step_ms / r.step_ms);
         let torch_eff = base.and_then(|b| Some(b.torch_step_ms? / r.torch_step_ms?));
@@ -655,9 +760,10 @@ fn main() -> Result<(), Error> {
             methods.push(p.method);
         }
         println!(
-            "{:>7} {:>8} {:>10.2} {:>10} {:>7} {:>10} {:>10} {:>10.2} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10.0}",
+            "{:>7} {:>8} {:>5} {:>10.2} {:>10} {:>7} {:>10} {:>10} {:>10.2} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10.0}",
             r.count,
             format!("{:?}", r.priority).to_lowercase(),
+            split_name(r.split),
             r.step_ms,
             fmt(r.torch_step_ms, 2),
             fmt(ratio, 3),
@@ -686,7 +792,11 @@ fn main() -> Result<(), Error> {
         args.probe_steps
     );
     if let Some(path) = &args.plot {
-        let high: Vec<Row> = rows.iter().filter(|r| Some(&r.priority) == priorities.last()).cloned().collect();
+        let high: Vec<Row> = rows
+            .iter()
+            .filter(|r| Some(&r.priority) == priorities.last() && Some(&r.split) == splits.last())
+            .cloned()
+            .collect();
         plot(path, &high, &device).map_err(|e| Error::InvalidArgument(format!("--plot {}: {e}", path.display())))?;
         println!("plot: {}", path.display());
     }

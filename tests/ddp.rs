@@ -40,8 +40,18 @@ fn small_caps_make_several_buckets_filled_from_the_last_layer() {
     assert_eq!(buckets.len(), 3, "{buckets:?}");
     // The last layer's bias, then its weight, fill the first bucket.
     let n = s.params.len();
-    assert_eq!(buckets[0].params, [n - 1, n - 2]);
-    assert_eq!(ddp.place(n - 2).offset, 64, "the weight's place is aligned after the bias's 64 floats");
+    assert_eq!(buckets[0].params(), [n - 1, n - 2]);
+    assert_eq!(ddp.places(n - 2)[0].offset, 64, "the weight's place is aligned after the bias's 64 floats");
+}
+
+#[test]
+fn split_parameters_on_four_cpu_devices_give_the_same_bits_as_whole_ones() {
+    common::split_scenarios(&group(4), common::SplitBits::Same);
+}
+
+#[test]
+fn split_parameters_on_one_device_give_the_same_bits_as_whole_ones() {
+    common::split_scenarios(&group(1), common::SplitBits::Same);
 }
 
 #[test]
@@ -138,8 +148,48 @@ fn finish_after_a_no_sync_backward_keeps_the_local_sums_with_a_hook() {
     ddp.finish().unwrap();
     for i in 0..s.params.len() {
         for r in 0..2 {
-            let (got, want) = (ddp.gradient(i)[r].to_vec().unwrap(), local.gradient(i)[r].to_vec().unwrap());
+            let (got, want) = (ddp.gradient_to_vec(i, r).unwrap(), local.gradient_to_vec(i, r).unwrap());
             assert!(got == want, "parameter {i}, replica {r}: a no_sync gradient changed at finish");
         }
     }
+}
+
+/// A sink that cuts a weight's gradient mid-row: backward refuses it,
+/// naming the parameter and the rows it needs, instead of writing the
+/// wrong elements.
+#[test]
+fn a_sink_that_cuts_a_gradient_mid_row_is_refused() {
+    use cohort_comm::Buffer;
+    use cohort_train::nn::{GradientPiece, Gradients};
+    struct MidRow(Vec<Vec<GradientPiece>>);
+    impl Gradients for MidRow {
+        fn pieces(&self, index: usize) -> &[GradientPiece] {
+            &self.0[index]
+        }
+    }
+    impl GradientSink for MidRow {
+        fn ready(&mut self, _index: usize) -> Result<(), cohort_comm::Error> {
+            Ok(())
+        }
+        fn ready_piece(&mut self, _index: usize, _piece: usize) -> Result<(), cohort_comm::Error> {
+            Ok(())
+        }
+    }
+    let world = group(1);
+    let mut s = common::setup(&world, 1).unwrap();
+    let zeros = |p: &cohort_train::nn::Parameter, len: usize| -> Vec<Buffer<f32>> {
+        p.replicas.iter().map(|r| Buffer::zeros(r.client(), len).unwrap()).collect()
+    };
+    let mut pieces: Vec<Vec<GradientPiece>> =
+        s.params.iter().map(|p| vec![GradientPiece { range: 0..p.numel(), replicas: zeros(p, p.numel()) }]).collect();
+    // Layer 0's weight (64 × 64) cut after 100 elements: not a whole row.
+    let w = &s.params[0];
+    pieces[0] = vec![
+        GradientPiece { range: 0..100, replicas: zeros(w, 100) },
+        GradientPiece { range: 100..w.numel(), replicas: zeros(w, w.numel() - 100) },
+    ];
+    let mut sink = MidRow(pieces);
+    s.model.forward(&s.data.inputs[0]).unwrap();
+    let err = s.model.backward(&s.data.targets[0], 0, &mut sink).unwrap_err().to_string();
+    assert!(err.contains("parameter 0") && err.contains("0..100") && err.contains("whole rows of 64"), "{err}");
 }

@@ -1,7 +1,8 @@
 //! DistributedDataParallel across processes, one CPU device each, under the
 //! `cohort` launcher: replicas stay bit-identical after several steps, and a
 //! rank that registers a parameter of another shape gets an error naming
-//! the rank and the parameter on every rank (not a hang).
+//! the rank and the parameter on every rank (not a hang), and so does a
+//! rank that splits parameters across buckets when the others do not.
 //!
 //! The launcher runs this test executable again as each rank, with
 //! `DDP_RANKS_ROLE` set, running only the ignored `rank_body`.
@@ -9,7 +10,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use cohort::ddp::{compute_clients, DdpOptions, DistributedDataParallel};
+use cohort::ddp::{compute_clients, DdpOptions, DistributedDataParallel, SplitParameters};
 use cohort::nn::{Mlp, MlpConfig, Sgd, TeacherData};
 use cohort::prelude::*;
 
@@ -64,6 +65,14 @@ fn rank_body() {
     let clients = compute_clients(&world);
     let config = MlpConfig { width: 32, depth: 3 };
     let rows = 4;
+    if role == "options" {
+        let params = Mlp::new(&clients, config, rows, 1).unwrap().parameters();
+        let split = if world.rank() == 1 { SplitParameters::All } else { SplitParameters::Off };
+        let options = DdpOptions { split_parameters: split, ..DdpOptions::default() };
+        let err = DistributedDataParallel::new(&world, &params, options).err().expect("refused");
+        println!("refused: {err}");
+        return;
+    }
     if role == "mismatch" || role == "count" {
         let mut params = Mlp::new(&clients, config, rows, 1).unwrap().parameters();
         if world.rank() == 1 && role == "mismatch" {
@@ -139,5 +148,19 @@ fn a_rank_with_fewer_parameters_gets_an_error_naming_it() {
             line.contains("rank 1") && line.contains("registers 5 parameters") && line.contains("rank 0 registers 6"),
             "{line}"
         );
+    }
+}
+
+#[test]
+fn a_rank_with_other_bucket_options_gets_an_error_naming_it_and_the_option() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let (ok, out) = launch(2, "options");
+    assert!(ok, "{out}");
+    let refusals: Vec<&str> = out.lines().filter(|l| l.contains("refused:")).collect();
+    assert_eq!(refusals.len(), 2, "every rank is told:\n{out}");
+    for line in refusals {
+        assert!(line.contains("rank 1") && line.contains("sets split_parameters to"), "{line}");
     }
 }

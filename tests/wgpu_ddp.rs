@@ -26,3 +26,8 @@ fn clients(n: usize) -> Vec<Client> {
 fn wgpu_ddp_on_three_devices_matches_the_reference_and_keeps_replicas_identical() {
     common::every_scenario(&ClientGroup::new(clients(3)).unwrap());
 }
+
+#[test]
+fn wgpu_split_parameters_give_the_same_bits_as_whole_ones() {
+    common::split_scenarios(&ClientGroup::new(clients(2)).unwrap(), common::SplitBits::Same);
+}

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use cohort_comm::{Buffer, Collectives, Error};
-use cohort_train::ddp::{compute_clients, DdpOptions, DistributedDataParallel};
+use cohort_train::ddp::{compute_clients, DdpOptions, DistributedDataParallel, SplitParameters};
 use cohort_train::nn::{Gradients, LocalGradients, Mlp, MlpConfig, Parameter, Sgd, TeacherData};
 
 pub const CONFIG: MlpConfig = MlpConfig { width: 64, depth: 3 };
@@ -27,18 +27,22 @@ pub struct Setup {
 }
 
 pub fn setup(world: &impl Collectives, seed: u64) -> Result<Setup, Error> {
+    setup_with(world, CONFIG, seed)
+}
+
+pub fn setup_with(world: &impl Collectives, config: MlpConfig, seed: u64) -> Result<Setup, Error> {
     let clients = compute_clients(world);
     let data = TeacherData::new(
         &clients[0],
         &clients,
         world.first_member(),
         world.members(),
-        CONFIG,
+        config,
         99,
         ROWS * world.members(),
         BATCHES,
     )?;
-    let mut model = Mlp::new(&clients, CONFIG, ROWS, seed)?;
+    let mut model = Mlp::new(&clients, config, ROWS, seed)?;
     model.set_loss_slots(64)?;
     let params = model.parameters();
     Ok(Setup { model, params, data })
@@ -61,7 +65,18 @@ pub fn train_ddp(
     steps: usize,
     micro: usize,
 ) -> (Vec<Vec<u32>>, Vec<f32>) {
-    let mut s = setup(world, 5).unwrap();
+    train_ddp_with(world, CONFIG, options, steps, micro)
+}
+
+/// [`train_ddp`] of a model of `config`.
+pub fn train_ddp_with(
+    world: &impl Collectives,
+    config: MlpConfig,
+    options: DdpOptions,
+    steps: usize,
+    micro: usize,
+) -> (Vec<Vec<u32>>, Vec<f32>) {
+    let mut s = setup_with(world, config, 5).unwrap();
     let mut ddp = DistributedDataParallel::new(world, &s.params, options).unwrap();
     let sgd = Sgd::new(&s.params, LR, 0.9).unwrap();
     let mut batch = 0;
@@ -91,7 +106,12 @@ pub fn train_ddp(
 /// The reference: plain per-parameter gradients, one all-reduce per
 /// parameter after the whole (accumulated) backward.
 pub fn train_reference(world: &impl Collectives, steps: usize, micro: usize) -> Vec<Vec<u32>> {
-    let mut s = setup(world, 5).unwrap();
+    train_reference_with(world, CONFIG, steps, micro)
+}
+
+/// [`train_reference`] of a model of `config`.
+pub fn train_reference_with(world: &impl Collectives, config: MlpConfig, steps: usize, micro: usize) -> Vec<Vec<u32>> {
+    let mut s = setup_with(world, config, 5).unwrap();
     // The same start as DDP's broadcast from member 0 (every replica is
     // initialised alike already).
     let mut grads = LocalGradients::new(&s.params).unwrap();
@@ -114,12 +134,17 @@ pub fn train_reference(world: &impl Collectives, steps: usize, micro: usize) -> 
 /// One backward's averaged gradients under `options`, per parameter
 /// (replica 0).
 pub fn averaged_gradients(world: &impl Collectives, options: DdpOptions) -> Vec<Vec<f32>> {
-    let mut s = setup(world, 5).unwrap();
+    averaged_gradients_with(world, CONFIG, options)
+}
+
+/// [`averaged_gradients`] of a model of `config`.
+pub fn averaged_gradients_with(world: &impl Collectives, config: MlpConfig, options: DdpOptions) -> Vec<Vec<f32>> {
+    let mut s = setup_with(world, config, 5).unwrap();
     let mut ddp = DistributedDataParallel::new(world, &s.params, options).unwrap();
     s.model.forward(&s.data.inputs[0]).unwrap();
     s.model.backward(&s.data.targets[0], 0, &mut ddp).unwrap();
     ddp.finish().unwrap();
-    (0..s.params.len()).map(|i| ddp.gradient(i)[0].to_vec().unwrap()).collect()
+    (0..s.params.len()).map(|i| ddp.gradient_to_vec(i, 0).unwrap()).collect()
 }
 
 /// The largest difference between `got` and `want` of each parameter, over
@@ -156,6 +181,115 @@ pub fn every_scenario(world: &impl Collectives) {
         let got = averaged_gradients(world, DdpOptions { hook, ..small_buckets() });
         let worst = worst_relative(&got, &exact);
         assert!(worst <= tol, "{hook:?}: worst difference {worst:e} of the largest gradient, above {tol:e}");
+        assert!(worst > 0.0, "{hook:?} changed nothing: is the hook on?");
+    }
+}
+
+/// The model of the split scenarios: weights of 256 rows, so a bucket cap
+/// of 64 KiB (64 rows) cuts each into 4 pieces.
+pub const SPLIT_CONFIG: MlpConfig = MlpConfig { width: 256, depth: 2 };
+
+/// Caps that split every weight of [`SPLIT_CONFIG`] (256 KiB) into pieces.
+pub fn split_buckets() -> DdpOptions {
+    DdpOptions {
+        bucket_cap_bytes: 64 << 10,
+        first_bucket_bytes: 16 << 10,
+        split_parameters: SplitParameters::All,
+        ..DdpOptions::default()
+    }
+}
+
+/// Whether each backend's products give the same bits split into row
+/// pieces as whole, as [`split_scenarios`] checks them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitBits {
+    /// The same bits (CPU: `matrixmultiply` packs the operands alike
+    /// whatever the piece; wgpu and the CUDA kernels: one thread per element
+    /// summing over k in order).
+    Same,
+    /// Within 10⁻⁵ of the largest value (cuBLAS may choose other kernels,
+    /// with another order of the sum over k, for a product of fewer rows);
+    /// the test prints whether the bits matched.
+    Close,
+}
+
+/// The largest difference between two runs' parameters (as bits), over
+/// the largest magnitude.
+fn worst_bits(a: &[Vec<u32>], b: &[Vec<u32>]) -> f32 {
+    let f = |v: &[Vec<u32>]| -> Vec<Vec<f32>> {
+        v.iter().map(|r| r.iter().map(|x| f32::from_bits(*x)).collect()).collect()
+    };
+    worst_relative(&f(a), &f(b))
+}
+
+/// Parameters split across buckets (by whole rows, computed piece by piece
+/// by the model's backward) on `world`:
+/// * the bucket layout: every weight in several pieces, every bucket within
+///   one granule (64 rows) of its cap;
+/// * replicas bit-identical; the same parameters as whole-parameter buckets
+///   (PyTorch's layout) and as an all-reduce after the whole backward, with
+///   no_sync, after several steps (`bits` says how same);
+/// * a cap of one element: one granule per bucket, the same again;
+/// * the compression hooks within their tolerance of the split f32 average.
+pub fn split_scenarios(world: &impl Collectives, bits: SplitBits) {
+    let s = setup_with(world, SPLIT_CONFIG, 5).unwrap();
+    let ddp = DistributedDataParallel::new(world, &s.params, split_buckets()).unwrap();
+    for (i, p) in s.params.iter().enumerate() {
+        let pieces = ddp.places(i);
+        if p.shape.len() == 2 {
+            assert_eq!(pieces.len(), 4, "{}: a 256 KiB weight in 64 KiB buckets: {pieces:?}", p.name);
+        }
+        assert_eq!(pieces.iter().map(|p| p.len).sum::<usize>(), p.numel());
+    }
+    let buckets = ddp.buckets();
+    for b in &buckets[1..buckets.len() - 1] {
+        assert!((16384..16384 + 64 * 256).contains(&b.len), "a bucket of {} floats", b.len);
+    }
+    drop(ddp);
+    let whole = DdpOptions { split_parameters: SplitParameters::Off, ..split_buckets() };
+    // Only the first layer (the last gradients backward produces).
+    let last = DdpOptions { split_parameters: SplitParameters::Last(2), ..split_buckets() };
+    let tail = DistributedDataParallel::new(world, &s.params, last).unwrap();
+    assert_eq!((tail.places(0).len(), tail.places(2).len()), (4, 1), "Last(2) cuts layer 0's weight only");
+    drop(tail);
+    let (last_run, _) = train_ddp_with(world, SPLIT_CONFIG, last, 3, 2);
+    let tiny = DdpOptions { bucket_cap_bytes: 4, first_bucket_bytes: 4, ..split_buckets() };
+    let (split, losses) = train_ddp_with(world, SPLIT_CONFIG, split_buckets(), 3, 2);
+    let (unsplit, _) = train_ddp_with(world, SPLIT_CONFIG, whole, 3, 2);
+    let (one_granule, _) = train_ddp_with(world, SPLIT_CONFIG, tiny, 3, 2);
+    let reference = train_reference_with(world, SPLIT_CONFIG, 3, 2);
+    assert!(losses.iter().all(|l| l.is_finite() && *l > 0.0), "{losses:?}");
+    assert!(split.iter().all(|r| r == &split[0]), "replicas differ with split parameters");
+    assert!(one_granule.iter().all(|r| r == &one_granule[0]), "replicas differ with a cap of one element");
+    assert!(unsplit == reference, "whole-parameter buckets differ from an all-reduce after the whole backward");
+    let exact = averaged_gradients_with(world, SPLIT_CONFIG, split_buckets());
+    let exact_whole = averaged_gradients_with(world, SPLIT_CONFIG, whole);
+    let runs = [("split", &split), ("a cap of one element", &one_granule), ("the first layer split", &last_run)];
+    match bits {
+        SplitBits::Same => {
+            for (what, run) in runs {
+                assert!(*run == reference, "{what}: other bits than whole-parameter buckets");
+            }
+            assert!(exact == exact_whole, "split and whole averaged gradients differ");
+        }
+        SplitBits::Close => {
+            let same = runs.iter().all(|(_, run)| **run == reference) && exact == exact_whole;
+            println!("split parameters: the same bits as whole ones: {same}");
+            for (what, run) in runs {
+                let worst = worst_bits(run, &reference);
+                assert!(worst <= 1e-5, "{what}: parameters differ by {worst:e} of the largest, above 1e-5");
+            }
+            let worst = worst_relative(&exact, &exact_whole);
+            assert!(worst <= 1e-5, "split averaged gradients differ by {worst:e} of the largest, above 1e-5");
+        }
+    }
+    for (hook, tol) in [
+        (cohort_train::ddp::CommHook::Bf16Compress, 1.0 / 128.0),
+        (cohort_train::ddp::CommHook::Fp16Compress, 1.0 / 512.0),
+    ] {
+        let got = averaged_gradients_with(world, SPLIT_CONFIG, DdpOptions { hook, ..split_buckets() });
+        let worst = worst_relative(&got, &exact);
+        assert!(worst <= tol, "{hook:?} split: worst difference {worst:e} of the largest gradient, above {tol:e}");
         assert!(worst > 0.0, "{hook:?} changed nothing: is the hook on?");
     }
 }

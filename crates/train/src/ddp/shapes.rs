@@ -1,7 +1,8 @@
 //! The start-up check that every member registered the same parameters:
 //! two all-gathers (the count, then each parameter's name and shape), so a
 //! rank that differs gets an error naming it and the parameter on every
-//! member, instead of a hang or a silent mix-up in the first all-reduce.
+//! member, instead of a hang or a silent mix-up in the first all-reduce;
+//! and a third that every member chose the same bucket layout and hook.
 
 use cohort_comm::{Collectives, Error};
 
@@ -77,6 +78,31 @@ pub fn check_same_everywhere(world: &impl Collectives, params: &[Parameter]) -> 
                 shape_of(b),
                 if same_name { format!("`{}` ", p.name) } else { "a parameter named differently ".into() },
                 shape_of(a),
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that every member of `world` gives the same `settings` (named by
+/// `names`, in order: what decides the bucket layout and how a bucket is
+/// communicated) as member 0. Waits for one all-gather; every member
+/// returns the same verdict.
+pub fn check_same_settings(world: &impl Collectives, names: &[&str], settings: &[u64]) -> Result<(), Error> {
+    let n = world.members();
+    let all = world.zeros::<u64>(n * settings.len())?;
+    world.all_gather(&world.replicate(settings)?, &all)?;
+    let all = all[0].to_vec()?;
+    let reference = &all[..settings.len()];
+    for m in 1..n {
+        let theirs = &all[m * settings.len()..(m + 1) * settings.len()];
+        if let Some(i) = (0..settings.len()).find(|&i| theirs[i] != reference[i]) {
+            return Err(Error::InvalidArgument(format!(
+                "DistributedDataParallel: rank {} (member {m}) sets {} to {}, but rank 0 sets it to {}: every rank must use the same DdpOptions (they decide the buckets every rank all-reduces)",
+                rank_of(world, m),
+                names[i],
+                theirs[i],
+                reference[i]
             )));
         }
     }

@@ -35,6 +35,7 @@ pub fn matmul_grid(m: usize, n: usize) -> GridCount {
 /// pipeline, so one instance is shared by every launch).
 pub struct Kernels {
     pub matmul: Kernel,
+    pub columns: Kernel,
     pub bias_act: Kernel,
     pub relu_grad: Kernel,
     pub mse_grad: Kernel,
@@ -51,6 +52,7 @@ pub fn kernels() -> &'static Kernels {
     static KERNELS: OnceLock<Kernels> = OnceLock::new();
     KERNELS.get_or_init(|| Kernels {
         matmul: matmul(),
+        columns: columns(),
         bias_act: bias_act(),
         relu_grad: relu_grad(),
         mse_grad: mse_grad(),
@@ -174,6 +176,43 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
         })
         .with_cuda(cuda)
         .with_wgsl(wgsl)
+}
+
+/// `out[r, j] = in[r, first + j]` for `r < rows`, `j < width`: columns
+/// `first..first + width` of the row-major `rows × cols` matrix `in`, as a
+/// row-major `rows × width` matrix. Buffers `in`, `out`; scalars `rows`,
+/// `cols`, `first`, `width`. Copies only (the bits are moved, not changed).
+fn columns() -> Kernel {
+    Kernel::new("columns")
+        .with_cpu(|ctx| {
+            let (rows, cols, first, width) = (u(ctx, 0), u(ctx, 1), u(ctx, 2), u(ctx, 3));
+            let (src, dst) = ctx.buffer_pair::<f32, f32>(0, 1);
+            assert!(src.len() >= rows * cols && dst.len() >= rows * width && first + width <= cols, "columns: out of range");
+            for r in 0..rows {
+                dst[r * width..(r + 1) * width].copy_from_slice(&src[r * cols + first..r * cols + first + width]);
+            }
+        })
+        .with_cuda(
+            r#"extern "C" __global__ void columns(const float* in, float* out,
+    unsigned long long i_bytes, unsigned long long o_bytes, unsigned int rows, unsigned int cols, unsigned int first, unsigned int width) {
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (unsigned long long)rows * width) return;
+    unsigned long long r = i / width, j = i % width;
+    out[i] = in[r * cols + first + j];
+}"#,
+        )
+        .with_wgsl(
+            r#"@group(0) @binding(0) var<storage, read_write> src: array<f32>;
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+@group(0) @binding(2) var<storage, read> s: array<u32>;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    let rows = s[0]; let cols = s[1]; let first = s[2]; let width = s[3];
+    if (i >= rows * width) { return; }
+    dst[i] = src[(i / width) * cols + first + i % width];
+}"#,
+        )
 }
 
 /// `out[r, j] = act(out[r, j] + bias[j])`, `act` ReLU when `relu` is 1, else

@@ -5,12 +5,13 @@
 use cohort_comm::{Buffer, Error};
 use cohort_runtime::{Client, KernelArguments, Scalar};
 
-use super::grads::GradientSink;
+use super::grads::{GradientSink, Gradients};
 use cohort_runtime::backend::Gemm;
 
 use super::kernels::{cover, kernels, U32s, LOSS_PARTS};
 use super::matmul::{queue, uses_blas, Matmul};
 use super::{uniform, Parameter};
+use crate::ddp::ALIGN_ELEMS;
 
 /// The shape of an [`Mlp`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +71,9 @@ struct Replica {
     outputs: Vec<Buffer<f32>>,
     /// The gradient flowing back, and the next layer's (swapped per layer).
     delta: [Buffer<f32>; 2],
+    /// Column blocks of the current gradient (each `rows × piece` at
+    /// `first column × rows`), for gradients the sink splits into row pieces.
+    delta_cols: Buffer<f32>,
     /// The input of the last forward.
     input: Option<Buffer<f32>>,
     /// One slot per step of the mean squared error.
@@ -130,6 +134,7 @@ impl Mlp {
                     params: host.iter().map(|p| Buffer::from_slice(client, p)).collect::<Result<_, Error>>()?,
                     outputs: (0..config.depth).map(|_| Buffer::uninit(client, rows * w)).collect::<Result<_, _>>()?,
                     delta: [Buffer::uninit(client, rows * w)?, Buffer::uninit(client, rows * w)?],
+                    delta_cols: Buffer::uninit(client, rows * w)?,
                     input: None,
                     losses: Buffer::zeros(client, 1)?,
                     partial: Buffer::zeros(client, LOSS_PARTS)?,
@@ -260,20 +265,55 @@ impl Mlp {
         }
         let mut current = 0;
         for layer in (0..depth).rev() {
-            for (i, r) in self.replicas.iter().enumerate() {
-                let dz = &r.delta[current];
-                let input = if layer == 0 { r.input.as_ref().expect("checked above") } else { &r.outputs[layer - 1] };
-                // dW += dzᵀ · input: [width × rows] · [rows × width].
-                let dw = &grads.gradient(2 * layer)[i];
-                let gemm = Gemm { m: w, n: w, k: rows, trans_a: true, trans_b: false, accumulate: true };
-                queue(&r.client, r.blas, dz, input, dw, gemm)?;
-                // db += dzᵀ · ones: [width × rows] · [rows × 1].
-                let db = &grads.gradient(2 * layer + 1)[i];
-                let gemm = Gemm { m: w, n: 1, k: rows, trans_a: true, trans_b: false, accumulate: true };
-                queue(&r.client, r.blas, dz, &r.ones, db, gemm)?;
+            let (weight, bias) = (2 * layer, 2 * layer + 1);
+            for idx in [weight, bias] {
+                if grads.pieces(idx).len() > 1 {
+                    check_pieces(grads, idx, w, rows)?;
+                }
             }
-            grads.ready(2 * layer)?;
-            grads.ready(2 * layer + 1)?;
+            // The bias first, then the weight: backward reports parameters
+            // in reverse registration order (the order of the buckets).
+            // db += dzᵀ · ones: [width × rows] · [rows × 1].
+            // dW += dzᵀ · input: [width × rows] · [rows × width].
+            for (idx, cols) in [(bias, 1), (weight, w)] {
+                let pieces = grads.pieces(idx).len();
+                for p in 0..pieces {
+                    for (i, r) in self.replicas.iter().enumerate() {
+                        let other = if idx == bias {
+                            &r.ones
+                        } else if layer == 0 {
+                            r.input.as_ref().expect("checked above")
+                        } else {
+                            &r.outputs[layer - 1]
+                        };
+                        let piece = &grads.pieces(idx)[p];
+                        let out = &piece.replicas[i];
+                        if pieces == 1 {
+                            let gemm = Gemm { m: w, n: cols, k: rows, trans_a: true, trans_b: false, accumulate: true };
+                            queue(&r.client, r.blas, &r.delta[current], other, out, gemm)?;
+                        } else {
+                            // Rows r0..r1 of the gradient are dz[:, r0..r1]ᵀ ·
+                            // other: the same product on columns r0..r1 of dz
+                            // (copied out, contiguous), the same dot products.
+                            let (r0, r1) = (piece.range.start / cols, piece.range.end / cols);
+                            let block = r.delta_cols.slice(r0 * rows..r1 * rows)?;
+                            let args = KernelArguments::new()
+                                .buffer(r.delta[current].handle())
+                                .buffer(block.handle())
+                                .u32s([rows, w, r0, r1 - r0]);
+                            r.client.launch(&k.columns, cover(rows * (r1 - r0)), args)?;
+                            let gemm =
+                                Gemm { m: r1 - r0, n: cols, k: rows, trans_a: true, trans_b: false, accumulate: true };
+                            queue(&r.client, r.blas, &block, other, out, gemm)?;
+                        }
+                    }
+                    if pieces == 1 {
+                        grads.ready(idx)?;
+                    } else {
+                        grads.ready_piece(idx, p)?;
+                    }
+                }
+            }
             if layer == 0 {
                 break;
             }
@@ -292,4 +332,29 @@ impl Mlp {
         }
         Ok(())
     }
+}
+
+/// Checks that the sink cut parameter `index` (`width` rows) where the
+/// model can compute each piece as a row chunk: whole rows, each piece's
+/// first row a multiple of [`ALIGN_ELEMS`] columns of the gradient flowing
+/// back (its block of those columns, `rows` elements per column, then starts
+/// on an aligned element and can be bound on every backend).
+fn check_pieces(grads: &impl Gradients, index: usize, width: usize, rows: usize) -> Result<(), Error> {
+    let pieces = grads.pieces(index);
+    let numel = pieces.last().map_or(0, |p| p.range.end);
+    let cols = numel / width;
+    for p in pieces {
+        let (start, end) = (p.range.start, p.range.end);
+        if cols == 0
+            || !start.is_multiple_of(cols)
+            || !end.is_multiple_of(cols)
+            || !(start / cols * rows).is_multiple_of(ALIGN_ELEMS)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "Mlp::backward: the gradient sink splits parameter {index} at elements {start}..{end}: pieces must be whole rows of {cols} elements, starting at a multiple of {} rows",
+                ALIGN_ELEMS
+            )));
+        }
+    }
+    Ok(())
 }

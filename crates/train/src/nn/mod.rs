@@ -19,7 +19,7 @@ use cohort_comm::Buffer;
 
 pub use data::TeacherData;
 pub(crate) use grads::zero as grads_zero;
-pub use grads::{GradientSink, Gradients, LocalGradients};
+pub use grads::{GradientPiece, GradientSink, Gradients, LocalGradients};
 pub use matmul::Matmul;
 pub use mlp::{Mlp, MlpConfig};
 pub use optim::Sgd;

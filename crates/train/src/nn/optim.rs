@@ -32,19 +32,29 @@ impl Sgd {
 
     /// Queues one step of every parameter against `grads` (read after
     /// whatever writes them: an all-reduce on another stream is waited for
-    /// with a fence). Returns at once.
+    /// with a fence), one kernel per piece of each gradient and replica: an
+    /// element-wise update, so a split gradient gives the same bits as a
+    /// whole one. Returns at once.
     pub fn step(&self, params: &[Parameter], grads: &impl Gradients) -> Result<(), Error> {
         let k = kernels();
         for (i, p) in params.iter().enumerate() {
-            for ((param, grad), v) in p.replicas.iter().zip(grads.gradient(i)).zip(&self.velocity[i]) {
-                let args = KernelArguments::new()
-                    .buffer(param.handle())
-                    .buffer(grad.handle())
-                    .buffer(v.handle())
-                    .u32s([param.len()])
-                    .scalar(Scalar::F32(self.lr))
-                    .scalar(Scalar::F32(self.momentum));
-                param.client().launch(&k.sgd_momentum, cover(param.len()), args)?;
+            for piece in grads.pieces(i) {
+                let whole = piece.range == (0..p.numel());
+                for ((param, grad), v) in p.replicas.iter().zip(&piece.replicas).zip(&self.velocity[i]) {
+                    let (param, v) = if whole {
+                        (param.clone(), v.clone())
+                    } else {
+                        (param.slice(piece.range.clone())?, v.slice(piece.range.clone())?)
+                    };
+                    let args = KernelArguments::new()
+                        .buffer(param.handle())
+                        .buffer(grad.handle())
+                        .buffer(v.handle())
+                        .u32s([param.len()])
+                        .scalar(Scalar::F32(self.lr))
+                        .scalar(Scalar::F32(self.momentum));
+                    param.client().launch(&k.sgd_momentum, cover(param.len()), args)?;
+                }
             }
         }
         Ok(())
