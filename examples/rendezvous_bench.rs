@@ -29,6 +29,11 @@
 //!   when the request was written; its connect includes one round trip
 //!   (what torch's client does to check the server: here `getNumKeys`).
 //!
+//! - `baseline`: `cohort`'s pattern against another build's store, when
+//!   `--baseline CMD` names a command that serves one and prints its port
+//!   (that build's `rendezvous_bench --serve`, the secret read from stdin):
+//!   compares two versions of the store in one run.
+//!
 //! For every run it prints when the last rank had connected, published,
 //! joined (passed the first barrier), read the directory and passed
 //! `ready`, from the common release, and the CPU time the server's process
@@ -36,7 +41,7 @@
 //! bottleneck. Then ratios against TCPStore at every count.
 //!
 //! Run: `cargo run --release --example rendezvous_bench -- [--tcpstore CMD]
-//! [--threads T] [--window W] [--store-workers S] [--no-two-trips]
+//! [--baseline CMD] [--threads T] [--window W] [--store-workers S] [--no-two-trips]
 //! [counts...]` (default counts 1024 4096 16384; `--store-workers` sets the
 //! threads serving cohort's authenticated clients, default one per two
 //! cores up to 8).
@@ -718,6 +723,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mut counts = Vec::new();
     let mut tcpstore: Option<Vec<String>> = None;
+    let mut baseline: Option<Vec<String>> = None;
     let cores = std::thread::available_parallelism().map_or(2, |c| c.get());
     let mut threads = cores.saturating_sub(1).clamp(1, 8);
     let mut window = 256;
@@ -732,6 +738,10 @@ fn main() {
             "--tcpstore" => {
                 let cmd = args.next().expect("--tcpstore takes a command");
                 tcpstore = Some(cmd.split_whitespace().map(String::from).collect());
+            }
+            "--baseline" => {
+                let cmd = args.next().expect("--baseline takes a command");
+                baseline = Some(cmd.split_whitespace().map(String::from).collect());
             }
             "--threads" => threads = args.next().and_then(|v| v.parse().ok()).expect("--threads takes a number"),
             "--window" => window = args.next().and_then(|v| v.parse().ok()).expect("--window takes a number"),
@@ -753,6 +763,7 @@ fn main() {
     );
     let me = std::env::current_exe().expect("own path").to_string_lossy().into_owned();
     let mut ratios = Vec::new();
+    let mut against_baseline = Vec::new();
     for &n in &counts {
         if n as u64 + 64 > limit {
             println!("{n:>7} skipped: needs {} descriptors per process, the limit is {limit} (ulimit -Hn)", n + 64);
@@ -765,14 +776,26 @@ fn main() {
         if tcpstore.is_some() {
             kinds.push(Kind::TcpStore);
         }
+        // (pattern, the baseline build's store)
+        let mut runs: Vec<(Kind, bool)> = kinds.into_iter().map(|k| (k, false)).collect();
+        if baseline.is_some() {
+            runs.push((Kind::Cohort, true));
+        }
         let mut ready = Vec::new();
-        for kind in kinds {
+        let mut base = None;
+        for (kind, on_baseline) in runs {
             let secret = generate_secret().expect("secret");
-            let server = match (kind, &tcpstore) {
-                (Kind::TcpStore, Some(cmd)) => Server::start(cmd, "-"),
+            let server = match (kind, &tcpstore, &baseline) {
+                (Kind::TcpStore, Some(cmd), _) => Server::start(cmd, "-"),
+                (_, _, Some(cmd)) if on_baseline => {
+                    let mut cmd = cmd.clone();
+                    cmd.push(store_workers.to_string());
+                    Server::start(&cmd, &secret)
+                }
                 _ => Server::start(&[me.clone(), "--serve".into(), store_workers.to_string()], &secret),
             };
             let name = match kind {
+                _ if on_baseline => "baseline",
                 Kind::Cohort => "cohort",
                 Kind::CohortTwoTrips => "cohort-2rt",
                 Kind::TcpStore => "tcpstore",
@@ -790,7 +813,11 @@ fn main() {
                         ms(run.server_cpu),
                         ms(run.client_cpu)
                     );
-                    ready.push((kind, t));
+                    if on_baseline {
+                        base = Some(t);
+                    } else {
+                        ready.push((kind, t));
+                    }
                 }
                 Err(e) => println!("{n:>7} {name:<11} failed: {e}"),
             }
@@ -800,6 +827,22 @@ fn main() {
         if let (Some(c), Some(t)) = (cohort, torch) {
             ratios.push((n, c, t));
         }
+        if let (Some(c), Some(b)) = (cohort, base) {
+            against_baseline.push((n, c, b));
+        }
+    }
+    for (n, c, b) in against_baseline {
+        let r = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
+        println!(
+            "{n:>7} ranks: against the baseline store: connect {:.1} ms vs {:.1} ms: {:.2}x; ready {:.1} ms vs {:.1} \
+             ms: {:.2}x",
+            ms(c.connected),
+            ms(b.connected),
+            r(b.connected, c.connected),
+            ms(c.ready),
+            ms(b.ready),
+            r(b.ready, c.ready)
+        );
     }
     for (n, c, t) in ratios {
         let r = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
