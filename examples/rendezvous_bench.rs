@@ -165,6 +165,12 @@ enum Step {
     /// TCPStore: the wait of barrier `joined` (0) or `ready` (1).
     Waited(u8),
     Read,
+    /// cohort: rank 0 set its verdict on the directory.
+    VerdictSet,
+    /// The verdict is read (cohort: barrier `checked` answered it).
+    VerdictRead,
+    /// cohort: the node directory is appended too.
+    AppendedNode,
     Ready,
     Done,
 }
@@ -206,6 +212,8 @@ struct Rank {
     lines: usize,
     handshake: Option<Handshake>,
     times: Times,
+    /// Ranks per simulated node (0: every rank reads the whole directory).
+    per_node: usize,
 }
 
 /// The outcome of one answer.
@@ -243,6 +251,35 @@ mod tcp {
 }
 
 impl Rank {
+    /// The directory this rank reads: its node's, or the whole one.
+    fn my_directory(&self) -> String {
+        if self.per_node == 0 {
+            "c/1/peers".into()
+        } else {
+            format!("c/1/node/{}/peers", self.rank / self.per_node)
+        }
+    }
+
+    /// What the rank reads when every rank joined: the job key and its
+    /// directory (and rank 0, with per-node directories, the whole one).
+    fn reads(&self) -> Vec<String> {
+        let mut keys = vec!["c/1/job".to_string(), self.my_directory()];
+        if self.per_node > 0 && self.rank == 0 {
+            keys.push("c/1/peers".into());
+        }
+        keys
+    }
+
+    /// Entries the rank's directory holds once all joined.
+    fn expected_lines(&self, n: usize) -> usize {
+        if self.per_node == 0 {
+            n
+        } else {
+            let first = self.rank / self.per_node * self.per_node;
+            (n - first).min(self.per_node)
+        }
+    }
+
     fn expect(&mut self, field: Field, need: usize) {
         self.field = field;
         self.need = need;
@@ -406,6 +443,11 @@ impl Rank {
             b.push(tcp::APPEND);
             tcp::bytes(&mut b, b"c/1/peers");
             tcp::bytes(&mut b, line.as_bytes());
+            if self.per_node > 0 {
+                b.push(tcp::APPEND);
+                tcp::bytes(&mut b, self.my_directory().as_bytes());
+                tcp::bytes(&mut b, line.as_bytes());
+            }
             self.send(&b);
             // No answer to wait for: published once written.
             self.times.published = t0.elapsed();
@@ -421,7 +463,7 @@ impl Rank {
     /// TCPStore: torch's store barrier, first request (the counter).
     fn tcp_barrier(&mut self, which: u8) {
         let mut b = vec![tcp::ADD];
-        tcp::bytes(&mut b, if which == 0 { b"c/1/joined/count" } else { b"c/1/ready/count" });
+        tcp::bytes(&mut b, format!("c/1/{}/count", tcp_barrier_name(which)).as_bytes());
         b.extend_from_slice(&1i64.to_ne_bytes());
         self.send(&b);
         self.step = Step::Counted(which);
@@ -471,12 +513,26 @@ impl Rank {
                 ok(&a)?;
                 self.publish(kind, n, t0);
             }
-            (Step::Appended, a) => {
+            (Step::Appended, a) if self.per_node > 0 => {
+                ok(&a)?;
+                let line = format!(
+                    "{}\thost-{}/boot-id-0000-1111-2222/0\t127.0.0.1:{}\t1\n",
+                    self.rank,
+                    self.rank / 8,
+                    20000 + self.rank
+                );
+                self.send(&raw::append(&self.my_directory(), line.as_bytes()));
+                self.step = Step::AppendedNode;
+                self.expect(Field::FrameLen, 4);
+            }
+            (Step::Appended | Step::AppendedNode, a) => {
                 ok(&a)?;
                 self.times.published = t0.elapsed();
+                let reads = self.reads();
+                let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
                 if kind == Kind::Cohort {
-                    self.send(&raw::barrier_get("c/1/joined", n as u32, TIMEOUT, &["c/1/job", "c/1/peers"]));
-                    self.expect_values(kind, 2);
+                    self.send(&raw::barrier_get("c/1/joined", n as u32, TIMEOUT, &reads));
+                    self.expect_values(kind, reads.len() as u32);
                 } else {
                     self.send(&raw::barrier("c/1/joined", n as u32, TIMEOUT));
                     self.expect(Field::FrameLen, 4);
@@ -491,12 +547,29 @@ impl Rank {
             (Step::Joined, a) => {
                 ok(&a)?;
                 self.times.joined = t0.elapsed();
-                self.send(&raw::multi_get(&["c/1/job", "c/1/peers"]));
-                self.expect_values(kind, 2);
+                let reads = self.reads();
+                let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
+                self.send(&raw::multi_get(&reads));
+                self.expect_values(kind, reads.len() as u32);
                 self.step = Step::Read;
             }
+            (Step::VerdictSet, a) => {
+                ok(&a)?;
+                self.send(&raw::barrier_get("c/1/checked", n as u32, TIMEOUT, &["c/1/verdict"]));
+                self.expect_values(kind, 1);
+                self.step = Step::VerdictRead;
+            }
+            (Step::VerdictRead, Answered::Values(_)) => self.ready_barrier(kind, n),
+            (Step::Waited(2), Answered::Byte) => {
+                let mut b = Vec::new();
+                tcp::keys(&mut b, tcp::MULTI_GET, &["c/1/verdict"]);
+                self.send(&b);
+                self.expect_values(kind, 1);
+                self.step = Step::VerdictRead;
+            }
             (Step::Counted(which), Answered::Int(count)) => {
-                let done: &[u8] = if which == 0 { b"c/1/joined/done" } else { b"c/1/ready/done" };
+                let done = format!("c/1/{}/done", tcp_barrier_name(which));
+                let done = done.as_bytes();
                 let mut b = Vec::new();
                 if count == n as i64 {
                     b.push(tcp::SET);
@@ -510,10 +583,12 @@ impl Rank {
             }
             (Step::Waited(0), Answered::Byte) => {
                 self.times.joined = t0.elapsed();
+                let reads = self.reads();
+                let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
                 let mut b = Vec::new();
-                tcp::keys(&mut b, tcp::MULTI_GET, &["c/1/job", "c/1/peers"]);
+                tcp::keys(&mut b, tcp::MULTI_GET, &reads);
                 self.send(&b);
-                self.expect_values(kind, 2);
+                self.expect_values(kind, reads.len() as u32);
                 self.step = Step::Read;
             }
             (Step::Waited(_), Answered::Byte) => {
@@ -536,11 +611,41 @@ impl Rank {
         Ok(false)
     }
 
-    /// The directory is read: check it, then the `ready` barrier.
+    /// The directory is read: check it, then (with per-node directories)
+    /// rank 0's verdict, then the `ready` barrier.
     fn read_done(&mut self, kind: Kind, lines: usize, n: usize) -> Result<(), String> {
-        if lines != n {
-            return Err(format!("rank {} read {lines} entries of {n}", self.rank));
+        let want = self.expected_lines(n);
+        if lines != want {
+            return Err(format!("rank {} read {lines} entries of {want}", self.rank));
         }
+        if self.per_node == 0 {
+            self.ready_barrier(kind, n);
+            return Ok(());
+        }
+        // Rank 0 checked the whole directory: it publishes its verdict,
+        // which a second barrier answers to every rank.
+        if kind == Kind::TcpStore {
+            if self.rank == 0 {
+                let mut b = vec![tcp::SET];
+                tcp::bytes(&mut b, b"c/1/verdict");
+                tcp::bytes(&mut b, b"");
+                self.send(&b);
+            }
+            self.tcp_barrier(2);
+        } else if self.rank == 0 {
+            self.send(&raw::set("c/1/verdict", b""));
+            self.step = Step::VerdictSet;
+            self.expect(Field::FrameLen, 4);
+        } else {
+            self.send(&raw::barrier_get("c/1/checked", n as u32, TIMEOUT, &["c/1/verdict"]));
+            self.expect_values(kind, 1);
+            self.step = Step::VerdictRead;
+        }
+        Ok(())
+    }
+
+    /// The last step: the `ready` barrier.
+    fn ready_barrier(&mut self, kind: Kind, n: usize) {
         if kind == Kind::TcpStore {
             self.tcp_barrier(1);
         } else {
@@ -548,11 +653,19 @@ impl Rank {
             self.step = Step::Ready;
             self.expect(Field::FrameLen, 4);
         }
-        Ok(())
     }
 
     fn connecting(&self) -> bool {
         matches!(self.step, Step::Connecting | Step::Greeting | Step::Verdict | Step::Checked)
+    }
+}
+
+/// The name of TCPStore barrier `which`: 0 `joined`, 1 `ready`, 2 `checked`.
+fn tcp_barrier_name(which: u8) -> &'static str {
+    match which {
+        0 => "joined",
+        1 => "ready",
+        _ => "checked",
     }
 }
 
@@ -565,6 +678,7 @@ fn drive(
     n: usize,
     secret: &[u8],
     window: usize,
+    per_node: usize,
     go: &Barrier,
     start: &parking_lot::Mutex<Option<Instant>>,
 ) -> Result<Vec<Times>, String> {
@@ -598,6 +712,7 @@ fn drive(
                 lines: 0,
                 handshake: None,
                 times: Times::default(),
+                per_node,
             });
             connecting += 1;
         }
@@ -658,7 +773,15 @@ struct Run {
 }
 
 /// Runs `n` simulated ranks of `kind` against `server`.
-fn simulate(kind: Kind, server: &Server, n: usize, secret: &str, threads: usize, window: usize) -> Result<Run, String> {
+fn simulate(
+    kind: Kind,
+    server: &Server,
+    n: usize,
+    secret: &str,
+    threads: usize,
+    window: usize,
+    per_node: usize,
+) -> Result<Run, String> {
     let threads = threads.min(n).max(1);
     let go = Arc::new(Barrier::new(threads + 1));
     let start = Arc::new(parking_lot::Mutex::new(None::<Instant>));
@@ -668,7 +791,7 @@ fn simulate(kind: Kind, server: &Server, n: usize, secret: &str, threads: usize,
             let (go, start, secret) = (go.clone(), start.clone(), secret.as_bytes().to_vec());
             let ranks: Vec<usize> = (t..n).step_by(threads).collect();
             let window = window.div_ceil(threads);
-            std::thread::spawn(move || drive(kind, addr, ranks, n, &secret, window, &go, &start))
+            std::thread::spawn(move || drive(kind, addr, ranks, n, &secret, window, per_node, &go, &start))
         })
         .collect();
     let (server_before, client_before) = (server.cpu(), cpu_of("/proc/self/stat"));
@@ -729,6 +852,7 @@ fn main() {
     let mut window = 256;
     let mut two_trips = true;
     let mut store_workers = 0usize;
+    let mut per_node = 8usize;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--serve" => return serve(args.next().and_then(|v| v.parse().ok()).unwrap_or(0)),
@@ -746,6 +870,7 @@ fn main() {
             "--threads" => threads = args.next().and_then(|v| v.parse().ok()).expect("--threads takes a number"),
             "--window" => window = args.next().and_then(|v| v.parse().ok()).expect("--window takes a number"),
             "--no-two-trips" => two_trips = false,
+            "--per-node" => per_node = args.next().and_then(|v| v.parse().ok()).expect("--per-node takes a number"),
             n => counts.push(n.parse::<usize>().unwrap_or_else(|_| panic!("not a count or option: {n}"))),
         }
     }
@@ -755,7 +880,12 @@ fn main() {
     let limit = fd_limit();
     println!(
         "rendezvous_bench: simulated ranks on {threads} client threads (non-blocking sockets, {window} connecting at \
-         once), each server in a child process; fd limit {limit}; {cores} cores"
+         once), each server in a child process; fd limit {limit}; {cores} cores; {}",
+        if per_node == 0 {
+            "every rank reads the whole directory".to_string()
+        } else {
+            format!("{per_node} ranks per node, each reads its node's directory, rank 0 the whole one")
+        }
     );
     println!(
         "{:>7} {:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12} {:>12}",
@@ -800,7 +930,7 @@ fn main() {
                 Kind::CohortTwoTrips => "cohort-2rt",
                 Kind::TcpStore => "tcpstore",
             };
-            match simulate(kind, &server, n, &secret, threads, window) {
+            match simulate(kind, &server, n, &secret, threads, window, per_node) {
                 Ok(run) => {
                     let t = run.last;
                     println!(

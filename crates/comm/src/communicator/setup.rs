@@ -5,18 +5,23 @@
 //! - `job`: rank 0's random job id (names the shared-memory files) and TCP
 //!   link token;
 //! - `peers`: the directory, one line per rank appended by that rank (its
-//!   rank, node id, TCP listening address and local device count); barrier
-//!   `joined` opens once every rank appended and answers each rank the
-//!   directory whole (with `job`);
+//!   rank, node id, TCP listening address and local device count), and
+//!   `node/<node id>/peers`, the same lines of one node's ranks; barrier
+//!   `joined` opens once every rank appended to both and answers each rank
+//!   its node's directory (with `job`), and rank 0 the whole directory too;
+//! - `verdict`: rank 0's check of the whole directory (every rank once, all
+//!   with the same device count), answered to all by barrier `checked`;
 //! - `shm/<r>`: rank r created its shared-memory file;
 //! - barriers `mapped` (every file is mapped: owners unlink them) and
 //!   `ready`;
 //! - `timings`: rank 0's start-up phases (see `timings`).
 //!
 //! Every step is one round trip per rank, so a communicator of thousands of
-//! ranks forms without per-rank sequential reads or key scans, and each rank
-//! reads the directory (O(N) bytes) once
-//! (`examples/rendezvous_bench.rs` measures it).
+//! ranks forms without per-rank sequential reads or key scans. Each rank
+//! reads its node's entries (O(ranks per node) bytes); only rank 0 reads
+//! the whole directory, and, while links to other nodes are formed at
+//! set-up, a rank with peers on other nodes reads it for their addresses
+//! (`examples/rendezvous_bench.rs` measures the pattern).
 //!
 //! Ranks with the same node id (host name and boot id, plus the launcher's
 //! node rank `GROUP_RANK` when set) talk through shared memory; the others
@@ -76,9 +81,9 @@ fn directory_line(rank: usize, node: &str, addr: &str, devices: usize) -> String
     format!("{rank}\t{node}\t{addr}\t{devices}\n")
 }
 
-/// Every rank's entry, by rank, from the directory the ranks appended to:
-/// each of `0..size` exactly once.
-fn parse_directory(listing: &[u8], size: usize) -> Result<Vec<Peer>, ConnectError> {
+/// The entries of a directory (the communicator's or a node's), by rank:
+/// each rank at most once, every rank below `size`.
+fn parse_entries(listing: &[u8], size: usize) -> Result<Vec<Option<Peer>>, ConnectError> {
     let text = String::from_utf8_lossy(listing);
     let mut peers: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
     for line in text.lines() {
@@ -101,11 +106,27 @@ fn parse_directory(listing: &[u8], size: usize) -> Result<Vec<Peer>, ConnectErro
         }
         *slot = Some(Peer { node: node.into(), addr: addr.into(), devices });
     }
-    peers
-        .into_iter()
-        .enumerate()
-        .map(|(r, p)| p.ok_or_else(|| ConnectError::Setup(format!("rank {r} is missing from the directory"))))
-        .collect()
+    Ok(peers)
+}
+
+/// Rank 0's check of the whole directory: every rank of `0..size` exactly
+/// once, each with rank 0's `devices`.
+fn check_directory(listing: &[u8], size: usize, devices: usize) -> Result<(), ConnectError> {
+    let peers = parse_entries(listing, size)?;
+    if let Some(r) = peers.iter().position(Option::is_none) {
+        return Err(ConnectError::Setup(format!("rank {r} is missing from the directory")));
+    }
+    for (r, p) in peers.iter().enumerate() {
+        let p = p.as_ref().expect("checked above");
+        if p.devices != devices {
+            return Err(ConnectError::Setup(format!(
+                "rank {r} brings {} local devices but rank 0 brings {devices}: every rank of a communicator \
+                 must pass the same number of clients",
+                p.devices
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The error for a `joined` barrier that timed out: names the ranks that
@@ -168,26 +189,50 @@ pub(crate) fn form_under(
     let listener = TcpListener::bind((ip.as_str(), 0))
         .map_err(|e| ConnectError::Setup(format!("cannot listen for data links on {ip}: {e}")))?;
     let addr = listener.local_addr().map_err(|e| ConnectError::Setup(e.to_string()))?;
-    // Publish this rank's entry: one append to the communicator's directory,
-    // then one barrier for all that answers the job key and the whole
-    // directory as they stood when the last rank arrived (two round trips
-    // per rank, whatever the world size; the store sends every rank one
-    // shared copy of the directory).
+    // Publish this rank's entry: one append to the communicator's directory
+    // (read whole by rank 0 only, and by `cohort status`) and one to its
+    // node's, then one barrier for all that answers each rank the job key
+    // and its node's entries as they stood when the last rank arrived; rank
+    // 0 also reads the whole directory and checks it, and a second barrier
+    // answers every rank its verdict. Each rank reads O(ranks on its node)
+    // bytes, whatever the world size.
+    let node = node_id();
+    let line = directory_line(rank, &node, &addr.to_string(), devices);
     let directory = keys::directory(&prefix);
-    store.append(&directory, directory_line(rank, &node_id(), &addr.to_string(), devices).as_bytes())?;
+    let node_directory = keys::node_directory(&prefix, &node);
+    store.append(&directory, line.as_bytes())?;
+    store.append(&node_directory, line.as_bytes())?;
     let joined = key("joined");
     let job_key = key("job");
     let left = deadline.saturating_duration_since(Instant::now());
-    let (job, listing) = match store.barrier_get(&joined, size as u32, left, &[job_key.as_str(), directory.as_str()]) {
+    let mut reads = vec![job_key.as_str(), node_directory.as_str()];
+    if rank == 0 {
+        reads.push(directory.as_str());
+    }
+    let (job, node_listing, whole) = match store.barrier_get(&joined, size as u32, left, &reads) {
         Ok(values) => {
             let mut values = values.into_iter();
-            (values.next().flatten(), values.next().flatten())
+            (values.next().flatten(), values.next().flatten(), values.next().flatten())
         }
         Err(crate::store::StoreError::BarrierTimeout { waited, .. }) => {
             return Err(missing_ranks(&store, &directory, size, waited));
         }
         Err(e) => return Err(e.into()),
     };
+    let verdict_key = keys::verdict(&prefix);
+    if rank == 0 {
+        let verdict = match check_directory(&whole.unwrap_or_default(), size, devices) {
+            Ok(()) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        store.set(&verdict_key, verdict.as_bytes())?;
+    }
+    let left = deadline.saturating_duration_since(Instant::now());
+    let verdict = store.barrier_get(&key("checked"), size as u32, left, &[verdict_key.as_str()])?;
+    let verdict = verdict.into_iter().next().flatten().unwrap_or_default();
+    if !verdict.is_empty() {
+        return Err(ConnectError::Setup(String::from_utf8_lossy(&verdict).into_owned()));
+    }
     let joined_at = Instant::now();
     let job = String::from_utf8_lossy(&job.unwrap_or_default()).into_owned();
     let (job_id, token_hex) = job.split_once(' ').ok_or_else(|| ConnectError::Setup("malformed job entry".into()))?;
@@ -195,15 +240,17 @@ pub(crate) fn form_under(
     for (i, t) in token.iter_mut().enumerate() {
         *t = u8::from_str_radix(token_hex.get(2 * i..2 * i + 2).unwrap_or("00"), 16).unwrap_or(0);
     }
-    let peers = parse_directory(&listing.unwrap_or_default(), size)?;
-    if let Some((r, p)) = peers.iter().enumerate().find(|(_, p)| p.devices != devices) {
-        return Err(ConnectError::Setup(format!(
-            "rank {r} brings {} local devices but rank {rank} brings {devices}: every rank of a communicator \
-             must pass the same number of clients",
-            p.devices
-        )));
+    let mut peers = parse_entries(&node_listing.unwrap_or_default(), size)?;
+    let local: Vec<usize> = (0..size).filter(|&r| peers[r].as_ref().is_some_and(|p| p.node == node)).collect();
+    if !local.contains(&rank) {
+        return Err(ConnectError::Setup(format!("rank {rank} is missing from its node's directory")));
     }
-    let local: Vec<usize> = (0..size).filter(|&r| peers[r].node == peers[rank].node).collect();
+    if local.len() < size {
+        // Links to the other nodes are formed now: the addresses of the
+        // remote ranks come from the whole directory.
+        let listing = store.get(&directory)?.unwrap_or_default();
+        peers = parse_entries(&listing, size)?;
+    }
     let mut links: Vec<Option<Box<dyn Link>>> = (0..size).map(|_| None).collect();
 
     // Shared memory within the node.
@@ -240,8 +287,9 @@ pub(crate) fn form_under(
     // TCP to the other nodes: connect to lower ranks, accept higher ones.
     let remote: Vec<usize> = (0..size).filter(|r| !local.contains(r)).collect();
     for &r in remote.iter().filter(|&&r| r < rank) {
-        let link = tcp::connect(&peers[r].addr, rank, &token, deadline)
-            .map_err(|e| ConnectError::Setup(format!("cannot reach rank {r} at {}: {e}", peers[r].addr)))?;
+        let addr = peers[r].as_ref().map(|p| p.addr.as_str()).unwrap_or_default();
+        let link = tcp::connect(addr, rank, &token, deadline)
+            .map_err(|e| ConnectError::Setup(format!("cannot reach rank {r} at {addr}: {e}")))?;
         links[r] = Some(Box::new(link));
     }
     let higher: Vec<usize> = remote.iter().copied().filter(|&r| r > rank).collect();
