@@ -19,13 +19,14 @@
 //! Every step is one round trip per rank, so a communicator of thousands of
 //! ranks forms without per-rank sequential reads or key scans. Each rank
 //! reads its node's entries (O(ranks per node) bytes); only rank 0 reads
-//! the whole directory, and, while links to other nodes are formed at
-//! set-up, a rank with peers on other nodes reads it for their addresses
-//! (`examples/rendezvous_bench.rs` measures the pattern).
+//! the whole directory, and a rank reads another node's rank's address only
+//! when it first links to it (`examples/rendezvous_bench.rs` measures the
+//! pattern).
 //!
 //! Ranks with the same node id (host name and boot id, plus the launcher's
 //! node rank `GROUP_RANK` when set) talk through shared memory; the others
-//! through TCP.
+//! through TCP, connected when a collective first uses the link (`addr/<r>`
+//! holds rank r's listening address when the communicator spans nodes).
 
 use std::net::{TcpListener, UdpSocket};
 use std::sync::Arc;
@@ -35,7 +36,7 @@ use cohort_runtime::config::{self, TransportChoice};
 
 use crate::store::StoreClient;
 use crate::transport::shm::{self, Segment, ShmLink};
-use crate::transport::tcp::{self, TOKEN_LEN};
+use crate::transport::tcp::{self, LazyTcpLink, TOKEN_LEN};
 use crate::transport::Link;
 
 use super::error::ConnectError;
@@ -46,7 +47,6 @@ use super::world::World;
 /// One rank's entry in the store.
 struct Peer {
     node: String,
-    addr: String,
     devices: usize,
 }
 
@@ -89,7 +89,7 @@ fn parse_entries(listing: &[u8], size: usize) -> Result<Vec<Option<Peer>>, Conne
     for line in text.lines() {
         let mut fields = line.split('\t');
         let (r, node, addr, devices) = (fields.next(), fields.next(), fields.next(), fields.next());
-        let (Some(Ok(r)), Some(node), Some(addr), Some(Ok(devices))) =
+        let (Some(Ok(r)), Some(node), Some(_addr), Some(Ok(devices))) =
             (r.map(str::parse::<usize>), node, addr, devices.map(str::parse::<usize>))
         else {
             return Err(ConnectError::Setup(format!("malformed entry in the communicator's directory: {line:?}")));
@@ -104,7 +104,7 @@ fn parse_entries(listing: &[u8], size: usize) -> Result<Vec<Option<Peer>>, Conne
                 "two processes joined as rank {r}: every rank of a communicator needs its own rank"
             )));
         }
-        *slot = Some(Peer { node: node.into(), addr: addr.into(), devices });
+        *slot = Some(Peer { node: node.into(), devices });
     }
     Ok(peers)
 }
@@ -155,7 +155,8 @@ fn missing_ranks(store: &StoreClient, directory: &str, size: usize, waited: Dura
     ))
 }
 
-/// Forms `rank`'s links to every other rank of a world of `size` and returns
+/// Forms `rank`'s links to every other rank of a world of `size` (shared
+/// memory within its node now, TCP to other nodes on first use) and returns
 /// the world. Waits for every rank up to `timeout`.
 pub(crate) fn form(
     store: StoreClient,
@@ -240,16 +241,10 @@ pub(crate) fn form_under(
     for (i, t) in token.iter_mut().enumerate() {
         *t = u8::from_str_radix(token_hex.get(2 * i..2 * i + 2).unwrap_or("00"), 16).unwrap_or(0);
     }
-    let mut peers = parse_entries(&node_listing.unwrap_or_default(), size)?;
+    let peers = parse_entries(&node_listing.unwrap_or_default(), size)?;
     let local: Vec<usize> = (0..size).filter(|&r| peers[r].as_ref().is_some_and(|p| p.node == node)).collect();
     if !local.contains(&rank) {
         return Err(ConnectError::Setup(format!("rank {rank} is missing from its node's directory")));
-    }
-    if local.len() < size {
-        // Links to the other nodes are formed now: the addresses of the
-        // remote ranks come from the whole directory.
-        let listing = store.get(&directory)?.unwrap_or_default();
-        peers = parse_entries(&listing, size)?;
     }
     let mut links: Vec<Option<Box<dyn Link>>> = (0..size).map(|_| None).collect();
 
@@ -284,19 +279,34 @@ pub(crate) fn form_under(
         }
     }
 
-    // TCP to the other nodes: connect to lower ranks, accept higher ones.
+    // TCP to the other nodes, formed when a collective first uses a link:
+    // the higher rank of two connects (reading the lower one's address from
+    // the store then), the lower one's background acceptor files the
+    // connection by rank. Set-up opens no socket to another node.
     let remote: Vec<usize> = (0..size).filter(|r| !local.contains(r)).collect();
-    for &r in remote.iter().filter(|&&r| r < rank) {
-        let addr = peers[r].as_ref().map(|p| p.addr.as_str()).unwrap_or_default();
-        let link = tcp::connect(addr, rank, &token, deadline)
-            .map_err(|e| ConnectError::Setup(format!("cannot reach rank {r} at {addr}: {e}")))?;
-        links[r] = Some(Box::new(link));
-    }
-    let higher: Vec<usize> = remote.iter().copied().filter(|&r| r > rank).collect();
-    for (r, link) in tcp::accept(&listener, &token, &higher, deadline)
-        .map_err(|e| ConnectError::Setup(format!("waiting for data connections: {e}")))?
-    {
-        links[r] = Some(Box::new(link));
+    if !remote.is_empty() {
+        store.set(&keys::link_addr(&prefix, rank), addr.to_string().as_bytes())?;
+        let higher: Vec<usize> = remote.iter().copied().filter(|&r| r > rank).collect();
+        let acceptor = match higher.is_empty() {
+            true => None,
+            false => Some(
+                tcp::LinkAcceptor::start(listener, token, higher)
+                    .map_err(|e| ConnectError::Setup(format!("cannot accept data connections: {e}")))?,
+            ),
+        };
+        for &r in &remote {
+            let link = match &acceptor {
+                Some(acceptor) if r > rank => LazyTcpLink::accept(rank, r, acceptor.clone()),
+                _ => {
+                    let (store, key) = (store.clone(), keys::link_addr(&prefix, r));
+                    LazyTcpLink::dial(rank, r, token, move || {
+                        let value = store.get(&key).map_err(std::io::Error::other)?;
+                        Ok(value.map(|v| String::from_utf8_lossy(&v).into_owned()))
+                    })
+                }
+            };
+            links[r] = Some(Box::new(link));
+        }
     }
     store.barrier(&key("ready"), size as u32, deadline.saturating_duration_since(Instant::now()))?;
     // The start-up phases the launcher reports (`cohort run --timings`).

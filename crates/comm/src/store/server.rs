@@ -2,9 +2,11 @@
 //! threads, whatever the number of clients.
 //!
 //! Every socket is non-blocking and watched by a `mio` poll. One thread
-//! accepts connections and runs their handshakes; a client that proved
-//! the secret is handed to one of a few worker threads (one per two cores,
-//! at most [`MAX_WORKERS`]), which serves its requests. A request that must
+//! only accepts connections and hands each to one of a few worker threads
+//! (one per two cores, at most [`MAX_WORKERS`]), which runs its handshake
+//! (greeting, challenge–response over HMAC) and, once the client proved the
+//! secret, serves its requests: thousands of ranks connecting at once have
+//! their handshakes spread over the workers. A request that must
 //! wait (`wait`, `barrier`) is recorded in the table and costs no thread;
 //! its answer is written when the request that completes it arrives (the
 //! worker that applied that request passes the answers to the workers of
@@ -19,12 +21,15 @@
 //! long: its frames may hold at most [`protocol::PREAUTH_MAX_FRAME`] bytes,
 //! the whole handshake has one deadline (not one per read, which a client
 //! sending a byte a second would never hit), and at most
-//! [`MAX_UNAUTHENTICATED`] connections may be in the handshake at once.
-//! When that many are, the server closes the oldest of them once it has
-//! been in the handshake for [`EVICT_AFTER`] without answering (a client
-//! that holds the secret answers well within that), and until then leaves
-//! the new ones in the kernel's queue: thousands of ranks connecting at once
-//! all get through, and a flood of idle connections cannot hold the slots.
+//! [`MAX_UNAUTHENTICATED`] connections may be in the handshake at once,
+//! over all workers (the accepting thread keeps their slots). When that
+//! many are, the accepting thread closes the oldest of them that has been
+//! in the handshake for [`EVICT_AFTER`] without its whole answer waiting in
+//! its socket (a client that holds the secret answers well within that;
+//! one whose answer waits is about to be served, not evicted), and until
+//! then leaves the new ones in the kernel's queue: thousands of ranks
+//! connecting at once all get through, and a flood of idle or trickling
+//! connections cannot hold the slots.
 //!
 //! The listening queue is as deep as the kernel allows (`somaxconn`), so a
 //! burst of connections is queued rather than dropped (a dropped SYN costs
@@ -183,10 +188,10 @@ impl Shared {
 
 /// A rendezvous store served by a few background threads.
 ///
-/// One thread accepts connections and checks that each proves the job's
-/// secret (see the protocol in the module docs); a refusal is logged with
-/// `tracing::warn!` and the peer's address. A few worker threads serve
-/// the authenticated clients with non-blocking sockets; blocked `wait`s and
+/// One thread accepts connections; a few worker threads check that each
+/// proves the job's secret (see the protocol in the module docs; a refusal
+/// is logged with `tracing::warn!` and the peer's address) and serve the
+/// authenticated clients with non-blocking sockets; blocked `wait`s and
 /// barriers cost them no thread. Dropping the server shuts it down.
 pub struct StoreServer {
     shared: Arc<Shared>,
