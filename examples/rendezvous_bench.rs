@@ -1,7 +1,11 @@
 //! Rendezvous at scale: N simulated ranks, each with its own store
 //! connection, doing what a rank does while it forms a communicator: prove
-//! the job secret, publish its entry (one append to the directory), wait
-//! for every rank, read every peer's entry, and pass the `ready` barrier.
+//! the job secret, publish its entry (an append to the directory and one to
+//! its node's), wait for every rank, read its node's entries (rank 0: every
+//! entry), get rank 0's verdict through barrier `checked`, and pass the
+//! `ready` barrier. `--per-node K` sets the ranks per simulated node
+//! (default 8); `--per-node 0` is the pattern where every rank appends to
+//! and reads the whole directory (no node directories, no verdict).
 //!
 //! The ranks are state machines on non-blocking sockets, driven by a few
 //! threads (`--threads`, default: the cores less one, at most 8), not a
@@ -14,9 +18,10 @@
 //! ([`MAX_UNAUTHENTICATED`](cohort_comm::store::MAX_UNAUTHENTICATED)).
 //!
 //! Three runs per count, each against a fresh server:
-//! - `cohort`: the Communicator's pattern: `append`, then `barrier_get`
-//!   (the barrier answers the job key and the whole directory), then the
-//!   `ready` barrier;
+//! - `cohort`: the Communicator's pattern: `append`s, then `barrier_get`
+//!   (the barrier answers the job key and the rank's directory), rank 0's
+//!   `set` of its verdict and `barrier_get` of `checked`, then the `ready`
+//!   barrier;
 //! - `cohort-2rt`: the same with the read as its own round trip (`barrier`
 //!   then `multi_get`), the pattern before `barrier_get`;
 //! - `tcpstore`: PyTorch's TCPStore (libuv backend), when `--tcpstore CMD`
@@ -24,18 +29,19 @@
 //!   (`python3 scripts/anchors/tcpstore_bench.py --serve`), spoken to by
 //!   the same client machinery in its own wire format: `append`, torch's
 //!   store barrier (`add` to a counter, the last sets a key, all `wait` for
-//!   it), `multi_get` of the job key and the directory, a second barrier.
+//!   it), `multi_get` of the job key and the rank's directory, rank 0's
+//!   `set` of its verdict, a barrier, a `multi_get` of the verdict, a last
+//!   barrier.
 //!   TCPStore's `set` and `append` have no answer, so its `published` is
 //!   when the request was written; its connect includes one round trip
-//!   (what torch's client does to check the server: here `getNumKeys`).
-//!
+//!   (what torch's client does to check the server: here `getNumKeys`);
 //! - `baseline`: `cohort`'s pattern against another build's store, when
 //!   `--baseline CMD` names a command that serves one and prints its port
 //!   (that build's `rendezvous_bench --serve`, the secret read from stdin):
 //!   compares two versions of the store in one run.
 //!
 //! For every run it prints when the last rank had connected, published,
-//! joined (passed the first barrier), read the directory and passed
+//! joined (passed the first barrier), read its directory and passed
 //! `ready`, from the common release, and the CPU time the server's process
 //! and the clients spent: a store busy for most of the run is the
 //! bottleneck. Then ratios against TCPStore at every count.
@@ -253,10 +259,9 @@ mod tcp {
 impl Rank {
     /// The directory this rank reads: its node's, or the whole one.
     fn my_directory(&self) -> String {
-        if self.per_node == 0 {
-            "c/1/peers".into()
-        } else {
-            format!("c/1/node/{}/peers", self.rank / self.per_node)
+        match self.rank.checked_div(self.per_node) {
+            None => "c/1/peers".into(),
+            Some(node) => format!("c/1/node/{node}/peers"),
         }
     }
 
@@ -272,11 +277,9 @@ impl Rank {
 
     /// Entries the rank's directory holds once all joined.
     fn expected_lines(&self, n: usize) -> usize {
-        if self.per_node == 0 {
-            n
-        } else {
-            let first = self.rank / self.per_node * self.per_node;
-            (n - first).min(self.per_node)
+        match self.rank.checked_div(self.per_node) {
+            None => n,
+            Some(node) => (n - node * self.per_node).min(self.per_node),
         }
     }
 
