@@ -1,7 +1,11 @@
 //! Rendezvous at scale: N simulated ranks, each with its own store
 //! connection, doing what a rank does while it forms a communicator: prove
-//! the job secret, publish its entry (one append to the directory), wait
-//! for every rank, read every peer's entry, and pass the `ready` barrier.
+//! the job secret, publish its entry (an append to the directory and one to
+//! its node's), wait for every rank, read its node's entries (rank 0: every
+//! entry), get rank 0's verdict through barrier `checked`, and pass the
+//! `ready` barrier. `--per-node K` sets the ranks per simulated node
+//! (default 8); `--per-node 0` is the pattern where every rank appends to
+//! and reads the whole directory (no node directories, no verdict).
 //!
 //! The ranks are state machines on non-blocking sockets, driven by a few
 //! threads (`--threads`, default: the cores less one, at most 8), not a
@@ -14,9 +18,10 @@
 //! ([`MAX_UNAUTHENTICATED`](cohort_comm::store::MAX_UNAUTHENTICATED)).
 //!
 //! Three runs per count, each against a fresh server:
-//! - `cohort`: the Communicator's pattern: `append`, then `barrier_get`
-//!   (the barrier answers the job key and the whole directory), then the
-//!   `ready` barrier;
+//! - `cohort`: the Communicator's pattern: `append`s, then `barrier_get`
+//!   (the barrier answers the job key and the rank's directory), rank 0's
+//!   `set` of its verdict and `barrier_get` of `checked`, then the `ready`
+//!   barrier;
 //! - `cohort-2rt`: the same with the read as its own round trip (`barrier`
 //!   then `multi_get`), the pattern before `barrier_get`;
 //! - `tcpstore`: PyTorch's TCPStore (libuv backend), when `--tcpstore CMD`
@@ -24,19 +29,25 @@
 //!   (`python3 scripts/anchors/tcpstore_bench.py --serve`), spoken to by
 //!   the same client machinery in its own wire format: `append`, torch's
 //!   store barrier (`add` to a counter, the last sets a key, all `wait` for
-//!   it), `multi_get` of the job key and the directory, a second barrier.
+//!   it), `multi_get` of the job key and the rank's directory, rank 0's
+//!   `set` of its verdict, a barrier, a `multi_get` of the verdict, a last
+//!   barrier.
 //!   TCPStore's `set` and `append` have no answer, so its `published` is
 //!   when the request was written; its connect includes one round trip
-//!   (what torch's client does to check the server: here `getNumKeys`).
+//!   (what torch's client does to check the server: here `getNumKeys`);
+//! - `baseline`: `cohort`'s pattern against another build's store, when
+//!   `--baseline CMD` names a command that serves one and prints its port
+//!   (that build's `rendezvous_bench --serve`, the secret read from stdin):
+//!   compares two versions of the store in one run.
 //!
 //! For every run it prints when the last rank had connected, published,
-//! joined (passed the first barrier), read the directory and passed
+//! joined (passed the first barrier), read its directory and passed
 //! `ready`, from the common release, and the CPU time the server's process
 //! and the clients spent: a store busy for most of the run is the
 //! bottleneck. Then ratios against TCPStore at every count.
 //!
 //! Run: `cargo run --release --example rendezvous_bench -- [--tcpstore CMD]
-//! [--threads T] [--window W] [--store-workers S] [--no-two-trips]
+//! [--baseline CMD] [--threads T] [--window W] [--store-workers S] [--no-two-trips]
 //! [counts...]` (default counts 1024 4096 16384; `--store-workers` sets the
 //! threads serving cohort's authenticated clients, default one per two
 //! cores up to 8).
@@ -160,6 +171,12 @@ enum Step {
     /// TCPStore: the wait of barrier `joined` (0) or `ready` (1).
     Waited(u8),
     Read,
+    /// cohort: rank 0 set its verdict on the directory.
+    VerdictSet,
+    /// The verdict is read (cohort: barrier `checked` answered it).
+    VerdictRead,
+    /// cohort: the node directory is appended too.
+    AppendedNode,
     Ready,
     Done,
 }
@@ -201,6 +218,8 @@ struct Rank {
     lines: usize,
     handshake: Option<Handshake>,
     times: Times,
+    /// Ranks per simulated node (0: every rank reads the whole directory).
+    per_node: usize,
 }
 
 /// The outcome of one answer.
@@ -238,6 +257,32 @@ mod tcp {
 }
 
 impl Rank {
+    /// The directory this rank reads: its node's, or the whole one.
+    fn my_directory(&self) -> String {
+        match self.rank.checked_div(self.per_node) {
+            None => "c/1/peers".into(),
+            Some(node) => format!("c/1/node/{node}/peers"),
+        }
+    }
+
+    /// What the rank reads when every rank joined: the job key and its
+    /// directory (and rank 0, with per-node directories, the whole one).
+    fn reads(&self) -> Vec<String> {
+        let mut keys = vec!["c/1/job".to_string(), self.my_directory()];
+        if self.per_node > 0 && self.rank == 0 {
+            keys.push("c/1/peers".into());
+        }
+        keys
+    }
+
+    /// Entries the rank's directory holds once all joined.
+    fn expected_lines(&self, n: usize) -> usize {
+        match self.rank.checked_div(self.per_node) {
+            None => n,
+            Some(node) => (n - node * self.per_node).min(self.per_node),
+        }
+    }
+
     fn expect(&mut self, field: Field, need: usize) {
         self.field = field;
         self.need = need;
@@ -401,6 +446,11 @@ impl Rank {
             b.push(tcp::APPEND);
             tcp::bytes(&mut b, b"c/1/peers");
             tcp::bytes(&mut b, line.as_bytes());
+            if self.per_node > 0 {
+                b.push(tcp::APPEND);
+                tcp::bytes(&mut b, self.my_directory().as_bytes());
+                tcp::bytes(&mut b, line.as_bytes());
+            }
             self.send(&b);
             // No answer to wait for: published once written.
             self.times.published = t0.elapsed();
@@ -416,7 +466,7 @@ impl Rank {
     /// TCPStore: torch's store barrier, first request (the counter).
     fn tcp_barrier(&mut self, which: u8) {
         let mut b = vec![tcp::ADD];
-        tcp::bytes(&mut b, if which == 0 { b"c/1/joined/count" } else { b"c/1/ready/count" });
+        tcp::bytes(&mut b, format!("c/1/{}/count", tcp_barrier_name(which)).as_bytes());
         b.extend_from_slice(&1i64.to_ne_bytes());
         self.send(&b);
         self.step = Step::Counted(which);
@@ -466,12 +516,26 @@ impl Rank {
                 ok(&a)?;
                 self.publish(kind, n, t0);
             }
-            (Step::Appended, a) => {
+            (Step::Appended, a) if self.per_node > 0 => {
+                ok(&a)?;
+                let line = format!(
+                    "{}\thost-{}/boot-id-0000-1111-2222/0\t127.0.0.1:{}\t1\n",
+                    self.rank,
+                    self.rank / 8,
+                    20000 + self.rank
+                );
+                self.send(&raw::append(&self.my_directory(), line.as_bytes()));
+                self.step = Step::AppendedNode;
+                self.expect(Field::FrameLen, 4);
+            }
+            (Step::Appended | Step::AppendedNode, a) => {
                 ok(&a)?;
                 self.times.published = t0.elapsed();
+                let reads = self.reads();
+                let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
                 if kind == Kind::Cohort {
-                    self.send(&raw::barrier_get("c/1/joined", n as u32, TIMEOUT, &["c/1/job", "c/1/peers"]));
-                    self.expect_values(kind, 2);
+                    self.send(&raw::barrier_get("c/1/joined", n as u32, TIMEOUT, &reads));
+                    self.expect_values(kind, reads.len() as u32);
                 } else {
                     self.send(&raw::barrier("c/1/joined", n as u32, TIMEOUT));
                     self.expect(Field::FrameLen, 4);
@@ -486,12 +550,29 @@ impl Rank {
             (Step::Joined, a) => {
                 ok(&a)?;
                 self.times.joined = t0.elapsed();
-                self.send(&raw::multi_get(&["c/1/job", "c/1/peers"]));
-                self.expect_values(kind, 2);
+                let reads = self.reads();
+                let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
+                self.send(&raw::multi_get(&reads));
+                self.expect_values(kind, reads.len() as u32);
                 self.step = Step::Read;
             }
+            (Step::VerdictSet, a) => {
+                ok(&a)?;
+                self.send(&raw::barrier_get("c/1/checked", n as u32, TIMEOUT, &["c/1/verdict"]));
+                self.expect_values(kind, 1);
+                self.step = Step::VerdictRead;
+            }
+            (Step::VerdictRead, Answered::Values(_)) => self.ready_barrier(kind, n),
+            (Step::Waited(2), Answered::Byte) => {
+                let mut b = Vec::new();
+                tcp::keys(&mut b, tcp::MULTI_GET, &["c/1/verdict"]);
+                self.send(&b);
+                self.expect_values(kind, 1);
+                self.step = Step::VerdictRead;
+            }
             (Step::Counted(which), Answered::Int(count)) => {
-                let done: &[u8] = if which == 0 { b"c/1/joined/done" } else { b"c/1/ready/done" };
+                let done = format!("c/1/{}/done", tcp_barrier_name(which));
+                let done = done.as_bytes();
                 let mut b = Vec::new();
                 if count == n as i64 {
                     b.push(tcp::SET);
@@ -505,10 +586,12 @@ impl Rank {
             }
             (Step::Waited(0), Answered::Byte) => {
                 self.times.joined = t0.elapsed();
+                let reads = self.reads();
+                let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
                 let mut b = Vec::new();
-                tcp::keys(&mut b, tcp::MULTI_GET, &["c/1/job", "c/1/peers"]);
+                tcp::keys(&mut b, tcp::MULTI_GET, &reads);
                 self.send(&b);
-                self.expect_values(kind, 2);
+                self.expect_values(kind, reads.len() as u32);
                 self.step = Step::Read;
             }
             (Step::Waited(_), Answered::Byte) => {
@@ -531,11 +614,41 @@ impl Rank {
         Ok(false)
     }
 
-    /// The directory is read: check it, then the `ready` barrier.
+    /// The directory is read: check it, then (with per-node directories)
+    /// rank 0's verdict, then the `ready` barrier.
     fn read_done(&mut self, kind: Kind, lines: usize, n: usize) -> Result<(), String> {
-        if lines != n {
-            return Err(format!("rank {} read {lines} entries of {n}", self.rank));
+        let want = self.expected_lines(n);
+        if lines != want {
+            return Err(format!("rank {} read {lines} entries of {want}", self.rank));
         }
+        if self.per_node == 0 {
+            self.ready_barrier(kind, n);
+            return Ok(());
+        }
+        // Rank 0 checked the whole directory: it publishes its verdict,
+        // which a second barrier answers to every rank.
+        if kind == Kind::TcpStore {
+            if self.rank == 0 {
+                let mut b = vec![tcp::SET];
+                tcp::bytes(&mut b, b"c/1/verdict");
+                tcp::bytes(&mut b, b"");
+                self.send(&b);
+            }
+            self.tcp_barrier(2);
+        } else if self.rank == 0 {
+            self.send(&raw::set("c/1/verdict", b""));
+            self.step = Step::VerdictSet;
+            self.expect(Field::FrameLen, 4);
+        } else {
+            self.send(&raw::barrier_get("c/1/checked", n as u32, TIMEOUT, &["c/1/verdict"]));
+            self.expect_values(kind, 1);
+            self.step = Step::VerdictRead;
+        }
+        Ok(())
+    }
+
+    /// The last step: the `ready` barrier.
+    fn ready_barrier(&mut self, kind: Kind, n: usize) {
         if kind == Kind::TcpStore {
             self.tcp_barrier(1);
         } else {
@@ -543,11 +656,19 @@ impl Rank {
             self.step = Step::Ready;
             self.expect(Field::FrameLen, 4);
         }
-        Ok(())
     }
 
     fn connecting(&self) -> bool {
         matches!(self.step, Step::Connecting | Step::Greeting | Step::Verdict | Step::Checked)
+    }
+}
+
+/// The name of TCPStore barrier `which`: 0 `joined`, 1 `ready`, 2 `checked`.
+fn tcp_barrier_name(which: u8) -> &'static str {
+    match which {
+        0 => "joined",
+        1 => "ready",
+        _ => "checked",
     }
 }
 
@@ -560,6 +681,7 @@ fn drive(
     n: usize,
     secret: &[u8],
     window: usize,
+    per_node: usize,
     go: &Barrier,
     start: &parking_lot::Mutex<Option<Instant>>,
 ) -> Result<Vec<Times>, String> {
@@ -593,6 +715,7 @@ fn drive(
                 lines: 0,
                 handshake: None,
                 times: Times::default(),
+                per_node,
             });
             connecting += 1;
         }
@@ -653,7 +776,15 @@ struct Run {
 }
 
 /// Runs `n` simulated ranks of `kind` against `server`.
-fn simulate(kind: Kind, server: &Server, n: usize, secret: &str, threads: usize, window: usize) -> Result<Run, String> {
+fn simulate(
+    kind: Kind,
+    server: &Server,
+    n: usize,
+    secret: &str,
+    threads: usize,
+    window: usize,
+    per_node: usize,
+) -> Result<Run, String> {
     let threads = threads.min(n).max(1);
     let go = Arc::new(Barrier::new(threads + 1));
     let start = Arc::new(parking_lot::Mutex::new(None::<Instant>));
@@ -663,7 +794,7 @@ fn simulate(kind: Kind, server: &Server, n: usize, secret: &str, threads: usize,
             let (go, start, secret) = (go.clone(), start.clone(), secret.as_bytes().to_vec());
             let ranks: Vec<usize> = (t..n).step_by(threads).collect();
             let window = window.div_ceil(threads);
-            std::thread::spawn(move || drive(kind, addr, ranks, n, &secret, window, &go, &start))
+            std::thread::spawn(move || drive(kind, addr, ranks, n, &secret, window, per_node, &go, &start))
         })
         .collect();
     let (server_before, client_before) = (server.cpu(), cpu_of("/proc/self/stat"));
@@ -718,11 +849,13 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mut counts = Vec::new();
     let mut tcpstore: Option<Vec<String>> = None;
+    let mut baseline: Option<Vec<String>> = None;
     let cores = std::thread::available_parallelism().map_or(2, |c| c.get());
     let mut threads = cores.saturating_sub(1).clamp(1, 8);
     let mut window = 256;
     let mut two_trips = true;
     let mut store_workers = 0usize;
+    let mut per_node = 8usize;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--serve" => return serve(args.next().and_then(|v| v.parse().ok()).unwrap_or(0)),
@@ -733,9 +866,14 @@ fn main() {
                 let cmd = args.next().expect("--tcpstore takes a command");
                 tcpstore = Some(cmd.split_whitespace().map(String::from).collect());
             }
+            "--baseline" => {
+                let cmd = args.next().expect("--baseline takes a command");
+                baseline = Some(cmd.split_whitespace().map(String::from).collect());
+            }
             "--threads" => threads = args.next().and_then(|v| v.parse().ok()).expect("--threads takes a number"),
             "--window" => window = args.next().and_then(|v| v.parse().ok()).expect("--window takes a number"),
             "--no-two-trips" => two_trips = false,
+            "--per-node" => per_node = args.next().and_then(|v| v.parse().ok()).expect("--per-node takes a number"),
             n => counts.push(n.parse::<usize>().unwrap_or_else(|_| panic!("not a count or option: {n}"))),
         }
     }
@@ -745,7 +883,12 @@ fn main() {
     let limit = fd_limit();
     println!(
         "rendezvous_bench: simulated ranks on {threads} client threads (non-blocking sockets, {window} connecting at \
-         once), each server in a child process; fd limit {limit}; {cores} cores"
+         once), each server in a child process; fd limit {limit}; {cores} cores; {}",
+        if per_node == 0 {
+            "every rank reads the whole directory".to_string()
+        } else {
+            format!("{per_node} ranks per node, each reads its node's directory, rank 0 the whole one")
+        }
     );
     println!(
         "{:>7} {:<11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12} {:>12}",
@@ -753,6 +896,7 @@ fn main() {
     );
     let me = std::env::current_exe().expect("own path").to_string_lossy().into_owned();
     let mut ratios = Vec::new();
+    let mut against_baseline = Vec::new();
     for &n in &counts {
         if n as u64 + 64 > limit {
             println!("{n:>7} skipped: needs {} descriptors per process, the limit is {limit} (ulimit -Hn)", n + 64);
@@ -765,19 +909,31 @@ fn main() {
         if tcpstore.is_some() {
             kinds.push(Kind::TcpStore);
         }
+        // (pattern, the baseline build's store)
+        let mut runs: Vec<(Kind, bool)> = kinds.into_iter().map(|k| (k, false)).collect();
+        if baseline.is_some() {
+            runs.push((Kind::Cohort, true));
+        }
         let mut ready = Vec::new();
-        for kind in kinds {
+        let mut base = None;
+        for (kind, on_baseline) in runs {
             let secret = generate_secret().expect("secret");
-            let server = match (kind, &tcpstore) {
-                (Kind::TcpStore, Some(cmd)) => Server::start(cmd, "-"),
+            let server = match (kind, &tcpstore, &baseline) {
+                (Kind::TcpStore, Some(cmd), _) => Server::start(cmd, "-"),
+                (_, _, Some(cmd)) if on_baseline => {
+                    let mut cmd = cmd.clone();
+                    cmd.push(store_workers.to_string());
+                    Server::start(&cmd, &secret)
+                }
                 _ => Server::start(&[me.clone(), "--serve".into(), store_workers.to_string()], &secret),
             };
             let name = match kind {
+                _ if on_baseline => "baseline",
                 Kind::Cohort => "cohort",
                 Kind::CohortTwoTrips => "cohort-2rt",
                 Kind::TcpStore => "tcpstore",
             };
-            match simulate(kind, &server, n, &secret, threads, window) {
+            match simulate(kind, &server, n, &secret, threads, window, per_node) {
                 Ok(run) => {
                     let t = run.last;
                     println!(
@@ -790,7 +946,11 @@ fn main() {
                         ms(run.server_cpu),
                         ms(run.client_cpu)
                     );
-                    ready.push((kind, t));
+                    if on_baseline {
+                        base = Some(t);
+                    } else {
+                        ready.push((kind, t));
+                    }
                 }
                 Err(e) => println!("{n:>7} {name:<11} failed: {e}"),
             }
@@ -800,6 +960,22 @@ fn main() {
         if let (Some(c), Some(t)) = (cohort, torch) {
             ratios.push((n, c, t));
         }
+        if let (Some(c), Some(b)) = (cohort, base) {
+            against_baseline.push((n, c, b));
+        }
+    }
+    for (n, c, b) in against_baseline {
+        let r = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
+        println!(
+            "{n:>7} ranks: against the baseline store: connect {:.1} ms vs {:.1} ms: {:.2}x; ready {:.1} ms vs {:.1} \
+             ms: {:.2}x",
+            ms(c.connected),
+            ms(b.connected),
+            r(b.connected, c.connected),
+            ms(c.ready),
+            ms(b.ready),
+            r(b.ready, c.ready)
+        );
     }
     for (n, c, t) in ratios {
         let r = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);

@@ -123,3 +123,31 @@ fn the_flight_recorder_keeps_the_start_up_phases() {
     assert_eq!(names, ["joined", "links", "ready"]);
     drop(comms);
 }
+
+#[test]
+fn communicator_setup_names_a_rank_with_another_device_count() {
+    std::env::set_var("COHORT_CPU_DEVICES", "4");
+    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+    let addr = server.local_addr().to_string();
+    // Ranks 0 and 1 bring one device, rank 2 brings two: only rank 0 reads
+    // the whole directory, and every rank gets its verdict.
+    let handles: Vec<_> = (0..3usize)
+        .map(|r| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let clients = if r == 2 {
+                    vec![CpuRuntime::client(2).unwrap(), CpuRuntime::client(3).unwrap()]
+                } else {
+                    vec![CpuRuntime::client(r).unwrap()]
+                };
+                Communicator::connect(r, 3, &addr, "secret", clients).map(|_| ())
+            })
+        })
+        .collect();
+    for (r, h) in handles.into_iter().enumerate() {
+        let err = h.join().unwrap().unwrap_err();
+        assert!(matches!(err, ConnectError::Setup(_)), "rank {r}: {err}");
+        let text = err.to_string();
+        assert!(text.contains("rank 2 brings 2 local devices but rank 0 brings 1"), "rank {r}: {text}");
+    }
+}

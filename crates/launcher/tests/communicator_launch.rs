@@ -69,6 +69,37 @@ fn two_launchers_form_one_eight_rank_job_over_tcp_and_shm() {
 }
 
 #[test]
+fn a_rank_that_crashes_before_its_first_link_to_another_node_fails_both_nodes() {
+    // TCP links between nodes connect on first use: rank 6 (node 1) exits
+    // right after set-up, so its links to node 0 never form. The ranks
+    // waiting on them in the first all-reduce must not wait for the
+    // timeout (10 min, past LIMIT): both launchers end, no rank left.
+    let port = free_port().to_string();
+    let dir = temp_dir("comm-crash-two-nodes");
+    let d = dir.to_str().unwrap();
+    let node = |rank: &str| {
+        let mut c = suite_run(
+            &["-n", "4", "--nnodes", "2", "--node-rank", rank, "--master-addr", "127.0.0.1", "--master-port", &port],
+            &["--pid-dir", d, "crash", "6"],
+        );
+        c.env("COHORT_JOB_SECRET", "two-node-crash-secret");
+        c.spawn().expect("start a launcher")
+    };
+    let (first, second) = (node("0"), node("1"));
+    let (a, b) = (wait_output(first, LIMIT), wait_output(second, LIMIT));
+    let (_, stderr_a) = texts(&a);
+    let (_, stderr_b) = texts(&b);
+    assert_ne!(code(a.status, &a), 0, "node 0 must fail: {stderr_a}");
+    assert_eq!(code(b.status, &b), 3, "node 1 ends with the crashed rank's code: {stderr_b}");
+    assert!(stderr_b.contains("rank 6 failed first") && stderr_b.contains("exited with code 3"), "{stderr_b}");
+    let pids = read_pids(&dir);
+    assert_eq!(pids.len(), 8, "every rank wrote its pid");
+    let left = wait_all_gone(&pids, Duration::from_secs(2));
+    assert!(left.is_empty(), "ranks left alive: {left:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn mpirun_runs_the_suite_without_a_launcher() {
     require_mpirun();
     let mut c = Command::new("mpirun");

@@ -23,9 +23,14 @@
 //!   under which that group's own keys (the ones above) live.
 //!
 //! Start-up and status (see `timings` and `observe`):
-//! - `peers`: the directory of a communicator (one line per rank);
-//!   `joined`: the barrier after every rank appended to it, whose answer
-//!   (`barrier_get`) is `job` and the whole directory;
+//! - `peers`: the directory of a communicator (one line per rank), and
+//!   `node/<node id>/peers`: the lines of one node's ranks; `joined`: the
+//!   barrier after every rank appended to both, whose answer
+//!   (`barrier_get`) is `job` and the rank's node directory (for rank 0,
+//!   the whole directory too); `verdict`: rank 0's check of the whole
+//!   directory (empty, or what is wrong), answered by barrier `checked`;
+//! - `addr/<r>`: rank r's TCP listening address, when the communicator
+//!   spans nodes (a rank of another node reads it on first use of its link);
 //! - `timings`: rank 0's start-up phases, lines `<phase> <unix µs>`;
 //! - `call/<r>` = `<seq> <kind> <bytes> <since unix ms>`: the collective
 //!   rank r is in now (or last was), written with its progress.
@@ -132,6 +137,24 @@ pub(super) fn peer_ready(prefix: &str, rank: usize) -> String {
 /// The directory of a communicator: one line per rank, appended by it.
 pub(super) fn directory(prefix: &str) -> String {
     format!("{prefix}peers")
+}
+
+/// The directory of the ranks of one node (node id `node`): one line per
+/// rank, appended by it, in the format of [`directory`].
+pub(super) fn node_directory(prefix: &str, node: &str) -> String {
+    format!("{prefix}node/{node}/peers")
+}
+
+/// Rank `rank`'s TCP listening address, set when the communicator spans
+/// nodes and read by a rank of another node when it first links to it.
+pub(super) fn link_addr(prefix: &str, rank: usize) -> String {
+    format!("{prefix}addr/{rank}")
+}
+
+/// Rank 0's verdict on a communicator's directory: empty when every rank
+/// joined once with the same device count, else what is wrong.
+pub(super) fn verdict(prefix: &str) -> String {
+    format!("{prefix}verdict")
 }
 
 /// Rank 0's start-up phases of communicator `prefix`.

@@ -5,22 +5,28 @@
 //! - `job`: rank 0's random job id (names the shared-memory files) and TCP
 //!   link token;
 //! - `peers`: the directory, one line per rank appended by that rank (its
-//!   rank, node id, TCP listening address and local device count); barrier
-//!   `joined` opens once every rank appended and answers each rank the
-//!   directory whole (with `job`);
+//!   rank, node id, TCP listening address and local device count), and
+//!   `node/<node id>/peers`, the same lines of one node's ranks; barrier
+//!   `joined` opens once every rank appended to both and answers each rank
+//!   its node's directory (with `job`), and rank 0 the whole directory too;
+//! - `verdict`: rank 0's check of the whole directory (every rank once, all
+//!   with the same device count), answered to all by barrier `checked`;
 //! - `shm/<r>`: rank r created its shared-memory file;
 //! - barriers `mapped` (every file is mapped: owners unlink them) and
 //!   `ready`;
 //! - `timings`: rank 0's start-up phases (see `timings`).
 //!
 //! Every step is one round trip per rank, so a communicator of thousands of
-//! ranks forms without per-rank sequential reads or key scans, and each rank
-//! reads the directory (O(N) bytes) once
-//! (`examples/rendezvous_bench.rs` measures it).
+//! ranks forms without per-rank sequential reads or key scans. Each rank
+//! reads its node's entries (O(ranks per node) bytes); only rank 0 reads
+//! the whole directory, and a rank reads another node's rank's address only
+//! when it first links to it (`examples/rendezvous_bench.rs` measures the
+//! pattern).
 //!
 //! Ranks with the same node id (host name and boot id, plus the launcher's
 //! node rank `GROUP_RANK` when set) talk through shared memory; the others
-//! through TCP.
+//! through TCP, connected when a collective first uses the link (`addr/<r>`
+//! holds rank r's listening address when the communicator spans nodes).
 
 use std::net::{TcpListener, UdpSocket};
 use std::sync::Arc;
@@ -30,7 +36,7 @@ use cohort_runtime::config::{self, TransportChoice};
 
 use crate::store::StoreClient;
 use crate::transport::shm::{self, Segment, ShmLink};
-use crate::transport::tcp::{self, TOKEN_LEN};
+use crate::transport::tcp::{self, LazyTcpLink, TOKEN_LEN};
 use crate::transport::Link;
 
 use super::error::ConnectError;
@@ -41,7 +47,6 @@ use super::world::World;
 /// One rank's entry in the store.
 struct Peer {
     node: String,
-    addr: String,
     devices: usize,
 }
 
@@ -76,15 +81,15 @@ fn directory_line(rank: usize, node: &str, addr: &str, devices: usize) -> String
     format!("{rank}\t{node}\t{addr}\t{devices}\n")
 }
 
-/// Every rank's entry, by rank, from the directory the ranks appended to:
-/// each of `0..size` exactly once.
-fn parse_directory(listing: &[u8], size: usize) -> Result<Vec<Peer>, ConnectError> {
+/// The entries of a directory (the communicator's or a node's), by rank:
+/// each rank at most once, every rank below `size`.
+fn parse_entries(listing: &[u8], size: usize) -> Result<Vec<Option<Peer>>, ConnectError> {
     let text = String::from_utf8_lossy(listing);
     let mut peers: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
     for line in text.lines() {
         let mut fields = line.split('\t');
         let (r, node, addr, devices) = (fields.next(), fields.next(), fields.next(), fields.next());
-        let (Some(Ok(r)), Some(node), Some(addr), Some(Ok(devices))) =
+        let (Some(Ok(r)), Some(node), Some(_addr), Some(Ok(devices))) =
             (r.map(str::parse::<usize>), node, addr, devices.map(str::parse::<usize>))
         else {
             return Err(ConnectError::Setup(format!("malformed entry in the communicator's directory: {line:?}")));
@@ -99,13 +104,29 @@ fn parse_directory(listing: &[u8], size: usize) -> Result<Vec<Peer>, ConnectErro
                 "two processes joined as rank {r}: every rank of a communicator needs its own rank"
             )));
         }
-        *slot = Some(Peer { node: node.into(), addr: addr.into(), devices });
+        *slot = Some(Peer { node: node.into(), devices });
     }
-    peers
-        .into_iter()
-        .enumerate()
-        .map(|(r, p)| p.ok_or_else(|| ConnectError::Setup(format!("rank {r} is missing from the directory"))))
-        .collect()
+    Ok(peers)
+}
+
+/// Rank 0's check of the whole directory: every rank of `0..size` exactly
+/// once, each with rank 0's `devices`.
+fn check_directory(listing: &[u8], size: usize, devices: usize) -> Result<(), ConnectError> {
+    let peers = parse_entries(listing, size)?;
+    if let Some(r) = peers.iter().position(Option::is_none) {
+        return Err(ConnectError::Setup(format!("rank {r} is missing from the directory")));
+    }
+    for (r, p) in peers.iter().enumerate() {
+        let p = p.as_ref().expect("checked above");
+        if p.devices != devices {
+            return Err(ConnectError::Setup(format!(
+                "rank {r} brings {} local devices but rank 0 brings {devices}: every rank of a communicator \
+                 must pass the same number of clients",
+                p.devices
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The error for a `joined` barrier that timed out: names the ranks that
@@ -134,7 +155,8 @@ fn missing_ranks(store: &StoreClient, directory: &str, size: usize, waited: Dura
     ))
 }
 
-/// Forms `rank`'s links to every other rank of a world of `size` and returns
+/// Forms `rank`'s links to every other rank of a world of `size` (shared
+/// memory within its node now, TCP to other nodes on first use) and returns
 /// the world. Waits for every rank up to `timeout`.
 pub(crate) fn form(
     store: StoreClient,
@@ -168,26 +190,50 @@ pub(crate) fn form_under(
     let listener = TcpListener::bind((ip.as_str(), 0))
         .map_err(|e| ConnectError::Setup(format!("cannot listen for data links on {ip}: {e}")))?;
     let addr = listener.local_addr().map_err(|e| ConnectError::Setup(e.to_string()))?;
-    // Publish this rank's entry: one append to the communicator's directory,
-    // then one barrier for all that answers the job key and the whole
-    // directory as they stood when the last rank arrived (two round trips
-    // per rank, whatever the world size; the store sends every rank one
-    // shared copy of the directory).
+    // Publish this rank's entry: one append to the communicator's directory
+    // (read whole by rank 0 only, and by `cohort status`) and one to its
+    // node's, then one barrier for all that answers each rank the job key
+    // and its node's entries as they stood when the last rank arrived; rank
+    // 0 also reads the whole directory and checks it, and a second barrier
+    // answers every rank its verdict. Each rank reads O(ranks on its node)
+    // bytes, whatever the world size.
+    let node = node_id();
+    let line = directory_line(rank, &node, &addr.to_string(), devices);
     let directory = keys::directory(&prefix);
-    store.append(&directory, directory_line(rank, &node_id(), &addr.to_string(), devices).as_bytes())?;
+    let node_directory = keys::node_directory(&prefix, &node);
+    store.append(&directory, line.as_bytes())?;
+    store.append(&node_directory, line.as_bytes())?;
     let joined = key("joined");
     let job_key = key("job");
     let left = deadline.saturating_duration_since(Instant::now());
-    let (job, listing) = match store.barrier_get(&joined, size as u32, left, &[job_key.as_str(), directory.as_str()]) {
+    let mut reads = vec![job_key.as_str(), node_directory.as_str()];
+    if rank == 0 {
+        reads.push(directory.as_str());
+    }
+    let (job, node_listing, whole) = match store.barrier_get(&joined, size as u32, left, &reads) {
         Ok(values) => {
             let mut values = values.into_iter();
-            (values.next().flatten(), values.next().flatten())
+            (values.next().flatten(), values.next().flatten(), values.next().flatten())
         }
         Err(crate::store::StoreError::BarrierTimeout { waited, .. }) => {
             return Err(missing_ranks(&store, &directory, size, waited));
         }
         Err(e) => return Err(e.into()),
     };
+    let verdict_key = keys::verdict(&prefix);
+    if rank == 0 {
+        let verdict = match check_directory(&whole.unwrap_or_default(), size, devices) {
+            Ok(()) => String::new(),
+            Err(e) => e.to_string(),
+        };
+        store.set(&verdict_key, verdict.as_bytes())?;
+    }
+    let left = deadline.saturating_duration_since(Instant::now());
+    let verdict = store.barrier_get(&key("checked"), size as u32, left, &[verdict_key.as_str()])?;
+    let verdict = verdict.into_iter().next().flatten().unwrap_or_default();
+    if !verdict.is_empty() {
+        return Err(ConnectError::Setup(String::from_utf8_lossy(&verdict).into_owned()));
+    }
     let joined_at = Instant::now();
     let job = String::from_utf8_lossy(&job.unwrap_or_default()).into_owned();
     let (job_id, token_hex) = job.split_once(' ').ok_or_else(|| ConnectError::Setup("malformed job entry".into()))?;
@@ -195,15 +241,11 @@ pub(crate) fn form_under(
     for (i, t) in token.iter_mut().enumerate() {
         *t = u8::from_str_radix(token_hex.get(2 * i..2 * i + 2).unwrap_or("00"), 16).unwrap_or(0);
     }
-    let peers = parse_directory(&listing.unwrap_or_default(), size)?;
-    if let Some((r, p)) = peers.iter().enumerate().find(|(_, p)| p.devices != devices) {
-        return Err(ConnectError::Setup(format!(
-            "rank {r} brings {} local devices but rank {rank} brings {devices}: every rank of a communicator \
-             must pass the same number of clients",
-            p.devices
-        )));
+    let peers = parse_entries(&node_listing.unwrap_or_default(), size)?;
+    let local: Vec<usize> = (0..size).filter(|&r| peers[r].as_ref().is_some_and(|p| p.node == node)).collect();
+    if !local.contains(&rank) {
+        return Err(ConnectError::Setup(format!("rank {rank} is missing from its node's directory")));
     }
-    let local: Vec<usize> = (0..size).filter(|&r| peers[r].node == peers[rank].node).collect();
     let mut links: Vec<Option<Box<dyn Link>>> = (0..size).map(|_| None).collect();
 
     // Shared memory within the node.
@@ -237,18 +279,34 @@ pub(crate) fn form_under(
         }
     }
 
-    // TCP to the other nodes: connect to lower ranks, accept higher ones.
+    // TCP to the other nodes, formed when a collective first uses a link:
+    // the higher rank of two connects (reading the lower one's address from
+    // the store then), the lower one's background acceptor files the
+    // connection by rank. Set-up opens no socket to another node.
     let remote: Vec<usize> = (0..size).filter(|r| !local.contains(r)).collect();
-    for &r in remote.iter().filter(|&&r| r < rank) {
-        let link = tcp::connect(&peers[r].addr, rank, &token, deadline)
-            .map_err(|e| ConnectError::Setup(format!("cannot reach rank {r} at {}: {e}", peers[r].addr)))?;
-        links[r] = Some(Box::new(link));
-    }
-    let higher: Vec<usize> = remote.iter().copied().filter(|&r| r > rank).collect();
-    for (r, link) in tcp::accept(&listener, &token, &higher, deadline)
-        .map_err(|e| ConnectError::Setup(format!("waiting for data connections: {e}")))?
-    {
-        links[r] = Some(Box::new(link));
+    if !remote.is_empty() {
+        store.set(&keys::link_addr(&prefix, rank), addr.to_string().as_bytes())?;
+        let higher: Vec<usize> = remote.iter().copied().filter(|&r| r > rank).collect();
+        let acceptor = match higher.is_empty() {
+            true => None,
+            false => Some(
+                tcp::LinkAcceptor::start(listener, token, higher)
+                    .map_err(|e| ConnectError::Setup(format!("cannot accept data connections: {e}")))?,
+            ),
+        };
+        for &r in &remote {
+            let link = match &acceptor {
+                Some(acceptor) if r > rank => LazyTcpLink::accept(rank, r, acceptor.clone()),
+                _ => {
+                    let (store, key) = (store.clone(), keys::link_addr(&prefix, r));
+                    LazyTcpLink::dial(rank, r, token, move || {
+                        let value = store.get(&key).map_err(std::io::Error::other)?;
+                        Ok(value.map(|v| String::from_utf8_lossy(&v).into_owned()))
+                    })
+                }
+            };
+            links[r] = Some(Box::new(link));
+        }
     }
     store.barrier(&key("ready"), size as u32, deadline.saturating_duration_since(Instant::now()))?;
     // The start-up phases the launcher reports (`cohort run --timings`).

@@ -2,9 +2,11 @@
 //! threads, whatever the number of clients.
 //!
 //! Every socket is non-blocking and watched by a `mio` poll. One thread
-//! accepts connections and runs their handshakes; a client that proved
-//! the secret is handed to one of a few worker threads (one per two cores,
-//! at most [`MAX_WORKERS`]), which serves its requests. A request that must
+//! only accepts connections and hands each to one of a few worker threads
+//! (one per two cores, at most [`MAX_WORKERS`]), which runs its handshake
+//! (greeting, challenge–response over HMAC) and, once the client proved the
+//! secret, serves its requests: thousands of ranks connecting at once have
+//! their handshakes spread over the workers. A request that must
 //! wait (`wait`, `barrier`) is recorded in the table and costs no thread;
 //! its answer is written when the request that completes it arrives (the
 //! worker that applied that request passes the answers to the workers of
@@ -19,12 +21,15 @@
 //! long: its frames may hold at most [`protocol::PREAUTH_MAX_FRAME`] bytes,
 //! the whole handshake has one deadline (not one per read, which a client
 //! sending a byte a second would never hit), and at most
-//! [`MAX_UNAUTHENTICATED`] connections may be in the handshake at once.
-//! When that many are, the server closes the oldest of them once it has
-//! been in the handshake for [`EVICT_AFTER`] without answering (a client
-//! that holds the secret answers well within that), and until then leaves
-//! the new ones in the kernel's queue: thousands of ranks connecting at once
-//! all get through, and a flood of idle connections cannot hold the slots.
+//! [`MAX_UNAUTHENTICATED`] connections may be in the handshake at once,
+//! over all workers (the accepting thread keeps their slots). When that
+//! many are, the accepting thread closes the oldest of them that has been
+//! in the handshake for [`EVICT_AFTER`] without its whole answer waiting in
+//! its socket (a client that holds the secret answers well within that;
+//! one whose answer waits is about to be served, not evicted), and until
+//! then leaves the new ones in the kernel's queue: thousands of ranks
+//! connecting at once all get through, and a flood of idle or trickling
+//! connections cannot hold the slots.
 //!
 //! The listening queue is as deep as the kernel allows (`somaxconn`), so a
 //! burst of connections is queued rather than dropped (a dropped SYN costs
@@ -34,7 +39,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::fmt::Display;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -97,8 +102,12 @@ impl Default for Limits {
 
 /// A message to a worker.
 enum Message {
-    /// Serve this connection (it just proved the secret).
-    Adopt(ConnId, Box<Conn>),
+    /// Greet this connection, just accepted (at the instant given), and run
+    /// its handshake; serve it once it proved the secret.
+    Greet(ConnId, Box<(TcpStream, SocketAddr, Instant)>),
+    /// Close this connection if it is still in the handshake: the accepting
+    /// thread took its slot for a newer one.
+    Evict(ConnId),
     /// The answer to a blocked request of one of its connections.
     Answer(Ticket, Response),
 }
@@ -115,12 +124,40 @@ struct Shared {
     stop: AtomicBool,
     workers: Vec<Mailbox>,
     acceptor: Waker,
+    secret: Vec<u8>,
+    limits: Limits,
+    /// The connections in the handshake.
+    slots: Mutex<Slots>,
+    /// Clients refused or dropped during the handshake (every 1000th is
+    /// logged at warn).
+    dropped: AtomicU64,
 }
 
 impl Shared {
     /// The worker that serves connection `id`.
     fn owner(&self, id: ConnId) -> usize {
         id % self.workers.len()
+    }
+
+    /// Releases connection `id`'s handshake slot; false when it had none
+    /// (the accepting thread evicted it). Wakes the accepting thread when
+    /// every slot was taken.
+    fn release(&self, id: ConnId) -> bool {
+        let mut slots = self.slots.lock();
+        let was_full = slots.live.len() >= self.limits.unauthenticated;
+        let had = slots.live.remove(&id).is_some();
+        drop(slots);
+        if had && was_full {
+            let _ = self.acceptor.wake();
+        }
+        had
+    }
+
+    /// Counts a client refused or dropped during the handshake: true for
+    /// the first and every 1000th (logged at warn, the others at debug).
+    fn count_dropped(&self) -> bool {
+        let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+        n == 1 || n % 1000 == 0
     }
 
     /// Sends the table's answers to blocked requests to their connections'
@@ -151,10 +188,10 @@ impl Shared {
 
 /// A rendezvous store served by a few background threads.
 ///
-/// One thread accepts connections and checks that each proves the job's
-/// secret (see the protocol in the module docs); a refusal is logged with
-/// `tracing::warn!` and the peer's address. A few worker threads serve
-/// the authenticated clients with non-blocking sockets; blocked `wait`s and
+/// One thread accepts connections; a few worker threads check that each
+/// proves the job's secret (see the protocol in the module docs; a refusal
+/// is logged with `tracing::warn!` and the peer's address) and serve the
+/// authenticated clients with non-blocking sockets; blocked `wait`s and
 /// barriers cost them no thread. Dropping the server shuts it down.
 pub struct StoreServer {
     shared: Arc<Shared>,
@@ -224,8 +261,16 @@ impl StoreServer {
             workers.push(Mailbox { inbox: Mutex::new(Vec::new()), waker });
             polls.push(p);
         }
-        let shared =
-            Arc::new(Shared { table: Mutex::new(Table::default()), stop: AtomicBool::new(false), workers, acceptor });
+        let shared = Arc::new(Shared {
+            table: Mutex::new(Table::default()),
+            stop: AtomicBool::new(false),
+            workers,
+            acceptor,
+            secret: secret.to_vec(),
+            limits,
+            slots: Mutex::new(Slots::default()),
+            dropped: AtomicU64::new(0),
+        });
         let mut threads = Vec::new();
         let spawn_error = |source| StoreError::Bind { addr: local_addr.to_string(), source };
         for (index, poll) in polls.into_iter().enumerate() {
@@ -249,17 +294,11 @@ impl StoreServer {
             poll,
             listener,
             shared: shared.clone(),
-            secret: secret.to_vec(),
-            limits,
-            conns: HashMap::new(),
             next_id: FIRST_CONN,
             timers: BinaryHeap::new(),
-            handshakes: VecDeque::new(),
             may_accept: true,
+            parked: None,
             turned_away: 0,
-            dropped: 0,
-            to_drive: Vec::new(),
-            scratch: vec![0; 4096],
         };
         let thread = std::thread::Builder::new()
             .name("cohort-store-accept".into())
@@ -351,7 +390,7 @@ fn deepen_backlog(listener: &TcpListener) {
 /// Where a connection stands.
 enum Phase {
     /// Greeted with this nonce, has not proven the secret yet.
-    Handshake { nonce: [u8; protocol::NONCE_LEN], since: Instant },
+    Handshake { nonce: [u8; protocol::NONCE_LEN] },
     /// Proved the secret: its requests are served.
     Ready,
     /// To be closed once its last answer (a refusal) is written.
@@ -552,30 +591,40 @@ fn poll_once(poll: &mut Poll, events: &mut Events, timers: &Timers) -> io::Resul
     }
 }
 
-/// The thread that accepts connections and runs their handshakes.
+/// A connection in the handshake, as the accepting thread tracks it.
+struct Pending {
+    since: Instant,
+    /// A second descriptor of the socket (its worker owns the first), to
+    /// look at, without reading it, whether the client has answered.
+    probe: Option<std::net::TcpStream>,
+}
+
+/// The connections in the handshake, shared by the accepting thread (which
+/// adds them and evicts the oldest silent one when all slots are taken) and
+/// the workers (which run the handshakes and release the slots). A slot is
+/// released exactly once: whoever removes the entry owns the outcome (a
+/// worker whose connection was evicted under it closes the connection).
+#[derive(Default)]
+struct Slots {
+    live: HashMap<ConnId, Pending>,
+    /// Ids in the order they were accepted (some may have left `live`).
+    order: VecDeque<ConnId>,
+}
+
+/// The thread that accepts connections and hands them to the workers,
+/// which run their handshakes.
 struct Acceptor {
     poll: Poll,
     listener: MioListener,
     shared: Arc<Shared>,
-    secret: Vec<u8>,
-    limits: Limits,
-    /// Connections in the handshake (or closing after a refusal).
-    conns: HashMap<ConnId, Conn>,
     next_id: ConnId,
     timers: Timers,
-    /// Connections accepted into the handshake, oldest first (some may have
-    /// finished it or closed since).
-    handshakes: VecDeque<ConnId>,
     /// The listener may hold connections not yet accepted.
     may_accept: bool,
+    /// A connection accepted and waiting for a handshake slot.
+    parked: Option<(TcpStream, SocketAddr)>,
     /// Connections closed because too many were in the handshake.
     turned_away: u64,
-    /// Clients refused or dropped during the handshake.
-    dropped: u64,
-    /// Connections with something to do.
-    to_drive: Vec<ConnId>,
-    /// Where sockets are read into.
-    scratch: Vec<u8>,
 }
 
 impl Acceptor {
@@ -587,222 +636,151 @@ impl Acceptor {
                 return;
             }
             if self.shared.stop.load(Ordering::SeqCst) {
-                for (_, c) in self.conns.drain() {
-                    let _ = c.stream.shutdown(std::net::Shutdown::Both);
-                }
                 return;
             }
             for event in events.iter() {
-                match event.token() {
-                    LISTENER => self.may_accept = true,
-                    WAKER => {}
-                    Token(id) => self.to_drive.push(id),
+                if event.token() == LISTENER {
+                    self.may_accept = true;
                 }
             }
-            self.fire_timers();
-            // Serve what arrived before taking new connections, so that a
-            // client that answered its handshake is never evicted for it.
-            self.drive_all();
+            // Timers only wake this loop (a slot may be free to evict now).
+            let now = Instant::now();
+            while self.timers.peek().is_some_and(|Reverse((at, _))| *at <= now) {
+                self.timers.pop();
+            }
             self.accept();
-            self.drive_all();
-        }
-    }
-
-    /// Connections in the handshake now.
-    fn in_handshake(&self) -> usize {
-        self.conns.values().filter(|c| matches!(c.phase, Phase::Handshake { .. })).count()
-    }
-
-    fn fire_timers(&mut self) {
-        let now = Instant::now();
-        while let Some(&Reverse((at, timer))) = self.timers.peek() {
-            if at > now {
-                break;
-            }
-            self.timers.pop();
-            match timer {
-                Timer::Accept => self.may_accept = true,
-                Timer::Handshake(id) | Timer::Linger(id) => match self.conns.get(&id).map(|c| &c.phase) {
-                    Some(Phase::Handshake { .. }) => {
-                        self.close(id, Close::Dropped("the handshake's deadline passed".into()))
-                    }
-                    Some(_) => self.close(id, Close::Left("refused".into())),
-                    None => {}
-                },
-                Timer::Blocked(_) => {}
-            }
         }
     }
 
     /// Accepts connections while the listener has them and a handshake slot
-    /// is free (or the oldest connection in the handshake may be evicted).
+    /// is free (or the oldest silent connection in the handshake may be
+    /// evicted), and hands each to its worker.
     fn accept(&mut self) {
-        while self.may_accept {
-            if !self.make_room() {
-                return;
+        let mut wake = vec![false; self.shared.workers.len()];
+        loop {
+            // A connection accepted while every slot was taken waits here
+            // (not greeted, its handshake's clock not started) for room.
+            if self.parked.is_none() {
+                if !self.may_accept {
+                    break;
+                }
+                match self.listener.accept() {
+                    Ok(s) => self.parked = Some(s),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        self.may_accept = false;
+                        break;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        // Out of descriptors and the like: say so, back off, go on.
+                        tracing::warn!(error = %e, "rendezvous store could not accept a connection");
+                        self.timers.push(Reverse((Instant::now() + Duration::from_millis(10), Timer::Accept)));
+                        break;
+                    }
+                }
             }
-            let (mut stream, peer) = match self.listener.accept() {
-                Ok(s) => s,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    self.may_accept = false;
-                    return;
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    // Out of descriptors and the like: say so, back off, go on.
-                    tracing::warn!(error = %e, "rendezvous store could not accept a connection");
-                    self.may_accept = false;
-                    self.timers.push(Reverse((Instant::now() + Duration::from_millis(10), Timer::Accept)));
-                    return;
-                }
-            };
+            if !self.make_room() {
+                break;
+            }
+            let (stream, peer) = self.parked.take().expect("parked above");
             let id = self.next_id;
             self.next_id += 1;
-            if let Err(e) =
-                self.poll.registry().register(&mut stream, Token(id), Interest::READABLE | Interest::WRITABLE)
-            {
-                tracing::warn!(error = %e, %peer, "rendezvous store could not watch a connection; dropped it");
-                continue;
+            let since = Instant::now();
+            self.shared.slots.lock().live.insert(id, Pending { since, probe: probe_of(&stream) });
+            self.shared.slots.lock().order.push_back(id);
+            let w = self.shared.owner(id);
+            self.shared.workers[w].inbox.lock().push(Message::Greet(id, Box::new((stream, peer, since))));
+            wake[w] = true;
+        }
+        for (w, wake) in wake.into_iter().enumerate() {
+            if wake {
+                let _ = self.shared.workers[w].waker.wake();
             }
-            let _ = stream.set_nodelay(true);
-            let nonce = match protocol::nonce() {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::warn!(error = %e, %peer, "rendezvous store dropped a client: no nonce");
-                    continue;
-                }
-            };
-            let mut conn = Conn::new(stream, peer, Phase::Handshake { nonce, since: Instant::now() });
-            let mut hello = protocol::Encoder::default();
-            hello.0.extend_from_slice(protocol::MAGIC);
-            hello.u8(protocol::VERSION);
-            hello.0.extend_from_slice(&nonce);
-            conn.send(&hello.0);
-            self.conns.insert(id, conn);
-            self.handshakes.push_back(id);
-            self.timers.push(Reverse((Instant::now() + self.limits.handshake, Timer::Handshake(id))));
-            self.to_drive.push(id);
-            self.make_room();
         }
     }
 
-    /// With more connections in the handshake than allowed, closes the
-    /// oldest of them if it has been there [`Limits::evict_after`] without
-    /// answering, until they are within the limit (true); or stops
-    /// accepting until it will have been (false).
+    /// Makes room for one more connection in the handshake: true when fewer
+    /// than [`Limits::unauthenticated`] are in it, or once the oldest one
+    /// that has been there [`Limits::evict_after`] without a whole answer
+    /// waiting in its socket is evicted. Otherwise false, with a timer for
+    /// when one may be evicted (a worker that releases a slot wakes this
+    /// thread sooner).
     fn make_room(&mut self) -> bool {
-        // Forget the front entries that finished the handshake.
-        while let Some(front) = self.handshakes.front() {
-            if matches!(self.conns.get(front).map(|c| &c.phase), Some(Phase::Handshake { .. })) {
+        let limits = self.shared.limits;
+        let mut slots = self.shared.slots.lock();
+        let Slots { live, order } = &mut *slots;
+        while order.front().is_some_and(|id| !live.contains_key(id)) {
+            order.pop_front();
+        }
+        if live.len() < limits.unauthenticated {
+            return true;
+        }
+        let now = Instant::now();
+        let mut victim = None;
+        let mut next_try = now + limits.evict_after.max(Duration::from_millis(1));
+        for id in order.iter() {
+            let Some(p) = live.get(id) else { continue };
+            let evictable_at = p.since + limits.evict_after;
+            if evictable_at > now {
+                next_try = evictable_at;
                 break;
             }
-            self.handshakes.pop_front();
+            if !answered(p.probe.as_ref()) {
+                victim = Some(*id);
+                break;
+            }
         }
-        while self.handshakes.len() > self.limits.unauthenticated && self.in_handshake() > self.limits.unauthenticated {
-            let Some(&oldest) = self.handshakes.front() else { return true };
-            let since = match self.conns.get(&oldest).map(|c| &c.phase) {
-                Some(Phase::Handshake { since, .. }) => *since,
-                _ => {
-                    self.handshakes.pop_front();
-                    continue;
-                }
-            };
-            // It may have answered since the last poll: serve that first.
-            if let Err(why) = self.drive(oldest) {
-                self.close(oldest, why);
-                continue;
-            }
-            if !matches!(self.conns.get(&oldest).map(|c| &c.phase), Some(Phase::Handshake { .. })) {
-                continue;
-            }
-            if since.elapsed() < self.limits.evict_after {
-                self.timers.push(Reverse((since + self.limits.evict_after, Timer::Accept)));
-                self.may_accept = false;
-                return false;
-            }
-            let peer = self.conns[&oldest].peer;
-            self.turn_away(peer, "closed the oldest connection in the handshake");
-            self.close(oldest, Close::Left("evicted".into()));
+        let Some(victim) = victim else {
+            drop(slots);
+            self.timers.push(Reverse((next_try, Timer::Accept)));
+            return false;
+        };
+        live.remove(&victim);
+        drop(slots);
+        let w = self.shared.owner(victim);
+        self.shared.workers[w].inbox.lock().push(Message::Evict(victim));
+        let _ = self.shared.workers[w].waker.wake();
+        if first_or_thousandth(&mut self.turned_away) {
+            tracing::warn!(
+                "rendezvous store closed the oldest connection in the handshake: {} clients are in the handshake \
+                 at once (a flood of connections that do not prove the job secret?)",
+                limits.unauthenticated
+            );
+        } else {
+            tracing::debug!("rendezvous store closed the oldest connection in the handshake: too many clients in it");
         }
         true
     }
+}
 
-    /// Logs that the store turned a connection away.
-    fn turn_away(&mut self, peer: SocketAddr, what: &str) {
-        if first_or_thousandth(&mut self.turned_away) {
-            tracing::warn!(
-                %peer,
-                "rendezvous store {what}: {} clients are in the handshake at once (a flood of connections that do \
-                 not prove the job secret?)",
-                self.limits.unauthenticated
-            );
-        } else {
-            tracing::debug!(%peer, "rendezvous store {what}: too many clients in the handshake");
-        }
+/// A second descriptor of `stream`'s socket, for [`answered`].
+fn probe_of(stream: &TcpStream) -> Option<std::net::TcpStream> {
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsFd;
+        stream.as_fd().try_clone_to_owned().ok().map(std::net::TcpStream::from)
     }
-
-    fn drive_all(&mut self) {
-        for id in std::mem::take(&mut self.to_drive) {
-            if let Err(why) = self.drive(id) {
-                self.close(id, why);
-            }
-        }
+    #[cfg(not(unix))]
+    {
+        let _ = stream;
+        None
     }
+}
 
-    /// Writes what a connection in the handshake has to write and reads its
-    /// answer; hands it to its worker once it proved the secret.
-    fn drive(&mut self, id: ConnId) -> std::result::Result<(), Close> {
-        let Some(c) = self.conns.get_mut(&id) else { return Ok(()) };
-        let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
-        let Phase::Handshake { nonce, .. } = c.phase else {
-            // Refused: closed once the refusal is written.
-            return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
-        };
-        let max = protocol::PREAUTH_MAX_FRAME;
-        let open = c.fill(&mut self.scratch, 4 + max, max).map_err(|e| Close::Left(e.to_string()))?;
-        let Some(answer) = c.take_frame(max, " before authentication").map_err(|e| Close::Dropped(e.to_string()))?
-        else {
-            return if open { Ok(()) } else { Err(Close::Left("left during the handshake".into())) };
-        };
-        if !check_proof(&self.secret, c, &nonce, &answer) {
-            let peer = c.peer;
-            if first_or_thousandth(&mut self.dropped) {
-                tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
-            } else {
-                tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
-            }
-            self.timers.push(Reverse((Instant::now() + self.limits.handshake, Timer::Linger(id))));
-            let c = self.conns.get_mut(&id).expect("still here");
-            return if c.flush().map_err(|e| Close::Left(e.to_string()))? {
-                Err(Close::Left("refused".into()))
-            } else {
-                Ok(())
-            };
+/// Whether a connection in the handshake has its whole answer (or its end
+/// of stream) waiting in the socket, unread: its worker will finish with it
+/// at once, so it is not evicted. Looks without reading (the socket is
+/// non-blocking, shared with the worker's descriptor).
+fn answered(probe: Option<&std::net::TcpStream>) -> bool {
+    let Some(probe) = probe else { return false };
+    let mut buf = [0u8; 4 + protocol::PREAUTH_MAX_FRAME];
+    match probe.peek(&mut buf) {
+        Ok(0) => true,
+        Ok(n) if n >= 4 => {
+            let len = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+            n >= 4 + len.min(protocol::PREAUTH_MAX_FRAME)
         }
-        // Proven: its worker serves it from now on.
-        let mut c = self.conns.remove(&id).expect("still here");
-        let _ = self.poll.registry().deregister(&mut c.stream);
-        let _ = c.flush();
-        self.may_accept = true;
-        let worker = &self.shared.workers[self.shared.owner(id)];
-        worker.inbox.lock().push(Message::Adopt(id, Box::new(c)));
-        let _ = worker.waker.wake();
-        Ok(())
-    }
-
-    fn close(&mut self, id: ConnId, why: Close) {
-        let Some(mut c) = self.conns.remove(&id) else { return };
-        let _ = self.poll.registry().deregister(&mut c.stream);
-        if let Close::Dropped(e) = &why {
-            let peer = c.peer;
-            if first_or_thousandth(&mut self.dropped) {
-                tracing::warn!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
-            } else {
-                tracing::debug!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
-            }
-        }
-        self.may_accept = true;
-        let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        _ => false,
     }
 }
 
@@ -838,22 +816,17 @@ impl Worker {
             let messages = std::mem::take(&mut *self.shared.workers[self.index].inbox.lock());
             for m in messages {
                 match m {
-                    Message::Adopt(id, mut c) => {
+                    Message::Greet(id, accepted) => {
+                        let (stream, peer, since) = *accepted;
                         if stop {
+                            let _ = stream.shutdown(std::net::Shutdown::Both);
                             continue;
                         }
-                        match self.poll.registry().register(
-                            &mut c.stream,
-                            Token(id),
-                            Interest::READABLE | Interest::WRITABLE,
-                        ) {
-                            Ok(()) => {
-                                self.conns.insert(id, *c);
-                                self.to_drive.push(id);
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, peer = %c.peer, "rendezvous store could not watch a connection; dropped it")
-                            }
+                        self.greet(id, stream, peer, since);
+                    }
+                    Message::Evict(id) => {
+                        if self.conns.get(&id).is_some_and(|c| matches!(c.phase, Phase::Handshake { .. })) {
+                            self.close(id, Close::Left("evicted".into()));
                         }
                     }
                     Message::Answer(ticket, response) => self.answers.push((ticket, response)),
@@ -905,9 +878,75 @@ impl Worker {
                         self.close(id, Close::Left("refused".into()));
                     }
                 }
-                Timer::Handshake(_) | Timer::Accept => {}
+                Timer::Handshake(id) => {
+                    if self.conns.get(&id).is_some_and(|c| matches!(c.phase, Phase::Handshake { .. })) {
+                        self.close(id, Close::Dropped("the handshake's deadline passed".into()));
+                    }
+                }
+                Timer::Accept => {}
             }
         }
+    }
+
+    /// Starts the handshake of a connection just accepted: watches it,
+    /// sends the greeting (with a fresh nonce) and sets its deadline.
+    fn greet(&mut self, id: ConnId, mut stream: TcpStream, peer: SocketAddr, since: Instant) {
+        let nonce = match protocol::nonce() {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, %peer, "rendezvous store dropped a client: no nonce");
+                self.shared.release(id);
+                return;
+            }
+        };
+        if let Err(e) = self.poll.registry().register(&mut stream, Token(id), Interest::READABLE | Interest::WRITABLE) {
+            tracing::warn!(error = %e, %peer, "rendezvous store could not watch a connection; dropped it");
+            self.shared.release(id);
+            return;
+        }
+        let _ = stream.set_nodelay(true);
+        let mut conn = Conn::new(stream, peer, Phase::Handshake { nonce });
+        let mut hello = protocol::Encoder::default();
+        hello.0.extend_from_slice(protocol::MAGIC);
+        hello.u8(protocol::VERSION);
+        hello.0.extend_from_slice(&nonce);
+        conn.send(&hello.0);
+        self.conns.insert(id, conn);
+        self.timers.push(Reverse((since + self.shared.limits.handshake, Timer::Handshake(id))));
+        self.to_drive.push(id);
+    }
+
+    /// Writes the greeting of a connection in the handshake and reads its
+    /// answer (pre-auth frames only, [`protocol::PREAUTH_MAX_FRAME`] bytes at
+    /// most); checks the proof and answers the verdict. `Ok(true)` once it
+    /// proved the secret (its requests are served from now on).
+    fn handshake(&mut self, id: ConnId) -> std::result::Result<bool, Close> {
+        let Worker { shared, conns, timers, scratch, .. } = self;
+        let Some(c) = conns.get_mut(&id) else { return Ok(false) };
+        let Phase::Handshake { nonce, .. } = c.phase else { return Ok(true) };
+        c.flush().map_err(|e| Close::Left(e.to_string()))?;
+        let max = protocol::PREAUTH_MAX_FRAME;
+        let open = c.fill(scratch, 4 + max, max).map_err(|e| Close::Left(e.to_string()))?;
+        let Some(answer) = c.take_frame(max, " before authentication").map_err(|e| Close::Dropped(e.to_string()))?
+        else {
+            return if open { Ok(false) } else { Err(Close::Left("left during the handshake".into())) };
+        };
+        if !check_proof(&shared.secret, c, &nonce, &answer) {
+            let peer = c.peer;
+            if shared.count_dropped() {
+                tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
+            } else {
+                tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
+            }
+            shared.release(id);
+            timers.push(Reverse((Instant::now() + shared.limits.handshake, Timer::Linger(id))));
+            return Ok(false);
+        }
+        if !shared.release(id) {
+            // Evicted while its answer was read: the slot went to another.
+            return Err(Close::Left("evicted".into()));
+        }
+        Ok(true)
     }
 
     /// Queues the answers for blocked requests that are still waiting.
@@ -941,6 +980,16 @@ impl Worker {
     /// Writes what a connection has to write, reads what it sent and serves
     /// its requests, one at a time, until it blocks or has nothing more.
     fn drive(&mut self, id: ConnId) -> std::result::Result<(), Close> {
+        if self.conns.get(&id).is_some_and(|c| matches!(c.phase, Phase::Handshake { .. })) && !self.handshake(id)? {
+            let Some(c) = self.conns.get_mut(&id) else { return Ok(()) };
+            // Refused: closed once the refusal is written.
+            let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
+            return if matches!(c.phase, Phase::Closing) && flushed {
+                Err(Close::Left("refused".into()))
+            } else {
+                Ok(())
+            };
+        }
         let Worker { index, shared, conns, timers, to_drive, answers, scratch, .. } = self;
         let Some(c) = conns.get_mut(&id) else { return Ok(()) };
         loop {
@@ -1006,6 +1055,18 @@ impl Worker {
         let Some(mut c) = self.conns.remove(&id) else { return };
         let _ = self.poll.registry().deregister(&mut c.stream);
         let peer = c.peer;
+        if matches!(c.phase, Phase::Handshake { .. }) {
+            self.shared.release(id);
+            if let Close::Dropped(e) = &why {
+                if self.shared.count_dropped() {
+                    tracing::warn!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
+                } else {
+                    tracing::debug!(%peer, error = %e, "rendezvous store dropped a client during the handshake");
+                }
+            }
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            return;
+        }
         match &why {
             Close::Failed(e) | Close::Dropped(e) => tracing::debug!(%peer, error = %e, "store connection failed"),
             Close::Left(e) => tracing::trace!(%peer, reason = %e, "store connection closed"),

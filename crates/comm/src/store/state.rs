@@ -242,16 +242,17 @@ impl Table {
         }
         // The last participant: open the barrier for everyone.
         let waiting = std::mem::take(&mut b.waiting);
-        let mut answers: Vec<(Vec<String>, Response)> = Vec::new();
+        // One answer per distinct list of keys (one per node when each rank
+        // reads its node's directory), its values shared.
+        let mut answers: HashMap<Vec<String>, Response> = HashMap::new();
         let mut answer_for = |table: &Table, reads: Option<Vec<String>>| match reads {
             None => Response::Ok,
             Some(keys) => {
-                // One answer per distinct list of keys, its values shared.
-                if let Some((_, r)) = answers.iter().find(|(k, _)| *k == keys) {
+                if let Some(r) = answers.get(&keys) {
                     return r.clone();
                 }
                 let r = table.read(&keys);
-                answers.push((keys, r.clone()));
+                answers.insert(keys, r.clone());
                 r
             }
         };

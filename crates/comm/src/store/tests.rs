@@ -665,3 +665,61 @@ fn store_with_four_workers_wakes_clients_served_by_other_threads() {
     }
     assert!(start.elapsed() < Duration::from_secs(5));
 }
+
+#[test]
+fn store_hostile_clients_hammering_the_handshake_do_not_stall_authenticated_ones() {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // Few slots, and a handshake deadline far past the test: only eviction
+    // can make room for the authenticated clients.
+    let limits = server::Limits {
+        unauthenticated: 16,
+        handshake: Duration::from_secs(120),
+        evict_after: Duration::from_millis(50),
+    };
+    let s = StoreServer::bind_workers("127.0.0.1:0", SECRET, limits, 2).unwrap();
+    let addr = s.local_addr();
+    let stop = Arc::new(AtomicBool::new(false));
+    // Three kinds of attacker, each keeping up to 64 connections open:
+    // idle after the greeting, trickling the first bytes of an answer (so
+    // not silent), and answering with a wrong proof.
+    let attackers: Vec<_> = (0..3)
+        .map(|kind| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut held = std::collections::VecDeque::new();
+                let mut opened = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(mut t) = std::net::TcpStream::connect(addr) else { continue };
+                    opened += 1;
+                    let _ = match kind {
+                        0 => Ok(()),
+                        1 => t.write_all(&(PREAUTH_MAX_FRAME as u32).to_le_bytes()[..2]),
+                        _ => {
+                            let mut answer = (PREAUTH_MAX_FRAME as u32).to_le_bytes().to_vec();
+                            answer.extend_from_slice(&[0u8; PREAUTH_MAX_FRAME]);
+                            t.write_all(&answer)
+                        }
+                    };
+                    held.push_back(t);
+                    if held.len() > 64 {
+                        held.pop_front();
+                    }
+                }
+                opened
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let start = Instant::now();
+    for i in 0..20 {
+        let c = StoreClient::connect(addr, SECRET, T).unwrap_or_else(|e| panic!("client {i} under attack: {e}"));
+        c.set(&format!("k{i}"), b"v").unwrap();
+        assert_eq!(c.get(&format!("k{i}")).unwrap().as_deref(), Some(&b"v"[..]));
+    }
+    let took = start.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let opened: u64 = attackers.into_iter().map(|a| a.join().unwrap()).sum();
+    assert!(opened > 100, "the attackers opened only {opened} connections: no attack took place");
+    assert!(took < Duration::from_secs(10), "20 authenticated clients took {took:?} under attack");
+}
