@@ -29,9 +29,10 @@
 //! }
 //! ```
 //!
-//! One thread serves every connection (an event loop over non-blocking
-//! sockets): a client blocked in `wait` or `barrier` costs the server no
-//! thread, so one store serves tens of thousands of ranks.
+//! One thread accepts connections and a few workers (one per two cores, at
+//! most 8) run each connection's handshake and requests as an event loop
+//! over non-blocking sockets: a client blocked in `wait` or `barrier` costs
+//! the server no thread, so one store serves tens of thousands of ranks.
 //!
 //! Wire format and handshake: see the `protocol` module's source; [`raw`]
 //! builds and reads frames for programs that drive their own sockets.

@@ -842,6 +842,9 @@ impl Worker {
                 }
                 return;
             }
+            // Answers first: a request answered in this round is not also
+            // timed out.
+            self.deliver_answers();
             self.fire_timers();
             self.deliver();
         }
@@ -869,9 +872,16 @@ impl Worker {
                 Timer::Blocked(ticket) => {
                     let Some(c) = self.conns.get_mut(&ticket.conn) else { continue };
                     let Some((seq, blocked)) = c.blocked.take_if(|(seq, _)| *seq == ticket.seq) else { continue };
-                    let response = self.shared.table.lock().withdraw(Ticket { conn: ticket.conn, seq }, &blocked);
-                    c.output.extend(response.encode_chunks());
-                    self.to_drive.push(ticket.conn);
+                    match self.shared.table.lock().withdraw(Ticket { conn: ticket.conn, seq }, &blocked) {
+                        Some(response) => {
+                            c.output.extend(response.encode_chunks());
+                            self.to_drive.push(ticket.conn);
+                        }
+                        // Answered meanwhile (the barrier opened, the keys
+                        // came, on this thread or another): that answer is
+                        // on its way through the mailbox; it still blocks.
+                        None => c.blocked = Some((seq, blocked)),
+                    }
                 }
                 Timer::Linger(id) => {
                     if self.conns.get(&id).is_some_and(|c| matches!(c.phase, Phase::Closing)) {

@@ -264,11 +264,13 @@ impl Table {
     }
 
     /// Withdraws a blocked request (its deadline passed, or its client left)
-    /// and returns the answer a timeout gets.
-    pub(crate) fn withdraw(&mut self, ticket: Ticket, blocked: &Blocked) -> Response {
+    /// and returns the answer a timeout gets; `None` when it is no longer
+    /// blocked here (its barrier opened or its keys came, and that answer
+    /// is already on its way).
+    pub(crate) fn withdraw(&mut self, ticket: Ticket, blocked: &Blocked) -> Option<Response> {
         match blocked {
             Blocked::Keys => {
-                let Some(w) = self.waits.remove(&ticket.conn) else { return Response::Ok };
+                let w = self.waits.remove(&ticket.conn)?;
                 let missing: Vec<String> = w.keys.iter().filter(|k| !self.keys.contains_key(*k)).cloned().collect();
                 for k in &missing {
                     if let Some(list) = self.waiting_on.get_mut(k) {
@@ -278,13 +280,14 @@ impl Table {
                         }
                     }
                 }
-                Response::WaitTimeout { missing }
+                Some(Response::WaitTimeout { missing })
             }
             Blocked::Barrier(name) => {
-                let Some(b) = self.barriers.get_mut(name) else { return Response::Ok };
+                let b = self.barriers.get_mut(name)?;
+                let at = b.waiting.iter().position(|a| a.ticket == ticket)?;
                 let arrived = b.waiting.len() as u32;
-                b.waiting.retain(|a| a.ticket != ticket);
-                Response::BarrierTimeout { arrived, world_size: b.world_size }
+                b.waiting.remove(at);
+                Some(Response::BarrierTimeout { arrived, world_size: b.world_size })
             }
         }
     }

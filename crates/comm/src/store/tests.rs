@@ -723,3 +723,48 @@ fn store_hostile_clients_hammering_the_handshake_do_not_stall_authenticated_ones
     assert!(opened > 100, "the attackers opened only {opened} connections: no attack took place");
     assert!(took < Duration::from_secs(10), "20 authenticated clients took {took:?} under attack");
 }
+
+#[test]
+fn store_a_barrier_that_opens_at_a_waiters_deadline_answers_every_participant_alike() {
+    // Rounds on four workers where the last arrival lands around the other
+    // participants' deadline. A round either opens for all four or times
+    // out for all: a participant withdrawn by its timer while the opening's
+    // answer was already on its way (from its own thread or another) would
+    // be told it timed out while the others went on.
+    let s = StoreServer::bind_workers("127.0.0.1:0", SECRET, server::Limits::default(), 4).unwrap();
+    let deadline = Duration::from_millis(30);
+    let mut clients: Vec<StoreClient> = (0..4).map(|_| client(&s)).collect();
+    let (mut opened, mut timed_out) = (0, 0);
+    for round in 0..40u64 {
+        let name = format!("round{round}");
+        let late = deadline + Duration::from_micros(round % 9 * 1000) - Duration::from_millis(4);
+        let threads: Vec<_> = clients
+            .drain(..)
+            .enumerate()
+            .map(|(i, c)| {
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    if i == 3 {
+                        std::thread::sleep(late);
+                    }
+                    let ok = c.barrier(&name, 4, deadline).is_ok();
+                    (c, ok)
+                })
+            })
+            .collect();
+        let results: Vec<bool> = threads
+            .into_iter()
+            .map(|t| {
+                let (c, ok) = t.join().unwrap();
+                clients.push(c);
+                ok
+            })
+            .collect();
+        match results.iter().filter(|&&ok| ok).count() {
+            4 => opened += 1,
+            0 => timed_out += 1,
+            _ => panic!("round {round}: the barrier opened for some participants and timed out for others: {results:?}"),
+        }
+    }
+    eprintln!("{opened} rounds opened, {timed_out} timed out");
+}
