@@ -226,3 +226,53 @@ fn two_gpus_fused_all_reduces_equal_separate_calls_and_the_host() {
         fused_matches_separate_and_host(&comm, &large());
     });
 }
+
+/// A grouped call captured into a graph runs unfused: a bucket's scratch
+/// would go back to the pool when the capture ends while every replay still
+/// packs into it. Replays write the destinations (out of place, so each
+/// replay's result is known) and leave alone a buffer allocated after the
+/// capture with a bucket's size on the same stream.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_a_captured_grouped_call_replays_into_its_destinations_only() {
+    let client = devices().remove(0).with_stream(cohort_runtime::StreamId::fresh());
+    let group = ClientGroup::new(vec![client.clone()]).unwrap();
+    assert_eq!(group.transport(), Transport::Nccl, "the test is about the NCCL path");
+    let count = 1024;
+    let srcs: Vec<Handle> = (0..4).map(|k| client.create(Bytes::from_elems(&vec![k as f32 + 1.0; count]))).collect();
+    let dsts: Vec<Handle> = (0..4).map(|_| client.empty(count * 4)).collect();
+    let calls = || -> Vec<GroupCall> {
+        srcs.iter()
+            .zip(&dsts)
+            .map(|(s, d)| GroupCall::AllReduce {
+                src: vec![s.clone()],
+                dst: vec![d.clone()],
+                dtype: DType::F32,
+                op: ReduceOp::Sum,
+            })
+            .collect()
+    };
+    client.graph_prepare().unwrap();
+    // Warm-up outside the window (the communicator is made).
+    group.group_handles(calls()).unwrap().wait().unwrap();
+    for d in &dsts {
+        client.write(d, Bytes::from_elems(&vec![0.0f32; count])).unwrap();
+    }
+    client.start_capture().unwrap();
+    group.group_handles(calls()).unwrap();
+    let graph = client.stop_capture().unwrap();
+    // The four calls as one bucket would take 16 KiB.
+    let bystanders: Vec<Handle> = (0..4).map(|_| client.create(Bytes::from_elems(&vec![7.0f32; 4 * count]))).collect();
+    for d in &dsts {
+        assert_eq!(client.read_one(d.clone()).unwrap().to_elems::<f32>(), vec![0.0; count], "the capture ran nothing");
+    }
+    for _ in 0..2 {
+        graph.replay().unwrap();
+    }
+    for (k, d) in dsts.iter().enumerate() {
+        assert_eq!(client.read_one(d.clone()).unwrap().to_elems::<f32>(), vec![k as f32 + 1.0; count], "call {k}");
+    }
+    for b in bystanders {
+        assert_eq!(client.read_one(b).unwrap().to_elems::<f32>(), vec![7.0; 4 * count], "a replay wrote a bystander");
+    }
+}
