@@ -93,12 +93,11 @@ impl Communicator {
         let nccl = self.inner.nccl.as_ref();
         if let Some(nccl) = nccl.filter(|n| calls.iter().all(|(op, i, o)| n.takes(op, i, o))) {
             // Every rank must fuse the same all-reduces (`device::fusion`):
-            // a rank with another `COHORT_FUSION_MB`, or capturing where
-            // another is not, is a mismatch.
+            // a rank with another `COHORT_FUSION_MB` is a mismatch.
             if let Some(group) = &mut fp.group {
                 group.digest = crate::digest::Fnv1a::default()
                     .write(group.digest.to_le_bytes())
-                    .write(crate::device::fusion::cap_for(&nccl.clients).to_le_bytes())
+                    .write(crate::device::fusion::cap().to_le_bytes())
                     .finish();
             }
             let tracker = self.inner.observer.queued(fp);

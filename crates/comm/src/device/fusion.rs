@@ -74,20 +74,6 @@ pub(crate) fn cap() -> u64 {
     })
 }
 
-/// The cap for a grouped call queued from `clients`: [`cap`], or 0 (no
-/// fusion) while any of them is capturing a graph. A graph keeps its
-/// recorded work but not the task's buffers, so a bucket's scratch would
-/// go back to the pool after the capture while every replay still writes
-/// it. Whether a rank captures joins its group's fingerprint with the cap,
-/// so ranks that fuse differently are a mismatch.
-pub(crate) fn cap_for<'a>(clients: impl IntoIterator<Item = &'a cohort_runtime::Client>) -> u64 {
-    if clients.into_iter().any(cohort_runtime::Client::is_capturing) {
-        0
-    } else {
-        cap()
-    }
-}
-
 /// The buckets of a group of `ops` under `cap` bytes each, in the order
 /// their first calls appear; only buckets of two or more calls (the others
 /// run as they are). Deterministic in `ops` alone.

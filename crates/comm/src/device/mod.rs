@@ -234,7 +234,7 @@ pub(crate) fn launch_grouped(
     let ops: Vec<Op> = calls.iter().map(|(op, _)| *op).collect();
     // A grouped call's all-reduces on NCCL fuse (see `fusion`).
     let buckets = match mode {
-        Mode::Nccl(_) => fusion::buckets(&ops, fusion::cap_for(members.iter().map(|&m| &clients[m]))),
+        Mode::Nccl(_) => fusion::buckets(&ops, fusion::cap()),
         _ => Vec::new(),
     };
     let bucket_bytes: Vec<u64> = buckets.iter().map(|b| b.bytes).collect();

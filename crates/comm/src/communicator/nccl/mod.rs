@@ -80,7 +80,7 @@ pub(crate) struct Nccl {
     size: usize,
     local: usize,
     unique_id: Vec<u8>,
-    pub(crate) clients: Vec<Client>,
+    clients: Vec<Client>,
     /// Arrival notes and aborts (its own connection; a group's shares its
     /// communicator's).
     store: Arc<StoreClient>,
@@ -235,7 +235,7 @@ impl Nccl {
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         // The same buckets on every member (they follow from the calls).
         let ops: Vec<Op> = calls.iter().map(|(op, _, _)| *op).collect();
-        let fused: Arc<[Bucket]> = fusion::buckets(&ops, fusion::cap_for(&self.clients)).into();
+        let fused: Arc<[Bucket]> = fusion::buckets(&ops, fusion::cap()).into();
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output): (Vec<Handle>, Vec<Handle>) = (Vec::new(), Vec::new());
