@@ -133,6 +133,27 @@ pub(crate) struct FusedPart {
     pub unpack: Vec<CopyRegion>,
 }
 
+impl FusedPart {
+    /// The NCCL calls of part `rank` of `ranks`: every call of `parts` (the
+    /// group's calls, in order, with their bound buffers) that no bucket
+    /// carries, then one all-reduce per bucket.
+    pub(crate) fn nccl_calls<'a>(
+        &self,
+        parts: impl IntoIterator<Item = (&'a Op, &'a super::plan::Buffers)>,
+        rank: usize,
+        ranks: usize,
+    ) -> Vec<DeviceCall> {
+        let mut calls: Vec<DeviceCall> = parts
+            .into_iter()
+            .zip(&self.fused)
+            .filter(|(_, fused)| !**fused)
+            .flat_map(|((op, buffers), _)| super::plan::nccl_calls(op, rank, ranks, buffers))
+            .collect();
+        calls.extend(self.calls.iter().copied());
+        calls
+    }
+}
+
 /// The fused work of one part of a group of `calls` calls: `buckets`, bucket
 /// `k`'s scratch being the task's buffer `scratch[k]`, call `c`'s source
 /// and destination its buffers `at(c)`, and `binding` the task's bindings.

@@ -168,7 +168,6 @@ impl DeviceCollective {
                 } else {
                     let inputs = shapes.iter().filter(|s| s.input).count();
                     let (mut next_in, mut next_out) = (0, inputs);
-                    let mut calls = Vec::new();
                     let mut at = Vec::with_capacity(self.ops.len());
                     let mut unfused = Vec::with_capacity(self.ops.len());
                     for (op, shape) in self.ops.iter().zip(shapes) {
@@ -182,12 +181,8 @@ impl DeviceCollective {
                     // Fused all-reduces: packed into each bucket's scratch
                     // first, one call per bucket, unpacked after.
                     let fused = fusion::part(&self.buckets, self.ops.len(), scratch, |c| at[c], |i| access.binding(i));
-                    for ((op, buffers), fused) in unfused.iter().zip(&fused.fused) {
-                        if !fused {
-                            calls.extend(plan::nccl_calls(op, slot, self.meeting.len(), buffers));
-                        }
-                    }
-                    calls.extend(fused.calls.iter().copied());
+                    let calls =
+                        fused.nccl_calls(unfused.iter().map(|(op, buffers)| (*op, buffers)), slot, self.meeting.len());
                     (calls, Some(fused))
                 };
                 let (pack, unpack) = match &fused {

@@ -763,7 +763,9 @@ fn store_a_barrier_that_opens_at_a_waiters_deadline_answers_every_participant_al
         match results.iter().filter(|&&ok| ok).count() {
             4 => opened += 1,
             0 => timed_out += 1,
-            _ => panic!("round {round}: the barrier opened for some participants and timed out for others: {results:?}"),
+            _ => {
+                panic!("round {round}: the barrier opened for some participants and timed out for others: {results:?}")
+            }
         }
     }
     eprintln!("{opened} rounds opened, {timed_out} timed out");

@@ -241,13 +241,7 @@ impl NcclCall {
             (p.input.expect("an all-reduce has a source"), p.output.expect("an all-reduce has a destination"))
         };
         let fused = fusion::part(&fusion.buckets, layout.len(), &fusion.scratch, at, |i| access.binding(i));
-        let mut calls: Vec<_> = parts
-            .iter()
-            .zip(&fused.fused)
-            .filter(|(_, fused)| !**fused)
-            .flat_map(|((op, buffers), _)| plan::nccl_calls(op, member, members, buffers))
-            .collect();
-        calls.extend(fused.calls.iter().copied());
+        let calls = fused.nccl_calls(parts.iter().map(|(op, buffers)| (op, buffers)), member, members);
         if calls.is_empty() {
             return Ok(());
         }
