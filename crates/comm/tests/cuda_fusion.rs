@@ -202,6 +202,14 @@ fn cuda_fused_all_reduces_of_mixed_types_equal_separate_calls_on_one_gpu() {
     let group = ClientGroup::new(devices()[..1].to_vec()).unwrap();
     fused_matches_separate_and_host(&group, &mixed());
     fused_matches_separate_and_host(&group, &large());
+    // Grouped equals separate whether or not it fused: the flight record
+    // says it did.
+    let fused = cohort_comm::trace::FlightRecorder::global()
+        .snapshot()
+        .iter()
+        .filter(|r| r.path.as_deref() == Some("nccl fused"))
+        .count();
+    assert!(fused >= 2, "both groups ran fused, {fused} records say so");
 }
 
 #[test]

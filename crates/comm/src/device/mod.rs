@@ -237,6 +237,11 @@ pub(crate) fn launch_grouped(
         Mode::Nccl(_) => fusion::buckets(&ops, fusion::cap()),
         _ => Vec::new(),
     };
+    if let (Mode::Nccl(_), Some(t)) = (&mode, &tracked) {
+        // The flight recorder and the timeline say whether it fused (a
+        // path noted before stays).
+        t.set_path(if buckets.is_empty() { "nccl" } else { "nccl fused" });
+    }
     let bucket_bytes: Vec<u64> = buckets.iter().map(|b| b.bytes).collect();
     let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout);
     // Per slot: sources, then destinations and scratch, and each call's shape.
