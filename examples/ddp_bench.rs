@@ -544,35 +544,10 @@ fn plot(path: &PathBuf, rows: &[Row], device: &str) -> Result<(), String> {
     let (left, right) = root.split_horizontally(550);
     let max_count = rows.iter().map(|r| r.count).max().unwrap_or(1) as f64;
     let max_ms = rows.iter().flat_map(|r| [Some(r.step_ms), r.torch_step_ms]).flatten().fold(0.0, f64::max) * 1.2;
-    let mut chart = ChartBuilder::on(&left)
-        .caption(format!("step time ({device})"), ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(35)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0.5..max_count + 0.5, 0.0..max_ms.max(1e-3))
-        .map_err(|e| e.to_string())?;
-    chart.configure_mesh().x_desc("devices").y_desc("ms per step").draw().map_err(|e| e.to_string())?;
     let cohort: Vec<(f64, f64)> = rows.iter().map(|r| (r.count as f64, r.step_ms)).collect();
     let torch: Vec<(f64, f64)> = rows.iter().filter_map(|r| r.torch_step_ms.map(|t| (r.count as f64, t))).collect();
-    for (series, color, name) in [(&cohort, BLUE, "cohort"), (&torch, RED, "torch DDP")] {
-        if series.is_empty() {
-            continue;
-        }
-        chart
-            .draw_series(LineSeries::new(series.iter().copied(), color.stroke_width(2)).point_size(4))
-            .map_err(|e| e.to_string())?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-    }
-    chart.configure_series_labels().border_style(BLACK).draw().map_err(|e| e.to_string())?;
-    let mut chart = ChartBuilder::on(&right)
-        .caption("scaling efficiency (throughput per device / 1 device)", ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(35)
-        .y_label_area_size(55)
-        .build_cartesian_2d(0.5..max_count + 0.5, 0.0..1.2)
-        .map_err(|e| e.to_string())?;
-    chart.configure_mesh().x_desc("devices").y_desc("efficiency").draw().map_err(|e| e.to_string())?;
+    let caption = format!("step time ({device})");
+    panel(&left, &caption, "ms per step", max_count, max_ms.max(1e-3), [&cohort, &torch])?;
     let base = rows.iter().find(|r| r.count == 1);
     let eff = |f: &dyn Fn(&Row) -> Option<f64>| -> Vec<(f64, f64)> {
         let Some(b) = base.and_then(f) else { return Vec::new() };
@@ -580,7 +555,32 @@ fn plot(path: &PathBuf, rows: &[Row], device: &str) -> Result<(), String> {
     };
     let cohort_eff = eff(&|r: &Row| Some(r.step_ms));
     let torch_eff = eff(&|r: &Row| r.torch_step_ms);
-    for (series, color, name) in [(&cohort_eff, BLUE, "cohort"), (&torch_eff, RED, "torch DDP")] {
+    let caption = "scaling efficiency (throughput per device / 1 device)";
+    panel(&right, caption, "efficiency", max_count, 1.2, [&cohort_eff, &torch_eff])?;
+    root.present().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// One chart of `plot`: cohort's and torch's series (either may be empty)
+/// against the device count, `y` from 0 to `max_y`.
+fn panel(
+    area: &plotters::drawing::DrawingArea<plotters::prelude::SVGBackend, plotters::coord::Shift>,
+    caption: &str,
+    y_desc: &str,
+    max_count: f64,
+    max_y: f64,
+    [cohort, torch]: [&[(f64, f64)]; 2],
+) -> Result<(), String> {
+    use plotters::prelude::*;
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(35)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0.5..max_count + 0.5, 0.0..max_y)
+        .map_err(|e| e.to_string())?;
+    chart.configure_mesh().x_desc("devices").y_desc(y_desc).draw().map_err(|e| e.to_string())?;
+    for (series, color, name) in [(cohort, BLUE, "cohort"), (torch, RED, "torch DDP")] {
         if series.is_empty() {
             continue;
         }
@@ -591,7 +591,6 @@ fn plot(path: &PathBuf, rows: &[Row], device: &str) -> Result<(), String> {
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
     }
     chart.configure_series_labels().border_style(BLACK).draw().map_err(|e| e.to_string())?;
-    root.present().map_err(|e| e.to_string())?;
     Ok(())
 }
 

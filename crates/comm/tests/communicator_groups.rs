@@ -6,10 +6,11 @@
 //! inside a group names the group, and a grouped call of 100 tensors of
 //! mixed sizes and types equals 100 separate calls.
 
+mod common;
+
 use std::thread;
 use std::time::Duration;
 
-use cohort_comm::store::StoreServer;
 use cohort_comm::{Buffer, Collectives, CommError, Communicator, Mesh, ReduceOp};
 use cohort_runtime::{CpuRuntime, Runtime};
 
@@ -17,19 +18,7 @@ use cohort_runtime::{CpuRuntime, Runtime};
 /// devices `first + r × local` onwards; tests running at once use distinct
 /// devices) over a fresh store.
 fn ranks<T: Send + 'static>(first: usize, n: usize, local: usize, body: fn(Communicator) -> T) -> Vec<T> {
-    std::env::set_var("COHORT_CPU_DEVICES", "64");
-    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
-    let addr = server.local_addr().to_string();
-    let handles: Vec<_> = (0..n)
-        .map(|rank| {
-            let addr = addr.clone();
-            thread::spawn(move || {
-                let clients = (0..local).map(|l| CpuRuntime::client(first + rank * local + l).unwrap()).collect();
-                body(Communicator::connect(rank, n, &addr, "secret", clients).unwrap())
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    common::communicator_ranks(64, first, n, local, body)
 }
 
 /// A tensor of f32 and one of i64, one buffer per local device each.

@@ -2,7 +2,7 @@
 //! memory between them): collectives agree, argument errors come before
 //! anything is queued, and a wrong secret is refused.
 
-use std::thread;
+mod common;
 
 use cohort_comm::store::StoreServer;
 use cohort_comm::{CommError, Communicator, ConnectError, DType, ReduceOp};
@@ -18,19 +18,7 @@ fn ranks<T: Send + 'static>(first: usize, n: usize, body: fn(Communicator) -> T)
 /// [`ranks`] with `local` devices per rank (rank r: CPU devices `first + r
 /// × local` onwards).
 fn ranks_of<T: Send + 'static>(first: usize, n: usize, local: usize, body: fn(Communicator) -> T) -> Vec<T> {
-    std::env::set_var("COHORT_CPU_DEVICES", "12");
-    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
-    let addr = server.local_addr().to_string();
-    let handles: Vec<_> = (0..n)
-        .map(|rank| {
-            let addr = addr.clone();
-            thread::spawn(move || {
-                let clients = (0..local).map(|l| CpuRuntime::client(first + rank * local + l).unwrap()).collect();
-                body(Communicator::connect(rank, n, &addr, "secret", clients).unwrap())
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    common::communicator_ranks(12, first, n, local, body)
 }
 
 /// Two ranks of two devices: every local device's part meets the others

@@ -198,11 +198,27 @@ impl Communicator {
         let observer = observe::Observer::start(&world)?;
         let nccl = nccl::setup(&world, &clients)?;
         timings::passed(world.store(), world.prefix(), rank, "ready", std::time::Instant::now());
-        Ok(Communicator {
+        Ok(Communicator::assemble(world, clients, timeout, observer, nccl, None, server))
+    }
+
+    /// A communicator over a formed `world` (its rank, size and label are
+    /// the world's): the one place its state is put together, for a
+    /// connected communicator and for a group split from one (`parent`,
+    /// kept alive with it).
+    fn assemble(
+        world: World,
+        clients: Vec<Client>,
+        timeout: Duration,
+        observer: observe::Observer,
+        nccl: Option<Arc<nccl::Nccl>>,
+        parent: Option<Communicator>,
+        server: Option<StoreServer>,
+    ) -> Communicator {
+        Communicator {
             inner: Arc::new(Inner {
                 label: world.label.clone(),
-                rank,
-                size: world_size,
+                rank: world.rank,
+                size: world.size,
                 clients,
                 timeout: Mutex::new(timeout),
                 world: Arc::new(Mutex::new(world)),
@@ -210,10 +226,10 @@ impl Communicator {
                 nccl,
                 issued: Mutex::new(0),
                 splits: AtomicU64::new(0),
-                _parent: None,
+                _parent: parent,
                 _server: server,
             }),
-        })
+        }
     }
 
     /// Joins the job the environment describes: `cohort run`'s and

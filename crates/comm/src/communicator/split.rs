@@ -27,15 +27,13 @@
 //! group's local device `i mod L'` on its rank `i / L'`).
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::{Client, Handle};
-use parking_lot::Mutex;
 
 use super::label::Label;
-use super::{keys, observe, setup, Communicator, Inner};
+use super::{keys, observe, setup, Communicator};
 use crate::digest::Fnv1a;
 use crate::error::CommError;
 use crate::ops::DType;
@@ -268,22 +266,7 @@ impl Communicator {
             _ => None,
         };
         tracing::debug!(group = %world.label.name, rank, size = group.ranks.len(), "group formed");
-        Ok(Communicator {
-            inner: Arc::new(Inner {
-                label: world.label.clone(),
-                rank,
-                size: group.ranks.len(),
-                clients,
-                timeout: Mutex::new(timeout),
-                world: Arc::new(Mutex::new(world)),
-                observer,
-                nccl,
-                issued: Mutex::new(0),
-                splits: AtomicU64::new(0),
-                _parent: Some(self.clone()),
-                _server: None,
-            }),
-        })
+        Ok(Communicator::assemble(world, clients, timeout, observer, nccl, Some(self.clone()), None))
     }
 }
 

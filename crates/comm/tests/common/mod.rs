@@ -1,10 +1,12 @@
-//! Shared set-up: eight CPU devices, and groups over the first `n`.
+//! Shared set-up: eight CPU devices, and groups over the first `n`;
+//! communicators of ranks as threads.
 
 #![allow(dead_code)]
 
 use std::sync::Once;
 
-use cohort_comm::ClientGroup;
+use cohort_comm::store::StoreServer;
+use cohort_comm::{ClientGroup, Communicator};
 use cohort_runtime::{Client, CpuRuntime, Runtime};
 
 /// Clients of CPU devices `0..n` (the process gets eight CPU devices).
@@ -19,4 +21,30 @@ pub fn clients(n: usize) -> Vec<Client> {
 /// A group over CPU devices `0..n`.
 pub fn group(n: usize) -> ClientGroup {
     ClientGroup::new(clients(n)).expect("a valid group")
+}
+
+/// Runs `body(comm)` on `n` ranks (threads) of `local` CPU devices each
+/// over a fresh store, and returns what each rank returned: rank r takes
+/// CPU devices `first + r × local` onwards (tests running at once use
+/// distinct devices) of the `devices` the process gets.
+pub fn communicator_ranks<T: Send + 'static>(
+    devices: usize,
+    first: usize,
+    n: usize,
+    local: usize,
+    body: fn(Communicator) -> T,
+) -> Vec<T> {
+    std::env::set_var("COHORT_CPU_DEVICES", devices.to_string());
+    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+    let addr = server.local_addr().to_string();
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let clients = (0..local).map(|l| CpuRuntime::client(first + rank * local + l).unwrap()).collect();
+                body(Communicator::connect(rank, n, &addr, "secret", clients).unwrap())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
