@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { printf '\n== %s\n' "$*"; }
+log() {
+    # Each step also prints the free disk, so a run that fills it says where.
+    printf '\n== %s (disk free: %s)\n' "$*" "$(df -h --output=avail . 2>/dev/null | tail -1 | tr -d ' ')"
+}
 
 install_packages() {
     # Debian packages the tests use. Installed only when missing, so a second
@@ -39,6 +42,8 @@ if ! cargo fmt --version >/dev/null 2>&1 && command -v rustup >/dev/null 2>&1; t
 fi
 
 export COHORT_LOG="${COHORT_LOG:-warn}"
+# A clean clone gains nothing from incremental state, and it costs gigabytes.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # Open MPI refuses to run as root unless told it may (CI runs as root).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
