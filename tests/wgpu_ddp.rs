@@ -11,12 +11,18 @@ use std::sync::Once;
 use cohort_comm::ClientGroup;
 use cohort_runtime::{Client, Runtime, WgpuRuntime};
 
+/// The most devices any test here opens. The wgpu runtime reads
+/// `COHORT_WGPU_DEVICES` once, when the first test opens a device, so it is
+/// set for the largest test whichever test runs first.
+const MOST_DEVICES: usize = 3;
+
 fn clients(n: usize) -> Vec<Client> {
+    assert!(n <= MOST_DEVICES, "raise MOST_DEVICES to {n}");
     static DEVICES: Once = Once::new();
     DEVICES.call_once(|| {
         let set = std::env::var("COHORT_WGPU_DEVICES").ok().and_then(|v| v.trim().parse::<usize>().ok());
-        if set.is_none_or(|d| d < n) {
-            std::env::set_var("COHORT_WGPU_DEVICES", n.to_string());
+        if set.is_none_or(|d| d < MOST_DEVICES) {
+            std::env::set_var("COHORT_WGPU_DEVICES", MOST_DEVICES.to_string());
         }
     });
     (0..n).map(|i| WgpuRuntime::client(i).unwrap_or_else(|e| panic!("wgpu device {i}: {e}"))).collect()
