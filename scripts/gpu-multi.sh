@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# The multi-GPU runs (issue 9) on a machine with several GPUs, from the
-# bundle scripts/gpu-bundle.sh makes (it copies this file in as multi.sh):
-#   cd gpu-bundle && OUT=/some/dir ./multi.sh [tests|runs|bench|all]   (log: $OUT/multi.log)
+# The multi-GPU runs on a machine with several GPUs, from the bundle
+# scripts/gpu-bundle.sh makes (it copies this file in as multi.sh):
+#   cd gpu-bundle && OUT=/some/dir ./multi.sh [tests|runs|bench|goals|all]   (log: $OUT/multi.log)
 # `tests` runs the bundled GPU tests (each one's full output in $OUT/<test>.log); `runs` `cohort peers`, the comm suite
 # with one process per GPU and data_parallel both ways; `bench` the five
-# collectives beside raw NCCL (nccl_bench) and torch.distributed. Each part
-# fits in one 10-minute device call. Every GPU of the machine takes part;
+# collectives beside raw NCCL (nccl_bench) and torch.distributed; `goals`
+# the benchmarks whose goals need several GPUs: split against a fresh
+# communicator (split_bench), grouped against separate calls
+# (grouped_bench), DDP beside PyTorch DDP with scaling and the hidden share
+# (ddp_bench), the peer-memory paths and graph replay against raw NCCL
+# (nccl_bench --algo, --step). Each part fits in one 10-minute device call;
+# `goals` needs the bundle's examples split_bench, grouped_bench, ddp_bench
+# and nccl_bench, and torch for ddp_bench's anchor. Every GPU of the machine takes part;
 # NCCL_NVLS_ENABLE stays 0. Exits 1 when any test binary or step failed.
-export NCCL_NVLS_ENABLE=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")"
 what=${1:-all}
 mkdir -p /tmp/ncclfix; ln -sf /usr/lib/x86_64-linux-gnu/libnccl.so.2 /tmp/ncclfix/libnccl.so
@@ -64,6 +70,24 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     check "${PIPESTATUS[0]}" "latency"
     step torch; timeout 200 torchrun --nproc_per_node $gpus scripts/anchors/torch_collectives.py 8 4294967296 8 2>&1 | grep -v Warning | tee -a $L
     check "${PIPESTATUS[0]}" "torch"
+fi
+if [ "$what" = goals ] || [ "$what" = all ]; then
+    step split against a fresh communicator, one process per GPU
+    timeout 120 bin/cohort run -n gpu --master-port 0 -- examples/split_bench 5 cuda 2>&1 | tee -a $L
+    check "${PIPESTATUS[0]}" "split_bench"
+    step grouped against separate, one process per GPU
+    timeout 120 bin/cohort run -n gpu --master-port 0 -- examples/grouped_bench 20 cuda 2>&1 | tee -a $L
+    check "${PIPESTATUS[0]}" "grouped_bench"
+    step peer-memory paths against raw NCCL, one process over every GPU
+    timeout 240 examples/nccl_bench --algo all --write-crossover -b 8 -e 256M -f 4 -n 200 -w 20 -t 3 -c 0 2>&1 | tee -a $L
+    check "${PIPESTATUS[0]}" "nccl_bench --algo all"
+    step a step of ten small all-reduces, eager against graph replay
+    timeout 120 examples/nccl_bench --step --algo all -n 500 -w 50 2>&1 | tee -a $L
+    check "${PIPESTATUS[0]}" "nccl_bench --step"
+    step DDP beside PyTorch DDP, the large model, every GPU count
+    timeout 400 examples/ddp_bench --backend cuda --large --priorities both --split off,last \
+        --plot "$OUT/ddp.svg" --timeline "$OUT/ddp-step.json" 2>&1 | tee -a $L
+    check "${PIPESTATUS[0]}" "ddp_bench"
 fi
 if [ "$failed" -ne 0 ]; then
     echo "== $failed step(s) failed" | tee -a $L
