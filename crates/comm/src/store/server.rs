@@ -77,6 +77,11 @@ const READ_AHEAD: usize = 64 << 10;
 /// Pieces handed to one vectored write.
 const MAX_SLICES: usize = 64;
 
+/// Answers a connection may queue, unwritten, while it serves the next of
+/// its requests already read (so that pipelined requests are answered in
+/// one write).
+const COALESCE: usize = MAX_SLICES / 2;
+
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 /// The first connection's token; ids are never reused.
@@ -941,12 +946,19 @@ impl Worker {
         else {
             return if open { Ok(false) } else { Err(Close::Left("left during the handshake".into())) };
         };
-        if !check_proof(&shared.secret, c, &nonce, &answer) {
+        if let Err(why) = check_proof(&shared.secret, c, &nonce, &answer) {
             let peer = c.peer;
+            let what = match why {
+                Refusal::WrongSecret => "rendezvous store refused a client that does not hold the job secret",
+                Refusal::OtherVersion => {
+                    "rendezvous store refused a client that speaks another protocol version (an older or newer \
+                     cohort?)"
+                }
+            };
             if shared.count_dropped() {
-                tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
+                tracing::warn!(%peer, "{what}");
             } else {
-                tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
+                tracing::debug!(%peer, "{what}");
             }
             shared.release(id);
             timers.push(Reverse((Instant::now() + shared.limits.handshake, Timer::Linger(id))));
@@ -1003,18 +1015,35 @@ impl Worker {
         let Worker { index, shared, conns, timers, to_drive, answers, scratch, .. } = self;
         let Some(c) = conns.get_mut(&id) else { return Ok(()) };
         loop {
-            let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
             if matches!(c.phase, Phase::Closing) {
+                let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
                 return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
             }
             let open = c.fill(scratch, READ_AHEAD, protocol::MAX_FRAME).map_err(|e| Close::Left(e.to_string()))?;
-            if c.blocked.is_some() || !flushed {
-                // The answer comes first; an end of stream now means the
-                // client left while it waited.
-                return if open { Ok(()) } else { Err(Close::Left("end of stream while blocked".into())) };
-            }
-            let Some(body) = c.take_frame(protocol::MAX_FRAME, "").map_err(|e| Close::Failed(e.to_string()))? else {
-                return if open { Ok(()) } else { Err(Close::Left("end of stream".into())) };
+            // A request whose bytes are all here is served before anything
+            // is written (while few answers wait): the verdict and the
+            // answers to the requests a client sent behind its proof, or
+            // any requests it pipelined, leave in one write.
+            let next = if c.blocked.is_none() && c.output.len() < COALESCE {
+                c.take_frame(protocol::MAX_FRAME, "").map_err(|e| Close::Failed(e.to_string()))?
+            } else {
+                None
+            };
+            let body = match next {
+                Some(body) => body,
+                None => {
+                    let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
+                    if c.blocked.is_some() || !flushed {
+                        // The answer comes first; an end of stream now
+                        // means the client left while it waited.
+                        return if open { Ok(()) } else { Err(Close::Left("end of stream while blocked".into())) };
+                    }
+                    let next = c.take_frame(protocol::MAX_FRAME, "").map_err(|e| Close::Failed(e.to_string()))?;
+                    let Some(body) = next else {
+                        return if open { Ok(()) } else { Err(Close::Left("end of stream".into())) };
+                    };
+                    body
+                }
             };
             c.seq += 1;
             let ticket = Ticket { conn: id, seq: c.seq };
@@ -1098,23 +1127,46 @@ impl Worker {
     }
 }
 
+/// Why a handshake answer was refused.
+enum Refusal {
+    /// The proof does not hold (another secret).
+    WrongSecret,
+    /// Not this protocol version's answer (an older client's, say).
+    OtherVersion,
+}
+
 /// Checks a handshake answer; queues the verdict and moves the connection
-/// on (to `Ready`, or to `Closing` after a refusal). True when accepted.
-fn check_proof(secret: &[u8], c: &mut Conn, nonce: &[u8; protocol::NONCE_LEN], answer: &[u8]) -> bool {
-    let ok = answer.len() == protocol::NONCE_LEN + protocol::MAC_LEN && {
-        let (client_nonce, tag) = answer.split_at(protocol::NONCE_LEN);
-        protocol::verify(secret, protocol::CLIENT_LABEL, nonce, client_nonce, tag)
+/// on (to `Ready`, or to `Closing` after a refusal, with whatever the client
+/// sent behind its answer left unread).
+fn check_proof(
+    secret: &[u8],
+    c: &mut Conn,
+    nonce: &[u8; protocol::NONCE_LEN],
+    answer: &[u8],
+) -> std::result::Result<(), Refusal> {
+    let verdict = if answer.len() != protocol::PREAUTH_MAX_FRAME || answer[0] != protocol::VERSION {
+        Err(Refusal::OtherVersion)
+    } else {
+        let (client_nonce, tag) = answer[1..].split_at(protocol::NONCE_LEN);
+        if protocol::verify(secret, protocol::CLIENT_LABEL, nonce, client_nonce, tag) {
+            Ok(client_nonce)
+        } else {
+            Err(Refusal::WrongSecret)
+        }
     };
-    if !ok {
-        c.send(&[protocol::AUTH_REFUSED]);
-        c.phase = Phase::Closing;
-        return false;
-    }
-    let client_nonce = &answer[..protocol::NONCE_LEN];
+    let client_nonce = match verdict {
+        Ok(n) => n,
+        Err(why) => {
+            c.send(&[protocol::AUTH_REFUSED]);
+            c.phase = Phase::Closing;
+            return Err(why);
+        }
+    };
     let tag = protocol::proof(secret, protocol::SERVER_LABEL, client_nonce, nonce);
-    let mut accept = vec![protocol::AUTH_OK];
+    let mut accept = Vec::with_capacity(1 + protocol::MAC_LEN);
+    accept.push(protocol::AUTH_OK);
     accept.extend_from_slice(&tag);
     c.send(&accept);
     c.phase = Phase::Ready;
-    true
+    Ok(())
 }
