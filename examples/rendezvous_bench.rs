@@ -847,7 +847,12 @@ fn drive(
                 }
             }
             r.flush()?;
-            loop {
+            // Edge-triggered: read on a readable event only, until a short
+            // read (the socket is empty; more brings another event) or, when
+            // the peer's end was reported, until it shows.
+            let closing = ev.is_read_closed() || ev.is_error();
+            let mut readable = ev.is_readable() || closing;
+            while readable {
                 let k = match r.stream.read(&mut buf) {
                     Ok(0) => return Err(format!("the server closed rank {}'s connection at {:?}", r.rank, r.step)),
                     Ok(k) => k,
@@ -855,6 +860,7 @@ fn drive(
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(format!("rank {}: read: {e}", r.rank)),
                 };
+                readable = k == buf.len() || closing;
                 let mut data = &buf[..k];
                 while let Some(answer) = r.feed(kind, &mut data)? {
                     if r.on_answer(kind, n, t0, answer, secret)? {
@@ -921,6 +927,7 @@ fn busiest_thread(
 }
 
 /// Runs `n` simulated ranks of `kind` against `server`.
+#[allow(clippy::too_many_arguments)]
 fn simulate(
     kind: Kind,
     server: &Server,

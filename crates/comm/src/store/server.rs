@@ -418,6 +418,14 @@ struct Conn {
     seq: u64,
     /// A will: set this key (unless present) should the client vanish.
     will: Option<(String, Vec<u8>)>,
+    /// The socket may hold bytes not read yet: a readable event came since
+    /// a read found it empty. Reads are edge-triggered: bytes (or an end of
+    /// stream) arriving later bring another event, so a connection driven
+    /// for another reason (an answer to write) reads nothing in vain.
+    readable: bool,
+    /// The peer's end of stream (or an error) was reported: read until it
+    /// shows, even past a short read.
+    read_closed: bool,
 }
 
 impl Conn {
@@ -433,6 +441,19 @@ impl Conn {
             blocked: None,
             seq: 0,
             will: None,
+            // Registering a socket reports what it already holds.
+            readable: false,
+            read_closed: false,
+        }
+    }
+
+    /// Notes what a poll event says about the socket.
+    fn saw(&mut self, event: &mio::event::Event) {
+        if event.is_readable() || event.is_read_closed() || event.is_error() {
+            self.readable = true;
+        }
+        if event.is_read_closed() || event.is_error() {
+            self.read_closed = true;
         }
     }
 
@@ -491,6 +512,9 @@ impl Conn {
             if want == 0 {
                 return Ok(true);
             }
+            if !self.readable {
+                return Ok(true);
+            }
             if self.read_at > 0 && self.read_at >= self.input.len() / 2 {
                 self.input.drain(..self.read_at);
                 self.read_at = 0;
@@ -498,9 +522,21 @@ impl Conn {
             let n = want.min(scratch.len());
             match self.stream.read(&mut scratch[..n]) {
                 Ok(0) => return Ok(false),
-                Ok(n) => self.input.extend_from_slice(&scratch[..n]),
+                Ok(k) => {
+                    self.input.extend_from_slice(&scratch[..k]);
+                    // A short read emptied the socket: what comes next
+                    // brings an event (an end of stream already reported
+                    // is read now, not waited for).
+                    if k < n && !self.read_closed {
+                        self.readable = false;
+                        return Ok(true);
+                    }
+                }
                 Err(e) => match e.kind() {
-                    io::ErrorKind::WouldBlock => return Ok(true),
+                    io::ErrorKind::WouldBlock => {
+                        self.readable = false;
+                        return Ok(true);
+                    }
                     io::ErrorKind::Interrupted => {}
                     _ => return Err(e),
                 },
@@ -815,7 +851,11 @@ impl Worker {
             let stop = self.shared.stop.load(Ordering::SeqCst);
             for event in events.iter() {
                 if event.token() != WAKER {
-                    self.to_drive.push(event.token().0);
+                    let id = event.token().0;
+                    if let Some(c) = self.conns.get_mut(&id) {
+                        c.saw(event);
+                    }
+                    self.to_drive.push(id);
                 }
             }
             let messages = std::mem::take(&mut *self.shared.workers[self.index].inbox.lock());
