@@ -893,8 +893,8 @@ struct ConnectPhase {
     /// From the release until the main thread saw the last rank connected.
     wall: Duration,
     server_cpu: Duration,
-    /// The server's busiest thread then: its name and CPU time.
-    busiest: (String, Duration),
+    /// The server's two busiest threads then: names and CPU times.
+    busiest: String,
     client_cpu: Duration,
 }
 
@@ -911,19 +911,21 @@ fn thread_cpu(pid: u32) -> HashMap<String, (String, Duration)> {
     out
 }
 
-/// The thread that used the most CPU between two [`thread_cpu`] samples.
-fn busiest_thread(
+/// The two threads that used the most CPU between two [`thread_cpu`]
+/// samples, as "name time, name time".
+fn busiest_threads(
     before: &HashMap<String, (String, Duration)>,
     after: &HashMap<String, (String, Duration)>,
-) -> (String, Duration) {
-    after
+) -> String {
+    let mut used: Vec<(String, Duration)> = after
         .iter()
         .map(|(tid, (name, cpu))| {
             let was = before.get(tid).map_or(Duration::ZERO, |(_, c)| *c);
             (name.clone(), cpu.saturating_sub(was))
         })
-        .max_by_key(|(_, cpu)| *cpu)
-        .unwrap_or_default()
+        .collect();
+    used.sort_by_key(|(_, cpu)| std::cmp::Reverse(*cpu));
+    used.iter().take(2).map(|(name, cpu)| format!("{name} {:.0} ms", ms(*cpu))).collect::<Vec<_>>().join(", ")
 }
 
 /// Runs `n` simulated ranks of `kind` against `server`.
@@ -966,7 +968,7 @@ fn simulate(
     let connect_phase = ConnectPhase {
         wall: t0.elapsed(),
         server_cpu: server.cpu() - server_before,
-        busiest: busiest_thread(&threads_before, &thread_cpu(server.child.id())),
+        busiest: busiest_threads(&threads_before, &thread_cpu(server.child.id())),
         client_cpu: cpu_of("/proc/self/stat") - client_before,
     };
     let mut last = Times::default();
@@ -1162,13 +1164,12 @@ fn main() {
                     println!("{:>19} {}", "", connect_breakdown(&run.each, window));
                     let c = &run.connect_phase;
                     println!(
-                        "{:>19} until all connected ({:.1} ms): store cpu {:.0} ms (busiest thread {} {:.0} ms), \
-                         clients cpu {:.0} ms",
+                        "{:>19} until all connected ({:.1} ms): store cpu {:.0} ms (busiest threads {}), clients \
+                         cpu {:.0} ms",
                         "",
                         ms(c.wall),
                         ms(c.server_cpu),
-                        c.busiest.0,
-                        ms(c.busiest.1),
+                        c.busiest,
                         ms(c.client_cpu)
                     );
                     if on_baseline {
