@@ -125,9 +125,12 @@ impl StoreClient {
     }
 
     /// Opens a second, independent connection to the same store with the
-    /// same secret and timeout.
+    /// same secret and timeout. Like [`StoreClient::connect_pipelined`], it
+    /// does not wait for the verdict: its first request travels with the
+    /// proof (the secret is the one this connection uses), and the server's
+    /// proof is checked before that request's answer is read.
     pub fn duplicate(&self) -> Result<StoreClient> {
-        StoreClient::connect(self.addr.as_str(), &self.secret, self.timeout)
+        StoreClient::connect_pipelined(self.addr.as_str(), &self.secret, self.timeout)
     }
 
     /// A second handle on the connection's socket (tests cut it).
