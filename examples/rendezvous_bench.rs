@@ -1,7 +1,8 @@
 //! Rendezvous at scale: N simulated ranks, each with its own store
 //! connection, doing what a rank does while it forms a communicator: prove
-//! the job secret, publish its entry (an append to the directory and one to
-//! its node's), wait for every rank, read its node's entries (rank 0: every
+//! the job secret (its first request right behind the proof), publish its
+//! entry (an append to the directory and one to its node's, in one write),
+//! wait for every rank, read its node's entries (rank 0: every
 //! entry), get rank 0's verdict through barrier `checked`, and pass the
 //! `ready` barrier. `--per-node K` sets the ranks per simulated node
 //! (default 8); `--per-node 0` is the pattern where every rank appends to
@@ -479,7 +480,12 @@ impl Rank {
             self.tcp_barrier(0);
             let _ = n;
         } else {
+            // Both appends in one write, as the Communicator's
+            // `append_each` sends them.
             self.send(&raw::append("c/1/peers", line.as_bytes()));
+            if self.per_node > 0 {
+                self.send(&raw::append(&self.my_directory(), line.as_bytes()));
+            }
             self.step = Step::Appended;
             self.expect(Field::FrameLen, 4);
         }
@@ -547,14 +553,8 @@ impl Rank {
                 self.publish(kind, n, t0);
             }
             (Step::Appended, a) if self.per_node > 0 => {
+                // The node directory's answer follows.
                 ok(&a)?;
-                let line = format!(
-                    "{}\thost-{}/boot-id-0000-1111-2222/0\t127.0.0.1:{}\t1\n",
-                    self.rank,
-                    self.rank / 8,
-                    20000 + self.rank
-                );
-                self.send(&raw::append(&self.my_directory(), line.as_bytes()));
                 self.step = Step::AppendedNode;
                 self.expect(Field::FrameLen, 4);
             }

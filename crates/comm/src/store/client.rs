@@ -200,6 +200,25 @@ impl StoreClient {
         }
     }
 
+    /// [`StoreClient::append`] for each `(key, value)`, in order, with every
+    /// request in one write: one round trip for all (a rank publishes its
+    /// entry to two directories this way). Stops at the first refusal
+    /// (those before it are applied).
+    pub fn append_each(&self, entries: &[(&str, &[u8])]) -> Result<()> {
+        let mut reqs = Vec::with_capacity(entries.len());
+        for (key, value) in entries {
+            check_key(key)?;
+            check_value(value)?;
+            reqs.push(Request::Append { key: key.to_string(), value: value.to_vec() });
+        }
+        for r in self.requests(&reqs, self.timeout)? {
+            if r != Response::Ok {
+                return Err(self.unexpected(r));
+            }
+        }
+        Ok(())
+    }
+
     /// Blocks until every key in `keys` is set, or `timeout` passes.
     ///
     /// The server does the waiting: this is one round trip however long it
@@ -340,17 +359,27 @@ impl StoreClient {
 
     /// Sends one request and reads its answer, waiting at most `answer_within`.
     fn request(&self, req: &Request, answer_within: Duration) -> Result<Response> {
-        let body = req.encode();
-        if body.len() > MAX_FRAME {
-            return Err(StoreError::TooLarge { what: "the request", len: body.len(), max: MAX_FRAME });
+        let mut answers = self.requests(std::slice::from_ref(req), answer_within)?;
+        Ok(answers.pop().expect("one answer per request"))
+    }
+
+    /// Sends `reqs` in one write and reads their answers, in order, waiting
+    /// at most `answer_within` for each; the first refusal is the error.
+    fn requests(&self, reqs: &[Request], answer_within: Duration) -> Result<Vec<Response>> {
+        let mut bodies = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let body = req.encode();
+            if body.len() > MAX_FRAME {
+                return Err(StoreError::TooLarge { what: "the request", len: body.len(), max: MAX_FRAME });
+            }
+            bodies.push(body);
         }
         let mut conn = self.conn.lock();
         if conn.broken {
             return Err(StoreError::Broken { addr: self.addr.clone() });
         }
-        let result = exchange(&mut conn, &self.secret, &body, answer_within);
-        let body = match result {
-            Ok(b) => b,
+        let answers = match exchange(&mut conn, &self.secret, &bodies, answer_within) {
+            Ok(answers) => answers,
             Err(Failed::Verdict(e)) => {
                 conn.broken = true;
                 return Err(self.verdict_error(e));
@@ -368,14 +397,20 @@ impl StoreClient {
                 });
             }
         };
-        match Response::decode(&body) {
-            Ok(Response::Refused(message)) => Err(StoreError::Refused { addr: self.addr.clone(), message }),
-            Ok(r) => Ok(r),
-            Err(detail) => {
-                conn.broken = true;
-                Err(StoreError::Protocol { addr: self.addr.clone(), detail })
+        let mut decoded = Vec::with_capacity(answers.len());
+        for body in answers {
+            match Response::decode(&body) {
+                Ok(Response::Refused(message)) => {
+                    return Err(StoreError::Refused { addr: self.addr.clone(), message });
+                }
+                Ok(r) => decoded.push(r),
+                Err(detail) => {
+                    conn.broken = true;
+                    return Err(StoreError::Protocol { addr: self.addr.clone(), detail });
+                }
             }
         }
+        Ok(decoded)
     }
 
     /// The error of a verdict other than "accepted".
@@ -404,16 +439,22 @@ enum Failed {
     Verdict(protocol::Verdict),
 }
 
-/// Writes one request and reads its answer; on a connection whose verdict
-/// is still due, reads and checks that first (nothing of the answer is
-/// read unless the server proved the secret).
-fn exchange(conn: &mut Conn, secret: &[u8], body: &[u8], answer_within: Duration) -> Result<Vec<u8>, Failed> {
+/// Writes the request frames `bodies` in one write and reads their
+/// answers; on a connection whose verdict is still due, reads and checks
+/// that first (nothing of an answer is read unless the server proved the
+/// secret).
+fn exchange(
+    conn: &mut Conn,
+    secret: &[u8],
+    bodies: &[Vec<u8>],
+    answer_within: Duration,
+) -> Result<Vec<Vec<u8>>, Failed> {
     let stream = &mut conn.stream;
     // A zero timeout means "none" to the socket API; never ask for that.
     let within = answer_within.max(Duration::from_millis(1));
     stream.set_read_timeout(Some(within)).map_err(Failed::Io)?;
     stream.set_write_timeout(Some(within)).map_err(Failed::Io)?;
-    let sent = protocol::write_frame(stream, body);
+    let sent = protocol::write_frames(stream, bodies);
     if let Some(hs) = conn.verdict.take() {
         // Read the verdict even if the write failed: a store that refused
         // the proof may have closed before the request went out.
@@ -428,11 +469,11 @@ fn exchange(conn: &mut Conn, secret: &[u8], body: &[u8], answer_within: Duration
             protocol::Verdict::Accepted => {}
             other => return Err(Failed::Verdict(other)),
         }
-        // read_frame_by changed the read timeout: the answer's is the whole.
+        // read_frame_by changed the read timeout: each answer's is the whole.
         stream.set_read_timeout(Some(within)).map_err(Failed::Io)?;
     }
     sent.map_err(Failed::Io)?;
-    protocol::read_frame(stream).map_err(Failed::Io)
+    bodies.iter().map(|_| protocol::read_frame(stream).map_err(Failed::Io)).collect()
 }
 
 /// The bytes of a value answered by the server (shared only on its side).

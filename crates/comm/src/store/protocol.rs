@@ -194,6 +194,18 @@ pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     w.flush()
 }
 
+/// Writes frames, one after another, in one write, and flushes.
+pub(crate) fn write_frames(w: &mut impl Write, bodies: &[Vec<u8>]) -> io::Result<()> {
+    let mut buf = Vec::with_capacity(bodies.iter().map(|b| 4 + b.len()).sum());
+    for body in bodies {
+        let len = u32::try_from(body.len()).map_err(|_| io::ErrorKind::InvalidInput)?;
+        buf.extend_from_slice(&len.to_le_bytes());
+        buf.extend_from_slice(body);
+    }
+    w.write_all(&buf)?;
+    w.flush()
+}
+
 /// Reads one frame's body; a body over [`MAX_FRAME`] is `InvalidData`.
 pub(crate) fn read_frame(r: &mut impl Read) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];

@@ -962,3 +962,23 @@ fn store_pipelined_client_checks_the_servers_proof_before_any_answer() {
     // The connection is not used again.
     assert!(matches!(c.get("job"), Err(StoreError::Broken { .. })));
 }
+
+#[test]
+fn store_append_each_applies_every_append_in_order() {
+    let s = server();
+    // As the first request of a pipelined connection: behind the proof,
+    // the verdict, then one answer per append.
+    let c = StoreClient::connect_pipelined(s.local_addr(), SECRET, T).unwrap();
+    c.append_each(&[("dir", b"0 a\n"), ("node/0", b"0 a\n"), ("dir", b"1 b\n")]).unwrap();
+    assert_eq!(c.multi_get(&["dir", "node/0"]).unwrap(), vec![Some(b"0 a\n1 b\n".to_vec()), Some(b"0 a\n".to_vec())]);
+    // A key over the limit is refused before anything is sent.
+    let long = "k".repeat(MAX_KEY + 1);
+    let err = c.append_each(&[("dir", b"2 c\n"), (long.as_str(), b"x")]).unwrap_err();
+    assert!(matches!(err, StoreError::TooLarge { what: "the key", .. }), "{err}");
+    assert_eq!(c.get("dir").unwrap().as_deref(), Some(&b"0 a\n1 b\n"[..]), "nothing of a refused batch is sent");
+    // With a wrong secret, none of them is applied.
+    let bad = StoreClient::connect_pipelined(s.local_addr(), "not-the-secret", T).unwrap();
+    let err = bad.append_each(&[("dir", b"evil\n"), ("other", b"evil\n")]).unwrap_err();
+    assert!(matches!(err, StoreError::AuthRefused { .. }), "{err}");
+    assert_eq!(c.multi_get(&["dir", "other"]).unwrap(), vec![Some(b"0 a\n1 b\n".to_vec()), None]);
+}
