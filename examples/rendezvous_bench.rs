@@ -794,10 +794,11 @@ fn drive(
         while connecting < window && slots.len() < ranks.len() {
             let rank = ranks[slots.len()];
             let mut stream = match source_of(rank, per_node, addr, one_source) {
-                Some(source) => connect_from(source, addr),
-                None => TcpStream::connect(addr),
-            }
-            .map_err(|e| format!("rank {rank}: connect: {e}"))?;
+                Some(source) => connect_from(source, addr).map_err(|e| {
+                    format!("rank {rank}: connect from {source}: {e} (--one-source connects from 127.0.0.1)")
+                }),
+                None => TcpStream::connect(addr).map_err(|e| format!("rank {rank}: connect: {e}")),
+            }?;
             // As both stores' own clients do: no Nagle delay on small requests.
             stream.set_nodelay(true).map_err(|e| e.to_string())?;
             let token = Token(slots.len());
