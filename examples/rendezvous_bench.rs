@@ -1024,7 +1024,8 @@ fn fd_limit() -> u64 {
 /// Where the ranks' connect time went: each rank's time from its connect
 /// call to its last handshake answer (median and 99th percentile), split
 /// into the kernel's handshake (`tcp`), waiting for the server's greeting
-/// and waiting for its verdict, and how many ranks were connecting at once
+/// and waiting for its verdict (TCPStore: no greeting, and the answer of
+/// the round trip that checks the server), and how many ranks were connecting at once
 /// on average (the sum of those times over the connect phase's length): at
 /// the window, the window and each connection's latency set the phase.
 fn connect_breakdown(each: &[Times], window: usize) -> String {
