@@ -1,7 +1,8 @@
 //! Rendezvous at scale: N simulated ranks, each with its own store
 //! connection, doing what a rank does while it forms a communicator: prove
-//! the job secret, publish its entry (an append to the directory and one to
-//! its node's), wait for every rank, read its node's entries (rank 0: every
+//! the job secret (its first request right behind the proof), publish its
+//! entry (an append to the directory and one to its node's, in one write),
+//! wait for every rank, read its node's entries (rank 0: every
 //! entry), get rank 0's verdict through barrier `checked`, and pass the
 //! `ready` barrier. `--per-node K` sets the ranks per simulated node
 //! (default 8); `--per-node 0` is the pattern where every rank appends to
@@ -54,9 +55,11 @@
 //! It raises its soft descriptor limit to the hard one; counts above that
 //! (`ulimit -Hn`) are skipped with a note.
 
+use std::collections::HashMap;
 use std::io::{BufRead, Read, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -147,6 +150,12 @@ enum Kind {
 /// When a rank passed each step, from the common release.
 #[derive(Default, Clone, Copy)]
 struct Times {
+    /// The rank's connect call (when the window let it start).
+    began: Duration,
+    /// Its socket reported connected (the kernel's handshake done).
+    tcp_up: Duration,
+    /// cohort: the server's greeting arrived (TCPStore: as `tcp_up`).
+    greeted: Duration,
     connected: Duration,
     published: Duration,
     joined: Duration,
@@ -414,7 +423,9 @@ impl Rank {
     }
 
     /// The rank's first bytes once connected.
-    fn on_connected(&mut self, kind: Kind) {
+    fn on_connected(&mut self, kind: Kind, t0: Instant) {
+        self.times.tcp_up = t0.elapsed();
+        self.times.greeted = self.times.tcp_up;
         if kind == Kind::TcpStore {
             let mut b = vec![tcp::VALIDATE];
             b.extend_from_slice(&tcp::MAGIC.to_ne_bytes());
@@ -425,6 +436,18 @@ impl Rank {
         } else {
             self.step = Step::Greeting;
             self.expect(Field::FrameLen, 4);
+        }
+    }
+
+    /// The first request once the proof is sent (or accepted): rank 0 sets
+    /// the job key, the others publish their entries.
+    fn first_request(&mut self, kind: Kind, n: usize, t0: Instant) {
+        if self.rank == 0 {
+            self.send(&raw::set("c/1/job", JOB));
+            self.step = Step::JobSet;
+            self.expect(Field::FrameLen, 4);
+        } else {
+            self.publish(kind, n, t0);
         }
     }
 
@@ -457,7 +480,12 @@ impl Rank {
             self.tcp_barrier(0);
             let _ = n;
         } else {
+            // Both appends in one write, as the Communicator's
+            // `append_each` sends them.
             self.send(&raw::append("c/1/peers", line.as_bytes()));
+            if self.per_node > 0 {
+                self.send(&raw::append(&self.my_directory(), line.as_bytes()));
+            }
             self.step = Step::Appended;
             self.expect(Field::FrameLen, 4);
         }
@@ -491,22 +519,30 @@ impl Rank {
         };
         match (self.step, answer) {
             (Step::Greeting, Answered::Frame(body)) => {
+                self.times.greeted = t0.elapsed();
                 let (hs, frame) = Handshake::answer(secret, &body).map_err(|e| e.to_string())?;
-                self.handshake = Some(hs);
                 self.send(&frame);
-                self.step = Step::Verdict;
-                self.expect(Field::FrameLen, 4);
+                if hs.pipelines() {
+                    // The first request goes behind the proof; the verdict
+                    // comes before its answer.
+                    self.handshake = Some(hs);
+                    self.first_request(kind, n, t0);
+                } else {
+                    self.handshake = Some(hs);
+                    self.step = Step::Verdict;
+                    self.expect(Field::FrameLen, 4);
+                }
             }
             (Step::Verdict, Answered::Frame(body)) => {
                 self.handshake.take().expect("answered").check(secret, &body).map_err(|e| e.to_string())?;
                 self.times.connected = t0.elapsed();
-                if self.rank == 0 {
-                    self.send(&raw::set("c/1/job", JOB));
-                    self.step = Step::JobSet;
-                    self.expect(Field::FrameLen, 4);
-                } else {
-                    self.publish(kind, n, t0);
-                }
+                self.first_request(kind, n, t0);
+            }
+            (_, Answered::Frame(body)) if self.handshake.is_some() => {
+                // The verdict, ahead of the first request's answer.
+                self.handshake.take().expect("answered").check(secret, &body).map_err(|e| e.to_string())?;
+                self.times.connected = t0.elapsed();
+                self.expect(Field::FrameLen, 4);
             }
             (Step::Checked, Answered::Int(_)) => {
                 self.times.connected = t0.elapsed();
@@ -517,14 +553,8 @@ impl Rank {
                 self.publish(kind, n, t0);
             }
             (Step::Appended, a) if self.per_node > 0 => {
+                // The node directory's answer follows.
                 ok(&a)?;
-                let line = format!(
-                    "{}\thost-{}/boot-id-0000-1111-2222/0\t127.0.0.1:{}\t1\n",
-                    self.rank,
-                    self.rank / 8,
-                    20000 + self.rank
-                );
-                self.send(&raw::append(&self.my_directory(), line.as_bytes()));
                 self.step = Step::AppendedNode;
                 self.expect(Field::FrameLen, 4);
             }
@@ -659,7 +689,8 @@ impl Rank {
     }
 
     fn connecting(&self) -> bool {
-        matches!(self.step, Step::Connecting | Step::Greeting | Step::Verdict | Step::Checked)
+        self.handshake.is_some()
+            || matches!(self.step, Step::Connecting | Step::Greeting | Step::Verdict | Step::Checked)
     }
 }
 
@@ -670,6 +701,71 @@ fn tcp_barrier_name(which: u8) -> &'static str {
         1 => "ready",
         _ => "checked",
     }
+}
+
+/// The loopback address simulated rank `rank` connects from: its node's
+/// own (`127.1.0.0` and up, one per `per_node` ranks, 8 when 0), as ranks
+/// on different hosts do, or `None` (the kernel picks 127.0.0.1) with
+/// `--one-source` or a server off loopback.
+///
+/// With every rank on one address, Linux picks each new connection's
+/// source port by scanning the ports already connected to the same server
+/// (`__inet_hash_connect`, `__inet_check_established`): quadratic in the
+/// ranks, and most of the clients' CPU at 16,384 of them. Real ranks of a
+/// large job come from hundreds of hosts, each with its own ports.
+fn source_of(rank: usize, per_node: usize, server: SocketAddr, one_source: bool) -> Option<std::net::Ipv4Addr> {
+    if one_source || !server.ip().is_loopback() || !server.is_ipv4() {
+        return None;
+    }
+    let node = rank / if per_node == 0 { 8 } else { per_node };
+    Some(std::net::Ipv4Addr::new(127, 1 + (node >> 16) as u8, (node >> 8) as u8, node as u8))
+}
+
+/// A non-blocking connection to `addr` from `source` (the port left to the
+/// kernel, chosen at connect time: `IP_BIND_ADDRESS_NO_PORT`).
+fn connect_from(source: std::net::Ipv4Addr, addr: SocketAddr) -> std::io::Result<TcpStream> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let std::net::SocketAddr::V4(to) = addr else { return TcpStream::connect(addr) };
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: socket() takes no pointers; the descriptor it returns is owned
+    // by `fd` at once, so it is closed on every path below.
+    let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let one: libc::c_int = 1;
+    let from = sockaddr(source, 0);
+    let server = sockaddr(*to.ip(), to.port());
+    // SAFETY: the pointers are to locals that outlive the calls, with the
+    // lengths given; `raw` stays open (owned by `fd`) throughout.
+    unsafe {
+        if libc::setsockopt(
+            raw,
+            libc::IPPROTO_IP,
+            libc::IP_BIND_ADDRESS_NO_PORT,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        ) != 0
+            || libc::bind(raw, (&from as *const libc::sockaddr_in).cast(), len) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        if libc::connect(raw, (&server as *const libc::sockaddr_in).cast(), len) != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINPROGRESS) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(TcpStream::from_std(std::net::TcpStream::from(fd)))
 }
 
 /// Drives `ranks` through the pattern on one thread; returns their times.
@@ -684,6 +780,8 @@ fn drive(
     per_node: usize,
     go: &Barrier,
     start: &parking_lot::Mutex<Option<Instant>>,
+    connected: &AtomicUsize,
+    one_source: bool,
 ) -> Result<Vec<Times>, String> {
     let mut poll = Poll::new().map_err(|e| e.to_string())?;
     let mut events = Events::with_capacity(4096);
@@ -694,7 +792,13 @@ fn drive(
     let (mut connecting, mut done) = (0usize, 0usize);
     loop {
         while connecting < window && slots.len() < ranks.len() {
-            let mut stream = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+            let rank = ranks[slots.len()];
+            let mut stream = match source_of(rank, per_node, addr, one_source) {
+                Some(source) => connect_from(source, addr).map_err(|e| {
+                    format!("rank {rank}: connect from {source}: {e} (--one-source connects from 127.0.0.1)")
+                }),
+                None => TcpStream::connect(addr).map_err(|e| format!("rank {rank}: connect: {e}")),
+            }?;
             // As both stores' own clients do: no Nagle delay on small requests.
             stream.set_nodelay(true).map_err(|e| e.to_string())?;
             let token = Token(slots.len());
@@ -714,7 +818,7 @@ fn drive(
                 value_index: 0,
                 lines: 0,
                 handshake: None,
-                times: Times::default(),
+                times: Times { began: t0.elapsed(), ..Times::default() },
                 per_node,
             });
             connecting += 1;
@@ -738,13 +842,18 @@ fn drive(
                     return Err(format!("rank {} could not connect: {e}", r.rank));
                 }
                 match r.stream.peer_addr() {
-                    Ok(_) => r.on_connected(kind),
+                    Ok(_) => r.on_connected(kind, t0),
                     Err(e) if e.kind() == std::io::ErrorKind::NotConnected => continue,
                     Err(e) => return Err(format!("rank {} could not connect: {e}", r.rank)),
                 }
             }
             r.flush()?;
-            loop {
+            // Edge-triggered: read on a readable event only, until a short
+            // read (the socket is empty; more brings another event) or, when
+            // the peer's end was reported, until it shows.
+            let closing = ev.is_read_closed() || ev.is_error();
+            let mut readable = ev.is_readable() || closing;
+            while readable {
                 let k = match r.stream.read(&mut buf) {
                     Ok(0) => return Err(format!("the server closed rank {}'s connection at {:?}", r.rank, r.step)),
                     Ok(k) => k,
@@ -752,6 +861,7 @@ fn drive(
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(format!("rank {}: read: {e}", r.rank)),
                 };
+                readable = k == buf.len() || closing;
                 let mut data = &buf[..k];
                 while let Some(answer) = r.feed(kind, &mut data)? {
                     if r.on_answer(kind, n, t0, answer, secret)? {
@@ -762,6 +872,7 @@ fn drive(
             }
             if was_connecting && !r.connecting() {
                 connecting -= 1;
+                connected.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -771,11 +882,55 @@ fn drive(
 /// and this process (the clients) spent.
 struct Run {
     last: Times,
+    /// Every rank's times.
+    each: Vec<Times>,
+    connect_phase: ConnectPhase,
     server_cpu: Duration,
     client_cpu: Duration,
 }
 
+/// CPU spent until every rank had connected.
+struct ConnectPhase {
+    /// From the release until the main thread saw the last rank connected.
+    wall: Duration,
+    server_cpu: Duration,
+    /// The server's two busiest threads then: names and CPU times.
+    busiest: String,
+    client_cpu: Duration,
+}
+
+/// CPU time of each thread of process `pid`, by thread id, with its name.
+fn thread_cpu(pid: u32) -> HashMap<String, (String, Duration)> {
+    let mut out = HashMap::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return out };
+    for task in dir.flatten() {
+        let path = task.path();
+        let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default().trim().to_string();
+        let cpu = cpu_of(&path.join("stat").to_string_lossy());
+        out.insert(task.file_name().to_string_lossy().into_owned(), (name, cpu));
+    }
+    out
+}
+
+/// The two threads that used the most CPU between two [`thread_cpu`]
+/// samples, as "name time, name time".
+fn busiest_threads(
+    before: &HashMap<String, (String, Duration)>,
+    after: &HashMap<String, (String, Duration)>,
+) -> String {
+    let mut used: Vec<(String, Duration)> = after
+        .iter()
+        .map(|(tid, (name, cpu))| {
+            let was = before.get(tid).map_or(Duration::ZERO, |(_, c)| *c);
+            (name.clone(), cpu.saturating_sub(was))
+        })
+        .collect();
+    used.sort_by_key(|(_, cpu)| std::cmp::Reverse(*cpu));
+    used.iter().take(2).map(|(name, cpu)| format!("{name} {:.0} ms", ms(*cpu))).collect::<Vec<_>>().join(", ")
+}
+
 /// Runs `n` simulated ranks of `kind` against `server`.
+#[allow(clippy::too_many_arguments)]
 fn simulate(
     kind: Kind,
     server: &Server,
@@ -784,27 +939,46 @@ fn simulate(
     threads: usize,
     window: usize,
     per_node: usize,
+    one_source: bool,
 ) -> Result<Run, String> {
     let threads = threads.min(n).max(1);
     let go = Arc::new(Barrier::new(threads + 1));
     let start = Arc::new(parking_lot::Mutex::new(None::<Instant>));
+    let connected = Arc::new(AtomicUsize::new(0));
     let addr = server.addr;
     let workers: Vec<_> = (0..threads)
         .map(|t| {
             let (go, start, secret) = (go.clone(), start.clone(), secret.as_bytes().to_vec());
+            let connected = connected.clone();
             let ranks: Vec<usize> = (t..n).step_by(threads).collect();
             let window = window.div_ceil(threads);
-            std::thread::spawn(move || drive(kind, addr, ranks, n, &secret, window, per_node, &go, &start))
+            std::thread::spawn(move || {
+                drive(kind, addr, ranks, n, &secret, window, per_node, &go, &start, &connected, one_source)
+            })
         })
         .collect();
     let (server_before, client_before) = (server.cpu(), cpu_of("/proc/self/stat"));
-    *start.lock() = Some(Instant::now());
+    let threads_before = thread_cpu(server.child.id());
+    let t0 = Instant::now();
+    *start.lock() = Some(t0);
     go.wait();
+    // The connect phase's CPU: sampled once every rank is connected.
+    while connected.load(Ordering::Relaxed) < n && !workers.iter().all(|w| w.is_finished()) {
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    let connect_phase = ConnectPhase {
+        wall: t0.elapsed(),
+        server_cpu: server.cpu() - server_before,
+        busiest: busiest_threads(&threads_before, &thread_cpu(server.child.id())),
+        client_cpu: cpu_of("/proc/self/stat") - client_before,
+    };
     let mut last = Times::default();
+    let mut each = Vec::with_capacity(n);
     let mut failure = None;
     for w in workers {
         match w.join().expect("a client thread panicked") {
             Ok(times) => {
+                each.extend_from_slice(&times);
                 for t in times {
                     last.connected = last.connected.max(t.connected);
                     last.published = last.published.max(t.published);
@@ -819,7 +993,13 @@ fn simulate(
     if let Some(e) = failure {
         return Err(e);
     }
-    Ok(Run { last, server_cpu: server.cpu() - server_before, client_cpu: cpu_of("/proc/self/stat") - client_before })
+    Ok(Run {
+        last,
+        each,
+        connect_phase,
+        server_cpu: server.cpu() - server_before,
+        client_cpu: cpu_of("/proc/self/stat") - client_before,
+    })
 }
 
 /// Raises the soft limit on open descriptors to the hard one (the store's
@@ -841,6 +1021,41 @@ fn fd_limit() -> u64 {
     lim.rlim_cur
 }
 
+/// Where the ranks' connect time went: each rank's time from its connect
+/// call to its last handshake answer (median and 99th percentile), split
+/// into the kernel's handshake (`tcp`), waiting for the server's greeting
+/// and waiting for its verdict (TCPStore: no greeting, and the answer of
+/// the round trip that checks the server), and how many ranks were connecting at once
+/// on average (the sum of those times over the connect phase's length): at
+/// the window, the window and each connection's latency set the phase.
+fn connect_breakdown(each: &[Times], window: usize) -> String {
+    let pick = |f: &dyn Fn(&Times) -> Duration| -> (f64, f64) {
+        let mut v: Vec<Duration> = each.iter().map(f).collect();
+        v.sort();
+        let at = |q: f64| v.get(((v.len() as f64 - 1.0) * q).round() as usize).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+        (at(0.5), at(0.99))
+    };
+    let total = pick(&|t| t.connected.saturating_sub(t.began));
+    let tcp = pick(&|t| t.tcp_up.saturating_sub(t.began));
+    let greeting = pick(&|t| t.greeted.saturating_sub(t.tcp_up));
+    let verdict = pick(&|t| t.connected.saturating_sub(t.greeted));
+    let busy: f64 = each.iter().map(|t| t.connected.saturating_sub(t.began).as_secs_f64()).sum();
+    let phase = each.iter().map(|t| t.connected).max().unwrap_or_default().as_secs_f64().max(1e-9);
+    format!(
+        "connect per rank: median {:.0} us (tcp {:.0}, greeting {:.0}, verdict {:.0}), p99 {:.0} us (tcp {:.0}, \
+         greeting {:.0}, verdict {:.0}); {:.0} connecting at once on average (window {window})",
+        total.0,
+        tcp.0,
+        greeting.0,
+        verdict.0,
+        total.1,
+        tcp.1,
+        greeting.1,
+        verdict.1,
+        busy / phase
+    )
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -856,6 +1071,7 @@ fn main() {
     let mut two_trips = true;
     let mut store_workers = 0usize;
     let mut per_node = 8usize;
+    let mut one_source = false;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--serve" => return serve(args.next().and_then(|v| v.parse().ok()).unwrap_or(0)),
@@ -873,6 +1089,7 @@ fn main() {
             "--threads" => threads = args.next().and_then(|v| v.parse().ok()).expect("--threads takes a number"),
             "--window" => window = args.next().and_then(|v| v.parse().ok()).expect("--window takes a number"),
             "--no-two-trips" => two_trips = false,
+            "--one-source" => one_source = true,
             "--per-node" => per_node = args.next().and_then(|v| v.parse().ok()).expect("--per-node takes a number"),
             n => counts.push(n.parse::<usize>().unwrap_or_else(|_| panic!("not a count or option: {n}"))),
         }
@@ -933,7 +1150,7 @@ fn main() {
                 Kind::CohortTwoTrips => "cohort-2rt",
                 Kind::TcpStore => "tcpstore",
             };
-            match simulate(kind, &server, n, &secret, threads, window, per_node) {
+            match simulate(kind, &server, n, &secret, threads, window, per_node, one_source) {
                 Ok(run) => {
                     let t = run.last;
                     println!(
@@ -945,6 +1162,17 @@ fn main() {
                         ms(t.ready),
                         ms(run.server_cpu),
                         ms(run.client_cpu)
+                    );
+                    println!("{:>19} {}", "", connect_breakdown(&run.each, window));
+                    let c = &run.connect_phase;
+                    println!(
+                        "{:>19} until all connected ({:.1} ms): store cpu {:.0} ms (busiest threads {}), clients \
+                         cpu {:.0} ms",
+                        "",
+                        ms(c.wall),
+                        ms(c.server_cpu),
+                        c.busiest,
+                        ms(c.client_cpu)
                     );
                     if on_baseline {
                         base = Some(t);

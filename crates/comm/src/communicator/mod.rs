@@ -189,7 +189,9 @@ impl Communicator {
         crate::check::check_clients(&clients)?;
         let timeout = default_timeout()?;
         config::check(&[&config::FLIGHT_RECORDER, &config::DESYNC_CHECK, &config::SHM_RING, &config::FUSION_MB])?;
-        let store = StoreClient::connect(store_addr, secret, timeout)?;
+        // The first request (the instance counter) rides on the handshake:
+        // a wrong secret fails it with the store's refusal.
+        let store = StoreClient::connect_pipelined(store_addr, secret, timeout)?;
         let world = match given {
             #[cfg(feature = "mpi")]
             Some(links) => setup::form_with_links(store, rank, world_size, clients.len(), timeout, links)?,

@@ -192,7 +192,7 @@ pub(crate) fn form_under(
     let addr = listener.local_addr().map_err(|e| ConnectError::Setup(e.to_string()))?;
     // Publish this rank's entry: one append to the communicator's directory
     // (read whole by rank 0 only, and by `cohort status`) and one to its
-    // node's, then one barrier for all that answers each rank the job key
+    // node's, in one round trip, then one barrier for all that answers each rank the job key
     // and its node's entries as they stood when the last rank arrived; rank
     // 0 also reads the whole directory and checks it, and a second barrier
     // answers every rank its verdict. Each rank reads O(ranks on its node)
@@ -201,8 +201,7 @@ pub(crate) fn form_under(
     let line = directory_line(rank, &node, &addr.to_string(), devices);
     let directory = keys::directory(&prefix);
     let node_directory = keys::node_directory(&prefix, &node);
-    store.append(&directory, line.as_bytes())?;
-    store.append(&node_directory, line.as_bytes())?;
+    store.append_each(&[(&directory, line.as_bytes()), (&node_directory, line.as_bytes())])?;
     let joined = key("joined");
     let job_key = key("job");
     let left = deadline.saturating_duration_since(Instant::now());

@@ -35,6 +35,15 @@ struct Conn {
     stream: TcpStream,
     /// Set when a request failed half-way: the stream's framing is lost.
     broken: bool,
+    /// The handshake whose verdict has not been read yet (a client from
+    /// [`StoreClient::connect_pipelined`] before its first request).
+    verdict: Option<Unverified>,
+}
+
+/// The nonces of a handshake whose verdict is still on its way.
+struct Unverified {
+    client_nonce: [u8; protocol::NONCE_LEN],
+    server_nonce: [u8; protocol::NONCE_LEN],
 }
 
 /// A connection to a rendezvous store, authenticated with the job secret.
@@ -75,19 +84,53 @@ impl StoreClient {
             return Err(StoreError::EmptySecret);
         }
         let shown = addr.to_string();
-        let stream = connect_authenticated(&addr, &shown, secret, timeout)?;
+        let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, Verify::Now)?;
         Ok(StoreClient {
             addr: shown,
             secret: secret.to_vec(),
             timeout,
-            conn: Mutex::new(Conn { stream, broken: false }),
+            conn: Mutex::new(Conn { stream, broken: false, verdict }),
+        })
+    }
+
+    /// [`StoreClient::connect`] without waiting for the store's verdict on
+    /// the proof: the first request leaves right behind the proof, and its
+    /// answer comes after the verdict, so connecting and the first request
+    /// take one round trip together instead of two.
+    ///
+    /// The client checks the verdict (and the server's proof of the secret)
+    /// before it reads that first answer: a wrong secret fails the first
+    /// request with [`StoreError::AuthRefused`] (the store executes none of
+    /// it), a server without the secret with
+    /// [`StoreError::ServerNotAuthentic`]. The first request's bytes do go
+    /// to the server before it has proved itself: use
+    /// [`StoreClient::connect`] where they must not.
+    pub fn connect_pipelined(
+        addr: impl ToSocketAddrs + Display,
+        secret: impl AsRef<[u8]>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let secret = secret.as_ref();
+        if secret.is_empty() {
+            return Err(StoreError::EmptySecret);
+        }
+        let shown = addr.to_string();
+        let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, Verify::WithFirstAnswer)?;
+        Ok(StoreClient {
+            addr: shown,
+            secret: secret.to_vec(),
+            timeout,
+            conn: Mutex::new(Conn { stream, broken: false, verdict }),
         })
     }
 
     /// Opens a second, independent connection to the same store with the
-    /// same secret and timeout.
+    /// same secret and timeout. Like [`StoreClient::connect_pipelined`], it
+    /// does not wait for the verdict: its first request travels with the
+    /// proof (the secret is the one this connection uses), and the server's
+    /// proof is checked before that request's answer is read.
     pub fn duplicate(&self) -> Result<StoreClient> {
-        StoreClient::connect(self.addr.as_str(), &self.secret, self.timeout)
+        StoreClient::connect_pipelined(self.addr.as_str(), &self.secret, self.timeout)
     }
 
     /// A second handle on the connection's socket (tests cut it).
@@ -155,6 +198,25 @@ impl StoreClient {
             Response::Ok => Ok(()),
             r => Err(self.unexpected(r)),
         }
+    }
+
+    /// [`StoreClient::append`] for each `(key, value)`, in order, with every
+    /// request in one write: one round trip for all (a rank publishes its
+    /// entry to two directories this way). Stops at the first refusal
+    /// (those before it are applied).
+    pub fn append_each(&self, entries: &[(&str, &[u8])]) -> Result<()> {
+        let mut reqs = Vec::with_capacity(entries.len());
+        for (key, value) in entries {
+            check_key(key)?;
+            check_value(value)?;
+            reqs.push(Request::Append { key: key.to_string(), value: value.to_vec() });
+        }
+        for r in self.requests(&reqs, self.timeout)? {
+            if r != Response::Ok {
+                return Err(self.unexpected(r));
+            }
+        }
+        Ok(())
     }
 
     /// Blocks until every key in `keys` is set, or `timeout` passes.
@@ -297,18 +359,32 @@ impl StoreClient {
 
     /// Sends one request and reads its answer, waiting at most `answer_within`.
     fn request(&self, req: &Request, answer_within: Duration) -> Result<Response> {
-        let body = req.encode();
-        if body.len() > MAX_FRAME {
-            return Err(StoreError::TooLarge { what: "the request", len: body.len(), max: MAX_FRAME });
+        let mut answers = self.requests(std::slice::from_ref(req), answer_within)?;
+        Ok(answers.pop().expect("one answer per request"))
+    }
+
+    /// Sends `reqs` in one write and reads their answers, in order, waiting
+    /// at most `answer_within` for each; the first refusal is the error.
+    fn requests(&self, reqs: &[Request], answer_within: Duration) -> Result<Vec<Response>> {
+        let mut bodies = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let body = req.encode();
+            if body.len() > MAX_FRAME {
+                return Err(StoreError::TooLarge { what: "the request", len: body.len(), max: MAX_FRAME });
+            }
+            bodies.push(body);
         }
         let mut conn = self.conn.lock();
         if conn.broken {
             return Err(StoreError::Broken { addr: self.addr.clone() });
         }
-        let result = exchange(&mut conn.stream, &body, answer_within);
-        let body = match result {
-            Ok(b) => b,
-            Err(e) => {
+        let answers = match exchange(&mut conn, &self.secret, &bodies, answer_within) {
+            Ok(answers) => answers,
+            Err(Failed::Verdict(e)) => {
+                conn.broken = true;
+                return Err(self.verdict_error(e));
+            }
+            Err(Failed::Io(e)) => {
                 conn.broken = true;
                 return Err(match e.kind() {
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
@@ -321,12 +397,30 @@ impl StoreClient {
                 });
             }
         };
-        match Response::decode(&body) {
-            Ok(Response::Refused(message)) => Err(StoreError::Refused { addr: self.addr.clone(), message }),
-            Ok(r) => Ok(r),
-            Err(detail) => {
-                conn.broken = true;
-                Err(StoreError::Protocol { addr: self.addr.clone(), detail })
+        let mut decoded = Vec::with_capacity(answers.len());
+        for body in answers {
+            match Response::decode(&body) {
+                Ok(Response::Refused(message)) => {
+                    return Err(StoreError::Refused { addr: self.addr.clone(), message });
+                }
+                Ok(r) => decoded.push(r),
+                Err(detail) => {
+                    conn.broken = true;
+                    return Err(StoreError::Protocol { addr: self.addr.clone(), detail });
+                }
+            }
+        }
+        Ok(decoded)
+    }
+
+    /// The error of a verdict other than "accepted".
+    fn verdict_error(&self, v: protocol::Verdict) -> StoreError {
+        let addr = self.addr.clone();
+        match v {
+            protocol::Verdict::Refused | protocol::Verdict::Accepted => StoreError::AuthRefused { addr },
+            protocol::Verdict::NotAuthentic => StoreError::ServerNotAuthentic { addr },
+            protocol::Verdict::Malformed => {
+                StoreError::Protocol { addr, detail: "malformed answer to the handshake".into() }
             }
         }
     }
@@ -336,12 +430,50 @@ impl StoreClient {
     }
 }
 
-fn exchange(stream: &mut TcpStream, body: &[u8], answer_within: Duration) -> io::Result<Vec<u8>> {
+/// Why an exchange failed.
+enum Failed {
+    /// The socket failed, timed out or carried a malformed frame.
+    Io(io::Error),
+    /// The verdict read before the first answer was not "accepted by a
+    /// server that holds the secret".
+    Verdict(protocol::Verdict),
+}
+
+/// Writes the request frames `bodies` in one write and reads their
+/// answers; on a connection whose verdict is still due, reads and checks
+/// that first (nothing of an answer is read unless the server proved the
+/// secret).
+fn exchange(
+    conn: &mut Conn,
+    secret: &[u8],
+    bodies: &[Vec<u8>],
+    answer_within: Duration,
+) -> Result<Vec<Vec<u8>>, Failed> {
+    let stream = &mut conn.stream;
     // A zero timeout means "none" to the socket API; never ask for that.
-    stream.set_read_timeout(Some(answer_within.max(Duration::from_millis(1))))?;
-    stream.set_write_timeout(Some(answer_within.max(Duration::from_millis(1))))?;
-    protocol::write_frame(stream, body)?;
-    protocol::read_frame(stream)
+    let within = answer_within.max(Duration::from_millis(1));
+    stream.set_read_timeout(Some(within)).map_err(Failed::Io)?;
+    stream.set_write_timeout(Some(within)).map_err(Failed::Io)?;
+    let sent = protocol::write_frames(stream, bodies);
+    if let Some(hs) = conn.verdict.take() {
+        // Read the verdict even if the write failed: a store that refused
+        // the proof may have closed before the request went out.
+        let deadline = Instant::now() + within;
+        let verdict = match protocol::read_frame_by(stream, protocol::PREAUTH_MAX_FRAME, deadline) {
+            Ok(v) => v,
+            // The server closes right after refusing; a reset can lose the verdict.
+            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => vec![protocol::AUTH_REFUSED],
+            Err(e) => return Err(Failed::Io(e)),
+        };
+        match protocol::read_verdict(secret, &hs.client_nonce, &hs.server_nonce, &verdict) {
+            protocol::Verdict::Accepted => {}
+            other => return Err(Failed::Verdict(other)),
+        }
+        // read_frame_by changed the read timeout: each answer's is the whole.
+        stream.set_read_timeout(Some(within)).map_err(Failed::Io)?;
+    }
+    sent.map_err(Failed::Io)?;
+    bodies.iter().map(|_| protocol::read_frame(stream).map_err(Failed::Io)).collect()
 }
 
 /// The bytes of a value answered by the server (shared only on its side).
@@ -377,18 +509,28 @@ enum Attempt {
     Fatal(StoreError),
 }
 
+/// When the client reads the store's verdict on its proof.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Verify {
+    /// Before connecting returns.
+    Now,
+    /// Before the first request's answer.
+    WithFirstAnswer,
+}
+
 fn connect_authenticated(
     addr: &(impl ToSocketAddrs + ?Sized),
     shown: &str,
     secret: &[u8],
     timeout: Duration,
-) -> Result<TcpStream> {
+    verify: Verify,
+) -> Result<(TcpStream, Option<Unverified>)> {
     let start = Instant::now();
     let deadline = start + timeout;
     let mut backoff = Duration::from_millis(1);
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());
-        let last = match try_connect(addr, shown, secret, remaining.max(Duration::from_millis(50))) {
+        let last = match try_connect(addr, shown, secret, remaining.max(Duration::from_millis(50)), verify) {
             Ok(s) => return Ok(s),
             Err(Attempt::Fatal(e)) => return Err(e),
             Err(Attempt::Retry(e)) => e,
@@ -408,7 +550,8 @@ fn try_connect(
     shown: &str,
     secret: &[u8],
     within: Duration,
-) -> Result<TcpStream, Attempt> {
+    verify: Verify,
+) -> Result<(TcpStream, Option<Unverified>), Attempt> {
     let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(Attempt::Retry)?.collect();
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the address resolved to nothing");
     for a in addrs {
@@ -416,10 +559,8 @@ fn try_connect(
         match TcpStream::connect_timeout(&a, per_try) {
             Ok(mut stream) => {
                 let _ = stream.set_nodelay(true);
-                return match client_handshake(&mut stream, shown, secret, within) {
-                    Ok(()) => Ok(stream),
-                    Err(e) => Err(e),
-                };
+                let unverified = client_handshake(&mut stream, shown, secret, within, verify)?;
+                return Ok((stream, unverified));
             }
             Err(e) => last = e,
         }
@@ -427,7 +568,15 @@ fn try_connect(
     Err(Attempt::Retry(last))
 }
 
-fn client_handshake(stream: &mut TcpStream, shown: &str, secret: &[u8], within: Duration) -> Result<(), Attempt> {
+/// Reads the greeting and sends the proof; with [`Verify::Now`], reads and
+/// checks the verdict too, otherwise returns the nonces to check it with.
+fn client_handshake(
+    stream: &mut TcpStream,
+    shown: &str,
+    secret: &[u8],
+    within: Duration,
+    verify: Verify,
+) -> Result<Option<Unverified>, Attempt> {
     let protocol_error = |detail: String| Attempt::Fatal(StoreError::Protocol { addr: shown.to_string(), detail });
     let within = within.clamp(Duration::from_millis(50), Duration::from_secs(10));
     stream.set_read_timeout(Some(within)).map_err(Attempt::Retry)?;
@@ -438,39 +587,23 @@ fn client_handshake(stream: &mut TcpStream, shown: &str, secret: &[u8], within: 
         io::ErrorKind::InvalidData => protocol_error(e.to_string()),
         _ => Attempt::Retry(e),
     })?;
-    let magic = protocol::MAGIC.len();
-    if hello.len() != magic + 1 + protocol::NONCE_LEN || &hello[..magic] != protocol::MAGIC {
-        return Err(protocol_error("the server's greeting is not a cohort store's".into()));
-    }
-    if hello[magic] != protocol::VERSION {
-        return Err(protocol_error(format!(
-            "the store speaks protocol version {}, this client {}",
-            hello[magic],
-            protocol::VERSION
-        )));
-    }
-    let server_nonce = &hello[magic + 1..];
-    let client_nonce = protocol::nonce().map_err(Attempt::Fatal)?;
-    let tag = protocol::proof(secret, protocol::CLIENT_LABEL, server_nonce, &client_nonce);
-    let mut answer = client_nonce.to_vec();
-    answer.extend_from_slice(&tag);
+    let server_nonce = protocol::parse_greeting(&hello).map_err(protocol_error)?;
+    let (client_nonce, answer) = protocol::client_answer(secret, &server_nonce).map_err(Attempt::Fatal)?;
     protocol::write_frame(stream, &answer).map_err(Attempt::Retry)?;
+    if verify == Verify::WithFirstAnswer {
+        return Ok(Some(Unverified { client_nonce, server_nonce }));
+    }
     let verdict = match protocol::read_frame_by(stream, protocol::PREAUTH_MAX_FRAME, deadline) {
         Ok(v) => v,
         // The server closes right after refusing; a reset can lose the verdict.
         Err(e) if e.kind() == io::ErrorKind::ConnectionReset => vec![protocol::AUTH_REFUSED],
         Err(e) => return Err(Attempt::Retry(e)),
     };
-    match verdict.first() {
-        Some(&protocol::AUTH_OK) if verdict.len() == 1 + protocol::MAC_LEN => {
-            let ok = protocol::verify(secret, protocol::SERVER_LABEL, &client_nonce, server_nonce, &verdict[1..]);
-            if ok {
-                Ok(())
-            } else {
-                Err(Attempt::Fatal(StoreError::ServerNotAuthentic { addr: shown.to_string() }))
-            }
-        }
-        Some(&protocol::AUTH_REFUSED) => Err(Attempt::Fatal(StoreError::AuthRefused { addr: shown.to_string() })),
-        _ => Err(protocol_error("malformed answer to the handshake".into())),
+    let addr = shown.to_string();
+    match protocol::read_verdict(secret, &client_nonce, &server_nonce, &verdict) {
+        protocol::Verdict::Accepted => Ok(None),
+        protocol::Verdict::Refused => Err(Attempt::Fatal(StoreError::AuthRefused { addr })),
+        protocol::Verdict::NotAuthentic => Err(Attempt::Fatal(StoreError::ServerNotAuthentic { addr })),
+        protocol::Verdict::Malformed => Err(protocol_error("malformed answer to the handshake".into())),
     }
 }

@@ -9,11 +9,15 @@
 //! (a key the server sets when a client vanishes) so that peers learn of a
 //! dead process without waiting for a timeout.
 //!
-//! Every connection proves it holds the job's secret before its first
-//! request, by an HMAC-SHA256 challenge–response over nonces of both sides:
-//! the secret never crosses the wire, a client with the wrong secret is
-//! refused (and the server logs the refusal with the peer's address), and the
-//! client checks that the server holds the secret too.
+//! Every connection proves it holds the job's secret before any of its
+//! requests is executed, by an HMAC-SHA256 challenge–response over nonces of
+//! both sides: the secret never crosses the wire, a client with the wrong
+//! secret is refused (and the server logs the refusal with the peer's
+//! address) with nothing it sent executed, and the client checks that the
+//! server holds the secret too before it trusts an answer. The first
+//! requests may travel right behind the proof
+//! ([`StoreClient::connect_pipelined`]): connecting and a first request take
+//! one round trip together once the server's greeting is in.
 //!
 //! ```no_run
 //! use std::time::Duration;

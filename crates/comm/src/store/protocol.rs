@@ -6,14 +6,25 @@
 //! a `u32` length then the bytes, and an optional byte string is a `u8` flag
 //! (0 absent, 1 present) then the string.
 //!
-//! Handshake, before any request:
-//! 1. server → client: [`MAGIC`], [`VERSION`], a 32-byte server nonce;
-//! 2. client → server: a 32-byte client nonce and
-//!    `HMAC-SHA256(secret, "cohort-store client" ‖ server nonce ‖ client nonce)`;
+//! Handshake, before any request (one round trip from the client's view
+//! once the greeting is in):
+//! 1. server → client, as soon as it accepts: [`MAGIC`], [`VERSION`], a
+//!    32-byte server nonce;
+//! 2. client → server: [`VERSION`], a 32-byte client nonce and
+//!    `HMAC-SHA256(secret, "cohort-store client" ‖ server nonce ‖ client nonce)`,
+//!    followed at once, without waiting for a verdict, by the client's first
+//!    requests (if it has any);
 //! 3. server → client: `0` (accepted) and
 //!    `HMAC-SHA256(secret, "cohort-store server" ‖ client nonce ‖ server nonce)`,
-//!    or `1` (refused). The client checks the server's proof in turn, so
-//!    neither side ever sends the secret and each knows the other holds it.
+//!    then the answers to the requests that followed the proof; or `1`
+//!    (refused), and the connection closes with none of those requests read,
+//!    let alone executed. The client checks the server's proof before it
+//!    trusts any answer, so neither side ever sends the secret and each knows
+//!    the other holds it before acting on what it says.
+//!
+//! A client that finds another [`VERSION`] in the greeting stops there with
+//! an error naming both versions; an answer without this version's byte
+//! (an older client's) is refused.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -27,8 +38,10 @@ use super::error::StoreError;
 
 /// First bytes of the server's greeting.
 pub(crate) const MAGIC: &[u8; 12] = b"cohort-store";
-/// Protocol version; bumped on any incompatible change.
-pub(crate) const VERSION: u8 = 1;
+/// Protocol version; bumped on any incompatible change. Version 1 waited
+/// for the verdict before the first request; version 2 sends the first
+/// requests behind the proof.
+pub(crate) const VERSION: u8 = 2;
 /// Bytes in a nonce.
 pub(crate) const NONCE_LEN: usize = 32;
 /// Bytes in an HMAC-SHA256 tag.
@@ -36,8 +49,8 @@ pub(crate) const MAC_LEN: usize = 32;
 /// Largest frame body either side accepts.
 pub const MAX_FRAME: usize = 64 << 20;
 /// Largest frame body the server reads before the client proved the secret
-/// (the handshake's answer is a nonce and a tag, 64 bytes).
-pub const PREAUTH_MAX_FRAME: usize = NONCE_LEN + MAC_LEN;
+/// (the handshake's answer is a version byte, a nonce and a tag, 65 bytes).
+pub const PREAUTH_MAX_FRAME: usize = 1 + NONCE_LEN + MAC_LEN;
 /// Longest key accepted.
 pub const MAX_KEY: usize = 4096;
 /// Largest value the store holds (what an append may grow a key to, and
@@ -96,6 +109,72 @@ pub(crate) const CLIENT_LABEL: &[u8] = b"cohort-store client";
 /// Label of the server's proof.
 pub(crate) const SERVER_LABEL: &[u8] = b"cohort-store server";
 
+/// The server nonce of a greeting (a frame's body), or what is wrong with
+/// it: not a cohort store's, or another protocol version (named).
+pub(crate) fn parse_greeting(hello: &[u8]) -> Result<[u8; NONCE_LEN], String> {
+    let magic = MAGIC.len();
+    if hello.len() < magic + 1 || &hello[..magic] != MAGIC {
+        return Err("the server's greeting is not a cohort store's".into());
+    }
+    if hello[magic] != VERSION {
+        return Err(format!(
+            "the store speaks protocol version {}, this client {VERSION}: run the same cohort version on every node",
+            hello[magic]
+        ));
+    }
+    hello[magic + 1..].try_into().map_err(|_| "the server's greeting is not a cohort store's".to_string())
+}
+
+/// The client's answer to a greeting with `server_nonce`: its nonce and the
+/// frame body that proves `secret`.
+pub(crate) fn client_answer(
+    secret: &[u8],
+    server_nonce: &[u8; NONCE_LEN],
+) -> Result<([u8; NONCE_LEN], Vec<u8>), StoreError> {
+    let client_nonce = nonce()?;
+    let tag = proof(secret, CLIENT_LABEL, server_nonce, &client_nonce);
+    let mut body = Vec::with_capacity(PREAUTH_MAX_FRAME);
+    body.push(VERSION);
+    body.extend_from_slice(&client_nonce);
+    body.extend_from_slice(&tag);
+    Ok((client_nonce, body))
+}
+
+/// What the client makes of the server's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Accepted, by a server that holds the secret.
+    Accepted,
+    /// Refused: the client's secret is not the server's.
+    Refused,
+    /// "Accepted" without a valid proof: not the job's store.
+    NotAuthentic,
+    /// Not a verdict.
+    Malformed,
+}
+
+/// Reads the server's verdict (a frame's body) on a handshake of the two
+/// nonces, checking its proof of `secret`.
+pub(crate) fn read_verdict(
+    secret: &[u8],
+    client_nonce: &[u8; NONCE_LEN],
+    server_nonce: &[u8; NONCE_LEN],
+    verdict: &[u8],
+) -> Verdict {
+    match verdict.first() {
+        Some(&AUTH_OK) if verdict.len() == 1 + MAC_LEN => {
+            if verify(secret, SERVER_LABEL, client_nonce, server_nonce, &verdict[1..]) {
+                Verdict::Accepted
+            } else {
+                Verdict::NotAuthentic
+            }
+        }
+        Some(&AUTH_OK) => Verdict::NotAuthentic,
+        Some(&AUTH_REFUSED) if verdict.len() == 1 => Verdict::Refused,
+        _ => Verdict::Malformed,
+    }
+}
+
 /// A fresh random nonce from the operating system.
 pub(crate) fn nonce() -> Result<[u8; NONCE_LEN], StoreError> {
     let mut n = [0u8; NONCE_LEN];
@@ -111,6 +190,18 @@ pub(crate) fn write_frame(w: &mut impl Write, body: &[u8]) -> io::Result<()> {
     let mut buf = Vec::with_capacity(4 + body.len());
     buf.extend_from_slice(&len.to_le_bytes());
     buf.extend_from_slice(body);
+    w.write_all(&buf)?;
+    w.flush()
+}
+
+/// Writes frames, one after another, in one write, and flushes.
+pub(crate) fn write_frames(w: &mut impl Write, bodies: &[Vec<u8>]) -> io::Result<()> {
+    let mut buf = Vec::with_capacity(bodies.iter().map(|b| 4 + b.len()).sum());
+    for body in bodies {
+        let len = u32::try_from(body.len()).map_err(|_| io::ErrorKind::InvalidInput)?;
+        buf.extend_from_slice(&len.to_le_bytes());
+        buf.extend_from_slice(body);
+    }
     w.write_all(&buf)?;
     w.flush()
 }

@@ -6,58 +6,70 @@
 //!
 //! Every message is a frame: a little-endian `u32` body length, then the
 //! body. A connection starts with the server's greeting frame, answered by
-//! [`Handshake::answer`]; the server's verdict is checked by
-//! [`Handshake::check`]. Then each request frame (from the functions
-//! below) gets one answer frame, read by [`parse_answer`].
+//! [`Handshake::answer`]; the first requests may follow the answer at once
+//! ([`Handshake::pipelines`]): the server's verdict, checked by
+//! [`Handshake::check`], comes before their answers. Then each request frame
+//! (from the functions below) gets one answer frame, read by
+//! [`parse_answer`].
 
 use std::time::Duration;
 
 use super::error::{Result, StoreError};
 use super::protocol::{self, Request, Response};
 
+/// The protocol version before requests could follow the proof: a raw
+/// client answers its greeting too (waiting for the verdict before its
+/// first request), so a benchmark can compare this store with an older
+/// build's.
+const PREVIOUS_VERSION: u8 = 1;
+
 /// The client's side of one connection's handshake.
 pub struct Handshake {
-    server_nonce: Vec<u8>,
+    server_nonce: [u8; protocol::NONCE_LEN],
     client_nonce: [u8; protocol::NONCE_LEN],
+    version: u8,
 }
 
 impl Handshake {
     /// Answers the server's greeting (a frame's body) with the proof of
-    /// `secret`; returns the handshake and the whole frame to send.
+    /// `secret`; returns the handshake and the whole frame to send. A
+    /// greeting of this protocol's version, or of the one before it, is
+    /// answered in its own version; any other is an error naming it.
     pub fn answer(secret: &[u8], greeting: &[u8]) -> Result<(Handshake, Vec<u8>)> {
         let magic = protocol::MAGIC.len();
-        if greeting.len() != magic + 1 + protocol::NONCE_LEN || &greeting[..magic] != protocol::MAGIC {
-            return Err(StoreError::Protocol {
-                addr: "(raw)".into(),
-                detail: "the server's greeting is not a cohort store's".into(),
-            });
+        let error = |detail: String| StoreError::Protocol { addr: "(raw)".into(), detail };
+        let version = match greeting.get(magic) {
+            Some(&PREVIOUS_VERSION) if greeting[..magic] == protocol::MAGIC[..] => PREVIOUS_VERSION,
+            _ => {
+                protocol::parse_greeting(greeting).map_err(error)?;
+                protocol::VERSION
+            }
+        };
+        let server_nonce: [u8; protocol::NONCE_LEN] = greeting[magic + 1..]
+            .try_into()
+            .map_err(|_| error("the server's greeting is not a cohort store's".into()))?;
+        let (client_nonce, mut body) = protocol::client_answer(secret, &server_nonce)?;
+        if version == PREVIOUS_VERSION {
+            // Its answer had no version byte.
+            body.remove(0);
         }
-        let server_nonce = greeting[magic + 1..].to_vec();
-        let client_nonce = protocol::nonce()?;
-        let tag = protocol::proof(secret, protocol::CLIENT_LABEL, &server_nonce, &client_nonce);
-        let mut body = client_nonce.to_vec();
-        body.extend_from_slice(&tag);
-        Ok((Handshake { server_nonce, client_nonce }, frame(&body)))
+        Ok((Handshake { server_nonce, client_nonce, version }, frame(&body)))
+    }
+
+    /// Whether requests may follow the answer at once (the server's
+    /// version reads them after the proof); otherwise wait for the verdict.
+    pub fn pipelines(&self) -> bool {
+        self.version != PREVIOUS_VERSION
     }
 
     /// Checks the server's verdict (a frame's body): accepted, and by a
     /// server that holds `secret` too.
     pub fn check(&self, secret: &[u8], verdict: &[u8]) -> Result<()> {
-        match verdict.first() {
-            Some(&protocol::AUTH_OK)
-                if verdict.len() == 1 + protocol::MAC_LEN
-                    && protocol::verify(
-                        secret,
-                        protocol::SERVER_LABEL,
-                        &self.client_nonce,
-                        &self.server_nonce,
-                        &verdict[1..],
-                    ) =>
-            {
-                Ok(())
-            }
-            Some(&protocol::AUTH_OK) => Err(StoreError::ServerNotAuthentic { addr: "(raw)".into() }),
-            _ => Err(StoreError::AuthRefused { addr: "(raw)".into() }),
+        let addr = "(raw)".to_string();
+        match protocol::read_verdict(secret, &self.client_nonce, &self.server_nonce, verdict) {
+            protocol::Verdict::Accepted => Ok(()),
+            protocol::Verdict::NotAuthentic => Err(StoreError::ServerNotAuthentic { addr }),
+            protocol::Verdict::Refused | protocol::Verdict::Malformed => Err(StoreError::AuthRefused { addr }),
         }
     }
 }
@@ -161,6 +173,26 @@ mod tests {
         assert_eq!(parse_answer(&read_frame(&mut s)), Answer::Ok);
         s.write_all(&multi_get(&["job"])).unwrap();
         assert_eq!(parse_answer(&read_frame(&mut s)), Answer::Values(vec![Some(b"j".to_vec())]));
+        // Pipelined: the proof and a request in one write; the verdict
+        // comes first, then the answer.
+        let mut s = std::net::TcpStream::connect(server.local_addr()).unwrap();
+        let (hs, mut out) = Handshake::answer(b"raw-secret", &read_frame(&mut s)).unwrap();
+        assert!(hs.pipelines());
+        out.extend(multi_get(&["job"]));
+        s.write_all(&out).unwrap();
+        hs.check(b"raw-secret", &read_frame(&mut s)).unwrap();
+        assert_eq!(parse_answer(&read_frame(&mut s)), Answer::Values(vec![Some(b"j".to_vec())]));
+        // A greeting of the previous version is answered in its shape (no
+        // version byte), one of an unknown version is an error naming it.
+        let mut old = protocol::MAGIC.to_vec();
+        old.push(PREVIOUS_VERSION);
+        old.extend_from_slice(&[1u8; protocol::NONCE_LEN]);
+        let (hs, answer) = Handshake::answer(b"x", &old).unwrap();
+        assert!(!hs.pipelines());
+        assert_eq!(answer.len(), 4 + protocol::NONCE_LEN + protocol::MAC_LEN);
+        old[protocol::MAGIC.len()] = 9;
+        let err = Handshake::answer(b"x", &old).err().expect("version 9 is refused").to_string();
+        assert!(err.contains("protocol version 9"), "{err}");
         // A wrong secret is refused.
         let mut s = std::net::TcpStream::connect(server.local_addr()).unwrap();
         let (hs, answer) = Handshake::answer(b"wrong", &read_frame(&mut s)).unwrap();

@@ -77,6 +77,11 @@ const READ_AHEAD: usize = 64 << 10;
 /// Pieces handed to one vectored write.
 const MAX_SLICES: usize = 64;
 
+/// Answers a connection may queue, unwritten, while it serves the next of
+/// its requests already read (so that pipelined requests are answered in
+/// one write).
+const COALESCE: usize = MAX_SLICES / 2;
+
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 /// The first connection's token; ids are never reused.
@@ -413,6 +418,14 @@ struct Conn {
     seq: u64,
     /// A will: set this key (unless present) should the client vanish.
     will: Option<(String, Vec<u8>)>,
+    /// The socket may hold bytes not read yet: a readable event came since
+    /// a read found it empty. Reads are edge-triggered: bytes (or an end of
+    /// stream) arriving later bring another event, so a connection driven
+    /// for another reason (an answer to write) reads nothing in vain.
+    readable: bool,
+    /// The peer's end of stream (or an error) was reported: read until it
+    /// shows, even past a short read.
+    read_closed: bool,
 }
 
 impl Conn {
@@ -428,6 +441,19 @@ impl Conn {
             blocked: None,
             seq: 0,
             will: None,
+            // Registering a socket reports what it already holds.
+            readable: false,
+            read_closed: false,
+        }
+    }
+
+    /// Notes what a poll event says about the socket.
+    fn saw(&mut self, event: &mio::event::Event) {
+        if event.is_readable() || event.is_read_closed() || event.is_error() {
+            self.readable = true;
+        }
+        if event.is_read_closed() || event.is_error() {
+            self.read_closed = true;
         }
     }
 
@@ -486,6 +512,9 @@ impl Conn {
             if want == 0 {
                 return Ok(true);
             }
+            if !self.readable {
+                return Ok(true);
+            }
             if self.read_at > 0 && self.read_at >= self.input.len() / 2 {
                 self.input.drain(..self.read_at);
                 self.read_at = 0;
@@ -493,9 +522,21 @@ impl Conn {
             let n = want.min(scratch.len());
             match self.stream.read(&mut scratch[..n]) {
                 Ok(0) => return Ok(false),
-                Ok(n) => self.input.extend_from_slice(&scratch[..n]),
+                Ok(k) => {
+                    self.input.extend_from_slice(&scratch[..k]);
+                    // A short read emptied the socket: what comes next
+                    // brings an event (an end of stream already reported
+                    // is read now, not waited for).
+                    if k < n && !self.read_closed {
+                        self.readable = false;
+                        return Ok(true);
+                    }
+                }
                 Err(e) => match e.kind() {
-                    io::ErrorKind::WouldBlock => return Ok(true),
+                    io::ErrorKind::WouldBlock => {
+                        self.readable = false;
+                        return Ok(true);
+                    }
                     io::ErrorKind::Interrupted => {}
                     _ => return Err(e),
                 },
@@ -810,7 +851,11 @@ impl Worker {
             let stop = self.shared.stop.load(Ordering::SeqCst);
             for event in events.iter() {
                 if event.token() != WAKER {
-                    self.to_drive.push(event.token().0);
+                    let id = event.token().0;
+                    if let Some(c) = self.conns.get_mut(&id) {
+                        c.saw(event);
+                    }
+                    self.to_drive.push(id);
                 }
             }
             let messages = std::mem::take(&mut *self.shared.workers[self.index].inbox.lock());
@@ -941,12 +986,19 @@ impl Worker {
         else {
             return if open { Ok(false) } else { Err(Close::Left("left during the handshake".into())) };
         };
-        if !check_proof(&shared.secret, c, &nonce, &answer) {
+        if let Err(why) = check_proof(&shared.secret, c, &nonce, &answer) {
             let peer = c.peer;
+            let what = match why {
+                Refusal::WrongSecret => "rendezvous store refused a client that does not hold the job secret",
+                Refusal::OtherVersion => {
+                    "rendezvous store refused a client that speaks another protocol version (an older or newer \
+                     cohort?)"
+                }
+            };
             if shared.count_dropped() {
-                tracing::warn!(%peer, "rendezvous store refused a client that does not hold the job secret");
+                tracing::warn!(%peer, "{what}");
             } else {
-                tracing::debug!(%peer, "rendezvous store refused a client that does not hold the job secret");
+                tracing::debug!(%peer, "{what}");
             }
             shared.release(id);
             timers.push(Reverse((Instant::now() + shared.limits.handshake, Timer::Linger(id))));
@@ -1003,18 +1055,35 @@ impl Worker {
         let Worker { index, shared, conns, timers, to_drive, answers, scratch, .. } = self;
         let Some(c) = conns.get_mut(&id) else { return Ok(()) };
         loop {
-            let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
             if matches!(c.phase, Phase::Closing) {
+                let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
                 return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
             }
             let open = c.fill(scratch, READ_AHEAD, protocol::MAX_FRAME).map_err(|e| Close::Left(e.to_string()))?;
-            if c.blocked.is_some() || !flushed {
-                // The answer comes first; an end of stream now means the
-                // client left while it waited.
-                return if open { Ok(()) } else { Err(Close::Left("end of stream while blocked".into())) };
-            }
-            let Some(body) = c.take_frame(protocol::MAX_FRAME, "").map_err(|e| Close::Failed(e.to_string()))? else {
-                return if open { Ok(()) } else { Err(Close::Left("end of stream".into())) };
+            // A request whose bytes are all here is served before anything
+            // is written (while few answers wait): the verdict and the
+            // answers to the requests a client sent behind its proof, or
+            // any requests it pipelined, leave in one write.
+            let next = if c.blocked.is_none() && c.output.len() < COALESCE {
+                c.take_frame(protocol::MAX_FRAME, "").map_err(|e| Close::Failed(e.to_string()))?
+            } else {
+                None
+            };
+            let body = match next {
+                Some(body) => body,
+                None => {
+                    let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
+                    if c.blocked.is_some() || !flushed {
+                        // The answer comes first; an end of stream now
+                        // means the client left while it waited.
+                        return if open { Ok(()) } else { Err(Close::Left("end of stream while blocked".into())) };
+                    }
+                    let next = c.take_frame(protocol::MAX_FRAME, "").map_err(|e| Close::Failed(e.to_string()))?;
+                    let Some(body) = next else {
+                        return if open { Ok(()) } else { Err(Close::Left("end of stream".into())) };
+                    };
+                    body
+                }
             };
             c.seq += 1;
             let ticket = Ticket { conn: id, seq: c.seq };
@@ -1098,23 +1167,46 @@ impl Worker {
     }
 }
 
+/// Why a handshake answer was refused.
+enum Refusal {
+    /// The proof does not hold (another secret).
+    WrongSecret,
+    /// Not this protocol version's answer (an older client's, say).
+    OtherVersion,
+}
+
 /// Checks a handshake answer; queues the verdict and moves the connection
-/// on (to `Ready`, or to `Closing` after a refusal). True when accepted.
-fn check_proof(secret: &[u8], c: &mut Conn, nonce: &[u8; protocol::NONCE_LEN], answer: &[u8]) -> bool {
-    let ok = answer.len() == protocol::NONCE_LEN + protocol::MAC_LEN && {
-        let (client_nonce, tag) = answer.split_at(protocol::NONCE_LEN);
-        protocol::verify(secret, protocol::CLIENT_LABEL, nonce, client_nonce, tag)
+/// on (to `Ready`, or to `Closing` after a refusal, with whatever the client
+/// sent behind its answer left unread).
+fn check_proof(
+    secret: &[u8],
+    c: &mut Conn,
+    nonce: &[u8; protocol::NONCE_LEN],
+    answer: &[u8],
+) -> std::result::Result<(), Refusal> {
+    let verdict = if answer.len() != protocol::PREAUTH_MAX_FRAME || answer[0] != protocol::VERSION {
+        Err(Refusal::OtherVersion)
+    } else {
+        let (client_nonce, tag) = answer[1..].split_at(protocol::NONCE_LEN);
+        if protocol::verify(secret, protocol::CLIENT_LABEL, nonce, client_nonce, tag) {
+            Ok(client_nonce)
+        } else {
+            Err(Refusal::WrongSecret)
+        }
     };
-    if !ok {
-        c.send(&[protocol::AUTH_REFUSED]);
-        c.phase = Phase::Closing;
-        return false;
-    }
-    let client_nonce = &answer[..protocol::NONCE_LEN];
+    let client_nonce = match verdict {
+        Ok(n) => n,
+        Err(why) => {
+            c.send(&[protocol::AUTH_REFUSED]);
+            c.phase = Phase::Closing;
+            return Err(why);
+        }
+    };
     let tag = protocol::proof(secret, protocol::SERVER_LABEL, client_nonce, nonce);
-    let mut accept = vec![protocol::AUTH_OK];
+    let mut accept = Vec::with_capacity(1 + protocol::MAC_LEN);
+    accept.push(protocol::AUTH_OK);
     accept.extend_from_slice(&tag);
     c.send(&accept);
     c.phase = Phase::Ready;
-    true
+    Ok(())
 }

@@ -770,3 +770,215 @@ fn store_a_barrier_that_opens_at_a_waiters_deadline_answers_every_participant_al
     }
     eprintln!("{opened} rounds opened, {timed_out} timed out");
 }
+
+/// A raw client's greeting: the server nonce it carries.
+fn greeting_nonce(t: &mut std::net::TcpStream) -> [u8; protocol::NONCE_LEN] {
+    let hello = protocol::read_frame(t).expect("greeting");
+    protocol::parse_greeting(&hello).expect("a greeting of this version")
+}
+
+/// A frame (length prefix and body) as one buffer.
+fn framed(body: &[u8]) -> Vec<u8> {
+    let mut f = (body.len() as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(body);
+    f
+}
+
+/// The request frames a hostile client sends behind its proof.
+fn requests_behind_the_proof() -> Vec<u8> {
+    let mut reqs = framed(&protocol::Request::Set { key: "stolen".into(), value: b"x".to_vec() }.encode());
+    reqs.extend(framed(&protocol::Request::Append { key: "dir".into(), value: b"evil\n".to_vec() }.encode()));
+    reqs
+}
+
+#[test]
+fn store_pipelined_requests_are_answered_after_the_verdict_in_one_round_trip() {
+    use std::io::Write;
+    let s = server();
+    // A client that sends its proof and two requests in one write gets the
+    // verdict (with the server's proof) and both answers, in order.
+    let mut t = std::net::TcpStream::connect(s.local_addr()).unwrap();
+    t.set_read_timeout(Some(T)).unwrap();
+    let server_nonce = greeting_nonce(&mut t);
+    let (client_nonce, answer) = protocol::client_answer(SECRET.as_bytes(), &server_nonce).unwrap();
+    let mut out = framed(&answer);
+    out.extend(framed(&protocol::Request::Set { key: "job".into(), value: b"j".to_vec() }.encode()));
+    out.extend(framed(&protocol::Request::Get { key: "job".into() }.encode()));
+    t.write_all(&out).unwrap();
+    let verdict = protocol::read_frame(&mut t).unwrap();
+    let v = protocol::read_verdict(SECRET.as_bytes(), &client_nonce, &server_nonce, &verdict);
+    assert_eq!(v, protocol::Verdict::Accepted);
+    assert_eq!(protocol::Response::decode(&protocol::read_frame(&mut t).unwrap()).unwrap(), protocol::Response::Ok);
+    assert_eq!(
+        protocol::Response::decode(&protocol::read_frame(&mut t).unwrap()).unwrap(),
+        protocol::Response::Value(Some(Arc::new(b"j".to_vec())))
+    );
+    // StoreClient's pipelined connection: the first request rides on the
+    // handshake and is answered; later ones as usual.
+    let c = StoreClient::connect_pipelined(s.local_addr(), SECRET, T).unwrap();
+    assert_eq!(c.add("n", 2).unwrap(), 2);
+    assert_eq!(c.get("job").unwrap().as_deref(), Some(&b"j"[..]));
+    // A first request that blocks (a barrier) works too.
+    let c2 = StoreClient::connect_pipelined(s.local_addr(), SECRET, T).unwrap();
+    let waiter = std::thread::spawn(move || c2.barrier_get("b", 2, T, &["job"]).unwrap());
+    let c3 = StoreClient::connect_pipelined(s.local_addr(), SECRET, T).unwrap();
+    assert_eq!(c3.barrier_get("b", 2, T, &["job"]).unwrap(), vec![Some(b"j".to_vec())]);
+    assert_eq!(waiter.join().unwrap(), vec![Some(b"j".to_vec())]);
+}
+
+#[test]
+fn store_requests_behind_a_wrong_proof_are_refused_and_never_executed() {
+    use std::io::Write;
+    let logs = captured_logs();
+    let s = server();
+    // A proof made with another secret, with a set and an append behind it
+    // in the same write: refused, and neither request is executed.
+    let mut t = std::net::TcpStream::connect(s.local_addr()).unwrap();
+    t.set_read_timeout(Some(T)).unwrap();
+    let server_nonce = greeting_nonce(&mut t);
+    let (_, answer) = protocol::client_answer(b"not-the-secret", &server_nonce).unwrap();
+    let mut out = framed(&answer);
+    out.extend(requests_behind_the_proof());
+    t.write_all(&out).unwrap();
+    match protocol::read_frame(&mut t) {
+        Ok(v) => assert_eq!(v, vec![protocol::AUTH_REFUSED]),
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+    }
+    assert!(closed_by_server(&mut t));
+    // StoreClient's pipelined connection with a wrong secret: its first
+    // request fails with the refusal, and is not executed either.
+    let c = StoreClient::connect_pipelined(s.local_addr(), "not-the-secret", T).unwrap();
+    let err = c.set("stolen-too", b"x").unwrap_err();
+    assert!(matches!(err, StoreError::AuthRefused { .. }), "{err}");
+    assert!(err.to_string().contains("COHORT_JOB_SECRET"), "{err}");
+    // Later requests on it say the connection is unusable, not hang.
+    assert!(c.get("stolen-too").is_err());
+    let good = client(&s);
+    assert_eq!(good.multi_get(&["stolen", "dir", "stolen-too"]).unwrap(), vec![None, None, None]);
+    assert_eq!(s.num_keys(), 0, "nothing a refused client sent was executed");
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(text.contains("does not hold the job secret"), "{text}");
+}
+
+#[test]
+fn store_truncated_or_old_version_proofs_are_refused() {
+    use std::io::Write;
+    let logs = captured_logs();
+    let s = server();
+    // A proof cut short (a frame of 40 bytes): refused, nothing behind it run.
+    let mut t = std::net::TcpStream::connect(s.local_addr()).unwrap();
+    t.set_read_timeout(Some(T)).unwrap();
+    let server_nonce = greeting_nonce(&mut t);
+    let (_, answer) = protocol::client_answer(SECRET.as_bytes(), &server_nonce).unwrap();
+    let mut out = framed(&answer[..40]);
+    out.extend(requests_behind_the_proof());
+    t.write_all(&out).unwrap();
+    assert!(closed_by_server(&mut t), "a truncated proof must be refused");
+    // A frame that announces the whole proof and ends early: dropped at
+    // the close, not waited for.
+    let mut t = std::net::TcpStream::connect(s.local_addr()).unwrap();
+    let server_nonce = greeting_nonce(&mut t);
+    let (_, answer) = protocol::client_answer(SECRET.as_bytes(), &server_nonce).unwrap();
+    t.write_all(&framed(&answer)[..30]).unwrap();
+    t.shutdown(std::net::Shutdown::Write).unwrap();
+    assert!(closed_by_server(&mut t));
+    // The previous version's answer (a right proof without the version
+    // byte), with a request behind it: refused as another version.
+    let mut t = std::net::TcpStream::connect(s.local_addr()).unwrap();
+    t.set_read_timeout(Some(T)).unwrap();
+    let server_nonce = greeting_nonce(&mut t);
+    let (_, answer) = protocol::client_answer(SECRET.as_bytes(), &server_nonce).unwrap();
+    let mut out = framed(&answer[1..]);
+    out.extend(requests_behind_the_proof());
+    t.write_all(&out).unwrap();
+    assert!(closed_by_server(&mut t), "an answer of the previous version must be refused");
+    assert_eq!(s.num_keys(), 0, "nothing behind a refused proof was executed");
+    let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    assert!(text.contains("speaks another protocol version"), "{text}");
+    // A right client still gets in.
+    client(&s).set("ok", b"").unwrap();
+}
+
+/// A fake store on loopback that greets with `greeting` and, once it has
+/// the client's answer, sends `then` (the thread ends when the client leaves).
+fn fake_store(greeting: Vec<u8>, then: Vec<u8>) -> std::net::SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut t, _) = listener.accept().unwrap();
+        t.write_all(&framed(&greeting)).unwrap();
+        let mut answer = [0u8; 4 + protocol::PREAUTH_MAX_FRAME];
+        if t.read_exact(&mut answer).is_ok() {
+            let _ = t.write_all(&then);
+        }
+        let mut rest = Vec::new();
+        let _ = t.read_to_end(&mut rest);
+    });
+    addr
+}
+
+#[test]
+fn store_client_of_another_version_gets_a_clear_error() {
+    // A store of the previous protocol version: the client stops at its
+    // greeting and says which versions meet.
+    let mut old = protocol::MAGIC.to_vec();
+    old.push(1);
+    old.extend_from_slice(&[7u8; protocol::NONCE_LEN]);
+    for pipelined in [false, true] {
+        let addr = fake_store(old.clone(), Vec::new());
+        let err = if pipelined {
+            StoreClient::connect_pipelined(addr, SECRET, T).unwrap_err()
+        } else {
+            StoreClient::connect(addr, SECRET, T).unwrap_err()
+        };
+        let msg = err.to_string();
+        assert!(matches!(err, StoreError::Protocol { .. }), "{msg}");
+        assert!(msg.contains("protocol version 1, this client 2"), "{msg}");
+    }
+    // And a client of the previous version, which compares the greeting's
+    // version with its own (1), finds this store's version there.
+    let s = server();
+    let mut t = std::net::TcpStream::connect(s.local_addr()).unwrap();
+    let hello = protocol::read_frame(&mut t).unwrap();
+    assert_eq!(&hello[..protocol::MAGIC.len()], protocol::MAGIC);
+    assert_eq!(hello[protocol::MAGIC.len()], 2);
+}
+
+#[test]
+fn store_pipelined_client_checks_the_servers_proof_before_any_answer() {
+    // A server that says "accepted" without holding the secret, and then a
+    // forged answer: the first request fails as not authentic, and the
+    // forged answer is never taken.
+    let mut hello = protocol::MAGIC.to_vec();
+    hello.push(protocol::VERSION);
+    hello.extend_from_slice(&[9u8; protocol::NONCE_LEN]);
+    let mut then = framed(&[&[protocol::AUTH_OK][..], &[0u8; protocol::MAC_LEN]].concat());
+    then.extend(framed(&protocol::Response::Value(Some(Arc::new(b"forged".to_vec()))).encode()));
+    let addr = fake_store(hello, then);
+    let c = StoreClient::connect_pipelined(addr, SECRET, T).unwrap();
+    let err = c.get("job").unwrap_err();
+    assert!(matches!(err, StoreError::ServerNotAuthentic { .. }), "{err}");
+    // The connection is not used again.
+    assert!(matches!(c.get("job"), Err(StoreError::Broken { .. })));
+}
+
+#[test]
+fn store_append_each_applies_every_append_in_order() {
+    let s = server();
+    // As the first request of a pipelined connection: behind the proof,
+    // the verdict, then one answer per append.
+    let c = StoreClient::connect_pipelined(s.local_addr(), SECRET, T).unwrap();
+    c.append_each(&[("dir", b"0 a\n"), ("node/0", b"0 a\n"), ("dir", b"1 b\n")]).unwrap();
+    assert_eq!(c.multi_get(&["dir", "node/0"]).unwrap(), vec![Some(b"0 a\n1 b\n".to_vec()), Some(b"0 a\n".to_vec())]);
+    // A key over the limit is refused before anything is sent.
+    let long = "k".repeat(MAX_KEY + 1);
+    let err = c.append_each(&[("dir", b"2 c\n"), (long.as_str(), b"x")]).unwrap_err();
+    assert!(matches!(err, StoreError::TooLarge { what: "the key", .. }), "{err}");
+    assert_eq!(c.get("dir").unwrap().as_deref(), Some(&b"0 a\n1 b\n"[..]), "nothing of a refused batch is sent");
+    // With a wrong secret, none of them is applied.
+    let bad = StoreClient::connect_pipelined(s.local_addr(), "not-the-secret", T).unwrap();
+    let err = bad.append_each(&[("dir", b"evil\n"), ("other", b"evil\n")]).unwrap_err();
+    assert!(matches!(err, StoreError::AuthRefused { .. }), "{err}");
+    assert_eq!(c.multi_get(&["dir", "other"]).unwrap(), vec![Some(b"0 a\n1 b\n".to_vec()), None]);
+}
