@@ -15,6 +15,11 @@ use crate::handle::Handle;
 use crate::id::StreamId;
 use crate::state::DeviceState;
 
+/// The handles a buffer task is queued with (its inputs, or its outputs):
+/// kept inline, without a heap allocation, for up to two, as most tasks
+/// have. A `Vec<Handle>` converts into it.
+pub type TaskHandles = smallvec::SmallVec<[Handle; 2]>;
+
 /// A raw view of a buffer that lives in host memory (CPU backend). Valid while
 /// the task that got it runs; the task decides who may touch it when.
 #[derive(Debug, Clone, Copy)]
@@ -200,8 +205,8 @@ impl Client {
     pub fn submit_buffers(
         &self,
         operation: impl Into<Cow<'static, str>>,
-        inputs: Vec<Handle>,
-        outputs: Vec<Handle>,
+        inputs: impl Into<TaskHandles>,
+        outputs: impl Into<TaskHandles>,
         task: impl FnOnce(&mut BufferAccess<'_>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
         // The task is skipped when its buffers are not ready: the error it
@@ -221,8 +226,8 @@ impl Client {
     pub fn submit_buffers_always(
         &self,
         operation: impl Into<Cow<'static, str>>,
-        inputs: Vec<Handle>,
-        outputs: Vec<Handle>,
+        inputs: impl Into<TaskHandles>,
+        outputs: impl Into<TaskHandles>,
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
         self.refuse_if_capturing("a buffer task")?;
@@ -236,10 +241,11 @@ impl Client {
     pub fn submit_buffers_recorded(
         &self,
         operation: impl Into<Cow<'static, str>>,
-        inputs: Vec<Handle>,
-        outputs: Vec<Handle>,
+        inputs: impl Into<TaskHandles>,
+        outputs: impl Into<TaskHandles>,
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
+        let (inputs, outputs): (TaskHandles, TaskHandles) = (inputs.into(), outputs.into());
         for handle in inputs.iter().chain(&outputs) {
             self.check_owned(handle)?;
         }

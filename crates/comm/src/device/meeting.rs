@@ -72,7 +72,8 @@ impl DeviceCollective {
     ) -> Arc<DeviceCollective> {
         let state =
             DeviceState { finished: vec![false; parts.len()], tokens: [None, None], arenas: vec![0; parts.len()] };
-        let seats = parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
+        let seats: Vec<Seat> =
+            parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
         Arc::new(DeviceCollective { ops, buckets, meeting: Meeting::new(name, seats, timeout, state) })
     }
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use cohort_runtime::config;
 use cohort_runtime::{Client, Handle};
+use smallvec::SmallVec;
 
 use crate::device::peer::{self, Algo, Path};
 use crate::device::{self, DevicePart, Mode, Route, Transport};
@@ -64,6 +65,9 @@ pub(crate) struct Part {
     input: Option<Handle>,
     output: Option<Handle>,
 }
+
+/// One collective's parts, inline (no heap allocation) for up to four.
+pub(crate) type Parts = SmallVec<[Part; 4]>;
 
 impl ClientGroup {
     /// A group over `clients`, member `i` being `clients[i]`.
@@ -256,43 +260,50 @@ impl ClientGroup {
         !self.direct && self.clients[0].capabilities().peer_access
     }
 
-    /// Records collective `sequence` in the flight recorder (and timeline).
-    fn track(&self, sequence: u64, op: &Op, parts: &[Part]) -> Arc<Watched> {
-        let tid = parts.first().map_or(0, |p| self.clients[p.member].device_id().index);
+    /// Records collective `sequence` in the flight recorder (and timeline):
+    /// `parts` parts, the first on member `first`.
+    fn track(&self, sequence: u64, op: &Op, first: usize, parts: usize) -> Arc<Watched> {
+        let tid = self.clients.get(first).map_or(0, |c| c.device_id().index);
         let category = if op.collective() == Collective::SendRecv { "copy" } else { "collective" };
         // A process-local group: only this process takes part.
         let ranks = Some(vec![FlightRecorder::global().identity().0]);
-        Watched::start(&*self.record_name, sequence, op, parts.len(), ranks, category, tid)
+        Watched::start(&*self.record_name, sequence, op, parts, ranks, category, tid)
     }
 
     /// Queues every part of one collective, under the process-wide order.
     /// Returns its handle once all parts are
     /// queued; a part that could not be queued fails the whole collective.
-    fn launch(&self, op: Op, parts: Vec<Part>) -> Result<Work, CommError> {
+    fn launch(&self, op: Op, parts: Parts) -> Result<Work, CommError> {
         let operation = op.name();
         // The executors see roots and endpoints as slots of `parts`.
-        let members: Vec<usize> = parts.iter().map(|p| p.member).collect();
+        let members: SmallVec<[usize; 4]> = parts.iter().map(|p| p.member).collect();
         let on_slots = op.on_slots(&members);
         let bytes = op.block_bytes();
         let mode = self.device_mode(&on_slots, &parts)?;
         // Inside a capture window only work queued on the device's own
         // stream can be recorded: NCCL calls, peer kernels and device
         // copies. Host staging and peer copies (events across devices)
-        // cannot, and are refused before anything is queued.
+        // cannot, and are refused before anything is queued. A part
+        // recorded into a graph runs only at replay, one queued now at
+        // once: captured on some members only, the two would wait for each
+        // other forever.
         let recordable = matches!(mode, Some(Mode::Nccl(_) | Mode::PeerKernel(..) | Mode::Local));
-        let capturing: Vec<bool> = parts.iter().map(|p| self.clients[p.member].is_capturing()).collect();
-        for (part, &captured) in parts.iter().zip(&capturing) {
+        let mut first_captured = None;
+        for part in &parts {
+            let captured = self.clients[part.member].is_capturing();
             if !recordable && captured {
                 return Err(CommError::Capturing { operation, member: part.member });
             }
+            match first_captured {
+                None => first_captured = Some(captured),
+                Some(first) if first != captured => {
+                    let member = if captured { parts[0].member } else { part.member };
+                    return Err(CommError::CapturingPartly { operation, member });
+                }
+                Some(_) => {}
+            }
         }
-        // A part recorded into a graph runs only at replay, one queued now
-        // at once: captured on some members only, the two would wait for
-        // each other forever.
-        if let Some(at) = capturing.iter().position(|&c| c != capturing[0]) {
-            let member = parts[if capturing[at] { 0 } else { at }].member;
-            return Err(CommError::CapturingPartly { operation, member });
-        }
+        let first = members.first().copied().unwrap_or(0);
         if let Some(mut mode) = mode {
             let mut path = None;
             if let Mode::Nccl(set) = &mode {
@@ -306,7 +317,7 @@ impl ClientGroup {
             }
             let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
             tracing::trace!(operation, sequence, bytes, members = parts.len(), ?mode, "queue device collective");
-            let tracked = self.track(sequence, &op, &parts);
+            let tracked = self.track(sequence, &op, first, parts.len());
             if let Some(path) = path {
                 tracked.set_path(path.name());
             }
@@ -315,10 +326,9 @@ impl ClientGroup {
             return device::launch(&self.clients, self.timeout, on_slots, mode, parts, Some(tracked))
                 .map(|collective| Work::new(operation, collective));
         }
-        let seats: Vec<Seat> =
-            parts.iter().map(|p| Seat { member: Some(p.member), device: self.clients[p.member].device_id() }).collect();
+        let seats = parts.iter().map(|p| Seat { member: Some(p.member), device: self.clients[p.member].device_id() });
         let collective = HostCollective::new(on_slots, seats, self.timeout, self.direct, self.stage_chunk);
-        let mut tasks = Vec::with_capacity(parts.len());
+        let mut tasks: SmallVec<[_; 4]> = SmallVec::with_capacity(parts.len());
         for (slot, part) in parts.iter().enumerate() {
             let (inputs, outputs) =
                 collective.task_buffers(slot, part.input.as_ref(), part.output.as_ref()).map_err(|source| {
@@ -333,7 +343,7 @@ impl ClientGroup {
         }
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(operation, sequence, bytes, members = tasks.len(), direct = self.direct, "queue collective");
-        let tracked = self.track(sequence, &op, &parts);
+        let tracked = self.track(sequence, &op, first, parts.len());
         let mut failed = None;
         let order = enqueue_lock();
         for (member, inputs, outputs, ticket) in tasks {
