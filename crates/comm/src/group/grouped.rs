@@ -6,9 +6,10 @@
 use std::sync::atomic::Ordering;
 
 use cohort_runtime::TaskHandles;
+use smallvec::SmallVec;
 
 use super::{ClientGroup, Part, Parts};
-use crate::device::{self, DevicePart, Mode, NcclSet, Route};
+use crate::device::{self, Mode, Route};
 use crate::error::CommError;
 use crate::grouped::{check_independent, GroupCall};
 use crate::host::GroupedHost;
@@ -35,39 +36,30 @@ impl ClientGroup {
     /// task per member whose calls go inside one `ncclGroupStart/End`;
     /// otherwise (device copies in a group of one) each call in turn.
     fn group_on_device(&self, ops: Vec<Op>, calls: &[GroupCall]) -> Result<Work, CommError> {
-        let prepared: Vec<(Op, Parts)> =
-            ops.into_iter().zip(calls).map(|(op, call)| (op, self.parts_of(call))).collect();
-        let mut set = None;
-        for (op, parts) in &prepared {
-            match self.device_mode(op, parts)? {
-                Some(Mode::Nccl(s)) if set.as_ref().is_none_or(|k: &std::sync::Arc<NcclSet>| k.key == s.key) => {
-                    set = Some(s)
-                }
-                _ => {
-                    set = None;
-                    break;
-                }
-            }
-        }
-        let Some(set) = set else {
-            let works = prepared.into_iter().map(|(op, parts)| self.launch(op, parts)).collect::<Result<_, _>>()?;
+        // No call of a group has endpoints: every call takes the route's mode.
+        let Route::Nccl(set) = &self.route else {
+            let works = ops
+                .into_iter()
+                .zip(calls)
+                .map(|(op, call)| self.launch(op, self.parts_of(call)))
+                .collect::<Result<_, _>>()?;
             return Ok(Work::all("group", works));
         };
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
-        tracing::trace!(sequence, calls = prepared.len(), "queue grouped device call");
-        let tracked = self.track(sequence, &prepared[0].0, 0, prepared[0].1.len());
-        let calls = prepared
-            .into_iter()
-            .map(|(op, parts)| {
-                let parts = parts
-                    .into_iter()
-                    .map(|p| DevicePart { member: p.member, input: p.input, output: p.output })
-                    .collect();
-                (op, parts)
-            })
-            .collect();
-        let grouped =
-            device::launch_grouped(&self.clients, self.timeout, "group", calls, Mode::Nccl(set), Some(tracked))?;
+        tracing::trace!(sequence, calls = ops.len(), "queue grouped device call");
+        let tracked = self.track(sequence, &ops[0], 0, self.len());
+        let members: SmallVec<[usize; 4]> = (0..self.len()).collect();
+        let part = |call: usize, slot: usize| calls[call].part(slot, Some);
+        let grouped = device::launch_grouped(
+            &self.clients,
+            self.timeout,
+            "group",
+            ops.into(),
+            &members,
+            part,
+            Mode::Nccl(set.clone()),
+            Some(tracked),
+        )?;
         Ok(Work::new("group", grouped))
     }
 

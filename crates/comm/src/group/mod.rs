@@ -16,7 +16,7 @@ use cohort_runtime::{Client, Handle};
 use smallvec::SmallVec;
 
 use crate::device::peer::{self, Algo, Path};
-use crate::device::{self, DevicePart, Mode, Route, Transport};
+use crate::device::{self, Mode, Route, Transport};
 use crate::error::CommError;
 use crate::host::{default_timeout, HostCollective, HostPath};
 use crate::meeting::{Seat, Ticket};
@@ -321,9 +321,8 @@ impl ClientGroup {
             if let Some(path) = path {
                 tracked.set_path(path.name());
             }
-            let parts =
-                parts.into_iter().map(|p| DevicePart { member: p.member, input: p.input, output: p.output }).collect();
-            return device::launch(&self.clients, self.timeout, on_slots, mode, parts, Some(tracked))
+            let part = |_call: usize, slot: usize| (parts[slot].input.as_ref(), parts[slot].output.as_ref());
+            return device::launch(&self.clients, self.timeout, on_slots, mode, &members, part, Some(tracked))
                 .map(|collective| Work::new(operation, collective));
         }
         let seats = parts.iter().map(|p| Seat { member: Some(p.member), device: self.clients[p.member].device_id() });
