@@ -71,7 +71,13 @@ pub(crate) fn check_independent<'h>(
     let buffers = buffers.into_iter();
     let mut spans: Vec<(usize, u64, u64, usize, bool)> = Vec::with_capacity(buffers.size_hint().0);
     for (call, h, writes) in buffers.filter(|b| b.1.size() > 0) {
-        spans.push((h.allocation_key(), h.offset(), h.offset() + h.size(), call, writes));
+        let span = (h.allocation_key(), h.offset(), h.offset() + h.size(), call, writes);
+        match spans.last_mut() {
+            // A call in place gives its buffer twice in a row, as source and
+            // as destination: one span that writes stands for both.
+            Some(last) if (last.0, last.1, last.2, last.3) == (span.0, span.1, span.2, span.3) => last.4 |= span.4,
+            _ => spans.push(span),
+        }
     }
     spans.sort_unstable_by_key(|s| (s.0, s.1));
     let mut active: Vec<(usize, u64, u64, usize, bool)> = Vec::new();
