@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cohort_runtime::config;
-use cohort_runtime::{Client, Handle};
+use cohort_runtime::{BufferAccess, Client, Handle, ServerError};
 use smallvec::SmallVec;
 
 use crate::device::peer::{self, Algo, Path};
@@ -27,6 +27,11 @@ use crate::work::Work;
 
 /// Default bytes per pipelined chunk on the staged host path.
 pub const DEFAULT_STAGE_CHUNK: usize = 4 << 20;
+
+/// The largest block of a one-part host collective that runs on the
+/// caller's thread when its device is idle: a copy this size takes about
+/// what the hand-over to the device thread does.
+const INLINE_MAX_BYTES: usize = 64 << 10;
 
 /// One client per device of one runtime, in one process.
 ///
@@ -343,6 +348,10 @@ impl ClientGroup {
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(operation, sequence, bytes, members = tasks.len(), direct = self.direct, "queue collective");
         let tracked = self.track(sequence, &op, first, parts.len());
+        // A small collective of one part meets nobody but itself: where its
+        // device is idle (CPU backend), it runs on this thread at once,
+        // without the hand-over to the device thread and its wake-up.
+        let inline = tasks.len() == 1 && bytes <= INLINE_MAX_BYTES;
         let mut failed = None;
         let order = enqueue_lock();
         for (member, inputs, outputs, ticket) in tasks {
@@ -350,11 +359,15 @@ impl ClientGroup {
             // A part that cannot be queued drops its ticket, which fails the
             // collective for the parts already queued.
             let tracked = tracked.clone();
-            let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
+            let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
                 let result = ticket.run(|collective, slot| collective.run_member(slot, access));
                 tracked.note(&result);
                 result
-            });
+            };
+            let queued = match inline {
+                true => client.submit_buffers_inline(operation, inputs, outputs, task),
+                false => client.submit_buffers_always(operation, inputs, outputs, task),
+            };
             if let Err(source) = queued {
                 failed.get_or_insert(CommError::Enqueue { operation, member, device: client.device_id(), source });
             }
