@@ -66,6 +66,23 @@ unsafe impl Send for StateCell {}
 // SAFETY: as above: shared access goes through the lock.
 unsafe impl Sync for StateCell {}
 
+/// Takes the state out of its cell when the server thread ends, even by a
+/// panic, so it is released and dropped on that thread (never by the last
+/// client to let go of the cell).
+struct ReleaseOnExit<'a>(&'a StateCell);
+
+impl Drop for ReleaseOnExit<'_> {
+    fn drop(&mut self) {
+        // Under the lock: an inline task may still hold it.
+        let state = self.0.state.lock().take();
+        if let Some(mut state) = state {
+            if !std::thread::panicking() {
+                state.release_all();
+            }
+        }
+    }
+}
+
 impl StateCell {
     /// The state, locked (present while the server thread runs).
     fn lock(&self) -> parking_lot::MappedMutexGuard<'_, DeviceState> {
@@ -131,13 +148,8 @@ impl DeviceHandle {
                 let properties = Arc::new(backend.properties().clone());
                 *served.state.lock() = Some(DeviceState::new(service, backend));
                 let _ = ready_tx.send(Ok(properties));
+                let _release = ReleaseOnExit(&served);
                 serve(&served, receiver);
-                // Taken out under the lock (an inline task may still hold
-                // it) and dropped here, on the thread that made it.
-                let state = served.state.lock().take();
-                if let Some(mut state) = state {
-                    state.release_all();
-                }
             })
             .map_err(|e| ServerError::Backend {
                 backend: service.device.backend_name(),
@@ -183,8 +195,9 @@ impl DeviceHandle {
     /// Runs `task` on the calling thread, as the server thread would run it
     /// (its panic kept for the stream's next `sync`), when this device takes
     /// inline tasks (the CPU backend), is open, and has nothing queued or
-    /// running: every message sent to it before, by any thread, has run, so
-    /// the task runs in the order it would have run in queued. Client calls
+    /// running (waiting up to 2 µs for the device thread to let go of the
+    /// state after its last task): every message sent to it before, by any
+    /// thread, has run, so the task runs where it would have run queued. Client calls
     /// for this device made inside `task` run inline too, as inside
     /// [`DeviceHandle::exclusive`]. Gives the task back otherwise, to queue.
     ///
@@ -196,9 +209,12 @@ impl DeviceHandle {
         if !self.inline_tasks || self.is_closed() || self.on_server_thread() || !idle(&self.cell) {
             return Err(task);
         }
-        let Some(mut guard) = self.cell.state.try_lock() else { return Err(task) };
-        // Looked at again under the lock: the server thread counts a
-        // message out only after it ran it, holding the lock.
+        // The server thread counts a message out when it takes the lock to
+        // run it, and lets go once it ran: with none in flight and the lock
+        // free, every message sent before has run. A thread that was just
+        // answered by the device's last task finds the lock held for a
+        // moment more: it waits that long, no more.
+        let Some(mut guard) = self.cell.state.try_lock_for(INLINE_LOCK_WAIT) else { return Err(task) };
         let Some(state) = guard.as_mut().filter(|_| idle(&self.cell)) else { return Err(task) };
         let service = self.service;
         let previous = (SERVER_OF.with(|s| s.replace(Some(service))), EXCLUSIVE_STATE.with(|s| s.replace(state)));
@@ -615,6 +631,11 @@ fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch)
     }
 }
 
+/// How long [`DeviceHandle::run_inline`] waits for the device state's lock
+/// before it queues the task instead: the device thread's last task may
+/// have just answered its caller and not yet let go of the lock.
+const INLINE_LOCK_WAIT: Duration = Duration::from_micros(2);
+
 /// How often an idle device thread looks at its running device
 /// collectives (to end them, and to abort failed or expired ones).
 const COLLECTIVE_POLL: Duration = Duration::from_millis(1);
@@ -642,6 +663,10 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             Err(RecvTimeoutError::Disconnected) => break,
         };
         let mut state = cell.lock();
+        // Counted out once the lock is held: until this message's task
+        // returns and the lock is let go, no caller runs inline (see
+        // `run_inline`); after, every message sent before it has run.
+        cell.in_flight.fetch_sub(1, Ordering::AcqRel);
         let shutdown = match message {
             Message::Task(stream, task) => {
                 run_caught(&mut state, stream, task);
@@ -653,8 +678,6 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             }
             Message::Shutdown => true,
         };
-        // Counted out under the lock, after it ran (see `run_inline`).
-        cell.in_flight.fetch_sub(1, Ordering::AcqRel);
         if shutdown {
             break;
         }
