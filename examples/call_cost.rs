@@ -1,7 +1,8 @@
 //! What one small call costs cohort itself, on CPU devices (no GPU needed):
 //! heap allocations per call (every thread's, counted by this binary's
 //! allocator) and wall time per call, for a one-device and a two-device
-//! `ClientGroup` all-reduce of 8 floats (waited on), a kernel launch
+//! `ClientGroup` all-reduce of 8 floats (waited on, and queued back to
+//! back: then the time is the caller's thread's alone), a kernel launch
 //! enqueue, and a 4-byte read round trip. Where a CUDA device and NCCL
 //! are found, the same for a one-device `ClientGroup` all-reduce through a
 //! one-rank NCCL communicator (`COHORT_NCCL_SINGLE=1`), waited on and
@@ -72,6 +73,25 @@ fn measure_batches(what: &str, batches: usize, per: usize, mut batch: impl FnMut
     );
 }
 
+/// Runs `batch` (which queues `per` calls and returns the time it took
+/// to queue them, its wait not counted) `batches` times after a warm-up;
+/// prints the caller's µs per call and the allocations per call (every
+/// thread's, the waits' included).
+fn measure_queued(what: &str, batches: usize, per: usize, mut batch: impl FnMut() -> std::time::Duration) {
+    for _ in 0..batches / 10 + 1 {
+        batch();
+    }
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let queued: std::time::Duration = (0..batches).map(|_| batch()).sum();
+    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let calls = (batches * per) as f64;
+    println!(
+        "{what:<44} {:>8.2} µs/call {:>7.1} allocations/call",
+        queued.as_secs_f64() * 1e6 / calls,
+        allocations as f64 / calls
+    );
+}
+
 /// A one-device all-reduce through a one-rank NCCL communicator, waited on
 /// and queued back to back, where a CUDA device and NCCL are found.
 fn nccl_all_reduce(calls: usize) {
@@ -101,6 +121,18 @@ fn all_reduce(clients: &[Client], calls: usize) {
     let bufs: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
     let what = format!("all_reduce 32 B, {} CPU device(s), wait", clients.len());
     measure(&what, calls, || group.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce").wait().expect("wait"));
+    // The caller's thread alone: 100 calls queued back to back, timed
+    // without the sync that follows them.
+    let what = format!("all_reduce 32 B, {} CPU device(s), queued", clients.len());
+    measure_queued(&what, calls / 100, 100, || {
+        let start = Instant::now();
+        for _ in 0..100 {
+            group.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce");
+        }
+        let queued = start.elapsed();
+        group.sync().expect("sync");
+        queued
+    });
     for b in &bufs {
         assert_eq!(b.to_vec().expect("read"), [1.0; 8], "max of ones is one");
     }

@@ -50,7 +50,7 @@ pub mod published {
 pub use device::Transport;
 pub use error::CommError;
 pub use group::{to_client, ClientGroup, DEFAULT_STAGE_CHUNK};
-pub use grouped::GroupCall;
+pub use grouped::{CallHandles, GroupCall};
 pub use host::{default_timeout, HostPath, DEFAULT_TIMEOUT};
 pub use mesh::{Mesh, MeshOver};
 pub use ops::{combine, finish, reduce_bytes, DType, Element, ReduceOp};

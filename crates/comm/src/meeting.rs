@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use cohort_runtime::{DeviceId, ServerError};
 use parking_lot::{Condvar, Mutex, MutexGuard};
+use smallvec::SmallVec;
 
 /// Who takes one slot: its device, and its member number where errors name
 /// members (a group's parts) rather than this rank's local devices.
@@ -27,13 +28,16 @@ pub(crate) struct Seat {
     pub member: Option<usize>,
 }
 
+/// One flag per part, inline for up to eight parts.
+type Flags = SmallVec<[bool; 8]>;
+
 /// The state every meeting shares, and the executor's own (`data`).
 pub(crate) struct Gathering<S> {
     pub arrived: usize,
-    present: Vec<bool>,
+    present: Flags,
     /// Tasks that returned, or were dropped unrun: how many, and which.
     returned: usize,
-    returned_slots: Vec<bool>,
+    returned_slots: Flags,
     failure: Option<ServerError>,
     pub data: S,
 }
@@ -68,7 +72,7 @@ pub(crate) enum WaitEnd {
 /// One collective's meeting of parts.
 pub(crate) struct Meeting<S> {
     name: &'static str,
-    seats: Vec<Seat>,
+    seats: SmallVec<[Seat; 4]>,
     timeout: Duration,
     state: Mutex<Gathering<S>>,
     cv: Condvar,
@@ -83,13 +87,20 @@ pub(crate) struct Meeting<S> {
 
 impl<S> Meeting<S> {
     /// A meeting of `seats` for collective `name`, whose waits end at
-    /// `timeout` after they begin.
-    pub(crate) fn new(name: &'static str, seats: Vec<Seat>, timeout: Duration, data: S) -> Meeting<S> {
+    /// `timeout` after they begin. Up to four seats (eight flags) need no
+    /// heap allocation beyond the executor's own.
+    pub(crate) fn new(
+        name: &'static str,
+        seats: impl IntoIterator<Item = Seat>,
+        timeout: Duration,
+        data: S,
+    ) -> Meeting<S> {
+        let seats: SmallVec<[Seat; 4]> = seats.into_iter().collect();
         let state = Gathering {
             arrived: 0,
-            present: vec![false; seats.len()],
+            present: smallvec::smallvec![false; seats.len()],
             returned: 0,
-            returned_slots: vec![false; seats.len()],
+            returned_slots: smallvec::smallvec![false; seats.len()],
             failure: None,
             data,
         };
@@ -473,7 +484,7 @@ mod tests {
     }
 
     fn bare(parts: usize, timeout: Duration, members: bool) -> Arc<Bare> {
-        let seats = (0..parts)
+        let seats: Vec<Seat> = (0..parts)
             .map(|i| Seat { device: DeviceId::new(DeviceId::CPU, i as u32), member: members.then_some(i) })
             .collect();
         Arc::new(Bare(Meeting::new("all_reduce", seats, timeout, ())))

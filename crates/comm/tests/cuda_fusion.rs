@@ -142,8 +142,8 @@ fn buffers<C: Collectives>(c: &C, call: Call, k: usize) -> (Vec<Handle>, Vec<Han
 
 fn group_call(call: Call, src: Vec<Handle>, dst: Vec<Handle>) -> GroupCall {
     match call {
-        Call::AllReduce { dtype, op, .. } => GroupCall::AllReduce { src, dst, dtype, op },
-        Call::AllGather { dtype, .. } => GroupCall::AllGather { src, dst, dtype },
+        Call::AllReduce { dtype, op, .. } => GroupCall::AllReduce { src: src.into(), dst: dst.into(), dtype, op },
+        Call::AllGather { dtype, .. } => GroupCall::AllGather { src: src.into(), dst: dst.into(), dtype },
     }
 }
 

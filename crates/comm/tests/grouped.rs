@@ -180,6 +180,25 @@ fn a_bad_call_or_a_dependent_one_refuses_the_whole_group_before_anything_is_queu
         .unwrap_err();
     assert!(matches!(err, Error::Comm(CommError::DependentCalls { earlier: 0, later: 1 })), "{err}");
     assert_eq!((a[1].to_vec().unwrap(), b[1].to_vec().unwrap()), (vec![1.0; 4], vec![0.0; 4]));
+    // A call in place writes its buffer: a later call may not read it...
+    let err = group
+        .group(|g| {
+            g.all_reduce(&a, &a, ReduceOp::Sum)?;
+            g.all_reduce(&a, &b, ReduceOp::Sum)
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::Comm(CommError::DependentCalls { earlier: 0, later: 1 })), "{err}");
+    // ...while two calls that only read one buffer are independent.
+    let c = group.zeros::<f32>(4).unwrap();
+    group
+        .group(|g| {
+            g.all_reduce(&a, &b, ReduceOp::Sum)?;
+            g.all_reduce(&a, &c, ReduceOp::Max)
+        })
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!((b[1].to_vec().unwrap(), c[1].to_vec().unwrap()), (vec![2.0; 4], vec![1.0; 4]));
     // An empty group is done at once.
     assert!(group.group(|_| Ok(())).unwrap().is_done());
 }

@@ -127,3 +127,32 @@ fn a_timeout_of_duration_max_means_no_limit_and_overflows_nothing() {
     comm.all_reduce(&one, &one, ReduceOp::Sum).unwrap().wait().unwrap();
     assert_eq!(bufs[0].to_vec().unwrap(), vec![3.0; 5]);
 }
+
+#[test]
+fn a_small_collective_of_one_idle_device_is_done_when_the_call_returns_and_waits_its_turn_otherwise() {
+    // Device 7: no other test of this file uses it, so it is idle here.
+    let client = common::clients(8)[7].clone();
+    let group = cohort_comm::ClientGroup::new(vec![client.clone()]).unwrap();
+    let src = [Buffer::from_slice(&client, &[1.5f32, -2.0, 4.0]).unwrap()];
+    let dst = [Buffer::<f32>::zeros(&client, 3).unwrap()];
+    assert_eq!(dst[0].to_vec().unwrap(), [0.0; 3]);
+    // Idle after a read: the caller's thread runs the part itself (no
+    // hand-over), so the call returns with it done. The device thread lets
+    // go of its state a moment after it answered the read, and a loaded
+    // machine may take it off its core in that moment: a few tries.
+    let inline = (0..100).any(|_| {
+        dst[0].to_vec().unwrap();
+        group.all_reduce(&src, &dst, ReduceOp::Sum).unwrap().is_done()
+    });
+    assert!(inline, "a one-device all-reduce of 12 bytes on an idle device never ran inside the call");
+    assert_eq!(dst[0].to_vec().unwrap(), [1.5, -2.0, 4.0]);
+    // Busy: the part is queued behind the held task, and runs after it.
+    let release = hold(&client);
+    let work = group.all_reduce(&dst, &dst, ReduceOp::Max).unwrap();
+    let bigger = group.broadcast(&src, &dst, 0).unwrap();
+    assert!(!work.is_done() && !bigger.is_done(), "the device is held: neither can have run");
+    release.send(()).unwrap();
+    bigger.wait().unwrap();
+    assert!(work.is_done(), "parts run in queue order");
+    assert_eq!(dst[0].to_vec().unwrap(), [1.5, -2.0, 4.0]);
+}

@@ -15,6 +15,11 @@ use crate::handle::Handle;
 use crate::id::StreamId;
 use crate::state::DeviceState;
 
+/// The handles a buffer task is queued with (its inputs, or its outputs):
+/// kept inline, without a heap allocation, for up to two, as most tasks
+/// have. A `Vec<Handle>` converts into it.
+pub type TaskHandles = smallvec::SmallVec<[Handle; 2]>;
+
 /// A raw view of a buffer that lives in host memory (CPU backend). Valid while
 /// the task that got it runs; the task decides who may touch it when.
 #[derive(Debug, Clone, Copy)]
@@ -200,8 +205,8 @@ impl Client {
     pub fn submit_buffers(
         &self,
         operation: impl Into<Cow<'static, str>>,
-        inputs: Vec<Handle>,
-        outputs: Vec<Handle>,
+        inputs: impl Into<TaskHandles>,
+        outputs: impl Into<TaskHandles>,
         task: impl FnOnce(&mut BufferAccess<'_>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
         // The task is skipped when its buffers are not ready: the error it
@@ -221,8 +226,8 @@ impl Client {
     pub fn submit_buffers_always(
         &self,
         operation: impl Into<Cow<'static, str>>,
-        inputs: Vec<Handle>,
-        outputs: Vec<Handle>,
+        inputs: impl Into<TaskHandles>,
+        outputs: impl Into<TaskHandles>,
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
         self.refuse_if_capturing("a buffer task")?;
@@ -236,10 +241,11 @@ impl Client {
     pub fn submit_buffers_recorded(
         &self,
         operation: impl Into<Cow<'static, str>>,
-        inputs: Vec<Handle>,
-        outputs: Vec<Handle>,
+        inputs: impl Into<TaskHandles>,
+        outputs: impl Into<TaskHandles>,
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
+        let (inputs, outputs): (TaskHandles, TaskHandles) = (inputs.into(), outputs.into());
         for handle in inputs.iter().chain(&outputs) {
             self.check_owned(handle)?;
         }
@@ -247,33 +253,77 @@ impl Client {
         // Named in errors only: a static name is kept as it is, not copied.
         let operation = operation.into();
         let device = self.device_id();
-        self.device().submit(stream, move |state| {
-            // The bindings go in the state's reused vector (no allocation
-            // per task); a task nested inside (`exclusive`) takes its own.
-            let mut bindings = std::mem::take(&mut state.scratch_bindings);
-            bindings.clear();
-            let prepared = (|| {
-                if let Some(err) = DeviceState::poisoned_input(&inputs, &operation) {
-                    return Err(err);
-                }
-                for handle in inputs.iter().chain(&outputs) {
-                    bindings.push(state.binding(handle)?);
-                }
-                state.order_after_writers(stream, inputs.iter().chain(&outputs))
-            })();
-            let run = std::panic::AssertUnwindSafe(|| match prepared {
-                Ok(()) => {
-                    let mut access = BufferAccess { state: &mut *state, stream, bindings, outputs: &outputs };
-                    let result = task(Ok(&mut access));
-                    (result, access.bindings)
-                }
-                Err(err) => (task(Err(err)), bindings),
-            });
-            let (result, bindings) = std::panic::catch_unwind(run).unwrap_or_else(|payload| {
-                (Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) }), Vec::new())
-            });
-            state.scratch_bindings = bindings;
-            DeviceState::mark_outputs(stream, &outputs, &result);
-        })
+        self.device().submit(stream, buffer_task(inputs, outputs, stream, operation, device, task))
+    }
+
+    /// [`Client::submit_buffers_always`], run on the calling thread before
+    /// it returns where that keeps the device's order: on the CPU backend,
+    /// when the device has nothing queued or running (then it would have
+    /// run next anyway, without the hand-over to the device thread and the
+    /// wake-up). Otherwise queued as `submit_buffers_always` queues it.
+    ///
+    /// For short tasks that wait for nothing else on this device and for no
+    /// task not queued yet (a small collective of one device); a task that
+    /// waits for another device's part would wait on the caller's thread.
+    pub fn submit_buffers_inline(
+        &self,
+        operation: impl Into<Cow<'static, str>>,
+        inputs: impl Into<TaskHandles>,
+        outputs: impl Into<TaskHandles>,
+        task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        self.refuse_if_capturing("a buffer task")?;
+        let (inputs, outputs): (TaskHandles, TaskHandles) = (inputs.into(), outputs.into());
+        for handle in inputs.iter().chain(&outputs) {
+            self.check_owned(handle)?;
+        }
+        let stream = self.stream_id();
+        let device = self.device_id();
+        let task = buffer_task(inputs, outputs, stream, operation.into(), device, task);
+        match self.device().run_inline(stream, task) {
+            Ok(()) => Ok(()),
+            Err(task) => self.device().submit(stream, task),
+        }
+    }
+}
+
+/// The device-thread side of a buffer task: binds `inputs` and `outputs`,
+/// orders the task after their writers, runs `task` (or hands it the
+/// error that stopped the binding) and marks the outputs with its result.
+fn buffer_task(
+    inputs: TaskHandles,
+    outputs: TaskHandles,
+    stream: StreamId,
+    operation: Cow<'static, str>,
+    device: crate::id::DeviceId,
+    task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
+) -> impl FnOnce(&mut DeviceState) + Send + 'static {
+    move |state| {
+        // The bindings go in the state's reused vector (no allocation
+        // per task); a task nested inside (`exclusive`) takes its own.
+        let mut bindings = std::mem::take(&mut state.scratch_bindings);
+        bindings.clear();
+        let prepared = (|| {
+            if let Some(err) = DeviceState::poisoned_input(&inputs, &operation) {
+                return Err(err);
+            }
+            for handle in inputs.iter().chain(&outputs) {
+                bindings.push(state.binding(handle)?);
+            }
+            state.order_after_writers(stream, inputs.iter().chain(&outputs))
+        })();
+        let run = std::panic::AssertUnwindSafe(|| match prepared {
+            Ok(()) => {
+                let mut access = BufferAccess { state: &mut *state, stream, bindings, outputs: &outputs };
+                let result = task(Ok(&mut access));
+                (result, access.bindings)
+            }
+            Err(err) => (task(Err(err)), bindings),
+        });
+        let (result, bindings) = std::panic::catch_unwind(run).unwrap_or_else(|payload| {
+            (Err(ServerError::TaskPanicked { device, message: panic_message(payload.as_ref()) }), Vec::new())
+        });
+        state.scratch_bindings = bindings;
+        DeviceState::mark_outputs(stream, &outputs, &result);
     }
 }

@@ -1,7 +1,11 @@
 //! The server thread of one device, and the registry of open devices.
 //!
 //! Each device has one thread that owns its backend (contexts and streams are
-//! not `Send`); clients queue tasks to it over a channel. A panic in a task is
+//! not `Send`); clients queue tasks to it over a channel. The thread holds
+//! the device state under a lock while it runs each message, so that on the
+//! CPU backend a caller may run a small task itself, under the same lock,
+//! when the device has nothing queued or running
+//! ([`DeviceHandle::run_inline`]). A panic in a task is
 //! caught on the thread and returned to whoever waits for that task (or kept
 //! for the stream's next `sync` when nobody waits). Closing a device stops its
 //! thread: queued tasks are dropped, so their waiters get
@@ -12,7 +16,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use std::time::{Duration, Instant};
@@ -44,11 +48,56 @@ thread_local! {
     static EXCLUSIVE_STATE: Cell<*mut DeviceState> = const { Cell::new(std::ptr::null_mut()) };
 }
 
+/// A device's state, shared by its server thread and (CPU backend only)
+/// callers that run a task inline, always under its lock; and the count of
+/// messages sent to the thread and not yet run.
+struct StateCell {
+    state: Mutex<Option<DeviceState>>,
+    in_flight: AtomicUsize,
+}
+
+// SAFETY: the state is only touched under the lock. Its backend may hold
+// thread-bound handles (CUDA contexts), so a thread other than the server
+// thread locks it only where `DeviceHandle::inline_tasks` holds, which is
+// the CPU backend alone, whose state is plain host memory and data. The
+// state is created on the server thread and taken out and dropped there
+// before it exits, so no other thread drops it.
+unsafe impl Send for StateCell {}
+// SAFETY: as above: shared access goes through the lock.
+unsafe impl Sync for StateCell {}
+
+/// Takes the state out of its cell when the server thread ends, even by a
+/// panic, so it is released and dropped on that thread (never by the last
+/// client to let go of the cell).
+struct ReleaseOnExit<'a>(&'a StateCell);
+
+impl Drop for ReleaseOnExit<'_> {
+    fn drop(&mut self) {
+        // Under the lock: an inline task may still hold it.
+        let state = self.0.state.lock().take();
+        if let Some(mut state) = state {
+            if !std::thread::panicking() {
+                state.release_all();
+            }
+        }
+    }
+}
+
+impl StateCell {
+    /// The state, locked (present while the server thread runs).
+    fn lock(&self) -> parking_lot::MappedMutexGuard<'_, DeviceState> {
+        parking_lot::MutexGuard::map(self.state.lock(), |s| s.as_mut().expect("the server thread holds the state"))
+    }
+}
+
 /// The client side of one device's server thread.
 pub(crate) struct DeviceHandle {
     pub service: ServiceId,
     pub properties: Arc<DeviceProperties>,
     sender: Sender<Message>,
+    cell: Arc<StateCell>,
+    /// Whether a caller may run a task on its own thread (CPU backend).
+    inline_tasks: bool,
     closed: AtomicBool,
     /// Streams inside a capture window, so reads and syncs are refused before
     /// anything is queued.
@@ -76,6 +125,8 @@ impl DeviceHandle {
     fn start(service: ServiceId, factory: BackendFactory) -> Result<Arc<DeviceHandle>, ServerError> {
         let (sender, receiver) = channel::unbounded::<Message>();
         let (ready_tx, ready_rx) = channel::bounded::<Result<Arc<DeviceProperties>, ServerError>>(1);
+        let cell = Arc::new(StateCell { state: Mutex::new(None), in_flight: AtomicUsize::new(0) });
+        let served = cell.clone();
         let thread = std::thread::Builder::new()
             .name(format!("cohort-{}", service.device))
             .spawn(move || {
@@ -95,10 +146,10 @@ impl DeviceHandle {
                     }
                 };
                 let properties = Arc::new(backend.properties().clone());
-                let mut state = DeviceState::new(service, backend);
+                *served.state.lock() = Some(DeviceState::new(service, backend));
                 let _ = ready_tx.send(Ok(properties));
-                serve(&mut state, receiver);
-                state.release_all();
+                let _release = ReleaseOnExit(&served);
+                serve(&served, receiver);
             })
             .map_err(|e| ServerError::Backend {
                 backend: service.device.backend_name(),
@@ -110,6 +161,8 @@ impl DeviceHandle {
             service,
             properties,
             sender,
+            cell,
+            inline_tasks: service.device.type_id == DeviceId::CPU,
             closed: AtomicBool::new(false),
             capturing: Mutex::new(HashSet::new()),
             thread: Mutex::new(Some(thread)),
@@ -127,6 +180,59 @@ impl DeviceHandle {
     /// Whether the calling thread is this device's server thread.
     fn on_server_thread(&self) -> bool {
         SERVER_OF.with(|s| s.get()) == Some(self.service)
+    }
+
+    /// Sends `message` to the server thread, counted in flight until the
+    /// thread has run it.
+    fn send(&self, message: Message) -> Result<(), ServerError> {
+        self.cell.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.sender.send(message).map_err(|_| {
+            self.cell.in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.closed_error()
+        })
+    }
+
+    /// Runs `task` on the calling thread, as the server thread would run it
+    /// (its panic kept for the stream's next `sync`), when this device takes
+    /// inline tasks (the CPU backend), is open, and has nothing queued or
+    /// running (waiting up to 2 µs for the device thread to let go of the
+    /// state after its last task): every message sent to it before, by any
+    /// thread, has run, so the task runs where it would have run queued. Client calls
+    /// for this device made inside `task` run inline too, as inside
+    /// [`DeviceHandle::exclusive`]. Gives the task back otherwise, to queue.
+    ///
+    /// For short tasks only (a small collective of one device): it runs on
+    /// the caller's thread before this returns, and must not wait for work
+    /// queued on this device or for parts not queued yet.
+    pub fn run_inline<T: FnOnce(&mut DeviceState) + Send>(&self, stream: StreamId, task: T) -> Result<(), T> {
+        let idle = |cell: &StateCell| cell.in_flight.load(Ordering::Acquire) == 0;
+        if !self.inline_tasks || self.is_closed() || self.on_server_thread() || !idle(&self.cell) {
+            return Err(task);
+        }
+        // The server thread counts a message out when it takes the lock to
+        // run it, and lets go once it ran: with none in flight and the lock
+        // free, every message sent before has run. A thread that was just
+        // answered by the device's last task finds the lock held for a
+        // moment more: it waits that long, no more.
+        let Some(mut guard) = self.cell.state.try_lock_for(INLINE_LOCK_WAIT) else { return Err(task) };
+        let Some(state) = guard.as_mut().filter(|_| idle(&self.cell)) else { return Err(task) };
+        let service = self.service;
+        let previous = (SERVER_OF.with(|s| s.replace(Some(service))), EXCLUSIVE_STATE.with(|s| s.replace(state)));
+        struct Restore(Option<ServiceId>, *mut DeviceState);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                SERVER_OF.with(|s| s.set(self.0));
+                EXCLUSIVE_STATE.with(|s| s.set(self.1));
+            }
+        }
+        let _restore = Restore(previous.0, previous.1);
+        // SAFETY: `EXCLUSIVE_STATE` points at `state` only while `task`
+        // runs here (restored on return or unwind), during which nothing
+        // else uses `state` but the calls nested in `task` on this thread,
+        // as on the server thread inside `exclusive`.
+        let state = unsafe { &mut *EXCLUSIVE_STATE.with(|s| s.get()) };
+        run_caught(state, stream, task);
+        Ok(())
     }
 
     /// Queues a task and returns at once. A panic or error in it is kept for
@@ -149,7 +255,7 @@ impl DeviceHandle {
         if self.is_closed() {
             return Err(self.closed_error());
         }
-        self.sender.send(Message::Task(stream, Box::new(task))).map_err(|_| self.closed_error())
+        self.send(Message::Task(stream, Box::new(task)))
     }
 
     /// Queues a kernel launch (see [`DeviceState::launch`]) and returns at
@@ -163,7 +269,7 @@ impl DeviceHandle {
         if self.is_closed() {
             return Err(self.closed_error());
         }
-        self.sender.send(Message::Launch(stream, launch)).map_err(|_| self.closed_error())
+        self.send(Message::Launch(stream, launch))
     }
 
     /// Runs a task on the device thread and waits for its result. A panic in
@@ -200,7 +306,7 @@ impl DeviceHandle {
         // disconnects only after `PendingReply` has dropped the task (see its
         // Drop), so nothing the task borrows is used after this returns.
         let boxed: Task = unsafe { std::mem::transmute::<Box<dyn FnOnce(&mut DeviceState) + Send + 'a>, Task>(boxed) };
-        self.sender.send(Message::Task(stream, boxed)).map_err(|_| self.closed_error())?;
+        self.send(Message::Task(stream, boxed))?;
         Reply { receiver: reply, device }.wait()
     }
 
@@ -223,7 +329,7 @@ impl DeviceHandle {
             return Err(self.closed_error());
         }
         let (boxed, receiver) = with_reply(device, task);
-        self.sender.send(Message::Task(stream, boxed)).map_err(|_| self.closed_error())?;
+        self.send(Message::Task(stream, boxed))?;
         Ok(Reply { receiver, device })
     }
 
@@ -254,7 +360,7 @@ impl DeviceHandle {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
-        let _ = self.sender.send(Message::Shutdown);
+        let _ = self.send(Message::Shutdown);
         if !self.on_server_thread() {
             if let Some(thread) = self.thread.lock().take() {
                 let _ = thread.join();
@@ -389,7 +495,7 @@ impl<T> ReplyReceiver<T> {
     }
 }
 
-fn run_caught(state: &mut DeviceState, stream: StreamId, task: Task) {
+fn run_caught(state: &mut DeviceState, stream: StreamId, task: impl FnOnce(&mut DeviceState)) {
     if let Err(payload) = catch_unwind(AssertUnwindSafe(|| task(state))) {
         let err = ServerError::TaskPanicked { device: state.service.device, message: panic_message(payload.as_ref()) };
         tracing::error!(device = %state.service.device, "{err}");
@@ -525,6 +631,11 @@ fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch)
     }
 }
 
+/// How long [`DeviceHandle::run_inline`] waits for the device state's lock
+/// before it queues the task instead: the device thread's last task may
+/// have just answered its caller and not yet let go of the lock.
+const INLINE_LOCK_WAIT: Duration = Duration::from_micros(2);
+
 /// How often an idle device thread looks at its running device
 /// collectives (to end them, and to abort failed or expired ones).
 const COLLECTIVE_POLL: Duration = Duration::from_millis(1);
@@ -533,28 +644,42 @@ const COLLECTIVE_POLL: Duration = Duration::from_millis(1);
 /// message, not only when idle.
 const POLL_BUSY_AT: usize = 64;
 
-fn serve(state: &mut DeviceState, receiver: Receiver<Message>) {
+fn serve(cell: &StateCell, receiver: Receiver<Message>) {
     loop {
         // With device collectives running, the thread polls them (to end
         // or abort them) when it runs out of work, while it spins, and
         // then every millisecond even when no work comes.
-        let received = if state.has_pending_collectives() {
-            recv_spinning(&receiver, Some(&mut || state.poll_collectives()))
+        let received = if cell.lock().has_pending_collectives() {
+            recv_spinning(&receiver, Some(&mut || cell.lock().poll_collectives()))
         } else {
             recv_spinning(&receiver, None)
         };
         let message = match received {
             Ok(message) => message,
             Err(RecvTimeoutError::Timeout) => {
-                state.poll_collectives();
+                cell.lock().poll_collectives();
                 continue;
             }
             Err(RecvTimeoutError::Disconnected) => break,
         };
-        match message {
-            Message::Task(stream, task) => run_caught(state, stream, task),
-            Message::Launch(stream, launch) => run_launch(state, stream, launch),
-            Message::Shutdown => break,
+        let mut state = cell.lock();
+        // Counted out once the lock is held: until this message's task
+        // returns and the lock is let go, no caller runs inline (see
+        // `run_inline`); after, every message sent before it has run.
+        cell.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let shutdown = match message {
+            Message::Task(stream, task) => {
+                run_caught(&mut state, stream, task);
+                false
+            }
+            Message::Launch(stream, launch) => {
+                run_launch(&mut state, stream, launch);
+                false
+            }
+            Message::Shutdown => true,
+        };
+        if shutdown {
+            break;
         }
         if state.pending_collectives_count() >= POLL_BUSY_AT {
             state.poll_collectives();

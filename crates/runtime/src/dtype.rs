@@ -84,9 +84,11 @@ impl DType {
     }
 }
 
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let name = match self {
+impl DType {
+    /// The type's name as Rust spells it (`f32`, `bf16`, `u8`): what
+    /// `Display` writes, without formatting.
+    pub fn name(self) -> &'static str {
+        match self {
             DType::F32 => "f32",
             DType::F64 => "f64",
             DType::F16 => "f16",
@@ -97,8 +99,13 @@ impl fmt::Display for DType {
             DType::U32 => "u32",
             DType::I64 => "i64",
             DType::U64 => "u64",
-        };
-        f.write_str(name)
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -25,7 +25,7 @@ mod properties;
 mod runtime;
 mod state;
 
-pub use access::{BufferAccess, HostPtr};
+pub use access::{BufferAccess, HostPtr, TaskHandles};
 pub use backend::cpu::CpuRuntime;
 #[cfg(feature = "cuda")]
 pub use backend::cuda::CudaRuntime;

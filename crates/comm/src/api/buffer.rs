@@ -169,6 +169,6 @@ impl<T: Element> Buffer<T> {
 }
 
 /// The handles beneath `buffers`, in order.
-pub(crate) fn handles<T: Element>(buffers: &[Buffer<T>]) -> Vec<Handle> {
+pub(crate) fn handles<T: Element>(buffers: &[Buffer<T>]) -> crate::CallHandles {
     buffers.iter().map(|b| b.handle.clone()).collect()
 }

@@ -33,7 +33,7 @@ impl Communicator {
     /// `outputs[s]`), the last of which runs `op` between ranks. Returns
     /// its handle. The call's fingerprint (its sequence number
     /// and `op`) is what ranks compare to find mismatched calls.
-    fn launch(&self, op: Op, inputs: Vec<Option<Handle>>, outputs: Vec<Option<Handle>>) -> Result<Work, CommError> {
+    fn launch(&self, op: Op, inputs: Slots, outputs: Slots) -> Result<Work, CommError> {
         let name = op.name();
         for (slot, client) in self.clients().iter().enumerate() {
             if client.is_capturing() {
@@ -132,8 +132,8 @@ impl Communicator {
         for (slot, client) in self.clients().iter().enumerate() {
             let parts: Vec<Part> =
                 calls.iter().map(|(i, o)| Part { has_in: i[slot].is_some(), has_out: o[slot].is_some() }).collect();
-            let ins = calls.iter().filter_map(|(i, _)| i[slot].clone()).collect();
-            let outs = calls.iter().filter_map(|(_, o)| o[slot].clone()).collect();
+            let ins: cohort_runtime::TaskHandles = calls.iter().filter_map(|(i, _)| i[slot].clone()).collect();
+            let outs: cohort_runtime::TaskHandles = calls.iter().filter_map(|(_, o)| o[slot].clone()).collect();
             let ticket = Ticket::new(&call, slot);
             let queued = client.submit_buffers_always(name, ins, outs, move |access| {
                 ticket.run(|call, slot| call.run_task(slot, &parts, access))
@@ -252,9 +252,9 @@ impl Communicator {
     /// first must order them (lower rank sends first) .
     pub fn send_handle(&self, src: &Handle, to: usize, dtype: DType) -> Result<Work, CommError> {
         let (op, slot) = self.checks().message(true, src, self.rank(), to, self.size(), dtype)?;
-        let mut inputs = vec![None; self.local_devices()];
+        let mut inputs = smallvec::smallvec![None; self.local_devices()];
         inputs[slot] = Some(src.clone());
-        self.launch(op, inputs, vec![None; self.local_devices()])
+        self.launch(op, inputs, smallvec::smallvec![None; self.local_devices()])
     }
 
     /// Receives into `dst` (a buffer of one of this rank's devices) what rank
@@ -263,9 +263,9 @@ impl Communicator {
     /// error naming both sides.
     pub fn recv_handle(&self, dst: &Handle, from: usize, dtype: DType) -> Result<Work, CommError> {
         let (op, slot) = self.checks().message(false, dst, self.rank(), from, self.size(), dtype)?;
-        let mut outputs = vec![None; self.local_devices()];
+        let mut outputs = smallvec::smallvec![None; self.local_devices()];
         outputs[slot] = Some(dst.clone());
-        self.launch(op, vec![None; self.local_devices()], outputs)
+        self.launch(op, smallvec::smallvec![None; self.local_devices()], outputs)
     }
 
     /// Waits, on the calling thread, until every rank's every local device
@@ -273,7 +273,7 @@ impl Communicator {
     /// run). Returns the timeout error naming the ranks that never arrived,
     /// or any other failure.
     pub fn barrier(&self) -> Result<(), CommError> {
-        let none = vec![None; self.local_devices()];
+        let none = smallvec::smallvec![None; self.local_devices()];
         self.launch(Op::barrier(), none.clone(), none)?.wait()
     }
 
@@ -287,8 +287,8 @@ impl Communicator {
     /// call in one `ncclGroupStart/End` per device. One handle for all.
     pub fn group_handles(&self, calls: Vec<GroupCall>) -> Result<Work, CommError> {
         let mut prepared = Vec::with_capacity(calls.len());
+        let checks = self.checks();
         for call in &calls {
-            let checks = self.checks();
             prepared.push(match call {
                 GroupCall::AllReduce { src, dst, dtype, op } => {
                     (checks.all_reduce(src, dst, *dtype, *op)?, some(src), some(dst))
@@ -308,11 +308,9 @@ impl Communicator {
                 GroupCall::AllToAll { src, dst, dtype } => (checks.all_to_all(src, dst, *dtype)?, some(src), some(dst)),
             });
         }
-        let buffers: Vec<_> = prepared
-            .iter()
-            .map(|(_, ins, outs)| (ins.iter().flatten().collect(), outs.iter().flatten().collect()))
-            .collect();
-        check_independent(&buffers)?;
+        check_independent(prepared.iter().enumerate().flat_map(|(k, (_, ins, outs))| {
+            ins.iter().flatten().map(move |h| (k, h, false)).chain(outs.iter().flatten().map(move |h| (k, h, true)))
+        }))?;
         if prepared.len() > 1 {
             return self.launch_group(prepared);
         }
@@ -322,8 +320,8 @@ impl Communicator {
 
     /// One buffer per local device: `handle` at the root's slot when the
     /// root is local, nothing elsewhere.
-    fn at_root(&self, root: usize, handle: &Handle) -> Vec<Option<Handle>> {
-        let mut buffers = vec![None; self.local_devices()];
+    fn at_root(&self, root: usize, handle: &Handle) -> Slots {
+        let mut buffers: Slots = smallvec::smallvec![None; self.local_devices()];
         if let Some(slot) = self.checks().local_slot(root) {
             buffers[slot] = Some(handle.clone());
         }
@@ -331,6 +329,6 @@ impl Communicator {
     }
 }
 
-fn some(handles: &[Handle]) -> Vec<Option<Handle>> {
+fn some(handles: &[Handle]) -> Slots {
     handles.iter().cloned().map(Some).collect()
 }

@@ -90,7 +90,7 @@ impl LocalCall {
             .map(|_| Views { ins: (0..n).map(|_| None).collect(), outs: (0..n).map(|_| None).collect() })
             .collect();
         let state = LocalState { views, results: Vec::new(), done: false };
-        let seats = devices.into_iter().map(|device| Seat { device, member: None }).collect();
+        let seats: Vec<Seat> = devices.into_iter().map(|device| Seat { device, member: None }).collect();
         Arc::new(LocalCall { plan: Mutex::new(Some(plan)), meeting: Meeting::new(name, seats, timeout, state) })
     }
 

@@ -88,8 +88,9 @@ use crate::store::{StoreClient, StoreServer};
 
 use world::World;
 
-/// One optional buffer per local device (slot).
-pub(crate) type Slots = Vec<Option<cohort_runtime::Handle>>;
+/// One optional buffer per local device (slot): inline, without a heap
+/// allocation, for up to two local devices.
+pub(crate) type Slots = smallvec::SmallVec<[Option<cohort_runtime::Handle>; 2]>;
 
 /// One call of a grouped call: its description, inputs and outputs by slot.
 pub(crate) type SlotCall = (crate::op::Op, Slots, Slots);

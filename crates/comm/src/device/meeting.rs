@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerSpec, PeerToken};
 use cohort_runtime::{BufferAccess, DeviceId, ServerError};
+use smallvec::SmallVec;
 
 use super::fusion::{self, Bucket};
 use super::plan::{self, Shape};
@@ -29,11 +30,11 @@ use crate::trace::Watched;
 /// What the device path keeps in its meeting.
 pub(crate) struct DeviceState {
     /// Parts whose calls completed (or that had nothing to queue).
-    finished: Vec<bool>,
+    finished: SmallVec<[bool; 4]>,
     /// Peer copies: the sender's token, then the receiver's.
     tokens: [Option<PeerToken>; 2],
     /// Peer kernels: every part's arena, as this process addresses it.
-    arenas: Vec<u64>,
+    arenas: SmallVec<[u64; 4]>,
 }
 
 /// The shared object of one device-path collective.
@@ -41,7 +42,7 @@ pub(crate) struct DeviceCollective {
     /// What runs; roots and endpoints are slots. The calls of a grouped
     /// call are several, all on one NCCL communicator (`ops[0]` alone runs
     /// on the other modes).
-    ops: Vec<Op>,
+    ops: SmallVec<[Op; 1]>,
     /// The grouped all-reduces fused on NCCL (see `fusion`).
     buckets: Vec<Bucket>,
     meeting: Meeting<DeviceState>,
@@ -64,15 +65,20 @@ impl DeviceCollective {
     /// The grouped call `ops` (queued on one NCCL communicator, inside one
     /// `ncclGroupStart/End` per part) among `parts`.
     pub(crate) fn grouped(
-        ops: Vec<Op>,
+        ops: SmallVec<[Op; 1]>,
         buckets: Vec<Bucket>,
         name: &'static str,
-        parts: Vec<(usize, DeviceId)>,
+        parts: impl IntoIterator<Item = (usize, DeviceId)>,
         timeout: Duration,
     ) -> Arc<DeviceCollective> {
-        let state =
-            DeviceState { finished: vec![false; parts.len()], tokens: [None, None], arenas: vec![0; parts.len()] };
-        let seats = parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
+        let seats: SmallVec<[Seat; 4]> =
+            parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
+        let n = seats.len();
+        let state = DeviceState {
+            finished: smallvec::smallvec![false; n],
+            tokens: [None, None],
+            arenas: smallvec::smallvec![0; n],
+        };
         Arc::new(DeviceCollective { ops, buckets, meeting: Meeting::new(name, seats, timeout, state) })
     }
 

@@ -26,8 +26,9 @@ use std::time::Duration;
 
 use cohort_runtime::backend::DeviceCollectives;
 use cohort_runtime::config;
-use cohort_runtime::{BufferAccess, Client, Handle, ServerError, ServiceId};
+use cohort_runtime::{BufferAccess, Client, Handle, ServerError, ServiceId, TaskHandles};
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use crate::error::CommError;
 use crate::meeting::Ticket;
@@ -181,13 +182,6 @@ pub(crate) fn forget(set: &NcclSet) {
     }
 }
 
-/// One member's part as the device path queues it.
-pub(crate) struct DevicePart {
-    pub member: usize,
-    pub input: Option<Handle>,
-    pub output: Option<Handle>,
-}
-
 /// How one collective's parts run.
 #[derive(Debug, Clone)]
 pub(crate) enum Mode {
@@ -203,38 +197,44 @@ pub(crate) enum Mode {
 }
 
 /// Queues every part of one collective on the device path under the
-/// process-wide order; returns the meeting (to wait on).
-/// `op`'s roots and endpoints are slots of `parts`.
-pub(crate) fn launch(
+/// process-wide order; returns the meeting (to wait on). `members[slot]`
+/// takes slot `slot`, whose source and destination are `part(0, slot)`.
+/// `op`'s roots and endpoints are slots.
+pub(crate) fn launch<'h>(
     clients: &[Client],
     timeout: Duration,
     op: Op,
     mode: Mode,
-    parts: Vec<DevicePart>,
+    members: &[usize],
+    part: impl Fn(usize, usize) -> (Option<&'h Handle>, Option<&'h Handle>),
     tracked: Option<Arc<crate::trace::Watched>>,
 ) -> Result<Arc<DeviceCollective>, CommError> {
-    launch_grouped(clients, timeout, op.name(), vec![(op, parts)], mode, tracked)
+    launch_grouped(clients, timeout, op.name(), smallvec::smallvec![op], members, part, mode, tracked)
 }
 
 /// Queues a grouped call on the device path: one task per member carrying
 /// every call's buffers, whose NCCL calls go inside one
-/// `ncclGroupStart/End`. Every call has one part per member, in the same
-/// member order (`mode` must be [`Mode::Nccl`] for more than one call).
-pub(crate) fn launch_grouped(
+/// `ncclGroupStart/End`. `members[slot]` takes slot `slot` of every call;
+/// `part(call, slot)` is that slot's source and destination in call `call`
+/// (`mode` must be [`Mode::Nccl`] for more than one call). The caller's
+/// thread builds no per-call object: each slot's task gets one list of
+/// sources, one of destinations and one of shapes for all the calls.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_grouped<'h>(
     clients: &[Client],
     timeout: Duration,
     operation: &'static str,
-    calls: Vec<(Op, Vec<DevicePart>)>,
+    ops: SmallVec<[Op; 1]>,
+    members: &[usize],
+    part: impl Fn(usize, usize) -> (Option<&'h Handle>, Option<&'h Handle>),
     mode: Mode,
     tracked: Option<Arc<crate::trace::Watched>>,
 ) -> Result<Arc<DeviceCollective>, CommError> {
-    let n = calls[0].1.len();
-    let devices = calls[0].1.iter().map(|p| (p.member, clients[p.member].device_id())).collect();
-    let members: Vec<usize> = calls[0].1.iter().map(|p| p.member).collect();
-    let ops: Vec<Op> = calls.iter().map(|(op, _)| *op).collect();
+    let n = members.len();
+    let devices = members.iter().map(|&m| (m, clients[m].device_id()));
     // A grouped call's all-reduces on NCCL fuse (see `fusion`).
     let buckets = match mode {
-        Mode::Nccl(_) => fusion::buckets(&ops, fusion::cap()),
+        Mode::Nccl(_) if ops.len() > 1 => fusion::buckets(&ops, fusion::cap()),
         _ => Vec::new(),
     };
     if let (Mode::Nccl(_), Some(t)) = (&mode, &tracked) {
@@ -242,46 +242,40 @@ pub(crate) fn launch_grouped(
         // path noted before stays).
         t.set_path(if buckets.is_empty() { "nccl" } else { "nccl fused" });
     }
-    let bucket_bytes: Vec<u64> = buckets.iter().map(|b| b.bytes).collect();
+    let bucket_bytes: SmallVec<[u64; 4]> = buckets.iter().map(|b| b.bytes).collect();
+    let nccl = matches!(mode, Mode::Nccl(_));
+    let calls = ops.len();
+    let blocks: SmallVec<[(u64, bool); 1]> =
+        ops.iter().map(|op| (op.block_bytes() as u64, op.collective() == Collective::AllToAll)).collect();
     let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout);
-    // Per slot: sources, then destinations and scratch, and each call's shape.
-    let mut slots: Vec<(Vec<Handle>, Vec<Handle>, Vec<plan::Shape>)> = vec![Default::default(); n];
-    for (op, parts) in calls {
-        let seg = op.block_bytes();
-        for (slot, part) in parts.into_iter().enumerate() {
-            let client = &clients[part.member];
-            let output = part.output.is_some();
-            let mut outputs: Vec<Handle> = part.output.into_iter().collect();
+    // Per slot: sources, then destinations and scratch, and each call's
+    // shape; built and queued slot by slot.
+    let mut tasks: SmallVec<[_; 4]> = SmallVec::with_capacity(n);
+    for (slot, &member) in members.iter().enumerate() {
+        let client = &clients[member];
+        let (mut inputs, mut outputs) = (TaskHandles::new(), TaskHandles::new());
+        let mut shapes: SmallVec<[plan::Shape; 1]> = SmallVec::with_capacity(calls);
+        for (call, &(seg, all_to_all)) in blocks.iter().enumerate() {
+            let (input, output) = part(call, slot);
             // In-place all-to-all over NCCL sends from a copy of the source.
-            let scratch = matches!(mode, Mode::Nccl(_))
-                && op.collective() == Collective::AllToAll
-                && part.input.as_ref().zip(outputs.first()).is_some_and(|(i, o)| crate::check::same_bytes(i, o));
+            let scratch = nccl && all_to_all && input.zip(output).is_some_and(|(i, o)| crate::check::same_bytes(i, o));
+            inputs.extend(input.cloned());
+            outputs.extend(output.cloned());
             if scratch {
-                outputs.push(client.empty(seg * n));
+                outputs.push(client.empty(seg as usize * n));
             }
-            let shape = plan::Shape { input: part.input.is_some(), output, scratch };
-            let (ins, outs, shapes) = &mut slots[slot];
-            ins.extend(part.input);
-            outs.extend(outputs);
-            shapes.push(shape);
+            shapes.push(plan::Shape { input: input.is_some(), output: output.is_some(), scratch });
         }
+        // Each bucket's scratch (from the pool), after every other buffer.
+        let scratch: SmallVec<[usize; 4]> = bucket_bytes
+            .iter()
+            .map(|&bytes| {
+                outputs.push(client.empty(bytes as usize));
+                inputs.len() + outputs.len() - 1
+            })
+            .collect();
+        tasks.push((member, inputs, outputs, Ticket::new(&meeting, slot), (shapes, scratch)));
     }
-    let tasks: Vec<_> = slots
-        .into_iter()
-        .enumerate()
-        .map(|(slot, (inputs, mut outputs, shapes))| {
-            // Each bucket's scratch (from the pool), after every other buffer.
-            let client = &clients[members[slot]];
-            let scratch: Vec<usize> = bucket_bytes
-                .iter()
-                .map(|&bytes| {
-                    outputs.push(client.empty(bytes as usize));
-                    inputs.len() + outputs.len() - 1
-                })
-                .collect();
-            (members[slot], inputs, outputs, Ticket::new(&meeting, slot), (shapes, scratch))
-        })
-        .collect();
     let mut failed = None;
     let order = enqueue_lock();
     for (member, inputs, outputs, ticket, shapes) in tasks {

@@ -8,7 +8,7 @@
 
 use cohort_runtime::{Client, Handle};
 
-use super::{ClientGroup, Part};
+use super::{ClientGroup, Part, Parts};
 use crate::check::Members;
 use crate::error::CommError;
 use crate::op::Op;
@@ -22,7 +22,7 @@ impl ClientGroup {
         Members { clients: self.clients(), first: 0, count: self.len(), strict_overlap: true }
     }
 
-    pub(super) fn every(&self, src: &[Handle], dst: &[Handle]) -> Vec<Part> {
+    pub(super) fn every(&self, src: &[Handle], dst: &[Handle]) -> Parts {
         (0..self.len()).map(|m| Part { member: m, input: src.get(m).cloned(), output: dst.get(m).cloned() }).collect()
     }
 
@@ -34,7 +34,7 @@ impl ClientGroup {
         root: usize,
         input: Option<&Handle>,
         output: Option<&Handle>,
-    ) -> Vec<Part> {
+    ) -> Parts {
         let mut parts = self.every(src, dst);
         if let Some(input) = input {
             parts[root].input = Some(input.clone());
@@ -140,9 +140,9 @@ impl ClientGroup {
     ) -> Result<Work, CommError> {
         let op = self.checks().send_recv(from, src, to, dst, dtype)?;
         let parts = if from == to {
-            vec![Part { member: from, input: Some(src.clone()), output: Some(dst.clone()) }]
+            smallvec::smallvec![Part { member: from, input: Some(src.clone()), output: Some(dst.clone()) }]
         } else {
-            vec![
+            smallvec::smallvec![
                 Part { member: from, input: Some(src.clone()), output: None },
                 Part { member: to, input: None, output: Some(dst.clone()) },
             ]

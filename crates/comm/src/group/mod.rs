@@ -12,10 +12,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cohort_runtime::config;
-use cohort_runtime::{Client, Handle};
+use cohort_runtime::{BufferAccess, Client, Handle, ServerError};
+use smallvec::SmallVec;
 
 use crate::device::peer::{self, Algo, Path};
-use crate::device::{self, DevicePart, Mode, Route, Transport};
+use crate::device::{self, Mode, Route, Transport};
 use crate::error::CommError;
 use crate::host::{default_timeout, HostCollective, HostPath};
 use crate::meeting::{Seat, Ticket};
@@ -26,6 +27,11 @@ use crate::work::Work;
 
 /// Default bytes per pipelined chunk on the staged host path.
 pub const DEFAULT_STAGE_CHUNK: usize = 4 << 20;
+
+/// The largest block of a one-part host collective that runs on the
+/// caller's thread when its device is idle: a copy this size takes about
+/// what the hand-over to the device thread does.
+const INLINE_MAX_BYTES: usize = 64 << 10;
 
 /// One client per device of one runtime, in one process.
 ///
@@ -64,6 +70,9 @@ pub(crate) struct Part {
     input: Option<Handle>,
     output: Option<Handle>,
 }
+
+/// One collective's parts, inline (no heap allocation) for up to four.
+pub(crate) type Parts = SmallVec<[Part; 4]>;
 
 impl ClientGroup {
     /// A group over `clients`, member `i` being `clients[i]`.
@@ -256,43 +265,50 @@ impl ClientGroup {
         !self.direct && self.clients[0].capabilities().peer_access
     }
 
-    /// Records collective `sequence` in the flight recorder (and timeline).
-    fn track(&self, sequence: u64, op: &Op, parts: &[Part]) -> Arc<Watched> {
-        let tid = parts.first().map_or(0, |p| self.clients[p.member].device_id().index);
+    /// Records collective `sequence` in the flight recorder (and timeline):
+    /// `parts` parts, the first on member `first`.
+    fn track(&self, sequence: u64, op: &Op, first: usize, parts: usize) -> Arc<Watched> {
+        let tid = self.clients.get(first).map_or(0, |c| c.device_id().index);
         let category = if op.collective() == Collective::SendRecv { "copy" } else { "collective" };
         // A process-local group: only this process takes part.
         let ranks = Some(vec![FlightRecorder::global().identity().0]);
-        Watched::start(&*self.record_name, sequence, op, parts.len(), ranks, category, tid)
+        Watched::start(&*self.record_name, sequence, op, parts, ranks, category, tid)
     }
 
     /// Queues every part of one collective, under the process-wide order.
     /// Returns its handle once all parts are
     /// queued; a part that could not be queued fails the whole collective.
-    fn launch(&self, op: Op, parts: Vec<Part>) -> Result<Work, CommError> {
+    fn launch(&self, op: Op, parts: Parts) -> Result<Work, CommError> {
         let operation = op.name();
         // The executors see roots and endpoints as slots of `parts`.
-        let members: Vec<usize> = parts.iter().map(|p| p.member).collect();
+        let members: SmallVec<[usize; 4]> = parts.iter().map(|p| p.member).collect();
         let on_slots = op.on_slots(&members);
         let bytes = op.block_bytes();
         let mode = self.device_mode(&on_slots, &parts)?;
         // Inside a capture window only work queued on the device's own
         // stream can be recorded: NCCL calls, peer kernels and device
         // copies. Host staging and peer copies (events across devices)
-        // cannot, and are refused before anything is queued.
+        // cannot, and are refused before anything is queued. A part
+        // recorded into a graph runs only at replay, one queued now at
+        // once: captured on some members only, the two would wait for each
+        // other forever.
         let recordable = matches!(mode, Some(Mode::Nccl(_) | Mode::PeerKernel(..) | Mode::Local));
-        let capturing: Vec<bool> = parts.iter().map(|p| self.clients[p.member].is_capturing()).collect();
-        for (part, &captured) in parts.iter().zip(&capturing) {
+        let mut first_captured = None;
+        for part in &parts {
+            let captured = self.clients[part.member].is_capturing();
             if !recordable && captured {
                 return Err(CommError::Capturing { operation, member: part.member });
             }
+            match first_captured {
+                None => first_captured = Some(captured),
+                Some(first) if first != captured => {
+                    let member = if captured { parts[0].member } else { part.member };
+                    return Err(CommError::CapturingPartly { operation, member });
+                }
+                Some(_) => {}
+            }
         }
-        // A part recorded into a graph runs only at replay, one queued now
-        // at once: captured on some members only, the two would wait for
-        // each other forever.
-        if let Some(at) = capturing.iter().position(|&c| c != capturing[0]) {
-            let member = parts[if capturing[at] { 0 } else { at }].member;
-            return Err(CommError::CapturingPartly { operation, member });
-        }
+        let first = members.first().copied().unwrap_or(0);
         if let Some(mut mode) = mode {
             let mut path = None;
             if let Mode::Nccl(set) = &mode {
@@ -306,19 +322,17 @@ impl ClientGroup {
             }
             let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
             tracing::trace!(operation, sequence, bytes, members = parts.len(), ?mode, "queue device collective");
-            let tracked = self.track(sequence, &op, &parts);
+            let tracked = self.track(sequence, &op, first, parts.len());
             if let Some(path) = path {
                 tracked.set_path(path.name());
             }
-            let parts =
-                parts.into_iter().map(|p| DevicePart { member: p.member, input: p.input, output: p.output }).collect();
-            return device::launch(&self.clients, self.timeout, on_slots, mode, parts, Some(tracked))
+            let part = |_call: usize, slot: usize| (parts[slot].input.as_ref(), parts[slot].output.as_ref());
+            return device::launch(&self.clients, self.timeout, on_slots, mode, &members, part, Some(tracked))
                 .map(|collective| Work::new(operation, collective));
         }
-        let seats: Vec<Seat> =
-            parts.iter().map(|p| Seat { member: Some(p.member), device: self.clients[p.member].device_id() }).collect();
+        let seats = parts.iter().map(|p| Seat { member: Some(p.member), device: self.clients[p.member].device_id() });
         let collective = HostCollective::new(on_slots, seats, self.timeout, self.direct, self.stage_chunk);
-        let mut tasks = Vec::with_capacity(parts.len());
+        let mut tasks: SmallVec<[_; 4]> = SmallVec::with_capacity(parts.len());
         for (slot, part) in parts.iter().enumerate() {
             let (inputs, outputs) =
                 collective.task_buffers(slot, part.input.as_ref(), part.output.as_ref()).map_err(|source| {
@@ -333,7 +347,11 @@ impl ClientGroup {
         }
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(operation, sequence, bytes, members = tasks.len(), direct = self.direct, "queue collective");
-        let tracked = self.track(sequence, &op, &parts);
+        let tracked = self.track(sequence, &op, first, parts.len());
+        // A small collective of one part meets nobody but itself: where its
+        // device is idle (CPU backend), it runs on this thread at once,
+        // without the hand-over to the device thread and its wake-up.
+        let inline = tasks.len() == 1 && bytes <= INLINE_MAX_BYTES;
         let mut failed = None;
         let order = enqueue_lock();
         for (member, inputs, outputs, ticket) in tasks {
@@ -341,11 +359,15 @@ impl ClientGroup {
             // A part that cannot be queued drops its ticket, which fails the
             // collective for the parts already queued.
             let tracked = tracked.clone();
-            let queued = client.submit_buffers_always(operation, inputs, outputs, move |access| {
+            let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
                 let result = ticket.run(|collective, slot| collective.run_member(slot, access));
                 tracked.note(&result);
                 result
-            });
+            };
+            let queued = match inline {
+                true => client.submit_buffers_inline(operation, inputs, outputs, task),
+                false => client.submit_buffers_always(operation, inputs, outputs, task),
+            };
             if let Err(source) = queued {
                 failed.get_or_insert(CommError::Enqueue { operation, member, device: client.device_id(), source });
             }

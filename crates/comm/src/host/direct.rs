@@ -20,8 +20,9 @@ use std::time::Instant;
 
 use cohort_runtime::{BufferAccess, ServerError};
 use rayon::prelude::*;
+use smallvec::SmallVec;
 
-use super::window::{run_window, Window};
+use super::window::{run_window, Starts, Window};
 use super::HostCollective;
 use crate::op::Op;
 
@@ -36,27 +37,30 @@ const STREAM_FROM: usize = 1 << 20;
 /// stays `Send`; they are turned back into pointers only inside the windows).
 #[derive(Default)]
 pub(super) struct Addresses {
-    ins: Vec<Vec<usize>>,
-    outs: Vec<Vec<usize>>,
+    ins: SmallVec<[Segments; 4]>,
+    outs: SmallVec<[Segments; 4]>,
 }
+
+/// The segment starts of one buffer (inline for one segment).
+pub(super) type Segments = SmallVec<[usize; 1]>;
 
 impl Addresses {
     pub(super) fn init(&mut self, n: usize) {
-        self.ins = vec![Vec::new(); n];
-        self.outs = vec![Vec::new(); n];
+        self.ins = smallvec::smallvec![Segments::new(); n];
+        self.outs = smallvec::smallvec![Segments::new(); n];
     }
 }
 
 impl HostCollective {
     /// The addresses of every segment of `slot`'s buffers.
-    fn addresses(&self, slot: usize, access: &mut BufferAccess<'_>) -> Result<(Vec<usize>, Vec<usize>), ServerError> {
+    fn addresses(&self, slot: usize, access: &mut BufferAccess<'_>) -> Result<(Segments, Segments), ServerError> {
         let n = self.n();
         let (in_segs, out_segs) = (self.op.in_blocks(slot, n), self.op.out_blocks(slot, n));
         let backend = self.meeting.seat(slot).device.backend_name();
         let mut index = 0;
-        let mut segments = |segs: usize| -> Result<Vec<usize>, ServerError> {
+        let mut segments = |segs: usize| -> Result<Segments, ServerError> {
             if segs == 0 {
-                return Ok(Vec::new());
+                return Ok(Segments::new());
             }
             let ptr = access.host_ptr(index).ok_or(ServerError::Unsupported {
                 feature: "host-addressable device memory (the direct host path)",
@@ -88,7 +92,9 @@ impl HostCollective {
         state.data.direct.ins[slot] = ins;
         state.data.direct.outs[slot] = outs;
         if meeting.arrive_locked(&mut state, slot)? {
-            let (ins, outs) = (state.data.direct.ins.clone(), state.data.direct.outs.clone());
+            // Nobody reads the addresses after the last arrival but the
+            // leader: taken, not copied.
+            let (ins, outs) = (std::mem::take(&mut state.data.direct.ins), std::mem::take(&mut state.data.direct.outs));
             drop(state);
             let result = catch_unwind(AssertUnwindSafe(|| self.compute(&ins, &outs))).map_err(|payload| {
                 ServerError::TaskPanicked {
@@ -123,14 +129,14 @@ impl HostCollective {
 
     /// Runs the collective over the published addresses, window by window
     /// in parallel.
-    fn compute(&self, ins: &[Vec<usize>], outs: &[Vec<usize>]) {
+    fn compute(&self, ins: &[Segments], outs: &[Segments]) {
         compute(self.op, self.seg, ins, outs)
     }
 }
 
 /// The segment start addresses of a buffer at `base` holding `segs`
 /// segments of `seg` bytes.
-pub(super) fn segments(base: usize, segs: usize, seg: usize) -> Vec<usize> {
+pub(super) fn segments(base: usize, segs: usize, seg: usize) -> Segments {
     (0..segs).map(|j| base + j * seg).collect()
 }
 
@@ -138,7 +144,7 @@ pub(super) fn segments(base: usize, segs: usize, seg: usize) -> Vec<usize> {
 /// published, window by window in parallel. Every address must be a
 /// segment start inside memory that stays alive and untouched until it
 /// returns (see the module docs).
-pub(super) fn compute(op: Op, seg: usize, ins: &[Vec<usize>], outs: &[Vec<usize>]) {
+pub(super) fn compute(op: Op, seg: usize, ins: &[Segments], outs: &[Segments]) {
     let in_place = op.collective() == crate::op::Collective::AllToAll && ins.iter().zip(outs).all(|(i, o)| i == o);
     let chunk = DIRECT_CHUNK;
     // Out of place only: in place, the destination lines were just read
@@ -146,12 +152,12 @@ pub(super) fn compute(op: Op, seg: usize, ins: &[Vec<usize>], outs: &[Vec<usize>
     let aliased = ins.iter().zip(outs).any(|(i, o)| i.iter().any(|a| o.contains(a)));
     let stream = seg >= STREAM_FROM && !aliased;
     let chunks = seg.div_ceil(chunk);
-    (0..chunks).into_par_iter().for_each(|c| {
+    let window = |c: usize| {
         let start = c * chunk;
         let len = chunk.min(seg - start);
-        let win_ins: Vec<Vec<*const u8>> =
+        let win_ins: SmallVec<[Starts<*const u8>; 4]> =
             ins.iter().map(|segs| segs.iter().map(|&a| (a + start) as *const u8).collect()).collect();
-        let win_outs: Vec<Vec<*mut u8>> =
+        let win_outs: SmallVec<[Starts<*mut u8>; 4]> =
             outs.iter().map(|segs| segs.iter().map(|&a| (a + start) as *mut u8).collect()).collect();
         let window = Window { ins: &win_ins, outs: &win_outs, len, in_place, stream };
         // SAFETY: every address is a segment start inside a buffer whose
@@ -161,5 +167,10 @@ pub(super) fn compute(op: Op, seg: usize, ins: &[Vec<usize>], outs: &[Vec<usize>
         // other window overlaps; sources alias destinations only in place
         // (checked before queueing).
         unsafe { run_window(&op, &window) };
-    });
+    };
+    // One window (a small collective) runs here, without a rayon job.
+    if chunks == 1 {
+        return window(0);
+    }
+    (0..chunks).into_par_iter().for_each(window);
 }

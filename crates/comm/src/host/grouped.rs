@@ -17,17 +17,18 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::{BufferAccess, Handle, ServerError};
+use cohort_runtime::{BufferAccess, ServerError};
 use rayon::prelude::*;
+use smallvec::SmallVec;
 
-use super::direct::{compute, segments};
+use super::direct::{compute, segments, Segments};
 use crate::meeting::{Meeting, Seat, Seated};
 use crate::op::Op;
 
 /// Every member's addresses, per call: `ins[slot][call]` segment starts.
 pub(crate) struct GroupState {
-    ins: Vec<Vec<Vec<usize>>>,
-    outs: Vec<Vec<Vec<usize>>>,
+    ins: Vec<Vec<Segments>>,
+    outs: Vec<Vec<Segments>>,
     done: bool,
 }
 
@@ -46,12 +47,6 @@ impl Seated for GroupedHost {
     }
 }
 
-/// One call's buffers for one member.
-pub(crate) struct CallBuffers {
-    pub input: Option<Handle>,
-    pub output: Option<Handle>,
-}
-
 /// Where a member's destination lives while the leader computes.
 enum Out {
     /// In device memory, written in place.
@@ -68,16 +63,8 @@ impl GroupedHost {
         Arc::new(GroupedHost { ops, meeting: Meeting::new("group", seats, timeout, state) })
     }
 
-    /// The handles member `slot`'s one task is queued with: every call's
-    /// source, then every call's destination, in call order.
-    pub(crate) fn task_buffers(calls: &[CallBuffers]) -> (Vec<Handle>, Vec<Handle>) {
-        let ins = calls.iter().filter_map(|c| c.input.clone()).collect();
-        let outs = calls.iter().filter_map(|c| c.output.clone()).collect();
-        (ins, outs)
-    }
-
     /// Member `slot`'s task; `has` says which calls gave it a source and a
-    /// destination (in the order of [`GroupedHost::task_buffers`]).
+    /// destination (its task holds every call's source, then every call's destination, in call order).
     pub(crate) fn run_member(
         &self,
         slot: usize,
@@ -98,7 +85,7 @@ impl GroupedHost {
         let (mut next_in, mut next_out) = (0, inputs);
         for (op, (has_in, has_out)) in self.ops.iter().zip(has) {
             let seg = op.block_bytes();
-            let mut found = Vec::new();
+            let mut found = Segments::new();
             if *has_in {
                 let base = match access.host_ptr(next_in) {
                     Some(p) => p.ptr as usize,
@@ -112,7 +99,7 @@ impl GroupedHost {
                 next_in += 1;
             }
             ins.push(found);
-            let mut found = Vec::new();
+            let mut found = Segments::new();
             if *has_out {
                 let base = match access.host_ptr(next_out) {
                     Some(p) => {
@@ -145,8 +132,8 @@ impl GroupedHost {
             // before queueing), so they run in parallel.
             let result = catch_unwind(AssertUnwindSafe(|| {
                 self.ops.par_iter().enumerate().for_each(|(k, op)| {
-                    let call_ins: Vec<Vec<usize>> = ins.iter().map(|m| m[k].clone()).collect();
-                    let call_outs: Vec<Vec<usize>> = outs.iter().map(|m| m[k].clone()).collect();
+                    let call_ins: SmallVec<[Segments; 4]> = ins.iter().map(|m| m[k].clone()).collect();
+                    let call_outs: SmallVec<[Segments; 4]> = outs.iter().map(|m| m[k].clone()).collect();
                     compute(*op, op.block_bytes(), &call_ins, &call_outs);
                 })
             }));

@@ -29,9 +29,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cohort_runtime::config::{self, ConfigError};
-use cohort_runtime::{BufferAccess, Handle, ServerError};
+use cohort_runtime::{BufferAccess, Handle, ServerError, TaskHandles};
+use smallvec::SmallVec;
 
-pub(crate) use grouped::{CallBuffers, GroupedHost};
+pub(crate) use grouped::GroupedHost;
 
 use crate::meeting::{Meeting, Seat, Seated};
 use crate::op::Op;
@@ -97,7 +98,14 @@ impl Seated for HostCollective {
 
 impl HostCollective {
     /// The collective `op` among `seats`, on the direct or the staged path.
-    pub(crate) fn new(op: Op, seats: Vec<Seat>, timeout: Duration, direct: bool, stage_chunk: usize) -> Arc<Self> {
+    pub(crate) fn new(
+        op: Op,
+        seats: impl IntoIterator<Item = Seat>,
+        timeout: Duration,
+        direct: bool,
+        stage_chunk: usize,
+    ) -> Arc<Self> {
+        let seats: SmallVec<[Seat; 4]> = seats.into_iter().collect();
         let (n, seg) = (seats.len(), op.block_bytes());
         let mut state = HostState::default();
         state.direct.init(n);
@@ -124,13 +132,13 @@ impl HostCollective {
         slot: usize,
         input: Option<&Handle>,
         output: Option<&Handle>,
-    ) -> Result<(Vec<Handle>, Vec<Handle>), ServerError> {
+    ) -> Result<(TaskHandles, TaskHandles), ServerError> {
         if self.direct {
             return Ok((input.into_iter().cloned().collect(), output.into_iter().cloned().collect()));
         }
         let n = self.n();
-        let pieces = |handle: Option<&Handle>, segs: usize| -> Result<Vec<Handle>, ServerError> {
-            let mut out = Vec::new();
+        let pieces = |handle: Option<&Handle>, segs: usize| -> Result<TaskHandles, ServerError> {
+            let mut out = TaskHandles::new();
             if let Some(handle) = handle {
                 for (start, len) in staged::chunk_ranges(self.seg, self.stage_chunk) {
                     for j in 0..segs {

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use cohort_runtime::{AlignedBytes, BufferAccess, ServerError};
 
-use super::window::{run_window, Window};
+use super::window::{run_window, Starts, Window};
 use super::HostCollective;
 
 /// Per-chunk staging of one collective.
@@ -127,9 +127,9 @@ impl HostCollective {
         let result = catch_unwind(AssertUnwindSafe(|| {
             let mut outs: Vec<Vec<Vec<u8>>> =
                 (0..n).map(|s| (0..self.op.out_blocks(s, n)).map(|_| vec![0u8; len]).collect()).collect();
-            let win_ins: Vec<Vec<*const u8>> =
+            let win_ins: Vec<Starts<*const u8>> =
                 inputs.iter().map(|p| p.iter().flatten().map(|b| b.as_slice().as_ptr()).collect()).collect();
-            let win_outs: Vec<Vec<*mut u8>> =
+            let win_outs: Vec<Starts<*mut u8>> =
                 outs.iter_mut().map(|segs| segs.iter_mut().map(|v| v.as_mut_ptr()).collect()).collect();
             let window = Window { ins: &win_ins, outs: &win_outs, len, in_place: false, stream: false };
             // SAFETY: every input piece is `len` bytes this function owns

@@ -10,15 +10,21 @@
 
 use std::cell::RefCell;
 
+use smallvec::SmallVec;
+
 use crate::op::{Collective, Op};
 use crate::ops::{combine, finish, DType, Element, ReduceOp};
 use crate::with_dtype;
 
+/// One participant's segment starts in one buffer: inline for the one
+/// segment most buffers hold.
+pub(crate) type Starts<T> = SmallVec<[T; 1]>;
+
 /// Segment start addresses of every participant's input and output for one
 /// window (empty where a participant brings none).
 pub(crate) struct Window<'a> {
-    pub ins: &'a [Vec<*const u8>],
-    pub outs: &'a [Vec<*mut u8>],
+    pub ins: &'a [Starts<*const u8>],
+    pub outs: &'a [Starts<*mut u8>],
     pub len: usize,
     /// Every participant's output is its input (direct path, in place):
     /// all-to-all then swaps instead of copying.
@@ -48,14 +54,14 @@ pub(crate) unsafe fn run_window(op: &Op, w: &Window<'_>) {
             let (dtype, rop) = (op.dtype(), op.reduce_op().expect("a reducing collective has an operator"));
             if op.collective() == Collective::ReduceScatter {
                 for m in 0..n {
-                    let srcs: Vec<*const u8> = w.ins.iter().map(|s| s[m]).collect();
+                    let srcs: SmallVec<[*const u8; 8]> = w.ins.iter().map(|s| s[m]).collect();
                     reduce(dtype, rop, &srcs, w.len, &[w.outs[m][0]], w.stream);
                 }
                 return;
             }
-            let srcs: Vec<*const u8> = w.ins.iter().map(|s| s[0]).collect();
-            let dsts: Vec<*mut u8> = match op.root() {
-                Some(root) => vec![w.outs[root][0]],
+            let srcs: SmallVec<[*const u8; 8]> = w.ins.iter().map(|s| s[0]).collect();
+            let dsts: SmallVec<[*mut u8; 8]> = match op.root() {
+                Some(root) => smallvec::smallvec![w.outs[root][0]],
                 None => w.outs.iter().map(|s| s[0]).collect(),
             };
             reduce(dtype, rop, &srcs, w.len, &dsts, w.stream);

@@ -37,9 +37,10 @@ impl CollectiveFingerprint {
     pub fn of(seq: u64, op: &Op) -> CollectiveFingerprint {
         CollectiveFingerprint {
             seq,
-            kind: op.name().to_string(),
-            op: op.reduce_op().map(|o| o.to_string()),
-            dtype: op.dtype().to_string(),
+            // Static names copied, not formatted: this runs on every call.
+            kind: op.name().to_owned(),
+            op: op.reduce_op().map(|o| o.nccl_name().to_owned()),
+            dtype: op.dtype().name().to_owned(),
             count: op.count() as u64,
             root: op.root().or(op.endpoints().map(|(from, _)| from)),
         }

@@ -58,7 +58,7 @@ use super::fingerprint::Fingerprint;
 use super::keys;
 use super::label::Label;
 use super::world::World;
-use super::SlotCall;
+use super::{SlotCall, Slots};
 
 /// Set keys of communicators made here carry the top bit, apart from the
 /// keys `ClientGroup`s use on the same devices.
@@ -210,8 +210,8 @@ impl Nccl {
         world: &Arc<Mutex<World>>,
         fp: Fingerprint,
         timeout: Duration,
-        inputs: Vec<Option<Handle>>,
-        outputs: Vec<Option<Handle>>,
+        inputs: Slots,
+        outputs: Slots,
     ) -> Result<Arc<NcclCall>, CommError> {
         self.launch_calls(world, fp, timeout, vec![(fp.op, inputs, outputs)])
     }
