@@ -140,13 +140,19 @@ fn a_small_collective_of_one_idle_device_is_done_when_the_call_returns_and_waits
     // hand-over), so the call returns with it done. The device thread lets
     // go of its state a moment after it answered the read, and a loaded
     // machine may take it off its core in that moment: a few tries.
+    // The device counts the tasks a caller ran itself: done when the call
+    // returned is not enough (a queued part may finish that fast too).
+    let ran_inline = || client.stats().unwrap().inline_tasks;
+    let before = ran_inline();
     let inline = (0..100).any(|_| {
         dst[0].to_vec().unwrap();
-        group.all_reduce(&src, &dst, ReduceOp::Sum).unwrap().is_done()
+        let done = group.all_reduce(&src, &dst, ReduceOp::Sum).unwrap().is_done();
+        done && ran_inline() > before
     });
     assert!(inline, "a one-device all-reduce of 12 bytes on an idle device never ran inside the call");
     assert_eq!(dst[0].to_vec().unwrap(), [1.5, -2.0, 4.0]);
     // Busy: the part is queued behind the held task, and runs after it.
+    let held = ran_inline();
     let release = hold(&client);
     let work = group.all_reduce(&dst, &dst, ReduceOp::Max).unwrap();
     let bigger = group.broadcast(&src, &dst, 0).unwrap();
@@ -154,5 +160,6 @@ fn a_small_collective_of_one_idle_device_is_done_when_the_call_returns_and_waits
     release.send(()).unwrap();
     bigger.wait().unwrap();
     assert!(work.is_done(), "parts run in queue order");
+    assert_eq!(ran_inline(), held, "a part queued behind a held task ran inline");
     assert_eq!(dst[0].to_vec().unwrap(), [1.5, -2.0, 4.0]);
 }

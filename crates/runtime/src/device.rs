@@ -231,6 +231,7 @@ impl DeviceHandle {
         // else uses `state` but the calls nested in `task` on this thread,
         // as on the server thread inside `exclusive`.
         let state = unsafe { &mut *EXCLUSIVE_STATE.with(|s| s.get()) };
+        state.stats.inline_tasks += 1;
         run_caught(state, stream, task);
         Ok(())
     }

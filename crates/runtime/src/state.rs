@@ -67,6 +67,9 @@ pub struct DeviceStats {
     pub stream_syncs: u64,
     /// Launches run (replays included).
     pub launches: u64,
+    /// Tasks a caller's thread ran itself because the device was idle
+    /// ([`crate::Client::submit_buffers_inline`]; the CPU backend only).
+    pub inline_tasks: u64,
 }
 
 /// Memory of one stream in a [`crate::MemoryReport`].

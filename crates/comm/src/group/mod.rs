@@ -350,10 +350,15 @@ impl ClientGroup {
         let tracked = self.track(sequence, &op, first, parts.len());
         // A small collective of one part meets nobody but itself: where its
         // device is idle (CPU backend), it runs on this thread at once,
-        // without the hand-over to the device thread and its wake-up.
-        let inline = tasks.len() == 1 && bytes <= INLINE_MAX_BYTES;
+        // without the hand-over to the device thread and its wake-up. Only
+        // on the direct path: a staged part waits for chunk jobs on rayon's
+        // pool, which the caller's thread may be part of. A part of one
+        // device keeps no order across devices, so it takes no enqueue lock
+        // (a reduction running inline must not hold up other threads'
+        // enqueues).
+        let inline = tasks.len() == 1 && bytes <= INLINE_MAX_BYTES && self.direct;
         let mut failed = None;
-        let order = enqueue_lock();
+        let order = (!inline).then(enqueue_lock);
         for (member, inputs, outputs, ticket) in tasks {
             let client = &self.clients[member];
             // A part that cannot be queued drops its ticket, which fails the
