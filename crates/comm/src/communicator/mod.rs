@@ -189,9 +189,11 @@ impl Communicator {
         crate::check::check_clients(&clients)?;
         let timeout = default_timeout()?;
         config::check(&[&config::FLIGHT_RECORDER, &config::DESYNC_CHECK, &config::SHM_RING, &config::FUSION_MB])?;
-        // The first request (the instance counter) rides on the handshake:
-        // a wrong secret fails it with the store's refusal.
-        let store = StoreClient::connect_pipelined(store_addr, secret, timeout)?;
+        // Through the node's relay when the launcher gave this rank one
+        // (COHORT_STORE_FD); otherwise the first request (the instance
+        // counter) rides on the handshake: a wrong secret fails it with the
+        // store's refusal.
+        let store = StoreClient::connect_rank(store_addr, secret, timeout)?;
         let world = match given {
             #[cfg(feature = "mpi")]
             Some(links) => setup::form_with_links(store, rank, world_size, clients.len(), timeout, links)?,
