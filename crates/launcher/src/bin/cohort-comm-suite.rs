@@ -429,6 +429,23 @@ fn latency(comm: &Communicator, what: &str, bytes: usize, iters: usize) -> Resul
     Ok(())
 }
 
+/// How this rank reached the rendezvous store: `relay` when the launcher
+/// gave it a relay's socket (`COHORT_STORE_FD`) and the Communicator took
+/// it (taking it marks it close-on-exec), `direct` when it was given none,
+/// `relay socket unused` otherwise.
+fn store_route() -> &'static str {
+    let Some(fd) = std::env::var("COHORT_STORE_FD").ok().and_then(|v| v.parse::<i32>().ok()) else {
+        return "direct";
+    };
+    // SAFETY: F_GETFD reads the descriptor's flags; any fd value is safe.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+    if flags >= 0 && flags & libc::FD_CLOEXEC != 0 {
+        "relay"
+    } else {
+        "relay socket unused"
+    }
+}
+
 fn main() -> ExitCode {
     let start = Instant::now();
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -499,6 +516,7 @@ fn main() -> ExitCode {
         }
     };
     let rank = comm.rank();
+    println!("store: {}", store_route());
     let arg = |i: usize| mode.get(i).and_then(|v| v.parse::<usize>().ok()).unwrap_or(usize::MAX);
     let result = match mode.first().map(String::as_str) {
         None | Some("suite") => suite(comm.clone(), large).map(|checks| {
