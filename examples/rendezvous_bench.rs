@@ -43,8 +43,9 @@
 //! - `relay` (with `--relay`): `cohort`'s pattern through node relays, as
 //!   `cohort run` does it: each simulated node (`--per-node` ranks, 8 when
 //!   0) gets a [`StoreRelay`] started after the release (its connection to
-//!   the store is inside the timed window, as a launcher's is, made by the
-//!   client thread that drives the node's ranks, one node after another),
+//!   the store is inside the timed window, as a launcher's is; each starts
+//!   on a thread of its own, as each node's launcher does, at most
+//!   `--window` ranks' worth at once),
 //!   and its ranks speak over their socket-pair ends with no handshake (a
 //!   rank counts as connected once its relay is started). The relays run
 //!   in this process: their CPU is in `clients cpu`.
@@ -839,24 +840,24 @@ fn relay_group(per_node: usize) -> usize {
     }
 }
 
-/// Starts the relay of the node whose ranks are `node` (consecutive) and
-/// adds them to `slots`, connected, their first requests queued.
-#[allow(clippy::too_many_arguments)]
-fn start_node(
+/// A node relay started (on a thread of its own, as each node's launcher
+/// starts its own): the node's ranks, when the start began, and the relay
+/// with the ranks' ends.
+type Started = (Vec<usize>, Duration, Result<(StoreRelay, Vec<std::os::unix::net::UnixStream>), String>);
+
+/// Adds the ranks of a node whose relay started to `slots`, connected,
+/// their first requests queued.
+fn add_node(
     kind: Kind,
-    addr: SocketAddr,
-    node: &[usize],
+    (node, began, started): Started,
     n: usize,
-    secret: &[u8],
     per_node: usize,
     poll: &Poll,
     slots: &mut Vec<Rank>,
     relays: &mut Vec<StoreRelay>,
     t0: Instant,
 ) -> Result<(), String> {
-    let began = t0.elapsed();
-    let (relay, ends) = StoreRelay::start(&addr.to_string(), secret, node.len(), TIMEOUT)
-        .map_err(|e| format!("relay of ranks {node:?}: {e}"))?;
+    let (relay, ends) = started.map_err(|e| format!("relay of ranks {node:?}: {e}"))?;
     relays.push(relay);
     for (&rank, end) in node.iter().zip(ends) {
         end.set_nonblocking(true).map_err(|e| e.to_string())?;
@@ -897,20 +898,37 @@ fn drive(
     let mut events = Events::with_capacity(4096);
     let mut slots: Vec<Rank> = Vec::with_capacity(ranks.len());
     let mut relays = Vec::new();
+    // Relays being started, at most a window's worth of ranks at once.
+    const STARTED: Token = Token(usize::MAX);
+    let woken = Arc::new(mio::Waker::new(poll.registry(), STARTED).map_err(|e| e.to_string())?);
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<Started>();
+    let (mut next_node, mut starting) = (0usize, 0usize);
     let mut buf = vec![0u8; 256 << 10];
     go.wait();
     let t0 = start.lock().expect("set before the release");
     let (mut connecting, mut done) = (0usize, 0usize);
     loop {
-        if relay && slots.len() < ranks.len() {
-            // One node per turn of the loop: its ranks' answers are
-            // served between relays' connects.
+        while relay && next_node < ranks.len() && starting * relay_group(per_node) < window {
             let group = relay_group(per_node);
-            let first = ranks[slots.len()];
+            let first = ranks[next_node];
             let node: Vec<usize> =
-                ranks[slots.len()..].iter().copied().take_while(|r| r / group == first / group).collect();
-            start_node(kind, addr, &node, n, secret, per_node, &poll, &mut slots, &mut relays, t0)?;
-            connected.fetch_add(node.len(), Ordering::Relaxed);
+                ranks[next_node..].iter().copied().take_while(|r| r / group == first / group).collect();
+            next_node += node.len();
+            starting += 1;
+            let (tx, woken, secret) = (started_tx.clone(), woken.clone(), secret.to_vec());
+            std::thread::spawn(move || {
+                let began = t0.elapsed();
+                let started =
+                    StoreRelay::start(&addr.to_string(), &secret, node.len(), TIMEOUT).map_err(|e| e.to_string());
+                let _ = tx.send((node, began, started));
+                let _ = woken.wake();
+            });
+        }
+        while let Ok(started) = started_rx.try_recv() {
+            starting -= 1;
+            let count = started.0.len();
+            add_node(kind, started, n, per_node, &poll, &mut slots, &mut relays, t0)?;
+            connected.fetch_add(count, Ordering::Relaxed);
         }
         while !relay && connecting < window && slots.len() < ranks.len() {
             let rank = ranks[slots.len()];
@@ -936,9 +954,11 @@ fn drive(
             let stuck = slots.iter().find(|r| r.step != Step::Done).map(|r| (r.rank, r.step));
             return Err(format!("{} of {} ranks done after {TIMEOUT:?}; first stuck: {stuck:?}", done, ranks.len()));
         }
-        let wait = if relay && slots.len() < ranks.len() { Duration::ZERO } else { Duration::from_millis(100) };
-        poll.poll(&mut events, Some(wait)).map_err(|e| e.to_string())?;
+        poll.poll(&mut events, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
         for ev in events.iter() {
+            if ev.token() == STARTED {
+                continue;
+            }
             let r = &mut slots[ev.token().0];
             if r.step == Step::Done {
                 continue;
