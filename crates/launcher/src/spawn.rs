@@ -69,17 +69,28 @@ impl RankEnv {
 /// How long a node relay may take to connect to the store (up already).
 const RELAY_CONNECT: Duration = Duration::from_secs(30);
 
+/// Relay sockets each rank gets: its communicator's store connection, the
+/// heartbeat's second connection and NCCL's (a rank that needs more
+/// connects directly).
+pub const RELAY_SOCKETS_PER_RANK: usize = 3;
+
 /// Starts the node relay of an attempt when this node runs 2 or more ranks
-/// and `COHORT_STORE_RELAY` is not 0: the relay and each local rank's end
-/// of its socket pair, by local rank. Without a relay (or when it cannot
-/// start, which is logged) the ranks connect to the store themselves.
-pub fn start_relay(cfg: &JobConfig, env: &RankEnv) -> (Option<StoreRelay>, Vec<Option<UnixStream>>) {
+/// and `COHORT_STORE_RELAY` is not 0: the relay and each local rank's ends
+/// of its socket pairs ([`RELAY_SOCKETS_PER_RANK`] each), by local rank.
+/// Without a relay (or when it cannot start, which is logged) the ranks
+/// connect to the store themselves.
+pub fn start_relay(cfg: &JobConfig, env: &RankEnv) -> (Option<StoreRelay>, Vec<Vec<UnixStream>>) {
     // The launcher checked every COHORT_* variable before it started.
     if cfg.nproc < 2 || !config::STORE_RELAY.get().unwrap_or(true) {
         return (None, Vec::new());
     }
-    match StoreRelay::start(&env.store_addr, &cfg.secret, cfg.nproc, RELAY_CONNECT) {
-        Ok((relay, ends)) => (Some(relay), ends.into_iter().map(Some).collect()),
+    let per_rank = RELAY_SOCKETS_PER_RANK;
+    match StoreRelay::start(&env.store_addr, &cfg.secret, cfg.nproc * per_rank, RELAY_CONNECT) {
+        Ok((relay, ends)) => {
+            let mut ends = ends.into_iter();
+            let by_rank = (0..cfg.nproc).map(|_| ends.by_ref().take(per_rank).collect()).collect();
+            (Some(relay), by_rank)
+        }
         Err(e) => {
             tracing::warn!(error = %e, "could not start the node's store relay; the ranks connect to the store themselves");
             (None, Vec::new())
@@ -97,15 +108,15 @@ pub fn start_relay(cfg: &JobConfig, env: &RankEnv) -> (Option<StoreRelay>, Vec<O
 /// main thread): Linux sends the parent-death signal when the *thread* that
 /// forked the child exits.
 ///
-/// With `store_end`, the rank inherits that socket (its end of the node
-/// relay's pair) and finds its number in `COHORT_STORE_FD`; without, the
-/// variable is removed from its environment.
+/// The rank inherits the sockets of `store_ends` (its ends of the node
+/// relay's pairs) and finds their numbers in `COHORT_STORE_FD`; with none,
+/// the variable is removed from its environment.
 pub fn spawn_rank(
     program: &[OsString],
     env: &RankEnv,
     rank: usize,
     local_rank: usize,
-    store_end: Option<&UnixStream>,
+    store_ends: &[UnixStream],
 ) -> io::Result<Child> {
     let (exe, args) = program.split_first().ok_or(io::ErrorKind::InvalidInput)?;
     let mut cmd = Command::new(exe);
@@ -118,28 +129,31 @@ pub fn spawn_rank(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
-    match store_end {
-        Some(end) => inherit(&mut cmd, end.as_raw_fd()),
-        None => {
-            cmd.env_remove(config::STORE_FD.name);
-        }
+    if store_ends.is_empty() {
+        cmd.env_remove(config::STORE_FD.name);
+    } else {
+        inherit(&mut cmd, store_ends.iter().map(AsRawFd::as_raw_fd).collect());
     }
     die_with_parent(&mut cmd);
     cmd.spawn()
 }
 
-/// Lets the child inherit descriptor `fd` (every descriptor the launcher
-/// opens is close-on-exec) and names it in `COHORT_STORE_FD`.
-fn inherit(cmd: &mut Command, fd: std::os::fd::RawFd) {
-    cmd.env(config::STORE_FD.name, fd.to_string());
+/// Lets the child inherit descriptors `fds` (every descriptor the launcher
+/// opens is close-on-exec) and names them in `COHORT_STORE_FD`.
+fn inherit(cmd: &mut Command, fds: Vec<std::os::fd::RawFd>) {
+    let list: Vec<String> = fds.iter().map(|fd| fd.to_string()).collect();
+    cmd.env(config::STORE_FD.name, list.join(","));
     // SAFETY: the closure runs in the forked child before exec and calls
-    // only fcntl, which is async-signal-safe; it allocates nothing. `fd` is
-    // open in the child (a copy of the parent's table, which holds it until
-    // the spawn returns).
+    // only fcntl, which is async-signal-safe; it allocates nothing (the
+    // list was built before the fork). The descriptors are open in the
+    // child (a copy of the parent's table, which holds them until the spawn
+    // returns).
     unsafe {
         cmd.pre_exec(move || {
-            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
-                return Err(io::Error::last_os_error());
+            for &fd in &fds {
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
             }
             Ok(())
         });

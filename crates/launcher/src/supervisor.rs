@@ -123,8 +123,8 @@ pub fn run_attempt(
 
     for local_rank in 0..cfg.nproc {
         let rank = RankEnv::global_rank(cfg, local_rank);
-        let end = ends.get_mut(local_rank).and_then(Option::take);
-        match start_rank(cfg, env, attempt, (rank, local_rank), end, tx, &done_tx, &activity) {
+        let mine = ends.get_mut(local_rank).map(std::mem::take).unwrap_or_default();
+        match start_rank(cfg, env, attempt, (rank, local_rank, mine), tx, &done_tx, &activity) {
             Ok(p) => ranks.push(p),
             Err(msg) => {
                 reason = Some(Reason::SpawnFailed(msg));
@@ -307,8 +307,7 @@ fn start_rank(
     cfg: &JobConfig,
     env: &RankEnv,
     attempt: u32,
-    (rank, local_rank): (usize, usize),
-    store_end: Option<std::os::unix::net::UnixStream>,
+    (rank, local_rank, store_ends): (usize, usize, Vec<std::os::unix::net::UnixStream>),
     events: &Sender<Event>,
     done: &Sender<()>,
     activity: &output::Activity,
@@ -324,10 +323,10 @@ fn start_rank(
         .open_files()
         .map_err(|e| format!("cannot create the log files of rank {rank} under {:?}: {e}", sinks.log_dir))?;
     let started = Instant::now();
-    // The launcher's copy of the rank's end is closed once the rank has
-    // its own, so the relay sees the rank's exit.
-    let spawned = spawn::spawn_rank(&cfg.program, env, rank, local_rank, store_end.as_ref());
-    drop(store_end);
+    // The launcher's copies of the rank's relay sockets are closed once the
+    // rank has its own, so the relay sees the rank's exit.
+    let spawned = spawn::spawn_rank(&cfg.program, env, rank, local_rank, &store_ends);
+    drop(store_ends);
     let mut child = spawned.map_err(|e| {
         format!(
             "cannot start `{}` as rank {rank}: {e}; check the program's path and permissions",

@@ -309,8 +309,14 @@ fn parse_u32(raw: &OsStr) -> Result<u32, String> {
     whole(raw)
 }
 
-fn parse_fd(raw: &OsStr) -> Result<i32, String> {
-    whole(raw)
+fn parse_fds(raw: &OsStr) -> Result<Vec<i32>, String> {
+    let list = text(raw)?;
+    list.split(',')
+        .map(|fd| {
+            let fd: u32 = whole(OsStr::new(fd.trim()))?;
+            i32::try_from(fd).map_err(|_| format!("{fd} is not a descriptor number"))
+        })
+        .collect()
 }
 
 fn parse_positive_u32(raw: &OsStr) -> Result<u32, String> {
@@ -508,14 +514,14 @@ pub static STORE_ADDR: Var<String> = Var::new(
 )
 .from_launcher();
 
-/// The descriptor of a rank's end of its node relay's socket, set by
+/// The descriptors of a rank's ends of its node relay's sockets, set by
 /// `cohort run` for its ranks when it starts a relay.
-pub static STORE_FD: Var<i32> = Var::new(
+pub static STORE_FD: Var<Vec<i32>> = Var::new(
     "COHORT_STORE_FD",
     "set by `cohort run` when this node runs 2 or more ranks; else unset",
-    "Inherited socket through which this rank reaches the rendezvous store (its node relay's); the rank connects directly when unset",
-    "a file descriptor number (0 or more)",
-    parse_fd,
+    "Inherited sockets through which this rank reaches the rendezvous store (its node relay's: the first for its communicator, the others for that communicator's second connections); the rank connects directly when unset or once they are used",
+    "file descriptor numbers, comma-separated",
+    parse_fds,
 )
 .from_launcher();
 

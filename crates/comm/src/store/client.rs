@@ -5,7 +5,6 @@ use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -168,20 +167,16 @@ impl StoreClient {
     }
 
     /// The client a rank uses to reach the store at `addr`: over its node
-    /// relay's socket when the launcher passed one in `COHORT_STORE_FD`
-    /// (the first call of the process takes it; later calls connect
-    /// directly), otherwise [`StoreClient::connect_pipelined`]. A
-    /// descriptor that is not an open socket is an error naming the
-    /// variable.
+    /// relay's socket when the launcher passed it some in `COHORT_STORE_FD`
+    /// (each is taken once per process, in order; once they are all taken,
+    /// calls connect directly), otherwise
+    /// [`StoreClient::connect_pipelined`]. A descriptor that is not an open
+    /// socket, or a value that is not a list of descriptors, is an error
+    /// naming the variable.
     pub fn connect_rank(addr: &str, secret: impl AsRef<[u8]>, timeout: Duration) -> Result<Self> {
-        static TAKEN: AtomicBool = AtomicBool::new(false);
-        let fd = cohort_runtime::config::STORE_FD.get().map_err(|e| StoreError::Relay(e.to_string()))?;
-        match fd {
-            Some(fd) if !TAKEN.swap(true, Ordering::SeqCst) => {
-                let socket = relay_socket(fd)?;
-                Self::over_relay(socket, addr, secret, timeout)
-            }
-            _ => Self::connect_pipelined(addr, secret, timeout),
+        match take_relay_socket()? {
+            Some(socket) => Self::over_relay(socket, addr, secret, timeout),
+            None => Self::connect_pipelined(addr, secret, timeout),
         }
     }
 
@@ -222,7 +217,16 @@ impl StoreClient {
     /// does not wait for the verdict: its first request travels with the
     /// proof (the secret is the one this connection uses), and the server's
     /// proof is checked before that request's answer is read.
+    ///
+    /// A client over a node relay takes the next relay socket the launcher
+    /// gave this process (`COHORT_STORE_FD`), while there is one: another
+    /// session of the relay's connection, with its own will, no handshake.
     pub fn duplicate(&self) -> Result<StoreClient> {
+        if matches!(self.conn.lock().stream, Socket::Unix(_)) {
+            if let Some(socket) = take_relay_socket()? {
+                return StoreClient::over_relay(socket, self.direct.as_str(), &self.secret, self.timeout);
+            }
+        }
         StoreClient::connect_pipelined(self.direct.as_str(), &self.secret, self.timeout)
     }
 
@@ -581,13 +585,30 @@ fn exchange(
     bodies.iter().map(|_| protocol::read_frame(stream).map_err(Failed::Io)).collect()
 }
 
+/// The relay sockets the launcher gave this process (`COHORT_STORE_FD`)
+/// not taken yet, in order; `None` until the variable is read.
+static RELAY_SOCKETS: parking_lot::Mutex<Option<std::collections::VecDeque<RawFd>>> = parking_lot::Mutex::new(None);
+
+/// The next relay socket of `COHORT_STORE_FD` not taken yet, checked.
+fn take_relay_socket() -> Result<Option<UnixStream>> {
+    let mut pool = RELAY_SOCKETS.lock();
+    if pool.is_none() {
+        let fds = cohort_runtime::config::STORE_FD.get().map_err(|e| StoreError::Relay(e.to_string()))?;
+        *pool = Some(fds.unwrap_or_default().into());
+    }
+    match pool.as_mut().and_then(|p| p.pop_front()) {
+        Some(fd) => relay_socket(fd).map(Some),
+        None => Ok(None),
+    }
+}
+
 /// The descriptor `fd` (from `COHORT_STORE_FD`) as the socket of this
 /// rank's end of its node relay, checked to be an open stream socket.
 pub(crate) fn relay_socket(fd: RawFd) -> Result<UnixStream> {
     let bad = |why: String| {
         StoreError::Relay(format!(
-            "COHORT_STORE_FD={fd} is not this process's end of its node relay: {why}; run the program under \
-             `cohort run`, or unset COHORT_STORE_FD to connect to the store directly"
+            "descriptor {fd} of COHORT_STORE_FD is not this process's end of its node relay: {why}; run the \
+             program under `cohort run`, or unset COHORT_STORE_FD to connect to the store directly"
         ))
     };
     let mut kind: libc::c_int = 0;

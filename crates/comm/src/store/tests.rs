@@ -1293,12 +1293,21 @@ fn store_rank_descriptor_is_checked() {
     // variable (the first call of a process takes COHORT_STORE_FD; these
     // check the descriptor alone).
     let msg = super::client::relay_socket(1 << 20).unwrap_err().to_string();
-    assert!(msg.contains("COHORT_STORE_FD=1048576") && msg.contains("Bad file descriptor"), "{msg}");
+    assert!(msg.contains("descriptor 1048576 of COHORT_STORE_FD") && msg.contains("Bad file descriptor"), "{msg}");
     let file = std::fs::File::open("/dev/null").unwrap();
     use std::os::fd::IntoRawFd;
     let fd = file.into_raw_fd();
     let msg = super::client::relay_socket(fd).unwrap_err().to_string();
-    assert!(msg.contains(&format!("COHORT_STORE_FD={fd}")) && msg.contains("non-socket"), "{msg}");
+    assert!(msg.contains(&format!("descriptor {fd} of COHORT_STORE_FD")) && msg.contains("non-socket"), "{msg}");
     // SAFETY: `fd` is the /dev/null descriptor opened above, owned here.
     unsafe { libc::close(fd) };
+    // The variable holds a list of descriptors; anything else is an error
+    // naming it.
+    use cohort_runtime::config::STORE_FD;
+    assert_eq!(STORE_FD.parse_value(std::ffi::OsStr::new("5")), Ok(vec![5]));
+    assert_eq!(STORE_FD.parse_value(std::ffi::OsStr::new("5, 6,7")), Ok(vec![5, 6, 7]));
+    for bad in ["five", "5,", "-1", "5,,6"] {
+        let msg = STORE_FD.parse_value(std::ffi::OsStr::new(bad)).unwrap_err().to_string();
+        assert!(msg.starts_with(&format!("COHORT_STORE_FD=\"{bad}\"")), "{bad}: {msg}");
+    }
 }

@@ -429,21 +429,24 @@ fn latency(comm: &Communicator, what: &str, bytes: usize, iters: usize) -> Resul
     Ok(())
 }
 
-/// How this rank reached the rendezvous store: `relay` when the launcher
-/// gave it a relay's socket (`COHORT_STORE_FD`) and the Communicator took
-/// it (taking it marks it close-on-exec), `direct` when it was given none,
-/// `relay socket unused` otherwise.
-fn store_route() -> &'static str {
-    let Some(fd) = std::env::var("COHORT_STORE_FD").ok().and_then(|v| v.parse::<i32>().ok()) else {
-        return "direct";
+/// How this rank reached the rendezvous store: `direct` when the launcher
+/// gave it no relay sockets (`COHORT_STORE_FD`), else `relay, K of N
+/// sockets taken` (taking one marks it close-on-exec: the Communicator
+/// takes the first, its heartbeat the second).
+fn store_route() -> String {
+    let Ok(list) = std::env::var("COHORT_STORE_FD") else {
+        return "direct".into();
     };
-    // SAFETY: F_GETFD reads the descriptor's flags; any fd value is safe.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-    if flags >= 0 && flags & libc::FD_CLOEXEC != 0 {
-        "relay"
-    } else {
-        "relay socket unused"
-    }
+    let fds: Vec<i32> = list.split(',').filter_map(|v| v.parse().ok()).collect();
+    let taken = fds
+        .iter()
+        .filter(|&&fd| {
+            // SAFETY: F_GETFD reads the descriptor's flags; any fd value is safe.
+            let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+            flags >= 0 && flags & libc::FD_CLOEXEC != 0
+        })
+        .count();
+    format!("relay, {taken} of {} sockets taken", fds.len())
 }
 
 fn main() -> ExitCode {
