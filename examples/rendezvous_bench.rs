@@ -847,6 +847,7 @@ type Started = (Vec<usize>, Duration, Result<(StoreRelay, Vec<std::os::unix::net
 
 /// Adds the ranks of a node whose relay started to `slots`, connected,
 /// their first requests queued.
+#[allow(clippy::too_many_arguments)]
 fn add_node(
     kind: Kind,
     (node, began, started): Started,

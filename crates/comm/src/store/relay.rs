@@ -244,10 +244,8 @@ impl Relay {
         if !l.readable {
             return;
         }
-        let open = match read_all(&mut l.stream, &mut l.input, &mut self.scratch) {
-            Ok(open) => open,
-            Err(_) => false,
-        };
+        // A failed read is the rank's end gone, as an end of stream is.
+        let open = read_all(&mut l.stream, &mut l.input, &mut self.scratch).unwrap_or(false);
         l.readable = false;
         let session = i as u32 + 1;
         let mut at = 0;

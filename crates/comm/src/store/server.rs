@@ -485,7 +485,7 @@ impl Conn {
     /// `ticket.seq`; false (nothing queued) when it no longer waits for it.
     fn deliver(&mut self, ticket: Ticket, response: &Response) -> bool {
         let Some(s) = self.session(ticket.session) else { return false };
-        if !s.blocked.as_ref().is_some_and(|(seq, _)| *seq == ticket.seq) {
+        if s.blocked.as_ref().is_none_or(|(seq, _)| *seq != ticket.seq) {
             return false;
         }
         s.blocked = None;
