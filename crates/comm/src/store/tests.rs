@@ -1063,6 +1063,21 @@ fn store_sessions_of_one_connection_block_independently() {
     client(&s).barrier("b", 2, T).unwrap();
     assert_eq!(c.answer(), (1, Response::Ok));
     assert_eq!(c.answer(), (1, value(b"after")));
+    // Two sessions of one connection waiting for keys at once: each is
+    // answered when its own key comes.
+    c.send(1, Request::Wait { keys: vec!["w1".into()], timeout_ms: 10_000 });
+    c.send(2, Request::Wait { keys: vec!["w2".into()], timeout_ms: 10_000 });
+    let setter = client(&s);
+    std::thread::sleep(Duration::from_millis(20));
+    setter.set("w2", b"").unwrap();
+    assert_eq!(c.answer(), (2, Response::Ok));
+    setter.set("w1", b"").unwrap();
+    assert_eq!(c.answer(), (1, Response::Ok));
+    // A session's wait times out alone, naming its key.
+    c.send(1, Request::Wait { keys: vec!["never".into()], timeout_ms: 50 });
+    c.send(2, get("w2"));
+    assert_eq!(c.answer(), (2, value(b"")));
+    assert_eq!(c.answer(), (1, Response::WaitTimeout { missing: vec!["never".into()] }));
     // Two sessions in one barrier: both are participants.
     c.send(1, Request::Barrier { name: "pair".into(), world_size: 2, timeout_ms: 10_000 });
     c.send(2, Request::Barrier { name: "pair".into(), world_size: 2, timeout_ms: 10_000 });
