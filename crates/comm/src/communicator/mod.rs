@@ -158,6 +158,10 @@ impl Communicator {
     /// `store_addr` (`host:port`), proving `secret`, with `clients` as this
     /// rank's local devices.
     ///
+    /// Under `cohort run` with a node relay, the store is reached through
+    /// the relay's sockets the launcher passed in `COHORT_STORE_FD` (see
+    /// [`StoreClient::connect_rank`]).
+    ///
     /// Waits until every rank joined and every link (shared memory within a
     /// node, TCP across) is up, up to the collective timeout (`COHORT_TIMEOUT`
     /// seconds, default 10 minutes). Every rank must pass the same number of
