@@ -39,7 +39,16 @@
 //! - `baseline`: `cohort`'s pattern against another build's store, when
 //!   `--baseline CMD` names a command that serves one and prints its port
 //!   (that build's `rendezvous_bench --serve`, the secret read from stdin):
-//!   compares two versions of the store in one run.
+//!   compares two versions of the store in one run;
+//! - `relay` (with `--relay`): `cohort`'s pattern through node relays, as
+//!   `cohort run` does it: each simulated node (`--per-node` ranks, 8 when
+//!   0) gets a [`StoreRelay`] started after the release (its connection to
+//!   the store is inside the timed window, as a launcher's is; each starts
+//!   on a thread of its own, as each node's launcher does, at most
+//!   `--window` ranks' worth at once),
+//!   and its ranks speak over their socket-pair ends with no handshake (a
+//!   rank counts as connected once its relay is started). The relays run
+//!   in this process: their CPU is in `clients cpu`.
 //!
 //! For every run it prints when the last rank had connected, published,
 //! joined (passed the first barrier), read its directory and passed
@@ -48,7 +57,7 @@
 //! bottleneck. Then ratios against TCPStore at every count.
 //!
 //! Run: `cargo run --release --example rendezvous_bench -- [--tcpstore CMD]
-//! [--baseline CMD] [--threads T] [--window W] [--store-workers S] [--no-two-trips]
+//! [--baseline CMD] [--relay] [--threads T] [--window W] [--store-workers S] [--no-two-trips]
 //! [counts...]` (default counts 1024 4096 16384; `--store-workers` sets the
 //! threads serving cohort's authenticated clients, default one per two
 //! cores up to 8).
@@ -64,8 +73,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use cohort_comm::store::raw::{self, Handshake};
-use cohort_comm::store::{generate_secret, StoreServer};
-use mio::net::TcpStream;
+use cohort_comm::store::{generate_secret, StoreRelay, StoreServer};
+use mio::net::{TcpStream, UnixStream};
 use mio::{Events, Interest, Poll, Token};
 
 const TIMEOUT: Duration = Duration::from_secs(300);
@@ -209,10 +218,44 @@ enum Field {
     Blob,
 }
 
+/// A simulated rank's socket: its own connection to the store, or its end
+/// of its node relay's socket pair.
+enum Sock {
+    Tcp(TcpStream),
+    Relay(UnixStream),
+}
+
+impl Sock {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Sock::Tcp(s) => s.read(buf),
+            Sock::Relay(s) => s.read(buf),
+        }
+    }
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Sock::Tcp(s) => s.write(buf),
+            Sock::Relay(s) => s.write(buf),
+        }
+    }
+    fn take_error(&self) -> std::io::Result<Option<std::io::Error>> {
+        match self {
+            Sock::Tcp(s) => s.take_error(),
+            Sock::Relay(s) => s.take_error(),
+        }
+    }
+    fn peer_addr(&self) -> std::io::Result<()> {
+        match self {
+            Sock::Tcp(s) => s.peer_addr().map(|_| ()),
+            Sock::Relay(_) => Ok(()),
+        }
+    }
+}
+
 /// One simulated rank.
 struct Rank {
     rank: usize,
-    stream: TcpStream,
+    stream: Sock,
     step: Step,
     out: Vec<u8>,
     out_at: usize,
@@ -768,7 +811,75 @@ fn connect_from(source: std::net::Ipv4Addr, addr: SocketAddr) -> std::io::Result
     Ok(TcpStream::from_std(std::net::TcpStream::from(fd)))
 }
 
+/// A new simulated rank on `stream`.
+fn new_rank(rank: usize, stream: Sock, per_node: usize, began: Duration) -> Rank {
+    Rank {
+        rank,
+        stream,
+        step: Step::Connecting,
+        out: Vec::new(),
+        out_at: 0,
+        field: Field::FrameLen,
+        head: Vec::new(),
+        need: 4,
+        values_left: 0,
+        value_index: 0,
+        lines: 0,
+        handshake: None,
+        times: Times { began, ..Times::default() },
+        per_node,
+    }
+}
+
+/// The ranks of one simulated node, for relays (`--per-node`, 8 when 0).
+fn relay_group(per_node: usize) -> usize {
+    if per_node == 0 {
+        8
+    } else {
+        per_node
+    }
+}
+
+/// A node relay started (on a thread of its own, as each node's launcher
+/// starts its own): the node's ranks, when the start began, and the relay
+/// with the ranks' ends.
+type Started = (Vec<usize>, Duration, Result<(StoreRelay, Vec<std::os::unix::net::UnixStream>), String>);
+
+/// Adds the ranks of a node whose relay started to `slots`, connected,
+/// their first requests queued.
+#[allow(clippy::too_many_arguments)]
+fn add_node(
+    kind: Kind,
+    (node, began, started): Started,
+    n: usize,
+    per_node: usize,
+    poll: &Poll,
+    slots: &mut Vec<Rank>,
+    relays: &mut Vec<StoreRelay>,
+    t0: Instant,
+) -> Result<(), String> {
+    let (relay, ends) = started.map_err(|e| format!("relay of ranks {node:?}: {e}"))?;
+    relays.push(relay);
+    for (&rank, end) in node.iter().zip(ends) {
+        end.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let mut stream = UnixStream::from_std(end);
+        let token = Token(slots.len());
+        poll.registry()
+            .register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
+            .map_err(|e| e.to_string())?;
+        let mut r = new_rank(rank, Sock::Relay(stream), per_node, began);
+        r.times.tcp_up = t0.elapsed();
+        r.times.greeted = r.times.tcp_up;
+        r.times.connected = r.times.tcp_up;
+        r.first_request(kind, n, t0);
+        r.flush()?;
+        slots.push(r);
+    }
+    Ok(())
+}
+
 /// Drives `ranks` through the pattern on one thread; returns their times.
+/// With `relay`, `ranks` are whole nodes, each started through its relay.
 #[allow(clippy::too_many_arguments)]
 fn drive(
     kind: Kind,
@@ -782,16 +893,45 @@ fn drive(
     start: &parking_lot::Mutex<Option<Instant>>,
     connected: &AtomicUsize,
     one_source: bool,
+    relay: bool,
 ) -> Result<Vec<Times>, String> {
     let mut poll = Poll::new().map_err(|e| e.to_string())?;
     let mut events = Events::with_capacity(4096);
     let mut slots: Vec<Rank> = Vec::with_capacity(ranks.len());
+    let mut relays = Vec::new();
+    // Relays being started, at most a window's worth of ranks at once.
+    const STARTED: Token = Token(usize::MAX);
+    let woken = Arc::new(mio::Waker::new(poll.registry(), STARTED).map_err(|e| e.to_string())?);
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<Started>();
+    let (mut next_node, mut starting) = (0usize, 0usize);
     let mut buf = vec![0u8; 256 << 10];
     go.wait();
     let t0 = start.lock().expect("set before the release");
     let (mut connecting, mut done) = (0usize, 0usize);
     loop {
-        while connecting < window && slots.len() < ranks.len() {
+        while relay && next_node < ranks.len() && starting * relay_group(per_node) < window {
+            let group = relay_group(per_node);
+            let first = ranks[next_node];
+            let node: Vec<usize> =
+                ranks[next_node..].iter().copied().take_while(|r| r / group == first / group).collect();
+            next_node += node.len();
+            starting += 1;
+            let (tx, woken, secret) = (started_tx.clone(), woken.clone(), secret.to_vec());
+            std::thread::spawn(move || {
+                let began = t0.elapsed();
+                let started =
+                    StoreRelay::start(&addr.to_string(), &secret, node.len(), TIMEOUT).map_err(|e| e.to_string());
+                let _ = tx.send((node, began, started));
+                let _ = woken.wake();
+            });
+        }
+        while let Ok(started) = started_rx.try_recv() {
+            starting -= 1;
+            let count = started.0.len();
+            add_node(kind, started, n, per_node, &poll, &mut slots, &mut relays, t0)?;
+            connected.fetch_add(count, Ordering::Relaxed);
+        }
+        while !relay && connecting < window && slots.len() < ranks.len() {
             let rank = ranks[slots.len()];
             let mut stream = match source_of(rank, per_node, addr, one_source) {
                 Some(source) => connect_from(source, addr).map_err(|e| {
@@ -805,22 +945,7 @@ fn drive(
             poll.registry()
                 .register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
                 .map_err(|e| e.to_string())?;
-            slots.push(Rank {
-                rank: ranks[slots.len()],
-                stream,
-                step: Step::Connecting,
-                out: Vec::new(),
-                out_at: 0,
-                field: Field::FrameLen,
-                head: Vec::new(),
-                need: 4,
-                values_left: 0,
-                value_index: 0,
-                lines: 0,
-                handshake: None,
-                times: Times { began: t0.elapsed(), ..Times::default() },
-                per_node,
-            });
+            slots.push(new_rank(rank, Sock::Tcp(stream), per_node, t0.elapsed()));
             connecting += 1;
         }
         if done == ranks.len() {
@@ -832,6 +957,9 @@ fn drive(
         }
         poll.poll(&mut events, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
         for ev in events.iter() {
+            if ev.token() == STARTED {
+                continue;
+            }
             let r = &mut slots[ev.token().0];
             if r.step == Step::Done {
                 continue;
@@ -842,7 +970,7 @@ fn drive(
                     return Err(format!("rank {} could not connect: {e}", r.rank));
                 }
                 match r.stream.peer_addr() {
-                    Ok(_) => r.on_connected(kind, t0),
+                    Ok(()) => r.on_connected(kind, t0),
                     Err(e) if e.kind() == std::io::ErrorKind::NotConnected => continue,
                     Err(e) => return Err(format!("rank {} could not connect: {e}", r.rank)),
                 }
@@ -929,7 +1057,8 @@ fn busiest_threads(
     used.iter().take(2).map(|(name, cpu)| format!("{name} {:.0} ms", ms(*cpu))).collect::<Vec<_>>().join(", ")
 }
 
-/// Runs `n` simulated ranks of `kind` against `server`.
+/// Runs `n` simulated ranks of `kind` against `server` (through node
+/// relays with `relay`).
 #[allow(clippy::too_many_arguments)]
 fn simulate(
     kind: Kind,
@@ -940,6 +1069,7 @@ fn simulate(
     window: usize,
     per_node: usize,
     one_source: bool,
+    relay: bool,
 ) -> Result<Run, String> {
     let threads = threads.min(n).max(1);
     let go = Arc::new(Barrier::new(threads + 1));
@@ -950,10 +1080,16 @@ fn simulate(
         .map(|t| {
             let (go, start, secret) = (go.clone(), start.clone(), secret.as_bytes().to_vec());
             let connected = connected.clone();
-            let ranks: Vec<usize> = (t..n).step_by(threads).collect();
+            // Through relays, each thread drives whole nodes.
+            let group = relay_group(per_node);
+            let ranks: Vec<usize> = if relay {
+                (0..n).filter(|r| (r / group) % threads == t).collect()
+            } else {
+                (t..n).step_by(threads).collect()
+            };
             let window = window.div_ceil(threads);
             std::thread::spawn(move || {
-                drive(kind, addr, ranks, n, &secret, window, per_node, &go, &start, &connected, one_source)
+                drive(kind, addr, ranks, n, &secret, window, per_node, &go, &start, &connected, one_source, relay)
             })
         })
         .collect();
@@ -1056,6 +1192,15 @@ fn connect_breakdown(each: &[Times], window: usize) -> String {
     )
 }
 
+/// Where a run's ranks go: straight to this build's store, through node
+/// relays to it, or to the baseline build's store.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Target {
+    Direct,
+    Relay,
+    Baseline,
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -1072,6 +1217,7 @@ fn main() {
     let mut store_workers = 0usize;
     let mut per_node = 8usize;
     let mut one_source = false;
+    let mut relay = false;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--serve" => return serve(args.next().and_then(|v| v.parse().ok()).unwrap_or(0)),
@@ -1090,6 +1236,7 @@ fn main() {
             "--window" => window = args.next().and_then(|v| v.parse().ok()).expect("--window takes a number"),
             "--no-two-trips" => two_trips = false,
             "--one-source" => one_source = true,
+            "--relay" => relay = true,
             "--per-node" => per_node = args.next().and_then(|v| v.parse().ok()).expect("--per-node takes a number"),
             n => counts.push(n.parse::<usize>().unwrap_or_else(|_| panic!("not a count or option: {n}"))),
         }
@@ -1114,6 +1261,7 @@ fn main() {
     let me = std::env::current_exe().expect("own path").to_string_lossy().into_owned();
     let mut ratios = Vec::new();
     let mut against_baseline = Vec::new();
+    let mut relay_ratios = Vec::new();
     for &n in &counts {
         if n as u64 + 64 > limit {
             println!("{n:>7} skipped: needs {} descriptors per process, the limit is {limit} (ulimit -Hn)", n + 64);
@@ -1127,13 +1275,23 @@ fn main() {
             kinds.push(Kind::TcpStore);
         }
         // (pattern, the baseline build's store)
-        let mut runs: Vec<(Kind, bool)> = kinds.into_iter().map(|k| (k, false)).collect();
+        let mut runs: Vec<(Kind, Target)> = kinds.into_iter().map(|k| (k, Target::Direct)).collect();
+        if relay {
+            let descriptors = 2 * n + 4 * n.div_ceil(relay_group(per_node)) + 64;
+            if descriptors as u64 > limit {
+                println!("{n:>7} relay skipped: needs {descriptors} descriptors, the limit is {limit} (ulimit -Hn)");
+            } else {
+                runs.push((Kind::Cohort, Target::Relay));
+            }
+        }
         if baseline.is_some() {
-            runs.push((Kind::Cohort, true));
+            runs.push((Kind::Cohort, Target::Baseline));
         }
         let mut ready = Vec::new();
         let mut base = None;
-        for (kind, on_baseline) in runs {
+        let mut relayed = None;
+        for (kind, target) in runs {
+            let on_baseline = target == Target::Baseline;
             let secret = generate_secret().expect("secret");
             let server = match (kind, &tcpstore, &baseline) {
                 (Kind::TcpStore, Some(cmd), _) => Server::start(cmd, "-"),
@@ -1146,11 +1304,13 @@ fn main() {
             };
             let name = match kind {
                 _ if on_baseline => "baseline",
+                _ if target == Target::Relay => "relay",
                 Kind::Cohort => "cohort",
                 Kind::CohortTwoTrips => "cohort-2rt",
                 Kind::TcpStore => "tcpstore",
             };
-            match simulate(kind, &server, n, &secret, threads, window, per_node, one_source) {
+            let through_relays = target == Target::Relay;
+            match simulate(kind, &server, n, &secret, threads, window, per_node, one_source, through_relays) {
                 Ok(run) => {
                     let t = run.last;
                     println!(
@@ -1176,6 +1336,8 @@ fn main() {
                     );
                     if on_baseline {
                         base = Some(t);
+                    } else if through_relays {
+                        relayed = Some(t);
                     } else {
                         ready.push((kind, t));
                     }
@@ -1191,6 +1353,24 @@ fn main() {
         if let (Some(c), Some(b)) = (cohort, base) {
             against_baseline.push((n, c, b));
         }
+        if let Some(r) = relayed {
+            relay_ratios.push((n, r, cohort, base, torch));
+        }
+    }
+    for (n, r, direct, base, torch) in relay_ratios {
+        let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
+        let mut line = format!("{n:>7} ranks: through relays ready {:.1} ms", ms(r.ready));
+        for (name, other) in [("direct", direct), ("baseline", base), ("TCPStore", torch)] {
+            if let Some(o) = other {
+                line += &format!(
+                    "; vs {name} {:.1} ms: {:.2}x (connect {:.2}x)",
+                    ms(o.ready),
+                    ratio(o.ready, r.ready),
+                    ratio(o.connected, r.connected)
+                );
+            }
+        }
+        println!("{line}");
     }
     for (n, c, b) in against_baseline {
         let r = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);

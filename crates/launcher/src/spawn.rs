@@ -3,8 +3,13 @@
 
 use std::ffi::OsString;
 use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use cohort_comm::store::StoreRelay;
 
 use cohort_runtime::config;
 
@@ -14,6 +19,8 @@ use crate::config::JobConfig;
 #[derive(Debug, Clone)]
 pub struct RankEnv {
     vars: Vec<(&'static str, String)>,
+    /// The store's address the ranks are given.
+    store_addr: String,
 }
 
 impl RankEnv {
@@ -50,12 +57,44 @@ impl RankEnv {
         if let Some(n) = &cfg.omp_threads {
             vars.push(("OMP_NUM_THREADS", n.clone()));
         }
-        RankEnv { vars }
+        RankEnv { vars, store_addr: cfg.store_addr(store_port) }
     }
 
     /// The global rank of `local_rank` on `node_rank`.
     pub fn global_rank(cfg: &JobConfig, local_rank: usize) -> usize {
         cfg.node_rank as usize * cfg.nproc + local_rank
+    }
+}
+
+/// How long a node relay may take to connect to the store (up already).
+const RELAY_CONNECT: Duration = Duration::from_secs(30);
+
+/// Relay sockets each rank gets: its communicator's store connection, the
+/// heartbeat's second connection and NCCL's (a rank that needs more
+/// connects directly).
+pub const RELAY_SOCKETS_PER_RANK: usize = 3;
+
+/// Starts the node relay of an attempt when this node runs 2 or more ranks
+/// and `COHORT_STORE_RELAY` is not 0: the relay and each local rank's ends
+/// of its socket pairs ([`RELAY_SOCKETS_PER_RANK`] each), by local rank.
+/// Without a relay (or when it cannot start, which is logged) the ranks
+/// connect to the store themselves.
+pub fn start_relay(cfg: &JobConfig, env: &RankEnv) -> (Option<StoreRelay>, Vec<Vec<UnixStream>>) {
+    // The launcher checked every COHORT_* variable before it started.
+    if cfg.nproc < 2 || !config::STORE_RELAY.get().unwrap_or(true) {
+        return (None, Vec::new());
+    }
+    let per_rank = RELAY_SOCKETS_PER_RANK;
+    match StoreRelay::start(&env.store_addr, &cfg.secret, cfg.nproc * per_rank, RELAY_CONNECT) {
+        Ok((relay, ends)) => {
+            let mut ends = ends.into_iter();
+            let by_rank = (0..cfg.nproc).map(|_| ends.by_ref().take(per_rank).collect()).collect();
+            (Some(relay), by_rank)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "could not start the node's store relay; the ranks connect to the store themselves");
+            (None, Vec::new())
+        }
     }
 }
 
@@ -68,7 +107,17 @@ impl RankEnv {
 /// Must be called from the thread that lives as long as the launcher (the
 /// main thread): Linux sends the parent-death signal when the *thread* that
 /// forked the child exits.
-pub fn spawn_rank(program: &[OsString], env: &RankEnv, rank: usize, local_rank: usize) -> io::Result<Child> {
+///
+/// The rank inherits the sockets of `store_ends` (its ends of the node
+/// relay's pairs) and finds their numbers in `COHORT_STORE_FD`; with none,
+/// the variable is removed from its environment.
+pub fn spawn_rank(
+    program: &[OsString],
+    env: &RankEnv,
+    rank: usize,
+    local_rank: usize,
+    store_ends: &[UnixStream],
+) -> io::Result<Child> {
     let (exe, args) = program.split_first().ok_or(io::ErrorKind::InvalidInput)?;
     let mut cmd = Command::new(exe);
     cmd.args(args)
@@ -80,8 +129,35 @@ pub fn spawn_rank(program: &[OsString], env: &RankEnv, rank: usize, local_rank: 
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    if store_ends.is_empty() {
+        cmd.env_remove(config::STORE_FD.name);
+    } else {
+        inherit(&mut cmd, store_ends.iter().map(AsRawFd::as_raw_fd).collect());
+    }
     die_with_parent(&mut cmd);
     cmd.spawn()
+}
+
+/// Lets the child inherit descriptors `fds` (every descriptor the launcher
+/// opens is close-on-exec) and names them in `COHORT_STORE_FD`.
+fn inherit(cmd: &mut Command, fds: Vec<std::os::fd::RawFd>) {
+    let list: Vec<String> = fds.iter().map(|fd| fd.to_string()).collect();
+    cmd.env(config::STORE_FD.name, list.join(","));
+    // SAFETY: the closure runs in the forked child before exec and calls
+    // only fcntl, which is async-signal-safe; it allocates nothing (the
+    // list was built before the fork). The descriptors are open in the
+    // child (a copy of the parent's table, which holds them until the spawn
+    // returns).
+    unsafe {
+        cmd.pre_exec(move || {
+            for &fd in &fds {
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
 }
 
 #[cfg(target_os = "linux")]

@@ -117,10 +117,14 @@ pub fn run_attempt(
     let mut ranks: Vec<RankProc> = Vec::with_capacity(cfg.nproc);
     let mut reason: Option<Reason> = None;
     let activity = output::Activity::default();
+    // The node's ranks reach the store through one relay (its connection
+    // made before they start); it lives until they have all exited.
+    let (_relay, mut ends) = spawn::start_relay(cfg, env);
 
     for local_rank in 0..cfg.nproc {
         let rank = RankEnv::global_rank(cfg, local_rank);
-        match start_rank(cfg, env, attempt, (rank, local_rank), tx, &done_tx, &activity) {
+        let mine = ends.get_mut(local_rank).map(std::mem::take).unwrap_or_default();
+        match start_rank(cfg, env, attempt, (rank, local_rank, mine), tx, &done_tx, &activity) {
             Ok(p) => ranks.push(p),
             Err(msg) => {
                 reason = Some(Reason::SpawnFailed(msg));
@@ -303,7 +307,7 @@ fn start_rank(
     cfg: &JobConfig,
     env: &RankEnv,
     attempt: u32,
-    (rank, local_rank): (usize, usize),
+    (rank, local_rank, store_ends): (usize, usize, Vec<std::os::unix::net::UnixStream>),
     events: &Sender<Event>,
     done: &Sender<()>,
     activity: &output::Activity,
@@ -319,7 +323,11 @@ fn start_rank(
         .open_files()
         .map_err(|e| format!("cannot create the log files of rank {rank} under {:?}: {e}", sinks.log_dir))?;
     let started = Instant::now();
-    let mut child = spawn::spawn_rank(&cfg.program, env, rank, local_rank).map_err(|e| {
+    // The launcher's copies of the rank's relay sockets are closed once the
+    // rank has its own, so the relay sees the rank's exit.
+    let spawned = spawn::spawn_rank(&cfg.program, env, rank, local_rank, &store_ends);
+    drop(store_ends);
+    let mut child = spawned.map_err(|e| {
         format!(
             "cannot start `{}` as rank {rank}: {e}; check the program's path and permissions",
             cfg.program[0].to_string_lossy()

@@ -30,6 +30,33 @@ fn four_ranks_pass_the_collective_suite() {
 }
 
 #[test]
+fn four_ranks_reach_the_store_through_the_node_relay_unless_it_is_off() {
+    // Each rank says how it reached the store: through the relay's socket
+    // the launcher handed it in COHORT_STORE_FD, or directly.
+    let out = output_within(suite_run(&["-n", "4", "--master-port", "0"], &[]), LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    // The communicator's connection and its heartbeat's both go through
+    // the relay (the third socket is for NCCL's, on GPUs).
+    assert_eq!(stdout.matches("store: relay, 2 of 3 sockets taken\n").count(), 4, "{stdout}");
+    let mut c = suite_run(&["-n", "4", "--master-port", "0"], &[]);
+    c.env("COHORT_STORE_RELAY", "0");
+    let out = output_within(c, LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert_eq!(stdout.matches("store: direct\n").count(), 4, "{stdout}");
+    assert!(stdout.contains("suite passed"), "{stdout}");
+    // A stale COHORT_STORE_FD in the launcher's environment never reaches
+    // a rank the launcher gives no relay: one rank alone connects directly.
+    let mut c = suite_run(&["-n", "1", "--master-port", "0"], &[]);
+    c.env("COHORT_STORE_FD", "0");
+    let out = output_within(c, LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert_eq!(stdout.matches("store: direct\n").count(), 1, "{stdout}");
+}
+
+#[test]
 fn two_ranks_of_two_devices_pass_the_suite() {
     let out = output_within(suite_run(&["-n", "2", "--master-port", "0"], &["--devices", "2"]), LIMIT);
     let (stdout, stderr) = texts(&out);
@@ -57,6 +84,9 @@ fn two_launchers_form_one_eight_rank_job_over_tcp_and_shm() {
             &["--large", "65536"],
         );
         c.env("COHORT_JOB_SECRET", "two-node-test-secret");
+        // Node 0's ranks reach the store through its relay, node 1's
+        // directly: one communicator of both.
+        c.env("COHORT_STORE_RELAY", if rank == "0" { "1" } else { "0" });
         c.spawn().expect("start a launcher")
     };
     let (first, second) = (node("0"), node("1"));
@@ -64,6 +94,8 @@ fn two_launchers_form_one_eight_rank_job_over_tcp_and_shm() {
     let (stdout, stderr) = texts(&a);
     assert_eq!(code(a.status, &a), 0, "{stdout}\n{stderr}");
     assert_eq!(code(b.status, &b), 0, "{:?}", texts(&b));
+    assert_eq!(stdout.matches("store: relay, 2 of 3 sockets taken\n").count(), 4, "{stdout}");
+    assert_eq!(texts(&b).0.matches("store: direct\n").count(), 4, "{:?}", texts(&b));
     assert!(stdout.contains("8 ranks × 1 devices"), "{stdout}");
     assert!(stdout.contains("self,shm,shm,shm,tcp,tcp,tcp,tcp"), "TCP between nodes, shm within: {stdout}");
 }

@@ -162,12 +162,21 @@ fn fault_the_master_port_is_in_use() {
 
 #[test]
 fn fault_a_wrong_job_secret() {
-    // One rank brings the wrong secret: the store refuses it.
+    // One rank brings the wrong secret to a store it connects to itself
+    // (no node relay): the store refuses it.
     let dir = temp_dir("fault-secret");
-    let (code, stderr) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["secret", "1"]));
+    let mut c = faulty(&dir, "3", &["-n", "3"], &["secret", "1"]);
+    c.env("COHORT_STORE_RELAY", "0");
+    let (code, stderr) = run_case(&dir, c);
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("rank 1 failed first"), "{stderr}");
     assert!(stderr.contains("refused this client: its job secret is not the job's"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+    // Through the node relay a rank proves nothing: the socket the launcher
+    // handed it is its credential, so the secret it holds is not consulted.
+    let dir = temp_dir("fault-secret-relayed");
+    let (code, stderr) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["secret", "1"]));
+    assert_eq!(code, 0, "{stderr}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

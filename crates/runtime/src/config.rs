@@ -309,6 +309,16 @@ fn parse_u32(raw: &OsStr) -> Result<u32, String> {
     whole(raw)
 }
 
+fn parse_fds(raw: &OsStr) -> Result<Vec<i32>, String> {
+    let list = text(raw)?;
+    list.split(',')
+        .map(|fd| {
+            let fd: u32 = whole(OsStr::new(fd.trim()))?;
+            i32::try_from(fd).map_err(|_| format!("{fd} is not a descriptor number"))
+        })
+        .collect()
+}
+
 fn parse_positive_u32(raw: &OsStr) -> Result<u32, String> {
     match whole::<u32>(raw)? {
         0 => Err("it is 0".into()),
@@ -503,6 +513,27 @@ pub static STORE_ADDR: Var<String> = Var::new(
     parse_host_port,
 )
 .from_launcher();
+
+/// The descriptors of a rank's ends of its node relay's sockets, set by
+/// `cohort run` for its ranks when it starts a relay.
+pub static STORE_FD: Var<Vec<i32>> = Var::new(
+    "COHORT_STORE_FD",
+    "set by `cohort run` when this node runs 2 or more ranks; else unset",
+    "Inherited sockets through which this rank reaches the rendezvous store (its node relay's: the first for its communicator, the others for that communicator's second connections); the rank connects directly when unset or once they are used",
+    "file descriptor numbers, comma-separated",
+    parse_fds,
+)
+.from_launcher();
+
+/// Whether `cohort run` relays its ranks' store traffic.
+pub static STORE_RELAY: Param<bool> = Param::new(
+    "COHORT_STORE_RELAY",
+    true,
+    "1",
+    "0 makes `cohort run` let every rank connect to the rendezvous store itself instead of through one relay per node",
+    "1, true, yes, on or 0, false, no, off",
+    parse_flag,
+);
 
 /// The default timeout of collectives and of forming a communicator.
 pub static TIMEOUT: Param<Duration> = Param::new(
@@ -711,9 +742,11 @@ pub static NNODES: Param<u32> = Param::new(
 
 /// Every variable cohort reads, in the order `cohort config` and
 /// `docs/configuration.md` list them.
-pub static ALL: [&dyn Setting; 23] = [
+pub static ALL: [&dyn Setting; 25] = [
     &JOB_SECRET,
     &STORE_ADDR,
+    &STORE_FD,
+    &STORE_RELAY,
     &TIMEOUT,
     &CPU_DEVICES,
     &WGPU_DEVICES,

@@ -159,6 +159,10 @@ impl Communicator {
     /// `store_addr` (`host:port`), proving `secret`, with `clients` as this
     /// rank's local devices.
     ///
+    /// Under `cohort run` with a node relay, the store is reached through
+    /// the relay's sockets the launcher passed in `COHORT_STORE_FD` (see
+    /// [`StoreClient::connect_rank`]).
+    ///
     /// Waits until every rank joined and every link (shared memory within a
     /// node, TCP across) is up, up to the collective timeout (`COHORT_TIMEOUT`
     /// seconds, default 10 minutes). Every rank must pass the same number of
@@ -190,9 +194,11 @@ impl Communicator {
         crate::check::check_clients(&clients)?;
         let timeout = default_timeout()?;
         config::check(&[&config::FLIGHT_RECORDER, &config::DESYNC_CHECK, &config::SHM_RING, &config::FUSION_MB])?;
-        // The first request (the instance counter) rides on the handshake:
-        // a wrong secret fails it with the store's refusal.
-        let store = StoreClient::connect_pipelined(store_addr, secret, timeout)?;
+        // Through the node's relay when the launcher gave this rank one
+        // (COHORT_STORE_FD); otherwise the first request (the instance
+        // counter) rides on the handshake: a wrong secret fails it with the
+        // store's refusal.
+        let store = StoreClient::connect_rank(store_addr, secret, timeout)?;
         let world = match given {
             #[cfg(feature = "mpi")]
             Some(links) => setup::form_with_links(store, rank, world_size, clients.len(), timeout, links)?,

@@ -3,6 +3,8 @@
 use std::fmt::Display;
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -31,8 +33,51 @@ impl CompareSet {
     }
 }
 
+/// The socket of a client: a TCP connection to the store, or a rank's end
+/// of its node relay's socket pair.
+pub(crate) enum Socket {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Socket {
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Socket::Tcp(s) => s.set_read_timeout(t),
+            Socket::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Socket::Tcp(s) => s.set_write_timeout(t),
+            Socket::Unix(s) => s.set_write_timeout(t),
+        }
+    }
+}
+
+impl io::Read for Socket {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Socket::Tcp(s) => s.read(buf),
+            Socket::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl io::Write for Socket {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Socket::Tcp(s) => s.write(buf),
+            Socket::Unix(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 struct Conn {
-    stream: TcpStream,
+    stream: Socket,
     /// Set when a request failed half-way: the stream's framing is lost.
     broken: bool,
     /// The handshake whose verdict has not been read yet (a client from
@@ -41,9 +86,9 @@ struct Conn {
 }
 
 /// The nonces of a handshake whose verdict is still on its way.
-struct Unverified {
-    client_nonce: [u8; protocol::NONCE_LEN],
-    server_nonce: [u8; protocol::NONCE_LEN],
+pub(crate) struct Unverified {
+    pub(crate) client_nonce: [u8; protocol::NONCE_LEN],
+    pub(crate) server_nonce: [u8; protocol::NONCE_LEN],
 }
 
 /// A connection to a rendezvous store, authenticated with the job secret.
@@ -58,7 +103,10 @@ struct Unverified {
 /// to [`StoreClient::connect`], and with [`StoreError::Disconnected`] at once
 /// when the server goes away, never hanging.
 pub struct StoreClient {
+    /// The store's address as errors show it.
     addr: String,
+    /// The address a direct connection goes to.
+    direct: String,
     secret: Vec<u8>,
     timeout: Duration,
     conn: Mutex<Conn>,
@@ -86,11 +134,50 @@ impl StoreClient {
         let shown = addr.to_string();
         let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, Verify::Now)?;
         Ok(StoreClient {
+            direct: shown.clone(),
             addr: shown,
             secret: secret.to_vec(),
             timeout,
-            conn: Mutex::new(Conn { stream, broken: false, verdict }),
+            conn: Mutex::new(Conn { stream: Socket::Tcp(stream), broken: false, verdict }),
         })
+    }
+
+    /// A client over `socket`, a rank's end of its node relay's socket
+    /// pair ([`StoreRelay`](super::StoreRelay)): already trusted, so there
+    /// is no handshake; every request goes through the relay's connection
+    /// to the store at `addr` (which errors name, and which
+    /// [`StoreClient::duplicate`] connects to directly, proving `secret`).
+    pub fn over_relay(
+        socket: UnixStream,
+        addr: impl Display,
+        secret: impl AsRef<[u8]>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let secret = secret.as_ref();
+        if secret.is_empty() {
+            return Err(StoreError::EmptySecret);
+        }
+        Ok(StoreClient {
+            addr: format!("{addr} (through this node's relay)"),
+            direct: addr.to_string(),
+            secret: secret.to_vec(),
+            timeout,
+            conn: Mutex::new(Conn { stream: Socket::Unix(socket), broken: false, verdict: None }),
+        })
+    }
+
+    /// The client a rank uses to reach the store at `addr`: over its node
+    /// relay's socket when the launcher passed it some in `COHORT_STORE_FD`
+    /// (each is taken once per process, in order; once they are all taken,
+    /// calls connect directly), otherwise
+    /// [`StoreClient::connect_pipelined`]. A descriptor that is not an open
+    /// socket, or a value that is not a list of descriptors, is an error
+    /// naming the variable.
+    pub fn connect_rank(addr: &str, secret: impl AsRef<[u8]>, timeout: Duration) -> Result<Self> {
+        match take_relay_socket()? {
+            Some(socket) => Self::over_relay(socket, addr, secret, timeout),
+            None => Self::connect_pipelined(addr, secret, timeout),
+        }
     }
 
     /// [`StoreClient::connect`] without waiting for the store's verdict on
@@ -117,10 +204,11 @@ impl StoreClient {
         let shown = addr.to_string();
         let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, Verify::WithFirstAnswer)?;
         Ok(StoreClient {
+            direct: shown.clone(),
             addr: shown,
             secret: secret.to_vec(),
             timeout,
-            conn: Mutex::new(Conn { stream, broken: false, verdict }),
+            conn: Mutex::new(Conn { stream: Socket::Tcp(stream), broken: false, verdict }),
         })
     }
 
@@ -129,14 +217,26 @@ impl StoreClient {
     /// does not wait for the verdict: its first request travels with the
     /// proof (the secret is the one this connection uses), and the server's
     /// proof is checked before that request's answer is read.
+    ///
+    /// A client over a node relay takes the next relay socket the launcher
+    /// gave this process (`COHORT_STORE_FD`), while there is one: another
+    /// session of the relay's connection, with its own will, no handshake.
     pub fn duplicate(&self) -> Result<StoreClient> {
-        StoreClient::connect_pipelined(self.addr.as_str(), &self.secret, self.timeout)
+        if matches!(self.conn.lock().stream, Socket::Unix(_)) {
+            if let Some(socket) = take_relay_socket()? {
+                return StoreClient::over_relay(socket, self.direct.as_str(), &self.secret, self.timeout);
+            }
+        }
+        StoreClient::connect_pipelined(self.direct.as_str(), &self.secret, self.timeout)
     }
 
     /// A second handle on the connection's socket (tests cut it).
     #[cfg(test)]
     pub(crate) fn socket(&self) -> TcpStream {
-        self.conn.lock().stream.try_clone().expect("clone the socket")
+        match &self.conn.lock().stream {
+            Socket::Tcp(s) => s.try_clone().expect("clone the socket"),
+            Socket::Unix(_) => panic!("a relay's client has no TCP socket"),
+        }
     }
 
     /// The store's address as given to [`StoreClient::connect`].
@@ -455,7 +555,7 @@ fn exchange(
     stream.set_read_timeout(Some(within)).map_err(Failed::Io)?;
     stream.set_write_timeout(Some(within)).map_err(Failed::Io)?;
     let sent = protocol::write_frames(stream, bodies);
-    if let Some(hs) = conn.verdict.take() {
+    if let (Some(hs), Socket::Tcp(stream)) = (conn.verdict.take(), &mut *stream) {
         // Read the verdict even if the write failed: a store that refused
         // the proof may have closed before the request went out.
         let deadline = Instant::now() + within;
@@ -472,8 +572,68 @@ fn exchange(
         // read_frame_by changed the read timeout: each answer's is the whole.
         stream.set_read_timeout(Some(within)).map_err(Failed::Io)?;
     }
+    if let (Err(e), Socket::Unix(_)) = (&sent, &*stream) {
+        // A relay that lost the store closes this rank's end right after
+        // leaving it a refusal that says why: read that rather than the
+        // broken pipe.
+        if let Ok(refusal) = protocol::read_frame(stream) {
+            tracing::debug!(error = %e, "the store relay closed this rank's socket");
+            return Ok(vec![refusal]);
+        }
+    }
     sent.map_err(Failed::Io)?;
     bodies.iter().map(|_| protocol::read_frame(stream).map_err(Failed::Io)).collect()
+}
+
+/// The relay sockets the launcher gave this process (`COHORT_STORE_FD`)
+/// not taken yet, in order; `None` until the variable is read.
+static RELAY_SOCKETS: parking_lot::Mutex<Option<std::collections::VecDeque<RawFd>>> = parking_lot::Mutex::new(None);
+
+/// The next relay socket of `COHORT_STORE_FD` not taken yet, checked.
+fn take_relay_socket() -> Result<Option<UnixStream>> {
+    let mut pool = RELAY_SOCKETS.lock();
+    if pool.is_none() {
+        let fds = cohort_runtime::config::STORE_FD.get().map_err(|e| StoreError::Relay(e.to_string()))?;
+        *pool = Some(fds.unwrap_or_default().into());
+    }
+    match pool.as_mut().and_then(|p| p.pop_front()) {
+        Some(fd) => relay_socket(fd).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The descriptor `fd` (from `COHORT_STORE_FD`) as the socket of this
+/// rank's end of its node relay, checked to be an open stream socket.
+pub(crate) fn relay_socket(fd: RawFd) -> Result<UnixStream> {
+    let bad = |why: String| {
+        StoreError::Relay(format!(
+            "descriptor {fd} of COHORT_STORE_FD is not this process's end of its node relay: {why}; run the \
+             program under `cohort run`, or unset COHORT_STORE_FD to connect to the store directly"
+        ))
+    };
+    let mut kind: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `kind`, a c_int
+    // that outlives the call; any fd value is safe to ask about.
+    let rc = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&mut kind as *mut libc::c_int).cast(), &mut len)
+    };
+    if rc != 0 {
+        return Err(bad(io::Error::last_os_error().to_string()));
+    }
+    if kind != libc::SOCK_STREAM {
+        return Err(bad("it is not a stream socket".into()));
+    }
+    // SAFETY: the descriptor is an open socket (checked above) that the
+    // launcher handed to this process for the store alone, and the caller
+    // takes it once per process; from here the client owns it.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: as above; FD_CLOEXEC keeps it from leaking into programs
+    // this rank starts.
+    unsafe {
+        libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+    }
+    Ok(UnixStream::from(owned))
 }
 
 /// The bytes of a value answered by the server (shared only on its side).
@@ -511,14 +671,14 @@ enum Attempt {
 
 /// When the client reads the store's verdict on its proof.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Verify {
+pub(crate) enum Verify {
     /// Before connecting returns.
     Now,
     /// Before the first request's answer.
     WithFirstAnswer,
 }
 
-fn connect_authenticated(
+pub(crate) fn connect_authenticated(
     addr: &(impl ToSocketAddrs + ?Sized),
     shown: &str,
     secret: &[u8],

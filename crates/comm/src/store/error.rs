@@ -76,6 +76,11 @@ pub enum StoreError {
         detail: String,
     },
 
+    /// The node relay's socket this rank was given cannot be used, or the
+    /// relay could not start.
+    #[error("{0}")]
+    Relay(String),
+
     /// The connection closed or failed in the middle of a request.
     #[error(
         "lost the connection to the rendezvous store at {addr}: {source}; the process that serves \

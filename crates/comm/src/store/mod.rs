@@ -38,6 +38,12 @@
 //! over non-blocking sockets: a client blocked in `wait` or `barrier` costs
 //! the server no thread, so one store serves tens of thousands of ranks.
 //!
+//! A node's launcher may serve its ranks through a [`StoreRelay`]: one
+//! connection to the store carries every local rank's requests, each rank
+//! a session of it (its own blocking requests, will and barrier place),
+//! and each rank reaches the relay over an inherited socket pair with no
+//! handshake ([`StoreClient::connect_rank`] reads `COHORT_STORE_FD`).
+//!
 //! Wire format and handshake: see the `protocol` module's source; [`raw`]
 //! builds and reads frames for programs that drive their own sockets.
 
@@ -45,6 +51,7 @@ mod client;
 mod error;
 mod protocol;
 pub mod raw;
+mod relay;
 mod server;
 mod state;
 
@@ -53,7 +60,8 @@ mod tests;
 
 pub use client::{CompareSet, StoreClient};
 pub use error::{Result, StoreError};
-pub use protocol::{MAX_FRAME, MAX_KEY, MAX_VALUE, PREAUTH_MAX_FRAME};
+pub use protocol::{MAX_FRAME, MAX_KEY, MAX_VALUE, PREAUTH_MAX_FRAME, SESSION_OVERHEAD};
+pub use relay::{StoreRelay, MAX_RELAYED_FRAME};
 pub use server::{StoreServer, MAX_UNAUTHENTICATED, MAX_WORKERS};
 
 /// Returns a fresh random job secret: 32 bytes from the operating system, as

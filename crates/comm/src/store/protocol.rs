@@ -25,6 +25,19 @@
 //! A client that finds another [`VERSION`] in the greeting stops there with
 //! an error naming both versions; an answer without this version's byte
 //! (an older client's) is refused.
+//!
+//! Sessions: one authenticated connection may carry many clients' request
+//! streams (a node's relay carries its ranks'). A request body that starts
+//! with [`OPEN_SESSION`] or [`CLOSE_SESSION`] and a `u32` session id opens
+//! or closes that session (no answer, unless refused); one that starts with
+//! [`IN_SESSION`], a session id and then a plain request body is that
+//! request in that session, and its answer comes back as [`SESSION_ANSWER`],
+//! the session id and the plain answer body. Each session has what a
+//! connection has: one request at a time (later ones wait their turn, in
+//! order, while it blocks, without holding up other sessions), its own
+//! will, set when it closes or the connection drops, and its blocked request
+//! withdrawn when it closes. A connection's plain requests are its session
+//! 0, which cannot be opened or closed.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -40,8 +53,9 @@ use super::error::StoreError;
 pub(crate) const MAGIC: &[u8; 12] = b"cohort-store";
 /// Protocol version; bumped on any incompatible change. Version 1 waited
 /// for the verdict before the first request; version 2 sends the first
-/// requests behind the proof.
-pub(crate) const VERSION: u8 = 2;
+/// requests behind the proof; version 3 carries sessions (see
+/// [`SessionFrame`]).
+pub(crate) const VERSION: u8 = 3;
 /// Bytes in a nonce.
 pub(crate) const NONCE_LEN: usize = 32;
 /// Bytes in an HMAC-SHA256 tag.
@@ -77,6 +91,93 @@ impl Chunk {
             Chunk::Shared(v) => v,
         }
     }
+}
+
+/// Request code: open the session whose `u32` id follows.
+pub(crate) const OPEN_SESSION: u8 = 13;
+/// Request code: close the session whose `u32` id follows (withdrawing its
+/// blocked request and setting its will).
+pub(crate) const CLOSE_SESSION: u8 = 14;
+/// Request code: a session id, then a plain request body in that session.
+pub(crate) const IN_SESSION: u8 = 15;
+/// Answer code: a session id, then a plain answer body of that session.
+pub(crate) const SESSION_ANSWER: u8 = 11;
+/// Bytes a session adds to a request or answer body (code and id).
+pub const SESSION_OVERHEAD: usize = 5;
+
+/// What a request body is, as far as sessions go.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum SessionFrame<'a> {
+    /// A plain request of the connection's own session (0).
+    Plain(&'a [u8]),
+    Open(u32),
+    Close(u32),
+    /// A plain request body of a session.
+    In(u32, &'a [u8]),
+}
+
+impl<'a> SessionFrame<'a> {
+    /// Reads a request body's session framing; an error describes a
+    /// session frame too short to hold its id, or an open/close with
+    /// trailing bytes.
+    pub(crate) fn parse(body: &'a [u8]) -> Result<SessionFrame<'a>, String> {
+        let code = body.first().copied();
+        if !matches!(code, Some(OPEN_SESSION | CLOSE_SESSION | IN_SESSION)) {
+            return Ok(SessionFrame::Plain(body));
+        }
+        let Some(id) = body.get(1..SESSION_OVERHEAD) else {
+            return Err(format!("a session frame of {} bytes has no session id", body.len()));
+        };
+        let id = u32::from_le_bytes(id.try_into().expect("4 bytes"));
+        let rest = &body[SESSION_OVERHEAD..];
+        match code {
+            Some(IN_SESSION) => Ok(SessionFrame::In(id, rest)),
+            _ if !rest.is_empty() => Err(format!("{} unexpected trailing bytes after a session id", rest.len())),
+            Some(OPEN_SESSION) => Ok(SessionFrame::Open(id)),
+            _ => Ok(SessionFrame::Close(id)),
+        }
+    }
+}
+
+/// The frame (length prefix and body) of `code` for session `id`, with
+/// room for `extra` more body bytes after it (its length counts them).
+pub(crate) fn session_head(code: u8, id: u32, extra: usize) -> [u8; 4 + SESSION_OVERHEAD] {
+    let mut head = [0u8; 4 + SESSION_OVERHEAD];
+    head[..4].copy_from_slice(&((SESSION_OVERHEAD + extra) as u32).to_le_bytes());
+    head[4] = code;
+    head[5..].copy_from_slice(&id.to_le_bytes());
+    head
+}
+
+/// An answer's frame, as pieces (from [`Response::encode_chunks`]), turned
+/// into the same answer of session `id`.
+pub(crate) fn in_session(id: u32, mut chunks: Vec<Chunk>) -> Vec<Chunk> {
+    let total: usize = chunks.iter().map(|c| c.bytes().len()).sum();
+    let first = match chunks.first_mut() {
+        Some(Chunk::Own(v)) if v.len() >= 4 => std::mem::take(v),
+        // Every answer's frame starts with a piece of its own holding the
+        // length prefix; anything else is copied whole.
+        _ => {
+            let whole: Vec<u8> = chunks.iter().flat_map(|c| c.bytes().to_vec()).collect();
+            chunks = vec![Chunk::Own(Vec::new())];
+            whole
+        }
+    };
+    let mut head = Vec::with_capacity(first.len() + SESSION_OVERHEAD);
+    head.extend_from_slice(&session_head(SESSION_ANSWER, id, total - 4));
+    head.extend_from_slice(&first[4..]);
+    chunks[0] = Chunk::Own(head);
+    chunks
+}
+
+/// Splits an answer body of a session into the session id and the plain
+/// answer body; `None` when it is not a session's answer.
+pub(crate) fn session_answer(body: &[u8]) -> Option<(u32, &[u8])> {
+    if body.first() != Some(&SESSION_ANSWER) || body.len() < SESSION_OVERHEAD {
+        return None;
+    }
+    let id = u32::from_le_bytes(body[1..SESSION_OVERHEAD].try_into().expect("4 bytes"));
+    Some((id, &body[SESSION_OVERHEAD..]))
 }
 
 /// Handshake answer: accepted.
@@ -693,6 +794,33 @@ mod tests {
         // A count of keys the body cannot hold is refused before allocating.
         assert!(Request::decode(&[10, 0xff, 0xff, 0xff, 0xff]).is_err());
         assert!(Response::decode(&[10, 0xff, 0xff, 0xff, 0x7f]).is_err());
+    }
+
+    #[test]
+    fn store_session_frames_round_trip() {
+        let get = Request::Get { key: "k".into() }.encode();
+        assert_eq!(SessionFrame::parse(&get), Ok(SessionFrame::Plain(&get)));
+        let mut open = session_head(OPEN_SESSION, 7, 0)[4..].to_vec();
+        assert_eq!(SessionFrame::parse(&open), Ok(SessionFrame::Open(7)));
+        open.push(0);
+        assert!(SessionFrame::parse(&open).unwrap_err().contains("trailing"));
+        let close = session_head(CLOSE_SESSION, 9, 0)[4..].to_vec();
+        assert_eq!(SessionFrame::parse(&close), Ok(SessionFrame::Close(9)));
+        let mut tagged = session_head(IN_SESSION, 3, get.len())[4..].to_vec();
+        tagged.extend_from_slice(&get);
+        assert_eq!(SessionFrame::parse(&tagged), Ok(SessionFrame::In(3, &get[..])));
+        assert!(SessionFrame::parse(&[IN_SESSION, 1]).unwrap_err().contains("no session id"));
+        for r in [
+            Response::Ok,
+            Response::Value(Some(Arc::new(vec![5; 10]))),
+            Response::Values(vec![None, Some(Arc::new(vec![1, 2]))]),
+        ] {
+            let frame: Vec<u8> = in_session(42, r.encode_chunks()).iter().flat_map(|c| c.bytes().to_vec()).collect();
+            let body = read_frame(&mut &frame[..]).unwrap();
+            let (id, inner) = session_answer(&body).unwrap();
+            assert_eq!((id, Response::decode(inner).unwrap()), (42, r));
+        }
+        assert_eq!(session_answer(&Response::Ok.encode()), None);
     }
 
     #[test]

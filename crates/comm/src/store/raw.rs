@@ -23,6 +23,10 @@ use super::protocol::{self, Request, Response};
 /// build's.
 const PREVIOUS_VERSION: u8 = 1;
 
+/// The protocol version before sessions: its handshake and requests are
+/// this one's, so a raw client speaks it to an older build's store too.
+const PIPELINED_VERSION: u8 = 2;
+
 /// The client's side of one connection's handshake.
 pub struct Handshake {
     server_nonce: [u8; protocol::NONCE_LEN],
@@ -33,13 +37,13 @@ pub struct Handshake {
 impl Handshake {
     /// Answers the server's greeting (a frame's body) with the proof of
     /// `secret`; returns the handshake and the whole frame to send. A
-    /// greeting of this protocol's version, or of the one before it, is
+    /// greeting of this protocol's version, or of the two before it, is
     /// answered in its own version; any other is an error naming it.
     pub fn answer(secret: &[u8], greeting: &[u8]) -> Result<(Handshake, Vec<u8>)> {
         let magic = protocol::MAGIC.len();
         let error = |detail: String| StoreError::Protocol { addr: "(raw)".into(), detail };
         let version = match greeting.get(magic) {
-            Some(&PREVIOUS_VERSION) if greeting[..magic] == protocol::MAGIC[..] => PREVIOUS_VERSION,
+            Some(&v @ (PREVIOUS_VERSION | PIPELINED_VERSION)) if greeting[..magic] == protocol::MAGIC[..] => v,
             _ => {
                 protocol::parse_greeting(greeting).map_err(error)?;
                 protocol::VERSION
@@ -52,6 +56,8 @@ impl Handshake {
         if version == PREVIOUS_VERSION {
             // Its answer had no version byte.
             body.remove(0);
+        } else {
+            body[0] = version;
         }
         Ok((Handshake { server_nonce, client_nonce, version }, frame(&body)))
     }

@@ -50,7 +50,7 @@ use parking_lot::Mutex;
 
 use super::error::{Result, StoreError};
 use super::protocol::{self, Chunk, Request, Response};
-use super::state::{Blocked, ConnId, Outcome, Table, Ticket};
+use super::state::{Blocked, ConnId, Outcome, SessionId, Table, Ticket};
 
 /// How long a new connection has to complete the whole handshake.
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -73,6 +73,13 @@ const LISTEN_BACKLOG: i32 = 65535;
 /// Bytes a connection may have read ahead of the request being answered
 /// (a client sends one request at a time; more waits in the kernel).
 const READ_AHEAD: usize = 64 << 10;
+
+/// Requests a session may send while it is blocked, waiting their turn;
+/// one more is refused.
+pub(crate) const MAX_QUEUED: usize = 64;
+
+/// Sessions one connection may hold open.
+pub(crate) const MAX_SESSIONS: usize = 1 << 16;
 
 /// Pieces handed to one vectored write.
 const MAX_SLICES: usize = 64;
@@ -412,12 +419,14 @@ struct Conn {
     /// Answers not yet written, the first from `written`.
     output: VecDeque<Chunk>,
     written: usize,
-    /// The request this connection waits in, if any.
-    blocked: Option<(u64, Blocked)>,
-    /// Requests taken so far (numbers the blocked ones).
+    /// The connection's own session (0): a plain client's requests.
+    main: Session,
+    /// The sessions opened on it (a relay's ranks), by id.
+    sessions: HashMap<SessionId, Session>,
+    /// Sessions just answered that have requests waiting their turn.
+    resumable: Vec<SessionId>,
+    /// Requests taken so far, over all sessions (numbers the blocked ones).
     seq: u64,
-    /// A will: set this key (unless present) should the client vanish.
-    will: Option<(String, Vec<u8>)>,
     /// The socket may hold bytes not read yet: a readable event came since
     /// a read found it empty. Reads are edge-triggered: bytes (or an end of
     /// stream) arriving later bring another event, so a connection driven
@@ -438,13 +447,75 @@ impl Conn {
             read_at: 0,
             output: VecDeque::new(),
             written: 0,
-            blocked: None,
+            main: Session::default(),
+            sessions: HashMap::new(),
+            resumable: Vec::new(),
             seq: 0,
-            will: None,
             // Registering a socket reports what it already holds.
             readable: false,
             read_closed: false,
         }
+    }
+
+    /// Session `id` of this connection, if open (0 always is).
+    fn session(&mut self, id: SessionId) -> Option<&mut Session> {
+        if id == 0 {
+            Some(&mut self.main)
+        } else {
+            self.sessions.get_mut(&id)
+        }
+    }
+
+    /// Queues `response` as session `id`'s answer.
+    fn answer(&mut self, id: SessionId, response: &Response) {
+        if id == 0 {
+            self.output.extend(response.encode_chunks());
+        } else {
+            self.output.extend(protocol::in_session(id, response.encode_chunks()));
+        }
+    }
+
+    /// Queues `response` tagged as session `id`'s, even for session 0 (a
+    /// refused session frame is answered in the session it named).
+    fn answer_tagged(&mut self, id: SessionId, response: &Response) {
+        self.output.extend(protocol::in_session(id, response.encode_chunks()));
+    }
+
+    /// Delivers the answer to session `ticket.session`'s blocked request
+    /// `ticket.seq`; false (nothing queued) when it no longer waits for it.
+    fn deliver(&mut self, ticket: Ticket, response: &Response) -> bool {
+        let Some(s) = self.session(ticket.session) else { return false };
+        if s.blocked.as_ref().is_none_or(|(seq, _)| *seq != ticket.seq) {
+            return false;
+        }
+        s.blocked = None;
+        let resume = !s.queued.is_empty();
+        if resume {
+            self.resumable.push(ticket.session);
+        }
+        self.answer(ticket.session, response);
+        true
+    }
+
+    /// A request of a session that waited its turn and may be served now.
+    fn next_queued(&mut self) -> Option<(SessionId, Vec<u8>)> {
+        while let Some(&id) = self.resumable.last() {
+            match self.session(id) {
+                Some(s) if s.blocked.is_none() => {
+                    if let Some(body) = s.queued.pop_front() {
+                        if s.queued.is_empty() {
+                            self.resumable.pop();
+                        }
+                        return Some((id, body));
+                    }
+                    self.resumable.pop();
+                }
+                _ => {
+                    self.resumable.pop();
+                }
+            }
+        }
+        None
     }
 
     /// Notes what a poll event says about the socket.
@@ -589,6 +660,18 @@ impl Conn {
             }
         }
     }
+}
+
+/// One client's request stream on a connection: the connection's own, or
+/// one a relay opened for a rank.
+#[derive(Default)]
+struct Session {
+    /// The request it waits in, if any.
+    blocked: Option<(u64, Blocked)>,
+    /// A will: set this key (unless present) should the client vanish.
+    will: Option<(String, Vec<u8>)>,
+    /// Requests that came while it was blocked, served in order after.
+    queued: VecDeque<Vec<u8>>,
 }
 
 /// A deadline a thread keeps.
@@ -901,9 +984,10 @@ impl Worker {
         if self.timers.len() > 4 * self.conns.len() + 1024 {
             let conns = &self.conns;
             self.timers.retain(|Reverse((_, t))| match t {
-                Timer::Blocked(ticket) => {
-                    conns.get(&ticket.conn).and_then(|c| c.blocked.as_ref()).is_some_and(|(seq, _)| *seq == ticket.seq)
-                }
+                Timer::Blocked(ticket) => conns.get(&ticket.conn).is_some_and(|c| {
+                    let s = if ticket.session == 0 { Some(&c.main) } else { c.sessions.get(&ticket.session) };
+                    s.and_then(|s| s.blocked.as_ref()).is_some_and(|(seq, _)| *seq == ticket.seq)
+                }),
                 _ => true,
             });
         }
@@ -916,16 +1000,18 @@ impl Worker {
             match timer {
                 Timer::Blocked(ticket) => {
                     let Some(c) = self.conns.get_mut(&ticket.conn) else { continue };
-                    let Some((seq, blocked)) = c.blocked.take_if(|(seq, _)| *seq == ticket.seq) else { continue };
-                    match self.shared.table.lock().withdraw(Ticket { conn: ticket.conn, seq }, &blocked) {
+                    let Some(s) = c.session(ticket.session) else { continue };
+                    let Some((seq, blocked)) = s.blocked.take_if(|(seq, _)| *seq == ticket.seq) else { continue };
+                    match self.shared.table.lock().withdraw(ticket, &blocked) {
                         Some(response) => {
-                            c.output.extend(response.encode_chunks());
+                            s.blocked = Some((seq, blocked));
+                            c.deliver(ticket, &response);
                             self.to_drive.push(ticket.conn);
                         }
                         // Answered meanwhile (the barrier opened, the keys
                         // came, on this thread or another): that answer is
                         // on its way through the mailbox; it still blocks.
-                        None => c.blocked = Some((seq, blocked)),
+                        None => s.blocked = Some((seq, blocked)),
                     }
                 }
                 Timer::Linger(id) => {
@@ -1015,9 +1101,7 @@ impl Worker {
     fn deliver_answers(&mut self) {
         for (ticket, response) in std::mem::take(&mut self.answers) {
             let Some(c) = self.conns.get_mut(&ticket.conn) else { continue };
-            if c.blocked.as_ref().is_some_and(|(seq, _)| *seq == ticket.seq) {
-                c.blocked = None;
-                c.output.extend(response.encode_chunks());
+            if c.deliver(ticket, &response) {
                 self.to_drive.push(ticket.conn);
             }
         }
@@ -1054,17 +1138,25 @@ impl Worker {
         }
         let Worker { index, shared, conns, timers, to_drive, answers, scratch, .. } = self;
         let Some(c) = conns.get_mut(&id) else { return Ok(()) };
+        let mut ctx = Serve { index: *index, shared, timers, to_drive, answers, id };
         loop {
             if matches!(c.phase, Phase::Closing) {
                 let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
                 return if flushed { Err(Close::Left("refused".into())) } else { Ok(()) };
             }
             let open = c.fill(scratch, READ_AHEAD, protocol::MAX_FRAME).map_err(|e| Close::Left(e.to_string()))?;
+            // Requests of sessions that waited their turn while blocked.
+            if let Some((session, body)) = c.next_queued() {
+                if ctx.serve(c, session, &body) {
+                    return Ok(());
+                }
+                continue;
+            }
             // A request whose bytes are all here is served before anything
             // is written (while few answers wait): the verdict and the
             // answers to the requests a client sent behind its proof, or
             // any requests it pipelined, leave in one write.
-            let next = if c.blocked.is_none() && c.output.len() < COALESCE {
+            let next = if c.main.blocked.is_none() && c.output.len() < COALESCE {
                 c.take_frame(protocol::MAX_FRAME, "").map_err(|e| Close::Failed(e.to_string()))?
             } else {
                 None
@@ -1073,7 +1165,7 @@ impl Worker {
                 Some(body) => body,
                 None => {
                     let flushed = c.flush().map_err(|e| Close::Left(e.to_string()))?;
-                    if c.blocked.is_some() || !flushed {
+                    if c.main.blocked.is_some() || !flushed {
                         // The answer comes first; an end of stream now
                         // means the client left while it waited.
                         return if open { Ok(()) } else { Err(Close::Left("end of stream while blocked".into())) };
@@ -1085,51 +1177,57 @@ impl Worker {
                     body
                 }
             };
-            c.seq += 1;
-            let ticket = Ticket { conn: id, seq: c.seq };
-            match Request::decode(&body) {
-                Ok(Request::SetWill { key, value }) => {
-                    c.will = Some((key, value));
-                    c.output.extend(Response::Ok.encode_chunks());
+            let woke_others = match protocol::SessionFrame::parse(&body) {
+                Ok(protocol::SessionFrame::Plain(body)) => ctx.serve(c, 0, body),
+                Ok(protocol::SessionFrame::Open(session)) => {
+                    if let Err(why) = open_session(c, session) {
+                        c.answer_tagged(session, &Response::Refused(why));
+                    }
+                    false
                 }
-                Ok(Request::ClearWill) => {
-                    c.will = None;
-                    c.output.extend(Response::Ok.encode_chunks());
+                Ok(protocol::SessionFrame::Close(session)) => {
+                    if session == 0 || !c.sessions.contains_key(&session) {
+                        c.answer_tagged(session, &Response::Refused(not_open(session)));
+                        false
+                    } else {
+                        ctx.close_session(c, session)
+                    }
                 }
-                Ok(req) => {
-                    let mut table = shared.table.lock();
-                    match table.apply(ticket, req) {
-                        Outcome::Answer(r) => c.output.extend(r.encode_chunks()),
-                        Outcome::Blocked(on, deadline) => {
-                            c.blocked = Some((ticket.seq, on));
-                            if let Some(at) = deadline {
-                                timers.push(Reverse((at, Timer::Blocked(ticket))));
-                            }
+                Ok(protocol::SessionFrame::In(session, request)) => match c.session(session) {
+                    Some(s) if session != 0 && s.blocked.is_some() => {
+                        if s.queued.len() < MAX_QUEUED {
+                            s.queued.push_back(request.to_vec());
+                        } else {
+                            let why = format!(
+                                "session {session} sent more than {MAX_QUEUED} requests while one of its requests \
+                                 was blocked; this one is refused"
+                            );
+                            c.answer(session, &Response::Refused(why));
                         }
+                        false
                     }
-                    let mine = shared.route(&mut table, Some(*index));
-                    drop(table);
-                    if !mine.is_empty() {
-                        // Deliver to the clients this request woke first;
-                        // this one goes on afterwards.
-                        answers.extend(mine);
-                        to_drive.push(id);
-                        let _ = c.flush();
-                        return Ok(());
+                    Some(_) if session != 0 => ctx.serve(c, session, request),
+                    _ => {
+                        c.answer_tagged(session, &Response::Refused(not_open(session)));
+                        false
                     }
-                }
+                },
                 Err(detail) => {
                     tracing::warn!(peer = %c.peer, %detail, "malformed store request; closing the connection");
                     c.send(&Response::Refused(detail).encode());
                     c.phase = Phase::Closing;
-                    timers.push(Reverse((Instant::now() + HANDSHAKE_TIMEOUT, Timer::Linger(id))));
+                    ctx.timers.push(Reverse((Instant::now() + HANDSHAKE_TIMEOUT, Timer::Linger(id))));
+                    false
                 }
+            };
+            if woke_others {
+                return Ok(());
             }
         }
     }
 
-    /// Closes connection `id`: withdraws its blocked request and sets its
-    /// will (unless the store is shutting down).
+    /// Closes connection `id`: withdraws the blocked request and sets the
+    /// will of each of its sessions (unless the store is shutting down).
     fn close(&mut self, id: ConnId, why: Close) {
         let Some(mut c) = self.conns.remove(&id) else { return };
         let _ = self.poll.registry().deregister(&mut c.stream);
@@ -1151,19 +1249,146 @@ impl Worker {
             Close::Left(e) => tracing::trace!(%peer, reason = %e, "store connection closed"),
         }
         let mut table = self.shared.table.lock();
-        if let Some((seq, blocked)) = c.blocked.take() {
-            table.withdraw(Ticket { conn: id, seq }, &blocked);
-        }
-        if let Some((key, value)) = c.will.take() {
-            if !table.is_shutting_down() {
-                tracing::debug!(%peer, %key, "store client left; setting its will");
-                table.set_if_absent(key, value);
-            }
+        let sessions = std::iter::once((0, std::mem::take(&mut c.main))).chain(c.sessions.drain());
+        for (session, s) in sessions {
+            end_session(&mut table, id, session, s, &peer);
         }
         let mine = self.shared.route(&mut table, Some(self.index));
         drop(table);
         self.answers.extend(mine);
         let _ = c.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// The message refusing a request of a session that is not open.
+fn not_open(session: SessionId) -> String {
+    if session == 0 {
+        "session 0 is the connection's own: it cannot be opened or closed".into()
+    } else {
+        format!("session {session} is not open on this connection (open it first; a session of another connection cannot be used)")
+    }
+}
+
+/// Opens session `id` on `c`, or says why not.
+fn open_session(c: &mut Conn, id: SessionId) -> std::result::Result<(), String> {
+    if id == 0 {
+        return Err(not_open(0));
+    }
+    if c.sessions.contains_key(&id) {
+        return Err(format!("session {id} is already open on this connection"));
+    }
+    if c.sessions.len() >= MAX_SESSIONS {
+        return Err(format!("this connection already holds {MAX_SESSIONS} sessions, the most one may"));
+    }
+    c.sessions.insert(id, Session::default());
+    Ok(())
+}
+
+/// Ends a session of connection `conn` (it closed, or its connection did):
+/// withdraws its blocked request and sets its will.
+fn end_session(table: &mut Table, conn: ConnId, session: SessionId, mut s: Session, peer: &SocketAddr) {
+    if let Some((seq, blocked)) = s.blocked.take() {
+        table.withdraw(Ticket { conn, session, seq }, &blocked);
+    }
+    if let Some((key, value)) = s.will.take() {
+        if !table.is_shutting_down() {
+            tracing::debug!(%peer, session, %key, "store client left; setting its will");
+            table.set_if_absent(key, value);
+        }
+    }
+}
+
+/// What serving one request of a connection needs of its worker.
+struct Serve<'a> {
+    index: usize,
+    shared: &'a Shared,
+    timers: &'a mut Timers,
+    to_drive: &'a mut Vec<ConnId>,
+    answers: &'a mut Vec<(Ticket, Response)>,
+    id: ConnId,
+}
+
+impl Serve<'_> {
+    /// Serves one plain request `body` of session `session` of `c`
+    /// (open): answers it, or records it as blocked. True when it woke
+    /// blocked clients of this worker: they are answered first, and the
+    /// connection is driven again afterwards.
+    fn serve(&mut self, c: &mut Conn, session: SessionId, body: &[u8]) -> bool {
+        c.seq += 1;
+        let ticket = Ticket { conn: self.id, session, seq: c.seq };
+        match Request::decode(body) {
+            Ok(Request::SetWill { key, value }) => {
+                if let Some(s) = c.session(session) {
+                    s.will = Some((key, value));
+                }
+                c.answer(session, &Response::Ok);
+                false
+            }
+            Ok(Request::ClearWill) => {
+                if let Some(s) = c.session(session) {
+                    s.will = None;
+                }
+                c.answer(session, &Response::Ok);
+                false
+            }
+            Ok(req) => {
+                let mut table = self.shared.table.lock();
+                match table.apply(ticket, req) {
+                    Outcome::Answer(r) => c.answer(session, &r),
+                    Outcome::Blocked(on, deadline) => {
+                        if let Some(s) = c.session(session) {
+                            s.blocked = Some((ticket.seq, on));
+                        }
+                        if let Some(at) = deadline {
+                            self.timers.push(Reverse((at, Timer::Blocked(ticket))));
+                        }
+                    }
+                }
+                let mine = self.shared.route(&mut table, Some(self.index));
+                drop(table);
+                self.woke(c, mine)
+            }
+            Err(detail) if session != 0 => {
+                // A relay passes its ranks' bytes on unread: one rank's
+                // malformed request ends its session, not the others'.
+                tracing::warn!(peer = %c.peer, session, %detail, "malformed store request; closing its session");
+                c.answer(session, &Response::Refused(detail));
+                self.close_session(c, session)
+            }
+            Err(detail) => {
+                tracing::warn!(peer = %c.peer, %detail, "malformed store request; closing the connection");
+                c.send(&Response::Refused(detail).encode());
+                c.phase = Phase::Closing;
+                self.timers.push(Reverse((Instant::now() + HANDSHAKE_TIMEOUT, Timer::Linger(self.id))));
+                false
+            }
+        }
+    }
+
+    /// Closes session `session` of `c` (open, not 0): withdraws its blocked
+    /// request, sets its will and drops the requests it had waiting. True
+    /// when that woke blocked clients of this worker (see [`Serve::serve`]).
+    fn close_session(&mut self, c: &mut Conn, session: SessionId) -> bool {
+        let Some(s) = c.sessions.remove(&session) else { return false };
+        let mut table = self.shared.table.lock();
+        end_session(&mut table, self.id, session, s, &c.peer);
+        let mine = self.shared.route(&mut table, Some(self.index));
+        drop(table);
+        self.woke(c, mine)
+    }
+
+    /// Hands this worker's answers that a request produced to the loop:
+    /// true (the connection is driven again after them) when there are any.
+    fn woke(&mut self, c: &mut Conn, mine: Vec<(Ticket, Response)>) -> bool {
+        if mine.is_empty() {
+            return false;
+        }
+        // Deliver to the clients this request woke first; this one goes on
+        // afterwards.
+        self.answers.extend(mine);
+        self.to_drive.push(self.id);
+        let _ = c.flush();
+        true
     }
 }
 

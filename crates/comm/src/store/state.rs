@@ -18,12 +18,31 @@ use super::protocol::{Request, Response, Value, MAX_VALUE};
 /// A connection of the server (its event-loop token).
 pub(crate) type ConnId = usize;
 
-/// One blocked request: its connection and that connection's request
-/// number (a later request of the same connection is another ticket).
+/// A session of a connection: 0 is the connection's own (a plain client's
+/// only one); a relay opens others, one per rank it serves.
+pub(crate) type SessionId = u32;
+
+/// Whoever a blocked request belongs to: a session of a connection (one
+/// blocked request at a time each).
+pub(crate) type Waiter = (ConnId, SessionId);
+
+/// One blocked request: its connection, its session and the connection's
+/// request number (a later request is another ticket).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) struct Ticket {
     pub conn: ConnId,
+    pub session: SessionId,
     pub seq: u64,
+}
+
+impl Ticket {
+    fn waiter(&self) -> Waiter {
+        (self.conn, self.session)
+    }
+
+    fn of((conn, session): Waiter, seq: u64) -> Ticket {
+        Ticket { conn, session, seq }
+    }
 }
 
 /// What a blocked request waits on (so it can withdraw).
@@ -71,10 +90,10 @@ struct Barrier {
 pub(crate) struct Table {
     keys: HashMap<String, Value>,
     barriers: HashMap<String, Barrier>,
-    /// Blocked waits, by connection (one request at a time each).
-    waits: HashMap<ConnId, Wait>,
-    /// The connections whose blocked wait misses each key.
-    waiting_on: HashMap<String, Vec<ConnId>>,
+    /// Blocked waits, by session (one request at a time each).
+    waits: HashMap<Waiter, Wait>,
+    /// The sessions whose blocked wait misses each key.
+    waiting_on: HashMap<String, Vec<Waiter>>,
     /// Answers to blocked requests, for the event loop to deliver.
     pub(crate) woken: Vec<(Ticket, Response)>,
     shutting_down: bool,
@@ -104,7 +123,7 @@ impl Table {
                 if w.missing == 0 {
                     let seq = w.seq;
                     self.waits.remove(&conn);
-                    self.woken.push((Ticket { conn, seq }, Response::Ok));
+                    self.woken.push((Ticket::of(conn, seq), Response::Ok));
                 }
             }
         }
@@ -213,10 +232,10 @@ impl Table {
         missing.sort();
         missing.dedup();
         for k in &missing {
-            self.waiting_on.entry((*k).clone()).or_default().push(ticket.conn);
+            self.waiting_on.entry((*k).clone()).or_default().push(ticket.waiter());
         }
         let count = missing.len();
-        self.waits.insert(ticket.conn, Wait { seq: ticket.seq, keys, missing: count });
+        self.waits.insert(ticket.waiter(), Wait { seq: ticket.seq, keys, missing: count });
         Outcome::Blocked(Blocked::Keys, deadline)
     }
 
@@ -270,11 +289,11 @@ impl Table {
     pub(crate) fn withdraw(&mut self, ticket: Ticket, blocked: &Blocked) -> Option<Response> {
         match blocked {
             Blocked::Keys => {
-                let w = self.waits.remove(&ticket.conn)?;
+                let w = self.waits.remove(&ticket.waiter())?;
                 let missing: Vec<String> = w.keys.iter().filter(|k| !self.keys.contains_key(*k)).cloned().collect();
                 for k in &missing {
                     if let Some(list) = self.waiting_on.get_mut(k) {
-                        list.retain(|&c| c != ticket.conn);
+                        list.retain(|&c| c != ticket.waiter());
                         if list.is_empty() {
                             self.waiting_on.remove(k);
                         }
@@ -341,9 +360,9 @@ impl Table {
     /// Refuses every later request; answers every blocked one with a refusal.
     pub(crate) fn shut_down(&mut self) {
         self.shutting_down = true;
-        let waits: Vec<(ConnId, u64)> = self.waits.drain().map(|(c, w)| (c, w.seq)).collect();
-        for (conn, seq) in waits {
-            self.woken.push((Ticket { conn, seq }, shutting_down()));
+        let waits: Vec<(Waiter, u64)> = self.waits.drain().map(|(c, w)| (c, w.seq)).collect();
+        for (waiter, seq) in waits {
+            self.woken.push((Ticket::of(waiter, seq), shutting_down()));
         }
         self.waiting_on.clear();
         for b in self.barriers.values_mut() {

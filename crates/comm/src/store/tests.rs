@@ -923,7 +923,7 @@ fn store_client_of_another_version_gets_a_clear_error() {
     // A store of the previous protocol version: the client stops at its
     // greeting and says which versions meet.
     let mut old = protocol::MAGIC.to_vec();
-    old.push(1);
+    old.push(2);
     old.extend_from_slice(&[7u8; protocol::NONCE_LEN]);
     for pipelined in [false, true] {
         let addr = fake_store(old.clone(), Vec::new());
@@ -934,15 +934,15 @@ fn store_client_of_another_version_gets_a_clear_error() {
         };
         let msg = err.to_string();
         assert!(matches!(err, StoreError::Protocol { .. }), "{msg}");
-        assert!(msg.contains("protocol version 1, this client 2"), "{msg}");
+        assert!(msg.contains("protocol version 2, this client 3"), "{msg}");
     }
     // And a client of the previous version, which compares the greeting's
-    // version with its own (1), finds this store's version there.
+    // version with its own (2), finds this store's version there.
     let s = server();
     let mut t = std::net::TcpStream::connect(s.local_addr()).unwrap();
     let hello = protocol::read_frame(&mut t).unwrap();
     assert_eq!(&hello[..protocol::MAGIC.len()], protocol::MAGIC);
-    assert_eq!(hello[protocol::MAGIC.len()], 2);
+    assert_eq!(hello[protocol::MAGIC.len()], 3);
 }
 
 #[test]
@@ -981,4 +981,348 @@ fn store_append_each_applies_every_append_in_order() {
     let err = bad.append_each(&[("dir", b"evil\n"), ("other", b"evil\n")]).unwrap_err();
     assert!(matches!(err, StoreError::AuthRefused { .. }), "{err}");
     assert_eq!(c.multi_get(&["dir", "other"]).unwrap(), vec![Some(b"0 a\n1 b\n".to_vec()), None]);
+}
+
+/// An authenticated raw connection that speaks sessions, as a relay does.
+struct Sessions(std::net::TcpStream);
+
+impl Sessions {
+    fn connect(s: &StoreServer) -> Sessions {
+        use std::io::Write;
+        let mut t = std::net::TcpStream::connect(s.local_addr()).unwrap();
+        t.set_read_timeout(Some(T)).unwrap();
+        let server_nonce = greeting_nonce(&mut t);
+        let (client_nonce, answer) = protocol::client_answer(SECRET.as_bytes(), &server_nonce).unwrap();
+        t.write_all(&framed(&answer)).unwrap();
+        let verdict = protocol::read_frame(&mut t).unwrap();
+        let v = protocol::read_verdict(SECRET.as_bytes(), &client_nonce, &server_nonce, &verdict);
+        assert_eq!(v, protocol::Verdict::Accepted);
+        Sessions(t)
+    }
+
+    fn raw(&mut self, code: u8, id: u32, body: &[u8]) {
+        use std::io::Write;
+        let mut f = protocol::session_head(code, id, body.len()).to_vec();
+        f.extend_from_slice(body);
+        self.0.write_all(&f).unwrap();
+    }
+
+    fn open(&mut self, id: u32) {
+        self.raw(protocol::OPEN_SESSION, id, &[]);
+    }
+
+    fn close(&mut self, id: u32) {
+        self.raw(protocol::CLOSE_SESSION, id, &[]);
+    }
+
+    fn send(&mut self, id: u32, req: protocol::Request) {
+        self.raw(protocol::IN_SESSION, id, &req.encode());
+    }
+
+    /// The next answer: its session and the answer.
+    fn answer(&mut self) -> (u32, protocol::Response) {
+        let body = protocol::read_frame(&mut self.0).expect("an answer");
+        let (id, inner) = protocol::session_answer(&body).expect("a session's answer");
+        (id, protocol::Response::decode(inner).expect("a well-formed answer"))
+    }
+}
+
+fn set(key: &str, value: &[u8]) -> protocol::Request {
+    protocol::Request::Set { key: key.into(), value: value.to_vec() }
+}
+
+fn get(key: &str) -> protocol::Request {
+    protocol::Request::Get { key: key.into() }
+}
+
+fn value(v: &[u8]) -> protocol::Response {
+    protocol::Response::Value(Some(Arc::new(v.to_vec())))
+}
+
+#[test]
+fn store_sessions_of_one_connection_block_independently() {
+    use protocol::{Request, Response};
+    let s = server();
+    let mut c = Sessions::connect(&s);
+    c.open(1);
+    c.open(2);
+    // Session 1 blocks in a barrier; it also sends a request behind it,
+    // which waits its turn.
+    c.send(1, Request::Barrier { name: "b".into(), world_size: 2, timeout_ms: 10_000 });
+    c.send(1, get("later"));
+    wait_for(|| s.barrier_arrivals("b") == 1);
+    // Session 2 is served meanwhile, on the same connection.
+    c.send(2, set("k", b"v"));
+    assert_eq!(c.answer(), (2, Response::Ok));
+    c.send(2, get("k"));
+    assert_eq!(c.answer(), (2, value(b"v")));
+    c.send(2, set("later", b"after"));
+    assert_eq!(c.answer(), (2, Response::Ok));
+    // A plain client completes the barrier: session 1 gets its answer, then
+    // the answer to the request that waited behind it (the value set after).
+    client(&s).barrier("b", 2, T).unwrap();
+    assert_eq!(c.answer(), (1, Response::Ok));
+    assert_eq!(c.answer(), (1, value(b"after")));
+    // Two sessions of one connection waiting for keys at once: each is
+    // answered when its own key comes.
+    c.send(1, Request::Wait { keys: vec!["w1".into()], timeout_ms: 10_000 });
+    c.send(2, Request::Wait { keys: vec!["w2".into()], timeout_ms: 10_000 });
+    let setter = client(&s);
+    std::thread::sleep(Duration::from_millis(20));
+    setter.set("w2", b"").unwrap();
+    assert_eq!(c.answer(), (2, Response::Ok));
+    setter.set("w1", b"").unwrap();
+    assert_eq!(c.answer(), (1, Response::Ok));
+    // A session's wait times out alone, naming its key.
+    c.send(1, Request::Wait { keys: vec!["never".into()], timeout_ms: 50 });
+    c.send(2, get("w2"));
+    assert_eq!(c.answer(), (2, value(b"")));
+    assert_eq!(c.answer(), (1, Response::WaitTimeout { missing: vec!["never".into()] }));
+    // Two sessions in one barrier: both are participants.
+    c.send(1, Request::Barrier { name: "pair".into(), world_size: 2, timeout_ms: 10_000 });
+    c.send(2, Request::Barrier { name: "pair".into(), world_size: 2, timeout_ms: 10_000 });
+    let mut got = [c.answer(), c.answer()];
+    got.sort_by_key(|a| a.0);
+    assert_eq!(got, [(1, Response::Ok), (2, Response::Ok)]);
+}
+
+#[test]
+fn store_session_close_sets_its_will_and_withdraws_it_from_its_barrier() {
+    use protocol::{Request, Response};
+    let s = server();
+    let mut c = Sessions::connect(&s);
+    for id in [1, 2, 3] {
+        c.open(id);
+        c.send(id, Request::SetWill { key: format!("gone/{id}"), value: b"dead".to_vec() });
+        assert_eq!(c.answer(), (id, Response::Ok));
+    }
+    c.send(1, Request::Barrier { name: "b".into(), world_size: 3, timeout_ms: 10_000 });
+    c.send(2, Request::Barrier { name: "b".into(), world_size: 3, timeout_ms: 10_000 });
+    wait_for(|| s.barrier_arrivals("b") == 2);
+    let watcher = client(&s);
+    // Closing session 1 withdraws it from the barrier and sets its will;
+    // session 2 still waits there, and session 3's will is not set.
+    c.close(1);
+    watcher.wait(&["gone/1"], T).unwrap();
+    wait_for(|| s.barrier_arrivals("b") == 1);
+    assert_eq!(s.barrier_arrivals("b"), 1);
+    assert_eq!(watcher.get("gone/2").unwrap(), None);
+    assert_eq!(watcher.get("gone/3").unwrap(), None);
+    // A session cleared of its will leaves nothing behind.
+    c.send(3, Request::ClearWill);
+    assert_eq!(c.answer(), (3, Response::Ok));
+    c.close(3);
+    // The connection dropping ends the sessions still open: session 2 is
+    // withdrawn and its will set.
+    drop(c);
+    watcher.wait(&["gone/2"], T).unwrap();
+    wait_for(|| s.barrier_arrivals("b") == 0);
+    assert_eq!(s.barrier_arrivals("b"), 0);
+    assert_eq!(watcher.get("gone/3").unwrap(), None);
+}
+
+#[test]
+fn store_frames_for_sessions_not_open_are_refused_not_fatal() {
+    use protocol::Response;
+    let s = server();
+    let mut a = Sessions::connect(&s);
+    let mut b = Sessions::connect(&s);
+    let refused = |(id, r): (u32, Response), want: u32, says: &str| match r {
+        Response::Refused(msg) if id == want && msg.contains(says) => {}
+        other => panic!("session {id}: {other:?}, wanted a refusal saying {says:?}"),
+    };
+    // Never opened.
+    a.send(9, get("k"));
+    refused(a.answer(), 9, "session 9 is not open");
+    // Opened on another connection (a foreign session).
+    a.open(1);
+    b.send(1, get("k"));
+    refused(b.answer(), 1, "session 1 is not open on this connection");
+    // Session 0 is the connection's own; a session opens once; an unopened
+    // one cannot be closed.
+    a.open(0);
+    refused(a.answer(), 0, "session 0 is the connection's own");
+    a.open(1);
+    refused(a.answer(), 1, "already open");
+    a.close(5);
+    refused(a.answer(), 5, "session 5 is not open");
+    // A malformed request ends its session, not the connection.
+    a.open(2);
+    a.raw(protocol::IN_SESSION, 2, &[200]);
+    refused(a.answer(), 2, "unknown request code 200");
+    a.send(2, get("k"));
+    refused(a.answer(), 2, "session 2 is not open");
+    // The connection and its other sessions still work.
+    a.send(1, set("k", b"1"));
+    assert_eq!(a.answer(), (1, Response::Ok));
+    b.open(1);
+    b.send(1, get("k"));
+    assert_eq!(b.answer(), (1, value(b"1")));
+    // A session frame too short to name its session closes the
+    // connection, with a refusal that says so.
+    use std::io::Write;
+    b.0.write_all(&framed(&[protocol::IN_SESSION, 1])).unwrap();
+    let body = protocol::read_frame(&mut b.0).unwrap();
+    match Response::decode(&body).unwrap() {
+        Response::Refused(msg) => assert!(msg.contains("no session id"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(closed_by_server(&mut b.0));
+}
+
+/// A relay of `n` ranks to `s`, and a client over each rank's end.
+fn relay(s: &StoreServer, n: usize) -> (StoreRelay, Vec<StoreClient>) {
+    let addr = s.local_addr().to_string();
+    let (relay, ends) = StoreRelay::start(&addr, SECRET, n, T).expect("start a relay");
+    let clients = ends.into_iter().map(|e| StoreClient::over_relay(e, &addr, SECRET, T).unwrap()).collect();
+    (relay, clients)
+}
+
+#[test]
+fn store_relay_ranks_and_direct_ranks_meet_in_one_barrier() {
+    let s = server();
+    let (_relay, ranks) = relay(&s, 3);
+    let direct = client(&s);
+    // Ranks behind the relay and a direct one each publish an entry and
+    // read the whole directory at one barrier.
+    let mut threads = Vec::new();
+    for (r, c) in ranks.into_iter().enumerate() {
+        threads.push(std::thread::spawn(move || {
+            c.set(&format!("addr/{r}"), format!("relayed {r}").as_bytes()).unwrap();
+            let keys = ["addr/0", "addr/1", "addr/2", "addr/3"];
+            let got = c.barrier_get("ready", 4, T, &keys).unwrap();
+            assert!(c.add("count", 1).unwrap() > 0);
+            got
+        }));
+    }
+    direct.set("addr/3", b"direct 3").unwrap();
+    let want: Vec<Option<Vec<u8>>> =
+        (0..4).map(|r| Some(if r == 3 { b"direct 3".to_vec() } else { format!("relayed {r}").into_bytes() })).collect();
+    assert_eq!(direct.barrier_get("ready", 4, T, &["addr/0", "addr/1", "addr/2", "addr/3"]).unwrap(), want);
+    for t in threads {
+        assert_eq!(t.join().unwrap(), want);
+    }
+    assert_eq!(direct.get("count").unwrap().as_deref(), Some(&b"3"[..]));
+    // A client over a relay needs the secret too (for a direct duplicate).
+    let end = std::os::unix::net::UnixStream::pair().unwrap().0;
+    assert!(matches!(StoreClient::over_relay(end, "x", "", T), Err(StoreError::EmptySecret)));
+}
+
+#[test]
+fn store_relay_rank_that_dies_is_withdrawn_and_its_will_set() {
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let (_relay, mut ends) = StoreRelay::start(&addr, SECRET, 2, T).unwrap();
+    let survivor = StoreClient::over_relay(ends.pop().unwrap(), &addr, SECRET, T).unwrap();
+    let end = ends.pop().unwrap();
+    let cut = end.try_clone().unwrap();
+    let dying = StoreClient::over_relay(end, &addr, SECRET, T).unwrap();
+    dying.set_will("gone/0", b"rank 0 vanished").unwrap();
+    survivor.set_will("gone/1", b"rank 1 vanished").unwrap();
+    let blocked = std::thread::spawn(move || dying.barrier("b", 3, T));
+    wait_for(|| s.barrier_arrivals("b") == 1);
+    // The rank's process dies while it waits: its end of the socket pair
+    // closes (as the kernel closes it at exit).
+    cut.shutdown(std::net::Shutdown::Both).unwrap();
+    assert!(blocked.join().unwrap().is_err());
+    let watcher = client(&s);
+    watcher.wait(&["gone/0"], T).unwrap();
+    assert_eq!(watcher.get("gone/0").unwrap().as_deref(), Some(&b"rank 0 vanished"[..]));
+    wait_for(|| s.barrier_arrivals("b") == 0);
+    assert_eq!(s.barrier_arrivals("b"), 0, "the dead rank no longer counts");
+    // The other rank of the relay is untouched.
+    assert_eq!(watcher.get("gone/1").unwrap(), None);
+    survivor.set("alive", b"yes").unwrap();
+    assert_eq!(watcher.get("alive").unwrap().as_deref(), Some(&b"yes"[..]));
+    // Dropping the relay (the launcher exiting) ends its connection: the
+    // wills of the sessions still open are set.
+    drop(_relay);
+    watcher.wait(&["gone/1"], T).unwrap();
+}
+
+#[test]
+fn store_relay_losing_the_store_fails_every_rank_at_once() {
+    let mut s = server();
+    let (_relay, mut ranks) = relay(&s, 3);
+    let idle = ranks.pop().unwrap();
+    let waiting = ranks.pop().unwrap();
+    let busy = ranks.pop().unwrap();
+    busy.set("k", b"v").unwrap();
+    let blocked = std::thread::spawn(move || waiting.barrier("b", 2, Duration::from_secs(60)));
+    wait_for(|| s.barrier_arrivals("b") == 1);
+    let start = Instant::now();
+    s.shutdown();
+    // The rank in the barrier is answered at once (not at its 60 s timeout),
+    // and every rank's next call fails naming the store.
+    let addr = s.local_addr().to_string();
+    for err in [blocked.join().unwrap().unwrap_err(), busy.get("k").unwrap_err(), idle.set("x", b"y").unwrap_err()] {
+        let msg = err.to_string();
+        assert!(msg.contains(&addr), "{msg}");
+        assert!(
+            matches!(err, StoreError::Refused { .. } | StoreError::Disconnected { .. } | StoreError::Broken { .. }),
+            "{msg}"
+        );
+    }
+    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+    // Later calls fail too, rather than hang.
+    assert!(busy.get("k").is_err() && idle.get("k").is_err());
+}
+
+#[test]
+fn store_relay_checks_its_secret_and_the_ranks_requests() {
+    let s = server();
+    let addr = s.local_addr().to_string();
+    // A relay with the wrong secret: each rank's first request fails with
+    // the store's refusal, named.
+    let (_bad, ends) = StoreRelay::start(&addr, "not the secret", 2, T).unwrap();
+    for e in ends {
+        let c = StoreClient::over_relay(e, &addr, SECRET, T).unwrap();
+        let msg = c.get("k").unwrap_err().to_string();
+        assert!(msg.contains("refused this client") && msg.contains(&addr), "{msg}");
+    }
+    // A relay to nothing fails to start within its timeout, naming the address.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let err = StoreRelay::start(&gone, SECRET, 1, Duration::from_millis(200)).unwrap_err();
+    assert!(err.to_string().contains(&gone), "{err}");
+    assert!(matches!(StoreRelay::start(&addr, "", 1, T), Err(StoreError::EmptySecret)));
+    // A rank's frame over the relay's limit is refused and ends that rank
+    // alone; its neighbour goes on.
+    let (_relay, mut ends) = StoreRelay::start(&addr, SECRET, 2, T).unwrap();
+    let good = StoreClient::over_relay(ends.pop().unwrap(), &addr, SECRET, T).unwrap();
+    let mut hostile = ends.pop().unwrap();
+    use std::io::Write;
+    hostile.write_all(&(u32::MAX).to_le_bytes()).unwrap();
+    hostile.set_read_timeout(Some(T)).unwrap();
+    let body = protocol::read_frame(&mut hostile).unwrap();
+    match protocol::Response::decode(&body).unwrap() {
+        protocol::Response::Refused(msg) => assert!(msg.contains("exceeds the store relay's limit"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    good.set("still", b"here").unwrap();
+    assert_eq!(good.get("still").unwrap().as_deref(), Some(&b"here"[..]));
+}
+
+#[test]
+fn store_rank_descriptor_is_checked() {
+    // Not an open descriptor, and not a socket: clear errors naming the
+    // variable (the first call of a process takes COHORT_STORE_FD; these
+    // check the descriptor alone).
+    let msg = super::client::relay_socket(1 << 20).unwrap_err().to_string();
+    assert!(msg.contains("descriptor 1048576 of COHORT_STORE_FD") && msg.contains("Bad file descriptor"), "{msg}");
+    let file = std::fs::File::open("/dev/null").unwrap();
+    use std::os::fd::IntoRawFd;
+    let fd = file.into_raw_fd();
+    let msg = super::client::relay_socket(fd).unwrap_err().to_string();
+    assert!(msg.contains(&format!("descriptor {fd} of COHORT_STORE_FD")) && msg.contains("non-socket"), "{msg}");
+    // SAFETY: `fd` is the /dev/null descriptor opened above, owned here.
+    unsafe { libc::close(fd) };
+    // The variable holds a list of descriptors; anything else is an error
+    // naming it.
+    use cohort_runtime::config::STORE_FD;
+    assert_eq!(STORE_FD.parse_value(std::ffi::OsStr::new("5")), Ok(vec![5]));
+    assert_eq!(STORE_FD.parse_value(std::ffi::OsStr::new("5, 6,7")), Ok(vec![5, 6, 7]));
+    for bad in ["five", "5,", "-1", "5,,6"] {
+        let msg = STORE_FD.parse_value(std::ffi::OsStr::new(bad)).unwrap_err().to_string();
+        assert!(msg.starts_with(&format!("COHORT_STORE_FD=\"{bad}\"")), "{bad}: {msg}");
+    }
 }

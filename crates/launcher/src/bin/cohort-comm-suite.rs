@@ -429,6 +429,26 @@ fn latency(comm: &Communicator, what: &str, bytes: usize, iters: usize) -> Resul
     Ok(())
 }
 
+/// How this rank reached the rendezvous store: `direct` when the launcher
+/// gave it no relay sockets (`COHORT_STORE_FD`), else `relay, K of N
+/// sockets taken` (taking one marks it close-on-exec: the Communicator
+/// takes the first, its heartbeat the second).
+fn store_route() -> String {
+    let Ok(list) = std::env::var("COHORT_STORE_FD") else {
+        return "direct".into();
+    };
+    let fds: Vec<i32> = list.split(',').filter_map(|v| v.parse().ok()).collect();
+    let taken = fds
+        .iter()
+        .filter(|&&fd| {
+            // SAFETY: F_GETFD reads the descriptor's flags; any fd value is safe.
+            let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+            flags >= 0 && flags & libc::FD_CLOEXEC != 0
+        })
+        .count();
+    format!("relay, {taken} of {} sockets taken", fds.len())
+}
+
 fn main() -> ExitCode {
     let start = Instant::now();
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -499,6 +519,7 @@ fn main() -> ExitCode {
         }
     };
     let rank = comm.rank();
+    println!("store: {}", store_route());
     let arg = |i: usize| mode.get(i).and_then(|v| v.parse::<usize>().ok()).unwrap_or(usize::MAX);
     let result = match mode.first().map(String::as_str) {
         None | Some("suite") => suite(comm.clone(), large).map(|checks| {
