@@ -67,8 +67,16 @@ pub fn start(
             for (i, &(rank, local_rank)) in ranks.iter().enumerate() {
                 let value = match client.get(&job_heartbeat_key(rank)) {
                     Ok(v) => v,
-                    // The verdict watcher reports a lost store.
-                    Err(_) => return,
+                    // The verdict watcher reports a lost store; this says
+                    // why the heartbeats stopped being watched (the first
+                    // read is also where a second connection proves the
+                    // secret).
+                    Err(e) => {
+                        if !stopped.load(Ordering::Relaxed) {
+                            tracing::warn!("heartbeat watchdog off: {e}");
+                        }
+                        return;
+                    }
                 };
                 let now = Instant::now();
                 let gap = now - last_tick;

@@ -302,8 +302,9 @@ impl StoreClient {
 
     /// [`StoreClient::append`] for each `(key, value)`, in order, with every
     /// request in one write: one round trip for all (a rank publishes its
-    /// entry to two directories this way). Stops at the first refusal
-    /// (those before it are applied).
+    /// entry to two directories this way). The store applies or refuses
+    /// each append on its own (one refused does not stop those after it);
+    /// the first refusal is the error.
     pub fn append_each(&self, entries: &[(&str, &[u8])]) -> Result<()> {
         let mut reqs = Vec::with_capacity(entries.len());
         for (key, value) in entries {
@@ -478,13 +479,50 @@ impl StoreClient {
         if conn.broken {
             return Err(StoreError::Broken { addr: self.addr.clone() });
         }
-        let answers = match exchange(&mut conn, &self.secret, &bodies, answer_within) {
+        let mut dropped_before_verdict = 0;
+        let answers = loop {
+            match exchange(&mut conn, &self.secret, &bodies, answer_within) {
+                Ok(answers) => break Ok(answers),
+                Err(Failed::BeforeVerdict(e)) => {
+                    // Connect again and send it all again, a few times:
+                    // the store ran none of it.
+                    dropped_before_verdict += 1;
+                    if dropped_before_verdict > HANDSHAKE_RETRIES {
+                        conn.broken = true;
+                        return Err(StoreError::HandshakeDropped {
+                            addr: self.addr.clone(),
+                            tries: dropped_before_verdict,
+                        });
+                    }
+                    tracing::debug!(addr = %self.addr, error = %e, "the store dropped the connection before its verdict; connecting again");
+                    std::thread::sleep(Duration::from_millis(1 << dropped_before_verdict));
+                    match connect_authenticated(
+                        self.direct.as_str(),
+                        &self.direct,
+                        &self.secret,
+                        self.timeout,
+                        Verify::WithFirstAnswer,
+                    ) {
+                        Ok((stream, verdict)) => {
+                            conn.stream = Socket::Tcp(stream);
+                            conn.verdict = verdict;
+                        }
+                        Err(e) => {
+                            conn.broken = true;
+                            return Err(e);
+                        }
+                    }
+                }
+                Err(other) => break Err(other),
+            }
+        };
+        let answers = match answers {
             Ok(answers) => answers,
             Err(Failed::Verdict(e)) => {
                 conn.broken = true;
                 return Err(self.verdict_error(e));
             }
-            Err(Failed::Io(e)) => {
+            Err(Failed::Io(e) | Failed::BeforeVerdict(e)) => {
                 conn.broken = true;
                 return Err(match e.kind() {
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
@@ -530,10 +568,28 @@ impl StoreClient {
     }
 }
 
+/// Connections a pipelined client makes again when the store drops one
+/// before its verdict on the proof.
+const HANDSHAKE_RETRIES: u32 = 5;
+
+/// Whether `e` says the peer closed the connection.
+fn dropped(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::BrokenPipe
+    )
+}
+
 /// Why an exchange failed.
 enum Failed {
     /// The socket failed, timed out or carried a malformed frame.
     Io(io::Error),
+    /// The store closed the connection before its verdict on the proof:
+    /// nothing sent behind the proof ran, so it may be sent again.
+    BeforeVerdict(io::Error),
     /// The verdict read before the first answer was not "accepted by a
     /// server that holds the secret".
     Verdict(protocol::Verdict),
@@ -561,8 +617,10 @@ fn exchange(
         let deadline = Instant::now() + within;
         let verdict = match protocol::read_frame_by(stream, protocol::PREAUTH_MAX_FRAME, deadline) {
             Ok(v) => v,
-            // The server closes right after refusing; a reset can lose the verdict.
-            Err(e) if e.kind() == io::ErrorKind::ConnectionReset => vec![protocol::AUTH_REFUSED],
+            // Closed with no verdict: the store let go of the connection
+            // before it judged the proof (it sheds handshakes past its
+            // limit), so nothing sent behind the proof ran.
+            Err(e) if dropped(&e) => return Err(Failed::BeforeVerdict(e)),
             Err(e) => return Err(Failed::Io(e)),
         };
         match protocol::read_verdict(secret, &hs.client_nonce, &hs.server_nonce, &verdict) {

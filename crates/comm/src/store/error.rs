@@ -53,6 +53,22 @@ pub enum StoreError {
         addr: String,
     },
 
+    /// The store closed the connection, again and again, before it judged
+    /// this client's proof (a pipelined connection's first request).
+    #[error(
+        "the rendezvous store at {addr} closed the connection {tries} times before its verdict on \
+         this client's proof of the job secret: it sheds handshakes while more than {} clients are \
+         in one (a very large job connecting at once), or it refused the secret and the refusal was \
+         lost on the way; check that COHORT_JOB_SECRET is the job's",
+        crate::store::MAX_UNAUTHENTICATED
+    )]
+    HandshakeDropped {
+        /// The store's address.
+        addr: String,
+        /// How many connections it dropped.
+        tries: u32,
+    },
+
     /// The server could not prove that it holds the job secret.
     #[error(
         "the server at {addr} does not hold this job's secret, so it is not this job's \

@@ -597,7 +597,10 @@ impl Conn {
                     self.input.extend_from_slice(&scratch[..k]);
                     // A short read emptied the socket: what comes next
                     // brings an event (an end of stream already reported
-                    // is read now, not waited for).
+                    // is read now, not waited for). Linux's epoll and the
+                    // BSDs' kqueue report every arrival after a read, so
+                    // this holds on the Unix systems cohort runs on; mio's
+                    // portable promise is only "until WouldBlock".
                     if k < n && !self.read_closed {
                         self.readable = false;
                         return Ok(true);

@@ -945,6 +945,63 @@ fn store_client_of_another_version_gets_a_clear_error() {
     assert_eq!(hello[protocol::MAGIC.len()], 3);
 }
 
+/// A proxy to `store` that drops each of its first connections once the
+/// client's proof (and what it pipelined behind it) arrived, as a store
+/// shedding handshakes does: `drops[i]` says how the i-th one goes, `true`
+/// with the client's bytes unread (a reset), `false` after reading them (an
+/// end of stream). Later connections are passed through both ways.
+fn dropping_proxy(store: std::net::SocketAddr, drops: Vec<bool>) -> std::net::SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for (i, conn) in listener.incoming().enumerate() {
+            let Ok(mut client) = conn else { return };
+            let mut upstream = std::net::TcpStream::connect(store).unwrap();
+            if let Some(&reset) = drops.get(i) {
+                let hello = protocol::read_frame(&mut upstream).unwrap();
+                client.write_all(&framed(&hello)).unwrap();
+                let mut proof = [0u8; 4 + protocol::PREAUTH_MAX_FRAME];
+                client.read_exact(&mut proof).unwrap();
+                if !reset {
+                    client.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+                    let _ = client.read(&mut [0u8; 4096]);
+                }
+                continue;
+            }
+            let (mut c2, mut u2) = (client.try_clone().unwrap(), upstream.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c2, &mut u2);
+                let _ = u2.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut upstream, &mut client);
+                let _ = client.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn store_pipelined_client_reconnects_when_the_store_drops_it_before_the_verdict() {
+    // The store closed the connection before it judged the proof (it sheds
+    // handshakes past its limit): nothing behind the proof ran, so the
+    // client connects again and sends it again, and the request runs once.
+    let s = server();
+    let addr = dropping_proxy(s.local_addr(), vec![true, false]);
+    let c = StoreClient::connect_pipelined(addr, SECRET, T).unwrap();
+    assert_eq!(c.add("runs", 1).unwrap(), 1, "the first request ran once");
+    assert_eq!(c.add("runs", 1).unwrap(), 2);
+    // A store that keeps dropping it: an error that says so, not a refused
+    // secret.
+    let addr = dropping_proxy(s.local_addr(), vec![true; 16]);
+    let c = StoreClient::connect_pipelined(addr, SECRET, T).unwrap();
+    let err = c.add("never", 1).unwrap_err();
+    assert!(matches!(err, StoreError::HandshakeDropped { .. }), "{err}");
+    assert!(client(&s).get("never").unwrap().is_none(), "nothing behind a dropped proof runs");
+}
+
 #[test]
 fn store_pipelined_client_checks_the_servers_proof_before_any_answer() {
     // A server that says "accepted" without holding the secret, and then a
