@@ -245,15 +245,28 @@ impl Client {
         outputs: impl Into<TaskHandles>,
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
+        let (stream, task) = self.checked_buffer_task(operation, inputs, outputs, task)?;
+        self.device().submit(stream, task)
+    }
+
+    /// The device-thread task of [`Client::submit_buffers_recorded`] and
+    /// [`Client::submit_buffers_inline`], once every buffer is checked to be
+    /// this device's, and the stream it goes to.
+    fn checked_buffer_task(
+        &self,
+        operation: impl Into<Cow<'static, str>>,
+        inputs: impl Into<TaskHandles>,
+        outputs: impl Into<TaskHandles>,
+        task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
+    ) -> Result<(StreamId, impl FnOnce(&mut DeviceState) + Send + 'static), ServerError> {
         let (inputs, outputs): (TaskHandles, TaskHandles) = (inputs.into(), outputs.into());
         for handle in inputs.iter().chain(&outputs) {
             self.check_owned(handle)?;
         }
         let stream = self.stream_id();
         // Named in errors only: a static name is kept as it is, not copied.
-        let operation = operation.into();
-        let device = self.device_id();
-        self.device().submit(stream, buffer_task(inputs, outputs, stream, operation, device, task))
+        let task = buffer_task(inputs, outputs, stream, operation.into(), self.device_id(), task);
+        Ok((stream, task))
     }
 
     /// [`Client::submit_buffers_always`], run on the calling thread before
@@ -273,13 +286,7 @@ impl Client {
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
         self.refuse_if_capturing("a buffer task")?;
-        let (inputs, outputs): (TaskHandles, TaskHandles) = (inputs.into(), outputs.into());
-        for handle in inputs.iter().chain(&outputs) {
-            self.check_owned(handle)?;
-        }
-        let stream = self.stream_id();
-        let device = self.device_id();
-        let task = buffer_task(inputs, outputs, stream, operation.into(), device, task);
+        let (stream, task) = self.checked_buffer_task(operation, inputs, outputs, task)?;
         match self.device().run_inline(stream, task) {
             Ok(()) => Ok(()),
             Err(task) => self.device().submit(stream, task),

@@ -131,8 +131,14 @@ impl StoreClient {
         if secret.is_empty() {
             return Err(StoreError::EmptySecret);
         }
+        Self::over_tcp(addr, secret, timeout, Verify::Now)
+    }
+
+    /// A client of its own TCP connection to `addr`, its handshake up to
+    /// `verify`.
+    fn over_tcp(addr: impl ToSocketAddrs + Display, secret: &[u8], timeout: Duration, verify: Verify) -> Result<Self> {
         let shown = addr.to_string();
-        let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, Verify::Now)?;
+        let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, verify)?;
         Ok(StoreClient {
             direct: shown.clone(),
             addr: shown,
@@ -201,15 +207,7 @@ impl StoreClient {
         if secret.is_empty() {
             return Err(StoreError::EmptySecret);
         }
-        let shown = addr.to_string();
-        let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, Verify::WithFirstAnswer)?;
-        Ok(StoreClient {
-            direct: shown.clone(),
-            addr: shown,
-            secret: secret.to_vec(),
-            timeout,
-            conn: Mutex::new(Conn { stream: Socket::Tcp(stream), broken: false, verdict }),
-        })
+        Self::over_tcp(addr, secret, timeout, Verify::WithFirstAnswer)
     }
 
     /// Opens a second, independent connection to the same store with the
