@@ -36,9 +36,10 @@ fn four_ranks_reach_the_store_through_the_node_relay_unless_it_is_off() {
     let out = output_within(suite_run(&["-n", "4", "--master-port", "0"], &[]), LIMIT);
     let (stdout, stderr) = texts(&out);
     assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
-    // The communicator's connection and its heartbeat's both go through
-    // the relay (the third socket is for NCCL's, on GPUs).
-    assert_eq!(stdout.matches("store: relay, 2 of 3 sockets taken\n").count(), 4, "{stdout}");
+    // Three relay sockets (the communicator's connection, its heartbeat's
+    // and NCCL's, on GPUs), all claimed by the rank: close-on-exec, so no
+    // program the rank starts holds them.
+    assert_eq!(stdout.matches("store: relay, 3 sockets, 3 close-on-exec\n").count(), 4, "{stdout}");
     let mut c = suite_run(&["-n", "4", "--master-port", "0"], &[]);
     c.env("COHORT_STORE_RELAY", "0");
     let out = output_within(c, LIMIT);
@@ -94,7 +95,7 @@ fn two_launchers_form_one_eight_rank_job_over_tcp_and_shm() {
     let (stdout, stderr) = texts(&a);
     assert_eq!(code(a.status, &a), 0, "{stdout}\n{stderr}");
     assert_eq!(code(b.status, &b), 0, "{:?}", texts(&b));
-    assert_eq!(stdout.matches("store: relay, 2 of 3 sockets taken\n").count(), 4, "{stdout}");
+    assert_eq!(stdout.matches("store: relay, 3 sockets, 3 close-on-exec\n").count(), 4, "{stdout}");
     assert_eq!(texts(&b).0.matches("store: direct\n").count(), 4, "{:?}", texts(&b));
     assert!(stdout.contains("8 ranks × 1 devices"), "{stdout}");
     assert!(stdout.contains("self,shm,shm,shm,tcp,tcp,tcp,tcp"), "TCP between nodes, shm within: {stdout}");

@@ -311,12 +311,19 @@ fn parse_u32(raw: &OsStr) -> Result<u32, String> {
 
 fn parse_fds(raw: &OsStr) -> Result<Vec<i32>, String> {
     let list = text(raw)?;
-    list.split(',')
-        .map(|fd| {
-            let fd: u32 = whole(OsStr::new(fd.trim()))?;
-            i32::try_from(fd).map_err(|_| format!("{fd} is not a descriptor number"))
-        })
-        .collect()
+    let mut fds: Vec<i32> = Vec::new();
+    for fd in list.split(',') {
+        let fd: u32 = whole(OsStr::new(fd.trim()))?;
+        let fd = i32::try_from(fd).map_err(|_| format!("{fd} is not a descriptor number"))?;
+        if fd <= 2 {
+            return Err(format!("{fd} is standard input, output or error, not a socket of the node's relay"));
+        }
+        if fds.contains(&fd) {
+            return Err(format!("{fd} is listed twice"));
+        }
+        fds.push(fd);
+    }
+    Ok(fds)
 }
 
 fn parse_positive_u32(raw: &OsStr) -> Result<u32, String> {

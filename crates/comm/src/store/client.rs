@@ -104,18 +104,20 @@ pub(crate) struct Unverified {
 /// when the server goes away, never hanging.
 pub struct StoreClient {
     /// The store's address as errors show it.
-    addr: String,
+    shown: String,
     /// The address a direct connection goes to.
     direct: String,
     secret: Vec<u8>,
     timeout: Duration,
+    /// Over a node relay's socket (no handshake; frames a little smaller).
+    relayed: bool,
     conn: Mutex<Conn>,
 }
 
 impl std::fmt::Debug for StoreClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never print the secret.
-        f.debug_struct("StoreClient").field("addr", &self.addr).finish_non_exhaustive()
+        f.debug_struct("StoreClient").field("addr", &self.shown).finish_non_exhaustive()
     }
 }
 
@@ -141,9 +143,10 @@ impl StoreClient {
         let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, verify)?;
         Ok(StoreClient {
             direct: shown.clone(),
-            addr: shown,
+            shown,
             secret: secret.to_vec(),
             timeout,
+            relayed: false,
             conn: Mutex::new(Conn { stream: Socket::Tcp(stream), broken: false, verdict }),
         })
     }
@@ -164,10 +167,11 @@ impl StoreClient {
             return Err(StoreError::EmptySecret);
         }
         Ok(StoreClient {
-            addr: format!("{addr} (through this node's relay)"),
+            shown: format!("{addr} (through this node's relay)"),
             direct: addr.to_string(),
             secret: secret.to_vec(),
             timeout,
+            relayed: true,
             conn: Mutex::new(Conn { stream: Socket::Unix(socket), broken: false, verdict: None }),
         })
     }
@@ -220,7 +224,7 @@ impl StoreClient {
     /// gave this process (`COHORT_STORE_FD`), while there is one: another
     /// session of the relay's connection, with its own will, no handshake.
     pub fn duplicate(&self) -> Result<StoreClient> {
-        if matches!(self.conn.lock().stream, Socket::Unix(_)) {
+        if self.relayed {
             if let Some(socket) = take_relay_socket()? {
                 return StoreClient::over_relay(socket, self.direct.as_str(), &self.secret, self.timeout);
             }
@@ -237,9 +241,10 @@ impl StoreClient {
         }
     }
 
-    /// The store's address as given to [`StoreClient::connect`].
+    /// The store's address as given to [`StoreClient::connect`] (a client
+    /// over a node relay: the address the relay forwards to), `host:port`.
     pub fn addr(&self) -> &str {
-        &self.addr
+        &self.direct
     }
 
     /// Sets `key` to `value`, replacing any value, and wakes its waiters.
@@ -466,16 +471,18 @@ impl StoreClient {
     /// at most `answer_within` for each; the first refusal is the error.
     fn requests(&self, reqs: &[Request], answer_within: Duration) -> Result<Vec<Response>> {
         let mut bodies = Vec::with_capacity(reqs.len());
+        // A relay adds a session's tag to every frame it forwards.
+        let max = if self.relayed { super::MAX_RELAYED_FRAME } else { MAX_FRAME };
         for req in reqs {
             let body = req.encode();
-            if body.len() > MAX_FRAME {
-                return Err(StoreError::TooLarge { what: "the request", len: body.len(), max: MAX_FRAME });
+            if body.len() > max {
+                return Err(StoreError::TooLarge { what: "the request", len: body.len(), max });
             }
             bodies.push(body);
         }
         let mut conn = self.conn.lock();
         if conn.broken {
-            return Err(StoreError::Broken { addr: self.addr.clone() });
+            return Err(StoreError::Broken { addr: self.shown.clone() });
         }
         let mut dropped_before_verdict = 0;
         let answers = loop {
@@ -488,11 +495,11 @@ impl StoreClient {
                     if dropped_before_verdict > HANDSHAKE_RETRIES {
                         conn.broken = true;
                         return Err(StoreError::HandshakeDropped {
-                            addr: self.addr.clone(),
+                            addr: self.shown.clone(),
                             tries: dropped_before_verdict,
                         });
                     }
-                    tracing::debug!(addr = %self.addr, error = %e, "the store dropped the connection before its verdict; connecting again");
+                    tracing::debug!(addr = %self.shown, error = %e, "the store dropped the connection before its verdict; connecting again");
                     std::thread::sleep(Duration::from_millis(1 << dropped_before_verdict));
                     match connect_authenticated(
                         self.direct.as_str(),
@@ -524,12 +531,12 @@ impl StoreClient {
                 conn.broken = true;
                 return Err(match e.kind() {
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                        StoreError::Unresponsive { addr: self.addr.clone(), waited: answer_within }
+                        StoreError::Unresponsive { addr: self.shown.clone(), waited: answer_within }
                     }
                     io::ErrorKind::InvalidData => {
-                        StoreError::Protocol { addr: self.addr.clone(), detail: e.to_string() }
+                        StoreError::Protocol { addr: self.shown.clone(), detail: e.to_string() }
                     }
-                    _ => StoreError::Disconnected { addr: self.addr.clone(), source: e },
+                    _ => StoreError::Disconnected { addr: self.shown.clone(), source: e },
                 });
             }
         };
@@ -537,12 +544,12 @@ impl StoreClient {
         for body in answers {
             match Response::decode(&body) {
                 Ok(Response::Refused(message)) => {
-                    return Err(StoreError::Refused { addr: self.addr.clone(), message });
+                    return Err(StoreError::Refused { addr: self.shown.clone(), message });
                 }
                 Ok(r) => decoded.push(r),
                 Err(detail) => {
                     conn.broken = true;
-                    return Err(StoreError::Protocol { addr: self.addr.clone(), detail });
+                    return Err(StoreError::Protocol { addr: self.shown.clone(), detail });
                 }
             }
         }
@@ -551,7 +558,7 @@ impl StoreClient {
 
     /// The error of a verdict other than "accepted".
     fn verdict_error(&self, v: protocol::Verdict) -> StoreError {
-        let addr = self.addr.clone();
+        let addr = self.shown.clone();
         match v {
             protocol::Verdict::Refused | protocol::Verdict::Accepted => StoreError::AuthRefused { addr },
             protocol::Verdict::NotAuthentic => StoreError::ServerNotAuthentic { addr },
@@ -562,7 +569,7 @@ impl StoreClient {
     }
 
     fn unexpected(&self, r: Response) -> StoreError {
-        StoreError::Protocol { addr: self.addr.clone(), detail: format!("unexpected answer {r:?}") }
+        StoreError::Protocol { addr: self.shown.clone(), detail: format!("unexpected answer {r:?}") }
     }
 }
 
@@ -634,6 +641,8 @@ fn exchange(
         // broken pipe.
         if let Ok(refusal) = protocol::read_frame(stream) {
             tracing::debug!(error = %e, "the store relay closed this rank's socket");
+            // Closed: nothing more goes over it.
+            conn.broken = true;
             return Ok(vec![refusal]);
         }
     }
@@ -650,12 +659,54 @@ fn take_relay_socket() -> Result<Option<UnixStream>> {
     let mut pool = RELAY_SOCKETS.lock();
     if pool.is_none() {
         let fds = cohort_runtime::config::STORE_FD.get().map_err(|e| StoreError::Relay(e.to_string()))?;
-        *pool = Some(fds.unwrap_or_default().into());
+        *pool = Some(claim_relay_sockets(fds.unwrap_or_default()).into());
     }
     match pool.as_mut().and_then(|p| p.pop_front()) {
         Some(fd) => relay_socket(fd).map(Some),
         None => Ok(None),
     }
+}
+
+/// The descriptors of `COHORT_STORE_FD` this process takes: none when the
+/// variable was not meant for it but inherited from a rank by a program the
+/// rank started (the first descriptor is closed there, or is a socket whose
+/// other end was made by a process that is neither this one nor its parent,
+/// the launcher), otherwise all of them, each marked close-on-exec at once,
+/// so that programs this rank starts from now on do not hold them (a socket
+/// held elsewhere would keep a dead rank's session, and its will, open).
+/// A descriptor that is open but not a relay socket is left for
+/// [`relay_socket`] to refuse with an error naming the variable.
+pub(crate) fn claim_relay_sockets(fds: Vec<RawFd>) -> Vec<RawFd> {
+    let Some(&first) = fds.first() else { return fds };
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which
+    // outlives the call; any descriptor number is safe to ask about.
+    let rc = unsafe {
+        libc::getsockopt(first, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+    };
+    let err = io::Error::last_os_error();
+    if rc != 0 && err.raw_os_error() == Some(libc::EBADF) {
+        tracing::debug!("COHORT_STORE_FD names closed descriptors (inherited from the rank that started this program): connecting to the store directly");
+        return Vec::new();
+    }
+    // SAFETY: getpid and getppid have no preconditions.
+    let (me, parent) = unsafe { (libc::getpid(), libc::getppid()) };
+    if rc == 0 && cred.pid != 0 && cred.pid != me && cred.pid != parent {
+        tracing::debug!(
+            peer = cred.pid,
+            "COHORT_STORE_FD's sockets were made for another process: connecting to the store directly"
+        );
+        return Vec::new();
+    }
+    for &fd in &fds {
+        // SAFETY: setting FD_CLOEXEC on a descriptor number changes no
+        // memory; on a number that is not open it fails, harmlessly.
+        unsafe {
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        }
+    }
+    fds
 }
 
 /// The descriptor `fd` (from `COHORT_STORE_FD`) as the socket of this
@@ -679,6 +730,15 @@ pub(crate) fn relay_socket(fd: RawFd) -> Result<UnixStream> {
     }
     if kind != libc::SOCK_STREAM {
         return Err(bad("it is not a stream socket".into()));
+    }
+    let mut domain: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: as above, into `domain`.
+    let rc = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_DOMAIN, (&mut domain as *mut libc::c_int).cast(), &mut len)
+    };
+    if rc != 0 || domain != libc::AF_UNIX {
+        return Err(bad("it is not a Unix-domain socket (a relay's end is one of a socket pair)".into()));
     }
     // SAFETY: the descriptor is an open socket (checked above) that the
     // launcher handed to this process for the store alone, and the caller

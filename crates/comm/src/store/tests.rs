@@ -1373,12 +1373,31 @@ fn store_rank_descriptor_is_checked() {
     assert!(msg.contains(&format!("descriptor {fd} of COHORT_STORE_FD")) && msg.contains("non-socket"), "{msg}");
     // SAFETY: `fd` is the /dev/null descriptor opened above, owned here.
     unsafe { libc::close(fd) };
+    // Open, a socket, but not one of a socket pair: refused too.
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    use std::os::fd::AsRawFd;
+    let msg = super::client::relay_socket(tcp.as_raw_fd()).unwrap_err().to_string();
+    assert!(msg.contains("not a Unix-domain socket"), "{msg}");
+    // A relayed client's address is the store's, host:port (what a rank
+    // finds its own address for other nodes from), not the text errors show.
+    let (end, _relay_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let relayed = StoreClient::over_relay(end, "10.1.2.3:29500", SECRET, T).unwrap();
+    assert_eq!(relayed.addr().parse::<std::net::SocketAddr>().unwrap().port(), 29500);
+    // What a process takes of the list: nothing when its first descriptor
+    // is closed (the list was inherited from a rank by a program it
+    // started); the sockets made for it, marked close-on-exec.
+    assert!(super::client::claim_relay_sockets(vec![1 << 20, 1 << 20 | 1]).is_empty());
+    let (mine, _other) = std::os::unix::net::UnixStream::pair().unwrap();
+    assert_eq!(super::client::claim_relay_sockets(vec![mine.as_raw_fd()]), vec![mine.as_raw_fd()]);
+    // SAFETY: F_GETFD reads the flags of a descriptor this test owns.
+    let flags = unsafe { libc::fcntl(mine.as_raw_fd(), libc::F_GETFD) };
+    assert!(flags & libc::FD_CLOEXEC != 0, "a claimed relay socket is closed on exec");
     // The variable holds a list of descriptors; anything else is an error
     // naming it.
     use cohort_runtime::config::STORE_FD;
     assert_eq!(STORE_FD.parse_value(std::ffi::OsStr::new("5")), Ok(vec![5]));
     assert_eq!(STORE_FD.parse_value(std::ffi::OsStr::new("5, 6,7")), Ok(vec![5, 6, 7]));
-    for bad in ["five", "5,", "-1", "5,,6"] {
+    for bad in ["five", "5,", "-1", "5,,6", "0", "2,5", "5,6,5", "99999999999"] {
         let msg = STORE_FD.parse_value(std::ffi::OsStr::new(bad)).unwrap_err().to_string();
         assert!(msg.starts_with(&format!("COHORT_STORE_FD=\"{bad}\"")), "{bad}: {msg}");
     }

@@ -430,15 +430,15 @@ fn latency(comm: &Communicator, what: &str, bytes: usize, iters: usize) -> Resul
 }
 
 /// How this rank reached the rendezvous store: `direct` when the launcher
-/// gave it no relay sockets (`COHORT_STORE_FD`), else `relay, K of N
-/// sockets taken` (taking one marks it close-on-exec: the Communicator
-/// takes the first, its heartbeat the second).
+/// gave it no relay sockets (`COHORT_STORE_FD`), else `relay, N sockets,
+/// K close-on-exec` (the first store client of the process marks every one
+/// of them close-on-exec, so K = N once the Communicator connected).
 fn store_route() -> String {
     let Ok(list) = std::env::var("COHORT_STORE_FD") else {
         return "direct".into();
     };
     let fds: Vec<i32> = list.split(',').filter_map(|v| v.parse().ok()).collect();
-    let taken = fds
+    let claimed = fds
         .iter()
         .filter(|&&fd| {
             // SAFETY: F_GETFD reads the descriptor's flags; any fd value is safe.
@@ -446,7 +446,7 @@ fn store_route() -> String {
             flags >= 0 && flags & libc::FD_CLOEXEC != 0
         })
         .count();
-    format!("relay, {taken} of {} sockets taken", fds.len())
+    format!("relay, {} sockets, {claimed} close-on-exec", fds.len())
 }
 
 fn main() -> ExitCode {
