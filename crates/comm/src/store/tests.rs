@@ -1227,6 +1227,122 @@ fn store_frames_for_sessions_not_open_are_refused_not_fatal() {
     assert!(closed_by_server(&mut b.0));
 }
 
+/// Reads answers until one of session `until` comes; returns it and the
+/// answers of other sessions that came before it, in order.
+fn answers_until(c: &mut Sessions, until: u32) -> (protocol::Response, Vec<(u32, protocol::Response)>) {
+    let mut before = Vec::new();
+    loop {
+        let (id, r) = c.answer();
+        if id == until {
+            return (r, before);
+        }
+        before.push((id, r));
+    }
+}
+
+fn refusal(r: &protocol::Response) -> &str {
+    match r {
+        protocol::Response::Refused(msg) => msg,
+        other => panic!("{other:?}, wanted a refusal"),
+    }
+}
+
+#[test]
+fn store_session_queueing_past_its_limit_is_closed_with_every_answer_in_order() {
+    use protocol::{Request, Response};
+    let s = server();
+    let setter = client(&s);
+    setter.set("k", b"v").unwrap();
+    let mut c = Sessions::connect(&s);
+    c.open(1);
+    c.open(2);
+    c.send(1, Request::SetWill { key: "gone/1".into(), value: b"closed".to_vec() });
+    assert_eq!(c.answer(), (1, Response::Ok));
+    // Session 1 waits for a key never set and pipelines 65 gets behind it,
+    // one more than it may queue.
+    c.send(1, Request::Wait { keys: vec!["missing".into()], timeout_ms: 10_000 });
+    for _ in 0..=super::server::MAX_QUEUED {
+        c.send(1, get("k"));
+    }
+    c.send(2, get("k"));
+    let (two, ones) = answers_until(&mut c, 2);
+    assert_eq!(two, value(b"v"), "the connection's other sessions are served");
+    // The key comes now: had the wait survived, this would answer it.
+    setter.set("missing", b"").unwrap();
+    c.send(1, get("k"));
+    c.send(2, get("k"));
+    let (two, more) = answers_until(&mut c, 2);
+    assert_eq!(two, value(b"v"));
+    let ones: Vec<Response> = ones
+        .into_iter()
+        .chain(more)
+        .map(|(id, r)| {
+            assert_eq!(id, 1);
+            r
+        })
+        .collect();
+    // One answer per request of session 1, in order: the wait's first
+    // (the refusal that closed the session), then one per get, then the
+    // get sent after the close, refused as not open.
+    assert_eq!(ones.len(), 1 + super::server::MAX_QUEUED + 1 + 1, "{ones:?}");
+    let first = refusal(&ones[0]);
+    assert!(first.contains("session 1 sent 65 requests") && first.contains("the session is closed"), "{first}");
+    for r in &ones[1..ones.len() - 1] {
+        assert!(refusal(r).contains("not run: session 1 was closed"), "{r:?}");
+    }
+    assert!(refusal(ones.last().unwrap()).contains("session 1 is not open"));
+    // Closing it set its will.
+    assert_eq!(setter.get("gone/1").unwrap().as_deref(), Some(&b"closed"[..]));
+}
+
+#[test]
+fn store_sessions_queue_at_most_a_few_mebibytes_per_connection() {
+    use protocol::{Request, Response};
+    let s = server();
+    let mut c = Sessions::connect(&s);
+    let budget = super::server::MAX_QUEUED_BYTES;
+    let big = vec![7u8; budget / 4 - 1024];
+    for id in [1, 2] {
+        c.open(id);
+        c.send(id, Request::Wait { keys: vec![format!("go/{id}")], timeout_ms: 10_000 });
+    }
+    // Session 1 queues three quarters of the budget, session 2 one quarter
+    // (under it, with the keys), then one more set: over the budget, so
+    // session 2 is closed (a few requests, far fewer than MAX_QUEUED).
+    for i in 0..3 {
+        c.send(1, set(&format!("one/{i}"), &big));
+    }
+    c.send(2, set("two/0", &big));
+    c.send(2, set("two/1", &big));
+    let (first, before) = answers_until(&mut c, 2);
+    assert!(before.is_empty(), "{before:?}");
+    assert!(refusal(&first).contains("session 2 sent 2 requests") && refusal(&first).contains("closed"), "{first:?}");
+    for _ in 0..2 {
+        let (id, r) = c.answer();
+        assert_eq!(id, 2);
+        assert!(refusal(&r).contains("not run"), "{r:?}");
+    }
+    // Session 1 was left alone: its wait ends and its sets run, in order.
+    let setter = client(&s);
+    setter.set("go/1", b"").unwrap();
+    for _ in 0..4 {
+        assert_eq!(c.answer(), (1, Response::Ok));
+    }
+    assert_eq!(setter.get("one/2").unwrap().map(|v| v.len()), Some(big.len()));
+    assert_eq!(setter.get("two/0").unwrap(), None, "a closed session's queue is not run");
+    // Its queue drained, the budget is free again: a new session queues as
+    // much.
+    c.open(3);
+    c.send(3, Request::Wait { keys: vec!["go/3".into()], timeout_ms: 10_000 });
+    for i in 0..3 {
+        c.send(3, set(&format!("three/{i}"), &big));
+    }
+    setter.set("go/3", b"").unwrap();
+    for _ in 0..4 {
+        assert_eq!(c.answer(), (3, Response::Ok));
+    }
+}
+
 /// A relay of `n` ranks to `s`, and a client over each rank's end.
 fn relay(s: &StoreServer, n: usize) -> (StoreRelay, Vec<StoreClient>) {
     let addr = s.local_addr().to_string();
