@@ -8,12 +8,20 @@
 //! tagged with its session, unread, and each answer back to the rank it
 //! belongs to. The ranks' ends need no handshake: the descriptor is private
 //! to the process that inherits it. A rank's end closing (the rank exited
-//! or was killed) closes its session, so the store withdraws it from its
-//! barrier and sets its will, as for a rank connected directly. When the
-//! store's connection fails, every rank gets a refusal naming the store and
-//! its end is closed: its next call fails at once instead of hanging.
+//! or was killed), or the launcher saying its process exited
+//! ([`StoreRelay::rank_exited`]), closes its session, so the store
+//! withdraws it from its barrier and sets its will, as for a rank connected
+//! directly. When the store's connection fails, every rank gets a refusal
+//! naming the store (behind the answers it has not read) and its end is
+//! closed: its next call fails at once instead of hanging.
 //!
-//! One thread serves the relay with non-blocking sockets (mio).
+//! One thread serves the relay with non-blocking sockets (mio). It holds
+//! little for any rank: it stops reading a rank that has
+//! [`MAX_IN_FLIGHT`] requests unanswered or leaves [`RANK_BACKLOG`] bytes
+//! of answers unread, and every rank while [`UPSTREAM_BACKLOG`] bytes wait
+//! for the store, and reads [`READ_TURN`] bytes of one rank per turn; the
+//! kernel holds the rest, so a rank that writes without reading blocks
+//! while its neighbours are served.
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -318,7 +326,11 @@ impl Local {
     /// Whether a turn of the loop can do something for it now without an
     /// event: bytes left in its socket, or a whole frame left unpassed.
     fn has_work(&self, upstream: usize) -> bool {
-        self.takes_requests(upstream) && (self.readable || whole_frame(&self.input))
+        if self.draining || self.refusal.is_some() {
+            return false;
+        }
+        (self.hung_up && self.readable)
+            || (self.takes_requests(upstream) && (self.readable || whole_frame(&self.input)))
     }
 }
 
@@ -438,8 +450,9 @@ impl Relay {
     /// requests upstream in its session, while it [takes
     /// requests](Local::takes_requests); closes its session at end of
     /// stream, and refuses a frame over [`MAX_RELAYED_FRAME`]. With
-    /// `exiting` (its process exited), reads what its socket holds and
-    /// passes every whole request, whatever the limits.
+    /// `exiting` (its process exited, or its peer hung up), reads a turn's
+    /// worth even without an event and passes every whole request, whatever
+    /// the limits.
     fn pass_requests(&mut self, i: usize, exiting: bool) {
         let backlog = self.upstream_backlog();
         let Some(l) = &mut self.locals[i] else { return };
@@ -451,9 +464,9 @@ impl Relay {
             return;
         }
         let mut open = true;
-        if l.readable {
+        if l.readable || exiting {
             // A failed read is the rank's end gone, as an end of stream is.
-            let limit = if exiting { usize::MAX } else { READ_TURN.max(frame_end(&l.input)) };
+            let limit = READ_TURN.max(frame_end(&l.input));
             match read_some(&mut l.stream, &mut l.input, &mut self.scratch, limit) {
                 Ok(Some(more)) => l.readable = more,
                 Ok(None) | Err(_) => open = false,
