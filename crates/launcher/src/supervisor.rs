@@ -119,7 +119,7 @@ pub fn run_attempt(
     let activity = output::Activity::default();
     // The node's ranks reach the store through one relay (its connection
     // made before they start); it lives until they have all exited.
-    let (_relay, mut ends) = spawn::start_relay(cfg, env);
+    let (relay, mut ends) = spawn::start_relay(cfg, env);
 
     for local_rank in 0..cfg.nproc {
         let rank = RankEnv::global_rank(cfg, local_rank);
@@ -166,6 +166,12 @@ pub fn run_attempt(
                 }
             }
             Ok(Event::Exited { attempt: a, local_rank, status }) if a == attempt => {
+                // Its store sessions end now: a process it started may hold
+                // its relay sockets open, which would keep them open.
+                if let Some(relay) = &relay {
+                    let per_rank = spawn::RELAY_SOCKETS_PER_RANK;
+                    relay.rank_exited(local_rank * per_rank..(local_rank + 1) * per_rank);
+                }
                 let p = &mut ranks[local_rank];
                 let ending = Ending::of(status);
                 p.ended = Some((ending, now));

@@ -8,12 +8,20 @@
 //! tagged with its session, unread, and each answer back to the rank it
 //! belongs to. The ranks' ends need no handshake: the descriptor is private
 //! to the process that inherits it. A rank's end closing (the rank exited
-//! or was killed) closes its session, so the store withdraws it from its
-//! barrier and sets its will, as for a rank connected directly. When the
-//! store's connection fails, every rank gets a refusal naming the store and
-//! its end is closed: its next call fails at once instead of hanging.
+//! or was killed), or the launcher saying its process exited
+//! ([`StoreRelay::rank_exited`]), closes its session, so the store
+//! withdraws it from its barrier and sets its will, as for a rank connected
+//! directly. When the store's connection fails, every rank gets a refusal
+//! naming the store (behind the answers it has not read) and its end is
+//! closed: its next call fails at once instead of hanging.
 //!
-//! One thread serves the relay with non-blocking sockets (mio).
+//! One thread serves the relay with non-blocking sockets (mio). It holds
+//! little for any rank: it stops reading a rank that has
+//! [`MAX_IN_FLIGHT`] requests unanswered or leaves [`RANK_BACKLOG`] bytes
+//! of answers unread, and every rank while [`UPSTREAM_BACKLOG`] bytes wait
+//! for the store, and reads [`READ_TURN`] bytes of one rank per turn; the
+//! kernel holds the rest, so a rank that writes without reading blocks
+//! while its neighbours are served.
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -25,7 +33,9 @@ use std::time::Duration;
 use mio::net::{TcpStream, UnixStream as MioUnixStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 
-use super::client::{connect_authenticated, Unverified, Verify};
+use parking_lot::Mutex;
+
+use super::client::{connect_authenticated, Verify};
 use super::error::{Result, StoreError};
 use super::protocol::{self, Response, MAX_FRAME, SESSION_OVERHEAD};
 
@@ -38,6 +48,24 @@ const FIRST_RANK: usize = 2;
 /// fits a frame once tagged with its session.
 pub const MAX_RELAYED_FRAME: usize = MAX_FRAME - SESSION_OVERHEAD;
 
+/// Connections the store may drop before its verdict on the relay's proof
+/// (it sheds handshakes past [`MAX_UNAUTHENTICATED`](super::MAX_UNAUTHENTICATED))
+/// before [`StoreRelay::start`] gives up.
+const HANDSHAKE_TRIES: u32 = 6;
+
+/// Bytes the relay holds for the store, unwritten, before it stops reading
+/// the ranks (the kernel holds what they send meanwhile).
+const UPSTREAM_BACKLOG: usize = 1 << 20;
+
+/// Bytes of answers a rank may leave unread in the relay before the relay
+/// stops reading its requests.
+const RANK_BACKLOG: usize = 1 << 20;
+
+/// Bytes read from one rank per turn of the relay's loop (more when one
+/// frame is larger), so that a rank that writes without pause shares the
+/// thread with the others.
+const READ_TURN: usize = 64 << 10;
+
 /// A node relay of the rendezvous store: one thread, one connection to the
 /// store, one socket pair per local rank. Dropping it stops the thread and
 /// closes the connection (the store then sets the wills of the sessions
@@ -45,6 +73,8 @@ pub const MAX_RELAYED_FRAME: usize = MAX_FRAME - SESSION_OVERHEAD;
 pub struct StoreRelay {
     addr: String,
     stop: Arc<AtomicBool>,
+    /// Ends whose rank exited, for the thread to close.
+    exited: Arc<Mutex<Vec<usize>>>,
     waker: Arc<Waker>,
     thread: Option<JoinHandle<()>>,
 }
@@ -66,9 +96,14 @@ impl StoreRelay {
     /// [`StoreClient::over_relay`](super::StoreClient::over_relay)).
     ///
     /// The ends are close-on-exec: the launcher clears that on the one end
-    /// each child inherits. Fails when the store cannot be reached within
-    /// `timeout`; a store that refuses the secret is reported to every rank
-    /// as the answer to its first request.
+    /// each child inherits. Waits for the store's verdict on the proof (one
+    /// round trip); a connection the store drops before its verdict (it
+    /// sheds handshakes when too many clients are in one) is made again, up
+    /// to [`HANDSHAKE_TRIES`] times in all. Fails when the store cannot be
+    /// reached within `timeout`, or keeps dropping the connection
+    /// ([`StoreError::HandshakeDropped`]); a store that refuses the secret
+    /// (or cannot prove it holds it) is reported to every rank as the answer
+    /// to its first request.
     pub fn start(
         addr: &str,
         secret: impl AsRef<[u8]>,
@@ -89,13 +124,12 @@ impl StoreRelay {
             pairs.push(mine);
             ends.push(theirs);
         }
-        let (mut stream, verdict) = connect_authenticated(&addr, addr, secret, timeout, Verify::WithFirstAnswer)?;
         let mut opens = Vec::with_capacity(ranks * (4 + SESSION_OVERHEAD));
         for session in 1..=ranks_u32 {
             opens.extend_from_slice(&protocol::session_head(protocol::OPEN_SESSION, session, 0));
         }
+        let (stream, refused) = join_store(addr, secret, timeout, &opens)?;
         let lost = |e: io::Error| StoreError::Disconnected { addr: addr.to_string(), source: e };
-        stream.write_all(&opens).map_err(lost)?;
         stream.set_nonblocking(true).map_err(lost)?;
         let poll = Poll::new().map_err(|e| relay_error("could not start", e))?;
         let mut upstream = TcpStream::from_std(stream);
@@ -108,31 +142,119 @@ impl StoreRelay {
             poll.registry()
                 .register(&mut stream, Token(FIRST_RANK + i), Interest::READABLE | Interest::WRITABLE)
                 .map_err(|e| relay_error("could not watch a rank's socket", e))?;
-            locals.push(Some(Local { stream, input: Vec::new(), output: Vec::new(), written: 0, readable: true }));
+            locals.push(Some(Local::new(stream)));
         }
         let waker = Arc::new(Waker::new(poll.registry(), WAKER).map_err(|e| relay_error("could not start", e))?);
         let stop = Arc::new(AtomicBool::new(false));
+        let exited = Arc::new(Mutex::new(Vec::new()));
         let mut relay = Relay {
             poll,
             addr: addr.to_string(),
-            secret: secret.to_vec(),
             upstream: Some(Upstream { stream: upstream, input: Vec::new(), output: Vec::new(), written: 0 }),
-            verdict,
             locals,
             stop: stop.clone(),
-            scratch: vec![0; 64 << 10],
+            exited: exited.clone(),
+            scratch: vec![0; READ_TURN],
         };
+        if let Some(why) = refused {
+            // Each rank's first request is answered with the refusal.
+            relay.fail(&why);
+        }
         let thread = std::thread::Builder::new()
             .name("cohort-store-relay".into())
             .spawn(move || relay.run())
             .map_err(|e| relay_error("could not start its thread", e))?;
         tracing::debug!(addr, ranks, "store relay started");
-        Ok((StoreRelay { addr: addr.to_string(), stop, waker, thread: Some(thread) }, ends))
+        Ok((StoreRelay { addr: addr.to_string(), stop, exited, waker, thread: Some(thread) }, ends))
     }
 
     /// The store's address.
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// Says that the process given `ends` (indices into the ends
+    /// [`StoreRelay::start`] returned) exited: the relay passes on the
+    /// whole requests it had sent, then closes those ends and their
+    /// sessions (the store withdraws them from their barriers and sets
+    /// their wills), without waiting for the ends to close. A process the
+    /// rank started (or one it forked) may still hold its socket open, so
+    /// the end of stream alone could come late or never. Returns at once;
+    /// the relay's thread does the rest. Ends already closed, or out of
+    /// range, are ignored.
+    pub fn rank_exited(&self, ends: std::ops::Range<usize>) {
+        self.exited.lock().extend(ends);
+        let _ = self.waker.wake();
+    }
+}
+
+/// Connects to the store, proves `secret`, sends `opens` behind the proof
+/// and reads the verdict. Returns the connection and, when the store
+/// refused the proof (or could not prove its own), why. A connection
+/// closed before the verdict is made again (the store ran nothing sent
+/// behind the proof), [`HANDSHAKE_TRIES`] times in all.
+fn join_store(
+    addr: &str,
+    secret: &[u8],
+    timeout: Duration,
+    opens: &[u8],
+) -> Result<(std::net::TcpStream, Option<String>)> {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let (mut stream, nonces) = connect_authenticated(&addr, addr, secret, left, Verify::WithFirstAnswer)?;
+        let hs = nonces.expect("the verdict is left to read");
+        // The verdict is read even if the write failed: a store that
+        // refused the proof may have closed before the opens went out.
+        let _ = stream.write_all(opens);
+        // At least a moment for the verdict, however little of `timeout` is left.
+        let by = deadline.max(std::time::Instant::now() + Duration::from_millis(50));
+        let verdict = protocol::read_frame_by(&mut stream, protocol::PREAUTH_MAX_FRAME, by);
+        let error = match verdict {
+            Ok(body) => match protocol::read_verdict(secret, &hs.client_nonce, &hs.server_nonce, &body) {
+                protocol::Verdict::Accepted => {
+                    stream
+                        .set_read_timeout(None)
+                        .map_err(|e| StoreError::Disconnected { addr: addr.into(), source: e })?;
+                    return Ok((stream, None));
+                }
+                protocol::Verdict::Refused => StoreError::AuthRefused { addr: addr.to_string() },
+                protocol::Verdict::NotAuthentic => StoreError::ServerNotAuthentic { addr: addr.to_string() },
+                protocol::Verdict::Malformed => {
+                    StoreError::Protocol { addr: addr.to_string(), detail: "malformed answer to the handshake".into() }
+                }
+            },
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                StoreError::Protocol { addr: addr.to_string(), detail: e.to_string() }
+            }
+            Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
+                return Err(StoreError::Unresponsive { addr: addr.to_string(), waited: timeout });
+            }
+            Err(e)
+                if !matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::UnexpectedEof
+                        | io::ErrorKind::BrokenPipe
+                ) =>
+            {
+                return Err(StoreError::Disconnected { addr: addr.to_string(), source: e });
+            }
+            Err(e) => {
+                // Dropped before its verdict (an end of stream or a reset):
+                // nothing behind the proof ran; connect again.
+                if tries >= HANDSHAKE_TRIES || std::time::Instant::now() >= deadline {
+                    return Err(StoreError::HandshakeDropped { addr: addr.to_string(), tries });
+                }
+                tracing::debug!(addr, error = %e, "the store dropped the relay's connection before its verdict; connecting again");
+                std::thread::sleep(Duration::from_millis(1 << tries));
+                continue;
+            }
+        };
+        return Ok((stream, Some(format!("the store relay could not join the store: {error}"))));
     }
 }
 
@@ -155,8 +277,73 @@ struct Local {
     /// Answers for the rank, the first `written` bytes sent.
     output: Vec<u8>,
     written: usize,
-    /// A readable event came since a read found the socket empty.
+    /// A readable event came since a read found the socket empty (or a
+    /// read stopped at its turn's limit).
     readable: bool,
+    /// Requests passed to the store whose answers have not come back.
+    in_flight: usize,
+    /// Why its last frame is refused (over the relay's limit): written
+    /// behind the answers to the requests in flight, once they are all
+    /// here; nothing more is read from the rank.
+    refusal: Option<String>,
+    /// Its session is closed (or the store lost) and its last answer
+    /// queued: the end is closed once `output` is written.
+    draining: bool,
+    /// Its peer hung up (or the socket failed): read it to the end, limits
+    /// or not, so that its session is closed.
+    hung_up: bool,
+}
+
+impl Local {
+    fn new(stream: MioUnixStream) -> Local {
+        Local {
+            stream,
+            input: Vec::new(),
+            output: Vec::new(),
+            written: 0,
+            // Registering a socket reports what it already holds; read it anyway.
+            readable: true,
+            in_flight: 0,
+            refusal: None,
+            draining: false,
+            hung_up: false,
+        }
+    }
+
+    /// Whether the relay takes requests from the rank now: not while it
+    /// leaves [`RANK_BACKLOG`] bytes of answers unread or has
+    /// [`MAX_IN_FLIGHT`] requests unanswered, nor while [`UPSTREAM_BACKLOG`]
+    /// bytes wait for the store (`upstream` of them do now). The kernel
+    /// holds what it sends meanwhile, and its writes block.
+    fn takes_requests(&self, upstream: usize) -> bool {
+        self.refusal.is_none()
+            && !self.draining
+            && self.output.len() - self.written <= RANK_BACKLOG
+            && self.in_flight < MAX_IN_FLIGHT
+            && upstream <= UPSTREAM_BACKLOG
+    }
+
+    /// Whether a turn of the loop can do something for it now without an
+    /// event: bytes left in its socket, or a whole frame left unpassed.
+    fn has_work(&self, upstream: usize) -> bool {
+        if self.draining || self.refusal.is_some() {
+            return false;
+        }
+        (self.hung_up && self.readable)
+            || (self.takes_requests(upstream) && (self.readable || whole_frame(&self.input)))
+    }
+}
+
+/// Requests a rank may have unanswered through the relay (a `StoreClient`
+/// has one; a pipelined batch a few).
+const MAX_IN_FLIGHT: usize = 64;
+
+/// Whether `input` starts with a whole frame (or a length over the limit).
+fn whole_frame(input: &[u8]) -> bool {
+    input.len() >= 4 && {
+        let len = u32::from_le_bytes(input[..4].try_into().expect("4 bytes")) as usize;
+        len > MAX_RELAYED_FRAME || input.len() >= 4 + len
+    }
 }
 
 /// The relay's connection to the store.
@@ -171,14 +358,13 @@ struct Upstream {
 struct Relay {
     poll: Poll,
     addr: String,
-    secret: Vec<u8>,
     /// `None` once it failed (every rank was told).
     upstream: Option<Upstream>,
-    /// The store's verdict on the proof, still to come.
-    verdict: Option<Unverified>,
     /// Rank `i`'s end (session `i + 1`), `None` once closed.
     locals: Vec<Option<Local>>,
     stop: Arc<AtomicBool>,
+    /// Ends whose process exited (see [`StoreRelay::rank_exited`]).
+    exited: Arc<Mutex<Vec<usize>>>,
     scratch: Vec<u8>,
 }
 
@@ -190,14 +376,24 @@ impl Relay {
             if self.stop.load(Ordering::SeqCst) {
                 return;
             }
+            let exited = std::mem::take(&mut *self.exited.lock());
+            for i in exited {
+                if self.locals.get(i).is_some_and(Option::is_some) {
+                    self.pass_requests(i, true);
+                    self.close_rank(i);
+                }
+            }
             for i in 0..self.locals.len() {
-                self.read_rank(i);
+                self.pass_requests(i, false);
             }
             if up_readable {
                 up_readable = false;
                 if let Err(why) = self.read_upstream() {
                     self.fail(&why);
                 }
+            }
+            for i in 0..self.locals.len() {
+                self.refuse_when_answered(i);
             }
             if let Some(up) = &mut self.upstream {
                 if let Err(e) = flush(&mut up.stream, &mut up.output, &mut up.written) {
@@ -207,7 +403,8 @@ impl Relay {
             }
             for i in 0..self.locals.len() {
                 if let Some(l) = &mut self.locals[i] {
-                    if flush(&mut l.stream, &mut l.output, &mut l.written).is_err() {
+                    let failed = flush(&mut l.stream, &mut l.output, &mut l.written).is_err();
+                    if failed || (l.draining && l.output.is_empty()) {
                         self.close_rank(i);
                     }
                 }
@@ -215,7 +412,11 @@ impl Relay {
             if self.upstream.is_none() && self.locals.iter().all(Option::is_none) {
                 return;
             }
-            if let Err(e) = self.poll.poll(&mut events, None) {
+            // A rank whose turn ended with bytes still to read is served
+            // again at once, after the others.
+            let backlog = self.upstream_backlog();
+            let again = self.locals.iter().flatten().any(|l| l.has_work(backlog));
+            if let Err(e) = self.poll.poll(&mut events, again.then_some(Duration::ZERO)) {
                 if e.kind() != io::ErrorKind::Interrupted {
                     self.fail(&format!("the store relay's event loop failed: {e}"));
                     return;
@@ -230,6 +431,9 @@ impl Relay {
                             if event.is_readable() || event.is_read_closed() || event.is_error() {
                                 l.readable = true;
                             }
+                            if event.is_read_closed() || event.is_error() {
+                                l.hung_up = true;
+                            }
                         }
                     }
                 }
@@ -237,19 +441,41 @@ impl Relay {
         }
     }
 
-    /// Reads what rank `i` sent and passes each whole request upstream in
-    /// its session; closes its session at end of stream.
-    fn read_rank(&mut self, i: usize) {
+    /// Bytes waiting to be written to the store.
+    fn upstream_backlog(&self) -> usize {
+        self.upstream.as_ref().map_or(0, |up| up.output.len() - up.written)
+    }
+
+    /// Reads what rank `i` sent (one turn's worth) and passes its whole
+    /// requests upstream in its session, while it [takes
+    /// requests](Local::takes_requests); closes its session at end of
+    /// stream, and refuses a frame over [`MAX_RELAYED_FRAME`]. With
+    /// `exiting` (its process exited, or its peer hung up), reads a turn's
+    /// worth even without an event and passes every whole request, whatever
+    /// the limits.
+    fn pass_requests(&mut self, i: usize, exiting: bool) {
+        let backlog = self.upstream_backlog();
         let Some(l) = &mut self.locals[i] else { return };
-        if !l.readable {
+        if l.draining || l.refusal.is_some() {
             return;
         }
-        // A failed read is the rank's end gone, as an end of stream is.
-        let open = read_all(&mut l.stream, &mut l.input, &mut self.scratch).unwrap_or(false);
-        l.readable = false;
+        let exiting = exiting || l.hung_up;
+        if !exiting && !l.takes_requests(backlog) {
+            return;
+        }
+        let mut open = true;
+        if l.readable || exiting {
+            // A failed read is the rank's end gone, as an end of stream is.
+            let limit = READ_TURN.max(frame_end(&l.input));
+            match read_some(&mut l.stream, &mut l.input, &mut self.scratch, limit) {
+                Ok(Some(more)) => l.readable = more,
+                Ok(None) | Err(_) => open = false,
+            }
+        }
         let session = i as u32 + 1;
         let mut at = 0;
         let mut too_large = None;
+        let mut sent = 0;
         while l.input.len() - at >= 4 {
             let len = u32::from_le_bytes(l.input[at..at + 4].try_into().expect("4 bytes")) as usize;
             if len > MAX_RELAYED_FRAME {
@@ -259,39 +485,68 @@ impl Relay {
             if l.input.len() - at < 4 + len {
                 break;
             }
-            if let Some(up) = &mut self.upstream {
-                up.output.extend_from_slice(&protocol::session_head(protocol::IN_SESSION, session, len));
-                up.output.extend_from_slice(&l.input[at + 4..at + 4 + len]);
+            let Some(up) = &mut self.upstream else { break };
+            if !exiting && open && (l.in_flight >= MAX_IN_FLIGHT || up.output.len() - up.written > UPSTREAM_BACKLOG) {
+                break;
             }
+            up.output.extend_from_slice(&protocol::session_head(protocol::IN_SESSION, session, len));
+            up.output.extend_from_slice(&l.input[at + 4..at + 4 + len]);
+            l.in_flight += 1;
+            sent += 1;
             at += 4 + len;
         }
         l.input.drain(..at);
         if let Some(len) = too_large {
-            let why = format!("a request of {len} bytes exceeds the store relay's limit of {MAX_RELAYED_FRAME}");
-            let _ = l.stream.write_all(&frame(&Response::Refused(why).encode()));
-            self.close_rank(i);
+            tracing::debug!(session, len, sent, "store relay: a rank's frame is over the limit; refusing it");
+            l.refusal =
+                Some(format!("a request of {len} bytes exceeds the store relay's limit of {MAX_RELAYED_FRAME}"));
+            l.input = Vec::new();
+            l.readable = false;
         } else if !open {
             self.close_rank(i);
         }
     }
 
-    /// Closes rank `i`'s end and its session (the store withdraws it from
-    /// its barrier and sets its will).
-    fn close_rank(&mut self, i: usize) {
-        let Some(mut l) = self.locals[i].take() else { return };
-        let _ = self.poll.registry().deregister(&mut l.stream);
+    /// Once every request rank `i` had in flight is answered, queues its
+    /// refusal (if it has one) behind those answers and closes its session;
+    /// its end is closed once the refusal is written.
+    fn refuse_when_answered(&mut self, i: usize) {
+        let Some(l) = &mut self.locals[i] else { return };
+        if l.in_flight > 0 {
+            return;
+        }
+        let Some(why) = l.refusal.take() else { return };
+        l.output.extend_from_slice(&frame(&Response::Refused(why).encode()));
+        l.draining = true;
         if let Some(up) = &mut self.upstream {
             up.output.extend_from_slice(&protocol::session_head(protocol::CLOSE_SESSION, i as u32 + 1, 0));
         }
-        tracing::trace!(session = i + 1, "store relay: a rank's socket closed; closing its session");
     }
 
-    /// Reads what the store sent: the verdict first, then answers, each
-    /// passed to its rank. An error says why the connection is lost.
+    /// Closes rank `i`'s end and its session, unless closed already (the
+    /// store withdraws it from its barrier and sets its will).
+    fn close_rank(&mut self, i: usize) {
+        let Some(mut l) = self.locals[i].take() else { return };
+        let _ = self.poll.registry().deregister(&mut l.stream);
+        if l.draining {
+            return;
+        }
+        if let Some(up) = &mut self.upstream {
+            up.output.extend_from_slice(&protocol::session_head(protocol::CLOSE_SESSION, i as u32 + 1, 0));
+        }
+        tracing::trace!(
+            session = i + 1,
+            "store relay: a rank's socket closed or its process exited; closing its session"
+        );
+    }
+
+    /// Reads what the store sent and passes each answer to its rank. An
+    /// error says why the connection is lost.
     fn read_upstream(&mut self) -> std::result::Result<(), String> {
         let Some(up) = &mut self.upstream else { return Ok(()) };
-        let open = read_all(&mut up.stream, &mut up.input, &mut self.scratch)
-            .map_err(|e| format!("lost the connection to the rendezvous store at {}: {e}", self.addr))?;
+        let open = read_some(&mut up.stream, &mut up.input, &mut self.scratch, usize::MAX)
+            .map_err(|e| format!("lost the connection to the rendezvous store at {}: {e}", self.addr))?
+            .is_some();
         let mut at = 0;
         let mut failure = None;
         while up.input.len() - at >= 4 {
@@ -305,26 +560,16 @@ impl Relay {
             }
             let body = &up.input[at + 4..at + 4 + len];
             at += 4 + len;
-            if let Some(hs) = self.verdict.take() {
-                let error = match protocol::read_verdict(&self.secret, &hs.client_nonce, &hs.server_nonce, body) {
-                    protocol::Verdict::Accepted => continue,
-                    protocol::Verdict::Refused => StoreError::AuthRefused { addr: self.addr.clone() },
-                    protocol::Verdict::NotAuthentic => StoreError::ServerNotAuthentic { addr: self.addr.clone() },
-                    protocol::Verdict::Malformed => StoreError::Protocol {
-                        addr: self.addr.clone(),
-                        detail: "malformed answer to the handshake".into(),
-                    },
-                };
-                failure = Some(format!("the store relay could not join the store: {error}"));
-                break;
-            }
             match protocol::session_answer(body) {
                 Some((session, answer)) => {
                     let i = (session as usize).wrapping_sub(1);
                     // A rank that left: its answer has no one to go to.
                     if let Some(Some(l)) = self.locals.get_mut(i) {
-                        l.output.extend_from_slice(&(answer.len() as u32).to_le_bytes());
-                        l.output.extend_from_slice(answer);
+                        if !l.draining {
+                            l.output.extend_from_slice(&(answer.len() as u32).to_le_bytes());
+                            l.output.extend_from_slice(answer);
+                            l.in_flight = l.in_flight.saturating_sub(1);
+                        }
                     }
                 }
                 None => {
@@ -348,20 +593,36 @@ impl Relay {
     }
 
     /// The store's connection is lost: tells every rank why (the answer to
-    /// its next or current request) and closes its end.
+    /// its next or current request, queued behind the answers it has not
+    /// read) and closes its end once that is written.
     fn fail(&mut self, why: &str) {
         if self.upstream.take().is_none() {
             return;
         }
         tracing::warn!("{why}; the node's ranks are cut off from the store");
         let refusal = frame(&Response::Refused(why.to_string()).encode());
-        for slot in &mut self.locals {
-            if let Some(mut l) = slot.take() {
-                let _ = flush(&mut l.stream, &mut l.output, &mut l.written);
-                let _ = l.stream.write_all(&refusal);
-                let _ = self.poll.registry().deregister(&mut l.stream);
+        for l in self.locals.iter_mut().flatten() {
+            if !l.draining {
+                l.output.extend_from_slice(&refusal);
+                l.draining = true;
+                l.refusal = None;
+                l.input = Vec::new();
             }
         }
+    }
+}
+
+/// Where the frame at the head of `input` ends (0 while its length is not
+/// all here, or is over the limit).
+fn frame_end(input: &[u8]) -> usize {
+    if input.len() < 4 {
+        return 0;
+    }
+    let len = u32::from_le_bytes(input[..4].try_into().expect("4 bytes")) as usize;
+    if len > MAX_RELAYED_FRAME {
+        0
+    } else {
+        4 + len
     }
 }
 
@@ -373,14 +634,25 @@ fn frame(body: &[u8]) -> Vec<u8> {
     f
 }
 
-/// Reads what a non-blocking socket holds into `input`; `Ok(false)` at end
-/// of stream.
-fn read_all(stream: &mut impl Read, input: &mut Vec<u8>, scratch: &mut [u8]) -> io::Result<bool> {
+/// Reads what a non-blocking socket holds into `input`, until `input`
+/// holds `limit` bytes: `Some(true)` when it stopped at the limit (more may
+/// be waiting), `Some(false)` once the socket is empty, `None` at end of
+/// stream.
+fn read_some(
+    stream: &mut impl Read,
+    input: &mut Vec<u8>,
+    scratch: &mut [u8],
+    limit: usize,
+) -> io::Result<Option<bool>> {
     loop {
-        match stream.read(scratch) {
-            Ok(0) => return Ok(false),
-            Ok(n) => input.extend_from_slice(&scratch[..n]),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+        if input.len() >= limit {
+            return Ok(Some(true));
+        }
+        let n = scratch.len().min(limit - input.len());
+        match stream.read(&mut scratch[..n]) {
+            Ok(0) => return Ok(None),
+            Ok(k) => input.extend_from_slice(&scratch[..k]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Some(false)),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }

@@ -75,8 +75,23 @@ const LISTEN_BACKLOG: i32 = 65535;
 const READ_AHEAD: usize = 64 << 10;
 
 /// Requests a session may send while it is blocked, waiting their turn;
-/// one more is refused.
+/// one more closes the session (see [`MAX_QUEUED_BYTES`]).
 pub(crate) const MAX_QUEUED: usize = 64;
+
+/// Bytes of requests a connection's sessions may hold queued, over all of
+/// them, while they are blocked. A client that waits for each answer
+/// before its next request (every `StoreClient`, relayed or not) never
+/// queues; only a session that pipelines behind a blocked request does.
+///
+/// The session whose request would pass this budget (or
+/// [`MAX_QUEUED`] requests) is closed, not the connection throttled: a
+/// relay's connection carries a whole node's ranks, and reading none of it
+/// until one session's wait ends would stall its neighbours, including
+/// the one whose request would end that wait. Closing the session answers
+/// its blocked request and every request it had queued with a refusal, in
+/// order, and sets its will; frames it sends later are refused as "not
+/// open". Memory held for queues is then at most this per connection.
+pub(crate) const MAX_QUEUED_BYTES: usize = 4 << 20;
 
 /// Sessions one connection may hold open.
 pub(crate) const MAX_SESSIONS: usize = 1 << 16;
@@ -425,6 +440,9 @@ struct Conn {
     sessions: HashMap<SessionId, Session>,
     /// Sessions just answered that have requests waiting their turn.
     resumable: Vec<SessionId>,
+    /// Bytes of the requests queued in its sessions (at most
+    /// [`MAX_QUEUED_BYTES`]).
+    queued_bytes: usize,
     /// Requests taken so far, over all sessions (numbers the blocked ones).
     seq: u64,
     /// The socket may hold bytes not read yet: a readable event came since
@@ -450,6 +468,7 @@ impl Conn {
             main: Session::default(),
             sessions: HashMap::new(),
             resumable: Vec::new(),
+            queued_bytes: 0,
             seq: 0,
             // Registering a socket reports what it already holds.
             readable: false,
@@ -497,6 +516,15 @@ impl Conn {
         true
     }
 
+    /// Queues `body` in session `id` (open, blocked) to be served after.
+    fn queue(&mut self, id: SessionId, body: Vec<u8>) {
+        let len = body.len();
+        if let Some(s) = self.session(id) {
+            s.queued.push_back(body);
+            self.queued_bytes += len;
+        }
+    }
+
     /// A request of a session that waited its turn and may be served now.
     fn next_queued(&mut self) -> Option<(SessionId, Vec<u8>)> {
         while let Some(&id) = self.resumable.last() {
@@ -506,6 +534,7 @@ impl Conn {
                         if s.queued.is_empty() {
                             self.resumable.pop();
                         }
+                        self.queued_bytes -= body.len();
                         return Some((id, body));
                     }
                     self.resumable.pop();
@@ -1198,16 +1227,21 @@ impl Worker {
                 }
                 Ok(protocol::SessionFrame::In(session, request)) => match c.session(session) {
                     Some(s) if session != 0 && s.blocked.is_some() => {
-                        if s.queued.len() < MAX_QUEUED {
-                            s.queued.push_back(request.to_vec());
+                        let count = s.queued.len();
+                        if count < MAX_QUEUED && c.queued_bytes + request.len() <= MAX_QUEUED_BYTES {
+                            c.queue(session, request.to_vec());
+                            false
                         } else {
                             let why = format!(
-                                "session {session} sent more than {MAX_QUEUED} requests while one of its requests \
-                                 was blocked; this one is refused"
+                                "session {session} sent {} requests ({} bytes queued on its connection) while one \
+                                 of its requests was blocked, more than the store holds ({MAX_QUEUED} requests, \
+                                 {MAX_QUEUED_BYTES} bytes): the session is closed",
+                                count + 1,
+                                c.queued_bytes + request.len()
                             );
-                            c.answer(session, &Response::Refused(why));
+                            tracing::warn!(peer = %c.peer, session, "{why}");
+                            ctx.close_overflowing(c, session, &why)
                         }
-                        false
                     }
                     Some(_) if session != 0 => ctx.serve(c, session, request),
                     _ => {
@@ -1373,11 +1407,30 @@ impl Serve<'_> {
     /// when that woke blocked clients of this worker (see [`Serve::serve`]).
     fn close_session(&mut self, c: &mut Conn, session: SessionId) -> bool {
         let Some(s) = c.sessions.remove(&session) else { return false };
+        c.queued_bytes -= s.queued.iter().map(Vec::len).sum::<usize>();
         let mut table = self.shared.table.lock();
         end_session(&mut table, self.id, session, s, &c.peer);
         let mine = self.shared.route(&mut table, Some(self.index));
         drop(table);
         self.woke(c, mine)
+    }
+
+    /// Closes session `session` of `c` (open, not 0, blocked), which sent
+    /// one request more than it may queue (see [`MAX_QUEUED_BYTES`]): its
+    /// blocked request is answered with a refusal saying `why`, and every
+    /// request it queued, and the one that overflowed, with a refusal that
+    /// says it was not run, in order (a relayed rank reads its answers in
+    /// the order of its requests). True as [`Serve::close_session`].
+    fn close_overflowing(&mut self, c: &mut Conn, session: SessionId, why: &str) -> bool {
+        let queued = c.sessions.get(&session).map_or(0, |s| s.queued.len());
+        c.answer(session, &Response::Refused(why.to_string()));
+        let not_run = format!("not run: session {session} was closed (it queued too many requests while blocked)");
+        for _ in 0..=queued {
+            c.answer(session, &Response::Refused(not_run.clone()));
+        }
+        // Its blocked request is withdrawn: an answer already on its way
+        // finds no session and is dropped, so the refusal stays its only one.
+        self.close_session(c, session)
     }
 
     /// Hands this worker's answers that a request produced to the loop:

@@ -1227,6 +1227,122 @@ fn store_frames_for_sessions_not_open_are_refused_not_fatal() {
     assert!(closed_by_server(&mut b.0));
 }
 
+/// Reads answers until one of session `until` comes; returns it and the
+/// answers of other sessions that came before it, in order.
+fn answers_until(c: &mut Sessions, until: u32) -> (protocol::Response, Vec<(u32, protocol::Response)>) {
+    let mut before = Vec::new();
+    loop {
+        let (id, r) = c.answer();
+        if id == until {
+            return (r, before);
+        }
+        before.push((id, r));
+    }
+}
+
+fn refusal(r: &protocol::Response) -> &str {
+    match r {
+        protocol::Response::Refused(msg) => msg,
+        other => panic!("{other:?}, wanted a refusal"),
+    }
+}
+
+#[test]
+fn store_session_queueing_past_its_limit_is_closed_with_every_answer_in_order() {
+    use protocol::{Request, Response};
+    let s = server();
+    let setter = client(&s);
+    setter.set("k", b"v").unwrap();
+    let mut c = Sessions::connect(&s);
+    c.open(1);
+    c.open(2);
+    c.send(1, Request::SetWill { key: "gone/1".into(), value: b"closed".to_vec() });
+    assert_eq!(c.answer(), (1, Response::Ok));
+    // Session 1 waits for a key never set and pipelines 65 gets behind it,
+    // one more than it may queue.
+    c.send(1, Request::Wait { keys: vec!["missing".into()], timeout_ms: 10_000 });
+    for _ in 0..=super::server::MAX_QUEUED {
+        c.send(1, get("k"));
+    }
+    c.send(2, get("k"));
+    let (two, ones) = answers_until(&mut c, 2);
+    assert_eq!(two, value(b"v"), "the connection's other sessions are served");
+    // The key comes now: had the wait survived, this would answer it.
+    setter.set("missing", b"").unwrap();
+    c.send(1, get("k"));
+    c.send(2, get("k"));
+    let (two, more) = answers_until(&mut c, 2);
+    assert_eq!(two, value(b"v"));
+    let ones: Vec<Response> = ones
+        .into_iter()
+        .chain(more)
+        .map(|(id, r)| {
+            assert_eq!(id, 1);
+            r
+        })
+        .collect();
+    // One answer per request of session 1, in order: the wait's first
+    // (the refusal that closed the session), then one per get, then the
+    // get sent after the close, refused as not open.
+    assert_eq!(ones.len(), 1 + super::server::MAX_QUEUED + 1 + 1, "{ones:?}");
+    let first = refusal(&ones[0]);
+    assert!(first.contains("session 1 sent 65 requests") && first.contains("the session is closed"), "{first}");
+    for r in &ones[1..ones.len() - 1] {
+        assert!(refusal(r).contains("not run: session 1 was closed"), "{r:?}");
+    }
+    assert!(refusal(ones.last().unwrap()).contains("session 1 is not open"));
+    // Closing it set its will.
+    assert_eq!(setter.get("gone/1").unwrap().as_deref(), Some(&b"closed"[..]));
+}
+
+#[test]
+fn store_sessions_queue_at_most_a_few_mebibytes_per_connection() {
+    use protocol::{Request, Response};
+    let s = server();
+    let mut c = Sessions::connect(&s);
+    let budget = super::server::MAX_QUEUED_BYTES;
+    let big = vec![7u8; budget / 4 - 1024];
+    for id in [1, 2] {
+        c.open(id);
+        c.send(id, Request::Wait { keys: vec![format!("go/{id}")], timeout_ms: 10_000 });
+    }
+    // Session 1 queues three quarters of the budget, session 2 one quarter
+    // (under it, with the keys), then one more set: over the budget, so
+    // session 2 is closed (a few requests, far fewer than MAX_QUEUED).
+    for i in 0..3 {
+        c.send(1, set(&format!("one/{i}"), &big));
+    }
+    c.send(2, set("two/0", &big));
+    c.send(2, set("two/1", &big));
+    let (first, before) = answers_until(&mut c, 2);
+    assert!(before.is_empty(), "{before:?}");
+    assert!(refusal(&first).contains("session 2 sent 2 requests") && refusal(&first).contains("closed"), "{first:?}");
+    for _ in 0..2 {
+        let (id, r) = c.answer();
+        assert_eq!(id, 2);
+        assert!(refusal(&r).contains("not run"), "{r:?}");
+    }
+    // Session 1 was left alone: its wait ends and its sets run, in order.
+    let setter = client(&s);
+    setter.set("go/1", b"").unwrap();
+    for _ in 0..4 {
+        assert_eq!(c.answer(), (1, Response::Ok));
+    }
+    assert_eq!(setter.get("one/2").unwrap().map(|v| v.len()), Some(big.len()));
+    assert_eq!(setter.get("two/0").unwrap(), None, "a closed session's queue is not run");
+    // Its queue drained, the budget is free again: a new session queues as
+    // much.
+    c.open(3);
+    c.send(3, Request::Wait { keys: vec!["go/3".into()], timeout_ms: 10_000 });
+    for i in 0..3 {
+        c.send(3, set(&format!("three/{i}"), &big));
+    }
+    setter.set("go/3", b"").unwrap();
+    for _ in 0..4 {
+        assert_eq!(c.answer(), (3, Response::Ok));
+    }
+}
+
 /// A relay of `n` ranks to `s`, and a client over each rank's end.
 fn relay(s: &StoreServer, n: usize) -> (StoreRelay, Vec<StoreClient>) {
     let addr = s.local_addr().to_string();
@@ -1357,6 +1473,147 @@ fn store_relay_checks_its_secret_and_the_ranks_requests() {
     }
     good.set("still", b"here").unwrap();
     assert_eq!(good.get("still").unwrap().as_deref(), Some(&b"here"[..]));
+}
+
+#[test]
+fn store_relay_closes_the_session_of_a_rank_that_exited_while_its_socket_is_held() {
+    use std::io::Read;
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let (relay, mut ends) = StoreRelay::start(&addr, SECRET, 2, T).unwrap();
+    let neighbour = StoreClient::over_relay(ends.pop().unwrap(), &addr, SECRET, T).unwrap();
+    let end = ends.pop().unwrap();
+    // A process the rank started still holds its socket.
+    let mut held = end.try_clone().unwrap();
+    let rank = StoreClient::over_relay(end, &addr, SECRET, T).unwrap();
+    rank.set_will("gone/0", b"rank 0 exited").unwrap();
+    neighbour.set_will("gone/1", b"rank 1 exited").unwrap();
+    let blocked = std::thread::spawn(move || rank.barrier("b", 3, T));
+    wait_for(|| s.barrier_arrivals("b") == 1);
+    let watcher = client(&s);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(watcher.get("gone/0").unwrap(), None, "the socket is still open: no end of stream");
+    // The launcher saw the rank's process exit.
+    relay.rank_exited(0..1);
+    watcher.wait(&["gone/0"], T).unwrap();
+    assert_eq!(watcher.get("gone/0").unwrap().as_deref(), Some(&b"rank 0 exited"[..]));
+    wait_for(|| s.barrier_arrivals("b") == 0);
+    // The relay closed its end: the holder reads the end of stream, and the
+    // blocked call fails.
+    held.set_read_timeout(Some(T)).unwrap();
+    assert_eq!(held.read_to_end(&mut Vec::new()).unwrap(), 0);
+    assert!(blocked.join().unwrap().is_err());
+    // Its neighbour is untouched; an end already closed, or out of range,
+    // is ignored.
+    relay.rank_exited(0..1);
+    relay.rank_exited(7..9);
+    neighbour.set("alive", b"yes").unwrap();
+    assert_eq!(watcher.get("gone/1").unwrap(), None);
+    assert_eq!(watcher.get("alive").unwrap().as_deref(), Some(&b"yes"[..]));
+}
+
+#[test]
+fn store_relay_connects_again_when_the_store_drops_it_before_its_verdict() {
+    let s = server();
+    // Dropped once after its proof (a reset), then let through: the relay
+    // connects again and its ranks are served.
+    let proxy = dropping_proxy(s.local_addr(), vec![true, false]).to_string();
+    let (_relay, ends) = StoreRelay::start(&proxy, SECRET, 2, T).unwrap();
+    let ranks: Vec<StoreClient> =
+        ends.into_iter().map(|e| StoreClient::over_relay(e, &proxy, SECRET, T).unwrap()).collect();
+    assert_eq!(ranks[0].add("n", 1).unwrap(), 1);
+    assert_eq!(ranks[1].add("n", 1).unwrap(), 2);
+    // A store that keeps dropping it: starting fails, saying so.
+    let proxy = dropping_proxy(s.local_addr(), vec![false; 16]).to_string();
+    let err = StoreRelay::start(&proxy, SECRET, 1, T).unwrap_err();
+    assert!(matches!(err, StoreError::HandshakeDropped { .. }), "{err}");
+    assert!(err.to_string().contains(&proxy), "{err}");
+}
+
+#[test]
+fn store_relay_stops_reading_a_rank_that_sends_without_reading_its_answers() {
+    use std::io::{Read, Write};
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let big = vec![5u8; 64];
+    client(&s).set("k", &big).unwrap();
+    let (_relay, mut ends) = StoreRelay::start(&addr, SECRET, 2, T).unwrap();
+    let neighbour = StoreClient::over_relay(ends.pop().unwrap(), &addr, SECRET, T).unwrap();
+    let mut greedy = ends.pop().unwrap();
+    greedy.set_nonblocking(true).unwrap();
+    let request = framed(&get("k").encode());
+    let batch = request.repeat(1000);
+    // It writes requests and reads nothing, until its writes have blocked
+    // for half a second or 16 MiB went out.
+    let mut written = 0usize;
+    let mut blocked_since: Option<Instant> = None;
+    while written < 16 << 20 && blocked_since.is_none_or(|t| t.elapsed() < Duration::from_millis(500)) {
+        let at = written % batch.len();
+        match greedy.write(&batch[at..]) {
+            Ok(n) => {
+                written += n;
+                blocked_since = None;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                blocked_since.get_or_insert_with(Instant::now);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(written < 4 << 20, "the relay read {written} bytes of requests whose answers were not read");
+    // Meanwhile its neighbour is served.
+    neighbour.set("x", b"y").unwrap();
+    assert_eq!(neighbour.get("x").unwrap().as_deref(), Some(&b"y"[..]));
+    // Once it reads, the relay reads on: every request is answered, in
+    // order, and the rank goes on.
+    greedy.set_nonblocking(false).unwrap();
+    greedy.set_read_timeout(Some(T)).unwrap();
+    let mut writer = greedy.try_clone().unwrap();
+    let rest = request.len() - written % request.len();
+    let tail = if rest == request.len() { Vec::new() } else { request[request.len() - rest..].to_vec() };
+    let count = written.div_ceil(request.len());
+    let finishing = std::thread::spawn(move || {
+        writer.write_all(&tail).unwrap();
+        writer.write_all(&framed(&set("after", b"1").encode())).unwrap();
+    });
+    for _ in 0..count {
+        let body = protocol::read_frame(&mut greedy).unwrap();
+        assert_eq!(protocol::Response::decode(&body).unwrap(), value(&big));
+    }
+    let body = protocol::read_frame(&mut greedy).unwrap();
+    assert_eq!(protocol::Response::decode(&body).unwrap(), protocol::Response::Ok);
+    finishing.join().unwrap();
+    let mut none = [0u8; 1];
+    greedy.set_nonblocking(true).unwrap();
+    assert!(matches!(greedy.read(&mut none), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock));
+}
+
+#[test]
+fn store_relay_refuses_an_oversized_frame_behind_the_answers_in_flight() {
+    use std::io::{Read, Write};
+    let s = server();
+    let addr = s.local_addr().to_string();
+    // An answer larger than the socket holds: it is written in pieces.
+    let big: Vec<u8> = (0..4 << 20).map(|i| (i % 251) as u8).collect();
+    client(&s).set("big", &big).unwrap();
+    let (_relay, mut ends) = StoreRelay::start(&addr, SECRET, 1, T).unwrap();
+    let mut rank = ends.pop().unwrap();
+    // A get, and behind it a frame over the relay's limit, before reading.
+    let mut sent = framed(&get("big").encode());
+    sent.extend_from_slice(&u32::MAX.to_le_bytes());
+    rank.write_all(&sent).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    rank.set_read_timeout(Some(T)).unwrap();
+    // The get's whole answer first, then the refusal, then the end.
+    let body = protocol::read_frame(&mut rank).unwrap();
+    assert_eq!(protocol::Response::decode(&body).unwrap(), value(&big));
+    let body = protocol::read_frame(&mut rank).unwrap();
+    match protocol::Response::decode(&body).unwrap() {
+        protocol::Response::Refused(msg) => assert!(msg.contains("exceeds the store relay's limit"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(rank.read(&mut [0u8; 1]).unwrap(), 0);
 }
 
 #[test]
