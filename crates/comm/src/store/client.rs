@@ -578,7 +578,7 @@ impl StoreClient {
 const HANDSHAKE_RETRIES: u32 = 5;
 
 /// Whether `e` says the peer closed the connection.
-fn dropped(e: &io::Error) -> bool {
+pub(crate) fn dropped(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::ConnectionReset
