@@ -44,11 +44,13 @@
 //!   `cohort run` does it: each simulated node (`--per-node` ranks, 8 when
 //!   0) gets a [`StoreRelay`] started after the release (its connection to
 //!   the store is inside the timed window, as a launcher's is; each starts
-//!   on a thread of its own, as each node's launcher does, at most
-//!   `--window` ranks' worth at once),
+//!   on a thread of its own, at most `--window` ranks' worth at once),
 //!   and its ranks speak over their socket-pair ends with no handshake (a
 //!   rank counts as connected once its relay is started). The relays run
-//!   in this process: their CPU is in `clients cpu`.
+//!   in relay host processes, one per client thread (as each node's
+//!   launcher is a process of its own; this process then holds one
+//!   descriptor per rank, not two), which pass the ranks' ends back over a
+//!   Unix socket; their CPU is in `clients cpu`.
 //!
 //! For every run it prints when the last rank had connected, published,
 //! joined (passed the first barrier), read its directory and passed
@@ -74,7 +76,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use cohort_comm::store::raw::{self, Handshake};
-use cohort_comm::store::{generate_secret, StoreRelay, StoreServer};
+use cohort_comm::store::{generate_secret, StoreServer};
 use mio::net::{TcpStream, UnixStream};
 use mio::{Events, Interest, Poll, Token};
 
@@ -841,10 +843,10 @@ fn relay_group(per_node: usize) -> usize {
     }
 }
 
-/// A node relay started (on a thread of its own, as each node's launcher
-/// starts its own): the node's ranks, when the start began, and the relay
-/// with the ranks' ends.
-type Started = (Vec<usize>, Duration, Result<(StoreRelay, Vec<std::os::unix::net::UnixStream>), String>);
+/// A node relay started (in a relay host process, as each node's launcher
+/// starts its own): the node's ranks, when the start began, and the ranks'
+/// ends.
+type Started = (Vec<usize>, Duration, Result<Vec<std::os::unix::net::UnixStream>, String>);
 
 /// Adds the ranks of a node whose relay started to `slots`, connected,
 /// their first requests queued.
@@ -856,11 +858,9 @@ fn add_node(
     per_node: usize,
     poll: &Poll,
     slots: &mut Vec<Rank>,
-    relays: &mut Vec<StoreRelay>,
     t0: Instant,
 ) -> Result<(), String> {
-    let (relay, ends) = started.map_err(|e| format!("relay of ranks {node:?}: {e}"))?;
-    relays.push(relay);
+    let ends = started.map_err(|e| format!("relay of ranks {node:?}: {e}"))?;
     for (&rank, end) in node.iter().zip(ends) {
         end.set_nonblocking(true).map_err(|e| e.to_string())?;
         let mut stream = UnixStream::from_std(end);
@@ -894,16 +894,28 @@ fn drive(
     start: &parking_lot::Mutex<Option<Instant>>,
     connected: &AtomicUsize,
     one_source: bool,
-    relay: bool,
+    relay_host: Option<Arc<relay_host::Host>>,
 ) -> Result<Vec<Times>, String> {
+    let relay = relay_host.is_some();
     let mut poll = Poll::new().map_err(|e| e.to_string())?;
     let mut events = Events::with_capacity(4096);
     let mut slots: Vec<Rank> = Vec::with_capacity(ranks.len());
-    let mut relays = Vec::new();
     // Relays being started, at most a window's worth of ranks at once.
     const STARTED: Token = Token(usize::MAX);
     let woken = Arc::new(mio::Waker::new(poll.registry(), STARTED).map_err(|e| e.to_string())?);
     let (started_tx, started_rx) = std::sync::mpsc::channel::<Started>();
+    // The relay host's replies, matched with the nodes asked for (by id).
+    let asked = Arc::new(parking_lot::Mutex::new(HashMap::<u32, (Vec<usize>, Duration)>::new()));
+    if let Some(host) = relay_host.clone() {
+        let (tx, woken, asked) = (started_tx.clone(), woken.clone(), asked.clone());
+        std::thread::spawn(move || {
+            while let Some((id, ends)) = host.reply() {
+                let Some((node, began)) = asked.lock().remove(&id) else { continue };
+                let _ = tx.send((node, began, ends));
+                let _ = woken.wake();
+            }
+        });
+    }
     let (mut next_node, mut starting) = (0usize, 0usize);
     let mut buf = vec![0u8; 256 << 10];
     go.wait();
@@ -917,19 +929,16 @@ fn drive(
                 ranks[next_node..].iter().copied().take_while(|r| r / group == first / group).collect();
             next_node += node.len();
             starting += 1;
-            let (tx, woken, secret) = (started_tx.clone(), woken.clone(), secret.to_vec());
-            std::thread::spawn(move || {
-                let began = t0.elapsed();
-                let started =
-                    StoreRelay::start(&addr.to_string(), &secret, node.len(), TIMEOUT).map_err(|e| e.to_string());
-                let _ = tx.send((node, began, started));
-                let _ = woken.wake();
-            });
+            let host = relay_host.as_ref().expect("relays have a host");
+            let id = next_node as u32;
+            let count = node.len();
+            asked.lock().insert(id, (node, t0.elapsed()));
+            host.request(id, count)?;
         }
         while let Ok(started) = started_rx.try_recv() {
             starting -= 1;
             let count = started.0.len();
-            add_node(kind, started, n, per_node, &poll, &mut slots, &mut relays, t0)?;
+            add_node(kind, started, n, per_node, &poll, &mut slots, t0)?;
             connected.fetch_add(count, Ordering::Relaxed);
         }
         while !relay && connecting < window && slots.len() < ranks.len() {
@@ -1077,10 +1086,29 @@ fn simulate(
     let start = Arc::new(parking_lot::Mutex::new(None::<Instant>));
     let connected = Arc::new(AtomicUsize::new(0));
     let addr = server.addr;
+    // Through relays: one relay host process per client thread.
+    let hosts = match relay {
+        true => {
+            if relay_group(per_node) > relay_host::MAX_NODE {
+                return Err(format!(
+                    "--per-node {per_node}: a relay host serves at most {} ranks a node",
+                    relay_host::MAX_NODE
+                ));
+            }
+            let me = std::env::current_exe().map_err(|e| e.to_string())?;
+            let me = me.to_string_lossy();
+            (0..threads)
+                .map(|_| relay_host::Host::start(&me, addr, secret.as_bytes()).map(Arc::new))
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        false => Vec::new(),
+    };
+    let hosts_cpu = |hosts: &[Arc<relay_host::Host>]| hosts.iter().map(|h| h.cpu()).sum::<Duration>();
     let workers: Vec<_> = (0..threads)
         .map(|t| {
             let (go, start, secret) = (go.clone(), start.clone(), secret.as_bytes().to_vec());
             let connected = connected.clone();
+            let host = hosts.get(t).cloned();
             // Through relays, each thread drives whole nodes.
             let group = relay_group(per_node);
             let ranks: Vec<usize> = if relay {
@@ -1090,11 +1118,12 @@ fn simulate(
             };
             let window = window.div_ceil(threads);
             std::thread::spawn(move || {
-                drive(kind, addr, ranks, n, &secret, window, per_node, &go, &start, &connected, one_source, relay)
+                drive(kind, addr, ranks, n, &secret, window, per_node, &go, &start, &connected, one_source, host)
             })
         })
         .collect();
-    let (server_before, client_before) = (server.cpu(), cpu_of("/proc/self/stat"));
+    // The clients' CPU: this process's and the relay hosts'.
+    let (server_before, client_before) = (server.cpu(), cpu_of("/proc/self/stat") + hosts_cpu(&hosts));
     let threads_before = thread_cpu(server.child.id());
     let t0 = Instant::now();
     *start.lock() = Some(t0);
@@ -1107,7 +1136,7 @@ fn simulate(
         wall: t0.elapsed(),
         server_cpu: server.cpu() - server_before,
         busiest: busiest_threads(&threads_before, &thread_cpu(server.child.id())),
-        client_cpu: cpu_of("/proc/self/stat") - client_before,
+        client_cpu: cpu_of("/proc/self/stat") + hosts_cpu(&hosts) - client_before,
     };
     let mut last = Times::default();
     let mut each = Vec::with_capacity(n);
@@ -1135,7 +1164,7 @@ fn simulate(
         each,
         connect_phase,
         server_cpu: server.cpu() - server_before,
-        client_cpu: cpu_of("/proc/self/stat") - client_before,
+        client_cpu: cpu_of("/proc/self/stat") + hosts_cpu(&hosts) - client_before,
     })
 }
 
@@ -1152,7 +1181,7 @@ fn fd_limit() -> u64 {
             return 1024;
         }
         // A privileged process (root in a container) may raise the hard
-        // limit itself: 16,384 ranks through relays need about 41,000.
+        // limit itself (a run of 16,384 ranks holds more than 16,384).
         let wanted = WANTED_DESCRIPTORS.max(lim.rlim_max);
         let raised = libc::rlimit { rlim_cur: wanted, rlim_max: wanted };
         if wanted > lim.rlim_cur && libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
@@ -1231,6 +1260,7 @@ fn main() {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--serve" => return serve(args.next().and_then(|v| v.parse().ok()).unwrap_or(0)),
+            "--relay-host" => return relay_host::serve(args.next().expect("--relay-host takes the store's address")),
             "--store-workers" => {
                 store_workers = args.next().and_then(|v| v.parse().ok()).expect("--store-workers takes a number")
             }
@@ -1287,7 +1317,11 @@ fn main() {
         // (pattern, the baseline build's store)
         let mut runs: Vec<(Kind, Target)> = kinds.into_iter().map(|k| (k, Target::Direct)).collect();
         if relay {
-            let descriptors = 2 * n + 4 * n.div_ceil(relay_group(per_node)) + 64;
+            // This process holds one end per rank; each relay host the
+            // other ends of its share and a connection per node.
+            let t = threads.min(n).max(1);
+            let nodes = n.div_ceil(relay_group(per_node));
+            let descriptors = (n + 4 * t + 64).max(n.div_ceil(t) + 3 * nodes.div_ceil(t) + 64);
             if descriptors as u64 > limit {
                 println!("{n:>7} relay skipped: needs {descriptors} descriptors, the limit is {limit} (ulimit -Hn)");
             } else {
@@ -1407,5 +1441,223 @@ fn main() {
             r(t.read - t.connected, c.read - c.connected),
             r(t.ready - t.read, c.ready - c.read)
         );
+    }
+}
+
+/// Node relays in processes of their own, as each node's launcher is one:
+/// the bench's process then holds one descriptor per rank (its end of the
+/// rank's socket pair), not two, so 16,384 ranks through relays fit a
+/// descriptor limit of 20,000. One host process per client thread starts
+/// that thread's relays when asked, and passes the ranks' ends back over a
+/// `SOCK_SEQPACKET` socket (`SCM_RIGHTS`). A request is `[id u32, count
+/// u32]`; a reply `[id u32, status u8]` (0: started, with `count`
+/// descriptors; 1: failed, then the reason's bytes).
+mod relay_host {
+    use std::io;
+    use std::net::SocketAddr;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+    use std::os::unix::net::UnixStream as StdUnixStream;
+    use std::process::{Child, Command, Stdio};
+    use std::time::Duration;
+
+    use cohort_comm::store::StoreRelay;
+
+    /// Most descriptors one message carries (Linux's `SCM_MAX_FD`): the
+    /// largest simulated node a relay host serves.
+    pub const MAX_NODE: usize = 253;
+    /// The variable that carries the job secret to a host.
+    const SECRET_VAR: &str = "RENDEZVOUS_BENCH_SECRET";
+
+    /// A relay host process and this side of its control socket.
+    pub struct Host {
+        child: Child,
+        control: OwnedFd,
+    }
+
+    impl Host {
+        /// Starts `me --relay-host ADDR` (this program) for the store at `addr`.
+        pub fn start(me: &str, addr: SocketAddr, secret: &[u8]) -> Result<Host, String> {
+            let (ours, theirs) = seqpacket_pair().map_err(|e| format!("relay host's socket: {e}"))?;
+            let child = Command::new(me)
+                .arg("--relay-host")
+                .arg(addr.to_string())
+                .env(SECRET_VAR, String::from_utf8_lossy(secret).as_ref())
+                .stdin(Stdio::from(theirs))
+                .spawn()
+                .map_err(|e| format!("cannot start a relay host ({me}): {e}"))?;
+            Ok(Host { child, control: ours })
+        }
+
+        /// CPU time (user + system) the host's process has used.
+        pub fn cpu(&self) -> Duration {
+            super::cpu_of(&format!("/proc/{}/stat", self.child.id()))
+        }
+
+        /// Asks for a relay of `count` ranks, answered as `id`.
+        pub fn request(&self, id: u32, count: usize) -> Result<(), String> {
+            let mut req = id.to_le_bytes().to_vec();
+            req.extend_from_slice(&(count as u32).to_le_bytes());
+            send(self.control.as_raw_fd(), &req, &[]).map_err(|e| format!("relay host: {e}"))
+        }
+
+        /// The next reply: its id and the ranks' ends, or why the relay did
+        /// not start; `None` once the host is gone.
+        pub fn reply(&self) -> Option<(u32, Result<Vec<StdUnixStream>, String>)> {
+            let mut buf = [0u8; 1024];
+            let (len, fds) = recv(self.control.as_raw_fd(), &mut buf).ok()?;
+            if len < 5 {
+                return None;
+            }
+            let id = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
+            Some(match buf[4] {
+                0 => (id, Ok(fds.into_iter().map(StdUnixStream::from).collect())),
+                _ => (id, Err(String::from_utf8_lossy(&buf[5..len]).into_owned())),
+            })
+        }
+    }
+
+    impl Drop for Host {
+        fn drop(&mut self) {
+            // SAFETY: shutting down a socket this struct owns; its reader
+            // thread then sees the end and returns.
+            unsafe {
+                libc::shutdown(self.control.as_raw_fd(), libc::SHUT_RDWR);
+            }
+            let _ = self.child.wait();
+        }
+    }
+
+    /// The host's side (`--relay-host ADDR`): starts a relay for each
+    /// request on standard input, each on a thread of its own, and keeps
+    /// them until standard input closes.
+    pub fn serve(addr: String) {
+        let secret = std::env::var(SECRET_VAR).expect("the job secret in RENDEZVOUS_BENCH_SECRET");
+        // SAFETY: standard input is the control socket the bench passed;
+        // this process takes it over.
+        let control = unsafe { OwnedFd::from_raw_fd(0) };
+        let control = std::sync::Arc::new(control);
+        let relays = std::sync::Arc::new(parking_lot::Mutex::new(Vec::<StoreRelay>::new()));
+        let replies = std::sync::Arc::new(parking_lot::Mutex::new(()));
+        let mut buf = [0u8; 8];
+        while let Ok((8, _)) = recv(control.as_raw_fd(), &mut buf) {
+            let id = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
+            let count = u32::from_le_bytes(buf[4..].try_into().expect("4 bytes")) as usize;
+            let (control, relays, replies, addr, secret) =
+                (control.clone(), relays.clone(), replies.clone(), addr.clone(), secret.clone());
+            std::thread::spawn(move || {
+                let mut reply = id.to_le_bytes().to_vec();
+                let started = StoreRelay::start(&addr, &secret, count.min(MAX_NODE), super::TIMEOUT);
+                let _one_at_a_time = replies.lock();
+                match started {
+                    Ok((relay, ends)) => {
+                        reply.push(0);
+                        let fds: Vec<RawFd> = ends.iter().map(|e| e.as_raw_fd()).collect();
+                        let _ = send(control.as_raw_fd(), &reply, &fds);
+                        relays.lock().push(relay);
+                    }
+                    Err(e) => {
+                        reply.push(1);
+                        reply.extend_from_slice(e.to_string().as_bytes());
+                        reply.truncate(1024);
+                        let _ = send(control.as_raw_fd(), &reply, &[]);
+                    }
+                }
+            });
+        }
+    }
+
+    fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+        let mut fds = [0 as RawFd; 2];
+        // SAFETY: socketpair writes two descriptors into `fds`, which
+        // outlives the call.
+        let rc =
+            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: two fresh descriptors that nothing else owns.
+        Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    }
+
+    /// Room for the control message of `MAX_NODE` descriptors, aligned.
+    fn control_buffer() -> Vec<u64> {
+        // SAFETY: CMSG_SPACE computes a size from a length; no memory.
+        let space = unsafe { libc::CMSG_SPACE((MAX_NODE * std::mem::size_of::<RawFd>()) as u32) } as usize;
+        vec![0u64; space.div_ceil(8)]
+    }
+
+    /// Sends `data` as one message with `fds` attached.
+    fn send(sock: RawFd, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
+        let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
+        let mut cbuf = control_buffer();
+        // SAFETY: a zeroed msghdr is a valid empty one.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if !fds.is_empty() {
+            let bytes = std::mem::size_of_val(fds);
+            msg.msg_control = cbuf.as_mut_ptr().cast();
+            // SAFETY: as above, sizes only.
+            msg.msg_controllen = unsafe { libc::CMSG_SPACE(bytes as u32) } as _;
+            // SAFETY: `msg` points at `cbuf`, which has room for one header
+            // and `MAX_NODE` descriptors (`fds` holds at most that many: the
+            // host caps a node's ranks), so the first header and its data
+            // are inside it.
+            unsafe {
+                let cmsg = libc::CMSG_FIRSTHDR(&msg);
+                (*cmsg).cmsg_level = libc::SOL_SOCKET;
+                (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+                (*cmsg).cmsg_len = libc::CMSG_LEN(bytes as u32) as _;
+                std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(cmsg), bytes);
+            }
+        }
+        // SAFETY: `msg` and everything it points at outlive the call.
+        let rc = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Receives one message into `buf`, with the descriptors attached to it
+    /// (close-on-exec); `(0, [])` at the end of the stream.
+    fn recv(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+        let mut cbuf = control_buffer();
+        // SAFETY: a zeroed msghdr is a valid empty one.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = (cbuf.len() * 8) as _;
+        let len = loop {
+            // SAFETY: `msg` points at `buf` and `cbuf`, which outlive the call.
+            let rc = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+            if rc >= 0 {
+                break rc as usize;
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        };
+        let mut fds = Vec::new();
+        // SAFETY: the kernel filled `cbuf` with `msg.msg_controllen` bytes
+        // of control messages; the CMSG macros walk exactly those, and each
+        // SCM_RIGHTS message carries descriptors now owned by this process.
+        unsafe {
+            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+            while !cmsg.is_null() {
+                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                    let bytes = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                    for i in 0..bytes / std::mem::size_of::<RawFd>() {
+                        fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                    }
+                }
+                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            }
+        }
+        Ok((len, fds))
     }
 }
