@@ -40,6 +40,14 @@ fn four_ranks_reach_the_store_through_the_node_relay_unless_it_is_off() {
     // and NCCL's, on GPUs), all claimed by the rank: close-on-exec, so no
     // program the rank starts holds them.
     assert_eq!(stdout.matches("store: relay, 3 sockets, 3 close-on-exec\n").count(), 4, "{stdout}");
+    // A rank started through a wrapper that stays its parent (a shell that
+    // waits for it) still takes its relay sockets: the launcher that made
+    // them is an ancestor.
+    let wrapped = format!("\"{SUITE}\"; status=$?; exit $status");
+    let out = output_within(cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &wrapped]), LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert_eq!(stdout.matches("store: relay, 3 sockets, 3 close-on-exec\n").count(), 2, "{stdout}");
     let mut c = suite_run(&["-n", "4", "--master-port", "0"], &[]);
     c.env("COHORT_STORE_RELAY", "0");
     let out = output_within(c, LIMIT);

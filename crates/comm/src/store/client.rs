@@ -667,46 +667,104 @@ fn take_relay_socket() -> Result<Option<UnixStream>> {
     }
 }
 
-/// The descriptors of `COHORT_STORE_FD` this process takes: none when the
-/// variable was not meant for it but inherited from a rank by a program the
-/// rank started (the first descriptor is closed there, or is a socket whose
-/// other end was made by a process that is neither this one nor its parent,
-/// the launcher), otherwise all of them, each marked close-on-exec at once,
-/// so that programs this rank starts from now on do not hold them (a socket
-/// held elsewhere would keep a dead rank's session, and its will, open).
-/// A descriptor that is open but not a relay socket is left for
-/// [`relay_socket`] to refuse with an error naming the variable.
+/// The descriptors of `COHORT_STORE_FD` this process takes: all of them,
+/// each marked close-on-exec at once (programs this rank starts from now on
+/// do not hold them: a socket held elsewhere would keep a dead rank's
+/// session, and its will, open), when every one is a Unix stream socket
+/// whose other end was made by one process that is this one or an ancestor
+/// of it (the launcher, also through wrappers such as `timeout` or a shell
+/// script that starts the rank); otherwise none, and the process connects
+/// directly: the variable was inherited from a rank by a program it
+/// started, where the rank's descriptors are closed or their numbers reused.
 pub(crate) fn claim_relay_sockets(fds: Vec<RawFd>) -> Vec<RawFd> {
-    let Some(&first) = fds.first() else { return fds };
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which
-    // outlives the call; any descriptor number is safe to ask about.
-    let rc = unsafe {
-        libc::getsockopt(first, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+    let makers: Option<Vec<libc::pid_t>> = fds.iter().map(|&fd| unix_stream_peer(fd)).collect();
+    let maker = match makers.as_deref() {
+        None => {
+            tracing::debug!("COHORT_STORE_FD names descriptors that are not relay sockets here (inherited from the rank that started this program?): connecting to the store directly");
+            return Vec::new();
+        }
+        Some([]) => return fds,
+        Some([first, rest @ ..]) if rest.iter().all(|p| p == first) => *first,
+        Some(_) => {
+            tracing::debug!(
+                "COHORT_STORE_FD's sockets were made by different processes: connecting to the store directly"
+            );
+            return Vec::new();
+        }
     };
-    let err = io::Error::last_os_error();
-    if rc != 0 && err.raw_os_error() == Some(libc::EBADF) {
-        tracing::debug!("COHORT_STORE_FD names closed descriptors (inherited from the rank that started this program): connecting to the store directly");
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { libc::getpid() };
+    if maker == 0 {
+        // Made in another PID namespace (a container between the launcher
+        // and this process): nothing here can tell whose they are.
+        tracing::warn!(
+            "COHORT_STORE_FD's sockets were made outside this PID namespace: connecting to the store directly"
+        );
         return Vec::new();
     }
-    // SAFETY: getpid and getppid have no preconditions.
-    let (me, parent) = unsafe { (libc::getpid(), libc::getppid()) };
-    if rc == 0 && cred.pid != 0 && cred.pid != me && cred.pid != parent {
+    if maker != me && !is_ancestor(maker) {
         tracing::debug!(
-            peer = cred.pid,
+            maker,
             "COHORT_STORE_FD's sockets were made for another process: connecting to the store directly"
         );
         return Vec::new();
     }
     for &fd in &fds {
-        // SAFETY: setting FD_CLOEXEC on a descriptor number changes no
-        // memory; on a number that is not open it fails, harmlessly.
+        // SAFETY: setting FD_CLOEXEC on a descriptor changes no memory.
         unsafe {
             libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
         }
     }
     fds
+}
+
+/// The process that made the other end of `fd`, when `fd` is an open Unix
+/// stream socket (0 when it was made in another PID namespace).
+fn unix_stream_peer(fd: RawFd) -> Option<libc::pid_t> {
+    let int_option = |option: libc::c_int| {
+        let mut value: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `value`, which
+        // outlives the call; any descriptor number is safe to ask about.
+        let rc = unsafe {
+            libc::getsockopt(fd, libc::SOL_SOCKET, option, (&mut value as *mut libc::c_int).cast(), &mut len)
+        };
+        (rc == 0).then_some(value)
+    };
+    if int_option(libc::SO_DOMAIN)? != libc::AF_UNIX || int_option(libc::SO_TYPE)? != libc::SOCK_STREAM {
+        return None;
+    }
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: as above, into `cred`.
+    let rc = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+    };
+    (rc == 0).then_some(cred.pid)
+}
+
+/// Whether process `pid` is an ancestor of this one (its parent, the
+/// parent's parent, ...; read from /proc, at most 64 generations).
+fn is_ancestor(pid: libc::pid_t) -> bool {
+    // SAFETY: getppid has no preconditions.
+    let mut at = unsafe { libc::getppid() };
+    for _ in 0..64 {
+        if at == pid {
+            return true;
+        }
+        if at <= 1 {
+            return false;
+        }
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{at}/stat")) else { return false };
+        // "pid (command) state ppid ...": the command may hold spaces and
+        // parentheses, so the fields after its last ')'.
+        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return false };
+        match after.split_whitespace().nth(1).and_then(|p| p.parse().ok()) {
+            Some(parent) => at = parent,
+            None => return false,
+        }
+    }
+    false
 }
 
 /// The descriptor `fd` (from `COHORT_STORE_FD`) as the socket of this

@@ -65,6 +65,9 @@ const RANK_BACKLOG: usize = 1 << 20;
 /// frame is larger), so that a rank that writes without pause shares the
 /// thread with the others.
 const READ_TURN: usize = 64 << 10;
+/// The most an exiting rank's end is read before it is closed (a socket's
+/// buffer holds less).
+const EXIT_READ_MAX: usize = 16 << 20;
 
 /// A node relay of the rendezvous store: one thread, one connection to the
 /// store, one socket pair per local rank. Dropping it stops the thread and
@@ -458,10 +461,26 @@ impl Relay {
         let mut open = true;
         if l.readable || exiting {
             // A failed read is the rank's end gone, as an end of stream is.
-            let limit = READ_TURN.max(frame_end(&l.input));
-            match read_some(&mut l.stream, &mut l.input, &mut self.scratch, limit) {
-                Ok(Some(more)) => l.readable = more,
-                Ok(None) | Err(_) => open = false,
+            // An exiting rank's end is read to what its socket holds (its
+            // whole requests are passed on before it is closed), up to
+            // EXIT_READ_MAX.
+            loop {
+                let limit = match exiting {
+                    true => l.input.len() + READ_TURN,
+                    false => READ_TURN.max(frame_end(&l.input)),
+                };
+                match read_some(&mut l.stream, &mut l.input, &mut self.scratch, limit) {
+                    Ok(Some(more)) => {
+                        l.readable = more;
+                        if !(exiting && more && l.input.len() < EXIT_READ_MAX) {
+                            break;
+                        }
+                    }
+                    Ok(None) | Err(_) => {
+                        open = false;
+                        break;
+                    }
+                }
             }
         }
         let session = i as u32 + 1;

@@ -477,6 +477,18 @@ impl Conn {
     }
 
     /// Session `id` of this connection, if open (0 always is).
+    /// The open session other than `except` holding the most queued bytes,
+    /// when that is more than `than`.
+    fn heaviest_queue_but(&self, except: SessionId, than: usize) -> Option<SessionId> {
+        self.sessions
+            .iter()
+            .filter(|(&id, _)| id != except)
+            .map(|(&id, s)| (s.queued.iter().map(Vec::len).sum::<usize>(), id))
+            .filter(|&(bytes, _)| bytes > than)
+            .max()
+            .map(|(_, id)| id)
+    }
+
     fn session(&mut self, id: SessionId) -> Option<&mut Session> {
         if id == 0 {
             Some(&mut self.main)
@@ -1228,9 +1240,24 @@ impl Worker {
                 Ok(protocol::SessionFrame::In(session, request)) => match c.session(session) {
                     Some(s) if session != 0 && s.blocked.is_some() => {
                         let count = s.queued.len();
+                        let mine = s.queued.iter().map(Vec::len).sum::<usize>() + request.len();
+                        // Past the connection's budget, the session that
+                        // holds the most gives way (one rank's hoard behind
+                        // a relay does not close its neighbour's request).
+                        let mut woke = false;
+                        if count < MAX_QUEUED && c.queued_bytes + request.len() > MAX_QUEUED_BYTES {
+                            if let Some(hog) = c.heaviest_queue_but(session, mine) {
+                                let why = format!(
+                                    "session {hog} held the most of the {MAX_QUEUED_BYTES} bytes its connection may \
+                                     queue while blocked, and another session needed room: the session is closed"
+                                );
+                                tracing::warn!(peer = %c.peer, session = hog, "{why}");
+                                woke = ctx.close_overflowing(c, hog, &why, false);
+                            }
+                        }
                         if count < MAX_QUEUED && c.queued_bytes + request.len() <= MAX_QUEUED_BYTES {
                             c.queue(session, request.to_vec());
-                            false
+                            woke
                         } else {
                             let why = format!(
                                 "session {session} sent {} requests ({} bytes queued on its connection) while one \
@@ -1240,7 +1267,7 @@ impl Worker {
                                 c.queued_bytes + request.len()
                             );
                             tracing::warn!(peer = %c.peer, session, "{why}");
-                            ctx.close_overflowing(c, session, &why)
+                            ctx.close_overflowing(c, session, &why, true) | woke
                         }
                     }
                     Some(_) if session != 0 => ctx.serve(c, session, request),
@@ -1390,6 +1417,13 @@ impl Serve<'_> {
                 // malformed request ends its session, not the others'.
                 tracing::warn!(peer = %c.peer, session, %detail, "malformed store request; closing its session");
                 c.answer(session, &Response::Refused(detail));
+                // The requests it had queued behind get their answers too,
+                // in order: a relayed rank counts one per request.
+                let queued = c.sessions.get(&session).map_or(0, |s| s.queued.len());
+                let not_run = format!("not run: session {session} was closed (a malformed request before this one)");
+                for _ in 0..queued {
+                    c.answer(session, &Response::Refused(not_run.clone()));
+                }
                 self.close_session(c, session)
             }
             Err(detail) => {
@@ -1415,17 +1449,18 @@ impl Serve<'_> {
         self.woke(c, mine)
     }
 
-    /// Closes session `session` of `c` (open, not 0, blocked), which sent
-    /// one request more than it may queue (see [`MAX_QUEUED_BYTES`]): its
+    /// Closes session `session` of `c` (open, not 0, blocked), which holds
+    /// more than the connection may queue (see [`MAX_QUEUED_BYTES`]): its
     /// blocked request is answered with a refusal saying `why`, and every
-    /// request it queued, and the one that overflowed, with a refusal that
-    /// says it was not run, in order (a relayed rank reads its answers in
-    /// the order of its requests). True as [`Serve::close_session`].
-    fn close_overflowing(&mut self, c: &mut Conn, session: SessionId, why: &str) -> bool {
-        let queued = c.sessions.get(&session).map_or(0, |s| s.queued.len());
+    /// request it queued, and with `overflowed` the one it is sending now,
+    /// with a refusal that says it was not run, in order (a relayed rank
+    /// reads its answers in the order of its requests). True as
+    /// [`Serve::close_session`].
+    fn close_overflowing(&mut self, c: &mut Conn, session: SessionId, why: &str, overflowed: bool) -> bool {
+        let queued = c.sessions.get(&session).map_or(0, |s| s.queued.len()) + usize::from(overflowed);
         c.answer(session, &Response::Refused(why.to_string()));
         let not_run = format!("not run: session {session} was closed (it queued too many requests while blocked)");
-        for _ in 0..=queued {
+        for _ in 0..queued {
             c.answer(session, &Response::Refused(not_run.clone()));
         }
         // Its blocked request is withdrawn: an answer already on its way

@@ -1307,29 +1307,42 @@ fn store_sessions_queue_at_most_a_few_mebibytes_per_connection() {
         c.send(id, Request::Wait { keys: vec![format!("go/{id}")], timeout_ms: 10_000 });
     }
     // Session 1 queues three quarters of the budget, session 2 one quarter
-    // (under it, with the keys), then one more set: over the budget, so
-    // session 2 is closed (a few requests, far fewer than MAX_QUEUED).
+    // (under it, with the keys), then one more set: over the budget, so the
+    // session holding the most, 1, is closed (its wait refused, its sets
+    // not run, in order), and session 2's set is queued.
     for i in 0..3 {
         c.send(1, set(&format!("one/{i}"), &big));
     }
     c.send(2, set("two/0", &big));
     c.send(2, set("two/1", &big));
-    let (first, before) = answers_until(&mut c, 2);
-    assert!(before.is_empty(), "{before:?}");
-    assert!(refusal(&first).contains("session 2 sent 2 requests") && refusal(&first).contains("closed"), "{first:?}");
-    for _ in 0..2 {
+    let (id, first) = c.answer();
+    assert_eq!(id, 1);
+    assert!(refusal(&first).contains("session 1 held the most") && refusal(&first).contains("closed"), "{first:?}");
+    for _ in 0..3 {
         let (id, r) = c.answer();
-        assert_eq!(id, 2);
+        assert_eq!(id, 1);
         assert!(refusal(&r).contains("not run"), "{r:?}");
     }
-    // Session 1 was left alone: its wait ends and its sets run, in order.
+    // Session 2 was left alone: its wait ends and its sets run, in order.
     let setter = client(&s);
-    setter.set("go/1", b"").unwrap();
-    for _ in 0..4 {
-        assert_eq!(c.answer(), (1, Response::Ok));
+    setter.set("go/2", b"").unwrap();
+    for _ in 0..3 {
+        assert_eq!(c.answer(), (2, Response::Ok));
     }
-    assert_eq!(setter.get("one/2").unwrap().map(|v| v.len()), Some(big.len()));
-    assert_eq!(setter.get("two/0").unwrap(), None, "a closed session's queue is not run");
+    assert_eq!(setter.get("two/1").unwrap().map(|v| v.len()), Some(big.len()));
+    assert_eq!(setter.get("one/0").unwrap(), None, "a closed session's queue is not run");
+    // One session alone past the budget is closed itself.
+    c.open(4);
+    c.send(4, Request::Wait { keys: vec!["go/4".into()], timeout_ms: 10_000 });
+    for i in 0..5 {
+        c.send(4, set(&format!("four/{i}"), &big));
+    }
+    let (id, r) = c.answer();
+    assert_eq!(id, 4);
+    assert!(refusal(&r).contains("session 4 sent 5 requests"), "{r:?}");
+    for _ in 0..5 {
+        assert!(refusal(&c.answer().1).contains("not run"));
+    }
     // Its queue drained, the budget is free again: a new session queues as
     // much.
     c.open(3);
@@ -1644,6 +1657,14 @@ fn store_rank_descriptor_is_checked() {
     // is closed (the list was inherited from a rank by a program it
     // started); the sockets made for it, marked close-on-exec.
     assert!(super::client::claim_relay_sockets(vec![1 << 20, 1 << 20 | 1]).is_empty());
+    // Nor when the number is some other file's (reused in a program the
+    // rank started): not taken, and its flags left as they were.
+    let other = std::fs::File::open("/dev/null").unwrap();
+    // SAFETY: clearing FD_CLOEXEC on a descriptor this test owns.
+    unsafe { libc::fcntl(other.as_raw_fd(), libc::F_SETFD, 0) };
+    assert!(super::client::claim_relay_sockets(vec![other.as_raw_fd()]).is_empty());
+    // SAFETY: F_GETFD reads the flags of a descriptor this test owns.
+    assert_eq!(unsafe { libc::fcntl(other.as_raw_fd(), libc::F_GETFD) } & libc::FD_CLOEXEC, 0);
     let (mine, _other) = std::os::unix::net::UnixStream::pair().unwrap();
     assert_eq!(super::client::claim_relay_sockets(vec![mine.as_raw_fd()]), vec![mine.as_raw_fd()]);
     // SAFETY: F_GETFD reads the flags of a descriptor this test owns.
