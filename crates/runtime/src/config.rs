@@ -526,7 +526,7 @@ pub static STORE_ADDR: Var<String> = Var::new(
 pub static STORE_FD: Var<Vec<i32>> = Var::new(
     "COHORT_STORE_FD",
     "set by `cohort run` when this node runs 2 or more ranks; else unset",
-    "Inherited sockets through which this rank reaches the rendezvous store (its node relay's: the first for its communicator, the others for that communicator's second connections); the rank connects directly when unset or once they are used",
+    "Inherited sockets through which this rank reaches the rendezvous store (its node relay's: the first for its communicator, the others for that communicator's second connections); the rank connects directly when unset or once they are used. The first store client of the process claims them all (close-on-exec from then on) when each is a Unix socket made by it or an ancestor (the launcher, also through a wrapper); a program the rank starts that inherits the variable finds them closed or reused, and connects directly. Descriptors 0–2 or one listed twice are errors naming the variable",
     "file descriptor numbers, comma-separated",
     parse_fds,
 )
