@@ -102,7 +102,7 @@ impl StoreRelay {
     /// each child inherits. Waits for the store's verdict on the proof (one
     /// round trip); a connection the store drops before its verdict (it
     /// sheds handshakes when too many clients are in one) is made again, up
-    /// to [`HANDSHAKE_TRIES`] times in all. Fails when the store cannot be
+    /// to six times in all. Fails when the store cannot be
     /// reached within `timeout`, or keeps dropping the connection
     /// ([`StoreError::HandshakeDropped`]); a store that refuses the secret
     /// (or cannot prove it holds it) is reported to every rank as the answer
