@@ -1130,8 +1130,9 @@ fn store_sessions_of_one_connection_block_independently() {
     assert_eq!(c.answer(), (2, Response::Ok));
     setter.set("w1", b"").unwrap();
     assert_eq!(c.answer(), (1, Response::Ok));
-    // A session's wait times out alone, naming its key.
-    c.send(1, Request::Wait { keys: vec!["never".into()], timeout_ms: 50 });
+    // A session's wait times out alone, naming its key (long enough that
+    // the other session's get is answered first on a loaded machine).
+    c.send(1, Request::Wait { keys: vec!["never".into()], timeout_ms: 2_000 });
     c.send(2, get("w2"));
     assert_eq!(c.answer(), (2, value(b"")));
     assert_eq!(c.answer(), (1, Response::WaitTimeout { missing: vec!["never".into()] }));
