@@ -129,16 +129,15 @@ impl StoreClient {
     /// attempts. The same `timeout` bounds every later plain request's answer.
     /// A wrong secret fails at once with [`StoreError::AuthRefused`].
     pub fn connect(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>, timeout: Duration) -> Result<Self> {
-        let secret = secret.as_ref();
-        if secret.is_empty() {
-            return Err(StoreError::EmptySecret);
-        }
-        Self::over_tcp(addr, secret, timeout, Verify::Now)
+        Self::over_tcp(addr, secret.as_ref(), timeout, Verify::Now)
     }
 
     /// A client of its own TCP connection to `addr`, its handshake up to
     /// `verify`.
     fn over_tcp(addr: impl ToSocketAddrs + Display, secret: &[u8], timeout: Duration, verify: Verify) -> Result<Self> {
+        if secret.is_empty() {
+            return Err(StoreError::EmptySecret);
+        }
         let shown = addr.to_string();
         let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, verify)?;
         Ok(StoreClient {
@@ -207,11 +206,7 @@ impl StoreClient {
         secret: impl AsRef<[u8]>,
         timeout: Duration,
     ) -> Result<Self> {
-        let secret = secret.as_ref();
-        if secret.is_empty() {
-            return Err(StoreError::EmptySecret);
-        }
-        Self::over_tcp(addr, secret, timeout, Verify::WithFirstAnswer)
+        Self::over_tcp(addr, secret.as_ref(), timeout, Verify::WithFirstAnswer)
     }
 
     /// Opens a second, independent connection to the same store with the
@@ -558,13 +553,9 @@ impl StoreClient {
 
     /// The error of a verdict other than "accepted".
     fn verdict_error(&self, v: protocol::Verdict) -> StoreError {
-        let addr = self.shown.clone();
-        match v {
-            protocol::Verdict::Refused | protocol::Verdict::Accepted => StoreError::AuthRefused { addr },
-            protocol::Verdict::NotAuthentic => StoreError::ServerNotAuthentic { addr },
-            protocol::Verdict::Malformed => {
-                StoreError::Protocol { addr, detail: "malformed answer to the handshake".into() }
-            }
+        match verdict_result(v, &self.shown) {
+            Err(e) => e,
+            Ok(()) => StoreError::AuthRefused { addr: self.shown.clone() },
         }
     }
 
@@ -576,17 +567,6 @@ impl StoreClient {
 /// Connections a pipelined client makes again when the store drops one
 /// before its verdict on the proof.
 const HANDSHAKE_RETRIES: u32 = 5;
-
-/// Whether `e` says the peer closed the connection.
-pub(crate) fn dropped(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::BrokenPipe
-    )
-}
 
 /// Why an exchange failed.
 enum Failed {
@@ -625,7 +605,7 @@ fn exchange(
             // Closed with no verdict: the store let go of the connection
             // before it judged the proof (it sheds handshakes past its
             // limit), so nothing sent behind the proof ran.
-            Err(e) if dropped(&e) => return Err(Failed::BeforeVerdict(e)),
+            Err(e) if crate::transport::peer_gone(&e) => return Err(Failed::BeforeVerdict(e)),
             Err(e) => return Err(Failed::Io(e)),
         };
         match protocol::read_verdict(secret, &hs.client_nonce, &hs.server_nonce, &verdict) {
@@ -933,11 +913,21 @@ fn client_handshake(
         Err(e) if e.kind() == io::ErrorKind::ConnectionReset => vec![protocol::AUTH_REFUSED],
         Err(e) => return Err(Attempt::Retry(e)),
     };
-    let addr = shown.to_string();
-    match protocol::read_verdict(secret, &client_nonce, &server_nonce, &verdict) {
-        protocol::Verdict::Accepted => Ok(None),
-        protocol::Verdict::Refused => Err(Attempt::Fatal(StoreError::AuthRefused { addr })),
-        protocol::Verdict::NotAuthentic => Err(Attempt::Fatal(StoreError::ServerNotAuthentic { addr })),
-        protocol::Verdict::Malformed => Err(protocol_error("malformed answer to the handshake".into())),
+    let verdict = protocol::read_verdict(secret, &client_nonce, &server_nonce, &verdict);
+    verdict_result(verdict, shown).map(|()| None).map_err(Attempt::Fatal)
+}
+
+/// What the store's verdict on this client's proof means: `Ok` when it
+/// accepted the proof and proved it holds the secret too; otherwise the
+/// error naming the store at `addr`.
+pub(crate) fn verdict_result(verdict: protocol::Verdict, addr: &str) -> Result<()> {
+    let addr = addr.to_string();
+    match verdict {
+        protocol::Verdict::Accepted => Ok(()),
+        protocol::Verdict::Refused => Err(StoreError::AuthRefused { addr }),
+        protocol::Verdict::NotAuthentic => Err(StoreError::ServerNotAuthentic { addr }),
+        protocol::Verdict::Malformed => {
+            Err(StoreError::Protocol { addr, detail: "malformed answer to the handshake".into() })
+        }
     }
 }

@@ -216,26 +216,25 @@ fn join_store(
         let by = deadline.max(std::time::Instant::now() + Duration::from_millis(50));
         let verdict = protocol::read_frame_by(&mut stream, protocol::PREAUTH_MAX_FRAME, by);
         let error = match verdict {
-            Ok(body) => match protocol::read_verdict(secret, &hs.client_nonce, &hs.server_nonce, &body) {
-                protocol::Verdict::Accepted => {
-                    stream
-                        .set_read_timeout(None)
-                        .map_err(|e| StoreError::Disconnected { addr: addr.into(), source: e })?;
-                    return Ok((stream, None));
+            Ok(body) => {
+                let verdict = protocol::read_verdict(secret, &hs.client_nonce, &hs.server_nonce, &body);
+                match super::client::verdict_result(verdict, addr) {
+                    Ok(()) => {
+                        stream
+                            .set_read_timeout(None)
+                            .map_err(|e| StoreError::Disconnected { addr: addr.into(), source: e })?;
+                        return Ok((stream, None));
+                    }
+                    Err(refused) => refused,
                 }
-                protocol::Verdict::Refused => StoreError::AuthRefused { addr: addr.to_string() },
-                protocol::Verdict::NotAuthentic => StoreError::ServerNotAuthentic { addr: addr.to_string() },
-                protocol::Verdict::Malformed => {
-                    StoreError::Protocol { addr: addr.to_string(), detail: "malformed answer to the handshake".into() }
-                }
-            },
+            }
             Err(e) if e.kind() == io::ErrorKind::InvalidData => {
                 StoreError::Protocol { addr: addr.to_string(), detail: e.to_string() }
             }
             Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
                 return Err(StoreError::Unresponsive { addr: addr.to_string(), waited: timeout });
             }
-            Err(e) if !super::client::dropped(&e) => {
+            Err(e) if !crate::transport::peer_gone(&e) => {
                 return Err(StoreError::Disconnected { addr: addr.to_string(), source: e });
             }
             Err(e) => {
