@@ -701,26 +701,33 @@ pub(crate) fn claim_relay_sockets(fds: Vec<RawFd>) -> Vec<RawFd> {
 /// The process that made the other end of `fd`, when `fd` is an open Unix
 /// stream socket (0 when it was made in another PID namespace).
 fn unix_stream_peer(fd: RawFd) -> Option<libc::pid_t> {
-    let int_option = |option: libc::c_int| {
-        let mut value: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt writes at most `len` bytes into `value`, which
-        // outlives the call; any descriptor number is safe to ask about.
-        let rc = unsafe {
-            libc::getsockopt(fd, libc::SOL_SOCKET, option, (&mut value as *mut libc::c_int).cast(), &mut len)
-        };
-        (rc == 0).then_some(value)
-    };
-    if int_option(libc::SO_DOMAIN)? != libc::AF_UNIX || int_option(libc::SO_TYPE)? != libc::SOCK_STREAM {
+    if socket_option(fd, libc::SO_DOMAIN).ok()? != libc::AF_UNIX
+        || socket_option(fd, libc::SO_TYPE).ok()? != libc::SOCK_STREAM
+    {
         return None;
     }
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: as above, into `cred`.
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which
+    // outlives the call; any descriptor number is safe to ask about.
     let rc = unsafe {
         libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
     };
     (rc == 0).then_some(cred.pid)
+}
+
+/// The integer socket option `option` (`SOL_SOCKET` level) of `fd`.
+fn socket_option(fd: RawFd, option: libc::c_int) -> io::Result<libc::c_int> {
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `value`, which
+    // outlives the call; any descriptor number is safe to ask about.
+    let rc =
+        unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, option, (&mut value as *mut libc::c_int).cast(), &mut len) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(value)
 }
 
 /// Whether process `pid` is an ancestor of this one (its parent, the
@@ -756,37 +763,18 @@ pub(crate) fn relay_socket(fd: RawFd) -> Result<UnixStream> {
              program under `cohort run`, or unset COHORT_STORE_FD to connect to the store directly"
         ))
     };
-    let mut kind: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `kind`, a c_int
-    // that outlives the call; any fd value is safe to ask about.
-    let rc = unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&mut kind as *mut libc::c_int).cast(), &mut len)
-    };
-    if rc != 0 {
-        return Err(bad(io::Error::last_os_error().to_string()));
-    }
+    let kind = socket_option(fd, libc::SO_TYPE).map_err(|e| bad(e.to_string()))?;
     if kind != libc::SOCK_STREAM {
         return Err(bad("it is not a stream socket".into()));
     }
-    let mut domain: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: as above, into `domain`.
-    let rc = unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_DOMAIN, (&mut domain as *mut libc::c_int).cast(), &mut len)
-    };
-    if rc != 0 || domain != libc::AF_UNIX {
+    if socket_option(fd, libc::SO_DOMAIN).ok() != Some(libc::AF_UNIX) {
         return Err(bad("it is not a Unix-domain socket (a relay's end is one of a socket pair)".into()));
     }
     // SAFETY: the descriptor is an open socket (checked above) that the
     // launcher handed to this process for the store alone, and the caller
-    // takes it once per process; from here the client owns it.
+    // takes it once per process (claimed, so already close-on-exec: see
+    // `claim_relay_sockets`); from here the client owns it.
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: as above; FD_CLOEXEC keeps it from leaking into programs
-    // this rank starts.
-    unsafe {
-        libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
-    }
     Ok(UnixStream::from(owned))
 }
 
