@@ -568,6 +568,19 @@ impl StoreClient {
 /// before its verdict on the proof.
 const HANDSHAKE_RETRIES: u32 = 5;
 
+/// Whether `e` says the peer closed the connection (the store's own copy
+/// of `transport::peer_gone`: the transports use the store, so the store
+/// cannot use them).
+pub(crate) fn dropped(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::BrokenPipe
+    )
+}
+
 /// Why an exchange failed.
 enum Failed {
     /// The socket failed, timed out or carried a malformed frame.
@@ -605,7 +618,7 @@ fn exchange(
             // Closed with no verdict: the store let go of the connection
             // before it judged the proof (it sheds handshakes past its
             // limit), so nothing sent behind the proof ran.
-            Err(e) if crate::transport::peer_gone(&e) => return Err(Failed::BeforeVerdict(e)),
+            Err(e) if dropped(&e) => return Err(Failed::BeforeVerdict(e)),
             Err(e) => return Err(Failed::Io(e)),
         };
         match protocol::read_verdict(secret, &hs.client_nonce, &hs.server_nonce, &verdict) {

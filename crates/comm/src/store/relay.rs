@@ -234,7 +234,7 @@ fn join_store(
             Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
                 return Err(StoreError::Unresponsive { addr: addr.to_string(), waited: timeout });
             }
-            Err(e) if !crate::transport::peer_gone(&e) => {
+            Err(e) if !super::client::dropped(&e) => {
                 return Err(StoreError::Disconnected { addr: addr.to_string(), source: e });
             }
             Err(e) => {
