@@ -146,6 +146,10 @@ pub enum Nproc {
     Auto,
 }
 
+/// The most ranks `-n` takes: Linux's limit on process ids
+/// (`PID_MAX_LIMIT`), so no count a node could never run is planned for.
+pub const MAX_RANKS_PER_NODE: usize = 1 << 22;
+
 impl FromStr for Nproc {
     type Err = String;
 
@@ -156,6 +160,9 @@ impl FromStr for Nproc {
             "auto" => Ok(Nproc::Auto),
             _ => match s.parse::<usize>() {
                 Ok(0) => Err("needs at least 1 rank per node".into()),
+                Ok(n) if n > MAX_RANKS_PER_NODE => {
+                    Err(format!("{n} ranks cannot run on one node: Linux runs at most {MAX_RANKS_PER_NODE} processes"))
+                }
                 Ok(n) => Ok(Nproc::Count(n)),
                 Err(_) => Err(format!("'{s}' is not a number, 'cpu', 'gpu' or 'auto'")),
             },
@@ -356,6 +363,9 @@ mod tests {
         assert_eq!("auto".parse::<Nproc>(), Ok(Nproc::Auto));
         assert!("0".parse::<Nproc>().is_err());
         assert!("many".parse::<Nproc>().unwrap_err().contains("'many'"));
+        assert_eq!("4194304".parse::<Nproc>(), Ok(Nproc::Count(MAX_RANKS_PER_NODE)));
+        let too_many = "99999999999".parse::<Nproc>().unwrap_err();
+        assert!(too_many.contains("99999999999") && too_many.contains("4194304"), "{too_many}");
     }
 
     #[test]

@@ -76,6 +76,17 @@ pub enum LaunchError {
     /// `-m ""`.
     #[error("-m needs a module name, e.g. `cohort run -n 4 -m pkg.train -- --lr 1e-3`")]
     ModuleMissing,
+    /// More ranks on this node than this user may run as processes.
+    #[error(
+        "-n {nproc} asks for more ranks on this node than this user may run as processes ({limit}: `ulimit -u`, \
+         /proc/sys/kernel/threads-max); lower -n or raise the limit"
+    )]
+    TooManyRanks {
+        /// Ranks asked for on this node.
+        nproc: usize,
+        /// Processes this user may run.
+        limit: u64,
+    },
     /// `--local-ranks-filter` names a rank that does not exist here.
     #[error("--local-ranks-filter names local rank {rank}, but this node runs {nproc} ranks (0 to {})", nproc - 1)]
     BadFilter {
@@ -193,7 +204,11 @@ impl JobConfig {
             return Err(LaunchError::MasterAddrMissing(nnodes));
         }
         let nproc = resolve_nproc(args.nproc_per_node)?;
-        if let Some(warning) = process_limit_warning(nproc, process_limit()) {
+        let limit = process_limit();
+        if let Some(limit) = limit.filter(|&l| nproc as u64 > l) {
+            return Err(LaunchError::TooManyRanks { nproc, limit });
+        }
+        if let Some(warning) = process_limit_warning(nproc, limit) {
             eprintln!("cohort: warning: {warning}");
         }
         let filter = match args.local_ranks_filter {

@@ -121,7 +121,18 @@ pub fn run_attempt(
     // made before they start); it lives until they have all exited.
     let (relay, mut ends) = spawn::start_relay(cfg, env);
 
+    // Events that come while ranks are still being started: a signal or a
+    // rank that already failed stops the starting (a node of many ranks
+    // takes a while to start), and every event is handled below, in order.
+    let mut early = std::collections::VecDeque::new();
     for local_rank in 0..cfg.nproc {
+        while let Ok(event) = rx.try_recv() {
+            early.push_back(event);
+        }
+        if early.iter().any(|e| stops_starting(e, attempt)) {
+            tracing::debug!(started = ranks.len(), "stopped starting ranks: a signal came or a rank failed");
+            break;
+        }
         let rank = RankEnv::global_rank(cfg, local_rank);
         let mine = ends.get_mut(local_rank).map(std::mem::take).unwrap_or_default();
         match start_rank(cfg, env, attempt, (rank, local_rank, mine), tx, &done_tx, &activity) {
@@ -142,11 +153,12 @@ pub fn run_attempt(
 
     let mut live = ranks.len();
     let mut verdict_seen = None;
-    while live > 0 {
+    while live > 0 || !early.is_empty() {
         let wake = [kill_at, term_at, reason.is_none().then_some(deadline).flatten()].into_iter().flatten().min();
-        let event = match wake {
-            Some(t) => rx.recv_deadline(t),
-            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        let event = match (early.pop_front(), wake) {
+            (Some(event), _) => Ok(event),
+            (None, Some(t)) => rx.recv_deadline(t),
+            (None, None) => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
         };
         let now = Instant::now();
         match event {
@@ -296,6 +308,17 @@ fn ask_dumps(ranks: &[RankProc], now: Instant) -> Instant {
         now + DUMP_GRACE
     } else {
         now
+    }
+}
+
+/// Whether `event`, come while the ranks of `attempt` are being started,
+/// means no more should start: the launcher got a signal, or a started rank
+/// failed (a rank of an earlier attempt does not count).
+fn stops_starting(event: &Event, attempt: u32) -> bool {
+    match event {
+        Event::Signal(_) => true,
+        Event::Exited { attempt: a, status, .. } => *a == attempt && !status.success(),
+        _ => false,
     }
 }
 

@@ -375,3 +375,86 @@ fn under_srun_without_a_secret_nothing_guessable_and_the_store_hosts_death_is_no
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Lines in `path` (0 when it does not exist).
+fn lines_in(path: &std::path::Path) -> usize {
+    std::fs::read_to_string(path).map(|s| s.lines().count()).unwrap_or(0)
+}
+
+#[test]
+fn a_signal_while_ranks_start_stops_the_starting() {
+    // A node of many ranks takes a while to start; Ctrl-C (here SIGTERM)
+    // in that time must stop the starting, not be left until every rank
+    // has started. Each rank notes itself in a file, then sleeps.
+    const RANKS: usize = 400;
+    let dir = temp_dir("stop-starting");
+    let log = dir.join("started");
+    let script = format!("echo $RANK >> {}; exec sleep 60", log.display());
+    let mut c = Command::new(COHORT);
+    c.args(["run", "-n", &RANKS.to_string(), "--master-port", "0", "--", "sh", "-c", &script]);
+    c.env_remove("COHORT_JOB_SECRET").env("COHORT_STORE_RELAY", "0").stdout(Stdio::null()).stderr(Stdio::piped());
+    let child = c.spawn().unwrap();
+    let began = Instant::now();
+    while lines_in(&log) == 0 && began.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: kill(2) on the pid of our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let out = wait_output(child, LIMIT);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(128 + libc::SIGTERM), "{stderr}");
+    let started = lines_in(&log);
+    assert!(started > 0 && started < RANKS, "{started} of {RANKS} ranks started after the signal\n{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_rank_that_fails_while_others_start_stops_the_starting() {
+    // Every rank fails at once: the launcher stops starting more after the
+    // first failure it sees, and names it.
+    const RANKS: usize = 400;
+    let dir = temp_dir("fail-starting");
+    let log = dir.join("started");
+    let script = format!("echo $RANK >> {}; exit 3", log.display());
+    let mut c = Command::new(COHORT);
+    c.args(["run", "-n", &RANKS.to_string(), "--master-port", "0", "--", "sh", "-c", &script]);
+    c.env_remove("COHORT_JOB_SECRET").env("COHORT_STORE_RELAY", "0").stdout(Stdio::null()).stderr(Stdio::piped());
+    let out = wait_output(c.spawn().unwrap(), LIMIT);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("failed first: it exited with code 3"), "{stderr}");
+    let started = lines_in(&log);
+    assert!(started < RANKS, "all {RANKS} ranks were started after one had failed\n{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn more_ranks_than_processes_allowed_is_refused_before_any_starts() {
+    // A process limit of 64 for the launcher (`ulimit -u 64`): -n 100 could
+    // never run; -n 99999999999 is refused by the parser (no node runs that
+    // many processes).
+    let mut c = Command::new(COHORT);
+    c.args(["run", "-n", "100", "--", "true"]).env_remove("COHORT_JOB_SECRET");
+    // SAFETY: setrlimit(2) is async-signal-safe and only lowers the soft
+    // limit of the child about to exec; `limit` lives for the call.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        c.pre_exec(|| {
+            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            libc::getrlimit(libc::RLIMIT_NPROC, &mut limit);
+            limit.rlim_cur = 64;
+            if libc::setrlimit(libc::RLIMIT_NPROC, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = c.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("-n 100 asks for more ranks") && stderr.contains("(64: `ulimit -u`"), "{stderr}");
+    let out = Command::new(COHORT).args(["run", "-n", "99999999999", "--", "true"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("99999999999") && stderr.contains("4194304"), "{stderr}");
+}
