@@ -100,6 +100,12 @@ fn cuda_a_group_split_from_one_rank_runs_on_nccl_and_groups_its_calls() {
     assert!(none, "a rank without a color joins no group");
     assert_eq!(grouped.len(), 100);
     assert_eq!(grouped, separate);
+    // The flight records say which path ran: the grouped call's all-reduces
+    // fused, the separate ones plain NCCL.
+    let records = cohort_comm::trace::FlightRecorder::global().snapshot();
+    let on = |path: &str| records.iter().filter(|r| r.path.as_deref() == Some(path)).count();
+    assert!(on("nccl fused") >= 1, "no record of the fused group: {records:?}");
+    assert!(on("nccl") >= 100, "{} separate calls recorded as nccl", on("nccl"));
 }
 
 #[test]

@@ -56,7 +56,7 @@ impl Communicator {
             // Dropped unrun when the launch fails: that aborts for the
             // other ranks, as on the host path.
             let tracker = self.inner.observer.queued(fp);
-            let meeting = nccl.launch(&self.inner.world, fp, self.timeout(), inputs, outputs);
+            let meeting = nccl.launch(&self.inner.world, fp, self.timeout(), inputs, outputs, &tracker);
             drop((issued, order));
             let meeting = meeting?;
             meeting.on_done(move |outcome| tracker.ended(outcome));
@@ -101,7 +101,7 @@ impl Communicator {
                     .finish();
             }
             let tracker = self.inner.observer.queued(fp);
-            let meeting = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls);
+            let meeting = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls, &tracker);
             drop((issued, order));
             let meeting = meeting?;
             meeting.on_done(move |outcome| tracker.ended(outcome));

@@ -239,6 +239,14 @@ impl Tracker {
         result.map_err(|failure| failure.message)
     }
 
+    /// Notes which path runs the call (`nccl`, `nccl fused`, `oneshot`,
+    /// `twoshot`), for the flight recorder and the timeline.
+    pub(crate) fn set_path(&self, path: &'static str) {
+        if let Some(watched) = &self.watched {
+            watched.set_path(path);
+        }
+    }
+
     /// Records how the collective ended (the NCCL path calls it when its
     /// last local part ended on the device): the recorder and timeline,
     /// progress for the heartbeat, and on failure the recorder's dump.

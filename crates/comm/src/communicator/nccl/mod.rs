@@ -57,6 +57,7 @@ use super::failure::Failure;
 use super::fingerprint::Fingerprint;
 use super::keys;
 use super::label::Label;
+use super::observe::Tracker;
 use super::world::World;
 use super::{SlotCall, Slots};
 
@@ -212,20 +213,24 @@ impl Nccl {
         timeout: Duration,
         inputs: Slots,
         outputs: Slots,
+        tracker: &Tracker,
     ) -> Result<Arc<NcclCall>, CommError> {
-        self.launch_calls(world, fp, timeout, vec![(fp.op, inputs, outputs)])
+        self.launch_calls(world, fp, timeout, vec![(fp.op, inputs, outputs)], tracker)
     }
 
     /// Queues one part per local device for `calls` (op, inputs and outputs
     /// by slot) under one fingerprint `fp`: a grouped call's parts issue
     /// every call's NCCL calls inside one `ncclGroupStart/End`. The caller
-    /// holds the process-wide enqueue order.
+    /// holds the process-wide enqueue order. `tracker`, the call's flight
+    /// record, is told the path: a peer kernel, NCCL, or NCCL with the
+    /// all-reduces fused.
     pub(crate) fn launch_calls(
         self: &Arc<Self>,
         world: &Arc<Mutex<World>>,
         fp: Fingerprint,
         timeout: Duration,
         calls: Vec<SlotCall>,
+        tracker: &Tracker,
     ) -> Result<Arc<NcclCall>, CommError> {
         // Roots are members, and a message's endpoints (one device per
         // rank) ranks: both are ranks of the NCCL communicator.
@@ -236,6 +241,11 @@ impl Nccl {
         // The same buckets on every member (they follow from the calls).
         let ops: Vec<Op> = calls.iter().map(|(op, _, _)| *op).collect();
         let fused: Arc<[Bucket]> = fusion::buckets(&ops, fusion::cap()).into();
+        tracker.set_path(match ops.as_slice() {
+            [op] if fp.group.is_none() => self.path_of(op).name(),
+            _ if fused.is_empty() => "nccl",
+            _ => "nccl fused",
+        });
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output): (Vec<Handle>, Vec<Handle>) = (Vec::new(), Vec::new());
