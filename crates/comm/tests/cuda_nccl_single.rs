@@ -8,7 +8,7 @@ use std::sync::Once;
 
 use cohort_comm::op::Collective;
 use cohort_comm::{ClientGroup, DType, ReduceOp, Transport};
-use cohort_runtime::{Bytes, GridCount, Kernel, KernelArguments};
+use cohort_runtime::{Bytes, Client, GridCount, Kernel, KernelArguments};
 
 fn one_rank_group() -> ClientGroup {
     static FORCE: Once = Once::new();
@@ -56,6 +56,21 @@ fn a_poisoned_input_marks_the_destination_without_reaching_nccl() {
     group.barrier().unwrap();
 }
 
+/// Queues a one-thread kernel on `device` that spins for the nanoseconds
+/// it is given.
+fn busy_on(device: &Client) -> impl Fn(u64) + '_ {
+    let flag = device.create(Bytes::from(vec![0u8; 4]));
+    move |ns| {
+        device
+            .launch(
+                &busy_kernel(),
+                GridCount::Static(1, 1, 1),
+                KernelArguments::new().buffer(&flag).scalar(cohort_runtime::Scalar::U64(ns)),
+            )
+            .unwrap()
+    }
+}
+
 /// A kernel that keeps its stream busy for `ns` nanoseconds (the device's
 /// global timer), then writes 1 into its buffer.
 fn busy_kernel() -> Kernel {
@@ -77,21 +92,11 @@ fn busy_kernel() -> Kernel {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn collectives_return_once_queued_and_an_expired_one_marks_its_destination() {
-    use cohort_runtime::Scalar;
     use std::time::{Duration, Instant};
 
     let group = one_rank_group().with_timeout(Duration::from_millis(400));
     let device = group.client(0).clone();
-    let flag = device.create(Bytes::from(vec![0u8; 4]));
-    let busy = |ns: u64| {
-        device
-            .launch(
-                &busy_kernel(),
-                GridCount::Static(1, 1, 1),
-                KernelArguments::new().buffer(&flag).scalar(Scalar::U64(ns)),
-            )
-            .unwrap()
-    };
+    let busy = busy_on(&device);
     // Warm up: the kernel compiles and the communicator is created.
     busy(1_000);
     let src = device.create(Bytes::from_elems(&[3.0f32; 1024]));
@@ -202,21 +207,12 @@ fn back_to_back_collectives_on_one_stream_all_end() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn a_collective_ends_on_its_own_before_the_work_queued_behind_it() {
-    use cohort_runtime::{Scalar, StreamId};
+    use cohort_runtime::StreamId;
     use std::time::Duration;
 
     let device = one_rank_group().client(0).with_stream(StreamId::fresh());
     let group = ClientGroup::new(vec![device.clone()]).unwrap().with_timeout(Duration::from_millis(400));
-    let flag = device.create(Bytes::from(vec![0u8; 4]));
-    let busy = |ns: u64| {
-        device
-            .launch(
-                &busy_kernel(),
-                GridCount::Static(1, 1, 1),
-                KernelArguments::new().buffer(&flag).scalar(Scalar::U64(ns)),
-            )
-            .unwrap()
-    };
+    let busy = busy_on(&device);
     busy(1_000);
     let src = device.create(Bytes::from_elems(&[5.0f32; 256]));
     let all_reduce = |dst: &cohort_runtime::Handle| {
