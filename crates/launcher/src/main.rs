@@ -11,6 +11,7 @@
 mod cli;
 mod config;
 mod devices;
+mod fd_limit;
 mod output;
 mod reaper;
 mod rendezvous;

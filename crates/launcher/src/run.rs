@@ -49,6 +49,11 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
         PrivateDir::open(&cfg.trace_dir)
             .map_err(|e| LaunchError::TraceDir { path: cfg.trace_dir.clone(), source: e.into() })?;
     }
+    // Several descriptors per local rank: past the usual soft limit at a
+    // few hundred ranks (the ranks get the limit the launcher was given).
+    if let Err(e) = crate::fd_limit::raise() {
+        tracing::debug!(error = %e, "could not raise the limit on open files");
+    }
     let (tx, rx) = crossbeam::channel::unbounded();
     signals::install(tx.clone()).map_err(LaunchError::Signals)?;
     crate::reaper::init();

@@ -135,6 +135,7 @@ pub fn spawn_rank(
         inherit(&mut cmd, store_ends.iter().map(AsRawFd::as_raw_fd).collect());
     }
     die_with_parent(&mut cmd);
+    crate::fd_limit::give_back_in(&mut cmd);
     cmd.spawn()
 }
 

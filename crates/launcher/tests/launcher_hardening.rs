@@ -458,3 +458,37 @@ fn more_ranks_than_processes_allowed_is_refused_before_any_starts() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("99999999999") && stderr.contains("4194304"), "{stderr}");
 }
+
+#[test]
+fn a_node_of_many_ranks_keeps_its_relay_under_a_low_file_limit_and_ranks_get_that_limit() {
+    // A soft limit of 256 open files: 60 ranks need about 360 descriptors in
+    // the launcher (pipes and relay sockets). It raises its own soft limit
+    // to the hard one; each rank still sees 256.
+    let script = "echo limit $(ulimit -n) fd ${COHORT_STORE_FD:-none}";
+    let mut c = cohort_run_program("sh", &["-n", "60", "--master-port", "0"], &["-c", script]);
+    c.env_remove("COHORT_STORE_RELAY");
+    // SAFETY: setrlimit(2) only lowers the soft limit of the child about to
+    // exec; `limit` lives for the call.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        c.pre_exec(|| {
+            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+            limit.rlim_cur = 256;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = output_within(c, LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
+    assert!(!stderr.contains("could not start the node's store relay"), "{stderr}");
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.contains("limit ")).collect();
+    assert_eq!(lines.len(), 60, "{stdout}");
+    for line in lines {
+        assert!(line.contains("limit 256 fd "), "a rank saw another limit: {line}");
+        assert!(!line.ends_with("fd none"), "a rank had no relay sockets: {line}");
+    }
+}
