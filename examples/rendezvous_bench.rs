@@ -47,20 +47,22 @@
 //!   request (as a client of protocol 1 did);
 //! - `relay` (with `--relay`): `cohort`'s pattern through node relays, as
 //!   `cohort run` does it: each simulated node (`--per-node` ranks, 8 when
-//!   0) gets a [`StoreRelay`] spawned after the release
-//!   ([`StoreRelay::spawn`], as the launcher does: the relay joins the
-//!   store on its own thread while its ranks get their ends; that
-//!   connection and handshake are inside the timed window, as a
-//!   launcher's are), at most `--window` relays asked for at once (the
-//!   window counts connections to the store, and a relay is one), and its
-//!   ranks speak over their socket-pair ends with no handshake of their
-//!   own. A rank counts as connected once it has its end; its first
-//!   requests wait in its socket until the relay has joined the store, so
-//!   the relay's handshake is in `published`. The relays run in relay host
-//!   processes, one per client thread (as each node's launcher is a
-//!   process of its own; this process then holds one descriptor per rank,
-//!   not two), started and up before the release, which pass the ranks'
-//!   ends back over a Unix socket; their CPU is in `clients cpu`.
+//!   0) has a [`StoreRelay`]. Before the release each node's relay is
+//!   prepared ([`StoreRelay::prepare`]: its socket pairs made, its ranks
+//!   holding their ends, as a launcher's ranks inherit theirs); from the
+//!   release each joins the store on its own thread
+//!   ([`UnjoinedRelay::join`](cohort_comm::store::UnjoinedRelay::join), the
+//!   second half of the [`StoreRelay::spawn`] the launcher calls), at most
+//!   `--window` relays joining at once (the window counts connections to
+//!   the store, and a relay is one), while every rank sends its first
+//!   requests at once: they wait in its socket until its relay has joined.
+//!   So the relay's connection and handshake are inside the timed window,
+//!   as a launcher's are; a rank counts as connected when its first
+//!   answer comes back. The relays run in relay host processes, one per
+//!   client thread (as each node's launcher is a process of its own; this
+//!   process then holds one descriptor per rank, not two), up before the
+//!   release, which pass the ranks' ends back over a Unix socket; their CPU
+//!   is in `clients cpu`.
 //!
 //! For every run it prints when the last rank had connected, published,
 //! joined (passed the first barrier), read its directory and passed
@@ -180,10 +182,10 @@ struct Times {
     tcp_up: Duration,
     /// cohort: the server's greeting arrived (TCPStore: as `tcp_up`).
     greeted: Duration,
-    /// Through relays: how long its node's `StoreRelay::spawn` took in the
-    /// relay host (the rest of `connected - began` is the ask, the host's
-    /// thread and passing the ends back).
-    relay_start: Duration,
+    /// Through relays: its node's relay was asked to join the store
+    /// (`began` is then when that was asked, and `connected` when the
+    /// rank's first answer came back through the joined relay).
+    relayed: bool,
     connected: Duration,
     published: Duration,
     joined: Duration,
@@ -868,24 +870,19 @@ fn relay_group(per_node: usize) -> usize {
     }
 }
 
-/// A node relay started (in a relay host process, as each node's launcher
-/// starts its own): the node's ranks, when the start began, and the ranks'
-/// ends.
-type Started = (Vec<usize>, Duration, Result<(Vec<std::os::unix::net::UnixStream>, Duration), String>);
-
-/// Adds the ranks of a node whose relay started to `slots`, connected,
-/// their first requests queued.
-#[allow(clippy::too_many_arguments)]
+/// Adds the ranks of a node whose relay is prepared (its ends `ends`, in
+/// a relay host process, as each node's launcher makes its own) to
+/// `slots`: registered, their first requests not yet sent.
 fn add_node(
-    kind: Kind,
-    (node, began, started): Started,
-    n: usize,
+    node: &[usize],
+    ends: Vec<std::os::unix::net::UnixStream>,
     per_node: usize,
     poll: &Poll,
     slots: &mut Vec<Rank>,
-    t0: Instant,
 ) -> Result<(), String> {
-    let (ends, in_start) = started.map_err(|e| format!("relay of ranks {node:?}: {e}"))?;
+    if ends.len() != node.len() {
+        return Err(format!("relay host gave {} ends for ranks {node:?}", ends.len()));
+    }
     for (&rank, end) in node.iter().zip(ends) {
         end.set_nonblocking(true).map_err(|e| e.to_string())?;
         let mut stream = UnixStream::from_std(end);
@@ -893,16 +890,40 @@ fn add_node(
         poll.registry()
             .register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
             .map_err(|e| e.to_string())?;
-        let mut r = new_rank(rank, Sock::Relay(stream), per_node, began);
-        r.times.tcp_up = t0.elapsed();
-        r.times.greeted = r.times.tcp_up;
-        r.times.connected = r.times.tcp_up;
-        r.times.relay_start = in_start;
-        r.first_request(kind, n, t0);
-        r.flush()?;
+        let mut r = new_rank(rank, Sock::Relay(stream), per_node, Duration::ZERO);
+        r.times.relayed = true;
         slots.push(r);
     }
     Ok(())
+}
+
+/// Prepares the relay of each node of `ranks` in `host` and adds its ranks
+/// to `slots`; returns each node's (id, first slot, ranks).
+fn prepare_nodes(
+    host: &relay_host::Host,
+    ranks: &[usize],
+    per_node: usize,
+    poll: &Poll,
+    slots: &mut Vec<Rank>,
+) -> Result<Vec<(u32, usize, usize)>, String> {
+    let group = relay_group(per_node);
+    let mut nodes = Vec::new();
+    let mut at = 0;
+    while at < ranks.len() {
+        let first = ranks[at];
+        let node: Vec<usize> = ranks[at..].iter().copied().take_while(|r| r / group == first / group).collect();
+        at += node.len();
+        let id = nodes.len() as u32;
+        host.request(relay_host::PREPARE, id, node.len())?;
+        let ends = match host.reply()? {
+            (got, Ok(ends)) if got == id => ends,
+            (got, Ok(_)) => return Err(format!("relay host answered {got} where {id} was asked")),
+            (_, Err(e)) => return Err(format!("relay of ranks {node:?}: {e}")),
+        };
+        nodes.push((id, slots.len(), node.len()));
+        add_node(&node, ends, per_node, poll, slots)?;
+    }
+    Ok(nodes)
 }
 
 /// Drives `ranks` through the pattern on one thread; returns their times.
@@ -927,54 +948,75 @@ fn drive(
     let mut poll = Poll::new().map_err(|e| e.to_string())?;
     let mut events = Events::with_capacity(4096);
     let mut slots: Vec<Rank> = Vec::with_capacity(ranks.len());
-    // Relays being started, at most a window's worth at once.
-    const STARTED: Token = Token(usize::MAX);
-    // The relay host's replies come on its control socket, watched here,
-    // matched with the nodes asked for (by id).
-    let mut asked = HashMap::<u32, (Vec<usize>, Duration)>::new();
-    // Watched through a second descriptor of the socket (mio registers
-    // sockets of its own types; the replies are read from the first).
+    // Through relays: each node's relay is prepared in the host before the
+    // release (its ranks hold their ends, as a launcher's ranks inherit
+    // theirs); after it, each is asked to join the store, at most a
+    // window's worth at once (the window counts connections to the store,
+    // and a relay is one), while every rank sends its first requests at
+    // once (they wait in its socket until its relay has joined).
+    const HOST: Token = Token(usize::MAX);
+    // (id, first slot, ranks) of each node, and which have joined (their
+    // first rank's first answer came back).
+    let nodes = match &relay_host {
+        Some(host) => prepare_nodes(host, &ranks, per_node, &poll, &mut slots),
+        None => Ok(Vec::new()),
+    };
+    // Ready (relays prepared, or not: an error is returned once released,
+    // so that no thread is left at the barrier), then the release.
+    go.wait();
+    go.wait();
+    let nodes = nodes?;
+    let node_of = |slot: usize| nodes.partition_point(|&(_, first, _)| first <= slot) - 1;
+    let mut node_joined = vec![false; nodes.len()];
+    // A relay host speaks again only when a join failed.
     let _watch = match &relay_host {
         Some(host) => {
+            // Watched through a second descriptor of the socket (mio
+            // registers sockets of its own types).
             let fd = host.control_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
             let mut watch = mio::net::UnixDatagram::from_std(std::os::unix::net::UnixDatagram::from(fd));
-            poll.registry().register(&mut watch, STARTED, Interest::READABLE).map_err(|e| e.to_string())?;
+            poll.registry().register(&mut watch, HOST, Interest::READABLE).map_err(|e| e.to_string())?;
             Some(watch)
         }
         None => None,
     };
     let (mut next_node, mut starting) = (0usize, 0usize);
     let mut buf = vec![0u8; 256 << 10];
-    go.wait();
     let t0 = start.lock().expect("set before the release");
     let (mut connecting, mut done) = (0usize, 0usize);
+    let mut released = false;
     loop {
-        // The window counts connections to the store: a relay is one (as
-        // for the direct ranks, it bounds what is in the store's handshake
-        // and its listening queue at once).
-        while relay && next_node < ranks.len() && starting < window {
-            let group = relay_group(per_node);
-            let first = ranks[next_node];
-            let node: Vec<usize> =
-                ranks[next_node..].iter().copied().take_while(|r| r / group == first / group).collect();
-            next_node += node.len();
-            starting += 1;
+        if relay && next_node < nodes.len() && starting < window {
+            // The nodes the window lets join now, asked in a few messages
+            // (a host's threads share them; ids are the nodes' indices).
+            let asking = (window - starting).min(nodes.len() - next_node);
+            let began = t0.elapsed();
+            for &(_, first, count) in &nodes[next_node..next_node + asking] {
+                for r in &mut slots[first..first + count] {
+                    r.times.began = began;
+                }
+            }
             let host = relay_host.as_ref().expect("relays have a host");
-            let id = next_node as u32;
-            let count = node.len();
-            asked.insert(id, (node, t0.elapsed()));
-            host.request(id, count)?;
+            let chunk = asking.div_ceil(relay_host::TAKERS);
+            for at in (next_node..next_node + asking).step_by(chunk) {
+                let count = chunk.min(next_node + asking - at);
+                host.request(relay_host::JOIN, nodes[at].0, count)?;
+            }
+            next_node += asking;
+            starting += asking;
         }
-        // Every reply waiting (the socket's events are edge-triggered).
-        while let Some((id, ends)) = match &relay_host {
-            Some(host) => host.try_reply()?,
-            None => None,
-        } {
-            let Some((node, began)) = asked.remove(&id) else { continue };
-            starting -= 1;
-            let count = node.len();
-            add_node(kind, (node, began, ends), n, per_node, &poll, &mut slots, t0)?;
-            connected.fetch_add(count, Ordering::Relaxed);
+        if relay && !released {
+            released = true;
+            for r in &mut slots {
+                r.first_request(kind, n, t0);
+                r.flush()?;
+            }
+        }
+        if let Some(host) = &relay_host {
+            // Edge-triggered: every message waiting.
+            if let Some((id, failed)) = host.try_reply()? {
+                return Err(format!("the relay of node {id} did not join: {:?}", failed.err()));
+            }
         }
         while !relay && connecting < window && slots.len() < ranks.len() {
             let rank = ranks[slots.len()];
@@ -1004,7 +1046,7 @@ fn drive(
         }
         poll.poll(&mut events, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
         for ev in events.iter() {
-            if ev.token() == STARTED {
+            if ev.token() == HOST {
                 continue;
             }
             let r = &mut slots[ev.token().0];
@@ -1039,6 +1081,18 @@ fn drive(
                 readable = k == buf.len() || closing;
                 let mut data = &buf[..k];
                 while let Some(answer) = r.feed(kind, &mut data)? {
+                    if r.times.relayed && r.times.connected == Duration::ZERO {
+                        // Its relay has joined the store.
+                        r.times.connected = t0.elapsed();
+                        r.times.tcp_up = r.times.connected;
+                        r.times.greeted = r.times.connected;
+                        connected.fetch_add(1, Ordering::Relaxed);
+                        let node = node_of(ev.token().0);
+                        if !node_joined[node] {
+                            node_joined[node] = true;
+                            starting -= 1;
+                        }
+                    }
                     if r.on_answer(kind, n, t0, answer, secret)? {
                         done += 1;
                     }
@@ -1181,6 +1235,9 @@ fn simulate(kind: Kind, server: &Server, n: usize, secret: &str, how: How) -> Re
         })
         .collect();
     // The clients' CPU: this process's and the relay hosts'.
+    // Every client thread is ready (through relays: its nodes' relays
+    // prepared); then the clock starts and they are released.
+    go.wait();
     let (server_before, client_before) = (server.cpu(), cpu_of("/proc/self/stat") + hosts_cpu(&hosts));
     let threads_before = thread_cpu(server.child.id());
     let t0 = Instant::now();
@@ -1269,19 +1326,17 @@ fn connect_breakdown(each: &[Times], window: usize) -> String {
         (at(0.5), at(0.99))
     };
     let total = pick(&|t| t.connected.saturating_sub(t.began));
-    if each.iter().any(|t| t.relay_start > Duration::ZERO) {
-        // Through relays: `began` is when its node's relay was asked for,
-        // `connected` when its end arrived.
-        let in_start = pick(&|t| t.relay_start);
+    if each.iter().any(|t| t.relayed) {
+        // Through relays: `began` is when its node's relay was asked to
+        // join the store, `connected` when the rank's first answer came
+        // back through it.
         let asked = pick(&|t| t.began);
         let last_asked = each.iter().map(|t| t.began).max().unwrap_or_default();
         return format!(
-            "relay start per node: median {:.0} us (StoreRelay::spawn {:.0}), p99 {:.0} us (StoreRelay::spawn \
-             {:.0}); asked at median {:.1} ms, the last at {:.1} ms (window {window} connections)",
+            "relay join per rank (asked to first answer): median {:.0} us, p99 {:.0} us; joins asked at median \
+             {:.1} ms, the last at {:.1} ms (window {window} connections)",
             total.0,
-            in_start.0,
             total.1,
-            in_start.1,
             asked.0 / 1e3,
             ms(last_asked)
         );
@@ -1569,16 +1624,18 @@ fn main() {
 /// Node relays in processes of their own, as each node's launcher is one:
 /// the bench's process then holds one descriptor per rank (its end of the
 /// rank's socket pair), not two, so 16,384 ranks through relays fit a
-/// descriptor limit of 20,000. One host process per client thread starts
-/// that thread's relays when asked, and passes the ranks' ends back over a
-/// `SOCK_SEQPACKET` socket (`SCM_RIGHTS`). A host first sends `[b'R']`
+/// descriptor limit of 20,000. One host process per client thread prepares
+/// that thread's relays when asked, passes the ranks' ends back over a
+/// `SOCK_SEQPACKET` socket (`SCM_RIGHTS`), and has them join the store
+/// when asked. A host first sends `[b'R']`
 /// once it is up (the bench waits for every host before its release, so
 /// starting the hosts' processes is not in the timed window, as the ranks'
-/// own processes are not). A request is `[id u32, count u32]`; a reply
-/// `[id u32, status u8]` (0: started, then the microseconds
-/// `StoreRelay::spawn` took as a u32, with `count` descriptors; 1: failed,
-/// then the reason's bytes).
+/// own processes are not). A request is `[kind u8, id u32, count u32]`
+/// ([`relay_host::PREPARE`] or [`relay_host::JOIN`]); a reply `[id u32,
+/// status u8]` (0: prepared, with `count` descriptors; 1: failed, then the
+/// reason's bytes).
 mod relay_host {
+    use std::collections::HashMap;
     use std::io;
     use std::net::SocketAddr;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -1586,13 +1643,19 @@ mod relay_host {
     use std::process::{Child, Command, Stdio};
     use std::time::Duration;
 
-    use cohort_comm::store::StoreRelay;
+    use cohort_comm::store::{StoreRelay, UnjoinedRelay};
 
+    /// A request's kind: make a node's socket pairs and pass its ranks'
+    /// ends back (answered with them).
+    pub const PREPARE: u8 = 0;
+    /// A request's kind: the relays of nodes `id` to `id + count - 1` join
+    /// the store (answered only when one cannot start).
+    pub const JOIN: u8 = 1;
     /// Most descriptors one message carries (Linux's `SCM_MAX_FD`): the
     /// largest simulated node a relay host serves.
     pub const MAX_NODE: usize = 253;
-    /// Threads of a host that start relays.
-    const TAKERS: usize = 4;
+    /// Threads of a host that take requests.
+    pub const TAKERS: usize = 4;
     /// The variable that carries the job secret to a host.
     const SECRET_VAR: &str = "RENDEZVOUS_BENCH_SECRET";
 
@@ -1628,9 +1691,11 @@ mod relay_host {
             super::cpu_of(&format!("/proc/{}/stat", self.child.id()))
         }
 
-        /// Asks for a relay of `count` ranks, answered as `id`.
-        pub fn request(&self, id: u32, count: usize) -> Result<(), String> {
-            let mut req = id.to_le_bytes().to_vec();
+        /// Asks for `what`: [`PREPARE`] node `id`'s relay of `count`
+        /// ranks, or [`JOIN`] the relays of `count` nodes from `id`.
+        pub fn request(&self, what: u8, id: u32, count: usize) -> Result<(), String> {
+            let mut req = vec![what];
+            req.extend_from_slice(&id.to_le_bytes());
             req.extend_from_slice(&(count as u32).to_le_bytes());
             send(self.control.as_raw_fd(), &req, &[]).map_err(|e| format!("relay host: {e}"))
         }
@@ -1641,30 +1706,41 @@ mod relay_host {
             self.control.as_fd()
         }
 
-        /// The next reply if one is waiting: its id and the ranks' ends
-        /// with how long `StoreRelay::spawn` took, or why the relay did not
-        /// start; an error once the host is gone.
-        #[allow(clippy::type_complexity)]
-        pub fn try_reply(&self) -> Result<Option<(u32, Result<(Vec<StdUnixStream>, Duration), String>)>, String> {
+        /// The next reply, waiting for it: its id and the ranks' ends, or
+        /// why the host could not do what was asked.
+        pub fn reply(&self) -> Result<(u32, Result<Vec<StdUnixStream>, String>), String> {
             let mut buf = [0u8; 1024];
-            let (len, fds) = match recv_with(self.control.as_raw_fd(), &mut buf, libc::MSG_DONTWAIT) {
-                Ok(got) => got,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
-                Err(e) => return Err(format!("relay host: {e}")),
-            };
-            if len < 5 {
-                return Err(format!("the relay host sent {len} bytes (it is gone?)"));
-            }
-            let id = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
-            Ok(Some(match buf[4] {
-                0 if len >= 9 => {
-                    let micros = u32::from_le_bytes(buf[5..9].try_into().expect("4 bytes"));
-                    (id, Ok((fds.into_iter().map(StdUnixStream::from).collect(), Duration::from_micros(micros.into()))))
-                }
-                0 => (id, Err("a short reply from the relay host".into())),
-                _ => (id, Err(String::from_utf8_lossy(&buf[5..len]).into_owned())),
-            }))
+            let got = recv(self.control.as_raw_fd(), &mut buf).map_err(|e| format!("relay host: {e}"))?;
+            parse(&buf, got)
         }
+
+        /// [`Host::reply`] if one is waiting.
+        #[allow(clippy::type_complexity)]
+        pub fn try_reply(&self) -> Result<Option<(u32, Result<Vec<StdUnixStream>, String>)>, String> {
+            let mut buf = [0u8; 1024];
+            match recv_with(self.control.as_raw_fd(), &mut buf, libc::MSG_DONTWAIT) {
+                Ok(got) => parse(&buf, got).map(Some),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                Err(e) => Err(format!("relay host: {e}")),
+            }
+        }
+    }
+
+    /// A reply `[id u32, status u8]` (0: the ends attached; 1: the reason
+    /// follows).
+    #[allow(clippy::type_complexity)]
+    fn parse(
+        buf: &[u8],
+        (len, fds): (usize, Vec<OwnedFd>),
+    ) -> Result<(u32, Result<Vec<StdUnixStream>, String>), String> {
+        if len < 5 {
+            return Err(format!("the relay host sent {len} bytes (it is gone?)"));
+        }
+        let id = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
+        Ok(match buf[4] {
+            0 => (id, Ok(fds.into_iter().map(StdUnixStream::from).collect())),
+            _ => (id, Err(String::from_utf8_lossy(&buf[5..len]).into_owned())),
+        })
     }
 
     impl Drop for Host {
@@ -1688,38 +1764,49 @@ mod relay_host {
         // this process takes it over.
         let control = unsafe { OwnedFd::from_raw_fd(0) };
         // A few threads, started before the host says it is up, take the
-        // requests (each message whole: the socket keeps message bounds),
-        // as several nodes' launchers start their relays at once.
+        // requests (each message whole: the socket keeps message bounds).
         let control = std::sync::Arc::new(control);
-        let relays = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let prepared = std::sync::Arc::new(parking_lot::Mutex::new(HashMap::<u32, UnjoinedRelay>::new()));
+        let relays = std::sync::Arc::new(parking_lot::Mutex::new(Vec::<StoreRelay>::new()));
         let takers: Vec<_> = (0..TAKERS)
             .map(|_| {
-                let (control, relays, addr, secret) = (control.clone(), relays.clone(), addr.clone(), secret.clone());
+                let (control, prepared, relays, addr, secret) =
+                    (control.clone(), prepared.clone(), relays.clone(), addr.clone(), secret.clone());
                 std::thread::spawn(move || {
-                    let mut buf = [0u8; 8];
-                    while let Ok((8, _)) = recv(control.as_raw_fd(), &mut buf) {
-                        let id = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
-                        let count = u32::from_le_bytes(buf[4..].try_into().expect("4 bytes")) as usize;
-                        // As the launcher does: the relay joins the store on
-                        // its own thread while its ranks get their ends.
+                    let mut buf = [0u8; 9];
+                    while let Ok((9, _)) = recv(control.as_raw_fd(), &mut buf) {
+                        let id = u32::from_le_bytes(buf[1..5].try_into().expect("4 bytes"));
+                        let count = u32::from_le_bytes(buf[5..].try_into().expect("4 bytes")) as usize;
                         let mut reply = id.to_le_bytes().to_vec();
-                        let began = std::time::Instant::now();
-                        let started = StoreRelay::spawn(&addr, &secret, count.min(MAX_NODE), super::TIMEOUT);
-                        let took = u32::try_from(began.elapsed().as_micros()).unwrap_or(u32::MAX);
-                        match started {
-                            Ok((relay, ends)) => {
-                                reply.push(0);
-                                reply.extend_from_slice(&took.to_le_bytes());
-                                let fds: Vec<RawFd> = ends.iter().map(|e| e.as_raw_fd()).collect();
-                                let _ = send(control.as_raw_fd(), &reply, &fds);
-                                relays.lock().push(relay);
-                            }
-                            Err(e) => {
-                                reply.push(1);
-                                reply.extend_from_slice(e.to_string().as_bytes());
-                                reply.truncate(1024);
-                                let _ = send(control.as_raw_fd(), &reply, &[]);
-                            }
+                        let failed = match buf[0] {
+                            PREPARE => match StoreRelay::prepare(&addr, &secret, count.min(MAX_NODE)) {
+                                Ok((unjoined, ends)) => {
+                                    prepared.lock().insert(id, unjoined);
+                                    reply.push(0);
+                                    let fds: Vec<RawFd> = ends.iter().map(|e| e.as_raw_fd()).collect();
+                                    let _ = send(control.as_raw_fd(), &reply, &fds);
+                                    None
+                                }
+                                Err(e) => Some(e.to_string()),
+                            },
+                            // As the launcher's relay does: it joins the
+                            // store on its own thread.
+                            _ => (id..id + count as u32).find_map(|node| {
+                                match prepared.lock().remove(&node).map(|u| u.join(super::TIMEOUT)) {
+                                    Some(Ok(relay)) => {
+                                        relays.lock().push(relay);
+                                        None
+                                    }
+                                    Some(Err(e)) => Some(format!("node {node}: {e}")),
+                                    None => Some(format!("node {node} was not prepared")),
+                                }
+                            }),
+                        };
+                        if let Some(why) = failed {
+                            reply.push(1);
+                            reply.extend_from_slice(why.as_bytes());
+                            reply.truncate(1024);
+                            let _ = send(control.as_raw_fd(), &reply, &[]);
                         }
                     }
                 })

@@ -145,24 +145,19 @@ impl StoreRelay {
         ranks: usize,
         timeout: Duration,
     ) -> Result<(StoreRelay, Vec<UnixStream>)> {
+        let (unjoined, ends) = StoreRelay::prepare(addr, secret, ranks)?;
+        Ok((unjoined.join(timeout)?, ends))
+    }
+
+    /// The first half of [`StoreRelay::spawn`]: makes the ranks' socket
+    /// pairs and returns their ends, and a relay that has not joined the
+    /// store yet ([`UnjoinedRelay::join`] starts it). Requests the ranks
+    /// send meanwhile wait in their sockets. Fails when the secret is empty
+    /// or the socket pairs cannot be made.
+    pub fn prepare(addr: &str, secret: impl AsRef<[u8]>, ranks: usize) -> Result<(UnjoinedRelay, Vec<UnixStream>)> {
         let secret = secret.as_ref().to_vec();
-        let (mut relay, ends, opens) = Relay::prepare(addr, &secret, ranks)?;
-        let joined = Arc::new(AtomicBool::new(false));
-        let handle = relay.handle(joined.clone());
-        let at = addr.to_string();
-        let thread = std::thread::Builder::new()
-            .name("cohort-store-relay".into())
-            .spawn(move || {
-                let attached = join_store(&at, &secret, timeout, &opens).and_then(|j| relay.attach(j));
-                joined.store(true, Ordering::SeqCst);
-                if let Err(e) = attached {
-                    relay.fail_ranks(&format!("the store relay could not join the store: {e}"));
-                }
-                relay.run()
-            })
-            .map_err(|e| relay_error("could not start its thread", e))?;
-        tracing::debug!(addr, ranks, "store relay spawned");
-        Ok((handle.with_thread(thread), ends))
+        let (relay, ends, opens) = Relay::prepare(addr, &secret, ranks)?;
+        Ok((UnjoinedRelay { relay, secret, opens, ranks }, ends))
     }
 
     /// The store's address.
@@ -245,6 +240,48 @@ fn join_store(
             }
         };
         return Ok((stream, Some(format!("the store relay could not join the store: {error}"))));
+    }
+}
+
+/// A node relay whose ranks' ends exist ([`StoreRelay::prepare`]) but
+/// that has not joined the store: dropping it closes this side of the
+/// ranks' sockets.
+pub struct UnjoinedRelay {
+    relay: Relay,
+    secret: Vec<u8>,
+    opens: Vec<u8>,
+    ranks: usize,
+}
+
+impl std::fmt::Debug for UnjoinedRelay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnjoinedRelay").field("addr", &self.relay.addr).field("ranks", &self.ranks).finish()
+    }
+}
+
+impl UnjoinedRelay {
+    /// Starts the relay's thread, which joins the store (as
+    /// [`StoreRelay::spawn`] says: the same retries until `timeout`, and a
+    /// store it cannot join is each rank's first answer) and then relays.
+    /// Returns at once; fails only when the thread cannot be made.
+    pub fn join(self, timeout: Duration) -> Result<StoreRelay> {
+        let UnjoinedRelay { mut relay, secret, opens, ranks } = self;
+        let joined = Arc::new(AtomicBool::new(false));
+        let handle = relay.handle(joined.clone());
+        let at = relay.addr.clone();
+        let thread = std::thread::Builder::new()
+            .name("cohort-store-relay".into())
+            .spawn(move || {
+                let attached = join_store(&at, &secret, timeout, &opens).and_then(|j| relay.attach(j));
+                joined.store(true, Ordering::SeqCst);
+                if let Err(e) = attached {
+                    relay.fail_ranks(&format!("the store relay could not join the store: {e}"));
+                }
+                relay.run()
+            })
+            .map_err(|e| relay_error("could not start its thread", e))?;
+        tracing::debug!(addr = %handle.addr, ranks, "store relay spawned");
+        Ok(handle.with_thread(thread))
     }
 }
 

@@ -1490,7 +1490,7 @@ fn store_relay_checks_its_secret_and_the_ranks_requests() {
 }
 
 #[test]
-fn store_relay_spawned_joins_the_store_behind_its_ranks_first_requests() {
+fn store_relay_spawned_or_prepared_joins_the_store_behind_its_ranks_first_requests() {
     let s = server();
     let addr = s.local_addr().to_string();
     // The ranks write before the relay has joined the store (spawn returns
@@ -1515,6 +1515,23 @@ fn store_relay_spawned_joins_the_store_behind_its_ranks_first_requests() {
         assert_eq!(t.join().unwrap(), got);
     }
     drop(relay);
+
+    // Prepared first, joined later: a request sent before the join is
+    // answered once the relay has joined; one prepared and dropped unjoined
+    // leaves its rank an end of stream (its client fails, it does not hang).
+    let (unjoined, mut ends) = StoreRelay::prepare(&addr, SECRET, 2).unwrap();
+    let early = StoreClient::over_relay(ends.remove(0), &addr, SECRET, T).unwrap();
+    let sent = std::thread::spawn(move || early.set("early", b"before the join").map(|()| early));
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(direct.get("early").unwrap(), None);
+    let _joined = unjoined.join(T).unwrap();
+    let early = sent.join().unwrap().unwrap();
+    assert_eq!(direct.get("early").unwrap().as_deref(), Some(&b"before the join"[..]));
+    assert_eq!(early.get("early").unwrap().as_deref(), Some(&b"before the join"[..]));
+    let (never, ends) = StoreRelay::prepare(&addr, SECRET, 1).unwrap();
+    drop(never);
+    let orphan = StoreClient::over_relay(ends.into_iter().next().unwrap(), &addr, SECRET, T).unwrap();
+    assert!(orphan.get("k").is_err());
 
     // A wrong secret, or no store at all: each rank's first request is
     // answered with a refusal saying why, naming the store's address.
