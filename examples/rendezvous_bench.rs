@@ -1381,6 +1381,40 @@ fn phase_breakdown(each: &[Times]) -> String {
     )
 }
 
+/// Opens `count` connections to a fresh server one after another, each
+/// through its handshake (cohort: greeting, proof, verdict; TCPStore: its
+/// checking round trip), and closes them: `--warm`, to see how much of a
+/// run's connect time is the server's (or the machine's) first moments.
+fn warm_up(kind: Kind, addr: SocketAddr, secret: &[u8], count: usize) -> Result<(), String> {
+    use std::net::TcpStream as StdTcp;
+    let read_frame = |s: &mut StdTcp| -> Result<Vec<u8>, String> {
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).map_err(|e| e.to_string())?;
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut body).map_err(|e| e.to_string())?;
+        Ok(body)
+    };
+    for _ in 0..count {
+        let mut s = StdTcp::connect(addr).map_err(|e| e.to_string())?;
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+        if kind == Kind::TcpStore {
+            let mut b = vec![tcp::VALIDATE];
+            b.extend_from_slice(&tcp::MAGIC.to_ne_bytes());
+            b.push(tcp::GETNUMKEYS);
+            s.write_all(&b).map_err(|e| e.to_string())?;
+            let mut keys = [0u8; 8];
+            s.read_exact(&mut keys).map_err(|e| e.to_string())?;
+        } else {
+            let greeting = read_frame(&mut s)?;
+            let (hs, proof) = Handshake::answer(secret, &greeting).map_err(|e| e.to_string())?;
+            s.write_all(&proof).map_err(|e| e.to_string())?;
+            hs.check(secret, &read_frame(&mut s)?).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
 /// Where a run's ranks go: straight to this build's store, through node
 /// relays to it, straight to it waiting for the verdict before their first
 /// request (`--unpipelined`), or to baseline build `i`'s store.
@@ -1403,6 +1437,7 @@ fn main() {
     // (name, command) of each `--baseline [NAME=]CMD`.
     let mut baselines: Vec<(String, Vec<String>)> = Vec::new();
     let mut unpipelined = false;
+    let mut warm = 0usize;
     let cores = std::thread::available_parallelism().map_or(2, |c| c.get());
     let mut threads = cores.saturating_sub(1).clamp(1, 8);
     let mut window = 256;
@@ -1446,6 +1481,7 @@ fn main() {
             "--one-source" => one_source = true,
             "--relay" => relay = true,
             "--unpipelined" => unpipelined = true,
+            "--warm" => warm = args.next().and_then(|v| v.parse().ok()).expect("--warm takes a number"),
             "--per-node" => per_node = args.next().and_then(|v| v.parse().ok()).expect("--per-node takes a number"),
             n => counts.push(n.parse::<usize>().unwrap_or_else(|_| panic!("not a count or option: {n}"))),
         }
@@ -1454,9 +1490,13 @@ fn main() {
         counts = vec![1024, 4096, 16384];
     }
     let limit = fd_limit();
+    let warming = match warm {
+        0 => String::new(),
+        w => format!("{w} connections open and close on each server before its run (--warm); "),
+    };
     println!(
         "rendezvous_bench: simulated ranks on {threads} client threads (non-blocking sockets, {window} connecting at \
-         once), each server in a child process; fd limit {limit}; {cores} cores; {}",
+         once), each server in a child process; fd limit {limit}; {cores} cores; {warming}{}",
         if per_node == 0 {
             "every rank reads the whole directory".to_string()
         } else {
@@ -1517,6 +1557,9 @@ fn main() {
                 }
                 _ => Server::start(&[me.clone(), "--serve".into(), store_workers.to_string()], &secret),
             };
+            if let Err(e) = warm_up(kind, server.addr, secret.as_bytes(), warm) {
+                println!("{n:>7} warm-up failed: {e}");
+            }
             let name = match (kind, target) {
                 (_, Target::Baseline(i)) => baselines[i].0.as_str(),
                 (_, Target::Relay) => "relay",
