@@ -39,28 +39,42 @@
 //! - `baseline`: `cohort`'s pattern against another build's store, when
 //!   `--baseline CMD` names a command that serves one and prints its port
 //!   (that build's `rendezvous_bench --serve`, the secret read from stdin):
-//!   compares two versions of the store in one run;
+//!   compares two versions of the store in one run. `--baseline` may be
+//!   given several times, each `NAME=CMD` to name its run (default
+//!   `baseline`, `baseline2`, ...);
+//! - `unpipelined` (with `--unpipelined`): `cohort`'s pattern against this
+//!   build's store, each rank waiting for the verdict before its first
+//!   request (as a client of protocol 1 did);
 //! - `relay` (with `--relay`): `cohort`'s pattern through node relays, as
 //!   `cohort run` does it: each simulated node (`--per-node` ranks, 8 when
-//!   0) gets a [`StoreRelay`] started after the release (its connection to
-//!   the store is inside the timed window, as a launcher's is; each starts
-//!   on a thread of its own, at most `--window` ranks' worth at once),
-//!   and its ranks speak over their socket-pair ends with no handshake (a
-//!   rank counts as connected once its relay is started). The relays run
-//!   in relay host processes, one per client thread (as each node's
-//!   launcher is a process of its own; this process then holds one
-//!   descriptor per rank, not two), which pass the ranks' ends back over a
-//!   Unix socket; their CPU is in `clients cpu`.
+//!   0) has a [`StoreRelay`]. Before the release each node's relay is
+//!   prepared ([`StoreRelay::prepare`]: its socket pairs made, its ranks
+//!   holding their ends, as a launcher's ranks inherit theirs); from the
+//!   release each joins the store on its own thread
+//!   ([`UnjoinedRelay::join`](cohort_comm::store::UnjoinedRelay::join), the
+//!   second half of the [`StoreRelay::spawn`] the launcher calls), at most
+//!   `--window` relays joining at once (the window counts connections to
+//!   the store, and a relay is one), while every rank sends its first
+//!   requests at once: they wait in its socket until its relay has joined.
+//!   So the relay's connection and handshake are inside the timed window,
+//!   as a launcher's are; a rank counts as connected when its first
+//!   answer comes back. The relays run in relay host processes, one per
+//!   client thread (as each node's launcher is a process of its own; this
+//!   process then holds one descriptor per rank, not two), up before the
+//!   release, which pass the ranks' ends back over a Unix socket; their CPU
+//!   is in `clients cpu`.
 //!
 //! For every run it prints when the last rank had connected, published,
 //! joined (passed the first barrier), read its directory and passed
 //! `ready`, from the common release, and the CPU time the server's process
 //! and the clients spent: a store busy for most of the run is the
-//! bottleneck. Then ratios against TCPStore at every count.
+//! bottleneck. Under it, where the connect time went (per rank, or per
+//! relay start) and each rank's time in each later step (median and 99th
+//! percentile). Then ratios against TCPStore at every count.
 //!
 //! Run: `cargo run --release --example rendezvous_bench -- [--tcpstore CMD]
-//! [--baseline CMD] [--relay] [--threads T] [--window W] [--store-workers S] [--no-two-trips]
-//! [counts...]` (default counts 1024 4096 16384; `--store-workers` sets the
+//! [--baseline [NAME=]CMD]... [--unpipelined] [--relay] [--threads T]
+//! [--window W] [--store-workers S] [--no-two-trips] [counts...]` (default counts 1024 4096 16384; `--store-workers` sets the
 //! threads serving cohort's authenticated clients, default one per two
 //! cores up to 8).
 //! It raises its descriptor limit to 65,536 where it may (a privileged
@@ -168,10 +182,16 @@ struct Times {
     tcp_up: Duration,
     /// cohort: the server's greeting arrived (TCPStore: as `tcp_up`).
     greeted: Duration,
+    /// Through relays: its node's relay was asked to join the store
+    /// (`began` is then when that was asked, and `connected` when the
+    /// rank's first answer came back through the joined relay).
+    relayed: bool,
     connected: Duration,
     published: Duration,
     joined: Duration,
     read: Duration,
+    /// The verdict read (as `read` without one).
+    verdict: Duration,
     ready: Duration,
 }
 
@@ -275,6 +295,8 @@ struct Rank {
     times: Times,
     /// Ranks per simulated node (0: every rank reads the whole directory).
     per_node: usize,
+    /// Wait for the verdict before the first request, whatever the version.
+    wait_verdict: bool,
 }
 
 /// The outcome of one answer.
@@ -568,7 +590,7 @@ impl Rank {
                 self.times.greeted = t0.elapsed();
                 let (hs, frame) = Handshake::answer(secret, &body).map_err(|e| e.to_string())?;
                 self.send(&frame);
-                if hs.pipelines() {
+                if hs.pipelines() && !self.wait_verdict {
                     // The first request goes behind the proof; the verdict
                     // comes before its answer.
                     self.handshake = Some(hs);
@@ -638,7 +660,10 @@ impl Rank {
                 self.expect_values(kind, 1);
                 self.step = Step::VerdictRead;
             }
-            (Step::VerdictRead, Answered::Values(_)) => self.ready_barrier(kind, n),
+            (Step::VerdictRead, Answered::Values(_)) => {
+                self.times.verdict = t0.elapsed();
+                self.ready_barrier(kind, n)
+            }
             (Step::Waited(2), Answered::Byte) => {
                 let mut b = Vec::new();
                 tcp::keys(&mut b, tcp::MULTI_GET, &["c/1/verdict"]);
@@ -725,6 +750,7 @@ impl Rank {
 
     /// The last step: the `ready` barrier.
     fn ready_barrier(&mut self, kind: Kind, n: usize) {
+        self.times.verdict = self.times.verdict.max(self.times.read);
         if kind == Kind::TcpStore {
             self.tcp_barrier(1);
         } else {
@@ -831,6 +857,7 @@ fn new_rank(rank: usize, stream: Sock, per_node: usize, began: Duration) -> Rank
         handshake: None,
         times: Times { began, ..Times::default() },
         per_node,
+        wait_verdict: false,
     }
 }
 
@@ -843,24 +870,19 @@ fn relay_group(per_node: usize) -> usize {
     }
 }
 
-/// A node relay started (in a relay host process, as each node's launcher
-/// starts its own): the node's ranks, when the start began, and the ranks'
-/// ends.
-type Started = (Vec<usize>, Duration, Result<Vec<std::os::unix::net::UnixStream>, String>);
-
-/// Adds the ranks of a node whose relay started to `slots`, connected,
-/// their first requests queued.
-#[allow(clippy::too_many_arguments)]
+/// Adds the ranks of a node whose relay is prepared (its ends `ends`, in
+/// a relay host process, as each node's launcher makes its own) to
+/// `slots`: registered, their first requests not yet sent.
 fn add_node(
-    kind: Kind,
-    (node, began, started): Started,
-    n: usize,
+    node: &[usize],
+    ends: Vec<std::os::unix::net::UnixStream>,
     per_node: usize,
     poll: &Poll,
     slots: &mut Vec<Rank>,
-    t0: Instant,
 ) -> Result<(), String> {
-    let ends = started.map_err(|e| format!("relay of ranks {node:?}: {e}"))?;
+    if ends.len() != node.len() {
+        return Err(format!("relay host gave {} ends for ranks {node:?}", ends.len()));
+    }
     for (&rank, end) in node.iter().zip(ends) {
         end.set_nonblocking(true).map_err(|e| e.to_string())?;
         let mut stream = UnixStream::from_std(end);
@@ -868,15 +890,40 @@ fn add_node(
         poll.registry()
             .register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
             .map_err(|e| e.to_string())?;
-        let mut r = new_rank(rank, Sock::Relay(stream), per_node, began);
-        r.times.tcp_up = t0.elapsed();
-        r.times.greeted = r.times.tcp_up;
-        r.times.connected = r.times.tcp_up;
-        r.first_request(kind, n, t0);
-        r.flush()?;
+        let mut r = new_rank(rank, Sock::Relay(stream), per_node, Duration::ZERO);
+        r.times.relayed = true;
         slots.push(r);
     }
     Ok(())
+}
+
+/// Prepares the relay of each node of `ranks` in `host` and adds its ranks
+/// to `slots`; returns each node's (id, first slot, ranks).
+fn prepare_nodes(
+    host: &relay_host::Host,
+    ranks: &[usize],
+    per_node: usize,
+    poll: &Poll,
+    slots: &mut Vec<Rank>,
+) -> Result<Vec<(u32, usize, usize)>, String> {
+    let group = relay_group(per_node);
+    let mut nodes = Vec::new();
+    let mut at = 0;
+    while at < ranks.len() {
+        let first = ranks[at];
+        let node: Vec<usize> = ranks[at..].iter().copied().take_while(|r| r / group == first / group).collect();
+        at += node.len();
+        let id = nodes.len() as u32;
+        host.request(relay_host::PREPARE, id, node.len())?;
+        let ends = match host.reply()? {
+            (got, Ok(ends)) if got == id => ends,
+            (got, Ok(_)) => return Err(format!("relay host answered {got} where {id} was asked")),
+            (_, Err(e)) => return Err(format!("relay of ranks {node:?}: {e}")),
+        };
+        nodes.push((id, slots.len(), node.len()));
+        add_node(&node, ends, per_node, poll, slots)?;
+    }
+    Ok(nodes)
 }
 
 /// Drives `ranks` through the pattern on one thread; returns their times.
@@ -895,51 +942,81 @@ fn drive(
     connected: &AtomicUsize,
     one_source: bool,
     relay_host: Option<Arc<relay_host::Host>>,
+    wait_verdict: bool,
 ) -> Result<Vec<Times>, String> {
     let relay = relay_host.is_some();
     let mut poll = Poll::new().map_err(|e| e.to_string())?;
     let mut events = Events::with_capacity(4096);
     let mut slots: Vec<Rank> = Vec::with_capacity(ranks.len());
-    // Relays being started, at most a window's worth of ranks at once.
-    const STARTED: Token = Token(usize::MAX);
-    let woken = Arc::new(mio::Waker::new(poll.registry(), STARTED).map_err(|e| e.to_string())?);
-    let (started_tx, started_rx) = std::sync::mpsc::channel::<Started>();
-    // The relay host's replies, matched with the nodes asked for (by id).
-    let asked = Arc::new(parking_lot::Mutex::new(HashMap::<u32, (Vec<usize>, Duration)>::new()));
-    if let Some(host) = relay_host.clone() {
-        let (tx, woken, asked) = (started_tx.clone(), woken.clone(), asked.clone());
-        std::thread::spawn(move || {
-            while let Some((id, ends)) = host.reply() {
-                let Some((node, began)) = asked.lock().remove(&id) else { continue };
-                let _ = tx.send((node, began, ends));
-                let _ = woken.wake();
-            }
-        });
-    }
+    // Through relays: each node's relay is prepared in the host before the
+    // release (its ranks hold their ends, as a launcher's ranks inherit
+    // theirs); after it, each is asked to join the store, at most a
+    // window's worth at once (the window counts connections to the store,
+    // and a relay is one), while every rank sends its first requests at
+    // once (they wait in its socket until its relay has joined).
+    const HOST: Token = Token(usize::MAX);
+    // (id, first slot, ranks) of each node, and which have joined (their
+    // first rank's first answer came back).
+    let nodes = match &relay_host {
+        Some(host) => prepare_nodes(host, &ranks, per_node, &poll, &mut slots),
+        None => Ok(Vec::new()),
+    };
+    // Ready (relays prepared, or not: an error is returned once released,
+    // so that no thread is left at the barrier), then the release.
+    go.wait();
+    go.wait();
+    let nodes = nodes?;
+    let node_of = |slot: usize| nodes.partition_point(|&(_, first, _)| first <= slot) - 1;
+    let mut node_joined = vec![false; nodes.len()];
+    // A relay host speaks again only when a join failed.
+    let _watch = match &relay_host {
+        Some(host) => {
+            // Watched through a second descriptor of the socket (mio
+            // registers sockets of its own types).
+            let fd = host.control_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
+            let mut watch = mio::net::UnixDatagram::from_std(std::os::unix::net::UnixDatagram::from(fd));
+            poll.registry().register(&mut watch, HOST, Interest::READABLE).map_err(|e| e.to_string())?;
+            Some(watch)
+        }
+        None => None,
+    };
     let (mut next_node, mut starting) = (0usize, 0usize);
     let mut buf = vec![0u8; 256 << 10];
-    go.wait();
     let t0 = start.lock().expect("set before the release");
     let (mut connecting, mut done) = (0usize, 0usize);
+    let mut released = false;
     loop {
-        while relay && next_node < ranks.len() && starting * relay_group(per_node) < window {
-            let group = relay_group(per_node);
-            let first = ranks[next_node];
-            let node: Vec<usize> =
-                ranks[next_node..].iter().copied().take_while(|r| r / group == first / group).collect();
-            next_node += node.len();
-            starting += 1;
+        if relay && next_node < nodes.len() && starting < window {
+            // The nodes the window lets join now, asked in a few messages
+            // (a host's threads share them; ids are the nodes' indices).
+            let asking = (window - starting).min(nodes.len() - next_node);
+            let began = t0.elapsed();
+            for &(_, first, count) in &nodes[next_node..next_node + asking] {
+                for r in &mut slots[first..first + count] {
+                    r.times.began = began;
+                }
+            }
             let host = relay_host.as_ref().expect("relays have a host");
-            let id = next_node as u32;
-            let count = node.len();
-            asked.lock().insert(id, (node, t0.elapsed()));
-            host.request(id, count)?;
+            let chunk = asking.div_ceil(relay_host::TAKERS);
+            for at in (next_node..next_node + asking).step_by(chunk) {
+                let count = chunk.min(next_node + asking - at);
+                host.request(relay_host::JOIN, nodes[at].0, count)?;
+            }
+            next_node += asking;
+            starting += asking;
         }
-        while let Ok(started) = started_rx.try_recv() {
-            starting -= 1;
-            let count = started.0.len();
-            add_node(kind, started, n, per_node, &poll, &mut slots, t0)?;
-            connected.fetch_add(count, Ordering::Relaxed);
+        if relay && !released {
+            released = true;
+            for r in &mut slots {
+                r.first_request(kind, n, t0);
+                r.flush()?;
+            }
+        }
+        if let Some(host) = &relay_host {
+            // Edge-triggered: every message waiting.
+            if let Some((id, failed)) = host.try_reply()? {
+                return Err(format!("the relay of node {id} did not join: {:?}", failed.err()));
+            }
         }
         while !relay && connecting < window && slots.len() < ranks.len() {
             let rank = ranks[slots.len()];
@@ -955,7 +1032,9 @@ fn drive(
             poll.registry()
                 .register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)
                 .map_err(|e| e.to_string())?;
-            slots.push(new_rank(rank, Sock::Tcp(stream), per_node, t0.elapsed()));
+            let mut r = new_rank(rank, Sock::Tcp(stream), per_node, t0.elapsed());
+            r.wait_verdict = wait_verdict;
+            slots.push(r);
             connecting += 1;
         }
         if done == ranks.len() {
@@ -967,7 +1046,7 @@ fn drive(
         }
         poll.poll(&mut events, Some(Duration::from_millis(100))).map_err(|e| e.to_string())?;
         for ev in events.iter() {
-            if ev.token() == STARTED {
+            if ev.token() == HOST {
                 continue;
             }
             let r = &mut slots[ev.token().0];
@@ -1002,6 +1081,18 @@ fn drive(
                 readable = k == buf.len() || closing;
                 let mut data = &buf[..k];
                 while let Some(answer) = r.feed(kind, &mut data)? {
+                    if r.times.relayed && r.times.connected == Duration::ZERO {
+                        // Its relay has joined the store.
+                        r.times.connected = t0.elapsed();
+                        r.times.tcp_up = r.times.connected;
+                        r.times.greeted = r.times.connected;
+                        connected.fetch_add(1, Ordering::Relaxed);
+                        let node = node_of(ev.token().0);
+                        if !node_joined[node] {
+                            node_joined[node] = true;
+                            starting -= 1;
+                        }
+                    }
                     if r.on_answer(kind, n, t0, answer, secret)? {
                         done += 1;
                     }
@@ -1067,20 +1158,27 @@ fn busiest_threads(
     used.iter().take(2).map(|(name, cpu)| format!("{name} {:.0} ms", ms(*cpu))).collect::<Vec<_>>().join(", ")
 }
 
-/// Runs `n` simulated ranks of `kind` against `server` (through node
-/// relays with `relay`).
-#[allow(clippy::too_many_arguments)]
-fn simulate(
-    kind: Kind,
-    server: &Server,
-    n: usize,
-    secret: &str,
+/// How a run's clients go about it.
+#[derive(Clone, Copy)]
+struct How {
+    /// Client threads.
     threads: usize,
+    /// Connections (ranks' worth, through relays) being opened at once.
     window: usize,
     per_node: usize,
+    /// Every rank connects from 127.0.0.1.
     one_source: bool,
+    /// Through node relays.
     relay: bool,
-) -> Result<Run, String> {
+    /// Each rank waits for the verdict before its first request (as a
+    /// client of protocol 1 did).
+    wait_verdict: bool,
+}
+
+/// Runs `n` simulated ranks of `kind` against `server` (through node
+/// relays with `how.relay`).
+fn simulate(kind: Kind, server: &Server, n: usize, secret: &str, how: How) -> Result<Run, String> {
+    let How { threads, window, per_node, one_source, relay, wait_verdict } = how;
     let threads = threads.min(n).max(1);
     let go = Arc::new(Barrier::new(threads + 1));
     let start = Arc::new(parking_lot::Mutex::new(None::<Instant>));
@@ -1118,11 +1216,28 @@ fn simulate(
             };
             let window = window.div_ceil(threads);
             std::thread::spawn(move || {
-                drive(kind, addr, ranks, n, &secret, window, per_node, &go, &start, &connected, one_source, host)
+                drive(
+                    kind,
+                    addr,
+                    ranks,
+                    n,
+                    &secret,
+                    window,
+                    per_node,
+                    &go,
+                    &start,
+                    &connected,
+                    one_source,
+                    host,
+                    wait_verdict,
+                )
             })
         })
         .collect();
     // The clients' CPU: this process's and the relay hosts'.
+    // Every client thread is ready (through relays: its nodes' relays
+    // prepared); then the clock starts and they are released.
+    go.wait();
     let (server_before, client_before) = (server.cpu(), cpu_of("/proc/self/stat") + hosts_cpu(&hosts));
     let threads_before = thread_cpu(server.child.id());
     let t0 = Instant::now();
@@ -1211,6 +1326,21 @@ fn connect_breakdown(each: &[Times], window: usize) -> String {
         (at(0.5), at(0.99))
     };
     let total = pick(&|t| t.connected.saturating_sub(t.began));
+    if each.iter().any(|t| t.relayed) {
+        // Through relays: `began` is when its node's relay was asked to
+        // join the store, `connected` when the rank's first answer came
+        // back through it.
+        let asked = pick(&|t| t.began);
+        let last_asked = each.iter().map(|t| t.began).max().unwrap_or_default();
+        return format!(
+            "relay join per rank (asked to first answer): median {:.0} us, p99 {:.0} us; joins asked at median \
+             {:.1} ms, the last at {:.1} ms (window {window} connections)",
+            total.0,
+            total.1,
+            asked.0 / 1e3,
+            ms(last_asked)
+        );
+    }
     let tcp = pick(&|t| t.tcp_up.saturating_sub(t.began));
     let greeting = pick(&|t| t.greeted.saturating_sub(t.tcp_up));
     let verdict = pick(&|t| t.connected.saturating_sub(t.greeted));
@@ -1231,13 +1361,69 @@ fn connect_breakdown(each: &[Times], window: usize) -> String {
     )
 }
 
+/// Each rank's time in each step past connecting (median and 99th
+/// percentile, microseconds): publishing (its appends' answers), the
+/// `joined` barrier with its reads, rank 0's verdict (barrier `checked`) and
+/// the `ready` barrier.
+fn phase_breakdown(each: &[Times]) -> String {
+    let pick = |f: &dyn Fn(&Times) -> Duration| -> String {
+        let mut v: Vec<Duration> = each.iter().map(f).collect();
+        v.sort();
+        let at = |q: f64| v.get(((v.len() as f64 - 1.0) * q).round() as usize).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+        format!("{:.0}/{:.0}", at(0.5), at(0.99))
+    };
+    format!(
+        "per rank, median/p99 us: publish {}, joined+read {}, verdict {}, ready {}",
+        pick(&|t| t.published.saturating_sub(t.connected)),
+        pick(&|t| t.read.saturating_sub(t.published)),
+        pick(&|t| t.verdict.saturating_sub(t.read)),
+        pick(&|t| t.ready.saturating_sub(t.verdict)),
+    )
+}
+
+/// Opens `count` connections to a fresh server one after another, each
+/// through its handshake (cohort: greeting, proof, verdict; TCPStore: its
+/// checking round trip), and closes them: `--warm`, to see how much of a
+/// run's connect time is the server's (or the machine's) first moments.
+fn warm_up(kind: Kind, addr: SocketAddr, secret: &[u8], count: usize) -> Result<(), String> {
+    use std::net::TcpStream as StdTcp;
+    let read_frame = |s: &mut StdTcp| -> Result<Vec<u8>, String> {
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).map_err(|e| e.to_string())?;
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut body).map_err(|e| e.to_string())?;
+        Ok(body)
+    };
+    for _ in 0..count {
+        let mut s = StdTcp::connect(addr).map_err(|e| e.to_string())?;
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+        if kind == Kind::TcpStore {
+            let mut b = vec![tcp::VALIDATE];
+            b.extend_from_slice(&tcp::MAGIC.to_ne_bytes());
+            b.push(tcp::GETNUMKEYS);
+            s.write_all(&b).map_err(|e| e.to_string())?;
+            let mut keys = [0u8; 8];
+            s.read_exact(&mut keys).map_err(|e| e.to_string())?;
+        } else {
+            let greeting = read_frame(&mut s)?;
+            let (hs, proof) = Handshake::answer(secret, &greeting).map_err(|e| e.to_string())?;
+            s.write_all(&proof).map_err(|e| e.to_string())?;
+            hs.check(secret, &read_frame(&mut s)?).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
 /// Where a run's ranks go: straight to this build's store, through node
-/// relays to it, or to the baseline build's store.
+/// relays to it, straight to it waiting for the verdict before their first
+/// request (`--unpipelined`), or to baseline build `i`'s store.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Target {
     Direct,
     Relay,
-    Baseline,
+    Unpipelined,
+    Baseline(usize),
 }
 
 fn ms(d: Duration) -> f64 {
@@ -1248,7 +1434,10 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mut counts = Vec::new();
     let mut tcpstore: Option<Vec<String>> = None;
-    let mut baseline: Option<Vec<String>> = None;
+    // (name, command) of each `--baseline [NAME=]CMD`.
+    let mut baselines: Vec<(String, Vec<String>)> = Vec::new();
+    let mut unpipelined = false;
+    let mut warm = 0usize;
     let cores = std::thread::available_parallelism().map_or(2, |c| c.get());
     let mut threads = cores.saturating_sub(1).clamp(1, 8);
     let mut window = 256;
@@ -1270,13 +1459,29 @@ fn main() {
             }
             "--baseline" => {
                 let cmd = args.next().expect("--baseline takes a command");
-                baseline = Some(cmd.split_whitespace().map(String::from).collect());
+                // `NAME=CMD` names it (the first word holds `=`, a program's path does not).
+                let (name, cmd) = match cmd.split_once('=') {
+                    Some((name, rest)) if !name.contains(char::is_whitespace) && !name.contains('/') => {
+                        (name.to_string(), rest.to_string())
+                    }
+                    _ => (
+                        if baselines.is_empty() {
+                            "baseline".into()
+                        } else {
+                            format!("baseline{}", baselines.len() + 1)
+                        },
+                        cmd,
+                    ),
+                };
+                baselines.push((name, cmd.split_whitespace().map(String::from).collect()));
             }
             "--threads" => threads = args.next().and_then(|v| v.parse().ok()).expect("--threads takes a number"),
             "--window" => window = args.next().and_then(|v| v.parse().ok()).expect("--window takes a number"),
             "--no-two-trips" => two_trips = false,
             "--one-source" => one_source = true,
             "--relay" => relay = true,
+            "--unpipelined" => unpipelined = true,
+            "--warm" => warm = args.next().and_then(|v| v.parse().ok()).expect("--warm takes a number"),
             "--per-node" => per_node = args.next().and_then(|v| v.parse().ok()).expect("--per-node takes a number"),
             n => counts.push(n.parse::<usize>().unwrap_or_else(|_| panic!("not a count or option: {n}"))),
         }
@@ -1285,9 +1490,13 @@ fn main() {
         counts = vec![1024, 4096, 16384];
     }
     let limit = fd_limit();
+    let warming = match warm {
+        0 => String::new(),
+        w => format!("{w} connections open and close on each server before its run (--warm); "),
+    };
     println!(
         "rendezvous_bench: simulated ranks on {threads} client threads (non-blocking sockets, {window} connecting at \
-         once), each server in a child process; fd limit {limit}; {cores} cores; {}",
+         once), each server in a child process; fd limit {limit}; {cores} cores; {warming}{}",
         if per_node == 0 {
             "every rank reads the whole directory".to_string()
         } else {
@@ -1328,33 +1537,41 @@ fn main() {
                 runs.push((Kind::Cohort, Target::Relay));
             }
         }
-        if baseline.is_some() {
-            runs.push((Kind::Cohort, Target::Baseline));
+        if unpipelined {
+            runs.push((Kind::Cohort, Target::Unpipelined));
+        }
+        for i in 0..baselines.len() {
+            runs.push((Kind::Cohort, Target::Baseline(i)));
         }
         let mut ready = Vec::new();
-        let mut base = None;
+        let mut base = Vec::new();
         let mut relayed = None;
         for (kind, target) in runs {
-            let on_baseline = target == Target::Baseline;
             let secret = generate_secret().expect("secret");
-            let server = match (kind, &tcpstore, &baseline) {
+            let server = match (kind, &tcpstore, target) {
                 (Kind::TcpStore, Some(cmd), _) => Server::start(cmd, "-"),
-                (_, _, Some(cmd)) if on_baseline => {
-                    let mut cmd = cmd.clone();
+                (_, _, Target::Baseline(i)) => {
+                    let mut cmd = baselines[i].1.clone();
                     cmd.push(store_workers.to_string());
                     Server::start(&cmd, &secret)
                 }
                 _ => Server::start(&[me.clone(), "--serve".into(), store_workers.to_string()], &secret),
             };
-            let name = match kind {
-                _ if on_baseline => "baseline",
-                _ if target == Target::Relay => "relay",
-                Kind::Cohort => "cohort",
-                Kind::CohortTwoTrips => "cohort-2rt",
-                Kind::TcpStore => "tcpstore",
+            if let Err(e) = warm_up(kind, server.addr, secret.as_bytes(), warm) {
+                println!("{n:>7} warm-up failed: {e}");
+            }
+            let name = match (kind, target) {
+                (_, Target::Baseline(i)) => baselines[i].0.as_str(),
+                (_, Target::Relay) => "relay",
+                (_, Target::Unpipelined) => "unpipelined",
+                (Kind::Cohort, _) => "cohort",
+                (Kind::CohortTwoTrips, _) => "cohort-2rt",
+                (Kind::TcpStore, _) => "tcpstore",
             };
             let through_relays = target == Target::Relay;
-            match simulate(kind, &server, n, &secret, threads, window, per_node, one_source, through_relays) {
+            let wait_verdict = target == Target::Unpipelined;
+            let how = How { threads, window, per_node, one_source, relay: through_relays, wait_verdict };
+            match simulate(kind, &server, n, &secret, how) {
                 Ok(run) => {
                     let t = run.last;
                     println!(
@@ -1368,6 +1585,7 @@ fn main() {
                         ms(run.client_cpu)
                     );
                     println!("{:>19} {}", "", connect_breakdown(&run.each, window));
+                    println!("{:>19} {}", "", phase_breakdown(&run.each));
                     let c = &run.connect_phase;
                     println!(
                         "{:>19} until all connected ({:.1} ms): store cpu {:.0} ms (busiest threads {}), clients \
@@ -1378,8 +1596,8 @@ fn main() {
                         c.busiest,
                         ms(c.client_cpu)
                     );
-                    if on_baseline {
-                        base = Some(t);
+                    if let Target::Baseline(_) | Target::Unpipelined = target {
+                        base.push((name.to_string(), t));
                     } else if through_relays {
                         relayed = Some(t);
                     } else {
@@ -1394,17 +1612,19 @@ fn main() {
         if let (Some(c), Some(t)) = (cohort, torch) {
             ratios.push((n, c, t));
         }
-        if let (Some(c), Some(b)) = (cohort, base) {
-            against_baseline.push((n, c, b));
+        if let Some(c) = cohort {
+            for (name, b) in &base {
+                against_baseline.push((n, c, name.clone(), *b));
+            }
         }
         if let Some(r) = relayed {
-            relay_ratios.push((n, r, cohort, base, torch));
+            relay_ratios.push((n, r, cohort, torch));
         }
     }
-    for (n, r, direct, base, torch) in relay_ratios {
+    for (n, r, direct, torch) in relay_ratios {
         let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
         let mut line = format!("{n:>7} ranks: through relays ready {:.1} ms", ms(r.ready));
-        for (name, other) in [("direct", direct), ("baseline", base), ("TCPStore", torch)] {
+        for (name, other) in [("direct", direct), ("TCPStore", torch)] {
             if let Some(o) = other {
                 line += &format!(
                     "; vs {name} {:.1} ms: {:.2}x (connect {:.2}x)",
@@ -1416,10 +1636,10 @@ fn main() {
         }
         println!("{line}");
     }
-    for (n, c, b) in against_baseline {
+    for (n, c, name, b) in against_baseline {
         let r = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-9);
         println!(
-            "{n:>7} ranks: against the baseline store: connect {:.1} ms vs {:.1} ms: {:.2}x; ready {:.1} ms vs {:.1} \
+            "{n:>7} ranks: against {name}: connect {:.1} ms vs {:.1} ms: {:.2}x; ready {:.1} ms vs {:.1} \
              ms: {:.2}x",
             ms(c.connected),
             ms(b.connected),
@@ -1447,12 +1667,18 @@ fn main() {
 /// Node relays in processes of their own, as each node's launcher is one:
 /// the bench's process then holds one descriptor per rank (its end of the
 /// rank's socket pair), not two, so 16,384 ranks through relays fit a
-/// descriptor limit of 20,000. One host process per client thread starts
-/// that thread's relays when asked, and passes the ranks' ends back over a
-/// `SOCK_SEQPACKET` socket (`SCM_RIGHTS`). A request is `[id u32, count
-/// u32]`; a reply `[id u32, status u8]` (0: started, with `count`
-/// descriptors; 1: failed, then the reason's bytes).
+/// descriptor limit of 20,000. One host process per client thread prepares
+/// that thread's relays when asked, passes the ranks' ends back over a
+/// `SOCK_SEQPACKET` socket (`SCM_RIGHTS`), and has them join the store
+/// when asked. A host first sends `[b'R']`
+/// once it is up (the bench waits for every host before its release, so
+/// starting the hosts' processes is not in the timed window, as the ranks'
+/// own processes are not). A request is `[kind u8, id u32, count u32]`
+/// ([`relay_host::PREPARE`] or [`relay_host::JOIN`]); a reply `[id u32,
+/// status u8]` (0: prepared, with `count` descriptors; 1: failed, then the
+/// reason's bytes).
 mod relay_host {
+    use std::collections::HashMap;
     use std::io;
     use std::net::SocketAddr;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -1460,11 +1686,19 @@ mod relay_host {
     use std::process::{Child, Command, Stdio};
     use std::time::Duration;
 
-    use cohort_comm::store::StoreRelay;
+    use cohort_comm::store::{StoreRelay, UnjoinedRelay};
 
+    /// A request's kind: make a node's socket pairs and pass its ranks'
+    /// ends back (answered with them).
+    pub const PREPARE: u8 = 0;
+    /// A request's kind: the relays of nodes `id` to `id + count - 1` join
+    /// the store (answered only when one cannot start).
+    pub const JOIN: u8 = 1;
     /// Most descriptors one message carries (Linux's `SCM_MAX_FD`): the
     /// largest simulated node a relay host serves.
     pub const MAX_NODE: usize = 253;
+    /// Threads of a host that take requests.
+    pub const TAKERS: usize = 4;
     /// The variable that carries the job secret to a host.
     const SECRET_VAR: &str = "RENDEZVOUS_BENCH_SECRET";
 
@@ -1485,7 +1719,14 @@ mod relay_host {
                 .stdin(Stdio::from(theirs))
                 .spawn()
                 .map_err(|e| format!("cannot start a relay host ({me}): {e}"))?;
-            Ok(Host { child, control: ours })
+            let host = Host { child, control: ours };
+            // Its first message says it is up.
+            let mut buf = [0u8; 8];
+            match recv(host.control.as_raw_fd(), &mut buf) {
+                Ok((1, _)) if buf[0] == b'R' => Ok(host),
+                Ok((len, _)) => Err(format!("the relay host ({me}) sent {len} bytes where it should say it is up")),
+                Err(e) => Err(format!("the relay host ({me}) did not come up: {e}")),
+            }
         }
 
         /// CPU time (user + system) the host's process has used.
@@ -1493,27 +1734,56 @@ mod relay_host {
             super::cpu_of(&format!("/proc/{}/stat", self.child.id()))
         }
 
-        /// Asks for a relay of `count` ranks, answered as `id`.
-        pub fn request(&self, id: u32, count: usize) -> Result<(), String> {
-            let mut req = id.to_le_bytes().to_vec();
+        /// Asks for `what`: [`PREPARE`] node `id`'s relay of `count`
+        /// ranks, or [`JOIN`] the relays of `count` nodes from `id`.
+        pub fn request(&self, what: u8, id: u32, count: usize) -> Result<(), String> {
+            let mut req = vec![what];
+            req.extend_from_slice(&id.to_le_bytes());
             req.extend_from_slice(&(count as u32).to_le_bytes());
             send(self.control.as_raw_fd(), &req, &[]).map_err(|e| format!("relay host: {e}"))
         }
 
-        /// The next reply: its id and the ranks' ends, or why the relay did
-        /// not start; `None` once the host is gone.
-        pub fn reply(&self) -> Option<(u32, Result<Vec<StdUnixStream>, String>)> {
-            let mut buf = [0u8; 1024];
-            let (len, fds) = recv(self.control.as_raw_fd(), &mut buf).ok()?;
-            if len < 5 {
-                return None;
-            }
-            let id = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
-            Some(match buf[4] {
-                0 => (id, Ok(fds.into_iter().map(StdUnixStream::from).collect())),
-                _ => (id, Err(String::from_utf8_lossy(&buf[5..len]).into_owned())),
-            })
+        /// This side of the control socket (to watch for replies).
+        pub fn control_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+            use std::os::fd::AsFd;
+            self.control.as_fd()
         }
+
+        /// The next reply, waiting for it: its id and the ranks' ends, or
+        /// why the host could not do what was asked.
+        pub fn reply(&self) -> Result<(u32, Result<Vec<StdUnixStream>, String>), String> {
+            let mut buf = [0u8; 1024];
+            let got = recv(self.control.as_raw_fd(), &mut buf).map_err(|e| format!("relay host: {e}"))?;
+            parse(&buf, got)
+        }
+
+        /// [`Host::reply`] if one is waiting.
+        #[allow(clippy::type_complexity)]
+        pub fn try_reply(&self) -> Result<Option<(u32, Result<Vec<StdUnixStream>, String>)>, String> {
+            let mut buf = [0u8; 1024];
+            match recv_with(self.control.as_raw_fd(), &mut buf, libc::MSG_DONTWAIT) {
+                Ok(got) => parse(&buf, got).map(Some),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                Err(e) => Err(format!("relay host: {e}")),
+            }
+        }
+    }
+
+    /// A reply `[id u32, status u8]` (0: the ends attached; 1: the reason
+    /// follows).
+    #[allow(clippy::type_complexity)]
+    fn parse(
+        buf: &[u8],
+        (len, fds): (usize, Vec<OwnedFd>),
+    ) -> Result<(u32, Result<Vec<StdUnixStream>, String>), String> {
+        if len < 5 {
+            return Err(format!("the relay host sent {len} bytes (it is gone?)"));
+        }
+        let id = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
+        Ok(match buf[4] {
+            0 => (id, Ok(fds.into_iter().map(StdUnixStream::from).collect())),
+            _ => (id, Err(String::from_utf8_lossy(&buf[5..len]).into_owned())),
+        })
     }
 
     impl Drop for Host {
@@ -1528,41 +1798,68 @@ mod relay_host {
     }
 
     /// The host's side (`--relay-host ADDR`): starts a relay for each
-    /// request on standard input, each on a thread of its own, and keeps
+    /// request on standard input ([`StoreRelay::spawn`], as `cohort run`'s
+    /// launcher does: each joins the store on its own thread) and keeps
     /// them until standard input closes.
     pub fn serve(addr: String) {
         let secret = std::env::var(SECRET_VAR).expect("the job secret in RENDEZVOUS_BENCH_SECRET");
         // SAFETY: standard input is the control socket the bench passed;
         // this process takes it over.
         let control = unsafe { OwnedFd::from_raw_fd(0) };
+        // A few threads, started before the host says it is up, take the
+        // requests (each message whole: the socket keeps message bounds).
         let control = std::sync::Arc::new(control);
+        let prepared = std::sync::Arc::new(parking_lot::Mutex::new(HashMap::<u32, UnjoinedRelay>::new()));
         let relays = std::sync::Arc::new(parking_lot::Mutex::new(Vec::<StoreRelay>::new()));
-        let replies = std::sync::Arc::new(parking_lot::Mutex::new(()));
-        let mut buf = [0u8; 8];
-        while let Ok((8, _)) = recv(control.as_raw_fd(), &mut buf) {
-            let id = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
-            let count = u32::from_le_bytes(buf[4..].try_into().expect("4 bytes")) as usize;
-            let (control, relays, replies, addr, secret) =
-                (control.clone(), relays.clone(), replies.clone(), addr.clone(), secret.clone());
-            std::thread::spawn(move || {
-                let mut reply = id.to_le_bytes().to_vec();
-                let started = StoreRelay::start(&addr, &secret, count.min(MAX_NODE), super::TIMEOUT);
-                let _one_at_a_time = replies.lock();
-                match started {
-                    Ok((relay, ends)) => {
-                        reply.push(0);
-                        let fds: Vec<RawFd> = ends.iter().map(|e| e.as_raw_fd()).collect();
-                        let _ = send(control.as_raw_fd(), &reply, &fds);
-                        relays.lock().push(relay);
+        let takers: Vec<_> = (0..TAKERS)
+            .map(|_| {
+                let (control, prepared, relays, addr, secret) =
+                    (control.clone(), prepared.clone(), relays.clone(), addr.clone(), secret.clone());
+                std::thread::spawn(move || {
+                    let mut buf = [0u8; 9];
+                    while let Ok((9, _)) = recv(control.as_raw_fd(), &mut buf) {
+                        let id = u32::from_le_bytes(buf[1..5].try_into().expect("4 bytes"));
+                        let count = u32::from_le_bytes(buf[5..].try_into().expect("4 bytes")) as usize;
+                        let mut reply = id.to_le_bytes().to_vec();
+                        let failed = match buf[0] {
+                            PREPARE => match StoreRelay::prepare(&addr, &secret, count.min(MAX_NODE)) {
+                                Ok((unjoined, ends)) => {
+                                    prepared.lock().insert(id, unjoined);
+                                    reply.push(0);
+                                    let fds: Vec<RawFd> = ends.iter().map(|e| e.as_raw_fd()).collect();
+                                    let _ = send(control.as_raw_fd(), &reply, &fds);
+                                    None
+                                }
+                                Err(e) => Some(e.to_string()),
+                            },
+                            // As the launcher's relay does: it joins the
+                            // store on its own thread.
+                            _ => (id..id + count as u32).find_map(|node| {
+                                match prepared.lock().remove(&node).map(|u| u.join(super::TIMEOUT)) {
+                                    Some(Ok(relay)) => {
+                                        relays.lock().push(relay);
+                                        None
+                                    }
+                                    Some(Err(e)) => Some(format!("node {node}: {e}")),
+                                    None => Some(format!("node {node} was not prepared")),
+                                }
+                            }),
+                        };
+                        if let Some(why) = failed {
+                            reply.push(1);
+                            reply.extend_from_slice(why.as_bytes());
+                            reply.truncate(1024);
+                            let _ = send(control.as_raw_fd(), &reply, &[]);
+                        }
                     }
-                    Err(e) => {
-                        reply.push(1);
-                        reply.extend_from_slice(e.to_string().as_bytes());
-                        reply.truncate(1024);
-                        let _ = send(control.as_raw_fd(), &reply, &[]);
-                    }
-                }
-            });
+                })
+            })
+            .collect();
+        if send(control.as_raw_fd(), b"R", &[]).is_err() {
+            return;
+        }
+        for t in takers {
+            let _ = t.join();
         }
     }
 
@@ -1622,6 +1919,12 @@ mod relay_host {
     /// Receives one message into `buf`, with the descriptors attached to it
     /// (close-on-exec); `(0, [])` at the end of the stream.
     fn recv(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+        recv_with(sock, buf, 0)
+    }
+
+    /// [`recv`] with `flags` (`MSG_DONTWAIT`: a `WouldBlock` error when
+    /// nothing waits).
+    fn recv_with(sock: RawFd, buf: &mut [u8], flags: libc::c_int) -> io::Result<(usize, Vec<OwnedFd>)> {
         let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
         let mut cbuf = control_buffer();
         // SAFETY: a zeroed msghdr is a valid empty one.
@@ -1632,7 +1935,7 @@ mod relay_host {
         msg.msg_controllen = (cbuf.len() * 8) as _;
         let len = loop {
             // SAFETY: `msg` points at `buf` and `cbuf`, which outlive the call.
-            let rc = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+            let rc = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC | flags) };
             if rc >= 0 {
                 break rc as usize;
             }

@@ -77,15 +77,17 @@ pub const RELAY_SOCKETS_PER_RANK: usize = 3;
 /// Starts the node relay of an attempt when this node runs 2 or more ranks
 /// and `COHORT_STORE_RELAY` is not 0: the relay and each local rank's ends
 /// of its socket pairs ([`RELAY_SOCKETS_PER_RANK`] each), by local rank.
-/// Without a relay (or when it cannot start, which is logged) the ranks
-/// connect to the store themselves.
+/// The relay joins the store on its own thread while the ranks start
+/// ([`StoreRelay::spawn`]); a store it cannot join is each rank's first
+/// answer, naming the store. Without a relay (or when it cannot start,
+/// which is logged) the ranks connect to the store themselves.
 pub fn start_relay(cfg: &JobConfig, env: &RankEnv) -> (Option<StoreRelay>, Vec<Vec<UnixStream>>) {
     // The launcher checked every COHORT_* variable before it started.
     if cfg.nproc < 2 || !config::STORE_RELAY.get().unwrap_or(true) {
         return (None, Vec::new());
     }
     let per_rank = RELAY_SOCKETS_PER_RANK;
-    match StoreRelay::start(&env.store_addr, &cfg.secret, cfg.nproc * per_rank, RELAY_CONNECT) {
+    match StoreRelay::spawn(&env.store_addr, &cfg.secret, cfg.nproc * per_rank, RELAY_CONNECT) {
         Ok((relay, ends)) => {
             let mut ends = ends.into_iter();
             let by_rank = (0..cfg.nproc).map(|_| ends.by_ref().take(per_rank).collect()).collect();

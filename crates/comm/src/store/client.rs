@@ -139,7 +139,7 @@ impl StoreClient {
             return Err(StoreError::EmptySecret);
         }
         let shown = addr.to_string();
-        let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, verify)?;
+        let (stream, verdict) = connect_authenticated(&addr, &shown, secret, timeout, verify, &[])?;
         Ok(StoreClient {
             direct: shown.clone(),
             shown,
@@ -502,6 +502,7 @@ impl StoreClient {
                         &self.secret,
                         self.timeout,
                         Verify::WithFirstAnswer,
+                        &[],
                     ) {
                         Ok((stream, verdict)) => {
                             conn.stream = Socket::Tcp(stream);
@@ -833,19 +834,23 @@ pub(crate) enum Verify {
     WithFirstAnswer,
 }
 
+/// Connects to the store and proves `secret`, retrying until `timeout`;
+/// `behind` (requests, with [`Verify::WithFirstAnswer`]) goes in the same
+/// write as the proof.
 pub(crate) fn connect_authenticated(
     addr: &(impl ToSocketAddrs + ?Sized),
     shown: &str,
     secret: &[u8],
     timeout: Duration,
     verify: Verify,
+    behind: &[u8],
 ) -> Result<(TcpStream, Option<Unverified>)> {
     let start = Instant::now();
     let deadline = start + timeout;
     let mut backoff = Duration::from_millis(1);
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());
-        let last = match try_connect(addr, shown, secret, remaining.max(Duration::from_millis(50)), verify) {
+        let last = match try_connect(addr, shown, secret, remaining.max(Duration::from_millis(50)), verify, behind) {
             Ok(s) => return Ok(s),
             Err(Attempt::Fatal(e)) => return Err(e),
             Err(Attempt::Retry(e)) => e,
@@ -866,6 +871,7 @@ fn try_connect(
     secret: &[u8],
     within: Duration,
     verify: Verify,
+    behind: &[u8],
 ) -> Result<(TcpStream, Option<Unverified>), Attempt> {
     let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(Attempt::Retry)?.collect();
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the address resolved to nothing");
@@ -874,7 +880,7 @@ fn try_connect(
         match TcpStream::connect_timeout(&a, per_try) {
             Ok(mut stream) => {
                 let _ = stream.set_nodelay(true);
-                let unverified = client_handshake(&mut stream, shown, secret, within, verify)?;
+                let unverified = client_handshake(&mut stream, shown, secret, within, verify, behind)?;
                 return Ok((stream, unverified));
             }
             Err(e) => last = e,
@@ -891,6 +897,7 @@ fn client_handshake(
     secret: &[u8],
     within: Duration,
     verify: Verify,
+    behind: &[u8],
 ) -> Result<Option<Unverified>, Attempt> {
     let protocol_error = |detail: String| Attempt::Fatal(StoreError::Protocol { addr: shown.to_string(), detail });
     let within = within.clamp(Duration::from_millis(50), Duration::from_secs(10));
@@ -904,7 +911,16 @@ fn client_handshake(
     })?;
     let server_nonce = protocol::parse_greeting(&hello).map_err(protocol_error)?;
     let (client_nonce, answer) = protocol::client_answer(secret, &server_nonce).map_err(Attempt::Fatal)?;
-    protocol::write_frame(stream, &answer).map_err(Attempt::Retry)?;
+    if verify == Verify::WithFirstAnswer && !behind.is_empty() {
+        // One write (one segment) for the proof and what follows it.
+        let mut out = Vec::with_capacity(4 + answer.len() + behind.len());
+        out.extend_from_slice(&(answer.len() as u32).to_le_bytes());
+        out.extend_from_slice(&answer);
+        out.extend_from_slice(behind);
+        io::Write::write_all(stream, &out).map_err(Attempt::Retry)?;
+    } else {
+        protocol::write_frame(stream, &answer).map_err(Attempt::Retry)?;
+    }
     if verify == Verify::WithFirstAnswer {
         return Ok(Some(Unverified { client_nonce, server_nonce }));
     }

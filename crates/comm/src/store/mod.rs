@@ -61,7 +61,7 @@ mod tests;
 pub use client::{CompareSet, StoreClient};
 pub use error::{Result, StoreError};
 pub use protocol::{MAX_FRAME, MAX_KEY, MAX_VALUE, PREAUTH_MAX_FRAME, SESSION_OVERHEAD};
-pub use relay::{StoreRelay, MAX_RELAYED_FRAME};
+pub use relay::{StoreRelay, UnjoinedRelay, MAX_RELAYED_FRAME};
 pub use server::{StoreServer, MAX_UNAUTHENTICATED, MAX_WORKERS};
 
 /// Returns a fresh random job secret: 32 bytes from the operating system, as

@@ -79,6 +79,9 @@ pub struct StoreRelay {
     /// Ends whose rank exited, for the thread to close.
     exited: Arc<Mutex<Vec<usize>>>,
     waker: Arc<Waker>,
+    /// The thread is past joining the store ([`StoreRelay::spawn`]'s may
+    /// still be in its handshake: dropping the relay then does not wait).
+    joined: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -106,7 +109,7 @@ impl StoreRelay {
     /// reached within `timeout`, or keeps dropping the connection
     /// ([`StoreError::HandshakeDropped`]); a store that refuses the secret
     /// (or cannot prove it holds it) is reported to every rank as the answer
-    /// to its first request.
+    /// to its first request. [`StoreRelay::spawn`] returns without waiting.
     pub fn start(
         addr: &str,
         secret: impl AsRef<[u8]>,
@@ -114,61 +117,47 @@ impl StoreRelay {
         timeout: Duration,
     ) -> Result<(StoreRelay, Vec<UnixStream>)> {
         let secret = secret.as_ref();
-        if secret.is_empty() {
-            return Err(StoreError::EmptySecret);
-        }
-        let ranks_u32 = u32::try_from(ranks).map_err(|_| StoreError::Relay(format!("{ranks} ranks on one relay")))?;
-        let relay_error = |what: &str, e: io::Error| StoreError::Relay(format!("the store relay {what}: {e}"));
-        let mut pairs = Vec::with_capacity(ranks);
-        let mut ends = Vec::with_capacity(ranks);
-        for _ in 0..ranks {
-            let (mine, theirs) = UnixStream::pair().map_err(|e| relay_error("could not make a socket pair", e))?;
-            mine.set_nonblocking(true).map_err(|e| relay_error("could not set up a socket pair", e))?;
-            pairs.push(mine);
-            ends.push(theirs);
-        }
-        let mut opens = Vec::with_capacity(ranks * (4 + SESSION_OVERHEAD));
-        for session in 1..=ranks_u32 {
-            opens.extend_from_slice(&protocol::session_head(protocol::OPEN_SESSION, session, 0));
-        }
-        let (stream, refused) = join_store(addr, secret, timeout, &opens)?;
-        let lost = |e: io::Error| StoreError::Disconnected { addr: addr.to_string(), source: e };
-        stream.set_nonblocking(true).map_err(lost)?;
-        let poll = Poll::new().map_err(|e| relay_error("could not start", e))?;
-        let mut upstream = TcpStream::from_std(stream);
-        poll.registry()
-            .register(&mut upstream, UPSTREAM, Interest::READABLE | Interest::WRITABLE)
-            .map_err(|e| relay_error("could not watch its connection", e))?;
-        let mut locals = Vec::with_capacity(ranks);
-        for (i, mine) in pairs.into_iter().enumerate() {
-            let mut stream = MioUnixStream::from_std(mine);
-            poll.registry()
-                .register(&mut stream, Token(FIRST_RANK + i), Interest::READABLE | Interest::WRITABLE)
-                .map_err(|e| relay_error("could not watch a rank's socket", e))?;
-            locals.push(Some(Local::new(stream)));
-        }
-        let waker = Arc::new(Waker::new(poll.registry(), WAKER).map_err(|e| relay_error("could not start", e))?);
-        let stop = Arc::new(AtomicBool::new(false));
-        let exited = Arc::new(Mutex::new(Vec::new()));
-        let mut relay = Relay {
-            poll,
-            addr: addr.to_string(),
-            upstream: Some(Upstream { stream: upstream, input: Vec::new(), output: Vec::new(), written: 0 }),
-            locals,
-            stop: stop.clone(),
-            exited: exited.clone(),
-            scratch: vec![0; READ_TURN],
-        };
-        if let Some(why) = refused {
-            // Each rank's first request is answered with the refusal.
-            relay.fail(&why);
-        }
+        let (mut relay, ends, opens) = Relay::prepare(addr, secret, ranks)?;
+        let joined = join_store(addr, secret, timeout, &opens)?;
+        relay.attach(joined)?;
+        let handle = relay.handle(Arc::new(AtomicBool::new(true)));
         let thread = std::thread::Builder::new()
             .name("cohort-store-relay".into())
             .spawn(move || relay.run())
             .map_err(|e| relay_error("could not start its thread", e))?;
         tracing::debug!(addr, ranks, "store relay started");
-        Ok((StoreRelay { addr: addr.to_string(), stop, exited, waker, thread: Some(thread) }, ends))
+        Ok((handle.with_thread(thread), ends))
+    }
+
+    /// [`StoreRelay::start`] without waiting for the store: returns the
+    /// relay and the ranks' ends at once, and the relay's thread connects
+    /// to the store and proves the secret (as `start` does, the same
+    /// retries) before it reads the ranks' requests, which wait in their
+    /// sockets meanwhile. A launcher hands the ends to its ranks while the
+    /// relay's handshake is under way. When the store cannot be joined
+    /// within `timeout` (or refuses the secret), every rank gets a refusal
+    /// saying why as the answer to its first request, and its end is
+    /// closed. Fails only when the socket pairs or the thread cannot be
+    /// made.
+    pub fn spawn(
+        addr: &str,
+        secret: impl AsRef<[u8]>,
+        ranks: usize,
+        timeout: Duration,
+    ) -> Result<(StoreRelay, Vec<UnixStream>)> {
+        let (unjoined, ends) = StoreRelay::prepare(addr, secret, ranks)?;
+        Ok((unjoined.join(timeout)?, ends))
+    }
+
+    /// The first half of [`StoreRelay::spawn`]: makes the ranks' socket
+    /// pairs and returns their ends, and a relay that has not joined the
+    /// store yet ([`UnjoinedRelay::join`] starts it). Requests the ranks
+    /// send meanwhile wait in their sockets. Fails when the secret is empty
+    /// or the socket pairs cannot be made.
+    pub fn prepare(addr: &str, secret: impl AsRef<[u8]>, ranks: usize) -> Result<(UnjoinedRelay, Vec<UnixStream>)> {
+        let secret = secret.as_ref().to_vec();
+        let (relay, ends, opens) = Relay::prepare(addr, &secret, ranks)?;
+        Ok((UnjoinedRelay { relay, secret, opens, ranks }, ends))
     }
 
     /// The store's address.
@@ -191,6 +180,10 @@ impl StoreRelay {
     }
 }
 
+fn relay_error(what: &str, e: io::Error) -> StoreError {
+    StoreError::Relay(format!("the store relay {what}: {e}"))
+}
+
 /// Connects to the store, proves `secret`, sends `opens` behind the proof
 /// and reads the verdict. Returns the connection and, when the store
 /// refused the proof (or could not prove its own), why. A connection
@@ -207,11 +200,9 @@ fn join_store(
     loop {
         tries += 1;
         let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let (mut stream, nonces) = connect_authenticated(&addr, addr, secret, left, Verify::WithFirstAnswer)?;
+        // The opens go in the proof's write.
+        let (mut stream, nonces) = connect_authenticated(&addr, addr, secret, left, Verify::WithFirstAnswer, opens)?;
         let hs = nonces.expect("the verdict is left to read");
-        // The verdict is read even if the write failed: a store that
-        // refused the proof may have closed before the opens went out.
-        let _ = stream.write_all(opens);
         // At least a moment for the verdict, however little of `timeout` is left.
         let by = deadline.max(std::time::Instant::now() + Duration::from_millis(50));
         let verdict = protocol::read_frame_by(&mut stream, protocol::PREAUTH_MAX_FRAME, by);
@@ -252,10 +243,61 @@ fn join_store(
     }
 }
 
+/// A node relay whose ranks' ends exist ([`StoreRelay::prepare`]) but
+/// that has not joined the store: dropping it closes this side of the
+/// ranks' sockets.
+pub struct UnjoinedRelay {
+    relay: Relay,
+    secret: Vec<u8>,
+    opens: Vec<u8>,
+    ranks: usize,
+}
+
+impl std::fmt::Debug for UnjoinedRelay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnjoinedRelay").field("addr", &self.relay.addr).field("ranks", &self.ranks).finish()
+    }
+}
+
+impl UnjoinedRelay {
+    /// Starts the relay's thread, which joins the store (as
+    /// [`StoreRelay::spawn`] says: the same retries until `timeout`, and a
+    /// store it cannot join is each rank's first answer) and then relays.
+    /// Returns at once; fails only when the thread cannot be made.
+    pub fn join(self, timeout: Duration) -> Result<StoreRelay> {
+        let UnjoinedRelay { mut relay, secret, opens, ranks } = self;
+        let joined = Arc::new(AtomicBool::new(false));
+        let handle = relay.handle(joined.clone());
+        let at = relay.addr.clone();
+        let thread = std::thread::Builder::new()
+            .name("cohort-store-relay".into())
+            .spawn(move || {
+                let attached = join_store(&at, &secret, timeout, &opens).and_then(|j| relay.attach(j));
+                joined.store(true, Ordering::SeqCst);
+                if let Err(e) = attached {
+                    relay.fail_ranks(&format!("the store relay could not join the store: {e}"));
+                }
+                relay.run()
+            })
+            .map_err(|e| relay_error("could not start its thread", e))?;
+        tracing::debug!(addr = %handle.addr, ranks, "store relay spawned");
+        Ok(handle.with_thread(thread))
+    }
+}
+
+impl StoreRelay {
+    fn with_thread(mut self, thread: JoinHandle<()>) -> StoreRelay {
+        self.thread = Some(thread);
+        self
+    }
+}
+
 impl Drop for StoreRelay {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        if self.waker.wake().is_ok() {
+        // A thread still joining the store stops once it is done (it checks
+        // `stop` first thing in its loop); not waited for.
+        if self.joined.load(Ordering::SeqCst) && self.waker.wake().is_ok() {
             if let Some(t) = self.thread.take() {
                 let _ = t.join();
             }
@@ -359,10 +401,87 @@ struct Relay {
     stop: Arc<AtomicBool>,
     /// Ends whose process exited (see [`StoreRelay::rank_exited`]).
     exited: Arc<Mutex<Vec<usize>>>,
+    /// Wakes the thread's poll (kept for the handle).
+    waker: Arc<Waker>,
     scratch: Vec<u8>,
 }
 
 impl Relay {
+    /// Everything but the store's connection: the ranks' socket pairs
+    /// (their ends returned, in order), the event loop watching this side
+    /// of each, and the frames that open one session per rank.
+    fn prepare(addr: &str, secret: &[u8], ranks: usize) -> Result<(Relay, Vec<UnixStream>, Vec<u8>)> {
+        if secret.is_empty() {
+            return Err(StoreError::EmptySecret);
+        }
+        let ranks_u32 = u32::try_from(ranks).map_err(|_| StoreError::Relay(format!("{ranks} ranks on one relay")))?;
+        let mut pairs = Vec::with_capacity(ranks);
+        let mut ends = Vec::with_capacity(ranks);
+        for _ in 0..ranks {
+            let (mine, theirs) = UnixStream::pair().map_err(|e| relay_error("could not make a socket pair", e))?;
+            mine.set_nonblocking(true).map_err(|e| relay_error("could not set up a socket pair", e))?;
+            pairs.push(mine);
+            ends.push(theirs);
+        }
+        let mut opens = Vec::with_capacity(ranks * (4 + SESSION_OVERHEAD));
+        for session in 1..=ranks_u32 {
+            opens.extend_from_slice(&protocol::session_head(protocol::OPEN_SESSION, session, 0));
+        }
+        let poll = Poll::new().map_err(|e| relay_error("could not start", e))?;
+        let mut locals = Vec::with_capacity(ranks);
+        for (i, mine) in pairs.into_iter().enumerate() {
+            let mut stream = MioUnixStream::from_std(mine);
+            poll.registry()
+                .register(&mut stream, Token(FIRST_RANK + i), Interest::READABLE | Interest::WRITABLE)
+                .map_err(|e| relay_error("could not watch a rank's socket", e))?;
+            locals.push(Some(Local::new(stream)));
+        }
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER).map_err(|e| relay_error("could not start", e))?);
+        let relay = Relay {
+            poll,
+            addr: addr.to_string(),
+            upstream: None,
+            locals,
+            stop: Arc::new(AtomicBool::new(false)),
+            exited: Arc::new(Mutex::new(Vec::new())),
+            waker,
+            scratch: vec![0; READ_TURN],
+        };
+        Ok((relay, ends, opens))
+    }
+
+    /// Takes the store's connection that [`join_store`] made; when the
+    /// store refused the proof, every rank's first request is answered with
+    /// the refusal.
+    fn attach(&mut self, (stream, refused): (std::net::TcpStream, Option<String>)) -> Result<()> {
+        let lost = |e: io::Error| StoreError::Disconnected { addr: self.addr.clone(), source: e };
+        stream.set_nonblocking(true).map_err(lost)?;
+        let mut upstream = TcpStream::from_std(stream);
+        self.poll
+            .registry()
+            .register(&mut upstream, UPSTREAM, Interest::READABLE | Interest::WRITABLE)
+            .map_err(|e| relay_error("could not watch its connection", e))?;
+        self.upstream = Some(Upstream { stream: upstream, input: Vec::new(), output: Vec::new(), written: 0 });
+        if let Some(why) = refused {
+            self.fail(&why);
+        }
+        Ok(())
+    }
+
+    /// The handle the launcher keeps; `joined` says whether the thread is
+    /// past joining the store (until then dropping the handle does not
+    /// wait for it).
+    fn handle(&self, joined: Arc<AtomicBool>) -> StoreRelay {
+        StoreRelay {
+            addr: self.addr.clone(),
+            stop: self.stop.clone(),
+            exited: self.exited.clone(),
+            waker: self.waker.clone(),
+            joined,
+            thread: None,
+        }
+    }
+
     fn run(&mut self) {
         let mut events = Events::with_capacity(256);
         let mut up_readable = true;
@@ -609,6 +728,13 @@ impl Relay {
         if self.upstream.take().is_none() {
             return;
         }
+        self.fail_ranks(why);
+    }
+
+    /// Tells every rank `why` it is cut off from the store (the answer to
+    /// its next or current request, behind the answers it has not read)
+    /// and closes its end once that is written.
+    fn fail_ranks(&mut self, why: &str) {
         tracing::warn!("{why}; the node's ranks are cut off from the store");
         let refusal = frame(&Response::Refused(why.to_string()).encode());
         for l in self.locals.iter_mut().flatten() {

@@ -1490,6 +1490,76 @@ fn store_relay_checks_its_secret_and_the_ranks_requests() {
 }
 
 #[test]
+fn store_relay_spawned_or_prepared_joins_the_store_behind_its_ranks_first_requests() {
+    let s = server();
+    let addr = s.local_addr().to_string();
+    // The ranks write before the relay has joined the store (spawn returns
+    // at once): their requests wait in their sockets, then are served.
+    let (relay, ends) = StoreRelay::spawn(&addr, SECRET, 3, T).unwrap();
+    let direct = client(&s);
+    let mut threads = Vec::new();
+    for (r, end) in ends.into_iter().enumerate() {
+        let addr = addr.clone();
+        threads.push(std::thread::spawn(move || {
+            let c = StoreClient::over_relay(end, &addr, SECRET, T).unwrap();
+            c.append("dir", format!("{r}\n").as_bytes()).unwrap();
+            c.barrier_get("joined", 4, T, &["dir"]).unwrap()
+        }));
+    }
+    direct.append("dir", b"3\n").unwrap();
+    let got = direct.barrier_get("joined", 4, T, &["dir"]).unwrap();
+    let mut lines: Vec<&str> = std::str::from_utf8(got[0].as_deref().unwrap()).unwrap().lines().collect();
+    lines.sort();
+    assert_eq!(lines, ["0", "1", "2", "3"]);
+    for t in threads {
+        assert_eq!(t.join().unwrap(), got);
+    }
+    drop(relay);
+
+    // Prepared first, joined later: a request sent before the join is
+    // answered once the relay has joined; one prepared and dropped unjoined
+    // leaves its rank an end of stream (its client fails, it does not hang).
+    let (unjoined, mut ends) = StoreRelay::prepare(&addr, SECRET, 2).unwrap();
+    let early = StoreClient::over_relay(ends.remove(0), &addr, SECRET, T).unwrap();
+    let sent = std::thread::spawn(move || early.set("early", b"before the join").map(|()| early));
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(direct.get("early").unwrap(), None);
+    let _joined = unjoined.join(T).unwrap();
+    let early = sent.join().unwrap().unwrap();
+    assert_eq!(direct.get("early").unwrap().as_deref(), Some(&b"before the join"[..]));
+    assert_eq!(early.get("early").unwrap().as_deref(), Some(&b"before the join"[..]));
+    let (never, ends) = StoreRelay::prepare(&addr, SECRET, 1).unwrap();
+    drop(never);
+    let orphan = StoreClient::over_relay(ends.into_iter().next().unwrap(), &addr, SECRET, T).unwrap();
+    assert!(orphan.get("k").is_err());
+
+    // A wrong secret, or no store at all: each rank's first request is
+    // answered with a refusal saying why, naming the store's address.
+    let (_bad, ends) = StoreRelay::spawn(&addr, "not the secret", 2, T).unwrap();
+    for e in ends {
+        let c = StoreClient::over_relay(e, &addr, SECRET, T).unwrap();
+        let msg = c.get("k").unwrap_err().to_string();
+        assert!(msg.contains("refused this client") && msg.contains(&addr), "{msg}");
+    }
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    let (_none, ends) = StoreRelay::spawn(&gone, SECRET, 2, Duration::from_millis(200)).unwrap();
+    for e in ends {
+        let c = StoreClient::over_relay(e, &gone, SECRET, T).unwrap();
+        let msg = c.set("k", b"v").unwrap_err().to_string();
+        assert!(msg.contains("could not join the store") && msg.contains(&gone), "{msg}");
+    }
+    assert!(matches!(StoreRelay::spawn(&addr, "", 1, T), Err(StoreError::EmptySecret)));
+    // Dropping a relay still joining a store that never answers returns at
+    // once (its thread stops when its handshake gives up).
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let (stuck, _ends) = StoreRelay::spawn(&silent_addr, SECRET, 1, Duration::from_secs(5)).unwrap();
+    let began = std::time::Instant::now();
+    drop(stuck);
+    assert!(began.elapsed() < Duration::from_secs(1), "{:?}", began.elapsed());
+}
+
+#[test]
 fn store_relay_closes_the_session_of_a_rank_that_exited_while_its_socket_is_held() {
     use std::io::Read;
     let s = server();
