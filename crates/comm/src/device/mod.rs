@@ -247,7 +247,15 @@ pub(crate) fn launch_grouped<'h>(
     let calls = ops.len();
     let blocks: SmallVec<[(u64, bool); 1]> =
         ops.iter().map(|op| (op.block_bytes() as u64, op.collective() == Collective::AllToAll)).collect();
-    let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout);
+    // A collective of one part meets nobody but itself, and queues its
+    // device work without waiting for it (a copy, or calls on a one-rank
+    // communicator, whose creation waits for no one either): where its
+    // device is idle it is queued from this thread at once, without the
+    // hand-over to the device thread (see `Client::submit_buffers_recorded_inline`),
+    // and a waiter polls the device for its end itself.
+    let inline = n == 1 && matches!(mode, Mode::Local | Mode::Nccl(_));
+    let helper = inline.then(|| clients[members[0]].clone());
+    let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout, helper);
     // Per slot: sources, then destinations and scratch, and each call's
     // shape; built and queued slot by slot.
     let mut tasks: SmallVec<[_; 4]> = SmallVec::with_capacity(n);
@@ -276,14 +284,8 @@ pub(crate) fn launch_grouped<'h>(
             .collect();
         tasks.push((member, inputs, outputs, Ticket::new(&meeting, slot), (shapes, scratch)));
     }
-    // A collective of one part meets nobody but itself, and queues its
-    // device work without waiting for it (a copy, or calls on a one-rank
-    // communicator, whose creation waits for no one either): where its
-    // device is idle it is queued from this thread at once, without the
-    // hand-over to the device thread (see `Client::submit_buffers_recorded_inline`).
-    // Under the enqueue lock all the same, so it keeps its place in the
-    // process-wide order.
-    let inline = n == 1 && matches!(mode, Mode::Local | Mode::Nccl(_));
+    // An inline part is queued under the enqueue lock all the same, so it
+    // keeps its place in the process-wide order.
     let mut failed = None;
     let order = enqueue_lock();
     for (member, inputs, outputs, ticket, shapes) in tasks {

@@ -86,6 +86,8 @@ pub trait HostMemory: Send + Sync {
 /// CUDA, the context that was current on the thread before.
 #[derive(Debug, Default)]
 pub struct CallerEntry {
+    /// Read by the CUDA backend alone.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) previous: usize,
 }
 
