@@ -379,14 +379,17 @@ impl DeviceHandle {
     /// once; failures mark the launch's buffers. Where launches only queue
     /// work (CUDA) and the device is idle ([`DeviceHandle::enter_inline`]),
     /// the calling thread queues it on the device itself, as the device
-    /// thread would have.
+    /// thread would have (compiling the kernel there the first time). Not a
+    /// launch whose grid is read from a buffer: that read waits for the
+    /// stream, which the caller's thread must not.
     pub fn submit_launch(&self, stream: StreamId, launch: RecordedLaunch) -> Result<(), ServerError> {
         if self.on_server_thread() && !EXCLUSIVE_STATE.with(|s| s.get()).is_null() {
             return self.submit(stream, move |state| {
                 let _ = state.launch(stream, launch);
             });
         }
-        if let Some(mut inline) = self.inline_launches.then(|| self.enter_inline()).flatten() {
+        let inline = self.inline_launches && matches!(launch.grid, crate::kernel::GridCount::Static(..));
+        if let Some(mut inline) = inline.then(|| self.enter_inline()).flatten() {
             let state = inline.state();
             state.stats.inline_tasks += 1;
             run_launch(state, stream, launch);
