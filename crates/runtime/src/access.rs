@@ -305,16 +305,12 @@ impl Client {
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
         let (stream, task) = self.checked_buffer_task(operation, inputs, outputs, task)?;
-        match self.device().run_inline(stream, PARTS_INLINE_ALONE, task) {
+        match self.device().run_inline(stream, task) {
             Ok(()) => Ok(()),
             Err(task) => self.device().submit(stream, task),
         }
     }
 }
-
-/// Whether a buffer task runs on the caller's thread only while no device
-/// collective queued before is still running (see `DeviceHandle::run_inline`).
-const PARTS_INLINE_ALONE: bool = false;
 
 /// The device-thread side of a buffer task: binds `inputs` and `outputs`,
 /// orders the task after their writers, runs `task` (or hands it the

@@ -313,22 +313,9 @@ impl DeviceHandle {
     /// For short tasks only (a small collective of one device): it runs on
     /// the caller's thread before this returns, and must not wait for work
     /// queued on this device or for parts not queued yet.
-    ///
-    /// With `alone`, it also gives the task back while device collectives
-    /// queued before are still running (their ends not yet seen): a caller
-    /// that queues collectives back to back then hands them to the device
-    /// thread, which issues each while the caller prepares the next.
-    pub fn run_inline<T: FnOnce(&mut DeviceState) + Send>(
-        &self,
-        stream: StreamId,
-        alone: bool,
-        task: T,
-    ) -> Result<(), T> {
+    pub fn run_inline<T: FnOnce(&mut DeviceState) + Send>(&self, stream: StreamId, task: T) -> Result<(), T> {
         let Some(mut inline) = self.enter_inline() else { return Err(task) };
         let state = inline.state();
-        if alone && state.has_pending_collectives() {
-            return Err(task);
-        }
         state.stats.inline_tasks += 1;
         run_caught(state, stream, task);
         Ok(())
