@@ -137,7 +137,8 @@ impl DeviceBlas for CudaBackend {
             (blas::cublasOperation_t::CUBLAS_OP_N, k)
         };
         let (alpha, beta) = (1.0f32, if gemm.accumulate { 1.0f32 } else { 0.0 });
-        // SAFETY: the handle belongs to this thread and context; `raw` is a
+        // SAFETY: the handle belongs to this device's context, current on the
+        // thread running the task (under the state's lock); `raw` is a
         // live stream of this context; the three pointers address buffers of
         // at least the sizes the dimensions need (checked above), alive
         // until the stream's work on them ends (the runtime's pools hold
