@@ -6,7 +6,9 @@
 //! enqueue, and a 4-byte read round trip. Where a CUDA device and NCCL
 //! are found, the same for a one-device `ClientGroup` all-reduce through a
 //! one-rank NCCL communicator (`COHORT_NCCL_SINGLE=1`), waited on and
-//! queued back to back (then one sync per 100 calls). Run it under
+//! queued back to back (then one sync per 100 calls), and the round trip
+//! of an empty task to the CUDA device thread and back (the hand-over
+//! alone, which a small call on an idle device skips). Run it under
 //! `perf stat -e task-clock,context-switches` for context switches per call
 //! and under `perf record -e cpu-clock` for where the time goes.
 //!
@@ -103,6 +105,12 @@ fn nccl_all_reduce(calls: usize) {
     if group.transport() != cohort::comm::Transport::Nccl {
         return println!("# NCCL rows skipped: the group's transport is {:?}", group.transport());
     }
+    // The hand-over alone: an empty task sent to the device thread and its
+    // answer sent back (`exclusive` always runs there), with the wake-up
+    // of each side that sleeps.
+    measure("empty task round trip, CUDA device thread", calls.min(2000), || {
+        clients[0].exclusive(|| ()).expect("exclusive")
+    });
     let bufs: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
     let call = || group.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce");
     // At most 2,000: a waited call may cost a millisecond.

@@ -431,6 +431,13 @@ pub(crate) trait Seated: Send + Sync + 'static {
     /// Part `slot`'s task was dropped unrun (after the meeting failed).
     fn dropped_unrun(&self, _slot: usize) {}
 
+    /// Looks, on the waiting thread, whether the work its parts left
+    /// running ended (see `Client::poll_collectives`); whether it could
+    /// look. By default it cannot: the devices' threads tell the meeting.
+    fn help(&self) -> bool {
+        false
+    }
+
     /// Whether part `slot` finished its work: by default, once its task
     /// returned; executors whose parts leave work running on the device
     /// after their task returned say when that ended.

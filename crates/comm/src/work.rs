@@ -23,6 +23,15 @@ trait Waitable: Send + Sync {
 
 impl<E: Seated> Waitable for E {
     fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
+        // Where the executor can look for its own end on this thread (a
+        // part queued from here on an idle device), it does so for the
+        // spin window before it waits for the device thread to tell it.
+        if !self.is_done() && self.help() {
+            let (start, window) = (Instant::now(), cohort_runtime::spin_window());
+            while !self.is_done() && start.elapsed() < window && self.help() {
+                std::hint::spin_loop();
+            }
+        }
         self.meeting().wait_done(deadline, |state, slot| self.part_done(state, slot))
     }
 

@@ -237,3 +237,65 @@ fn a_collective_ends_on_its_own_before_the_work_queued_behind_it() {
     graph.replay().unwrap();
     assert_eq!(device.read_one(out).unwrap().to_elems::<f32>(), vec![5.0; 256]);
 }
+
+/// On an idle device, a one-device group's NCCL collective is queued by the
+/// caller's thread itself (the device counts it), its handle still ends
+/// (the device thread is woken to poll it) and its result is right; behind
+/// a task the device thread is still running it is queued there instead,
+/// and runs after that task.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_collective_on_an_idle_device_is_queued_by_the_callers_thread() {
+    use cohort_runtime::StreamId;
+
+    let device = one_rank_group().client(0).with_stream(StreamId::fresh());
+    let group = ClientGroup::new(vec![device.clone()]).unwrap();
+    let host: Vec<f32> = (0..1024).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let src = device.create(Bytes::from_elems(&host));
+    let ran_inline = || device.stats().unwrap().inline_tasks;
+    // The device thread lets go of its state a moment after it answered the
+    // last round trip: a few tries.
+    let inline = (0..50).any(|round| {
+        let dst = device.empty(4096);
+        device.sync().unwrap();
+        let before = ran_inline();
+        let work = group
+            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Max)
+            .unwrap();
+        let counted = ran_inline() > before;
+        work.wait().unwrap();
+        assert_eq!(device.read_one(dst).unwrap().to_elems::<f32>(), host, "round {round}");
+        counted
+    });
+    assert!(inline, "a one-rank all-reduce on an idle device never ran on the caller's thread");
+
+    // Waited on at once, many times: each handle ends.
+    for round in 0..200u32 {
+        let src = device.create(Bytes::from_elems(&[round; 8]));
+        let dst = device.empty(32);
+        group
+            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![round; 8]);
+    }
+
+    // Behind a held task: queued, and run after it.
+    let dst = device.empty(4096);
+    let before = ran_inline();
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    device
+        .submit(move |_| {
+            let _ = held.recv();
+        })
+        .unwrap();
+    let work = group
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
+        .unwrap();
+    assert!(!work.is_done(), "the device is held: the collective cannot have run");
+    release.send(()).unwrap();
+    work.wait().unwrap();
+    assert_eq!(ran_inline(), before, "the collective behind the held task ran inline");
+    assert_eq!(device.read_one(dst).unwrap().to_elems::<f32>(), host);
+}

@@ -36,7 +36,8 @@ unsafe impl Send for HostPtr {}
 unsafe impl Sync for HostPtr {}
 
 /// What a buffer task sees: its buffers (inputs first, then outputs, as
-/// given to [`Client::submit_buffers`]) on the device thread.
+/// given to [`Client::submit_buffers`]) on the device thread (or on a
+/// caller's thread that runs the task inline, holding the device's state).
 pub struct BufferAccess<'a> {
     state: &'a mut DeviceState,
     stream: StreamId,
@@ -123,14 +124,14 @@ impl BufferAccess<'_> {
     }
 
     /// The backend's device-to-device collectives (NCCL on CUDA), or `None`
-    /// where it has none. Calls on it run on this device thread; pass them
+    /// where it has none. Calls on it run on the task's thread; pass them
     /// [`BufferAccess::stream`] and the task's [`BufferAccess::binding`]s.
     pub fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
         self.state.backend.device_collectives()
     }
 
     /// The backend's BLAS (cuBLAS on CUDA), or `None` where it has none.
-    /// Calls on it run on this device thread; pass them
+    /// Calls on it run on the task's thread; pass them
     /// [`BufferAccess::stream`] and the task's [`BufferAccess::binding`]s.
     pub fn blas(&mut self) -> Option<&mut dyn crate::backend::DeviceBlas> {
         self.state.backend.blas()
@@ -270,10 +271,12 @@ impl Client {
     }
 
     /// [`Client::submit_buffers_always`], run on the calling thread before
-    /// it returns where that keeps the device's order: on the CPU backend,
-    /// when the device has nothing queued or running (then it would have
-    /// run next anyway, without the hand-over to the device thread and the
-    /// wake-up). Otherwise queued as `submit_buffers_always` queues it.
+    /// it returns where that keeps the device's order: when the device has
+    /// nothing queued or running (then it would have run next anyway,
+    /// without the hand-over to the device thread and the wake-up), on the
+    /// backends that allow it (CPU, and CUDA with the device's context made
+    /// current on the calling thread while no stream of the device
+    /// captures). Otherwise queued as `submit_buffers_always` queues it.
     ///
     /// For short tasks that wait for nothing else on this device and for no
     /// task not queued yet (a small collective of one device); a task that
@@ -286,6 +289,21 @@ impl Client {
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
         self.refuse_if_capturing("a buffer task")?;
+        self.submit_buffers_recorded_inline(operation, inputs, outputs, task)
+    }
+
+    /// [`Client::submit_buffers_recorded`] (also inside a capture window,
+    /// for tasks that only queue device work on their stream), run on the
+    /// calling thread where [`Client::submit_buffers_inline`] would run it.
+    /// While a stream of the device captures, CUDA queues it: the capture
+    /// records it from the device thread.
+    pub fn submit_buffers_recorded_inline(
+        &self,
+        operation: impl Into<Cow<'static, str>>,
+        inputs: impl Into<TaskHandles>,
+        outputs: impl Into<TaskHandles>,
+        task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
+    ) -> Result<(), ServerError> {
         let (stream, task) = self.checked_buffer_task(operation, inputs, outputs, task)?;
         match self.device().run_inline(stream, task) {
             Ok(()) => Ok(()),

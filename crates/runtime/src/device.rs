@@ -1,11 +1,13 @@
 //! The server thread of one device, and the registry of open devices.
 //!
-//! Each device has one thread that owns its backend (contexts and streams are
-//! not `Send`); clients queue tasks to it over a channel. The thread holds
-//! the device state under a lock while it runs each message, so that on the
-//! CPU backend a caller may run a small task itself, under the same lock,
-//! when the device has nothing queued or running
-//! ([`DeviceHandle::run_inline`]). A panic in a task is
+//! Each device has one thread that owns its backend (it is made, and
+//! dropped, there); clients queue tasks to it over a channel. The thread
+//! holds the device state under a lock while it runs each message, so that
+//! where the backend allows it (CPU and CUDA:
+//! [`crate::backend::Backend::runs_on_callers`]) a caller may run a task
+//! itself, under the same lock, when the device has nothing queued or
+//! running ([`DeviceHandle::run_inline`]): small collectives of one device,
+//! reads, and kernel launches where a launch only queues work (CUDA). A panic in a task is
 //! caught on the thread and returned to whoever waits for that task (or kept
 //! for the stream's next `sync` when nobody waits). Closing a device stops its
 //! thread: queued tasks are dropped, so their waiters get
@@ -35,6 +37,10 @@ type Task = Box<dyn FnOnce(&mut DeviceState) + Send>;
 
 enum Message {
     Task(StreamId, Task),
+    /// Nothing to run: wakes a sleeping device thread to look at the
+    /// collectives a caller's inline task left running (see
+    /// [`StateCell::wake_for_collectives`]).
+    Wake,
     /// A kernel launch, sent by value: the most frequent message, so it
     /// skips the boxed closure (an allocation freed on another thread).
     Launch(StreamId, RecordedLaunch),
@@ -48,20 +54,31 @@ thread_local! {
     static EXCLUSIVE_STATE: Cell<*mut DeviceState> = const { Cell::new(std::ptr::null_mut()) };
 }
 
-/// A device's state, shared by its server thread and (CPU backend only)
-/// callers that run a task inline, always under its lock; and the count of
-/// messages sent to the thread and not yet run.
+/// A device's state, shared by its server thread and callers that run a
+/// task inline, always under its lock; and the count of messages sent to
+/// the thread and not yet run.
 struct StateCell {
     state: Mutex<Option<DeviceState>>,
     in_flight: AtomicUsize,
+    /// Set by a caller whose inline task left device collectives running,
+    /// for the device thread to poll them (see `wake_for_collectives`).
+    poll_wanted: AtomicBool,
+    /// Set while the device thread sleeps on its channel.
+    asleep: AtomicBool,
 }
 
-// SAFETY: the state is only touched under the lock. Its backend may hold
-// thread-bound handles (CUDA contexts), so a thread other than the server
-// thread locks it only where `DeviceHandle::inline_tasks` holds, which is
-// the CPU backend alone, whose state is plain host memory and data. The
-// state is created on the server thread and taken out and dropped there
-// before it exits, so no other thread drops it.
+// SAFETY: the state is only touched under the lock, so one thread at a time
+// uses it. Its backend is not `Send` (CUDA keeps raw driver handles), so a
+// thread other than the server thread locks it only where
+// `DeviceHandle::inline_tasks` holds, which the backend declares
+// (`Backend::runs_on_callers`): the CPU backend, whose state is host memory
+// and data, and CUDA, whose handles (context, streams, events, modules,
+// NCCL communicators, the cuBLAS handle) the driver and the libraries let
+// any thread use with the context current, which `Backend::enter_caller`
+// makes it before the task runs, one thread at a time. Nothing of either
+// lives in thread-local storage of the device thread. The state is created
+// on the server thread and taken out and dropped there before it exits, so
+// no other thread drops it.
 unsafe impl Send for StateCell {}
 // SAFETY: as above: shared access goes through the lock.
 unsafe impl Sync for StateCell {}
@@ -88,6 +105,58 @@ impl StateCell {
     fn lock(&self) -> parking_lot::MappedMutexGuard<'_, DeviceState> {
         parking_lot::MutexGuard::map(self.state.lock(), |s| s.as_mut().expect("the server thread holds the state"))
     }
+
+    /// Asks the device thread to poll the collectives an inline task left
+    /// running (it ends them, reports their failures and aborts the ones
+    /// that time out): a flag it reads while it spins, and, when it sleeps
+    /// on its channel, a [`Message::Wake`]. The flag is set before
+    /// `asleep` is read, and the thread sets `asleep` before it reads the
+    /// flag a last time (both sequentially consistent): one of the two
+    /// sees the other.
+    fn wake_for_collectives(&self, sender: &Sender<Message>) {
+        self.poll_wanted.store(true, Ordering::SeqCst);
+        if self.asleep.load(Ordering::SeqCst) {
+            self.in_flight.fetch_add(1, Ordering::AcqRel);
+            if sender.send(Message::Wake).is_err() {
+                self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+/// The device state lent to a caller's thread by [`DeviceHandle::enter_inline`]:
+/// locked, the backend entered on this thread, and the thread-locals set so
+/// that client calls nested in the task run inline too. Dropping it undoes
+/// all of that, and wakes the device thread if collectives were left
+/// running.
+pub(crate) struct Inline<'a> {
+    handle: &'a DeviceHandle,
+    guard: parking_lot::MutexGuard<'a, Option<DeviceState>>,
+    entry: Option<crate::backend::CallerEntry>,
+    previous: (Option<ServiceId>, *mut DeviceState),
+}
+
+impl Inline<'_> {
+    /// The device state, for the task.
+    pub(crate) fn state(&mut self) -> &mut DeviceState {
+        self.guard.as_mut().expect("checked in enter_inline")
+    }
+}
+
+impl Drop for Inline<'_> {
+    fn drop(&mut self) {
+        SERVER_OF.with(|s| s.set(self.previous.0));
+        EXCLUSIVE_STATE.with(|s| s.set(self.previous.1));
+        let handle = self.handle;
+        let entry = self.entry.take();
+        let state = self.state();
+        if let Some(entry) = entry {
+            state.backend.leave_caller(entry);
+        }
+        if state.has_pending_collectives() {
+            handle.cell.wake_for_collectives(&handle.sender);
+        }
+    }
 }
 
 /// The client side of one device's server thread.
@@ -96,8 +165,12 @@ pub(crate) struct DeviceHandle {
     pub properties: Arc<DeviceProperties>,
     sender: Sender<Message>,
     cell: Arc<StateCell>,
-    /// Whether a caller may run a task on its own thread (CPU backend).
+    /// Whether a caller may run a task on its own thread
+    /// ([`crate::backend::Backend::runs_on_callers`]).
     inline_tasks: bool,
+    /// Whether a caller may also issue kernel launches itself
+    /// ([`crate::backend::Backend::launches_only_queue`]).
+    inline_launches: bool,
     closed: AtomicBool,
     /// Streams inside a capture window, so reads and syncs are refused before
     /// anything is queued.
@@ -124,8 +197,13 @@ impl DeviceHandle {
     /// backend's error when it cannot be built (no driver, no device).
     fn start(service: ServiceId, factory: BackendFactory) -> Result<Arc<DeviceHandle>, ServerError> {
         let (sender, receiver) = channel::unbounded::<Message>();
-        let (ready_tx, ready_rx) = channel::bounded::<Result<Arc<DeviceProperties>, ServerError>>(1);
-        let cell = Arc::new(StateCell { state: Mutex::new(None), in_flight: AtomicUsize::new(0) });
+        let (ready_tx, ready_rx) = channel::bounded::<Result<(Arc<DeviceProperties>, [bool; 2]), ServerError>>(1);
+        let cell = Arc::new(StateCell {
+            state: Mutex::new(None),
+            in_flight: AtomicUsize::new(0),
+            poll_wanted: AtomicBool::new(false),
+            asleep: AtomicBool::new(false),
+        });
         let served = cell.clone();
         let thread = std::thread::Builder::new()
             .name(format!("cohort-{}", service.device))
@@ -146,8 +224,9 @@ impl DeviceHandle {
                     }
                 };
                 let properties = Arc::new(backend.properties().clone());
+                let inline = [backend.runs_on_callers(), backend.launches_only_queue()];
                 *served.state.lock() = Some(DeviceState::new(service, backend));
-                let _ = ready_tx.send(Ok(properties));
+                let _ = ready_tx.send(Ok((properties, inline)));
                 let _release = ReleaseOnExit(&served);
                 serve(&served, receiver);
             })
@@ -156,13 +235,15 @@ impl DeviceHandle {
                 device: service.device,
                 message: format!("could not start the server thread: {e}"),
             })?;
-        let properties = ready_rx.recv().map_err(|_| ServerError::DeviceClosed { device: service.device })??;
+        let (properties, [inline_tasks, launches_only_queue]) =
+            ready_rx.recv().map_err(|_| ServerError::DeviceClosed { device: service.device })??;
         Ok(Arc::new(DeviceHandle {
             service,
             properties,
             sender,
             cell,
-            inline_tasks: service.device.type_id == DeviceId::CPU,
+            inline_tasks,
+            inline_launches: inline_tasks && launches_only_queue,
             closed: AtomicBool::new(false),
             capturing: Mutex::new(HashSet::new()),
             thread: Mutex::new(Some(thread)),
@@ -192,48 +273,70 @@ impl DeviceHandle {
         })
     }
 
-    /// Runs `task` on the calling thread, as the server thread would run it
-    /// (its panic kept for the stream's next `sync`), when this device takes
-    /// inline tasks (the CPU backend), is open, and has nothing queued or
-    /// running (waiting up to 2 µs for the device thread to let go of the
-    /// state after its last task): every message sent to it before, by any
-    /// thread, has run, so the task runs where it would have run queued. Client calls
-    /// for this device made inside `task` run inline too, as inside
-    /// [`DeviceHandle::exclusive`]. Gives the task back otherwise, to queue.
-    ///
-    /// For short tasks only (a small collective of one device): it runs on
-    /// the caller's thread before this returns, and must not wait for work
-    /// queued on this device or for parts not queued yet.
-    pub fn run_inline<T: FnOnce(&mut DeviceState) + Send>(&self, stream: StreamId, task: T) -> Result<(), T> {
+    /// The device state, lent to the calling thread to run a task itself
+    /// where the server thread would have run it queued: when this device
+    /// takes inline tasks (CPU and CUDA), is open, the caller is not its
+    /// server thread, nothing is queued or running (waiting up to 2 µs for
+    /// the device thread to let go of the state after its last task), and
+    /// the backend lets this thread in (on CUDA: no stream capturing; the
+    /// context made current). Then every message sent before, by any
+    /// thread, has run. Client calls for this device made while it is held
+    /// run inline too, as inside [`DeviceHandle::exclusive`]. `None`
+    /// otherwise: queue the task.
+    pub(crate) fn enter_inline(&self) -> Option<Inline<'_>> {
         let idle = |cell: &StateCell| cell.in_flight.load(Ordering::Acquire) == 0;
         if !self.inline_tasks || self.is_closed() || self.on_server_thread() || !idle(&self.cell) {
-            return Err(task);
+            return None;
         }
         // The server thread counts a message out when it takes the lock to
         // run it, and lets go once it ran: with none in flight and the lock
         // free, every message sent before has run. A thread that was just
         // answered by the device's last task finds the lock held for a
         // moment more: it waits that long, no more.
-        let Some(mut guard) = self.cell.state.try_lock_for(INLINE_LOCK_WAIT) else { return Err(task) };
-        let Some(state) = guard.as_mut().filter(|_| idle(&self.cell)) else { return Err(task) };
-        let service = self.service;
-        let previous = (SERVER_OF.with(|s| s.replace(Some(service))), EXCLUSIVE_STATE.with(|s| s.replace(state)));
-        struct Restore(Option<ServiceId>, *mut DeviceState);
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                SERVER_OF.with(|s| s.set(self.0));
-                EXCLUSIVE_STATE.with(|s| s.set(self.1));
-            }
-        }
-        let _restore = Restore(previous.0, previous.1);
-        // SAFETY: `EXCLUSIVE_STATE` points at `state` only while `task`
-        // runs here (restored on return or unwind), during which nothing
-        // else uses `state` but the calls nested in `task` on this thread,
-        // as on the server thread inside `exclusive`.
-        let state = unsafe { &mut *EXCLUSIVE_STATE.with(|s| s.get()) };
+        let mut guard = self.cell.state.try_lock_for(INLINE_LOCK_WAIT)?;
+        let state = guard.as_mut().filter(|_| idle(&self.cell))?;
+        let entry = state.backend.enter_caller()?;
+        let state: *mut DeviceState = state;
+        let previous = (SERVER_OF.with(|s| s.replace(Some(self.service))), EXCLUSIVE_STATE.with(|s| s.replace(state)));
+        // `EXCLUSIVE_STATE` points at the state only while the guard is
+        // held (restored when it drops, on return or unwind), during which
+        // nothing else uses the state but the task and the calls nested in
+        // it on this thread, as on the server thread inside `exclusive`.
+        Some(Inline { handle: self, guard, entry: Some(entry), previous })
+    }
+
+    /// Runs `task` on the calling thread, as the server thread would run it
+    /// (its panic kept for the stream's next `sync`), where
+    /// [`DeviceHandle::enter_inline`] lends the state. Gives the task back
+    /// otherwise, to queue.
+    ///
+    /// For short tasks only (a small collective of one device): it runs on
+    /// the caller's thread before this returns, and must not wait for work
+    /// queued on this device or for parts not queued yet.
+    pub fn run_inline<T: FnOnce(&mut DeviceState) + Send>(&self, stream: StreamId, task: T) -> Result<(), T> {
+        let Some(mut inline) = self.enter_inline() else { return Err(task) };
+        let state = inline.state();
         state.stats.inline_tasks += 1;
         run_caught(state, stream, task);
         Ok(())
+    }
+
+    /// [`DeviceHandle::run`], on the calling thread where
+    /// [`DeviceHandle::enter_inline`] lends the state (no hand-over to the
+    /// device thread and back, no wake-ups), queued otherwise. For tasks
+    /// whose caller waits for them anyway (a read), which wait for nothing
+    /// but work already queued on the device.
+    pub fn run_inline_or_wait<'a, R: Send + 'a>(
+        &self,
+        stream: StreamId,
+        task: impl FnOnce(&mut DeviceState) -> R + Send + 'a,
+    ) -> Result<R, ServerError> {
+        let Some(mut inline) = self.enter_inline() else { return self.run(stream, task) };
+        let device = self.service.device;
+        let state = inline.state();
+        state.stats.inline_tasks += 1;
+        catch_unwind(AssertUnwindSafe(|| task(state)))
+            .map_err(|p| ServerError::TaskPanicked { device, message: panic_message(p.as_ref()) })
     }
 
     /// Queues a task and returns at once. A panic or error in it is kept for
@@ -260,12 +363,24 @@ impl DeviceHandle {
     }
 
     /// Queues a kernel launch (see [`DeviceState::launch`]) and returns at
-    /// once; failures mark the launch's buffers.
+    /// once; failures mark the launch's buffers. Where launches only queue
+    /// work (CUDA) and the device is idle ([`DeviceHandle::enter_inline`]),
+    /// the calling thread queues it on the device itself, as the device
+    /// thread would have (compiling the kernel there the first time). Not a
+    /// launch whose grid is read from a buffer: that read waits for the
+    /// stream, which the caller's thread must not.
     pub fn submit_launch(&self, stream: StreamId, launch: RecordedLaunch) -> Result<(), ServerError> {
         if self.on_server_thread() && !EXCLUSIVE_STATE.with(|s| s.get()).is_null() {
             return self.submit(stream, move |state| {
                 let _ = state.launch(stream, launch);
             });
+        }
+        let inline = self.inline_launches && matches!(launch.grid, crate::kernel::GridCount::Static(..));
+        if let Some(mut inline) = inline.then(|| self.enter_inline()).flatten() {
+            let state = inline.state();
+            state.stats.inline_tasks += 1;
+            run_launch(state, stream, launch);
+            return Ok(());
         }
         if self.is_closed() {
             return Err(self.closed_error());
@@ -535,13 +650,30 @@ fn default_spin_window() -> Duration {
 /// collectives running), calls it once before the spin, every 64 polls of
 /// the channel during it (a collective that completes meanwhile is ended
 /// within microseconds, not at the next nap), and sleeps at most
-/// [`COLLECTIVE_POLL`], then reports a timeout.
-fn recv_spinning<T>(receiver: &Receiver<T>, mut poll: Option<&mut dyn FnMut()>) -> Result<T, RecvTimeoutError> {
-    let sleep = |receiver: &Receiver<T>, napping: bool| match napping {
-        true => receiver.recv_timeout(COLLECTIVE_POLL),
-        false => receiver.recv().map_err(|_| RecvTimeoutError::Disconnected),
-    };
+/// [`COLLECTIVE_POLL`], then reports a timeout. Without it, reports a
+/// timeout as soon as `wanted` is set (a caller's inline task left
+/// collectives running), taking the flag; `asleep` is set while it sleeps
+/// (see [`StateCell::wake_for_collectives`]).
+fn recv_spinning<T>(
+    receiver: &Receiver<T>,
+    mut poll: Option<&mut dyn FnMut()>,
+    wanted: &AtomicBool,
+    asleep: &AtomicBool,
+) -> Result<T, RecvTimeoutError> {
     let napping = poll.is_some();
+    let take_wanted = |wanted: &AtomicBool| !napping && wanted.swap(false, Ordering::SeqCst);
+    let sleep = |receiver: &Receiver<T>| {
+        asleep.store(true, Ordering::SeqCst);
+        let got = if take_wanted(wanted) {
+            Err(RecvTimeoutError::Timeout)
+        } else if napping {
+            receiver.recv_timeout(COLLECTIVE_POLL)
+        } else {
+            receiver.recv().map_err(|_| RecvTimeoutError::Disconnected)
+        };
+        asleep.store(false, Ordering::SeqCst);
+        got
+    };
     // Work that is already queued is taken without reading the clock.
     match receiver.try_recv() {
         Ok(message) => return Ok(message),
@@ -556,15 +688,20 @@ fn recv_spinning<T>(receiver: &Receiver<T>, mut poll: Option<&mut dyn FnMut()>) 
         match receiver.try_recv() {
             Ok(message) => return Ok(message),
             Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
-            Err(TryRecvError::Empty) => match spin.pause() {
-                Paced::Over => return sleep(receiver, napping),
-                Paced::Looked => {
-                    if let Some(poll) = poll.as_mut() {
-                        poll();
-                    }
+            Err(TryRecvError::Empty) => {
+                if !napping && wanted.load(Ordering::Relaxed) && take_wanted(wanted) {
+                    return Err(RecvTimeoutError::Timeout);
                 }
-                Paced::Polled => {}
-            },
+                match spin.pause() {
+                    Paced::Over => return sleep(receiver),
+                    Paced::Looked => {
+                        if let Some(poll) = poll.as_mut() {
+                            poll();
+                        }
+                    }
+                    Paced::Polled => {}
+                }
+            }
         }
     }
 }
@@ -650,10 +787,18 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         // With device collectives running, the thread polls them (to end
         // or abort them) when it runs out of work, while it spins, and
         // then every millisecond even when no work comes.
+        // A caller running a task inline holds the state: the poll skips
+        // a turn rather than wait for it.
+        let (wanted, asleep) = (&cell.poll_wanted, &cell.asleep);
         let received = if cell.lock().has_pending_collectives() {
-            recv_spinning(&receiver, Some(&mut || cell.lock().poll_collectives()))
+            let mut poll = || {
+                if let Some(state) = cell.state.try_lock().as_mut().and_then(|s| s.as_mut()) {
+                    state.poll_collectives();
+                }
+            };
+            recv_spinning(&receiver, Some(&mut poll), wanted, asleep)
         } else {
-            recv_spinning(&receiver, None)
+            recv_spinning(&receiver, None, wanted, asleep)
         };
         let message = match received {
             Ok(message) => message,
@@ -677,6 +822,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
                 run_launch(&mut state, stream, launch);
                 false
             }
+            Message::Wake => false,
             Message::Shutdown => true,
         };
         if shutdown {
@@ -768,13 +914,14 @@ mod tests {
     fn an_idle_device_polls_its_collectives_before_it_naps() {
         let (sender, receiver) = channel::unbounded::<u8>();
         let mut polls = 0;
-        let got = recv_spinning(&receiver, Some(&mut || polls += 1));
+        let (wanted, asleep) = (AtomicBool::new(false), AtomicBool::new(false));
+        let got = recv_spinning(&receiver, Some(&mut || polls += 1), &wanted, &asleep);
         assert!(matches!(got, Err(RecvTimeoutError::Timeout)), "{got:?}");
         assert!(polls >= 1, "polled {polls} times");
         // Work already queued is taken at once, without a poll.
         sender.send(7).unwrap();
         let mut polls = 0;
-        assert_eq!(recv_spinning(&receiver, Some(&mut || polls += 1)), Ok(7));
+        assert_eq!(recv_spinning(&receiver, Some(&mut || polls += 1), &wanted, &asleep), Ok(7));
         assert_eq!(polls, 0);
     }
 

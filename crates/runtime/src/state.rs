@@ -68,7 +68,8 @@ pub struct DeviceStats {
     /// Launches run (replays included).
     pub launches: u64,
     /// Tasks a caller's thread ran itself because the device was idle
-    /// ([`crate::Client::submit_buffers_inline`]; the CPU backend only).
+    /// (buffer tasks of [`crate::Client::submit_buffers_inline`], kernel
+    /// launches and reads; on the CPU and CUDA backends).
     pub inline_tasks: u64,
 }
 

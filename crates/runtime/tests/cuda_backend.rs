@@ -110,7 +110,9 @@ fn events_order_streams_and_fence_the_host() {
     let waited = std::thread::spawn(move || fence.wait()).join().unwrap();
     waited.unwrap();
     let before = writer.stats().unwrap();
-    let expected = 1.5f32.powi(20);
+    // The same 20 f32 products as the device (`powi` rounds differently
+    // where it is not folded at compile time, as in a debug build).
+    let expected = (0..20).fold(1.0f32, |v, _| v * 1.5);
     writer
         .launch(&kernels::scale(), GridCount::cover(n, 256), KernelArguments::new().buffer(&h).scalar(Scalar::F32(2.0)))
         .unwrap();
@@ -253,4 +255,235 @@ fn compile_errors_carry_the_log() {
     assert_eq!(kernel, "broken");
     assert!(reason.contains("undeclared_name"), "{reason}");
     println!("{err}");
+}
+
+/// `count` floats of a varied pattern, and what `launches` runs of
+/// `scale` by `factor` make of them on the host (the same f32 products).
+fn scaled(count: usize, factor: f32, launches: usize) -> (Vec<f32>, Vec<f32>) {
+    let start: Vec<f32> = (0..count).map(|i| (i % 1000) as f32 * 0.25 - 100.0).collect();
+    let mut end = start.clone();
+    for _ in 0..launches {
+        end.iter_mut().for_each(|v| *v *= factor);
+    }
+    (start, end)
+}
+
+/// Launches and reads on an idle device run on the caller's thread (the
+/// device counts them), in stream order: a read of a buffer right after
+/// launches still running on the GPU waits for them and sees every write.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn an_idle_device_runs_launches_and_reads_on_the_callers_thread_in_order() {
+    let _serial = serial();
+    let client = client().with_stream(StreamId::fresh());
+    let scale = kernels::scale();
+    let n = 1 << 22;
+    let (start, expected) = scaled(n, 1.5, 20);
+    // The device thread lets go of its state a moment after it answered
+    // the last round trip, and a loaded machine may take it off its core
+    // in that moment: a few tries.
+    let inline = (0..20).any(|_| {
+        let x = client.create(Bytes::from_elems(&start));
+        client.sync().unwrap();
+        let before = client.stats().unwrap().inline_tasks;
+        for _ in 0..20 {
+            client
+                .launch(&scale, GridCount::cover(n, 256), KernelArguments::new().buffer(&x).scalar(Scalar::F32(1.5)))
+                .unwrap();
+        }
+        let got = client.read_one(x).unwrap().to_elems::<f32>();
+        assert!(got == expected, "a read after 20 launches saw {} (want {})", got[1], expected[1]);
+        client.stats().unwrap().inline_tasks >= before + 21
+    });
+    assert!(inline, "20 launches and a read on an idle CUDA device never all ran on the caller's thread");
+}
+
+/// Behind a task the device thread is still running, a launch and a read
+/// are queued (not run on the caller's thread), and the read sees the
+/// launch.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn calls_behind_queued_work_are_queued_and_keep_their_order() {
+    let _serial = serial();
+    let client = client().with_stream(StreamId::fresh());
+    let n = 4096;
+    let (start, expected) = scaled(n, -2.0, 1);
+    let x = client.create(Bytes::from_elems(&start));
+    let before = client.stats().unwrap().inline_tasks;
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    client
+        .submit(move |_| {
+            let _ = held.recv();
+        })
+        .unwrap();
+    client
+        .launch(
+            &kernels::scale(),
+            GridCount::cover(n, 256),
+            KernelArguments::new().buffer(&x).scalar(Scalar::F32(-2.0)),
+        )
+        .unwrap();
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        release.send(()).unwrap();
+    });
+    // Sent while the held task runs: queued behind it and the launch.
+    let got = client.read_one(x).unwrap().to_elems::<f32>();
+    releaser.join().unwrap();
+    assert_eq!(got, expected);
+    assert_eq!(client.stats().unwrap().inline_tasks, before, "a call behind a held task ran inline");
+}
+
+/// While one stream of the device captures, nothing of the device runs on
+/// a caller's thread (the capture sees the device thread's work alone):
+/// a launch on another stream is queued, and runs.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn nothing_runs_on_the_callers_thread_while_a_stream_captures() {
+    let _serial = serial();
+    let capturing = client().with_stream(StreamId::fresh());
+    let other = client().with_stream(StreamId::fresh());
+    let n = 4096;
+    let (start, expected) = scaled(n, 3.0, 1);
+    let x = other.create(Bytes::from_elems(&start));
+    let y = capturing.create(Bytes::from_elems(&start));
+    let scale = |client: &cohort_runtime::Client, h: &cohort_runtime::Handle| {
+        client
+            .launch(
+                &kernels::scale(),
+                GridCount::cover(n, 256),
+                KernelArguments::new().buffer(h).scalar(Scalar::F32(3.0)),
+            )
+            .unwrap()
+    };
+    capturing.graph_prepare().unwrap();
+    scale(&capturing, &y);
+    capturing.sync().unwrap();
+    other.sync().unwrap();
+    let before = other.stats().unwrap().inline_tasks;
+    capturing.start_capture().unwrap();
+    scale(&capturing, &y);
+    scale(&other, &x);
+    assert_eq!(other.stats().unwrap().inline_tasks, before, "a call ran inline during a capture");
+    let graph = capturing.stop_capture().unwrap();
+    assert_eq!(other.read_one(x).unwrap().to_elems::<f32>(), expected);
+    // The capture recorded its launch (not run): one replay runs it.
+    assert_eq!(capturing.read_one(y.clone()).unwrap().to_elems::<f32>(), expected);
+    graph.replay().unwrap();
+    let (_, twice) = scaled(n, 3.0, 2);
+    assert_eq!(capturing.read_one(y).unwrap().to_elems::<f32>(), twice);
+}
+
+/// A task that panics or fails on the caller's thread is reported as the
+/// same task queued to the device thread is: its error marks its output
+/// and a read returns it; a launch that cannot compile names the kernel.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_failing_inline_task_is_reported_like_a_queued_one() {
+    use cohort_runtime::BufferAccess;
+
+    let _serial = serial();
+    let client = client().with_stream(StreamId::fresh());
+    let panicking = |access: Result<&mut BufferAccess<'_>, ServerError>| -> Result<(), ServerError> {
+        access?;
+        panic!("a task that panics on purpose")
+    };
+    // Run inline: on an idle device (a few tries), counted.
+    let mut inline_error = None;
+    for _ in 0..20 {
+        let out = client.create(Bytes::from_elems(&[1.0f32; 4]));
+        client.sync().unwrap();
+        let before = client.stats().unwrap().inline_tasks;
+        client.submit_buffers_inline("panicking", Vec::new(), vec![out.clone()], panicking).unwrap();
+        let ran_inline = client.stats().unwrap().inline_tasks > before;
+        let err = client.read_one(out).unwrap_err();
+        if ran_inline {
+            inline_error = Some(err);
+            break;
+        }
+    }
+    let inline_error = inline_error.expect("the task never ran on the caller's thread on an idle device");
+    // Queued behind a held task.
+    let out = client.create(Bytes::from_elems(&[1.0f32; 4]));
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    client
+        .submit(move |_| {
+            let _ = held.recv();
+        })
+        .unwrap();
+    client.submit_buffers_inline("panicking", Vec::new(), vec![out.clone()], panicking).unwrap();
+    release.send(()).unwrap();
+    let queued_error = client.read_one(out).unwrap_err();
+    assert_eq!(inline_error.to_string(), queued_error.to_string());
+    assert!(inline_error.to_string().contains("a task that panics on purpose"), "{inline_error}");
+    client.sync().unwrap();
+
+    // A kernel that cannot compile, launched on an idle device.
+    let h = client.create(Bytes::from_elems(&[1.0f32; 4]));
+    client.sync().unwrap();
+    let kernel = Kernel::new("broken_inline")
+        .with_cuda("extern \"C\" __global__ void broken_inline(float* x, unsigned long long n) { nope = 1; }");
+    client.launch(&kernel, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&h)).unwrap();
+    let err = client.read_one(h).unwrap_err();
+    let ServerError::KernelFailed { kernel, reason, .. } = &err else { panic!("{err}") };
+    assert_eq!(kernel, "broken_inline");
+    assert!(reason.contains("nope"), "{reason}");
+}
+
+/// A caller's thread that had its own CUDA context current has it current
+/// again after a call ran on it (the device's primary context is current
+/// only while the call runs there); a thread that had none keeps the
+/// primary context.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_callers_own_context_is_current_again_after_a_call_ran_on_its_thread() {
+    use cohort_runtime::backend::cuda::cudarc::driver::sys;
+
+    let _serial = serial();
+    let client = client().with_stream(StreamId::fresh());
+    let x = client.create(Bytes::from_elems(&[4u32, 5, 6]));
+    client.sync().unwrap();
+    let current = || {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes this thread's current context (null if none).
+        assert_eq!(unsafe { sys::cuCtxGetCurrent(&mut ctx) }, sys::CUresult::CUDA_SUCCESS);
+        ctx
+    };
+    let mut device = 0;
+    let mut own: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the driver is initialised (the client opened device 0); the
+    // call writes a new context of device 0 and makes it current here.
+    unsafe {
+        assert_eq!(sys::cuDeviceGet(&mut device, 0), sys::CUresult::CUDA_SUCCESS);
+        let created = sys::cuCtxCreate_v4(&mut own, std::ptr::null_mut(), 0, device);
+        assert_eq!(created, sys::CUresult::CUDA_SUCCESS);
+    }
+    assert_eq!(current(), own);
+    let inline = (0..20).any(|_| {
+        client.sync().unwrap();
+        let before = client.stats().unwrap().inline_tasks;
+        assert_eq!(client.read_one(x.clone()).unwrap().to_elems::<u32>(), [4, 5, 6]);
+        assert_eq!(current(), own, "the caller's own context is no longer current");
+        client.stats().unwrap().inline_tasks > before
+    });
+    assert!(inline, "the read never ran on the caller's thread");
+    // SAFETY: the context made above, current on this thread, destroyed once.
+    unsafe {
+        assert_eq!(sys::cuCtxDestroy_v2(own), sys::CUresult::CUDA_SUCCESS);
+    }
+    // A thread with no context current keeps the device's primary one.
+    let reader = client.clone();
+    std::thread::spawn(move || {
+        assert!(current().is_null());
+        let inline = (0..20).any(|_| {
+            reader.sync().unwrap();
+            let before = reader.stats().unwrap().inline_tasks;
+            assert_eq!(reader.read_one(x.clone()).unwrap().to_elems::<u32>(), [4, 5, 6]);
+            reader.stats().unwrap().inline_tasks > before
+        });
+        assert!(inline, "the read never ran on the caller's thread");
+        assert!(!current().is_null(), "a thread with no context has the device's primary context after a call");
+    })
+    .join()
+    .unwrap();
 }

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerSpec, PeerToken};
-use cohort_runtime::{BufferAccess, DeviceId, ServerError};
+use cohort_runtime::{BufferAccess, Client, DeviceId, ServerError};
 use smallvec::SmallVec;
 
 use super::fusion::{self, Bucket};
@@ -46,6 +46,10 @@ pub(crate) struct DeviceCollective {
     /// The grouped all-reduces fused on NCCL (see `fusion`).
     buckets: Vec<Bucket>,
     meeting: Meeting<DeviceState>,
+    /// The one device of a collective of one part queued from the
+    /// caller's thread where that device is idle: a waiter polls it
+    /// itself (see [`Seated::help`]).
+    helper: Option<Client>,
 }
 
 impl Seated for DeviceCollective {
@@ -59,6 +63,10 @@ impl Seated for DeviceCollective {
     fn part_done(&self, state: &Gathering<DeviceState>, slot: usize) -> bool {
         state.data.finished[slot]
     }
+
+    fn help(&self) -> bool {
+        self.helper.as_ref().is_some_and(Client::poll_collectives)
+    }
 }
 
 impl DeviceCollective {
@@ -70,6 +78,7 @@ impl DeviceCollective {
         name: &'static str,
         parts: impl IntoIterator<Item = (usize, DeviceId)>,
         timeout: Duration,
+        helper: Option<Client>,
     ) -> Arc<DeviceCollective> {
         let seats: SmallVec<[Seat; 4]> =
             parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
@@ -79,7 +88,7 @@ impl DeviceCollective {
             tokens: [None, None],
             arenas: smallvec::smallvec![0; n],
         };
-        Arc::new(DeviceCollective { ops, buckets, meeting: Meeting::new(name, seats, timeout, state) })
+        Arc::new(DeviceCollective { ops, buckets, meeting: Meeting::new(name, seats, timeout, state), helper })
     }
 
     fn fail(&self, err: ServerError) -> ServerError {

@@ -247,7 +247,15 @@ pub(crate) fn launch_grouped<'h>(
     let calls = ops.len();
     let blocks: SmallVec<[(u64, bool); 1]> =
         ops.iter().map(|op| (op.block_bytes() as u64, op.collective() == Collective::AllToAll)).collect();
-    let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout);
+    // A collective of one part meets nobody but itself, and queues its
+    // device work without waiting for it (a copy, or calls on a one-rank
+    // communicator, whose creation waits for no one either): where its
+    // device is idle it is queued from this thread at once, without the
+    // hand-over to the device thread (see `Client::submit_buffers_recorded_inline`),
+    // and a waiter polls the device for its end itself.
+    let inline = n == 1 && matches!(mode, Mode::Local | Mode::Nccl(_));
+    let helper = inline.then(|| clients[members[0]].clone());
+    let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout, helper);
     // Per slot: sources, then destinations and scratch, and each call's
     // shape; built and queued slot by slot.
     let mut tasks: SmallVec<[_; 4]> = SmallVec::with_capacity(n);
@@ -276,6 +284,8 @@ pub(crate) fn launch_grouped<'h>(
             .collect();
         tasks.push((member, inputs, outputs, Ticket::new(&meeting, slot), (shapes, scratch)));
     }
+    // An inline part is queued under the enqueue lock all the same, so it
+    // keeps its place in the process-wide order.
     let mut failed = None;
     let order = enqueue_lock();
     for (member, inputs, outputs, ticket, shapes) in tasks {
@@ -284,14 +294,18 @@ pub(crate) fn launch_grouped<'h>(
         let tracked = tracked.clone();
         // Recorded when the member's stream is capturing: the group refused
         // every mode that does more than queue device work (see launch).
-        let queued = client.submit_buffers_recorded(operation, inputs, outputs, move |access| {
+        let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
             let (shapes, scratch) = &shapes;
             let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, shapes, scratch, tracked.clone()));
             if let Some(t) = &tracked {
                 t.note(&result);
             }
             result
-        });
+        };
+        let queued = match inline {
+            true => client.submit_buffers_recorded_inline(operation, inputs, outputs, task),
+            false => client.submit_buffers_recorded(operation, inputs, outputs, task),
+        };
         if let Err(source) = queued {
             failed.get_or_insert(CommError::Enqueue { operation, member, device: client.device_id(), source });
         }

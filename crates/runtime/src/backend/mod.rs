@@ -81,6 +81,16 @@ pub trait HostMemory: Send + Sync {
     fn capacity(&self) -> usize;
 }
 
+/// What a backend changed on a caller's thread to run a task there
+/// ([`Backend::enter_caller`]), undone by [`Backend::leave_caller`]: on
+/// CUDA, the context that was current on the thread before.
+#[derive(Debug, Default)]
+pub struct CallerEntry {
+    /// Read by the CUDA backend alone.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) previous: usize,
+}
+
 /// One device's driver state, driven from the device's server thread.
 pub trait Backend: 'static {
     /// Name and capabilities of the device.
@@ -228,6 +238,41 @@ pub trait Backend: 'static {
 
     /// Releases what the backend keeps for a stream that has no more work.
     fn release_stream(&mut self, _stream: StreamId) {}
+
+    /// Whether a caller's thread may run this device's tasks itself, under
+    /// the device state's lock, while the device thread is idle (see
+    /// `DeviceHandle::run_inline`): true where nothing of the backend is
+    /// bound to its thread (the CPU backend: host memory; CUDA: driver
+    /// handles usable from any thread with the context current, see
+    /// [`Backend::enter_caller`]). Asked once, when the device opens.
+    fn runs_on_callers(&self) -> bool {
+        false
+    }
+
+    /// Whether a kernel launch only queues work for the device, which runs
+    /// it later (CUDA): then a caller's thread may issue it itself on an
+    /// idle device (see [`Backend::runs_on_callers`]) and still return at
+    /// once. `false`, the default, where a launch runs the kernel (the CPU
+    /// backend): run on the caller's thread it would hold the caller for
+    /// the kernel's whole run, and kernels of several devices launched by
+    /// one thread would no longer run at once. Asked once.
+    fn launches_only_queue(&self) -> bool {
+        false
+    }
+
+    /// Makes the calling thread (a caller's, not the device thread) ready
+    /// to run one task of this device: `None` when no task may run there
+    /// now, and it is queued instead (a CUDA stream capturing). Every
+    /// `Some` is handed back to [`Backend::leave_caller`] on the same
+    /// thread before the state's lock is let go.
+    fn enter_caller(&mut self) -> Option<CallerEntry> {
+        Some(CallerEntry::default())
+    }
+
+    /// Undoes [`Backend::enter_caller`] on the caller's thread.
+    fn leave_caller(&mut self, entry: CallerEntry) {
+        let _ = entry;
+    }
 
     /// Device-to-device collectives and peer access (NCCL and peer copies on
     /// CUDA); `None`, the default, where the backend has none and the

@@ -142,14 +142,17 @@ impl Client {
     }
 
     /// Reads handles to the host, after the work that writes them; waits.
-    /// Returns the error marked on any of them.
+    /// Returns the error marked on any of them. Where the device is idle
+    /// (nothing queued or running on its thread) the calling thread makes
+    /// the copy and waits for it itself, with no hand-over to the device
+    /// thread and back.
     pub fn read(&self, handles: Vec<Handle>) -> Result<Vec<Bytes>, ServerError> {
         for handle in &handles {
             self.check_owned(handle)?;
         }
         self.refuse_if_capturing("read")?;
         let stream = self.stream_id();
-        let bytes = self.device().run(stream, move |state| state.read(stream, &handles))??;
+        let bytes = self.device().run_inline_or_wait(stream, move |state| state.read(stream, &handles))??;
         Ok(bytes.into_iter().map(Bytes::from_aligned).collect())
     }
 
@@ -158,7 +161,9 @@ impl Client {
         self.check_owned(&handle)?;
         self.refuse_if_capturing("read")?;
         let stream = self.stream_id();
-        let mut bytes = self.device().run(stream, move |state| state.read(stream, std::slice::from_ref(&handle)))??;
+        let mut bytes = self
+            .device()
+            .run_inline_or_wait(stream, move |state| state.read(stream, std::slice::from_ref(&handle)))??;
         Ok(Bytes::from_aligned(bytes.pop().expect("one handle in, one read out")))
     }
 

@@ -263,6 +263,23 @@ impl Client {
         Ok(Fence { inner })
     }
 
+    /// Looks on the calling thread whether the device collectives queued on
+    /// this device ended, and ends those that did (their monitors hear it,
+    /// as when the device thread polls them), where the device is idle
+    /// (nothing queued or running on its thread, see
+    /// [`Client::submit_buffers_inline`]). Returns whether it could look;
+    /// where it could not, the device thread polls them. Never waits for
+    /// the device.
+    pub fn poll_collectives(&self) -> bool {
+        match self.device.enter_inline() {
+            Some(mut inline) => {
+                inline.state().poll_collectives();
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Counters of the device: cross-stream fences, stream syncs, launches.
     pub fn stats(&self) -> Result<DeviceStats, ServerError> {
         self.device.run(self.stream_id(), |state| state.stats)

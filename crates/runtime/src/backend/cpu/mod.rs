@@ -87,6 +87,12 @@ impl Backend for CpuBackend {
         &self.properties
     }
 
+    /// Its memory is the host's and its kernels plain functions: any
+    /// thread may run its tasks.
+    fn runs_on_callers(&self) -> bool {
+        true
+    }
+
     fn storage(&mut self) -> &mut dyn PageStorage {
         &mut self.pages
     }

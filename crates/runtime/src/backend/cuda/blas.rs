@@ -4,11 +4,12 @@
 //! library is probed (`is_culib_present`) before any call reaches cudarc's
 //! loader, which would panic.
 //!
-//! One cuBLAS handle per device thread (the thread owns the device's
-//! context), made on first use with the default math mode (full FP32, no
-//! TF32, as PyTorch's default) and released before the context is.
+//! One cuBLAS handle per device, kept by its backend (whichever thread runs
+//! a task of the device, the device thread or a caller's running it inline,
+//! has the device's context current and holds the device state's lock),
+//! made on first use with the default math mode (full FP32, no TF32, as
+//! PyTorch's default) and released before the context is.
 
-use std::cell::Cell;
 use std::sync::OnceLock;
 
 use cudarc::cublas::sys as blas;
@@ -48,18 +49,13 @@ pub fn cublas_version() -> Result<String, String> {
     }
 }
 
-thread_local! {
-    /// This device thread's cuBLAS handle (null until first used).
-    static HANDLE: Cell<blas::cublasHandle_t> = const { Cell::new(std::ptr::null_mut()) };
-}
-
-/// Destroys this thread's handle, if it made one; the device's context must
+/// Destroys the device's handle, if one was made; the device's context must
 /// still be current (the backend calls it before releasing the context).
-pub(super) fn release() {
-    let handle = HANDLE.with(|h| h.replace(std::ptr::null_mut()));
+pub(super) fn release(slot: &mut blas::cublasHandle_t) {
+    let handle = std::mem::replace(slot, std::ptr::null_mut());
     if !handle.is_null() {
-        // SAFETY: the handle was made by cublasCreate_v2 on this thread, in
-        // the context that is still current, and is destroyed once.
+        // SAFETY: the handle was made by cublasCreate_v2 in this device's
+        // context, which is still current, and is destroyed once.
         unsafe {
             let _ = blas::cublasDestroy_v2(handle);
         }
@@ -70,10 +66,10 @@ fn status_error(device: crate::DeviceId, call: &str, status: blas::cublasStatus_
     ServerError::KernelFailed { kernel: "cublas sgemm".into(), device, reason: format!("{call} returned {status:?}") }
 }
 
-fn handle(device: crate::DeviceId) -> Result<blas::cublasHandle_t, ServerError> {
-    let current = HANDLE.with(Cell::get);
-    if !current.is_null() {
-        return Ok(current);
+/// The device's handle in `slot`, made on first use.
+fn handle(device: crate::DeviceId, slot: &mut blas::cublasHandle_t) -> Result<blas::cublasHandle_t, ServerError> {
+    if !slot.is_null() {
+        return Ok(*slot);
     }
     cublas_version().map_err(|message| ServerError::Backend { backend: super::BACKEND, device, message })?;
     let mut made: blas::cublasHandle_t = std::ptr::null_mut();
@@ -83,7 +79,7 @@ fn handle(device: crate::DeviceId) -> Result<blas::cublasHandle_t, ServerError> 
     if status != blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
         return Err(status_error(device, "cublasCreate_v2", status));
     }
-    HANDLE.with(|h| h.set(made));
+    *slot = made;
     Ok(made)
 }
 
@@ -126,7 +122,7 @@ impl DeviceBlas for CudaBackend {
         let (m, n, k) = (dim(device, "m", gemm.m)?, dim(device, "n", gemm.n)?, dim(device, "k", gemm.k)?);
         let (pa, pb, pc) = (self.pages.ptr(a)?, self.pages.ptr(b)?, self.pages.ptr(c)?);
         let raw = self.raw_stream(stream)?;
-        let handle = handle(device)?;
+        let handle = handle(device, &mut self.blas_handle)?;
         // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: B
         // first. A row-major k × n B is a column-major n × k (ld n), used as
         // is; a stored n × k B is transposed (ld k). Likewise A.
@@ -141,7 +137,8 @@ impl DeviceBlas for CudaBackend {
             (blas::cublasOperation_t::CUBLAS_OP_N, k)
         };
         let (alpha, beta) = (1.0f32, if gemm.accumulate { 1.0f32 } else { 0.0 });
-        // SAFETY: the handle belongs to this thread and context; `raw` is a
+        // SAFETY: the handle belongs to this device's context, current on the
+        // thread running the task (under the state's lock); `raw` is a
         // live stream of this context; the three pointers address buffers of
         // at least the sizes the dimensions need (checked above), alive
         // until the stream's work on them ends (the runtime's pools hold

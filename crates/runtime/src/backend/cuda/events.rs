@@ -52,8 +52,9 @@ impl EventPool {
             sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
         };
         let mut event: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: the context is current on the device thread, where events
-        // are taken; the call writes one handle.
+        // SAFETY: the context is current on the thread running the device's
+        // task (its device thread, or a caller's made ready by
+        // `enter_caller`), where events are taken; the call writes one handle.
         let code = unsafe { sys::cuEventCreate(&mut event, flags) };
         if code != sys::CUresult::CUDA_SUCCESS {
             return Err(driver_error(self.device, "cuEventCreate", code));

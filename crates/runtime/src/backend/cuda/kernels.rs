@@ -105,7 +105,8 @@ impl Kernels {
             }
         };
         let mut module: sys::CUmodule = std::ptr::null_mut();
-        // SAFETY: the context is current on the device thread; `cubin` is an
+        // SAFETY: the context is current on the task's thread (the device
+        // thread, or a caller's made ready by `enter_caller`); `cubin` is an
         // image NVRTC produced (a bad one is refused with an error code).
         let code = unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr().cast()) };
         if code != sys::CUresult::CUDA_SUCCESS {
@@ -177,7 +178,8 @@ impl Kernels {
 
     fn load_cubin(&mut self, name: &str, cubin: &[u8]) -> Result<sys::CUfunction, String> {
         let mut module: sys::CUmodule = std::ptr::null_mut();
-        // SAFETY: the context is current on the device thread; `cubin` is an
+        // SAFETY: the context is current on the task's thread (the device
+        // thread, or a caller's made ready by `enter_caller`); `cubin` is an
         // image NVRTC produced (a bad one is refused with an error code).
         let code = unsafe { sys::cuModuleLoadData(&mut module, cubin.as_ptr().cast()) };
         if code != sys::CUresult::CUDA_SUCCESS {

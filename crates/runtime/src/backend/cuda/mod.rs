@@ -2,7 +2,13 @@
 //! reports a missing driver, NVRTC or device as an error naming the library.
 //!
 //! One backend per device lives on the device's server thread with the
-//! device's primary context current there. Its parts, a module each:
+//! device's primary context current there. A caller's thread may run a task
+//! of an idle device itself, under the device state's lock, with the
+//! context made current on it for the task (see `Backend::enter_caller`):
+//! the driver's handles this backend keeps (context, streams, events,
+//! modules, NCCL communicators, the cuBLAS handle) may be used from any
+//! thread that has their context current, one thread at a time, which the
+//! lock guarantees. Its parts, a module each:
 //! [`driver`](self) loading and discovery, `storage` (device pages), `pinned`
 //! (the pinned host pool) and `transfer` (staged copies), `streams`, `events`
 //! (pooled events for fences and cross-stream order), `kernels` (NVRTC and
@@ -50,7 +56,7 @@ use std::sync::Arc;
 pub use cudarc;
 use cudarc::driver::sys;
 
-use crate::backend::{Backend, Binding, DeviceCollectives, FenceWait, ResolvedGrid, TimerStart};
+use crate::backend::{Backend, Binding, CallerEntry, DeviceCollectives, FenceWait, ResolvedGrid, TimerStart};
 use crate::bytes::AlignedBytes;
 use crate::client::Client;
 use crate::device::BackendFactory;
@@ -120,6 +126,18 @@ pub fn device_page_allocations() -> u64 {
 
 static PAGE_ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// Numbers each backend opened in this process, so a caller's thread knows
+/// whether it made the context current for this backend or an earlier one
+/// of the same device (a primary context released and retained again may
+/// come back with the same handle).
+static NEXT_BACKEND: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+thread_local! {
+    /// The backend (its number) that last made its context current on this
+    /// caller's thread in `enter_caller`.
+    static ENTERED_FOR: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Devices whose context a sticky fault lost, with the fault: CUDA cannot
 /// give this process a working context on them again.
 static LOST_DEVICES: parking_lot::Mutex<Vec<(usize, String)>> = parking_lot::Mutex::new(Vec::new());
@@ -129,6 +147,10 @@ pub struct CudaBackend {
     properties: DeviceProperties,
     device: DeviceId,
     raw_device: sys::CUdevice,
+    /// The device's primary context, retained in `new`, released in `drop`.
+    ctx: sys::CUcontext,
+    /// This backend's number in the process (see [`NEXT_BACKEND`]).
+    serial: u64,
     pages: DevicePages,
     streams: Streams,
     events: EventPool,
@@ -138,6 +160,10 @@ pub struct CudaBackend {
     buffers: Vec<(sys::CUdeviceptr, u64)>,
     graphs_alive: Arc<AtomicBool>,
     nccl: nccl::NcclState,
+    /// The device's cuBLAS handle (null until first used), made in its
+    /// context by whichever thread runs the first product, destroyed in
+    /// `drop` while the context lives.
+    blas_handle: cudarc::cublas::sys::cublasHandle_t,
     /// The sticky fault that lost the context, returned by every later call.
     lost: Option<ServerError>,
 }
@@ -189,6 +215,8 @@ impl CudaBackend {
             },
             device,
             raw_device: info.raw,
+            ctx,
+            serial: NEXT_BACKEND.fetch_add(1, Ordering::Relaxed),
             pages: DevicePages::new(device),
             streams: Streams::new(device),
             events: EventPool::new(device, ctx, false),
@@ -198,6 +226,7 @@ impl CudaBackend {
             buffers: Vec::new(),
             graphs_alive: Arc::new(AtomicBool::new(true)),
             nccl: nccl::NcclState::default(),
+            blas_handle: std::ptr::null_mut(),
             lost: None,
         })
     }
@@ -582,6 +611,51 @@ impl Backend for CudaBackend {
         self.settle_all_collectives();
     }
 
+    fn runs_on_callers(&self) -> bool {
+        true
+    }
+
+    fn launches_only_queue(&self) -> bool {
+        true
+    }
+
+    /// Makes the device's primary context current on the caller's thread
+    /// (one `cuCtxGetCurrent` when it already is: a thread that calls again
+    /// keeps it current from the last call). A thread that had another
+    /// context current gets it back in `leave_caller`; one that had none
+    /// keeps this one, so the next call finds it. `None` (queue instead)
+    /// while a stream of the device is capturing, so a capture sees its
+    /// work from the device thread alone, and once the context is lost.
+    fn enter_caller(&mut self) -> Option<CallerEntry> {
+        if self.lost.is_some() || self.streams.any_capturing() {
+            return None;
+        }
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes the calling thread's current context (null if none).
+        if unsafe { sys::cuCtxGetCurrent(&mut current) } != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let entered = ENTERED_FOR.with(|e| e.get());
+        if current == self.ctx && entered == self.serial {
+            return Some(CallerEntry::default());
+        }
+        driver::set_current(self.device, self.ctx).ok()?;
+        ENTERED_FOR.with(|e| e.set(self.serial));
+        // A thread that had this same context current (set by its own
+        // code, or by an earlier backend of the device) keeps it.
+        let previous = if current == self.ctx { 0 } else { current as usize };
+        Some(CallerEntry { previous })
+    }
+
+    fn leave_caller(&mut self, entry: CallerEntry) {
+        if entry.previous != 0 {
+            // SAFETY: the context that was current on this thread when the
+            // task began, put back as it was (its owner keeps it alive: it
+            // was current on this thread until a moment ago).
+            let _ = unsafe { sys::cuCtxSetCurrent(entry.previous as sys::CUcontext) };
+        }
+    }
+
     fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
         Some(self)
     }
@@ -608,7 +682,7 @@ impl Drop for CudaBackend {
         if self.lost.is_none() {
             self.nccl.close();
         }
-        blas::release();
+        blas::release(&mut self.blas_handle);
         self.kernels.release_all();
         self.streams.release_all();
         self.events.close();

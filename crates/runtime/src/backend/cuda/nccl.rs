@@ -3,9 +3,12 @@
 //! that turns NCCL's asynchronous errors and timeouts into errors on the
 //! collective's destinations.
 //!
-//! A communicator is created on the device thread the first time a part of
-//! its device set runs here (`ncclCommInitRank` with the set's shared id;
-//! it returns once every member called it). The communication layer queues
+//! A communicator is created the first time a part of its device set runs
+//! here (`ncclCommInitRank` with the set's shared id; it returns once every
+//! member called it), on the thread running the part: the device thread,
+//! or for a one-rank set the caller's, which may run a part of an idle
+//! device itself (see `Backend::enter_caller`; a one-rank creation waits
+//! for no one). The communication layer queues
 //! every member's part under one process-wide order and meets its members on
 //! the host before the first call, so those calls always meet.
 //!

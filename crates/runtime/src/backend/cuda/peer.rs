@@ -58,7 +58,8 @@ pub(crate) fn share(backend: &mut CudaBackend) -> Result<Vec<DeviceId>, ServerEr
     let device = backend.device;
     let count = super::driver::device_count()?;
     let mut own: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: the device thread has this device's context current.
+    // SAFETY: the task's thread (the device thread, or a caller's made
+    // ready by `enter_caller`) has this device's context current.
     check(device, "cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut own) })?;
     let mut reached = Vec::new();
     for index in 0..count as u32 {

@@ -230,7 +230,7 @@ impl CudaBackend {
         if !self.nccl.peer.sets.contains_key(&set) {
             let device = self.device;
             let mut arena: sys::CUdeviceptr = 0;
-            // SAFETY: context current on the device thread; writes one address.
+            // SAFETY: context current on the task's thread; writes one address.
             let code = unsafe { sys::cuMemAlloc_v2(&mut arena, PEER_ARENA_BYTES as usize) };
             if code != sys::CUresult::CUDA_SUCCESS {
                 return Err(driver_error(device, "cuMemAlloc (peer arena)", code));

@@ -120,7 +120,7 @@ impl PinnedPool {
                 let event = live.event.expect("a pending block has an event").0;
                 drop(inner);
                 // SAFETY: the event belongs to this pool and was recorded; the
-                // device thread (the caller) has the context current.
+                // task's thread (the caller) has the context current.
                 let code = unsafe { sys::cuEventSynchronize(event) };
                 if code != sys::CUresult::CUDA_SUCCESS {
                     return Err(driver_error(self.shared.device, "cuEventSynchronize (pinned block)", code));
@@ -139,8 +139,8 @@ impl PinnedPool {
         if ptr.is_null() {
             return Ok(None);
         }
-        // SAFETY: `ptr` holds `size` bytes we own; the device thread has the
-        // context current.
+        // SAFETY: `ptr` holds `size` bytes we own; the task's thread (device
+        // thread or inline caller) has the context current.
         let code = unsafe { sys::cuMemHostRegister_v2(ptr.cast(), size, sys::CU_MEMHOSTREGISTER_PORTABLE) };
         if code != sys::CUresult::CUDA_SUCCESS {
             // SAFETY: allocated just above with this layout.
@@ -197,7 +197,7 @@ impl PinnedPool {
             None => {
                 let mut event: sys::CUevent = std::ptr::null_mut();
                 let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                // SAFETY: device thread, context current; writes one handle.
+                // SAFETY: the task's thread, context current; writes one handle.
                 let code = unsafe { sys::cuEventCreate(&mut event, flags) };
                 if code != sys::CUresult::CUDA_SUCCESS {
                     return Err(driver_error(self.shared.device, "cuEventCreate", code));

@@ -65,8 +65,9 @@ impl Streams {
             let mut raw: sys::CUstream = std::ptr::null_mut();
             let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
             let code = match stream.priority() {
-                // SAFETY: the device's context is current on this thread (set
-                // when the backend was built); the call writes one handle.
+                // SAFETY: the device's context is current on this thread (the
+                // device thread since the backend was built, or a caller's
+                // made ready by `enter_caller`); the call writes one handle.
                 StreamPriority::Normal => unsafe { sys::cuStreamCreate(&mut raw, flags) },
                 StreamPriority::High => {
                     let priority = self.greatest_priority()?;

@@ -87,7 +87,7 @@ impl Staging {
             })?;
             let mut event: sys::CUevent = std::ptr::null_mut();
             let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-            // SAFETY: device thread, context current; writes one handle.
+            // SAFETY: the task's thread, context current; writes one handle.
             check(self.device, "cuEventCreate", unsafe { sys::cuEventCreate(&mut event, flags) })?;
             self.ring.push(Slot { block, event: SendPtr(event), pending: false });
         }
