@@ -66,8 +66,14 @@ impl RankEnv {
     }
 }
 
-/// How long a node relay may take to connect to the store (up already).
-const RELAY_CONNECT: Duration = Duration::from_secs(30);
+/// How long a node relay may take to join the store: as long as its ranks
+/// would wait to connect to it themselves (`--timeout`, else
+/// `COHORT_TIMEOUT`, else its default), so a store that stalls a while
+/// (stopped, swapping) is joined once it answers.
+fn relay_join_limit(cfg: &JobConfig) -> Duration {
+    // The launcher checked every COHORT_* variable before it started.
+    cfg.timeout.unwrap_or_else(|| config::TIMEOUT.get().unwrap_or(config::TIMEOUT.fallback))
+}
 
 /// Relay sockets each rank gets: its communicator's store connection, the
 /// heartbeat's second connection and NCCL's (a rank that needs more
@@ -78,16 +84,17 @@ pub const RELAY_SOCKETS_PER_RANK: usize = 3;
 /// and `COHORT_STORE_RELAY` is not 0: the relay and each local rank's ends
 /// of its socket pairs ([`RELAY_SOCKETS_PER_RANK`] each), by local rank.
 /// The relay joins the store on its own thread while the ranks start
-/// ([`StoreRelay::spawn`]); a store it cannot join is each rank's first
-/// answer, naming the store. Without a relay (or when it cannot start,
-/// which is logged) the ranks connect to the store themselves.
+/// ([`StoreRelay::spawn`], retrying for as long as the ranks would wait
+/// themselves); a store it cannot join is each rank's first answer, naming
+/// the store. Without a relay (or when its socket pairs or thread cannot be
+/// made, which is logged) the ranks connect to the store themselves.
 pub fn start_relay(cfg: &JobConfig, env: &RankEnv) -> (Option<StoreRelay>, Vec<Vec<UnixStream>>) {
     // The launcher checked every COHORT_* variable before it started.
     if cfg.nproc < 2 || !config::STORE_RELAY.get().unwrap_or(true) {
         return (None, Vec::new());
     }
     let per_rank = RELAY_SOCKETS_PER_RANK;
-    match StoreRelay::spawn(&env.store_addr, &cfg.secret, cfg.nproc * per_rank, RELAY_CONNECT) {
+    match StoreRelay::spawn(&env.store_addr, &cfg.secret, cfg.nproc * per_rank, relay_join_limit(cfg)) {
         Ok((relay, ends)) => {
             let mut ends = ends.into_iter();
             let by_rank = (0..cfg.nproc).map(|_| ends.by_ref().take(per_rank).collect()).collect();

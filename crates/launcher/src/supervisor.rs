@@ -117,8 +117,8 @@ pub fn run_attempt(
     let mut ranks: Vec<RankProc> = Vec::with_capacity(cfg.nproc);
     let mut reason: Option<Reason> = None;
     let activity = output::Activity::default();
-    // The node's ranks reach the store through one relay (its connection
-    // made before they start); it lives until they have all exited.
+    // The node's ranks reach the store through one relay (it joins the
+    // store while they start); it lives until they have all exited.
     let (relay, mut ends) = spawn::start_relay(cfg, env);
 
     // Events that come while ranks are still being started: a signal or a

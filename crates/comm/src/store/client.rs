@@ -641,7 +641,23 @@ fn exchange(
         }
     }
     sent.map_err(Failed::Io)?;
-    bodies.iter().map(|_| protocol::read_frame(stream).map_err(Failed::Io)).collect()
+    let relayed = matches!(&*stream, Socket::Unix(_));
+    let mut answers = Vec::with_capacity(bodies.len());
+    for _ in bodies {
+        match protocol::read_frame(stream) {
+            Ok(answer) => answers.push(answer),
+            // A relay that lost the store answers the first request it could
+            // not pass on with a refusal saying why, then closes this rank's
+            // end: that refusal is the answer, not the end of stream.
+            Err(e) if relayed && answers.iter().any(|a| matches!(Response::decode(a), Ok(Response::Refused(_)))) => {
+                tracing::debug!(error = %e, "the store relay closed this rank's socket");
+                conn.broken = true;
+                return Ok(answers);
+            }
+            Err(e) => return Err(Failed::Io(e)),
+        }
+    }
+    Ok(answers)
 }
 
 /// The relay sockets the launcher gave this process (`COHORT_STORE_FD`)

@@ -28,7 +28,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mio::net::{TcpStream, UnixStream as MioUnixStream};
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -48,10 +48,19 @@ const FIRST_RANK: usize = 2;
 /// fits a frame once tagged with its session.
 pub const MAX_RELAYED_FRAME: usize = MAX_FRAME - SESSION_OVERHEAD;
 
-/// Connections the store may drop before its verdict on the relay's proof
-/// (it sheds handshakes past [`MAX_UNAUTHENTICATED`](super::MAX_UNAUTHENTICATED))
-/// before [`StoreRelay::start`] gives up.
-const HANDSHAKE_TRIES: u32 = 6;
+/// The longest one try at joining the store may take (connecting, the
+/// greeting, the verdict) before the relay gives it up and connects again,
+/// while its time lasts: a store that stalls (stopped, swapping) is joined
+/// once it answers, and a relay dropped while it joins stops within this.
+const JOIN_TRY: Duration = Duration::from_secs(10);
+
+/// The longest pause between two tries at joining the store.
+const JOIN_BACKOFF_MAX: Duration = Duration::from_millis(100);
+
+/// How long a stopping relay waits to pass on the whole requests of ranks
+/// that exited ([`StoreRelay::rank_exited`]) before it closes its
+/// connection.
+const STOP_FLUSH: Duration = Duration::from_secs(1);
 
 /// Bytes the relay holds for the store, unwritten, before it stops reading
 /// the ranks (the kernel holds what they send meanwhile).
@@ -70,9 +79,13 @@ const READ_TURN: usize = 64 << 10;
 const EXIT_READ_MAX: usize = 16 << 20;
 
 /// A node relay of the rendezvous store: one thread, one connection to the
-/// store, one socket pair per local rank. Dropping it stops the thread and
-/// closes the connection (the store then sets the wills of the sessions
-/// still open).
+/// store, one socket pair per local rank. Dropping it stops the thread,
+/// which first passes on the whole requests of ranks that exited (waiting up
+/// to [`STOP_FLUSH`] for its connection to take them), then closes the
+/// connection (the store then sets the wills of the sessions still open)
+/// and the ranks' ends. A relay dropped while it still joins the store
+/// ([`StoreRelay::spawn`]) returns at once; its thread stops at the end of
+/// the try under way (at most [`JOIN_TRY`]).
 pub struct StoreRelay {
     addr: String,
     stop: Arc<AtomicBool>,
@@ -104,10 +117,11 @@ impl StoreRelay {
     /// The ends are close-on-exec: the launcher clears that on the one end
     /// each child inherits. Waits for the store's verdict on the proof (one
     /// round trip); a connection the store drops before its verdict (it
-    /// sheds handshakes when too many clients are in one) is made again, up
-    /// to six times in all. Fails when the store cannot be
-    /// reached within `timeout`, or keeps dropping the connection
-    /// ([`StoreError::HandshakeDropped`]); a store that refuses the secret
+    /// sheds handshakes when too many clients are in one), or that gets no
+    /// answer within [`JOIN_TRY`], is made again until `timeout` passes.
+    /// Fails when the store cannot be reached within `timeout`, keeps
+    /// dropping the connection ([`StoreError::HandshakeDropped`]) or does not
+    /// answer ([`StoreError::Unresponsive`]); a store that refuses the secret
     /// (or cannot prove it holds it) is reported to every rank as the answer
     /// to its first request. [`StoreRelay::spawn`] returns without waiting.
     pub fn start(
@@ -118,7 +132,7 @@ impl StoreRelay {
     ) -> Result<(StoreRelay, Vec<UnixStream>)> {
         let secret = secret.as_ref();
         let (mut relay, ends, opens) = Relay::prepare(addr, secret, ranks)?;
-        let joined = join_store(addr, secret, timeout, &opens)?;
+        let joined = join_store(addr, secret, timeout, &opens, &AtomicBool::new(false))?;
         relay.attach(joined)?;
         let handle = relay.handle(Arc::new(AtomicBool::new(true)));
         let thread = std::thread::Builder::new()
@@ -137,8 +151,9 @@ impl StoreRelay {
     /// relay's handshake is under way. When the store cannot be joined
     /// within `timeout` (or refuses the secret), every rank gets a refusal
     /// saying why as the answer to its first request, and its end is
-    /// closed. Fails only when the socket pairs or the thread cannot be
-    /// made.
+    /// closed. Fails (before anything starts) on an empty secret, more ranks
+    /// than sessions can number, or when the socket pairs, their poll or the
+    /// thread cannot be made.
     pub fn spawn(
         addr: &str,
         secret: impl AsRef<[u8]>,
@@ -166,7 +181,7 @@ impl StoreRelay {
     }
 
     /// Says that the process given `ends` (indices into the ends
-    /// [`StoreRelay::start`] returned) exited: the relay passes on the
+    /// [`StoreRelay::start`] or [`StoreRelay::spawn`] returned) exited: the relay passes on the
     /// whole requests it had sent, then closes those ends and their
     /// sessions (the store withdraws them from their barriers and sets
     /// their wills), without waiting for the ends to close. A process the
@@ -186,61 +201,104 @@ fn relay_error(what: &str, e: io::Error) -> StoreError {
 
 /// Connects to the store, proves `secret`, sends `opens` behind the proof
 /// and reads the verdict. Returns the connection and, when the store
-/// refused the proof (or could not prove its own), why. A connection
-/// closed before the verdict is made again (the store ran nothing sent
-/// behind the proof), [`HANDSHAKE_TRIES`] times in all.
+/// refused the proof (or could not prove its own), why. A try that the
+/// store drops before its verdict (the store ran nothing sent behind the
+/// proof: it sheds handshakes when too many clients are in one), or that
+/// gets no answer within [`JOIN_TRY`], is made again until `timeout`
+/// passes; so is a store not reachable yet. Gives up early when `stop` is
+/// set (checked between tries).
 fn join_store(
     addr: &str,
     secret: &[u8],
     timeout: Duration,
     opens: &[u8],
+    stop: &AtomicBool,
 ) -> Result<(std::net::TcpStream, Option<String>)> {
-    let deadline = std::time::Instant::now() + timeout;
-    let mut tries = 0;
+    let deadline = Instant::now() + timeout;
+    let mut tries = 0u32;
+    let mut backoff = Duration::from_millis(1);
     loop {
+        if stop.load(Ordering::SeqCst) {
+            return Err(StoreError::Relay("the store relay was stopped before it joined the store".into()));
+        }
         tries += 1;
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        // The opens go in the proof's write.
-        let (mut stream, nonces) = connect_authenticated(&addr, addr, secret, left, Verify::WithFirstAnswer, opens)?;
-        let hs = nonces.expect("the verdict is left to read");
-        // At least a moment for the verdict, however little of `timeout` is left.
-        let by = deadline.max(std::time::Instant::now() + Duration::from_millis(50));
-        let verdict = protocol::read_frame_by(&mut stream, protocol::PREAUTH_MAX_FRAME, by);
-        let error = match verdict {
-            Ok(body) => {
-                let verdict = protocol::read_verdict(secret, &hs.client_nonce, &hs.server_nonce, &body);
-                match super::client::verdict_result(verdict, addr) {
-                    Ok(()) => {
-                        stream
-                            .set_read_timeout(None)
-                            .map_err(|e| StoreError::Disconnected { addr: addr.into(), source: e })?;
-                        return Ok((stream, None));
-                    }
-                    Err(refused) => refused,
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                StoreError::Protocol { addr: addr.to_string(), detail: e.to_string() }
-            }
-            Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
-                return Err(StoreError::Unresponsive { addr: addr.to_string(), waited: timeout });
-            }
-            Err(e) if !super::client::dropped(&e) => {
-                return Err(StoreError::Disconnected { addr: addr.to_string(), source: e });
-            }
-            Err(e) => {
-                // Dropped before its verdict (an end of stream or a reset):
-                // nothing behind the proof ran; connect again.
-                if tries >= HANDSHAKE_TRIES || std::time::Instant::now() >= deadline {
-                    return Err(StoreError::HandshakeDropped { addr: addr.to_string(), tries });
-                }
-                tracing::debug!(addr, error = %e, "the store dropped the relay's connection before its verdict; connecting again");
-                std::thread::sleep(Duration::from_millis(1 << tries));
-                continue;
-            }
+        let this_try = deadline.saturating_duration_since(Instant::now()).min(JOIN_TRY);
+        let again = match try_join(addr, secret, this_try, opens) {
+            Ok(joined) => return Ok(joined),
+            Err(JoinAttempt::Fatal(e)) => return Err(e),
+            Err(JoinAttempt::Again(e)) => e,
         };
-        return Ok((stream, Some(format!("the store relay could not join the store: {error}"))));
+        if Instant::now() >= deadline {
+            return Err(match again {
+                JoinFailure::Dropped => StoreError::HandshakeDropped { addr: addr.to_string(), tries },
+                JoinFailure::Unresponsive => StoreError::Unresponsive { addr: addr.to_string(), waited: timeout },
+                JoinFailure::Unreachable(e) => e,
+            });
+        }
+        tracing::debug!(addr, tries, failure = ?again, "the store relay could not join the store yet; trying again");
+        std::thread::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())));
+        backoff = (backoff * 2).min(JOIN_BACKOFF_MAX);
     }
+}
+
+/// Why one try at joining the store is worth another.
+#[derive(Debug)]
+enum JoinFailure {
+    /// The store closed the connection before its verdict.
+    Dropped,
+    /// No greeting or verdict within the try's time.
+    Unresponsive,
+    /// The store could not be reached within the try's time.
+    Unreachable(StoreError),
+}
+
+enum JoinAttempt {
+    Again(JoinFailure),
+    Fatal(StoreError),
+}
+
+/// One try of [`join_store`], within `within`.
+fn try_join(
+    addr: &str,
+    secret: &[u8],
+    within: Duration,
+    opens: &[u8],
+) -> std::result::Result<(std::net::TcpStream, Option<String>), JoinAttempt> {
+    // The opens go in the proof's write.
+    let (mut stream, nonces) = match connect_authenticated(&addr, addr, secret, within, Verify::WithFirstAnswer, opens)
+    {
+        Ok(connected) => connected,
+        Err(e @ StoreError::Connect { .. }) => return Err(JoinAttempt::Again(JoinFailure::Unreachable(e))),
+        Err(e) => return Err(JoinAttempt::Fatal(e)),
+    };
+    let hs = nonces.expect("the verdict is left to read");
+    // At least a moment for the verdict, however little of the try is left.
+    let by = (Instant::now() + within).max(Instant::now() + Duration::from_millis(50));
+    let error = match protocol::read_frame_by(&mut stream, protocol::PREAUTH_MAX_FRAME, by) {
+        Ok(body) => {
+            let verdict = protocol::read_verdict(secret, &hs.client_nonce, &hs.server_nonce, &body);
+            match super::client::verdict_result(verdict, addr) {
+                Ok(()) => {
+                    stream
+                        .set_read_timeout(None)
+                        .map_err(|e| JoinAttempt::Fatal(StoreError::Disconnected { addr: addr.into(), source: e }))?;
+                    return Ok((stream, None));
+                }
+                Err(refused) => refused,
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+            StoreError::Protocol { addr: addr.to_string(), detail: e.to_string() }
+        }
+        Err(e) if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
+            return Err(JoinAttempt::Again(JoinFailure::Unresponsive));
+        }
+        Err(e) if !super::client::dropped(&e) => {
+            return Err(JoinAttempt::Fatal(StoreError::Disconnected { addr: addr.to_string(), source: e }));
+        }
+        Err(_) => return Err(JoinAttempt::Again(JoinFailure::Dropped)),
+    };
+    Ok((stream, Some(format!("the store relay could not join the store: {error}"))))
 }
 
 /// A node relay whose ranks' ends exist ([`StoreRelay::prepare`]) but
@@ -269,10 +327,11 @@ impl UnjoinedRelay {
         let joined = Arc::new(AtomicBool::new(false));
         let handle = relay.handle(joined.clone());
         let at = relay.addr.clone();
+        let stop = relay.stop.clone();
         let thread = std::thread::Builder::new()
             .name("cohort-store-relay".into())
             .spawn(move || {
-                let attached = join_store(&at, &secret, timeout, &opens).and_then(|j| relay.attach(j));
+                let attached = join_store(&at, &secret, timeout, &opens, &stop).and_then(|j| relay.attach(j));
                 joined.store(true, Ordering::SeqCst);
                 if let Err(e) = attached {
                     relay.fail_ranks(&format!("the store relay could not join the store: {e}"));
@@ -487,15 +546,12 @@ impl Relay {
         let mut up_readable = true;
         loop {
             if self.stop.load(Ordering::SeqCst) {
+                // What ranks that exited had sent still reaches the store.
+                self.close_exited();
+                self.flush_before_stop();
                 return;
             }
-            let exited = std::mem::take(&mut *self.exited.lock());
-            for i in exited {
-                if self.locals.get(i).is_some_and(Option::is_some) {
-                    self.pass_requests(i, true);
-                    self.close_rank(i);
-                }
-            }
+            self.close_exited();
             for i in 0..self.locals.len() {
                 self.pass_requests(i, false);
             }
@@ -551,6 +607,35 @@ impl Relay {
                     }
                 }
             }
+        }
+    }
+
+    /// Passes on the whole requests of the ranks that exited
+    /// ([`StoreRelay::rank_exited`]), then closes their ends and sessions.
+    fn close_exited(&mut self) {
+        let exited = std::mem::take(&mut *self.exited.lock());
+        for i in exited {
+            if self.locals.get(i).is_some_and(Option::is_some) {
+                self.pass_requests(i, true);
+                self.close_rank(i);
+            }
+        }
+    }
+
+    /// Writes what is left for the store before the relay stops, waiting
+    /// up to [`STOP_FLUSH`] for the socket to take it.
+    fn flush_before_stop(&mut self) {
+        let until = Instant::now() + STOP_FLUSH;
+        let mut events = Events::with_capacity(8);
+        while let Some(up) = &mut self.upstream {
+            if flush(&mut up.stream, &mut up.output, &mut up.written).is_err() || up.written >= up.output.len() {
+                return;
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            let _ = self.poll.poll(&mut events, Some(left.min(Duration::from_millis(10))));
         }
     }
 

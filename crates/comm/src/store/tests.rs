@@ -1548,6 +1548,12 @@ fn store_relay_spawned_or_prepared_joins_the_store_behind_its_ranks_first_reques
         let msg = c.set("k", b"v").unwrap_err().to_string();
         assert!(msg.contains("could not join the store") && msg.contains(&gone), "{msg}");
     }
+    // A batch sent to a relay that could not join gets the reason too, not
+    // the end of stream behind the refusal of its first request.
+    let (_none, mut ends) = StoreRelay::spawn(&gone, SECRET, 1, Duration::from_millis(200)).unwrap();
+    let c = StoreClient::over_relay(ends.remove(0), &gone, SECRET, T).unwrap();
+    let msg = c.append_each(&[("a", b"1"), ("b", b"2")]).unwrap_err().to_string();
+    assert!(msg.contains("could not join the store") && msg.contains(&gone), "{msg}");
     assert!(matches!(StoreRelay::spawn(&addr, "", 1, T), Err(StoreError::EmptySecret)));
     // Dropping a relay still joining a store that never answers returns at
     // once (its thread stops when its handshake gives up).
@@ -1607,11 +1613,66 @@ fn store_relay_connects_again_when_the_store_drops_it_before_its_verdict() {
         ends.into_iter().map(|e| StoreClient::over_relay(e, &proxy, SECRET, T).unwrap()).collect();
     assert_eq!(ranks[0].add("n", 1).unwrap(), 1);
     assert_eq!(ranks[1].add("n", 1).unwrap(), 2);
-    // A store that keeps dropping it: starting fails, saying so.
-    let proxy = dropping_proxy(s.local_addr(), vec![false; 16]).to_string();
-    let err = StoreRelay::start(&proxy, SECRET, 1, T).unwrap_err();
+    // Dropped many times (more than a client's own retries): it goes on
+    // connecting while its time lasts, and its ranks are served.
+    let proxy = dropping_proxy(s.local_addr(), vec![false; 8]).to_string();
+    let (_relay, mut ends) = StoreRelay::spawn(&proxy, SECRET, 1, T).unwrap();
+    let rank = StoreClient::over_relay(ends.remove(0), &proxy, SECRET, T).unwrap();
+    assert_eq!(rank.add("n", 1).unwrap(), 3);
+    // A store that keeps dropping it: starting fails when its time is up,
+    // saying so.
+    let proxy = dropping_proxy(s.local_addr(), vec![false; 10_000]).to_string();
+    let err = StoreRelay::start(&proxy, SECRET, 1, Duration::from_millis(800)).unwrap_err();
     assert!(matches!(err, StoreError::HandshakeDropped { .. }), "{err}");
     assert!(err.to_string().contains(&proxy), "{err}");
+}
+
+/// A proxy to `store` that holds every connection `delay` before it passes
+/// anything either way.
+fn delaying_proxy(store: std::net::SocketAddr, delay: Duration) -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(client) = conn else { return };
+            std::thread::spawn(move || {
+                std::thread::sleep(delay);
+                let Ok(upstream) = std::net::TcpStream::connect(store) else { return };
+                let (mut c2, mut u2) = (client.try_clone().unwrap(), upstream.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut c2, &mut u2);
+                    let _ = u2.shutdown(std::net::Shutdown::Write);
+                });
+                let (mut upstream, mut client) = (upstream, client);
+                let _ = std::io::copy(&mut upstream, &mut client);
+                let _ = client.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn a_relay_dropped_while_it_joins_still_passes_on_what_exited_ranks_sent() {
+    // The launcher's attempt ends (every rank exited, the relay dropped)
+    // before a slow store let the relay in: the whole requests the ranks
+    // had sent still reach the store once it does.
+    let s = server();
+    let proxy = delaying_proxy(s.local_addr(), Duration::from_millis(500)).to_string();
+    let (relay, mut ends) = StoreRelay::spawn(&proxy, SECRET, 1, T).unwrap();
+    let rank = StoreClient::over_relay(ends.remove(0), &proxy, SECRET, T).unwrap();
+    let sent = std::thread::spawn(move || rank.set("last words", b"sent before the join"));
+    std::thread::sleep(Duration::from_millis(100));
+    relay.rank_exited(0..1);
+    drop(relay);
+    let direct = client(&s);
+    let began = std::time::Instant::now();
+    while direct.get("last words").unwrap().is_none() && began.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(direct.get("last words").unwrap().as_deref(), Some(&b"sent before the join"[..]));
+    // The rank's own wait ends (its end is closed), it does not hang.
+    let _ = sent.join().unwrap();
 }
 
 #[test]
