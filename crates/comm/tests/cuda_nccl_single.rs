@@ -298,4 +298,14 @@ fn a_collective_on_an_idle_device_is_queued_by_the_callers_thread() {
     work.wait().unwrap();
     assert_eq!(ran_inline(), before, "the collective behind the held task ran inline");
     assert_eq!(device.read_one(dst).unwrap().to_elems::<f32>(), host);
+
+    // A barrier waits for the device's work: never on the caller's thread,
+    // which would hold the device and the process-wide enqueue order while
+    // it waits.
+    for _ in 0..20 {
+        device.sync().unwrap();
+        let before = ran_inline();
+        group.barrier().unwrap();
+        assert_eq!(ran_inline(), before, "a barrier ran on the caller's thread");
+    }
 }

@@ -131,7 +131,11 @@ impl StateCell {
 /// running.
 pub(crate) struct Inline<'a> {
     handle: &'a DeviceHandle,
-    guard: parking_lot::MutexGuard<'a, Option<DeviceState>>,
+    /// Held while the state is lent; the state is reached through `state`.
+    _guard: parking_lot::MutexGuard<'a, Option<DeviceState>>,
+    /// The state inside the guard, as `EXCLUSIVE_STATE` holds it: the task
+    /// and the calls nested in it all reach it through this one pointer.
+    state: *mut DeviceState,
     entry: Option<crate::backend::CallerEntry>,
     previous: (Option<ServiceId>, *mut DeviceState),
 }
@@ -139,7 +143,10 @@ pub(crate) struct Inline<'a> {
 impl Inline<'_> {
     /// The device state, for the task.
     pub(crate) fn state(&mut self) -> &mut DeviceState {
-        self.guard.as_mut().expect("checked in enter_inline")
+        // SAFETY: `state` points into the locked guard, held as long as
+        // `self`; like `EXCLUSIVE_STATE`, from which calls nested in the
+        // task reach it on this thread only, strictly nested.
+        unsafe { &mut *self.state }
     }
 }
 
@@ -302,7 +309,7 @@ impl DeviceHandle {
         // held (restored when it drops, on return or unwind), during which
         // nothing else uses the state but the task and the calls nested in
         // it on this thread, as on the server thread inside `exclusive`.
-        Some(Inline { handle: self, guard, entry: Some(entry), previous })
+        Some(Inline { handle: self, _guard: guard, state, entry: Some(entry), previous })
     }
 
     /// Runs `task` on the calling thread, as the server thread would run it
@@ -350,8 +357,9 @@ impl DeviceHandle {
             let state = EXCLUSIVE_STATE.with(|s| s.get());
             if !state.is_null() {
                 // SAFETY: the pointer is set only while `exclusive` runs its
-                // closure on this thread, during which no other reference to
-                // the state is in use; calls nest strictly on this thread.
+                // closure on this thread, or while a task runs inline on it
+                // (`enter_inline`), during which the state is reached only
+                // through this pointer; calls nest strictly on this thread.
                 run_caught(unsafe { &mut *state }, stream, Box::new(task));
                 return Ok(());
             }
@@ -366,9 +374,10 @@ impl DeviceHandle {
     /// once; failures mark the launch's buffers. Where launches only queue
     /// work (CUDA) and the device is idle ([`DeviceHandle::enter_inline`]),
     /// the calling thread queues it on the device itself, as the device
-    /// thread would have (compiling the kernel there the first time). Not a
-    /// launch whose grid is read from a buffer: that read waits for the
-    /// stream, which the caller's thread must not.
+    /// thread would have. Not the first launch of a kernel (its compile
+    /// runs on the device thread, so launches on several devices compile
+    /// at once), nor a launch whose grid is read from a buffer: that read
+    /// waits for the stream, which the caller's thread must not.
     pub fn submit_launch(&self, stream: StreamId, launch: RecordedLaunch) -> Result<(), ServerError> {
         if self.on_server_thread() && !EXCLUSIVE_STATE.with(|s| s.get()).is_null() {
             return self.submit(stream, move |state| {
@@ -378,9 +387,11 @@ impl DeviceHandle {
         let inline = self.inline_launches && matches!(launch.grid, crate::kernel::GridCount::Static(..));
         if let Some(mut inline) = inline.then(|| self.enter_inline()).flatten() {
             let state = inline.state();
-            state.stats.inline_tasks += 1;
-            run_launch(state, stream, launch);
-            return Ok(());
+            if state.backend.kernel_ready(&launch.kernel) {
+                state.stats.inline_tasks += 1;
+                run_launch(state, stream, launch);
+                return Ok(());
+            }
         }
         if self.is_closed() {
             return Err(self.closed_error());
@@ -407,8 +418,9 @@ impl DeviceHandle {
                     ),
                 });
             }
-            // SAFETY: as in `submit`: set only during `exclusive`, no other
-            // reference is live while this nested call runs.
+            // SAFETY: as in `submit`: set only during `exclusive` or an
+            // inline task, the state reached only through this pointer,
+            // calls nested strictly on this thread.
             let state = unsafe { &mut *state };
             return catch_unwind(AssertUnwindSafe(|| task(state)))
                 .map_err(|p| ServerError::TaskPanicked { device, message: panic_message(p.as_ref()) });

@@ -284,6 +284,7 @@ fn an_idle_device_runs_launches_and_reads_on_the_callers_thread_in_order() {
     // in that moment: a few tries.
     let inline = (0..20).any(|_| {
         let x = client.create(Bytes::from_elems(&start));
+        let small = client.create(Bytes::from_elems(&start[..16]));
         client.sync().unwrap();
         let before = client.stats().unwrap().inline_tasks;
         for _ in 0..20 {
@@ -291,11 +292,54 @@ fn an_idle_device_runs_launches_and_reads_on_the_callers_thread_in_order() {
                 .launch(&scale, GridCount::cover(n, 256), KernelArguments::new().buffer(&x).scalar(Scalar::F32(1.5)))
                 .unwrap();
         }
+        client
+            .launch(&scale, GridCount::cover(16, 256), KernelArguments::new().buffer(&small).scalar(Scalar::F32(2.0)))
+            .unwrap();
+        // A small read runs on the caller's thread, behind the 20 launches
+        // still running; the 16 MiB one goes to the device thread (a large
+        // read's host copies may use rayon's pool).
+        let got_small = client.read_one(small).unwrap().to_elems::<f32>();
+        let counted = client.stats().unwrap().inline_tasks;
         let got = client.read_one(x).unwrap().to_elems::<f32>();
         assert!(got == expected, "a read after 20 launches saw {} (want {})", got[1], expected[1]);
-        client.stats().unwrap().inline_tasks >= before + 21
+        let want_small: Vec<f32> = start[..16].iter().map(|v| v * 2.0).collect();
+        assert_eq!(got_small, want_small);
+        assert_eq!(client.stats().unwrap().inline_tasks, counted, "a 16 MiB read ran on the caller's thread");
+        counted >= before + 22
     });
-    assert!(inline, "20 launches and a read on an idle CUDA device never all ran on the caller's thread");
+    assert!(inline, "21 launches and a small read on an idle CUDA device never all ran on the caller's thread");
+}
+
+/// The first launch of a kernel compiles it on the device thread (a caller
+/// launching on several devices does not compile them one after another);
+/// later launches of it run on the caller's thread.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn the_first_launch_of_a_kernel_compiles_on_the_device_thread() {
+    let _serial = serial();
+    let client = client().with_stream(StreamId::fresh());
+    // A kernel of its own (a fresh id): nothing compiled it yet.
+    let kernel = Kernel::new("add_one").with_cuda(
+        r#"extern "C" __global__ void add_one(float* x, unsigned long long len) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < len / 4) x[i] += 1.0f;
+}"#,
+    );
+    let x = client.create(Bytes::from_elems(&[1.0f32; 64]));
+    client.sync().unwrap();
+    let before = client.stats().unwrap().inline_tasks;
+    client.launch(&kernel, GridCount::cover(64, 64), KernelArguments::new().buffer(&x)).unwrap();
+    client.sync().unwrap();
+    assert_eq!(client.stats().unwrap().inline_tasks, before, "the first launch compiled on the caller's thread");
+    let later = (0..20).any(|_| {
+        client.sync().unwrap();
+        let before = client.stats().unwrap().inline_tasks;
+        client.launch(&kernel, GridCount::cover(64, 64), KernelArguments::new().buffer(&x)).unwrap();
+        client.stats().unwrap().inline_tasks > before
+    });
+    assert!(later, "a later launch of a compiled kernel never ran on the caller's thread");
+    let got = client.read_one(x).unwrap().to_elems::<f32>();
+    assert!(got.iter().all(|&v| v == got[0] && v >= 3.0), "{got:?}");
 }
 
 /// Behind a task the device thread is still running, a launch and a read
@@ -471,7 +515,8 @@ fn a_callers_own_context_is_current_again_after_a_call_ran_on_its_thread() {
     unsafe {
         assert_eq!(sys::cuCtxDestroy_v2(own), sys::CUresult::CUDA_SUCCESS);
     }
-    // A thread with no context current keeps the device's primary one.
+    // A thread with no context current has none again after its call (a
+    // device closed later cannot leave it a destroyed one).
     let reader = client.clone();
     std::thread::spawn(move || {
         assert!(current().is_null());
@@ -482,7 +527,7 @@ fn a_callers_own_context_is_current_again_after_a_call_ran_on_its_thread() {
             reader.stats().unwrap().inline_tasks > before
         });
         assert!(inline, "the read never ran on the caller's thread");
-        assert!(!current().is_null(), "a thread with no context has the device's primary context after a call");
+        assert!(current().is_null(), "a thread with no context kept the device's context after a call");
     })
     .join()
     .unwrap();

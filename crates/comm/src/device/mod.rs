@@ -252,8 +252,11 @@ pub(crate) fn launch_grouped<'h>(
     // communicator, whose creation waits for no one either): where its
     // device is idle it is queued from this thread at once, without the
     // hand-over to the device thread (see `Client::submit_buffers_recorded_inline`),
-    // and a waiter polls the device for its end itself.
-    let inline = n == 1 && matches!(mode, Mode::Local | Mode::Nccl(_));
+    // and a waiter polls the device for its end itself. Not a barrier: its
+    // part waits for the device's work, which this thread must not do while
+    // it holds the device and the process-wide enqueue order.
+    let barrier = ops.iter().any(|op| op.collective() == Collective::Barrier);
+    let inline = n == 1 && !barrier && matches!(mode, Mode::Local | Mode::Nccl(_));
     let helper = inline.then(|| clients[members[0]].clone());
     let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout, helper);
     // Per slot: sources, then destinations and scratch, and each call's

@@ -83,12 +83,12 @@ pub trait HostMemory: Send + Sync {
 
 /// What a backend changed on a caller's thread to run a task there
 /// ([`Backend::enter_caller`]), undone by [`Backend::leave_caller`]: on
-/// CUDA, the context that was current on the thread before.
+/// CUDA, the context to make current again (0: none), when it changed it.
 #[derive(Debug, Default)]
 pub struct CallerEntry {
     /// Read by the CUDA backend alone.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) previous: usize,
+    pub(crate) restore: Option<usize>,
 }
 
 /// One device's driver state, driven from the device's server thread.
@@ -258,6 +258,15 @@ pub trait Backend: 'static {
     /// one thread would no longer run at once. Asked once.
     fn launches_only_queue(&self) -> bool {
         false
+    }
+
+    /// Whether `kernel` is ready to launch without compiling it first (a
+    /// launch on a caller's thread must not hold it, and the device, for a
+    /// compile: the first launch of a kernel stays on the device thread, so
+    /// one thread launching on several devices compiles on all at once).
+    fn kernel_ready(&self, kernel: &crate::kernel::Kernel) -> bool {
+        let _ = kernel;
+        true
     }
 
     /// Makes the calling thread (a caller's, not the device thread) ready

@@ -6,6 +6,15 @@ use super::Client;
 use crate::bytes::{AlignedBytes, Bytes};
 use crate::error::ServerError;
 use crate::handle::{pack_rows, unpack_rows, CopyDescriptor, Handle, MemoryLayout, MemoryLayoutDescriptor};
+use crate::state::DeviceState;
+
+/// The most bytes a read may take in all to run on the caller's thread
+/// (see [`Client::read`]). A larger read goes to the device thread: its
+/// host copies may run on rayon's pool, and a caller's thread that holds
+/// the device while it waits for them may be a rayon worker, which runs
+/// the caller's other jobs meanwhile (a second call for the same device
+/// among them, nested inside the first).
+pub const INLINE_READ_MAX: u64 = 64 << 10;
 
 impl Client {
     fn new_handle(&self, size: u64) -> Handle {
@@ -143,16 +152,22 @@ impl Client {
 
     /// Reads handles to the host, after the work that writes them; waits.
     /// Returns the error marked on any of them. Where the device is idle
-    /// (nothing queued or running on its thread) the calling thread makes
-    /// the copy and waits for it itself, with no hand-over to the device
-    /// thread and back.
+    /// (nothing queued or running on its thread) and the read is small
+    /// ([`INLINE_READ_MAX`] bytes in all), the calling thread makes the copy
+    /// and waits for it itself, with no hand-over to the device thread and
+    /// back.
     pub fn read(&self, handles: Vec<Handle>) -> Result<Vec<Bytes>, ServerError> {
         for handle in &handles {
             self.check_owned(handle)?;
         }
         self.refuse_if_capturing("read")?;
         let stream = self.stream_id();
-        let bytes = self.device().run_inline_or_wait(stream, move |state| state.read(stream, &handles))??;
+        let small = handles.iter().map(Handle::size).sum::<u64>() <= INLINE_READ_MAX;
+        let task = move |state: &mut DeviceState| state.read(stream, &handles);
+        let bytes = match small {
+            true => self.device().run_inline_or_wait(stream, task)??,
+            false => self.device().run(stream, task)??,
+        };
         Ok(bytes.into_iter().map(Bytes::from_aligned).collect())
     }
 
@@ -161,9 +176,12 @@ impl Client {
         self.check_owned(&handle)?;
         self.refuse_if_capturing("read")?;
         let stream = self.stream_id();
-        let mut bytes = self
-            .device()
-            .run_inline_or_wait(stream, move |state| state.read(stream, std::slice::from_ref(&handle)))??;
+        let small = handle.size() <= INLINE_READ_MAX;
+        let task = move |state: &mut DeviceState| state.read(stream, std::slice::from_ref(&handle));
+        let mut bytes = match small {
+            true => self.device().run_inline_or_wait(stream, task)??,
+            false => self.device().run(stream, task)??,
+        };
         Ok(Bytes::from_aligned(bytes.pop().expect("one handle in, one read out")))
     }
 

@@ -69,6 +69,11 @@ impl Kernels {
         }
     }
 
+    /// Whether `kernel` was compiled (or failed to) already.
+    pub fn has(&self, kernel: &Kernel) -> bool {
+        self.by_id.contains_key(&kernel.id())
+    }
+
     /// The loaded function of `kernel`, compiling it on first use. The error
     /// is a message for `KernelFailed`.
     pub fn function(&mut self, kernel: &Kernel, source: &str) -> Result<sys::CUfunction, String> {
