@@ -69,9 +69,24 @@ impl Kernels {
         }
     }
 
-    /// Whether `kernel` was compiled (or failed to) already.
-    pub fn has(&self, kernel: &Kernel) -> bool {
-        self.by_id.contains_key(&kernel.id())
+    /// Whether `kernel` (of CUDA `source`) launches without a compile: it
+    /// was loaded (or failed to load) already, or another kernel object of
+    /// the same name and source was (one hash of the source).
+    pub fn has(&self, kernel: &Kernel, source: &str) -> bool {
+        if self.by_id.contains_key(&kernel.id()) {
+            return true;
+        }
+        if self.nvrtc_version.is_empty() {
+            return false;
+        }
+        let options = format!("--gpu-architecture={}", self.arch);
+        let key = entry_key(&[
+            source.as_bytes(),
+            kernel.name().as_bytes(),
+            options.as_bytes(),
+            self.nvrtc_version.as_bytes(),
+        ]);
+        self.by_key.contains_key(&key)
     }
 
     /// The loaded function of `kernel`, compiling it on first use. The error

@@ -605,7 +605,8 @@ impl Backend for CudaBackend {
     }
 
     fn kernel_ready(&self, kernel: &crate::kernel::Kernel) -> bool {
-        self.kernels.has(kernel)
+        // Without CUDA source the launch fails at once: nothing to compile.
+        kernel.cuda_source().is_none_or(|source| self.kernels.has(kernel, source))
     }
 
     /// Makes the device's primary context current on the caller's thread
