@@ -64,6 +64,13 @@
 //!   release, which pass the ranks' ends back over a Unix socket; their CPU
 //!   is in `clients cpu`.
 //!
+//! Before the runs the bench grows its descriptor table (and each relay
+//! host its own) to its limit on open files while it has one thread
+//! ([`reserve_descriptors`]: in a process of several threads each
+//! doubling of the table waits for an RCU grace period), and connects once
+//! from every simulated node's source address, so that a count's first run
+//! pays nothing the later ones do not.
+//!
 //! For every run it prints when the last rank had connected, published,
 //! joined (passed the first barrier), read its directory and passed
 //! `ready`, from the common release, and the CPU time the server's process

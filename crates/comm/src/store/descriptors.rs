@@ -4,24 +4,26 @@
 //! new descriptor does not fit, and in a process of more than one thread
 //! each doubling waits for an RCU grace period (`expand_fdtable` calls
 //! `synchronize_rcu`) while every other descriptor the process asks for
-//! past the old size waits too: 7–16 ms each on a loaded two-core machine,
-//! about 20 ms on a 16-core host. A store that accepts a thousand
-//! connections from a fresh table crosses 64, 128, 256, 512 and 1,024 on
-//! the way, so the connections it accepts meanwhile are greeted tens of
-//! milliseconds late (one turn of its accepting thread took 58 ms for 113
-//! accepts on that host). [`reserve_descriptors`] grows the table once, to the
-//! size wanted, before the burst: one wait at most, none in a process that
-//! has a single thread then, and none later until that many are open. The
-//! table never shrinks, and a child process gets a table sized to the
-//! descriptors it inherits, not this one.
+//! past the old size waits too (7–16 ms each on a loaded two-core
+//! machine). A store that accepts a thousand connections from a fresh
+//! table crosses 64, 128, 256, 512 and 1,024 on the way, so the connections
+//! it accepts meanwhile are greeted tens of milliseconds late (on a 16-core
+//! host one turn of its accepting thread took 58 ms for 113 accepts).
+//! [`reserve_descriptors`] grows the table once, to the size wanted, before
+//! the burst: one wait at most, none in a process that has a single thread
+//! then, and none later until that many are open. The table never shrinks,
+//! and a child process gets a table sized to the descriptors it inherits,
+//! not this one.
 
 use std::io;
 use std::thread::JoinHandle;
 
 /// Room a store reserves at [`bind`](super::StoreServer::bind) (at most
 /// the soft limit on open files): a connection per client, and a second
-/// descriptor of each in the handshake.
-pub(crate) const STORE_RESERVE: usize = 1 << 16;
+/// descriptor of each in the handshake. A little under 65,536, so that
+/// Linux sizes the table at 65,536 (it rounds up to a power of two) and
+/// not twice that.
+pub(crate) const STORE_RESERVE: usize = 60_000;
 
 /// Makes this process's descriptor table hold `more` descriptors beyond
 /// the lowest free one, capped at the soft limit on open files, in one

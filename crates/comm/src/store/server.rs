@@ -237,7 +237,7 @@ impl StoreServer {
     /// A port already in use is [`StoreError::Bind`], whose message names the
     /// port and says to pick another or 0.
     ///
-    /// The process's descriptor table is grown once for 65,536 descriptors
+    /// The process's descriptor table is grown once for 60,000 more descriptors
     /// (at most the soft limit on open files), so that accepting a burst of
     /// connections never waits for it to grow
     /// ([`reserve_descriptors`](super::reserve_descriptors)): at once when
