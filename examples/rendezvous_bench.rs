@@ -64,6 +64,13 @@
 //!   release, which pass the ranks' ends back over a Unix socket; their CPU
 //!   is in `clients cpu`.
 //!
+//! Before the runs the bench grows its descriptor table (and each relay
+//! host its own) to its limit on open files while it has one thread
+//! ([`reserve_descriptors`]: in a process of several threads each
+//! doubling of the table waits for an RCU grace period), and connects once
+//! from every simulated node's source address, so that a count's first run
+//! pays nothing the later ones do not.
+//!
 //! For every run it prints when the last rank had connected, published,
 //! joined (passed the first barrier), read its directory and passed
 //! `ready`, from the common release, and the CPU time the server's process
@@ -90,7 +97,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use cohort_comm::store::raw::{self, Handshake};
-use cohort_comm::store::{generate_secret, StoreServer};
+use cohort_comm::store::{generate_secret, reserve_descriptors, StoreServer};
 use mio::net::{TcpStream, UnixStream};
 use mio::{Events, Interest, Poll, Token};
 
@@ -1415,6 +1422,28 @@ fn warm_up(kind: Kind, addr: SocketAddr, secret: &[u8], count: usize) -> Result<
     Ok(())
 }
 
+/// Connects once from the source address of each simulated node of `ranks`
+/// (see [`source_of`]) to a listener of this process, a window's worth at
+/// a time, and closes the connections: the kernel's first connection from
+/// a new address is then outside the timed runs.
+fn warm_sources(ranks: usize, per_node: usize, one_source: bool) -> Result<(), String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let group = if per_node == 0 { 8 } else { per_node };
+    let sources: Vec<_> =
+        (0..ranks.div_ceil(group)).filter_map(|node| source_of(node * group, per_node, addr, one_source)).collect();
+    for batch in sources.chunks(256) {
+        let mut open = Vec::with_capacity(batch.len());
+        for &source in batch {
+            open.push(connect_from(source, addr).map_err(|e| format!("from {source}: {e}"))?);
+        }
+        for _ in batch {
+            open.push(TcpStream::from_std(listener.accept().map_err(|e| e.to_string())?.0));
+        }
+    }
+    Ok(())
+}
+
 /// Where a run's ranks go: straight to this build's store, through node
 /// relays to it, straight to it waiting for the verdict before their first
 /// request (`--unpipelined`), or to baseline build `i`'s store.
@@ -1490,6 +1519,18 @@ fn main() {
         counts = vec![1024, 4096, 16384];
     }
     let limit = fd_limit();
+    // This process's descriptor table grown once, while it has one thread
+    // (no grace period to wait for): its connections never wait for it to
+    // grow inside a timed run (the store's process grows its own at bind).
+    if let Err(e) = reserve_descriptors(limit as usize) {
+        println!("could not grow the descriptor table ahead of the runs: {e}");
+    }
+    // Every source address connects once before the runs, so that the first
+    // run of a count pays nothing the later ones do not.
+    let most = counts.iter().copied().max().unwrap_or(0);
+    if let Err(e) = warm_sources(most, per_node, one_source) {
+        println!("could not connect from each source address before the runs: {e}");
+    }
     let warming = match warm {
         0 => String::new(),
         w => format!("{w} connections open and close on each server before its run (--warm); "),
@@ -1803,6 +1844,9 @@ mod relay_host {
     /// them until standard input closes.
     pub fn serve(addr: String) {
         let secret = std::env::var(SECRET_VAR).expect("the job secret in RENDEZVOUS_BENCH_SECRET");
+        // The table grown while this process has one thread (as the bench's
+        // own): its relays' sockets never wait for it to grow.
+        let _ = cohort_comm::store::reserve_descriptors(1 << 16);
         // SAFETY: standard input is the control socket the bench passed;
         // this process takes it over.
         let control = unsafe { OwnedFd::from_raw_fd(0) };

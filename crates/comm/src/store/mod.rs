@@ -48,6 +48,7 @@
 //! builds and reads frames for programs that drive their own sockets.
 
 mod client;
+mod descriptors;
 mod error;
 mod protocol;
 pub mod raw;
@@ -59,6 +60,7 @@ mod state;
 mod tests;
 
 pub use client::{CompareSet, StoreClient};
+pub use descriptors::reserve_descriptors;
 pub use error::{Result, StoreError};
 pub use protocol::{MAX_FRAME, MAX_KEY, MAX_VALUE, PREAUTH_MAX_FRAME, SESSION_OVERHEAD};
 pub use relay::{StoreRelay, UnjoinedRelay, MAX_RELAYED_FRAME};

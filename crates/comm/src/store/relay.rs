@@ -474,6 +474,12 @@ impl Relay {
             return Err(StoreError::EmptySecret);
         }
         let ranks_u32 = u32::try_from(ranks).map_err(|_| StoreError::Relay(format!("{ranks} ranks on one relay")))?;
+        // The socket pairs, the poll, its waker and the store's connection
+        // in a table grown once (a larger node would grow it several times,
+        // each a wait in a process of several threads).
+        if let Err(e) = super::reserve_descriptors(2 * ranks + 8) {
+            tracing::debug!(error = %e, "could not grow the descriptor table for the relay's sockets");
+        }
         let mut pairs = Vec::with_capacity(ranks);
         let mut ends = Vec::with_capacity(ranks);
         for _ in 0..ranks {

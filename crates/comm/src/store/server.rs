@@ -48,6 +48,7 @@ use mio::net::{TcpListener as MioListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 
+use super::descriptors;
 use super::error::{Result, StoreError};
 use super::protocol::{self, Chunk, Request, Response};
 use super::state::{Blocked, ConnId, Outcome, SessionId, Table, Ticket};
@@ -224,6 +225,8 @@ pub struct StoreServer {
     shared: Arc<Shared>,
     local_addr: SocketAddr,
     threads: Vec<JoinHandle<()>>,
+    /// The thread growing the process's descriptor table, if one does.
+    reserving: Option<JoinHandle<()>>,
 }
 
 impl StoreServer {
@@ -233,6 +236,13 @@ impl StoreServer {
     /// Port 0 picks a free port: read it back with [`StoreServer::local_addr`].
     /// A port already in use is [`StoreError::Bind`], whose message names the
     /// port and says to pick another or 0.
+    ///
+    /// The process's descriptor table is grown once for 60,000 more descriptors
+    /// (at most the soft limit on open files), so that accepting a burst of
+    /// connections never waits for it to grow
+    /// ([`reserve_descriptors`](super::reserve_descriptors)): at once when
+    /// the calling process has no other thread, else on a short-lived thread
+    /// (connections that fit the table as it was do not wait for it).
     pub fn bind(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>) -> Result<Self> {
         Self::bind_with(addr, secret, Limits::default())
     }
@@ -273,6 +283,10 @@ impl StoreServer {
         let shown = addr.to_string();
         let bind_error = |source| StoreError::Bind { addr: shown.clone(), source };
         let listener = TcpListener::bind(&addr).map_err(bind_error)?;
+        // Room for the connections before they come, before this server's
+        // threads start (at once when the caller has no other thread):
+        // accepting them never waits for the table to grow.
+        let reserving = descriptors::reserve_descriptors_soon(descriptors::STORE_RESERVE);
         let local_addr = listener.local_addr().map_err(bind_error)?;
         deepen_backlog(&listener);
         listener.set_nonblocking(true).map_err(bind_error)?;
@@ -333,12 +347,21 @@ impl StoreServer {
             .map_err(spawn_error)?;
         threads.push(thread);
         tracing::debug!(%local_addr, workers = shared.workers.len(), "rendezvous store listening");
-        Ok(StoreServer { shared, local_addr, threads })
+        Ok(StoreServer { shared, local_addr, threads, reserving })
     }
 
     /// The address the server listens on (with the real port where 0 was asked).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Waits until the process's descriptor table has grown for this
+    /// server's connections (see [`StoreServer::bind`]).
+    #[cfg(test)]
+    pub(crate) fn wait_descriptors_reserved(&mut self) {
+        if let Some(t) = self.reserving.take() {
+            t.join().expect("the thread growing the descriptor table panicked");
+        }
     }
 
     /// Participants waiting in barrier `name` now.
@@ -386,6 +409,9 @@ impl StoreServer {
             }
         }
         self.threads.clear();
+        if let Some(t) = self.reserving.take() {
+            let _ = t.join();
+        }
         tracing::debug!(local_addr = %self.local_addr, "rendezvous store shut down");
     }
 }
@@ -854,7 +880,10 @@ impl Acceptor {
             let id = self.next_id;
             self.next_id += 1;
             let since = Instant::now();
-            self.shared.slots.lock().live.insert(id, Pending { since, probe: probe_of(&stream) });
+            // The second descriptor is made before the lock is taken: the
+            // workers take it to finish their handshakes.
+            let probe = probe_of(&stream);
+            self.shared.slots.lock().live.insert(id, Pending { since, probe });
             self.shared.slots.lock().order.push_back(id);
             let w = self.shared.owner(id);
             self.shared.workers[w].inbox.lock().push(Message::Greet(id, Box::new((stream, peer, since))));

@@ -1812,3 +1812,57 @@ fn store_rank_descriptor_is_checked() {
         assert!(msg.starts_with(&format!("COHORT_STORE_FD=\"{bad}\"")), "{bad}: {msg}");
     }
 }
+
+/// The environment variable that makes
+/// [`store_server_grows_the_descriptor_table_child`] run (in the fresh
+/// process [`store_server_grows_the_descriptor_table_before_clients_come`]
+/// starts).
+#[cfg(target_os = "linux")]
+const DESCRIPTORS_CHILD: &str = "STORE_DESCRIPTORS_CHILD";
+
+/// A store grows its process's descriptor table for its clients once, at
+/// bind, instead of doubling it while they connect (in a process of several
+/// threads each doubling waited for an RCU grace period, which held every
+/// greeting of a burst of connections tens of milliseconds). Checked in a
+/// fresh process of this test binary, whose table is still small.
+#[cfg(target_os = "linux")]
+#[test]
+fn store_server_grows_the_descriptor_table_before_clients_come() {
+    let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args(["store::tests::store_server_grows_the_descriptor_table_child", "--exact", "--ignored", "--nocapture"])
+        .env(DESCRIPTORS_CHILD, "1")
+        .output()
+        .expect("run this test binary again");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "{text}");
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+#[ignore = "run in a fresh process by store_server_grows_the_descriptor_table_before_clients_come"]
+fn store_server_grows_the_descriptor_table_child() {
+    if std::env::var_os(DESCRIPTORS_CHILD).is_none() {
+        return;
+    }
+    let table = || descriptors::descriptor_table_size().expect("FDSize in /proc/self/status");
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `limit`, which outlives the call.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
+    let wanted = (descriptors::STORE_RESERVE as u64).min(limit.rlim_cur) as usize;
+    let before = table();
+    assert!(before < wanted, "the table already holds {before} descriptors of the {wanted} a store reserves");
+    let mut s = server();
+    s.wait_descriptors_reserved();
+    let after = table();
+    assert!(after >= wanted, "the table holds {after} descriptors after bind, {wanted} were reserved");
+    // The store serves as before.
+    let c = client(&s);
+    c.set("k", b"v").unwrap();
+    assert_eq!(c.get("k").unwrap().as_deref(), Some(&b"v"[..]));
+    // Room for as many again as the table holds (up to the soft limit).
+    let held = reserve_descriptors(after).expect("reserve");
+    assert!(table() >= held, "reserved {held}, the table holds {}", table());
+    if (limit.rlim_cur as usize) > after {
+        assert!(held > after, "reserved {held} past a table of {after}, soft limit {}", limit.rlim_cur);
+    }
+}
