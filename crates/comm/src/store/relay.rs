@@ -81,11 +81,11 @@ const EXIT_READ_MAX: usize = 16 << 20;
 /// A node relay of the rendezvous store: one thread, one connection to the
 /// store, one socket pair per local rank. Dropping it stops the thread,
 /// which first passes on the whole requests of ranks that exited (waiting up
-/// to [`STOP_FLUSH`] for its connection to take them), then closes the
+/// to a second for its connection to take them), then closes the
 /// connection (the store then sets the wills of the sessions still open)
 /// and the ranks' ends. A relay dropped while it still joins the store
 /// ([`StoreRelay::spawn`]) returns at once; its thread stops at the end of
-/// the try under way (at most [`JOIN_TRY`]).
+/// the try under way (at most 10 s).
 pub struct StoreRelay {
     addr: String,
     stop: Arc<AtomicBool>,
@@ -118,7 +118,7 @@ impl StoreRelay {
     /// each child inherits. Waits for the store's verdict on the proof (one
     /// round trip); a connection the store drops before its verdict (it
     /// sheds handshakes when too many clients are in one), or that gets no
-    /// answer within [`JOIN_TRY`], is made again until `timeout` passes.
+    /// answer within 10 s, is made again until `timeout` passes.
     /// Fails when the store cannot be reached within `timeout`, keeps
     /// dropping the connection ([`StoreError::HandshakeDropped`]) or does not
     /// answer ([`StoreError::Unresponsive`]); a store that refuses the secret

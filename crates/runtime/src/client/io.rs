@@ -14,7 +14,7 @@ use crate::state::DeviceState;
 /// the device while it waits for them may be a rayon worker, which runs
 /// the caller's other jobs meanwhile (a second call for the same device
 /// among them, nested inside the first).
-pub const INLINE_READ_MAX: u64 = 64 << 10;
+pub(crate) const INLINE_READ_MAX: u64 = 64 << 10;
 
 impl Client {
     fn new_handle(&self, size: u64) -> Handle {
@@ -153,7 +153,7 @@ impl Client {
     /// Reads handles to the host, after the work that writes them; waits.
     /// Returns the error marked on any of them. Where the device is idle
     /// (nothing queued or running on its thread) and the read is small
-    /// ([`INLINE_READ_MAX`] bytes in all), the calling thread makes the copy
+    /// (64 KiB in all, `INLINE_READ_MAX`), the calling thread makes the copy
     /// and waits for it itself, with no hand-over to the device thread and
     /// back.
     pub fn read(&self, handles: Vec<Handle>) -> Result<Vec<Bytes>, ServerError> {
