@@ -83,12 +83,12 @@ pub trait HostMemory: Send + Sync {
 
 /// What a backend changed on a caller's thread to run a task there
 /// ([`Backend::enter_caller`]), undone by [`Backend::leave_caller`]: on
-/// CUDA, the context to make current again (0: none), when it changed it.
+/// CUDA, the context that was current on the thread before.
 #[derive(Debug, Default)]
 pub struct CallerEntry {
     /// Read by the CUDA backend alone.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) restore: Option<usize>,
+    pub(crate) previous: usize,
 }
 
 /// One device's driver state, driven from the device's server thread.

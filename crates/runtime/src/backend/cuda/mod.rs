@@ -126,6 +126,18 @@ pub fn device_page_allocations() -> u64 {
 
 static PAGE_ALLOCATIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// Numbers each backend opened in this process, so a caller's thread knows
+/// whether it made the context current for this backend or an earlier one
+/// of the same device (a primary context released and retained again may
+/// come back with the same handle).
+static NEXT_BACKEND: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+thread_local! {
+    /// The backend (its number) that last made its context current on this
+    /// caller's thread in `enter_caller`.
+    static ENTERED_FOR: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Devices whose context a sticky fault lost, with the fault: CUDA cannot
 /// give this process a working context on them again.
 static LOST_DEVICES: parking_lot::Mutex<Vec<(usize, String)>> = parking_lot::Mutex::new(Vec::new());
@@ -137,6 +149,8 @@ pub struct CudaBackend {
     raw_device: sys::CUdevice,
     /// The device's primary context, retained in `new`, released in `drop`.
     ctx: sys::CUcontext,
+    /// This backend's number in the process (see [`NEXT_BACKEND`]).
+    serial: u64,
     pages: DevicePages,
     streams: Streams,
     events: EventPool,
@@ -202,6 +216,7 @@ impl CudaBackend {
             device,
             raw_device: info.raw,
             ctx,
+            serial: NEXT_BACKEND.fetch_add(1, Ordering::Relaxed),
             pages: DevicePages::new(device),
             streams: Streams::new(device),
             events: EventPool::new(device, ctx, false),
@@ -610,14 +625,12 @@ impl Backend for CudaBackend {
     }
 
     /// Makes the device's primary context current on the caller's thread
-    /// for one task (nothing to do when the thread's own code made it
-    /// current); `leave_caller` puts back what was current before, none
-    /// included, so a caller's thread keeps no context of cohort's after
-    /// its call (a device closed later would leave it one destroyed, which
-    /// the thread's other CUDA code would then fail on). `None` (queue
-    /// instead) while a stream of the device is capturing, so a capture
-    /// sees its work from the device thread alone, and once the context is
-    /// lost.
+    /// (one `cuCtxGetCurrent` when it already is: a thread that calls again
+    /// keeps it current from the last call). A thread that had another
+    /// context current gets it back in `leave_caller`; one that had none
+    /// keeps this one, so the next call finds it. `None` (queue instead)
+    /// while a stream of the device is capturing, so a capture sees its
+    /// work from the device thread alone, and once the context is lost.
     fn enter_caller(&mut self) -> Option<CallerEntry> {
         if self.lost.is_some() || self.streams.any_capturing() {
             return None;
@@ -627,19 +640,24 @@ impl Backend for CudaBackend {
         if unsafe { sys::cuCtxGetCurrent(&mut current) } != sys::CUresult::CUDA_SUCCESS {
             return None;
         }
-        if current == self.ctx {
+        let entered = ENTERED_FOR.with(|e| e.get());
+        if current == self.ctx && entered == self.serial {
             return Some(CallerEntry::default());
         }
         driver::set_current(self.device, self.ctx).ok()?;
-        Some(CallerEntry { restore: Some(current as usize) })
+        ENTERED_FOR.with(|e| e.set(self.serial));
+        // A thread that had this same context current (set by its own
+        // code, or by an earlier backend of the device) keeps it.
+        let previous = if current == self.ctx { 0 } else { current as usize };
+        Some(CallerEntry { previous })
     }
 
     fn leave_caller(&mut self, entry: CallerEntry) {
-        if let Some(previous) = entry.restore {
+        if entry.previous != 0 {
             // SAFETY: the context that was current on this thread when the
-            // task began (or none), put back as it was (its owner keeps it
-            // alive: it was current on this thread until a moment ago).
-            let _ = unsafe { sys::cuCtxSetCurrent(previous as sys::CUcontext) };
+            // task began, put back as it was (its owner keeps it alive: it
+            // was current on this thread until a moment ago).
+            let _ = unsafe { sys::cuCtxSetCurrent(entry.previous as sys::CUcontext) };
         }
     }
 
