@@ -665,8 +665,7 @@ fn default_spin_window() -> Duration {
 /// [`COLLECTIVE_POLL`], then reports a timeout. Without it, reports a
 /// timeout as soon as `wanted` is set (a caller's inline task left
 /// collectives running), taking the flag; `asleep` is set while it sleeps
-/// with no timeout, the one sleep a caller must wake it from (see
-/// [`StateCell::wake_for_collectives`]).
+/// (see [`StateCell::wake_for_collectives`]).
 fn recv_spinning<T>(
     receiver: &Receiver<T>,
     mut poll: Option<&mut dyn FnMut()>,
@@ -676,15 +675,11 @@ fn recv_spinning<T>(
     let napping = poll.is_some();
     let take_wanted = |wanted: &AtomicBool| !napping && wanted.swap(false, Ordering::SeqCst);
     let sleep = |receiver: &Receiver<T>| {
-        if napping {
-            // It polls again within COLLECTIVE_POLL: no caller need send a
-            // `Wake` (which would count as queued work and send the
-            // caller's next calls to this thread).
-            return receiver.recv_timeout(COLLECTIVE_POLL);
-        }
         asleep.store(true, Ordering::SeqCst);
         let got = if take_wanted(wanted) {
             Err(RecvTimeoutError::Timeout)
+        } else if napping {
+            receiver.recv_timeout(COLLECTIVE_POLL)
         } else {
             receiver.recv().map_err(|_| RecvTimeoutError::Disconnected)
         };
@@ -810,8 +805,6 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         let received = if cell.lock().has_pending_collectives() {
             let mut poll = || {
                 if let Some(state) = cell.state.try_lock().as_mut().and_then(|s| s.as_mut()) {
-                    // Whatever a caller asked to be polled is polled now.
-                    wanted.store(false, Ordering::SeqCst);
                     state.poll_collectives();
                 }
             };
