@@ -1653,6 +1653,30 @@ fn delaying_proxy(store: std::net::SocketAddr, delay: Duration) -> std::net::Soc
 }
 
 #[test]
+fn a_rank_that_exits_before_its_relay_joined_has_its_will_set_once_it_joins() {
+    // The store lets the relay in late: one rank sends its will and exits
+    // meanwhile (its end closed, the launcher says so); once the relay has
+    // joined, the will reaches the store and is set (the session closed),
+    // and the other rank is served.
+    let s = server();
+    let proxy = delaying_proxy(s.local_addr(), Duration::from_millis(400)).to_string();
+    let (relay, mut ends) = StoreRelay::spawn(&proxy, SECRET, 2, T).unwrap();
+    let survivor = StoreClient::over_relay(ends.pop().unwrap(), &proxy, SECRET, T).unwrap();
+    let end = ends.pop().unwrap();
+    let cut = end.try_clone().unwrap();
+    let dying = StoreClient::over_relay(end, &proxy, SECRET, T).unwrap();
+    let will = std::thread::spawn(move || dying.set_will("gone/0", b"rank 0 exited early"));
+    std::thread::sleep(Duration::from_millis(100));
+    cut.shutdown(std::net::Shutdown::Write).unwrap();
+    relay.rank_exited(0..1);
+    let watcher = client(&s);
+    watcher.wait(&["gone/0"], T).unwrap();
+    assert_eq!(watcher.get("gone/0").unwrap().as_deref(), Some(&b"rank 0 exited early"[..]));
+    assert_eq!(survivor.add("n", 1).unwrap(), 1);
+    let _ = will.join().unwrap();
+}
+
+#[test]
 fn a_relay_dropped_while_it_joins_still_passes_on_what_exited_ranks_sent() {
     // The launcher's attempt ends (every rank exited, the relay dropped)
     // before a slow store let the relay in: the whole requests the ranks
