@@ -376,6 +376,28 @@ fn under_srun_without_a_secret_nothing_guessable_and_the_store_hosts_death_is_no
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Makes `c`'s process start with the soft limit `resource` lowered to
+/// `soft` (`ulimit -u 64`, `ulimit -n 256`, …).
+fn lower_soft_limit(c: &mut Command, resource: libc::__rlimit_resource_t, soft: libc::rlim_t) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec and makes
+    // two system calls (getrlimit, setrlimit) on a local value; it only
+    // lowers the child's own soft limit.
+    unsafe {
+        c.pre_exec(move || {
+            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            if libc::getrlimit(resource, &mut limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            limit.rlim_cur = soft.min(limit.rlim_max);
+            if libc::setrlimit(resource, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Lines in `path` (0 when it does not exist).
 fn lines_in(path: &std::path::Path) -> usize {
     std::fs::read_to_string(path).map(|s| s.lines().count()).unwrap_or(0)
@@ -435,20 +457,7 @@ fn more_ranks_than_processes_allowed_is_refused_before_any_starts() {
     // many processes).
     let mut c = Command::new(COHORT);
     c.args(["run", "-n", "100", "--", "true"]).env_remove("COHORT_JOB_SECRET");
-    // SAFETY: setrlimit(2) is async-signal-safe and only lowers the soft
-    // limit of the child about to exec; `limit` lives for the call.
-    unsafe {
-        use std::os::unix::process::CommandExt;
-        c.pre_exec(|| {
-            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-            libc::getrlimit(libc::RLIMIT_NPROC, &mut limit);
-            limit.rlim_cur = 64;
-            if libc::setrlimit(libc::RLIMIT_NPROC, &limit) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    lower_soft_limit(&mut c, libc::RLIMIT_NPROC, 64);
     let out = c.output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
@@ -467,20 +476,7 @@ fn a_node_of_many_ranks_keeps_its_relay_under_a_low_file_limit_and_ranks_get_tha
     let script = "echo limit $(ulimit -n) fd ${COHORT_STORE_FD:-none}";
     let mut c = cohort_run_program("sh", &["-n", "60", "--master-port", "0"], &["-c", script]);
     c.env_remove("COHORT_STORE_RELAY");
-    // SAFETY: setrlimit(2) only lowers the soft limit of the child about to
-    // exec; `limit` lives for the call.
-    unsafe {
-        use std::os::unix::process::CommandExt;
-        c.pre_exec(|| {
-            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
-            limit.rlim_cur = 256;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    lower_soft_limit(&mut c, libc::RLIMIT_NOFILE, 256);
     let out = output_within(c, LIMIT);
     let (stdout, stderr) = texts(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{stderr}");
