@@ -57,22 +57,11 @@ fn measure(what: &str, calls: usize, call: impl FnMut()) {
 /// Runs `batch`, which makes `per` calls, `batches` times after a warm-up;
 /// prints µs and allocations per call.
 fn measure_batches(what: &str, batches: usize, per: usize, mut batch: impl FnMut()) {
-    for _ in 0..batches / 10 + 1 {
+    measure_queued(what, batches, per, || {
+        let start = Instant::now();
         batch();
-    }
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
-    let start = Instant::now();
-    for _ in 0..batches {
-        batch();
-    }
-    let elapsed = start.elapsed();
-    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - before;
-    let calls = (batches * per) as f64;
-    println!(
-        "{what:<44} {:>8.2} µs/call {:>7.1} allocations/call",
-        elapsed.as_secs_f64() * 1e6 / calls,
-        allocations as f64 / calls
-    );
+        start.elapsed()
+    })
 }
 
 /// Runs `batch` (which queues `per` calls and returns the time it took

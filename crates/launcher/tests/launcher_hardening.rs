@@ -8,6 +8,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -403,18 +404,26 @@ fn lines_in(path: &std::path::Path) -> usize {
     std::fs::read_to_string(path).map(|s| s.lines().count()).unwrap_or(0)
 }
 
+/// `cohort run -n ranks -- sh -c "echo $RANK >> <dir>/started; then"`,
+/// output to stderr only, no relay: each rank notes in a file that it
+/// started. Returns the command, the file and the folder.
+fn ranks_noting_their_start(name: &str, ranks: usize, then: &str) -> (Command, PathBuf, PathBuf) {
+    let dir = temp_dir(name);
+    let log = dir.join("started");
+    let script = format!("echo $RANK >> {}; {then}", log.display());
+    let mut c = Command::new(COHORT);
+    c.args(["run", "-n", &ranks.to_string(), "--master-port", "0", "--", "sh", "-c", &script]);
+    c.env_remove("COHORT_JOB_SECRET").env("COHORT_STORE_RELAY", "0").stdout(Stdio::null()).stderr(Stdio::piped());
+    (c, log, dir)
+}
+
 #[test]
 fn a_signal_while_ranks_start_stops_the_starting() {
     // A node of many ranks takes a while to start; Ctrl-C (here SIGTERM)
     // in that time must stop the starting, not be left until every rank
     // has started. Each rank notes itself in a file, then sleeps.
     const RANKS: usize = 400;
-    let dir = temp_dir("stop-starting");
-    let log = dir.join("started");
-    let script = format!("echo $RANK >> {}; exec sleep 60", log.display());
-    let mut c = Command::new(COHORT);
-    c.args(["run", "-n", &RANKS.to_string(), "--master-port", "0", "--", "sh", "-c", &script]);
-    c.env_remove("COHORT_JOB_SECRET").env("COHORT_STORE_RELAY", "0").stdout(Stdio::null()).stderr(Stdio::piped());
+    let (mut c, log, dir) = ranks_noting_their_start("stop-starting", RANKS, "exec sleep 60");
     let child = c.spawn().unwrap();
     let began = Instant::now();
     while lines_in(&log) == 0 && began.elapsed() < Duration::from_secs(30) {
@@ -435,12 +444,7 @@ fn a_rank_that_fails_while_others_start_stops_the_starting() {
     // Every rank fails at once: the launcher stops starting more after the
     // first failure it sees, and names it.
     const RANKS: usize = 400;
-    let dir = temp_dir("fail-starting");
-    let log = dir.join("started");
-    let script = format!("echo $RANK >> {}; exit 3", log.display());
-    let mut c = Command::new(COHORT);
-    c.args(["run", "-n", &RANKS.to_string(), "--master-port", "0", "--", "sh", "-c", &script]);
-    c.env_remove("COHORT_JOB_SECRET").env("COHORT_STORE_RELAY", "0").stdout(Stdio::null()).stderr(Stdio::piped());
+    let (mut c, log, dir) = ranks_noting_their_start("fail-starting", RANKS, "exit 3");
     let out = wait_output(c.spawn().unwrap(), LIMIT);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{stderr}");

@@ -305,10 +305,7 @@ impl Client {
         task: impl FnOnce(Result<&mut BufferAccess<'_>, ServerError>) -> Result<(), ServerError> + Send + 'static,
     ) -> Result<(), ServerError> {
         let (stream, task) = self.checked_buffer_task(operation, inputs, outputs, task)?;
-        match self.device().run_inline(stream, task) {
-            Ok(()) => Ok(()),
-            Err(task) => self.device().submit(stream, task),
-        }
+        self.device().run_inline(stream, task).or_else(|task| self.device().submit(stream, task))
     }
 }
 

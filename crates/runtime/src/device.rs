@@ -338,12 +338,12 @@ impl DeviceHandle {
         stream: StreamId,
         task: impl FnOnce(&mut DeviceState) -> R + Send + 'a,
     ) -> Result<R, ServerError> {
-        let Some(mut inline) = self.enter_inline() else { return self.run(stream, task) };
-        let device = self.service.device;
-        let state = inline.state();
-        state.stats.inline_tasks += 1;
-        catch_unwind(AssertUnwindSafe(|| task(state)))
-            .map_err(|p| ServerError::TaskPanicked { device, message: panic_message(p.as_ref()) })
+        if let Some(mut inline) = self.enter_inline() {
+            inline.state().stats.inline_tasks += 1;
+            // Lent to this thread: `run` takes its nested path.
+            return self.run(stream, task);
+        }
+        self.run(stream, task)
     }
 
     /// Queues a task and returns at once. A panic or error in it is kept for
@@ -360,7 +360,7 @@ impl DeviceHandle {
                 // closure on this thread, or while a task runs inline on it
                 // (`enter_inline`), during which the state is reached only
                 // through this pointer; calls nest strictly on this thread.
-                run_caught(unsafe { &mut *state }, stream, Box::new(task));
+                run_caught(unsafe { &mut *state }, stream, task);
                 return Ok(());
             }
         }
@@ -781,7 +781,7 @@ fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch)
     }
 }
 
-/// How long [`DeviceHandle::run_inline`] waits for the device state's lock
+/// How long [`DeviceHandle::enter_inline`] waits for the device state's lock
 /// before it queues the task instead: the device thread's last task may
 /// have just answered its caller and not yet let go of the lock.
 const INLINE_LOCK_WAIT: Duration = Duration::from_micros(2);
@@ -823,22 +823,13 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         let mut state = cell.lock();
         // Counted out once the lock is held: until this message's task
         // returns and the lock is let go, no caller runs inline (see
-        // `run_inline`); after, every message sent before it has run.
+        // `enter_inline`); after, every message sent before it has run.
         cell.in_flight.fetch_sub(1, Ordering::AcqRel);
-        let shutdown = match message {
-            Message::Task(stream, task) => {
-                run_caught(&mut state, stream, task);
-                false
-            }
-            Message::Launch(stream, launch) => {
-                run_launch(&mut state, stream, launch);
-                false
-            }
-            Message::Wake => false,
-            Message::Shutdown => true,
-        };
-        if shutdown {
-            break;
+        match message {
+            Message::Task(stream, task) => run_caught(&mut state, stream, task),
+            Message::Launch(stream, launch) => run_launch(&mut state, stream, launch),
+            Message::Wake => {}
+            Message::Shutdown => break,
         }
         if state.pending_collectives_count() >= POLL_BUSY_AT {
             state.poll_collectives();

@@ -569,9 +569,9 @@ impl StoreClient {
 /// before its verdict on the proof.
 const HANDSHAKE_RETRIES: u32 = 5;
 
-/// Whether `e` says the peer closed the connection (the store's own copy
-/// of `transport::peer_gone`: the transports use the store, so the store
-/// cannot use them).
+/// Whether `e` says the peer closed the connection (or went away): also
+/// the transports' check (`transport::peer_gone`), which build on the
+/// store.
 pub(crate) fn dropped(e: &io::Error) -> bool {
     matches!(
         e.kind(),

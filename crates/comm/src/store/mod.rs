@@ -59,6 +59,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use client::dropped as peer_gone;
 pub use client::{CompareSet, StoreClient};
 pub use descriptors::reserve_descriptors;
 pub use error::{Result, StoreError};

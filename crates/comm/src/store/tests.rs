@@ -969,18 +969,22 @@ fn dropping_proxy(store: std::net::SocketAddr, drops: Vec<bool>) -> std::net::So
                 }
                 continue;
             }
-            let (mut c2, mut u2) = (client.try_clone().unwrap(), upstream.try_clone().unwrap());
-            std::thread::spawn(move || {
-                let _ = std::io::copy(&mut c2, &mut u2);
-                let _ = u2.shutdown(std::net::Shutdown::Write);
-            });
-            std::thread::spawn(move || {
-                let _ = std::io::copy(&mut upstream, &mut client);
-                let _ = client.shutdown(std::net::Shutdown::Write);
-            });
+            std::thread::spawn(move || pipe_both_ways(client, upstream));
         }
     });
     addr
+}
+
+/// Copies `client`'s bytes to `upstream` and back until each side ends,
+/// passing each end of stream on.
+fn pipe_both_ways(mut client: std::net::TcpStream, mut upstream: std::net::TcpStream) {
+    let (mut c2, mut u2) = (client.try_clone().unwrap(), upstream.try_clone().unwrap());
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut c2, &mut u2);
+        let _ = u2.shutdown(std::net::Shutdown::Write);
+    });
+    let _ = std::io::copy(&mut upstream, &mut client);
+    let _ = client.shutdown(std::net::Shutdown::Write);
 }
 
 #[test]
@@ -1637,15 +1641,9 @@ fn delaying_proxy(store: std::net::SocketAddr, delay: Duration) -> std::net::Soc
             let Ok(client) = conn else { return };
             std::thread::spawn(move || {
                 std::thread::sleep(delay);
-                let Ok(upstream) = std::net::TcpStream::connect(store) else { return };
-                let (mut c2, mut u2) = (client.try_clone().unwrap(), upstream.try_clone().unwrap());
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut c2, &mut u2);
-                    let _ = u2.shutdown(std::net::Shutdown::Write);
-                });
-                let (mut upstream, mut client) = (upstream, client);
-                let _ = std::io::copy(&mut upstream, &mut client);
-                let _ = client.shutdown(std::net::Shutdown::Write);
+                if let Ok(upstream) = std::net::TcpStream::connect(store) {
+                    pipe_both_ways(client, upstream);
+                }
             });
         }
     });

@@ -306,16 +306,9 @@ pub(crate) fn back_off(idle_passes: u64) {
 }
 
 /// Whether a failed link means the peer went away (rather than a local
-/// problem), for messages.
-pub(crate) fn peer_gone(error: &io::Error) -> bool {
-    matches!(
-        error.kind(),
-        io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::BrokenPipe
-            | io::ErrorKind::ConnectionAborted
-    )
-}
+/// problem), for messages: the store's check (the transports build on the
+/// store, so it owns the one copy).
+pub(crate) use crate::store::peer_gone;
 
 #[cfg(test)]
 mod tests {

@@ -162,13 +162,9 @@ impl Client {
         }
         self.refuse_if_capturing("read")?;
         let stream = self.stream_id();
-        let small = handles.iter().map(Handle::size).sum::<u64>() <= INLINE_READ_MAX;
-        let task = move |state: &mut DeviceState| state.read(stream, &handles);
-        let bytes = match small {
-            true => self.device().run_inline_or_wait(stream, task)??,
-            false => self.device().run(stream, task)??,
-        };
-        Ok(bytes.into_iter().map(Bytes::from_aligned).collect())
+        let bytes = handles.iter().map(Handle::size).sum();
+        let read = self.run_read(bytes, move |state| state.read(stream, &handles))?;
+        Ok(read.into_iter().map(Bytes::from_aligned).collect())
     }
 
     /// Reads one handle; see [`Client::read`].
@@ -176,13 +172,23 @@ impl Client {
         self.check_owned(&handle)?;
         self.refuse_if_capturing("read")?;
         let stream = self.stream_id();
-        let small = handle.size() <= INLINE_READ_MAX;
-        let task = move |state: &mut DeviceState| state.read(stream, std::slice::from_ref(&handle));
-        let mut bytes = match small {
-            true => self.device().run_inline_or_wait(stream, task)??,
-            false => self.device().run(stream, task)??,
-        };
-        Ok(Bytes::from_aligned(bytes.pop().expect("one handle in, one read out")))
+        let mut read = self.run_read(handle.size(), move |state| state.read(stream, std::slice::from_ref(&handle)))?;
+        Ok(Bytes::from_aligned(read.pop().expect("one handle in, one read out")))
+    }
+
+    /// Runs a read of `bytes` in all on this client's stream: on the
+    /// calling thread where the device is idle and the read small
+    /// ([`INLINE_READ_MAX`]), else on the device thread; waits.
+    fn run_read(
+        &self,
+        bytes: u64,
+        read: impl FnOnce(&mut DeviceState) -> Result<Vec<AlignedBytes>, ServerError> + Send,
+    ) -> Result<Vec<AlignedBytes>, ServerError> {
+        let stream = self.stream_id();
+        match bytes <= INLINE_READ_MAX {
+            true => self.device().run_inline_or_wait(stream, read)?,
+            false => self.device().run(stream, read)?,
+        }
     }
 
     /// Reads one handle and panics with the cause when that fails (for tests).

@@ -76,17 +76,17 @@ impl Kernels {
         if self.by_id.contains_key(&kernel.id()) {
             return true;
         }
-        if self.nvrtc_version.is_empty() {
-            return false;
-        }
-        let options = format!("--gpu-architecture={}", self.arch);
-        let key = entry_key(&[
-            source.as_bytes(),
-            kernel.name().as_bytes(),
-            options.as_bytes(),
-            self.nvrtc_version.as_bytes(),
-        ]);
-        self.by_key.contains_key(&key)
+        // Before the first load the NVRTC version is unknown: nothing loaded.
+        !self.nvrtc_version.is_empty() && self.by_key.contains_key(&self.memory_key(kernel.name(), source).0)
+    }
+
+    /// The in-memory cache key of kernel `name` of `source` (source, name,
+    /// options, NVRTC version), with the compile options it stands for.
+    fn memory_key(&self, name: &str, source: &str) -> ([u8; 32], [String; 1]) {
+        let options = [format!("--gpu-architecture={}", self.arch)];
+        let key =
+            entry_key(&[source.as_bytes(), name.as_bytes(), options[0].as_bytes(), self.nvrtc_version.as_bytes()]);
+        (key, options)
     }
 
     /// The loaded function of `kernel`, compiling it on first use. The error
@@ -167,9 +167,7 @@ impl Kernels {
             unsafe { nvrtc::nvrtcVersion(&mut major, &mut minor) };
             self.nvrtc_version = format!("{major}.{minor}");
         }
-        let options = [format!("--gpu-architecture={}", self.arch)];
-        let joined = options.join(" ");
-        let key = entry_key(&[source.as_bytes(), name.as_bytes(), joined.as_bytes(), self.nvrtc_version.as_bytes()]);
+        let (key, options) = self.memory_key(name, source);
         if let Some(found) = self.by_key.get(&key) {
             MEMORY_HITS.fetch_add(1, Ordering::Relaxed);
             return found.clone();
