@@ -299,11 +299,15 @@ pub(crate) fn launch_grouped<'h>(
         // every mode that does more than queue device work (see launch).
         let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
             let (shapes, scratch) = &shapes;
-            let result = ticket.run(|c, slot| c.run_part(slot, access, &mode, shapes, scratch, tracked.clone()));
-            if let Some(t) = &tracked {
-                t.note(&result);
-            }
-            result
+            // Noted before the ticket returns; a part left running keeps
+            // the record open through its monitor until it ends.
+            ticket.run(|c, slot| {
+                let result = c.run_part(slot, access, &mode, shapes, scratch, tracked.clone());
+                if let Some(t) = &tracked {
+                    t.note(&result);
+                }
+                result
+            })
         };
         let queued = match inline {
             true => client.submit_buffers_recorded_inline(operation, inputs, outputs, task),

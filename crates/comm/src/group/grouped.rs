@@ -125,9 +125,13 @@ impl ClientGroup {
             let tracked = tracked.clone();
             let client = &self.clients[member];
             let queued = client.submit_buffers_always("group", inputs, outputs, move |access| {
-                let result = ticket.run(|grouped, slot| grouped.run_member(slot, &has, access));
-                tracked.note(&result);
-                result
+                // The record's hold goes before the ticket returns (see
+                // `ClientGroup::launch`).
+                ticket.run(move |grouped, slot| {
+                    let result = grouped.run_member(slot, &has, access);
+                    tracked.note(&result);
+                    result
+                })
             });
             if let Err(source) = queued {
                 failed.get_or_insert(CommError::Enqueue {

@@ -364,10 +364,15 @@ impl ClientGroup {
             // A part that cannot be queued drops its ticket, which fails the
             // collective for the parts already queued.
             let tracked = tracked.clone();
+            // The part's hold on the record goes before its ticket returns
+            // (the body owns it): the record of a collective whose last part
+            // ended is finished before the waiter is released.
             let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
-                let result = ticket.run(|collective, slot| collective.run_member(slot, access));
-                tracked.note(&result);
-                result
+                ticket.run(move |collective, slot| {
+                    let result = collective.run_member(slot, access);
+                    tracked.note(&result);
+                    result
+                })
             };
             let queued = match inline {
                 true => client.submit_buffers_inline(operation, inputs, outputs, task),
