@@ -131,7 +131,7 @@ fn client_group_collectives_are_recorded_with_their_state() {
     assert_eq!(group.client(1).read_one(bufs[1].clone()).unwrap().to_vec(), vec![2u8; 32]);
     let records = FlightRecorder::global().snapshot();
     let mine: Vec<_> = records.iter().filter(|r| r.group == "group[cpu:8,cpu:9]").collect();
-    let kinds: Vec<&str> = mine.iter().map(|r| r.fingerprint.kind.as_str()).collect();
+    let kinds: Vec<&str> = mine.iter().map(|r| &*r.fingerprint.kind).collect();
     assert_eq!(kinds, ["all_reduce", "barrier"], "{mine:?}");
     assert_eq!(mine[0].fingerprint.count, 32);
     assert!(mine.iter().all(|r| r.state == RecordState::Completed && r.ended_us.is_some()), "{mine:?}");

@@ -254,7 +254,7 @@ pub fn collect(store: &StoreClient) -> Result<JobStatus, StoreError> {
         let call = call.filter(|c| progress.is_some_and(|(issued, _)| issued == c.seq)).map(|c| CallStatus {
             for_s: now.saturating_sub(c.since_ms) as f64 / 1e3,
             seq: c.seq,
-            kind: c.kind,
+            kind: c.kind.into_owned(),
             bytes: c.bytes,
             group: group.clone().unwrap_or_default(),
         });

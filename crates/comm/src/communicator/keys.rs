@@ -216,7 +216,8 @@ pub fn abort_key(prefix: &str) -> String {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CurrentCall {
     pub seq: u64,
-    pub kind: String,
+    /// "all_reduce", ... (borrowed where this process made it).
+    pub kind: std::borrow::Cow<'static, str>,
     pub bytes: u64,
     pub since_ms: u64,
 }
@@ -233,7 +234,7 @@ impl CurrentCall {
         let mut f = text.split(' ');
         let call = CurrentCall {
             seq: f.next()?.parse().ok()?,
-            kind: f.next()?.to_string(),
+            kind: f.next()?.to_string().into(),
             bytes: f.next()?.parse().ok()?,
             since_ms: f.next()?.parse().ok()?,
         };

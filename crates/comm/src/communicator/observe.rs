@@ -19,7 +19,7 @@ use crossbeam::channel::{RecvTimeoutError, Sender};
 
 use crate::op::Op;
 use crate::store::StoreClient;
-use crate::trace::{CollectiveFingerprint, FlightRecorder, Watched};
+use crate::trace::{CollectiveFingerprint, FlightRecorder, Ranks, Watched};
 
 use super::error::ConnectError;
 use super::failure::Failure;
@@ -51,9 +51,12 @@ fn job_identity(rank: usize, size: usize) -> (usize, usize) {
 struct Shared {
     /// The recorder's group name (`comm<k>`, `comm<k>.s<n>c<color>`), the
     /// same on every rank.
-    group: String,
+    group: Arc<str>,
     /// Its ranks' job ranks: the ranks of its records.
     label: super::label::Label,
+    /// The ranks its collectives' records name: a split group's, or every
+    /// rank of the job's communicator.
+    record_ranks: Ranks,
     rank: usize,
     /// The job rank (timeline rows).
     job_rank: usize,
@@ -98,7 +101,13 @@ impl Observer {
         let (poke, poked) = crossbeam::channel::bounded::<()>(1);
         let shared = Arc::new(Shared {
             poke,
-            group: world.label.name.clone(),
+            group: Arc::from(world.label.name.as_str()),
+            // A group's records name its ranks, so the merge expects only
+            // them; a job's communicator is every rank.
+            record_ranks: match world.label.split {
+                true => Ranks::Listed(world.label.ranks.as_slice().into()),
+                false => Ranks::Every,
+            },
             label: world.label.clone(),
             rank,
             job_rank,
@@ -171,26 +180,24 @@ impl Observer {
         let (group, ranks) = match fp.op.endpoints() {
             Some((from, to)) => {
                 let (from, to) = (s.label.global(from), s.label.global(to));
-                (format!("{}/p2p {from}->{to}", s.group), Some(vec![from, to]))
+                (Arc::from(format!("{}/p2p {from}->{to}", s.group)), Ranks::Two(from, to))
             }
             None => {
                 let call = CurrentCall {
                     seq: fp.seq,
-                    kind: fp.op.name().to_string(),
+                    kind: fp.op.name().into(),
                     bytes: fp.op.block_bytes() as u64,
                     since_ms: crate::trace::now_micros() / 1000,
                 };
                 *s.current.lock() = Some(call);
                 s.issued.fetch_max(fp.seq, Ordering::Relaxed);
                 let _ = s.poke.try_send(());
-                // A group's records name its ranks, so the merge expects
-                // only them; a job's communicator is every rank.
-                (s.group.clone(), s.label.split.then(|| s.label.ranks.clone()))
+                (s.group.clone(), s.record_ranks.clone())
             }
         };
         let category = if fp.is_p2p() { "p2p" } else { "collective" };
         let watched = match fp.group {
-            None => Watched::start(group, fp.seq, &fp.op, 1, ranks, category, 0),
+            None => Watched::start(&group, fp.seq, &fp.op, 1, ranks, category, 0),
             Some(g) => {
                 let described = CollectiveFingerprint {
                     seq: fp.seq,
@@ -200,7 +207,7 @@ impl Observer {
                     count: u64::from(g.calls),
                     root: None,
                 };
-                Watched::start_described(group, described, 1, ranks, category, 0)
+                Watched::start_described(&group, described, 1, ranks, category, 0)
             }
         };
         Tracker { shared: s.clone(), watched: Some(watched), fp }

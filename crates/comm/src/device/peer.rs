@@ -356,9 +356,9 @@ mod tests {
 
     #[test]
     fn the_flight_recorder_keeps_the_path_that_ran() {
-        use crate::trace::{FlightRecorder, Watched};
+        use crate::trace::{FlightRecorder, Ranks, Watched};
         let op = sum(64);
-        let watched = Watched::start("peer-path-test", 7, &op, 1, None, "collective", 0);
+        let watched = Watched::start(&"peer-path-test".into(), 7, &op, 1, Ranks::Every, "collective", 0);
         watched.set_path(Path::TwoShot.name());
         watched.set_path(Path::Nccl.name()); // the first path noted stays
         watched.ended(Ok(()));

@@ -22,7 +22,7 @@ use crate::host::{default_timeout, HostCollective, HostPath};
 use crate::meeting::{Seat, Ticket};
 use crate::op::{Collective, Op};
 use crate::order::{communicator, enqueue_lock, DeviceSetComm};
-use crate::trace::{FlightRecorder, Watched};
+use crate::trace::{FlightRecorder, Ranks, Watched};
 use crate::work::Work;
 
 /// Default bytes per pipelined chunk on the staged host path.
@@ -271,8 +271,8 @@ impl ClientGroup {
         let tid = self.clients.get(first).map_or(0, |c| c.device_id().index);
         let category = if op.collective() == Collective::SendRecv { "copy" } else { "collective" };
         // A process-local group: only this process takes part.
-        let ranks = Some(vec![FlightRecorder::global().identity().0]);
-        Watched::start(&*self.record_name, sequence, op, parts, ranks, category, tid)
+        let ranks = Ranks::One(FlightRecorder::global().identity().0);
+        Watched::start(&self.record_name, sequence, op, parts, ranks, category, tid)
     }
 
     /// Queues every part of one collective, under the process-wide order.

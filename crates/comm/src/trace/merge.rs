@@ -191,7 +191,7 @@ mod tests {
     use super::*;
     use crate::trace::recorder::CollectiveRecord;
 
-    fn record(seq: u64, kind: &str, state: RecordState) -> CollectiveRecord {
+    fn record(seq: u64, kind: &'static str, state: RecordState) -> CollectiveRecord {
         CollectiveRecord {
             group: "world".into(),
             fingerprint: CollectiveFingerprint {

@@ -19,6 +19,7 @@ mod timeline;
 mod watch;
 
 pub use merge::{merge, merge_files, MergeReport, Straggler};
+pub(crate) use recorder::Ranks;
 pub use recorder::{
     install_dump_on_signal, trace_dir, CollectiveFingerprint, CollectiveRecord, FlightRecorder, RecordId, RecordState,
     RecorderDump,

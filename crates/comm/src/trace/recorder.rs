@@ -1,10 +1,11 @@
 //! The flight recorder: the last collectives of this process, in memory.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -19,12 +20,13 @@ use crate::op::Op;
 pub struct CollectiveFingerprint {
     /// Position in this communicator's sequence of collectives (from 0).
     pub seq: u64,
-    /// "all_reduce", "broadcast", ...
-    pub kind: String,
+    /// "all_reduce", "broadcast", ... (the names are borrowed, not copied,
+    /// where the library records a call: `"all_reduce".into()`).
+    pub kind: Cow<'static, str>,
     /// The reduction, for reducing collectives.
-    pub op: Option<String>,
+    pub op: Option<Cow<'static, str>>,
     /// Element type, e.g. "f32".
-    pub dtype: String,
+    pub dtype: Cow<'static, str>,
     /// Elements per rank's source.
     pub count: u64,
     /// Root rank, for rooted collectives.
@@ -33,14 +35,13 @@ pub struct CollectiveFingerprint {
 
 impl CollectiveFingerprint {
     /// Collective number `seq`, described by `op` (a send/recv's root is
-    /// its sender).
+    /// its sender). Allocates nothing: the names are static.
     pub fn of(seq: u64, op: &Op) -> CollectiveFingerprint {
         CollectiveFingerprint {
             seq,
-            // Static names copied, not formatted: this runs on every call.
-            kind: op.name().to_owned(),
-            op: op.reduce_op().map(|o| o.nccl_name().to_owned()),
-            dtype: op.dtype().name().to_owned(),
+            kind: Cow::Borrowed(op.name()),
+            op: op.reduce_op().map(|o| Cow::Borrowed(o.nccl_name())),
+            dtype: Cow::Borrowed(op.dtype().name()),
             count: op.count() as u64,
             root: op.root().or(op.endpoints().map(|(from, _)| from)),
         }
@@ -119,16 +120,49 @@ pub struct RecorderDump {
     pub startup: Vec<(String, u64)>,
 }
 
-/// The last collectives of this process (a ring buffer; old ones fall off).
-pub struct FlightRecorder {
-    capacity: usize,
-    identity: Mutex<(usize, usize)>,
-    records: Mutex<VecDeque<CollectiveRecord>>,
-    startup: Mutex<Vec<(String, u64)>>,
+/// Who takes part in a recorded collective, as the ring keeps it: the
+/// common cases without a heap list, a communicator's list shared with it.
+#[derive(Debug, Clone)]
+pub(crate) enum Ranks {
+    /// Every rank of the job.
+    Every,
+    /// One rank (a process-local group: this process).
+    One(usize),
+    /// Two ranks (a point-to-point message: sender, receiver).
+    Two(usize, usize),
+    /// A communicator's ranks (a split group's job ranks).
+    Listed(Arc<[usize]>),
 }
 
-impl CollectiveRecord {
-    /// Ends the record with `outcome`, unless it already failed (the first
+impl Ranks {
+    /// The list a [`CollectiveRecord`] names (`None`: every rank).
+    fn to_list(&self) -> Option<Vec<usize>> {
+        match self {
+            Ranks::Every => None,
+            Ranks::One(rank) => Some(vec![*rank]),
+            Ranks::Two(a, b) => Some(vec![*a, *b]),
+            Ranks::Listed(list) => Some(list.to_vec()),
+        }
+    }
+}
+
+/// One collective in the ring: a [`CollectiveRecord`] in the form that is
+/// cheap to write on every call (the group's name shared, static names
+/// borrowed, no rank list for one or two ranks). Dropping one that falls off
+/// the ring frees nothing on the common path.
+struct Entry {
+    id: u64,
+    group: Arc<str>,
+    fingerprint: CollectiveFingerprint,
+    started_us: u64,
+    ended_us: Option<u64>,
+    state: RecordState,
+    ranks: Ranks,
+    path: Option<&'static str>,
+}
+
+impl Entry {
+    /// Ends the entry with `outcome`, unless it already failed (the first
     /// reason is kept).
     fn end(&mut self, outcome: Result<(), String>) {
         if matches!(self.state, RecordState::Failed(_)) {
@@ -140,6 +174,41 @@ impl CollectiveRecord {
             Err(reason) => RecordState::Failed(reason),
         };
     }
+
+    fn to_record(&self) -> CollectiveRecord {
+        CollectiveRecord {
+            group: self.group.to_string(),
+            fingerprint: self.fingerprint.clone(),
+            started_us: self.started_us,
+            ended_us: self.ended_us,
+            state: self.state.clone(),
+            ranks: self.ranks.to_list(),
+            path: self.path.map(str::to_string),
+            id: self.id,
+        }
+    }
+}
+
+/// The last collectives of this process (a ring buffer; old ones fall off).
+///
+/// Recording a call of the library costs one lock and no heap allocation:
+/// the ring keeps the group's shared name and the call's static names, and
+/// builds the public [`CollectiveRecord`]s only when read.
+pub struct FlightRecorder {
+    capacity: usize,
+    /// The rank (high 32 bits) and world size (low 32) written in dumps.
+    identity: AtomicU64,
+    records: Mutex<VecDeque<Entry>>,
+    startup: Mutex<Vec<(String, u64)>>,
+}
+
+/// A rank and world size as one word, so a reader never sees half of an
+/// update.
+fn pack_identity(rank: usize, world_size: usize) -> u64 {
+    // Both stay far below 2^32 (the launcher refuses more than 4,194,304
+    // ranks); saturate rather than wrap past that.
+    let narrow = |n: usize| u64::from(u32::try_from(n).unwrap_or(u32::MAX));
+    narrow(rank) << 32 | narrow(world_size)
 }
 
 impl FlightRecorder {
@@ -147,7 +216,7 @@ impl FlightRecorder {
     pub fn new(capacity: usize) -> Self {
         Self {
             capacity,
-            identity: Mutex::new((0, 1)),
+            identity: AtomicU64::new(pack_identity(0, 1)),
             records: Mutex::new(VecDeque::with_capacity(capacity.min(4096))),
             startup: Mutex::new(Vec::new()),
         }
@@ -167,7 +236,7 @@ impl FlightRecorder {
 
     /// Sets the rank and world size written in dumps.
     pub fn set_identity(&self, rank: usize, world_size: usize) {
-        *self.identity.lock() = (rank, world_size);
+        self.identity.store(pack_identity(rank, world_size), Ordering::Relaxed);
     }
 
     /// Keeps that this process passed start-up phase `name` at `at_us`
@@ -181,9 +250,10 @@ impl FlightRecorder {
         self.startup.lock().clone()
     }
 
-    /// The rank and world size written in dumps.
+    /// The rank and world size written in dumps (one atomic load).
     pub fn identity(&self) -> (usize, usize) {
-        *self.identity.lock()
+        let packed = self.identity.load(Ordering::Relaxed);
+        ((packed >> 32) as usize, (packed & u64::from(u32::MAX)) as usize)
     }
 
     /// Records the start of a collective. Costs a lock and a push.
@@ -192,12 +262,20 @@ impl FlightRecorder {
     }
 
     /// Records the start of a collective that only `ranks` take part in
-    /// (`None`: every rank). Costs a lock and a push.
+    /// (`None`: every rank). Costs a lock, a push and a copy of `group`.
     pub fn start_among(&self, group: &str, fingerprint: CollectiveFingerprint, ranks: Option<Vec<usize>>) -> RecordId {
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let ranks = ranks.map_or(Ranks::Every, |list| Ranks::Listed(list.into()));
+        self.start_entry(&Arc::from(group), fingerprint, ranks)
+    }
+
+    /// Records the start of a collective of `group` among `ranks`: one lock
+    /// and a push; nothing is allocated once the ring has grown to its size.
+    pub(crate) fn start_entry(&self, group: &Arc<str>, fingerprint: CollectiveFingerprint, ranks: Ranks) -> RecordId {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
         if self.capacity == 0 {
             return RecordId(NEXT.fetch_add(1, Ordering::Relaxed));
         }
+        let started_us = now_micros();
         let mut records = self.records.lock();
         // Taken under the lock: the ring stays sorted by id, so a record is
         // found by binary search however far behind its finish comes.
@@ -205,24 +283,24 @@ impl FlightRecorder {
         if records.len() == self.capacity {
             records.pop_front();
         }
-        records.push_back(CollectiveRecord {
-            group: group.to_string(),
+        records.push_back(Entry {
+            id,
+            group: Arc::clone(group),
             fingerprint,
-            started_us: now_micros(),
+            started_us,
             ended_us: None,
             state: RecordState::Started,
             ranks,
             path: None,
-            id,
         });
         RecordId(id)
     }
 
     /// Notes which path ran record `id` (ignored once it fell off the ring).
-    pub fn set_path(&self, id: RecordId, path: &str) {
+    pub fn set_path(&self, id: RecordId, path: &'static str) {
         let mut records = self.records.lock();
         if let Ok(at) = records.binary_search_by_key(&id.0, |r| r.id) {
-            records[at].path = Some(path.to_string());
+            records[at].path = Some(path);
         }
     }
 
@@ -241,19 +319,19 @@ impl FlightRecorder {
     /// already failed stays failed (its first reason is kept).
     pub fn finish(&self, group: &str, seq: u64, outcome: Result<(), String>) {
         let mut records = self.records.lock();
-        if let Some(record) = records.iter_mut().rev().find(|r| r.fingerprint.seq == seq && r.group == group) {
+        if let Some(record) = records.iter_mut().rev().find(|r| r.fingerprint.seq == seq && &*r.group == group) {
             record.end(outcome);
         }
     }
 
     /// A copy of what is recorded, oldest first.
     pub fn snapshot(&self) -> Vec<CollectiveRecord> {
-        self.records.lock().iter().cloned().collect()
+        self.records.lock().iter().map(Entry::to_record).collect()
     }
 
     /// The recorder as a dump, with why it is taken.
     pub fn dump(&self, reason: &str) -> RecorderDump {
-        let (rank, world_size) = *self.identity.lock();
+        let (rank, world_size) = self.identity();
         RecorderDump {
             rank,
             world_size,
@@ -381,6 +459,34 @@ mod tests {
         assert_eq!(records[2].state, RecordState::Started);
         assert!(records[2].ended_us.is_none());
         assert_eq!(fp(2).to_string(), "#2 all_reduce(sum) 8 × f32");
+    }
+
+    #[test]
+    fn the_identity_reads_back_whole_and_saturates_past_32_bits() {
+        let recorder = FlightRecorder::new(1);
+        assert_eq!(recorder.identity(), (0, 1));
+        recorder.set_identity(4_194_303, 4_194_304);
+        assert_eq!(recorder.identity(), (4_194_303, 4_194_304));
+        recorder.set_identity(usize::MAX, 7);
+        assert_eq!(recorder.identity(), (u32::MAX as usize, 7));
+    }
+
+    #[test]
+    fn records_read_back_as_they_were_written() {
+        let recorder = FlightRecorder::new(4);
+        let id = recorder.start_among("g", fp(0), Some(vec![2, 5]));
+        recorder.set_path(id, "oneshot");
+        recorder.start_entry(&"h".into(), fp(1), Ranks::Two(3, 1));
+        recorder.start_entry(&"h".into(), fp(2), Ranks::One(4));
+        recorder.finish_record(id, Err("first".into()));
+        recorder.finish_record(id, Ok(()));
+        let records = recorder.snapshot();
+        assert_eq!(records[0].group, "g");
+        assert_eq!(records[0].ranks, Some(vec![2, 5]));
+        assert_eq!(records[0].path.as_deref(), Some("oneshot"));
+        assert_eq!(records[0].state, RecordState::Failed("first".into()), "the first reason stays");
+        assert_eq!((records[1].ranks.clone(), records[2].ranks.clone()), (Some(vec![3, 1]), Some(vec![4])));
+        assert_eq!(records[1].fingerprint, fp(1));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::time::Instant;
 use cohort_runtime::{Client, ServerError};
 use parking_lot::Mutex;
 
+use super::recorder::Ranks;
 use super::{now_micros, CollectiveFingerprint, FlightRecorder, RecordId, Timeline, TimelineEvent};
 use crate::op::Op;
 
@@ -18,9 +19,9 @@ use crate::op::Op;
 /// owner) holds a clone and notes how its part ended.
 pub(crate) struct Watched {
     record: RecordId,
-    /// The group's name and the call, kept for the timeline event only
-    /// while `COHORT_TIMELINE` is set (the flight recorder has its own).
-    timeline: Option<(String, CollectiveFingerprint)>,
+    /// What the timeline event needs, kept only while `COHORT_TIMELINE` is
+    /// set (the flight recorder has its own copy of the call).
+    timeline: Option<TimelineStart>,
     /// The timeline's category ("collective", "copy", "p2p") and row.
     category: &'static str,
     tid: u32,
@@ -29,6 +30,12 @@ pub(crate) struct Watched {
     failure: Mutex<Option<String>>,
     /// The path that runs it, where there is a choice.
     path: std::sync::OnceLock<&'static str>,
+}
+
+/// A watched collective's group, call and start, for its timeline event.
+struct TimelineStart {
+    group: Arc<str>,
+    fingerprint: CollectiveFingerprint,
     start_us: u64,
     start: Instant,
 }
@@ -38,11 +45,11 @@ impl Watched {
     /// with `parts` parts among `ranks` (`None`: every rank of the job).
     /// Its timeline event goes to row `tid` under `category`.
     pub(crate) fn start(
-        group: impl AsRef<str>,
+        group: &Arc<str>,
         seq: u64,
         op: &Op,
         parts: usize,
-        ranks: Option<Vec<usize>>,
+        ranks: Ranks,
         category: &'static str,
         tid: u32,
     ) -> Arc<Watched> {
@@ -52,16 +59,20 @@ impl Watched {
     /// [`Watched::start`] of a call described by `fingerprint` (a grouped
     /// call's: kind `group`, its number of calls as the count).
     pub(crate) fn start_described(
-        group: impl AsRef<str>,
+        group: &Arc<str>,
         fingerprint: CollectiveFingerprint,
         parts: usize,
-        ranks: Option<Vec<usize>>,
+        ranks: Ranks,
         category: &'static str,
         tid: u32,
     ) -> Arc<Watched> {
-        let group = group.as_ref();
-        let timeline = Timeline::from_env().map(|_| (group.to_string(), fingerprint.clone()));
-        let record = FlightRecorder::global().start_among(group, fingerprint, ranks);
+        let timeline = Timeline::from_env().map(|_| TimelineStart {
+            group: Arc::clone(group),
+            fingerprint: fingerprint.clone(),
+            start_us: now_micros(),
+            start: Instant::now(),
+        });
+        let record = FlightRecorder::global().start_entry(group, fingerprint, ranks);
         Arc::new(Watched {
             record,
             timeline,
@@ -71,8 +82,6 @@ impl Watched {
             noted: AtomicUsize::new(0),
             failure: Mutex::new(None),
             path: std::sync::OnceLock::new(),
-            start_us: now_micros(),
-            start: Instant::now(),
         })
     }
 
@@ -111,17 +120,19 @@ impl Drop for Watched {
         }
         let ok = failure.is_none();
         FlightRecorder::global().finish_record(self.record, failure.map_or(Ok(()), Err));
-        if let (Some(timeline), Some((group, fp))) = (Timeline::from_env(), &self.timeline) {
+        if let (Some(timeline), Some(TimelineStart { group, fingerprint: fp, start_us, start })) =
+            (Timeline::from_env(), &self.timeline)
+        {
             timeline.record(&TimelineEvent {
-                name: fp.kind.clone(),
+                name: fp.kind.to_string(),
                 cat: self.category.into(),
                 ph: "X",
-                ts: self.start_us,
-                dur: self.start.elapsed().as_micros() as u64,
+                ts: *start_us,
+                dur: start.elapsed().as_micros() as u64,
                 pid: FlightRecorder::global().identity().0,
                 tid: self.tid,
                 args: serde_json::json!({
-                    "group": group, "seq": fp.seq, "dtype": fp.dtype, "count": fp.count,
+                    "group": &**group, "seq": fp.seq, "dtype": fp.dtype, "count": fp.count,
                     "op": fp.op, "root": fp.root, "ok": ok, "path": self.path.get(),
                 }),
             });

@@ -1,0 +1,83 @@
+//! Heap allocations per small collective, counted by this binary's own
+//! allocator: what a call costs beside its bytes. One test only, so no
+//! other test's allocations are counted with it.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cohort_comm::trace::{FlightRecorder, RecordState};
+use cohort_comm::{Buffer, ClientGroup, Collectives, ReduceOp};
+use cohort_runtime::{CpuRuntime, Runtime};
+
+/// The system allocator, counting allocations and reallocations.
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Allocations per call of `call`, made `calls` times after as many to
+/// warm up (the flight recorder's ring fills in the warm-up).
+fn per_call(calls: u64, mut call: impl FnMut()) -> f64 {
+    for _ in 0..calls {
+        call();
+    }
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    for _ in 0..calls {
+        call();
+    }
+    (ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / calls as f64
+}
+
+#[test]
+fn small_all_reduces_allocate_a_few_times_and_their_flight_records_nothing() {
+    // A small ring, so the warm-up fills it and every counted call pushes
+    // the oldest record out.
+    std::env::set_var("COHORT_FLIGHT_RECORDER", "64");
+    std::env::set_var("COHORT_CPU_DEVICES", "2");
+    let clients: Vec<_> = (0..2).map(|i| CpuRuntime::client(i).unwrap()).collect();
+
+    // One device: the call's collective and its watch (two `Arc`s). The
+    // flight record used to allocate five times more (its strings, the
+    // group's name and the rank list): 7.0 per call.
+    let one = ClientGroup::new(clients[..1].to_vec()).unwrap();
+    let buf = vec![Buffer::from_slice(&clients[0], &[1.0f32; 8]).unwrap()];
+    let allocations = per_call(1000, || one.all_reduce(&buf, &buf, ReduceOp::Max).unwrap().wait().unwrap());
+    assert!(allocations <= 2.05, "{allocations} allocations per one-device all-reduce (expected 2)");
+
+    // Two devices: each part's boxed task on top (9.1 per call before).
+    let two = ClientGroup::new(clients.clone()).unwrap();
+    let bufs: Vec<_> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0f32; 8]).unwrap()).collect();
+    let allocations = per_call(500, || two.all_reduce(&bufs, &bufs, ReduceOp::Max).unwrap().wait().unwrap());
+    assert!(allocations <= 4.5, "{allocations} allocations per two-device all-reduce (expected about 4)");
+    assert_eq!(bufs[1].to_vec().unwrap(), [1.0; 8], "max of ones is one");
+
+    // What the ring kept reads back whole.
+    let records = FlightRecorder::global().snapshot();
+    assert_eq!(records.len(), 64, "the ring keeps COHORT_FLIGHT_RECORDER records");
+    let last = records.last().unwrap();
+    assert_eq!((&*last.fingerprint.kind, last.fingerprint.op.as_deref()), ("all_reduce", Some("max")));
+    assert_eq!((&*last.fingerprint.dtype, last.fingerprint.count), ("f32", 8));
+    assert_eq!(last.state, RecordState::Completed);
+    assert_eq!(last.ranks, Some(vec![FlightRecorder::global().identity().0]), "a process-local group names this rank");
+    assert!(last.group.starts_with("group[cpu"), "{}", last.group);
+}
