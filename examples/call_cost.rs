@@ -8,7 +8,11 @@
 //! one-rank NCCL communicator (`COHORT_NCCL_SINGLE=1`), waited on and
 //! queued back to back (then one sync per 100 calls), and the round trip
 //! of an empty task to the CUDA device thread and back (the hand-over
-//! alone, which a small call on an idle device skips). Run it under
+//! alone, which a small call on an idle device skips); beside them, raw
+//! NCCL's all-reduce of the same size through cudarc, waited on (with
+//! `cuStreamSynchronize`, and spinning on `cuStreamQuery` as cohort's
+//! waiters do) and queued back to back, and what cohort adds to each
+//! (its time less raw NCCL's best, in the same run). Run it under
 //! `perf stat -e task-clock,context-switches` for context switches per call
 //! and under `perf record -e cpu-clock` for where the time goes.
 //!
@@ -21,6 +25,10 @@ use std::time::Instant;
 use cohort::comm::{Buffer, ClientGroup, Collectives, ReduceOp};
 use cohort::runtime::conformance::kernels;
 use cohort::runtime::{Bytes, Client, GridCount, KernelArguments, Scalar};
+
+#[cfg(feature = "cuda")]
+#[path = "support/raw_nccl.rs"]
+mod raw_nccl;
 
 /// The system allocator, counting allocations (and reallocations).
 struct Counting;
@@ -48,15 +56,15 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-/// Runs `call` `calls` times after a warm-up; prints µs and allocations per
-/// call.
-fn measure(what: &str, calls: usize, call: impl FnMut()) {
+/// Runs `call` `calls` times after a warm-up; prints and returns µs per
+/// call (and prints allocations per call).
+fn measure(what: &str, calls: usize, call: impl FnMut()) -> f64 {
     measure_batches(what, calls, 1, call)
 }
 
 /// Runs `batch`, which makes `per` calls, `batches` times after a warm-up;
-/// prints µs and allocations per call.
-fn measure_batches(what: &str, batches: usize, per: usize, mut batch: impl FnMut()) {
+/// prints and returns µs per call (and prints allocations per call).
+fn measure_batches(what: &str, batches: usize, per: usize, mut batch: impl FnMut()) -> f64 {
     measure_queued(what, batches, per, || {
         let start = Instant::now();
         batch();
@@ -66,9 +74,9 @@ fn measure_batches(what: &str, batches: usize, per: usize, mut batch: impl FnMut
 
 /// Runs `batch` (which queues `per` calls and returns the time it took
 /// to queue them, its wait not counted) `batches` times after a warm-up;
-/// prints the caller's µs per call and the allocations per call (every
-/// thread's, the waits' included).
-fn measure_queued(what: &str, batches: usize, per: usize, mut batch: impl FnMut() -> std::time::Duration) {
+/// prints and returns the caller's µs per call (and prints the
+/// allocations per call: every thread's, the waits' included).
+fn measure_queued(what: &str, batches: usize, per: usize, mut batch: impl FnMut() -> std::time::Duration) -> f64 {
     for _ in 0..batches / 10 + 1 {
         batch();
     }
@@ -76,11 +84,9 @@ fn measure_queued(what: &str, batches: usize, per: usize, mut batch: impl FnMut(
     let queued: std::time::Duration = (0..batches).map(|_| batch()).sum();
     let allocations = ALLOCATIONS.load(Ordering::Relaxed) - before;
     let calls = (batches * per) as f64;
-    println!(
-        "{what:<44} {:>8.2} µs/call {:>7.1} allocations/call",
-        queued.as_secs_f64() * 1e6 / calls,
-        allocations as f64 / calls
-    );
+    let micros = queued.as_secs_f64() * 1e6 / calls;
+    println!("{what:<44} {micros:>8.2} µs/call {:>7.1} allocations/call", allocations as f64 / calls);
+    micros
 }
 
 /// A one-device all-reduce through a one-rank NCCL communicator, waited on
@@ -100,17 +106,51 @@ fn nccl_all_reduce(calls: usize) {
     measure("empty task round trip, CUDA device thread", calls.min(2000), || {
         clients[0].exclusive(|| ()).expect("exclusive")
     });
+    #[cfg(feature = "cuda")]
+    let raw = raw_nccl::Raw::new(1, 32, false);
     let bufs: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
     let call = || group.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce");
     // At most 2,000: a waited call may cost a millisecond.
-    measure("all_reduce 32 B, 1 CUDA device (NCCL), wait", calls.min(2000), || call().wait().expect("wait"));
-    measure_batches("all_reduce 32 B, 1 CUDA device (NCCL), queued", calls / 100, 100, || {
+    let waited =
+        measure("all_reduce 32 B, 1 CUDA device (NCCL), wait", calls.min(2000), || call().wait().expect("wait"));
+    let queued = measure_batches("all_reduce 32 B, 1 CUDA device (NCCL), queued", calls / 100, 100, || {
         for _ in 0..100 {
             call();
         }
         group.sync().expect("sync");
     });
     assert_eq!(bufs[0].to_vec().expect("read"), [1.0; 8], "max of ones is one");
+    #[cfg(feature = "cuda")]
+    raw_nccl_rows(raw, calls, waited, queued);
+    #[cfg(not(feature = "cuda"))]
+    let _ = (waited, queued);
+}
+
+/// Raw NCCL's one-rank all-reduce of 32 B (sum; cohort's calls take max,
+/// which costs the same), waited on both ways and queued back to back, and
+/// what cohort added to each (`waited`, `queued`: cohort's µs per call).
+#[cfg(feature = "cuda")]
+fn raw_nccl_rows(raw: Result<raw_nccl::Raw, String>, calls: usize, waited: f64, queued: f64) {
+    use cohort::comm::op::Collective::AllReduce;
+    let raw = match raw {
+        Ok(raw) => raw,
+        Err(why) => return println!("# raw NCCL rows skipped: {why}"),
+    };
+    let once = |spin: bool| {
+        raw.queue(AllReduce, 32).expect("raw all-reduce");
+        raw.sync(spin).expect("raw sync");
+    };
+    let synced = measure("raw NCCL all_reduce 32 B, wait (synchronize)", calls.min(2000), || once(false));
+    let spun = measure("raw NCCL all_reduce 32 B, wait (query spin)", calls.min(2000), || once(true));
+    let raw_queued = measure_batches("raw NCCL all_reduce 32 B, queued", calls / 100, 100, || {
+        for _ in 0..100 {
+            raw.queue(AllReduce, 32).expect("raw all-reduce");
+        }
+        raw.sync(false).expect("raw sync");
+    });
+    let best = synced.min(spun);
+    println!("cohort adds, waited: {:.2} µs ({:.2}× raw's best wait)", waited - best, waited / best);
+    println!("cohort adds, queued: {:.2} µs ({:.2}× raw)", queued - raw_queued, queued / raw_queued);
 }
 
 fn all_reduce(clients: &[Client], calls: usize) {

@@ -51,10 +51,12 @@ use cohort::comm::op::Op;
 use cohort::comm::verify::Buffers;
 use cohort::comm::{Algo, ClientGroup, Crossover, CrossoverRow, DType, ReduceOp, TableKind};
 use cohort::prelude::*;
-use cohort::runtime::backend::cuda::{cudarc, nccl_version};
+use cohort::runtime::backend::cuda::nccl_version;
 use cohort::runtime::CudaRuntime;
-use cudarc::driver::sys;
-use cudarc::nccl::sys as nccl;
+
+#[path = "support/raw_nccl.rs"]
+mod raw_nccl;
+use raw_nccl::Raw;
 
 #[derive(Parser, Debug)]
 #[command(about = "collectives over NCCL: cohort's ClientGroup beside raw NCCL through cudarc")]
@@ -143,151 +145,20 @@ fn parse_size(text: &str) -> Result<usize, String> {
     digits.parse::<usize>().map(|v| v * scale).map_err(|e| format!("{text:?} is not a size: {e}"))
 }
 
-fn ok(code: sys::CUresult, what: &str) -> Result<(), String> {
-    if code == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{what}: {code:?}"))
+/// Raw NCCL's mean seconds of one `coll` of `bytes` (see
+/// [`Raw::queue`]): `warmup` calls, a sync, then `iters` calls back to
+/// back and a sync.
+fn time_raw(raw: &Raw, coll: Collective, bytes: usize, warmup: u32, iters: u32) -> Result<f64, String> {
+    for _ in 0..warmup {
+        raw.queue(coll, bytes)?;
     }
-}
-
-fn nok(code: nccl::ncclResult_t, what: &str) -> Result<(), String> {
-    if code == nccl::ncclResult_t::ncclSuccess {
-        Ok(())
-    } else {
-        Err(format!("{what}: {code:?}"))
+    raw.sync(false)?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        raw.queue(coll, bytes)?;
     }
-}
-
-/// Raw NCCL on `n` devices from this thread: one communicator each
-/// (`ncclCommInitAll`), a stream and two buffers each in the device's
-/// primary context.
-struct Raw {
-    /// One event per device, recorded after every call (`--raw-events`).
-    events: Option<Vec<sys::CUevent>>,
-    ctxs: Vec<sys::CUcontext>,
-    comms: Vec<nccl::ncclComm_t>,
-    streams: Vec<sys::CUstream>,
-    bufs: Vec<(sys::CUdeviceptr, sys::CUdeviceptr)>,
-}
-
-impl Raw {
-    fn new(n: usize, bytes: usize, with_events: bool) -> Result<Raw, String> {
-        // SAFETY: probing only tries to dlopen cudarc's candidate names.
-        if !unsafe { nccl::is_culib_present() } {
-            return Err("cudarc finds no libnccl.so (link libnccl.so.2 as libnccl.so on LD_LIBRARY_PATH)".into());
-        }
-        let mut raw = Raw {
-            events: with_events.then(Vec::new),
-            ctxs: Vec::new(),
-            comms: vec![std::ptr::null_mut(); n],
-            streams: Vec::new(),
-            bufs: Vec::new(),
-        };
-        // SAFETY (whole block): plain driver and NCCL calls on primary
-        // contexts retained here, each made current before its device's
-        // calls; every result is checked.
-        unsafe {
-            for i in 0..n {
-                let mut device = 0;
-                ok(sys::cuDeviceGet(&mut device, i as i32), "cuDeviceGet")?;
-                let mut ctx = std::ptr::null_mut();
-                ok(sys::cuDevicePrimaryCtxRetain(&mut ctx, device), "retain")?;
-                ok(sys::cuCtxSetCurrent(ctx), "set current")?;
-                let mut stream = std::ptr::null_mut();
-                ok(sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "stream")?;
-                let (mut a, mut b) = (0, 0);
-                ok(sys::cuMemAlloc_v2(&mut a, bytes.max(4)), "alloc")?;
-                ok(sys::cuMemAlloc_v2(&mut b, bytes.max(4)), "alloc")?;
-                ok(sys::cuMemsetD32_v2(a, 1.0f32.to_bits(), bytes.max(4) / 4), "memset")?;
-                if let Some(events) = raw.events.as_mut() {
-                    let mut event = std::ptr::null_mut();
-                    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                    ok(sys::cuEventCreate(&mut event, flags), "event")?;
-                    events.push(event);
-                }
-                raw.ctxs.push(ctx);
-                raw.streams.push(stream);
-                raw.bufs.push((a, b));
-            }
-            let devs: Vec<i32> = (0..n as i32).collect();
-            nok(nccl::ncclCommInitAll(raw.comms.as_mut_ptr(), n as i32, devs.as_ptr()), "ncclCommInitAll")?;
-        }
-        Ok(raw)
-    }
-
-    /// Mean seconds of one `coll` of `bytes` (nccl-tests' size; f32, sum,
-    /// root 0).
-    fn time(&self, coll: Collective, bytes: usize, warmup: u32, iters: u32) -> Result<f64, String> {
-        use nccl::ncclDataType_t::ncclFloat32 as F32;
-        use nccl::ncclRedOp_t::ncclSum as SUM;
-        let n = self.comms.len();
-        let (count, block) = (bytes / 4, bytes / 4 / n);
-        let once = || -> Result<(), String> {
-            // SAFETY: communicators, streams and buffers made in `new`, of at
-            // least `bytes` bytes each (a block is `bytes / n`); one thread
-            // issues every device's calls inside one NCCL group, as NCCL
-            // requires; events (`--raw-events`) are ours, recorded in their
-            // own contexts.
-            unsafe {
-                nok(nccl::ncclGroupStart(), "group start")?;
-                for i in 0..self.comms.len() {
-                    let (a, b) = self.bufs[i];
-                    let (comm, s) = (self.comms[i], self.streams[i] as nccl::cudaStream_t);
-                    let (src, dst) = (a as *const _, b as *mut _);
-                    match coll {
-                        Collective::AllReduce => {
-                            nok(nccl::ncclAllReduce(src, dst, count, F32, SUM, comm, s), "ncclAllReduce")?
-                        }
-                        Collective::AllGather => {
-                            nok(nccl::ncclAllGather(src, dst, block, F32, comm, s), "ncclAllGather")?
-                        }
-                        Collective::ReduceScatter => {
-                            nok(nccl::ncclReduceScatter(src, dst, block, F32, SUM, comm, s), "ncclReduceScatter")?
-                        }
-                        Collective::Broadcast => {
-                            nok(nccl::ncclBroadcast(src, dst, count, F32, 0, comm, s), "ncclBroadcast")?
-                        }
-                        Collective::AllToAll => {
-                            for peer in 0..n {
-                                let at = (peer * block * 4) as u64;
-                                let to = (a + at) as *const _;
-                                nok(nccl::ncclSend(to, block, F32, peer as i32, comm, s), "ncclSend")?;
-                                nok(nccl::ncclRecv((b + at) as *mut _, block, F32, peer as i32, comm, s), "ncclRecv")?;
-                            }
-                        }
-                        other => return Err(format!("{} has no raw baseline here", other.name())),
-                    }
-                }
-                nok(nccl::ncclGroupEnd(), "group end")?;
-                for (i, event) in self.events.iter().flatten().enumerate() {
-                    ok(sys::cuCtxSetCurrent(self.ctxs[i]), "set current")?;
-                    ok(sys::cuEventRecord(*event, self.streams[i]), "event record")?;
-                }
-                Ok(())
-            }
-        };
-        let sync = || -> Result<(), String> {
-            for (ctx, stream) in self.ctxs.iter().zip(&self.streams) {
-                // SAFETY: our context and stream.
-                unsafe {
-                    ok(sys::cuCtxSetCurrent(*ctx), "set current")?;
-                    ok(sys::cuStreamSynchronize(*stream), "sync")?;
-                }
-            }
-            Ok(())
-        };
-        for _ in 0..warmup {
-            once()?;
-        }
-        sync()?;
-        let start = Instant::now();
-        for _ in 0..iters {
-            once()?;
-        }
-        sync()?;
-        Ok(start.elapsed().as_secs_f64() / iters.max(1) as f64)
-    }
+    raw.sync(false)?;
+    Ok(start.elapsed().as_secs_f64() / iters.max(1) as f64)
 }
 
 fn main() -> ExitCode {
@@ -481,7 +352,7 @@ fn table(
             queued.push(q);
             times.push(t);
             if let Some(raw) = raw {
-                raw_times.push(raw.time(coll, size, args.warmup, args.iters)?);
+                raw_times.push(time_raw(raw, coll, size, args.warmup, args.iters)?);
             }
         }
         let wrong = if args.check == 1 && size <= args.check_max {
