@@ -795,6 +795,12 @@ const COLLECTIVE_POLL: Duration = Duration::from_millis(1);
 const POLL_BUSY_AT: usize = 64;
 
 fn serve(cell: &StateCell, receiver: Receiver<Message>) {
+    // Whether device collectives are running, as of the last time this
+    // thread held the state (after each message): read then, so a message
+    // costs one lock. A caller whose inline task leaves collectives running
+    // sets `poll_wanted` (and wakes this thread if it sleeps), which the
+    // receive below watches while it does not poll.
+    let mut collectives_pending = false;
     loop {
         // With device collectives running, the thread polls them (to end
         // or abort them) when it runs out of work, while it spins, and
@@ -802,7 +808,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         // A caller running a task inline holds the state: the poll skips
         // a turn rather than wait for it.
         let (wanted, asleep) = (&cell.poll_wanted, &cell.asleep);
-        let received = if cell.lock().has_pending_collectives() {
+        let received = if collectives_pending {
             let mut poll = || {
                 if let Some(state) = cell.state.try_lock().as_mut().and_then(|s| s.as_mut()) {
                     state.poll_collectives();
@@ -815,7 +821,9 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         let message = match received {
             Ok(message) => message,
             Err(RecvTimeoutError::Timeout) => {
-                cell.lock().poll_collectives();
+                let mut state = cell.lock();
+                state.poll_collectives();
+                collectives_pending = state.has_pending_collectives();
                 continue;
             }
             Err(RecvTimeoutError::Disconnected) => break,
@@ -834,6 +842,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         if state.pending_collectives_count() >= POLL_BUSY_AT {
             state.poll_collectives();
         }
+        collectives_pending = state.has_pending_collectives();
     }
 }
 
