@@ -175,6 +175,27 @@ fn all_reduce(clients: &[Client], calls: usize) {
     }
 }
 
+/// The same all-reduce through a one-rank `Communicator` over one CPU
+/// device (the path of a job's rank; a store served in this process).
+fn communicator_all_reduce(client: &Client, calls: usize) {
+    let server = cohort::comm::store::StoreServer::bind("127.0.0.1:0", "call_cost").expect("store");
+    let addr = server.local_addr().to_string();
+    let comm = cohort::comm::Communicator::connect(0, 1, &addr, "call_cost", vec![client.clone()]).expect("connect");
+    let bufs = vec![Buffer::from_slice(client, &[1.0f32; 8]).expect("buffer")];
+    let call = || comm.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce");
+    measure("all_reduce 32 B, 1-rank Communicator, wait", calls, || call().wait().expect("wait"));
+    measure_queued("all_reduce 32 B, 1-rank Communicator, queued", calls / 100, 100, || {
+        let start = Instant::now();
+        for _ in 0..100 {
+            call();
+        }
+        let queued = start.elapsed();
+        comm.sync().expect("sync");
+        queued
+    });
+    assert_eq!(bufs[0].to_vec().expect("read"), [1.0; 8], "max of ones is one");
+}
+
 fn main() {
     let calls: usize = std::env::args().nth(1).map_or(20_000, |n| n.parse().expect("CALLS is a count"));
     std::env::set_var(cohort::runtime::config::CPU_DEVICES.name, "2");
@@ -183,6 +204,7 @@ fn main() {
     println!("# cohort call_cost: {calls} calls each, CPU backend");
     all_reduce(&clients[..1], calls);
     all_reduce(&clients, calls);
+    communicator_all_reduce(&clients[0], calls);
 
     let client = &clients[0];
     let scale = kernels::scale();

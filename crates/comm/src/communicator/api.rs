@@ -101,7 +101,7 @@ impl Communicator {
                     .finish();
             }
             let tracker = self.inner.observer.queued(fp);
-            let meeting = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls, &tracker);
+            let meeting = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls.into(), &tracker);
             drop((issued, order));
             let meeting = meeting?;
             meeting.on_done(move |outcome| tracker.ended(outcome));

@@ -38,6 +38,9 @@
 
 use cohort_runtime::backend::{Binding, DeviceCall};
 use cohort_runtime::{config, CopyRegion};
+use smallvec::SmallVec;
+
+use super::plan::DeviceCalls;
 
 use crate::op::{Collective, Op};
 use crate::ops::{DType, ReduceOp};
@@ -127,7 +130,7 @@ pub(crate) fn buckets(ops: &[Op], cap: u64) -> Vec<Bucket> {
 pub(crate) struct FusedPart {
     /// Per call of the group, whether a bucket carries it (its own NCCL
     /// call is left out).
-    pub fused: Vec<bool>,
+    pub fused: SmallVec<[bool; 8]>,
     pub pack: Vec<CopyRegion>,
     pub calls: Vec<DeviceCall>,
     pub unpack: Vec<CopyRegion>,
@@ -142,8 +145,8 @@ impl FusedPart {
         parts: impl IntoIterator<Item = (&'a Op, &'a super::plan::Buffers)>,
         rank: usize,
         ranks: usize,
-    ) -> Vec<DeviceCall> {
-        let mut calls: Vec<DeviceCall> = parts
+    ) -> DeviceCalls {
+        let mut calls: DeviceCalls = parts
             .into_iter()
             .zip(&self.fused)
             .filter(|(_, fused)| !**fused)
@@ -164,7 +167,7 @@ pub(crate) fn part(
     at: impl Fn(usize) -> (usize, usize),
     binding: impl Fn(usize) -> Binding,
 ) -> FusedPart {
-    let mut part = FusedPart { fused: vec![false; calls], ..FusedPart::default() };
+    let mut part = FusedPart { fused: smallvec::smallvec![false; calls], ..FusedPart::default() };
     for (bucket, &scratch) in buckets.iter().zip(scratch) {
         for &(call, offset, bytes) in &bucket.members {
             let (src, dst) = at(call);
@@ -238,7 +241,7 @@ mod tests {
         // Buffers: sources 0..3, destinations 3..6, the scratch 6.
         let binding = |i: usize| Binding { page: PageId(i as u64), offset: 0, size: 64 };
         let part = part(&plan, 3, &[6], |c| (c, 3 + c), binding);
-        assert_eq!(part.fused, vec![true, false, true]);
+        assert_eq!(part.fused[..], [true, false, true]);
         let region = |src, src_offset, dst, dst_offset, bytes| CopyRegion { src, src_offset, dst, dst_offset, bytes };
         assert_eq!(part.pack, vec![region(0, 0, 6, 0, 12), region(2, 0, 6, 16, 20)]);
         assert_eq!(part.unpack, vec![region(6, 0, 3, 0, 12), region(6, 16, 5, 0, 20)]);

@@ -3,8 +3,14 @@
 //! copies of a group of one device.
 
 use cohort_runtime::backend::{Binding, DeviceCall};
+use smallvec::{smallvec, SmallVec};
 
 use crate::op::{Collective, Op};
+
+/// One part's calls on the communicator: inline (no heap allocation) for
+/// the one or two calls of every collective but the rooted and all-to-all
+/// ones, which make one or two per rank.
+pub(crate) type DeviceCalls = SmallVec<[DeviceCall; 2]>;
 
 /// Which buffers a part's task holds, in the order the task sees them:
 /// the input, the output, then the scratch copy of an in-place all-to-all.
@@ -65,29 +71,31 @@ fn need(b: Option<Binding>, what: &str, op: &Op) -> Binding {
 /// description becomes device instructions. `op`'s roots and endpoints are
 /// ranks of the communicator. Empty for zero-byte collectives (every member
 /// agrees, since they share the count).
-pub(crate) fn nccl_calls(op: &Op, rank: usize, ranks: usize, b: &Buffers) -> Vec<DeviceCall> {
+pub(crate) fn nccl_calls(op: &Op, rank: usize, ranks: usize, b: &Buffers) -> DeviceCalls {
     let seg = op.block_bytes();
     if seg == 0 && op.collective() != Collective::Barrier {
-        return Vec::new();
+        return DeviceCalls::new();
     }
     let input = || need(b.input, "source", op);
     let output = || need(b.output, "destination", op);
     let (dtype, root) = (op.dtype(), op.root().unwrap_or(0));
     let reduction = || op.reduce_op().expect("a reducing collective has an operator");
     match op.collective() {
-        Collective::AllReduce => vec![DeviceCall::AllReduce { src: input(), dst: output(), dtype, op: reduction() }],
-        Collective::Reduce => {
-            vec![DeviceCall::Reduce { src: input(), dst: b.output, dtype, op: reduction(), root }]
+        Collective::AllReduce => {
+            smallvec![DeviceCall::AllReduce { src: input(), dst: output(), dtype, op: reduction() }]
         }
-        Collective::Broadcast => vec![DeviceCall::Broadcast { src: b.input, dst: output(), root }],
-        Collective::AllGather => vec![DeviceCall::AllGather { src: input(), dst: output() }],
+        Collective::Reduce => {
+            smallvec![DeviceCall::Reduce { src: input(), dst: b.output, dtype, op: reduction(), root }]
+        }
+        Collective::Broadcast => smallvec![DeviceCall::Broadcast { src: b.input, dst: output(), root }],
+        Collective::AllGather => smallvec![DeviceCall::AllGather { src: input(), dst: output() }],
         Collective::ReduceScatter => {
-            vec![DeviceCall::ReduceScatter { src: input(), dst: output(), dtype, op: reduction() }]
+            smallvec![DeviceCall::ReduceScatter { src: input(), dst: output(), dtype, op: reduction() }]
         }
         Collective::AllToAll => {
             let (dst, in_place) = (output(), b.scratch.is_some());
             let src = b.scratch.unwrap_or_else(input);
-            let mut calls = Vec::with_capacity(2 * ranks);
+            let mut calls = DeviceCalls::with_capacity(2 * ranks);
             if in_place {
                 calls.push(DeviceCall::Copy { src: input(), dst: src });
             }
@@ -121,7 +129,7 @@ pub(crate) fn nccl_calls(op: &Op, rank: usize, ranks: usize, b: &Buffers) -> Vec
                 })
                 .collect()
         }
-        Collective::Gather => vec![DeviceCall::Send { src: input(), peer: root }],
+        Collective::Gather => smallvec![DeviceCall::Send { src: input(), peer: root }],
         Collective::Scatter if rank == root => {
             let src = input();
             (0..ranks)
@@ -131,13 +139,13 @@ pub(crate) fn nccl_calls(op: &Op, rank: usize, ranks: usize, b: &Buffers) -> Vec
                 })
                 .collect()
         }
-        Collective::Scatter => vec![DeviceCall::Recv { dst: output(), peer: root }],
+        Collective::Scatter => smallvec![DeviceCall::Recv { dst: output(), peer: root }],
         Collective::SendRecv => match op.endpoints().expect("a send/recv has endpoints") {
-            (from, to) if from == to => vec![DeviceCall::Copy { src: input(), dst: output() }],
-            (from, to) if rank == from => vec![DeviceCall::Send { src: input(), peer: to }],
-            (from, _) => vec![DeviceCall::Recv { dst: output(), peer: from }],
+            (from, to) if from == to => smallvec![DeviceCall::Copy { src: input(), dst: output() }],
+            (from, to) if rank == from => smallvec![DeviceCall::Send { src: input(), peer: to }],
+            (from, _) => smallvec![DeviceCall::Recv { dst: output(), peer: from }],
         },
-        Collective::Barrier => vec![DeviceCall::Barrier],
+        Collective::Barrier => smallvec![DeviceCall::Barrier],
     }
 }
 
@@ -189,13 +197,13 @@ mod tests {
         let root = Buffers { input: Some(b(0, 4)), output: Some(b(64, 8)), scratch: None };
         let calls = nccl_calls(&Op::gather(DType::F32, 1, 1), 1, 2, &root);
         assert_eq!(
-            calls,
-            vec![DeviceCall::Recv { dst: b(64, 4), peer: 0 }, DeviceCall::Copy { src: b(0, 4), dst: b(68, 4) }]
+            calls[..],
+            [DeviceCall::Recv { dst: b(64, 4), peer: 0 }, DeviceCall::Copy { src: b(0, 4), dst: b(68, 4) }]
         );
         let other = Buffers { input: Some(b(0, 4)), output: None, scratch: None };
         assert_eq!(
-            nccl_calls(&Op::gather(DType::F32, 1, 1), 0, 2, &other),
-            vec![DeviceCall::Send { src: b(0, 4), peer: 1 }]
+            nccl_calls(&Op::gather(DType::F32, 1, 1), 0, 2, &other)[..],
+            [DeviceCall::Send { src: b(0, 4), peer: 1 }]
         );
     }
 

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerCall, PeerSpec};
 use cohort_runtime::{BufferAccess, DeviceId, ServerError};
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use super::{host_check, Nccl, ABORT_POLL};
 use crate::communicator::failure::{Failure, FailureKind};
@@ -37,8 +38,9 @@ pub(crate) struct PartLayout {
 /// member) and, by bucket, the binding of this part's scratch buffer.
 #[derive(Debug, Clone)]
 pub(crate) struct PartFusion {
-    pub buckets: Arc<[Bucket]>,
-    pub scratch: Vec<usize>,
+    /// `None` where nothing fuses (no allocation for a single call).
+    pub buckets: Option<Arc<[Bucket]>>,
+    pub scratch: SmallVec<[usize; 4]>,
 }
 
 /// What an NCCL-path call keeps in its meeting.
@@ -48,7 +50,7 @@ pub(crate) struct NcclState {
     /// Parts that ended: returned without queueing NCCL calls, or whose
     /// queued calls completed or failed on the device (how many, which).
     ended: usize,
-    ended_slots: Vec<bool>,
+    ended_slots: SmallVec<[bool; 8]>,
     /// What kind of failure it was, where one said (a mismatch or timeout
     /// in the host check, an abort seen in the store, the device's
     /// timeout); anything else is [`FailureKind::Other`].
@@ -100,12 +102,12 @@ impl NcclCall {
         nccl: Arc<Nccl>,
         world: Arc<Mutex<World>>,
         fp: Fingerprint,
-        devices: Vec<DeviceId>,
+        devices: impl ExactSizeIterator<Item = DeviceId>,
         timeout: Duration,
     ) -> Arc<NcclCall> {
-        let seats: Vec<Seat> = devices.into_iter().map(|device| Seat { device, member: None }).collect();
-        let n = seats.len();
-        let state = NcclState { checked: None, ended: 0, ended_slots: vec![false; n], kind: None };
+        let n = devices.len();
+        let seats = devices.map(|device| Seat { device, member: None });
+        let state = NcclState { checked: None, ended: 0, ended_slots: smallvec::smallvec![false; n], kind: None };
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         let meeting = Meeting::new(name, seats, timeout, state);
         Arc::new(NcclCall { nccl, world, fp, meeting, on_done: Mutex::new(None) })
@@ -207,7 +209,7 @@ impl NcclCall {
         handed: &mut bool,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
-        let parts: Vec<(Op, Buffers)> = layout
+        let parts: SmallVec<[(Op, Buffers); 1]> = layout
             .iter()
             .map(|p| {
                 let bind = |i: Option<usize>| i.map(|i| access.binding(i));
@@ -240,7 +242,8 @@ impl NcclCall {
             let p = &layout[c];
             (p.input.expect("an all-reduce has a source"), p.output.expect("an all-reduce has a destination"))
         };
-        let fused = fusion::part(&fusion.buckets, layout.len(), &fusion.scratch, at, |i| access.binding(i));
+        let buckets = fusion.buckets.as_deref().unwrap_or_default();
+        let fused = fusion::part(buckets, layout.len(), &fusion.scratch, at, |i| access.binding(i));
         let calls = fused.nccl_calls(parts.iter().map(|(op, buffers)| (op, buffers)), member, members);
         if calls.is_empty() {
             return Ok(());

@@ -36,8 +36,9 @@ use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::CommSpec;
-use cohort_runtime::{BufferAccess, Client, Handle, ServerError};
+use cohort_runtime::{BufferAccess, Client, Handle, ServerError, TaskHandles};
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use crate::check::{overlaps, same_bytes};
 use crate::device::ask;
@@ -215,7 +216,7 @@ impl Nccl {
         outputs: Slots,
         tracker: &Tracker,
     ) -> Result<Arc<NcclCall>, CommError> {
-        self.launch_calls(world, fp, timeout, vec![(fp.op, inputs, outputs)], tracker)
+        self.launch_calls(world, fp, timeout, smallvec::smallvec![(fp.op, inputs, outputs)], tracker)
     }
 
     /// Queues one part per local device for `calls` (op, inputs and outputs
@@ -229,27 +230,28 @@ impl Nccl {
         world: &Arc<Mutex<World>>,
         fp: Fingerprint,
         timeout: Duration,
-        calls: Vec<SlotCall>,
+        calls: SmallVec<[SlotCall; 1]>,
         tracker: &Tracker,
     ) -> Result<Arc<NcclCall>, CommError> {
         // Roots are members, and a message's endpoints (one device per
         // rank) ranks: both are ranks of the NCCL communicator.
         let members = self.size * self.local;
-        let devices = self.clients.iter().map(Client::device_id).collect();
+        let devices = self.clients.iter().map(Client::device_id);
         let call = NcclCall::new(self.clone(), world.clone(), fp, devices, timeout);
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         // The same buckets on every member (they follow from the calls).
-        let ops: Vec<Op> = calls.iter().map(|(op, _, _)| *op).collect();
-        let fused: Arc<[Bucket]> = fusion::buckets(&ops, fusion::cap()).into();
+        let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
+        let buckets = fusion::buckets(&ops, fusion::cap());
+        let fused: Option<Arc<[Bucket]>> = (!buckets.is_empty()).then(|| buckets.into());
         tracker.set_path(match ops.as_slice() {
             [op] if fp.group.is_none() => self.path_of(op).name(),
-            _ if fused.is_empty() => "nccl",
+            _ if fused.is_none() => "nccl",
             _ => "nccl fused",
         });
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
-            let (mut input, mut output): (Vec<Handle>, Vec<Handle>) = (Vec::new(), Vec::new());
-            let mut layout = Vec::with_capacity(calls.len());
+            let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
+            let mut layout: SmallVec<[PartLayout; 1]> = SmallVec::with_capacity(calls.len());
             for (op, ins, outs) in &calls {
                 let src = ins[slot].clone();
                 let dst = outs[slot].clone();
@@ -272,8 +274,8 @@ impl Nccl {
                 layout.push(part);
             }
             // Each bucket's scratch (from the pool), after the outputs.
-            let mut scratch: Vec<usize> = Vec::with_capacity(fused.len());
-            for bucket in fused.iter() {
+            let mut scratch: SmallVec<[usize; 4]> = SmallVec::new();
+            for bucket in fused.iter().flat_map(|buckets| buckets.iter()) {
                 scratch.push(output.len());
                 output.push(client.empty(bucket.bytes as usize));
             }
@@ -283,7 +285,9 @@ impl Nccl {
                 part.output = part.output.map(|o| o + inputs_here);
                 part.scratch = part.scratch.map(|o| o + inputs_here);
             }
-            let scratch: Vec<usize> = scratch.into_iter().map(|o| o + inputs_here).collect();
+            for at in &mut scratch {
+                *at += inputs_here;
+            }
             let fusion = PartFusion { buckets: fused.clone(), scratch };
             let ticket = Ticket::new(&call, slot);
             let queued = client.submit_buffers_always(name, input, output, move |access| {
