@@ -1,6 +1,7 @@
 //! Heap allocations per small collective, counted by this binary's own
 //! allocator: what a call costs beside its bytes. One test only, so no
-//! other test's allocations are counted with it.
+//! other test's allocations are counted with it. CPU devices: the layers
+//! above the backend are the same code on every device kind.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -80,4 +81,19 @@ fn small_all_reduces_allocate_a_few_times_and_their_flight_records_nothing() {
     assert_eq!(last.state, RecordState::Completed);
     assert_eq!(last.ranks, Some(vec![FlightRecorder::global().identity().0]), "a process-local group names this rank");
     assert!(last.group.starts_with("group[cpu"), "{}", last.group);
+
+    // A job's rank (a one-rank Communicator over one device, its store in
+    // this process): the meeting, its plan, the watch, the part's boxed
+    // task and the device thread's hand-over (22.1 per call before its
+    // per-slot and per-call lists were made inline).
+    let server = cohort_comm::store::StoreServer::bind("127.0.0.1:0", "allocations").unwrap();
+    let addr = server.local_addr().to_string();
+    let comm = cohort_comm::Communicator::connect(0, 1, &addr, "allocations", vec![clients[1].clone()]).unwrap();
+    let allocations = per_call(500, || comm.all_reduce(&bufs[1..], &bufs[1..], ReduceOp::Max).unwrap().wait().unwrap());
+    assert!(allocations <= 5.5, "{allocations} allocations per one-rank Communicator all-reduce (expected about 5)");
+    assert_eq!(bufs[1].to_vec().unwrap(), [1.0; 8], "max of ones is one");
+
+    let last = FlightRecorder::global().snapshot().pop().unwrap();
+    assert_eq!((last.ranks, &*last.fingerprint.kind), (None, "all_reduce"), "a job's communicator is every rank");
+    assert!(last.group.starts_with("comm"), "{}", last.group);
 }

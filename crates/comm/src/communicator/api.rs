@@ -10,7 +10,7 @@ use std::sync::Arc;
 use cohort_runtime::Handle;
 
 use super::fingerprint::Fingerprint;
-use super::local::{LocalCall, Part, Plan, Views};
+use super::local::{LocalCall, Part, PerCall, Plan, Views};
 use super::{Communicator, SlotCall, Slots};
 use crate::check::Members;
 use crate::error::CommError;
@@ -64,11 +64,11 @@ impl Communicator {
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp);
-        let plan: Plan = Box::new(move |mut views: Vec<Views>| {
+        let plan: Plan = Box::new(move |mut views: PerCall<Views>| {
             let views = views.pop().expect("one call");
-            tracker.run(&mut world.lock(), views).map(|staged| vec![staged])
+            tracker.run(&mut world.lock(), views).map(|staged| smallvec::smallvec![staged])
         });
-        let call = self.queue_local(name, plan, vec![(inputs, outputs)]);
+        let call = self.queue_local(name, plan, smallvec::smallvec![(inputs, outputs)]);
         drop(issued);
         drop(order);
         Ok(Work::new(name, call?).within(self.scope()))
@@ -109,7 +109,7 @@ impl Communicator {
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp);
-        let plan: Plan = Box::new(move |views: Vec<Views>| tracker.run_group(&mut world.lock(), &ops, views));
+        let plan: Plan = Box::new(move |views: PerCall<Views>| tracker.run_group(&mut world.lock(), &ops, views));
         let call = self.queue_local("group", plan, calls.into_iter().map(|(_, i, o)| (i, o)).collect());
         drop(issued);
         drop(order);
@@ -124,13 +124,13 @@ impl Communicator {
         &self,
         name: &'static str,
         plan: Plan,
-        calls: Vec<(Slots, Slots)>,
+        calls: PerCall<(Slots, Slots)>,
     ) -> Result<Arc<LocalCall>, CommError> {
-        let devices = self.clients().iter().map(|c| c.device_id()).collect();
+        let devices = self.clients().iter().map(|c| c.device_id());
         let call = LocalCall::new(name, calls.len(), devices, self.timeout(), plan);
         let mut failed = None;
         for (slot, client) in self.clients().iter().enumerate() {
-            let parts: Vec<Part> =
+            let parts: PerCall<Part> =
                 calls.iter().map(|(i, o)| Part { has_in: i[slot].is_some(), has_out: o[slot].is_some() }).collect();
             let ins: cohort_runtime::TaskHandles = calls.iter().filter_map(|(i, _)| i[slot].clone()).collect();
             let outs: cohort_runtime::TaskHandles = calls.iter().filter_map(|(_, o)| o[slot].clone()).collect();

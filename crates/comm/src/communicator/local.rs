@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use cohort_runtime::{AlignedBytes, BufferAccess, DeviceId, ServerError};
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use crate::meeting::{Meeting, Seat, Seated};
 
@@ -34,25 +35,35 @@ pub(crate) enum OutView {
     Staged(usize),
 }
 
+/// One entry per local slot (device) of a rank: inline for up to four.
+pub(crate) type PerSlot<T> = SmallVec<[T; 4]>;
+
+/// One entry per call of a meeting: inline for a single call.
+pub(crate) type PerCall<T> = SmallVec<[T; 1]>;
+
+/// A call's staged outputs, by slot (`None` where the slot's output was
+/// written in place or it has none).
+pub(crate) type Staged = PerSlot<Option<Vec<u8>>>;
+
 /// What the leader gets: each slot's input and output.
 pub(crate) struct Views {
-    pub ins: Vec<Option<InView>>,
-    pub outs: Vec<Option<OutView>>,
+    pub ins: PerSlot<Option<InView>>,
+    pub outs: PerSlot<Option<OutView>>,
 }
 
 /// What one call's meeting keeps: each call's views (by slot) until the
 /// leader takes them, then the staged outputs.
 pub(crate) struct LocalState {
-    views: Vec<Views>,
+    views: PerCall<Views>,
     /// Staged outputs, per call and slot, once done.
-    results: Vec<Vec<Option<Vec<u8>>>>,
+    results: PerCall<Staged>,
     /// The leader's plan ran (or failed).
     done: bool,
 }
 
 /// The leader's work: runs the calls over their views (one [`Views`] per
 /// call), returns staged outputs (per call, per slot) or why it failed.
-pub(crate) type Plan = Box<dyn FnOnce(Vec<Views>) -> Result<Vec<Vec<Option<Vec<u8>>>>, String> + Send>;
+pub(crate) type Plan = Box<dyn FnOnce(PerCall<Views>) -> Result<PerCall<Staged>, String> + Send>;
 
 /// Which buffers a task was queued with for one call of its meeting.
 #[derive(Debug, Clone, Copy)]
@@ -81,7 +92,7 @@ impl LocalCall {
     pub(crate) fn new(
         name: &'static str,
         calls: usize,
-        devices: Vec<DeviceId>,
+        devices: impl ExactSizeIterator<Item = DeviceId>,
         timeout: Duration,
         plan: Plan,
     ) -> Arc<LocalCall> {
@@ -89,8 +100,8 @@ impl LocalCall {
         let views = (0..calls)
             .map(|_| Views { ins: (0..n).map(|_| None).collect(), outs: (0..n).map(|_| None).collect() })
             .collect();
-        let state = LocalState { views, results: Vec::new(), done: false };
-        let seats: Vec<Seat> = devices.into_iter().map(|device| Seat { device, member: None }).collect();
+        let state = LocalState { views, results: PerCall::new(), done: false };
+        let seats = devices.map(|device| Seat { device, member: None });
         Arc::new(LocalCall { plan: Mutex::new(Some(plan)), meeting: Meeting::new(name, seats, timeout, state) })
     }
 
@@ -110,8 +121,8 @@ impl LocalCall {
         };
         let inputs = parts.iter().filter(|p| p.has_in).count();
         let (mut next_in, mut next_out) = (0, inputs);
-        let mut mine = Vec::with_capacity(parts.len());
-        let mut out_index = Vec::with_capacity(parts.len());
+        let mut mine: PerCall<_> = SmallVec::with_capacity(parts.len());
+        let mut out_index: PerCall<_> = SmallVec::with_capacity(parts.len());
         for part in parts {
             let input = if part.has_in {
                 let index = next_in;
@@ -175,7 +186,7 @@ impl LocalCall {
         if let Some(err) = state.failure() {
             return Err(err.clone());
         }
-        let staged: Vec<Option<Vec<u8>>> =
+        let staged: PerCall<Option<Vec<u8>>> =
             state.data.results.iter_mut().map(|per_slot| per_slot.get_mut(slot).and_then(Option::take)).collect();
         drop(state);
         for (call, bytes) in staged.into_iter().enumerate() {

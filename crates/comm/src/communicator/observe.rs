@@ -25,7 +25,7 @@ use super::error::ConnectError;
 use super::failure::Failure;
 use super::fingerprint::Fingerprint;
 use super::keys::{self, job_heartbeat_key, CurrentCall};
-use super::local::Views;
+use super::local::{PerCall, Staged, Views};
 use super::plans;
 use super::world::World;
 
@@ -227,7 +227,7 @@ pub(crate) struct Tracker {
 
 impl Tracker {
     /// Runs the exchange (the leader's plan) and records how it ended.
-    pub(crate) fn run(self, world: &mut World, views: Views) -> Result<Vec<Option<Vec<u8>>>, String> {
+    pub(crate) fn run(self, world: &mut World, views: Views) -> Result<Staged, String> {
         let result = plans::run(world, self.fp, views);
         self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone));
         result.map_err(|failure| failure.message)
@@ -239,8 +239,8 @@ impl Tracker {
         self,
         world: &mut World,
         ops: &[Op],
-        views: Vec<Views>,
-    ) -> Result<Vec<Vec<Option<Vec<u8>>>>, String> {
+        views: PerCall<Views>,
+    ) -> Result<PerCall<Staged>, String> {
         let result = plans::run_group(world, self.fp, ops, views);
         self.ended(result.as_ref().map(|_| ()).map_err(Clone::clone));
         result.map_err(|failure| failure.message)

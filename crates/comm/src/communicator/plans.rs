@@ -15,7 +15,7 @@ use crate::with_dtype;
 
 use super::failure::Failure;
 use super::fingerprint::Fingerprint;
-use super::local::{InView, OutView, Views};
+use super::local::{InView, OutView, PerCall, PerSlot, Staged, Views};
 use super::world::World;
 
 /// Host scratch memory, 16-byte aligned so any element type can be viewed.
@@ -32,10 +32,10 @@ impl Scratch {
 
 /// Resolved buffers of the local slots.
 struct Bufs<'a> {
-    ins: Vec<Option<&'a [u8]>>,
-    outs: Vec<Option<&'a mut [u8]>>,
+    ins: PerSlot<Option<&'a [u8]>>,
+    outs: PerSlot<Option<&'a mut [u8]>>,
     /// Staged outputs, by slot (returned to their tasks).
-    staged: Vec<Option<Vec<u8>>>,
+    staged: Staged,
     /// Copies of inputs that overlapped an output.
     _copies: Vec<Vec<u8>>,
 }
@@ -51,9 +51,9 @@ fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
 /// # Safety
 /// Every pointer view must be valid for its length, and reserved for this
 /// call until the returned slices are dropped (see `local`'s module docs).
-unsafe fn resolve(views: &mut Views, same_ok: bool) -> (Bufs<'_>, Vec<bool>) {
+unsafe fn resolve(views: &mut Views, same_ok: bool) -> (Bufs<'_>, PerSlot<bool>) {
     let n = views.ins.len();
-    let out_ranges: Vec<Option<(usize, usize)>> = views
+    let out_ranges: PerSlot<Option<(usize, usize)>> = views
         .outs
         .iter()
         .map(|o| match o {
@@ -62,11 +62,11 @@ unsafe fn resolve(views: &mut Views, same_ok: bool) -> (Bufs<'_>, Vec<bool>) {
         })
         .collect();
     let mut copies = Vec::new();
-    let mut in_place = vec![false; n];
-    let mut ins: Vec<Option<&[u8]>> = Vec::with_capacity(n);
+    let mut in_place: PerSlot<bool> = smallvec::smallvec![false; n];
+    let mut ins: PerSlot<Option<&[u8]>> = PerSlot::with_capacity(n);
     // Inputs first: copies of overlapping ones are taken before any output
     // slice exists.
-    let mut pending: Vec<Option<(usize, usize, bool)>> = Vec::with_capacity(n);
+    let mut pending: PerSlot<Option<(usize, usize, bool)>> = PerSlot::with_capacity(n);
     for (slot, view) in views.ins.iter().enumerate() {
         pending.push(match view {
             Some(InView::Ptr(p, l)) => {
@@ -94,7 +94,7 @@ unsafe fn resolve(views: &mut Views, same_ok: bool) -> (Bufs<'_>, Vec<bool>) {
             _ => None,
         });
     }
-    let mut staged: Vec<Option<Vec<u8>>> = views
+    let mut staged: Staged = views
         .outs
         .iter()
         .map(|o| match o {
@@ -132,7 +132,7 @@ fn divide(buf: &mut [u8], dtype: DType, members: usize) {
 
 /// Runs the call `fp` describes (roots are members, endpoints ranks) for
 /// this rank's local slots; returns the staged outputs.
-pub(crate) fn run(world: &mut World, fp: Fingerprint, mut views: Views) -> Result<Vec<Option<Vec<u8>>>, Failure> {
+pub(crate) fn run(world: &mut World, fp: Fingerprint, mut views: Views) -> Result<Staged, Failure> {
     let same_ok = matches!(fp.op.collective(), Collective::AllReduce | Collective::Reduce | Collective::Broadcast);
     // SAFETY: the views come from the tasks of this call, which stay blocked
     // (their buffers reserved) until this returns.
@@ -153,9 +153,9 @@ pub(crate) fn run_group(
     world: &mut World,
     fp: Fingerprint,
     ops: &[Op],
-    mut views: Vec<Views>,
-) -> Result<Vec<Vec<Option<Vec<u8>>>>, Failure> {
-    let mut resolved: Vec<(Bufs<'_>, Vec<bool>)> = views
+    mut views: PerCall<Views>,
+) -> Result<PerCall<Staged>, Failure> {
+    let mut resolved: PerCall<(Bufs<'_>, PerSlot<bool>)> = views
         .iter_mut()
         .zip(ops)
         .map(|(v, op)| {
@@ -191,7 +191,7 @@ fn execute_group(
     w: &mut World,
     fp: &Fingerprint,
     ops: &[Op],
-    resolved: &mut [(Bufs<'_>, Vec<bool>)],
+    resolved: &mut [(Bufs<'_>, PerSlot<bool>)],
     l: usize,
     rank: usize,
     members: usize,
