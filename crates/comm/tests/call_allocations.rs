@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use cohort_comm::trace::{FlightRecorder, RecordState};
 use cohort_comm::{Buffer, ClientGroup, Collectives, ReduceOp};
-use cohort_runtime::{CpuRuntime, Runtime};
+use cohort_runtime::conformance::kernels;
+use cohort_runtime::{Bytes, CpuRuntime, GridCount, KernelArguments, Runtime, Scalar};
 
 /// The system allocator, counting allocations and reallocations.
 struct Counting;
@@ -50,7 +51,7 @@ fn per_call(calls: u64, mut call: impl FnMut()) -> f64 {
 }
 
 #[test]
-fn small_all_reduces_allocate_a_few_times_and_their_flight_records_nothing() {
+fn small_calls_allocate_a_few_times_and_their_flight_records_nothing() {
     // A small ring, so the warm-up fills it and every counted call pushes
     // the oldest record out.
     std::env::set_var("COHORT_FLIGHT_RECORDER", "64");
@@ -71,6 +72,24 @@ fn small_all_reduces_allocate_a_few_times_and_their_flight_records_nothing() {
     let allocations = per_call(500, || two.all_reduce(&bufs, &bufs, ReduceOp::Max).unwrap().wait().unwrap());
     assert!(allocations <= 4.5, "{allocations} allocations per two-device all-reduce (expected about 4)");
     assert_eq!(bufs[1].to_vec().unwrap(), [1.0; 8], "max of ones is one");
+
+    // A kernel launch: its arguments are kept inline (3.0 per launch when
+    // they were two vectors).
+    let scale = kernels::scale();
+    let x = clients[0].create(Bytes::from_elems(&[1.0f32; 8]));
+    let mut launched = 0;
+    let launch = || {
+        let args = KernelArguments::new().buffer(&x).scalar(Scalar::F32(1.0));
+        clients[0].launch(&scale, GridCount::Static(1, 1, 1), args).unwrap();
+        // The device thread's share is counted too: every 100 launches
+        // the count waits for them.
+        launched += 1;
+        if launched % 100 == 0 {
+            clients[0].sync().unwrap();
+        }
+    };
+    let allocations = per_call(1000, launch);
+    assert!(allocations <= 1.2, "{allocations} allocations per launch (expected 1)");
 
     // What the ring kept reads back whole.
     let records = FlightRecorder::global().snapshot();

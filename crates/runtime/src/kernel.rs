@@ -302,13 +302,19 @@ impl Scalar {
     }
 }
 
+/// A launch's buffers: inline (no heap allocation) for up to four.
+pub type LaunchBuffers = smallvec::SmallVec<[Handle; 4]>;
+
+/// A launch's scalars: inline for up to four.
+pub type LaunchScalars = smallvec::SmallVec<[Scalar; 4]>;
+
 /// The buffers and scalars of a launch, in the order the kernel declares them.
 /// Every buffer is treated as written by the launch: a failed launch marks all
-/// of them.
+/// of them. Up to four of each are kept without a heap allocation.
 #[derive(Debug, Clone, Default)]
 pub struct KernelArguments {
-    pub buffers: Vec<Handle>,
-    pub scalars: Vec<Scalar>,
+    pub buffers: LaunchBuffers,
+    pub scalars: LaunchScalars,
 }
 
 impl KernelArguments {

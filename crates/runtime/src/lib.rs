@@ -41,7 +41,9 @@ pub use error::{MemoryConfigError, ProfileError, ServerError};
 pub use graph::Graph;
 pub use handle::{contiguous_strides, CopyDescriptor, Handle, LayoutPolicy, MemoryLayout, MemoryLayoutDescriptor};
 pub use id::{DeviceId, ServiceId, StreamId, StreamPriority};
-pub use kernel::{CpuKernelContext, CpuKernelFn, GridCount, Kernel, KernelArguments, Scalar};
+pub use kernel::{
+    CpuKernelContext, CpuKernelFn, GridCount, Kernel, KernelArguments, LaunchBuffers, LaunchScalars, Scalar,
+};
 pub use profile::{ProfileDuration, ProfileWindow, TimingMethod};
 pub use properties::{Capabilities, DeviceProperties};
 pub use runtime::{clients_from, clients_of, Runtime};

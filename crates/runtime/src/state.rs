@@ -10,7 +10,7 @@ use crate::backend::{Backend, Binding, PendingPart, ResolvedGrid, TimerStart};
 use crate::error::ServerError;
 use crate::handle::{Allocation, Handle};
 use crate::id::{ServiceId, StreamId};
-use crate::kernel::{GridCount, Kernel, Scalar};
+use crate::kernel::{GridCount, Kernel, LaunchBuffers, LaunchScalars};
 use crate::memory::{
     AllocationMode, Cleanup, MemoryPools, MemoryPoolsConfig, MemoryUsage, PageId, PageStorage, PoolReport,
 };
@@ -20,8 +20,8 @@ use crate::memory::{
 pub(crate) struct RecordedLaunch {
     pub kernel: Kernel,
     pub grid: GridCount,
-    pub buffers: Vec<Handle>,
-    pub scalars: Vec<Scalar>,
+    pub buffers: LaunchBuffers,
+    pub scalars: LaunchScalars,
 }
 
 /// The capture window of one stream.
