@@ -35,9 +35,9 @@ use crate::state::{DeviceState, RecordedLaunch};
 
 type Task = Box<dyn FnOnce(&mut DeviceState) + Send>;
 
-// A launch travels by value, its arguments inline (a message is 304 bytes:
-// copied into the channel and out, about what one allocation and its free
-// on another thread cost, which boxing it would add to every launch).
+// A launch travels by value with its arguments inline: every message is
+// then 304 bytes, copied into the channel and out, where boxing launches
+// would add an allocation to each one and its free on the device thread.
 #[allow(clippy::large_enum_variant)]
 enum Message {
     Task(StreamId, Task),
