@@ -208,6 +208,11 @@ impl Kernel {
         &self.name
     }
 
+    /// The name, shared: keeping it costs a reference count, not a copy.
+    pub(crate) fn shared_name(&self) -> &Arc<str> {
+        &self.name
+    }
+
     pub fn block(&self) -> [u32; 3] {
         self.block
     }

@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
+use super::streams::LaunchName;
 use super::CudaBackend;
 use crate::backend::Binding;
 use crate::error::ServerError;
@@ -103,7 +104,7 @@ impl CudaBackend {
                 );
                 return Err(self.classify(stream, err));
             }
-            self.streams.note_launch(stream, NAME);
+            self.streams.note_launch(stream, LaunchName::Own(NAME));
         }
         Ok(())
     }

@@ -73,7 +73,7 @@ use events::EventPool;
 use graphs::GraphExec;
 use kernels::Kernels;
 use storage::DevicePages;
-use streams::Streams;
+use streams::{LaunchName, Streams};
 use transfer::Staging;
 
 pub use disk_cache::nvrtc_cache_dir;
@@ -457,7 +457,7 @@ impl Backend for CudaBackend {
             };
             return Err(self.classify(stream, err));
         }
-        self.streams.note_launch(stream, kernel.name());
+        self.streams.note_launch(stream, LaunchName::Kernel(kernel.shared_name().clone()));
         Ok(())
     }
 

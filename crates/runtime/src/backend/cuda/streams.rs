@@ -6,6 +6,10 @@
 //! greatest priority (`cuStreamCreateWithPriority`); every other with the
 //! default one.
 
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
 use crate::id::IdMap;
 
 use cudarc::driver::sys;
@@ -23,8 +27,27 @@ pub(crate) struct StreamEntry {
     pub raw: sys::CUstream,
     /// Inside a native graph capture.
     pub capturing: bool,
-    /// Kernels launched since the last sync (the last few).
-    pub since_sync: Vec<String>,
+    /// Kernels launched since the last sync (the last few): noting a
+    /// launch copies no string.
+    pub since_sync: SmallVec<[LaunchName; REMEMBERED_KERNELS]>,
+}
+
+/// The name of a launch a stream remembers (to name the suspects of a
+/// fault): a kernel's name, shared with it, or the name of the backend's
+/// own work.
+#[derive(Debug, Clone)]
+pub(crate) enum LaunchName {
+    Kernel(Arc<str>),
+    Own(&'static str),
+}
+
+impl LaunchName {
+    fn as_str(&self) -> &str {
+        match self {
+            LaunchName::Kernel(name) => name,
+            LaunchName::Own(name) => name,
+        }
+    }
 }
 
 /// The CUDA streams of one device.
@@ -84,7 +107,7 @@ impl Streams {
                 };
                 return Err(driver_error(self.device, call, code));
             }
-            self.map.insert(stream, StreamEntry { raw, capturing: false, since_sync: Vec::new() });
+            self.map.insert(stream, StreamEntry { raw, capturing: false, since_sync: SmallVec::new() });
         }
         Ok(self.map.get_mut(&stream).expect("inserted above"))
     }
@@ -105,25 +128,31 @@ impl Streams {
     }
 
     /// Notes a kernel launched on the stream.
-    pub fn note_launch(&mut self, stream: StreamId, kernel: &str) {
+    pub fn note_launch(&mut self, stream: StreamId, name: LaunchName) {
         if let Some(entry) = self.map.get_mut(&stream) {
+            if entry.since_sync.last().is_some_and(|last| last.as_str() == name.as_str()) {
+                return;
+            }
             if entry.since_sync.len() == REMEMBERED_KERNELS {
                 entry.since_sync.remove(0);
             }
-            if entry.since_sync.last().map(String::as_str) != Some(kernel) {
-                entry.since_sync.push(kernel.to_string());
-            }
+            entry.since_sync.push(name);
         }
     }
 
     /// The kernels launched since the stream's last sync, and forgets them.
     pub fn take_suspects(&mut self, stream: StreamId) -> Vec<String> {
-        self.map.get_mut(&stream).map(|e| std::mem::take(&mut e.since_sync)).unwrap_or_default()
+        let names = self.map.get_mut(&stream).map(|e| std::mem::take(&mut e.since_sync)).unwrap_or_default();
+        names.iter().map(|name| name.as_str().to_string()).collect()
     }
 
     /// The kernels launched since the last sync on every stream, forgotten.
     pub fn take_all_suspects(&mut self) -> Vec<String> {
-        self.map.values_mut().flat_map(|e| std::mem::take(&mut e.since_sync)).collect()
+        self.map
+            .values_mut()
+            .flat_map(|e| std::mem::take(&mut e.since_sync))
+            .map(|name| name.as_str().to_string())
+            .collect()
     }
 
     /// Destroys a stream (work already queued on it still runs).
