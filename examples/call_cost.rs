@@ -16,7 +16,10 @@
 //! `perf stat -e task-clock,context-switches` for context switches per call
 //! and under `perf record -e cpu-clock` for where the time goes.
 //!
-//! Run: `cargo run --release --example call_cost -- [CALLS]`
+//! Run: `cargo run --release --example call_cost -- [CALLS] [SECTION]`,
+//! SECTION being one of `group`, `communicator`, `launch`, `read` and
+//! `nccl` to run only those rows (under `valgrind --tool=callgrind`, the
+//! instructions of one kind of call).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -198,27 +201,42 @@ fn communicator_all_reduce(client: &Client, calls: usize) {
 
 fn main() {
     let calls: usize = std::env::args().nth(1).map_or(20_000, |n| n.parse().expect("CALLS is a count"));
+    let only = std::env::args().nth(2);
+    let sections = ["group", "communicator", "launch", "read", "nccl"];
+    if let Some(only) = only.as_deref().filter(|o| !sections.contains(o)) {
+        eprintln!("call_cost: no section {only:?}; the sections are {}", sections.join(", "));
+        std::process::exit(2);
+    }
+    let wanted = |section: &str| only.as_deref().is_none_or(|o| o == section);
     std::env::set_var(cohort::runtime::config::CPU_DEVICES.name, "2");
     std::env::set_var(cohort::runtime::config::NCCL_SINGLE.name, "1");
     let clients = cohort::runtime::clients_of("cpu", Some(2)).expect("two CPU devices");
     println!("# cohort call_cost: {calls} calls each, CPU backend");
-    all_reduce(&clients[..1], calls);
-    all_reduce(&clients, calls);
-    communicator_all_reduce(&clients[0], calls);
-
+    if wanted("group") {
+        all_reduce(&clients[..1], calls);
+        all_reduce(&clients, calls);
+    }
+    if wanted("communicator") {
+        communicator_all_reduce(&clients[0], calls);
+    }
     let client = &clients[0];
-    let scale = kernels::scale();
-    let x = client.create(Bytes::from_elems(&[1.0f32; 8]));
-    measure("launch enqueue (scale, 8 floats)", calls, || {
-        client
-            .launch(&scale, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&x).scalar(Scalar::F32(1.0)))
-            .expect("launch")
-    });
-    client.sync().expect("sync");
-    let four = client.create(Bytes::from_elems(&[7u32]));
-    measure("read_one 4 B", calls, || {
-        let bytes = client.read_one(four.clone()).expect("read");
-        assert_eq!(bytes.len(), 4);
-    });
-    nccl_all_reduce(calls);
+    if wanted("launch") {
+        let scale = kernels::scale();
+        let x = client.create(Bytes::from_elems(&[1.0f32; 8]));
+        measure("launch enqueue (scale, 8 floats)", calls, || {
+            let args = KernelArguments::new().buffer(&x).scalar(Scalar::F32(1.0));
+            client.launch(&scale, GridCount::Static(1, 1, 1), args).expect("launch")
+        });
+        client.sync().expect("sync");
+    }
+    if wanted("read") {
+        let four = client.create(Bytes::from_elems(&[7u32]));
+        measure("read_one 4 B", calls, || {
+            let bytes = client.read_one(four.clone()).expect("read");
+            assert_eq!(bytes.len(), 4);
+        });
+    }
+    if wanted("nccl") {
+        nccl_all_reduce(calls);
+    }
 }
