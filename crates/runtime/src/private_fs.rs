@@ -181,15 +181,17 @@ impl PrivateDir {
     }
 
     /// Opens the file `name` of this folder for reading: `Ok(None)` when
-    /// there is none; refused when it is a link, not a regular file, not
-    /// this user's or writable by others.
+    /// there is none; refused when it is a link, not a regular file (a FIFO
+    /// is refused at once, never waited on), not this user's or writable by
+    /// others.
     pub fn open_file(&self, name: &str) -> Result<Option<File>, PrivateFsError> {
         let path = self.path.join(name);
         let c = c_name(Path::new(name))?;
+        // O_NONBLOCK: opening a FIFO does not wait for a writer (it is then
+        // refused as not a regular file); it is cleared again below.
+        let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
         // SAFETY: the folder's fd is open; `c` is NUL-terminated.
-        let fd = unsafe {
-            libc::openat(self.fd.as_raw_fd(), c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        };
+        let fd = unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) };
         if fd < 0 {
             let source = io::Error::last_os_error();
             return match source.raw_os_error() {
@@ -205,6 +207,9 @@ impl PrivateDir {
             return Err(PrivateFsError::WrongKind { path, expected: "regular file" });
         }
         check_owner_and_mode(&st, &path)?;
+        // SAFETY: `fd` is open; F_SETFL with plain O_RDONLY flags only clears
+        // O_NONBLOCK (the access mode is not changed by F_SETFL).
+        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_RDONLY) };
         Ok(Some(File::from(fd)))
     }
 
@@ -400,6 +405,22 @@ mod tests {
         let err = create_private_file(&link).unwrap_err();
         assert!(matches!(err, PrivateFsError::NotOwned { .. }), "{err}");
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        std::fs::remove_dir_all(base).unwrap();
+    }
+
+    #[test]
+    fn a_fifo_is_refused_without_waiting_for_a_writer() {
+        let base = temp("fifo");
+        let dir = PrivateDir::open_or_create(&base.join("d")).unwrap();
+        let c = CString::new(base.join("d/entry").as_os_str().as_bytes()).unwrap();
+        // SAFETY: `c` is NUL-terminated.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(dir.open_file("entry").map(|f| f.is_some()));
+        });
+        let answer = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("open_file waited on a FIFO");
+        assert!(matches!(answer, Err(PrivateFsError::WrongKind { expected: "regular file", .. })), "{answer:?}");
         std::fs::remove_dir_all(base).unwrap();
     }
 }
