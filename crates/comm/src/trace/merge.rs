@@ -107,6 +107,9 @@ pub fn merge(dumps: &[RecorderDump]) -> MergeReport {
     merge_named(dumps.iter().enumerate().map(|(i, d)| (format!("dump {i}"), d)), SetAside::default())
 }
 
+/// What each rank recorded of one collective: its fingerprint and state.
+type PerRank<'a> = BTreeMap<usize, (&'a CollectiveFingerprint, &'a RecordState)>;
+
 fn merge_named<'a>(dumps: impl Iterator<Item = (String, &'a RecorderDump)>, mut aside: SetAside) -> MergeReport {
     let mut by_rank: BTreeMap<usize, (String, &RecorderDump)> = BTreeMap::new();
     for (source, dump) in dumps {
@@ -124,7 +127,7 @@ fn merge_named<'a>(dumps: impl Iterator<Item = (String, &'a RecorderDump)>, mut 
     let world_size = dumps.iter().map(|d| d.world_size).max().unwrap_or(0);
     let missing_dumps = (0..world_size).filter(|r| ranks.binary_search(r).is_err()).collect();
     // (group, seq) -> per rank (fingerprint, state)
-    let mut table: BTreeMap<(&str, u64), BTreeMap<usize, (&CollectiveFingerprint, &RecordState)>> = BTreeMap::new();
+    let mut table: BTreeMap<(&str, u64), PerRank> = BTreeMap::new();
     // Who takes part in each (group, seq), where a record says so: the
     // listed ranks that have a dump.
     let mut among: BTreeMap<(&str, u64), &[usize]> = BTreeMap::new();

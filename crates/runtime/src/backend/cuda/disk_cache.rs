@@ -240,7 +240,8 @@ mod tests {
             // SAFETY: `c` is NUL-terminated.
             assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         };
-        let breakers: Vec<(&str, Box<dyn Fn(&Path)>)> = vec![
+        type Breaker<'a> = Box<dyn Fn(&Path) + 'a>;
+        let breakers: Vec<(&str, Breaker)> = vec![
             ("empty", Box::new(|p: &Path| std::fs::write(p, b"").unwrap())),
             ("cut inside the header", Box::new(|p: &Path| std::fs::write(p, &whole[..HEADER - 1]).unwrap())),
             ("cut inside the cubin", Box::new(|p: &Path| std::fs::write(p, &whole[..whole.len() - 1]).unwrap())),
