@@ -91,16 +91,23 @@ fn a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run() {
         // Room for the opening `[` and about one event: the rest fail.
         (base.join("filling.json"), "writing the trace failed", Some("300")),
     ];
-    for (path, named, file_limit) in cases {
+    let cases = cases.into_iter().map(|(path, named, limit)| (path, named, limit, None)).chain([
+        // A RANK that is not a number must not steer the file elsewhere.
+        (base.join("t.json"), "RANK=\"../escaped\"", None, Some("../escaped")),
+    ]);
+    for (path, named, file_limit, rank) in cases {
         let mut command = Command::new(std::env::current_exe().unwrap());
+        command.env_remove("RANK");
         if let Some(limit) = file_limit {
             command.env(FILE_LIMIT, limit);
+        }
+        if let Some(rank) = rank {
+            command.env("RANK", rank);
         }
         let mut child = command
             .args(["--exact", "timeline_child_runs_all_reduces", "--nocapture", "--test-threads=1"])
             .env(CHILD, "1")
             .env("COHORT_TIMELINE", &path)
-            .env_remove("RANK")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -122,5 +129,6 @@ fn a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run() {
         assert_eq!(lines.len(), 1, "{what}");
         assert!(lines[0].contains(named), "{what}");
     }
+    assert!(!base.join("escaped.json").exists() && !base.join("t.rank..").exists(), "a RANK steered the timeline");
     std::fs::remove_dir_all(&base).unwrap();
 }
