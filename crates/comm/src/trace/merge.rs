@@ -11,7 +11,8 @@ use super::recorder::{CollectiveFingerprint, RecordState, RecorderDump};
 pub struct Straggler {
     pub group: String,
     /// The job ranks of the group, where its records name them (a group
-    /// split from the job's communicator; `None`: every rank).
+    /// split from the job's communicator; `None`: every rank), in order,
+    /// each once.
     pub members: Option<Vec<usize>>,
     pub fingerprint: CollectiveFingerprint,
     /// Ranks that finished it.
@@ -78,9 +79,51 @@ struct SetAside {
 impl SetAside {
     fn add(&mut self, source: String, reason: String) {
         if self.named.len() < NAMED_SKIPS {
+            let (source, reason) = (escaped(&source).unwrap_or(source), escaped(&reason).unwrap_or(reason));
             self.named.push(Skipped { source, reason });
         } else {
             self.more += 1;
+        }
+    }
+}
+
+/// `text` with its control characters escaped (`\u{1b}`, `\r`, `\n`), or
+/// `None` when it has none: a dump's strings and file names are shown on a
+/// terminal, where an escape sequence could clear it or forge lines.
+fn escaped(text: &str) -> Option<String> {
+    if !text.chars().any(char::is_control) {
+        return None;
+    }
+    Some(text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect())
+}
+
+/// Escapes the control characters of every string of `dump` (see [`escaped`]).
+fn defang(dump: &mut RecorderDump) {
+    fn fix(s: &mut String) {
+        if let Some(clean) = escaped(s) {
+            *s = clean;
+        }
+    }
+    fn fix_cow(s: &mut std::borrow::Cow<'static, str>) {
+        if let Some(clean) = escaped(s) {
+            *s = clean.into();
+        }
+    }
+    fix(&mut dump.host);
+    fix(&mut dump.reason);
+    dump.startup.iter_mut().for_each(|(phase, _)| fix(phase));
+    for record in &mut dump.records {
+        fix(&mut record.group);
+        fix_cow(&mut record.fingerprint.kind);
+        fix_cow(&mut record.fingerprint.dtype);
+        if let Some(op) = &mut record.fingerprint.op {
+            fix_cow(op);
+        }
+        if let Some(path) = &mut record.path {
+            fix(path);
+        }
+        if let RecordState::Failed(reason) = &mut record.state {
+            fix(reason);
         }
     }
 }
@@ -195,7 +238,12 @@ fn merge_named<'a>(dumps: impl Iterator<Item = (String, &'a RecorderDump)>, mut 
         let reference = per_rank.values().next().map(|(f, _)| (*f).clone()).expect("an entry has a rank");
         let mut straggler = Straggler {
             group: group.to_string(),
-            members: among.get(&(group, seq)).map(|list| list.to_vec()),
+            members: among.get(&(group, seq)).map(|list| {
+                let mut members = list.to_vec();
+                members.sort_unstable();
+                members.dedup();
+                members
+            }),
             fingerprint: reference.clone(),
             finished: vec![],
             stuck: vec![],
@@ -317,8 +365,9 @@ fn read_dump(file: &Path, in_folder: bool) -> Result<RecorderDump, String> {
     if bytes.is_empty() {
         return Err("it is empty (not a cohort flight-recorder dump)".into());
     }
-    let dump: RecorderDump =
+    let mut dump: RecorderDump =
         serde_json::from_slice(&bytes).map_err(|e| format!("it is not a cohort flight-recorder dump: {e}"))?;
+    defang(&mut dump);
     let named_rank = file
         .file_name()
         .and_then(|n| n.to_str())
@@ -679,6 +728,21 @@ mod tests {
         assert_eq!(report.ranks, vec![0], "{report}");
         let reason = reason_for(&report, "rank1.json");
         assert!(reason.contains("2147483648 bytes") && reason.contains("256 MiB"), "{reason}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn control_characters_in_a_dump_are_shown_escaped_not_sent_to_the_terminal() {
+        use RecordState::*;
+        let dir = scratch("escapes");
+        let mut r = record(0, "all_reduce\u{1b}[2J", Failed("boom\u{7}\r\nforged line".into()));
+        r.group = "w\u{1b}]0;title\u{7}".into();
+        r.ranks = Some(vec![2, 0, 0, 1]);
+        write_dump(&dir.join("rank0.json"), &dump(0, vec![r]));
+        let text = merge_files(&[dir.as_path()]).unwrap().to_string();
+        assert!(!text.chars().any(|c| c.is_control() && c != '\n'), "{text:?}");
+        assert!(text.contains(r"all_reduce\u{1b}[2J") && text.contains(r"boom\u{7}\r\nforged line"), "{text}");
+        assert!(text.contains(r"in group w\u{1b}]0;title\u{7} (ranks 0-2)"), "{text}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
