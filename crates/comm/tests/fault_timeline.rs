@@ -37,3 +37,98 @@ fn collectives_and_copies_become_trace_events() {
     assert_eq!(events[1]["args"]["count"], 64);
     let _ = std::fs::remove_file(path);
 }
+
+/// Set in the child processes of
+/// `a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run`.
+const CHILD: &str = "COHORT_TEST_TIMELINE_CHILD";
+/// Bytes the child may write to a file (its timeline), where set.
+const FILE_LIMIT: &str = "COHORT_TEST_TIMELINE_FILE_LIMIT";
+
+/// The child: ten CPU all-reduces with `COHORT_TIMELINE` at a bad path,
+/// logging to stderr. Does nothing unless started by the test below.
+#[test]
+fn timeline_child_runs_all_reduces() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(false).init();
+    if let Some(limit) = std::env::var_os(FILE_LIMIT) {
+        // A disk that fills up mid-run: writes past `limit` bytes fail
+        // (EFBIG; the signal that would otherwise end the process ignored).
+        let limit: u64 = limit.to_str().unwrap().parse().unwrap();
+        let rlimit = libc::rlimit { rlim_cur: limit, rlim_max: limit };
+        // SAFETY: plain libc calls with valid arguments.
+        unsafe {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &rlimit), 0);
+        }
+    }
+    std::env::set_var("COHORT_CPU_DEVICES", "2");
+    let group = ClientGroup::new(vec![CpuRuntime::client(0).unwrap(), CpuRuntime::client(1).unwrap()]).unwrap();
+    for round in 1..=10u8 {
+        let bufs: Vec<_> = group.clients().iter().map(|c| c.create(Bytes::from(vec![round; 16]))).collect();
+        group.all_reduce_handles(&bufs, &bufs, DType::U8, ReduceOp::Sum).unwrap();
+        assert_eq!(group.client(1).read_one(bufs[1].clone()).unwrap().to_vec(), vec![2 * round; 16]);
+    }
+    println!("all-reduces done");
+}
+
+#[test]
+fn a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run() {
+    use std::process::Command;
+    let base = std::env::temp_dir().join(format!("cohort-bad-timeline-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(base.join("a-folder.json")).unwrap();
+    let fifo = base.join("fifo.json");
+    let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `c` is NUL-terminated.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let cases = [
+        ("/dev/full".into(), "/dev/full", None),
+        (base.join("a-folder.json"), "a-folder.json", None),
+        (base.join("missing/folder/t.json"), "missing/folder", None),
+        (fifo, "fifo.json", None),
+        // Room for the opening `[` and about one event: the rest fail.
+        (base.join("filling.json"), "writing the trace failed", Some("300")),
+    ];
+    let cases = cases.into_iter().map(|(path, named, limit)| (path, named, limit, None)).chain([
+        // A RANK that is not a number must not steer the file elsewhere.
+        (base.join("t.json"), "RANK=\"../escaped\"", None, Some("../escaped")),
+    ]);
+    for (path, named, file_limit, rank) in cases {
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command.env_remove("RANK");
+        if let Some(limit) = file_limit {
+            command.env(FILE_LIMIT, limit);
+        }
+        if let Some(rank) = rank {
+            command.env("RANK", rank);
+        }
+        let mut child = command
+            .args(["--exact", "timeline_child_runs_all_reduces", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .env("COHORT_TIMELINE", &path)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("COHORT_TIMELINE={}: the collectives hung", path.display());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let what = format!("COHORT_TIMELINE={}:\n{stdout}\n{stderr}", path.display());
+        assert!(out.status.success() && stdout.contains("all-reduces done"), "{what}");
+        assert!(!stderr.contains("panicked"), "{what}");
+        let lines: Vec<&str> = stderr.lines().filter(|l| l.contains("COHORT_TIMELINE")).collect();
+        assert_eq!(lines.len(), 1, "{what}");
+        assert!(lines[0].contains(named), "{what}");
+    }
+    assert!(!base.join("escaped.json").exists() && !base.join("t.rank..").exists(), "a RANK steered the timeline");
+    std::fs::remove_dir_all(&base).unwrap();
+}

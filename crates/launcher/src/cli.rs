@@ -125,12 +125,27 @@ pub struct PeersArgs {
     /// more, else cpu).
     #[arg(long)]
     pub backend: Option<String>,
-    /// MiB per copy.
-    #[arg(long, default_value_t = 64.0)]
+    /// MiB per copy (more than 0, at most 65536; fractions allowed).
+    #[arg(long, default_value_t = 64.0, value_parser = copy_mib, allow_negative_numbers = true)]
     pub mib: f64,
-    /// Timed copies per pair (after one warm-up).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Timed copies per pair (after one warm-up), 1 to 1000.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=MAX_PEER_ITERS),
+          allow_negative_numbers = true)]
     pub iters: u64,
+}
+
+/// The largest copy `cohort peers --mib` measures: 64 GiB.
+pub const MAX_COPY_MIB: f64 = 65536.0;
+/// The most timed copies per pair `cohort peers --iters` makes.
+pub const MAX_PEER_ITERS: u64 = 1000;
+
+/// Parses `cohort peers --mib`: at least one byte, at most [`MAX_COPY_MIB`].
+fn copy_mib(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(mib) if mib.is_finite() && mib * (1 << 20) as f64 >= 1.0 && mib <= MAX_COPY_MIB => Ok(mib),
+        Ok(_) => Err(format!("'{s}' MiB is not a copy size: from 1 byte (0.000001 MiB) to {MAX_COPY_MIB} MiB")),
+        Err(_) => Err(format!("'{s}' is not a number of MiB")),
+    }
 }
 
 /// How many ranks to start on this node.
@@ -417,5 +432,27 @@ mod tests {
         assert!(missing_dashes(&err, &argv), "{err}");
         let argv: Vec<OsString> = ["cohort", "run", "-n", "2", "--bogus", "--", "p"].map(OsString::from).to_vec();
         assert!(!missing_dashes(&Cli::try_parse_from(&argv).unwrap_err(), &argv));
+    }
+
+    #[test]
+    fn peers_refuses_copy_sizes_and_counts_it_cannot_measure() {
+        let parse = |args: &[&str]| {
+            let argv = ["cohort", "peers"].iter().chain(args).copied().collect::<Vec<_>>();
+            match Cli::try_parse_from(argv) {
+                Ok(Cli { command: Command::Peers(p) }) => Ok((p.mib, p.iters)),
+                Ok(_) => unreachable!("peers parses as peers"),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(parse(&[]), Ok((64.0, 3)));
+        assert_eq!(parse(&["--mib", "0.5", "--iters", "1000"]), Ok((0.5, 1000)));
+        for bad in ["0", "-5", "nan", "inf", "1e30", "65537", "1e-9", "lots"] {
+            let err = parse(&["--mib", bad]).unwrap_err();
+            assert!(err.contains(&format!("'{bad}'")) && err.contains("MiB"), "--mib {bad}: {err}");
+        }
+        for bad in ["0", "-1", "1001", "99999999999999999999"] {
+            let err = parse(&["--iters", bad]).unwrap_err();
+            assert!(err.contains(&format!("'{bad}'")) && err.contains("--iters"), "--iters {bad}: {err}");
+        }
     }
 }

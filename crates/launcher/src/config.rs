@@ -209,7 +209,7 @@ impl JobConfig {
             return Err(LaunchError::TooManyRanks { nproc, limit });
         }
         if let Some(warning) = process_limit_warning(nproc, limit) {
-            eprintln!("cohort: warning: {warning}");
+            say!("cohort: warning: {warning}");
         }
         let filter = match args.local_ranks_filter {
             None => None,

@@ -167,7 +167,14 @@ pub fn peers(args: PeersArgs) -> ExitCode {
     println!();
     for (i, a) in clients.iter().enumerate() {
         print!("{:>8}", format!("{i}"));
-        let src = a.create_from_slice(&vec![1u8; bytes]);
+        let mut fill = Vec::new();
+        if fill.try_reserve_exact(bytes).is_err() {
+            println!();
+            eprintln!("cohort: error: cannot allocate {} MiB of host memory to copy from (--mib)", args.mib);
+            return ExitCode::from(1);
+        }
+        fill.resize(bytes, 1u8);
+        let src = a.create_from_slice(&fill);
         for b in &clients {
             if a.service_id() == b.service_id() {
                 print!("{:>8}", "-");

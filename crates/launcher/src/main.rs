@@ -8,6 +8,16 @@
 //! Logs go to stderr through `tracing`, filtered by `COHORT_LOG` (falling
 //! back to `RUST_LOG`; default `warn`).
 
+/// `eprintln!` for the launcher's own messages that ignores a console that
+/// went away (`cohort run ... 2>&1 | head`): `eprintln!` panics there, and
+/// the launcher must go on looking after its ranks and exit with their code.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod cli;
 mod config;
 mod devices;
@@ -40,7 +50,7 @@ fn main() -> ExitCode {
             let hint = cli::missing_dashes(&e, &argv);
             let _ = e.print();
             if hint {
-                eprintln!("\n{}", cli::DASHES_HINT);
+                say!("\n{}", cli::DASHES_HINT);
             }
             return ExitCode::from(e.exit_code() as u8);
         }
@@ -51,7 +61,7 @@ fn main() -> ExitCode {
         Ok(filter) => filter,
         Err(_) if matches!(cli.command, cli::Command::Config(_)) => EnvFilter::new("warn"),
         Err(err) => {
-            eprintln!("cohort: error: {err}");
+            say!("cohort: error: {err}");
             return ExitCode::from(2);
         }
     };
@@ -61,6 +71,14 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
 
+    // Commands that only print end as `cat` or `grep` do when their reader
+    // goes away (`cohort config | head -1`): by SIGPIPE, not a panic. `cohort
+    // run`, `cohort store` and the reaper keep it ignored: they must outlive
+    // their console to look after their ranks and clients.
+    if !matches!(cli.command, cli::Command::Run(_) | cli::Command::Store(_) | cli::Command::Reaper) {
+        // SAFETY: restoring a signal's default disposition has no preconditions.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     match cli.command {
         cli::Command::Run(args) => run::run(*args),
         cli::Command::Devices => devices::devices(),

@@ -31,7 +31,7 @@ pub fn init() {
     REAPER.get_or_init(|| match Reaper::start() {
         Ok(r) => Some(r),
         Err(e) => {
-            eprintln!(
+            say!(
                 "cohort: warning: cannot start the reaper ({e}): processes the ranks start may outlive a \
                  launcher that is killed with SIGKILL"
             );

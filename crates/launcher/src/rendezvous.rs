@@ -393,7 +393,7 @@ fn connect_saying_so(
         match StoreClient::connect(addr, secret, slice) {
             Ok(client) => {
                 if start.elapsed() >= every {
-                    eprintln!("cohort: node {node_rank} reached node 0's store at {addr}");
+                    say!("cohort: node {node_rank} reached node 0's store at {addr}");
                 }
                 return Ok(client);
             }
@@ -402,7 +402,7 @@ fn connect_saying_so(
                 if waited >= limit {
                     return Err(StoreError::Connect { addr: addr.to_string(), waited, source });
                 }
-                eprintln!(
+                say!(
                     "cohort: node {node_rank} is waiting for node 0's store at {addr} ({} s so far, giving up after \
                      {} s; last error: {source}): is node 0's launcher running, given the same --master-addr and \
                      --master-port (or --store-port, --store-addr)?",

@@ -26,7 +26,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     match run_job(args) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("cohort: error: {e}");
+            say!("cohort: error: {e}");
             ExitCode::from(1)
         }
     }
@@ -58,7 +58,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     signals::install(tx.clone()).map_err(LaunchError::Signals)?;
     crate::reaper::init();
     if let Some(n) = &cfg.omp_threads {
-        eprintln!(
+        say!(
             "cohort: OMP_NUM_THREADS is unset: setting it to {n} for the {} ranks of this node so they do not \
              overload its cores (export OMP_NUM_THREADS to choose)",
             cfg.nproc
@@ -75,7 +75,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
             Round::Member { position, members, attempt: joined } if cfg.elastic => {
                 attempt = joined;
                 if attempt > 0 || members < cfg.nnodes {
-                    eprintln!(
+                    say!(
                         "cohort: attempt {attempt} runs on {members} node(s) ({} ranks); this node is node {position}",
                         members as usize * cfg.nproc
                     );
@@ -84,7 +84,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
             }
             Round::Member { .. } => cfg.clone(),
             Round::JobDone => {
-                eprintln!("cohort: the job finished before this node was needed");
+                say!("cohort: the job finished before this node was needed");
                 return Ok(0);
             }
         };
@@ -114,20 +114,20 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
             Verdict::Failed { restartable, exit_code, summary } => {
                 let recorded = trace::report(&cfg.trace_dir);
                 if restartable && attempt < cfg.max_restarts {
-                    eprintln!("cohort: {summary}");
+                    say!("cohort: {summary}");
                     if let Some(r) = &recorded {
-                        eprintln!("cohort: {r}");
+                        say!("cohort: {r}");
                     }
                     attempt += 1;
-                    eprintln!("cohort: restarting the whole group (restart {attempt} of {})", cfg.max_restarts);
+                    say!("cohort: restarting the whole group (restart {attempt} of {})", cfg.max_restarts);
                     continue;
                 }
-                eprintln!("cohort: job failed: {summary}");
+                say!("cohort: job failed: {summary}");
                 if let Some(r) = &recorded {
-                    eprintln!("cohort: {r}");
+                    say!("cohort: {r}");
                 }
                 if restartable && cfg.max_restarts > 0 {
-                    eprintln!("cohort: all {} restarts used", cfg.max_restarts);
+                    say!("cohort: all {} restarts used", cfg.max_restarts);
                 }
                 rdzv.finish(attempt);
                 return Ok(exit_code);

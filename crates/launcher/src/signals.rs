@@ -87,7 +87,7 @@ pub fn install(events: Sender<Event>) -> io::Result<()> {
             1 => {
                 let sig = byte as libc::c_int;
                 if !SUPERVISING.load(Ordering::SeqCst) {
-                    eprintln!("cohort: got {} while no rank was running; exiting", crate::summary::signal_name(sig));
+                    say!("cohort: got {} while no rank was running; exiting", crate::summary::signal_name(sig));
                     std::process::exit(128 + sig);
                 }
                 if events.send(Event::Signal(sig)).is_err() {

@@ -199,7 +199,7 @@ pub fn run_attempt(
             Ok(Event::Silent { attempt: a, local_rank, silent }) if a == attempt => {
                 let p = &ranks[local_rank];
                 if reason.is_none() && p.ended.is_none() {
-                    eprintln!(
+                    say!(
                         "cohort: rank {} sent no heartbeat for {:.1} s (stopped or frozen?): stopping the job",
                         p.rank,
                         silent.as_secs_f64()
@@ -213,7 +213,7 @@ pub fn run_attempt(
             Ok(Event::Beating { .. } | Event::Silent { .. }) => {}
             Ok(Event::Signal(sig)) => {
                 if matches!(reason, None | Some(Reason::TimedOut(_))) {
-                    eprintln!(
+                    say!(
                         "cohort: got {}; forwarding it to the ranks (again to kill them)",
                         crate::summary::signal_name(sig)
                     );

@@ -83,7 +83,7 @@ pub fn report_when_ready(store: &StoreClient, clock: LaunchClock, attempt: u32) 
                 Err(_) => return,
             };
             if phases.iter().any(|(p, _)| p == "ready") {
-                eprintln!("cohort: {}", render(&clock, &phases, attempt));
+                say!("cohort: {}", render(&clock, &phases, attempt));
                 return;
             }
             std::thread::sleep(Duration::from_millis(10));

@@ -2,6 +2,7 @@
 //! (serve a rendezvous store), and the flight-recorder part of `cohort
 //! run`'s failure summary.
 
+use std::io::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -22,7 +23,7 @@ pub fn trace(args: TraceArgs) -> ExitCode {
             ExitCode::from(if report.first_unfinished.is_some() { 2 } else { 0 })
         }
         Err(e) => {
-            eprintln!("cohort: error: {e}");
+            say!("cohort: error: {e}");
             ExitCode::from(1)
         }
     }
@@ -78,24 +79,25 @@ pub fn store(args: StoreArgs) -> ExitCode {
         Ok(Some(secret)) => secret,
         Ok(None) => {
             let name = config::JOB_SECRET.name;
-            eprintln!("cohort: error: export {name} (the job's secret; every rank and launcher must use it)");
+            say!("cohort: error: export {name} (the job's secret; every rank and launcher must use it)");
             return ExitCode::from(1);
         }
         Err(e) => {
-            eprintln!("cohort: error: {e}");
+            say!("cohort: error: {e}");
             return ExitCode::from(1);
         }
     };
     let host = if args.host.contains(':') { format!("[{}]", args.host) } else { args.host.clone() };
     match StoreServer::bind(format!("{host}:{}", args.port).as_str(), &secret) {
         Ok(server) => {
-            println!("cohort store: listening on {}", server.local_addr());
+            // A closed stdout does not stop the store serving.
+            let _ = writeln!(std::io::stdout(), "cohort store: listening on {}", server.local_addr());
             loop {
                 std::thread::park();
             }
         }
         Err(e) => {
-            eprintln!("cohort: error: cannot serve the store on {host}:{}: {e}", args.port);
+            say!("cohort: error: cannot serve the store on {host}:{}: {e}", args.port);
             ExitCode::from(1)
         }
     }

@@ -492,3 +492,84 @@ fn a_node_of_many_ranks_keeps_its_relay_under_a_low_file_limit_and_ranks_get_tha
         assert!(!line.ends_with("fd none"), "a rank had no relay sockets: {line}");
     }
 }
+
+/// The write end of a pipe whose read end is already closed: every write to
+/// it fails with EPIPE (a console that went away: `cohort ... | head -c0`).
+fn closed_pipe() -> Stdio {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: `fds` is a valid out-array of two descriptors.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: both descriptors were just made and are owned by nothing else.
+    unsafe {
+        libc::close(fds[0]);
+        Stdio::from(std::os::fd::OwnedFd::from_raw_fd(fds[1]))
+    }
+}
+
+#[test]
+fn a_console_that_went_away_does_not_change_the_exit_code() {
+    for (script, expect) in [("sleep 0.3; echo out; echo err >&2; exit 3", 3), ("sleep 0.3; echo out; echo err >&2", 0)]
+    {
+        for (close_stdout, close_stderr) in [(true, true), (false, true), (true, false)] {
+            let mut c = cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", script]);
+            // Unset: the launcher says at once that it sets it.
+            c.env_remove("OMP_NUM_THREADS");
+            if close_stdout {
+                c.stdout(closed_pipe());
+            }
+            if close_stderr {
+                c.stderr(closed_pipe());
+            }
+            let out = output_within(c, LIMIT);
+            let what = format!("{script} (stdout closed: {close_stdout}, stderr closed: {close_stderr})");
+            assert_eq!(out.status.code(), Some(expect), "{what}: {:?}", texts(&out));
+            assert!(!texts(&out).1.contains("panicked"), "{what}: {:?}", texts(&out));
+        }
+    }
+}
+
+#[test]
+fn printing_commands_end_quietly_when_their_reader_goes_away() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = temp_dir("closed-reader");
+    let dump = r#"{"rank":0,"world_size":1,"host":"h","pid":1,"reason":"test","written_us":0,"records":[]}"#;
+    std::fs::write(dir.join("rank0.json"), dump).unwrap();
+    for args in [vec!["config"], vec!["config", "--markdown"], vec!["trace", dir.to_str().unwrap()]] {
+        let mut c = Command::new(COHORT);
+        c.args(&args).stdin(Stdio::null()).stdout(closed_pipe()).stderr(Stdio::piped());
+        let out = output_within(c, LIMIT);
+        let (_, stderr) = texts(&out);
+        // Ended by SIGPIPE, as `cat` or `grep` would be, or a plain exit: never a panic.
+        let quiet = out.status.signal() == Some(libc::SIGPIPE) || out.status.code() == Some(0);
+        assert!(quiet && !stderr.contains("panicked"), "cohort {args:?}: {:?}: {stderr}", out.status);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_console_that_stops_reading_holds_back_output_not_supervision() {
+    // Rank 0 floods stdout into a pipe nobody reads; rank 1 fails after
+    // 0.5 s. The failure is noticed and rank 0 stopped while the console is
+    // stuck; once the console goes away the launcher exits with rank 1's code.
+    let dir = temp_dir("stuck-console");
+    let script =
+        format!("echo $$ > {}/$RANK.pid; if [ $RANK = 0 ]; then yes; else sleep 0.5; exit 3; fi", dir.display());
+    let c = cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]);
+    let mut child = { c }.spawn().unwrap();
+    let console = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let pids = wait_pid_files(&dir, 2, LIMIT);
+    assert_eq!(wait_all_gone(&pids, Duration::from_secs(30)), Vec::<i32>::new(), "every rank was stopped");
+    drop(console);
+    let out = wait_output(child, LIMIT);
+    let stderr = stderr.join().unwrap();
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("rank 1 failed first") && !stderr.contains("panicked"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -10,8 +10,9 @@
 //!   replacing the path afterwards changes nothing.
 //! * Files are created with `O_CREAT | O_EXCL | O_NOFOLLOW` and mode 0600:
 //!   never through a link, never into a file someone else made. A stale
-//!   file or link of this user's own under the same name is removed first;
-//!   one of another user's is refused.
+//!   file or link of this user's own under the same name is removed first
+//!   (for a path the user names, [`create_private_file`], only a file: a
+//!   link is refused); one of another user's is refused.
 //!
 //! Reading the same files back ([`PrivateDir::open_file`]) refuses links and
 //! files that are not this user's or that others may write.
@@ -177,19 +178,21 @@ impl PrivateDir {
     /// Creates the file `name` in this folder for writing: new, 0600, never
     /// through a link, refused when something of another user is there.
     pub fn create_file(&self, name: &str) -> Result<File, PrivateFsError> {
-        create_in(self.fd.as_raw_fd(), &self.path, name)
+        create_in(self.fd.as_raw_fd(), &self.path, name, Stale::FileOrLink)
     }
 
     /// Opens the file `name` of this folder for reading: `Ok(None)` when
-    /// there is none; refused when it is a link, not a regular file, not
-    /// this user's or writable by others.
+    /// there is none; refused when it is a link, not a regular file (a FIFO
+    /// is refused at once, never waited on), not this user's or writable by
+    /// others.
     pub fn open_file(&self, name: &str) -> Result<Option<File>, PrivateFsError> {
         let path = self.path.join(name);
         let c = c_name(Path::new(name))?;
+        // O_NONBLOCK: opening a FIFO does not wait for a writer (it is then
+        // refused as not a regular file); it is cleared again below.
+        let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
         // SAFETY: the folder's fd is open; `c` is NUL-terminated.
-        let fd = unsafe {
-            libc::openat(self.fd.as_raw_fd(), c.as_ptr(), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        };
+        let fd = unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) };
         if fd < 0 {
             let source = io::Error::last_os_error();
             return match source.raw_os_error() {
@@ -205,6 +208,9 @@ impl PrivateDir {
             return Err(PrivateFsError::WrongKind { path, expected: "regular file" });
         }
         check_owner_and_mode(&st, &path)?;
+        // SAFETY: `fd` is open; F_SETFL with plain O_RDONLY flags only clears
+        // O_NONBLOCK (the access mode is not changed by F_SETFL).
+        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_RDONLY) };
         Ok(Some(File::from(fd)))
     }
 
@@ -238,7 +244,9 @@ fn is_symlink(path: &Path) -> bool {
 /// parent folder but without checking who owns that folder (for a path the
 /// user names, such as `COHORT_TIMELINE` in the working directory): the
 /// file is new and this user's, never a link's target nor another user's
-/// file.
+/// file. A file of this user's there is replaced; a link is refused and
+/// left alone, even this user's own (it may be one that matters, such as
+/// `/dev/stdout` to root).
 pub fn create_private_file(path: &Path) -> Result<File, PrivateFsError> {
     let (parent, name) = match (path.parent(), path.file_name()) {
         (Some(p), Some(n)) => (if p.as_os_str().is_empty() { Path::new(".") } else { p }, n),
@@ -254,14 +262,24 @@ pub fn create_private_file(path: &Path) -> Result<File, PrivateFsError> {
     }
     // SAFETY: `fd` was just opened and is owned by nothing else.
     let dir = unsafe { OwnedFd::from_raw_fd(fd) };
-    create_in(dir.as_raw_fd(), parent, &name.to_string_lossy())
+    create_in(dir.as_raw_fd(), parent, &name.to_string_lossy(), Stale::File)
+}
+
+/// What of this user's [`create_in`] may remove to make its file.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stale {
+    /// A regular file.
+    File,
+    /// A regular file or a link (a private folder's stale entry).
+    FileOrLink,
 }
 
 /// Creates `name` in the open folder `dir` (at `dir_path`, for messages):
-/// `O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600. A file or link of this user's
-/// already there is removed first (a link itself, never its target); one of
-/// another user's, or anything else, is refused.
-fn create_in(dir: libc::c_int, dir_path: &Path, name: &str) -> Result<File, PrivateFsError> {
+/// `O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600. A file of this user's
+/// already there, or with [`Stale::FileOrLink`] a link of this user's, is
+/// removed first (a link itself, never its target); one of another user's,
+/// or anything else, is refused.
+fn create_in(dir: libc::c_int, dir_path: &Path, name: &str, stale: Stale) -> Result<File, PrivateFsError> {
     let path = dir_path.join(name);
     let c = c_name(Path::new(name))?;
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
@@ -290,6 +308,9 @@ fn create_in(dir: libc::c_int, dir_path: &Path, name: &str) -> Result<File, Priv
         let me = effective_uid();
         if st.st_uid != me {
             return Err(PrivateFsError::NotOwned { path, owner: st.st_uid, me });
+        }
+        if kind == libc::S_IFLNK && stale == Stale::File {
+            return Err(PrivateFsError::Symlink { path });
         }
         // SAFETY: as above; unlinkat removes the entry (a link itself).
         unsafe { libc::unlinkat(dir, c.as_ptr(), 0) };
@@ -400,6 +421,43 @@ mod tests {
         let err = create_private_file(&link).unwrap_err();
         assert!(matches!(err, PrivateFsError::NotOwned { .. }), "{err}");
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        std::fs::remove_dir_all(base).unwrap();
+    }
+
+    #[test]
+    fn a_fifo_is_refused_without_waiting_for_a_writer() {
+        let base = temp("fifo");
+        let dir = PrivateDir::open_or_create(&base.join("d")).unwrap();
+        let c = CString::new(base.join("d/entry").as_os_str().as_bytes()).unwrap();
+        // SAFETY: `c` is NUL-terminated.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(dir.open_file("entry").map(|f| f.is_some()));
+        });
+        let answer = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("open_file waited on a FIFO");
+        assert!(matches!(answer, Err(PrivateFsError::WrongKind { expected: "regular file", .. })), "{answer:?}");
+        std::fs::remove_dir_all(base).unwrap();
+    }
+
+    #[test]
+    fn a_link_at_a_path_the_user_names_is_refused_and_left_alone() {
+        // `COHORT_TIMELINE=/dev/stdout` as root: the link is root's own, and
+        // replacing it would take /dev/stdout away from every program.
+        let base = temp("named-link");
+        let target = base.join("target");
+        std::fs::write(&target, b"kept").unwrap();
+        let link = base.join("stdout");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let err = create_private_file(&link).unwrap_err();
+        assert!(matches!(err, PrivateFsError::Symlink { .. }), "{err}");
+        assert!(err.to_string().contains(&link.display().to_string()), "{err}");
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link is still there");
+        assert_eq!(std::fs::read(&target).unwrap(), b"kept");
+        // A stale file of ours is still replaced.
+        std::fs::write(base.join("old.json"), b"old").unwrap();
+        create_private_file(&base.join("old.json")).unwrap().write_all(b"new").unwrap();
+        assert_eq!(std::fs::read(base.join("old.json")).unwrap(), b"new");
         std::fs::remove_dir_all(base).unwrap();
     }
 }

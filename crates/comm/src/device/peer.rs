@@ -92,6 +92,10 @@ pub struct Crossover {
     pub rows: Vec<CrossoverRow>,
 }
 
+/// The largest crossover table file read: 64 KiB, about a thousand rows (a
+/// measured table has a few per device model).
+pub const MAX_TABLE_BYTES: u64 = 64 << 10;
+
 const HEADER: &str = "# cohort crossover v1: device\tranks\tcollective\tone_shot_max_bytes\ttwo_shot_max_bytes";
 
 impl Crossover {
@@ -200,20 +204,12 @@ impl Crossover {
     }
 
     /// This machine's table with the built-in rows behind it. A table that
-    /// cannot be read is logged once and ignored.
+    /// cannot be read is logged (once per process: [`machine_table`] reads
+    /// it once) and ignored: the built-in rows decide.
     pub fn for_machine() -> Crossover {
         let mut table = Crossover::builtin();
         let Some(path) = Crossover::path() else { return table };
-        let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
-            return table;
-        };
-        let read = PrivateDir::open(dir).map_err(|e| e.to_string()).and_then(|dir| {
-            let Some(mut file) = dir.open_file(name).map_err(|e| e.to_string())? else { return Ok(None) };
-            let mut text = String::new();
-            std::io::Read::read_to_string(&mut file, &mut text).map_err(|e| e.to_string())?;
-            Crossover::parse(&text).map(Some)
-        });
-        match read {
+        match Crossover::read(&path) {
             Ok(Some(found)) => {
                 // Measured rows go first: they win over the built-in ones.
                 let mut rows = found.rows;
@@ -221,9 +217,35 @@ impl Crossover {
                 table.rows = rows;
             }
             Ok(None) => {}
-            Err(err) => tracing::warn!("the crossover table {} is ignored: {err}", path.display()),
+            Err(err) => tracing::warn!("the crossover table is ignored (the built-in choice applies): {err}"),
         }
         table
+    }
+
+    /// Reads the table file at `path` (`Ok(None)` where there is none).
+    /// The error names the file and the problem: its folder or it refused by
+    /// [`PrivateDir`] (a link, not this user's, writable by others, not a
+    /// regular file: a FIFO is refused at once), larger than
+    /// [`MAX_TABLE_BYTES`] (never read), not UTF-8, or a bad line.
+    pub fn read(path: &std::path::Path) -> Result<Option<Crossover>, String> {
+        use std::io::Read;
+        let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+            return Err(format!("{} is not a file path", path.display()));
+        };
+        let dir = if dir.as_os_str().is_empty() { std::path::Path::new(".") } else { dir };
+        let folder = PrivateDir::open(dir).map_err(|e| e.to_string())?;
+        let Some(file) = folder.open_file(name).map_err(|e| e.to_string())? else { return Ok(None) };
+        let size = file.metadata().map_err(|e| format!("{}: {e}", path.display()))?.len();
+        if size > MAX_TABLE_BYTES {
+            return Err(format!(
+                "{} is {size} bytes, more than the {} KiB a crossover table may be",
+                path.display(),
+                MAX_TABLE_BYTES >> 10
+            ));
+        }
+        let mut text = String::new();
+        file.take(MAX_TABLE_BYTES).read_to_string(&mut text).map_err(|e| format!("{}: {e}", path.display()))?;
+        Crossover::parse(&text).map(Some).map_err(|e| format!("{}: {e}", path.display()))
     }
 
     /// Writes the table to [`Crossover::path`] (a private folder, replaced
@@ -394,5 +416,81 @@ mod tests {
         assert!(err.contains("line 3") && err.contains("neither"), "{err}");
         let err = Crossover::parse("x\tmany\tall_reduce\t1\t2\n").unwrap_err();
         assert!(err.contains("ranks is not a whole number"), "{err}");
+    }
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("cohort-crossover-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// `Crossover::read` on a thread: fails (rather than hangs) when it has
+    /// not answered within 10 s.
+    fn read_within(path: &std::path::Path) -> Result<Option<Crossover>, String> {
+        let path = path.to_path_buf();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(Crossover::read(&path));
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(10)).expect("reading the table blocked")
+    }
+
+    #[test]
+    fn a_broken_table_file_is_an_error_naming_it_never_a_hang() {
+        let dir = scratch("broken");
+        let path = dir.join("crossover.tsv");
+        assert_eq!(read_within(&path), Ok(None), "no table: the built-in rows");
+        let refused = |what: &str, expect: &str| {
+            let err = read_within(&path).unwrap_err();
+            assert!(err.contains(&path.display().to_string()) && err.contains(expect), "{what}: {err}");
+        };
+        for (text, expect) in [
+            ("NVIDIA H200\t2\tall_reduce\tNaN\t1\n", "line 1: one_shot_max_bytes is not a whole number"),
+            ("NVIDIA H200\t2\tall_reduce\t1\t-5\n", "two_shot_max_bytes is not a whole number"),
+            ("NVIDIA H200\t2\tall_reduce\t1\t18446744073709551616\n", "two_shot_max_bytes is not a whole number"),
+            ("NVIDIA H200\t2\tall_red", "expected 5 tab-separated fields"),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            refused(text, expect);
+        }
+        std::fs::write(&path, b"\xff\xfe not text\n").unwrap();
+        refused("not UTF-8", "UTF-8");
+        // 2 GiB, sparse: refused unread.
+        std::fs::File::create(&path).unwrap().set_len(2 << 30).unwrap();
+        refused("2 GiB", "2147483648 bytes");
+        std::fs::remove_file(&path).unwrap();
+        let fifo = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `fifo` is NUL-terminated.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        refused("a FIFO", "not a regular file");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        refused("a folder", "not a regular file");
+        std::fs::remove_dir(&path).unwrap();
+        std::fs::write(dir.join("elsewhere.tsv"), "x\t2\tall_reduce\t1\t2\n").unwrap();
+        std::os::unix::fs::symlink(dir.join("elsewhere.tsv"), &path).unwrap();
+        refused("a link", "symbolic link");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, "").unwrap();
+        assert_eq!(read_within(&path), Ok(Some(Crossover::default())), "empty: no rows, the built-in ones apply");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn odd_but_well_formed_rows_stay_within_what_a_kernel_can_run() {
+        // Huge, unsorted (two-shot below one-shot) and duplicated rows.
+        let text = "NVIDIA H200\t2\tall_reduce\t18446744073709551615\t0\n\
+                    NVIDIA H200\t2\tall_reduce\t0\t0\n\
+                    NVIDIA H200\t4\tall_reduce\t1048576\t4096\n\
+                    NVIDIA H200\t18446744073709551615\tall_gather\t1\t1\n";
+        let mut table = Crossover::parse(text).unwrap();
+        table.rows.extend(Crossover::builtin().rows);
+        let pick = |bytes, ranks| choose_with(&table, Algo::Auto, &sum(bytes), ranks, "NVIDIA H200");
+        // The first of two duplicated rows wins; past the arena is NCCL whatever a row says.
+        assert_eq!(pick(8 << 20, 2), Path::OneShot);
+        assert_eq!(pick(PEER_MAX_BYTES as usize * 2, 2), Path::Nccl);
+        // A two-shot limit below the one-shot one: one-shot, then NCCL.
+        assert_eq!((pick(1 << 20, 4), pick(2 << 20, 4)), (Path::OneShot, Path::Nccl));
     }
 }

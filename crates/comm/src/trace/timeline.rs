@@ -49,20 +49,30 @@ impl Timeline {
 
     /// The timeline of this process when `COHORT_TIMELINE` is set: the file
     /// it names, with `.rank<N>` inserted before the extension when `RANK`
-    /// is set (so ranks sharing a path do not clobber each other).
+    /// is set (so ranks sharing a path do not clobber each other). A `RANK`
+    /// that is not a whole number (`../x`) is refused with one error rather
+    /// than put into the path.
     pub fn from_env() -> Option<&'static Timeline> {
         static GLOBAL: OnceLock<Option<Timeline>> = OnceLock::new();
         GLOBAL
             .get_or_init(|| {
                 // Any path is a valid COHORT_TIMELINE, so this cannot fail.
                 let path = cohort_runtime::config::TIMELINE.get().ok()??;
-                let path = match std::env::var("RANK") {
-                    Ok(rank) => {
+                let path = match std::env::var_os("RANK") {
+                    Some(rank) => {
+                        let Some(rank) = rank.to_str().and_then(|r| r.trim().parse::<usize>().ok()) else {
+                            tracing::error!(
+                                "COHORT_TIMELINE: no timeline: RANK={rank:?} is not a whole number, so it cannot name \
+                                 this rank's file beside {}",
+                                path.display()
+                            );
+                            return None;
+                        };
                         let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
                         let ext = path.extension().map(|e| e.to_string_lossy().into_owned()).unwrap_or("json".into());
                         path.with_file_name(format!("{stem}.rank{rank}.{ext}"))
                     }
-                    Err(_) => path,
+                    None => path,
                 };
                 match Timeline::create(&path) {
                     Ok(t) => Some(t),

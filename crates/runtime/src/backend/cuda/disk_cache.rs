@@ -10,7 +10,8 @@
 //!   kernel's name, the options and the NVRTC version) and holds a header,
 //!   that same hash and the SHA-256 of the cubin, then the cubin. Loading
 //!   checks all three (and that the file is the user's own, 0600, not a
-//!   link); an entry that fails is ignored and compiled again.
+//!   link, a regular file of at most 64 MiB); an entry that fails is
+//!   ignored with a warning and compiled again.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -23,6 +24,9 @@ use crate::private_fs::{PrivateDir, PrivateFsError};
 const MAGIC: &[u8; 16] = b"cohort-nvrtc-v1\n";
 /// Bytes before the cubin: magic, key, hash of the cubin.
 const HEADER: usize = MAGIC.len() + 32 + 32;
+/// The largest entry read (cohort's cubins are well under 1 MiB); a larger
+/// file is ignored unread and the kernel compiled again.
+const MAX_ENTRY_BYTES: u64 = 64 << 20;
 
 /// Where compiled kernels are kept between runs (the folder is checked only
 /// when the cache opens it).
@@ -82,7 +86,7 @@ impl DiskCache {
     /// check; an entry that fails one is logged and ignored.
     pub fn load(&self, key: &[u8; 32]) -> Option<Vec<u8>> {
         let name = format!("{}.cubin", hex(key));
-        let mut file = match self.dir.open_file(&name) {
+        let file = match self.dir.open_file(&name) {
             Ok(Some(file)) => file,
             Ok(None) => return None,
             Err(err) => {
@@ -90,15 +94,28 @@ impl DiskCache {
                 return None;
             }
         };
+        let ignored = |why: String| {
+            let path = self.dir.path().join(&name);
+            tracing::warn!("NVRTC cache entry {} ignored (compiling again): {why}", path.display());
+        };
+        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        if size > MAX_ENTRY_BYTES {
+            ignored(format!("it is {size} bytes, more than the {} MiB an entry may be", MAX_ENTRY_BYTES >> 20));
+            return None;
+        }
         let mut bytes = Vec::new();
-        file.read_to_end(&mut bytes).ok()?;
+        if let Err(e) = file.take(MAX_ENTRY_BYTES + 1).read_to_end(&mut bytes) {
+            ignored(format!("cannot read it: {e}"));
+            return None;
+        }
+        if bytes.len() as u64 > MAX_ENTRY_BYTES {
+            ignored(format!("it grew past the {} MiB an entry may be", MAX_ENTRY_BYTES >> 20));
+            return None;
+        }
         match check(key, &bytes) {
             Ok(()) => Some(bytes.split_off(HEADER)),
             Err(why) => {
-                tracing::warn!(
-                    "NVRTC cache entry {} ignored (compiling again): {why}",
-                    self.dir.path().join(&name).display()
-                );
+                ignored(why.to_string());
                 None
             }
         }
@@ -206,5 +223,60 @@ mod tests {
     fn keys_separate_their_parts() {
         assert_ne!(entry_key(&[b"ab", b"c"]), entry_key(&[b"a", b"bc"]));
         assert_eq!(entry_key(&[b"ab", b"c"]), entry_key(&[b"ab", b"c"]));
+    }
+
+    #[test]
+    fn a_broken_entry_is_compiled_again_never_waited_on_or_read_whole() {
+        let base = temp("broken");
+        let cache = DiskCache::open(&base.join("nvrtc")).unwrap();
+        let key = entry_key(&[b"broken source"]);
+        let path = base.join(format!("nvrtc/{}.cubin", hex(&key)));
+        let whole = {
+            cache.store(&key, b"the cubin");
+            std::fs::read(&path).unwrap()
+        };
+        let fifo = |p: &Path| {
+            let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: `c` is NUL-terminated.
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        };
+        type Breaker<'a> = Box<dyn Fn(&Path) + 'a>;
+        let breakers: Vec<(&str, Breaker)> = vec![
+            ("empty", Box::new(|p: &Path| std::fs::write(p, b"").unwrap())),
+            ("cut inside the header", Box::new(|p: &Path| std::fs::write(p, &whole[..HEADER - 1]).unwrap())),
+            ("cut inside the cubin", Box::new(|p: &Path| std::fs::write(p, &whole[..whole.len() - 1]).unwrap())),
+            ("a FIFO", Box::new(fifo)),
+            // 2 GiB, sparse: takes no disk; must not be read into memory.
+            ("2 GiB", Box::new(|p: &Path| std::fs::File::create(p).unwrap().set_len(2 << 30).unwrap())),
+        ];
+        for (what, brk) in &breakers {
+            std::fs::remove_file(&path).unwrap();
+            brk(&path);
+            let dir = base.join("nvrtc");
+            let loaded = std::thread::scope(|s| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                s.spawn(move || {
+                    let cache = DiskCache::open(&dir).unwrap();
+                    let _ = tx.send(cache.load(&key));
+                });
+                let answer = rx.recv_timeout(std::time::Duration::from_secs(10));
+                if answer.is_err() {
+                    // Let the stuck thread go (a writer for a FIFO) before failing.
+                    let _ = std::fs::OpenOptions::new().write(true).open(&path);
+                }
+                answer
+            });
+            assert_eq!(loaded, Ok(None), "{what}: loaded, or blocked");
+            // Compiled again: the new entry replaces it and loads.
+            cache.store(&key, b"the cubin");
+            assert_eq!(cache.load(&key).as_deref(), Some(&b"the cubin"[..]), "{what}");
+        }
+        // A folder under the entry's name: not loaded, not fatal.
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(cache.load(&key).is_none());
+        cache.store(&key, b"the cubin");
+        assert!(cache.load(&key).is_none());
+        std::fs::remove_dir_all(base).unwrap();
     }
 }
