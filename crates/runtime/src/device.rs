@@ -790,13 +790,18 @@ fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch)
 /// have just answered its caller and not yet let go of the lock.
 const INLINE_LOCK_WAIT: Duration = Duration::from_micros(2);
 
-/// How often an idle device thread looks at its running device
-/// collectives (to end them, and to abort failed or expired ones).
+/// How often a device thread looks at its running device collectives (to
+/// end them, and to abort failed or expired ones): idle, and at least as
+/// often while a stream of work keeps it busy.
 const COLLECTIVE_POLL: Duration = Duration::from_millis(1);
 
 /// Pending device collectives past which the thread polls them after every
 /// message, not only when idle.
 const POLL_BUSY_AT: usize = 64;
+
+/// How many messages a busy device thread runs between two looks at the
+/// clock for an overdue poll of its collectives.
+const BUSY_CLOCK_EVERY: usize = 16;
 
 fn serve(cell: &StateCell, receiver: Receiver<Message>) {
     // Whether device collectives are running, as of the last time this
@@ -805,6 +810,12 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
     // sets `poll_wanted` (and wakes this thread if it sleeps), which the
     // receive below watches while it does not poll.
     let mut collectives_pending = false;
+    // When the collectives were last polled, and the messages run since: a
+    // thread kept busy by a stream of work polls them at least every
+    // `COLLECTIVE_POLL` too (the clock read every `BUSY_CLOCK_EVERY`
+    // messages), so a hung collective still times out behind a backlog.
+    let mut polled_at = Instant::now();
+    let mut since_poll = 0usize;
     loop {
         // With device collectives running, the thread polls them (to end
         // or abort them) when it runs out of work, while it spins, and
@@ -816,6 +827,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             let mut poll = || {
                 if let Some(state) = cell.state.try_lock().as_mut().and_then(|s| s.as_mut()) {
                     state.poll_collectives();
+                    polled_at = Instant::now();
                 }
             };
             recv_spinning(&receiver, Some(&mut poll), wanted, asleep)
@@ -827,6 +839,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             Err(RecvTimeoutError::Timeout) => {
                 let mut state = cell.lock();
                 state.poll_collectives();
+                (polled_at, since_poll) = (Instant::now(), 0);
                 collectives_pending = state.has_pending_collectives();
                 continue;
             }
@@ -843,8 +856,11 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             Message::Wake => {}
             Message::Shutdown => break,
         }
-        if state.pending_collectives_count() >= POLL_BUSY_AT {
+        since_poll += 1;
+        let overdue = || since_poll % BUSY_CLOCK_EVERY == 0 && polled_at.elapsed() >= COLLECTIVE_POLL;
+        if state.pending_collectives_count() >= POLL_BUSY_AT || (collectives_pending && overdue()) {
             state.poll_collectives();
+            (polled_at, since_poll) = (Instant::now(), 0);
         }
         collectives_pending = state.has_pending_collectives();
     }
