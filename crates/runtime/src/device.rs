@@ -857,7 +857,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             Message::Shutdown => break,
         }
         since_poll += 1;
-        let overdue = || since_poll % BUSY_CLOCK_EVERY == 0 && polled_at.elapsed() >= COLLECTIVE_POLL;
+        let overdue = || since_poll.is_multiple_of(BUSY_CLOCK_EVERY) && polled_at.elapsed() >= COLLECTIVE_POLL;
         if state.pending_collectives_count() >= POLL_BUSY_AT || (collectives_pending && overdue()) {
             state.poll_collectives();
             (polled_at, since_poll) = (Instant::now(), 0);

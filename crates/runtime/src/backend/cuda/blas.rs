@@ -14,7 +14,6 @@ use std::sync::OnceLock;
 
 use cudarc::cublas::sys as blas;
 
-use super::streams::LaunchName;
 use super::CudaBackend;
 use crate::backend::{Binding, DeviceBlas, Gemm};
 use crate::error::ServerError;
@@ -170,7 +169,7 @@ impl DeviceBlas for CudaBackend {
             let err = status_error(device, "cublasSgemm_v2", status);
             return Err(self.classify(stream, err));
         }
-        self.streams.note_launch(stream, LaunchName::Own("cublas sgemm"));
+        self.streams.note_launch(stream, "cublas sgemm");
         Ok(())
     }
 }

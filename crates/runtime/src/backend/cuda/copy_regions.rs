@@ -8,7 +8,6 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::streams::LaunchName;
 use super::CudaBackend;
 use crate::backend::Binding;
 use crate::error::ServerError;
@@ -104,7 +103,7 @@ impl CudaBackend {
                 );
                 return Err(self.classify(stream, err));
             }
-            self.streams.note_launch(stream, LaunchName::Own(NAME));
+            self.streams.note_launch(stream, NAME);
         }
         Ok(())
     }

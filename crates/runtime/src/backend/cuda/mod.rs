@@ -73,7 +73,7 @@ use events::EventPool;
 use graphs::GraphExec;
 use kernels::Kernels;
 use storage::DevicePages;
-use streams::{LaunchName, Streams};
+use streams::Streams;
 use transfer::Staging;
 
 pub use disk_cache::nvrtc_cache_dir;
@@ -305,7 +305,7 @@ impl CudaBackend {
         // SAFETY: a live stream of the current context.
         let code = unsafe { sys::cuStreamSynchronize(raw) };
         self.check(stream, "cuStreamSynchronize", code)?;
-        self.streams.take_suspects(stream);
+        self.streams.forget_suspects(stream);
         Ok(())
     }
 
@@ -393,7 +393,7 @@ impl Backend for CudaBackend {
         };
         match self.staging.read(raw, addresses, sync) {
             Ok(bytes) => {
-                self.streams.take_suspects(stream);
+                self.streams.forget_suspects(stream);
                 Ok(bytes)
             }
             Err(err) => Err(self.classify(stream, err)),
@@ -457,7 +457,7 @@ impl Backend for CudaBackend {
             };
             return Err(self.classify(stream, err));
         }
-        self.streams.note_launch(stream, LaunchName::Kernel(kernel.shared_name().clone()));
+        self.streams.note_kernel(stream, kernel.shared_name());
         Ok(())
     }
 

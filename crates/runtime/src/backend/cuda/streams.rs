@@ -127,16 +127,37 @@ impl Streams {
         self.map.get(&stream).is_some_and(|s| s.capturing)
     }
 
-    /// Notes a kernel launched on the stream.
-    pub fn note_launch(&mut self, stream: StreamId, name: LaunchName) {
+    /// Notes the backend's own work `name` launched on the stream.
+    pub fn note_launch(&mut self, stream: StreamId, name: &'static str) {
+        self.note(stream, |last| last.as_str() == name, || LaunchName::Own(name));
+    }
+
+    /// Notes a kernel launched on the stream: a repeat of the last one costs
+    /// a pointer comparison, a new one a reference count.
+    pub fn note_kernel(&mut self, stream: StreamId, name: &Arc<str>) {
+        let same = |last: &LaunchName| matches!(last, LaunchName::Kernel(k) if Arc::ptr_eq(k, name) || **k == **name);
+        self.note(stream, same, || LaunchName::Kernel(Arc::clone(name)));
+    }
+
+    /// Remembers a launch unless it repeats the last one (`same`), dropping
+    /// the oldest past `REMEMBERED_KERNELS`.
+    fn note(&mut self, stream: StreamId, same: impl Fn(&LaunchName) -> bool, name: impl FnOnce() -> LaunchName) {
         if let Some(entry) = self.map.get_mut(&stream) {
-            if entry.since_sync.last().is_some_and(|last| last.as_str() == name.as_str()) {
+            if entry.since_sync.last().is_some_and(same) {
                 return;
             }
             if entry.since_sync.len() == REMEMBERED_KERNELS {
                 entry.since_sync.remove(0);
             }
-            entry.since_sync.push(name);
+            entry.since_sync.push(name());
+        }
+    }
+
+    /// Forgets the kernels launched since the last sync (the stream
+    /// drained without a fault).
+    pub fn forget_suspects(&mut self, stream: StreamId) {
+        if let Some(entry) = self.map.get_mut(&stream) {
+            entry.since_sync.clear();
         }
     }
 
@@ -172,5 +193,45 @@ impl Streams {
         for id in ids {
             self.release(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Streams with entries but no CUDA stream behind them (nothing here
+    /// calls the driver).
+    fn streams_with(stream: StreamId) -> Streams {
+        let mut streams = Streams::new(DeviceId::new(DeviceId::CUDA, 0));
+        let entry = StreamEntry { raw: std::ptr::null_mut(), capturing: false, since_sync: SmallVec::new() };
+        streams.map.insert(stream, entry);
+        streams
+    }
+
+    #[test]
+    fn a_stream_names_its_last_distinct_launches_until_it_drains() {
+        let stream = StreamId::fresh();
+        let mut streams = streams_with(stream);
+        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
+        for name in [&a, &a, &b, &a] {
+            streams.note_kernel(stream, name);
+        }
+        streams.note_launch(stream, "copy_regions");
+        streams.note_launch(stream, "copy_regions");
+        // A repeat is noted once; past four, the oldest goes.
+        streams.note_kernel(stream, &"c".into());
+        assert_eq!(streams.take_suspects(stream), ["b", "a", "copy_regions", "c"]);
+        assert!(streams.take_suspects(stream).is_empty(), "taken");
+        // A kernel of the same name from another `Kernel` is a repeat too.
+        streams.note_kernel(stream, &a);
+        streams.note_kernel(stream, &"a".into());
+        assert_eq!(streams.take_suspects(stream), ["a"]);
+        // A stream that drained forgets them; an unknown stream has none.
+        streams.note_kernel(stream, &b);
+        streams.forget_suspects(stream);
+        assert!(streams.take_all_suspects().is_empty());
+        streams.note_kernel(StreamId::fresh(), &b);
+        assert!(streams.take_all_suspects().is_empty());
     }
 }
