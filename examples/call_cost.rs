@@ -109,14 +109,19 @@ fn nccl_all_reduce(calls: usize) {
     measure("empty task round trip, CUDA device thread", calls.min(2000), || {
         clients[0].exclusive(|| ()).expect("exclusive")
     });
+    // Raw NCCL is measured before and after cohort's calls, against the
+    // best of the two (no side gains from running second).
     #[cfg(feature = "cuda")]
-    let raw = raw_nccl::Raw::new(1, 32, false);
+    let raw = raw_nccl::Raw::new(1, 32, false).map_err(|why| println!("# raw NCCL rows skipped: {why}")).ok();
+    #[cfg(feature = "cuda")]
+    let raw_before = raw.as_ref().map(|raw| raw_nccl_rows(raw, calls));
     let bufs: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
     let call = || group.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce");
     // At most 2,000: a waited call may cost a millisecond.
     let waited =
         measure("all_reduce 32 B, 1 CUDA device (NCCL), wait", calls.min(2000), || call().wait().expect("wait"));
-    let queued = measure_batches("all_reduce 32 B, 1 CUDA device (NCCL), queued", calls / 100, 100, || {
+    let what = "all_reduce 32 B, 1 CUDA device (NCCL), queued (sync per 100)";
+    let queued = measure_batches(what, (calls / 100).max(1), 100, || {
         for _ in 0..100 {
             call();
         }
@@ -124,36 +129,36 @@ fn nccl_all_reduce(calls: usize) {
     });
     assert_eq!(bufs[0].to_vec().expect("read"), [1.0; 8], "max of ones is one");
     #[cfg(feature = "cuda")]
-    raw_nccl_rows(raw, calls, waited, queued);
+    if let (Some(raw), Some((wait_before, queued_before))) = (raw.as_ref(), raw_before) {
+        let (wait_after, queued_after) = raw_nccl_rows(raw, calls);
+        let (best, raw_queued) = (wait_before.min(wait_after), queued_before.min(queued_after));
+        println!("cohort adds, waited: {:.2} µs ({:.2}× raw's best wait)", waited - best, waited / best);
+        println!("cohort adds, queued: {:.2} µs ({:.2}× raw)", queued - raw_queued, queued / raw_queued);
+    }
     #[cfg(not(feature = "cuda"))]
     let _ = (waited, queued);
 }
 
 /// Raw NCCL's one-rank all-reduce of 32 B (sum; cohort's calls take max,
-/// which costs the same), waited on both ways and queued back to back, and
-/// what cohort added to each (`waited`, `queued`: cohort's µs per call).
+/// which costs the same), waited on both ways and queued back to back;
+/// returns the best wait and the queued time, µs per call.
 #[cfg(feature = "cuda")]
-fn raw_nccl_rows(raw: Result<raw_nccl::Raw, String>, calls: usize, waited: f64, queued: f64) {
+fn raw_nccl_rows(raw: &raw_nccl::Raw, calls: usize) -> (f64, f64) {
     use cohort::comm::op::Collective::AllReduce;
-    let raw = match raw {
-        Ok(raw) => raw,
-        Err(why) => return println!("# raw NCCL rows skipped: {why}"),
-    };
     let once = |spin: bool| {
         raw.queue(AllReduce, 32).expect("raw all-reduce");
         raw.sync(spin).expect("raw sync");
     };
     let synced = measure("raw NCCL all_reduce 32 B, wait (synchronize)", calls.min(2000), || once(false));
     let spun = measure("raw NCCL all_reduce 32 B, wait (query spin)", calls.min(2000), || once(true));
-    let raw_queued = measure_batches("raw NCCL all_reduce 32 B, queued", calls / 100, 100, || {
+    let what = "raw NCCL all_reduce 32 B, queued (sync per 100)";
+    let queued = measure_batches(what, (calls / 100).max(1), 100, || {
         for _ in 0..100 {
             raw.queue(AllReduce, 32).expect("raw all-reduce");
         }
         raw.sync(false).expect("raw sync");
     });
-    let best = synced.min(spun);
-    println!("cohort adds, waited: {:.2} µs ({:.2}× raw's best wait)", waited - best, waited / best);
-    println!("cohort adds, queued: {:.2} µs ({:.2}× raw)", queued - raw_queued, queued / raw_queued);
+    (synced.min(spun), queued)
 }
 
 fn all_reduce(clients: &[Client], calls: usize) {
@@ -164,7 +169,7 @@ fn all_reduce(clients: &[Client], calls: usize) {
     // The caller's thread alone: 100 calls queued back to back, timed
     // without the sync that follows them.
     let what = format!("all_reduce 32 B, {} CPU device(s), queued", clients.len());
-    measure_queued(&what, calls / 100, 100, || {
+    measure_queued(&what, (calls / 100).max(1), 100, || {
         let start = Instant::now();
         for _ in 0..100 {
             group.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce");
@@ -187,7 +192,7 @@ fn communicator_all_reduce(client: &Client, calls: usize) {
     let bufs = vec![Buffer::from_slice(client, &[1.0f32; 8]).expect("buffer")];
     let call = || comm.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce");
     measure("all_reduce 32 B, 1-rank Communicator, wait", calls, || call().wait().expect("wait"));
-    measure_queued("all_reduce 32 B, 1-rank Communicator, queued", calls / 100, 100, || {
+    measure_queued("all_reduce 32 B, 1-rank Communicator, queued", (calls / 100).max(1), 100, || {
         let start = Instant::now();
         for _ in 0..100 {
             call();

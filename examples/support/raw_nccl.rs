@@ -68,7 +68,10 @@ impl Raw {
                 let (mut a, mut b) = (0, 0);
                 ok(sys::cuMemAlloc_v2(&mut a, bytes.max(4)), "alloc")?;
                 ok(sys::cuMemAlloc_v2(&mut b, bytes.max(4)), "alloc")?;
-                ok(sys::cuMemsetD32_v2(a, 1.0f32.to_bits(), bytes.max(4) / 4), "memset")?;
+                // On the NCCL stream, which does not wait for the legacy
+                // default one; synchronized before the first call.
+                ok(sys::cuMemsetD32Async(a, 1.0f32.to_bits(), bytes.max(4) / 4, stream), "memset")?;
+                ok(sys::cuStreamSynchronize(stream), "sync")?;
                 if let Some(events) = raw.events.as_mut() {
                     let mut event = std::ptr::null_mut();
                     let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;

@@ -209,6 +209,7 @@ impl Kernel {
     }
 
     /// The name, shared: keeping it costs a reference count, not a copy.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn shared_name(&self) -> &Arc<str> {
         &self.name
     }

@@ -275,11 +275,12 @@ impl FlightRecorder {
         if self.capacity == 0 {
             return RecordId(NEXT.fetch_add(1, Ordering::Relaxed));
         }
-        let started_us = now_micros();
         let mut records = self.records.lock();
-        // Taken under the lock: the ring stays sorted by id, so a record is
-        // found by binary search however far behind its finish comes.
+        // Taken under the lock: the ring stays sorted by id (and by start
+        // time), so a record is found by binary search however far behind
+        // its finish comes.
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        let started_us = now_micros();
         if records.len() == self.capacity {
             records.pop_front();
         }
