@@ -204,7 +204,7 @@ impl Crossover {
     }
 
     /// This machine's table with the built-in rows behind it. A table that
-    /// cannot be read is logged (once per process: [`machine_table`] reads
+    /// cannot be read is logged (once per process: `machine_table` reads
     /// it once) and ignored: the built-in rows decide.
     pub fn for_machine() -> Crossover {
         let mut table = Crossover::builtin();
@@ -226,7 +226,7 @@ impl Crossover {
     /// The error names the file and the problem: its folder or it refused by
     /// [`PrivateDir`] (a link, not this user's, writable by others, not a
     /// regular file: a FIFO is refused at once), larger than
-    /// [`MAX_TABLE_BYTES`] (never read), not UTF-8, or a bad line.
+    /// `MAX_TABLE_BYTES` (64 KiB; never read), not UTF-8, or a bad line.
     pub fn read(path: &std::path::Path) -> Result<Option<Crossover>, String> {
         use std::io::Read;
         let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {

@@ -18,7 +18,7 @@ mod recorder;
 mod timeline;
 mod watch;
 
-pub use merge::{merge, merge_files, MergeReport, Straggler};
+pub use merge::{merge, merge_files, MergeReport, Skipped, Straggler, MAX_DUMP_BYTES, MAX_WORLD_SIZE};
 pub(crate) use recorder::Ranks;
 pub use recorder::{
     install_dump_on_signal, trace_dir, CollectiveFingerprint, CollectiveRecord, FlightRecorder, RecordId, RecordState,
