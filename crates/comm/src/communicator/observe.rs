@@ -180,7 +180,7 @@ impl Observer {
         let (group, ranks) = match fp.op.endpoints() {
             Some((from, to)) => {
                 let (from, to) = (s.label.global(from), s.label.global(to));
-                (Arc::from(format!("{}/p2p {from}->{to}", s.group)), Ranks::Two(from, to))
+                (s.group.clone(), Ranks::Message(from, to))
             }
             None => {
                 let call = CurrentCall {

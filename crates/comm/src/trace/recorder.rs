@@ -128,8 +128,9 @@ pub(crate) enum Ranks {
     Every,
     /// One rank (a process-local group: this process).
     One(usize),
-    /// Two ranks (a point-to-point message: sender, receiver).
-    Two(usize, usize),
+    /// A point-to-point message from one rank to another: its record's
+    /// group is `<group>/p2p <from>-><to>` (made when read).
+    Message(usize, usize),
     /// A communicator's ranks (a split group's job ranks).
     Listed(Arc<[usize]>),
 }
@@ -140,15 +141,31 @@ impl Ranks {
         match self {
             Ranks::Every => None,
             Ranks::One(rank) => Some(vec![*rank]),
-            Ranks::Two(a, b) => Some(vec![*a, *b]),
+            Ranks::Message(from, to) => Some(vec![*from, *to]),
             Ranks::Listed(list) => Some(list.to_vec()),
+        }
+    }
+
+    /// The name a record of `group` among these ranks carries.
+    pub(crate) fn record_group(&self, group: &str) -> String {
+        match self {
+            Ranks::Message(from, to) => format!("{group}/p2p {from}->{to}"),
+            _ => group.to_string(),
+        }
+    }
+
+    /// Whether a record of `group` among these ranks carries `name`.
+    fn names_group(&self, group: &str, name: &str) -> bool {
+        match self {
+            Ranks::Message(..) => self.record_group(group) == name,
+            _ => group == name,
         }
     }
 }
 
 /// One collective in the ring: a [`CollectiveRecord`] in the form that is
 /// cheap to write on every call (the group's name shared, static names
-/// borrowed, no rank list for one or two ranks). Dropping one that falls off
+/// borrowed, no rank list for one rank or a message's two). Dropping one that falls off
 /// the ring frees nothing on the common path.
 struct Entry {
     id: u64,
@@ -177,7 +194,7 @@ impl Entry {
 
     fn to_record(&self) -> CollectiveRecord {
         CollectiveRecord {
-            group: self.group.to_string(),
+            group: self.ranks.record_group(&self.group),
             fingerprint: self.fingerprint.clone(),
             started_us: self.started_us,
             ended_us: self.ended_us,
@@ -320,7 +337,9 @@ impl FlightRecorder {
     /// already failed stays failed (its first reason is kept).
     pub fn finish(&self, group: &str, seq: u64, outcome: Result<(), String>) {
         let mut records = self.records.lock();
-        if let Some(record) = records.iter_mut().rev().find(|r| r.fingerprint.seq == seq && &*r.group == group) {
+        if let Some(record) =
+            records.iter_mut().rev().find(|r| r.fingerprint.seq == seq && r.ranks.names_group(&r.group, group))
+        {
             record.end(outcome);
         }
     }
@@ -477,7 +496,7 @@ mod tests {
         let recorder = FlightRecorder::new(4);
         let id = recorder.start_among("g", fp(0), Some(vec![2, 5]));
         recorder.set_path(id, "oneshot");
-        recorder.start_entry(&"h".into(), fp(1), Ranks::Two(3, 1));
+        recorder.start_entry(&"h".into(), fp(1), Ranks::Message(3, 1));
         recorder.start_entry(&"h".into(), fp(2), Ranks::One(4));
         recorder.finish_record(id, Err("first".into()));
         recorder.finish_record(id, Ok(()));
@@ -487,6 +506,12 @@ mod tests {
         assert_eq!(records[0].path.as_deref(), Some("oneshot"));
         assert_eq!(records[0].state, RecordState::Failed("first".into()), "the first reason stays");
         assert_eq!((records[1].ranks.clone(), records[2].ranks.clone()), (Some(vec![3, 1]), Some(vec![4])));
+        assert_eq!((records[1].group.as_str(), records[2].group.as_str()), ("h/p2p 3->1", "h"));
+        // A message's record is found by its whole name.
+        recorder.finish("h/p2p 3->1", 1, Err("lost".into()));
+        recorder.finish("h", 1, Ok(()));
+        let records = recorder.snapshot();
+        assert_eq!(records[1].state, RecordState::Failed("lost".into()));
         assert_eq!(records[1].fingerprint, fp(1));
     }
 

@@ -67,7 +67,7 @@ impl Watched {
         tid: u32,
     ) -> Arc<Watched> {
         let timeline = Timeline::from_env().map(|_| TimelineStart {
-            group: Arc::clone(group),
+            group: Arc::from(ranks.record_group(group)),
             fingerprint: fingerprint.clone(),
             start_us: now_micros(),
             start: Instant::now(),
