@@ -263,14 +263,33 @@ impl Ring {
         unsafe { self.base.add(HEADER) }
     }
 
+    /// The bytes between `tail` and `head`, read from shared memory: an
+    /// error unless they are counts the ring's two ends could have written
+    /// (tail not past head, at most `capacity` apart, head able to grow by
+    /// a ring's worth), so no foreign value ever sizes or places a copy.
+    fn used(&self, head: u64, tail: u64) -> io::Result<usize> {
+        let room = u64::MAX - self.capacity as u64;
+        match head.checked_sub(tail) {
+            Some(used) if used <= self.capacity as u64 && head <= room => Ok(used as usize),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the shared-memory ring's header holds head {head}, tail {tail}, which its ranks never write \
+                     (a ring holds {} bytes): corrupt, or written by another process",
+                    self.capacity
+                ),
+            )),
+        }
+    }
+
     /// Producer side: copies what fits.
-    fn push(&mut self, bytes: &[u8]) -> usize {
+    fn push(&mut self, bytes: &[u8]) -> io::Result<usize> {
         let head = self.head().load(Ordering::Relaxed);
         let tail = self.tail().load(Ordering::Acquire);
-        let free = self.capacity - (head - tail) as usize;
+        let free = self.capacity - self.used(head, tail)?;
         let n = free.min(bytes.len());
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let at = head as usize & (self.capacity - 1);
         let first = n.min(self.capacity - at);
@@ -282,17 +301,17 @@ impl Ring {
             std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), self.data(), n - first);
         }
         self.head().store(head + n as u64, Ordering::Release);
-        n
+        Ok(n)
     }
 
     /// Consumer side: offers the contiguous arrived bytes (up to the wrap)
     /// to `take`, twice if they wrap.
-    fn pop(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> usize {
+    fn pop(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize> {
         let mut total = 0;
         for _ in 0..2 {
             let tail = self.tail().load(Ordering::Relaxed);
             let head = self.head().load(Ordering::Acquire);
-            let avail = (head - tail) as usize;
+            let avail = self.used(head, tail)?;
             if avail == 0 {
                 break;
             }
@@ -311,7 +330,7 @@ impl Ring {
                 break;
             }
         }
-        total
+        Ok(total)
     }
 }
 
@@ -332,11 +351,11 @@ impl ShmLink {
 
 impl Link for ShmLink {
     fn try_send(&mut self, data: &[u8]) -> io::Result<usize> {
-        Ok(self.tx.push(data))
+        self.tx.push(data)
     }
 
     fn try_recv(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize> {
-        Ok(self.rx.pop(take))
+        self.rx.pop(take)
     }
 
     fn kind(&self) -> &'static str {
@@ -428,5 +447,39 @@ mod tests {
         assert_eq!(mode, 0o600);
         drop(seg);
         assert!(!std::path::Path::new(&path(&name, 0)).exists(), "unlinked when dropped");
+    }
+
+    /// Counters in a ring's header that no producer and consumer could
+    /// have written (a stranger's or a corrupted process's bytes): the
+    /// consumer's count ahead of the producer's, or the two further apart
+    /// than the ring holds. Both ends refuse the ring with an error naming
+    /// the counters, and write nothing outside it.
+    #[test]
+    fn garbage_ring_counters_are_refused_not_trusted() {
+        let name = format!("test-garbage-{}", std::process::id());
+        let capacity = 4096;
+        let a = Arc::new(Segment::create(&path(&name, 0), 2, capacity).unwrap());
+        let b = Arc::new(Segment::open(&path(&name, 0), 2, capacity).unwrap());
+        // Both ends of slot 1's ring (the segment's last).
+        let mut tx = ShmLink::new(&a, &b, 1, 0);
+        let mut rx = ShmLink::new(&a, &b, 0, 1);
+        let slot = HEADER + capacity;
+        // SAFETY: slot 1's header lies in the mapping; the counters are
+        // 8-byte aligned and only accessed atomically.
+        let (head, tail) =
+            unsafe { (&*a.ptr.add(slot).cast::<AtomicU64>(), &*a.ptr.add(slot + 64).cast::<AtomicU64>()) };
+        // SAFETY: slot 0's data lies in the mapping.
+        let neighbour = || unsafe { std::slice::from_raw_parts(a.ptr.add(HEADER), capacity).to_vec() };
+        let before = neighbour();
+        for (h, t) in [(5, 6), (0, u64::MAX), (capacity as u64 + 1, 0), (u64::MAX, 0), (u64::MAX - 9, u64::MAX - 9)] {
+            head.store(h, Ordering::SeqCst);
+            tail.store(t, Ordering::SeqCst);
+            let err = tx.try_send(&vec![0xee; 3 * capacity]).expect_err("a corrupt ring is refused");
+            assert!(err.to_string().contains(&format!("head {h}, tail {t}")), "{err}");
+            let err = rx.try_recv(&mut |b| b.len()).expect_err("a corrupt ring is refused");
+            assert!(err.to_string().contains("corrupt"), "{err}");
+            assert_eq!((head.load(Ordering::SeqCst), tail.load(Ordering::SeqCst)), (h, t), "counters untouched");
+        }
+        assert_eq!(neighbour(), before, "nothing written outside the ring");
     }
 }
