@@ -60,6 +60,33 @@ pub(crate) fn path(job: &str, rank: usize) -> String {
     format!("/dev/shm/cohort-{job}-{rank}")
 }
 
+/// Creates rank `rank`'s file of job `job` with `slots` rings of
+/// `capacity` bytes: at [`path`], or, when something already holds that
+/// name (another user's or process's file, a leftover: never opened), under
+/// a fresh random name next to it. Returns the segment and the path it got,
+/// which the rank publishes for its peers.
+pub(crate) fn create_for(job: &str, rank: usize, slots: usize, capacity: usize) -> io::Result<(Segment, String)> {
+    let first = path(job, rank);
+    match Segment::create(&first, slots, capacity) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        created => return created.map(|seg| (seg, first)),
+    }
+    tracing::warn!(path = first, "something else already holds this rank's shared-memory name: taking a fresh one");
+    for _ in 0..4 {
+        let mut nonce = [0u8; 8];
+        getrandom::fill(&mut nonce).map_err(|e| io::Error::other(format!("no randomness for a fresh name: {e}")))?;
+        let fresh = format!("{first}-{}", nonce.iter().map(|b| format!("{b:02x}")).collect::<String>());
+        match Segment::create(&fresh, slots, capacity) {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            created => return created.map(|seg| (seg, fresh)),
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        format!("{first} and four fresh random names next to it already exist: someone is squatting this job's names"),
+    ))
+}
+
 impl Segment {
     /// Creates (exclusively) and maps the file at `path` with `slots` rings
     /// of `capacity` bytes each, zeroed.
@@ -196,7 +223,8 @@ pub fn sweep_shared_memory(
     ranks: &[usize],
 ) -> Result<usize, crate::store::StoreError> {
     // The keys `communicator::setup::form` writes: the count of
-    // communicators each rank made, and each one's job entry ("<id> <token>").
+    // communicators each rank made, each one's job entry ("<id> <token>"),
+    // and each rank's file path when it is not the usual one.
     let mut removed = 0;
     for &rank in ranks {
         let made = store.add(&format!("cohort/comm/instance/{rank}"), 0)?;
@@ -208,6 +236,16 @@ pub fn sweep_shared_memory(
             };
             if remove_own(&path(job, rank)) {
                 removed += 1;
+            }
+            // A fresh name the rank took (`create_for`), published as its
+            // `shm/<rank>` entry.
+            let own = format!("{}-", path(job, rank));
+            if let Some(taken) = store.get(&format!("cohort/comm/{k}/shm/{rank}"))? {
+                let taken = String::from_utf8_lossy(&taken);
+                let fresh = taken.strip_prefix(&own).is_some_and(|n| n.bytes().all(|b| b.is_ascii_hexdigit()));
+                if fresh && remove_own(&taken) {
+                    removed += 1;
+                }
             }
         }
     }
@@ -481,5 +519,26 @@ mod tests {
             assert_eq!((head.load(Ordering::SeqCst), tail.load(Ordering::SeqCst)), (h, t), "counters untouched");
         }
         assert_eq!(neighbour(), before, "nothing written outside the ring");
+    }
+
+    /// Someone (another user, a leftover) already holds a rank's name in
+    /// `/dev/shm`: the rank creates its file under a fresh name next to it
+    /// (what it publishes for its peers), and leaves the squatter's file as
+    /// it was.
+    #[test]
+    fn a_squatted_name_gets_a_fresh_one() {
+        let name = format!("test-squat-{}", std::process::id());
+        let at = path(&name, 1);
+        write_file(&at, 100, 0o644);
+        let (seg, got) = create_for(&name, 1, 2, 4096).expect("a fresh name");
+        assert!(got.starts_with(&format!("{at}-")) && got.len() > at.len() + 8, "{got}");
+        assert_eq!(std::fs::read(&at).unwrap(), vec![0u8; 100], "the squatter's file is untouched");
+        assert!(Segment::open(&got, 2, 4096).is_ok(), "a peer maps it by the published name");
+        drop(seg);
+        assert!(!std::path::Path::new(&got).exists(), "unlinked when dropped");
+        std::fs::remove_file(&at).unwrap();
+        // Unsquatted, the rank's own name.
+        let (_seg, got) = create_for(&name, 2, 2, 4096).unwrap();
+        assert_eq!(got, path(&name, 2));
     }
 }
