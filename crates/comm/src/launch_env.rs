@@ -37,6 +37,11 @@ impl LaunchSource {
     }
 }
 
+/// The most ranks a job may have: the store's barriers count arrivals in 32
+/// bits, and every rank sizes tables by the world, so a larger (mistyped)
+/// world size is refused before anything waits or allocates.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
 /// A process's place in a job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchEnv {
@@ -76,6 +81,12 @@ pub enum LaunchEnvError {
     LocalRankOutOfRange { local_rank: usize, local_world_size: usize, launcher: LaunchSource },
     #[error("world size is 0: {}=0 ({launcher:?} variables): a job has at least one rank", launcher.variables()[1])]
     EmptyWorld { launcher: LaunchSource },
+    #[error(
+        "world size {world_size} is more than a job can have ({MAX_WORLD_SIZE} ranks): {}={world_size} \
+         ({launcher:?} variables)",
+        launcher.variables()[1]
+    )]
+    HugeWorld { world_size: usize, launcher: LaunchSource },
     #[error("{name}={value:?} is not a port number (1-65535)")]
     BadPort { name: &'static str, value: String },
 }
@@ -151,6 +162,9 @@ impl LaunchEnv {
 
         if world_size == 0 {
             return Err(LaunchEnvError::EmptyWorld { launcher: source });
+        }
+        if world_size > MAX_WORLD_SIZE {
+            return Err(LaunchEnvError::HugeWorld { world_size, launcher: source });
         }
         if rank >= world_size {
             return Err(LaunchEnvError::RankOutOfRange { rank, world_size, launcher: source });
