@@ -522,9 +522,9 @@ mod tests {
     }
 
     /// Someone (another user, a leftover) already holds a rank's name in
-    /// `/dev/shm`: the rank creates its file under a fresh name next to it
-    /// (what it publishes for its peers), and leaves the squatter's file as
-    /// it was.
+    /// `/dev/shm`, as a file or a link: the rank creates its file under a
+    /// fresh name next to it (what it publishes for its peers), and leaves
+    /// the squatter's file, and a link's target, as they were.
     #[test]
     fn a_squatted_name_gets_a_fresh_one() {
         let name = format!("test-squat-{}", std::process::id());
@@ -537,6 +537,17 @@ mod tests {
         drop(seg);
         assert!(!std::path::Path::new(&got).exists(), "unlinked when dropped");
         std::fs::remove_file(&at).unwrap();
+        // A link planted at the name: a fresh name too, and nothing written
+        // through the link into its target.
+        let target = std::env::temp_dir().join(format!("cohort-squat-target-{}", std::process::id()));
+        write_file(target.to_str().unwrap(), 100, 0o600);
+        std::os::unix::fs::symlink(&target, &at).unwrap();
+        let (seg, got) = create_for(&name, 1, 2, 4096).expect("a fresh name");
+        assert!(got.starts_with(&format!("{at}-")), "{got}");
+        assert_eq!(std::fs::read(&target).unwrap(), vec![0u8; 100], "the link's target is untouched");
+        drop(seg);
+        std::fs::remove_file(&at).unwrap();
+        std::fs::remove_file(&target).unwrap();
         // Unsquatted, the rank's own name.
         let (_seg, got) = create_for(&name, 2, 2, 4096).unwrap();
         assert_eq!(got, path(&name, 2));
