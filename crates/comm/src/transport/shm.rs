@@ -552,4 +552,30 @@ mod tests {
         let (_seg, got) = create_for(&name, 2, 2, 4096).unwrap();
         assert_eq!(got, path(&name, 2));
     }
+
+    /// The launcher's sweep removes a fresh name a rank took (read from its
+    /// `shm/<rank>` entry) as well as the usual one, and nothing else an
+    /// entry names.
+    #[test]
+    fn the_sweep_removes_fresh_names_and_nothing_else() {
+        let server = crate::store::StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+        let store =
+            crate::store::StoreClient::connect(server.local_addr(), "secret", std::time::Duration::from_secs(10))
+                .unwrap();
+        let job = format!("{:08x}", std::process::id());
+        assert_eq!(store.add("cohort/comm/instance/1", 2).unwrap(), 2);
+        store.set("cohort/comm/1/job", format!("{job} 00").as_bytes()).unwrap();
+        store.set("cohort/comm/2/job", format!("{job}ff 00").as_bytes()).unwrap();
+        let fresh = format!("{}-0123456789abcdef", path(&job, 1));
+        write_file(&fresh, 10, 0o600);
+        store.set("cohort/comm/1/shm/1", fresh.as_bytes()).unwrap();
+        // An entry naming some other file of this user's is not followed.
+        let other = std::env::temp_dir().join(format!("cohort-sweep-other-{}", std::process::id()));
+        write_file(other.to_str().unwrap(), 10, 0o600);
+        store.set("cohort/comm/2/shm/1", other.to_str().unwrap().as_bytes()).unwrap();
+        assert_eq!(sweep_shared_memory(&store, &[1]).unwrap(), 1);
+        assert!(!std::path::Path::new(&fresh).exists());
+        assert!(other.exists(), "only the job's own names are removed");
+        std::fs::remove_file(other).unwrap();
+    }
 }
