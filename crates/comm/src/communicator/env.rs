@@ -168,7 +168,8 @@ fn shared_secret(rank: usize, job: &str, wait: Duration) -> Result<String, Conne
 /// timeout for a store at a name that cannot be reached.
 fn check_resolves(host: &str, port: u16) -> Result<(), ConnectError> {
     use std::net::ToSocketAddrs;
-    let resolved = (host, port).to_socket_addrs().map(|mut a| a.next().is_some());
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let resolved = (bare, port).to_socket_addrs().map(|mut a| a.next().is_some());
     if let Ok(true) = resolved {
         return Ok(());
     }
@@ -271,6 +272,17 @@ mod tests {
         assert_ne!(shared_secret(0, &format!("{job}-b"), Duration::from_secs(1)).unwrap(), written);
         let _ = std::fs::remove_file(path);
         remove_secret_file();
+    }
+
+    #[test]
+    fn store_hosts_must_resolve() {
+        for host in ["127.0.0.1", "localhost", "::1", "[::1]"] {
+            assert!(check_resolves(host, 29500).is_ok(), "{host}");
+        }
+        for host in ["not a host!", "host:1234", "[::1", "999.1.1.1"] {
+            let err = check_resolves(host, 29500).unwrap_err().to_string();
+            assert!(err.contains(&format!("={host:?} names no host")), "{host}: {err}");
+        }
     }
 
     #[test]
