@@ -172,7 +172,11 @@ impl Segment {
         if stat.st_size as usize != len {
             return refuse(
                 io::ErrorKind::InvalidData,
-                format!("{path} holds {} bytes, expected {len}: another job's file?", stat.st_size),
+                format!(
+                    "{path} holds {} bytes, expected {len} ({slots} rings of {capacity} bytes): its rank was given \
+                     another COHORT_SHM_RING (every rank of a node must agree), or it is another job's file",
+                    stat.st_size
+                ),
             );
         }
         let mapped = map(fd, len);
@@ -464,6 +468,11 @@ mod tests {
             assert!(err.to_string().contains("belongs to user id 65534"), "{err}");
             std::fs::remove_file(&at).unwrap();
         }
+        // A peer whose COHORT_SHM_RING differs: its file's size says so.
+        write_file(&at, 2 * len, 0o600);
+        let err = Segment::open(&at, slots, capacity).err().expect("a file of another size is refused");
+        assert!(err.to_string().contains("another COHORT_SHM_RING"), "{err}");
+        std::fs::remove_file(&at).unwrap();
         // A file of ours, 0600, of the right size, opens.
         write_file(&at, len, 0o600);
         assert!(Segment::open(&at, slots, capacity).is_ok());
