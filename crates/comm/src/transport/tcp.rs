@@ -155,6 +155,21 @@ fn poll_readable(listener: &TcpListener, pending: &[Pending], wait: Duration) ->
     fds.iter().map(|f| f.revents != 0).collect()
 }
 
+impl Pending {
+    /// Reads what has arrived of the hello (never blocks); false once the
+    /// connection closed or failed.
+    fn read_more(&mut self) -> bool {
+        match self.stream.read(&mut self.hello[self.got..]) {
+            Ok(0) => false,
+            Ok(n) => {
+                self.got += n;
+                true
+            }
+            Err(e) => matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted),
+        }
+    }
+}
+
 fn accept_in_background(
     listener: TcpListener,
     token: [u8; TOKEN_LEN],
@@ -164,6 +179,35 @@ fn accept_in_background(
 ) {
     let mut seen: Vec<usize> = Vec::new();
     let mut pending: Vec<Pending> = Vec::new();
+    // Connections dropped so far; warned of at 1, 2, 4, 8, ... so that a
+    // stream of strangers cannot flood the log.
+    let mut dropped = 0u64;
+    let mut drop_one = |from: SocketAddr, why: &str| {
+        dropped += 1;
+        if dropped.is_power_of_two() {
+            tracing::warn!(%from, dropped, "dropped a data connection: {why}");
+        }
+    };
+    // Files a connection whose hello is complete, drops one that cannot
+    // become a link; returns those still waiting for their hello.
+    let settle = |p: Pending, seen: &mut Vec<usize>, drop_one: &mut dyn FnMut(SocketAddr, &str)| {
+        if p.got < HELLO_LEN {
+            if p.since.elapsed() < HELLO_WAIT {
+                return Some(p);
+            }
+            drop_one(p.from, "it sent no hello in time");
+            return None;
+        }
+        let rank = u64::from_le_bytes(p.hello[TOKEN_LEN..].try_into().expect("8 bytes"));
+        let rank = usize::try_from(rank).unwrap_or(usize::MAX);
+        if p.hello[..TOKEN_LEN] != token[..] || !wanted.contains(&rank) || seen.contains(&rank) {
+            drop_one(p.from, "its hello has not this job's link token, or names a rank not expected");
+            return None;
+        }
+        seen.push(rank);
+        filed.lock().insert(rank, p.stream);
+        None
+    };
     while seen.len() < wanted.len() {
         if stop.load(Ordering::SeqCst) {
             return;
@@ -172,30 +216,10 @@ fn accept_in_background(
         // Read what arrived of each hello; keep those still incomplete.
         let mut still = Vec::with_capacity(pending.len());
         for (mut p, ready) in pending.drain(..).zip(ready[1..].iter()) {
-            if *ready {
-                match p.stream.read(&mut p.hello[p.got..]) {
-                    Ok(0) => continue,
-                    Ok(n) => p.got += n,
-                    Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => {}
-                    Err(_) => continue,
-                }
-            }
-            if p.got < HELLO_LEN {
-                if p.since.elapsed() < HELLO_WAIT {
-                    still.push(p);
-                } else {
-                    tracing::warn!(from = %p.from, "dropped a data connection that sent no hello within {HELLO_WAIT:?}");
-                }
+            if *ready && !p.read_more() {
                 continue;
             }
-            let rank = u64::from_le_bytes(p.hello[TOKEN_LEN..].try_into().expect("8 bytes"));
-            let rank = usize::try_from(rank).unwrap_or(usize::MAX);
-            if p.hello[..TOKEN_LEN] != token[..] || !wanted.contains(&rank) || seen.contains(&rank) {
-                tracing::warn!(from = %p.from, "refused a data connection without this job's link token");
-                continue;
-            }
-            seen.push(rank);
-            filed.lock().insert(rank, p.stream);
+            still.extend(settle(p, &mut seen, &mut drop_one));
         }
         pending = still;
         if !ready[0] {
@@ -207,11 +231,19 @@ fn accept_in_background(
                     if stream.set_nonblocking(true).is_err() {
                         continue;
                     }
+                    // A rank sends its hello with the connection: read it
+                    // now, so a crowd of strangers arriving behind it cannot
+                    // push it out of the waiting list first.
+                    let mut p = Pending { stream, from, hello: [0; HELLO_LEN], got: 0, since: Instant::now() };
+                    if !p.read_more() {
+                        continue;
+                    }
+                    let Some(p) = settle(p, &mut seen, &mut drop_one) else { continue };
                     if pending.len() == MAX_PENDING {
                         let oldest = pending.remove(0);
-                        tracing::warn!(from = %oldest.from, "dropped a data connection still without a hello: too many wait");
+                        drop_one(oldest.from, "it had no hello yet and too many connections wait");
                     }
-                    pending.push(Pending { stream, from, hello: [0; HELLO_LEN], got: 0, since: Instant::now() });
+                    pending.push(p);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -422,10 +454,25 @@ mod tests {
         say(&hello(&token[..TOKEN_LEN - 1], 3));
         say(&hello(&[1; TOKEN_LEN], u64::MAX));
         say(&vec![0xff; 1 << 20]);
+        // And a crowd that keeps arriving while the real rank connects.
+        let crowd_stop = Arc::new(AtomicBool::new(false));
+        let crowd = {
+            let stop = crowd_stop.clone();
+            std::thread::spawn(move || {
+                let mut held = Vec::new();
+                while !stop.load(Ordering::SeqCst) && held.len() < 2000 {
+                    held.extend(TcpStream::connect_timeout(&addr, Duration::from_millis(100)).ok());
+                }
+                held.len()
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
         let started = Instant::now();
         let mut higher = LazyTcpLink::dial(3, 0, token, move || Ok(Some(addr.to_string())));
         assert_eq!(pass(&mut higher, &mut lower, b"from rank 3"), b"from rank 3");
         assert!(started.elapsed() < Duration::from_secs(3), "the link took {:?}", started.elapsed());
+        crowd_stop.store(true, Ordering::SeqCst);
+        assert!(crowd.join().unwrap() > 0);
         assert_eq!(pass(&mut lower, &mut higher, b"from rank 0"), b"from rank 0");
         // Every expected rank is in: the port closes.
         let deadline = Instant::now() + Duration::from_secs(5);
