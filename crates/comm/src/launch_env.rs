@@ -19,6 +19,29 @@ pub enum LaunchSource {
     Slurm,
 }
 
+impl LaunchSource {
+    /// The variables this launcher names a process's rank, world size,
+    /// local rank and local world size in.
+    pub fn variables(self) -> [&'static str; 4] {
+        match self {
+            LaunchSource::Torchrun => ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+            LaunchSource::OpenMpi => [
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+            ],
+            LaunchSource::Pmi => ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
+            LaunchSource::Slurm => ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE"],
+        }
+    }
+}
+
+/// The most ranks a job may have: the store's barriers count arrivals in 32
+/// bits, and every rank sizes tables by the world, so a larger (mistyped)
+/// world size is refused before anything waits or allocates.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
 /// A process's place in a job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchEnv {
@@ -45,12 +68,25 @@ pub enum LaunchEnvError {
     NotANumber { name: &'static str, value: String, launcher: LaunchSource },
     #[error("{name} is missing: {launcher:?} set {present} but not {name}")]
     Missing { name: &'static str, present: &'static str, launcher: LaunchSource },
-    #[error("rank {rank} is not below the world size {world_size} ({launcher:?} variables)")]
+    #[error(
+        "rank {rank} is not below the world size {world_size}: {}={rank}, {}={world_size} ({launcher:?} variables)",
+        launcher.variables()[0], launcher.variables()[1]
+    )]
     RankOutOfRange { rank: usize, world_size: usize, launcher: LaunchSource },
-    #[error("local rank {local_rank} is not below the local world size {local_world_size} ({launcher:?} variables)")]
+    #[error(
+        "local rank {local_rank} is not below the local world size {local_world_size}: {}={local_rank}, \
+         {}={local_world_size} ({launcher:?} variables; each unset one defaults to the rank's and the world's)",
+        launcher.variables()[2], launcher.variables()[3]
+    )]
     LocalRankOutOfRange { local_rank: usize, local_world_size: usize, launcher: LaunchSource },
-    #[error("world size is 0 ({launcher:?} variables): a job has at least one rank")]
+    #[error("world size is 0: {}=0 ({launcher:?} variables): a job has at least one rank", launcher.variables()[1])]
     EmptyWorld { launcher: LaunchSource },
+    #[error(
+        "world size {world_size} is more than a job can have ({MAX_WORLD_SIZE} ranks): {}={world_size} \
+         ({launcher:?} variables)",
+        launcher.variables()[1]
+    )]
+    HugeWorld { world_size: usize, launcher: LaunchSource },
     #[error("{name}={value:?} is not a port number (1-65535)")]
     BadPort { name: &'static str, value: String },
 }
@@ -126,6 +162,9 @@ impl LaunchEnv {
 
         if world_size == 0 {
             return Err(LaunchEnvError::EmptyWorld { launcher: source });
+        }
+        if world_size > MAX_WORLD_SIZE {
+            return Err(LaunchEnvError::HugeWorld { world_size, launcher: source });
         }
         if rank >= world_size {
             return Err(LaunchEnvError::RankOutOfRange { rank, world_size, launcher: source });

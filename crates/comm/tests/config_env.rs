@@ -53,6 +53,58 @@ fn unusable_values_are_errors_naming_the_variable() {
     assert!(err.to_string().contains("COHORT_TRANSPORT=\"carrier-pigeon\""), "{err}");
     std::env::remove_var("COHORT_TRANSPORT");
 
+    // torchrun-style start-up variables: an address that names no host is
+    // one error naming MASTER_ADDR and its value at once, not a wait of
+    // COHORT_TIMEOUT for a store that cannot be reached.
+    std::env::set_var("COHORT_TIMEOUT", "20");
+    std::env::set_var("COHORT_JOB_SECRET", "0123456789abcdef0123456789abcdef");
+    std::env::set_var("WORLD_SIZE", "2");
+    std::env::set_var("MASTER_PORT", "29999");
+    for rank in ["1", "0"] {
+        std::env::set_var("RANK", rank);
+        for bad in ["not a host!", "no-such-host.invalid", "999.1.1.1"] {
+            std::env::set_var("MASTER_ADDR", bad);
+            let started = std::time::Instant::now();
+            let err = Communicator::from_env(clients.clone()).expect_err(bad);
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(5),
+                "rank {rank}, {bad}: waited {:?}",
+                started.elapsed()
+            );
+            assert!(err.to_string().contains(&format!("MASTER_ADDR=\"{bad}\"")), "rank {rank}: {err}");
+        }
+    }
+    // A world larger than any job (2^32 + 2 would reach the store's
+    // barriers as 2 ranks; every rank sizes tables by it): refused before
+    // any waiting, whether passed or read from WORLD_SIZE.
+    let started = std::time::Instant::now();
+    let err = Communicator::connect(0, 1 << 40, "127.0.0.1:9", "secret", clients.clone()).expect_err("a huge world");
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "waited {:?}", started.elapsed());
+    assert!(err.to_string().contains("world size 1099511627776"), "{err}");
+    // Out of range or unusable: one error naming the variable and value.
+    std::env::set_var("MASTER_ADDR", "127.0.0.1");
+    for (rank, world, port, named) in [
+        ("2", "2", "29999", "RANK=2"),
+        ("0", "0", "29999", "WORLD_SIZE=0"),
+        ("-1", "2", "29999", "RANK=\"-1\""),
+        ("18446744073709551616", "2", "29999", "RANK=\"18446744073709551616\""),
+        ("0", "two", "29999", "WORLD_SIZE=\"two\""),
+        ("0", "2", "0", "MASTER_PORT=\"0\""),
+        ("0", "2", "70000", "MASTER_PORT=\"70000\""),
+        ("0", "4294967298", "29999", "WORLD_SIZE=4294967298"),
+    ] {
+        std::env::set_var("RANK", rank);
+        std::env::set_var("WORLD_SIZE", world);
+        std::env::set_var("MASTER_PORT", port);
+        let started = std::time::Instant::now();
+        let err = Communicator::from_env(clients.clone()).expect_err(named);
+        assert!(err.to_string().contains(named), "{named}: {err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "{named}: waited {:?}", started.elapsed());
+    }
+    for v in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "COHORT_JOB_SECRET", "COHORT_TIMEOUT"] {
+        std::env::remove_var(v);
+    }
+
     std::env::set_var("COHORT_CPU_DEVICES", "four");
     let err = CpuRuntime::client(0).expect_err("an unusable device count");
     assert!(matches!(err, ServerError::Variable(_)), "{err:?}");

@@ -1,6 +1,8 @@
 //! Failures the other ranks learn of before their timeout, and what the
 //! flight recorder and the timeline keep: communicators of one process, one
-//! thread per rank (shared memory between them), on CPU devices.
+//! thread per rank (shared memory between them), on CPU devices; and a job
+//! of one process per rank, each its own node (TCP links), with strangers
+//! on its link ports.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
@@ -136,4 +138,97 @@ fn client_group_collectives_are_recorded_with_their_state() {
     assert_eq!(mine[0].fingerprint.count, 32);
     assert!(mine.iter().all(|r| r.state == RecordState::Completed && r.ended_us.is_some()), "{mine:?}");
     assert_eq!(mine[0].fingerprint.seq + 1, mine[1].fingerprint.seq);
+}
+
+/// Ranks of the job in [`strangers_on_the_link_ports_do_not_disturb_a_tcp_job`].
+const TCP_RANKS: usize = 3;
+
+/// One rank of [`strangers_on_the_link_ports_do_not_disturb_a_tcp_job`], in
+/// its own process (that test starts it): joins the job at
+/// `FAULT_LOCAL_STORE` as rank `FAULT_LOCAL_RANK` (its own `GROUP_RANK`, so
+/// its own node: every link is TCP), waits until the strangers are at the
+/// link ports, then all-reduces and checks the sums.
+#[test]
+#[ignore = "one rank of strangers_on_the_link_ports_do_not_disturb_a_tcp_job, which runs it in a child process"]
+fn tcp_job_rank() {
+    let rank: usize = std::env::var("FAULT_LOCAL_RANK").expect("started by its parent test").parse().unwrap();
+    let addr = std::env::var("FAULT_LOCAL_STORE").unwrap();
+    let client = CpuRuntime::client(rank).unwrap();
+    let comm = Communicator::connect(rank, TCP_RANKS, &addr, "secret", vec![client]).unwrap();
+    let store = cohort_comm::store::StoreClient::connect(addr.as_str(), "secret", Duration::from_secs(30)).unwrap();
+    store.wait(&["test/strangers-in"], Duration::from_secs(30)).unwrap();
+    let n = 1 << 16;
+    let mine: Vec<u8> = (0..n).flat_map(|i| ((i * (rank + 1)) as f32).to_le_bytes()).collect();
+    let c = &comm.clients()[0];
+    let buf = c.create(Bytes::from(mine));
+    let one = std::slice::from_ref(&buf);
+    comm.all_reduce_handles(one, one, DType::F32, ReduceOp::Sum).unwrap();
+    let got = c.read_one(buf).unwrap();
+    let ranks_sum: usize = (1..=TCP_RANKS).sum();
+    for (i, v) in got.chunks_exact(4).enumerate() {
+        let v = f32::from_le_bytes(v.try_into().unwrap());
+        assert_eq!(v, (i * ranks_sum) as f32, "rank {rank}, element {i}");
+    }
+    println!("rank {rank}: all_reduce over tcp correct");
+}
+
+/// A real job of three ranks, each process its own node (TCP links), while
+/// strangers sit on the lower ranks' link ports: 100 connections that send
+/// nothing, the right length of garbage, a wrong token claiming a rank of
+/// the job, a hello claiming a rank out of range, a megabyte of bytes. The
+/// ranks' all-reduce still links and sums correctly, well within its 30 s
+/// timeout (the ports' hellos were read one at a time, 10 s each).
+#[test]
+fn strangers_on_the_link_ports_do_not_disturb_a_tcp_job() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    use std::process::{Command, Stdio};
+    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+    let addr = server.local_addr().to_string();
+    let children: Vec<_> = (0..TCP_RANKS)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "tcp_job_rank", "--ignored", "--nocapture"])
+                .env("FAULT_LOCAL_RANK", rank.to_string())
+                .env("FAULT_LOCAL_STORE", &addr)
+                .env("GROUP_RANK", rank.to_string())
+                .env("COHORT_TIMEOUT", "30")
+                .env("COHORT_CPU_DEVICES", TCP_RANKS.to_string())
+                .env_remove("COHORT_STORE_FD")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let store = cohort_comm::store::StoreClient::connect(addr.as_str(), "secret", Duration::from_secs(30)).unwrap();
+    // The lower ranks' link ports (ranks above them connect there).
+    let ports: Vec<String> = (0..TCP_RANKS - 1).map(|r| format!("cohort/comm/1/addr/{r}")).collect();
+    let refs: Vec<&str> = ports.iter().map(String::as_str).collect();
+    store.wait(&refs, Duration::from_secs(30)).unwrap();
+    let mut strangers = Vec::new();
+    for value in store.multi_get(&refs).unwrap() {
+        let port: std::net::SocketAddr = String::from_utf8(value.unwrap()).unwrap().parse().unwrap();
+        // A port whose backlog is full does not answer: the stranger moves on.
+        let connect = || TcpStream::connect_timeout(&port, Duration::from_millis(200)).ok();
+        strangers.extend((0..100).filter_map(|_| connect()));
+        let hello = |token: &[u8], rank: u64| [token, &rank.to_le_bytes()].concat();
+        for bytes in [vec![0x5a; 24], hello(&[0; 16], 2), hello(&[1; 16], 1 << 40), vec![0xff; 1 << 20]] {
+            if let Some(mut s) = connect() {
+                s.set_write_timeout(Some(Duration::from_secs(1))).unwrap();
+                let _ = s.write_all(&bytes);
+                strangers.push(s);
+            }
+        }
+    }
+    let started = Instant::now();
+    store.set("test/strangers-in", b"").unwrap();
+    let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    for (rank, out) in outputs.iter().enumerate() {
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "rank {rank}: {stdout}\n{stderr}");
+        assert!(stdout.contains(&format!("rank {rank}: all_reduce over tcp correct")), "{stdout}\n{stderr}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(15), "the all-reduce took {:?}", started.elapsed());
+    drop(strangers);
 }

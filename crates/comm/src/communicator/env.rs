@@ -163,6 +163,30 @@ fn shared_secret(rank: usize, job: &str, wait: Duration) -> Result<String, Conne
     }
 }
 
+/// An error naming the variable that gave `host` (MASTER_ADDR, or Slurm's
+/// node list) unless `host` resolves to an address: no rank waits its whole
+/// timeout for a store at a name that cannot be reached.
+fn check_resolves(host: &str, port: u16) -> Result<(), ConnectError> {
+    use std::net::ToSocketAddrs;
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let resolved = (bare, port).to_socket_addrs().map(|mut a| a.next().is_some());
+    if let Ok(true) = resolved {
+        return Ok(());
+    }
+    let why = match resolved {
+        Err(e) => e.to_string(),
+        Ok(_) => "it resolves to no address".into(),
+    };
+    let named = match var("MASTER_ADDR") {
+        Some(_) => "MASTER_ADDR".to_string(),
+        None => "the first host of SLURM_STEP_NODELIST".to_string(),
+    };
+    Err(ConnectError::Config(format!(
+        "{named}={host:?} names no host this machine can resolve ({why}): set MASTER_ADDR to rank 0's host name or IP \
+         address on every rank"
+    )))
+}
+
 pub(crate) fn resolve() -> Result<Found, ConnectError> {
     let env = LaunchEnv::from_process()?;
     let (rank, world_size) = (env.rank, env.world_size);
@@ -205,6 +229,9 @@ pub(crate) fn resolve() -> Result<Found, ConnectError> {
     // Without an exported secret, nothing listens beyond this host.
     let host = if exported.is_none() { "127.0.0.1".to_string() } else { host };
     let store_addr = format!("{}:{port}", bracket(&host));
+    if exported.is_some() {
+        check_resolves(&host, port)?;
+    }
     let server = if rank == 0 {
         let bind = if env.source == LaunchSource::Torchrun { store_addr.clone() } else { format!("0.0.0.0:{port}") };
         let bind = if host == "127.0.0.1" || host == "localhost" { store_addr.clone() } else { bind };
@@ -245,6 +272,17 @@ mod tests {
         assert_ne!(shared_secret(0, &format!("{job}-b"), Duration::from_secs(1)).unwrap(), written);
         let _ = std::fs::remove_file(path);
         remove_secret_file();
+    }
+
+    #[test]
+    fn store_hosts_must_resolve() {
+        for host in ["127.0.0.1", "localhost", "::1", "[::1]"] {
+            assert!(check_resolves(host, 29500).is_ok(), "{host}");
+        }
+        for host in ["not a host!", "host:1234", "[::1", "999.1.1.1"] {
+            let err = check_resolves(host, 29500).unwrap_err().to_string();
+            assert!(err.contains(&format!("={host:?} names no host")), "{host}: {err}");
+        }
     }
 
     #[test]

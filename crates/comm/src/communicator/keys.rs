@@ -9,7 +9,7 @@
 //!
 //! Under a communicator's prefix, `cohort/comm/<k>/`:
 //! - `job`: rank 0's job id and link token; `peer/<r>`: rank r's node,
-//!   address and device count; `shm/<r>`, `mapped/<r>`: the shared-memory
+//!   address and device count; `shm/<r>` (rank r's file path), `created/<r>`, `mapped/<r>`: the shared-memory
 //!   handshake of a node; `ready`: the barrier that ends set-up;
 //! - `hb/<r>` = `<issued> <finished>`: rank r's progress (the sequence
 //!   numbers of the last collective it called and the last it finished);
@@ -63,6 +63,12 @@ pub(super) fn peer(prefix: &str, rank: usize) -> String {
 
 pub(super) fn shm(prefix: &str, rank: usize) -> String {
     format!("{prefix}shm/{rank}")
+}
+
+/// The barrier of a node's ranks (named by its lowest) that opens once
+/// each created its shared-memory file, answering their paths.
+pub(super) fn created(prefix: &str, rank: usize) -> String {
+    format!("{prefix}created/{rank}")
 }
 
 pub(super) fn mapped(prefix: &str, rank: usize) -> String {

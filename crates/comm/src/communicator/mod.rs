@@ -188,6 +188,12 @@ impl Communicator {
         server: Option<StoreServer>,
         given: Option<Vec<Option<Box<dyn crate::transport::Link>>>>,
     ) -> Result<Communicator, ConnectError> {
+        if world_size > crate::launch_env::MAX_WORLD_SIZE {
+            return Err(ConnectError::Config(format!(
+                "world size {world_size} is more than a job can have ({} ranks)",
+                crate::launch_env::MAX_WORLD_SIZE
+            )));
+        }
         if rank >= world_size {
             return Err(ConnectError::Config(format!("rank {rank} is not below the world size {world_size}")));
         }

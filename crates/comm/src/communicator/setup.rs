@@ -11,7 +11,9 @@
 //!   its node's directory (with `job`), and rank 0 the whole directory too;
 //! - `verdict`: rank 0's check of the whole directory (every rank once, all
 //!   with the same device count), answered to all by barrier `checked`;
-//! - `shm/<r>`: rank r created its shared-memory file;
+//! - `shm/<r>`: the path of rank r's shared-memory file (a fresh name when
+//!   something else held the usual one), answered to its node's ranks by
+//!   barrier `created/<lowest rank of the node>`;
 //! - barriers `mapped` (every file is mapped: owners unlink them) and
 //!   `ready`;
 //! - `timings`: rank 0's start-up phases (see `timings`).
@@ -251,16 +253,26 @@ pub(crate) fn form_under(
     if local.len() > 1 {
         let capacity = shm::ring_capacity()?;
         let me_local = local.iter().position(|&r| r == rank).expect("in its own node");
-        let mut mine = Segment::create(&shm::path(job_id, rank), local.len(), capacity)
+        let (mut mine, mine_path) = shm::create_for(job_id, rank, local.len(), capacity)
             .map_err(|e| ConnectError::Setup(format!("cannot create {}: {e}", shm::path(job_id, rank))))?;
-        store.set(&keys::shm(&prefix, rank), b"")?;
+        store.set(&keys::shm(&prefix, rank), mine_path.as_bytes())?;
+        // One barrier per node (as `mapped` below) that answers every local
+        // rank's path: its usual one, or a fresh one if that was taken.
         let shm_keys: Vec<String> = local.iter().map(|&r| keys::shm(&prefix, r)).collect();
         let refs: Vec<&str> = shm_keys.iter().map(String::as_str).collect();
-        store.wait(&refs, deadline.saturating_duration_since(Instant::now()))?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let paths = store.barrier_get(&keys::created(&prefix, local[0]), local.len() as u32, left, &refs)?;
         let mut theirs = Vec::new();
-        for &r in &local {
+        for (&r, published) in local.iter().zip(paths) {
             if r != rank {
-                let seg = Segment::open(&shm::path(job_id, r), local.len(), capacity)
+                let usual = shm::path(job_id, r);
+                let at = String::from_utf8_lossy(&published.unwrap_or_default()).into_owned();
+                if at != usual && !at.starts_with(&format!("{usual}-")) {
+                    return Err(ConnectError::Setup(format!(
+                        "rank {r} published {at:?} as its shared memory, not a file of this job's ({usual})"
+                    )));
+                }
+                let seg = Segment::open(&at, local.len(), capacity)
                     .map_err(|e| ConnectError::Setup(format!("cannot map rank {r}'s shared memory: {e}")))?;
                 theirs.push((r, Arc::new(seg)));
             }

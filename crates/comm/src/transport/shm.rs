@@ -60,6 +60,33 @@ pub(crate) fn path(job: &str, rank: usize) -> String {
     format!("/dev/shm/cohort-{job}-{rank}")
 }
 
+/// Creates rank `rank`'s file of job `job` with `slots` rings of
+/// `capacity` bytes: at [`path`], or, when something already holds that
+/// name (another user's or process's file, a leftover: never opened), under
+/// a fresh random name next to it. Returns the segment and the path it got,
+/// which the rank publishes for its peers.
+pub(crate) fn create_for(job: &str, rank: usize, slots: usize, capacity: usize) -> io::Result<(Segment, String)> {
+    let first = path(job, rank);
+    match Segment::create(&first, slots, capacity) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        created => return created.map(|seg| (seg, first)),
+    }
+    tracing::warn!(path = first, "something else already holds this rank's shared-memory name: taking a fresh one");
+    for _ in 0..4 {
+        let mut nonce = [0u8; 8];
+        getrandom::fill(&mut nonce).map_err(|e| io::Error::other(format!("no randomness for a fresh name: {e}")))?;
+        let fresh = format!("{first}-{}", nonce.iter().map(|b| format!("{b:02x}")).collect::<String>());
+        match Segment::create(&fresh, slots, capacity) {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            created => return created.map(|seg| (seg, fresh)),
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        format!("{first} and four fresh random names next to it already exist: someone is squatting this job's names"),
+    ))
+}
+
 impl Segment {
     /// Creates (exclusively) and maps the file at `path` with `slots` rings
     /// of `capacity` bytes each, zeroed.
@@ -145,7 +172,11 @@ impl Segment {
         if stat.st_size as usize != len {
             return refuse(
                 io::ErrorKind::InvalidData,
-                format!("{path} holds {} bytes, expected {len}: another job's file?", stat.st_size),
+                format!(
+                    "{path} holds {} bytes, expected {len} ({slots} rings of {capacity} bytes): its rank was given \
+                     another COHORT_SHM_RING (every rank of a node must agree), or it is another job's file",
+                    stat.st_size
+                ),
             );
         }
         let mapped = map(fd, len);
@@ -196,7 +227,8 @@ pub fn sweep_shared_memory(
     ranks: &[usize],
 ) -> Result<usize, crate::store::StoreError> {
     // The keys `communicator::setup::form` writes: the count of
-    // communicators each rank made, and each one's job entry ("<id> <token>").
+    // communicators each rank made, each one's job entry ("<id> <token>"),
+    // and each rank's file path when it is not the usual one.
     let mut removed = 0;
     for &rank in ranks {
         let made = store.add(&format!("cohort/comm/instance/{rank}"), 0)?;
@@ -208,6 +240,16 @@ pub fn sweep_shared_memory(
             };
             if remove_own(&path(job, rank)) {
                 removed += 1;
+            }
+            // A fresh name the rank took (`create_for`), published as its
+            // `shm/<rank>` entry.
+            let own = format!("{}-", path(job, rank));
+            if let Some(taken) = store.get(&format!("cohort/comm/{k}/shm/{rank}"))? {
+                let taken = String::from_utf8_lossy(&taken);
+                let fresh = taken.strip_prefix(&own).is_some_and(|n| n.bytes().all(|b| b.is_ascii_hexdigit()));
+                if fresh && remove_own(&taken) {
+                    removed += 1;
+                }
             }
         }
     }
@@ -263,14 +305,33 @@ impl Ring {
         unsafe { self.base.add(HEADER) }
     }
 
+    /// The bytes between `tail` and `head`, read from shared memory: an
+    /// error unless they are counts the ring's two ends could have written
+    /// (tail not past head, at most `capacity` apart, head able to grow by
+    /// a ring's worth), so no foreign value ever sizes or places a copy.
+    fn used(&self, head: u64, tail: u64) -> io::Result<usize> {
+        let room = u64::MAX - self.capacity as u64;
+        match head.checked_sub(tail) {
+            Some(used) if used <= self.capacity as u64 && head <= room => Ok(used as usize),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the shared-memory ring's header holds head {head}, tail {tail}, which its ranks never write \
+                     (a ring holds {} bytes): corrupt, or written by another process",
+                    self.capacity
+                ),
+            )),
+        }
+    }
+
     /// Producer side: copies what fits.
-    fn push(&mut self, bytes: &[u8]) -> usize {
+    fn push(&mut self, bytes: &[u8]) -> io::Result<usize> {
         let head = self.head().load(Ordering::Relaxed);
         let tail = self.tail().load(Ordering::Acquire);
-        let free = self.capacity - (head - tail) as usize;
+        let free = self.capacity - self.used(head, tail)?;
         let n = free.min(bytes.len());
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let at = head as usize & (self.capacity - 1);
         let first = n.min(self.capacity - at);
@@ -282,17 +343,17 @@ impl Ring {
             std::ptr::copy_nonoverlapping(bytes.as_ptr().add(first), self.data(), n - first);
         }
         self.head().store(head + n as u64, Ordering::Release);
-        n
+        Ok(n)
     }
 
     /// Consumer side: offers the contiguous arrived bytes (up to the wrap)
     /// to `take`, twice if they wrap.
-    fn pop(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> usize {
+    fn pop(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize> {
         let mut total = 0;
         for _ in 0..2 {
             let tail = self.tail().load(Ordering::Relaxed);
             let head = self.head().load(Ordering::Acquire);
-            let avail = (head - tail) as usize;
+            let avail = self.used(head, tail)?;
             if avail == 0 {
                 break;
             }
@@ -311,7 +372,7 @@ impl Ring {
                 break;
             }
         }
-        total
+        Ok(total)
     }
 }
 
@@ -332,11 +393,11 @@ impl ShmLink {
 
 impl Link for ShmLink {
     fn try_send(&mut self, data: &[u8]) -> io::Result<usize> {
-        Ok(self.tx.push(data))
+        self.tx.push(data)
     }
 
     fn try_recv(&mut self, take: &mut dyn FnMut(&[u8]) -> usize) -> io::Result<usize> {
-        Ok(self.rx.pop(take))
+        self.rx.pop(take)
     }
 
     fn kind(&self) -> &'static str {
@@ -407,6 +468,11 @@ mod tests {
             assert!(err.to_string().contains("belongs to user id 65534"), "{err}");
             std::fs::remove_file(&at).unwrap();
         }
+        // A peer whose COHORT_SHM_RING differs: its file's size says so.
+        write_file(&at, 2 * len, 0o600);
+        let err = Segment::open(&at, slots, capacity).err().expect("a file of another size is refused");
+        assert!(err.to_string().contains("another COHORT_SHM_RING"), "{err}");
+        std::fs::remove_file(&at).unwrap();
         // A file of ours, 0600, of the right size, opens.
         write_file(&at, len, 0o600);
         assert!(Segment::open(&at, slots, capacity).is_ok());
@@ -428,5 +494,97 @@ mod tests {
         assert_eq!(mode, 0o600);
         drop(seg);
         assert!(!std::path::Path::new(&path(&name, 0)).exists(), "unlinked when dropped");
+    }
+
+    /// Counters in a ring's header that no producer and consumer could
+    /// have written (a stranger's or a corrupted process's bytes): the
+    /// consumer's count ahead of the producer's, or the two further apart
+    /// than the ring holds. Both ends refuse the ring with an error naming
+    /// the counters, and write nothing outside it.
+    #[test]
+    fn garbage_ring_counters_are_refused_not_trusted() {
+        let name = format!("test-garbage-{}", std::process::id());
+        let capacity = 4096;
+        let a = Arc::new(Segment::create(&path(&name, 0), 2, capacity).unwrap());
+        let b = Arc::new(Segment::open(&path(&name, 0), 2, capacity).unwrap());
+        // Both ends of slot 1's ring (the segment's last).
+        let mut tx = ShmLink::new(&a, &b, 1, 0);
+        let mut rx = ShmLink::new(&a, &b, 0, 1);
+        let slot = HEADER + capacity;
+        // SAFETY: slot 1's header lies in the mapping; the counters are
+        // 8-byte aligned and only accessed atomically.
+        let (head, tail) =
+            unsafe { (&*a.ptr.add(slot).cast::<AtomicU64>(), &*a.ptr.add(slot + 64).cast::<AtomicU64>()) };
+        // SAFETY: slot 0's data lies in the mapping.
+        let neighbour = || unsafe { std::slice::from_raw_parts(a.ptr.add(HEADER), capacity).to_vec() };
+        let before = neighbour();
+        for (h, t) in [(5, 6), (0, u64::MAX), (capacity as u64 + 1, 0), (u64::MAX, 0), (u64::MAX - 9, u64::MAX - 9)] {
+            head.store(h, Ordering::SeqCst);
+            tail.store(t, Ordering::SeqCst);
+            let err = tx.try_send(&vec![0xee; 3 * capacity]).expect_err("a corrupt ring is refused");
+            assert!(err.to_string().contains(&format!("head {h}, tail {t}")), "{err}");
+            let err = rx.try_recv(&mut |b| b.len()).expect_err("a corrupt ring is refused");
+            assert!(err.to_string().contains("corrupt"), "{err}");
+            assert_eq!((head.load(Ordering::SeqCst), tail.load(Ordering::SeqCst)), (h, t), "counters untouched");
+        }
+        assert_eq!(neighbour(), before, "nothing written outside the ring");
+    }
+
+    /// Someone (another user, a leftover) already holds a rank's name in
+    /// `/dev/shm`, as a file or a link: the rank creates its file under a
+    /// fresh name next to it (what it publishes for its peers), and leaves
+    /// the squatter's file, and a link's target, as they were.
+    #[test]
+    fn a_squatted_name_gets_a_fresh_one() {
+        let name = format!("test-squat-{}", std::process::id());
+        let at = path(&name, 1);
+        write_file(&at, 100, 0o644);
+        let (seg, got) = create_for(&name, 1, 2, 4096).expect("a fresh name");
+        assert!(got.starts_with(&format!("{at}-")) && got.len() > at.len() + 8, "{got}");
+        assert_eq!(std::fs::read(&at).unwrap(), vec![0u8; 100], "the squatter's file is untouched");
+        assert!(Segment::open(&got, 2, 4096).is_ok(), "a peer maps it by the published name");
+        drop(seg);
+        assert!(!std::path::Path::new(&got).exists(), "unlinked when dropped");
+        std::fs::remove_file(&at).unwrap();
+        // A link planted at the name: a fresh name too, and nothing written
+        // through the link into its target.
+        let target = std::env::temp_dir().join(format!("cohort-squat-target-{}", std::process::id()));
+        write_file(target.to_str().unwrap(), 100, 0o600);
+        std::os::unix::fs::symlink(&target, &at).unwrap();
+        let (seg, got) = create_for(&name, 1, 2, 4096).expect("a fresh name");
+        assert!(got.starts_with(&format!("{at}-")), "{got}");
+        assert_eq!(std::fs::read(&target).unwrap(), vec![0u8; 100], "the link's target is untouched");
+        drop(seg);
+        std::fs::remove_file(&at).unwrap();
+        std::fs::remove_file(&target).unwrap();
+        // Unsquatted, the rank's own name.
+        let (_seg, got) = create_for(&name, 2, 2, 4096).unwrap();
+        assert_eq!(got, path(&name, 2));
+    }
+
+    /// The launcher's sweep removes a fresh name a rank took (read from its
+    /// `shm/<rank>` entry) as well as the usual one, and nothing else an
+    /// entry names.
+    #[test]
+    fn the_sweep_removes_fresh_names_and_nothing_else() {
+        let server = crate::store::StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+        let store =
+            crate::store::StoreClient::connect(server.local_addr(), "secret", std::time::Duration::from_secs(10))
+                .unwrap();
+        let job = format!("{:08x}", std::process::id());
+        assert_eq!(store.add("cohort/comm/instance/1", 2).unwrap(), 2);
+        store.set("cohort/comm/1/job", format!("{job} 00").as_bytes()).unwrap();
+        store.set("cohort/comm/2/job", format!("{job}ff 00").as_bytes()).unwrap();
+        let fresh = format!("{}-0123456789abcdef", path(&job, 1));
+        write_file(&fresh, 10, 0o600);
+        store.set("cohort/comm/1/shm/1", fresh.as_bytes()).unwrap();
+        // An entry naming some other file of this user's is not followed.
+        let other = std::env::temp_dir().join(format!("cohort-sweep-other-{}", std::process::id()));
+        write_file(other.to_str().unwrap(), 10, 0o600);
+        store.set("cohort/comm/2/shm/1", other.to_str().unwrap().as_bytes()).unwrap();
+        assert_eq!(sweep_shared_memory(&store, &[1]).unwrap(), 1);
+        assert!(!std::path::Path::new(&fresh).exists());
+        assert!(other.exists(), "only the job's own names are removed");
+        std::fs::remove_file(other).unwrap();
     }
 }

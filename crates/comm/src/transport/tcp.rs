@@ -78,28 +78,42 @@ impl Link for TcpLink {
 /// Connections from higher ranks of other nodes, accepted in the background
 /// and filed by rank until their links take them (links formed on first use).
 ///
-/// A thread accepts on the rank's listener, reads each connection's hello
-/// (10 s at most), drops those without this job's token or from a rank not
-/// expected or already filed, and files the others. Dropping the last
-/// handle stops the thread (it is woken by a connection to itself).
+/// A thread accepts on the rank's listener and reads every connection's
+/// hello side by side (each gets [`HELLO_WAIT`]; at most [`MAX_PENDING`]
+/// wait at once, the oldest dropped for a newer one), so connections that
+/// send nothing or trickle bytes cannot hold up a real rank's. It drops
+/// those without this job's token or from a rank not expected or already
+/// filed, files the others, and closes the listener once every expected
+/// rank is filed. Dropping the last handle stops the thread (it looks every
+/// [`ACCEPT_POLL`]).
 pub(crate) struct LinkAcceptor {
     filed: Arc<Mutex<HashMap<usize, TcpStream>>>,
     stop: Arc<AtomicBool>,
-    addr: SocketAddr,
 }
+
+/// How long a connection may take to send its hello.
+const HELLO_WAIT: Duration = Duration::from_secs(10);
+
+/// Connections whose hello the acceptor waits for at once.
+const MAX_PENDING: usize = 64;
+
+/// How often the acceptor looks at its stop flag and the hellos' deadlines.
+const ACCEPT_POLL: Duration = Duration::from_millis(100);
+
+/// Bytes of a hello: the token, then the rank (u64, little-endian).
+const HELLO_LEN: usize = TOKEN_LEN + 8;
 
 impl LinkAcceptor {
     /// Starts accepting on `listener` the ranks in `wanted` (each once).
     pub(crate) fn start(listener: TcpListener, token: [u8; TOKEN_LEN], wanted: Vec<usize>) -> io::Result<Arc<Self>> {
-        let addr = listener.local_addr()?;
-        listener.set_nonblocking(false)?;
+        listener.set_nonblocking(true)?;
         let filed: Arc<Mutex<HashMap<usize, TcpStream>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let (f, s) = (filed.clone(), stop.clone());
         std::thread::Builder::new()
             .name("cohort-tcp-accept".into())
             .spawn(move || accept_in_background(listener, token, wanted, f, s))?;
-        Ok(Arc::new(LinkAcceptor { filed, stop, addr }))
+        Ok(Arc::new(LinkAcceptor { filed, stop }))
     }
 
     /// The connection rank `peer` made, if it came.
@@ -111,8 +125,48 @@ impl LinkAcceptor {
 impl Drop for LinkAcceptor {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        // Wakes the thread out of accept(); it sees `stop` and ends.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
+    }
+}
+
+/// A connection whose hello has not all arrived.
+struct Pending {
+    stream: TcpStream,
+    from: SocketAddr,
+    hello: [u8; HELLO_LEN],
+    got: usize,
+    since: Instant,
+}
+
+/// Waits up to `wait` until `listener` or one of `pending` has something to
+/// read (or was closed); `[listener ready, pending ready...]`.
+fn poll_readable(listener: &TcpListener, pending: &[Pending], wait: Duration) -> Vec<bool> {
+    use std::os::fd::AsRawFd;
+    let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
+        .chain(pending.iter().map(|p| p.stream.as_raw_fd()))
+        .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
+        .collect();
+    // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs that
+    // outlives the call; every descriptor in it is open (owned by
+    // `listener` and `pending`, borrowed for the call).
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait.as_millis() as libc::c_int) };
+    if n <= 0 {
+        return vec![false; fds.len()];
+    }
+    fds.iter().map(|f| f.revents != 0).collect()
+}
+
+impl Pending {
+    /// Reads what has arrived of the hello (never blocks); false once the
+    /// connection closed or failed.
+    fn read_more(&mut self) -> bool {
+        match self.stream.read(&mut self.hello[self.got..]) {
+            Ok(0) => false,
+            Ok(n) => {
+                self.got += n;
+                true
+            }
+            Err(e) => matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted),
+        }
     }
 }
 
@@ -124,30 +178,82 @@ fn accept_in_background(
     stop: Arc<AtomicBool>,
 ) {
     let mut seen: Vec<usize> = Vec::new();
+    let mut pending: Vec<Pending> = Vec::new();
+    // Connections dropped so far; warned of at 1, 2, 4, 8, ... so that a
+    // stream of strangers cannot flood the log.
+    let mut dropped = 0u64;
+    let mut drop_one = |from: SocketAddr, why: &str| {
+        dropped += 1;
+        if dropped.is_power_of_two() {
+            tracing::warn!(%from, dropped, "dropped a data connection: {why}");
+        }
+    };
+    // Files a connection whose hello is complete, drops one that cannot
+    // become a link; returns those still waiting for their hello.
+    let settle = |p: Pending, seen: &mut Vec<usize>, drop_one: &mut dyn FnMut(SocketAddr, &str)| {
+        if p.got < HELLO_LEN {
+            if p.since.elapsed() < HELLO_WAIT {
+                return Some(p);
+            }
+            drop_one(p.from, "it sent no hello in time");
+            return None;
+        }
+        let rank = u64::from_le_bytes(p.hello[TOKEN_LEN..].try_into().expect("8 bytes"));
+        let rank = usize::try_from(rank).unwrap_or(usize::MAX);
+        if p.hello[..TOKEN_LEN] != token[..] || !wanted.contains(&rank) || seen.contains(&rank) {
+            drop_one(p.from, "its hello has not this job's link token, or names a rank not expected");
+            return None;
+        }
+        seen.push(rank);
+        filed.lock().insert(rank, p.stream);
+        None
+    };
     while seen.len() < wanted.len() {
-        let accepted = listener.accept();
         if stop.load(Ordering::SeqCst) {
             return;
         }
-        let (mut stream, from) = match accepted {
-            Ok(s) => s,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                tracing::warn!(error = %e, "could not accept a data connection; retrying");
-                std::thread::sleep(Duration::from_millis(10));
+        let ready = poll_readable(&listener, &pending, ACCEPT_POLL);
+        // Read what arrived of each hello; keep those still incomplete.
+        let mut still = Vec::with_capacity(pending.len());
+        for (mut p, ready) in pending.drain(..).zip(ready[1..].iter()) {
+            if *ready && !p.read_more() {
                 continue;
             }
-        };
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-        let mut hello = [0u8; TOKEN_LEN + 8];
-        let ok = stream.read_exact(&mut hello).is_ok() && hello[..TOKEN_LEN] == token[..];
-        let rank = u64::from_le_bytes(hello[TOKEN_LEN..].try_into().expect("8 bytes")) as usize;
-        if !ok || !wanted.contains(&rank) || seen.contains(&rank) {
-            tracing::warn!(%from, "refused a data connection without this job's link token");
+            still.extend(settle(p, &mut seen, &mut drop_one));
+        }
+        pending = still;
+        if !ready[0] {
             continue;
         }
-        seen.push(rank);
-        filed.lock().insert(rank, stream);
+        loop {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    // A rank sends its hello with the connection: read it
+                    // now, so a crowd of strangers arriving behind it cannot
+                    // push it out of the waiting list first.
+                    let mut p = Pending { stream, from, hello: [0; HELLO_LEN], got: 0, since: Instant::now() };
+                    if !p.read_more() {
+                        continue;
+                    }
+                    let Some(p) = settle(p, &mut seen, &mut drop_one) else { continue };
+                    if pending.len() == MAX_PENDING {
+                        let oldest = pending.remove(0);
+                        drop_one(oldest.from, "it had no hello yet and too many connections wait");
+                    }
+                    pending.push(p);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not accept a data connection; retrying");
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
+            }
+        }
     }
 }
 
@@ -317,5 +423,63 @@ mod tests {
         stranger.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut buf = [0u8; 8];
         assert!(matches!(stranger.read(&mut buf), Ok(0) | Err(_)));
+    }
+
+    /// A hostile or careless neighbour on a rank's link port: connections
+    /// that send nothing, the right length of garbage, a wrong token
+    /// claiming an expected rank, one claiming a rank out of range, a flood
+    /// of bytes, and a thousand connections at once. The real higher rank's
+    /// link still comes up at once (not after each stranger's 10 s), and once
+    /// every expected rank is filed the port is closed.
+    #[test]
+    fn strangers_on_the_link_port_do_not_hold_up_the_real_ranks() {
+        let token = [9u8; TOKEN_LEN];
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let acceptor = LinkAcceptor::start(listener, token, vec![3]).unwrap();
+        let mut lower = LazyTcpLink::accept(0, 3, acceptor.clone());
+        let mut strangers: Vec<TcpStream> = (0..1000).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let hello = |token: &[u8], rank: u64| {
+            let mut h = token.to_vec();
+            h.extend_from_slice(&rank.to_le_bytes());
+            h
+        };
+        let mut say = |bytes: &[u8]| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let _ = s.write_all(bytes);
+            strangers.push(s);
+        };
+        say(&[0xa5; TOKEN_LEN + 8]);
+        say(&hello(&[0; TOKEN_LEN], 3));
+        say(&hello(&token[..TOKEN_LEN - 1], 3));
+        say(&hello(&[1; TOKEN_LEN], u64::MAX));
+        say(&vec![0xff; 1 << 20]);
+        // And a crowd that keeps arriving while the real rank connects.
+        let crowd_stop = Arc::new(AtomicBool::new(false));
+        let crowd = {
+            let stop = crowd_stop.clone();
+            std::thread::spawn(move || {
+                let mut held = Vec::new();
+                while !stop.load(Ordering::SeqCst) && held.len() < 2000 {
+                    held.extend(TcpStream::connect_timeout(&addr, Duration::from_millis(100)).ok());
+                }
+                held.len()
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        let started = Instant::now();
+        let mut higher = LazyTcpLink::dial(3, 0, token, move || Ok(Some(addr.to_string())));
+        assert_eq!(pass(&mut higher, &mut lower, b"from rank 3"), b"from rank 3");
+        assert!(started.elapsed() < Duration::from_secs(3), "the link took {:?}", started.elapsed());
+        crowd_stop.store(true, Ordering::SeqCst);
+        assert!(crowd.join().unwrap() > 0);
+        assert_eq!(pass(&mut lower, &mut higher, b"from rank 0"), b"from rank 0");
+        // Every expected rank is in: the port closes.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while TcpStream::connect(addr).is_ok() {
+            assert!(Instant::now() < deadline, "the link port still accepts after every rank linked");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(strangers);
     }
 }
