@@ -37,10 +37,12 @@ impl LaunchSource {
     }
 }
 
-/// The most ranks a job may have: the store's barriers count arrivals in 32
-/// bits, and every rank sizes tables by the world, so a larger (mistyped)
-/// world size is refused before anything waits or allocates.
-pub const MAX_WORLD_SIZE: usize = 1 << 20;
+/// The most ranks a job may have: 4,194,304, as many as Linux runs
+/// processes on one machine (`cohort run -n`'s own limit). The store's
+/// barriers count arrivals in 32 bits and every rank sizes tables by the
+/// world, so a larger (mistyped) world size is refused before anything
+/// waits or allocates; `cohort trace` sets aside a dump that claims more.
+pub const MAX_WORLD_SIZE: usize = 1 << 22;
 
 /// A process's place in a job.
 #[derive(Debug, Clone, PartialEq, Eq)]

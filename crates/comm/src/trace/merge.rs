@@ -27,10 +27,10 @@ pub struct Straggler {
     pub failures: Vec<(usize, String)>,
 }
 
-/// The most ranks a dump may claim for its job (`world_size`): as many as
-/// Linux runs processes on one machine, `cohort run -n`'s own limit. A dump
-/// claiming more is set aside.
-pub const MAX_WORLD_SIZE: usize = 1 << 22;
+/// The most ranks a dump may claim for its job (`world_size`): a job's own
+/// limit, [`crate::launch_env::MAX_WORLD_SIZE`]. A dump claiming more is set
+/// aside.
+pub const MAX_WORLD_SIZE: usize = crate::launch_env::MAX_WORLD_SIZE;
 
 /// The largest file [`merge_files`] reads as a dump: 256 MiB, about 700,000
 /// records (`COHORT_FLIGHT_RECORDER` keeps 2,000 by default, about 0.7 MB).
