@@ -21,43 +21,18 @@
 //! `nccl` to run only those rows (under `valgrind --tool=callgrind`, the
 //! instructions of one kind of call).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use cohort::comm::{Buffer, ClientGroup, Collectives, ReduceOp};
-use cohort::runtime::conformance::kernels;
+use cohort::runtime::conformance::{kernels, CountingAllocator};
 use cohort::runtime::{Bytes, Client, GridCount, KernelArguments, Scalar};
 
 #[cfg(feature = "cuda")]
 #[path = "support/raw_nccl.rs"]
 mod raw_nccl;
 
-/// The system allocator, counting allocations (and reallocations).
-struct Counting;
-
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAllocator = CountingAllocator;
 
 /// Runs `call` `calls` times after a warm-up; prints and returns µs per
 /// call (and prints allocations per call).
@@ -83,9 +58,9 @@ fn measure_queued(what: &str, batches: usize, per: usize, mut batch: impl FnMut(
     for _ in 0..batches / 10 + 1 {
         batch();
     }
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let before = CountingAllocator::count();
     let queued: std::time::Duration = (0..batches).map(|_| batch()).sum();
-    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    let allocations = CountingAllocator::count() - before;
     let calls = (batches * per) as f64;
     let micros = queued.as_secs_f64() * 1e6 / calls;
     println!("{what:<44} {micros:>8.2} µs/call {:>7.1} allocations/call", allocations as f64 / calls);

@@ -3,39 +3,13 @@
 //! other test's allocations are counted with it. CPU devices: the layers
 //! above the backend are the same code on every device kind.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use cohort_comm::trace::{FlightRecorder, RecordState};
 use cohort_comm::{Buffer, ClientGroup, Collectives, ReduceOp};
-use cohort_runtime::conformance::kernels;
+use cohort_runtime::conformance::{kernels, CountingAllocator};
 use cohort_runtime::{Bytes, CpuRuntime, GridCount, KernelArguments, Runtime, Scalar};
 
-/// The system allocator, counting allocations and reallocations.
-struct Counting;
-
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAllocator = CountingAllocator;
 
 /// Allocations per call of `call`, made `calls` times after as many to
 /// warm up (the flight recorder's ring fills in the warm-up).
@@ -43,11 +17,11 @@ fn per_call(calls: u64, mut call: impl FnMut()) -> f64 {
     for _ in 0..calls {
         call();
     }
-    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let before = CountingAllocator::count();
     for _ in 0..calls {
         call();
     }
-    (ALLOCATIONS.load(Ordering::Relaxed) - before) as f64 / calls as f64
+    (CountingAllocator::count() - before) as f64 / calls as f64
 }
 
 #[test]

@@ -10,11 +10,13 @@
 //! its own stream's memory (every test runs on its own thread, hence stream)
 //! rather than the whole device's.
 
+mod allocations;
 mod cases;
 mod graph_cases;
 pub mod kernels;
 mod stream_cases;
 
+pub use allocations::CountingAllocator;
 pub use cases::*;
 pub use graph_cases::*;
 pub use stream_cases::*;
