@@ -19,7 +19,7 @@ use crossbeam::channel::{RecvTimeoutError, Sender};
 
 use crate::op::Op;
 use crate::store::StoreClient;
-use crate::trace::{CollectiveFingerprint, FlightRecorder, Ranks, Watched};
+use crate::trace::{CollectiveFingerprint, FlightRecorder, Ranks, Row, Watched};
 
 use super::error::ConnectError;
 use super::failure::Failure;
@@ -197,7 +197,7 @@ impl Observer {
         };
         let category = if fp.is_p2p() { "p2p" } else { "collective" };
         let watched = match fp.group {
-            None => Watched::start(&group, fp.seq, &fp.op, 1, ranks, category, 0),
+            None => Watched::start(&group, fp.seq, &fp.op, 1, ranks, Row { category, tid: 0 }, None),
             Some(g) => {
                 let described = CollectiveFingerprint {
                     seq: fp.seq,
@@ -207,7 +207,7 @@ impl Observer {
                     count: u64::from(g.calls),
                     root: None,
                 };
-                Watched::start_described(&group, described, 1, ranks, category, 0)
+                Watched::start_described(&group, described, 1, ranks, Row { category, tid: 0 }, None)
             }
         };
         Tracker { shared: s.clone(), watched: Some(watched), fp }

@@ -378,9 +378,10 @@ mod tests {
 
     #[test]
     fn the_flight_recorder_keeps_the_path_that_ran() {
-        use crate::trace::{FlightRecorder, Ranks, Watched};
+        use crate::trace::{FlightRecorder, Ranks, Row, Watched};
         let op = sum(64);
-        let watched = Watched::start(&"peer-path-test".into(), 7, &op, 1, Ranks::Every, "collective", 0);
+        let row = Row { category: "collective", tid: 0 };
+        let watched = Watched::start(&"peer-path-test".into(), 7, &op, 1, Ranks::Every, row, None);
         watched.set_path(Path::TwoShot.name());
         watched.set_path(Path::Nccl.name()); // the first path noted stays
         watched.ended(Ok(()));

@@ -47,7 +47,7 @@ impl ClientGroup {
         };
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(sequence, calls = ops.len(), "queue grouped device call");
-        let tracked = self.track(sequence, &ops[0], 0, self.len());
+        let tracked = self.track(sequence, &ops[0], 0, self.len(), None);
         let members: SmallVec<[usize; 4]> = (0..self.len()).collect();
         let part = |call: usize, slot: usize| calls[call].part(slot, Some);
         let grouped = device::launch_grouped(
@@ -106,7 +106,7 @@ impl ClientGroup {
         let seats = (0..n).map(|m| Seat { member: Some(m), device: self.clients[m].device_id() }).collect();
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(sequence, calls = ops.len(), members = n, "queue grouped call");
-        let tracked = self.track(sequence, &ops[0], 0, n);
+        let tracked = self.track(sequence, &ops[0], 0, n, None);
         let grouped = GroupedHost::new(ops, seats, self.timeout);
         let mut failed = None;
         let order = enqueue_lock();

@@ -22,7 +22,7 @@ use crate::host::{default_timeout, HostCollective, HostPath};
 use crate::meeting::{Seat, Ticket};
 use crate::op::{Collective, Op};
 use crate::order::{communicator, enqueue_lock, DeviceSetComm};
-use crate::trace::{FlightRecorder, Ranks, Watched};
+use crate::trace::{FlightRecorder, Ranks, Row, Watched};
 use crate::work::Work;
 
 /// Default bytes per pipelined chunk on the staged host path.
@@ -266,13 +266,13 @@ impl ClientGroup {
     }
 
     /// Records collective `sequence` in the flight recorder (and timeline):
-    /// `parts` parts, the first on member `first`.
-    fn track(&self, sequence: u64, op: &Op, first: usize, parts: usize) -> Arc<Watched> {
+    /// `parts` parts, the first on member `first`, on `path` where chosen.
+    fn track(&self, sequence: u64, op: &Op, first: usize, parts: usize, path: Option<Path>) -> Arc<Watched> {
         let tid = self.clients.get(first).map_or(0, |c| c.device_id().index);
         let category = if op.collective() == Collective::SendRecv { "copy" } else { "collective" };
         // A process-local group: only this process takes part.
         let ranks = Ranks::One(FlightRecorder::global().identity().0);
-        Watched::start(&self.record_name, sequence, op, parts, ranks, category, tid)
+        Watched::start(&self.record_name, sequence, op, parts, ranks, Row { category, tid }, path.map(Path::name))
     }
 
     /// Queues every part of one collective, under the process-wide order.
@@ -322,10 +322,7 @@ impl ClientGroup {
             }
             let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
             tracing::trace!(operation, sequence, bytes, members = parts.len(), ?mode, "queue device collective");
-            let tracked = self.track(sequence, &op, first, parts.len());
-            if let Some(path) = path {
-                tracked.set_path(path.name());
-            }
+            let tracked = self.track(sequence, &op, first, parts.len(), path);
             let part = |_call: usize, slot: usize| (parts[slot].input.as_ref(), parts[slot].output.as_ref());
             return device::launch(&self.clients, self.timeout, on_slots, mode, &members, part, Some(tracked))
                 .map(|collective| Work::new(operation, collective));
@@ -347,7 +344,7 @@ impl ClientGroup {
         }
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(operation, sequence, bytes, members = tasks.len(), direct = self.direct, "queue collective");
-        let tracked = self.track(sequence, &op, first, parts.len());
+        let tracked = self.track(sequence, &op, first, parts.len(), None);
         // A small collective of one part meets nobody but itself: where its
         // device is idle (CPU backend), it runs on this thread at once,
         // without the hand-over to the device thread and its wake-up. Only

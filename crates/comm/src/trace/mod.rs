@@ -25,7 +25,7 @@ pub use recorder::{
     RecorderDump,
 };
 pub use timeline::{Timeline, TimelineEvent};
-pub(crate) use watch::{timeline_copy, Watched};
+pub(crate) use watch::{timeline_copy, Row, Watched};
 
 /// Microseconds since the Unix epoch: comparable across processes of one
 /// machine (and across machines as far as their clocks agree).

@@ -282,12 +282,19 @@ impl FlightRecorder {
     /// (`None`: every rank). Costs a lock, a push and a copy of `group`.
     pub fn start_among(&self, group: &str, fingerprint: CollectiveFingerprint, ranks: Option<Vec<usize>>) -> RecordId {
         let ranks = ranks.map_or(Ranks::Every, |list| Ranks::Listed(list.into()));
-        self.start_entry(&Arc::from(group), fingerprint, ranks)
+        self.start_entry(&Arc::from(group), fingerprint, ranks, None)
     }
 
-    /// Records the start of a collective of `group` among `ranks`: one lock
-    /// and a push; nothing is allocated once the ring has grown to its size.
-    pub(crate) fn start_entry(&self, group: &Arc<str>, fingerprint: CollectiveFingerprint, ranks: Ranks) -> RecordId {
+    /// Records the start of a collective of `group` among `ranks`, on `path`
+    /// where it is known already: one lock and a push; nothing is allocated
+    /// once the ring has grown to its size.
+    pub(crate) fn start_entry(
+        &self,
+        group: &Arc<str>,
+        fingerprint: CollectiveFingerprint,
+        ranks: Ranks,
+        path: Option<&'static str>,
+    ) -> RecordId {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         if self.capacity == 0 {
             return RecordId(NEXT.fetch_add(1, Ordering::Relaxed));
@@ -309,7 +316,7 @@ impl FlightRecorder {
             ended_us: None,
             state: RecordState::Started,
             ranks,
-            path: None,
+            path,
         });
         RecordId(id)
     }
@@ -496,8 +503,8 @@ mod tests {
         let recorder = FlightRecorder::new(4);
         let id = recorder.start_among("g", fp(0), Some(vec![2, 5]));
         recorder.set_path(id, "oneshot");
-        recorder.start_entry(&"h".into(), fp(1), Ranks::Message(3, 1));
-        recorder.start_entry(&"h".into(), fp(2), Ranks::One(4));
+        recorder.start_entry(&"h".into(), fp(1), Ranks::Message(3, 1), None);
+        recorder.start_entry(&"h".into(), fp(2), Ranks::One(4), Some("nccl"));
         recorder.finish_record(id, Err("first".into()));
         recorder.finish_record(id, Ok(()));
         let records = recorder.snapshot();
@@ -513,6 +520,7 @@ mod tests {
         let records = recorder.snapshot();
         assert_eq!(records[1].state, RecordState::Failed("lost".into()));
         assert_eq!(records[1].fingerprint, fp(1));
+        assert_eq!((records[1].path.as_deref(), records[2].path.as_deref()), (None, Some("nccl")));
     }
 
     #[test]

@@ -22,14 +22,21 @@ pub(crate) struct Watched {
     /// What the timeline event needs, kept only while `COHORT_TIMELINE` is
     /// set (the flight recorder has its own copy of the call).
     timeline: Option<TimelineStart>,
-    /// The timeline's category ("collective", "copy", "p2p") and row.
-    category: &'static str,
-    tid: u32,
+    /// Where its timeline event goes.
+    row: Row,
     parts: usize,
     noted: AtomicUsize,
     failure: Mutex<Option<String>>,
     /// The path that runs it, where there is a choice.
     path: std::sync::OnceLock<&'static str>,
+}
+
+/// Where a collective's timeline event goes: its category ("collective",
+/// "copy", "p2p") and row (`tid`: the device index, or 0).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Row {
+    pub category: &'static str,
+    pub tid: u32,
 }
 
 /// A watched collective's group, call and start, for its timeline event.
@@ -42,18 +49,19 @@ struct TimelineStart {
 
 impl Watched {
     /// Records that collective number `seq` of `group`, `op`, was queued
-    /// with `parts` parts among `ranks` (`None`: every rank of the job).
-    /// Its timeline event goes to row `tid` under `category`.
+    /// with `parts` parts among `ranks`, on `path` where it is chosen
+    /// already (one lock of the recorder for both). Its timeline event goes
+    /// to `row`.
     pub(crate) fn start(
         group: &Arc<str>,
         seq: u64,
         op: &Op,
         parts: usize,
         ranks: Ranks,
-        category: &'static str,
-        tid: u32,
+        row: Row,
+        path: Option<&'static str>,
     ) -> Arc<Watched> {
-        Watched::start_described(group, CollectiveFingerprint::of(seq, op), parts, ranks, category, tid)
+        Watched::start_described(group, CollectiveFingerprint::of(seq, op), parts, ranks, row, path)
     }
 
     /// [`Watched::start`] of a call described by `fingerprint` (a grouped
@@ -63,8 +71,8 @@ impl Watched {
         fingerprint: CollectiveFingerprint,
         parts: usize,
         ranks: Ranks,
-        category: &'static str,
-        tid: u32,
+        row: Row,
+        path: Option<&'static str>,
     ) -> Arc<Watched> {
         let timeline = Timeline::from_env().map(|_| TimelineStart {
             group: Arc::from(ranks.record_group(group)),
@@ -72,16 +80,19 @@ impl Watched {
             start_us: now_micros(),
             start: Instant::now(),
         });
-        let record = FlightRecorder::global().start_entry(group, fingerprint, ranks);
+        let record = FlightRecorder::global().start_entry(group, fingerprint, ranks, path);
+        let chosen = std::sync::OnceLock::new();
+        if let Some(path) = path {
+            let _ = chosen.set(path);
+        }
         Arc::new(Watched {
             record,
             timeline,
-            category,
-            tid,
+            row,
             parts,
             noted: AtomicUsize::new(0),
             failure: Mutex::new(None),
-            path: std::sync::OnceLock::new(),
+            path: chosen,
         })
     }
 
@@ -125,12 +136,12 @@ impl Drop for Watched {
         {
             timeline.record(&TimelineEvent {
                 name: fp.kind.to_string(),
-                cat: self.category.into(),
+                cat: self.row.category.into(),
                 ph: "X",
                 ts: *start_us,
                 dur: start.elapsed().as_micros() as u64,
                 pid: FlightRecorder::global().identity().0,
-                tid: self.tid,
+                tid: self.row.tid,
                 args: serde_json::json!({
                     "group": &**group, "seq": fp.seq, "dtype": fp.dtype, "count": fp.count,
                     "op": fp.op, "root": fp.root, "ok": ok, "path": self.path.get(),
