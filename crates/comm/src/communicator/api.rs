@@ -54,8 +54,8 @@ impl Communicator {
         let fp = Fingerprint::of(seq, op);
         if let Some(nccl) = self.inner.nccl.as_ref().filter(|n| n.takes(&op, &inputs, &outputs)) {
             // Dropped unrun when the launch fails: that aborts for the
-            // other ranks, as on the host path.
-            let tracker = self.inner.observer.queued(fp);
+            // other ranks, as on the host path. Recorded with its path.
+            let tracker = self.inner.observer.queued(fp, Some(nccl.path_of(&op).name()));
             let meeting = nccl.launch(&self.inner.world, fp, self.timeout(), inputs, outputs, &tracker);
             drop((issued, order));
             let meeting = meeting?;
@@ -63,7 +63,7 @@ impl Communicator {
             return Ok(Work::new(name, meeting).within(self.scope()));
         }
         let world = self.inner.world.clone();
-        let tracker = self.inner.observer.queued(fp);
+        let tracker = self.inner.observer.queued(fp, None);
         let plan: Plan = Box::new(move |mut views: PerCall<Views>| {
             let views = views.pop().expect("one call");
             tracker.run(&mut world.lock(), views).map(|staged| smallvec::smallvec![staged])
@@ -100,7 +100,7 @@ impl Communicator {
                     .write(crate::device::fusion::cap().to_le_bytes())
                     .finish();
             }
-            let tracker = self.inner.observer.queued(fp);
+            let tracker = self.inner.observer.queued(fp, None);
             let meeting = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls.into(), &tracker);
             drop((issued, order));
             let meeting = meeting?;
@@ -108,7 +108,7 @@ impl Communicator {
             return Ok(Work::new("group", meeting).within(self.scope()));
         }
         let world = self.inner.world.clone();
-        let tracker = self.inner.observer.queued(fp);
+        let tracker = self.inner.observer.queued(fp, None);
         let plan: Plan = Box::new(move |views: PerCall<Views>| tracker.run_group(&mut world.lock(), &ops, views));
         let call = self.queue_local("group", plan, calls.into_iter().map(|(_, i, o)| (i, o)).collect());
         drop(issued);

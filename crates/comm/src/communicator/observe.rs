@@ -173,9 +173,9 @@ impl Observer {
         Ok(Observer { shared, _stop: stop })
     }
 
-    /// Records that collective `fp` was queued and returns its tracker, to
-    /// run the exchange through.
-    pub(crate) fn queued(&self, fp: Fingerprint) -> Tracker {
+    /// Records that collective `fp` was queued (on `path`, where it is
+    /// known already) and returns its tracker, to run the exchange through.
+    pub(crate) fn queued(&self, fp: Fingerprint, path: Option<&'static str>) -> Tracker {
         let s = &self.shared;
         let (group, ranks) = match fp.op.endpoints() {
             Some((from, to)) => {
@@ -197,7 +197,7 @@ impl Observer {
         };
         let category = if fp.is_p2p() { "p2p" } else { "collective" };
         let watched = match fp.group {
-            None => Watched::start(&group, fp.seq, &fp.op, 1, ranks, Row { category, tid: 0 }, None),
+            None => Watched::start(&group, fp.seq, &fp.op, 1, ranks, Row { category, tid: 0 }, path),
             Some(g) => {
                 let described = CollectiveFingerprint {
                     seq: fp.seq,
@@ -207,7 +207,7 @@ impl Observer {
                     count: u64::from(g.calls),
                     root: None,
                 };
-                Watched::start_described(&group, described, 1, ranks, Row { category, tid: 0 }, None)
+                Watched::start_described(&group, described, 1, ranks, Row { category, tid: 0 }, path)
             }
         };
         Tracker { shared: s.clone(), watched: Some(watched), fp }

@@ -223,8 +223,9 @@ impl Nccl {
     /// by slot) under one fingerprint `fp`: a grouped call's parts issue
     /// every call's NCCL calls inside one `ncclGroupStart/End`. The caller
     /// holds the process-wide enqueue order. `tracker`, the call's flight
-    /// record, is told the path: a peer kernel, NCCL, or NCCL with the
-    /// all-reduces fused.
+    /// record, is told a grouped call's path: NCCL, or NCCL with the
+    /// all-reduces fused (a single call's, NCCL or a peer kernel, it was
+    /// given when queued).
     pub(crate) fn launch_calls(
         self: &Arc<Self>,
         world: &Arc<Mutex<World>>,
@@ -243,11 +244,11 @@ impl Nccl {
         let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
         let buckets = fusion::buckets(&ops, fusion::cap());
         let fused: Option<Arc<[Bucket]>> = (!buckets.is_empty()).then(|| buckets.into());
-        tracker.set_path(match ops.as_slice() {
-            [op] if fp.group.is_none() => self.path_of(op).name(),
-            _ if fused.is_none() => "nccl",
-            _ => "nccl fused",
-        });
+        // A single call's path went into its record when it was queued
+        // (`Communicator::launch`); a grouped call's is known here.
+        if fp.group.is_some() || ops.len() != 1 {
+            tracker.set_path(if fused.is_none() { "nccl" } else { "nccl fused" });
+        }
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
