@@ -26,6 +26,10 @@ pub const DUMP_GRACE: Duration = Duration::from_millis(500);
 /// held open by processes that escaped their group. A reader that is busy
 /// writing to a slow console is waited for, however long it takes.
 const DRAIN_IDLE: Duration = Duration::from_secs(2);
+/// Once every rank exited and its group was killed: how long the readers
+/// may take to reach the end of the pipes before the launcher looks for
+/// processes that left the ranks' groups holding them (and kills them).
+const ESCAPEE_GRACE: Duration = Duration::from_millis(300);
 
 /// Something the supervisor reacts to; every source sends on one channel.
 #[derive(Debug)]
@@ -96,6 +100,8 @@ struct RankProc {
     started: Instant,
     ended: Option<(Ending, Instant)>,
     tail: Tail,
+    /// The inodes of its stdout and stderr pipes.
+    pipes: Vec<u64>,
     /// It heartbeats: it handles SIGUSR1 by writing its flight recorder.
     beating: bool,
 }
@@ -243,6 +249,9 @@ pub fn run_attempt(
         crate::reaper::forget(p.pid);
     }
     // Every reader holds a `done` sender: disconnection means all finished.
+    if done_rx.recv_timeout(ESCAPEE_GRACE) == Err(RecvTimeoutError::Timeout) {
+        kill_escapees(&ranks);
+    }
     drain(&done_rx, &activity);
 
     match reason {
@@ -253,6 +262,22 @@ pub fn run_attempt(
         Some(Reason::TimedOut(running)) => Outcome::TimedOut(running),
         Some(Reason::SpawnFailed(msg)) => Outcome::SpawnFailed(msg),
         Some(Reason::Verdict) => Outcome::Verdict(verdict_seen.expect("the verdict that stopped the ranks")),
+    }
+}
+
+/// Kills the processes that left the ranks' process groups (setsid, a
+/// daemon) and still hold their output pipes, which would keep the readers
+/// (and the launcher) waiting, and says which.
+fn kill_escapees(ranks: &[RankProc]) {
+    let inodes: Vec<u64> = ranks.iter().flat_map(|p| p.pipes.iter().copied()).collect();
+    let groups: Vec<u32> = ranks.iter().map(|p| p.pid).collect();
+    let killed = crate::escapees::kill_holders(&inodes, &groups);
+    if !killed.is_empty() {
+        say!(
+            "cohort: killed process(es) {} after the ranks exited: they had left their rank's process group \
+             (setsid, a daemon) and still held its output open",
+            killed.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+        );
     }
 }
 
@@ -366,6 +391,8 @@ fn start_rank(
     crate::reaper::watch(pid);
     let stdout = child.stdout.take().expect("stdout is piped");
     let stderr = child.stderr.take().expect("stderr is piped");
+    let pipes = [crate::escapees::pipe_inode(&stdout), crate::escapees::pipe_inode(&stderr)];
+    let pipes = pipes.into_iter().filter_map(Result::ok).collect();
     let threads = output::spawn_reader(stdout, Stream::Stdout, &sinks, out_file, done.clone())
         .and_then(|_| output::spawn_reader(stderr, Stream::Stderr, &sinks, err_file, done.clone()));
     let tx = events.clone();
@@ -381,7 +408,7 @@ fn start_rank(
         crate::reaper::forget(pid);
         return Err(format!("cannot start the threads that watch rank {rank}: {e}"));
     }
-    Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail, beating: false })
+    Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail, pipes, beating: false })
 }
 
 /// Sends `sig` to the process group of every rank still running; a

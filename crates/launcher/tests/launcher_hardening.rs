@@ -257,6 +257,33 @@ fn ranks_children_die_with_a_sigkilled_launcher() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+#[test]
+fn processes_that_left_the_ranks_groups_holding_their_output_are_killed() {
+    // Each rank starts a process that leaves its group (setsid) with the
+    // rank's stdout and stderr, then exits 0: rank 0's writes a line every
+    // 0.3 s forever (before: the launcher waited for its pipes forever, deaf
+    // to SIGTERM), rank 1's is silent (before: left running).
+    let dir = temp_dir("escapees");
+    let d = dir.display();
+    let script = format!(
+        "if [ $RANK = 0 ]; then setsid sh -c 'echo $$ > {d}/escapee0.pid; while :; do echo tick; sleep 0.3; done' & \
+         else setsid sh -c 'echo $$ > {d}/escapee1.pid; exec sleep 1000' & fi; sleep 1; echo started"
+    );
+    let child = cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]).spawn().unwrap();
+    let pids = wait_pid_files(&dir, 2, Duration::from_secs(20));
+    let _guard = KillOnDrop(pids.clone());
+    let start = Instant::now();
+    let out = wait_output(child, Duration::from_secs(30));
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
+    assert_eq!(wait_all_gone(&pids, Duration::from_secs(5)), Vec::<i32>::new(), "escapees left running: {stderr}");
+    for pid in &pids {
+        assert!(stderr.contains(&pid.to_string()), "the launcher names what it killed ({pid}): {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Sends SIGKILL to its processes when dropped (a failed check included).
 struct KillOnDrop(Vec<libc::pid_t>);
 
