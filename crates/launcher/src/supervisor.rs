@@ -253,6 +253,9 @@ pub fn run_attempt(
         kill_escapees(&ranks);
     }
     drain(&done_rx, &activity);
+    for p in &ranks {
+        crate::reaper::forget_pipes(&p.pipes);
+    }
 
     match reason {
         None => Outcome::Success,
@@ -392,7 +395,8 @@ fn start_rank(
     let stdout = child.stdout.take().expect("stdout is piped");
     let stderr = child.stderr.take().expect("stderr is piped");
     let pipes = [crate::escapees::pipe_inode(&stdout), crate::escapees::pipe_inode(&stderr)];
-    let pipes = pipes.into_iter().filter_map(Result::ok).collect();
+    let pipes: Vec<u64> = pipes.into_iter().filter_map(Result::ok).collect();
+    crate::reaper::watch_pipes(&pipes);
     let threads = output::spawn_reader(stdout, Stream::Stdout, &sinks, out_file, done.clone())
         .and_then(|_| output::spawn_reader(stderr, Stream::Stderr, &sinks, err_file, done.clone()));
     let tx = events.clone();

@@ -258,6 +258,22 @@ fn ranks_children_die_with_a_sigkilled_launcher() {
 }
 
 #[test]
+fn escapees_holding_a_ranks_output_die_with_a_sigkilled_launcher() {
+    // A process that left its rank's group (setsid) with the rank's output
+    // and never writes: before, the reaper (which kills groups) missed it.
+    let dir = temp_dir("escapee-reaped");
+    let script = format!("setsid sh -c 'echo $$ > {}/escapee$RANK.pid; exec sleep 300' & wait", dir.display());
+    let child = cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]).spawn().unwrap();
+    let pids = wait_pid_files(&dir, 2, Duration::from_secs(20));
+    let _guard = KillOnDrop(pids.clone());
+    // SAFETY: kill(2) on the pid of our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };
+    let _ = wait_output(child, LIMIT);
+    assert_eq!(wait_all_gone(&pids, Duration::from_secs(10)), Vec::<i32>::new(), "escapees outlived the launcher");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn processes_that_left_the_ranks_groups_holding_their_output_are_killed() {
     // Each rank starts a process that leaves its group (setsid) with the
     // rank's stdout and stderr, then exits 0: rank 0's writes a line every
