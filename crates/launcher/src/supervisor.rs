@@ -81,8 +81,9 @@ pub enum Outcome {
     Failed(Failure),
     /// The launcher got this signal and forwarded it.
     Interrupted(libc::c_int),
-    /// The job ran past `--timeout`; these global ranks were still running.
-    TimedOut(Vec<usize>),
+    /// The job ran past `--timeout`; these global ranks were still running,
+    /// and those of the second list were stopped (SIGSTOP, a debugger).
+    TimedOut(Vec<usize>, Vec<usize>),
     /// A local rank could not be started.
     SpawnFailed(String),
     /// A local rank stopped heartbeating (stopped, frozen); it was killed
@@ -178,8 +179,9 @@ pub fn run_attempt(
                     term_at = None;
                     kill_at = Some(now + STOP_GRACE);
                 } else if reason.is_none() && deadline.is_some_and(|d| now >= d) {
-                    let running = ranks.iter().filter(|r| r.ended.is_none()).map(|r| r.rank);
-                    reason = Some(Reason::TimedOut(running.collect()));
+                    let running = ranks.iter().filter(|r| r.ended.is_none());
+                    let stopped = running.clone().filter(|r| is_stopped(r.pid)).map(|r| r.rank).collect();
+                    reason = Some(Reason::TimedOut(running.map(|r| r.rank).collect(), stopped));
                     term_at = Some(ask_dumps(&ranks, now));
                 }
             }
@@ -218,7 +220,7 @@ pub fn run_attempt(
             }
             Ok(Event::Beating { .. } | Event::Silent { .. }) => {}
             Ok(Event::Signal(sig)) => {
-                if matches!(reason, None | Some(Reason::TimedOut(_))) {
+                if matches!(reason, None | Some(Reason::TimedOut(..))) {
                     say!(
                         "cohort: got {}; forwarding it to the ranks (again to kill them)",
                         crate::summary::signal_name(sig)
@@ -262,7 +264,7 @@ pub fn run_attempt(
         Some(Reason::Failed(local)) => Outcome::Failed(failure(cfg, &ranks[local])),
         Some(Reason::Unresponsive(local, silent)) => Outcome::Unresponsive(failure(cfg, &ranks[local]), silent),
         Some(Reason::Interrupted(sig)) => Outcome::Interrupted(sig),
-        Some(Reason::TimedOut(running)) => Outcome::TimedOut(running),
+        Some(Reason::TimedOut(running, stopped)) => Outcome::TimedOut(running, stopped),
         Some(Reason::SpawnFailed(msg)) => Outcome::SpawnFailed(msg),
         Some(Reason::Verdict) => Outcome::Verdict(verdict_seen.expect("the verdict that stopped the ranks")),
     }
@@ -339,6 +341,14 @@ fn ask_dumps(ranks: &[RankProc], now: Instant) -> Instant {
     }
 }
 
+/// Whether process `pid` is stopped (SIGSTOP, Ctrl-Z) or held by a
+/// debugger: state `T` or `t` in `/proc/<pid>/stat`.
+fn is_stopped(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    // The name before the state is in parentheses and may hold any byte.
+    stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with(['T', 't']))
+}
+
 /// Whether `event`, come while the ranks of `attempt` are being started,
 /// means no more should start: the launcher got a signal, or a started rank
 /// failed (a rank of an earlier attempt does not count).
@@ -355,7 +365,7 @@ enum Reason {
     Failed(usize),
     Unresponsive(usize, Duration),
     Interrupted(libc::c_int),
-    TimedOut(Vec<usize>),
+    TimedOut(Vec<usize>, Vec<usize>),
     SpawnFailed(String),
     Verdict,
 }

@@ -317,6 +317,21 @@ fn a_failed_ranks_last_lines_are_quoted_with_control_characters_escaped() {
     assert!(!summary.chars().any(|c| c.is_control() && c != '\n'), "{summary:?}");
 }
 
+#[test]
+fn a_timeout_names_the_rank_that_was_stopped() {
+    // Rank 1 stops itself (SIGSTOP) and sends no heartbeat to be missed:
+    // --timeout ends the job (before: "ranks 0, 1 were still running", with
+    // nothing to tell the stopped one from the busy one).
+    let script = "if [ $RANK = 1 ]; then kill -STOP $$; fi; sleep 30";
+    let opts = ["-n", "2", "--master-port", "0", "--timeout", "2"];
+    let out = output_within(cohort_run_program("sh", &opts, &["-c", script]), LIMIT);
+    let (_, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 124, "{stderr}");
+    assert!(stderr.contains("ranks 0, 1 were still running and were stopped"), "{stderr}");
+    assert!(stderr.contains("rank 1 was itself stopped (SIGSTOP"), "{stderr}");
+    assert!(!stderr.contains("rank 0 was itself"), "{stderr}");
+}
+
 /// Sends SIGKILL to its processes when dropped (a failed check included).
 struct KillOnDrop(Vec<libc::pid_t>);
 
