@@ -12,8 +12,9 @@
 //!
 //! A process that leaves its rank's group (setsid, a daemon) is found, as
 //! the launcher finds it at the end of an attempt, by the rank's output pipes
-//! it holds (`p<inode>` lines name them, `q<inode>` forgets them; see
-//! [`crate::escapees`]); one that also let go of the rank's output escapes.
+//! it holds (`p<inode>` lines name them, `q<inode>` forgets them) or by the
+//! attempt's marks in its environment (`m<NAME=value>` lines, `M` forgets
+//! them); see [`crate::escapees`].
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Write};
@@ -62,6 +63,20 @@ pub fn watch_pipes(inodes: &[u64]) {
     if let Some(Some(r)) = REAPER.get() {
         for i in inodes {
             r.send(&format!("p{i}\n"));
+        }
+    }
+}
+
+/// Gives the reaper the marks of the attempt that starts (see
+/// [`crate::spawn::RankEnv::marks`]), in place of the last attempt's; none
+/// when one holds a newline (a partial set would match too much).
+pub fn watch_marks(marks: &[String]) {
+    if let Some(Some(r)) = REAPER.get() {
+        r.send("M\n");
+        if marks.iter().all(|m| !m.contains('\n')) {
+            for m in marks {
+                r.send(&format!("m{m}\n"));
+            }
         }
     }
 }
@@ -136,6 +151,7 @@ pub fn serve() -> ExitCode {
     }
     let mut groups: Vec<libc::pid_t> = Vec::new();
     let mut pipes: Vec<u64> = Vec::new();
+    let mut marks: Vec<String> = Vec::new();
     for line in BufReader::new(io::stdin().lock()).lines() {
         let Ok(line) = line else { break };
         let (op, number) = line.split_at(line.len().min(1));
@@ -144,6 +160,8 @@ pub fn serve() -> ExitCode {
             ("-", Ok(pgid), _) => groups.retain(|&g| g != pgid),
             ("p", _, Ok(inode)) => pipes.push(inode),
             ("q", _, Ok(inode)) => pipes.retain(|&i| i != inode),
+            ("m", _, _) => marks.push(number.to_string()),
+            ("M", _, _) => marks.clear(),
             _ => {}
         }
     }
@@ -153,8 +171,6 @@ pub fn serve() -> ExitCode {
         // see it end). ESRCH (already gone) is fine.
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
     }
-    if !pipes.is_empty() {
-        crate::escapees::kill_holders(&pipes, &[]);
-    }
+    crate::escapees::kill(&pipes, &marks, &[]);
     ExitCode::SUCCESS
 }

@@ -127,6 +127,7 @@ pub fn run_attempt(
     // The node's ranks reach the store through one relay (it joins the
     // store while they start); it lives until they have all exited.
     let (relay, mut ends) = spawn::start_relay(cfg, env);
+    crate::reaper::watch_marks(&env.marks());
 
     // Events that come while ranks are still being started: a signal or a
     // rank that already failed stops the starting (a node of many ranks
@@ -251,9 +252,8 @@ pub fn run_attempt(
         crate::reaper::forget(p.pid);
     }
     // Every reader holds a `done` sender: disconnection means all finished.
-    if done_rx.recv_timeout(ESCAPEE_GRACE) == Err(RecvTimeoutError::Timeout) {
-        kill_escapees(&ranks);
-    }
+    let held = done_rx.recv_timeout(ESCAPEE_GRACE) == Err(RecvTimeoutError::Timeout);
+    kill_escapees(&ranks, held, &env.marks());
     drain(&done_rx, &activity);
     for p in &ranks {
         crate::reaper::forget_pipes(&p.pipes);
@@ -271,16 +271,17 @@ pub fn run_attempt(
 }
 
 /// Kills the processes that left the ranks' process groups (setsid, a
-/// daemon) and still hold their output pipes, which would keep the readers
-/// (and the launcher) waiting, and says which.
-fn kill_escapees(ranks: &[RankProc]) {
-    let inodes: Vec<u64> = ranks.iter().flat_map(|p| p.pipes.iter().copied()).collect();
+/// daemon) and carry the attempt's `marks` in their environment or, when
+/// the output pipes are `held` open still, hold them (which would keep the
+/// readers, and the launcher, waiting); says which.
+fn kill_escapees(ranks: &[RankProc], held: bool, marks: &[String]) {
+    let inodes: Vec<u64> = ranks.iter().filter(|_| held).flat_map(|p| p.pipes.iter().copied()).collect();
     let groups: Vec<u32> = ranks.iter().map(|p| p.pid).collect();
-    let killed = crate::escapees::kill_holders(&inodes, &groups);
+    let killed = crate::escapees::kill(&inodes, marks, &groups);
     if !killed.is_empty() {
         say!(
             "cohort: killed process(es) {} after the ranks exited: they had left their rank's process group \
-             (setsid, a daemon) and still held its output open",
+             (setsid, a daemon) and still held its output or carried its environment",
             killed.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
         );
     }
