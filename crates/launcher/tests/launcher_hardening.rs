@@ -259,10 +259,15 @@ fn ranks_children_die_with_a_sigkilled_launcher() {
 
 #[test]
 fn escapees_holding_a_ranks_output_die_with_a_sigkilled_launcher() {
-    // A process that left its rank's group (setsid) with the rank's output
-    // and never writes: before, the reaper (which kills groups) missed it.
+    // Processes that left their rank's group (setsid) and never write,
+    // rank 0's with the rank's output, rank 1's with its output on
+    // /dev/null: before, the reaper (which kills groups) missed both.
     let dir = temp_dir("escapee-reaped");
-    let script = format!("setsid sh -c 'echo $$ > {}/escapee$RANK.pid; exec sleep 300' & wait", dir.display());
+    let script = format!(
+        "if [ $RANK = 0 ]; then out=; else out=/dev/null; fi; \
+         setsid sh -c \"echo \\$\\$ > {}/escapee$RANK.pid; exec sleep 300 ${{out:+>$out 2>&1}}\" & wait",
+        dir.display()
+    );
     let child = cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]).spawn().unwrap();
     let pids = wait_pid_files(&dir, 2, Duration::from_secs(20));
     let _guard = KillOnDrop(pids.clone());
@@ -275,15 +280,16 @@ fn escapees_holding_a_ranks_output_die_with_a_sigkilled_launcher() {
 
 #[test]
 fn processes_that_left_the_ranks_groups_holding_their_output_are_killed() {
-    // Each rank starts a process that leaves its group (setsid) with the
-    // rank's stdout and stderr, then exits 0: rank 0's writes a line every
-    // 0.3 s forever (before: the launcher waited for its pipes forever, deaf
-    // to SIGTERM), rank 1's is silent (before: left running).
+    // Each rank starts a process that leaves its group (setsid), then exits
+    // 0: rank 0's keeps the rank's output and writes a line every 0.3 s
+    // forever (before: the launcher waited for its pipes forever, deaf to
+    // SIGTERM), rank 1's is silent, its output on /dev/null (before: left
+    // running).
     let dir = temp_dir("escapees");
     let d = dir.display();
     let script = format!(
         "if [ $RANK = 0 ]; then setsid sh -c 'echo $$ > {d}/escapee0.pid; while :; do echo tick; sleep 0.3; done' & \
-         else setsid sh -c 'echo $$ > {d}/escapee1.pid; exec sleep 1000' & fi; sleep 1; echo started"
+         else setsid sh -c 'echo $$ > {d}/escapee1.pid; exec sleep 1000 >/dev/null 2>&1' & fi; sleep 1; echo started"
     );
     let child = cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]).spawn().unwrap();
     let pids = wait_pid_files(&dir, 2, Duration::from_secs(20));
@@ -330,6 +336,31 @@ fn a_timeout_names_the_rank_that_was_stopped() {
     assert!(stderr.contains("ranks 0, 1 were still running and were stopped"), "{stderr}");
     assert!(stderr.contains("rank 1 was itself stopped (SIGSTOP"), "{stderr}");
     assert!(!stderr.contains("rank 0 was itself"), "{stderr}");
+}
+
+#[test]
+fn a_rank_that_closes_its_output_is_waited_for_and_forked_children_are_gone() {
+    // Rank 0 closes stdout and stderr at once (its readers see the end long
+    // before it exits 5); rank 1 forks 200 children and exits 0 at once.
+    let dir = temp_dir("closed-and-forks");
+    let script = format!(
+        "if [ $RANK = 0 ]; then exec >&- 2>&-; sleep 1; exit 5; fi; \
+         for i in $(seq 200); do sleep 1000 & echo $! >> {}/children; done; exit 0",
+        dir.display()
+    );
+    let out = output_within(cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]), LIMIT);
+    let (_, stderr) = texts(&out);
+    let children: Vec<i32> = std::fs::read_to_string(dir.join("children"))
+        .unwrap()
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    let _guard = KillOnDrop(children.clone());
+    assert_eq!(code(out.status, &out), 5, "{stderr}");
+    assert!(stderr.contains("rank 0 failed first: it exited with code 5 after 1."), "{stderr}");
+    assert_eq!(children.len(), 200);
+    assert_eq!(wait_all_gone(&children, Duration::from_secs(5)), Vec::<i32>::new(), "children left running");
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Sends SIGKILL to its processes when dropped (a failed check included).
