@@ -350,11 +350,8 @@ fn a_rank_that_closes_its_output_is_waited_for_and_forked_children_are_gone() {
     );
     let out = output_within(cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]), LIMIT);
     let (_, stderr) = texts(&out);
-    let children: Vec<i32> = std::fs::read_to_string(dir.join("children"))
-        .unwrap()
-        .lines()
-        .map(|l| l.parse().unwrap())
-        .collect();
+    let children: Vec<i32> =
+        std::fs::read_to_string(dir.join("children")).unwrap().lines().map(|l| l.parse().unwrap()).collect();
     let _guard = KillOnDrop(children.clone());
     assert_eq!(code(out.status, &out), 5, "{stderr}");
     assert!(stderr.contains("rank 0 failed first: it exited with code 5 after 1."), "{stderr}");
