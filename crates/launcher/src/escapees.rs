@@ -108,6 +108,11 @@ mod tests {
         let (name, value) = token.split_once('=').unwrap();
         let mut child = Command::new("sleep").arg("30").env(name, value).env("OTHER", "1").spawn().unwrap();
         let both = [token.clone(), "OTHER=1".to_string()];
+        // The parent may resume before exec has set up the new environment.
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while find(&[], &both).is_empty() && std::time::Instant::now() < end {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         assert_eq!(find(&[], &both), [child.id()]);
         assert_eq!(find(&[], &[token.clone(), "OTHER=2".into()]), Vec::<u32>::new(), "every mark must match");
         assert_eq!(find(&[], &[format!("{token}0")]), Vec::<u32>::new(), "whole variables only");
