@@ -360,6 +360,35 @@ fn a_rank_that_closes_its_output_is_waited_for_and_forked_children_are_gone() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+#[test]
+fn an_escapee_that_keeps_starting_escapees_leaves_none() {
+    // It leaves the group with its output on /dev/null and starts a new
+    // session every 10 ms (before: those started between the launcher's
+    // look and its kill were left running).
+    let dir = temp_dir("escapee-spawner");
+    let list = dir.join("started");
+    let script = format!(
+        "setsid sh -c 'echo $$ >> {l}; while :; do setsid sh -c \"echo \\$\\$ >> {l}; exec sleep 1000\" & sleep 0.01; \
+         done' >/dev/null 2>&1 & sleep 1; exit 0",
+        l = list.display()
+    );
+    let out = output_within(cohort_run_program("sh", &["-n", "1", "--master-port", "0"], &["-c", &script]), LIMIT);
+    let read = || -> Vec<i32> {
+        std::fs::read_to_string(&list).unwrap_or_default().lines().filter_map(|l| l.parse().ok()).collect()
+    };
+    let started = read();
+    let _guard = KillOnDrop(started.clone());
+    let (_, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stderr}");
+    assert!(started.len() > 10, "{started:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    let after = read();
+    let _guard2 = KillOnDrop(after.clone());
+    assert_eq!(after.len(), started.len(), "the escapee still starts processes: {stderr}");
+    assert_eq!(wait_all_gone(&after, Duration::from_secs(5)), Vec::<i32>::new(), "left running: {stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Sends SIGKILL to its processes when dropped (a failed check included).
 struct KillOnDrop(Vec<libc::pid_t>);
 
