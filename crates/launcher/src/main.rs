@@ -21,6 +21,7 @@ macro_rules! say {
 mod cli;
 mod config;
 mod devices;
+mod escapees;
 mod fd_limit;
 mod output;
 mod reaper;

@@ -10,8 +10,11 @@
 //! once it is gone). When the pipe closes (the launcher exited, however it
 //! ended), the reaper sends SIGKILL to every group still listed, and exits.
 //!
-//! A process that leaves its rank's group (setsid, a daemon) escapes this as
-//! it escapes the launcher's own stop.
+//! A process that leaves its rank's group (setsid, a daemon) is found, as
+//! the launcher finds it at the end of an attempt, by the rank's output pipes
+//! it holds (`p<inode>` lines name them, `q<inode>` forgets them) or by the
+//! attempt's marks in its environment (`m<NAME=value>` lines, `M` forgets
+//! them); see [`crate::escapees`].
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Write};
@@ -51,6 +54,39 @@ pub fn watch(pgid: u32) {
 pub fn forget(pgid: u32) {
     if let Some(Some(r)) = REAPER.get() {
         r.forget(pgid);
+    }
+}
+
+/// Lists a rank's output pipes (their inodes) with the reaper, which kills
+/// the processes still holding them when the launcher is gone.
+pub fn watch_pipes(inodes: &[u64]) {
+    if let Some(Some(r)) = REAPER.get() {
+        for i in inodes {
+            r.send(&format!("p{i}\n"));
+        }
+    }
+}
+
+/// Gives the reaper the marks of the attempt that starts (see
+/// [`crate::spawn::RankEnv::marks`]), in place of the last attempt's; none
+/// when one holds a newline (a partial set would match too much).
+pub fn watch_marks(marks: &[String]) {
+    if let Some(Some(r)) = REAPER.get() {
+        r.send("M\n");
+        if marks.iter().all(|m| !m.contains('\n')) {
+            for m in marks {
+                r.send(&format!("m{m}\n"));
+            }
+        }
+    }
+}
+
+/// Takes a finished rank's output pipes off the reaper's list.
+pub fn forget_pipes(inodes: &[u64]) {
+    if let Some(Some(r)) = REAPER.get() {
+        for i in inodes {
+            r.send(&format!("q{i}\n"));
+        }
     }
 }
 
@@ -114,13 +150,18 @@ pub fn serve() -> ExitCode {
         unsafe { libc::signal(sig, libc::SIG_IGN) };
     }
     let mut groups: Vec<libc::pid_t> = Vec::new();
+    let mut pipes: Vec<u64> = Vec::new();
+    let mut marks: Vec<String> = Vec::new();
     for line in BufReader::new(io::stdin().lock()).lines() {
         let Ok(line) = line else { break };
-        let (op, pgid) = line.split_at(line.len().min(1));
-        let Ok(pgid) = pgid.parse::<libc::pid_t>() else { continue };
-        match op {
-            "+" if pgid > 1 => groups.push(pgid),
-            "-" => groups.retain(|&g| g != pgid),
+        let (op, number) = line.split_at(line.len().min(1));
+        match (op, number.parse::<libc::pid_t>(), number.parse::<u64>()) {
+            ("+", Ok(pgid), _) if pgid > 1 => groups.push(pgid),
+            ("-", Ok(pgid), _) => groups.retain(|&g| g != pgid),
+            ("p", _, Ok(inode)) => pipes.push(inode),
+            ("q", _, Ok(inode)) => pipes.retain(|&i| i != inode),
+            ("m", _, _) => marks.push(number.to_string()),
+            ("M", _, _) => marks.clear(),
             _ => {}
         }
     }
@@ -130,5 +171,6 @@ pub fn serve() -> ExitCode {
         // see it end). ESRCH (already gone) is fine.
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
     }
+    crate::escapees::kill(&pipes, &marks, &[]);
     ExitCode::SUCCESS
 }

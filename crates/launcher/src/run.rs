@@ -175,7 +175,7 @@ fn settle(
             Some(Verdict::Failed { restartable: true, exit_code: 1, summary: f.unresponsive_summary(silent) })
         }
         Outcome::Interrupted(sig) => Some(interrupted(sig, node)),
-        Outcome::TimedOut(running) => Some(timed_out(cfg, &running)),
+        Outcome::TimedOut(running, stopped) => Some(timed_out(cfg, &running, &stopped)),
         Outcome::SpawnFailed(msg) => Some(Verdict::Failed { restartable: false, exit_code: 1, summary: msg }),
         Outcome::Verdict(Ok(bytes)) => return Verdict::decode(&bytes),
         Outcome::Verdict(Err(e)) => return lost_store(e),
@@ -209,7 +209,7 @@ fn settle(
             }
             Ok(Event::Signal(sig)) => interrupted(sig, node),
             Ok(_) => continue,
-            Err(RecvTimeoutError::Timeout) => timed_out(cfg, &[]),
+            Err(RecvTimeoutError::Timeout) => timed_out(cfg, &[], &[]),
             Err(RecvTimeoutError::Disconnected) => return lost_store("".into()),
         };
         return match rdzv.report_failure(attempt, &failure) {
@@ -227,13 +227,16 @@ fn interrupted(sig: libc::c_int, node: u32) -> Verdict {
     }
 }
 
-fn timed_out(cfg: &JobConfig, running: &[usize]) -> Verdict {
+fn timed_out(cfg: &JobConfig, running: &[usize], stopped: &[usize]) -> Verdict {
     let secs = cfg.timeout.map_or(0.0, |t| t.as_secs_f64());
-    let who = if running.is_empty() {
+    let mut who = if running.is_empty() {
         "its ranks had finished but other nodes' had not".to_string()
     } else {
         format!("ranks {} were still running and were stopped", join(running))
     };
+    for rank in stopped {
+        who.push_str(&format!("; rank {rank} was itself stopped (SIGSTOP, Ctrl-Z or a debugger) when time ran out"));
+    }
     Verdict::Failed {
         restartable: false,
         exit_code: TIMEOUT_EXIT,

@@ -60,6 +60,15 @@ impl RankEnv {
         RankEnv { vars, store_addr: cfg.store_addr(store_port) }
     }
 
+    /// The `NAME=value` entries that every process a rank of this node and
+    /// attempt starts inherits unless it changes its environment, and no
+    /// other process has: the store's address, the job's secret, the node
+    /// and the attempt (see [`crate::escapees`]).
+    pub fn marks(&self) -> Vec<String> {
+        let names = [config::STORE_ADDR.name, config::JOB_SECRET.name, "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"];
+        self.vars.iter().filter(|(k, _)| names.contains(k)).map(|(k, v)| format!("{k}={v}")).collect()
+    }
+
     /// The global rank of `local_rank` on `node_rank`.
     pub fn global_rank(cfg: &JobConfig, local_rank: usize) -> usize {
         cfg.node_rank as usize * cfg.nproc + local_rank

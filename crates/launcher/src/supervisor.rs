@@ -26,6 +26,10 @@ pub const DUMP_GRACE: Duration = Duration::from_millis(500);
 /// held open by processes that escaped their group. A reader that is busy
 /// writing to a slow console is waited for, however long it takes.
 const DRAIN_IDLE: Duration = Duration::from_secs(2);
+/// Once every rank exited and its group was killed: how long the readers
+/// may take to reach the end of the pipes before the launcher looks for
+/// processes that left the ranks' groups holding them (and kills them).
+const ESCAPEE_GRACE: Duration = Duration::from_millis(300);
 
 /// Something the supervisor reacts to; every source sends on one channel.
 #[derive(Debug)]
@@ -77,8 +81,9 @@ pub enum Outcome {
     Failed(Failure),
     /// The launcher got this signal and forwarded it.
     Interrupted(libc::c_int),
-    /// The job ran past `--timeout`; these global ranks were still running.
-    TimedOut(Vec<usize>),
+    /// The job ran past `--timeout`; these global ranks were still running,
+    /// and those of the second list were stopped (SIGSTOP, a debugger).
+    TimedOut(Vec<usize>, Vec<usize>),
     /// A local rank could not be started.
     SpawnFailed(String),
     /// A local rank stopped heartbeating (stopped, frozen); it was killed
@@ -96,6 +101,8 @@ struct RankProc {
     started: Instant,
     ended: Option<(Ending, Instant)>,
     tail: Tail,
+    /// The inodes of its stdout and stderr pipes.
+    pipes: Vec<u64>,
     /// It heartbeats: it handles SIGUSR1 by writing its flight recorder.
     beating: bool,
 }
@@ -120,6 +127,7 @@ pub fn run_attempt(
     // The node's ranks reach the store through one relay (it joins the
     // store while they start); it lives until they have all exited.
     let (relay, mut ends) = spawn::start_relay(cfg, env);
+    crate::reaper::watch_marks(&env.marks());
 
     // Events that come while ranks are still being started: a signal or a
     // rank that already failed stops the starting (a node of many ranks
@@ -172,8 +180,9 @@ pub fn run_attempt(
                     term_at = None;
                     kill_at = Some(now + STOP_GRACE);
                 } else if reason.is_none() && deadline.is_some_and(|d| now >= d) {
-                    let running = ranks.iter().filter(|r| r.ended.is_none()).map(|r| r.rank);
-                    reason = Some(Reason::TimedOut(running.collect()));
+                    let running = ranks.iter().filter(|r| r.ended.is_none());
+                    let stopped = running.clone().filter(|r| is_stopped(r.pid)).map(|r| r.rank).collect();
+                    reason = Some(Reason::TimedOut(running.map(|r| r.rank).collect(), stopped));
                     term_at = Some(ask_dumps(&ranks, now));
                 }
             }
@@ -212,7 +221,7 @@ pub fn run_attempt(
             }
             Ok(Event::Beating { .. } | Event::Silent { .. }) => {}
             Ok(Event::Signal(sig)) => {
-                if matches!(reason, None | Some(Reason::TimedOut(_))) {
+                if matches!(reason, None | Some(Reason::TimedOut(..))) {
                     say!(
                         "cohort: got {}; forwarding it to the ranks (again to kill them)",
                         crate::summary::signal_name(sig)
@@ -243,16 +252,38 @@ pub fn run_attempt(
         crate::reaper::forget(p.pid);
     }
     // Every reader holds a `done` sender: disconnection means all finished.
+    let held = done_rx.recv_timeout(ESCAPEE_GRACE) == Err(RecvTimeoutError::Timeout);
+    kill_escapees(&ranks, held, &env.marks());
     drain(&done_rx, &activity);
+    for p in &ranks {
+        crate::reaper::forget_pipes(&p.pipes);
+    }
 
     match reason {
         None => Outcome::Success,
         Some(Reason::Failed(local)) => Outcome::Failed(failure(cfg, &ranks[local])),
         Some(Reason::Unresponsive(local, silent)) => Outcome::Unresponsive(failure(cfg, &ranks[local]), silent),
         Some(Reason::Interrupted(sig)) => Outcome::Interrupted(sig),
-        Some(Reason::TimedOut(running)) => Outcome::TimedOut(running),
+        Some(Reason::TimedOut(running, stopped)) => Outcome::TimedOut(running, stopped),
         Some(Reason::SpawnFailed(msg)) => Outcome::SpawnFailed(msg),
         Some(Reason::Verdict) => Outcome::Verdict(verdict_seen.expect("the verdict that stopped the ranks")),
+    }
+}
+
+/// Kills the processes that left the ranks' process groups (setsid, a
+/// daemon) and carry the attempt's `marks` in their environment or, when
+/// the output pipes are `held` open still, hold them (which would keep the
+/// readers, and the launcher, waiting); says which.
+fn kill_escapees(ranks: &[RankProc], held: bool, marks: &[String]) {
+    let inodes: Vec<u64> = ranks.iter().filter(|_| held).flat_map(|p| p.pipes.iter().copied()).collect();
+    let groups: Vec<u32> = ranks.iter().map(|p| p.pid).collect();
+    let killed = crate::escapees::kill(&inodes, marks, &groups);
+    if !killed.is_empty() {
+        say!(
+            "cohort: killed process(es) {} after the ranks exited: they had left their rank's process group \
+             (setsid, a daemon) and still held its output or carried its environment",
+            killed.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+        );
     }
 }
 
@@ -311,6 +342,14 @@ fn ask_dumps(ranks: &[RankProc], now: Instant) -> Instant {
     }
 }
 
+/// Whether process `pid` is stopped (SIGSTOP, Ctrl-Z) or held by a
+/// debugger: state `T` or `t` in `/proc/<pid>/stat`.
+fn is_stopped(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    // The name before the state is in parentheses and may hold any byte.
+    stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with(['T', 't']))
+}
+
 /// Whether `event`, come while the ranks of `attempt` are being started,
 /// means no more should start: the launcher got a signal, or a started rank
 /// failed (a rank of an earlier attempt does not count).
@@ -327,7 +366,7 @@ enum Reason {
     Failed(usize),
     Unresponsive(usize, Duration),
     Interrupted(libc::c_int),
-    TimedOut(Vec<usize>),
+    TimedOut(Vec<usize>, Vec<usize>),
     SpawnFailed(String),
     Verdict,
 }
@@ -366,6 +405,9 @@ fn start_rank(
     crate::reaper::watch(pid);
     let stdout = child.stdout.take().expect("stdout is piped");
     let stderr = child.stderr.take().expect("stderr is piped");
+    let pipes = [crate::escapees::pipe_inode(&stdout), crate::escapees::pipe_inode(&stderr)];
+    let pipes: Vec<u64> = pipes.into_iter().filter_map(Result::ok).collect();
+    crate::reaper::watch_pipes(&pipes);
     let threads = output::spawn_reader(stdout, Stream::Stdout, &sinks, out_file, done.clone())
         .and_then(|_| output::spawn_reader(stderr, Stream::Stderr, &sinks, err_file, done.clone()));
     let tx = events.clone();
@@ -381,7 +423,7 @@ fn start_rank(
         crate::reaper::forget(pid);
         return Err(format!("cannot start the threads that watch rank {rank}: {e}"));
     }
-    Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail, beating: false })
+    Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail, pipes, beating: false })
 }
 
 /// Sends `sig` to the process group of every rank still running; a

@@ -66,10 +66,13 @@ pub fn report(dir: &Path) -> Option<String> {
     }
     match merge_files(&[dir]) {
         Ok(report) => {
-            let body: String = report.to_string().lines().map(|l| format!("\n  {l}")).collect();
+            // The dumps are the ranks' own writing.
+            let body: String =
+                report.to_string().lines().map(|l| format!("\n  {}", crate::output::printable(l))).collect();
             Some(format!("flight recorder ({}; `cohort trace {}`):{body}", dir.display(), dir.display()))
         }
-        Err(e) => Some(format!("flight recorder: {e}")),
+        // It may name a file a rank put there.
+        Err(e) => Some(format!("flight recorder: {}", crate::output::printable(&e.to_string()))),
     }
 }
 

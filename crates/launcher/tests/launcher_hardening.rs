@@ -257,6 +257,138 @@ fn ranks_children_die_with_a_sigkilled_launcher() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+#[test]
+fn escapees_holding_a_ranks_output_die_with_a_sigkilled_launcher() {
+    // Processes that left their rank's group (setsid) and never write,
+    // rank 0's with the rank's output, rank 1's with its output on
+    // /dev/null: before, the reaper (which kills groups) missed both.
+    let dir = temp_dir("escapee-reaped");
+    let script = format!(
+        "if [ $RANK = 0 ]; then out=; else out=/dev/null; fi; \
+         setsid sh -c \"echo \\$\\$ > {}/escapee$RANK.pid; exec sleep 300 ${{out:+>$out 2>&1}}\" & wait",
+        dir.display()
+    );
+    let child = cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]).spawn().unwrap();
+    let pids = wait_pid_files(&dir, 2, Duration::from_secs(20));
+    let _guard = KillOnDrop(pids.clone());
+    // SAFETY: kill(2) on the pid of our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };
+    let _ = wait_output(child, LIMIT);
+    assert_eq!(wait_all_gone(&pids, Duration::from_secs(10)), Vec::<i32>::new(), "escapees outlived the launcher");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn processes_that_left_the_ranks_groups_holding_their_output_are_killed() {
+    // Each rank starts a process that leaves its group (setsid), then exits
+    // 0: rank 0's keeps the rank's output and writes a line every 0.3 s
+    // forever (before: the launcher waited for its pipes forever, deaf to
+    // SIGTERM), rank 1's is silent, its output on /dev/null (before: left
+    // running).
+    let dir = temp_dir("escapees");
+    let d = dir.display();
+    let script = format!(
+        "if [ $RANK = 0 ]; then setsid sh -c 'echo $$ > {d}/escapee0.pid; while :; do echo tick; sleep 0.3; done' & \
+         else setsid sh -c 'echo $$ > {d}/escapee1.pid; exec sleep 1000 >/dev/null 2>&1' & fi; sleep 1; echo started"
+    );
+    let child = cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]).spawn().unwrap();
+    let pids = wait_pid_files(&dir, 2, Duration::from_secs(20));
+    let _guard = KillOnDrop(pids.clone());
+    let start = Instant::now();
+    let out = wait_output(child, Duration::from_secs(30));
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
+    assert_eq!(wait_all_gone(&pids, Duration::from_secs(5)), Vec::<i32>::new(), "escapees left running: {stderr}");
+    for pid in &pids {
+        assert!(stderr.contains(&pid.to_string()), "the launcher names what it killed ({pid}): {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_failed_ranks_last_lines_are_quoted_with_control_characters_escaped() {
+    // Terminal escapes (set the title, clear the screen), a carriage return
+    // that would hide the quote's prefix under a forged launcher line, a NUL
+    // and a byte that is not UTF-8 (before: quoted raw in the summary).
+    let script = r"printf '\033]0;pwned\007\033[2Jbefore\rcohort: every rank exited with 0\000x\377\n'; exit 1";
+    let out = output_within(cohort_run_program("sh", &["-n", "1", "--master-port", "0"], &["-c", script]), LIMIT);
+    assert_eq!(code(out.status, &out), 1);
+    let raw = b"\x1b]0;pwned\x07\x1b[2Jbefore\rcohort: every rank exited with 0\0x\xff\n";
+    assert!(out.stdout.ends_with(raw), "the rank's own output passes through as written: {:?}", out.stdout);
+    let (_, stderr) = texts(&out);
+    let summary = &stderr[stderr.find("cohort: job failed").expect(&stderr)..];
+    let quoted = "[rank 0]: \\u{1b}]0;pwned\\u{7}\\u{1b}[2Jbefore\\rcohort: every rank exited with 0\\0x\u{fffd}";
+    assert!(summary.contains(quoted), "{summary:?}");
+    assert!(!summary.chars().any(|c| c.is_control() && c != '\n'), "{summary:?}");
+}
+
+#[test]
+fn a_timeout_names_the_rank_that_was_stopped() {
+    // Rank 1 stops itself (SIGSTOP) and sends no heartbeat to be missed:
+    // --timeout ends the job (before: "ranks 0, 1 were still running", with
+    // nothing to tell the stopped one from the busy one).
+    let script = "if [ $RANK = 1 ]; then kill -STOP $$; fi; sleep 30";
+    let opts = ["-n", "2", "--master-port", "0", "--timeout", "2"];
+    let out = output_within(cohort_run_program("sh", &opts, &["-c", script]), LIMIT);
+    let (_, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 124, "{stderr}");
+    assert!(stderr.contains("ranks 0, 1 were still running and were stopped"), "{stderr}");
+    assert!(stderr.contains("rank 1 was itself stopped (SIGSTOP"), "{stderr}");
+    assert!(!stderr.contains("rank 0 was itself"), "{stderr}");
+}
+
+#[test]
+fn a_rank_that_closes_its_output_is_waited_for_and_forked_children_are_gone() {
+    // Rank 0 closes stdout and stderr at once (its readers see the end long
+    // before it exits 5); rank 1 forks 200 children and exits 0 at once.
+    let dir = temp_dir("closed-and-forks");
+    let script = format!(
+        "if [ $RANK = 0 ]; then exec >&- 2>&-; sleep 1; exit 5; fi; \
+         for i in $(seq 200); do sleep 1000 & echo $! >> {}/children; done; exit 0",
+        dir.display()
+    );
+    let out = output_within(cohort_run_program("sh", &["-n", "2", "--master-port", "0"], &["-c", &script]), LIMIT);
+    let (_, stderr) = texts(&out);
+    let children: Vec<i32> =
+        std::fs::read_to_string(dir.join("children")).unwrap().lines().map(|l| l.parse().unwrap()).collect();
+    let _guard = KillOnDrop(children.clone());
+    assert_eq!(code(out.status, &out), 5, "{stderr}");
+    assert!(stderr.contains("rank 0 failed first: it exited with code 5 after 1."), "{stderr}");
+    assert_eq!(children.len(), 200);
+    assert_eq!(wait_all_gone(&children, Duration::from_secs(5)), Vec::<i32>::new(), "children left running");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn an_escapee_that_keeps_starting_escapees_leaves_none() {
+    // It leaves the group with its output on /dev/null and starts a new
+    // session every 10 ms (before: those started between the launcher's
+    // look and its kill were left running).
+    let dir = temp_dir("escapee-spawner");
+    let list = dir.join("started");
+    let script = format!(
+        "setsid sh -c 'echo $$ >> {l}; while :; do setsid sh -c \"echo \\$\\$ >> {l}; exec sleep 1000\" & sleep 0.01; \
+         done' >/dev/null 2>&1 & sleep 1; exit 0",
+        l = list.display()
+    );
+    let out = output_within(cohort_run_program("sh", &["-n", "1", "--master-port", "0"], &["-c", &script]), LIMIT);
+    let read = || -> Vec<i32> {
+        std::fs::read_to_string(&list).unwrap_or_default().lines().filter_map(|l| l.parse().ok()).collect()
+    };
+    let started = read();
+    let _guard = KillOnDrop(started.clone());
+    let (_, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stderr}");
+    assert!(started.len() > 10, "{started:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    let after = read();
+    let _guard2 = KillOnDrop(after.clone());
+    assert_eq!(after.len(), started.len(), "the escapee still starts processes: {stderr}");
+    assert_eq!(wait_all_gone(&after, Duration::from_secs(5)), Vec::<i32>::new(), "left running: {stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Sends SIGKILL to its processes when dropped (a failed check included).
 struct KillOnDrop(Vec<libc::pid_t>);
 
