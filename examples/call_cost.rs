@@ -90,8 +90,11 @@ fn nccl_all_reduce(calls: usize) {
     let raw = raw_nccl::Raw::new(1, 32, false).map_err(|why| println!("# raw NCCL rows skipped: {why}")).ok();
     #[cfg(feature = "cuda")]
     let raw_before = raw.as_ref().map(|raw| raw_nccl_rows(raw, calls));
-    let bufs: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
-    let call = || group.all_reduce(&bufs, &bufs, ReduceOp::Max).expect("all_reduce");
+    // Out of place, as raw NCCL's calls: a one-rank NCCL all-reduce in
+    // place moves no bytes at all, one out of place copies them.
+    let src: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
+    let dst: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[0.0; 8]).expect("buffer")).collect();
+    let call = || group.all_reduce(&src, &dst, ReduceOp::Sum).expect("all_reduce");
     // At most 2,000: a waited call may cost a millisecond.
     let waited =
         measure("all_reduce 32 B, 1 CUDA device (NCCL), wait", calls.min(2000), || call().wait().expect("wait"));
@@ -102,7 +105,7 @@ fn nccl_all_reduce(calls: usize) {
         }
         group.sync().expect("sync");
     });
-    assert_eq!(bufs[0].to_vec().expect("read"), [1.0; 8], "max of ones is one");
+    assert_eq!(dst[0].to_vec().expect("read"), [1.0; 8], "one rank's sum is its source");
     #[cfg(feature = "cuda")]
     if let (Some(raw), Some((wait_before, queued_before))) = (raw.as_ref(), raw_before) {
         let (wait_after, queued_after) = raw_nccl_rows(raw, calls);
@@ -114,8 +117,8 @@ fn nccl_all_reduce(calls: usize) {
     let _ = (waited, queued);
 }
 
-/// Raw NCCL's one-rank all-reduce of 32 B (sum; cohort's calls take max,
-/// which costs the same), waited on both ways and queued back to back;
+/// Raw NCCL's one-rank all-reduce of 32 B (sum, out of place, as cohort's
+/// calls), waited on both ways and queued back to back;
 /// returns the best wait and the queued time, µs per call.
 #[cfg(feature = "cuda")]
 fn raw_nccl_rows(raw: &raw_nccl::Raw, calls: usize) -> (f64, f64) {
