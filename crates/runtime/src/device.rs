@@ -117,13 +117,14 @@ impl StateCell {
     /// `asleep` is read, and the thread sets `asleep` before it reads the
     /// flag a last time (both sequentially consistent): one of the two
     /// sees the other.
+    ///
+    /// A wake-up carries no work, so it is not counted in flight: a caller
+    /// may still run inline (a waiter polling its collective's end on its
+    /// own thread) while the device thread wakes, instead of waiting for it.
     fn wake_for_collectives(&self, sender: &Sender<Message>) {
         self.poll_wanted.store(true, Ordering::SeqCst);
         if self.asleep.load(Ordering::SeqCst) {
-            self.in_flight.fetch_add(1, Ordering::AcqRel);
-            if sender.send(Message::Wake).is_err() {
-                self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            }
+            let _ = sender.send(Message::Wake);
         }
     }
 }
@@ -848,8 +849,11 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         let mut state = cell.lock();
         // Counted out once the lock is held: until this message's task
         // returns and the lock is let go, no caller runs inline (see
-        // `enter_inline`); after, every message sent before it has run.
-        cell.in_flight.fetch_sub(1, Ordering::AcqRel);
+        // `enter_inline`); after, every message sent before it has run. A
+        // wake-up was never counted (see `wake_for_collectives`).
+        if !matches!(message, Message::Wake) {
+            cell.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
         match message {
             Message::Task(stream, task) => run_caught(&mut state, stream, task),
             Message::Launch(stream, launch) => run_launch(&mut state, stream, launch),
