@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use cohort_comm::trace::printable;
 use crossbeam::channel::Sender;
 use parking_lot::Mutex;
 
@@ -79,34 +80,13 @@ impl Tail {
         if q.len() == TAIL_LINES {
             q.pop_front();
         }
-        q.push_back(printable(&String::from_utf8_lossy(cut)));
+        q.push_back(printable(&String::from_utf8_lossy(cut)).into_owned());
     }
 
     /// The lines kept, oldest first.
     pub fn lines(&self) -> Vec<String> {
         self.0.lock().iter().cloned().collect()
     }
-}
-
-/// `text` with every control character (C0, DEL, C1: escapes, carriage
-/// returns, NUL, tabs) and every bidirectional-text control written as a
-/// Rust escape (`\u{1b}`, `\r`, `\0`): for the launcher's own messages
-/// that quote what a rank (or a node) wrote, so that the quote can neither
-/// drive the terminal nor pass for a line of the launcher's.
-pub fn printable(text: &str) -> String {
-    let hidden = |c: char| {
-        c.is_control()
-            || matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
-    };
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if hidden(c) {
-            out.extend(c.escape_debug());
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// Which stream of a rank.
@@ -277,12 +257,6 @@ impl Copy {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn quotes_show_control_characters_as_escapes() {
-        assert_eq!(printable("a\x1b[31mb\rc\0d\te\u{9b}f\u{202e}g"), r"a\u{1b}[31mb\rc\0d\te\u{9b}f\u{202e}g");
-        assert_eq!(printable("plain 'text' \"é\" \\ ✓"), "plain 'text' \"é\" \\ ✓");
-    }
 
     #[test]
     fn tail_keeps_the_last_lines() {

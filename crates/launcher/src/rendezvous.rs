@@ -374,7 +374,7 @@ fn hostname() -> String {
         return "an unknown host".into();
     }
     let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    format!("on host {}", crate::output::printable(&String::from_utf8_lossy(&buf[..end])))
+    format!("on host {}", cohort_comm::trace::printable(&String::from_utf8_lossy(&buf[..end])))
 }
 
 /// Connects to node 0's store, trying for up to `limit`, and says on

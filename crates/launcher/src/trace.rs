@@ -68,11 +68,11 @@ pub fn report(dir: &Path) -> Option<String> {
         Ok(report) => {
             // The dumps are the ranks' own writing.
             let body: String =
-                report.to_string().lines().map(|l| format!("\n  {}", crate::output::printable(l))).collect();
+                report.to_string().lines().map(|l| format!("\n  {}", cohort_comm::trace::printable(l))).collect();
             Some(format!("flight recorder ({}; `cohort trace {}`):{body}", dir.display(), dir.display()))
         }
         // It may name a file a rank put there.
-        Err(e) => Some(format!("flight recorder: {}", crate::output::printable(&e.to_string()))),
+        Err(e) => Some(format!("flight recorder: {}", cohort_comm::trace::printable(&e.to_string()))),
     }
 }
 

@@ -1,9 +1,11 @@
 //! Merging every rank's flight recorder to find where a job got stuck.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::path::Path;
 
+use super::printable;
 use super::recorder::{CollectiveFingerprint, RecordState, RecorderDump};
 
 /// A collective that not every rank finished.
@@ -79,7 +81,7 @@ struct SetAside {
 impl SetAside {
     fn add(&mut self, source: String, reason: String) {
         if self.named.len() < NAMED_SKIPS {
-            let (source, reason) = (escaped(&source).unwrap_or(source), escaped(&reason).unwrap_or(reason));
+            let (source, reason) = (printable(&source).into_owned(), printable(&reason).into_owned());
             self.named.push(Skipped { source, reason });
         } else {
             self.more += 1;
@@ -87,25 +89,16 @@ impl SetAside {
     }
 }
 
-/// `text` with its control characters escaped (`\u{1b}`, `\r`, `\n`), or
-/// `None` when it has none: a dump's strings and file names are shown on a
-/// terminal, where an escape sequence could clear it or forge lines.
-fn escaped(text: &str) -> Option<String> {
-    if !text.chars().any(char::is_control) {
-        return None;
-    }
-    Some(text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect())
-}
-
-/// Escapes the control characters of every string of `dump` (see [`escaped`]).
+/// Escapes the control characters of every string of `dump` (see
+/// [`printable`]).
 fn defang(dump: &mut RecorderDump) {
     fn fix(s: &mut String) {
-        if let Some(clean) = escaped(s) {
+        if let Cow::Owned(clean) = printable(s) {
             *s = clean;
         }
     }
-    fn fix_cow(s: &mut std::borrow::Cow<'static, str>) {
-        if let Some(clean) = escaped(s) {
+    fn fix_cow(s: &mut Cow<'static, str>) {
+        if let Cow::Owned(clean) = printable(s) {
             *s = clean.into();
         }
     }

@@ -14,11 +14,13 @@
 //!   is where a hang started.
 
 mod merge;
+mod printable;
 mod recorder;
 mod timeline;
 mod watch;
 
 pub use merge::{merge, merge_files, MergeReport, Skipped, Straggler, MAX_DUMP_BYTES, MAX_WORLD_SIZE};
+pub use printable::printable;
 pub(crate) use recorder::Ranks;
 pub use recorder::{
     install_dump_on_signal, trace_dir, CollectiveFingerprint, CollectiveRecord, FlightRecorder, RecordId, RecordState,
