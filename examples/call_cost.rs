@@ -11,8 +11,9 @@
 //! alone, which a small call on an idle device skips); beside them, raw
 //! NCCL's all-reduce of the same size through cudarc, waited on (with
 //! `cuStreamSynchronize`, and spinning on `cuStreamQuery` as cohort's
-//! waiters do) and queued back to back, and what cohort adds to each
-//! (its time less raw NCCL's best, in the same run). Run it under
+//! waiters do) and queued back to back, and what cohort adds to each:
+//! raw and cohort alternate over seven rounds, and the medians of the
+//! rounds are compared. Run it under
 //! `perf stat -e task-clock,context-switches` for context switches per call
 //! and under `perf record -e cpu-clock` for where the time goes.
 //!
@@ -67,8 +68,20 @@ fn measure_queued(what: &str, batches: usize, per: usize, mut batch: impl FnMut(
     micros
 }
 
+/// Rounds of the NCCL rows: raw NCCL and cohort alternate, round after
+/// round, so a drift of the machine (clocks, other load) reaches both; the
+/// medians of the rounds are compared.
+const NCCL_ROUNDS: usize = 7;
+
+/// The median of `values` (sorted here).
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
 /// A one-device all-reduce through a one-rank NCCL communicator, waited on
-/// and queued back to back, where a CUDA device and NCCL are found.
+/// and queued back to back, where a CUDA device and NCCL are found; raw
+/// NCCL's beside it, alternating round by round.
 fn nccl_all_reduce(calls: usize) {
     let clients = match cohort::runtime::clients_of("cuda", Some(1)) {
         Ok(clients) => clients,
@@ -84,42 +97,73 @@ fn nccl_all_reduce(calls: usize) {
     measure("empty task round trip, CUDA device thread", calls.min(2000), || {
         clients[0].exclusive(|| ()).expect("exclusive")
     });
-    // Raw NCCL is measured before and after cohort's calls, against the
-    // best of the two (no side gains from running second).
     #[cfg(feature = "cuda")]
     let raw = raw_nccl::Raw::new(1, 32, false).map_err(|why| println!("# raw NCCL rows skipped: {why}")).ok();
-    #[cfg(feature = "cuda")]
-    let raw_before = raw.as_ref().map(|raw| raw_nccl_rows(raw, calls));
     // Out of place, as raw NCCL's calls: a one-rank NCCL all-reduce in
     // place moves no bytes at all, one out of place copies them.
     let src: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
     let dst: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[0.0; 8]).expect("buffer")).collect();
     let call = || group.all_reduce(&src, &dst, ReduceOp::Sum).expect("all_reduce");
-    // At most 2,000: a waited call may cost a millisecond.
-    let waited =
-        measure("all_reduce 32 B, 1 CUDA device (NCCL), wait", calls.min(2000), || call().wait().expect("wait"));
-    let what = "all_reduce 32 B, 1 CUDA device (NCCL), queued (sync per 100)";
-    let queued = measure_batches(what, (calls / 100).max(1), 100, || {
-        for _ in 0..100 {
-            call();
-        }
-        group.sync().expect("sync");
-    });
-    assert_eq!(dst[0].to_vec().expect("read"), [1.0; 8], "one rank's sum is its source");
+    // A one-rank Communicator over the same device (a job's rank with one
+    // GPU; a store served in this process).
+    let server = cohort::comm::store::StoreServer::bind("127.0.0.1:0", "call_cost").expect("store");
+    let addr = server.local_addr().to_string();
+    let comm =
+        cohort::comm::Communicator::connect(0, 1, &addr, "call_cost", vec![clients[0].clone()]).expect("connect");
+    let rank_call = || comm.all_reduce(&src[..1], &dst[..1], ReduceOp::Sum).expect("all_reduce");
+    // A waited call may cost a millisecond: at most 2,000 per round.
+    let per_round = (calls / NCCL_ROUNDS).clamp(100, 2000);
+    let (mut waited, mut queued) = (Vec::new(), Vec::new());
+    let (mut rank_waited, mut rank_queued) = (Vec::new(), Vec::new());
     #[cfg(feature = "cuda")]
-    if let (Some(raw), Some((wait_before, queued_before))) = (raw.as_ref(), raw_before) {
-        let (wait_after, queued_after) = raw_nccl_rows(raw, calls);
-        let (best, raw_queued) = (wait_before.min(wait_after), queued_before.min(queued_after));
-        println!("cohort adds, waited: {:.2} µs ({:.2}× raw's best wait)", waited - best, waited / best);
-        println!("cohort adds, queued: {:.2} µs ({:.2}× raw)", queued - raw_queued, queued / raw_queued);
+    let (mut raw_waited, mut raw_queued) = (Vec::new(), Vec::new());
+    for round in 1..=NCCL_ROUNDS {
+        println!("# round {round} of {NCCL_ROUNDS}");
+        #[cfg(feature = "cuda")]
+        if let Some(raw) = raw.as_ref() {
+            let (w, q) = raw_nccl_rows(raw, per_round);
+            raw_waited.push(w);
+            raw_queued.push(q);
+        }
+        let what = "all_reduce 32 B, 1 CUDA device (NCCL), wait";
+        waited.push(measure(what, per_round, || call().wait().expect("wait")));
+        let what = "all_reduce 32 B, 1 CUDA device (NCCL), queued (sync per 100)";
+        queued.push(measure_batches(what, (per_round / 100).max(1), 100, || {
+            for _ in 0..100 {
+                call();
+            }
+            group.sync().expect("sync");
+        }));
+        let what = "all_reduce 32 B, 1-rank Communicator (NCCL), wait";
+        rank_waited.push(measure(what, per_round, || rank_call().wait().expect("wait")));
+        let what = "all_reduce 32 B, 1-rank Communicator (NCCL), queued (sync per 100)";
+        rank_queued.push(measure_batches(what, (per_round / 100).max(1), 100, || {
+            for _ in 0..100 {
+                rank_call();
+            }
+            comm.sync().expect("sync");
+        }));
     }
-    #[cfg(not(feature = "cuda"))]
-    let _ = (waited, queued);
+    assert_eq!(dst[0].to_vec().expect("read"), [1.0; 8], "one rank's sum is its source");
+    let (waited, queued) = (median(&mut waited), median(&mut queued));
+    println!("cohort, median of {NCCL_ROUNDS} rounds: waited {waited:.2} µs, queued {queued:.2} µs");
+    let (rank_waited, rank_queued) = (median(&mut rank_waited), median(&mut rank_queued));
+    let what = "1-rank Communicator, median of";
+    println!("{what} {NCCL_ROUNDS} rounds: waited {rank_waited:.2} µs, queued {rank_queued:.2} µs");
+    #[cfg(feature = "cuda")]
+    if !raw_waited.is_empty() {
+        let (best, raw_queued) = (median(&mut raw_waited), median(&mut raw_queued));
+        println!("raw NCCL, median of {NCCL_ROUNDS} rounds: waited {best:.2} µs, queued {raw_queued:.2} µs");
+        println!("cohort adds, waited: {:.2} µs ({:.2}× raw)", waited - best, waited / best);
+        println!("cohort adds, queued: {:.2} µs ({:.2}× raw)", queued - raw_queued, queued / raw_queued);
+        let (w, q) = (rank_waited - best, rank_queued - raw_queued);
+        println!("a 1-rank Communicator adds: waited {w:.2} µs, queued {q:.2} µs");
+    }
 }
 
 /// Raw NCCL's one-rank all-reduce of 32 B (sum, out of place, as cohort's
 /// calls), waited on both ways and queued back to back;
-/// returns the best wait and the queued time, µs per call.
+/// returns the better wait and the queued time, µs per call.
 #[cfg(feature = "cuda")]
 fn raw_nccl_rows(raw: &raw_nccl::Raw, calls: usize) -> (f64, f64) {
     use cohort::comm::op::Collective::AllReduce;
@@ -127,8 +171,8 @@ fn raw_nccl_rows(raw: &raw_nccl::Raw, calls: usize) -> (f64, f64) {
         raw.queue(AllReduce, 32).expect("raw all-reduce");
         raw.sync(spin).expect("raw sync");
     };
-    let synced = measure("raw NCCL all_reduce 32 B, wait (synchronize)", calls.min(2000), || once(false));
-    let spun = measure("raw NCCL all_reduce 32 B, wait (query spin)", calls.min(2000), || once(true));
+    let synced = measure("raw NCCL all_reduce 32 B, wait (synchronize)", calls, || once(false));
+    let spun = measure("raw NCCL all_reduce 32 B, wait (query spin)", calls, || once(true));
     let what = "raw NCCL all_reduce 32 B, queued (sync per 100)";
     let queued = measure_batches(what, (calls / 100).max(1), 100, || {
         for _ in 0..100 {

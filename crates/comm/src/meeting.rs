@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::{DeviceId, ServerError};
+use cohort_runtime::{Client, DeviceId, ServerError};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use smallvec::SmallVec;
 
@@ -431,11 +431,19 @@ pub(crate) trait Seated: Send + Sync + 'static {
     /// Part `slot`'s task was dropped unrun (after the meeting failed).
     fn dropped_unrun(&self, _slot: usize) {}
 
+    /// The devices whose running collectives a waiter polls itself (see
+    /// [`Seated::help`]): by default none, and the devices' threads tell
+    /// the meeting.
+    fn helpers(&self) -> &[Client] {
+        &[]
+    }
+
     /// Looks, on the waiting thread, whether the work its parts left
-    /// running ended (see `Client::poll_collectives`); whether it could
-    /// look. By default it cannot: the devices' threads tell the meeting.
+    /// running on the [`Seated::helpers`] ended, ending what did (see
+    /// `Client::poll_collectives`); whether it could look at any (a device
+    /// whose thread is busy, or holds it for a moment, is skipped).
     fn help(&self) -> bool {
-        false
+        self.helpers().iter().fold(false, |looked, client| client.poll_collectives() | looked)
     }
 
     /// Whether part `slot` finished its work: by default, once its task

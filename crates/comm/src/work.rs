@@ -23,12 +23,18 @@ trait Waitable: Send + Sync {
 
 impl<E: Seated> Waitable for E {
     fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
-        // Where the executor can look for its own end on this thread (a
-        // part queued from here on an idle device), it does so for the
-        // spin window before it waits for the device thread to tell it.
-        if !self.is_done() && self.help() {
+        // Where the executor can look for its own end on this thread (its
+        // parts' calls run on one device, which this thread polls when
+        // that device is idle), it does so for the spin window before it
+        // waits for the device thread to tell it: no wake-up on either
+        // side. When it cannot look for a moment (the device thread holds
+        // the device, polling the same collectives), it goes on watching:
+        // the end is seen as soon as either thread finds it.
+        if !self.helpers().is_empty() && !self.is_done() {
+            self.help();
             let (start, window) = (Instant::now(), cohort_runtime::spin_window());
-            while !self.is_done() && start.elapsed() < window && self.help() {
+            while !self.is_done() && start.elapsed() < window {
+                self.help();
                 std::hint::spin_loop();
             }
         }

@@ -199,6 +199,65 @@ fn one_rank_on_one_gpu_runs_every_collective_through_nccl() {
     assert_eq!(results.len(), 1);
 }
 
+/// A one-rank job's collective on an idle GPU is queued by the caller's
+/// thread itself (the device counts it) and its handle ends, waited on at
+/// once round after round; one left unwaited still ends (the device thread
+/// polls it: a read waits for it); behind a task the device thread is
+/// still running it is queued there instead, and runs after that task.
+#[test]
+#[ignore = "needs CUDA GPUs: run with --include-ignored where one is"]
+fn one_rank_on_one_gpu_queues_its_collectives_from_the_callers_thread() {
+    let (results, _server) = ranks(vec![vec![0]], cuda, |comm| {
+        assert_eq!(comm.transport(), Transport::Nccl, "libnccl is needed too");
+        let device = comm.clients()[0].clone();
+        let ran_inline = || device.stats().unwrap().inline_tasks;
+        let host: Vec<f32> = (0..1024).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let src = device.create_from_slice(bytemuck::cast_slice(&host));
+        let all_reduce = |dst: &Handle, op| {
+            comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(dst), DType::F32, op)
+        };
+        let read = |dst: Handle| -> Vec<f32> { bytemuck::cast_slice(&device.read_one(dst).unwrap()).to_vec() };
+        // The device thread lets go of its state a moment after it answered
+        // the last round trip: a few tries.
+        let inline = (0..50).any(|round| {
+            let dst = device.empty(4096);
+            device.sync().unwrap();
+            let before = ran_inline();
+            let work = all_reduce(&dst, ReduceOp::Max).unwrap();
+            let counted = ran_inline() > before;
+            work.wait().unwrap();
+            assert_eq!(read(dst), host, "round {round}");
+            counted
+        });
+        assert!(inline, "a one-rank all-reduce on an idle GPU never ran on the caller's thread");
+
+        for round in 0..200 {
+            let dst = device.empty(4096);
+            all_reduce(&dst, ReduceOp::Sum).unwrap().wait().unwrap();
+            assert_eq!(read(dst), host, "waited round {round}");
+        }
+        let dst = device.empty(4096);
+        drop(all_reduce(&dst, ReduceOp::Min).unwrap());
+        assert_eq!(read(dst), host, "unwaited");
+
+        let dst = device.empty(4096);
+        let before = ran_inline();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        device
+            .submit(move |_| {
+                let _ = held.recv();
+            })
+            .unwrap();
+        let work = all_reduce(&dst, ReduceOp::Sum).unwrap();
+        assert!(!work.is_done(), "the device is held: the collective cannot have run");
+        release.send(()).unwrap();
+        work.wait().unwrap();
+        assert_eq!(ran_inline(), before, "the collective behind the held task ran inline");
+        assert_eq!(read(dst), host);
+    });
+    assert_eq!(results.len(), 1);
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs: two or more, one per rank"]
 fn two_gpus_one_rank_per_gpu_runs_every_collective_through_nccl() {

@@ -67,7 +67,9 @@ struct StateCell {
     /// Set by a caller whose inline task left device collectives running,
     /// for the device thread to poll them (see `wake_for_collectives`).
     poll_wanted: AtomicBool,
-    /// Set while the device thread sleeps on its channel.
+    /// Set while the device thread sleeps on its channel with no
+    /// collectives to poll (a thread that has some naps at most
+    /// [`COLLECTIVE_POLL`] and polls them when it wakes: it is not woken).
     asleep: AtomicBool,
 }
 
@@ -113,7 +115,10 @@ impl StateCell {
     /// Asks the device thread to poll the collectives an inline task left
     /// running (it ends them, reports their failures and aborts the ones
     /// that time out): a flag it reads while it spins, and, when it sleeps
-    /// on its channel, a [`Message::Wake`]. The flag is set before
+    /// on its channel without collectives to poll, a [`Message::Wake`]
+    /// (one that naps between polls of its own collectives polls within
+    /// [`COLLECTIVE_POLL`]; waking it would cost this caller a system
+    /// call and contend for the state with a waiter that polls itself). The flag is set before
     /// `asleep` is read, and the thread sets `asleep` before it reads the
     /// flag a last time (both sequentially consistent): one of the two
     /// sees the other.
@@ -296,6 +301,12 @@ impl DeviceHandle {
     /// run inline too, as inside [`DeviceHandle::exclusive`]. `None`
     /// otherwise: queue the task.
     pub(crate) fn enter_inline(&self) -> Option<Inline<'_>> {
+        self.enter_inline_within(INLINE_LOCK_WAIT)
+    }
+
+    /// [`DeviceHandle::enter_inline`], waiting at most `lock_wait` for the
+    /// state's lock (not at all when zero: a poll that is repeated anyway).
+    pub(crate) fn enter_inline_within(&self, lock_wait: Duration) -> Option<Inline<'_>> {
         let idle = |cell: &StateCell| cell.in_flight.load(Ordering::Acquire) == 0;
         if !self.inline_tasks || self.is_closed() || self.on_server_thread() || !idle(&self.cell) {
             return None;
@@ -305,7 +316,10 @@ impl DeviceHandle {
         // free, every message sent before has run. A thread that was just
         // answered by the device's last task finds the lock held for a
         // moment more: it waits that long, no more.
-        let mut guard = self.cell.state.try_lock_for(INLINE_LOCK_WAIT)?;
+        let mut guard = match lock_wait.is_zero() {
+            true => self.cell.state.try_lock()?,
+            false => self.cell.state.try_lock_for(lock_wait)?,
+        };
         let state = guard.as_mut().filter(|_| idle(&self.cell))?;
         let entry = state.backend.enter_caller()?;
         let state: *mut DeviceState = state;
@@ -669,7 +683,7 @@ fn default_spin_window() -> Duration {
 /// within microseconds, not at the next nap), and sleeps at most
 /// [`COLLECTIVE_POLL`], then reports a timeout. Without it, reports a
 /// timeout as soon as `wanted` is set (a caller's inline task left
-/// collectives running), taking the flag; `asleep` is set while it sleeps
+/// collectives running), taking the flag, and sets `asleep` while it sleeps
 /// (see [`StateCell::wake_for_collectives`]).
 fn recv_spinning<T>(
     receiver: &Receiver<T>,
@@ -680,11 +694,12 @@ fn recv_spinning<T>(
     let napping = poll.is_some();
     let take_wanted = |wanted: &AtomicBool| !napping && wanted.swap(false, Ordering::SeqCst);
     let sleep = |receiver: &Receiver<T>| {
+        if napping {
+            return receiver.recv_timeout(COLLECTIVE_POLL);
+        }
         asleep.store(true, Ordering::SeqCst);
         let got = if take_wanted(wanted) {
             Err(RecvTimeoutError::Timeout)
-        } else if napping {
-            receiver.recv_timeout(COLLECTIVE_POLL)
         } else {
             receiver.recv().map_err(|_| RecvTimeoutError::Disconnected)
         };
@@ -846,18 +861,24 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             }
             Err(RecvTimeoutError::Disconnected) => break,
         };
+        if let Message::Wake = message {
+            // Sent to a thread asleep without collectives: a caller left
+            // some. They are polled from the receive above, which takes the
+            // state only when it is free (the caller may be polling them
+            // itself); a wake-up never waits for the lock.
+            collectives_pending = true;
+            continue;
+        }
         let mut state = cell.lock();
         // Counted out once the lock is held: until this message's task
         // returns and the lock is let go, no caller runs inline (see
         // `enter_inline`); after, every message sent before it has run. A
         // wake-up was never counted (see `wake_for_collectives`).
-        if !matches!(message, Message::Wake) {
-            cell.in_flight.fetch_sub(1, Ordering::AcqRel);
-        }
+        cell.in_flight.fetch_sub(1, Ordering::AcqRel);
         match message {
             Message::Task(stream, task) => run_caught(&mut state, stream, task),
             Message::Launch(stream, launch) => run_launch(&mut state, stream, launch),
-            Message::Wake => {}
+            Message::Wake => unreachable!("taken above, without the lock"),
             Message::Shutdown => break,
         }
         since_poll += 1;

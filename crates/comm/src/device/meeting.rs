@@ -64,8 +64,8 @@ impl Seated for DeviceCollective {
         state.data.finished[slot]
     }
 
-    fn help(&self) -> bool {
-        self.helper.as_ref().is_some_and(Client::poll_collectives)
+    fn helpers(&self) -> &[Client] {
+        self.helper.as_slice()
     }
 }
 

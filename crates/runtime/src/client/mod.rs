@@ -271,7 +271,9 @@ impl Client {
     /// where it could not, the device thread polls them. Never waits for
     /// the device.
     pub fn poll_collectives(&self) -> bool {
-        match self.device.enter_inline() {
+        // Not waiting for the lock: a device thread that holds it is
+        // polling them itself, and the caller polls again.
+        match self.device.enter_inline_within(std::time::Duration::ZERO) {
             Some(mut inline) => {
                 inline.state().poll_collectives();
                 true

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerCall, PeerSpec};
-use cohort_runtime::{BufferAccess, DeviceId, ServerError};
+use cohort_runtime::{BufferAccess, Client, DeviceId, ServerError};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
@@ -88,6 +88,16 @@ impl Seated for NcclCall {
     /// A part that never ran has ended.
     fn dropped_unrun(&self, slot: usize) {
         self.end_part(slot);
+    }
+
+    /// One local device (a rank per GPU): a waiter polls the device for
+    /// the part's end itself once the device thread queued it, rather than
+    /// wait for that thread to find it and wake it.
+    fn helpers(&self) -> &[Client] {
+        match self.nccl.clients.len() {
+            1 => &self.nccl.clients,
+            _ => &[],
+        }
     }
 
     /// A part is done once it ended (its NCCL calls completed or failed).

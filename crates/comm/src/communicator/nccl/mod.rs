@@ -249,6 +249,18 @@ impl Nccl {
         if fp.group.is_some() || ops.len() != 1 {
             tracker.set_path(if fused.is_none() { "nccl" } else { "nccl fused" });
         }
+        // One local device (a rank per GPU) whose host check waits for no
+        // other rank (a collective in a one-rank job, or with the desync
+        // check off): its part meets nobody, and is queued from this thread at
+        // once where the device is idle, without the hand-over to the
+        // device thread (see `Client::submit_buffers_inline`). A check that
+        // exchanges fingerprints waits for the ring neighbour: on the
+        // device thread, never on the caller's. Not a barrier, which waits
+        // for its call.
+        let barrier = ops.iter().any(|op| op.collective() == Collective::Barrier);
+        let check_is_local =
+            ops.iter().all(|op| op.endpoints().is_none()) && (self.size == 1 || !super::world::desync_check());
+        let inline = self.clients.len() == 1 && !barrier && check_is_local;
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
@@ -291,9 +303,13 @@ impl Nccl {
             }
             let fusion = PartFusion { buckets: fused.clone(), scratch };
             let ticket = Ticket::new(&call, slot);
-            let queued = client.submit_buffers_always(name, input, output, move |access| {
+            let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
                 ticket.run(|call, slot| call.run_part(slot, access, &layout, &fusion))
-            });
+            };
+            let queued = match inline {
+                true => client.submit_buffers_inline(name, input, output, task),
+                false => client.submit_buffers_always(name, input, output, task),
+            };
             if let Err(source) = queued {
                 let err = CommError::Enqueue { operation: name, member: slot, device: client.device_id(), source };
                 call.fail(ServerError::InvalidState { operation: "collective", reason: err.to_string() });
