@@ -22,11 +22,13 @@
 //! same order, or two communicators can wait on each other across devices.
 //! It also means parts end in that order, so one event stands for every
 //! part before it: a part gets an event only when something needs one (a
-//! part from another stream, a poll that finds none recorded, a caller that
-//! waits for the part, or any other work about to be queued on its stream,
-//! a capture included), and parts queued back to back on one stream share
-//! the event recorded after the last of them. So a part's end is seen when
-//! its own calls end, never after work queued behind it.
+//! part from another stream, a caller that waits for the part, or any other
+//! work about to be queued on its stream, a capture included), and parts
+//! queued back to back on one stream share the event recorded after the
+//! last of them. So a part's end is seen when its own calls end, never
+//! after work queued behind it. A poll that finds no event recorded asks
+//! whether the last part's stream drained (`cuStreamQuery`): only parts
+//! were queued there since, so that says they all ended.
 //!
 //! The pending parts are polled (`poll`) when the device is idle, while it
 //! waits for any stream, and when a caller asks to wait: parts up to an
@@ -452,27 +454,36 @@ impl CudaBackend {
     fn poll_pending(&mut self, lib: &Nccl) {
         while !self.nccl.pending.is_empty() {
             // Parts end in queue order: the first event says for its part
-            // and every part before it. With none queued, one is recorded
-            // after the last part now.
-            let at = match self.nccl.pending.iter().position(|p| p.done.is_some()) {
-                Some(at) => at,
-                None => match self.close_run() {
-                    Ok(_) => self.nccl.pending.len() - 1,
-                    Err(reason) => {
-                        self.fail_all(lib, &reason);
-                        break;
+            // and every part before it. With none recorded, nothing but
+            // parts was queued on the last part's stream since it
+            // (`close_run_on` records one before anything else goes
+            // there): that stream drained says every part ended. Asked so,
+            // a waiter that polls a small collective records no event.
+            let (at, code, query) = match self.nccl.pending.iter().position(|p| p.done.is_some()) {
+                Some(at) => {
+                    let done = self.nccl.pending[at].done.expect("found above");
+                    // SAFETY: a live event of this context, recorded after part `at`.
+                    (at, unsafe { sys::cuEventQuery(done) }, "cuEventQuery")
+                }
+                None => {
+                    let at = self.nccl.pending.len() - 1;
+                    match self.streams.raw(self.nccl.pending[at].stream) {
+                        // SAFETY: a live stream of this context, not capturing
+                        // (`close_run_on` ran before any capture began on it,
+                        // giving its last part an event); only reads its state.
+                        Ok(raw) => (at, unsafe { sys::cuStreamQuery(raw) }, "cuStreamQuery"),
+                        Err(err) => {
+                            self.fail_all(lib, &err.to_string());
+                            break;
+                        }
                     }
-                },
+                }
             };
-            let done = self.nccl.pending[at].done.expect("found or recorded above");
-            // SAFETY: a live event of this context, recorded after part `at`.
-            let code = unsafe { sys::cuEventQuery(done) };
             if code == sys::CUresult::CUDA_ERROR_NOT_READY {
                 break;
             }
             if code != sys::CUresult::CUDA_SUCCESS {
-                let (set, reason) =
-                    (self.nccl.pending[at].set, format!("cuEventQuery: {}", super::driver::describe(code)));
+                let (set, reason) = (self.nccl.pending[at].set, format!("{query}: {}", super::driver::describe(code)));
                 self.fail_set(lib, set, &reason);
                 continue;
             }
