@@ -13,9 +13,12 @@
 //! `cuStreamSynchronize`, and spinning on `cuStreamQuery` as cohort's
 //! waiters do) and queued back to back, and what cohort adds to each:
 //! raw and cohort alternate over seven rounds, and the medians of the
-//! rounds are compared. Run it under
-//! `perf stat -e task-clock,context-switches` for context switches per call
-//! and under `perf record -e cpu-clock` for where the time goes.
+//! rounds are compared; and a one-rank `Communicator` over that device.
+//! Built with `--features stage-clock`, it also prints where a NCCL call's
+//! time goes on the caller's thread, stage by stage (`cohort::runtime::stages`).
+//! Run it under `perf stat -e task-clock,context-switches` for context
+//! switches per call and under `perf record -e cpu-clock` for where the
+//! time goes, where perf is allowed.
 //!
 //! Run: `cargo run --release --example call_cost -- [CALLS] [SECTION]`,
 //! SECTION being one of `group`, `communicator`, `launch`, `read` and
@@ -26,6 +29,7 @@ use std::time::Instant;
 
 use cohort::comm::{Buffer, ClientGroup, Collectives, ReduceOp};
 use cohort::runtime::conformance::{kernels, CountingAllocator};
+use cohort::runtime::stages::{self, Stage};
 use cohort::runtime::{Bytes, Client, GridCount, KernelArguments, Scalar};
 
 #[cfg(feature = "cuda")]
@@ -144,6 +148,26 @@ fn nccl_all_reduce(calls: usize) {
             comm.sync().expect("sync");
         }));
     }
+    if cohort::runtime::stages::ENABLED {
+        let waited_call = || {
+            let work = call();
+            stages::mark(Stage::Returned);
+            work.wait().expect("wait");
+            stages::mark(Stage::Waited);
+        };
+        stage_table("waited", per_round as u64, waited_call, |_| {});
+        let queued_call = || {
+            call();
+            stages::mark(Stage::Returned);
+        };
+        let sync = |i| {
+            if i % 100 == 99 {
+                group.sync().expect("sync");
+            }
+        };
+        stage_table("queued (a sync per 100 calls, untimed)", per_round as u64, queued_call, sync);
+        group.sync().expect("sync");
+    }
     assert_eq!(dst[0].to_vec().expect("read"), [1.0; 8], "one rank's sum is its source");
     let (waited, queued) = (median(&mut waited), median(&mut queued));
     println!("cohort, median of {NCCL_ROUNDS} rounds: waited {waited:.2} µs, queued {queued:.2} µs");
@@ -159,6 +183,22 @@ fn nccl_all_reduce(calls: usize) {
         let (w, q) = (rank_waited - best, rank_queued - raw_queued);
         println!("a 1-rank Communicator adds: waited {w:.2} µs, queued {q:.2} µs");
     }
+}
+
+/// Runs `call` `calls` times with this thread's stage clock on (see
+/// `cohort::runtime::stages`; the `stage-clock` feature) and prints where
+/// each call's time went, stage by stage.
+/// `between(i)` runs after call `i`, untimed.
+fn stage_table(what: &str, calls: u64, mut call: impl FnMut(), mut between: impl FnMut(u64)) {
+    stages::reset();
+    for i in 0..calls {
+        stages::start();
+        call();
+        stages::stop();
+        between(i);
+    }
+    println!("stages of all_reduce 32 B, 1 CUDA device (NCCL), {what}:");
+    print!("{}", stages::table(calls));
 }
 
 /// Raw NCCL's one-rank all-reduce of 32 B (sum, out of place, as cohort's

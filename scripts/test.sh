@@ -62,6 +62,9 @@ cargo test -p cohort-comm --features mpi --all-targets
 log "the collective suite under mpirun over the MPI transport"
 cargo test -p cohort-launch --features mpi --test communicator_mpi
 
+log "the stage clock compiled in (cohort-runtime's stage-clock feature)"
+cargo test -p cohort-runtime --features stage-clock --lib stages
+
 log "doc tests"
 cargo test --workspace --doc
 

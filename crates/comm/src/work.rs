@@ -12,6 +12,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cohort_runtime::stages::{self, Stage};
+
 use crate::error::CommError;
 use crate::meeting::{Seated, WaitEnd};
 
@@ -32,13 +34,22 @@ impl<E: Seated> Waitable for E {
         // the end is seen as soon as either thread finds it.
         if !self.helpers().is_empty() && !self.is_done() {
             self.help();
+            stages::mark(Stage::WaitHelped);
             let (start, window) = (Instant::now(), cohort_runtime::spin_window());
-            while !self.is_done() && start.elapsed() < window {
+            let looked = || {
+                let done = self.is_done();
+                stages::mark(Stage::WaitLooked);
+                done
+            };
+            while !looked() && start.elapsed() < window {
                 self.help();
+                stages::mark(Stage::WaitHelped);
                 std::hint::spin_loop();
             }
         }
-        self.meeting().wait_done(deadline, |state, slot| self.part_done(state, slot))
+        let ended = self.meeting().wait_done(deadline, |state, slot| self.part_done(state, slot));
+        stages::mark(Stage::WaitEnded);
+        ended
     }
 
     fn is_done(&self) -> bool {

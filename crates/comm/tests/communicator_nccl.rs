@@ -258,6 +258,41 @@ fn one_rank_on_one_gpu_queues_its_collectives_from_the_callers_thread() {
     assert_eq!(results.len(), 1);
 }
 
+/// A one-rank job's collective whose source a failed kernel poisoned (run
+/// on the caller's thread where the GPU is idle) fails, naming the
+/// collective and the kernel, without reaching NCCL or hanging; the next
+/// collective works.
+#[test]
+#[ignore = "needs CUDA GPUs: run with --include-ignored where one is"]
+fn one_rank_on_one_gpu_a_poisoned_input_fails_its_collective_and_the_next_one_works() {
+    use cohort_runtime::{GridCount, Kernel, KernelArguments};
+
+    let (results, _server) = ranks(vec![vec![0]], cuda, |comm| {
+        let device = comm.clients()[0].clone();
+        let src = device.create_from_slice(&[1u8; 256]);
+        let dst = device.create_from_slice(&[0u8; 256]);
+        // A kernel with no CUDA source: its launch fails and poisons `src`.
+        let boom = Kernel::new("boom").with_cpu(|_| {});
+        let _ = device.launch(&boom, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&src));
+        let queued =
+            comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum);
+        let waited = queued.and_then(|work| work.wait_timeout(Duration::from_secs(60)));
+        let err = match waited {
+            Err(err) => err.to_string(),
+            Ok(()) => device.read_one(dst).unwrap_err().to_string(),
+        };
+        assert!(err.contains("all_reduce") && err.contains("boom"), "{err}");
+        let fresh = device.create_from_slice(&[2u8; 256]);
+        let out = device.empty(256);
+        comm.all_reduce_handles(std::slice::from_ref(&fresh), std::slice::from_ref(&out), DType::U8, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(device.read_one(out).unwrap().iter().all(|&b| b == 2));
+    });
+    assert_eq!(results.len(), 1);
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs: two or more, one per rank"]
 fn two_gpus_one_rank_per_gpu_runs_every_collective_through_nccl() {

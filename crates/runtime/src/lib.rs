@@ -23,6 +23,7 @@ pub mod private_fs;
 mod profile;
 mod properties;
 mod runtime;
+pub mod stages;
 mod state;
 
 pub use access::{BufferAccess, HostPtr, TaskHandles};

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerSpec, PeerToken};
+use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, DeviceId, ServerError};
 use smallvec::SmallVec;
 
@@ -216,10 +217,12 @@ impl DeviceCollective {
                     // return once queued.
                     let completion =
                         if op.collective() == Collective::Barrier { Completion::Wait } else { Completion::Defer };
+                    stages::mark(Stage::PartReady);
                     let monitor = Arc::new(PartMonitor { collective: self.clone(), slot, set: set.clone(), tracked });
                     let result = access
                         .run_collective(&spec, &calls, monitor, completion)
                         .and_then(|()| access.copy_regions(unpack));
+                    stages::mark(Stage::PartQueued);
                     if result.is_err() {
                         forget(set);
                     }

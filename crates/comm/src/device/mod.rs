@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use cohort_runtime::backend::DeviceCollectives;
 use cohort_runtime::config;
+use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError, ServiceId, TaskHandles};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
@@ -259,6 +260,7 @@ pub(crate) fn launch_grouped<'h>(
     let inline = n == 1 && !barrier && matches!(mode, Mode::Local | Mode::Nccl(_));
     let helper = inline.then(|| clients[members[0]].clone());
     let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout, helper);
+    stages::mark(Stage::MeetingBuilt);
     // Per slot: sources, then destinations and scratch, and each call's
     // shape; built and queued slot by slot.
     let mut tasks: SmallVec<[_; 4]> = SmallVec::with_capacity(n);
@@ -299,6 +301,7 @@ pub(crate) fn launch_grouped<'h>(
         // every mode that does more than queue device work (see launch).
         let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
             let (shapes, scratch) = &shapes;
+            stages::mark(Stage::TaskStarted);
             // Noted before the ticket returns; a part left running keeps
             // the record open through its monitor until it ends.
             ticket.run(|c, slot| {
@@ -309,10 +312,12 @@ pub(crate) fn launch_grouped<'h>(
                 result
             })
         };
+        stages::mark(Stage::TasksBuilt);
         let queued = match inline {
             true => client.submit_buffers_recorded_inline(operation, inputs, outputs, task),
             false => client.submit_buffers_recorded(operation, inputs, outputs, task),
         };
+        stages::mark(Stage::Submitted);
         if let Err(source) = queued {
             failed.get_or_insert(CommError::Enqueue { operation, member, device: client.device_id(), source });
         }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cohort_runtime::config;
+use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError};
 use smallvec::SmallVec;
 
@@ -279,6 +280,7 @@ impl ClientGroup {
     /// Returns its handle once all parts are
     /// queued; a part that could not be queued fails the whole collective.
     fn launch(&self, op: Op, parts: Parts) -> Result<Work, CommError> {
+        stages::mark(Stage::Checked);
         let operation = op.name();
         // The executors see roots and endpoints as slots of `parts`.
         let members: SmallVec<[usize; 4]> = parts.iter().map(|p| p.member).collect();
@@ -320,9 +322,11 @@ impl ClientGroup {
                     path = Some(chosen);
                 }
             }
+            stages::mark(Stage::Routed);
             let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
             tracing::trace!(operation, sequence, bytes, members = parts.len(), ?mode, "queue device collective");
             let tracked = self.track(sequence, &op, first, parts.len(), path);
+            stages::mark(Stage::Recorded);
             let part = |_call: usize, slot: usize| (parts[slot].input.as_ref(), parts[slot].output.as_ref());
             return device::launch(&self.clients, self.timeout, on_slots, mode, &members, part, Some(tracked))
                 .map(|collective| Work::new(operation, collective));

@@ -275,7 +275,9 @@ impl Client {
         // polling them itself, and the caller polls again.
         match self.device.enter_inline_within(std::time::Duration::ZERO) {
             Some(mut inline) => {
+                crate::stages::mark(crate::stages::Stage::PollEntered);
                 inline.state().poll_collectives();
+                crate::stages::mark(crate::stages::Stage::Polled);
                 true
             }
             None => false,

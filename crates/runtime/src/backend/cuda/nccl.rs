@@ -58,6 +58,7 @@ use crate::backend::{
 use crate::dtype::{DType, ReduceOp};
 use crate::error::ServerError;
 use crate::id::{DeviceId, StreamId};
+use crate::stages::{self, Stage};
 
 /// The NCCL state of one device.
 #[derive(Default)]
@@ -462,16 +463,20 @@ impl CudaBackend {
             let (at, code, query) = match self.nccl.pending.iter().position(|p| p.done.is_some()) {
                 Some(at) => {
                     let done = self.nccl.pending[at].done.expect("found above");
+                    stages::mark(Stage::PollAsking);
                     // SAFETY: a live event of this context, recorded after part `at`.
                     (at, unsafe { sys::cuEventQuery(done) }, "cuEventQuery")
                 }
                 None => {
                     let at = self.nccl.pending.len() - 1;
                     match self.streams.raw(self.nccl.pending[at].stream) {
-                        // SAFETY: a live stream of this context, not capturing
-                        // (`close_run_on` ran before any capture began on it,
-                        // giving its last part an event); only reads its state.
-                        Ok(raw) => (at, unsafe { sys::cuStreamQuery(raw) }, "cuStreamQuery"),
+                        Ok(raw) => {
+                            stages::mark(Stage::PollAsking);
+                            // SAFETY: a live stream of this context, not capturing
+                            // (`close_run_on` ran before any capture began on it,
+                            // giving its last part an event); only reads its state.
+                            (at, unsafe { sys::cuStreamQuery(raw) }, "cuStreamQuery")
+                        }
                         Err(err) => {
                             self.fail_all(lib, &err.to_string());
                             break;
@@ -479,6 +484,7 @@ impl CudaBackend {
                     }
                 }
             };
+            stages::mark(Stage::PollAsked);
             if code == sys::CUresult::CUDA_ERROR_NOT_READY {
                 break;
             }
@@ -510,6 +516,7 @@ impl CudaBackend {
                 }
                 self.end_part(pending, Ok(()));
             }
+            stages::mark(Stage::PollReaped);
         }
         // Failures are looked for at most every FAILURE_CHECK: asking NCCL
         // costs microseconds, and a device thread queueing collectives back
@@ -722,6 +729,7 @@ impl CudaBackend {
             Completion::Wait => Some(self.events.take()?),
             Completion::Defer => None,
         };
+        stages::mark(Stage::Issuing);
         let queued = self.queue_work(lib, raw, &work, monitor.timeout()).and_then(|()| {
             let Some(event) = done else { return Ok(()) };
             // SAFETY: a live event and stream of this context.
@@ -732,6 +740,7 @@ impl CudaBackend {
                 Err(format!("cuEventRecord after the part: {}", super::driver::describe(code)))
             }
         });
+        stages::mark(Stage::Issued);
         if let Err(reason) = queued {
             if let Some(event) = done {
                 self.events.give(event);
