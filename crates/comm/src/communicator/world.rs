@@ -277,7 +277,7 @@ impl World {
 /// the check off, to measure what it costs; every rank must agree, since it
 /// changes what crosses the links). Read once; an unusable value is refused
 /// by `Communicator::connect`, and means the default (on) here.
-pub(crate) fn desync_check() -> bool {
+fn desync_check() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         cohort_runtime::config::DESYNC_CHECK.get().unwrap_or(cohort_runtime::config::DESYNC_CHECK.fallback)

@@ -20,7 +20,10 @@
 //! runtime's [`DeviceCollectives`](cohort_runtime::backend::DeviceCollectives)
 //! hook: its device thread creates its NCCL communicator on first use
 //! (`ncclCommInitRank`), queues the calls on the caller's stream and
-//! returns (a barrier waits for them); the device polls them later, looking
+//! returns (a barrier waits for them); a one-rank job with one device
+//! queues them from the caller's thread where the device is idle. A rank
+//! with one device waits by polling the device itself. The device polls
+//! them later, looking
 //! at the deadline, this rank's other parts and the store's abort flag, and
 //! their failure marks the destinations. A failed or expired part aborts
 //! the NCCL communicator (`ncclCommAbort`) and the communicator for every
@@ -249,18 +252,18 @@ impl Nccl {
         if fp.group.is_some() || ops.len() != 1 {
             tracker.set_path(if fused.is_none() { "nccl" } else { "nccl fused" });
         }
-        // One local device (a rank per GPU) whose host check waits for no
-        // other rank (a collective in a one-rank job, or with the desync
-        // check off): its part meets nobody, and is queued from this thread at
-        // once where the device is idle, without the hand-over to the
-        // device thread (see `Client::submit_buffers_inline`). A check that
-        // exchanges fingerprints waits for the ring neighbour: on the
-        // device thread, never on the caller's. Not a barrier, which waits
-        // for its call.
+        // A one-rank job with one device: its part meets nobody and waits
+        // for no other rank (its NCCL communicator's creation neither), so
+        // it is queued from this thread at once where the device is idle,
+        // without the hand-over to the device thread (see
+        // `Client::submit_buffers_inline`). With more ranks the part goes
+        // to the device thread: the fingerprint check and the first call's
+        // `ncclCommInitRank` wait for the other ranks, which the caller's
+        // thread must not do while it holds the device and the process-wide
+        // enqueue order. Not a barrier, which waits for its call.
         let barrier = ops.iter().any(|op| op.collective() == Collective::Barrier);
-        let check_is_local =
-            ops.iter().all(|op| op.endpoints().is_none()) && (self.size == 1 || !super::world::desync_check());
-        let inline = self.clients.len() == 1 && !barrier && check_is_local;
+        let collectives = ops.iter().all(|op| op.endpoints().is_none());
+        let inline = self.size == 1 && self.clients.len() == 1 && !barrier && collectives;
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
