@@ -167,6 +167,19 @@ fn nccl_all_reduce(calls: usize) {
         };
         stage_table("queued (a sync per 100 calls, untimed)", per_round as u64, queued_call, sync);
         group.sync().expect("sync");
+        // The device thread's side of the queued calls: its clock started
+        // and stopped by tasks it runs itself; the caller's is off.
+        stages::reset();
+        clients[0].exclusive(stages::start).expect("exclusive");
+        for _ in 0..(per_round / 100).max(1) {
+            for _ in 0..100 {
+                call();
+            }
+            group.sync().expect("sync");
+        }
+        clients[0].exclusive(stages::stop).expect("exclusive");
+        println!("stages on the device thread, the same queued calls:");
+        print!("{}", stages::table(((per_round / 100).max(1) * 100) as u64));
     }
     assert_eq!(dst[0].to_vec().expect("read"), [1.0; 8], "one rank's sum is its source");
     let (waited, queued) = (median(&mut waited), median(&mut queued));

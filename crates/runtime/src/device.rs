@@ -31,6 +31,7 @@ use crate::config::{self, ConfigError};
 use crate::error::ServerError;
 use crate::id::{DeviceId, ServiceId, StreamId};
 use crate::properties::DeviceProperties;
+use crate::stages::{self, Stage};
 use crate::state::{DeviceState, RecordedLaunch};
 
 type Task = Box<dyn FnOnce(&mut DeviceState) + Send>;
@@ -869,6 +870,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             collectives_pending = true;
             continue;
         }
+        stages::mark(Stage::Received);
         let mut state = cell.lock();
         // Counted out once the lock is held: until this message's task
         // returns and the lock is let go, no caller runs inline (see
@@ -882,6 +884,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             Message::Wake => {}
             Message::Shutdown => break,
         }
+        stages::mark(Stage::Ran);
         since_poll += 1;
         let overdue = || since_poll.is_multiple_of(BUSY_CLOCK_EVERY) && polled_at.elapsed() >= COLLECTIVE_POLL;
         if state.pending_collectives_count() >= POLL_BUSY_AT || (collectives_pending && overdue()) {

@@ -12,9 +12,9 @@
 //! cargo run --release --features stage-clock --example call_cost -- 20000 nccl
 //! ```
 //!
-//! Only threads between [`start`] and [`stop`] are timed (the device
-//! threads are not), and a mark costs two clock reads (~50 ns), which the
-//! stage it ends absorbs.
+//! Only threads between [`start`] and [`stop`] are timed: a caller's, or a
+//! device thread's (started from a task it runs, `Client::exclusive`).
+//! A mark costs two clock reads (~50 ns), which the stage it ends absorbs.
 
 /// Whether the stage clock is compiled in (the `stage-clock` feature).
 pub const ENABLED: bool = cfg!(feature = "stage-clock");
@@ -33,6 +33,8 @@ pub enum Stage {
     MeetingBuilt,
     /// Every part's task built; the process-wide enqueue lock taken.
     TasksBuilt,
+    /// A device thread took a message (its wait for it included).
+    Received,
     /// The part's task began (inline entry or the device thread, buffers bound).
     TaskStarted,
     /// The part met the others; its calls and monitor built.
@@ -43,6 +45,8 @@ pub enum Stage {
     Issued,
     /// The part's calls pending on the device.
     PartQueued,
+    /// A device thread ran its message.
+    Ran,
     /// The task handed over or run inline, the device let go.
     Submitted,
     /// The collective's call returned its handle.
@@ -69,17 +73,19 @@ pub enum Stage {
 
 impl Stage {
     /// Every stage, in the order a waited call meets them.
-    pub const ALL: [Stage; 21] = [
+    pub const ALL: [Stage; 23] = [
         Stage::Checked,
         Stage::Routed,
         Stage::Recorded,
         Stage::MeetingBuilt,
         Stage::TasksBuilt,
+        Stage::Received,
         Stage::TaskStarted,
         Stage::PartReady,
         Stage::Issuing,
         Stage::Issued,
         Stage::PartQueued,
+        Stage::Ran,
         Stage::Submitted,
         Stage::Returned,
         Stage::WaitLooked,
@@ -101,11 +107,13 @@ impl Stage {
             Stage::Recorded => "flight record started",
             Stage::MeetingBuilt => "meeting built",
             Stage::TasksBuilt => "tasks built, enqueue lock",
+            Stage::Received => "device thread: message taken (its wait too)",
             Stage::TaskStarted => "task started (inline entry, bindings)",
             Stage::PartReady => "part met, calls and monitor built",
             Stage::Issuing => "backend: communicator and stream found",
             Stage::Issued => "backend call (ncclAllReduce)",
             Stage::PartQueued => "part pending",
+            Stage::Ran => "device thread: message ran",
             Stage::Submitted => "task returned, device let go",
             Stage::Returned => "handle returned",
             Stage::WaitLooked => "wait: is it done?",
