@@ -119,10 +119,10 @@ impl StateCell {
     /// on its channel without collectives to poll, a [`Message::Wake`]
     /// (one that naps between polls of its own collectives polls within
     /// [`COLLECTIVE_POLL`]; waking it would cost this caller a system
-    /// call and contend for the state with a waiter that polls itself). The flag is set before
-    /// `asleep` is read, and the thread sets `asleep` before it reads the
-    /// flag a last time (both sequentially consistent): one of the two
-    /// sees the other.
+    /// call and contend for the state with a waiter that polls itself).
+    /// The flag is set before `asleep` is read, and the thread sets
+    /// `asleep` before it reads the flag a last time (both sequentially
+    /// consistent): one of the two sees the other.
     ///
     /// A wake-up carries no work, so it is not counted in flight: a caller
     /// may still run inline (a waiter polling its collective's end on its
