@@ -21,11 +21,10 @@
 //! hook: its device thread creates its NCCL communicator on first use
 //! (`ncclCommInitRank`), queues the calls on the caller's stream and
 //! returns (a barrier waits for them); a one-rank job with one device
-//! queues them from the caller's thread where the device is idle. A rank
-//! with one device waits by polling the device itself. The device polls
-//! them later, looking
-//! at the deadline, this rank's other parts and the store's abort flag, and
-//! their failure marks the destinations. A failed or expired part aborts
+//! queues them from the caller's thread where the device is idle. The
+//! device polls them later, looking at the deadline, this rank's other
+//! parts and the store's abort flag, and their failure marks the
+//! destinations; a waiter on a rank with one device polls it itself. A failed or expired part aborts
 //! the NCCL communicator (`ncclCommAbort`) and the communicator for every
 //! rank; a timeout names the ranks that never noted their arrival. The
 //! call's flight record ends when its last local part ended on the device.
