@@ -347,5 +347,6 @@ fn buffer_task(
         });
         state.scratch_bindings = bindings;
         DeviceState::mark_outputs(stream, &outputs, &result);
+        crate::stages::mark(crate::stages::Stage::OutputsMarked);
     }
 }

@@ -45,7 +45,12 @@ pub enum Stage {
     Issued,
     /// The part's calls pending on the device.
     PartQueued,
-    /// A device thread ran its message.
+    /// The part's task returned its ticket (its record noted, the meeting
+    /// told).
+    TicketReturned,
+    /// The task's outputs marked with its outcome.
+    OutputsMarked,
+    /// A device thread ran its message (the task and what it held dropped).
     Ran,
     /// The task handed over or run inline, the device let go.
     Submitted,
@@ -73,7 +78,7 @@ pub enum Stage {
 
 impl Stage {
     /// Every stage, in the order a waited call meets them.
-    pub const ALL: [Stage; 23] = [
+    pub const ALL: [Stage; 25] = [
         Stage::Checked,
         Stage::Routed,
         Stage::Recorded,
@@ -85,6 +90,8 @@ impl Stage {
         Stage::Issuing,
         Stage::Issued,
         Stage::PartQueued,
+        Stage::TicketReturned,
+        Stage::OutputsMarked,
         Stage::Ran,
         Stage::Submitted,
         Stage::Returned,
@@ -113,7 +120,9 @@ impl Stage {
             Stage::Issuing => "backend: communicator and stream found",
             Stage::Issued => "backend call (ncclAllReduce)",
             Stage::PartQueued => "part pending",
-            Stage::Ran => "device thread: message ran",
+            Stage::TicketReturned => "ticket returned (record noted, meeting told)",
+            Stage::OutputsMarked => "outputs marked",
+            Stage::Ran => "device thread: message ran (the task dropped)",
             Stage::Submitted => "task returned, device let go",
             Stage::Returned => "handle returned",
             Stage::WaitLooked => "wait: is it done?",

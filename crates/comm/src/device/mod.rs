@@ -304,13 +304,15 @@ pub(crate) fn launch_grouped<'h>(
             stages::mark(Stage::TaskStarted);
             // Noted before the ticket returns; a part left running keeps
             // the record open through its monitor until it ends.
-            ticket.run(|c, slot| {
+            let result = ticket.run(|c, slot| {
                 let result = c.run_part(slot, access, &mode, shapes, scratch, tracked.clone());
                 if let Some(t) = &tracked {
                     t.note(&result);
                 }
                 result
-            })
+            });
+            stages::mark(Stage::TicketReturned);
+            result
         };
         stages::mark(Stage::TasksBuilt);
         let queued = match inline {
