@@ -27,7 +27,7 @@
 
 use std::time::Instant;
 
-use cohort::comm::{Buffer, ClientGroup, Collectives, ReduceOp};
+use cohort::comm::{Buffer, ClientGroup, Collectives, ReduceOp, Work};
 use cohort::runtime::conformance::{kernels, CountingAllocator};
 use cohort::runtime::stages::{self, Stage};
 use cohort::runtime::{Bytes, Client, GridCount, KernelArguments, Scalar};
@@ -129,24 +129,14 @@ fn nccl_all_reduce(calls: usize) {
             raw_waited.push(w);
             raw_queued.push(q);
         }
-        let what = "all_reduce 32 B, 1 CUDA device (NCCL), wait";
-        waited.push(measure(what, per_round, || call().wait().expect("wait")));
-        let what = "all_reduce 32 B, 1 CUDA device (NCCL), queued (sync per 100)";
-        queued.push(measure_batches(what, (per_round / 100).max(1), 100, || {
-            for _ in 0..100 {
-                call();
-            }
-            group.sync().expect("sync");
-        }));
-        let what = "all_reduce 32 B, 1-rank Communicator (NCCL), wait";
-        rank_waited.push(measure(what, per_round, || rank_call().wait().expect("wait")));
-        let what = "all_reduce 32 B, 1-rank Communicator (NCCL), queued (sync per 100)";
-        rank_queued.push(measure_batches(what, (per_round / 100).max(1), 100, || {
-            for _ in 0..100 {
-                rank_call();
-            }
-            comm.sync().expect("sync");
-        }));
+        let what = "all_reduce 32 B, 1 CUDA device (NCCL)";
+        let (w, q) = waited_and_queued(what, per_round, call, || group.sync().expect("sync"));
+        waited.push(w);
+        queued.push(q);
+        let what = "all_reduce 32 B, 1-rank Communicator (NCCL)";
+        let (w, q) = waited_and_queued(what, per_round, rank_call, || comm.sync().expect("sync"));
+        rank_waited.push(w);
+        rank_queued.push(q);
     }
     if cohort::runtime::stages::ENABLED {
         let waited_call = || {
@@ -172,10 +162,7 @@ fn nccl_all_reduce(calls: usize) {
         stages::reset();
         clients[0].exclusive(stages::start).expect("exclusive");
         for _ in 0..(per_round / 100).max(1) {
-            for _ in 0..100 {
-                call();
-            }
-            group.sync().expect("sync");
+            hundred_then(call, || group.sync().expect("sync"));
         }
         clients[0].exclusive(stages::stop).expect("exclusive");
         println!("stages on the device thread, the same queued calls:");
@@ -196,6 +183,24 @@ fn nccl_all_reduce(calls: usize) {
         let (w, q) = (rank_waited - best, rank_queued - raw_queued);
         println!("a 1-rank Communicator adds: waited {w:.2} µs, queued {q:.2} µs");
     }
+}
+
+/// `call` waited on `calls` times, then queued back to back 100 at a time
+/// with `sync` after each hundred (timed too); prints both rows (`what`,
+/// wait / queued) and returns their µs per call.
+fn waited_and_queued(what: &str, calls: usize, call: impl Fn() -> Work, sync: impl Fn()) -> (f64, f64) {
+    let waited = measure(&format!("{what}, wait"), calls, || call().wait().expect("wait"));
+    let what = format!("{what}, queued (sync per 100)");
+    let queued = measure_batches(&what, (calls / 100).max(1), 100, || hundred_then(&call, &sync));
+    (waited, queued)
+}
+
+/// Queues `call` 100 times back to back, then runs `sync`.
+fn hundred_then<R>(call: impl Fn() -> R, sync: impl Fn()) {
+    for _ in 0..100 {
+        call();
+    }
+    sync();
 }
 
 /// Runs `call` `calls` times with this thread's stage clock on (see

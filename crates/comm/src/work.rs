@@ -33,17 +33,15 @@ impl<E: Seated> Waitable for E {
         // the device, polling the same collectives), it goes on watching:
         // the end is seen as soon as either thread finds it.
         if !self.helpers().is_empty() && !self.is_done() {
-            self.help();
-            stages::mark(Stage::WaitHelped);
             let (start, window) = (Instant::now(), cohort_runtime::spin_window());
-            let looked = || {
-                let done = self.is_done();
-                stages::mark(Stage::WaitLooked);
-                done
-            };
-            while !looked() && start.elapsed() < window {
+            loop {
                 self.help();
                 stages::mark(Stage::WaitHelped);
+                let done = self.is_done();
+                stages::mark(Stage::WaitLooked);
+                if done || start.elapsed() >= window {
+                    break;
+                }
                 std::hint::spin_loop();
             }
         }

@@ -8,6 +8,8 @@
 //! `four_gpus_*` need that many and fail with that message on fewer;
 //! `scripts/gpu-bundle.sh`'s runner skips them there.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -242,12 +244,7 @@ fn one_rank_on_one_gpu_queues_its_collectives_from_the_callers_thread() {
 
         let dst = device.empty(4096);
         let before = ran_inline();
-        let (release, held) = std::sync::mpsc::channel::<()>();
-        device
-            .submit(move |_| {
-                let _ = held.recv();
-            })
-            .unwrap();
+        let release = common::hold(&device);
         let work = all_reduce(&dst, ReduceOp::Sum).unwrap();
         assert!(!work.is_done(), "the device is held: the collective cannot have run");
         release.send(()).unwrap();

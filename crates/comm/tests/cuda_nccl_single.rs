@@ -2,6 +2,7 @@
 //! device through a one-rank NCCL communicator instead of device copies,
 //! which proves every NCCL call of every collective on a one-GPU machine.
 
+mod common;
 mod cuda_common;
 
 use std::sync::Once;
@@ -284,12 +285,7 @@ fn a_collective_on_an_idle_device_is_queued_by_the_callers_thread() {
     // Behind a held task: queued, and run after it.
     let dst = device.empty(4096);
     let before = ran_inline();
-    let (release, held) = std::sync::mpsc::channel::<()>();
-    device
-        .submit(move |_| {
-            let _ = held.recv();
-        })
-        .unwrap();
+    let release = common::hold(&device);
     let work = group
         .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
         .unwrap();

@@ -14,19 +14,6 @@ use std::time::Duration;
 
 use cohort_comm::store::StoreServer;
 use cohort_comm::{Buffer, Collectives, CommError, Communicator, ReduceOp};
-use cohort_runtime::Client;
-
-/// Blocks `client`'s device thread until the returned sender is used (or
-/// dropped).
-fn hold(client: &Client) -> mpsc::Sender<()> {
-    let (release, held) = mpsc::channel::<()>();
-    client
-        .submit(move |_| {
-            let _ = held.recv();
-        })
-        .unwrap();
-    release
-}
 
 #[test]
 fn a_timed_wait_names_the_member_that_has_not_arrived_and_is_done_flips_after() {
@@ -34,7 +21,7 @@ fn a_timed_wait_names_the_member_that_has_not_arrived_and_is_done_flips_after() 
     let group = cohort_comm::ClientGroup::new(clients.clone()).unwrap();
     let bufs: Vec<Buffer<f32>> =
         (0..2).map(|m| Buffer::from_slice(&clients[m], &[m as f32 + 1.0; 5]).unwrap()).collect();
-    let release = hold(&clients[1]);
+    let release = common::hold(&clients[1]);
     let work = group.all_reduce(&bufs, &bufs, ReduceOp::Sum).unwrap();
     assert_eq!(work.operation(), "all_reduce");
     assert!(!work.is_done(), "member 1's device is held: the all-reduce cannot have finished");
@@ -59,7 +46,7 @@ fn dropping_the_handle_still_completes_the_work() {
     let group = cohort_comm::ClientGroup::new(clients.clone()).unwrap();
     let src: Vec<Buffer<i32>> = (0..2).map(|m| Buffer::from_slice(&clients[m], &[m as i32 + 10; 3]).unwrap()).collect();
     let dst: Vec<Buffer<i32>> = (0..2).map(|m| Buffer::zeros(&clients[m], 6).unwrap()).collect();
-    let release = hold(&clients[0]);
+    let release = common::hold(&clients[0]);
     drop(group.all_gather(&src, &dst).unwrap());
     release.send(()).unwrap();
     for d in &dst {
@@ -153,7 +140,7 @@ fn a_small_collective_of_one_idle_device_is_done_when_the_call_returns_and_waits
     assert_eq!(dst[0].to_vec().unwrap(), [1.5, -2.0, 4.0]);
     // Busy: the part is queued behind the held task, and runs after it.
     let held = ran_inline();
-    let release = hold(&client);
+    let release = common::hold(&client);
     let work = group.all_reduce(&dst, &dst, ReduceOp::Max).unwrap();
     let bigger = group.broadcast(&src, &dst, 0).unwrap();
     assert!(!work.is_done() && !bigger.is_done(), "the device is held: neither can have run");

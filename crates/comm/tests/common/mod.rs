@@ -48,3 +48,15 @@ pub fn communicator_ranks<T: Send + 'static>(
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
+
+/// Blocks `client`'s device thread until the returned sender is used (or
+/// dropped): work queued behind it waits, and the device is not idle.
+pub fn hold(client: &Client) -> std::sync::mpsc::Sender<()> {
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    client
+        .submit(move |_| {
+            let _ = held.recv();
+        })
+        .unwrap();
+    release
+}
