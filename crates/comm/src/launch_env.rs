@@ -126,41 +126,31 @@ impl LaunchEnv {
             }
         };
 
-        let (source, rank, world_size, local_rank, local_world_size, master_addr) =
-            if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
-                let s = LaunchSource::Torchrun;
-                let rank = required("RANK", "WORLD_SIZE", s)?;
-                let world = required("WORLD_SIZE", "RANK", s)?;
-                let local = number("LOCAL_RANK", s)?.unwrap_or(rank);
-                let local_world = number("LOCAL_WORLD_SIZE", s)?.unwrap_or(world);
-                (s, rank, world, local, local_world, get("MASTER_ADDR"))
-            } else if get("OMPI_COMM_WORLD_RANK").is_some() {
-                let s = LaunchSource::OpenMpi;
-                let rank = required("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_RANK", s)?;
-                let world = required("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", s)?;
-                let local = number("OMPI_COMM_WORLD_LOCAL_RANK", s)?.unwrap_or(rank);
-                let local_world = number("OMPI_COMM_WORLD_LOCAL_SIZE", s)?.unwrap_or(world);
-                (s, rank, world, local, local_world, get("MASTER_ADDR"))
-            } else if get("PMI_RANK").is_some() {
-                let s = LaunchSource::Pmi;
-                let rank = required("PMI_RANK", "PMI_RANK", s)?;
-                let world = required("PMI_SIZE", "PMI_RANK", s)?;
-                let local = number("MPI_LOCALRANKID", s)?.unwrap_or(rank);
-                let local_world = number("MPI_LOCALNRANKS", s)?.unwrap_or(world);
-                (s, rank, world, local, local_world, get("MASTER_ADDR"))
-            } else if get("SLURM_PROCID").is_some() {
-                let s = LaunchSource::Slurm;
-                let rank = required("SLURM_PROCID", "SLURM_PROCID", s)?;
-                let world = required("SLURM_NTASKS", "SLURM_PROCID", s)?;
-                let local = number("SLURM_LOCALID", s)?.unwrap_or(0);
-                let local_world = get("SLURM_TASKS_PER_NODE").and_then(|t| first_tasks_per_node(&t)).unwrap_or(world);
-                let master = get("MASTER_ADDR").or_else(|| {
+        use LaunchSource::{OpenMpi, Pmi, Slurm, Torchrun};
+        // torchrun's variables are found by either of its first two; the
+        // other launchers' by the rank.
+        let source = [Torchrun, OpenMpi, Pmi, Slurm]
+            .into_iter()
+            .find(|s| {
+                let [rank, world, ..] = s.variables();
+                get(rank).is_some() || (*s == Torchrun && get(world).is_some())
+            })
+            .ok_or(LaunchEnvError::NotFound)?;
+        let [r, w, lr, lw] = source.variables();
+        let (rank_found_by, world_found_by) = if source == Torchrun { (w, r) } else { (r, r) };
+        let rank = required(r, rank_found_by, source)?;
+        let world_size = required(w, world_found_by, source)?;
+        let (local_rank, local_world_size, master_addr) = match source {
+            // Slurm's local count is a list (`2(x3),1`): the first node's.
+            Slurm => (
+                number(lr, source)?.unwrap_or(0),
+                get(lw).and_then(|t| first_tasks_per_node(&t)).unwrap_or(world_size),
+                get("MASTER_ADDR").or_else(|| {
                     get("SLURM_STEP_NODELIST").or_else(|| get("SLURM_JOB_NODELIST")).and_then(|l| first_host(&l))
-                });
-                (s, rank, world, local, local_world, master)
-            } else {
-                return Err(LaunchEnvError::NotFound);
-            };
+                }),
+            ),
+            _ => (number(lr, source)?.unwrap_or(rank), number(lw, source)?.unwrap_or(world_size), get("MASTER_ADDR")),
+        };
 
         if world_size == 0 {
             return Err(LaunchEnvError::EmptyWorld { launcher: source });
