@@ -146,18 +146,23 @@ impl Ranks {
         }
     }
 
-    /// The name a record of `group` among these ranks carries.
-    pub(crate) fn record_group(&self, group: &str) -> String {
+    /// The name a record of `group` among these ranks carries: the
+    /// group's own, shared, but for a message (`<group>/p2p <from>-><to>`).
+    pub(crate) fn record_group(&self, group: &Arc<str>) -> Arc<str> {
         match self {
-            Ranks::Message(from, to) => format!("{group}/p2p {from}->{to}"),
-            _ => group.to_string(),
+            Ranks::Message(from, to) => format!("{group}/p2p {from}->{to}").into(),
+            _ => Arc::clone(group),
         }
     }
 
     /// Whether a record of `group` among these ranks carries `name`.
     fn names_group(&self, group: &str, name: &str) -> bool {
         match self {
-            Ranks::Message(..) => self.record_group(group) == name,
+            Ranks::Message(from, to) => name
+                .strip_prefix(group)
+                .and_then(|rest| rest.strip_prefix("/p2p "))
+                .and_then(|ends| ends.split_once("->"))
+                .is_some_and(|(f, t)| f.parse() == Ok(*from) && t.parse() == Ok(*to)),
             _ => group == name,
         }
     }
@@ -194,7 +199,7 @@ impl Entry {
 
     fn to_record(&self) -> CollectiveRecord {
         CollectiveRecord {
-            group: self.ranks.record_group(&self.group),
+            group: self.ranks.record_group(&self.group).to_string(),
             fingerprint: self.fingerprint.clone(),
             started_us: self.started_us,
             ended_us: self.ended_us,
@@ -514,9 +519,10 @@ mod tests {
         assert_eq!(records[0].state, RecordState::Failed("first".into()), "the first reason stays");
         assert_eq!((records[1].ranks.clone(), records[2].ranks.clone()), (Some(vec![3, 1]), Some(vec![4])));
         assert_eq!((records[1].group.as_str(), records[2].group.as_str()), ("h/p2p 3->1", "h"));
-        // A message's record is found by its whole name.
+        // A message's record is found by its whole name: its group's alone
+        // does not end it.
+        recorder.finish("h", 1, Err("wrong".into()));
         recorder.finish("h/p2p 3->1", 1, Err("lost".into()));
-        recorder.finish("h", 1, Ok(()));
         let records = recorder.snapshot();
         assert_eq!(records[1].state, RecordState::Failed("lost".into()));
         assert_eq!(records[1].fingerprint, fp(1));

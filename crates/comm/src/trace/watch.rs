@@ -75,7 +75,7 @@ impl Watched {
         path: Option<&'static str>,
     ) -> Arc<Watched> {
         let timeline = Timeline::from_env().map(|_| TimelineStart {
-            group: Arc::from(ranks.record_group(group)),
+            group: ranks.record_group(group),
             fingerprint: fingerprint.clone(),
             start_us: now_micros(),
             start: Instant::now(),
