@@ -7,6 +7,7 @@ use std::path::Path;
 
 use super::printable;
 use super::recorder::{CollectiveFingerprint, RecordState, RecorderDump};
+use crate::launch_env::MAX_WORLD_SIZE;
 
 /// A collective that not every rank finished.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,11 +29,6 @@ pub struct Straggler {
     /// Failure reasons by rank.
     pub failures: Vec<(usize, String)>,
 }
-
-/// The most ranks a dump may claim for its job (`world_size`): a job's own
-/// limit, [`crate::launch_env::MAX_WORLD_SIZE`]. A dump claiming more is set
-/// aside.
-pub const MAX_WORLD_SIZE: usize = crate::launch_env::MAX_WORLD_SIZE;
 
 /// The largest file [`merge_files`] reads as a dump: 256 MiB, about 700,000
 /// records (`COHORT_FLIGHT_RECORDER` keeps 2,000 by default, about 0.7 MB).

@@ -19,7 +19,10 @@ mod recorder;
 mod timeline;
 mod watch;
 
-pub use merge::{merge, merge_files, MergeReport, Skipped, Straggler, MAX_DUMP_BYTES, MAX_WORLD_SIZE};
+/// The most ranks a dump may claim for its job (`world_size`): a job's own
+/// limit. A dump claiming more is set aside.
+pub use crate::launch_env::MAX_WORLD_SIZE;
+pub use merge::{merge, merge_files, MergeReport, Skipped, Straggler, MAX_DUMP_BYTES};
 pub use printable::printable;
 pub(crate) use recorder::Ranks;
 pub use recorder::{
