@@ -265,11 +265,11 @@ pub(crate) fn form_under(
         let mut theirs = Vec::new();
         for (&r, published) in local.iter().zip(paths) {
             if r != rank {
-                let usual = shm::path(job_id, r);
                 let at = String::from_utf8_lossy(&published.unwrap_or_default()).into_owned();
-                if at != usual && !at.starts_with(&format!("{usual}-")) {
+                if !shm::is_own_path(job_id, r, &at) {
                     return Err(ConnectError::Setup(format!(
-                        "rank {r} published {at:?} as its shared memory, not a file of this job's ({usual})"
+                        "rank {r} published {at:?} as its shared memory, not a file of this job's ({})",
+                        shm::path(job_id, r)
                     )));
                 }
                 let seg = Segment::open(&at, local.len(), capacity)

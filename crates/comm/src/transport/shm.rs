@@ -60,6 +60,17 @@ pub(crate) fn path(job: &str, rank: usize) -> String {
     format!("/dev/shm/cohort-{job}-{rank}")
 }
 
+/// Whether `at` names rank `rank`'s file of job `job`: its [`path`], or a
+/// fresh name [`create_for`] took beside it (`<path>-<16 hex digits>`).
+pub(crate) fn is_own_path(job: &str, rank: usize, at: &str) -> bool {
+    let usual = path(job, rank);
+    at == usual
+        || at
+            .strip_prefix(&usual)
+            .and_then(|rest| rest.strip_prefix('-'))
+            .is_some_and(|n| n.len() == 16 && n.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Creates rank `rank`'s file of job `job` with `slots` rings of
 /// `capacity` bytes: at [`path`], or, when something already holds that
 /// name (another user's or process's file, a leftover: never opened), under
@@ -243,11 +254,9 @@ pub fn sweep_shared_memory(
             }
             // A fresh name the rank took (`create_for`), published as its
             // `shm/<rank>` entry.
-            let own = format!("{}-", path(job, rank));
             if let Some(taken) = store.get(&format!("cohort/comm/{k}/shm/{rank}"))? {
                 let taken = String::from_utf8_lossy(&taken);
-                let fresh = taken.strip_prefix(&own).is_some_and(|n| n.bytes().all(|b| b.is_ascii_hexdigit()));
-                if fresh && remove_own(&taken) {
+                if taken != path(job, rank) && is_own_path(job, rank, &taken) && remove_own(&taken) {
                     removed += 1;
                 }
             }
@@ -528,6 +537,26 @@ mod tests {
             assert_eq!((head.load(Ordering::SeqCst), tail.load(Ordering::SeqCst)), (h, t), "counters untouched");
         }
         assert_eq!(neighbour(), before, "nothing written outside the ring");
+    }
+
+    /// A published path is a rank's own only as its usual name or a fresh
+    /// name beside it: nothing else is mapped or swept.
+    #[test]
+    fn a_rank_s_own_paths_are_its_usual_one_and_fresh_names_beside_it() {
+        let usual = path("ab12", 3);
+        assert!(is_own_path("ab12", 3, &usual));
+        assert!(is_own_path("ab12", 3, &format!("{usual}-0123456789abcdef")));
+        for other in [
+            format!("{usual}-/../../etc/passwd"),
+            format!("{usual}-anything"),
+            format!("{usual}-0123456789abcde"),
+            format!("{usual}0123456789abcdef"),
+            path("ab12", 4),
+            path("ab13", 3),
+            "/tmp/x".to_string(),
+        ] {
+            assert!(!is_own_path("ab12", 3, &other), "{other}");
+        }
     }
 
     /// Someone (another user, a leftover) already holds a rank's name in
