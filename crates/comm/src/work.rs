@@ -17,8 +17,9 @@ use cohort_runtime::stages::{self, Stage};
 use crate::error::CommError;
 use crate::meeting::{Seated, WaitEnd};
 
-/// What a [`Work`] waits on: one executor's meeting.
-trait Waitable: Send + Sync {
+/// What a [`Work`] waits on: one executor's meeting, or a collective of
+/// one part (`device::Solo`).
+pub(crate) trait Waitable: Send + Sync {
     fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd>;
     fn is_done(&self) -> bool;
 }
@@ -55,6 +56,16 @@ impl<E: Seated> Waitable for E {
     }
 }
 
+impl Waitable for crate::device::Solo {
+    fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
+        crate::device::Solo::wait_until(self, deadline)
+    }
+
+    fn is_done(&self) -> bool {
+        crate::device::Solo::is_done(self)
+    }
+}
+
 /// A queued collective (or grouped call), like PyTorch's `Work`: wait for
 /// it, with or without a bound, or ask whether it is done.
 ///
@@ -81,7 +92,7 @@ impl fmt::Debug for Work {
 
 impl Work {
     /// The handle of `executor`'s collective `operation`.
-    pub(crate) fn new<E: Seated>(operation: &'static str, executor: Arc<E>) -> Work {
+    pub(crate) fn new<E: Waitable + 'static>(operation: &'static str, executor: Arc<E>) -> Work {
         Work { operation, scope: None, first: Some(executor), rest: Vec::new() }
     }
 

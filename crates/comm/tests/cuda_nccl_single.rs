@@ -305,3 +305,51 @@ fn a_collective_on_an_idle_device_is_queued_by_the_callers_thread() {
         assert_eq!(ran_inline(), before, "a barrier ran on the caller's thread");
     }
 }
+
+/// A one-device collective held up behind its device's work: a bounded
+/// wait ends at its bound naming the member still running, the collective
+/// goes on and a later wait sees it end; its flight record stays open until
+/// then and ends completed, on the NCCL path.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_bounded_wait_on_a_held_up_collective_names_its_member_and_a_later_wait_ends_it() {
+    use cohort_comm::trace::{FlightRecorder, RecordState};
+    use cohort_runtime::StreamId;
+    use std::time::{Duration, Instant};
+
+    let device = one_rank_group().client(0).with_stream(StreamId::fresh());
+    let group = ClientGroup::new(vec![device.clone()]).unwrap();
+    let src = device.create(Bytes::from_elems(&[2.5f32; 64]));
+    let dst = device.empty(256);
+    let record_of = |seq: u64| {
+        let name = format!("group[{}]", device.device_id());
+        FlightRecorder::global()
+            .snapshot()
+            .into_iter()
+            .rev()
+            .find(|r| r.group == name && r.fingerprint.seq == seq && r.fingerprint.kind == "all_reduce")
+            .unwrap_or_else(|| panic!("{name} recorded its all_reduce {seq}"))
+    };
+    let release = common::hold(&device);
+    let work = group
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
+        .unwrap();
+    let name = format!("group[{}]", device.device_id());
+    let records = FlightRecorder::global().snapshot();
+    let seq = records.iter().rev().find(|r| r.group == name).expect("the all_reduce was recorded").fingerprint.seq;
+    let started = Instant::now();
+    let err = work.wait_timeout(Duration::from_millis(300)).unwrap_err().to_string();
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(5), "waited {waited:?}");
+    let member = format!("member 0 ({}) still running", device.device_id());
+    assert!(err.contains("all_reduce has not finished within 300 ms") && err.contains(&member), "{err}");
+    assert!(!work.is_done());
+    assert_eq!(record_of(seq).state, RecordState::Started, "the record ends with the collective");
+    release.send(()).unwrap();
+    work.wait().unwrap();
+    assert!(work.is_done());
+    assert_eq!(device.read_one(dst).unwrap().to_elems::<f32>(), vec![2.5; 64]);
+    let record = record_of(seq);
+    assert_eq!(record.state, RecordState::Completed);
+    assert_eq!(record.path.as_deref(), Some("nccl"));
+}

@@ -8,7 +8,8 @@
 //! (libnccl) to load, and falls back to host staging, saying so once, when
 //! it does not. `COHORT_DISABLE_NCCL=1` forces that fallback;
 //! `COHORT_NCCL_SINGLE=1` sends groups of one device through NCCL too
-//! (a one-rank communicator) instead of a plain device copy.
+//! (a one-rank communicator) instead of a plain device copy. A single
+//! collective of one device runs as a [`Solo`] (no meeting).
 //!
 //! NCCL ranks follow member order (all-gather and reduce-scatter lay blocks
 //! out by rank), so a communicator is kept per device set *and* member
@@ -18,6 +19,7 @@ pub(crate) mod fusion;
 mod meeting;
 pub mod peer;
 pub(crate) mod plan;
+pub(crate) mod solo;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +39,7 @@ use crate::op::{Collective, Op};
 use crate::order::enqueue_lock;
 
 pub(crate) use meeting::DeviceCollective;
+pub(crate) use solo::Solo;
 
 /// How a group's collectives move bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -327,6 +327,12 @@ impl ClientGroup {
             tracing::trace!(operation, sequence, bytes, members = parts.len(), ?mode, "queue device collective");
             let tracked = self.track(sequence, &op, first, parts.len(), path);
             stages::mark(Stage::Recorded);
+            if device::solo::fits(&on_slots, &mode, parts.len()) {
+                let (input, output) = (parts[0].input.as_ref(), parts[0].output.as_ref());
+                let client = &self.clients[first];
+                return device::solo::launch(client, first, self.timeout, on_slots, mode, input, output, Some(tracked))
+                    .map(|solo| Work::new(operation, solo));
+            }
             let part = |_call: usize, slot: usize| (parts[slot].input.as_ref(), parts[slot].output.as_ref());
             return device::launch(&self.clients, self.timeout, on_slots, mode, &members, part, Some(tracked))
                 .map(|collective| Work::new(operation, collective));

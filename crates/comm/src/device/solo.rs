@@ -1,0 +1,313 @@
+//! A device-path collective of one part: a group of one device, whose part
+//! meets nobody but itself (device copies, or calls on a one-rank NCCL
+//! communicator). It needs none of a meeting's machinery: no seats to
+//! gather, no tickets to count, no other part to watch. One object is the
+//! handle's waitable, the part's monitor while its calls run on the device,
+//! and the holder of its flight record.
+//!
+//! The part is queued from the caller's thread where its device is idle
+//! (see `Client::submit_buffers_recorded_inline`), otherwise by the device
+//! thread; either way it returns once its calls are queued. A waiter then
+//! polls the device itself for the runtime's spin window
+//! ([`cohort_runtime::spin_window`]) and sleeps after it until the device
+//! thread, which polls running collectives too, says the part ended.
+//!
+//! It takes no process-wide enqueue order: a part that waits for no other
+//! device cannot close a cycle of devices waiting for each other.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion};
+use cohort_runtime::stages::{self, Stage};
+use cohort_runtime::{BufferAccess, Client, DeviceId, Handle, ServerError, TaskHandles};
+use parking_lot::{Condvar, Mutex};
+
+use super::plan::{self, Shape};
+use super::{forget, Mode, NcclSet};
+use crate::error::CommError;
+use crate::meeting::WaitEnd;
+use crate::op::{Collective, Op};
+use crate::trace::Watched;
+
+/// The part is queued, or running on the device.
+const RUNNING: u8 = 0;
+/// The part's calls completed (or it had none).
+const DONE: u8 = 1;
+/// The part failed; [`Solo::failure`] says why.
+const FAILED: u8 = 2;
+
+/// Whether `op` on `mode` with one part can run as a [`Solo`]: copies on
+/// one device, or one call on a one-rank communicator, that waits for no
+/// other device. Not a barrier: its part waits for the device's work, which
+/// the caller's thread must not do while it holds the device.
+pub(crate) fn fits(op: &Op, mode: &Mode, parts: usize) -> bool {
+    let one_device = match mode {
+        Mode::Local => true,
+        Mode::Nccl(set) => set.devices.len() == 1,
+        Mode::Peer | Mode::PeerKernel(..) => false,
+    };
+    parts == 1 && one_device && op.collective() != Collective::Barrier
+}
+
+/// One part's collective on one device.
+pub(crate) struct Solo {
+    operation: &'static str,
+    member: usize,
+    device: DeviceId,
+    timeout: Duration,
+    /// The device a waiter polls for the part's end.
+    client: Client,
+    /// The communicator's set (forgotten when the part fails, so the next
+    /// call makes a fresh communicator).
+    set: Option<Arc<NcclSet>>,
+    /// `RUNNING`, `DONE` or `FAILED`.
+    state: AtomicU8,
+    failure: Mutex<Option<ServerError>>,
+    /// The flight record, finished (dropped) when the part ends.
+    tracked: Mutex<Option<Arc<Watched>>>,
+    /// Where a waiter past its spin window sleeps; notified with
+    /// `failure`'s lock held after `state` changed.
+    ended: Condvar,
+}
+
+/// Queues `op`'s one part on member `member` (`clients[member]`), which
+/// [`fits`] a [`Solo`]: from this thread where the device is idle,
+/// otherwise through its device thread. Returns the collective to wait on
+/// once the part is queued; the part's own failure (a poisoned source, an
+/// NCCL error) comes back from the wait and marks the destination.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch(
+    client: &Client,
+    member: usize,
+    timeout: Duration,
+    op: Op,
+    mode: Mode,
+    input: Option<&Handle>,
+    output: Option<&Handle>,
+    tracked: Option<Arc<Watched>>,
+) -> Result<Arc<Solo>, CommError> {
+    let operation = op.name();
+    let set = match &mode {
+        Mode::Nccl(set) => Some(set.clone()),
+        _ => None,
+    };
+    let solo = Arc::new(Solo {
+        operation,
+        member,
+        device: client.device_id(),
+        timeout,
+        client: client.clone(),
+        set,
+        state: AtomicU8::new(RUNNING),
+        failure: Mutex::new(None),
+        tracked: Mutex::new(tracked),
+        ended: Condvar::new(),
+    });
+    let nccl = matches!(mode, Mode::Nccl(_));
+    // In-place all-to-all over NCCL sends from a copy of the source.
+    let scratch = nccl
+        && op.collective() == Collective::AllToAll
+        && input.zip(output).is_some_and(|(i, o)| crate::check::same_bytes(i, o));
+    let (mut inputs, mut outputs) = (TaskHandles::new(), TaskHandles::new());
+    inputs.extend(input.cloned());
+    outputs.extend(output.cloned());
+    if scratch {
+        outputs.push(client.empty(op.block_bytes()));
+    }
+    let shape = Shape { input: input.is_some(), output: output.is_some(), scratch };
+    let part = solo.clone();
+    // Dropped unrun (its device closed before it ran), the guard fails the
+    // collective, so its waiter returns at once.
+    let guard = Unrun(Some(solo.clone()));
+    let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
+        stages::mark(Stage::TaskStarted);
+        let _ran = guard.ran();
+        let result = part.run(access, &op, &mode, shape);
+        stages::mark(Stage::TicketReturned);
+        result
+    };
+    stages::mark(Stage::TasksBuilt);
+    let queued = client.submit_buffers_recorded_inline(operation, inputs, outputs, task);
+    stages::mark(Stage::Submitted);
+    match queued {
+        Ok(()) => Ok(solo),
+        Err(source) => {
+            let _ = solo.end(Err(source.clone()));
+            Err(CommError::Enqueue { operation, member, device: client.device_id(), source })
+        }
+    }
+}
+
+/// Fails a [`Solo`] whose task is dropped without running.
+struct Unrun(Option<Arc<Solo>>);
+
+impl Unrun {
+    /// The task runs: dropping the guard no longer fails the collective.
+    fn ran(mut self) -> Arc<Solo> {
+        self.0.take().expect("a guard is taken once")
+    }
+}
+
+impl Drop for Unrun {
+    fn drop(&mut self) {
+        if let Some(solo) = self.0.take() {
+            let cause = Arc::new(ServerError::DeviceClosed { device: solo.device });
+            let _ = solo.end(Err(ServerError::Poisoned { operation: solo.operation.to_string(), cause }));
+        }
+    }
+}
+
+impl Solo {
+    /// Runs the part: binds its buffers and queues its copies or calls,
+    /// returning once they are queued. A part left running on the device
+    /// ends through [`CollectiveMonitor::finished`].
+    fn run(
+        self: &Arc<Self>,
+        access: Result<&mut BufferAccess<'_>, ServerError>,
+        op: &Op,
+        mode: &Mode,
+        shape: Shape,
+    ) -> Result<(), ServerError> {
+        let access = match access {
+            Ok(access) => access,
+            Err(err) => return Err(self.end(Err(err)).unwrap_err()),
+        };
+        let buffers = shape.bind(|i| access.binding(i));
+        let queued = match mode {
+            Mode::Local => match plan::local_copy(op, &buffers) {
+                Some(_) => access.copy(0, 1),
+                None => Ok(()),
+            },
+            Mode::Nccl(set) => {
+                let calls = plan::nccl_calls(op, 0, 1, &buffers);
+                if calls.is_empty() {
+                    Ok(())
+                } else {
+                    let spec = CommSpec { set: set.key, rank: 0, ranks: 1, unique_id: &set.unique_id };
+                    stages::mark(Stage::PartReady);
+                    let queued = access.run_collective(&spec, &calls, self.clone(), Completion::Defer);
+                    stages::mark(Stage::PartQueued);
+                    // Queued, the part ends when the device says so.
+                    if queued.is_ok() {
+                        return Ok(());
+                    }
+                    queued
+                }
+            }
+            Mode::Peer | Mode::PeerKernel(..) => Err(ServerError::InvalidState {
+                operation: self.operation,
+                reason: "a peer collective has more than one part".into(),
+            }),
+        };
+        self.end(queued)
+    }
+
+    /// Ends the collective with `outcome` (the first end wins), finishes
+    /// its flight record and wakes its sleeping waiters; returns the
+    /// collective's outcome.
+    fn end(&self, outcome: Result<(), ServerError>) -> Result<(), ServerError> {
+        let tracked = self.tracked.lock().take();
+        let result = {
+            let mut failure = self.failure.lock();
+            if self.state.load(Ordering::Acquire) == RUNNING {
+                match &outcome {
+                    Ok(()) => self.state.store(DONE, Ordering::Release),
+                    Err(err) => {
+                        if let Some(set) = &self.set {
+                            forget(set);
+                        }
+                        *failure = Some(err.clone());
+                        self.state.store(FAILED, Ordering::Release);
+                    }
+                }
+                self.ended.notify_all();
+            }
+            failure.clone().map_or(Ok(()), Err)
+        };
+        if let Some(tracked) = tracked {
+            tracked.note(&result);
+        }
+        result
+    }
+
+    /// The outcome once ended: `None` while the part runs.
+    fn outcome(&self) -> Option<Result<(), WaitEnd>> {
+        match self.state.load(Ordering::Acquire) {
+            RUNNING => None,
+            DONE => Some(Ok(())),
+            _ => Some(Err(WaitEnd::Failed(self.failure.lock().clone().expect("set before FAILED")))),
+        }
+    }
+
+    /// Waits until the part ended or `deadline` passed: polls the device
+    /// from this thread for the spin window, then sleeps until the device
+    /// thread ends it.
+    pub(crate) fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
+        if let Some(outcome) = self.outcome() {
+            return outcome;
+        }
+        let (start, window) = (Instant::now(), cohort_runtime::spin_window());
+        loop {
+            self.client.poll_collectives();
+            stages::mark(Stage::WaitHelped);
+            if let Some(outcome) = self.outcome() {
+                stages::mark(Stage::WaitLooked);
+                return outcome;
+            }
+            stages::mark(Stage::WaitLooked);
+            if start.elapsed() >= window {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        // The state changes under this lock (see `end`): no end is missed
+        // between the look and the sleep.
+        let mut failure = self.failure.lock();
+        loop {
+            match self.state.load(Ordering::Acquire) {
+                RUNNING => {}
+                DONE => return Ok(()),
+                _ => return Err(WaitEnd::Failed(failure.clone().expect("set before FAILED"))),
+            }
+            match deadline {
+                None => self.ended.wait(&mut failure),
+                Some(deadline) => {
+                    let late = self.ended.wait_until(&mut failure, deadline).timed_out();
+                    if late && self.state.load(Ordering::Acquire) == RUNNING {
+                        let running = format!("member {} ({}) still running", self.member, self.device);
+                        return Err(WaitEnd::Late(running));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the part ended (completed or failed). Never blocks.
+    pub(crate) fn is_done(&self) -> bool {
+        self.state.load(Ordering::Acquire) != RUNNING
+    }
+}
+
+impl CollectiveMonitor for Solo {
+    fn operation(&self) -> &str {
+        self.operation
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn failed_elsewhere(&self) -> Option<ServerError> {
+        None
+    }
+
+    fn missing(&self) -> String {
+        format!("member {} ({}) did not finish", self.member, self.device)
+    }
+
+    fn finished(&self, outcome: &Result<(), ServerError>) {
+        let _ = self.end(outcome.clone());
+    }
+}
