@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::launch_env::{LaunchEnv, LaunchSource};
-use crate::store::StoreServer;
+use crate::store::{resolve_addrs, StoreServer, Unresolved};
 
 use super::error::ConnectError;
 
@@ -164,18 +164,16 @@ fn shared_secret(rank: usize, job: &str, wait: Duration) -> Result<String, Conne
 }
 
 /// An error naming the variable that gave `host` (MASTER_ADDR, or Slurm's
-/// node list) unless `host` resolves to an address: no rank waits its whole
-/// timeout for a store at a name that cannot be reached.
+/// node list) when `host` does not resolve, by the store client's rule
+/// ([`resolve_addrs`]): no rank waits its whole timeout for a store at a
+/// name that can never be reached, and the error says which variable to
+/// fix. A lookup that failed only for the moment passes here: the client
+/// retries it until its timeout.
 fn check_resolves(host: &str, port: u16) -> Result<(), ConnectError> {
-    use std::net::ToSocketAddrs;
     let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
-    let resolved = (bare, port).to_socket_addrs().map(|mut a| a.next().is_some());
-    if let Ok(true) = resolved {
-        return Ok(());
-    }
-    let why = match resolved {
-        Err(e) => e.to_string(),
-        Ok(_) => "it resolves to no address".into(),
+    let why = match resolve_addrs(&(bare, port)) {
+        Ok(_) | Err(Unresolved::Transient(_)) => return Ok(()),
+        Err(Unresolved::Never(e)) => e.to_string(),
     };
     let named = match var("MASTER_ADDR") {
         Some(_) => "MASTER_ADDR".to_string(),

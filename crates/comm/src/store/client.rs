@@ -126,8 +126,13 @@ impl StoreClient {
     ///
     /// Retries refused connections until `timeout` has passed (ranks may
     /// start before the store is up), backing off from 1 ms to 100 ms between
-    /// attempts. The same `timeout` bounds every later plain request's answer.
-    /// A wrong secret fails at once with [`StoreError::AuthRefused`].
+    /// attempts; a lookup of the host name that fails only for the moment is
+    /// retried the same way. The same `timeout` bounds every later plain
+    /// request's answer. A wrong secret fails at once with
+    /// [`StoreError::AuthRefused`]; an address whose name does not resolve
+    /// (the resolver says it does not know the name, or it gives no
+    /// address, or the address is not `host:port`) fails at once with
+    /// [`StoreError::Unresolvable`].
     pub fn connect(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>, timeout: Duration) -> Result<Self> {
         Self::over_tcp(addr, secret.as_ref(), timeout, Verify::Now)
     }
@@ -835,10 +840,79 @@ fn check_value(value: &[u8]) -> Result<()> {
 
 /// Why one connection attempt failed.
 enum Attempt {
-    /// Worth another try (refused, reset, not resolvable yet).
+    /// Worth another try (refused, reset, a lookup that failed for the
+    /// moment).
     Retry(io::Error),
-    /// Final (wrong secret, not a store).
+    /// Final (a name that does not resolve, wrong secret, not a store).
     Fatal(StoreError),
+}
+
+/// Why [`resolve_addrs`] gave no address to connect to.
+#[derive(Debug)]
+pub(crate) enum Unresolved {
+    /// The lookup failed in a way that may pass (a timeout, an interrupted
+    /// call, the resolver's "temporary failure"): worth another try.
+    Transient(io::Error),
+    /// The name does not resolve, and trying again will not change that:
+    /// the resolver's answer, or "it resolves to no address".
+    Never(io::Error),
+}
+
+/// The socket addresses `addr` resolves to. This is the one place that
+/// decides whether a store's address resolves: every connection of a
+/// [`StoreClient`] (and of a node relay) goes through it, and so does the
+/// early check of MASTER_ADDR when a rank finds its store from the
+/// environment.
+///
+/// The rule: a lookup is [`Unresolved::Never`], fatal at once for a caller,
+/// when it fails with an error whose kind is not a timeout, an interrupted
+/// call or a call that would block, and that is not the resolver's
+/// temporary failure (`EAI_AGAIN`, what glibc answers when no name server
+/// replied; the standard library reports it with an uncategorized kind, so
+/// it is told apart by `gai_strerror`'s text), or when it gives no address
+/// at all. That covers a name the resolver says it does not know
+/// (`EAI_NONAME`), a non-recoverable resolver failure and an address that
+/// is not `host:port`. The failures left out are [`Unresolved::Transient`]:
+/// DNS can fail for a moment, and a caller retries those until its timeout.
+pub(crate) fn resolve_addrs(addr: &(impl ToSocketAddrs + ?Sized)) -> Result<Vec<SocketAddr>, Unresolved> {
+    match addr.to_socket_addrs() {
+        Ok(found) => {
+            let found: Vec<SocketAddr> = found.collect();
+            if found.is_empty() {
+                return Err(Unresolved::Never(io::Error::new(io::ErrorKind::NotFound, "it resolves to no address")));
+            }
+            Ok(found)
+        }
+        Err(e) if lookup_may_pass(&e) => Err(Unresolved::Transient(e)),
+        Err(e) => Err(Unresolved::Never(e)),
+    }
+}
+
+/// Whether the failed lookup `e` may succeed if tried again: a timeout, an
+/// interrupted or would-block call, or the resolver's temporary failure
+/// (`EAI_AGAIN`).
+fn lookup_may_pass(e: &io::Error) -> bool {
+    if matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) {
+        return true;
+    }
+    // The standard library reports getaddrinfo's own failures (all but
+    // EAI_SYSTEM, which carries an OS error) with no OS error code, as
+    // "failed to lookup address information: " and gai_strerror's text.
+    e.raw_os_error().is_none() && gai_text(libc::EAI_AGAIN).is_some_and(|text| e.to_string().contains(&text))
+}
+
+/// What `gai_strerror` says for the getaddrinfo error `code` (in this
+/// process's locale, as the standard library reads it), if anything.
+fn gai_text(code: libc::c_int) -> Option<String> {
+    // SAFETY: gai_strerror takes any code and returns null or a pointer to
+    // a NUL-terminated string that is never freed.
+    let text = unsafe { libc::gai_strerror(code) };
+    if text.is_null() {
+        return None;
+    }
+    // SAFETY: non-null, so a NUL-terminated string that outlives this call.
+    let text = unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy().into_owned();
+    (!text.is_empty()).then_some(text)
 }
 
 /// When the client reads the store's verdict on its proof.
@@ -889,7 +963,10 @@ fn try_connect(
     verify: Verify,
     behind: &[u8],
 ) -> Result<(TcpStream, Option<Unverified>), Attempt> {
-    let addrs: Vec<SocketAddr> = addr.to_socket_addrs().map_err(Attempt::Retry)?.collect();
+    let addrs = resolve_addrs(addr).map_err(|unresolved| match unresolved {
+        Unresolved::Transient(e) => Attempt::Retry(e),
+        Unresolved::Never(source) => Attempt::Fatal(StoreError::Unresolvable { addr: shown.to_string(), source }),
+    })?;
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the address resolved to nothing");
     for a in addrs {
         let per_try = within.min(Duration::from_secs(5));
@@ -961,6 +1038,50 @@ pub(crate) fn verdict_result(verdict: protocol::Verdict, addr: &str) -> Result<(
         protocol::Verdict::NotAuthentic => Err(StoreError::ServerNotAuthentic { addr }),
         protocol::Verdict::Malformed => {
             Err(StoreError::Protocol { addr, detail: "malformed answer to the handshake".into() })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the standard library's error says when getaddrinfo fails with
+    /// `code` (its text for every code but EAI_SYSTEM).
+    fn lookup_failed(code: libc::c_int) -> io::Error {
+        let text = gai_text(code).expect("gai_strerror has a text for the code");
+        io::Error::other(format!("failed to lookup address information: {text}"))
+    }
+
+    #[test]
+    fn store_lookups_that_may_pass_are_retried_and_the_rest_are_fatal() {
+        assert!(lookup_may_pass(&lookup_failed(libc::EAI_AGAIN)), "a temporary failure of the resolver");
+        for code in [libc::EAI_NONAME, libc::EAI_FAIL, libc::EAI_SERVICE] {
+            assert!(!lookup_may_pass(&lookup_failed(code)), "{}", lookup_failed(code));
+        }
+        for kind in [io::ErrorKind::TimedOut, io::ErrorKind::Interrupted, io::ErrorKind::WouldBlock] {
+            assert!(lookup_may_pass(&io::Error::from(kind)), "{kind:?}");
+        }
+        assert!(!lookup_may_pass(&io::Error::from(io::ErrorKind::InvalidInput)));
+        // An OS error is judged by its kind, whatever its text.
+        assert!(!lookup_may_pass(&io::Error::from_raw_os_error(libc::ENOENT)));
+        assert!(lookup_may_pass(&io::Error::from_raw_os_error(libc::EINTR)));
+    }
+
+    #[test]
+    fn store_addresses_resolve_by_one_rule() {
+        let local: SocketAddr = "127.0.0.1:29500".parse().unwrap();
+        assert_eq!(resolve_addrs("127.0.0.1:29500").unwrap(), vec![local]);
+        assert!(resolve_addrs(&("localhost", 29500)).unwrap().iter().all(|a| a.ip().is_loopback()));
+        // Not host:port, or a port out of range: no retry helps.
+        for bad in ["127.0.0.1", "127.0.0.1:70000"] {
+            assert!(matches!(resolve_addrs(bad), Err(Unresolved::Never(_))), "{bad}");
+        }
+        // A lookup that gives no address at all.
+        let none: &[SocketAddr] = &[];
+        match resolve_addrs(&none) {
+            Err(Unresolved::Never(e)) => assert_eq!(e.to_string(), "it resolves to no address"),
+            other => panic!("{other:?}"),
         }
     }
 }

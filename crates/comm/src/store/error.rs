@@ -42,6 +42,20 @@ pub enum StoreError {
         source: io::Error,
     },
 
+    /// The store's address names a host that does not resolve (by the rule
+    /// of the client's `resolve_addrs`): failed at once, not retried.
+    #[error(
+        "the rendezvous store's address {addr} does not resolve to any address: {source}; check the host name \
+         in COHORT_STORE_ADDR (`cohort run`'s --master-addr or --store-addr; MASTER_ADDR without a launcher)"
+    )]
+    Unresolvable {
+        /// The store's address.
+        addr: String,
+        /// The resolver's answer.
+        #[source]
+        source: io::Error,
+    },
+
     /// The store refused this client's proof of the job secret.
     #[error(
         "the rendezvous store at {addr} refused this client: its job secret is not the job's; \

@@ -281,6 +281,36 @@ fn store_connect_gives_up_after_its_timeout() {
     assert!(err.to_string().contains(&port.to_string()), "{err}");
 }
 
+/// A name that does not resolve is fatal at once, naming the address,
+/// however long the timeout: a direct client, a pipelined one and a node
+/// relay alike (one rule, `resolve_addrs`, for all), while a name that
+/// resolves but refuses is still retried (the tests above).
+#[test]
+fn store_connect_to_a_name_that_does_not_resolve_fails_at_once() {
+    let addr = "no-such-host.invalid:29500";
+    let long = Duration::from_secs(30);
+    type Connect = fn(&str, Duration) -> Result<()>;
+    let tries: [(&str, Connect); 3] = [
+        ("connect", |a, t| StoreClient::connect(a, SECRET, t).map(drop)),
+        ("connect_pipelined", |a, t| StoreClient::connect_pipelined(a, SECRET, t).map(drop)),
+        ("a relay", |a, t| StoreRelay::start(a, SECRET, 1, t).map(drop)),
+    ];
+    for (what, connect) in tries {
+        let start = Instant::now();
+        let err = connect(addr, long).expect_err(what);
+        let took = start.elapsed();
+        assert!(took < Duration::from_secs(5), "{what}: gave up after {took:?}, not at once");
+        assert!(matches!(err, StoreError::Unresolvable { .. }), "{what}: {err:?}");
+        let msg = err.to_string();
+        assert!(msg.contains(addr) && msg.contains("does not resolve"), "{what}: {msg}");
+    }
+    // Not host:port at all: no retry can help either.
+    let start = Instant::now();
+    let err = StoreClient::connect("no-port-here", SECRET, long).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(5), "waited {:?}", start.elapsed());
+    assert!(err.to_string().contains("no-port-here") && err.to_string().contains("does not resolve"), "{err}");
+}
+
 #[test]
 fn store_port_in_use_is_a_clear_error() {
     let s = server();
