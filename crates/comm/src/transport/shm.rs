@@ -233,6 +233,11 @@ fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
 /// registered in the store is looked up, and each of their files that is
 /// still there and this user's is unlinked. Returns how many were. For the
 /// launcher, once its ranks have ended (before the store is reset).
+///
+/// Asks the store two round trips per rank: its count of communicators,
+/// then the entries of all of them in one
+/// [`multi_get`](crate::store::StoreClient::multi_get) (a few, each for a
+/// batch of hundreds of communicators, for a rank that made more).
 pub fn sweep_shared_memory(
     store: &crate::store::StoreClient,
     ranks: &[usize],
@@ -243,26 +248,57 @@ pub fn sweep_shared_memory(
     let mut removed = 0;
     for &rank in ranks {
         let made = store.add(&format!("cohort/comm/instance/{rank}"), 0)?;
-        for k in 1..=made {
-            let Some(entry) = store.get(&format!("cohort/comm/{k}/job"))? else { continue };
-            let entry = String::from_utf8_lossy(&entry);
-            let Some(job) = entry.split(' ').next().filter(|j| j.bytes().all(|b| b.is_ascii_hexdigit())) else {
-                continue;
-            };
-            if remove_own(&path(job, rank)) {
-                removed += 1;
-            }
-            // A fresh name the rank took (`create_for`), published as its
-            // `shm/<rank>` entry.
-            if let Some(taken) = store.get(&format!("cohort/comm/{k}/shm/{rank}"))? {
-                let taken = String::from_utf8_lossy(&taken);
-                if taken != path(job, rank) && is_own_path(job, rank, &taken) && remove_own(&taken) {
+        let mut first = 1;
+        while first <= made {
+            let last = made.min(first.saturating_add(SWEEP_BATCH - 1));
+            let keys: Vec<String> = (first..=last)
+                .flat_map(|k| [format!("cohort/comm/{k}/job"), format!("cohort/comm/{k}/shm/{rank}")])
+                .collect();
+            let values = entries(store, &keys)?;
+            for pair in values.chunks(2) {
+                let [Some(entry), taken] = pair else { continue };
+                let entry = String::from_utf8_lossy(entry);
+                let Some(job) = entry.split(' ').next().filter(|j| j.bytes().all(|b| b.is_ascii_hexdigit())) else {
+                    continue;
+                };
+                if remove_own(&path(job, rank)) {
                     removed += 1;
                 }
+                // A fresh name the rank took (`create_for`), published as its
+                // `shm/<rank>` entry.
+                if let Some(taken) = taken {
+                    let taken = String::from_utf8_lossy(taken);
+                    if taken != path(job, rank) && is_own_path(job, rank, &taken) && remove_own(&taken) {
+                        removed += 1;
+                    }
+                }
             }
+            if last == i64::MAX {
+                break;
+            }
+            first = last + 1;
         }
     }
     Ok(removed)
+}
+
+/// How many communicators' entries [`sweep_shared_memory`] reads in one
+/// request (two keys each).
+const SWEEP_BATCH: i64 = 512;
+
+/// The values of `keys` (`None` where not set), in order: one
+/// [`multi_get`](crate::store::StoreClient::multi_get), or one get per key
+/// when the store refuses that (the values together too large for one
+/// answer, where each alone fits).
+fn entries(
+    store: &crate::store::StoreClient,
+    keys: &[String],
+) -> Result<Vec<Option<Vec<u8>>>, crate::store::StoreError> {
+    let asked: Vec<&str> = keys.iter().map(String::as_str).collect();
+    match store.multi_get(&asked) {
+        Err(crate::store::StoreError::Refused { .. }) => asked.iter().map(|k| store.get(k)).collect(),
+        answered => answered,
+    }
 }
 
 /// Unlinks `path` when it is a file (or link) of this user's; whether it did.
@@ -615,5 +651,63 @@ mod tests {
         assert!(!std::path::Path::new(&fresh).exists());
         assert!(other.exists(), "only the job's own names are removed");
         std::fs::remove_file(other).unwrap();
+    }
+
+    /// A rank that made more communicators than one request reads has each
+    /// of them swept (the first, the last of a batch, one in the next
+    /// batch), communicators with no job entry are passed over as before,
+    /// and entries too large together for one answer are read one by one.
+    #[test]
+    fn the_sweep_reads_every_communicator_in_batches() {
+        let server = crate::store::StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+        let store =
+            crate::store::StoreClient::connect(server.local_addr(), "secret", std::time::Duration::from_secs(30))
+                .unwrap();
+        let rank = 3;
+        let made = SWEEP_BATCH + 2;
+        assert_eq!(store.add(&format!("cohort/comm/instance/{rank}"), made).unwrap(), made);
+        let swept = [1, SWEEP_BATCH, SWEEP_BATCH + 2];
+        let mut files = Vec::new();
+        for k in swept {
+            let job = format!("{:08x}{k:04x}", std::process::id());
+            store.set(&format!("cohort/comm/{k}/job"), format!("{job} 00").as_bytes()).unwrap();
+            files.push(path(&job, rank));
+            write_file(files.last().unwrap(), 10, 0o600);
+        }
+        // A communicator with a fresh name published but no job entry: its
+        // file is left (nothing says whose job it is).
+        let orphan_job = format!("{:08x}ffff", std::process::id());
+        let orphan = format!("{}-0123456789abcdef", path(&orphan_job, rank));
+        write_file(&orphan, 10, 0o600);
+        store.set(&format!("cohort/comm/2/shm/{rank}"), orphan.as_bytes()).unwrap();
+        assert_eq!(sweep_shared_memory(&store, &[rank]).unwrap(), swept.len());
+        for f in &files {
+            assert!(!std::path::Path::new(f).exists(), "{f} swept");
+        }
+        assert!(std::path::Path::new(&orphan).exists(), "no job entry, not swept");
+        std::fs::remove_file(&orphan).unwrap();
+
+        // Two `shm` entries of the first batch, each under the store's
+        // limit but over it together: the multi-get is refused, and the
+        // sweep reads the entries one by one and still removes every file.
+        let half = crate::store::MAX_VALUE / 2 + 1;
+        for k in [1, 3] {
+            store.set(&format!("cohort/comm/{k}/shm/{rank}"), &vec![b'x'; half]).unwrap();
+        }
+        let keys = [format!("cohort/comm/1/shm/{rank}"), format!("cohort/comm/3/shm/{rank}")];
+        assert!(
+            matches!(
+                store.multi_get(&[keys[0].as_str(), keys[1].as_str()]),
+                Err(crate::store::StoreError::Refused { .. })
+            ),
+            "the store refuses the values in one answer"
+        );
+        for f in &files {
+            write_file(f, 10, 0o600);
+        }
+        assert_eq!(sweep_shared_memory(&store, &[rank]).unwrap(), swept.len());
+        for f in &files {
+            assert!(!std::path::Path::new(f).exists(), "{f} swept");
+        }
     }
 }
