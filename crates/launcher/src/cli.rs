@@ -162,8 +162,11 @@ pub enum Nproc {
 }
 
 /// The most ranks `-n` takes: Linux's limit on process ids
-/// (`PID_MAX_LIMIT`), so no count a node could never run is planned for.
-pub const MAX_RANKS_PER_NODE: usize = 1 << 22;
+/// (`PID_MAX_LIMIT`, 4,194,304), so no count a node could never run is
+/// planned for. The same number as the most ranks a job may have
+/// ([`cohort_comm::launch_env::MAX_WORLD_SIZE`]), which it is defined as,
+/// so the two limits cannot drift apart.
+pub const MAX_RANKS_PER_NODE: usize = cohort_comm::launch_env::MAX_WORLD_SIZE;
 
 impl FromStr for Nproc {
     type Err = String;
@@ -379,6 +382,7 @@ mod tests {
         assert!("0".parse::<Nproc>().is_err());
         assert!("many".parse::<Nproc>().unwrap_err().contains("'many'"));
         assert_eq!("4194304".parse::<Nproc>(), Ok(Nproc::Count(MAX_RANKS_PER_NODE)));
+        assert!("4194305".parse::<Nproc>().unwrap_err().contains("4194304"));
         let too_many = "99999999999".parse::<Nproc>().unwrap_err();
         assert!(too_many.contains("99999999999") && too_many.contains("4194304"), "{too_many}");
     }
