@@ -353,3 +353,41 @@ fn a_bounded_wait_on_a_held_up_collective_names_its_member_and_a_later_wait_ends
     assert_eq!(record.state, RecordState::Completed);
     assert_eq!(record.path.as_deref(), Some("nccl"));
 }
+
+/// Threads calling one-device collectives at once on one device (each on
+/// its own stream, so with no order between them; no process-wide lock is
+/// taken for a part that waits for no other device): every handle ends and
+/// every result is right, whichever thread queued first.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn threads_calling_one_device_collectives_at_once_all_end_right() {
+    let device = one_rank_group().client(0).clone();
+    let threads: Vec<_> = (0..4u32)
+        .map(|t| {
+            let device = device.clone();
+            std::thread::spawn(move || {
+                let group = ClientGroup::new(vec![device.clone()]).unwrap();
+                for round in 0..200u32 {
+                    let value = t * 1000 + round;
+                    let src = device.create(Bytes::from_elems(&[value; 16]));
+                    let dst = device.empty(64);
+                    let work = group
+                        .all_reduce_handles(
+                            std::slice::from_ref(&src),
+                            std::slice::from_ref(&dst),
+                            DType::U32,
+                            ReduceOp::Max,
+                        )
+                        .unwrap();
+                    if round % 2 == 0 {
+                        work.wait().unwrap();
+                    }
+                    assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![value; 16], "thread {t}");
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+}

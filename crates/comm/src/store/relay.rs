@@ -121,7 +121,8 @@ impl StoreRelay {
     /// answer within 10 s, is made again until `timeout` passes.
     /// Fails when the store cannot be reached within `timeout`, keeps
     /// dropping the connection ([`StoreError::HandshakeDropped`]) or does not
-    /// answer ([`StoreError::Unresponsive`]); a store that refuses the secret
+    /// answer ([`StoreError::Unresponsive`]), and at once when its host name
+    /// does not resolve ([`StoreError::Unresolvable`]); a store that refuses the secret
     /// (or cannot prove it holds it) is reported to every rank as the answer
     /// to its first request. [`StoreRelay::spawn`] returns without waiting.
     pub fn start(

@@ -211,6 +211,18 @@ impl Entry {
     }
 }
 
+/// Where record `id` is in `records` (sorted by id), if still there: found
+/// at once where the ring's ids are consecutive (the process-wide recorder,
+/// the only one that records while others do), by binary search otherwise.
+fn position(records: &VecDeque<Entry>, id: RecordId) -> Option<usize> {
+    let front = records.front()?.id;
+    let guess = usize::try_from(id.0.checked_sub(front)?).ok()?;
+    if records.get(guess).is_some_and(|r| r.id == id.0) {
+        return Some(guess);
+    }
+    records.binary_search_by_key(&id.0, |r| r.id).ok()
+}
+
 /// The last collectives of this process (a ring buffer; old ones fall off).
 ///
 /// Recording a call of the library costs one lock and no heap allocation:
@@ -329,7 +341,7 @@ impl FlightRecorder {
     /// Notes which path ran record `id` (ignored once it fell off the ring).
     pub fn set_path(&self, id: RecordId, path: &'static str) {
         let mut records = self.records.lock();
-        if let Ok(at) = records.binary_search_by_key(&id.0, |r| r.id) {
+        if let Some(at) = position(&records, id) {
             records[at].path = Some(path);
         }
     }
@@ -339,7 +351,7 @@ impl FlightRecorder {
     /// its first reason, and one that fell off the ring is ignored.
     pub fn finish_record(&self, id: RecordId, outcome: Result<(), String>) {
         let mut records = self.records.lock();
-        if let Ok(at) = records.binary_search_by_key(&id.0, |r| r.id) {
+        if let Some(at) = position(&records, id) {
             records[at].end(outcome);
         }
     }
@@ -527,6 +539,46 @@ mod tests {
         assert_eq!(records[1].state, RecordState::Failed("lost".into()));
         assert_eq!(records[1].fingerprint, fp(1));
         assert_eq!((records[1].path.as_deref(), records[2].path.as_deref()), (None, Some("nccl")));
+    }
+
+    /// A record is ended by its id whether the ring's ids run on (found at
+    /// once) or have gaps (another recorder took the ids between: found by
+    /// search); one that fell off the ring is ignored, and no other record
+    /// is touched.
+    #[test]
+    fn records_are_ended_by_id_with_or_without_gaps_in_the_ids() {
+        let (ours, other) = (FlightRecorder::new(3), FlightRecorder::new(3));
+        let group: Arc<str> = "g".into();
+        let start = |recorder: &FlightRecorder, seq| recorder.start_entry(&group, fp(seq), Ranks::One(0), None);
+        let gone = start(&ours, 0);
+        let run: Vec<RecordId> = (1..4).map(|seq| start(&ours, seq)).collect();
+        ours.finish_record(run[1], Err("second".into()));
+        ours.finish_record(gone, Err("fell off".into()));
+        let gapped: Vec<RecordId> = (4..7)
+            .map(|seq| {
+                start(&other, seq);
+                start(&ours, seq)
+            })
+            .collect();
+        ours.finish_record(gapped[2], Ok(()));
+        ours.set_path(gapped[0], "oneshot");
+        ours.finish_record(gapped[0], Err("first".into()));
+        let states: Vec<(u64, RecordState, Option<String>)> =
+            ours.snapshot().into_iter().map(|r| (r.fingerprint.seq, r.state, r.path)).collect();
+        assert_eq!(
+            states,
+            vec![
+                (4, RecordState::Failed("first".into()), Some("oneshot".into())),
+                (5, RecordState::Started, None),
+                (6, RecordState::Completed, None),
+            ]
+        );
+        let ours_then = FlightRecorder::new(4);
+        let ids: Vec<RecordId> = (0..4).map(|seq| start(&ours_then, seq)).collect();
+        ours_then.finish_record(ids[1], Err("second".into()));
+        let states: Vec<RecordState> = ours_then.snapshot().into_iter().map(|r| r.state).collect();
+        assert_eq!(states[1], RecordState::Failed("second".into()));
+        assert!(states.iter().enumerate().all(|(i, s)| i == 1 || *s == RecordState::Started), "{states:?}");
     }
 
     #[test]
