@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::launch_env::{LaunchEnv, LaunchSource};
-use crate::store::{resolve_addrs, StoreServer, Unresolved};
+use crate::store::{await_name, StoreServer, UNKNOWN_NAME_GRACE};
 
 use super::error::ConnectError;
 
@@ -165,16 +165,24 @@ fn shared_secret(rank: usize, job: &str, wait: Duration) -> Result<String, Conne
 
 /// An error naming the variable that gave `host` (MASTER_ADDR, or Slurm's
 /// node list) when `host` does not resolve, by the store client's rule
-/// ([`resolve_addrs`]): no rank waits its whole timeout for a store at a
-/// name that can never be reached, and the error says which variable to
-/// fix. A lookup that failed only for the moment passes here: the client
+/// (`store::resolve_addrs`): at once when the address is malformed, after
+/// the store client's grace for a name the resolver does not know (a host
+/// whose name appears only when it starts; at most `COHORT_TIMEOUT`), so
+/// no rank waits its whole timeout for a misspelt name and the error says
+/// which variable to fix.
+/// A lookup that failed only for the moment passes here: the client
 /// retries it until its timeout.
 fn check_resolves(host: &str, port: u16) -> Result<(), ConnectError> {
+    let timeout = crate::host::default_timeout()?;
+    check_resolves_within(host, port, UNKNOWN_NAME_GRACE.min(timeout))
+}
+
+/// [`check_resolves`] with `grace` for a name the resolver does not know.
+fn check_resolves_within(host: &str, port: u16, grace: Duration) -> Result<(), ConnectError> {
     let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
-    let why = match resolve_addrs(&(bare, port)) {
-        Ok(_) | Err(Unresolved::Transient(_)) => return Ok(()),
-        Err(Unresolved::Never(e)) => e.to_string(),
-    };
+    let shown = format!("{host}:{port}");
+    let Err(unresolved) = await_name(&(bare, port), &shown, grace) else { return Ok(()) };
+    let why = unresolved.into_error().to_string();
     let named = match var("MASTER_ADDR") {
         Some(_) => "MASTER_ADDR".to_string(),
         None => "the first host of SLURM_STEP_NODELIST".to_string(),
@@ -274,12 +282,22 @@ mod tests {
 
     #[test]
     fn store_hosts_must_resolve() {
+        let grace = Duration::from_millis(200);
         for host in ["127.0.0.1", "localhost", "::1", "[::1]"] {
-            assert!(check_resolves(host, 29500).is_ok(), "{host}");
+            assert!(check_resolves_within(host, 29500, grace).is_ok(), "{host}");
         }
         for host in ["not a host!", "host:1234", "[::1", "999.1.1.1"] {
-            let err = check_resolves(host, 29500).unwrap_err().to_string();
+            // Where no name server answers, the resolver's failure is only
+            // for the moment, which the store client retries: nothing to
+            // check here then.
+            if let Err(crate::store::Unresolved::Transient(e)) = crate::store::resolve_addrs(&(host, 29500)) {
+                eprintln!("{host}: the resolver failed for the moment ({e}); not checked");
+                continue;
+            }
+            let start = Instant::now();
+            let err = check_resolves_within(host, 29500, grace).unwrap_err().to_string();
             assert!(err.contains(&format!("={host:?} names no host")), "{host}: {err}");
+            assert!(start.elapsed() < Duration::from_secs(5), "{host}: looked up for {:?}", start.elapsed());
         }
     }
 

@@ -843,7 +843,11 @@ enum Attempt {
     /// Worth another try (refused, reset, a lookup that failed for the
     /// moment).
     Retry(io::Error),
-    /// Final (a name that does not resolve, wrong secret, not a store).
+    /// A host name the resolver does not know (yet): retried for
+    /// [`UNKNOWN_NAME_GRACE`] at most.
+    UnknownName(io::Error),
+    /// Final (an address that is not `host:port`, wrong secret, not a
+    /// store).
     Fatal(StoreError),
 }
 
@@ -851,41 +855,91 @@ enum Attempt {
 #[derive(Debug)]
 pub(crate) enum Unresolved {
     /// The lookup failed in a way that may pass (a timeout, an interrupted
-    /// call, the resolver's "temporary failure"): worth another try.
+    /// call, the resolver's "temporary failure"): retried until the
+    /// caller's timeout.
     Transient(io::Error),
-    /// The name does not resolve, and trying again will not change that:
-    /// the resolver's answer, or "it resolves to no address".
-    Never(io::Error),
+    /// The resolver does not know the name, or it gives no address: retried
+    /// for [`UNKNOWN_NAME_GRACE`] (a host whose name is published only once
+    /// it runs, as a Kubernetes service's), then an error.
+    Unknown(io::Error),
+    /// Not `host:port` at all: no retry helps.
+    Malformed(io::Error),
 }
+
+impl Unresolved {
+    /// The resolver's answer.
+    pub(crate) fn into_error(self) -> io::Error {
+        match self {
+            Unresolved::Transient(e) | Unresolved::Unknown(e) | Unresolved::Malformed(e) => e,
+        }
+    }
+}
+
+/// How long a store address whose name the resolver does not know is
+/// looked up again before that is an error (never longer than the
+/// caller's timeout): long enough for a host whose name appears when it
+/// starts, short of the whole rendezvous timeout for a misspelt one.
+pub(crate) const UNKNOWN_NAME_GRACE: Duration = Duration::from_secs(60);
 
 /// The socket addresses `addr` resolves to. This is the one place that
 /// decides whether a store's address resolves: every connection of a
 /// [`StoreClient`] (and of a node relay) goes through it, and so does the
 /// early check of MASTER_ADDR when a rank finds its store from the
-/// environment.
+/// environment ([`await_name`]).
 ///
-/// The rule: a lookup is [`Unresolved::Never`], fatal at once for a caller,
-/// when it fails with an error whose kind is not a timeout, an interrupted
-/// call or a call that would block, and that is not the resolver's
-/// temporary failure (`EAI_AGAIN`, what glibc answers when no name server
-/// replied; the standard library reports it with an uncategorized kind, so
-/// it is told apart by `gai_strerror`'s text), or when it gives no address
-/// at all. That covers a name the resolver says it does not know
-/// (`EAI_NONAME`), a non-recoverable resolver failure and an address that
-/// is not `host:port`. The failures left out are [`Unresolved::Transient`]:
-/// DNS can fail for a moment, and a caller retries those until its timeout.
+/// The rule: an address that is not `host:port` is
+/// [`Unresolved::Malformed`]; a lookup that times out, is interrupted or
+/// would block, or that the resolver answers with its temporary failure
+/// (`EAI_AGAIN`, what glibc answers when no name server replied; the
+/// standard library reports it with an uncategorized kind, so it is told
+/// apart by `gai_strerror`'s text) is [`Unresolved::Transient`]; any other
+/// failure (the resolver does not know the name, `EAI_NONAME`, or fails
+/// for good) and a lookup that gives no address are
+/// [`Unresolved::Unknown`].
 pub(crate) fn resolve_addrs(addr: &(impl ToSocketAddrs + ?Sized)) -> Result<Vec<SocketAddr>, Unresolved> {
     match addr.to_socket_addrs() {
         Ok(found) => {
             let found: Vec<SocketAddr> = found.collect();
             if found.is_empty() {
-                return Err(Unresolved::Never(io::Error::new(io::ErrorKind::NotFound, "it resolves to no address")));
+                return Err(Unresolved::Unknown(io::Error::new(io::ErrorKind::NotFound, "it resolves to no address")));
             }
             Ok(found)
         }
+        Err(e) if e.kind() == io::ErrorKind::InvalidInput => Err(Unresolved::Malformed(e)),
         Err(e) if lookup_may_pass(&e) => Err(Unresolved::Transient(e)),
-        Err(e) => Err(Unresolved::Never(e)),
+        Err(e) => Err(Unresolved::Unknown(e)),
     }
+}
+
+/// Looks `addr` up until it resolves, or the lookup fails only for the
+/// moment (the connection retries those), or the resolver has not known
+/// the name for `grace`: then, and at once for a malformed address, the
+/// last answer. Logs a warning once when the name is not known at first.
+pub(crate) fn await_name(addr: &(impl ToSocketAddrs + ?Sized), shown: &str, grace: Duration) -> Result<(), Unresolved> {
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match resolve_addrs(addr) {
+            Ok(_) | Err(Unresolved::Transient(_)) => return Ok(()),
+            Err(Unresolved::Unknown(e)) if start.elapsed() < grace => {
+                if pause == Duration::from_millis(50) {
+                    warn_unknown(shown, &e, grace);
+                }
+                std::thread::sleep(pause.min(grace.saturating_sub(start.elapsed())));
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            Err(other) => return Err(other),
+        }
+    }
+}
+
+/// The warning when a store's host name is not known (yet).
+fn warn_unknown(shown: &str, e: &io::Error, grace: Duration) {
+    tracing::warn!(
+        "the rendezvous store's address {shown} does not resolve ({e}); looking it up again for up to {} s \
+         (a host whose name appears when it starts), then giving up",
+        grace.as_secs()
+    );
 }
 
 /// Whether the failed lookup `e` may succeed if tried again: a timeout, an
@@ -938,16 +992,26 @@ pub(crate) fn connect_authenticated(
     let start = Instant::now();
     let deadline = start + timeout;
     let mut backoff = Duration::from_millis(1);
+    let mut warned = false;
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());
-        let last = match try_connect(addr, shown, secret, remaining.max(Duration::from_millis(50)), verify, behind) {
-            Ok(s) => return Ok(s),
-            Err(Attempt::Fatal(e)) => return Err(e),
-            Err(Attempt::Retry(e)) => e,
-        };
+        let (last, unknown) =
+            match try_connect(addr, shown, secret, remaining.max(Duration::from_millis(50)), verify, behind) {
+                Ok(s) => return Ok(s),
+                Err(Attempt::Fatal(e)) => return Err(e),
+                Err(Attempt::Retry(e)) => (e, false),
+                Err(Attempt::UnknownName(e)) => (e, true),
+            };
         let now = Instant::now();
+        if unknown && (now >= deadline || now - start >= UNKNOWN_NAME_GRACE) {
+            return Err(StoreError::Unresolvable { addr: shown.to_string(), source: last });
+        }
         if now >= deadline {
             return Err(StoreError::Connect { addr: shown.to_string(), waited: now - start, source: last });
+        }
+        if unknown && !warned {
+            warn_unknown(shown, &last, UNKNOWN_NAME_GRACE.min(timeout));
+            warned = true;
         }
         tracing::trace!(addr = shown, error = %last, "store not reachable yet; retrying");
         std::thread::sleep(backoff.min(deadline - now));
@@ -965,7 +1029,8 @@ fn try_connect(
 ) -> Result<(TcpStream, Option<Unverified>), Attempt> {
     let addrs = resolve_addrs(addr).map_err(|unresolved| match unresolved {
         Unresolved::Transient(e) => Attempt::Retry(e),
-        Unresolved::Never(source) => Attempt::Fatal(StoreError::Unresolvable { addr: shown.to_string(), source }),
+        Unresolved::Unknown(e) => Attempt::UnknownName(e),
+        Unresolved::Malformed(source) => Attempt::Fatal(StoreError::Unresolvable { addr: shown.to_string(), source }),
     })?;
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the address resolved to nothing");
     for a in addrs {
@@ -1075,13 +1140,22 @@ mod tests {
         assert!(resolve_addrs(&("localhost", 29500)).unwrap().iter().all(|a| a.ip().is_loopback()));
         // Not host:port, or a port out of range: no retry helps.
         for bad in ["127.0.0.1", "127.0.0.1:70000"] {
-            assert!(matches!(resolve_addrs(bad), Err(Unresolved::Never(_))), "{bad}");
+            assert!(matches!(resolve_addrs(bad), Err(Unresolved::Malformed(_))), "{bad}");
+            let start = Instant::now();
+            assert!(matches!(await_name(bad, bad, Duration::from_secs(30)), Err(Unresolved::Malformed(_))), "{bad}");
+            assert!(start.elapsed() < Duration::from_secs(1), "{bad}: looked up again");
         }
-        // A lookup that gives no address at all.
+        // A lookup that gives no address at all: looked up again for the
+        // grace, then given up.
         let none: &[SocketAddr] = &[];
         match resolve_addrs(&none) {
-            Err(Unresolved::Never(e)) => assert_eq!(e.to_string(), "it resolves to no address"),
+            Err(Unresolved::Unknown(e)) => assert_eq!(e.to_string(), "it resolves to no address"),
             other => panic!("{other:?}"),
         }
+        let start = Instant::now();
+        assert!(matches!(await_name(&none, "none", Duration::from_millis(300)), Err(Unresolved::Unknown(_))));
+        let waited = start.elapsed();
+        assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(3), "{waited:?}");
+        assert!(await_name("127.0.0.1:29500", "local", Duration::from_secs(30)).is_ok());
     }
 }

@@ -42,8 +42,10 @@ pub enum StoreError {
         source: io::Error,
     },
 
-    /// The store's address names a host that does not resolve (by the rule
-    /// of the client's `resolve_addrs`): failed at once, not retried.
+    /// The store's address does not resolve (by the rule of the client's
+    /// `resolve_addrs`): at once when it is not `host:port`, after 60 s of
+    /// lookups (at most the timeout) when the resolver does not know the
+    /// host's name.
     #[error(
         "the rendezvous store's address {addr} does not resolve to any address: {source}; check the host name \
          in COHORT_STORE_ADDR (`cohort run`'s --master-addr or --store-addr; MASTER_ADDR without a launcher)"

@@ -60,6 +60,8 @@ mod state;
 mod tests;
 
 pub(crate) use client::dropped as peer_gone;
+pub(crate) use client::{await_name, UNKNOWN_NAME_GRACE};
+#[cfg(test)]
 pub(crate) use client::{resolve_addrs, Unresolved};
 pub use client::{CompareSet, StoreClient};
 pub use descriptors::reserve_descriptors;

@@ -281,14 +281,28 @@ fn store_connect_gives_up_after_its_timeout() {
     assert!(err.to_string().contains(&port.to_string()), "{err}");
 }
 
-/// A name that does not resolve is fatal at once, naming the address,
-/// however long the timeout: a direct client, a pipelined one and a node
-/// relay alike (one rule, `resolve_addrs`, for all), while a name that
-/// resolves but refuses is still retried (the tests above).
+/// A host name the resolver does not know is looked up again only for the
+/// grace (here cut short by a 2 s timeout), then reported as not resolving
+/// rather than as unreachable, naming the address: a direct client, a
+/// pipelined one and a node relay alike (one rule, `resolve_addrs`, for
+/// all); an address that is not `host:port` fails at once. A name that
+/// resolves but refuses is retried until the timeout (the tests above).
 #[test]
-fn store_connect_to_a_name_that_does_not_resolve_fails_at_once() {
+fn store_connect_to_a_name_that_does_not_resolve_says_so() {
     let addr = "no-such-host.invalid:29500";
-    let long = Duration::from_secs(30);
+    // Not host:port at all: no retry can help.
+    let start = Instant::now();
+    let err = StoreClient::connect("no-port-here", SECRET, Duration::from_secs(30)).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(1), "waited {:?}", start.elapsed());
+    assert!(matches!(err, StoreError::Unresolvable { .. }), "{err:?}");
+    assert!(err.to_string().contains("no-port-here") && err.to_string().contains("does not resolve"), "{err}");
+    // Where no name server answers, the lookup fails only for the moment,
+    // which is retried until the timeout like a refused connection.
+    if let Err(super::client::Unresolved::Transient(e)) = super::client::resolve_addrs(addr) {
+        eprintln!("the resolver failed for the moment ({e}); the unknown name is not checked");
+        return;
+    }
+    let timeout = Duration::from_secs(2);
     type Connect = fn(&str, Duration) -> Result<()>;
     let tries: [(&str, Connect); 3] = [
         ("connect", |a, t| StoreClient::connect(a, SECRET, t).map(drop)),
@@ -297,18 +311,13 @@ fn store_connect_to_a_name_that_does_not_resolve_fails_at_once() {
     ];
     for (what, connect) in tries {
         let start = Instant::now();
-        let err = connect(addr, long).expect_err(what);
+        let err = connect(addr, timeout).expect_err(what);
         let took = start.elapsed();
-        assert!(took < Duration::from_secs(5), "{what}: gave up after {took:?}, not at once");
+        assert!(took >= timeout && took < timeout * 3, "{what}: gave up after {took:?}");
         assert!(matches!(err, StoreError::Unresolvable { .. }), "{what}: {err:?}");
         let msg = err.to_string();
         assert!(msg.contains(addr) && msg.contains("does not resolve"), "{what}: {msg}");
     }
-    // Not host:port at all: no retry can help either.
-    let start = Instant::now();
-    let err = StoreClient::connect("no-port-here", SECRET, long).unwrap_err();
-    assert!(start.elapsed() < Duration::from_secs(5), "waited {:?}", start.elapsed());
-    assert!(err.to_string().contains("no-port-here") && err.to_string().contains("does not resolve"), "{err}");
 }
 
 #[test]
