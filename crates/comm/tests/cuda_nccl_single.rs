@@ -346,7 +346,7 @@ fn a_bounded_wait_on_a_held_up_collective_names_its_member_and_a_later_wait_ends
     assert!(!work.is_done());
     assert_eq!(record_of(seq).state, RecordState::Started, "the record ends with the collective");
     release.send(()).unwrap();
-    work.wait().unwrap();
+    work.wait_timeout(Duration::from_secs(30)).unwrap();
     assert!(work.is_done());
     assert_eq!(device.read_one(dst).unwrap().to_elems::<f32>(), vec![2.5; 64]);
     let record = record_of(seq);
@@ -380,7 +380,7 @@ fn threads_calling_one_device_collectives_at_once_all_end_right() {
                         )
                         .unwrap();
                     if round % 2 == 0 {
-                        work.wait().unwrap();
+                        work.wait_timeout(std::time::Duration::from_secs(30)).unwrap();
                     }
                     assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![value; 16], "thread {t}");
                 }
@@ -390,4 +390,46 @@ fn threads_calling_one_device_collectives_at_once_all_end_right() {
     for thread in threads {
         thread.join().unwrap();
     }
+}
+
+/// One thread loops two-device all-reduces over GPUs 0 and 1 (parts that
+/// wait for each other, queued under the process-wide order) while another
+/// loops one-device collectives on GPU 0 (no order taken): neither waits
+/// for the other forever, whatever order GPU 0 sees them in, and every
+/// result is right.
+#[test]
+#[ignore = "needs CUDA GPUs: two or more"]
+fn two_gpus_one_device_collectives_beside_two_device_ones_never_deadlock() {
+    use std::time::Duration;
+
+    let devices = cuda_common::devices();
+    assert!(devices.len() >= 2, "this test needs two GPUs or more, found {}", devices.len());
+    let _ = one_rank_group();
+    let pair = ClientGroup::new(devices[..2].to_vec()).unwrap().with_timeout(Duration::from_secs(60));
+    let solo = ClientGroup::new(vec![devices[0].clone()]).unwrap().with_timeout(Duration::from_secs(60));
+    let both = std::thread::spawn(move || {
+        for round in 0..300u32 {
+            let srcs: Vec<_> =
+                (0..2).map(|m| pair.client(m).create(Bytes::from_elems(&[round + m as u32; 8]))).collect();
+            let dsts: Vec<_> = (0..2).map(|m| pair.client(m).empty(32)).collect();
+            pair.all_reduce_handles(&srcs, &dsts, DType::U32, ReduceOp::Sum)
+                .unwrap()
+                .wait_timeout(Duration::from_secs(30))
+                .unwrap();
+            for (m, dst) in dsts.into_iter().enumerate() {
+                assert_eq!(pair.client(m).read_one(dst).unwrap().to_elems::<u32>(), vec![2 * round + 1; 8]);
+            }
+        }
+    });
+    let device = solo.client(0).clone();
+    for round in 0..300u32 {
+        let src = device.create(Bytes::from_elems(&[round; 8]));
+        let dst = device.empty(32);
+        solo.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Max)
+            .unwrap()
+            .wait_timeout(Duration::from_secs(30))
+            .unwrap();
+        assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![round; 8]);
+    }
+    both.join().unwrap();
 }

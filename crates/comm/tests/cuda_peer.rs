@@ -596,6 +596,9 @@ fn peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit() {
     if let Ok(rank) = std::env::var("COHORT_TEST_PEER_RANK") {
         return communicator_rank(rank.parse().unwrap());
     }
+    // Checked here, with a clear message, before any child needs a GPU.
+    let count = CudaRuntime::device_count().unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+    assert!(count >= 1, "this test needs a CUDA GPU, found none");
     for algo in ["oneshot", "twoshot"] {
         let server = cohort_comm::store::StoreServer::bind("127.0.0.1:0", "peer-test").unwrap();
         let children: Vec<_> = (0..2)

@@ -1,6 +1,6 @@
-//! A device-path collective of one part: a group of one device, whose part
-//! meets nobody but itself (device copies, or calls on a one-rank NCCL
-//! communicator). It needs none of a meeting's machinery: no seats to
+//! A device-path collective of one part: a group of one device's, or a
+//! send to itself in any group, whose part meets nobody but itself (device
+//! copies, or calls on a one-rank NCCL communicator). It needs none of a meeting's machinery: no seats to
 //! gather, no tickets to count, no other part to watch. One object is the
 //! handle's waitable, the part's monitor while its calls run on the device,
 //! and the holder of its flight record.
@@ -117,14 +117,14 @@ pub(crate) fn launch(
         outputs.push(client.empty(op.block_bytes()));
     }
     let shape = Shape { input: input.is_some(), output: output.is_some(), scratch };
-    let part = solo.clone();
-    // Dropped unrun (its device closed before it ran), the guard fails the
-    // collective, so its waiter returns at once.
-    let guard = Unrun(Some(solo.clone()));
+    // Dropped before it returned (its device closed before it ran, or it
+    // panicked), the guard fails the collective, so its waiter returns at
+    // once.
+    let guard = Unfinished(Some(solo.clone()));
     let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
         stages::mark(Stage::TaskStarted);
-        let _ran = guard.ran();
-        let result = part.run(access, &op, &mode, shape);
+        let result = guard.solo().run(access, &op, &mode, shape);
+        guard.returned();
         stages::mark(Stage::TicketReturned);
         result
     };
@@ -134,28 +134,39 @@ pub(crate) fn launch(
     match queued {
         Ok(()) => Ok(solo),
         Err(source) => {
-            let _ = solo.end(Err(source.clone()));
+            let _ = solo.end(Err(source.clone()), false);
             Err(CommError::Enqueue { operation, member, device: client.device_id(), source })
         }
     }
 }
 
-/// Fails a [`Solo`] whose task is dropped without running.
-struct Unrun(Option<Arc<Solo>>);
+/// Fails a [`Solo`] whose task is dropped before it returned: unrun (its
+/// device closed), or unwinding from a panic in it.
+struct Unfinished(Option<Arc<Solo>>);
 
-impl Unrun {
-    /// The task runs: dropping the guard no longer fails the collective.
-    fn ran(mut self) -> Arc<Solo> {
-        self.0.take().expect("a guard is taken once")
+impl Unfinished {
+    fn solo(&self) -> &Arc<Solo> {
+        self.0.as_ref().expect("held until the task returns")
+    }
+
+    /// The task returned (its part ended, or is left running on the
+    /// device): dropping the guard no longer fails the collective.
+    fn returned(mut self) {
+        self.0 = None;
     }
 }
 
-impl Drop for Unrun {
+impl Drop for Unfinished {
     fn drop(&mut self) {
-        if let Some(solo) = self.0.take() {
+        let Some(solo) = self.0.take() else { return };
+        let err = if std::thread::panicking() {
+            let message = format!("{} panicked while it queued its part", solo.operation);
+            ServerError::TaskPanicked { device: solo.device, message }
+        } else {
             let cause = Arc::new(ServerError::DeviceClosed { device: solo.device });
-            let _ = solo.end(Err(ServerError::Poisoned { operation: solo.operation.to_string(), cause }));
-        }
+            ServerError::Poisoned { operation: solo.operation.to_string(), cause }
+        };
+        let _ = solo.end(Err(err), false);
     }
 }
 
@@ -172,18 +183,18 @@ impl Solo {
     ) -> Result<(), ServerError> {
         let access = match access {
             Ok(access) => access,
-            Err(err) => return Err(self.end(Err(err)).unwrap_err()),
+            Err(err) => return Err(self.end(Err(err), false).unwrap_err()),
         };
         let buffers = shape.bind(|i| access.binding(i));
-        let queued = match mode {
+        let (queued, on_communicator) = match mode {
             Mode::Local => match plan::local_copy(op, &buffers) {
-                Some(_) => access.copy(0, 1),
-                None => Ok(()),
+                Some(_) => (access.copy(0, 1), false),
+                None => (Ok(()), false),
             },
             Mode::Nccl(set) => {
                 let calls = plan::nccl_calls(op, 0, 1, &buffers);
                 if calls.is_empty() {
-                    Ok(())
+                    (Ok(()), false)
                 } else {
                     let spec = CommSpec { set: set.key, rank: 0, ranks: 1, unique_id: &set.unique_id };
                     stages::mark(Stage::PartReady);
@@ -193,21 +204,24 @@ impl Solo {
                     if queued.is_ok() {
                         return Ok(());
                     }
-                    queued
+                    (queued, true)
                 }
             }
-            Mode::Peer | Mode::PeerKernel(..) => Err(ServerError::InvalidState {
-                operation: self.operation,
-                reason: "a peer collective has more than one part".into(),
-            }),
+            Mode::Peer | Mode::PeerKernel(..) => {
+                let reason = "a peer collective has more than one part".into();
+                (Err(ServerError::InvalidState { operation: self.operation, reason }), false)
+            }
         };
-        self.end(queued)
+        self.end(queued, on_communicator)
     }
 
     /// Ends the collective with `outcome` (the first end wins), finishes
     /// its flight record and wakes its sleeping waiters; returns the
-    /// collective's outcome.
-    fn end(&self, outcome: Result<(), ServerError>) -> Result<(), ServerError> {
+    /// collective's outcome. A failure of the communicator itself
+    /// (`communicator_failed`: its calls failed, or they were aborted on
+    /// the device) forgets its set, so the next group over the device makes
+    /// a fresh one; a failed input or a closed device leaves it.
+    fn end(&self, outcome: Result<(), ServerError>, communicator_failed: bool) -> Result<(), ServerError> {
         let tracked = self.tracked.lock().take();
         let result = {
             let mut failure = self.failure.lock();
@@ -215,7 +229,7 @@ impl Solo {
                 match &outcome {
                     Ok(()) => self.state.store(DONE, Ordering::Release),
                     Err(err) => {
-                        if let Some(set) = &self.set {
+                        if let Some(set) = self.set.as_ref().filter(|_| communicator_failed) {
                             forget(set);
                         }
                         *failure = Some(err.clone());
@@ -308,6 +322,6 @@ impl CollectiveMonitor for Solo {
     }
 
     fn finished(&self, outcome: &Result<(), ServerError>) {
-        let _ = self.end(outcome.clone());
+        let _ = self.end(outcome.clone(), true);
     }
 }
