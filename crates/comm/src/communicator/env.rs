@@ -290,7 +290,8 @@ mod tests {
             // Where no name server answers, the resolver's failure is only
             // for the moment, which the store client retries: nothing to
             // check here then.
-            if let Err(crate::store::Unresolved::Transient(e)) = crate::store::resolve_addrs(&(host, 29500)) {
+            let shown = format!("{host}:29500");
+            if let Err(crate::store::Unresolved::Transient(e)) = crate::store::resolve_addrs(&(host, 29500), &shown) {
                 eprintln!("{host}: the resolver failed for the moment ({e}); not checked");
                 continue;
             }

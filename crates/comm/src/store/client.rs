@@ -896,19 +896,39 @@ pub(crate) const UNKNOWN_NAME_GRACE: Duration = Duration::from_secs(60);
 /// failure (the resolver does not know the name, `EAI_NONAME`, or fails
 /// for good) and a lookup that gives no address are
 /// [`Unresolved::Unknown`].
-pub(crate) fn resolve_addrs(addr: &(impl ToSocketAddrs + ?Sized)) -> Result<Vec<SocketAddr>, Unresolved> {
+///
+/// A name the resolver does not know whose host part (in `shown`, the
+/// address as text) cannot be a host name at all (empty, or with
+/// characters no host name has, or an unclosed `[`) is
+/// [`Unresolved::Malformed`] too: no later lookup can find it.
+pub(crate) fn resolve_addrs(addr: &(impl ToSocketAddrs + ?Sized), shown: &str) -> Result<Vec<SocketAddr>, Unresolved> {
+    let unknown = |e: io::Error| match could_be_host(shown) {
+        true => Unresolved::Unknown(e),
+        false => Unresolved::Malformed(e),
+    };
     match addr.to_socket_addrs() {
         Ok(found) => {
             let found: Vec<SocketAddr> = found.collect();
             if found.is_empty() {
-                return Err(Unresolved::Unknown(io::Error::new(io::ErrorKind::NotFound, "it resolves to no address")));
+                return Err(unknown(io::Error::new(io::ErrorKind::NotFound, "it resolves to no address")));
             }
             Ok(found)
         }
         Err(e) if e.kind() == io::ErrorKind::InvalidInput => Err(Unresolved::Malformed(e)),
         Err(e) if lookup_may_pass(&e) => Err(Unresolved::Transient(e)),
-        Err(e) => Err(Unresolved::Unknown(e)),
+        Err(e) => Err(unknown(e)),
     }
+}
+
+/// Whether the host part of `shown` (`host:port`, `[v6]:port`) could be a
+/// host name or address: not empty, at most 253 characters of letters,
+/// digits, `-`, `.` and `_`, or a bracketed IPv6 address.
+fn could_be_host(shown: &str) -> bool {
+    let host = shown.rsplit_once(':').map_or(shown, |(host, _)| host);
+    if let Some(inner) = host.strip_prefix('[') {
+        return inner.strip_suffix(']').is_some_and(|v6| v6.parse::<std::net::Ipv6Addr>().is_ok());
+    }
+    !host.is_empty() && host.len() <= 253 && host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b))
 }
 
 /// Looks `addr` up until it resolves, or the lookup fails only for the
@@ -919,7 +939,7 @@ pub(crate) fn await_name(addr: &(impl ToSocketAddrs + ?Sized), shown: &str, grac
     let start = Instant::now();
     let mut pause = Duration::from_millis(50);
     loop {
-        match resolve_addrs(addr) {
+        match resolve_addrs(addr, shown) {
             Ok(_) | Err(Unresolved::Transient(_)) => return Ok(()),
             Err(Unresolved::Unknown(e)) if start.elapsed() < grace => {
                 if pause == Duration::from_millis(50) {
@@ -1027,7 +1047,7 @@ fn try_connect(
     verify: Verify,
     behind: &[u8],
 ) -> Result<(TcpStream, Option<Unverified>), Attempt> {
-    let addrs = resolve_addrs(addr).map_err(|unresolved| match unresolved {
+    let addrs = resolve_addrs(addr, shown).map_err(|unresolved| match unresolved {
         Unresolved::Transient(e) => Attempt::Retry(e),
         Unresolved::Unknown(e) => Attempt::UnknownName(e),
         Unresolved::Malformed(source) => Attempt::Fatal(StoreError::Unresolvable { addr: shown.to_string(), source }),
@@ -1136,11 +1156,13 @@ mod tests {
     #[test]
     fn store_addresses_resolve_by_one_rule() {
         let local: SocketAddr = "127.0.0.1:29500".parse().unwrap();
-        assert_eq!(resolve_addrs("127.0.0.1:29500").unwrap(), vec![local]);
-        assert!(resolve_addrs(&("localhost", 29500)).unwrap().iter().all(|a| a.ip().is_loopback()));
-        // Not host:port, or a port out of range: no retry helps.
-        for bad in ["127.0.0.1", "127.0.0.1:70000"] {
-            assert!(matches!(resolve_addrs(bad), Err(Unresolved::Malformed(_))), "{bad}");
+        assert_eq!(resolve_addrs("127.0.0.1:29500", "127.0.0.1:29500").unwrap(), vec![local]);
+        let loopback = resolve_addrs(&("localhost", 29500), "localhost:29500").unwrap();
+        assert!(loopback.iter().all(|a| a.ip().is_loopback()));
+        // Not host:port, a port out of range, or a host part no host name
+        // has (where the resolver does not know it): no retry helps.
+        for bad in ["127.0.0.1", "127.0.0.1:70000", "", ":29500", "host:", "a b:1", "[::1:29500", "bad!:1", "[zz]:1"] {
+            assert!(matches!(resolve_addrs(bad, bad), Err(Unresolved::Malformed(_))), "{bad}");
             let start = Instant::now();
             assert!(matches!(await_name(bad, bad, Duration::from_secs(30)), Err(Unresolved::Malformed(_))), "{bad}");
             assert!(start.elapsed() < Duration::from_secs(1), "{bad}: looked up again");
@@ -1148,12 +1170,15 @@ mod tests {
         // A lookup that gives no address at all: looked up again for the
         // grace, then given up.
         let none: &[SocketAddr] = &[];
-        match resolve_addrs(&none) {
+        match resolve_addrs(&none, "none:1") {
             Err(Unresolved::Unknown(e)) => assert_eq!(e.to_string(), "it resolves to no address"),
             other => panic!("{other:?}"),
         }
         let start = Instant::now();
-        assert!(matches!(await_name(&none, "none", Duration::from_millis(300)), Err(Unresolved::Unknown(_))));
+        assert!(matches!(await_name(&none, "none:1", Duration::from_millis(300)), Err(Unresolved::Unknown(_))));
+        for host in ["node-1.cluster.local:29500", "[::1]:1", "10.0.0.1:2", "under_score:3"] {
+            assert!(could_be_host(host), "{host}");
+        }
         let waited = start.elapsed();
         assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(3), "{waited:?}");
         assert!(await_name("127.0.0.1:29500", "local", Duration::from_secs(30)).is_ok());

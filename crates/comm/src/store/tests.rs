@@ -298,7 +298,7 @@ fn store_connect_to_a_name_that_does_not_resolve_says_so() {
     assert!(err.to_string().contains("no-port-here") && err.to_string().contains("does not resolve"), "{err}");
     // Where no name server answers, the lookup fails only for the moment,
     // which is retried until the timeout like a refused connection.
-    if let Err(super::client::Unresolved::Transient(e)) = super::client::resolve_addrs(addr) {
+    if let Err(super::client::Unresolved::Transient(e)) = super::client::resolve_addrs(addr, addr) {
         eprintln!("the resolver failed for the moment ({e}); the unknown name is not checked");
         return;
     }
