@@ -9,9 +9,9 @@
 # communicator (split_bench), grouped against separate calls
 # (grouped_bench), DDP beside PyTorch DDP with scaling and the hidden share
 # (ddp_bench), the peer-memory paths and graph replay against raw NCCL
-# (nccl_bench --algo, --step). Each part fits in one 10-minute device call;
-# `goals` needs the bundle's examples split_bench, grouped_bench, ddp_bench
-# and nccl_bench, and torch for ddp_bench's anchor. Every GPU of the machine takes part;
+# (nccl_bench --algo, --step; rank_bench --algo, one process per GPU). Each part fits in one 10-minute device call;
+# `goals` needs the bundle's examples split_bench, grouped_bench, ddp_bench,
+# nccl_bench and rank_bench, and torch for ddp_bench's anchor. Every GPU of the machine takes part;
 # NCCL_NVLS_ENABLE stays 0. Exits 1 when any test binary or step failed.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")"
@@ -81,6 +81,15 @@ if [ "$what" = goals ] || [ "$what" = all ]; then
     step peer-memory paths against raw NCCL, one process over every GPU
     timeout 240 examples/nccl_bench --algo all --write-crossover -b 8 -e 256M -f 4 -n 200 -w 20 -t 3 -c 0 2>&1 | tee -a $L
     check "${PIPESTATUS[0]}" "nccl_bench --algo all"
+    step every path against raw NCCL, one process per GPU
+    for algo in nccl oneshot twoshot; do
+        timeout 150 bin/cohort run -n gpu --master-port 0 -- examples/rank_bench --algo $algo --collective all_reduce \
+            -b 8 -e 16M -f 8 -n 500 -w 50 -t 3 2>&1 | tee -a $L
+        check "${PIPESTATUS[0]}" "rank_bench --algo $algo"
+    done
+    timeout 200 bin/cohort run -n gpu --master-port 0 -- examples/rank_bench --collective all -b 8 -e 1G -f 16 \
+        -n 20 -w 5 -t 3 2>&1 | tee -a $L
+    check "${PIPESTATUS[0]}" "rank_bench --collective all"
     step a step of ten small all-reduces, eager against graph replay
     timeout 120 examples/nccl_bench --step --algo all -n 500 -w 50 2>&1 | tee -a $L
     check "${PIPESTATUS[0]}" "nccl_bench --step"

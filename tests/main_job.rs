@@ -2,6 +2,8 @@
 //! one process over four CPU devices, and one process per device under the
 //! `cohort` launcher. Each run checks its own replicas and loss and exits
 //! non-zero when a check fails; this test also reads its verdict lines.
+//! And the per-process bench (`rank_bench`) under the launcher, whose
+//! every row checks the collective's result on every rank.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -64,4 +66,49 @@ fn the_main_job_trains_in_one_process_and_under_the_launcher() {
         .unwrap();
     let stdout = checked(ranks, "data_parallel under cohort run -n 4");
     assert!(stdout.contains("4 processes (1 per process"), "{stdout}");
+}
+
+#[test]
+fn the_per_process_bench_runs_every_collective_under_the_launcher_and_checks_it() {
+    build(&["--example", "rank_bench"]);
+    build(&["-p", "cohort-launch", "--bin", "cohort"]);
+    let bench = profile_dir().join("examples/rank_bench");
+    let launcher = profile_dir().join("cohort");
+    let run = |extra: &[&str]| {
+        Command::new(&launcher)
+            .args(["run", "-n", "3", "--"])
+            .arg(&bench)
+            .args(["--backend", "cpu", "-b", "8", "-e", "64K", "-f", "32", "-n", "3", "-w", "1"])
+            .args(extra)
+            .env_remove("COHORT_JOB_SECRET")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--collective", "all"]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "rank_bench failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("# rank_bench: 3 ranks, one cpu device each"), "{stdout}");
+    // Four sizes (8 B, 256 B, 8 KiB, 64 KiB) of each of the five
+    // collectives, every one checked: its last column (wrong elements
+    // across the ranks) is 0.
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("[rank 0]:"))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|cols| cols.len() == 10 && cols[0].parse::<usize>().is_ok())
+        .collect();
+    for name in ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"] {
+        assert_eq!(rows.iter().filter(|r| r[1] == name).count(), 4, "{name}: {stdout}");
+    }
+    assert!(rows.iter().all(|r| r[9] == "0" && r[2] == "host"), "{stdout}");
+    // Nonsense asked for: one clear line, a failed run, no hang.
+    let out = run(&["--collective", "all_sum"]);
+    assert!(!out.status.success());
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("--collective \"all_sum\": use all_reduce"), "{text}");
 }

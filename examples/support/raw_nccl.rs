@@ -1,6 +1,9 @@
+#![allow(dead_code)]
+
 //! Raw NCCL through cudarc, the baseline the benches measure cohort
 //! against in the same process: one communicator per device
-//! (`ncclCommInitAll`) on a stream of its own in the device's primary
+//! (`ncclCommInitAll`), or this process's one rank of a job
+//! (`ncclCommInitRank`), on a stream of its own in the device's primary
 //! context. Included by the CUDA examples (`#[path]`), not an example
 //! itself.
 
@@ -36,28 +39,76 @@ pub struct Raw {
     pub streams: Vec<sys::CUstream>,
     /// Each device's source and destination, of the `bytes` asked for.
     pub bufs: Vec<(sys::CUdeviceptr, sys::CUdeviceptr)>,
+    /// Ranks of the communicators: the devices here, or the job's ranks.
+    pub world: usize,
+}
+
+/// Whether cudarc finds libnccl (it panics on a call where it does not).
+fn nccl_present() -> Result<(), String> {
+    // SAFETY: probing only tries to dlopen cudarc's candidate names.
+    if !unsafe { nccl::is_culib_present() } {
+        return Err("cudarc finds no libnccl.so (link libnccl.so.2 as libnccl.so on LD_LIBRARY_PATH)".into());
+    }
+    Ok(())
+}
+
+/// A fresh NCCL unique id (rank 0 makes it; every rank of the job passes
+/// it to [`Raw::rank`]).
+pub fn unique_id() -> Result<[u8; 128], String> {
+    nccl_present()?;
+    let mut id = nccl::ncclUniqueId { internal: [0; 128] };
+    // SAFETY: writes the id into our struct.
+    nok(unsafe { nccl::ncclGetUniqueId(&mut id) }, "ncclGetUniqueId")?;
+    Ok(id.internal.map(|c| c as u8))
 }
 
 impl Raw {
     /// Raw NCCL on the first `n` devices, with buffers of `bytes` (sources
     /// filled with 1.0f32) and, `with_events`, an event per device.
     pub fn new(n: usize, bytes: usize, with_events: bool) -> Result<Raw, String> {
-        // SAFETY: probing only tries to dlopen cudarc's candidate names.
-        if !unsafe { nccl::is_culib_present() } {
-            return Err("cudarc finds no libnccl.so (link libnccl.so.2 as libnccl.so on LD_LIBRARY_PATH)".into());
-        }
+        nccl_present()?;
+        let mut raw = Raw::on_devices(0..n, n, bytes, with_events)?;
+        let devs: Vec<i32> = (0..n as i32).collect();
+        // SAFETY: one communicator slot per device, devices that exist.
+        nok(unsafe { nccl::ncclCommInitAll(raw.comms.as_mut_ptr(), n as i32, devs.as_ptr()) }, "ncclCommInitAll")?;
+        Ok(raw)
+    }
+
+    /// Rank `rank` of a job of `world` ranks on device `device`, its
+    /// communicator made from rank 0's `id` (`ncclCommInitRank`: waits for
+    /// every rank), with buffers of `bytes`.
+    pub fn rank(id: &[u8; 128], rank: usize, world: usize, device: usize, bytes: usize) -> Result<Raw, String> {
+        nccl_present()?;
+        let mut raw = Raw::on_devices(device..device + 1, world, bytes, false)?;
+        let id = nccl::ncclUniqueId { internal: id.map(|b| b as _) };
+        // SAFETY: our communicator slot; the device's context is current
+        // (made so by `on_devices`).
+        let code = unsafe { nccl::ncclCommInitRank(&mut raw.comms[0], world as i32, id, rank as i32) };
+        nok(code, "ncclCommInitRank")?;
+        Ok(raw)
+    }
+
+    /// Streams, buffers (sources filled with 1.0f32) and events on
+    /// `devices`, communicators not made yet.
+    fn on_devices(
+        devices: std::ops::Range<usize>,
+        world: usize,
+        bytes: usize,
+        with_events: bool,
+    ) -> Result<Raw, String> {
         let mut raw = Raw {
             events: with_events.then(Vec::new),
             ctxs: Vec::new(),
-            comms: vec![std::ptr::null_mut(); n],
+            comms: vec![std::ptr::null_mut(); devices.len()],
             streams: Vec::new(),
             bufs: Vec::new(),
+            world,
         };
-        // SAFETY (whole block): plain driver and NCCL calls on primary
-        // contexts retained here, each made current before its device's
-        // calls; every result is checked.
+        // SAFETY (whole block): plain driver calls on primary contexts
+        // retained here, each made current before its device's calls;
+        // every result is checked.
         unsafe {
-            for i in 0..n {
+            for i in devices {
                 let mut device = 0;
                 ok(sys::cuDeviceGet(&mut device, i as i32), "cuDeviceGet")?;
                 let mut ctx = std::ptr::null_mut();
@@ -82,8 +133,6 @@ impl Raw {
                 raw.streams.push(stream);
                 raw.bufs.push((a, b));
             }
-            let devs: Vec<i32> = (0..n as i32).collect();
-            nok(nccl::ncclCommInitAll(raw.comms.as_mut_ptr(), n as i32, devs.as_ptr()), "ncclCommInitAll")?;
         }
         Ok(raw)
     }
@@ -94,7 +143,7 @@ impl Raw {
     pub fn queue(&self, coll: Collective, bytes: usize) -> Result<(), String> {
         use nccl::ncclDataType_t::ncclFloat32 as F32;
         use nccl::ncclRedOp_t::ncclSum as SUM;
-        let n = self.comms.len();
+        let n = self.world;
         let (count, block) = (bytes / 4, bytes / 4 / n);
         // SAFETY: communicators, streams and buffers made in `new`, of at
         // least `bytes` bytes each (a block is `bytes / n`); one thread
