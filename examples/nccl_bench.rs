@@ -54,8 +54,11 @@ use cohort::prelude::*;
 use cohort::runtime::backend::cuda::nccl_version;
 use cohort::runtime::CudaRuntime;
 
+#[path = "support/plot.rs"]
+mod plot;
 #[path = "support/raw_nccl.rs"]
 mod raw_nccl;
+use plot::{plot, Point};
 use raw_nccl::Raw;
 
 #[derive(Parser, Debug)]
@@ -117,10 +120,6 @@ struct Args {
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
 }
-
-/// One plotted point: collective, series, bytes (nccl-tests' size), µs,
-/// busbw in GB/s.
-type Point = (Collective, String, f64, f64, f64);
 
 /// One timed row: collective, path asked for, bytes per member, seconds.
 type Timing = (Collective, Algo, usize, f64);
@@ -501,64 +500,5 @@ fn step_bench(args: &Args, n: usize, algos: &[Algo]) -> Result<(), Box<dyn std::
             replay / eager
         );
     }
-    Ok(())
-}
-
-/// Draws, per collective, time (µs) and busbw (GB/s) against size on log
-/// axes, one line per series.
-fn plot(
-    path: &std::path::Path,
-    collectives: &[Collective],
-    points: &[Point],
-) -> Result<(), Box<dyn std::error::Error>> {
-    use plotters::prelude::*;
-    let rows = collectives.len().max(1);
-    let root = SVGBackend::new(path, (1200, 420 * rows as u32)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let panels = root.split_evenly((rows, 2));
-    let colors = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
-    for (row, &coll) in collectives.iter().enumerate() {
-        let mine: Vec<&Point> = points.iter().filter(|p| p.0 == coll && p.3 > 0.0).collect();
-        if mine.is_empty() {
-            continue;
-        }
-        let mut series: Vec<&str> = Vec::new();
-        for p in &mine {
-            if !series.contains(&p.1.as_str()) {
-                series.push(&p.1);
-            }
-        }
-        let range = |f: fn(&Point) -> f64| {
-            let values = mine.iter().map(|p| f(p)).filter(|v| *v > 0.0);
-            let (lo, hi) = values.fold((f64::MAX, 0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
-            (lo / 1.5)..(hi * 1.5)
-        };
-        for (col, (title, value)) in
-            [("time (us)", (|p: &Point| p.3) as fn(&Point) -> f64), ("busbw (GB/s)", |p: &Point| p.4)]
-                .into_iter()
-                .enumerate()
-        {
-            let area = &panels[row * 2 + col];
-            let mut chart = ChartBuilder::on(area)
-                .caption(format!("{} {title}", coll.name()), ("sans-serif", 18))
-                .margin(10)
-                .x_label_area_size(35)
-                .y_label_area_size(55)
-                .build_cartesian_2d(range(|p| p.2).log_scale(), range(value).log_scale())?;
-            chart.configure_mesh().x_desc("bytes").y_desc(title).draw()?;
-            for (i, name) in series.iter().enumerate() {
-                let color = colors[i % colors.len()];
-                let line: Vec<(f64, f64)> =
-                    mine.iter().filter(|p| p.1 == *name && value(p) > 0.0).map(|p| (p.2, value(p))).collect();
-                chart
-                    .draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))?
-                    .label(name.to_string())
-                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
-                chart.draw_series(line.into_iter().map(|xy| Circle::new(xy, 3, color.filled())))?;
-            }
-            chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
-        }
-    }
-    root.present()?;
     Ok(())
 }

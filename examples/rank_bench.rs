@@ -9,8 +9,8 @@
 //! Run: `cohort run -n gpu -- target/release/examples/rank_bench -b 8 -e
 //! 256M -f 4` (every GPU of the node), `--collective all` for the five,
 //! `--algo oneshot|twoshot` to force the peer-memory kernels (rank 0's
-//! choice, which every rank follows), `--backend cpu` on CPU devices (no
-//! raw baseline): `cohort run -n 4 -- target/release/examples/rank_bench
+//! choice, which every rank follows), `--plot FILE.svg` to draw time and
+//! busbw against size, `--backend cpu` on CPU devices (no raw baseline): `cohort run -n 4 -- target/release/examples/rank_bench
 //! --backend cpu -e 1M`.
 //!
 //! Columns: `size` in bytes (nccl-tests': the largest buffer), `path` the
@@ -31,6 +31,8 @@ use cohort::comm::op::Collective;
 use cohort::prelude::*;
 use cohort::runtime::Handle;
 
+#[path = "support/plot.rs"]
+mod plot;
 #[cfg(feature = "cuda")]
 #[path = "support/raw_nccl.rs"]
 mod raw_nccl;
@@ -69,6 +71,10 @@ struct Args {
     /// every rank follows): auto, nccl, oneshot or twoshot.
     #[arg(long, default_value = "auto")]
     algo: String,
+    /// Draw time and busbw against size, cohort's and raw NCCL's, into
+    /// this SVG file (rank 0).
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 fn parse_size(text: &str) -> Result<usize, String> {
@@ -312,6 +318,7 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
         );
     }
     let mut wrong_total = 0;
+    let mut points: Vec<plot::Point> = Vec::new();
     for &coll in &colls {
         let mut size = args.min_bytes.max(4);
         loop {
@@ -347,11 +354,13 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
                 let t = median(&mut ours);
                 let algbw = bytes as f64 / t / 1e9;
                 let busbw = algbw * bus_factor(coll, n);
+                points.push((coll, format!("cohort {path}"), bytes as f64, t * 1e6, busbw));
                 let (raw_us, raw_bus, ratio) = if theirs.is_empty() {
                     ("-".to_string(), "-".to_string(), "-".to_string())
                 } else {
                     let r = median(&mut theirs);
                     let rb = bytes as f64 / r / 1e9 * bus_factor(coll, n);
+                    points.push((coll, "raw NCCL".to_string(), bytes as f64, r * 1e6, rb));
                     (format!("{:.2}", r * 1e6), format!("{rb:.2}"), format!("{:.2}", t.recip() / r.recip()))
                 };
                 println!(
@@ -367,6 +376,10 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
         }
     }
     comm.barrier()?;
+    if let (Some(path), 0) = (&args.plot, rank) {
+        plot::plot(path, &colls, &points)?;
+        println!("# plot written to {}", path.display());
+    }
     Ok(wrong_total)
 }
 

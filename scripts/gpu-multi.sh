@@ -87,7 +87,7 @@ if [ "$what" = goals ] || [ "$what" = all ]; then
             -b 8 -e 16M -f 8 -n 500 -w 50 -t 3 2>&1 | tee -a $L
         check "${PIPESTATUS[0]}" "rank_bench --algo $algo"
     done
-    timeout 200 bin/cohort run -n gpu --master-port 0 -- examples/rank_bench --collective all -b 8 -e 1G -f 16 \
+    timeout 200 bin/cohort run -n gpu --master-port 0 -- examples/rank_bench --collective all -b 8 -e 1G -f 16 --plot "$OUT/rank.svg" \
         -n 20 -w 5 -t 3 2>&1 | tee -a $L
     check "${PIPESTATUS[0]}" "rank_bench --collective all"
     step a step of ten small all-reduces, eager against graph replay

@@ -84,7 +84,8 @@ fn the_per_process_bench_runs_every_collective_under_the_launcher_and_checks_it(
             .output()
             .unwrap()
     };
-    let out = run(&["--collective", "all"]);
+    let svg = std::env::temp_dir().join(format!("rank_bench-{}.svg", std::process::id()));
+    let out = run(&["--collective", "all", "--plot", svg.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(
         out.status.success(),
@@ -106,6 +107,12 @@ fn the_per_process_bench_runs_every_collective_under_the_launcher_and_checks_it(
         assert_eq!(rows.iter().filter(|r| r[1] == name).count(), 4, "{name}: {stdout}");
     }
     assert!(rows.iter().all(|r| r[9] == "0" && r[2] == "host"), "{stdout}");
+    // Rank 0's plot: one panel title per collective and measure.
+    let drawn = std::fs::read_to_string(&svg).expect("rank 0 wrote its plot");
+    std::fs::remove_file(&svg).unwrap();
+    for title in ["all_reduce time (us)", "all_to_all busbw (GB/s)"] {
+        assert!(drawn.contains(title), "the plot has no {title:?}");
+    }
     // Nonsense asked for: one clear line, a failed run, no hang.
     let out = run(&["--collective", "all_sum"]);
     assert!(!out.status.success());
