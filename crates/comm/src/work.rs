@@ -75,7 +75,7 @@ impl Waitable for crate::device::Solo {
 pub struct Work {
     operation: &'static str,
     /// Who this process is in the job, for errors ("rank 1").
-    scope: Option<String>,
+    scope: Option<Arc<str>>,
     /// What it waits on: none when nothing was queued on this process
     /// (it takes no part); `first` alone for one collective (no heap
     /// allocation beyond the executor's own); `first` and `rest` for a
@@ -111,7 +111,7 @@ impl Work {
     }
 
     /// This handle, naming the process (`"rank 1"`) in its errors.
-    pub(crate) fn within(mut self, scope: String) -> Work {
+    pub(crate) fn within(mut self, scope: Arc<str>) -> Work {
         self.scope = Some(scope);
         self
     }

@@ -131,6 +131,9 @@ struct Inner {
     /// Its name and job ranks (the world's label, kept here to read
     /// without the world's lock).
     label: label::Label,
+    /// "rank 1 (comm2)": who this process is, in its handles' errors
+    /// (shared by every handle, made once).
+    scope: Arc<str>,
     /// How many splits this communicator made (names the next one's keys).
     splits: AtomicU64,
     /// The communicator a group was split from (kept alive with it: its
@@ -229,8 +232,10 @@ impl Communicator {
         parent: Option<Communicator>,
         server: Option<StoreServer>,
     ) -> Communicator {
+        let scope = format!("rank {}{}", world.label.global(world.rank), world.label).into();
         Communicator {
             inner: Arc::new(Inner {
+                scope,
                 label: world.label.clone(),
                 rank: world.rank,
                 size: world.size,
@@ -312,8 +317,8 @@ impl Communicator {
 
     /// Where a handle's timed wait says it waited: `rank 1`, or `rank 3 in
     /// group comm1.s0c1 (ranks 1, 3)` (by job rank).
-    fn scope(&self) -> String {
-        format!("rank {}{}", self.inner.label.global(self.inner.rank), self.inner.label)
+    fn scope(&self) -> Arc<str> {
+        self.inner.scope.clone()
     }
 
     /// Number of ranks.
