@@ -41,6 +41,10 @@ use cohort::comm::{ClientGroup, DType, HostPath, ReduceOp};
 use cohort::prelude::*;
 use rayon::prelude::*;
 
+#[path = "support/bench.rs"]
+mod bench;
+use bench::parse_size;
+
 #[derive(Parser, Debug)]
 #[command(about = "nccl-tests' performance table for cohort collectives")]
 struct Args {
@@ -85,17 +89,6 @@ struct Args {
     /// (wgpu always stages).
     #[arg(long)]
     staged: bool,
-}
-
-fn parse_size(text: &str) -> Result<usize, String> {
-    let text = text.trim();
-    let (digits, scale) = match text.chars().last() {
-        Some('K' | 'k') => (&text[..text.len() - 1], 1usize << 10),
-        Some('M' | 'm') => (&text[..text.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&text[..text.len() - 1], 1 << 30),
-        _ => (text, 1),
-    };
-    digits.parse::<usize>().map(|v| v * scale).map_err(|e| format!("{text:?} is not a size: {e}"))
 }
 
 /// The host's copy bandwidth, measured again and again between timings
@@ -186,18 +179,7 @@ fn time_one(group: &ClientGroup, bufs: &Buffers, op: ReduceOp, args: &Args) -> R
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(0) => ExitCode::SUCCESS,
-        Ok(wrong) => {
-            eprintln!("all_reduce_bench: {wrong} wrong elements");
-            ExitCode::FAILURE
-        }
-        Err(err) => {
-            eprintln!("all_reduce_bench: {err}");
-            ExitCode::FAILURE
-        }
-    }
+    bench::exit("all_reduce_bench", run(&Args::parse()))
 }
 
 fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {

@@ -32,9 +32,12 @@ use cohort::runtime::conformance::{kernels, CountingAllocator};
 use cohort::runtime::stages::{self, Stage};
 use cohort::runtime::{Bytes, Client, GridCount, KernelArguments, Scalar};
 
+#[path = "support/bench.rs"]
+mod bench;
 #[cfg(feature = "cuda")]
 #[path = "support/raw_nccl.rs"]
 mod raw_nccl;
+use bench::median;
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -76,12 +79,6 @@ fn measure_queued(what: &str, batches: usize, per: usize, mut batch: impl FnMut(
 /// round, so a drift of the machine (clocks, other load) reaches both; the
 /// medians of the rounds are compared.
 const NCCL_ROUNDS: usize = 7;
-
-/// The median of `values` (sorted here).
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
 
 /// A one-device all-reduce through a one-rank NCCL communicator, waited on
 /// and queued back to back, where a CUDA device and NCCL are found; raw

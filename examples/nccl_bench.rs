@@ -54,8 +54,11 @@ use cohort::prelude::*;
 use cohort::runtime::backend::cuda::nccl_version;
 use cohort::runtime::CudaRuntime;
 
+#[path = "support/bench.rs"]
+mod bench;
 #[path = "support/plot.rs"]
 mod plot;
+use bench::{median, parse_size};
 #[path = "support/raw_nccl.rs"]
 mod raw_nccl;
 use plot::{plot, Point};
@@ -134,16 +137,6 @@ fn parse_algos(text: &str) -> Result<Vec<Algo>, String> {
         .map_err(|e| format!("--algo {text:?}: {e}; use auto, nccl, oneshot, twoshot or all"))
 }
 
-fn parse_size(text: &str) -> Result<usize, String> {
-    let (digits, scale) = match text.chars().last() {
-        Some('K' | 'k') => (&text[..text.len() - 1], 1 << 10),
-        Some('M' | 'm') => (&text[..text.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&text[..text.len() - 1], 1 << 30),
-        _ => (text, 1),
-    };
-    digits.parse::<usize>().map(|v| v * scale).map_err(|e| format!("{text:?} is not a size: {e}"))
-}
-
 /// Raw NCCL's mean seconds of one `coll` of `bytes` (see
 /// [`Raw::queue`]): `warmup` calls, a sync, then `iters` calls back to
 /// back and a sync.
@@ -161,18 +154,7 @@ fn time_raw(raw: &Raw, coll: Collective, bytes: usize, warmup: u32, iters: u32) 
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(0) => ExitCode::SUCCESS,
-        Ok(wrong) => {
-            eprintln!("nccl_bench: {wrong} wrong elements");
-            ExitCode::FAILURE
-        }
-        Err(err) => {
-            eprintln!("nccl_bench: {err}");
-            ExitCode::FAILURE
-        }
-    }
+    bench::exit("nccl_bench", run(&Args::parse()))
 }
 
 fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
@@ -422,12 +404,6 @@ fn time_cohort(
     let queued = start.elapsed().as_secs_f64() / iters.max(1) as f64;
     group.sync()?;
     Ok((queued, start.elapsed().as_secs_f64() / iters.max(1) as f64))
-}
-
-/// The median of `values` (the upper one of an even count); sorts them.
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
 }
 
 /// The step's all-reduce sizes in bytes: 4 KiB to 1 MiB.

@@ -31,8 +31,11 @@ use cohort::comm::op::Collective;
 use cohort::prelude::*;
 use cohort::runtime::Handle;
 
+#[path = "support/bench.rs"]
+mod bench;
 #[path = "support/plot.rs"]
 mod plot;
+use bench::{median, parse_size};
 #[cfg(feature = "cuda")]
 #[path = "support/raw_nccl.rs"]
 mod raw_nccl;
@@ -77,22 +80,6 @@ struct Args {
     plot: Option<std::path::PathBuf>,
 }
 
-fn parse_size(text: &str) -> Result<usize, String> {
-    let (digits, unit) = match text.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
-        Some((at, _)) => text.split_at(at),
-        None => (text, ""),
-    };
-    let n: usize = digits.parse().map_err(|_| format!("{text:?} is not a size (a number, with K, M or G)"))?;
-    let shift = match unit {
-        "" => 0,
-        "K" | "k" => 10,
-        "M" | "m" => 20,
-        "G" | "g" => 30,
-        _ => return Err(format!("{text:?}: the unit is K, M or G")),
-    };
-    n.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} is too large"))
-}
-
 fn collectives(name: &str) -> Result<Vec<Collective>, String> {
     use Collective::*;
     let all = [AllReduce, AllGather, ReduceScatter, Broadcast, AllToAll];
@@ -101,16 +88,6 @@ fn collectives(name: &str) -> Result<Vec<Collective>, String> {
         _ => all.iter().copied().find(|c| c.name() == name).map(|c| vec![c]).ok_or_else(|| {
             format!("--collective {name:?}: use all_reduce, all_gather, reduce_scatter, broadcast, all_to_all or all")
         }),
-    }
-}
-
-/// nccl-tests' bus-bandwidth factor of `coll` over `n` ranks.
-fn bus_factor(coll: Collective, n: usize) -> f64 {
-    let n = n as f64;
-    match coll {
-        Collective::AllReduce => 2.0 * (n - 1.0) / n,
-        Collective::Broadcast => 1.0,
-        _ => (n - 1.0) / n,
     }
 }
 
@@ -248,11 +225,6 @@ fn path_name(comm: &Communicator, case: &Case) -> String {
     }
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
 /// Raw NCCL for this rank, where the backend is CUDA and libnccl loads: rank
 /// 0's unique id goes to every rank through a broadcast on the
 /// communicator. Every rank takes part in the broadcast, so every rank
@@ -353,13 +325,13 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
                 let path = path_name(&comm, &case);
                 let t = median(&mut ours);
                 let algbw = bytes as f64 / t / 1e9;
-                let busbw = algbw * bus_factor(coll, n);
+                let busbw = algbw * coll.bus_factor(n);
                 points.push((coll, format!("cohort {path}"), bytes as f64, t * 1e6, busbw));
                 let (raw_us, raw_bus, ratio) = if theirs.is_empty() {
                     ("-".to_string(), "-".to_string(), "-".to_string())
                 } else {
                     let r = median(&mut theirs);
-                    let rb = bytes as f64 / r / 1e9 * bus_factor(coll, n);
+                    let rb = bytes as f64 / r / 1e9 * coll.bus_factor(n);
                     points.push((coll, "raw NCCL".to_string(), bytes as f64, r * 1e6, rb));
                     (format!("{:.2}", r * 1e6), format!("{rb:.2}"), format!("{:.2}", t.recip() / r.recip()))
                 };
@@ -384,16 +356,5 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(0) => ExitCode::SUCCESS,
-        Ok(wrong) => {
-            eprintln!("rank_bench: {wrong} wrong elements across the ranks");
-            ExitCode::FAILURE
-        }
-        Err(err) => {
-            eprintln!("rank_bench: {err}");
-            ExitCode::FAILURE
-        }
-    }
+    bench::exit("rank_bench", run(&Args::parse()))
 }
