@@ -249,8 +249,8 @@ pub(crate) fn launch_grouped<'h>(
     let bucket_bytes: SmallVec<[u64; 4]> = buckets.iter().map(|b| b.bytes).collect();
     let nccl = matches!(mode, Mode::Nccl(_));
     let calls = ops.len();
-    let blocks: SmallVec<[(u64, bool); 1]> =
-        ops.iter().map(|op| (op.block_bytes() as u64, op.collective() == Collective::AllToAll)).collect();
+    let blocks: SmallVec<[(u64, Collective); 1]> =
+        ops.iter().map(|op| (op.block_bytes() as u64, op.collective())).collect();
     // A collective of one part meets nobody but itself, and queues its
     // device work without waiting for it (a copy, or calls on a one-rank
     // communicator, whose creation waits for no one either): where its
@@ -271,10 +271,9 @@ pub(crate) fn launch_grouped<'h>(
         let client = &clients[member];
         let (mut inputs, mut outputs) = (TaskHandles::new(), TaskHandles::new());
         let mut shapes: SmallVec<[plan::Shape; 1]> = SmallVec::with_capacity(calls);
-        for (call, &(seg, all_to_all)) in blocks.iter().enumerate() {
+        for (call, &(seg, collective)) in blocks.iter().enumerate() {
             let (input, output) = part(call, slot);
-            // In-place all-to-all over NCCL sends from a copy of the source.
-            let scratch = nccl && all_to_all && input.zip(output).is_some_and(|(i, o)| crate::check::same_bytes(i, o));
+            let scratch = nccl && plan::sends_from_copy(collective, input, output);
             inputs.extend(input.cloned());
             outputs.extend(output.cloned());
             if scratch {

@@ -3,6 +3,7 @@
 //! copies of a group of one device.
 
 use cohort_runtime::backend::{Binding, DeviceCall};
+use cohort_runtime::Handle;
 use smallvec::{smallvec, SmallVec};
 
 use crate::op::{Collective, Op};
@@ -147,6 +148,13 @@ pub(crate) fn nccl_calls(op: &Op, rank: usize, ranks: usize, b: &Buffers) -> Dev
         },
         Collective::Barrier => smallvec![DeviceCall::Barrier],
     }
+}
+
+/// Whether a part of `collective` with `input` and `output` sends from a
+/// copy of its source: an all-to-all in place (source and destination the
+/// same bytes), which NCCL cannot run without one.
+pub(crate) fn sends_from_copy(collective: Collective, input: Option<&Handle>, output: Option<&Handle>) -> bool {
+    collective == Collective::AllToAll && input.zip(output).is_some_and(|(i, o)| crate::check::same_bytes(i, o))
 }
 
 /// The copy a part of a group of one device makes (`None`: nothing to do,

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion};
 use cohort_runtime::stages::{self, Stage};
-use cohort_runtime::{BufferAccess, Client, DeviceId, Handle, ServerError, TaskHandles};
+use cohort_runtime::{BufferAccess, Client, Handle, ServerError, TaskHandles};
 use parking_lot::{Condvar, Mutex};
 
 use super::plan::{self, Shape};
@@ -55,21 +55,26 @@ pub(crate) fn fits(op: &Op, mode: &Mode, parts: usize) -> bool {
 pub(crate) struct Solo {
     operation: &'static str,
     member: usize,
-    device: DeviceId,
     timeout: Duration,
-    /// The device a waiter polls for the part's end.
+    /// Its device: named in errors, polled by a waiter for the part's end.
     client: Client,
     /// The communicator's set (forgotten when the part fails, so the next
     /// call makes a fresh communicator).
     set: Option<Arc<NcclSet>>,
-    /// `RUNNING`, `DONE` or `FAILED`.
+    /// `RUNNING`, `DONE` or `FAILED`; changed under `end`'s lock.
     state: AtomicU8,
-    failure: Mutex<Option<ServerError>>,
-    /// The flight record, finished (dropped) when the part ends.
-    tracked: Mutex<Option<Arc<Watched>>>,
-    /// Where a waiter past its spin window sleeps; notified with
-    /// `failure`'s lock held after `state` changed.
+    end: Mutex<End>,
+    /// Where a waiter past its spin window sleeps; notified with `end`'s
+    /// lock held after `state` changed.
     ended: Condvar,
+}
+
+/// What a [`Solo`] keeps about its end.
+struct End {
+    /// Why it failed (`FAILED`).
+    failure: Option<ServerError>,
+    /// The flight record while it runs, finished (dropped) when it ends.
+    tracked: Option<Arc<Watched>>,
 }
 
 /// Queues `op`'s one part on member `member` (`clients[member]`), which
@@ -96,20 +101,14 @@ pub(crate) fn launch(
     let solo = Arc::new(Solo {
         operation,
         member,
-        device: client.device_id(),
         timeout,
         client: client.clone(),
         set,
         state: AtomicU8::new(RUNNING),
-        failure: Mutex::new(None),
-        tracked: Mutex::new(tracked),
+        end: Mutex::new(End { failure: None, tracked }),
         ended: Condvar::new(),
     });
-    let nccl = matches!(mode, Mode::Nccl(_));
-    // In-place all-to-all over NCCL sends from a copy of the source.
-    let scratch = nccl
-        && op.collective() == Collective::AllToAll
-        && input.zip(output).is_some_and(|(i, o)| crate::check::same_bytes(i, o));
+    let scratch = matches!(mode, Mode::Nccl(_)) && plan::sends_from_copy(op.collective(), input, output);
     let (mut inputs, mut outputs) = (TaskHandles::new(), TaskHandles::new());
     inputs.extend(input.cloned());
     outputs.extend(output.cloned());
@@ -161,9 +160,9 @@ impl Drop for Unfinished {
         let Some(solo) = self.0.take() else { return };
         let err = if std::thread::panicking() {
             let message = format!("{} panicked while it queued its part", solo.operation);
-            ServerError::TaskPanicked { device: solo.device, message }
+            ServerError::TaskPanicked { device: solo.client.device_id(), message }
         } else {
-            let cause = Arc::new(ServerError::DeviceClosed { device: solo.device });
+            let cause = Arc::new(ServerError::DeviceClosed { device: solo.client.device_id() });
             ServerError::Poisoned { operation: solo.operation.to_string(), cause }
         };
         let _ = solo.end(Err(err), false);
@@ -222,9 +221,8 @@ impl Solo {
     /// the device) forgets its set, so the next group over the device makes
     /// a fresh one; a failed input or a closed device leaves it.
     fn end(&self, outcome: Result<(), ServerError>, communicator_failed: bool) -> Result<(), ServerError> {
-        let tracked = self.tracked.lock().take();
-        let result = {
-            let mut failure = self.failure.lock();
+        let (result, tracked) = {
+            let mut end = self.end.lock();
             if self.state.load(Ordering::Acquire) == RUNNING {
                 match &outcome {
                     Ok(()) => self.state.store(DONE, Ordering::Release),
@@ -232,26 +230,36 @@ impl Solo {
                         if let Some(set) = self.set.as_ref().filter(|_| communicator_failed) {
                             forget(set);
                         }
-                        *failure = Some(err.clone());
+                        end.failure = Some(err.clone());
                         self.state.store(FAILED, Ordering::Release);
                     }
                 }
                 self.ended.notify_all();
             }
-            failure.clone().map_or(Ok(()), Err)
+            (end.failure.clone().map_or(Ok(()), Err), end.tracked.take())
         };
+        // Noted and finished outside the lock (the recorder has its own).
         if let Some(tracked) = tracked {
             tracked.note(&result);
         }
         result
     }
 
-    /// The outcome once ended: `None` while the part runs.
-    fn outcome(&self) -> Option<Result<(), WaitEnd>> {
+    /// The outcome once ended, as `end` (its lock held) says: `None` while
+    /// the part runs.
+    fn outcome_in(&self, end: &End) -> Option<Result<(), WaitEnd>> {
         match self.state.load(Ordering::Acquire) {
             RUNNING => None,
             DONE => Some(Ok(())),
-            _ => Some(Err(WaitEnd::Failed(self.failure.lock().clone().expect("set before FAILED")))),
+            _ => Some(Err(WaitEnd::Failed(end.failure.clone().expect("set before FAILED")))),
+        }
+    }
+
+    /// The outcome once ended: `None` while the part runs (no lock then).
+    fn outcome(&self) -> Option<Result<(), WaitEnd>> {
+        match self.state.load(Ordering::Acquire) {
+            RUNNING => None,
+            _ => self.outcome_in(&self.end.lock()),
         }
     }
 
@@ -278,19 +286,17 @@ impl Solo {
         }
         // The state changes under this lock (see `end`): no end is missed
         // between the look and the sleep.
-        let mut failure = self.failure.lock();
+        let mut end = self.end.lock();
         loop {
-            match self.state.load(Ordering::Acquire) {
-                RUNNING => {}
-                DONE => return Ok(()),
-                _ => return Err(WaitEnd::Failed(failure.clone().expect("set before FAILED"))),
+            if let Some(outcome) = self.outcome_in(&end) {
+                return outcome;
             }
             match deadline {
-                None => self.ended.wait(&mut failure),
+                None => self.ended.wait(&mut end),
                 Some(deadline) => {
-                    let late = self.ended.wait_until(&mut failure, deadline).timed_out();
+                    let late = self.ended.wait_until(&mut end, deadline).timed_out();
                     if late && self.state.load(Ordering::Acquire) == RUNNING {
-                        let running = format!("member {} ({}) still running", self.member, self.device);
+                        let running = format!("member {} ({}) still running", self.member, self.client.device_id());
                         return Err(WaitEnd::Late(running));
                     }
                 }
@@ -318,7 +324,7 @@ impl CollectiveMonitor for Solo {
     }
 
     fn missing(&self) -> String {
-        format!("member {} ({}) did not finish", self.member, self.device)
+        format!("member {} ({}) did not finish", self.member, self.client.device_id())
     }
 
     fn finished(&self, outcome: &Result<(), ServerError>) {

@@ -270,9 +270,7 @@ impl Nccl {
             for (op, ins, outs) in &calls {
                 let src = ins[slot].clone();
                 let dst = outs[slot].clone();
-                // An in-place all-to-all sends from a copy of the source.
-                let scratch = op.collective() == Collective::AllToAll
-                    && src.as_ref().zip(dst.as_ref()).is_some_and(|(i, o)| same_bytes(i, o));
+                let scratch = crate::device::plan::sends_from_copy(op.collective(), src.as_ref(), dst.as_ref());
                 let mut part = PartLayout { op: *op, input: None, output: None, scratch: None };
                 if let Some(src) = src {
                     part.input = Some(input.len());
