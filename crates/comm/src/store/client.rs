@@ -129,10 +129,10 @@ impl StoreClient {
     /// attempts; a lookup of the host name that fails only for the moment is
     /// retried the same way. The same `timeout` bounds every later plain
     /// request's answer. A wrong secret fails at once with
-    /// [`StoreError::AuthRefused`]; an address whose name does not resolve
-    /// (the resolver says it does not know the name, or it gives no
-    /// address, or the address is not `host:port`) fails at once with
-    /// [`StoreError::Unresolvable`].
+    /// [`StoreError::AuthRefused`]. An address that is not `host:port` fails
+    /// at once with [`StoreError::Unresolvable`], and so does one whose host
+    /// name the resolver has not known for 60 s (at most `timeout`; see
+    /// `resolve_addrs`).
     pub fn connect(addr: impl ToSocketAddrs + Display, secret: impl AsRef<[u8]>, timeout: Duration) -> Result<Self> {
         Self::over_tcp(addr, secret.as_ref(), timeout, Verify::Now)
     }
@@ -843,9 +843,6 @@ enum Attempt {
     /// Worth another try (refused, reset, a lookup that failed for the
     /// moment).
     Retry(io::Error),
-    /// A host name the resolver does not know (yet): retried for
-    /// [`UNKNOWN_NAME_GRACE`] at most.
-    UnknownName(io::Error),
     /// Final (an address that is not `host:port`, wrong secret, not a
     /// store).
     Fatal(StoreError),
@@ -1011,27 +1008,21 @@ pub(crate) fn connect_authenticated(
 ) -> Result<(TcpStream, Option<Unverified>)> {
     let start = Instant::now();
     let deadline = start + timeout;
+    // A name not known yet is waited for here, at most for the grace;
+    // a malformed address fails at once.
+    await_name(addr, shown, UNKNOWN_NAME_GRACE.min(timeout))
+        .map_err(|unresolved| StoreError::Unresolvable { addr: shown.to_string(), source: unresolved.into_error() })?;
     let mut backoff = Duration::from_millis(1);
-    let mut warned = false;
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());
-        let (last, unknown) =
-            match try_connect(addr, shown, secret, remaining.max(Duration::from_millis(50)), verify, behind) {
-                Ok(s) => return Ok(s),
-                Err(Attempt::Fatal(e)) => return Err(e),
-                Err(Attempt::Retry(e)) => (e, false),
-                Err(Attempt::UnknownName(e)) => (e, true),
-            };
+        let last = match try_connect(addr, shown, secret, remaining.max(Duration::from_millis(50)), verify, behind) {
+            Ok(s) => return Ok(s),
+            Err(Attempt::Fatal(e)) => return Err(e),
+            Err(Attempt::Retry(e)) => e,
+        };
         let now = Instant::now();
-        if unknown && (now >= deadline || now - start >= UNKNOWN_NAME_GRACE) {
-            return Err(StoreError::Unresolvable { addr: shown.to_string(), source: last });
-        }
         if now >= deadline {
             return Err(StoreError::Connect { addr: shown.to_string(), waited: now - start, source: last });
-        }
-        if unknown && !warned {
-            warn_unknown(shown, &last, UNKNOWN_NAME_GRACE.min(timeout));
-            warned = true;
         }
         tracing::trace!(addr = shown, error = %last, "store not reachable yet; retrying");
         std::thread::sleep(backoff.min(deadline - now));
@@ -1047,11 +1038,9 @@ fn try_connect(
     verify: Verify,
     behind: &[u8],
 ) -> Result<(TcpStream, Option<Unverified>), Attempt> {
-    let addrs = resolve_addrs(addr, shown).map_err(|unresolved| match unresolved {
-        Unresolved::Transient(e) => Attempt::Retry(e),
-        Unresolved::Unknown(e) => Attempt::UnknownName(e),
-        Unresolved::Malformed(source) => Attempt::Fatal(StoreError::Unresolvable { addr: shown.to_string(), source }),
-    })?;
+    // Known by `await_name` before the first attempt: a lookup that fails
+    // now (the name went away, the resolver is slow) is retried.
+    let addrs = resolve_addrs(addr, shown).map_err(|unresolved| Attempt::Retry(unresolved.into_error()))?;
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the address resolved to nothing");
     for a in addrs {
         let per_try = within.min(Duration::from_secs(5));
