@@ -314,6 +314,52 @@ fn four_gpus_two_ranks_of_two_gpus_run_every_collective_through_nccl() {
     });
 }
 
+/// One rank per GPU: after the first call (which creates the NCCL
+/// communicators on the device threads) each call is queued from the
+/// caller's thread with its check sent ahead. Calls queued back to back end
+/// right; then rank 1 calls a longer all-reduce than rank 0: both name the
+/// mismatch well before the timeout (NCCL's kernels, which may wait for
+/// bytes that never come, are aborted), and the next call is refused.
+#[test]
+#[ignore = "needs CUDA GPUs: two or more, one per rank"]
+fn two_gpus_a_mismatch_after_calls_queued_from_the_callers_thread_is_named_on_every_rank() {
+    assert!(gpus() >= 2, "this test needs two GPUs or more");
+    let (results, _server) = ranks(vec![vec![0], vec![1]], cuda, |comm| {
+        comm.set_timeout(Duration::from_secs(30));
+        let (c, rank) = (&comm.clients()[0], comm.rank());
+        let all_reduce = |src: &Handle, dst: &Handle| {
+            comm.all_reduce_handles(std::slice::from_ref(src), std::slice::from_ref(dst), DType::F32, ReduceOp::Sum)
+        };
+        let srcs: Vec<Handle> =
+            (0..100).map(|i| c.create_from_slice(bytemuck::cast_slice(&[(rank * 1000 + i) as f32; 1024]))).collect();
+        let dsts: Vec<Handle> = (0..100).map(|_| c.empty(4096)).collect();
+        let works: Vec<_> = srcs.iter().zip(&dsts).map(|(s, d)| all_reduce(s, d).unwrap()).collect();
+        for (i, (work, dst)) in works.iter().zip(dsts).enumerate() {
+            work.wait().unwrap_or_else(|e| panic!("rank {rank}, call {i}: {e}"));
+            let want = (1000 + 2 * i) as f32;
+            let got: Vec<f32> = bytemuck::cast_slice(&c.read_one(dst).unwrap()).to_vec();
+            assert!(got.iter().all(|&x| x == want), "rank {rank}, call {i}: {:?}", &got[..4]);
+        }
+        let src = c.create_from_slice(&vec![0u8; 4096 * (rank + 1)]);
+        let dst = c.empty(4096 * (rank + 1));
+        let started = Instant::now();
+        let mismatch = all_reduce(&src, &dst).and_then(|w| w.wait()).expect_err("a mismatch").to_string();
+        let took = started.elapsed();
+        let refused = all_reduce(&src, &dst).and_then(|w| w.wait()).expect_err("refused").to_string();
+        (mismatch, took, refused)
+    });
+    for (rank, (mismatch, took, refused)) in results.iter().enumerate() {
+        assert!(
+            mismatch.contains("collective mismatch")
+                && mismatch.contains("f32 × 1024")
+                && mismatch.contains("f32 × 2048"),
+            "rank {rank}: {mismatch}"
+        );
+        assert!(*took < Duration::from_secs(15), "rank {rank}: found after {took:?}: {mismatch}");
+        assert!(refused.contains("aborted"), "rank {rank}: {refused}");
+    }
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs: two or more, one per rank"]
 fn two_gpus_a_rank_that_never_arrives_is_named_and_the_nccl_communicator_aborted() {

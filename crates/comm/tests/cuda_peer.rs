@@ -584,7 +584,58 @@ fn communicator_rank(rank: usize) {
     let dst = client.empty(2 * 4099);
     comm.all_gather_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U8).unwrap();
     assert!(client.read_one(dst).unwrap()[..] == block.concat()[..], "rank {rank}: all_gather differs");
+    queued_back_to_back_then_a_mismatch(rank, &comm, &client);
     println!("RANK {rank} OK");
+}
+
+/// Calls queued back to back (each from the caller's thread, its check
+/// sent ahead) end right; then rank 1 calls a longer all-reduce than rank
+/// 0: neither hangs, both name the mismatch, and a later call is refused.
+fn queued_back_to_back_then_a_mismatch(rank: usize, comm: &cohort_comm::Communicator, client: &Client) {
+    let value = |i: usize, r: usize| (r * 100 + i) as f32;
+    let srcs: Vec<Handle> =
+        (0..64).map(|i| client.create_from_slice(bytemuck::cast_slice(&[value(i, rank); 256]))).collect();
+    let dsts: Vec<Handle> = (0..64).map(|_| client.empty(256 * 4)).collect();
+    client.sync().unwrap();
+    let inline_before = client.stats().unwrap().inline_tasks;
+    let works: Vec<_> = srcs
+        .iter()
+        .zip(&dsts)
+        .map(|(s, d)| {
+            comm.all_reduce_handles(std::slice::from_ref(s), std::slice::from_ref(d), DType::F32, ReduceOp::Sum)
+                .unwrap()
+        })
+        .collect();
+    let inline = client.stats().unwrap().inline_tasks - inline_before;
+    assert!(inline > 0, "rank {rank}: none of 64 calls was queued from the caller's thread");
+    println!("rank {rank}: {inline} of 64 calls queued from the caller's thread");
+    for (i, (work, dst)) in works.iter().zip(dsts).enumerate() {
+        work.wait().unwrap_or_else(|e| panic!("rank {rank}: queued call {i}: {e}"));
+        let got = client.read_one(dst).unwrap();
+        let want = value(i, 0) + value(i, 1);
+        assert!(bytemuck::cast_slice::<u8, f32>(&got).iter().all(|&x| x == want), "rank {rank}: queued call {i}");
+    }
+
+    let count = 4 * (rank + 1);
+    let src = client.create_from_slice(&vec![0u8; count * 4]);
+    let dst = client.empty(count * 4);
+    let started = std::time::Instant::now();
+    let err = comm
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
+        .and_then(|work| work.wait())
+        .expect_err("a mismatched all-reduce fails")
+        .to_string();
+    assert!(
+        err.contains("collective mismatch") && err.contains("f32 × 4") && err.contains("f32 × 8"),
+        "rank {rank}: {err}"
+    );
+    assert!(started.elapsed() < comm.timeout(), "rank {rank}: found only at the timeout: {err}");
+    let err = comm
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
+        .and_then(|work| work.wait())
+        .expect_err("refused after the mismatch")
+        .to_string();
+    assert!(err.contains("aborted"), "rank {rank}: {err}");
 }
 
 /// Two processes, one `Communicator` rank each, on the peer kernels (each

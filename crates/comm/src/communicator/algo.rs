@@ -68,11 +68,11 @@ mod split_tests {
 }
 
 impl World {
-    fn next(&self) -> usize {
+    pub(super) fn next(&self) -> usize {
         (self.rank + 1) % self.size
     }
 
-    fn prev(&self) -> usize {
+    pub(super) fn prev(&self) -> usize {
         (self.rank + self.size - 1) % self.size
     }
 

@@ -40,7 +40,12 @@ impl Communicator {
                 return Err(CommError::Capturing { operation: name, member: slot });
             }
         }
-        let order = enqueue_lock();
+        let nccl = self.inner.nccl.as_ref().filter(|n| n.takes(&op, &inputs, &outputs));
+        // A part queued inline waits for no other device of this process.
+        let order = match nccl {
+            Some(nccl) if nccl.queues_inline(&[op]) => None,
+            _ => Some(enqueue_lock()),
+        };
         let mut issued = self.inner.issued.lock();
         // A message counts the messages between its two ranks, one way.
         let seq = match op.endpoints() {
@@ -52,7 +57,7 @@ impl Communicator {
             }
         };
         let fp = Fingerprint::of(seq, op);
-        if let Some(nccl) = self.inner.nccl.as_ref().filter(|n| n.takes(&op, &inputs, &outputs)) {
+        if let Some(nccl) = nccl {
             // Dropped unrun when the launch fails: that aborts for the
             // other ranks, as on the host path. Recorded with its path.
             let tracker = self.inner.observer.queued(fp, Some(nccl.path_of(&op).name()));

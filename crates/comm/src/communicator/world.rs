@@ -21,6 +21,10 @@ use super::fingerprint::{Fingerprint, LEN};
 use super::keys;
 use super::label::Label;
 
+mod ahead;
+
+use ahead::Ahead;
+
 /// How often a long-waiting rank looks for an abort.
 const ABORT_POLL: Duration = Duration::from_millis(200);
 
@@ -59,6 +63,8 @@ pub(crate) struct World {
     /// Inside a grouped call, whose one fingerprint was checked already:
     /// its calls skip their own check.
     pub in_group: bool,
+    /// Checks of calls queued without waiting for them (see `ahead`).
+    ahead: Ahead,
 }
 
 impl World {
@@ -85,6 +91,7 @@ impl World {
             current: None,
             sent: vec![0; size],
             received: vec![0; size],
+            ahead: Ahead::default(),
         }
     }
 
@@ -117,26 +124,35 @@ impl World {
     }
 
     /// Runs one collective: refuses at once if the communicator was aborted;
-    /// otherwise runs `body` under the timeout, and aborts the communicator
-    /// (for every rank) if it fails.
+    /// otherwise settles the checks sent ahead of earlier calls (their bytes
+    /// come first on the links), runs `body` under the timeout, and aborts
+    /// the communicator (for every rank) if either fails.
     pub(crate) fn run(
         &mut self,
         fp: Fingerprint,
         body: impl FnOnce(&mut World) -> Result<(), Failure>,
     ) -> Result<(), Failure> {
-        if let Some(why) = &self.aborted {
-            let message =
-                format!("{fp}{} refused: the communicator was aborted by an earlier failure: {why}", self.label);
-            return Err(Failure::new(FailureKind::Aborted, message));
-        }
+        self.refuse_if_aborted(&fp)?;
         let started = Instant::now();
         self.current = Some(Current { fp, deadline: started + self.timeout, started });
-        let result = body(self);
+        let result = self.settle_ahead(None).and_then(|()| body(self));
         self.current = None;
         if let Err(failure) = &result {
             self.abort(&failure.message);
         }
         result
+    }
+
+    /// The refusal of call `fp` once the communicator was aborted.
+    fn refuse_if_aborted(&self, fp: &Fingerprint) -> Result<(), Failure> {
+        match &self.aborted {
+            Some(why) => {
+                let message =
+                    format!("{fp}{} refused: the communicator was aborted by an earlier failure: {why}", self.label);
+                Err(Failure::new(FailureKind::Aborted, message))
+            }
+            None => Ok(()),
+        }
     }
 
     /// Marks the communicator aborted and tells the other ranks (first
@@ -228,14 +244,24 @@ impl World {
             }
             Ok(())
         };
-        exchange(&mut self.links, sends, recvs, &mut idle).map_err(|stop| match stop {
+        let stopped = exchange(&mut self.links, sends, recvs, &mut idle);
+        stopped.map_err(|stop| match stop {
             Stop::Idle(why) => why,
-            Stop::Link { peer, kind, error } => {
-                let how = if peer_gone(&error) { "closed (it exited or crashed)" } else { "failed" };
-                let peer = label.global(peer);
-                Failure::from(format!("{}{label}: the {kind} link to rank {peer} {how}: {error}", current.fp))
-            }
+            Stop::Link { peer, error } => self.link_failure(peer, error),
         })
+    }
+
+    /// A failed link to `peer`, for the call in progress (or the oldest
+    /// check sent ahead).
+    fn link_failure(&self, peer: usize, error: std::io::Error) -> Failure {
+        let how = if peer_gone(&error) { "closed (it exited or crashed)" } else { "failed" };
+        let kind = self.link_kind(peer);
+        let call = match self.current.map(|c| c.fp).or(self.ahead_front()) {
+            Some(fp) => fp.to_string(),
+            None => "a collective".to_string(),
+        };
+        let (label, peer) = (&self.label, self.label.global(peer));
+        Failure::from(format!("{call}{label}: the {kind} link to rank {peer} {how}: {error}"))
     }
 
     /// Sends this rank's fingerprint `fp` to `to` and checks the one `from`
@@ -263,7 +289,13 @@ impl World {
         if from == self.rank {
             return Ok(());
         }
-        let got = Fingerprint::decode(&theirs);
+        self.compare(expected, &theirs, from)
+    }
+
+    /// Compares the fingerprint `theirs` that rank `from` sent with the one
+    /// this rank `expected`: a mismatch names both calls.
+    fn compare(&self, expected: &Fingerprint, theirs: &[u8; LEN], from: usize) -> Result<(), Failure> {
+        let got = Fingerprint::decode(theirs);
         if got.as_ref() != Some(expected) {
             let (me, peer) = (self.label.global(self.rank), self.label.global(from));
             let message = expected.mismatch(me, peer, got.as_ref(), &self.label);

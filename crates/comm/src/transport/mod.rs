@@ -215,7 +215,7 @@ fn reduce_typed<T: Element>(acc: &mut [u8], x: &[u8], op: ReduceOp, x_first: boo
 #[derive(Debug)]
 pub(crate) enum Stop<E> {
     /// A link failed (the peer closed its end: it exited or crashed).
-    Link { peer: usize, kind: &'static str, error: io::Error },
+    Link { peer: usize, error: io::Error },
     /// The caller's idle hook gave up (deadline, abort): its error.
     Idle(E),
 }
@@ -249,11 +249,7 @@ pub(crate) fn exchange<E>(
                 continue;
             }
             let link = links[s.peer].as_mut().expect("a link to every peer");
-            let n = link.try_send(&s.data[s.done..]).map_err(|error| Stop::Link {
-                peer: s.peer,
-                kind: link.kind(),
-                error,
-            })?;
+            let n = link.try_send(&s.data[s.done..]).map_err(|error| Stop::Link { peer: s.peer, error })?;
             s.done += n;
             moved |= n > 0;
             pending |= s.done < s.data.len();
@@ -266,11 +262,7 @@ pub(crate) fn exchange<E>(
                 continue;
             }
             let link = links[r.peer].as_mut().expect("a link to every peer");
-            let n = link.try_recv(&mut |bytes| r.take(bytes)).map_err(|error| Stop::Link {
-                peer: r.peer,
-                kind: link.kind(),
-                error,
-            })?;
+            let n = link.try_recv(&mut |bytes| r.take(bytes)).map_err(|error| Stop::Link { peer: r.peer, error })?;
             moved |= n > 0;
             pending |= !r.finished();
         }

@@ -73,6 +73,14 @@ pub trait CollectiveMonitor: Send + Sync {
     /// The members that have not finished, in words; asked only when the
     /// part timed out, to build its error.
     fn missing(&self) -> String;
+    /// Asked once the part's calls completed on the device, before it ends
+    /// as done: an error found only now (a check of the call that ran
+    /// beside its kernels) ends it as failed instead, and aborts its
+    /// communicator. May wait, up to the part's timeout. By default there
+    /// is nothing left to confirm.
+    fn confirm(&self) -> Result<(), ServerError> {
+        Ok(())
+    }
     /// The part ended: `Ok` once its calls completed on the device, or the
     /// error that aborted it (also when the device's context was lost).
     /// Called once, on the device thread, for every part whose calls were

@@ -73,6 +73,10 @@ pub(crate) struct NcclCall {
     nccl: Arc<Nccl>,
     world: Arc<Mutex<World>>,
     fp: Fingerprint,
+    /// Its fingerprint check is sent ahead (see `World::send_check_ahead`):
+    /// the part is queued without waiting for the ring predecessor, and
+    /// ends as done only once the check was compared.
+    ahead: bool,
     meeting: Meeting<NcclState>,
     /// Called once, with the outcome, when every local part has ended.
     on_done: Mutex<Option<DoneHook>>,
@@ -107,11 +111,13 @@ impl Seated for NcclCall {
 }
 
 impl NcclCall {
-    /// Call `fp` of `nccl` on this rank's `devices`.
+    /// Call `fp` of `nccl` on this rank's `devices`; with `ahead`, its
+    /// check is sent ahead rather than waited for.
     pub(crate) fn new(
         nccl: Arc<Nccl>,
         world: Arc<Mutex<World>>,
         fp: Fingerprint,
+        ahead: bool,
         devices: impl ExactSizeIterator<Item = DeviceId>,
         timeout: Duration,
     ) -> Arc<NcclCall> {
@@ -120,7 +126,7 @@ impl NcclCall {
         let state = NcclState { checked: None, ended: 0, ended_slots: smallvec::smallvec![false; n], kind: None };
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         let meeting = Meeting::new(name, seats, timeout, state);
-        Arc::new(NcclCall { nccl, world, fp, meeting, on_done: Mutex::new(None) })
+        Arc::new(NcclCall { nccl, world, fp, ahead, meeting, on_done: Mutex::new(None) })
     }
 
     /// Runs `hook` with the call's outcome once every local part ended (its
@@ -163,14 +169,18 @@ impl NcclCall {
         self.meeting.fail(err)
     }
 
-    /// Waits for every local part; the last runs the host check.
+    /// Waits for every local part; the last runs the host check (or sends
+    /// it ahead).
     fn meet(&self, slot: usize, deadline: Instant) -> Result<(), ServerError> {
         let meeting = &self.meeting;
         let mut state = meeting.lock();
         if meeting.arrive_locked(&mut state, slot)? {
             drop(state);
             let fp = self.fp;
-            let result = self.world.lock().run(fp, |w| host_check(w, &fp));
+            let result = match self.ahead {
+                true => self.world.lock().send_check_ahead(fp),
+                false => self.world.lock().run(fp, |w| host_check(w, &fp)),
+            };
             meeting.lock().data.checked = Some(result.clone());
             meeting.notify();
             return result.map_err(|failure| {
@@ -219,6 +229,7 @@ impl NcclCall {
         handed: &mut bool,
     ) -> Result<(), ServerError> {
         let access = access.map_err(|err| self.fail(err))?;
+        let nccl = &self.nccl;
         let parts: SmallVec<[(Op, Buffers); 1]> = layout
             .iter()
             .map(|p| {
@@ -228,7 +239,6 @@ impl NcclCall {
             .collect();
         let deadline = Instant::now() + self.meeting.timeout();
         self.meet(slot, deadline)?;
-        let nccl = &self.nccl;
         let (member, members) = (nccl.rank * nccl.local + slot, nccl.size * nccl.local);
         // The peer-memory kernels take one call at a time; a grouped call
         // goes to NCCL whole.
@@ -241,6 +251,7 @@ impl NcclCall {
             let monitor = PartMonitor::start(self, slot);
             let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
             *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
+            nccl.note_queued(&result);
             return result.map_err(|err| {
                 nccl.abort(&self.world, &err.to_string());
                 self.fail(err)
@@ -271,6 +282,7 @@ impl NcclCall {
         // Queued (its monitor ends the part, now or later) unless refused
         // before any call was queued.
         *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
+        nccl.note_queued(&result);
         result.map_err(fail)?;
         access.copy_regions(&fused.unpack).map_err(fail)
     }
@@ -319,6 +331,17 @@ impl PartMonitor {
     }
 }
 
+impl PartMonitor {
+    /// The part's error for `failure` of its check sent ahead (the world
+    /// aborted already; the rank's other ranks are told through the store).
+    fn failed(&self, failure: Failure) -> ServerError {
+        let call = &self.call;
+        call.note_kind(failure.kind);
+        call.nccl.abort(&call.world, &failure.message);
+        call.meeting.error(self.slot, failure.message)
+    }
+}
+
 impl CollectiveMonitor for PartMonitor {
     fn operation(&self) -> &str {
         self.call.meeting.name()
@@ -332,6 +355,14 @@ impl CollectiveMonitor for PartMonitor {
         let (call, meeting) = (&self.call, &self.call.meeting);
         if let Some(err) = meeting.failure() {
             return Some(err);
+        }
+        // A check sent ahead moves on every poll: a mismatch can leave the
+        // kernels waiting for data that never comes. Not waited for: the
+        // world may be busy with another call.
+        if call.ahead {
+            if let Some(Err(failure)) = call.world.try_lock().map(|mut w| w.poll_ahead(call.fp.seq)) {
+                return Some(self.failed(failure));
+            }
         }
         let slow = (meeting.timeout() / 4).min(Duration::from_secs(1));
         let now = Instant::now();
@@ -360,6 +391,18 @@ impl CollectiveMonitor for PartMonitor {
         let call = &self.call;
         call.note_kind(FailureKind::Timeout);
         format!("{}: {}", call.fp, call.nccl.missing(call.fp.seq))
+    }
+
+    /// A check sent ahead must have been compared before the part is done
+    /// (its predecessor sent it before queueing its own part, so it is
+    /// usually there already); waits for it up to the world's timeout.
+    fn confirm(&self) -> Result<(), ServerError> {
+        let call = &self.call;
+        if !call.ahead {
+            return Ok(());
+        }
+        let checked = call.world.lock().await_ahead(call.fp.seq);
+        checked.map_err(|failure| self.failed(failure))
     }
 
     fn finished(&self, outcome: &Result<(), ServerError>) {

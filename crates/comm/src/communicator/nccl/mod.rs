@@ -33,7 +33,7 @@
 //! receiving device is not known to the sender), as do calls whose source
 //! overlaps their destination other than exactly (in place).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
@@ -93,6 +93,11 @@ pub(crate) struct Nccl {
     peer: Option<peer::PeerPath>,
     /// Names ranks by job rank in messages.
     label: Label,
+    /// Set once a part was queued on the device: its NCCL communicator
+    /// exists (`ncclCommInitRank`, which waits for every rank, is behind
+    /// it), so a one-device rank's later parts wait for no other rank
+    /// while they are queued.
+    warm: AtomicBool,
 }
 
 /// Why this rank's devices cannot take the NCCL path (`None`: they can).
@@ -172,6 +177,7 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         clients: clients.to_vec(),
         store: Arc::new(store.duplicate()?),
         prefix,
+        warm: AtomicBool::new(false),
     })))
 }
 
@@ -199,6 +205,25 @@ fn host_check(w: &mut World, fp: &Fingerprint) -> Result<(), Failure> {
 }
 
 impl Nccl {
+    /// Notes that a part was queued on the device (see `warm`).
+    pub(super) fn note_queued<T>(&self, queued: &Result<T, ServerError>) {
+        if queued.is_ok() && !self.warm.load(Ordering::Relaxed) {
+            self.warm.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the calls `ops` are queued from the caller's thread, their
+    /// fingerprint check sent ahead (see `launch_calls`): on a rank with
+    /// one device whose communicator exists, for collectives other than a
+    /// barrier (which waits for its call). The caller then need not hold
+    /// the process-wide enqueue order: the part waits for no other device
+    /// of this process.
+    pub(crate) fn queues_inline(&self, ops: &[Op]) -> bool {
+        let barrier = ops.iter().any(|op| op.collective() == Collective::Barrier);
+        let collectives = ops.iter().all(|op| op.endpoints().is_none());
+        self.local == 1 && !barrier && collectives && (self.size == 1 || self.warm.load(Ordering::Relaxed))
+    }
+
     /// Whether a call takes the NCCL path (see the module docs).
     pub(crate) fn takes(&self, op: &Op, inputs: &[Option<Handle>], outputs: &[Option<Handle>]) -> bool {
         if op.collective() == Collective::SendRecv && self.local > 1 {
@@ -240,10 +265,11 @@ impl Nccl {
         // rank) ranks: both are ranks of the NCCL communicator.
         let members = self.size * self.local;
         let devices = self.clients.iter().map(Client::device_id);
-        let call = NcclCall::new(self.clone(), world.clone(), fp, devices, timeout);
+        let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
+        let inline = self.queues_inline(&ops);
+        let call = NcclCall::new(self.clone(), world.clone(), fp, inline && self.size > 1, devices, timeout);
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         // The same buckets on every member (they follow from the calls).
-        let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
         let buckets = fusion::buckets(&ops, fusion::cap());
         let fused: Option<Arc<[Bucket]>> = (!buckets.is_empty()).then(|| buckets.into());
         // A single call's path went into its record when it was queued
@@ -251,18 +277,14 @@ impl Nccl {
         if fp.group.is_some() || ops.len() != 1 {
             tracker.set_path(if fused.is_none() { "nccl" } else { "nccl fused" });
         }
-        // A one-rank job with one device: its part meets nobody and waits
-        // for no other rank (its NCCL communicator's creation neither), so
+        // A rank with one device: its part meets no other local part, so
         // it is queued from this thread at once where the device is idle,
         // without the hand-over to the device thread (see
-        // `Client::submit_buffers_inline`). With more ranks the part goes
-        // to the device thread: the fingerprint check and the first call's
-        // `ncclCommInitRank` wait for the other ranks, which the caller's
-        // thread must not do while it holds the device and the process-wide
-        // enqueue order. Not a barrier, which waits for its call.
-        let barrier = ops.iter().any(|op| op.collective() == Collective::Barrier);
-        let collectives = ops.iter().all(|op| op.endpoints().is_none());
-        let inline = self.size == 1 && self.clients.len() == 1 && !barrier && collectives;
+        // `Client::submit_buffers_inline`), once nothing in queueing it
+        // waits for another rank: its fingerprint check is sent ahead
+        // (compared while and after it runs) and its NCCL communicator
+        // exists (the first part, whose `ncclCommInitRank` waits for every
+        // rank, goes to the device thread). See `queues_inline`.
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
@@ -429,6 +451,7 @@ impl Nccl {
             // A split group runs on NCCL alone: its members' peer arenas are
             // not exchanged.
             peer: None,
+            warm: AtomicBool::new(false),
         }))
     }
 

@@ -514,6 +514,13 @@ impl CudaBackend {
                 if let Some(event) = pending.done {
                     self.events.give(event);
                 }
+                if let Err(err) = pending.monitor.confirm() {
+                    // Its set's later parts end with it, the communicator aborted.
+                    let (set, reason) = (pending.set, format!("aborted because an earlier call failed: {err}"));
+                    self.end_part(pending, Err(err));
+                    self.fail_set(lib, set, &reason);
+                    break;
+                }
                 self.end_part(pending, Ok(()));
             }
             stages::mark(Stage::PollReaped);
