@@ -20,8 +20,12 @@
 //! runtime's [`DeviceCollectives`](cohort_runtime::backend::DeviceCollectives)
 //! hook: its device thread creates its NCCL communicator on first use
 //! (`ncclCommInitRank`), queues the calls on the caller's stream and
-//! returns (a barrier waits for them); a one-rank job with one device
-//! queues them from the caller's thread where the device is idle. The
+//! returns (a barrier waits for them). A rank with one device, once its
+//! communicator exists, queues its part from the caller's thread where the
+//! device is idle, and sends the check ahead instead of waiting for it
+//! (`World::send_check_ahead`): the part's monitor compares the
+//! predecessor's fingerprint on every poll and before the part ends as
+//! done, and a mismatch fails the call and aborts. The
 //! device polls them later, looking at the deadline, this rank's other
 //! parts and the store's abort flag, and their failure marks the
 //! destinations; a waiter on a rank with one device polls it itself. A failed or expired part aborts
