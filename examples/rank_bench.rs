@@ -10,8 +10,10 @@
 //! 256M -f 4` (every GPU of the node), `--collective all` for the five,
 //! `--algo oneshot|twoshot` to force the peer-memory kernels (rank 0's
 //! choice, which every rank follows), `--plot FILE.svg` to draw time and
-//! busbw against size, `--backend cpu` on CPU devices (no raw baseline): `cohort run -n 4 -- target/release/examples/rank_bench
-//! --backend cpu -e 1M`.
+//! busbw against size, `--split` to time a group split from the world
+//! (its NCCL communicator made by `ncclCommSplit`) rather than the world,
+//! `--backend cpu` on CPU devices (no raw baseline): `cohort run -n 4 --
+//! target/release/examples/rank_bench --backend cpu -e 1M`.
 //!
 //! Columns: `size` in bytes (nccl-tests': the largest buffer), `path` the
 //! path cohort took (`Communicator::path_of`), `time` µs per call (rank
@@ -78,6 +80,11 @@ struct Args {
     /// this SVG file (rank 0).
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// Time a group of every rank split from the world
+    /// (`Communicator::split`; on NCCL its communicator comes from
+    /// `ncclCommSplit`) instead of the world itself.
+    #[arg(long)]
+    split: bool,
 }
 
 fn collectives(name: &str) -> Result<Vec<Collective>, String> {
@@ -269,15 +276,22 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     }
     // Read by rank 0 when it connects; every rank follows its choice.
     std::env::set_var("COHORT_ALGO", &args.algo);
-    let comm = Communicator::from_env(rank_clients(&args.backend, Some(1))?)?;
+    let world = Communicator::from_env(rank_clients(&args.backend, Some(1))?)?;
+    // The world stays alive beside a group split from it.
+    let split = match args.split {
+        true => Some(world.split(Some(0), world.rank() as i64)?.ok_or("every rank joins the split group")?),
+        false => None,
+    };
+    let comm = split.as_ref().unwrap_or(&world);
     let (rank, n) = (comm.rank(), comm.size());
     #[cfg(feature = "cuda")]
-    let raw = raw_for(&comm, args, args.max_bytes)?;
+    let raw = raw_for(comm, args, args.max_bytes)?;
     #[cfg(not(feature = "cuda"))]
     let raw: Option<()> = None;
     if rank == 0 {
         println!(
-            "# rank_bench: {n} ranks, one {} device each ({}), {:?} transport, algo {}; raw NCCL: {}",
+            "# rank_bench: {n} ranks{}, one {} device each ({}), {:?} transport, algo {}; raw NCCL: {}",
+            if args.split { " (a group split from the world)" } else { "" },
             args.backend,
             comm.clients()[0].properties().name,
             comm.transport(),
@@ -294,19 +308,19 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     for &coll in &colls {
         let mut size = args.min_bytes.max(4);
         loop {
-            let case = Case::new(&comm, coll, size)?;
+            let case = Case::new(comm, coll, size)?;
             let bytes = case.bytes(n);
             let (mut ours, mut theirs) = (Vec::new(), Vec::new());
             for _ in 0..args.trials {
-                ours.push(time_cohort(&comm, &case, args)?);
+                ours.push(time_cohort(comm, &case, args)?);
                 #[cfg(feature = "cuda")]
                 if let Some(raw) = &raw {
-                    theirs.push(time_raw(&comm, raw, coll, bytes, args)?);
+                    theirs.push(time_raw(comm, raw, coll, bytes, args)?);
                 }
             }
             let wrong = if args.check == 1 {
-                case.queue(&comm)?.wait()?;
-                case.wrong(&comm)?
+                case.queue(comm)?.wait()?;
+                case.wrong(comm)?
             } else {
                 0
             };
@@ -322,7 +336,7 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
             let all_wrong = comm.clients()[0].read_one(counts)?.to_elems::<f32>()[0] as usize;
             wrong_total += all_wrong;
             if rank == 0 {
-                let path = path_name(&comm, &case);
+                let path = path_name(comm, &case);
                 let t = median(&mut ours);
                 let algbw = bytes as f64 / t / 1e9;
                 let busbw = algbw * coll.bus_factor(n);

@@ -90,6 +90,10 @@ if [ "$what" = goals ] || [ "$what" = all ]; then
     timeout 200 bin/cohort run -n gpu --master-port 0 -- examples/rank_bench --collective all -b 8 -e 1G -f 16 --plot "$OUT/rank.svg" \
         -n 20 -w 5 -t 3 2>&1 | tee -a $L
     check "${PIPESTATUS[0]}" "rank_bench --collective all"
+    step small all-reduces on a group split from the world by ncclCommSplit, one process per GPU
+    timeout 120 bin/cohort run -n gpu --master-port 0 -- examples/rank_bench --split --algo nccl --collective all_reduce \
+        -b 8 -e 1M -f 8 -n 500 -w 50 -t 3 2>&1 | tee -a $L
+    check "${PIPESTATUS[0]}" "rank_bench --split"
     step a step of ten small all-reduces, eager against graph replay
     timeout 120 examples/nccl_bench --step --algo all -n 500 -w 50 2>&1 | tee -a $L
     check "${PIPESTATUS[0]}" "nccl_bench --step"

@@ -113,6 +113,12 @@ fn the_per_process_bench_runs_every_collective_under_the_launcher_and_checks_it(
     for title in ["all_reduce time (us)", "all_to_all busbw (GB/s)"] {
         assert!(drawn.contains(title), "the plot has no {title:?}");
     }
+    // The same on a group split from the world: every row checked.
+    let out = run(&["--collective", "all_gather", "--split"]);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success() && stdout.contains("3 ranks (a group split from the world)"), "{stdout}");
+    let checked = stdout.lines().filter(|l| l.contains("all_gather") && l.trim_end().ends_with(" 0")).count();
+    assert_eq!(checked, 4, "{stdout}");
     // Nonsense asked for: one clear line, a failed run, no hang.
     let out = run(&["--collective", "all_sum"]);
     assert!(!out.status.success());
