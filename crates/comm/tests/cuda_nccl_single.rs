@@ -201,6 +201,40 @@ fn back_to_back_collectives_on_one_stream_all_end() {
     }
 }
 
+/// `NCCL_COMM_BLOCKING=0` in the environment makes NCCL's communicators
+/// non-blocking: their creation answers "in progress" and is waited for (up
+/// to the timeout), and the calls then work as on a blocking one. NCCL
+/// reads the variable once per process: a child process runs the calls.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_non_blocking_communicator_asked_for_by_the_environment_works() {
+    const NAME: &str = "a_non_blocking_communicator_asked_for_by_the_environment_works";
+    if std::env::var_os("COHORT_TEST_NON_BLOCKING_CHILD").is_some() {
+        let group = one_rank_group();
+        let device = group.client(0).clone();
+        for round in 0..20u32 {
+            let src = device.create(Bytes::from_elems(&[round; 64]));
+            let dst = device.empty(256);
+            group
+                .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Max)
+                .unwrap_or_else(|e| panic!("round {round}: {e}"))
+                .wait()
+                .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![round; 64], "round {round}");
+        }
+        println!("CHILD OK");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--include-ignored", "--nocapture"])
+        .env("NCCL_COMM_BLOCKING", "0")
+        .env("COHORT_TEST_NON_BLOCKING_CHILD", "1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("CHILD OK"), "{text}");
+}
+
 /// A collective followed on its stream by other work ends when its own
 /// calls do: before a kernel that runs longer than the group's timeout (it
 /// is not timed out), and before a capture begins there (its end is not

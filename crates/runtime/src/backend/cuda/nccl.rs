@@ -257,8 +257,15 @@ impl CudaBackend {
     }
 
     /// This device's communicator of `spec.set`, created on first use (waits
-    /// for every member's creation).
-    fn comm(&mut self, lib: &Nccl, spec: &CommSpec<'_>, operation: &str) -> Result<RawComm, ServerError> {
+    /// for every member's creation; up to `timeout` where NCCL makes it
+    /// non-blocking, as `NCCL_COMM_BLOCKING=0` asks).
+    fn comm(
+        &mut self,
+        lib: &Nccl,
+        spec: &CommSpec<'_>,
+        operation: &str,
+        timeout: Duration,
+    ) -> Result<RawComm, ServerError> {
         if let Some(why) = self.nccl.aborted.get(&spec.set) {
             return Err(self.nccl_error(
                 operation,
@@ -282,7 +289,16 @@ impl CudaBackend {
         // SAFETY: the device's context is current (NCCL takes the device from
         // it); `comm` receives the new communicator.
         let code = unsafe { (lib.comm_init_rank)(&mut comm, spec.ranks as c_int, id, spec.rank as c_int) };
-        if code != nccl_lib::SUCCESS {
+        if code == nccl_lib::IN_PROGRESS {
+            // A non-blocking communicator (`NCCL_COMM_BLOCKING=0`): ready
+            // once NCCL says so, or given up at the timeout.
+            if let Err(why) = wait_ready(lib, comm, timeout) {
+                // SAFETY: the communicator just made; abort frees it.
+                unsafe { (lib.comm_abort)(comm) };
+                let (rank, ranks) = (spec.rank, spec.ranks);
+                return Err(self.nccl_error(operation, format!("ncclCommInitRank (rank {rank} of {ranks}): {why}")));
+            }
+        } else if code != nccl_lib::SUCCESS {
             return Err(self.nccl_error(
                 operation,
                 format!(
@@ -894,7 +910,7 @@ impl DeviceCollectives for CudaBackend {
         if calls.contains(&DeviceCall::Barrier) {
             self.scratch()?;
         }
-        let comm = self.comm(lib, spec, monitor.operation())?;
+        let comm = self.comm(lib, spec, monitor.operation(), monitor.timeout())?;
         let work = PartWork::Nccl { comm, ranks: spec.ranks, calls };
         self.queue_part(lib, stream, spec.set, work, monitor, completion)
     }
@@ -967,7 +983,7 @@ impl DeviceCollectives for CudaBackend {
                 format!("{} (NCCL {}) has no ncclCommSplit: NCCL 2.18 or newer splits", lib.path, lib.version_text());
             return Err(self.nccl_error("split", why));
         };
-        let comm = self.comm(lib, parent, "split")?;
+        let comm = self.comm(lib, parent, "split", timeout)?;
         let color = match color {
             None => nccl_lib::SPLIT_NOCOLOR,
             Some(c) => c_int::try_from(c)
