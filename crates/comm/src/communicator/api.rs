@@ -90,13 +90,17 @@ impl Communicator {
                 return Err(CommError::Capturing { operation: "group", member: slot });
             }
         }
-        let order = enqueue_lock();
+        let ops: Vec<Op> = calls.iter().map(|c| c.0).collect();
+        let nccl = self.inner.nccl.as_ref().filter(|n| calls.iter().all(|(op, i, o)| n.takes(op, i, o)));
+        // A part queued inline waits for no other device of this process.
+        let order = match nccl {
+            Some(nccl) if nccl.queues_inline(&ops) => None,
+            _ => Some(enqueue_lock()),
+        };
         let mut issued = self.inner.issued.lock();
         *issued += 1;
-        let ops: Vec<Op> = calls.iter().map(|c| c.0).collect();
         let mut fp = Fingerprint::of_group(*issued, &ops);
-        let nccl = self.inner.nccl.as_ref();
-        if let Some(nccl) = nccl.filter(|n| calls.iter().all(|(op, i, o)| n.takes(op, i, o))) {
+        if let Some(nccl) = nccl {
             // Every rank must fuse the same all-reduces (`device::fusion`):
             // a rank with another `COHORT_FUSION_MB` is a mismatch.
             if let Some(group) = &mut fp.group {

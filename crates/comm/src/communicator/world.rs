@@ -135,7 +135,12 @@ impl World {
         self.refuse_if_aborted(&fp)?;
         let started = Instant::now();
         self.current = Some(Current { fp, deadline: started + self.timeout, started });
-        let result = self.settle_ahead(None).and_then(|()| body(self));
+        let result = self.settle_ahead().and_then(|()| {
+            // The call's own clock starts after the checks before it.
+            let started = Instant::now();
+            self.current = Some(Current { fp, deadline: started + self.timeout, started });
+            body(self)
+        });
         self.current = None;
         if let Err(failure) = &result {
             self.abort(&failure.message);

@@ -74,12 +74,14 @@ pub trait CollectiveMonitor: Send + Sync {
     /// part timed out, to build its error.
     fn missing(&self) -> String;
     /// Asked once the part's calls completed on the device, before it ends
-    /// as done: an error found only now (a check of the call that ran
-    /// beside its kernels) ends it as failed instead, and aborts its
-    /// communicator. May wait, up to the part's timeout. By default there
-    /// is nothing left to confirm.
-    fn confirm(&self) -> Result<(), ServerError> {
-        Ok(())
+    /// as done, and asked again at every poll until it answers: `None`
+    /// while something the part depends on is not known yet (a check of the
+    /// call that runs beside its kernels: the part stays at the head of the
+    /// device's queue, polled and timed out like a running one), `Some(Ok)`
+    /// to end it as done, `Some(Err)` to end it as failed and abort its
+    /// communicator. Never waits. By default there is nothing to confirm.
+    fn confirm(&self) -> Option<Result<(), ServerError>> {
+        Some(Ok(()))
     }
     /// The part ended: `Ok` once its calls completed on the device, or the
     /// error that aborted it (also when the device's context was lost).
@@ -147,6 +149,14 @@ pub trait DeviceCollectives {
         monitor: Arc<dyn CollectiveMonitor>,
         completion: Completion,
     ) -> Result<Option<PendingPart>, ServerError>;
+
+    /// Creates this member's communicator of `comm.set` now where it has
+    /// none, waiting for every member to create theirs (as the first `run`
+    /// on it would), up to `timeout`. The default does nothing.
+    fn connect(&mut self, comm: &CommSpec<'_>, timeout: Duration) -> Result<(), ServerError> {
+        let _ = (comm, timeout);
+        Ok(())
+    }
 
     /// Creates this device's communicator `set` by splitting its
     /// communicator of `parent` (created first from `parent`'s id when this

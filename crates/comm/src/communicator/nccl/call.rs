@@ -246,7 +246,22 @@ impl NcclCall {
             [(op, buffers)] if self.fp.group.is_none() => self.peer_call(op, buffers),
             _ => None,
         };
+        let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
         if let Some(peer_call) = peer_call {
+            // The first part makes the NCCL communicator whatever its path
+            // (on the device thread: it waits for every rank), so that later
+            // parts may be queued from the caller's thread (`warm`).
+            if !nccl.is_warm() {
+                let timeout = self.meeting.timeout();
+                let connected = match access.device_collectives() {
+                    Some(dc) => dc.connect(&spec, timeout),
+                    None => Ok(()),
+                };
+                connected.map_err(|err| {
+                    nccl.abort(&self.world, &err.to_string());
+                    self.fail(err)
+                })?;
+            }
             let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
             let monitor = PartMonitor::start(self, slot);
             let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
@@ -274,7 +289,6 @@ impl NcclCall {
             self.fail(err)
         };
         access.copy_regions(&fused.pack).map_err(fail)?;
-        let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
         let monitor = PartMonitor::start(self, slot);
         let barrier = self.fp.group.is_none() && self.fp.op.collective() == Collective::Barrier;
         let completion = if barrier { Completion::Wait } else { Completion::Defer };
@@ -393,16 +407,22 @@ impl CollectiveMonitor for PartMonitor {
         format!("{}: {}", call.fp, call.nccl.missing(call.fp.seq))
     }
 
-    /// A check sent ahead must have been compared before the part is done
-    /// (its predecessor sent it before queueing its own part, so it is
-    /// usually there already); waits for it up to the world's timeout.
-    fn confirm(&self) -> Result<(), ServerError> {
+    /// A check sent ahead must have been compared (and this rank's
+    /// fingerprint have left for the successor) before the part is done.
+    /// The predecessor sent its fingerprint before it queued its own part,
+    /// so it is usually there already; until it is, the part stays pending
+    /// (and times out like a running one, naming the ranks that never
+    /// arrived). Not waited for: the world may be busy with another call.
+    fn confirm(&self) -> Option<Result<(), ServerError>> {
         let call = &self.call;
         if !call.ahead {
-            return Ok(());
+            return Some(Ok(()));
         }
-        let checked = call.world.lock().await_ahead(call.fp.seq);
-        checked.map_err(|failure| self.failed(failure))
+        match call.world.try_lock()?.ahead_done(call.fp.seq) {
+            Ok(true) => Some(Ok(())),
+            Ok(false) => None,
+            Err(failure) => Some(Err(self.failed(failure))),
+        }
     }
 
     fn finished(&self, outcome: &Result<(), ServerError>) {

@@ -209,7 +209,13 @@ fn host_check(w: &mut World, fp: &Fingerprint) -> Result<(), Failure> {
 }
 
 impl Nccl {
-    /// Notes that a part was queued on the device (see `warm`).
+    /// Whether this device's NCCL communicator exists (see `warm`).
+    pub(super) fn is_warm(&self) -> bool {
+        self.warm.load(Ordering::Relaxed)
+    }
+
+    /// Notes that a part was queued on the device: its NCCL communicator
+    /// exists (a peer kernel's part made it first; see `warm`).
     pub(super) fn note_queued<T>(&self, queued: &Result<T, ServerError>) {
         if queued.is_ok() && !self.warm.load(Ordering::Relaxed) {
             self.warm.store(true, Ordering::Relaxed);
@@ -219,13 +225,15 @@ impl Nccl {
     /// Whether the calls `ops` are queued from the caller's thread, their
     /// fingerprint check sent ahead (see `launch_calls`): on a rank with
     /// one device whose communicator exists, for collectives other than a
-    /// barrier (which waits for its call). The caller then need not hold
-    /// the process-wide enqueue order: the part waits for no other device
-    /// of this process.
+    /// barrier (which waits for its call) that move bytes (a part with no
+    /// NCCL call has nothing to confirm its check after). The caller then
+    /// need not hold the process-wide enqueue order: the part waits for no
+    /// other device of this process.
     pub(crate) fn queues_inline(&self, ops: &[Op]) -> bool {
-        let barrier = ops.iter().any(|op| op.collective() == Collective::Barrier);
-        let collectives = ops.iter().all(|op| op.endpoints().is_none());
-        self.local == 1 && !barrier && collectives && (self.size == 1 || self.warm.load(Ordering::Relaxed))
+        let collectives = ops
+            .iter()
+            .all(|op| op.collective() != Collective::Barrier && op.endpoints().is_none() && op.block_bytes() > 0);
+        self.local == 1 && collectives && (self.size == 1 || self.is_warm())
     }
 
     /// Whether a call takes the NCCL path (see the module docs).

@@ -3,15 +3,15 @@
 //!
 //! A waited check ([`World::check_fingerprint`]) sends this rank's
 //! fingerprint to its ring successor and reads its predecessor's before the
-//! call goes on. A check sent ahead puts the same 32 bytes into the same
-//! stream to the successor at once (what the link does not take now waits
-//! in an outbox), queues the call, and reads the predecessor's fingerprint
-//! later: whenever the call's device polls it ([`World::poll_ahead`]), and
-//! at the latest when its kernels have completed, before it is reported
-//! done ([`World::await_ahead`]), or before any later call that uses the
-//! links itself ([`World::run`] settles every check first). The bytes on
-//! the links are the same either way, so ranks need not agree on which of
-//! their checks were sent ahead.
+//! call goes on. A check sent ahead ([`World::send_check_ahead`]) puts the
+//! same 32 bytes into the same stream to the successor at once (what the
+//! link does not take now waits in an outbox), the call is queued, and the
+//! predecessor's fingerprint is read later, never waiting: whenever the
+//! call's device polls it ([`World::poll_ahead`]; the call is done only
+//! once [`World::ahead_done`] says so), and before any later call that uses
+//! the links itself ([`World::run`] settles every check first, waiting as a
+//! waited check does). The bytes on the links are the same either way, so
+//! ranks need not agree on which of their checks were sent ahead.
 //!
 //! What it changes is when a mismatch is found: after the call was queued,
 //! not before. The call then fails with the same message a waited check
@@ -39,8 +39,6 @@ pub(crate) struct Ahead {
     /// This rank's fingerprints whose predecessor's counterpart has not
     /// been compared, oldest first.
     awaiting: VecDeque<Fingerprint>,
-    /// The newest fingerprint sent ahead (names waits for the outbox).
-    newest: Option<Fingerprint>,
     /// The first check that failed: the call's sequence number and why.
     failed: Option<(u64, Failure)>,
 }
@@ -55,20 +53,9 @@ impl Ahead {
         self.awaiting.front().is_none_or(|fp| fp.seq > seq)
     }
 
-    /// How many of the awaited fingerprints belong to calls up to `seq`.
-    fn owed_through(&self, seq: u64) -> usize {
-        self.awaiting.iter().take_while(|fp| fp.seq <= seq).count()
-    }
-
     /// Whether the fingerprints of calls up to `seq` left the outbox.
     fn sent_through(&self, seq: u64) -> bool {
         self.unsent.front().is_none_or(|&s| s > seq)
-    }
-
-    /// The outbox's bytes that belong to calls up to `seq`.
-    fn unsent_through(&self, seq: u64) -> usize {
-        let later = self.unsent.iter().filter(|&&s| s > seq).count();
-        self.outbox.len().saturating_sub(later * LEN)
     }
 
     /// Takes the first `n` bytes out of the outbox (the link took them).
@@ -85,7 +72,8 @@ impl World {
     /// Sends call `fp`'s fingerprint to the ring successor now and leaves
     /// the predecessor's to be compared later (see the module docs). Never
     /// waits. Refuses (as [`World::run`] does) once the communicator was
-    /// aborted; a check of an earlier call found failed here aborts it.
+    /// aborted; a check found failed here (this call's or an earlier one's)
+    /// aborts it.
     pub(crate) fn send_check_ahead(&mut self, fp: Fingerprint) -> Result<(), Failure> {
         self.refuse_if_aborted(&fp)?;
         if self.size == 1 || self.in_group || !desync_check() {
@@ -95,8 +83,9 @@ impl World {
         self.ahead.outbox.extend_from_slice(&fp.encode());
         self.ahead.unsent.push_back(fp.seq);
         self.ahead.awaiting.push_back(fp);
-        self.ahead.newest = Some(fp);
-        self.move_ahead().map(|_| ())
+        // A failure is kept for the call it belongs to (and aborts).
+        let _ = self.move_ahead();
+        self.ahead_outcome(fp.seq).map(|_| ())
     }
 
     /// Where call `seq`'s check sent ahead stands, after moving what the
@@ -111,57 +100,45 @@ impl World {
         self.ahead_outcome(seq)
     }
 
-    /// Waits until call `seq`'s check sent ahead was compared, up to the
-    /// world's timeout (the predecessor sent its fingerprint before it
-    /// queued its own part, so when this rank's part completed it has
-    /// usually arrived already). A timeout names the ranks that never
-    /// arrived and aborts the communicator, as a waited check's does.
-    ///
-    /// It also sends this call's fingerprint where the outbox still holds
-    /// it: the successor awaits it even if this rank never calls again.
-    pub(crate) fn await_ahead(&mut self, seq: u64) -> Result<(), Failure> {
-        if self.poll_ahead(seq)? && self.ahead.sent_through(seq) {
-            return Ok(());
-        }
-        let oldest = self.ahead.awaiting.front().map_or(seq, |fp| fp.seq);
-        if let Err(failure) = self.settle_ahead(Some(seq)) {
-            self.note_ahead_failure(oldest, &failure);
-        }
-        self.ahead_outcome(seq).map(|_| ())
+    /// Whether call `seq` is done with its check sent ahead: compared, and
+    /// this rank's fingerprint handed to the link (the successor awaits it
+    /// even if this rank never calls again). Never waits.
+    pub(crate) fn ahead_done(&mut self, seq: u64) -> Result<bool, Failure> {
+        Ok(self.poll_ahead(seq)? && self.ahead.sent_through(seq))
     }
 
-    /// Sends the outbox and compares every awaited fingerprint (both only
-    /// for the calls up to `through`, when given),
-    /// waiting under a deadline of the world's timeout; the caller aborts
-    /// on failure. Called before every call that uses the links itself.
-    pub(super) fn settle_ahead(&mut self, through: Option<u64>) -> Result<(), Failure> {
+    /// Sends the whole outbox and compares every awaited fingerprint,
+    /// waiting under a deadline of the world's timeout (a timeout names
+    /// the oldest call not compared and the ranks that never arrived there);
+    /// the caller aborts on failure. Called before every call that uses the
+    /// links itself.
+    pub(super) fn settle_ahead(&mut self) -> Result<(), Failure> {
         if self.ahead.is_idle() {
             return Ok(());
         }
         if let Some((_, failure)) = &self.ahead.failed {
             return Err(failure.clone());
         }
-        let (owed, sending) = match through {
-            Some(seq) => (self.ahead.owed_through(seq), self.ahead.unsent_through(seq)),
-            None => (self.ahead.awaiting.len(), self.ahead.outbox.len()),
-        };
-        let outbox: Vec<u8> = self.ahead.outbox[..sending].to_vec();
-        let mut received = vec![0u8; owed * LEN - self.ahead.got];
-        // Timeouts and aborts seen while waiting name the oldest awaited
-        // call (the newest sent, when only the outbox is left).
-        let fp = self.ahead.awaiting.front().copied().or(self.ahead.newest).expect("a fingerprint was sent ahead");
+        let owed = self.ahead.awaiting.len();
+        // Only the oldest awaited fingerprint can be partly received.
+        let mut received = vec![0u8; (owed * LEN).saturating_sub(self.ahead.got)];
+        let outbox = std::mem::take(&mut self.ahead.outbox);
+        // Only the outbox left: the call settling names itself.
+        let fp = self.ahead.awaiting.front().copied().or(self.current.map(|c| c.fp));
+        let fp = fp.expect("settled inside World::run");
         let saved = self.current;
         let started = Instant::now();
         self.current = Some(Current { fp, deadline: started + self.timeout, started });
         let (to, from) = (self.next(), self.prev());
+        let receiving = !received.is_empty();
         let mut sends = [SendOp::new(to, &outbox)];
         let mut recvs = [RecvOp::copy(from, &mut received)];
         let sends: &mut [SendOp<'_>] = if outbox.is_empty() { &mut [] } else { &mut sends };
-        let recvs: &mut [RecvOp<'_>] = if owed == 0 { &mut [] } else { &mut recvs };
+        let recvs: &mut [RecvOp<'_>] = if receiving { &mut recvs } else { &mut [] };
         let moved = self.exchange(sends, recvs);
         self.current = saved;
         moved?;
-        self.ahead.sent(sending);
+        self.ahead.unsent.clear();
         let mut at = 0;
         while at < received.len() {
             let take = (LEN - self.ahead.got).min(received.len() - at);
@@ -177,8 +154,8 @@ impl World {
 
     /// Moves what the links take and hand over now; compares every whole
     /// fingerprint received. A failure is kept (for the call it belongs
-    /// to) and aborts the communicator. Returns whether anything moved.
-    fn move_ahead(&mut self) -> Result<bool, Failure> {
+    /// to) and aborts the communicator.
+    fn move_ahead(&mut self) -> Result<(), Failure> {
         let result = self.try_move_ahead();
         if let Err(failure) = &result {
             let seq = self.ahead.awaiting.front().map_or(0, |fp| fp.seq);
@@ -187,9 +164,8 @@ impl World {
         result
     }
 
-    fn try_move_ahead(&mut self) -> Result<bool, Failure> {
+    fn try_move_ahead(&mut self) -> Result<(), Failure> {
         let (to, from) = (self.next(), self.prev());
-        let mut moved = false;
         while !self.ahead.outbox.is_empty() {
             let link = self.links[to].as_mut().expect("a link to every other rank");
             let sent = link.try_send(&self.ahead.outbox).map_err(|error| self.link_failure(to, error))?;
@@ -197,7 +173,6 @@ impl World {
                 break;
             }
             self.ahead.sent(sent);
-            moved = true;
         }
         while !self.ahead.awaiting.is_empty() {
             let (inbox, got) = (&mut self.ahead.inbox, &mut self.ahead.got);
@@ -215,12 +190,11 @@ impl World {
             if took == 0 {
                 break;
             }
-            moved = true;
             if self.ahead.got == LEN {
                 self.compare_ahead()?;
             }
         }
-        Ok(moved)
+        Ok(())
     }
 
     /// Compares the whole fingerprint in the inbox with the oldest awaited.
@@ -283,13 +257,15 @@ mod tests {
 
     use parking_lot::Mutex;
 
-    use super::super::{World, LEN};
+    use super::super::World;
+    use crate::communicator::failure::Failure;
     use crate::communicator::failure::FailureKind;
     use crate::communicator::fingerprint::Fingerprint;
     use crate::op::Op;
     use crate::ops::{DType, ReduceOp};
     use crate::store::{StoreClient, StoreServer};
     use crate::transport::Link;
+    use crate::transport::{RecvOp, SendOp};
 
     /// One direction of an in-memory link, holding at most `capacity` bytes.
     #[derive(Clone)]
@@ -346,12 +322,25 @@ mod tests {
     }
 
     /// Every rank's waited check of call `fp` at once.
-    fn waited_checks(w: &mut [World], fp: Fingerprint) -> Vec<Result<(), super::Failure>> {
+    fn waited_checks(w: &mut [World], fp: Fingerprint) -> Vec<Result<(), Failure>> {
         std::thread::scope(|s| {
             let handles: Vec<_> =
                 w.iter_mut().map(|world| s.spawn(move || world.run(fp, |w| w.ring_check(&fp)))).collect();
             handles.into_iter().map(|h| h.join().expect("no panic")).collect()
         })
+    }
+
+    /// Polls every world until call `seq` is done on each (bounded).
+    fn until_done(w: &mut [World], seq: u64) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        // Every world polls each round: one's progress needs the others'.
+        loop {
+            let done: Vec<bool> = w.iter_mut().map(|world| world.ahead_done(seq) == Ok(true)).collect();
+            if done.iter().all(|&d| d) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "call {seq} never done everywhere");
+        }
     }
 
     #[test]
@@ -361,9 +350,7 @@ mod tests {
             world.send_check_ahead(sum(1, 4)).expect("sent");
             world.send_check_ahead(sum(2, 4)).expect("sent");
         }
-        for (r, world) in w.iter_mut().enumerate() {
-            assert_eq!((world.poll_ahead(1), world.poll_ahead(2)), (Ok(true), Ok(true)), "rank {r}");
-        }
+        until_done(&mut w, 2);
         // Call 3: rank 0 waits for its check while ranks 1 and 2 send
         // theirs ahead (rank 2's is what rank 0 waits for).
         let (first, rest) = w.split_at_mut(1);
@@ -375,9 +362,7 @@ mod tests {
             waiter.join().expect("no panic")
         });
         assert_eq!(waited, Ok(()));
-        for (r, world) in rest.iter_mut().enumerate() {
-            assert_eq!(world.await_ahead(3), Ok(()), "rank {}", r + 1);
-        }
+        until_done(rest, 3);
         // Call 5, waited everywhere, after call 4 was sent ahead everywhere:
         // `run` settles call 4 first.
         for world in w.iter_mut() {
@@ -387,6 +372,41 @@ mod tests {
         assert!(results.iter().all(Result::is_ok), "{results:?}");
         for (r, world) in w.iter_mut().enumerate() {
             assert_eq!(world.poll_ahead(4), Ok(true), "rank {r}");
+        }
+    }
+
+    #[test]
+    fn data_after_checks_sent_ahead_arrives_whole() {
+        // Small links: fingerprints and data queue behind each other.
+        let (_server, mut w) = worlds(3, 48, Duration::from_secs(10));
+        for seq in 1..=3 {
+            for world in w.iter_mut() {
+                world.send_check_ahead(sum(seq, 4)).expect("sent");
+            }
+        }
+        let got: Vec<Result<Vec<u8>, Failure>> = std::thread::scope(|s| {
+            let handles: Vec<_> = w
+                .iter_mut()
+                .map(|world| {
+                    s.spawn(move || {
+                        let mine = vec![world.rank as u8 + 1; 100];
+                        let mut theirs = vec![0u8; 100];
+                        let (to, from) = (world.next(), world.prev());
+                        world
+                            .run(sum(4, 25), |w| {
+                                let mut sends = [SendOp::new(to, &mine)];
+                                let mut recvs = [RecvOp::copy(from, &mut theirs)];
+                                w.exchange(&mut sends, &mut recvs)
+                            })
+                            .map(|()| theirs)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+        });
+        for (r, bytes) in got.into_iter().enumerate() {
+            let from = (r + 2) % 3;
+            assert_eq!(bytes, Ok(vec![from as u8 + 1; 100]), "rank {r}");
         }
     }
 
@@ -413,9 +433,20 @@ mod tests {
         assert_eq!(refused.kind, FailureKind::Aborted);
         assert!(refused.message.contains("aborted by an earlier failure"), "{}", refused.message);
         // Rank 0 finds it too, from its own side.
-        let theirs = w[0].await_ahead(2).expect_err("a mismatch");
+        let theirs = w[0].poll_ahead(2).expect_err("a mismatch");
         assert_eq!(theirs.kind, FailureKind::Mismatch, "{}", theirs.message);
         assert!(theirs.message.contains("rank 0 called all_reduce #2 (f32 × 4"), "{}", theirs.message);
+    }
+
+    #[test]
+    fn an_abort_from_elsewhere_stops_the_checks_not_yet_compared() {
+        let (_server, mut w) = worlds(2, 1 << 16, Duration::from_secs(10));
+        w[0].send_check_ahead(sum(1, 4)).expect("sent");
+        w[0].abort("rank 0's device failed");
+        let stopped = w[0].poll_ahead(1).expect_err("aborted");
+        assert_eq!(stopped.kind, FailureKind::Aborted);
+        assert!(stopped.message.contains("all_reduce #1") && stopped.message.contains("device failed"), "{stopped:?}");
+        assert_eq!(w[0].send_check_ahead(sum(2, 4)).map_err(|f| f.kind), Err(FailureKind::Aborted));
     }
 
     #[test]
@@ -428,64 +459,68 @@ mod tests {
         for seq in 1..=5 {
             w[1].send_check_ahead(sum(seq, 4)).expect("never waits");
         }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while [w[0].poll_ahead(5), w[1].poll_ahead(5)] != [Ok(true), Ok(true)] {
-            assert!(Instant::now() < deadline, "the checks never finished");
-        }
+        until_done(&mut w, 5);
         for seq in 1..=5 {
             assert_eq!((w[0].poll_ahead(seq), w[1].poll_ahead(seq)), (Ok(true), Ok(true)));
         }
     }
 
     #[test]
-    fn awaiting_a_check_sends_that_calls_fingerprint_and_no_later_one() {
-        // 40 bytes: rank 0's calls 2 and 3 stay in its outbox.
-        let (_server, mut w) = worlds(2, 40, Duration::from_secs(10));
-        for seq in 1..=3 {
-            w[0].send_check_ahead(sum(seq, 4)).expect("never waits");
+    fn a_call_is_done_once_compared_and_its_fingerprint_left() {
+        // A ring of three over 40-byte links: rank 0's call 2 does not fit
+        // beside its call 1 until rank 1 reads.
+        let (_server, mut w) = worlds(3, 40, Duration::from_secs(10));
+        w[0].send_check_ahead(sum(1, 4)).expect("never waits");
+        w[0].send_check_ahead(sum(2, 4)).expect("never waits");
+        w[2].send_check_ahead(sum(1, 4)).expect("sent");
+        w[2].send_check_ahead(sum(2, 4)).expect("sent");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while w[0].poll_ahead(2) != Ok(true) {
+            let _ = w[2].poll_ahead(2);
+            assert!(Instant::now() < deadline, "rank 2's call 2 never arrived");
         }
+        assert_eq!(w[0].ahead_done(1), Ok(true));
+        // Compared, but partly still in the outbox: rank 1 has not read.
+        assert_eq!(w[0].ahead_done(2), Ok(false));
         w[1].send_check_ahead(sum(1, 4)).expect("sent");
         w[1].send_check_ahead(sum(2, 4)).expect("sent");
-        assert_eq!(w[0].poll_ahead(1), Ok(true));
-        let (first, second) = w.split_at_mut(1);
-        std::thread::scope(|s| {
-            // Rank 1 reads call 2's fingerprint only as rank 0 sends it.
-            let reader = s.spawn(|| {
-                let deadline = Instant::now() + Duration::from_secs(5);
-                while second[0].poll_ahead(2) != Ok(true) {
-                    assert!(Instant::now() < deadline, "rank 0 never sent call 2's fingerprint");
-                }
-            });
-            // Only call 2's is sent: rank 1 may never read call 3's (were
-            // the link smaller than what is owed, waiting for it all would
-            // time out).
-            assert_eq!(first[0].await_ahead(2), Ok(()));
-            reader.join().expect("no panic");
-        });
-        // Half of call 3's went out with call 2's, when rank 0 polled.
-        let unsent: Vec<u64> = w[0].ahead.unsent.iter().copied().collect();
-        assert_eq!((w[0].ahead.outbox.len(), unsent), (LEN / 2, vec![3]));
+        until_done(&mut w, 2);
     }
 
     #[test]
-    fn awaiting_a_check_waits_for_that_call_only_and_names_a_rank_that_never_arrives() {
+    fn a_waited_call_settles_a_partly_received_check_first() {
+        // 40 bytes: rank 0 receives rank 1's call 1 and a part of call 2.
+        let (_server, mut w) = worlds(2, 40, Duration::from_secs(10));
+        for world in [1, 0] {
+            w[world].send_check_ahead(sum(1, 4)).expect("sent");
+            w[world].send_check_ahead(sum(2, 4)).expect("sent");
+        }
+        assert_eq!((w[0].poll_ahead(1), w[0].poll_ahead(2)), (Ok(true), Ok(false)));
+        assert!(w[0].ahead.got > 0, "part of call 2's fingerprint is in");
+        let results = waited_checks(&mut w, sum(3, 4));
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
+        for world in w.iter_mut() {
+            assert_eq!(world.ahead_done(2), Ok(true));
+        }
+    }
+
+    #[test]
+    fn a_waited_call_names_the_call_a_rank_never_arrived_at() {
         let (_server, mut w) = worlds(2, 1 << 16, Duration::from_millis(600));
         w[0].send_check_ahead(sum(1, 4)).expect("sent");
         w[0].send_check_ahead(sum(2, 4)).expect("sent");
         w[1].send_check_ahead(sum(1, 4)).expect("sent");
-        let started = Instant::now();
-        assert_eq!(w[0].await_ahead(1), Ok(()));
-        assert!(started.elapsed() < Duration::from_millis(300), "waited for call 2 as well");
-        assert_eq!(w[0].poll_ahead(2), Ok(false));
-        // Rank 1 never calls #2.
-        let failure = w[0].await_ahead(2).expect_err("a timeout");
+        assert_eq!(w[0].ahead_done(1), Ok(true));
+        assert_eq!(w[0].ahead_done(2), Ok(false));
+        // Rank 1 never calls #2: rank 0's next waited call times out on it.
+        let failure = w[0].run(sum(3, 4), |w| w.ring_check(&sum(3, 4))).expect_err("a timeout");
         assert_eq!(failure.kind, FailureKind::Timeout, "{}", failure.message);
         assert!(
             failure.message.contains("all_reduce #2") && failure.message.contains("rank(s) 1 never arrived"),
             "{}",
             failure.message
         );
-        let refused = w[0].send_check_ahead(sum(3, 4)).expect_err("aborted");
+        let refused = w[0].send_check_ahead(sum(4, 4)).expect_err("aborted");
         assert_eq!(refused.kind, FailureKind::Aborted);
     }
 }

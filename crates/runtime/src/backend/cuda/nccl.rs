@@ -509,6 +509,7 @@ impl CudaBackend {
                 self.fail_set(lib, set, &reason);
                 continue;
             }
+            let mut undecided = false;
             for _ in 0..=at {
                 let front = self.nccl.pending.front().expect("at most `at + 1` parts taken");
                 if let Some(word) = front.peer_error {
@@ -526,11 +527,17 @@ impl CudaBackend {
                         break;
                     }
                 }
+                // Completed: ends once its monitor confirms it (it stays at
+                // the head, polled and timed out, until then).
+                let Some(confirmed) = front.monitor.confirm() else {
+                    undecided = true;
+                    break;
+                };
                 let pending = self.nccl.pending.pop_front().expect("looked at");
                 if let Some(event) = pending.done {
                     self.events.give(event);
                 }
-                if let Err(err) = pending.monitor.confirm() {
+                if let Err(err) = confirmed {
                     // Its set's later parts end with it, the communicator aborted.
                     let (set, reason) = (pending.set, format!("aborted because an earlier call failed: {err}"));
                     self.end_part(pending, Err(err));
@@ -540,6 +547,9 @@ impl CudaBackend {
                 self.end_part(pending, Ok(()));
             }
             stages::mark(Stage::PollReaped);
+            if undecided {
+                break;
+            }
         }
         // Failures are looked for at most every FAILURE_CHECK: asking NCCL
         // costs microseconds, and a device thread queueing collectives back
@@ -917,6 +927,12 @@ impl DeviceCollectives for CudaBackend {
 
     fn peer_arena(&mut self, set: u64) -> Result<u64, ServerError> {
         CudaBackend::peer_arena(self, set)
+    }
+
+    fn connect(&mut self, spec: &CommSpec<'_>, timeout: Duration) -> Result<(), ServerError> {
+        self.check_lost()?;
+        let lib = nccl_lib::load().map_err(|reason| self.nccl_error("connect", reason))?;
+        self.comm(lib, spec, "connect", timeout).map(|_| ())
     }
 
     fn peer_arena_handle(&mut self, set: u64) -> Result<Vec<u8>, ServerError> {
