@@ -343,7 +343,11 @@ fn two_gpus_a_mismatch_after_calls_queued_from_the_callers_thread_is_named_on_ev
         let src = c.create_from_slice(&vec![0u8; 4096 * (rank + 1)]);
         let dst = c.empty(4096 * (rank + 1));
         let started = Instant::now();
-        let mismatch = all_reduce(&src, &dst).and_then(|w| w.wait()).expect_err("a mismatch").to_string();
+        let work = all_reduce(&src, &dst);
+        // Read before the call is waited for: the error, not the bytes.
+        let read = c.read_one(dst.clone()).expect_err("the destination is marked").to_string();
+        assert!(read.contains("collective mismatch"), "rank {rank}: {read}");
+        let mismatch = work.and_then(|w| w.wait()).expect_err("a mismatch").to_string();
         let took = started.elapsed();
         let refused = all_reduce(&src, &dst).and_then(|w| w.wait()).expect_err("refused").to_string();
         (mismatch, took, refused)

@@ -620,11 +620,13 @@ fn queued_back_to_back_then_a_mismatch(rank: usize, comm: &cohort_comm::Communic
     let src = client.create_from_slice(&vec![0u8; count * 4]);
     let dst = client.empty(count * 4);
     let started = std::time::Instant::now();
-    let err = comm
-        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
-        .and_then(|work| work.wait())
-        .expect_err("a mismatched all-reduce fails")
-        .to_string();
+    let work =
+        comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum);
+    // A read of the destination, not waiting for the call first, returns
+    // the error too (the mismatch may be found after the kernel ran).
+    let read = client.read_one(dst.clone()).expect_err("the destination is marked").to_string();
+    assert!(read.contains("collective mismatch"), "rank {rank}: {read}");
+    let err = work.and_then(|work| work.wait()).expect_err("a mismatched all-reduce fails").to_string();
     assert!(
         err.contains("collective mismatch") && err.contains("f32 × 4") && err.contains("f32 × 8"),
         "rank {rank}: {err}"

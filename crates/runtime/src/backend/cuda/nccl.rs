@@ -820,7 +820,10 @@ impl CudaBackend {
 
     /// Waits until `stream` drained, polling the pending parts meanwhile so a
     /// failed or expired collective the stream waits on is aborted rather
-    /// than waited for forever. Returns at once when no part is pending.
+    /// than waited for forever, and until its own parts ended: one whose
+    /// calls completed but whose monitor has not confirmed it yet (a check
+    /// sent ahead) may still fail, which marks its destinations, so what
+    /// reads them waits for that. Returns at once when no part is pending.
     pub(crate) fn settle_collectives(&mut self, stream: sys::CUstream) {
         if self.nccl.pending.is_empty() {
             return;
@@ -829,15 +832,21 @@ impl CudaBackend {
         let mut backoff = Backoff::new();
         loop {
             // SAFETY: a live stream of the current context; only reads state.
-            if unsafe { sys::cuStreamQuery(stream) } != sys::CUresult::CUDA_ERROR_NOT_READY {
+            let drained = unsafe { sys::cuStreamQuery(stream) } != sys::CUresult::CUDA_ERROR_NOT_READY;
+            if drained && !self.has_part_on(stream) {
                 return;
             }
             self.poll_pending(lib);
-            if self.nccl.pending.is_empty() {
+            if self.nccl.pending.is_empty() || (drained && !self.has_part_on(stream)) {
                 return;
             }
             backoff.pause();
         }
+    }
+
+    /// Whether a pending part was queued on `stream`.
+    fn has_part_on(&self, stream: sys::CUstream) -> bool {
+        self.nccl.pending.iter().any(|p| self.streams.raw_if_made(p.stream) == Some(stream))
     }
 
     /// Ends every pending part with `err` without touching the device

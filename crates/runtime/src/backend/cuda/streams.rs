@@ -117,6 +117,12 @@ impl Streams {
         Ok(self.entry(stream)?.raw)
     }
 
+    /// The driver stream of `stream` where it was made already (never
+    /// makes one).
+    pub fn raw_if_made(&self, stream: StreamId) -> Option<sys::CUstream> {
+        self.map.get(&stream).map(|s| s.raw)
+    }
+
     /// Whether any stream is inside a capture (frees are deferred then).
     pub fn any_capturing(&self) -> bool {
         self.map.values().any(|s| s.capturing)
