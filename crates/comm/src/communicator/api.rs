@@ -43,7 +43,7 @@ impl Communicator {
         let nccl = self.inner.nccl.as_ref().filter(|n| n.takes(&op, &inputs, &outputs));
         // A part queued inline waits for no other device of this process.
         let order = match nccl {
-            Some(nccl) if nccl.queues_inline(&[op]) => None,
+            Some(nccl) if nccl.queues_inline(&[op], false) => None,
             _ => Some(enqueue_lock()),
         };
         let mut issued = self.inner.issued.lock();
@@ -94,7 +94,7 @@ impl Communicator {
         let nccl = self.inner.nccl.as_ref().filter(|n| calls.iter().all(|(op, i, o)| n.takes(op, i, o)));
         // A part queued inline waits for no other device of this process.
         let order = match nccl {
-            Some(nccl) if nccl.queues_inline(&ops) => None,
+            Some(nccl) if nccl.queues_inline(&ops, true) => None,
             _ => Some(enqueue_lock()),
         };
         let mut issued = self.inner.issued.lock();

@@ -150,14 +150,6 @@ pub trait DeviceCollectives {
         completion: Completion,
     ) -> Result<Option<PendingPart>, ServerError>;
 
-    /// Creates this member's communicator of `comm.set` now where it has
-    /// none, waiting for every member to create theirs (as the first `run`
-    /// on it would), up to `timeout`. The default does nothing.
-    fn connect(&mut self, comm: &CommSpec<'_>, timeout: Duration) -> Result<(), ServerError> {
-        let _ = (comm, timeout);
-        Ok(())
-    }
-
     /// Creates this device's communicator `set` by splitting its
     /// communicator of `parent` (created first from `parent`'s id when this
     /// device has none yet), as `ncclCommSplit` does: collective over every

@@ -246,27 +246,11 @@ impl NcclCall {
             [(op, buffers)] if self.fp.group.is_none() => self.peer_call(op, buffers),
             _ => None,
         };
-        let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
         if let Some(peer_call) = peer_call {
-            // The first part makes the NCCL communicator whatever its path
-            // (on the device thread: it waits for every rank), so that later
-            // parts may be queued from the caller's thread (`warm`).
-            if !nccl.is_warm() {
-                let timeout = self.meeting.timeout();
-                let connected = match access.device_collectives() {
-                    Some(dc) => dc.connect(&spec, timeout),
-                    None => Ok(()),
-                };
-                connected.map_err(|err| {
-                    nccl.abort(&self.world, &err.to_string());
-                    self.fail(err)
-                })?;
-            }
             let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
             let monitor = PartMonitor::start(self, slot);
             let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
             *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
-            nccl.note_queued(&result);
             return result.map_err(|err| {
                 nccl.abort(&self.world, &err.to_string());
                 self.fail(err)
@@ -289,6 +273,7 @@ impl NcclCall {
             self.fail(err)
         };
         access.copy_regions(&fused.pack).map_err(fail)?;
+        let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
         let monitor = PartMonitor::start(self, slot);
         let barrier = self.fp.group.is_none() && self.fp.op.collective() == Collective::Barrier;
         let completion = if barrier { Completion::Wait } else { Completion::Defer };

@@ -214,26 +214,32 @@ impl Nccl {
         self.warm.load(Ordering::Relaxed)
     }
 
-    /// Notes that a part was queued on the device: its NCCL communicator
-    /// exists (a peer kernel's part made it first; see `warm`).
+    /// Notes that a part's NCCL calls were queued on the device: its NCCL
+    /// communicator exists (see `warm`).
     pub(super) fn note_queued<T>(&self, queued: &Result<T, ServerError>) {
         if queued.is_ok() && !self.warm.load(Ordering::Relaxed) {
             self.warm.store(true, Ordering::Relaxed);
         }
     }
 
-    /// Whether the calls `ops` are queued from the caller's thread, their
-    /// fingerprint check sent ahead (see `launch_calls`): on a rank with
-    /// one device whose communicator exists, for collectives other than a
-    /// barrier (which waits for its call) that move bytes (a part with no
-    /// NCCL call has nothing to confirm its check after). The caller then
-    /// need not hold the process-wide enqueue order: the part waits for no
-    /// other device of this process.
-    pub(crate) fn queues_inline(&self, ops: &[Op]) -> bool {
+    /// Whether the calls `ops` (a grouped call's when `grouped`) are
+    /// queued from the caller's thread, their fingerprint check sent ahead
+    /// (see `launch_calls`): on a rank with one device, for collectives
+    /// other than a barrier (which waits for its call) that move bytes (a
+    /// part with no NCCL call has nothing to confirm its check after), once
+    /// nothing in queueing them waits for another rank: the NCCL
+    /// communicator exists (`warm`), or the single call runs a peer kernel
+    /// (which needs none). The caller then need not hold the process-wide
+    /// enqueue order: the part waits for no other device of this process.
+    pub(crate) fn queues_inline(&self, ops: &[Op], grouped: bool) -> bool {
         let collectives = ops
             .iter()
             .all(|op| op.collective() != Collective::Barrier && op.endpoints().is_none() && op.block_bytes() > 0);
-        self.local == 1 && collectives && (self.size == 1 || self.is_warm())
+        let peer_kernel = match ops {
+            [op] if !grouped => self.path_of(op).peer().is_some(),
+            _ => false,
+        };
+        self.local == 1 && collectives && (self.size == 1 || self.is_warm() || peer_kernel)
     }
 
     /// Whether a call takes the NCCL path (see the module docs).
@@ -278,7 +284,7 @@ impl Nccl {
         let members = self.size * self.local;
         let devices = self.clients.iter().map(Client::device_id);
         let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
-        let inline = self.queues_inline(&ops);
+        let inline = self.queues_inline(&ops, fp.group.is_some());
         let call = NcclCall::new(self.clone(), world.clone(), fp, inline && self.size > 1, devices, timeout);
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         // The same buckets on every member (they follow from the calls).
@@ -295,8 +301,9 @@ impl Nccl {
         // `Client::submit_buffers_inline`), once nothing in queueing it
         // waits for another rank: its fingerprint check is sent ahead
         // (compared while and after it runs) and its NCCL communicator
-        // exists (the first part, whose `ncclCommInitRank` waits for every
-        // rank, goes to the device thread). See `queues_inline`.
+        // exists or it runs a peer kernel (the first NCCL part, whose
+        // `ncclCommInitRank` waits for every rank, goes to the device
+        // thread). See `queues_inline`.
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());

@@ -938,12 +938,6 @@ impl DeviceCollectives for CudaBackend {
         CudaBackend::peer_arena(self, set)
     }
 
-    fn connect(&mut self, spec: &CommSpec<'_>, timeout: Duration) -> Result<(), ServerError> {
-        self.check_lost()?;
-        let lib = nccl_lib::load().map_err(|reason| self.nccl_error("connect", reason))?;
-        self.comm(lib, spec, "connect", timeout).map(|_| ())
-    }
-
     fn peer_arena_handle(&mut self, set: u64) -> Result<Vec<u8>, ServerError> {
         CudaBackend::peer_arena_handle(self, set)
     }
