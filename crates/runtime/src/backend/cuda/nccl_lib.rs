@@ -47,6 +47,12 @@ impl SplitConfig {
     /// `splitShare`) with `splitShare` = `share` and `blocking` = 0: the
     /// split returns at once and the caller polls the new communicator's
     /// state (`ncclCommGetAsyncError`) until it is ready, so it can give up.
+    ///
+    /// The price, read in NCCL 2.28.3's `ncclGroupEndInternal`: every call
+    /// on a non-blocking communicator of two or more ranks is launched from
+    /// a thread NCCL starts for it and answers "in progress", which
+    /// `issue` then waits out, so a split group's small calls cost more
+    /// than the world's. `rank_bench --split` measures it (two GPUs).
     pub(crate) fn new(share: bool) -> SplitConfig {
         const UNDEF: c_int = c_int::MIN;
         SplitConfig {
