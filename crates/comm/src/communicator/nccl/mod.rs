@@ -21,8 +21,9 @@
 //! hook: its device thread creates its NCCL communicator on first use
 //! (`ncclCommInitRank`), queues the calls on the caller's stream and
 //! returns (a barrier waits for them). A rank with one device, once its
-//! communicator exists, queues its part from the caller's thread where the
-//! device is idle, and sends the check ahead instead of waiting for it
+//! communicator exists (or for a call on a peer kernel, which needs none),
+//! queues its part from the caller's thread where the device is idle, and
+//! sends the check ahead instead of waiting for it
 //! (`World::send_check_ahead`): the part's monitor compares the
 //! predecessor's fingerprint on every poll and before the part ends as
 //! done, and a mismatch fails the call and aborts. The
@@ -97,10 +98,10 @@ pub(crate) struct Nccl {
     peer: Option<peer::PeerPath>,
     /// Names ranks by job rank in messages.
     label: Label,
-    /// Set once a part was queued on the device: its NCCL communicator
-    /// exists (`ncclCommInitRank`, which waits for every rank, is behind
-    /// it), so a one-device rank's later parts wait for no other rank
-    /// while they are queued.
+    /// Set once a part's NCCL calls were queued on the device: its NCCL
+    /// communicator exists (`ncclCommInitRank`, which waits for every rank,
+    /// is behind it), so a one-device rank's later parts wait for no other
+    /// rank while they are queued.
     warm: AtomicBool,
 }
 
