@@ -201,10 +201,11 @@ fn back_to_back_collectives_on_one_stream_all_end() {
     }
 }
 
-/// `NCCL_COMM_BLOCKING=0` in the environment makes NCCL's communicators
-/// non-blocking: their creation answers "in progress" and is waited for (up
-/// to the timeout), and the calls then work as on a blocking one. NCCL
-/// reads the variable once per process: a child process runs the calls.
+/// `NCCL_COMM_BLOCKING=0` in the environment asks NCCL for non-blocking
+/// communicators: the calls work as on a blocking one (a creation that
+/// answers "in progress" is waited for, up to the timeout; NCCL 2.28.3
+/// answered at once for this one-rank communicator). NCCL reads the
+/// variable once per process: a child process runs the calls.
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn a_non_blocking_communicator_asked_for_by_the_environment_works() {
