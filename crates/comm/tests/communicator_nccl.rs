@@ -314,6 +314,63 @@ fn four_gpus_two_ranks_of_two_gpus_run_every_collective_through_nccl() {
     });
 }
 
+/// A source that partly overlaps its destination (a `Communicator`
+/// allows it) runs on NCCL from a device copy of the source, so its path
+/// never depends on one rank's buffers: every collective of one rank gives
+/// the source's values, read before anything was written.
+#[test]
+#[ignore = "needs CUDA GPUs: run with --include-ignored where one is"]
+fn one_rank_on_one_gpu_a_source_partly_overlapping_its_destination_is_copied_first() {
+    let (results, _server) = ranks(vec![vec![0]], cuda, |comm| {
+        assert_eq!(comm.transport(), Transport::Nccl);
+        let c = comm.clients()[0].clone();
+        let values: Vec<f32> = (1..=12).map(|i| i as f32).collect();
+        for (name, shift) in
+            [("all_reduce", 1u64), ("all_gather", 3), ("reduce_scatter", 2), ("broadcast", 1), ("all_to_all", 4)]
+        {
+            let buf = c.create_from_slice(bytemuck::cast_slice(&values));
+            let src = buf.slice(0, 32).unwrap();
+            let dst = buf.slice(4 * shift, 32).unwrap();
+            let (s, d) = (std::slice::from_ref(&src), std::slice::from_ref(&dst));
+            let work = match name {
+                "all_reduce" => comm.all_reduce_handles(s, d, DType::F32, ReduceOp::Sum),
+                "all_gather" => comm.all_gather_handles(s, d, DType::F32),
+                "reduce_scatter" => comm.reduce_scatter_handles(s, d, DType::F32, ReduceOp::Sum),
+                "broadcast" => comm.broadcast_handles(&src, d, DType::F32, 0),
+                _ => comm.all_to_all_handles(s, d, DType::F32),
+            };
+            work.unwrap_or_else(|e| panic!("{name}: {e}")).wait().unwrap_or_else(|e| panic!("{name}: {e}"));
+            let got: Vec<f32> = bytemuck::cast_slice(&c.read_one(dst).unwrap()).to_vec();
+            assert_eq!(got, values[..8], "{name}, destination {shift} elements into the source");
+        }
+    });
+    assert_eq!(results.len(), 1);
+}
+
+/// Rank 0's source partly overlaps its destination, rank 1's does not:
+/// both take the NCCL path (the choice follows from the call alone), and
+/// the sum is right on both.
+#[test]
+#[ignore = "needs CUDA GPUs: two or more, one per rank"]
+fn two_gpus_ranks_with_and_without_overlapping_buffers_take_one_path() {
+    assert!(gpus() >= 2, "this test needs two GPUs or more");
+    let (results, _server) = ranks(vec![vec![0], vec![1]], cuda, |comm| {
+        let (c, rank) = (comm.clients()[0].clone(), comm.rank());
+        let values = |r: usize| -> Vec<f32> { (0..12).map(|i| (r * 100 + i) as f32).collect() };
+        let buf = c.create_from_slice(bytemuck::cast_slice(&values(rank)));
+        let src = buf.slice(0, 32).unwrap();
+        let dst = if rank == 0 { buf.slice(4, 32).unwrap() } else { c.empty(32) };
+        comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let got: Vec<f32> = bytemuck::cast_slice(&c.read_one(dst).unwrap()).to_vec();
+        let want: Vec<f32> = (0..8).map(|i| values(0)[i] + values(1)[i]).collect();
+        assert_eq!(got, want, "rank {rank}");
+    });
+    assert_eq!(results.len(), 2);
+}
+
 /// One rank per GPU: after the first call (which creates the NCCL
 /// communicators on the device threads) each call is queued from the
 /// caller's thread with its check sent ahead. Calls queued back to back end

@@ -40,7 +40,7 @@ impl Communicator {
                 return Err(CommError::Capturing { operation: name, member: slot });
             }
         }
-        let nccl = self.inner.nccl.as_ref().filter(|n| n.takes(&op, &inputs, &outputs));
+        let nccl = self.inner.nccl.as_ref().filter(|n| n.takes(&op));
         // A part queued inline waits for no other device of this process.
         let order = match nccl {
             Some(nccl) if nccl.queues_inline(&[op], false) => None,
@@ -91,7 +91,7 @@ impl Communicator {
             }
         }
         let ops: Vec<Op> = calls.iter().map(|c| c.0).collect();
-        let nccl = self.inner.nccl.as_ref().filter(|n| calls.iter().all(|(op, i, o)| n.takes(op, i, o)));
+        let nccl = self.inner.nccl.as_ref().filter(|n| calls.iter().all(|(op, _, _)| n.takes(op)));
         // A part queued inline waits for no other device of this process.
         let order = match nccl {
             Some(nccl) if nccl.queues_inline(&ops, true) => None,

@@ -14,7 +14,8 @@ use crate::op::{Collective, Op};
 pub(crate) type DeviceCalls = SmallVec<[DeviceCall; 2]>;
 
 /// Which buffers a part's task holds, in the order the task sees them:
-/// the input, the output, then the scratch copy of an in-place all-to-all.
+/// the input, the output, then the scratch copy of the input (an in-place
+/// all-to-all's, or a source that partly overlaps its destination).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Shape {
     pub input: bool,
@@ -77,8 +78,16 @@ pub(crate) fn nccl_calls(op: &Op, rank: usize, ranks: usize, b: &Buffers) -> Dev
     if seg == 0 && op.collective() != Collective::Barrier {
         return DeviceCalls::new();
     }
-    let input = || need(b.input, "source", op);
+    // A source that partly overlaps its destination is read from its copy
+    // (made first, below); an all-to-all handles its scratch itself.
+    let copied = b.scratch.filter(|_| op.collective() != Collective::AllToAll);
+    let input = || copied.unwrap_or_else(|| need(b.input, "source", op));
     let output = || need(b.output, "destination", op);
+    if let Some(scratch) = copied {
+        let mut calls: DeviceCalls = smallvec![DeviceCall::Copy { src: need(b.input, "source", op), dst: scratch }];
+        calls.extend(nccl_calls(op, rank, ranks, &Buffers { input: Some(scratch), scratch: None, ..*b }));
+        return calls;
+    }
     let (dtype, root) = (op.dtype(), op.root().unwrap_or(0));
     let reduction = || op.reduce_op().expect("a reducing collective has an operator");
     match op.collective() {
@@ -94,10 +103,11 @@ pub(crate) fn nccl_calls(op: &Op, rank: usize, ranks: usize, b: &Buffers) -> Dev
             smallvec![DeviceCall::ReduceScatter { src: input(), dst: output(), dtype, op: reduction() }]
         }
         Collective::AllToAll => {
-            let (dst, in_place) = (output(), b.scratch.is_some());
+            let dst = output();
+            let in_place = b.scratch.is_some() && b.input == b.output;
             let src = b.scratch.unwrap_or_else(input);
             let mut calls = DeviceCalls::with_capacity(2 * ranks);
-            if in_place {
+            if b.scratch.is_some() {
                 calls.push(DeviceCall::Copy { src: input(), dst: src });
             }
             for k in 0..ranks {
@@ -152,9 +162,14 @@ pub(crate) fn nccl_calls(op: &Op, rank: usize, ranks: usize, b: &Buffers) -> Dev
 
 /// Whether a part of `collective` with `input` and `output` sends from a
 /// copy of its source: an all-to-all in place (source and destination the
-/// same bytes), which NCCL cannot run without one.
+/// same bytes), which NCCL cannot run without one, and any source that
+/// partly overlaps its destination (which the argument checks of a
+/// `ClientGroup` refuse and a `Communicator` allows).
 pub(crate) fn sends_from_copy(collective: Collective, input: Option<&Handle>, output: Option<&Handle>) -> bool {
-    collective == Collective::AllToAll && input.zip(output).is_some_and(|(i, o)| crate::check::same_bytes(i, o))
+    input.zip(output).is_some_and(|(i, o)| {
+        let same = crate::check::same_bytes(i, o);
+        (collective == Collective::AllToAll && same) || (crate::check::overlaps(i, o) && !same)
+    })
 }
 
 /// The copy a part of a group of one device makes (`None`: nothing to do,
@@ -198,6 +213,32 @@ mod tests {
         assert_eq!(calls[0], DeviceCall::Copy { src: b(0, 8), dst: b(256, 8) });
         assert!(calls.contains(&DeviceCall::Send { src: b(260, 4), peer: 1 }));
         assert!(calls.contains(&DeviceCall::Recv { dst: b(4, 4), peer: 1 }));
+    }
+
+    #[test]
+    fn a_source_partly_overlapping_its_destination_is_read_from_its_copy() {
+        // An all-reduce whose destination starts 4 bytes into its source.
+        let bufs = Buffers { input: Some(b(0, 16)), output: Some(b(4, 16)), scratch: Some(b(256, 16)) };
+        let op = Op::all_reduce(DType::F32, ReduceOp::Sum, 4);
+        assert_eq!(
+            nccl_calls(&op, 0, 2, &bufs)[..],
+            [
+                DeviceCall::Copy { src: b(0, 16), dst: b(256, 16) },
+                DeviceCall::AllReduce { src: b(256, 16), dst: b(4, 16), dtype: DType::F32, op: ReduceOp::Sum },
+            ]
+        );
+        // An all-to-all so: its own block too comes from the copy.
+        let bufs = Buffers { input: Some(b(0, 8)), output: Some(b(4, 8)), scratch: Some(b(256, 8)) };
+        let calls = nccl_calls(&Op::all_to_all(DType::U8, 4), 0, 2, &bufs);
+        assert_eq!(calls[0], DeviceCall::Copy { src: b(0, 8), dst: b(256, 8) });
+        assert!(calls.contains(&DeviceCall::Send { src: b(256, 4), peer: 0 }));
+        assert!(calls.contains(&DeviceCall::Recv { dst: b(4, 4), peer: 0 }));
+        assert!(calls.contains(&DeviceCall::Send { src: b(260, 4), peer: 1 }));
+        let one = nccl_calls(&Op::all_to_all(DType::U8, 8), 0, 1, &bufs);
+        assert_eq!(
+            one[..],
+            [DeviceCall::Copy { src: b(0, 8), dst: b(256, 8) }, DeviceCall::Copy { src: b(256, 8), dst: b(4, 8) }]
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerCall, PeerSpec};
-use cohort_runtime::{BufferAccess, Client, DeviceId, ServerError};
+use cohort_runtime::{BufferAccess, Client, CopyRegion, DeviceId, ServerError};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
@@ -247,6 +247,13 @@ impl NcclCall {
             _ => None,
         };
         if let Some(peer_call) = peer_call {
+            // A source partly overlapping its destination: the kernel reads
+            // its copy (`peer_call` took the scratch as its source).
+            if let (Some(from), Some(to)) = (layout[0].input, layout[0].scratch) {
+                let bytes = access.size(from);
+                let copy = CopyRegion { src: from, src_offset: 0, dst: to, dst_offset: 0, bytes };
+                access.copy_regions(&[copy]).map_err(|err| self.fail(err))?;
+            }
             let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
             let monitor = PartMonitor::start(self, slot);
             let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
@@ -293,7 +300,7 @@ impl NcclCall {
     fn peer_call(&self, op: &Op, buffers: &plan::Buffers) -> Option<PeerCall> {
         let peer = self.nccl.peer.as_ref()?;
         let algo = peer.path(op).peer()?;
-        crate::device::peer::peer_call_for(op, algo, buffers.input?, buffers.output?)
+        crate::device::peer::peer_call_for(op, algo, buffers.scratch.or(buffers.input)?, buffers.output?)
     }
 }
 

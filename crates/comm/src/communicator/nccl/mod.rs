@@ -35,8 +35,9 @@
 //! call's flight record ends when its last local part ended on the device.
 //!
 //! With several devices per rank, `send`/`recv` stay on the host path (the
-//! receiving device is not known to the sender), as do calls whose source
-//! overlaps their destination other than exactly (in place).
+//! receiving device is not known to the sender). A source that partly
+//! overlaps its destination is copied first (on the device), so the path
+//! never depends on one rank's buffers.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Once};
@@ -47,7 +48,6 @@ use cohort_runtime::{BufferAccess, Client, Handle, ServerError, TaskHandles};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
-use crate::check::{overlaps, same_bytes};
 use crate::device::ask;
 use crate::device::fusion::{self, Bucket};
 use crate::error::CommError;
@@ -194,11 +194,6 @@ impl Nccl {
     }
 }
 
-/// Whether two handles share bytes without being the same bytes.
-fn partly_overlap(a: &Handle, b: &Handle) -> bool {
-    overlaps(a, b) && !same_bytes(a, b)
-}
-
 /// What the leader checks over the host links before the NCCL calls: the
 /// ring's fingerprints, or a message's with its other rank.
 fn host_check(w: &mut World, fp: &Fingerprint) -> Result<(), Failure> {
@@ -244,11 +239,10 @@ impl Nccl {
     }
 
     /// Whether a call takes the NCCL path (see the module docs).
-    pub(crate) fn takes(&self, op: &Op, inputs: &[Option<Handle>], outputs: &[Option<Handle>]) -> bool {
-        if op.collective() == Collective::SendRecv && self.local > 1 {
-            return false;
-        }
-        !inputs.iter().flatten().any(|i| outputs.iter().flatten().any(|o| partly_overlap(i, o)))
+    /// The choice follows from the call alone (not from this rank's
+    /// buffers: every rank must take the same path).
+    pub(crate) fn takes(&self, op: &Op) -> bool {
+        !(op.collective() == Collective::SendRecv && self.local > 1)
     }
 
     /// Queues one part per local device (slot `s` with `inputs[s]` and
@@ -280,9 +274,6 @@ impl Nccl {
         calls: SmallVec<[SlotCall; 1]>,
         tracker: &Tracker,
     ) -> Result<Arc<NcclCall>, CommError> {
-        // Roots are members, and a message's endpoints (one device per
-        // rank) ranks: both are ranks of the NCCL communicator.
-        let members = self.size * self.local;
         let devices = self.clients.iter().map(Client::device_id);
         let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
         let inline = self.queues_inline(&ops, fp.group.is_some());
@@ -312,7 +303,10 @@ impl Nccl {
             for (op, ins, outs) in &calls {
                 let src = ins[slot].clone();
                 let dst = outs[slot].clone();
-                let scratch = crate::device::plan::sends_from_copy(op.collective(), src.as_ref(), dst.as_ref());
+                // A copy of the source to read from (an in-place all-to-all,
+                // a source partly overlapping its destination).
+                let scratch = crate::device::plan::sends_from_copy(op.collective(), src.as_ref(), dst.as_ref())
+                    .then(|| src.as_ref().map_or(0, Handle::size));
                 let mut part = PartLayout { op: *op, input: None, output: None, scratch: None };
                 if let Some(src) = src {
                     part.input = Some(input.len());
@@ -322,9 +316,9 @@ impl Nccl {
                     part.output = Some(output.len());
                     output.push(dst);
                 }
-                if scratch {
+                if let Some(bytes) = scratch {
                     part.scratch = Some(output.len());
-                    output.push(client.empty(op.block_bytes() * members));
+                    output.push(client.empty(bytes as usize));
                 }
                 layout.push(part);
             }
