@@ -133,9 +133,7 @@ impl World {
         body: impl FnOnce(&mut World) -> Result<(), Failure>,
     ) -> Result<(), Failure> {
         self.refuse_if_aborted(&fp)?;
-        let started = Instant::now();
-        self.current = Some(Current { fp, deadline: started + self.timeout, started });
-        let result = self.settle_ahead().and_then(|()| {
+        let result = self.settle_ahead(fp).and_then(|()| {
             // The call's own clock starts after the checks before it.
             let started = Instant::now();
             self.current = Some(Current { fp, deadline: started + self.timeout, started });

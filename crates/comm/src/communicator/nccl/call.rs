@@ -335,9 +335,7 @@ impl PartMonitor {
             ended: AtomicBool::new(false),
         })
     }
-}
 
-impl PartMonitor {
     /// The part's error for `failure` of its check sent ahead (the world
     /// aborted already; the rank's other ranks are told through the store).
     fn failed(&self, failure: Failure) -> ServerError {

@@ -206,7 +206,7 @@ fn host_check(w: &mut World, fp: &Fingerprint) -> Result<(), Failure> {
 
 impl Nccl {
     /// Whether this device's NCCL communicator exists (see `warm`).
-    pub(super) fn is_warm(&self) -> bool {
+    fn is_warm(&self) -> bool {
         self.warm.load(Ordering::Relaxed)
     }
 

@@ -109,10 +109,10 @@ impl World {
 
     /// Sends the whole outbox and compares every awaited fingerprint,
     /// waiting under a deadline of the world's timeout (a timeout names
-    /// the oldest call not compared and the ranks that never arrived there);
-    /// the caller aborts on failure. Called before every call that uses the
-    /// links itself.
-    pub(super) fn settle_ahead(&mut self) -> Result<(), Failure> {
+    /// the oldest call not compared, or call `next` when only the outbox is
+    /// left, and the ranks that never arrived there); the caller aborts on
+    /// failure. Called before every call `next` that uses the links itself.
+    pub(super) fn settle_ahead(&mut self, next: Fingerprint) -> Result<(), Failure> {
         if self.ahead.is_idle() {
             return Ok(());
         }
@@ -123,9 +123,7 @@ impl World {
         // Only the oldest awaited fingerprint can be partly received.
         let mut received = vec![0u8; (owed * LEN).saturating_sub(self.ahead.got)];
         let outbox = std::mem::take(&mut self.ahead.outbox);
-        // Only the outbox left: the call settling names itself.
-        let fp = self.ahead.awaiting.front().copied().or(self.current.map(|c| c.fp));
-        let fp = fp.expect("settled inside World::run");
+        let fp = self.ahead.awaiting.front().copied().unwrap_or(next);
         let saved = self.current;
         let started = Instant::now();
         self.current = Some(Current { fp, deadline: started + self.timeout, started });

@@ -837,7 +837,7 @@ impl CudaBackend {
                 return;
             }
             self.poll_pending(lib);
-            if self.nccl.pending.is_empty() || (drained && !self.has_part_on(stream)) {
+            if self.nccl.pending.is_empty() {
                 return;
             }
             backoff.pause();
