@@ -409,6 +409,7 @@ impl DeviceHandle {
             let state = inline.state();
             if state.backend.kernel_ready(&launch.kernel) {
                 state.stats.inline_tasks += 1;
+                stages::mark(Stage::LaunchEntered);
                 run_launch(state, stream, launch);
                 return Ok(());
             }

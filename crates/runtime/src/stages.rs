@@ -75,11 +75,27 @@ pub enum Stage {
     WaitEnded,
     /// The waiter's wait returned.
     Waited,
+    /// A launch's arguments built and checked (sizes, overlap, owner).
+    LaunchChecked,
+    /// A launch entered the device on the caller's thread (lock, context)
+    /// and found its kernel loaded.
+    LaunchEntered,
+    /// A launch's buffers checked for errors, bound, ordered after other
+    /// streams' writers.
+    LaunchBound,
+    /// The backend found the launch's function, pointers and stream.
+    LaunchFound,
+    /// The backend's launch queued (`cuLaunchKernel` returned).
+    LaunchQueued,
+    /// The launch noted on its stream and its outputs marked.
+    LaunchNoted,
+    /// The launch's call returned (the device let go, the launch dropped).
+    LaunchReturned,
 }
 
 impl Stage {
     /// Every stage, in declaration order (a stage's index is `stage as usize`).
-    pub const ALL: [Stage; 25] = [
+    pub const ALL: [Stage; 32] = [
         Stage::Checked,
         Stage::Routed,
         Stage::Recorded,
@@ -105,6 +121,13 @@ impl Stage {
         Stage::Polled,
         Stage::WaitEnded,
         Stage::Waited,
+        Stage::LaunchChecked,
+        Stage::LaunchEntered,
+        Stage::LaunchBound,
+        Stage::LaunchFound,
+        Stage::LaunchQueued,
+        Stage::LaunchNoted,
+        Stage::LaunchReturned,
     ];
 
     /// What the stage's time covers, for the table.
@@ -135,6 +158,13 @@ impl Stage {
             Stage::Polled => "poll: done",
             Stage::WaitEnded => "wait: last look",
             Stage::Waited => "wait returned",
+            Stage::LaunchChecked => "launch: arguments built and checked",
+            Stage::LaunchEntered => "launch: device entered, kernel ready",
+            Stage::LaunchBound => "launch: buffers checked, bound, ordered",
+            Stage::LaunchFound => "launch: function, pointers, stream found",
+            Stage::LaunchQueued => "launch: parameters packed, cuLaunchKernel",
+            Stage::LaunchNoted => "launch: noted on the stream, outputs marked",
+            Stage::LaunchReturned => "launch: device let go, returned",
         }
     }
 }

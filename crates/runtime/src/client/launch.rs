@@ -9,6 +9,7 @@ use crate::error::{ProfileError, ServerError};
 use crate::graph::Graph;
 use crate::kernel::{GridCount, Kernel, KernelArguments};
 use crate::profile::{ProfileDuration, ProfileWindow};
+use crate::stages::{self, Stage};
 use crate::state::{Capture, RecordedLaunch};
 
 impl Client {
@@ -66,10 +67,13 @@ impl Client {
         if let GridCount::Dynamic(handle) = &count {
             self.check_owned(handle)?;
         }
+        stages::mark(Stage::LaunchChecked);
         let stream = self.stream_id();
         let launch =
             RecordedLaunch { kernel: kernel.clone(), grid: count, buffers: args.buffers, scalars: args.scalars };
-        self.device().submit_launch(stream, launch)
+        let result = self.device().submit_launch(stream, launch);
+        stages::mark(Stage::LaunchReturned);
+        result
     }
 
     /// Prepares this stream for a capture: its allocations go to the
