@@ -623,7 +623,12 @@ fn queued_back_to_back_then_a_mismatch(rank: usize, comm: &cohort_comm::Communic
     let work =
         comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::F32, ReduceOp::Sum);
     // A read of the destination, not waiting for the call first, returns
-    // the error too (the mismatch may be found after the kernel ran).
+    // the error too (the mismatch may be found after the kernel ran): from
+    // another stream (which waits for the call's end, not only for its
+    // kernel), and from the call's own.
+    let other = client.with_stream(StreamId::fresh());
+    let read = other.read_one(dst.clone()).expect_err("the destination is marked").to_string();
+    assert!(read.contains("collective mismatch"), "rank {rank}, another stream: {read}");
     let read = client.read_one(dst.clone()).expect_err("the destination is marked").to_string();
     assert!(read.contains("collective mismatch"), "rank {rank}: {read}");
     let err = work.and_then(|work| work.wait()).expect_err("a mismatched all-reduce fails").to_string();

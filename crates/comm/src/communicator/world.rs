@@ -133,7 +133,13 @@ impl World {
         body: impl FnOnce(&mut World) -> Result<(), Failure>,
     ) -> Result<(), Failure> {
         self.refuse_if_aborted(&fp)?;
-        let result = self.settle_ahead(fp).and_then(|()| {
+        // A failure there is an earlier call's (of its kind): this one
+        // stops because of it, and says so.
+        let settled = self.settle_ahead(fp).map_err(|failure| {
+            let message = format!("{fp}{} stopped: an earlier call's check failed: {}", self.label, failure.message);
+            Failure::new(failure.kind, message)
+        });
+        let result = settled.and_then(|()| {
             // The call's own clock starts after the checks before it.
             let started = Instant::now();
             self.current = Some(Current { fp, deadline: started + self.timeout, started });

@@ -246,22 +246,25 @@ impl NcclCall {
             [(op, buffers)] if self.fp.group.is_none() => self.peer_call(op, buffers),
             _ => None,
         };
+        // Past the check (sent ahead or not) the other ranks queue their
+        // part: a failure here aborts, so they do not wait for this one.
+        let fail = |err: ServerError| {
+            nccl.abort(&self.world, &err.to_string());
+            self.fail(err)
+        };
         if let Some(peer_call) = peer_call {
             // A source partly overlapping its destination: the kernel reads
             // its copy (`peer_call` took the scratch as its source).
             if let (Some(from), Some(to)) = (layout[0].input, layout[0].scratch) {
                 let bytes = access.size(from);
                 let copy = CopyRegion { src: from, src_offset: 0, dst: to, dst_offset: 0, bytes };
-                access.copy_regions(&[copy]).map_err(|err| self.fail(err))?;
+                access.copy_regions(&[copy]).map_err(fail)?;
             }
             let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
             let monitor = PartMonitor::start(self, slot);
             let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
             *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
-            return result.map_err(|err| {
-                nccl.abort(&self.world, &err.to_string());
-                self.fail(err)
-            });
+            return result.map_err(fail);
         }
         // Fused all-reduces: their sources packed into each bucket's
         // scratch first, one call per bucket, unpacked after.
@@ -275,10 +278,6 @@ impl NcclCall {
         if calls.is_empty() {
             return Ok(());
         }
-        let fail = |err: ServerError| {
-            nccl.abort(&self.world, &err.to_string());
-            self.fail(err)
-        };
         access.copy_regions(&fused.pack).map_err(fail)?;
         let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
         let monitor = PartMonitor::start(self, slot);
@@ -394,7 +393,11 @@ impl CollectiveMonitor for PartMonitor {
     fn missing(&self) -> String {
         let call = &self.call;
         call.note_kind(FailureKind::Timeout);
-        format!("{}: {}", call.fp, call.nccl.missing(call.fp.seq))
+        // Its calls may have completed while its check was not compared.
+        let unchecked = call.ahead && call.world.try_lock().is_some_and(|mut w| w.poll_ahead(call.fp.seq) == Ok(false));
+        let check =
+            if unchecked { " (its check sent ahead still waits for its predecessor's fingerprint)" } else { "" };
+        format!("{}: {}{check}", call.fp, call.nccl.missing(call.fp.seq))
     }
 
     /// A check sent ahead must have been compared (and this rank's

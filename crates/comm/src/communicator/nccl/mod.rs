@@ -20,8 +20,9 @@
 //! runtime's [`DeviceCollectives`](cohort_runtime::backend::DeviceCollectives)
 //! hook: its device thread creates its NCCL communicator on first use
 //! (`ncclCommInitRank`), queues the calls on the caller's stream and
-//! returns (a barrier waits for them). A rank with one device, once its
-//! communicator exists (or for a call on a peer kernel, which needs none),
+//! returns (a barrier waits for them). A rank with one device in a job of
+//! two ranks, once its communicator exists (or for a call on a peer
+//! kernel, which needs none),
 //! queues its part from the caller's thread where the device is idle, and
 //! sends the check ahead instead of waiting for it
 //! (`World::send_check_ahead`): the part's monitor compares the
@@ -220,13 +221,15 @@ impl Nccl {
 
     /// Whether the calls `ops` (a grouped call's when `grouped`) are
     /// queued from the caller's thread, their fingerprint check sent ahead
-    /// (see `launch_calls`): on a rank with one device, for collectives
-    /// other than a barrier (which waits for its call) that move bytes (a
-    /// part with no NCCL call has nothing to confirm its check after), once
-    /// nothing in queueing them waits for another rank: the NCCL
-    /// communicator exists (`warm`), or the single call runs a peer kernel
-    /// (which needs none). The caller then need not hold the process-wide
-    /// enqueue order: the part waits for no other device of this process.
+    /// (see `launch_calls`): on a rank with one device of a job of one or
+    /// two ranks (`World::sends_checks_ahead` says why not more), for
+    /// collectives other than a barrier (which waits for its call) that move
+    /// bytes (a part with no NCCL call has nothing to confirm its check
+    /// after), once nothing in queueing them waits for another rank: the
+    /// NCCL communicator exists (`warm`), or the single call runs a peer
+    /// kernel (which needs none). The caller then need not hold the
+    /// process-wide enqueue order: the part waits for no other device of
+    /// this process.
     pub(crate) fn queues_inline(&self, ops: &[Op], grouped: bool) -> bool {
         let collectives = ops
             .iter()
@@ -235,7 +238,8 @@ impl Nccl {
             [op] if !grouped => self.path_of(op).peer().is_some(),
             _ => false,
         };
-        self.local == 1 && collectives && (self.size == 1 || self.is_warm() || peer_kernel)
+        let ahead = World::sends_checks_ahead(self.size) && (self.is_warm() || peer_kernel);
+        self.local == 1 && collectives && (self.size == 1 || ahead)
     }
 
     /// Whether a call takes the NCCL path (see the module docs).

@@ -69,9 +69,21 @@ impl Ahead {
 }
 
 impl World {
+    /// Whether a world of `size` ranks may send its checks ahead: of two
+    /// ranks only. A rank compares its predecessor's fingerprint alone.
+    /// Waited, a rank that finds a mismatch never queues its call, so no
+    /// rank's call can complete. Sent ahead, every rank queued before any
+    /// compared: with two ranks each compares the other's and both fail the
+    /// call, but with three or more a rank whose predecessor agrees would
+    /// see its call complete (NCCL checks no types: equal byte counts are
+    /// enough) and return wrong bytes while a mismatch is found elsewhere.
+    pub(crate) fn sends_checks_ahead(size: usize) -> bool {
+        size <= 2
+    }
+
     /// Sends call `fp`'s fingerprint to the ring successor now and leaves
-    /// the predecessor's to be compared later (see the module docs). Never
-    /// waits. Refuses (as [`World::run`] does) once the communicator was
+    /// the predecessor's to be compared later (see the module docs), where
+    /// [`World::sends_checks_ahead`] allows it. Never waits. Refuses (as [`World::run`] does) once the communicator was
     /// aborted; a check found failed here (this call's or an earlier one's)
     /// aborts it.
     pub(crate) fn send_check_ahead(&mut self, fp: Fingerprint) -> Result<(), Failure> {
@@ -102,9 +114,11 @@ impl World {
 
     /// Whether call `seq` is done with its check sent ahead: compared, and
     /// this rank's fingerprint handed to the link (the successor awaits it
-    /// even if this rank never calls again). Never waits.
+    /// even if this rank never calls again), or nothing moves any more (the
+    /// communicator was aborted: a call compared equal stands, its data is
+    /// right, and the successor's fails). Never waits.
     pub(crate) fn ahead_done(&mut self, seq: u64) -> Result<bool, Failure> {
-        Ok(self.poll_ahead(seq)? && self.ahead.sent_through(seq))
+        Ok(self.poll_ahead(seq)? && (self.ahead.sent_through(seq) || self.aborted.is_some()))
     }
 
     /// Sends the whole outbox and compares every awaited fingerprint,
@@ -122,7 +136,9 @@ impl World {
         let owed = self.ahead.awaiting.len();
         // Only the oldest awaited fingerprint can be partly received.
         let mut received = vec![0u8; (owed * LEN).saturating_sub(self.ahead.got)];
+        // Sent below, or lost with the abort that follows a failure.
         let outbox = std::mem::take(&mut self.ahead.outbox);
+        self.ahead.unsent.clear();
         let fp = self.ahead.awaiting.front().copied().unwrap_or(next);
         let saved = self.current;
         let started = Instant::now();
@@ -136,7 +152,6 @@ impl World {
         let moved = self.exchange(sends, recvs);
         self.current = saved;
         moved?;
-        self.ahead.unsent.clear();
         let mut at = 0;
         while at < received.len() {
             let take = (LEN - self.ahead.got).min(received.len() - at);
@@ -406,6 +421,51 @@ mod tests {
             let from = (r + 2) % 3;
             assert_eq!(bytes, Ok(vec![from as u8 + 1; 100]), "rank {r}");
         }
+    }
+
+    /// Why only two ranks send their checks ahead: three ranks that all
+    /// queued before comparing, rank 1 calling another size. Ranks 1 and 2
+    /// find the mismatch; rank 0, whose predecessor (rank 2) agrees with
+    /// it, cannot, and would end its call as done.
+    #[test]
+    fn with_three_ranks_a_check_sent_ahead_misses_a_mismatch_elsewhere_so_only_two_send_ahead() {
+        let (_server, mut w) = worlds(3, 1 << 16, Duration::from_secs(10));
+        for (r, world) in w.iter_mut().enumerate() {
+            // Ranks 1 and 2 may find the mismatch at once: kept for the call.
+            let _ = world.send_check_ahead(sum(1, if r == 1 { 8 } else { 4 }));
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let outcomes = loop {
+            let outcomes: Vec<Result<bool, Failure>> = w.iter_mut().map(|world| world.ahead_done(1)).collect();
+            if outcomes.iter().all(|o| o != &Ok(false)) {
+                break outcomes;
+            }
+            assert!(Instant::now() < deadline, "never compared: {outcomes:?}");
+        };
+        assert_eq!(outcomes[0], Ok(true), "rank 0 compared rank 2's fingerprint only");
+        assert!(outcomes[1..].iter().all(|o| o.as_ref().is_err_and(|f| f.kind == FailureKind::Mismatch)));
+        assert!(World::sends_checks_ahead(2) && World::sends_checks_ahead(1));
+        assert!(!World::sends_checks_ahead(3) && !World::sends_checks_ahead(8));
+    }
+
+    /// A call compared equal whose own fingerprint still waits in the
+    /// outbox when the communicator is aborted (nothing moves after an
+    /// abort) ends as done instead of staying undecided until its timeout.
+    #[test]
+    fn a_compared_call_whose_fingerprint_is_stuck_in_the_outbox_ends_at_an_abort() {
+        // 40-byte links (one fingerprint and 8 bytes of the next); rank
+        // 1, rank 0's successor, never reads. Rank 2 is its predecessor.
+        let (_server, mut w) = worlds(3, 40, Duration::from_secs(10));
+        w[2].send_check_ahead(sum(1, 4)).expect("sent");
+        w[2].send_check_ahead(sum(2, 4)).expect("sent");
+        w[0].send_check_ahead(sum(1, 4)).expect("sent");
+        w[0].send_check_ahead(sum(2, 4)).expect("sent");
+        assert_eq!(w[2].poll_ahead(2), Ok(false), "rank 2 sends the rest of its fingerprint");
+        assert_eq!(w[0].poll_ahead(2), Ok(true), "rank 2's fingerprints arrived and agree");
+        assert_eq!(w[0].ahead_done(2), Ok(false), "24 bytes of its own wait for rank 1 to read");
+        w[0].abort("a test's abort");
+        assert_eq!(w[0].ahead_done(2), Ok(true));
+        assert_eq!(w[0].ahead_done(1), Ok(true));
     }
 
     #[test]
