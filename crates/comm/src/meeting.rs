@@ -431,19 +431,12 @@ pub(crate) trait Seated: Send + Sync + 'static {
     /// Part `slot`'s task was dropped unrun (after the meeting failed).
     fn dropped_unrun(&self, _slot: usize) {}
 
-    /// The devices whose running collectives a waiter polls itself (see
-    /// [`Seated::help`]): by default none, and the devices' threads tell
-    /// the meeting.
+    /// The devices whose running collectives a waiter polls itself, from
+    /// its own thread, for the runtime's spin window (`Work::wait`; a
+    /// device whose thread holds it for a moment is skipped that round):
+    /// by default none, and the devices' threads tell the meeting.
     fn helpers(&self) -> &[Client] {
         &[]
-    }
-
-    /// Looks, on the waiting thread, whether the work its parts left
-    /// running on the [`Seated::helpers`] ended, ending what did (see
-    /// `Client::poll_collectives`); whether it could look at any (a device
-    /// whose thread is busy, or holds it for a moment, is skipped).
-    fn help(&self) -> bool {
-        self.helpers().iter().fold(false, |looked, client| client.poll_collectives() | looked)
     }
 
     /// Whether part `slot` finished its work: by default, once its task

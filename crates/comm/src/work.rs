@@ -12,7 +12,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cohort_runtime::backend::EndSignal;
 use cohort_runtime::stages::{self, Stage};
+use smallvec::SmallVec;
 
 use crate::error::CommError;
 use crate::meeting::{Seated, WaitEnd};
@@ -33,14 +35,31 @@ impl<E: Seated> Waitable for E {
         // side. When it cannot look for a moment (the device thread holds
         // the device, polling the same collectives), it goes on watching:
         // the end is seen as soon as either thread finds it.
-        if !self.helpers().is_empty() && !self.is_done() {
+        //
+        // Where a device writes a host word once its parts end (CUDA, see
+        // `Client::poll_collectives_signal`), the waiter reads that word and
+        // polls the device again only once it is written.
+        let helpers = self.helpers();
+        if !helpers.is_empty() && !self.is_done() {
             let (start, window) = (Instant::now(), cohort_runtime::spin_window());
+            let mut signals: SmallVec<[Option<EndSignal>; 4]> = helpers.iter().map(|_| None).collect();
             loop {
-                self.help();
-                stages::mark(Stage::WaitHelped);
-                let done = self.is_done();
-                stages::mark(Stage::WaitLooked);
-                if done || start.elapsed() >= window {
+                let mut polled = false;
+                for (client, signal) in helpers.iter().zip(signals.iter_mut()) {
+                    if signal.as_ref().is_none_or(EndSignal::reached) {
+                        *signal = client.poll_collectives_signal();
+                        polled = true;
+                    }
+                }
+                if polled {
+                    stages::mark(Stage::WaitHelped);
+                    let done = self.is_done();
+                    stages::mark(Stage::WaitLooked);
+                    if done {
+                        break;
+                    }
+                }
+                if start.elapsed() >= window {
                     break;
                 }
                 std::hint::spin_loop();

@@ -108,6 +108,42 @@ fn cuda_a_group_split_from_one_rank_runs_on_nccl_and_groups_its_calls() {
     assert!(on("nccl") >= 100, "{} separate calls recorded as nccl", on("nccl"));
 }
 
+/// With `NCCL_COMM_BLOCKING=0` every communicator is non-blocking, the
+/// parent too: `ncclCommSplit` then answers "in progress" and hands the
+/// child over only once the parent says the split ended. The group still
+/// forms on NCCL, and its calls and a rank without a color work (in a child
+/// process: the variable is read once per process).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_a_split_of_a_non_blocking_parent_waits_for_the_child() {
+    const NAME: &str = "cuda_a_split_of_a_non_blocking_parent_waits_for_the_child";
+    if std::env::var_os("COHORT_TEST_NON_BLOCKING_SPLIT").is_some() {
+        let results = ranks(1, |comm| {
+            let x = comm.replicate(&input(0, 1000)).unwrap();
+            comm.all_reduce(&x, &x, ReduceOp::Max).unwrap();
+            let group = comm.split(Some(1), 0).unwrap().expect("the only rank joins");
+            assert_eq!(group.transport(), Transport::Nccl);
+            let y = group.replicate(&input(0, 4099)).unwrap();
+            for _ in 0..10 {
+                group.all_reduce(&y, &y, ReduceOp::Max).unwrap();
+            }
+            (x[0].to_vec().unwrap(), y[0].to_vec().unwrap(), comm.split(None, 0).unwrap().is_none())
+        });
+        let (x, y, none) = results.into_iter().next().unwrap();
+        assert_eq!((x, y, none), (input(0, 1000), input(0, 4099), true));
+        println!("CHILD OK");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--include-ignored", "--nocapture"])
+        .env("NCCL_COMM_BLOCKING", "0")
+        .env("COHORT_TEST_NON_BLOCKING_SPLIT", "1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("CHILD OK"), "{text}");
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs: two or more"]
 fn two_gpus_split_runs_on_nccl_comm_split_in_key_order() {

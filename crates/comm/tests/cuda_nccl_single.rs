@@ -341,6 +341,69 @@ fn a_collective_on_an_idle_device_is_queued_by_the_callers_thread() {
     }
 }
 
+/// A waiter can learn that a running collective ended from a host word the
+/// device writes behind it: asked for while the collective waits behind
+/// 200 ms of device work, the word is written only after that work, the
+/// poll that follows ends the collective (its handle is done, without
+/// waiting) with the right result; waited calls, which read such words,
+/// all end right.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_waiter_learns_a_collective_ended_from_a_host_word_the_device_writes() {
+    use std::time::{Duration, Instant};
+
+    let group = one_rank_group();
+    let device = group.client(0).clone();
+    let busy = busy_on(&device);
+    busy(1_000);
+    let src = device.create(Bytes::from_elems(&[7.5f32; 256]));
+    let all_reduce = |dst: &cohort_runtime::Handle| {
+        group
+            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(dst), DType::F32, ReduceOp::Sum)
+            .unwrap()
+    };
+    // Warm: the communicator exists.
+    all_reduce(&device.empty(1024)).wait().unwrap();
+
+    let dst = device.empty(1024);
+    let queued = Instant::now();
+    busy(200_000_000);
+    let work = all_reduce(&dst);
+    // The device thread may hold the device for a moment (its own poll).
+    let asked = Instant::now();
+    let signal = loop {
+        if let Some(signal) = device.poll_collectives_signal() {
+            break signal;
+        }
+        assert!(asked.elapsed() < Duration::from_secs(5), "no signal while the collective runs");
+    };
+    assert!(!work.is_done() && !signal.reached(), "the collective ended before the work ahead of it: {signal:?}");
+    while !signal.reached() {
+        assert!(queued.elapsed() < Duration::from_secs(20), "the word was never written");
+        std::hint::spin_loop();
+    }
+    let written = queued.elapsed();
+    assert!(written >= Duration::from_millis(195), "written after {written:?}, before the 200 ms ahead of it ended");
+    while !work.is_done() {
+        device.poll_collectives();
+        assert!(queued.elapsed() < Duration::from_secs(20), "the written word did not end the collective");
+    }
+    work.wait().unwrap();
+    assert_eq!(device.read_one(dst).unwrap().to_elems::<f32>(), vec![7.5; 256]);
+
+    // Many waited calls, each through its word where the waiter got one.
+    for round in 0..200u32 {
+        let src = device.create(Bytes::from_elems(&[round; 8]));
+        let dst = device.empty(32);
+        group
+            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Sum)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![round; 8], "round {round}");
+    }
+}
+
 /// A one-device collective held up behind its device's work: a bounded
 /// wait ends at its bound naming the member still running, the collective
 /// goes on and a later wait sees it end; its flight record stays open until

@@ -14,6 +14,7 @@ use crate::kernel::{GridCount, Kernel, LaunchBuffers, LaunchScalars};
 use crate::memory::{
     AllocationMode, Cleanup, MemoryPools, MemoryPoolsConfig, MemoryUsage, PageId, PageStorage, PoolReport,
 };
+use crate::stages::{self, Stage};
 
 /// A launch recorded inside a capture window, replayed by `Graph::replay`.
 #[derive(Clone)]
@@ -195,6 +196,12 @@ impl DeviceState {
                 }
             }
         }
+    }
+
+    /// A host word the device writes once the device collectives running
+    /// now ended ([`crate::backend::DeviceCollectives::end_signal`]).
+    pub fn collectives_end_signal(&mut self) -> Option<crate::backend::EndSignal> {
+        self.backend.device_collectives()?.end_signal()
     }
 
     /// Waits until no device collective runs (see [`Backend::settle`]) and
@@ -381,6 +388,7 @@ impl DeviceState {
             }
             self.order_after_writers(stream, outputs)?;
             self.stats.launches += 1;
+            stages::mark(Stage::LaunchBound);
             self.backend.launch(stream, &launch.kernel, grid, &bindings, &launch.scalars)?;
             if !self.backend.faults_are_deferred() {
                 return Ok(());
@@ -414,6 +422,7 @@ impl DeviceState {
         });
         Self::mark_outputs(stream, outputs, &result);
         self.scratch_bindings = bindings;
+        stages::mark(Stage::LaunchNoted);
         result
     }
 
@@ -436,6 +445,14 @@ impl DeviceState {
                 bindings.push(self.binding(handle)?);
             }
             self.order_after_writers(stream, handles)?;
+            // A collective on another stream that wrote them ends first:
+            // its end may mark them failed after its calls completed.
+            for handle in handles {
+                let writer = handle.last_writer();
+                if writer != stream {
+                    self.backend.settle_collectives_on(writer);
+                }
+            }
             Ok(self.backend.read(stream, &bindings))
         })();
         self.scratch_bindings = bindings;

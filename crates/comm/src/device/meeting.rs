@@ -49,7 +49,7 @@ pub(crate) struct DeviceCollective {
     meeting: Meeting<DeviceState>,
     /// The one device of a collective of one part queued from the
     /// caller's thread where that device is idle: a waiter polls it
-    /// itself (see [`Seated::help`]).
+    /// itself (see [`Seated::helpers`]).
     helper: Option<Client>,
 }
 

@@ -9,8 +9,10 @@
 //! (see `Client::submit_buffers_recorded_inline`), otherwise by the device
 //! thread; either way it returns once its calls are queued. A waiter then
 //! polls the device itself for the runtime's spin window
-//! ([`cohort_runtime::spin_window`]) and sleeps after it until the device
-//! thread, which polls running collectives too, says the part ended.
+//! ([`cohort_runtime::spin_window`]), asking it for a host word written once
+//! the part ends (`Client::poll_collectives_signal`) and reading that
+//! between polls, and sleeps after the window until the device thread,
+//! which polls running collectives too, says the part ended.
 //!
 //! It takes no process-wide enqueue order: a part that waits for no other
 //! device cannot close a cycle of devices waiting for each other.
@@ -19,7 +21,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion};
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, EndSignal};
 use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError, TaskHandles};
 use parking_lot::{Condvar, Mutex};
@@ -271,14 +273,22 @@ impl Solo {
             return outcome;
         }
         let (start, window) = (Instant::now(), cohort_runtime::spin_window());
+        // Where the device writes a host word once the part ends (CUDA),
+        // the waiter reads that word instead of entering the device and
+        // asking the driver again and again; it polls once the word is
+        // written (the poll reaps the part), or once more at each look
+        // where there is no word.
+        let mut signal: Option<EndSignal> = None;
         loop {
-            self.client.poll_collectives();
-            stages::mark(Stage::WaitHelped);
-            if let Some(outcome) = self.outcome() {
+            if signal.as_ref().is_none_or(EndSignal::reached) {
+                signal = self.client.poll_collectives_signal();
+                stages::mark(Stage::WaitHelped);
+                if let Some(outcome) = self.outcome() {
+                    stages::mark(Stage::WaitLooked);
+                    return outcome;
+                }
                 stages::mark(Stage::WaitLooked);
-                return outcome;
             }
-            stages::mark(Stage::WaitLooked);
             if start.elapsed() >= window {
                 break;
             }

@@ -9,6 +9,7 @@
 //! it (when idle, and whenever it waits for a stream), and a failure marks
 //! the part's outputs then, as a kernel fault does.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,8 +68,9 @@ pub trait CollectiveMonitor: Send + Sync {
     /// the device's queue of collectives; past it the communicator is
     /// aborted and the error names [`CollectiveMonitor::missing`].
     fn timeout(&self) -> Duration;
-    /// Another member's failure, if any: the part is aborted with it rather
-    /// than waited for.
+    /// A failure found outside the part's own calls (another member's, or
+    /// a check of the call that runs beside them), if any: the part is
+    /// aborted with it rather than waited for. Its message says which.
     fn failed_elsewhere(&self) -> Option<ServerError>;
     /// The members that have not finished, in words; asked only when the
     /// part timed out, to build its error.
@@ -104,6 +106,53 @@ pub enum Completion {
 /// it returned; [`DeviceCollectives::poll`] reports its end by this id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PendingPart(pub u64);
+
+/// A word in host memory that the device writes once the collective parts
+/// running when it was asked for have ended
+/// ([`DeviceCollectives::end_signal`]): a waiter reads it without entering
+/// the device, and polls the device (which reaps the parts) once it is
+/// written. It says nothing of failures: a part that fails never writes
+/// it, and is found by the device's polls.
+pub struct EndSignal {
+    /// Keeps the word's memory alive (the backend's page).
+    _owner: Arc<dyn std::any::Any + Send + Sync>,
+    word: *const AtomicU32,
+    target: u32,
+}
+
+// SAFETY: `word` points into `_owner`, shared memory read only through an
+// atomic, alive as long as the signal.
+unsafe impl Send for EndSignal {}
+// SAFETY: as above.
+unsafe impl Sync for EndSignal {}
+
+impl EndSignal {
+    /// The signal that `word`, inside `owner`, reached `target`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn new<T: Send + Sync + 'static>(owner: Arc<T>, word: impl Fn(&T) -> &AtomicU32, target: u32) -> Self {
+        let word: *const AtomicU32 = word(&owner);
+        Self { _owner: owner, word, target }
+    }
+
+    /// Whether the device wrote the word: the parts it stands for ended.
+    /// A read of host memory; never enters the device.
+    pub fn reached(&self) -> bool {
+        // SAFETY: `word` lives as long as `_owner`, which `self` holds.
+        count_reached(unsafe { &*self.word }.load(Ordering::Acquire), self.target)
+    }
+}
+
+/// Whether a count that wraps, now `value`, reached `target`: up to 2^31
+/// counts past it still count as reached.
+pub(crate) fn count_reached(value: u32, target: u32) -> bool {
+    value.wrapping_sub(target) as i32 >= 0
+}
+
+impl std::fmt::Debug for EndSignal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EndSignal").field("target", &self.target).field("reached", &self.reached()).finish()
+    }
+}
 
 /// A device's half of a peer copy: an address in the sender's memory and an
 /// event after the work that wrote it (opaque to everyone but the backend).
@@ -157,11 +206,14 @@ pub trait DeviceCollectives {
     /// it joins no group but must still call) and `key` (ranks in the new
     /// communicator follow keys, then parent ranks). With `share`, the new
     /// communicator shares the parent's resources where the library allows.
-    /// Waits for every member of `parent`, up to `timeout`, asking `stop`
-    /// now and then whether the job gave up (`Some(why)`): past either the
-    /// new communicator is aborted and the split fails, so a member that
-    /// died never hangs the device thread. The default refuses: only a
-    /// backend with a collective library splits.
+    /// Waits for every member of `parent`. On NCCL that wait is bounded
+    /// (by `timeout`, and by `stop`, asked now and then whether the job gave
+    /// up with `Some(why)`; past either the split fails and the parent's
+    /// communicator is aborted) only where the parent is non-blocking
+    /// (`NCCL_COMM_BLOCKING=0`): a blocking parent splits inside NCCL, which
+    /// waits with no bound, so callers make sure every member arrived
+    /// first. The new communicator is blocking (see `SplitConfig`). The
+    /// default refuses: only a backend with a collective library splits.
     #[allow(clippy::too_many_arguments)]
     fn split(
         &mut self,
@@ -183,6 +235,14 @@ pub trait DeviceCollectives {
     /// Whether parts are running, or ended without being reported by
     /// [`DeviceCollectives::poll`] yet.
     fn has_pending(&mut self) -> bool;
+
+    /// A host word the device writes once every part running now has
+    /// ended (see [`EndSignal`]); `None` when none runs, or the backend
+    /// cannot write one. Queues a write where the last running part has
+    /// none yet (on CUDA that costs the host ~1.5 µs, so only a waiter asks).
+    fn end_signal(&mut self) -> Option<EndSignal> {
+        None
+    }
 
     /// Looks at the parts still running without waiting: each that
     /// completed, failed (an asynchronous error, another member's failure)
@@ -311,4 +371,24 @@ pub struct PeerSpec<'a> {
     pub rank: usize,
     /// Every rank's arena address.
     pub arenas: &'a [u64],
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_end_signal_is_reached_at_its_target_and_after_it_even_across_the_wrap() {
+        let page = Arc::new(AtomicU32::new(0));
+        let signal = |target| EndSignal::new(page.clone(), |word: &AtomicU32| word, target);
+        assert!(!signal(1).reached());
+        page.store(1, Ordering::Release);
+        assert!(signal(1).reached());
+        assert!(!signal(2).reached());
+        page.store(u32::MAX, Ordering::Release);
+        assert!(!signal(0).reached(), "0 comes after u32::MAX");
+        page.store(3, Ordering::Release);
+        assert!(signal(u32::MAX).reached(), "3 is 4 counts past u32::MAX");
+        assert!(signal(3).reached() && !signal(4).reached());
+    }
 }

@@ -20,8 +20,8 @@ use std::time::Instant;
 
 pub use blas::{DeviceBlas, Gemm};
 pub use collectives::{
-    CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerAlgo, PeerCall, PeerSpec, PeerToken,
-    PendingPart, PEER_ARENA_BYTES, PEER_MAX_BYTES, PEER_MAX_RANKS,
+    CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, EndSignal, PeerAlgo, PeerCall, PeerSpec,
+    PeerToken, PendingPart, PEER_ARENA_BYTES, PEER_MAX_BYTES, PEER_MAX_RANKS,
 };
 
 use crate::bytes::AlignedBytes;
@@ -235,6 +235,12 @@ pub trait Backend: 'static {
     /// can wait for the whole device. A no-op where collectives complete
     /// when they are queued, which is the default.
     fn settle(&mut self) {}
+
+    /// Waits until the device collectives queued on `stream` ended (or
+    /// were aborted), not the stream's other work: before a read on another
+    /// stream returns bytes they wrote, which their end may yet mark failed
+    /// (a check that completes after the calls). A no-op by default.
+    fn settle_collectives_on(&mut self, _stream: StreamId) {}
 
     /// Releases what the backend keeps for a stream that has no more work.
     fn release_stream(&mut self, _stream: StreamId) {}

@@ -15,7 +15,7 @@ mod timestamps;
 use std::any::Any;
 use std::sync::Arc;
 
-use crate::backend::FenceWait;
+use crate::backend::{EndSignal, FenceWait};
 use crate::device::{self, BackendFactory, DeviceHandle, Reply};
 use crate::error::ServerError;
 use crate::handle::{Handle, LayoutPolicy};
@@ -282,6 +282,23 @@ impl Client {
             }
             None => false,
         }
+    }
+
+    /// [`Client::poll_collectives`], and where collectives still run after
+    /// it, a host word that the device writes once they have all ended
+    /// ([`EndSignal`]), asked for from the backend (on CUDA a stream write
+    /// behind the last of them, ~1.5 µs of this thread's time, made once
+    /// per part). A waiter reads it without entering the device, then polls
+    /// again to reap them. `None` where the device could not be entered
+    /// now, nothing runs, or the backend writes no such word. Never waits
+    /// for the device.
+    pub fn poll_collectives_signal(&self) -> Option<EndSignal> {
+        let mut inline = self.device.enter_inline_within(std::time::Duration::ZERO)?;
+        crate::stages::mark(crate::stages::Stage::PollEntered);
+        let state = inline.state();
+        state.poll_collectives();
+        crate::stages::mark(crate::stages::Stage::Polled);
+        state.collectives_end_signal()
     }
 
     /// Counters of the device: cross-stream fences, stream syncs, launches.

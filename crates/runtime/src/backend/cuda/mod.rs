@@ -43,6 +43,7 @@ mod nccl_lib;
 mod peer;
 mod peer_kernels;
 mod pinned;
+mod signal;
 mod storage;
 mod streams;
 mod timing;
@@ -67,6 +68,7 @@ use crate::memory::PageStorage;
 use crate::profile::ProfileDuration;
 use crate::properties::{Capabilities, DeviceProperties};
 use crate::runtime::Runtime;
+use crate::stages::{self, Stage};
 
 use driver::{describe, driver_error, is_sticky, BACKEND};
 use events::EventPool;
@@ -447,7 +449,9 @@ impl Backend for CudaBackend {
             resolved.push((self.pages.ptr(*binding)?, binding.size));
         }
         let raw = self.raw_stream(stream)?;
+        stages::mark(Stage::LaunchFound);
         let code = self.kernels.launch(function, grid, kernel.block(), raw, &resolved, scalars);
+        stages::mark(Stage::LaunchQueued);
         self.buffers = resolved;
         if code != sys::CUresult::CUDA_SUCCESS {
             let err = ServerError::KernelFailed {
@@ -611,6 +615,10 @@ impl Backend for CudaBackend {
         self.settle_all_collectives();
     }
 
+    fn settle_collectives_on(&mut self, stream: StreamId) {
+        self.settle_parts_on(stream);
+    }
+
     fn runs_on_callers(&self) -> bool {
         true
     }
@@ -694,6 +702,9 @@ impl Drop for CudaBackend {
         self.timing_events.close();
         self.staging.close();
         self.pages.release_all();
+        // The work that writes the end signals drained (or the context is
+        // lost); waiters holding one keep reading the page.
+        self.nccl.signals.close();
         // SAFETY: the primary context was retained in `new`. After a sticky
         // fault it is reset instead, so the next client gets a fresh one.
         unsafe {

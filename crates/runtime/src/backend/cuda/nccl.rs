@@ -52,8 +52,8 @@ use super::driver::{driver_error, BACKEND};
 use super::nccl_lib::{self, Nccl, RawComm, RawStream, UniqueId};
 use super::CudaBackend;
 use crate::backend::{
-    Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, PeerCall, PeerSpec, PeerToken,
-    PendingPart,
+    Binding, CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, EndSignal, PeerCall, PeerSpec,
+    PeerToken, PendingPart,
 };
 use crate::dtype::{DType, ReduceOp};
 use crate::error::ServerError;
@@ -79,6 +79,8 @@ pub(crate) struct NcclState {
     checked: Option<Instant>,
     /// Peer-memory arenas and kernels.
     pub(crate) peer: super::peer_kernels::PeerSets,
+    /// Host words written behind parts that waiters wait on.
+    pub(crate) signals: super::signal::Signals,
 }
 
 /// A part whose calls are queued on the device.
@@ -100,6 +102,11 @@ struct Pending {
     /// When the part reached the front of the queue; its timeout counts
     /// from then (the parts before it run first).
     front_since: Option<Instant>,
+    /// The host word written behind the part where a waiter asked for one
+    /// ([`DeviceCollectives::end_signal`]): once written, the part and every
+    /// part before it completed, which a poll then sees without asking the
+    /// driver.
+    signal: Option<(usize, u32)>,
 }
 
 /// What one part queues on its stream.
@@ -215,10 +222,12 @@ fn one_rank_op(op: ReduceOp, ranks: usize) -> c_int {
 }
 
 /// Waits until a non-blocking communicator that answered "in progress"
-/// is ready (`ncclCommGetAsyncError` no longer says so), up to `timeout`.
-fn wait_ready(lib: &Nccl, comm: RawComm, timeout: Duration) -> Result<(), String> {
+/// is ready (`ncclCommGetAsyncError` no longer says so), up to `timeout`,
+/// asking `stop` every 200 ms whether the job gave up (`Some(why)`).
+fn wait_ready(lib: &Nccl, comm: RawComm, timeout: Duration, stop: &dyn Fn() -> Option<String>) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
     let mut backoff = Backoff::new();
+    let mut asked_stop = Instant::now();
     loop {
         let mut state: c_int = nccl_lib::IN_PROGRESS;
         // SAFETY: a live communicator of this device; writes one status.
@@ -228,12 +237,19 @@ fn wait_ready(lib: &Nccl, comm: RawComm, timeout: Duration) -> Result<(), String
         }
         match state {
             nccl_lib::SUCCESS => return Ok(()),
-            nccl_lib::IN_PROGRESS if Instant::now() < deadline => backoff.pause(),
+            nccl_lib::IN_PROGRESS if Instant::now() < deadline => {}
             nccl_lib::IN_PROGRESS => {
                 return Err(format!("the NCCL communicator was still connecting after {:.1} s", timeout.as_secs_f64()))
             }
             other => return Err(format!("NCCL reported an asynchronous error: {}", lib.describe(other, comm))),
         }
+        if asked_stop.elapsed() >= Duration::from_millis(200) {
+            asked_stop = Instant::now();
+            if let Some(why) = stop() {
+                return Err(format!("abandoned: the job aborted ({why})"));
+            }
+        }
+        backoff.pause();
     }
 }
 
@@ -292,7 +308,7 @@ impl CudaBackend {
         if code == nccl_lib::IN_PROGRESS {
             // A non-blocking communicator (`NCCL_COMM_BLOCKING=0`): ready
             // once NCCL says so, or given up at the timeout.
-            if let Err(why) = wait_ready(lib, comm, timeout) {
+            if let Err(why) = wait_ready(lib, comm, timeout, &|| None) {
                 // SAFETY: the communicator just made; abort frees it.
                 unsafe { (lib.comm_abort)(comm) };
                 let (rank, ranks) = (spec.rank, spec.ranks);
@@ -458,7 +474,7 @@ impl CudaBackend {
             }
         }
         if result.is_ok() && in_progress.get() {
-            result = wait_ready(lib, comm, timeout);
+            result = wait_ready(lib, comm, timeout, &|| None);
         }
         result
     }
@@ -476,14 +492,19 @@ impl CudaBackend {
             // (`close_run_on` records one before anything else goes
             // there): that stream drained says every part ended. Asked so,
             // a waiter that polls a small collective records no event.
-            let (at, code, query) = match self.nccl.pending.iter().position(|p| p.done.is_some()) {
-                Some(at) => {
+            // A written end signal says so for its part and every part
+            // before it, without a driver call.
+            let signalled =
+                self.nccl.pending.iter().rposition(|p| p.signal.is_some_and(|s| self.nccl.signals.reached(s)));
+            let (at, code, query) = match (signalled, self.nccl.pending.iter().position(|p| p.done.is_some())) {
+                (Some(at), _) => (at, sys::CUresult::CUDA_SUCCESS, "the end signal"),
+                (None, Some(at)) => {
                     let done = self.nccl.pending[at].done.expect("found above");
                     stages::mark(Stage::PollAsking);
                     // SAFETY: a live event of this context, recorded after part `at`.
                     (at, unsafe { sys::cuEventQuery(done) }, "cuEventQuery")
                 }
-                None => {
+                (None, None) => {
                     let at = self.nccl.pending.len() - 1;
                     match self.streams.raw(self.nccl.pending[at].stream) {
                         Ok(raw) => {
@@ -592,7 +613,7 @@ impl CudaBackend {
                     // and stops.
                     unsafe { word.write_volatile(super::peer_kernels::STOP) };
                 }
-                failed.push((pending.set, format!("aborted because another member failed: {err}")));
+                failed.push((pending.set, format!("aborted: {err}")));
                 continue;
             }
             if index == 0 {
@@ -789,7 +810,18 @@ impl CudaBackend {
             PartWork::Nccl { comm, .. } => (comm, None),
             PartWork::Peer { .. } => (std::ptr::null_mut(), self.nccl.peer.error_word(set)),
         };
-        self.nccl.pending.push_back(Pending { part, stream, set, comm, peer_error, done, monitor, front_since });
+        let signal = None;
+        self.nccl.pending.push_back(Pending {
+            part,
+            stream,
+            set,
+            comm,
+            peer_error,
+            done,
+            monitor,
+            front_since,
+            signal,
+        });
         self.update_held_frees();
         if completion == Completion::Defer {
             return Ok(Some(part));
@@ -840,6 +872,21 @@ impl CudaBackend {
             if self.nccl.pending.is_empty() {
                 return;
             }
+            backoff.pause();
+        }
+    }
+
+    /// Waits until no pending part was queued on `stream` (each ends, or
+    /// is aborted at its timeout), whatever else the stream still runs.
+    pub(crate) fn settle_parts_on(&mut self, stream: StreamId) {
+        let Some(raw) = self.streams.raw_if_made(stream) else { return };
+        if !self.has_part_on(raw) {
+            return;
+        }
+        let Ok(lib) = nccl_lib::load() else { return };
+        let mut backoff = Backoff::new();
+        while self.has_part_on(raw) {
+            self.poll_pending(lib);
             backoff.pause();
         }
     }
@@ -1012,52 +1059,38 @@ impl DeviceCollectives for CudaBackend {
             c_int::try_from(key).map_err(|_| self.nccl_error("split", format!("key {key} is above {}", c_int::MAX)))?;
         let mut config = nccl_lib::SplitConfig::new(share);
         let mut child: RawComm = std::ptr::null_mut();
+        let what = format!("ncclCommSplit (color {color}, key {key})");
         // SAFETY: `comm` is this device's live communicator of the parent
-        // (its context is current); `child` and `config` outlive the call,
-        // which returns at once (the child is non-blocking).
+        // (its context is current); `child` and `config` outlive the call
+        // and, where it answers "in progress", the wait for the parent below
+        // (NCCL writes `child` before the parent is ready).
         let code = unsafe { split(comm, color, key, &mut child, &mut config) };
-        if code != nccl_lib::SUCCESS && code != nccl_lib::IN_PROGRESS {
-            let reason = format!("ncclCommSplit (color {color}, key {key}) failed: {}", lib.describe(code, comm));
+        if code == nccl_lib::IN_PROGRESS {
+            // A non-blocking parent (`NCCL_COMM_BLOCKING=0`): NCCL splits on
+            // a thread of its own and the parent says when every member
+            // joined. Given up, the parent stays inside the split: aborted.
+            if let Err(why) = wait_ready(lib, comm, timeout, stop) {
+                let reason = format!(
+                    "{what}: {why} (a member never called it; raise COHORT_TIMEOUT if it is legitimately that late)"
+                );
+                self.abort(lib, parent.set, &reason);
+                return Err(self.nccl_error("split", reason));
+            }
+        } else if code != nccl_lib::SUCCESS {
+            let reason = format!("{what} failed: {}", lib.describe(code, comm));
             return Err(self.nccl_error("split", reason));
         }
         if child.is_null() {
             // No color: this member joins no group.
             return Ok(());
         }
-        let deadline = Instant::now() + timeout;
-        let mut backoff = Backoff::new();
-        let mut asked_stop = Instant::now();
-        let failure = loop {
-            let mut state: c_int = nccl_lib::IN_PROGRESS;
-            // SAFETY: the child just made (live until aborted below); writes one status.
-            let polled = unsafe { (lib.comm_get_async_error)(child, &mut state) };
-            if polled != nccl_lib::SUCCESS {
-                break Some(format!("ncclCommGetAsyncError failed: {}", lib.describe(polled, child)));
-            }
-            if state == nccl_lib::SUCCESS {
-                break None;
-            }
-            if state != nccl_lib::IN_PROGRESS {
-                break Some(format!("ncclCommSplit (color {color}, key {key}) failed: {}", lib.describe(state, child)));
-            }
-            if Instant::now() >= deadline {
-                break Some(format!(
-                    "ncclCommSplit (color {color}, key {key}) did not complete within {:.1} s (a member never called it; raise COHORT_TIMEOUT if it is legitimately that late)",
-                    timeout.as_secs_f64()
-                ));
-            }
-            if asked_stop.elapsed() >= Duration::from_millis(200) {
-                asked_stop = Instant::now();
-                if let Some(why) = stop() {
-                    break Some(format!("ncclCommSplit abandoned: the job aborted ({why})"));
-                }
-            }
-            backoff.pause();
-        };
-        if let Some(reason) = failure {
+        // The child is blocking (`SplitConfig`) unless NCCL_COMM_BLOCKING=0
+        // makes every communicator non-blocking: then it is ready once NCCL
+        // says so.
+        if let Err(why) = wait_ready(lib, child, timeout, stop) {
             // SAFETY: our child communicator; abort ends its set-up and frees it.
             unsafe { (lib.comm_abort)(child) };
-            return Err(self.nccl_error("split", reason));
+            return Err(self.nccl_error("split", format!("{what}: {why}")));
         }
         tracing::debug!(device = %self.device, parent = parent.set, set, color, key, share, "NCCL communicator split");
         self.nccl.comms.insert(set, child);
@@ -1066,6 +1099,21 @@ impl DeviceCollectives for CudaBackend {
 
     fn has_pending(&mut self) -> bool {
         !self.nccl.pending.is_empty() || !self.nccl.ended.is_empty()
+    }
+
+    fn end_signal(&mut self) -> Option<EndSignal> {
+        let back = self.nccl.pending.back()?;
+        if let Some(armed) = back.signal {
+            return self.nccl.signals.signal(armed);
+        }
+        let stream = back.stream;
+        if self.streams.is_capturing(stream) {
+            return None;
+        }
+        let raw = self.streams.raw_if_made(stream)?;
+        let armed = self.nccl.signals.arm(stream, raw)?;
+        self.nccl.pending.back_mut().expect("looked at above").signal = Some(armed);
+        self.nccl.signals.signal(armed)
     }
 
     fn poll(&mut self) -> Vec<(PendingPart, Result<(), ServerError>)> {

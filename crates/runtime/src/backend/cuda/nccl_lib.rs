@@ -44,22 +44,25 @@ pub(crate) struct SplitConfig {
 
 impl SplitConfig {
     /// `NCCL_CONFIG_INITIALIZER` of NCCL 2.18 (the first with
-    /// `splitShare`) with `splitShare` = `share` and `blocking` = 0: the
-    /// split returns at once and the caller polls the new communicator's
-    /// state (`ncclCommGetAsyncError`) until it is ready, so it can give up.
+    /// `splitShare`) with `splitShare` = `share` and `blocking` = 1.
     ///
-    /// The price, read in NCCL 2.28.3's `ncclGroupEndInternal`: every call
-    /// on a non-blocking communicator of two or more ranks is launched from
-    /// a thread NCCL starts for it and answers "in progress", which
-    /// `issue` then waits out, so a split group's small calls cost more
-    /// than the world's. `rank_bench --split` measures it (two GPUs).
+    /// Read in NCCL 2.28.3 (src/init.cc `ncclCommSplit`, src/group.cc
+    /// `ncclAsyncLaunch`, `ncclGroupEndInternal`): whether the split itself
+    /// waits for every member on the calling thread follows the *parent's*
+    /// mode (blocking unless `NCCL_COMM_BLOCKING=0`), while this config sets
+    /// the child's. A non-blocking child would launch every call of two or
+    /// more ranks from a thread NCCL starts for it (starting and joining a
+    /// thread alone took ~30 µs on the H200's host), so the child is
+    /// blocking: its calls are queued on the caller's thread, as the
+    /// world's are. `NCCL_COMM_BLOCKING=0` still
+    /// makes both non-blocking (NCCL applies it over any config).
     pub(crate) fn new(share: bool) -> SplitConfig {
         const UNDEF: c_int = c_int::MIN;
         SplitConfig {
             size: std::mem::size_of::<SplitConfig>(),
             magic: 0xcafe_beef,
             version: 2 * 10000 + 18 * 100,
-            blocking: 0,
+            blocking: 1,
             cga_cluster_size: UNDEF,
             min_ctas: UNDEF,
             max_ctas: UNDEF,
