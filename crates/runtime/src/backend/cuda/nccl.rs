@@ -1062,22 +1062,23 @@ impl DeviceCollectives for CudaBackend {
         let what = format!("ncclCommSplit (color {color}, key {key})");
         // SAFETY: `comm` is this device's live communicator of the parent
         // (its context is current); `child` and `config` outlive the call
-        // and, where it answers "in progress", the wait for the parent below
-        // (NCCL writes `child` before the parent is ready).
+        // and the wait for the parent below (where the split runs on after
+        // the call returned, NCCL writes `child` before the parent is ready).
         let code = unsafe { split(comm, color, key, &mut child, &mut config) };
-        if code == nccl_lib::IN_PROGRESS {
-            // A non-blocking parent (`NCCL_COMM_BLOCKING=0`): NCCL splits on
-            // a thread of its own and the parent says when every member
-            // joined. Given up, the parent stays inside the split: aborted.
-            if let Err(why) = wait_ready(lib, comm, timeout, stop) {
-                let reason = format!(
-                    "{what}: {why} (a member never called it; raise COHORT_TIMEOUT if it is legitimately that late)"
-                );
-                self.abort(lib, parent.set, &reason);
-                return Err(self.nccl_error("split", reason));
-            }
-        } else if code != nccl_lib::SUCCESS {
+        if code != nccl_lib::SUCCESS && code != nccl_lib::IN_PROGRESS {
             let reason = format!("{what} failed: {}", lib.describe(code, comm));
+            return Err(self.nccl_error("split", reason));
+        }
+        // A non-blocking parent (`NCCL_COMM_BLOCKING=0`) splits on a thread
+        // NCCL starts for it, answering "success" or "in progress" at once
+        // (2.28.3 answers "success"), and hands the child over only when the
+        // parent says every member joined; a blocking parent is ready now.
+        // Given up, the parent stays inside the split: aborted.
+        if let Err(why) = wait_ready(lib, comm, timeout, stop) {
+            let reason = format!(
+                "{what}: {why} (a member never called it; raise COHORT_TIMEOUT if it is legitimately that late)"
+            );
+            self.abort(lib, parent.set, &reason);
             return Err(self.nccl_error("split", reason));
         }
         if child.is_null() {
