@@ -20,10 +20,11 @@
 //! switches per call and under `perf record -e cpu-clock` for where the
 //! time goes, where perf is allowed.
 //!
-//! Run: `cargo run --release --example call_cost -- [CALLS] [SECTION]`,
+//! Run: `cargo run --release --example call_cost -- [CALLS] [SECTION] [BYTES]`,
 //! SECTION being one of `group`, `communicator`, `launch`, `read` and
 //! `nccl` to run only those rows (under `valgrind --tool=callgrind`, the
-//! instructions of one kind of call).
+//! instructions of one kind of call); BYTES the size of the NCCL rows'
+//! all-reduce (32 by default).
 
 use std::time::Instant;
 
@@ -83,7 +84,7 @@ const NCCL_ROUNDS: usize = 7;
 /// A one-device all-reduce through a one-rank NCCL communicator, waited on
 /// and queued back to back, where a CUDA device and NCCL are found; raw
 /// NCCL's beside it, alternating round by round.
-fn nccl_all_reduce(calls: usize) {
+fn nccl_all_reduce(calls: usize, bytes: usize) {
     let clients = match cohort::runtime::clients_of("cuda", Some(1)) {
         Ok(clients) => clients,
         Err(why) => return println!("# no CUDA device, NCCL rows skipped: {why}"),
@@ -99,11 +100,14 @@ fn nccl_all_reduce(calls: usize) {
         clients[0].exclusive(|| ()).expect("exclusive")
     });
     #[cfg(feature = "cuda")]
-    let raw = raw_nccl::Raw::new(1, 32, false).map_err(|why| println!("# raw NCCL rows skipped: {why}")).ok();
+    let raw = raw_nccl::Raw::new(1, bytes, false).map_err(|why| println!("# raw NCCL rows skipped: {why}")).ok();
     // Out of place, as raw NCCL's calls: a one-rank NCCL all-reduce in
     // place moves no bytes at all, one out of place copies them.
-    let src: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[1.0; 8]).expect("buffer")).collect();
-    let dst: Vec<Buffer<f32>> = clients.iter().map(|c| Buffer::from_slice(c, &[0.0; 8]).expect("buffer")).collect();
+    let floats = (bytes / 4).max(1);
+    let src: Vec<Buffer<f32>> =
+        clients.iter().map(|c| Buffer::from_slice(c, &vec![1.0; floats]).expect("buffer")).collect();
+    let dst: Vec<Buffer<f32>> =
+        clients.iter().map(|c| Buffer::from_slice(c, &vec![0.0; floats]).expect("buffer")).collect();
     let call = || group.all_reduce(&src, &dst, ReduceOp::Sum).expect("all_reduce");
     // A one-rank Communicator over the same device (a job's rank with one
     // GPU; a store served in this process).
@@ -122,15 +126,15 @@ fn nccl_all_reduce(calls: usize) {
         println!("# round {round} of {NCCL_ROUNDS}");
         #[cfg(feature = "cuda")]
         if let Some(raw) = raw.as_ref() {
-            let (w, q) = raw_nccl_rows(raw, per_round);
+            let (w, q) = raw_nccl_rows(raw, per_round, bytes);
             raw_waited.push(w);
             raw_queued.push(q);
         }
-        let what = "all_reduce 32 B, 1 CUDA device (NCCL)";
+        let what = &format!("all_reduce {bytes} B, 1 CUDA device (NCCL)");
         let (w, q) = waited_and_queued(what, per_round, call, || group.sync().expect("sync"));
         waited.push(w);
         queued.push(q);
-        let what = "all_reduce 32 B, 1-rank Communicator (NCCL)";
+        let what = &format!("all_reduce {bytes} B, 1-rank Communicator (NCCL)");
         let (w, q) = waited_and_queued(what, per_round, rank_call, || comm.sync().expect("sync"));
         rank_waited.push(w);
         rank_queued.push(q);
@@ -165,7 +169,7 @@ fn nccl_all_reduce(calls: usize) {
         println!("stages on the device thread, the same queued calls:");
         print!("{}", stages::table(((per_round / 100).max(1) * 100) as u64));
     }
-    assert_eq!(dst[0].to_vec().expect("read"), [1.0; 8], "one rank's sum is its source");
+    assert_eq!(dst[0].to_vec().expect("read"), vec![1.0; floats], "one rank's sum is its source");
     let (waited, queued) = (median(&mut waited), median(&mut queued));
     println!("cohort, median of {NCCL_ROUNDS} rounds: waited {waited:.2} µs, queued {queued:.2} µs");
     let (rank_waited, rank_queued) = (median(&mut rank_waited), median(&mut rank_queued));
@@ -212,7 +216,7 @@ fn stage_table(what: &str, calls: u64, mut call: impl FnMut(), mut between: impl
         stages::stop();
         between(i);
     }
-    println!("stages of all_reduce 32 B, 1 CUDA device (NCCL), {what}:");
+    println!("stages of the all-reduce, 1 CUDA device (NCCL), {what}:");
     print!("{}", stages::table(calls));
 }
 
@@ -220,18 +224,18 @@ fn stage_table(what: &str, calls: u64, mut call: impl FnMut(), mut between: impl
 /// calls), waited on both ways and queued back to back;
 /// returns the better wait and the queued time, µs per call.
 #[cfg(feature = "cuda")]
-fn raw_nccl_rows(raw: &raw_nccl::Raw, calls: usize) -> (f64, f64) {
+fn raw_nccl_rows(raw: &raw_nccl::Raw, calls: usize, bytes: usize) -> (f64, f64) {
     use cohort::comm::op::Collective::AllReduce;
     let once = |spin: bool| {
-        raw.queue(AllReduce, 32).expect("raw all-reduce");
+        raw.queue(AllReduce, bytes).expect("raw all-reduce");
         raw.sync(spin).expect("raw sync");
     };
-    let synced = measure("raw NCCL all_reduce 32 B, wait (synchronize)", calls, || once(false));
-    let spun = measure("raw NCCL all_reduce 32 B, wait (query spin)", calls, || once(true));
-    let what = "raw NCCL all_reduce 32 B, queued (sync per 100)";
+    let synced = measure(&format!("raw NCCL all_reduce {bytes} B, wait (synchronize)"), calls, || once(false));
+    let spun = measure(&format!("raw NCCL all_reduce {bytes} B, wait (query spin)"), calls, || once(true));
+    let what = &format!("raw NCCL all_reduce {bytes} B, queued (sync per 100)");
     let queued = measure_batches(what, (calls / 100).max(1), 100, || {
         for _ in 0..100 {
-            raw.queue(AllReduce, 32).expect("raw all-reduce");
+            raw.queue(AllReduce, bytes).expect("raw all-reduce");
         }
         raw.sync(false).expect("raw sync");
     });
@@ -319,6 +323,8 @@ fn main() {
         });
     }
     if wanted("nccl") {
-        nccl_all_reduce(calls);
+        // The NCCL rows' size: 32 B unless a third argument says.
+        let bytes = std::env::args().nth(3).map_or(32, |b| b.parse().expect("BYTES is a count"));
+        nccl_all_reduce(calls, bytes);
     }
 }
