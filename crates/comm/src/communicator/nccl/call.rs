@@ -287,7 +287,8 @@ impl NcclCall {
         // Queued (its monitor ends the part, now or later) unless refused
         // before any call was queued.
         *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
-        nccl.note_queued(&result);
+        let ops: SmallVec<[Op; 1]> = parts.iter().map(|(op, _)| *op).collect();
+        nccl.note_queued(&ops, &result);
         result.map_err(fail)?;
         access.copy_regions(&fused.unpack).map_err(fail)
     }

@@ -21,8 +21,9 @@
 //! hook: its device thread creates its NCCL communicator on first use
 //! (`ncclCommInitRank`), queues the calls on the caller's stream and
 //! returns (a barrier waits for them). A rank with one device in a job of
-//! two ranks, once its communicator exists (or for a call on a peer
-//! kernel, which needs none),
+//! two ranks, once NCCL calls of the call's collective were queued before
+//! (the communicator exists and NCCL connected what they need; at once for
+//! a call on a peer kernel, which needs neither),
 //! queues its part from the caller's thread where the device is idle, and
 //! sends the check ahead instead of waiting for it
 //! (`World::send_check_ahead`): the part's monitor compares the
@@ -40,7 +41,7 @@
 //! overlaps its destination is copied first (on the device), so the path
 //! never depends on one rank's buffers.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
@@ -99,11 +100,20 @@ pub(crate) struct Nccl {
     peer: Option<peer::PeerPath>,
     /// Names ranks by job rank in messages.
     label: Label,
-    /// Set once a part's NCCL calls were queued on the device: its NCCL
-    /// communicator exists (`ncclCommInitRank`, which waits for every rank,
-    /// is behind it), so a one-device rank's later parts wait for no other
-    /// rank while they are queued.
-    warm: AtomicBool,
+    /// The collectives (a bit each, `kind_bits`) whose NCCL calls were
+    /// queued on the device once: its NCCL communicator exists
+    /// (`ncclCommInitRank`, which waits for every rank, is behind the first)
+    /// and NCCL connected what that collective needs (with
+    /// `NCCL_RUNTIME_CONNECT`, on by default, the first call that needs a
+    /// connection makes it, waiting for the peer: an all-to-all's first
+    /// point-to-point links, say). A one-device rank's later parts of such
+    /// a collective wait for no other rank while they are queued.
+    warm: AtomicU32,
+}
+
+/// One bit per collective of `ops`.
+fn kind_bits(ops: &[Op]) -> u32 {
+    ops.iter().fold(0, |bits, op| bits | 1 << (op.collective() as u32))
 }
 
 /// Why this rank's devices cannot take the NCCL path (`None`: they can).
@@ -183,7 +193,7 @@ pub(crate) fn setup(world: &World, clients: &[Client]) -> Result<Option<Arc<Nccl
         clients: clients.to_vec(),
         store: Arc::new(store.duplicate()?),
         prefix,
-        warm: AtomicBool::new(false),
+        warm: AtomicU32::new(0),
     })))
 }
 
@@ -206,16 +216,18 @@ fn host_check(w: &mut World, fp: &Fingerprint) -> Result<(), Failure> {
 }
 
 impl Nccl {
-    /// Whether this device's NCCL communicator exists (see `warm`).
-    fn is_warm(&self) -> bool {
-        self.warm.load(Ordering::Relaxed)
+    /// Whether NCCL calls of every collective of `ops` were queued on
+    /// this device before (see `warm`).
+    fn is_warm(&self, ops: &[Op]) -> bool {
+        let bits = kind_bits(ops);
+        self.warm.load(Ordering::Relaxed) & bits == bits
     }
 
-    /// Notes that a part's NCCL calls were queued on the device: its NCCL
-    /// communicator exists (see `warm`).
-    pub(super) fn note_queued<T>(&self, queued: &Result<T, ServerError>) {
-        if queued.is_ok() && !self.warm.load(Ordering::Relaxed) {
-            self.warm.store(true, Ordering::Relaxed);
+    /// Notes that a part's NCCL calls for `ops` were queued on the device
+    /// (see `warm`).
+    pub(super) fn note_queued<T>(&self, ops: &[Op], queued: &Result<T, ServerError>) {
+        if queued.is_ok() {
+            self.warm.fetch_or(kind_bits(ops), Ordering::Relaxed);
         }
     }
 
@@ -225,9 +237,10 @@ impl Nccl {
     /// two ranks (`World::sends_checks_ahead` says why not more), for
     /// collectives other than a barrier (which waits for its call) that move
     /// bytes (a part with no NCCL call has nothing to confirm its check
-    /// after), once nothing in queueing them waits for another rank: the
-    /// NCCL communicator exists (`warm`), or the single call runs a peer
-    /// kernel (which needs none). The caller then need not hold the
+    /// after), once nothing in queueing them waits for another rank: NCCL
+    /// calls of each of their collectives were queued before (`warm`: the
+    /// communicator exists and NCCL connected what they need), or the
+    /// single call runs a peer kernel (which needs neither). The caller then need not hold the
     /// process-wide enqueue order: the part waits for no other device of
     /// this process.
     pub(crate) fn queues_inline(&self, ops: &[Op], grouped: bool) -> bool {
@@ -238,7 +251,7 @@ impl Nccl {
             [op] if !grouped => self.path_of(op).peer().is_some(),
             _ => false,
         };
-        let ahead = World::sends_checks_ahead(self.size) && (self.is_warm() || peer_kernel);
+        let ahead = World::sends_checks_ahead(self.size) && (self.is_warm(ops) || peer_kernel);
         self.local == 1 && collectives && (self.size == 1 || ahead)
     }
 
@@ -296,10 +309,10 @@ impl Nccl {
         // without the hand-over to the device thread (see
         // `Client::submit_buffers_inline`), once nothing in queueing it
         // waits for another rank: its fingerprint check is sent ahead
-        // (compared while and after it runs) and its NCCL communicator
-        // exists or it runs a peer kernel (the first NCCL part, whose
-        // `ncclCommInitRank` waits for every rank, goes to the device
-        // thread). See `queues_inline`.
+        // (compared while and after it runs) and its collective ran on NCCL
+        // before or it runs a peer kernel (the first NCCL part of each
+        // collective, whose `ncclCommInitRank` and connection wait for
+        // every rank, goes to the device thread). See `queues_inline`.
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
@@ -469,7 +482,7 @@ impl Nccl {
             // A split group runs on NCCL alone: its members' peer arenas are
             // not exchanged.
             peer: None,
-            warm: AtomicBool::new(false),
+            warm: AtomicU32::new(0),
         }))
     }
 
@@ -537,5 +550,26 @@ impl Nccl {
             }
         }
         queued == self.clients.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kind_bits;
+    use crate::op::Op;
+    use crate::ops::{DType, ReduceOp};
+
+    /// A collective is warm only once its own kind was queued: a first
+    /// all-to-all after many all-reduces is not (NCCL may connect for it).
+    #[test]
+    fn each_collective_kind_warms_on_its_own() {
+        let all_reduce = Op::all_reduce(DType::F32, ReduceOp::Sum, 4);
+        let all_to_all = Op::all_to_all(DType::F32, 4);
+        let warm = kind_bits(&[all_reduce]);
+        let wanted = |ops: &[Op]| warm & kind_bits(ops) == kind_bits(ops);
+        assert!(wanted(&[all_reduce, all_reduce]));
+        assert!(!wanted(&[all_to_all]));
+        assert!(!wanted(&[all_reduce, all_to_all]), "a grouped call needs every kind warm");
+        assert_ne!(kind_bits(&[all_to_all]), 0);
     }
 }
