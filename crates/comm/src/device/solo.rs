@@ -288,6 +288,10 @@ impl Solo {
                     return outcome;
                 }
                 stages::mark(Stage::WaitLooked);
+            } else if let Some(outcome) = self.outcome() {
+                // Ended by the device thread (its own poll, a timeout, an
+                // abort) while this waiter read the word.
+                return outcome;
             }
             if start.elapsed() >= window {
                 break;
