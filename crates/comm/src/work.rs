@@ -12,7 +12,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::EndSignal;
+use cohort_runtime::backend::{EndSignal, END_SIGNAL_REPOLL};
 use cohort_runtime::stages::{self, Stage};
 use smallvec::SmallVec;
 
@@ -38,18 +38,24 @@ impl<E: Seated> Waitable for E {
         //
         // Where a device writes a host word once its parts end (CUDA, see
         // `Client::poll_collectives_signal`), the waiter reads that word and
-        // polls the device again only once it is written.
+        // polls the device again once it is written, or every
+        // `END_SIGNAL_REPOLL` anyway.
         let helpers = self.helpers();
         if !helpers.is_empty() && !self.is_done() {
             let (start, window) = (Instant::now(), cohort_runtime::spin_window());
             let mut signals: SmallVec<[Option<EndSignal>; 4]> = helpers.iter().map(|_| None).collect();
+            let mut last_poll = start;
             loop {
+                let repoll = last_poll.elapsed() >= END_SIGNAL_REPOLL;
                 let mut polled = false;
                 for (client, signal) in helpers.iter().zip(signals.iter_mut()) {
-                    if signal.as_ref().is_none_or(EndSignal::reached) {
+                    if repoll || signal.as_ref().is_none_or(EndSignal::reached) {
                         *signal = client.poll_collectives_signal();
                         polled = true;
                     }
+                }
+                if polled {
+                    last_poll = Instant::now();
                 }
                 if polled {
                     stages::mark(Stage::WaitHelped);

@@ -133,10 +133,11 @@ impl World {
         body: impl FnOnce(&mut World) -> Result<(), Failure>,
     ) -> Result<(), Failure> {
         self.refuse_if_aborted(&fp)?;
-        // A failure there is an earlier call's (of its kind): this one
-        // stops because of it, and says so.
+        // A failure there (an earlier call's mismatch, a link, the timeout
+        // of a check still owed) stops this call too, and says so.
         let settled = self.settle_ahead(fp).map_err(|failure| {
-            let message = format!("{fp}{} stopped: an earlier call's check failed: {}", self.label, failure.message);
+            let message =
+                format!("{fp}{} stopped while settling the checks sent ahead: {}", self.label, failure.message);
             Failure::new(failure.kind, message)
         });
         let result = settled.and_then(|()| {

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, EndSignal};
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, EndSignal, END_SIGNAL_REPOLL};
 use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError, TaskHandles};
 use parking_lot::{Condvar, Mutex};
@@ -276,12 +276,14 @@ impl Solo {
         // Where the device writes a host word once the part ends (CUDA),
         // the waiter reads that word instead of entering the device and
         // asking the driver again and again; it polls once the word is
-        // written (the poll reaps the part), or once more at each look
-        // where there is no word.
-        let mut signal: Option<EndSignal> = None;
+        // written (the poll reaps the part), every `END_SIGNAL_REPOLL`
+        // anyway, and at each look where there is no word.
+        let (mut signal, mut polled): (Option<EndSignal>, Instant) = (None, start);
         loop {
-            if signal.as_ref().is_none_or(EndSignal::reached) {
+            let repoll = polled.elapsed() >= END_SIGNAL_REPOLL;
+            if repoll || signal.as_ref().is_none_or(EndSignal::reached) {
                 signal = self.client.poll_collectives_signal();
+                polled = Instant::now();
                 stages::mark(Stage::WaitHelped);
                 if let Some(outcome) = self.outcome() {
                     stages::mark(Stage::WaitLooked);

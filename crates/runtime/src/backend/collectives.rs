@@ -142,6 +142,11 @@ impl EndSignal {
     }
 }
 
+/// How often a waiter that reads an [`EndSignal`] polls the device anyway:
+/// the word stands behind the last part running when it was asked for,
+/// which may be another thread's longer one queued after the waiter's.
+pub const END_SIGNAL_REPOLL: Duration = Duration::from_micros(10);
+
 /// Whether a count that wraps, now `value`, reached `target`: up to 2^31
 /// counts past it still count as reached.
 pub(crate) fn count_reached(value: u32, target: u32) -> bool {

@@ -21,7 +21,7 @@ use std::time::Instant;
 pub use blas::{DeviceBlas, Gemm};
 pub use collectives::{
     CollectiveMonitor, CommSpec, Completion, DeviceCall, DeviceCollectives, EndSignal, PeerAlgo, PeerCall, PeerSpec,
-    PeerToken, PendingPart, PEER_ARENA_BYTES, PEER_MAX_BYTES, PEER_MAX_RANKS,
+    PeerToken, PendingPart, END_SIGNAL_REPOLL, PEER_ARENA_BYTES, PEER_MAX_BYTES, PEER_MAX_RANKS,
 };
 
 use crate::bytes::AlignedBytes;

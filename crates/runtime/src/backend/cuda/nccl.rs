@@ -222,9 +222,16 @@ fn one_rank_op(op: ReduceOp, ranks: usize) -> c_int {
 }
 
 /// Waits until a non-blocking communicator that answered "in progress"
-/// is ready (`ncclCommGetAsyncError` no longer says so), up to `timeout`,
-/// asking `stop` every 200 ms whether the job gave up (`Some(why)`).
-fn wait_ready(lib: &Nccl, comm: RawComm, timeout: Duration, stop: &dyn Fn() -> Option<String>) -> Result<(), String> {
+/// is ready (`ncclCommGetAsyncError` no longer says so), up to `timeout`
+/// (then the error says `late`, "after N s"), asking `stop` every 200 ms
+/// whether the job gave up (`Some(why)`).
+fn wait_ready(
+    lib: &Nccl,
+    comm: RawComm,
+    timeout: Duration,
+    late: &str,
+    stop: &dyn Fn() -> Option<String>,
+) -> Result<(), String> {
     let deadline = Instant::now() + timeout;
     let mut backoff = Backoff::new();
     let mut asked_stop = Instant::now();
@@ -238,9 +245,7 @@ fn wait_ready(lib: &Nccl, comm: RawComm, timeout: Duration, stop: &dyn Fn() -> O
         match state {
             nccl_lib::SUCCESS => return Ok(()),
             nccl_lib::IN_PROGRESS if Instant::now() < deadline => {}
-            nccl_lib::IN_PROGRESS => {
-                return Err(format!("the NCCL communicator was still connecting after {:.1} s", timeout.as_secs_f64()))
-            }
+            nccl_lib::IN_PROGRESS => return Err(format!("{late} after {:.1} s", timeout.as_secs_f64())),
             other => return Err(format!("NCCL reported an asynchronous error: {}", lib.describe(other, comm))),
         }
         if asked_stop.elapsed() >= Duration::from_millis(200) {
@@ -252,6 +257,9 @@ fn wait_ready(lib: &Nccl, comm: RawComm, timeout: Duration, stop: &dyn Fn() -> O
         backoff.pause();
     }
 }
+
+/// What a communicator still being created is doing at the timeout.
+const CONNECTING: &str = "the NCCL communicator was still connecting";
 
 impl CudaBackend {
     fn nccl_error(&self, operation: &str, reason: String) -> ServerError {
@@ -308,7 +316,7 @@ impl CudaBackend {
         if code == nccl_lib::IN_PROGRESS {
             // A non-blocking communicator (`NCCL_COMM_BLOCKING=0`): ready
             // once NCCL says so, or given up at the timeout.
-            if let Err(why) = wait_ready(lib, comm, timeout, &|| None) {
+            if let Err(why) = wait_ready(lib, comm, timeout, CONNECTING, &|| None) {
                 // SAFETY: the communicator just made; abort frees it.
                 unsafe { (lib.comm_abort)(comm) };
                 let (rank, ranks) = (spec.rank, spec.ranks);
@@ -474,7 +482,8 @@ impl CudaBackend {
             }
         }
         if result.is_ok() && in_progress.get() {
-            result = wait_ready(lib, comm, timeout, &|| None);
+            let late = "NCCL was still launching the calls of a non-blocking communicator";
+            result = wait_ready(lib, comm, timeout, late, &|| None);
         }
         result
     }
@@ -1074,11 +1083,17 @@ impl DeviceCollectives for CudaBackend {
         // (2.28.3 answers "success"), and hands the child over only when the
         // parent says every member joined; a blocking parent is ready now.
         // Given up, the parent stays inside the split: aborted.
-        if let Err(why) = wait_ready(lib, comm, timeout, stop) {
-            let reason = format!(
-                "{what}: {why} (a member never called it; raise COHORT_TIMEOUT if it is legitimately that late)"
-            );
-            self.abort(lib, parent.set, &reason);
+        let late = "a member never called it (raise COHORT_TIMEOUT if it is legitimately that late): still waiting";
+        if let Err(why) = wait_ready(lib, comm, timeout, late, stop) {
+            let reason = format!("{what}: {why}");
+            // Ends the parent's parts still pending with it (its
+            // communicator goes), and joins NCCL's split thread.
+            self.fail_set(lib, parent.set, &reason);
+            if !child.is_null() {
+                // SAFETY: a child the split finished after the last look;
+                // nothing else holds it.
+                unsafe { (lib.comm_abort)(child) };
+            }
             return Err(self.nccl_error("split", reason));
         }
         if child.is_null() {
@@ -1088,7 +1103,7 @@ impl DeviceCollectives for CudaBackend {
         // The child is blocking (`SplitConfig`) unless NCCL_COMM_BLOCKING=0
         // makes every communicator non-blocking: then it is ready once NCCL
         // says so.
-        if let Err(why) = wait_ready(lib, child, timeout, stop) {
+        if let Err(why) = wait_ready(lib, child, timeout, CONNECTING, stop) {
             // SAFETY: our child communicator; abort ends its set-up and frees it.
             unsafe { (lib.comm_abort)(child) };
             return Err(self.nccl_error("split", format!("{what}: {why}")));
@@ -1106,6 +1121,12 @@ impl DeviceCollectives for CudaBackend {
         let back = self.nccl.pending.back()?;
         if let Some(armed) = back.signal {
             return self.nccl.signals.signal(armed);
+        }
+        if back.done.is_some() {
+            // Other work may follow it on its stream (its event was
+            // recorded because something came next): a word written
+            // behind that would say nothing of the part for too long.
+            return None;
         }
         let stream = back.stream;
         if self.streams.is_capturing(stream) {

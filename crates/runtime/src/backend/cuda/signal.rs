@@ -58,8 +58,9 @@ impl HostWords {
 
 impl Drop for HostWords {
     fn drop(&mut self) {
-        // SAFETY: allocated in `Signals::page` with this layout; the
-        // registration ended (`Signals::close`) or its context is gone.
+        // SAFETY: allocated in `Signals::page` with this layout; its
+        // registration ended (`Signals::close` forgets a page it could not
+        // unregister) or never began.
         unsafe { std::alloc::dealloc(self.words.cast(), Self::layout()) };
     }
 }
@@ -88,19 +89,24 @@ impl Signals {
             }
             let words = Arc::new(HostWords { words });
             let mut device = 0;
+            let host = words.words.cast();
+            let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP;
             // SAFETY: the page is ours, page-aligned, `PAGE` bytes, alive
             // until unregistered (`close`); the context is current on the
             // calling thread (the device's, or a caller's that entered it).
-            let registered = unsafe {
-                let host = words.words.cast();
-                sys::cuMemHostRegister_v2(host, PAGE, sys::CU_MEMHOSTREGISTER_DEVICEMAP) == sys::CUresult::CUDA_SUCCESS
-                    && sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) == sys::CUresult::CUDA_SUCCESS
-            };
-            if registered {
+            let registered = unsafe { sys::cuMemHostRegister_v2(host, PAGE, flags) } == sys::CUresult::CUDA_SUCCESS;
+            // SAFETY: the page was just registered; writes one address.
+            let mapped = registered
+                && unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) } == sys::CUresult::CUDA_SUCCESS;
+            if mapped {
                 self.page = Some((words, device));
             } else {
                 tracing::debug!("no host page for end signals: waiters poll the driver");
                 self.unavailable = true;
+                if registered {
+                    self.page = Some((words, device));
+                    self.close();
+                }
             }
         }
         self.page.clone()
@@ -111,12 +117,12 @@ impl Signals {
     /// every piece of work queued on the stream before has completed.
     /// `None` where no slot or page can be had, or the write is refused.
     pub(crate) fn arm(&mut self, stream: StreamId, raw: sys::CUstream) -> Option<(usize, u32)> {
-        let (_, device) = self.page()?;
-        let next_slot = self.slots.len();
-        if next_slot >= SLOTS && !self.slots.contains_key(&stream) {
-            return None;
+        let (words, device) = self.page()?;
+        if !self.slots.contains_key(&stream) {
+            let slot = self.free_slot(&words)?;
+            self.slots.insert(stream, slot);
         }
-        let (slot, count) = self.slots.entry(stream).or_insert((next_slot, 0));
+        let (slot, count) = self.slots.get_mut(&stream).expect("inserted above");
         let target = count.wrapping_add(1);
         let address = device + (*slot * 4) as sys::CUdeviceptr;
         // SAFETY: a live stream of the current context; `address` is the
@@ -124,10 +130,28 @@ impl Signals {
         // ordered after the stream's earlier work, with a memory barrier.
         let code = unsafe { sys::cuStreamWriteValue32_v2(raw, address, target, 0) };
         if code != sys::CUresult::CUDA_SUCCESS {
+            // Refused (stream memory operations off, say): not asked again.
+            tracing::debug!(?code, "cuStreamWriteValue32 refused: waiters poll the driver");
+            self.unavailable = true;
             return None;
         }
         *count = target;
         Some((*slot, target))
+    }
+
+    /// A slot for a stream that has none, with the count its word holds: a
+    /// new one while the page has room, else one whose writes all landed
+    /// (its stream's signals all reached, so the slot's count goes on from
+    /// there and they stay reached). `None` while every slot has a write
+    /// in flight.
+    fn free_slot(&mut self, words: &HostWords) -> Option<(usize, u32)> {
+        if self.slots.len() < SLOTS {
+            return Some((self.slots.len(), 0));
+        }
+        let (&idle, &(slot, count)) =
+            self.slots.iter().find(|(_, &(slot, count))| words.word(slot).load(Ordering::Acquire) == count)?;
+        self.slots.remove(&idle);
+        Some((slot, count))
     }
 
     /// The waiter's view of `(slot, target)` from [`Signals::arm`].
@@ -146,8 +170,12 @@ impl Signals {
     pub(crate) fn close(&mut self) {
         if let Some((words, _)) = self.page.take() {
             // SAFETY: registered in `page`, unregistered once.
-            unsafe {
-                let _ = sys::cuMemHostUnregister(words.words.cast());
+            let code = unsafe { sys::cuMemHostUnregister(words.words.cast()) };
+            if code != sys::CUresult::CUDA_SUCCESS {
+                // Still registered (a lost context answers so until it is
+                // reset): the page is never freed rather than handed back
+                // to the allocator pinned.
+                std::mem::forget(words);
             }
         }
         self.slots.clear();
