@@ -686,6 +686,88 @@ fn peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit() {
     }
 }
 
+/// Three processes, one `Communicator` rank each, on the peer kernels (all
+/// on one GPU where there are fewer than three). In a job of three ranks a
+/// call queued from the caller's thread waits for its check there first
+/// (it is not sent ahead): calls queued back to back end right, and when
+/// rank 1 calls an all-reduce of the same bytes but another type, no rank's
+/// call succeeds (rank 0, whose predecessor agrees with it, included).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn peer_kernels_across_three_processes_fail_a_mismatch_on_every_rank() {
+    const NAME: &str = "peer_kernels_across_three_processes_fail_a_mismatch_on_every_rank";
+    if let Ok(rank) = std::env::var("COHORT_TEST_PEER3_RANK") {
+        return three_ranks(rank.parse().unwrap());
+    }
+    let count = CudaRuntime::device_count().unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+    assert!(count >= 1, "this test needs a CUDA GPU, found none");
+    let server = cohort_comm::store::StoreServer::bind("127.0.0.1:0", "peer-test").unwrap();
+    let children: Vec<_> = (0..3)
+        .map(|rank| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", NAME, "--include-ignored", "--nocapture"])
+                .env("COHORT_TEST_PEER3_RANK", rank.to_string())
+                .env("COHORT_TEST_PEER_STORE", server.local_addr().to_string())
+                .env("COHORT_ALGO", "oneshot")
+                .env("COHORT_TIMEOUT", "60")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (rank, child) in children.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains(&format!("RANK {rank} OK")), "rank {rank}: {text}");
+    }
+}
+
+fn three_ranks(rank: usize) {
+    let addr = std::env::var("COHORT_TEST_PEER_STORE").unwrap();
+    let client = CudaRuntime::client(rank % CudaRuntime::device_count().unwrap()).unwrap();
+    let comm = cohort_comm::Communicator::connect(rank, 3, &addr, "peer-test", vec![client.clone()]).unwrap();
+    let probe = cohort_comm::op::Op::all_reduce(DType::F32, ReduceOp::Sum, 4);
+    assert_eq!(comm.path_of(&probe), Some(Path::OneShot), "rank {rank}: the fast path is set up");
+    let value = |i: usize, r: usize| (r * 100 + i) as f32;
+    let srcs: Vec<Handle> =
+        (0..16).map(|i| client.create_from_slice(bytemuck::cast_slice(&[value(i, rank); 64]))).collect();
+    let dsts: Vec<Handle> = (0..16).map(|_| client.empty(64 * 4)).collect();
+    client.sync().unwrap();
+    let inline_before = client.stats().unwrap().inline_tasks;
+    let works: Vec<_> = srcs
+        .iter()
+        .zip(&dsts)
+        .map(|(s, d)| {
+            comm.all_reduce_handles(std::slice::from_ref(s), std::slice::from_ref(d), DType::F32, ReduceOp::Sum)
+                .unwrap()
+        })
+        .collect();
+    let inline = client.stats().unwrap().inline_tasks - inline_before;
+    assert!(inline > 0, "rank {rank}: none of 16 calls was queued from the caller's thread");
+    for (i, (work, dst)) in works.iter().zip(dsts).enumerate() {
+        work.wait().unwrap_or_else(|e| panic!("rank {rank}: queued call {i}: {e}"));
+        let got = client.read_one(dst).unwrap();
+        let want = value(i, 0) + value(i, 1) + value(i, 2);
+        assert!(bytemuck::cast_slice::<u8, f32>(&got).iter().all(|&x| x == want), "rank {rank}: queued call {i}");
+    }
+
+    // The same 16 bytes, another type on rank 1 only.
+    let dtype = if rank == 1 { DType::I32 } else { DType::F32 };
+    let src = client.create_from_slice(&[0u8; 16]);
+    let dst = client.empty(16);
+    let started = Instant::now();
+    let outcome = comm
+        .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), dtype, ReduceOp::Sum)
+        .and_then(|work| work.wait());
+    let err = outcome.expect_err("a mismatched all-reduce fails on every rank").to_string();
+    assert!(err.contains("mismatch") || err.contains("aborted"), "rank {rank}: {err}");
+    assert!(started.elapsed() < comm.timeout(), "rank {rank}: found only at the timeout: {err}");
+    let read = client.read_one(dst).expect_err("the destination is marked").to_string();
+    assert!(read.contains("mismatch") || read.contains("aborted"), "rank {rank}: {read}");
+    println!("RANK {rank} OK");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn bad_peer_arguments_are_refused_with_a_clear_error() {

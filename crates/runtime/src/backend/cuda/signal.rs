@@ -70,7 +70,8 @@ impl Drop for HostWords {
 pub(crate) struct Signals {
     /// The page and its address for the GPU, made on first use.
     page: Option<(Arc<HostWords>, sys::CUdeviceptr)>,
-    /// Set when the page could not be made: no signals then.
+    /// Set when the page could not be made or a write was refused: no
+    /// signals then (waiters poll the driver).
     unavailable: bool,
     /// Each signalled stream's slot and the count of writes queued on it.
     slots: HashMap<StreamId, (usize, u32)>,
