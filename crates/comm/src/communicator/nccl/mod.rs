@@ -20,15 +20,15 @@
 //! runtime's [`DeviceCollectives`](cohort_runtime::backend::DeviceCollectives)
 //! hook: its device thread creates its NCCL communicator on first use
 //! (`ncclCommInitRank`), queues the calls on the caller's stream and
-//! returns (a barrier waits for them). A rank with one device, once NCCL
-//! calls of the call's collective were queued before (the communicator
-//! exists and NCCL connected what they need; at once for a call on a peer
-//! kernel, which needs neither), queues its part from the caller's thread
-//! where the device is idle: in a job of two ranks it sends the check
-//! ahead instead of waiting for it (`World::send_check_ahead`): the part's
-//! monitor compares the predecessor's fingerprint on every poll and before
-//! the part ends as done, and a mismatch fails the call and aborts; in a
-//! larger job it waits for the check on that thread first. The
+//! returns (a barrier waits for them). A rank with one device in a job of
+//! two ranks, once NCCL calls of the call's collective were queued before
+//! (the communicator exists and NCCL connected what they need; at once for
+//! a call on a peer kernel, which needs neither),
+//! queues its part from the caller's thread where the device is idle, and
+//! sends the check ahead instead of waiting for it
+//! (`World::send_check_ahead`): the part's monitor compares the
+//! predecessor's fingerprint on every poll and before the part ends as
+//! done, and a mismatch fails the call and aborts. The
 //! device polls them later, looking at the deadline, this rank's other
 //! parts and the store's abort flag, and their failure marks the
 //! destinations; a waiter on a rank with one device polls it itself. A failed or expired part aborts
@@ -232,18 +232,17 @@ impl Nccl {
     }
 
     /// Whether the calls `ops` (a grouped call's when `grouped`) are
-    /// queued from the caller's thread (see `launch_calls`): on a rank with
-    /// one device, for collectives other than a barrier (which waits for
-    /// its call) that move bytes (a part with no NCCL call has nothing to
-    /// confirm a check sent ahead after), once nothing in queueing them
-    /// waits for another rank but their check: NCCL calls of each of their
-    /// collectives were queued before (`warm`: the communicator exists and
-    /// NCCL connected what they need), or the single call runs a peer
-    /// kernel (which needs neither). The caller then need not hold the
+    /// queued from the caller's thread, their fingerprint check sent ahead
+    /// (see `launch_calls`): on a rank with one device of a job of one or
+    /// two ranks (`World::sends_checks_ahead` says why not more), for
+    /// collectives other than a barrier (which waits for its call) that move
+    /// bytes (a part with no NCCL call has nothing to confirm its check
+    /// after), once nothing in queueing them waits for another rank: NCCL
+    /// calls of each of their collectives were queued before (`warm`: the
+    /// communicator exists and NCCL connected what they need), or the
+    /// single call runs a peer kernel (which needs neither). The caller then need not hold the
     /// process-wide enqueue order: the part waits for no other device of
-    /// this process. Where the check is sent ahead see
-    /// [`Nccl::sends_checks_ahead`]; otherwise it is waited for on the
-    /// caller's thread, as the device thread would.
+    /// this process.
     pub(crate) fn queues_inline(&self, ops: &[Op], grouped: bool) -> bool {
         let collectives = ops
             .iter()
@@ -252,14 +251,8 @@ impl Nccl {
             [op] if !grouped => self.path_of(op).peer().is_some(),
             _ => false,
         };
-        self.local == 1 && collectives && (self.size == 1 || self.is_warm(ops) || peer_kernel)
-    }
-
-    /// Whether a call queued from the caller's thread sends its check
-    /// ahead rather than waiting for it there: in a job of two ranks
-    /// (`World::sends_checks_ahead` says why not more).
-    fn sends_checks_ahead(&self) -> bool {
-        self.size > 1 && World::sends_checks_ahead(self.size)
+        let ahead = World::sends_checks_ahead(self.size) && (self.is_warm(ops) || peer_kernel);
+        self.local == 1 && collectives && (self.size == 1 || ahead)
     }
 
     /// Whether a call takes the NCCL path (see the module docs).
@@ -301,8 +294,7 @@ impl Nccl {
         let devices = self.clients.iter().map(Client::device_id);
         let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
         let inline = self.queues_inline(&ops, fp.group.is_some());
-        let call =
-            NcclCall::new(self.clone(), world.clone(), fp, inline && self.sends_checks_ahead(), devices, timeout);
+        let call = NcclCall::new(self.clone(), world.clone(), fp, inline && self.size > 1, devices, timeout);
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         // The same buckets on every member (they follow from the calls).
         let buckets = fusion::buckets(&ops, fusion::cap());
@@ -316,13 +308,11 @@ impl Nccl {
         // it is queued from this thread at once where the device is idle,
         // without the hand-over to the device thread (see
         // `Client::submit_buffers_inline`), once nothing in queueing it
-        // waits for another rank but its check: its collective ran on NCCL
+        // waits for another rank: its fingerprint check is sent ahead
+        // (compared while and after it runs) and its collective ran on NCCL
         // before or it runs a peer kernel (the first NCCL part of each
         // collective, whose `ncclCommInitRank` and connection wait for
-        // every rank, goes to the device thread). Its fingerprint check is
-        // sent ahead (compared while and after it runs) in a job of two
-        // ranks, and waited for on this thread in larger ones. See
-        // `queues_inline`.
+        // every rank, goes to the device thread). See `queues_inline`.
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
