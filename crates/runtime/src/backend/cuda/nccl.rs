@@ -360,9 +360,10 @@ impl CudaBackend {
         let ptr = |b: Binding| -> Result<*mut c_void, String> {
             self.pages.ptr(b).map(|p| p as *mut c_void).map_err(|e| e.to_string())
         };
-        // A non-blocking communicator (one made by a split) may answer
-        // "in progress" while it connects: it is waited for below, since
-        // NCCL takes no further call on it until it is ready.
+        // A non-blocking communicator (`NCCL_COMM_BLOCKING=0`) answers "in
+        // progress" while NCCL launches the calls on a thread of its own:
+        // it is waited for below, since NCCL takes no further call on it
+        // until it is ready.
         let in_progress = std::cell::Cell::new(false);
         let check = |call: &str, code: c_int| {
             if code == nccl_lib::SUCCESS {
