@@ -820,18 +820,8 @@ impl CudaBackend {
             PartWork::Nccl { comm, .. } => (comm, None),
             PartWork::Peer { .. } => (std::ptr::null_mut(), self.nccl.peer.error_word(set)),
         };
-        let signal = None;
-        self.nccl.pending.push_back(Pending {
-            part,
-            stream,
-            set,
-            comm,
-            peer_error,
-            done,
-            monitor,
-            front_since,
-            signal,
-        });
+        let pending = Pending { part, stream, set, comm, peer_error, done, monitor, front_since, signal: None };
+        self.nccl.pending.push_back(pending);
         self.update_held_frees();
         if completion == Completion::Defer {
             return Ok(Some(part));
