@@ -56,8 +56,6 @@ impl<E: Seated> Waitable for E {
                 }
                 if polled {
                     last_poll = Instant::now();
-                }
-                if polled {
                     stages::mark(Stage::WaitHelped);
                     let done = self.is_done();
                     stages::mark(Stage::WaitLooked);
