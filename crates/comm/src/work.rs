@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{EndSignal, END_SIGNAL_REPOLL};
 use cohort_runtime::stages::{self, Stage};
+use cohort_runtime::Client;
 use smallvec::SmallVec;
 
 use crate::error::CommError;
@@ -34,28 +35,15 @@ impl<E: Seated> Waitable for E {
         // waits for the device thread to tell it: no wake-up on either
         // side. When it cannot look for a moment (the device thread holds
         // the device, polling the same collectives), it goes on watching:
-        // the end is seen as soon as either thread finds it.
+        // the end is seen as soon as either thread finds it. It reads the
+        // devices' end signals between polls (`EndWatch`).
         //
-        // Where a device writes a host word once its parts end (CUDA, see
-        // `Client::poll_collectives_signal`), the waiter reads that word and
-        // polls the device again once it is written, or every
-        // `END_SIGNAL_REPOLL` anyway.
         let helpers = self.helpers();
         if !helpers.is_empty() && !self.is_done() {
             let (start, window) = (Instant::now(), cohort_runtime::spin_window());
-            let mut signals: SmallVec<[Option<EndSignal>; 4]> = helpers.iter().map(|_| None).collect();
-            let mut last_poll = start;
+            let mut watch = EndWatch::new(helpers);
             loop {
-                let repoll = last_poll.elapsed() >= END_SIGNAL_REPOLL;
-                let mut polled = false;
-                for (client, signal) in helpers.iter().zip(signals.iter_mut()) {
-                    if repoll || signal.as_ref().is_none_or(EndSignal::reached) {
-                        *signal = client.poll_collectives_signal();
-                        polled = true;
-                    }
-                }
-                if polled {
-                    last_poll = Instant::now();
+                if watch.look() {
                     stages::mark(Stage::WaitHelped);
                     let done = self.is_done();
                     stages::mark(Stage::WaitLooked);
@@ -76,6 +64,41 @@ impl<E: Seated> Waitable for E {
 
     fn is_done(&self) -> bool {
         self.meeting().is_done(|state, slot| self.part_done(state, slot))
+    }
+}
+
+/// A waiter's looks at the devices its collective runs on, from its own
+/// thread: each look polls a device (ending what ended there) unless the
+/// device's end signal, a host word it writes once the parts running at
+/// the last poll ended (CUDA, see `Client::poll_collectives_signal`), is
+/// not written yet; every `END_SIGNAL_REPOLL` it polls anyway (the word
+/// may stand behind another thread's longer part).
+pub(crate) struct EndWatch<'a> {
+    clients: &'a [Client],
+    signals: SmallVec<[Option<EndSignal>; 4]>,
+    last_poll: Instant,
+}
+
+impl<'a> EndWatch<'a> {
+    pub(crate) fn new(clients: &'a [Client]) -> Self {
+        Self { clients, signals: clients.iter().map(|_| None).collect(), last_poll: Instant::now() }
+    }
+
+    /// Polls the devices whose signal says to; whether it polled any (only
+    /// then can the collective have ended by this thread's hand).
+    pub(crate) fn look(&mut self) -> bool {
+        let repoll = self.last_poll.elapsed() >= END_SIGNAL_REPOLL;
+        let mut polled = false;
+        for (client, signal) in self.clients.iter().zip(self.signals.iter_mut()) {
+            if repoll || signal.as_ref().is_none_or(EndSignal::reached) {
+                *signal = client.poll_collectives_signal();
+                polled = true;
+            }
+        }
+        if polled {
+            self.last_poll = Instant::now();
+        }
+        polled
     }
 }
 

@@ -5,6 +5,8 @@
 //! `ncclGroupStart/End` per device) equals 100 separate calls. The ranks are
 //! threads of this process, one GPU each.
 
+mod cuda_common;
+
 use std::thread;
 
 use cohort_comm::store::StoreServer;
@@ -134,14 +136,9 @@ fn cuda_a_split_of_a_non_blocking_parent_waits_for_the_child() {
         println!("CHILD OK");
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", NAME, "--include-ignored", "--nocapture"])
-        .env("NCCL_COMM_BLOCKING", "0")
-        .env("COHORT_TEST_NON_BLOCKING_SPLIT", "1")
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("CHILD OK"), "{text}");
+    let envs = [("NCCL_COMM_BLOCKING", "0".into()), ("COHORT_TEST_NON_BLOCKING_SPLIT", "1".into())];
+    let (ok, text) = cuda_common::finish(cuda_common::rerun(NAME, &envs));
+    assert!(ok && text.contains("CHILD OK"), "{text}");
 }
 
 #[test]

@@ -226,14 +226,9 @@ fn a_non_blocking_communicator_asked_for_by_the_environment_works() {
         println!("CHILD OK");
         return;
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", NAME, "--include-ignored", "--nocapture"])
-        .env("NCCL_COMM_BLOCKING", "0")
-        .env("COHORT_TEST_NON_BLOCKING_CHILD", "1")
-        .output()
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("CHILD OK"), "{text}");
+    let envs = [("NCCL_COMM_BLOCKING", "0".into()), ("COHORT_TEST_NON_BLOCKING_CHILD", "1".into())];
+    let (ok, text) = cuda_common::finish(cuda_common::rerun(NAME, &envs));
+    assert!(ok && text.contains("CHILD OK"), "{text}");
 }
 
 /// A collective followed on its stream by other work ends when its own
@@ -306,16 +301,7 @@ fn a_collective_on_an_idle_device_is_queued_by_the_callers_thread() {
     assert!(inline, "a one-rank all-reduce on an idle device never ran on the caller's thread");
 
     // Waited on at once, many times: each handle ends.
-    for round in 0..200u32 {
-        let src = device.create(Bytes::from_elems(&[round; 8]));
-        let dst = device.empty(32);
-        group
-            .all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U32, ReduceOp::Sum)
-            .unwrap()
-            .wait()
-            .unwrap();
-        assert_eq!(device.read_one(dst).unwrap().to_elems::<u32>(), vec![round; 8]);
-    }
+    waited_sums(&group, &device, 200);
 
     // Behind a held task: queued, and run after it.
     let dst = device.empty(4096);
@@ -392,7 +378,13 @@ fn a_waiter_learns_a_collective_ended_from_a_host_word_the_device_writes() {
     assert_eq!(device.read_one(dst).unwrap().to_elems::<f32>(), vec![7.5; 256]);
 
     // Many waited calls, each through its word where the waiter got one.
-    for round in 0..200u32 {
+    waited_sums(&group, &device, 200);
+}
+
+/// `rounds` all-reduces of `group` on `device`, each waited on at once:
+/// each handle ends, with the right sum.
+fn waited_sums(group: &ClientGroup, device: &Client, rounds: u32) {
+    for round in 0..rounds {
         let src = device.create(Bytes::from_elems(&[round; 8]));
         let dst = device.empty(32);
         group

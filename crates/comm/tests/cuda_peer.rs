@@ -592,29 +592,9 @@ fn communicator_rank(rank: usize) {
 /// sent ahead) end right; then rank 1 calls a longer all-reduce than rank
 /// 0: neither hangs, both name the mismatch, and a later call is refused.
 fn queued_back_to_back_then_a_mismatch(rank: usize, comm: &cohort_comm::Communicator, client: &Client) {
-    let value = |i: usize, r: usize| (r * 100 + i) as f32;
-    let srcs: Vec<Handle> =
-        (0..64).map(|i| client.create_from_slice(bytemuck::cast_slice(&[value(i, rank); 256]))).collect();
-    let dsts: Vec<Handle> = (0..64).map(|_| client.empty(256 * 4)).collect();
-    client.sync().unwrap();
-    let inline_before = client.stats().unwrap().inline_tasks;
-    let works: Vec<_> = srcs
-        .iter()
-        .zip(&dsts)
-        .map(|(s, d)| {
-            comm.all_reduce_handles(std::slice::from_ref(s), std::slice::from_ref(d), DType::F32, ReduceOp::Sum)
-                .unwrap()
-        })
-        .collect();
-    let inline = client.stats().unwrap().inline_tasks - inline_before;
+    let inline = queued_sums(comm, client, 64, 256);
     assert!(inline > 0, "rank {rank}: none of 64 calls was queued from the caller's thread");
     println!("rank {rank}: {inline} of 64 calls queued from the caller's thread");
-    for (i, (work, dst)) in works.iter().zip(dsts).enumerate() {
-        work.wait().unwrap_or_else(|e| panic!("rank {rank}: queued call {i}: {e}"));
-        let got = client.read_one(dst).unwrap();
-        let want = value(i, 0) + value(i, 1);
-        assert!(bytemuck::cast_slice::<u8, f32>(&got).iter().all(|&x| x == want), "rank {rank}: queued call {i}");
-    }
 
     let count = 4 * (rank + 1);
     let src = client.create_from_slice(&vec![0u8; count * 4]);
@@ -645,6 +625,61 @@ fn queued_back_to_back_then_a_mismatch(rank: usize, comm: &cohort_comm::Communic
     assert!(err.contains("aborted"), "rank {rank}: {err}");
 }
 
+/// Queues `calls` f32 all-reduces of `floats` elements back to back on this
+/// rank (rank r's call i holds r * 100 + i), then waits for each and checks
+/// its sum over every rank; returns how many were queued from the caller's
+/// thread.
+fn queued_sums(comm: &cohort_comm::Communicator, client: &Client, calls: usize, floats: usize) -> u64 {
+    let (rank, ranks) = (comm.rank(), comm.size());
+    let value = |i: usize, r: usize| (r * 100 + i) as f32;
+    let srcs: Vec<Handle> =
+        (0..calls).map(|i| client.create_from_slice(bytemuck::cast_slice(&vec![value(i, rank); floats]))).collect();
+    let dsts: Vec<Handle> = (0..calls).map(|_| client.empty(floats * 4)).collect();
+    client.sync().unwrap();
+    let inline_before = client.stats().unwrap().inline_tasks;
+    let works: Vec<_> = srcs
+        .iter()
+        .zip(&dsts)
+        .map(|(s, d)| {
+            comm.all_reduce_handles(std::slice::from_ref(s), std::slice::from_ref(d), DType::F32, ReduceOp::Sum)
+                .unwrap()
+        })
+        .collect();
+    let inline = client.stats().unwrap().inline_tasks - inline_before;
+    for (i, (work, dst)) in works.iter().zip(dsts).enumerate() {
+        work.wait().unwrap_or_else(|e| panic!("rank {rank}: queued call {i}: {e}"));
+        let got = client.read_one(dst).unwrap();
+        let want: f32 = (0..ranks).map(|r| value(i, r)).sum();
+        assert!(bytemuck::cast_slice::<u8, f32>(&got).iter().all(|&x| x == want), "rank {rank}: queued call {i}");
+    }
+    inline
+}
+
+/// Runs test `name` as `ranks` child processes (`COHORT_TEST_PEER_RANK`),
+/// one `Communicator` rank each over a store served here, on the peer
+/// kernels of `algo`; each must print "RANK r OK".
+fn peer_ranks(name: &str, ranks: usize, algo: &str) {
+    // Checked here, with a clear message, before any child needs a GPU.
+    let count = CudaRuntime::device_count().unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+    assert!(count >= 1, "this test needs a CUDA GPU, found none");
+    let server = cohort_comm::store::StoreServer::bind("127.0.0.1:0", "peer-test").unwrap();
+    let children: Vec<_> = (0..ranks)
+        .map(|rank| {
+            let envs = [
+                ("COHORT_TEST_PEER_RANK", rank.to_string()),
+                ("COHORT_TEST_PEER_STORE", server.local_addr().to_string()),
+                ("COHORT_ALGO", algo.to_string()),
+                ("COHORT_TIMEOUT", "60".to_string()),
+            ];
+            cuda_common::rerun(name, &envs)
+        })
+        .collect();
+    for (rank, child) in children.into_iter().enumerate() {
+        let (ok, text) = cuda_common::finish(child);
+        assert!(ok && text.contains(&format!("RANK {rank} OK")), "{algo}, rank {rank}: {text}");
+    }
+}
+
 /// Two processes, one `Communicator` rank each, on the peer kernels (each
 /// opens the other's arena through its CUDA IPC handle): one GPU each where
 /// there are two, both on one GPU otherwise.
@@ -654,35 +689,8 @@ fn peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit() {
     if let Ok(rank) = std::env::var("COHORT_TEST_PEER_RANK") {
         return communicator_rank(rank.parse().unwrap());
     }
-    // Checked here, with a clear message, before any child needs a GPU.
-    let count = CudaRuntime::device_count().unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
-    assert!(count >= 1, "this test needs a CUDA GPU, found none");
     for algo in ["oneshot", "twoshot"] {
-        let server = cohort_comm::store::StoreServer::bind("127.0.0.1:0", "peer-test").unwrap();
-        let children: Vec<_> = (0..2)
-            .map(|rank| {
-                std::process::Command::new(std::env::current_exe().unwrap())
-                    .args([
-                        "--exact",
-                        "peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit",
-                        "--include-ignored",
-                        "--nocapture",
-                    ])
-                    .env("COHORT_TEST_PEER_RANK", rank.to_string())
-                    .env("COHORT_TEST_PEER_STORE", server.local_addr().to_string())
-                    .env("COHORT_ALGO", algo)
-                    .env("COHORT_TIMEOUT", "60")
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        for (rank, child) in children.into_iter().enumerate() {
-            let out = child.wait_with_output().unwrap();
-            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-            assert!(out.status.success() && text.contains(&format!("RANK {rank} OK")), "{algo}, rank {rank}: {text}");
-        }
+        peer_ranks("peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit", 2, algo);
     }
 }
 
@@ -696,31 +704,10 @@ fn peer_kernels_across_two_processes_give_the_host_reference_bit_for_bit() {
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn peer_kernels_across_three_processes_fail_a_mismatch_on_every_rank() {
     const NAME: &str = "peer_kernels_across_three_processes_fail_a_mismatch_on_every_rank";
-    if let Ok(rank) = std::env::var("COHORT_TEST_PEER3_RANK") {
+    if let Ok(rank) = std::env::var("COHORT_TEST_PEER_RANK") {
         return three_ranks(rank.parse().unwrap());
     }
-    let count = CudaRuntime::device_count().unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
-    assert!(count >= 1, "this test needs a CUDA GPU, found none");
-    let server = cohort_comm::store::StoreServer::bind("127.0.0.1:0", "peer-test").unwrap();
-    let children: Vec<_> = (0..3)
-        .map(|rank| {
-            std::process::Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", NAME, "--include-ignored", "--nocapture"])
-                .env("COHORT_TEST_PEER3_RANK", rank.to_string())
-                .env("COHORT_TEST_PEER_STORE", server.local_addr().to_string())
-                .env("COHORT_ALGO", "oneshot")
-                .env("COHORT_TIMEOUT", "60")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for (rank, child) in children.into_iter().enumerate() {
-        let out = child.wait_with_output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && text.contains(&format!("RANK {rank} OK")), "rank {rank}: {text}");
-    }
+    peer_ranks(NAME, 3, "oneshot");
 }
 
 fn three_ranks(rank: usize) {
@@ -729,28 +716,8 @@ fn three_ranks(rank: usize) {
     let comm = cohort_comm::Communicator::connect(rank, 3, &addr, "peer-test", vec![client.clone()]).unwrap();
     let probe = cohort_comm::op::Op::all_reduce(DType::F32, ReduceOp::Sum, 4);
     assert_eq!(comm.path_of(&probe), Some(Path::OneShot), "rank {rank}: the fast path is set up");
-    let value = |i: usize, r: usize| (r * 100 + i) as f32;
-    let srcs: Vec<Handle> =
-        (0..16).map(|i| client.create_from_slice(bytemuck::cast_slice(&[value(i, rank); 64]))).collect();
-    let dsts: Vec<Handle> = (0..16).map(|_| client.empty(64 * 4)).collect();
-    client.sync().unwrap();
-    let inline_before = client.stats().unwrap().inline_tasks;
-    let works: Vec<_> = srcs
-        .iter()
-        .zip(&dsts)
-        .map(|(s, d)| {
-            comm.all_reduce_handles(std::slice::from_ref(s), std::slice::from_ref(d), DType::F32, ReduceOp::Sum)
-                .unwrap()
-        })
-        .collect();
-    let inline = client.stats().unwrap().inline_tasks - inline_before;
+    let inline = queued_sums(&comm, &client, 16, 64);
     assert_eq!(inline, 0, "rank {rank}: a call of a job of three was queued from the caller's thread");
-    for (i, (work, dst)) in works.iter().zip(dsts).enumerate() {
-        work.wait().unwrap_or_else(|e| panic!("rank {rank}: queued call {i}: {e}"));
-        let got = client.read_one(dst).unwrap();
-        let want = value(i, 0) + value(i, 1) + value(i, 2);
-        assert!(bytemuck::cast_slice::<u8, f32>(&got).iter().all(|&x| x == want), "rank {rank}: queued call {i}");
-    }
 
     // The same 16 bytes, another type on rank 1 only.
     let dtype = if rank == 1 { DType::I32 } else { DType::F32 };

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, EndSignal, END_SIGNAL_REPOLL};
+use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion};
 use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError, TaskHandles};
 use parking_lot::{Condvar, Mutex};
@@ -32,6 +32,7 @@ use crate::error::CommError;
 use crate::meeting::WaitEnd;
 use crate::op::{Collective, Op};
 use crate::trace::Watched;
+use crate::work::EndWatch;
 
 /// The part is queued, or running on the device.
 const RUNNING: u8 = 0;
@@ -273,26 +274,16 @@ impl Solo {
             return outcome;
         }
         let (start, window) = (Instant::now(), cohort_runtime::spin_window());
-        // Where the device writes a host word once the part ends (CUDA),
-        // the waiter reads that word instead of entering the device and
-        // asking the driver again and again; it polls once the word is
-        // written (the poll reaps the part), every `END_SIGNAL_REPOLL`
-        // anyway, and at each look where there is no word.
-        let (mut signal, mut polled): (Option<EndSignal>, Instant) = (None, start);
+        // Between looks (`EndWatch`: polls, or reads of the device's end
+        // signal) it returns as soon as the part ended, by whichever
+        // thread's hand.
+        let mut watch = EndWatch::new(std::slice::from_ref(&self.client));
         loop {
-            let repoll = polled.elapsed() >= END_SIGNAL_REPOLL;
-            if repoll || signal.as_ref().is_none_or(EndSignal::reached) {
-                signal = self.client.poll_collectives_signal();
-                polled = Instant::now();
+            if watch.look() {
                 stages::mark(Stage::WaitHelped);
-                if let Some(outcome) = self.outcome() {
-                    stages::mark(Stage::WaitLooked);
-                    return outcome;
-                }
+            }
+            if let Some(outcome) = self.outcome() {
                 stages::mark(Stage::WaitLooked);
-            } else if let Some(outcome) = self.outcome() {
-                // Ended by the device thread (its own poll, a timeout, an
-                // abort) while this waiter read the word.
                 return outcome;
             }
             if start.elapsed() >= window {

@@ -56,3 +56,24 @@ pub fn one_gib(group: &ClientGroup) {
     }
     group.barrier().expect("a barrier after the 1 GiB collectives");
 }
+
+/// Starts this test binary again, running only test `name`, with `envs`
+/// set (a child process of its own: for variables read once per process,
+/// and for ranks in processes); its output is piped for [`finish`].
+pub fn rerun(name: &str, envs: &[(&str, String)]) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().expect("the test's own path"))
+        .args(["--exact", name, "--include-ignored", "--nocapture"])
+        .envs(envs.iter().map(|(k, v)| (k, v)))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the test's own binary starts")
+}
+
+/// Waits for a child from [`rerun`]: whether it succeeded, and its output
+/// (stdout, then stderr).
+pub fn finish(child: std::process::Child) -> (bool, String) {
+    let out = child.wait_with_output().expect("the child's output");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}

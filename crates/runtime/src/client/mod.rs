@@ -21,7 +21,7 @@ use crate::error::ServerError;
 use crate::handle::{Handle, LayoutPolicy};
 use crate::id::{DeviceId, ServiceId, StreamId};
 use crate::properties::{Capabilities, DeviceProperties};
-use crate::state::DeviceStats;
+use crate::state::{DeviceState, DeviceStats};
 
 pub use memory::{MemoryReport, MemoryScope};
 pub use timestamps::Timestamp;
@@ -271,17 +271,7 @@ impl Client {
     /// where it could not, the device thread polls them. Never waits for
     /// the device.
     pub fn poll_collectives(&self) -> bool {
-        // Not waiting for the lock: a device thread that holds it is
-        // polling them itself, and the caller polls again.
-        match self.device.enter_inline_within(std::time::Duration::ZERO) {
-            Some(mut inline) => {
-                crate::stages::mark(crate::stages::Stage::PollEntered);
-                inline.state().poll_collectives();
-                crate::stages::mark(crate::stages::Stage::Polled);
-                true
-            }
-            None => false,
-        }
+        self.polled(|_| ()).is_some()
     }
 
     /// [`Client::poll_collectives`], and where collectives still run after
@@ -293,12 +283,20 @@ impl Client {
     /// now, nothing runs, or the backend writes no such word. Never waits
     /// for the device.
     pub fn poll_collectives_signal(&self) -> Option<EndSignal> {
+        self.polled(DeviceState::collectives_end_signal).flatten()
+    }
+
+    /// Polls the device's collectives from this thread, then runs `then`
+    /// on its state; `None` where the device could not be entered now.
+    fn polled<R>(&self, then: impl FnOnce(&mut DeviceState) -> R) -> Option<R> {
+        // Not waiting for the lock: a device thread that holds it is
+        // polling them itself, and the caller polls again.
         let mut inline = self.device.enter_inline_within(std::time::Duration::ZERO)?;
         crate::stages::mark(crate::stages::Stage::PollEntered);
         let state = inline.state();
         state.poll_collectives();
         crate::stages::mark(crate::stages::Stage::Polled);
-        state.collectives_end_signal()
+        Some(then(state))
     }
 
     /// Counters of the device: cross-stream fences, stream syncs, launches.

@@ -857,36 +857,35 @@ impl CudaBackend {
     /// sent ahead) may still fail, which marks its destinations, so what
     /// reads them waits for that. Returns at once when no part is pending.
     pub(crate) fn settle_collectives(&mut self, stream: sys::CUstream) {
-        if self.nccl.pending.is_empty() {
-            return;
-        }
-        let Ok(lib) = nccl_lib::load() else { return };
-        let mut backoff = Backoff::new();
-        loop {
+        self.poll_pending_until(|this| {
             // SAFETY: a live stream of the current context; only reads state.
             let drained = unsafe { sys::cuStreamQuery(stream) } != sys::CUresult::CUDA_ERROR_NOT_READY;
-            if drained && !self.has_part_on(stream) {
-                return;
-            }
-            self.poll_pending(lib);
-            if self.nccl.pending.is_empty() {
-                return;
-            }
-            backoff.pause();
-        }
+            drained && !this.has_part_on(stream)
+        });
     }
 
     /// Waits until no pending part was queued on `stream` (each ends, or
     /// is aborted at its timeout), whatever else the stream still runs.
     pub(crate) fn settle_parts_on(&mut self, stream: StreamId) {
-        let Some(raw) = self.streams.raw_if_made(stream) else { return };
-        if !self.has_part_on(raw) {
+        if let Some(raw) = self.streams.raw_if_made(stream) {
+            self.poll_pending_until(|this| !this.has_part_on(raw));
+        }
+    }
+
+    /// Polls the pending parts, backing off between polls, until none is
+    /// left or `settled` says so. Bounded: each part ends, or is aborted at
+    /// its timeout.
+    fn poll_pending_until(&mut self, settled: impl Fn(&mut Self) -> bool) {
+        if self.nccl.pending.is_empty() || settled(self) {
             return;
         }
         let Ok(lib) = nccl_lib::load() else { return };
         let mut backoff = Backoff::new();
-        while self.has_part_on(raw) {
+        loop {
             self.poll_pending(lib);
+            if self.nccl.pending.is_empty() || settled(self) {
+                return;
+            }
             backoff.pause();
         }
     }
@@ -924,12 +923,7 @@ impl CudaBackend {
             self.end_collectives_lost(&lost);
             return;
         }
-        let Ok(lib) = nccl_lib::load() else { return };
-        let mut backoff = Backoff::new();
-        while !self.nccl.pending.is_empty() {
-            self.poll_pending(lib);
-            backoff.pause();
-        }
+        self.poll_pending_until(|_| false);
     }
 }
 
