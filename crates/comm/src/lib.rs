@@ -20,6 +20,7 @@ mod transport;
 mod check;
 mod device;
 pub mod digest;
+mod end_watch;
 mod error;
 mod group;
 mod grouped;

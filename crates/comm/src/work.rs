@@ -12,11 +12,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_runtime::backend::{EndSignal, END_SIGNAL_REPOLL};
 use cohort_runtime::stages::{self, Stage};
-use cohort_runtime::Client;
-use smallvec::SmallVec;
 
+use crate::end_watch::EndWatch;
 use crate::error::CommError;
 use crate::meeting::{Seated, WaitEnd};
 
@@ -64,41 +62,6 @@ impl<E: Seated> Waitable for E {
 
     fn is_done(&self) -> bool {
         self.meeting().is_done(|state, slot| self.part_done(state, slot))
-    }
-}
-
-/// A waiter's looks at the devices its collective runs on, from its own
-/// thread: each look polls a device (ending what ended there) unless the
-/// device's end signal, a host word it writes once the parts running at
-/// the last poll ended (CUDA, see `Client::poll_collectives_signal`), is
-/// not written yet; every `END_SIGNAL_REPOLL` it polls anyway (the word
-/// may stand behind another thread's longer part).
-pub(crate) struct EndWatch<'a> {
-    clients: &'a [Client],
-    signals: SmallVec<[Option<EndSignal>; 4]>,
-    last_poll: Instant,
-}
-
-impl<'a> EndWatch<'a> {
-    pub(crate) fn new(clients: &'a [Client]) -> Self {
-        Self { clients, signals: clients.iter().map(|_| None).collect(), last_poll: Instant::now() }
-    }
-
-    /// Polls the devices whose signal says to; whether it polled any (only
-    /// then can the collective have ended by this thread's hand).
-    pub(crate) fn look(&mut self) -> bool {
-        let repoll = self.last_poll.elapsed() >= END_SIGNAL_REPOLL;
-        let mut polled = false;
-        for (client, signal) in self.clients.iter().zip(self.signals.iter_mut()) {
-            if repoll || signal.as_ref().is_none_or(EndSignal::reached) {
-                *signal = client.poll_collectives_signal();
-                polled = true;
-            }
-        }
-        if polled {
-            self.last_poll = Instant::now();
-        }
-        polled
     }
 }
 

@@ -28,11 +28,11 @@ use parking_lot::{Condvar, Mutex};
 
 use super::plan::{self, Shape};
 use super::{forget, Mode, NcclSet};
+use crate::end_watch::EndWatch;
 use crate::error::CommError;
 use crate::meeting::WaitEnd;
 use crate::op::{Collective, Op};
 use crate::trace::Watched;
-use crate::work::EndWatch;
 
 /// The part is queued, or running on the device.
 const RUNNING: u8 = 0;
