@@ -371,19 +371,22 @@ fn two_gpus_ranks_with_and_without_overlapping_buffers_take_one_path() {
     assert_eq!(results.len(), 2);
 }
 
-/// One rank per GPU: after the first call (which creates the NCCL
-/// communicators on the device threads) each call is queued from the
-/// caller's thread with its check sent ahead. Calls queued back to back end
-/// right; then rank 1 calls a longer all-reduce than rank 0: both name the
-/// mismatch well before the timeout (NCCL's kernels, which may wait for
-/// bytes that never come, are aborted), and the next call is refused.
+/// One rank per GPU, on every GPU there is: after the first call (which
+/// creates the NCCL communicators on the device threads) each call is
+/// queued from the caller's thread with its check sent ahead (up to eight
+/// ranks compare every other rank's fingerprint). Calls queued back to back
+/// end right; then rank 1 calls a longer all-reduce than the others: every
+/// rank names the mismatch well before the timeout (NCCL's kernels, which
+/// may wait for bytes that never come, are aborted), and the next call is
+/// refused.
 #[test]
 #[ignore = "needs CUDA GPUs: two or more, one per rank"]
 fn two_gpus_a_mismatch_after_calls_queued_from_the_callers_thread_is_named_on_every_rank() {
-    assert!(gpus() >= 2, "this test needs two GPUs or more");
-    let (results, _server) = ranks(vec![vec![0], vec![1]], cuda, |comm| {
+    let n = gpus();
+    assert!(n >= 2, "this test needs two GPUs or more");
+    let (results, _server) = ranks((0..n).map(|g| vec![g]).collect(), cuda, |comm| {
         comm.set_timeout(Duration::from_secs(30));
-        let (c, rank) = (&comm.clients()[0], comm.rank());
+        let (c, rank, n) = (&comm.clients()[0], comm.rank(), comm.size());
         let all_reduce = |src: &Handle, dst: &Handle| {
             comm.all_reduce_handles(std::slice::from_ref(src), std::slice::from_ref(dst), DType::F32, ReduceOp::Sum)
         };
@@ -391,14 +394,17 @@ fn two_gpus_a_mismatch_after_calls_queued_from_the_callers_thread_is_named_on_ev
             (0..100).map(|i| c.create_from_slice(bytemuck::cast_slice(&[(rank * 1000 + i) as f32; 1024]))).collect();
         let dsts: Vec<Handle> = (0..100).map(|_| c.empty(4096)).collect();
         let works: Vec<_> = srcs.iter().zip(&dsts).map(|(s, d)| all_reduce(s, d).unwrap()).collect();
+        let inline = c.stats().unwrap().inline_tasks;
         for (i, (work, dst)) in works.iter().zip(dsts).enumerate() {
             work.wait().unwrap_or_else(|e| panic!("rank {rank}, call {i}: {e}"));
-            let want = (1000 + 2 * i) as f32;
+            let want = (1000 * n * (n - 1) / 2 + n * i) as f32;
             let got: Vec<f32> = bytemuck::cast_slice(&c.read_one(dst).unwrap()).to_vec();
             assert!(got.iter().all(|&x| x == want), "rank {rank}, call {i}: {:?}", &got[..4]);
         }
-        let src = c.create_from_slice(&vec![0u8; 4096 * (rank + 1)]);
-        let dst = c.empty(4096 * (rank + 1));
+        assert!(inline > 0, "rank {rank}: no call was queued from the caller's thread");
+        let bytes = if rank == 1 { 8192 } else { 4096 };
+        let src = c.create_from_slice(&vec![0u8; bytes]);
+        let dst = c.empty(bytes);
         let started = Instant::now();
         let work = all_reduce(&src, &dst);
         // Read before the call is waited for: the error, not the bytes.

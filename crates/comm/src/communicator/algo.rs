@@ -9,8 +9,9 @@
 //!   all-to-all, gather and scatter: every pair at once (the progress engine
 //!   interleaves them); barrier: dissemination (log₂ N rounds).
 //!
-//! Every collective first checks fingerprints with its ring neighbours (the
-//! barrier checks them in each of its rounds).
+//! Every collective first checks fingerprints with the other ranks
+//! (`World::collective_check`; the barrier checks them in each of its
+//! rounds).
 
 use crate::ops::{DType, ReduceOp};
 use crate::transport::{RecvOp, SendOp};
@@ -74,17 +75,6 @@ impl World {
 
     pub(super) fn prev(&self) -> usize {
         (self.rank + self.size - 1) % self.size
-    }
-
-    /// The ring neighbours' fingerprint check every collective starts with.
-    /// Inside a grouped call (checked once for all its calls) it checks
-    /// nothing.
-    pub(crate) fn ring_check(&mut self, fp: &Fingerprint) -> R {
-        if self.size == 1 || self.in_group {
-            return Ok(());
-        }
-        let (to, from) = (self.next(), self.prev());
-        self.check_fingerprint(fp, to, from, fp)
     }
 
     /// One ring reduce-scatter step out of place: sends `send` (from `src`
@@ -178,7 +168,7 @@ impl World {
         dtype: DType,
         op: ReduceOp,
     ) -> R {
-        self.ring_check(fp)?;
+        self.collective_check(fp)?;
         let elem = dtype.size();
         let ring = self.size > 1 && buf.len() >= RING_FROM && buf.len() / elem >= self.size;
         if !ring {
@@ -243,7 +233,7 @@ impl World {
 
     /// Copies `buf` of rank `root` to every rank's `buf` (binomial tree).
     pub(crate) fn broadcast(&mut self, fp: &Fingerprint, buf: &mut [u8], root: usize) -> R {
-        self.ring_check(fp)?;
+        self.collective_check(fp)?;
         let n = self.size;
         let v = (self.rank + n - root) % n;
         let real = |x: usize| (x + root) % n;
@@ -269,7 +259,7 @@ impl World {
     /// `buf` holds one `seg`-byte block per rank, this rank's in place;
     /// fills the others (ring).
     pub(crate) fn all_gather(&mut self, fp: &Fingerprint, buf: &mut [u8], seg: usize) -> R {
-        self.ring_check(fp)?;
+        self.collective_check(fp)?;
         let ranges: Vec<_> = (0..self.size).map(|k| (k * seg, (k + 1) * seg)).collect();
         self.ring_all_gather(buf, &ranges)
     }
@@ -284,7 +274,7 @@ impl World {
         dtype: DType,
         op: ReduceOp,
     ) -> R {
-        self.ring_check(fp)?;
+        self.collective_check(fp)?;
         let seg = out.len();
         let ranges: Vec<_> = (0..self.size).map(|k| (k * seg, (k + 1) * seg)).collect();
         if self.size > 1 {
@@ -296,7 +286,7 @@ impl World {
 
     /// Block k of `src` goes to rank k; block k of `dst` comes from rank k.
     pub(crate) fn all_to_all(&mut self, fp: &Fingerprint, src: &[u8], dst: &mut [u8]) -> R {
-        self.ring_check(fp)?;
+        self.collective_check(fp)?;
         let (n, me) = (self.size, self.rank);
         let seg = src.len() / n;
         dst[me * seg..(me + 1) * seg].copy_from_slice(&src[me * seg..(me + 1) * seg]);
@@ -318,7 +308,7 @@ impl World {
     /// Every rank's `src` lands in block `rank` of `dst` on `root` (`dst`
     /// only there).
     pub(crate) fn gather(&mut self, fp: &Fingerprint, src: &[u8], dst: Option<&mut [u8]>, root: usize) -> R {
-        self.ring_check(fp)?;
+        self.collective_check(fp)?;
         let seg = src.len();
         match dst {
             Some(dst) => {
@@ -338,7 +328,7 @@ impl World {
 
     /// Block k of `src` (on `root` only) lands in rank k's `dst`.
     pub(crate) fn scatter(&mut self, fp: &Fingerprint, src: Option<&[u8]>, dst: &mut [u8], root: usize) -> R {
-        self.ring_check(fp)?;
+        self.collective_check(fp)?;
         let seg = dst.len();
         match src {
             Some(src) => {

@@ -107,8 +107,9 @@ pub(crate) type SlotCall = (crate::op::Op, Slots, Slots);
 ///
 /// Every rank must call the same collectives in the same order; each call
 /// carries a sequence number and a fingerprint (kind, operator, element
-/// type, count, root) that its ring neighbour checks, so a rank that calls
-/// something else gets an error naming both sides instead of a hang.
+/// type, count, root) that the other ranks check (every other rank in a
+/// job of up to eight, the ring neighbours in a larger one), so a rank that
+/// calls something else gets an error naming both sides instead of a hang.
 ///
 /// Cloning is cheap; clones share the links.
 #[derive(Clone)]

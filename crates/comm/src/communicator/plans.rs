@@ -169,7 +169,7 @@ pub(crate) fn run_group(
     let (rank, size) = (world.rank, world.size);
     let members = size * l;
     world.run(fp, |w| {
-        w.ring_check(&fp)?;
+        w.collective_check(&fp)?;
         w.in_group = true;
         let result = execute_group(w, &fp, ops, &mut resolved, l, rank, members);
         w.in_group = false;

@@ -25,6 +25,29 @@ mod ahead;
 
 use ahead::Ahead;
 
+/// Worlds of up to this many ranks check each collective's fingerprint
+/// with every other rank; larger ones with their ring neighbours only
+/// (n - 1 messages per call and rank would cost more than the check).
+/// Only the former send their checks ahead ([`World::sends_checks_ahead`]):
+/// a rank that compared every other rank's fingerprint knows the call
+/// matched everywhere.
+pub(crate) const CHECK_EVERY_PEER_UP_TO: usize = 8;
+
+/// The ranks rank `rank` of `size` sends its collective fingerprints to,
+/// and those whose fingerprints it compares: every other rank, or in a
+/// world of more than [`CHECK_EVERY_PEER_UP_TO`] its ring successor and
+/// predecessor (with two ranks the same).
+fn check_peers(rank: usize, size: usize) -> (Peers, Peers) {
+    if size <= CHECK_EVERY_PEER_UP_TO {
+        let others: Peers = (0..size).filter(|&p| p != rank).collect();
+        return (others.clone(), others);
+    }
+    (smallvec::smallvec![(rank + 1) % size], smallvec::smallvec![(rank + size - 1) % size])
+}
+
+/// A few ranks.
+pub(crate) type Peers = smallvec::SmallVec<[usize; 8]>;
+
 /// How often a long-waiting rank looks for an abort.
 const ABORT_POLL: Duration = Duration::from_millis(200);
 
@@ -63,6 +86,10 @@ pub(crate) struct World {
     /// Inside a grouped call, whose one fingerprint was checked already:
     /// its calls skip their own check.
     pub in_group: bool,
+    /// Where this rank's collective fingerprints go, and whose it compares
+    /// (see [`check_peers`]).
+    check_to: Peers,
+    check_from: Peers,
     /// Checks of calls queued without waiting for them (see `ahead`).
     ahead: Ahead,
 }
@@ -78,7 +105,11 @@ impl World {
     ) -> World {
         let store = store.into();
         let k = prefix.trim_end_matches('/').rsplit('/').next().unwrap_or("0").to_string();
+        let (check_to, check_from) = check_peers(rank, size);
         World {
+            ahead: Ahead::new(&check_to, &check_from),
+            check_to,
+            check_from,
             label: Label::root(&k, size),
             in_group: false,
             rank,
@@ -91,7 +122,6 @@ impl World {
             current: None,
             sent: vec![0; size],
             received: vec![0; size],
-            ahead: Ahead::default(),
         }
     }
 
@@ -272,6 +302,25 @@ impl World {
         };
         let (label, peer) = (&self.label, self.label.global(peer));
         Failure::from(format!("{call}{label}: the {kind} link to rank {peer} {how}: {error}"))
+    }
+
+    /// The fingerprint check every collective starts with: this rank's
+    /// goes to every rank of [`check_peers`], and theirs are compared with
+    /// it (a mismatch names the first rank in order that differs). Inside a
+    /// grouped call (checked once for all its calls) it checks nothing.
+    pub(crate) fn collective_check(&mut self, fp: &Fingerprint) -> Result<(), Failure> {
+        if self.size == 1 || self.in_group || !desync_check() {
+            return Ok(());
+        }
+        let mine = fp.encode();
+        let mut theirs: smallvec::SmallVec<[[u8; LEN]; 8]> = smallvec::smallvec![[0u8; LEN]; self.check_from.len()];
+        let (to, from) = (self.check_to.clone(), self.check_from.clone());
+        let mut sends: smallvec::SmallVec<[SendOp<'_>; 8]> = to.iter().map(|&p| SendOp::new(p, &mine)).collect();
+        let mut recvs: smallvec::SmallVec<[RecvOp<'_>; 8]> =
+            from.iter().zip(theirs.iter_mut()).map(|(&p, t)| RecvOp::copy(p, t)).collect();
+        self.exchange(&mut sends, &mut recvs)?;
+        drop(recvs);
+        from.iter().zip(&theirs).try_for_each(|(&peer, fingerprint)| self.compare(fp, fingerprint, peer))
     }
 
     /// Sends this rank's fingerprint `fp` to `to` and checks the one `from`

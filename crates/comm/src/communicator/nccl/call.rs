@@ -1,5 +1,5 @@
 //! One NCCL-path call on this rank: its local parts meet (the last runs the
-//! host check: fingerprints with the ring neighbours, or a message's with
+//! host check: the collective's fingerprints with the other ranks, or a message's with
 //! its other rank), each queues its NCCL calls, and a [`PartMonitor`] per
 //! part watches them on its device until they end. The call's done hook
 //! (its flight record) runs when the last local part ended.
@@ -74,8 +74,8 @@ pub(crate) struct NcclCall {
     world: Arc<Mutex<World>>,
     fp: Fingerprint,
     /// Its fingerprint check is sent ahead (see `World::send_check_ahead`):
-    /// the part is queued without waiting for the ring predecessor, and
-    /// ends as done only once the check was compared.
+    /// the part is queued without waiting for the other ranks'
+    /// fingerprints, and ends as done only once each was compared.
     ahead: bool,
     meeting: Meeting<NcclState>,
     /// Called once, with the outcome, when every local part has ended.
@@ -395,16 +395,24 @@ impl CollectiveMonitor for PartMonitor {
         let call = &self.call;
         call.note_kind(FailureKind::Timeout);
         // Its calls may have completed while its check was not compared.
-        let unchecked = call.ahead && call.world.try_lock().is_some_and(|mut w| w.poll_ahead(call.fp.seq) == Ok(false));
-        let check =
-            if unchecked { " (its check sent ahead still waits for its predecessor's fingerprint)" } else { "" };
+        let owed = match call.ahead {
+            true => call.world.try_lock().map(|mut w| (w.poll_ahead(call.fp.seq), w.ahead_owed_by(call.fp.seq))),
+            false => None,
+        };
+        let check = match owed {
+            Some((Ok(false), ranks)) if !ranks.is_empty() => {
+                let ranks: Vec<String> = ranks.iter().map(usize::to_string).collect();
+                format!(" (its check sent ahead still waits for the fingerprint of rank(s) {})", ranks.join(", "))
+            }
+            _ => String::new(),
+        };
         format!("{}: {}{check}", call.fp, call.nccl.missing(call.fp.seq))
     }
 
-    /// A check sent ahead must have been compared (and this rank's
-    /// fingerprint have left for the successor) before the part is done.
-    /// The predecessor sent its fingerprint before it queued its own part,
-    /// so it is usually there already; until it is, the part stays pending
+    /// A check sent ahead must have been compared with every other rank's
+    /// fingerprint (and this rank's have left for them) before the part is
+    /// done. Each rank sent its fingerprint before it queued its own part,
+    /// so they are usually there already; until they are, the part stays pending
     /// (and times out like a running one, naming the ranks that never
     /// arrived). Not waited for: the world may be busy with another call.
     fn confirm(&self) -> Option<Result<(), ServerError>> {

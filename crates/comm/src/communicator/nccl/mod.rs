@@ -12,8 +12,9 @@
 //! collectives.
 //!
 //! Each collective queues one task per local device. The last local task
-//! to start checks the call's fingerprint with its ring neighbours over the
-//! host links (the check every host-path collective starts with), so a
+//! to start checks the call's fingerprint with the other ranks over the
+//! host links (the check every host-path collective starts with:
+//! `World::collective_check`), so a
 //! rank that calls something else is named as a mismatch and a rank that
 //! never arrives is named by the host timeout, before any NCCL call that
 //! would wait for it. Then every local part issues its calls through the
@@ -21,14 +22,14 @@
 //! hook: its device thread creates its NCCL communicator on first use
 //! (`ncclCommInitRank`), queues the calls on the caller's stream and
 //! returns (a barrier waits for them). A rank with one device in a job of
-//! two ranks, once NCCL calls of the call's collective were queued before
+//! up to eight ranks (those that compare every rank's fingerprint), once NCCL calls of the call's collective were queued before
 //! (the communicator exists and NCCL connected what they need; at once for
 //! a call on a peer kernel, which needs neither),
 //! queues its part from the caller's thread where the device is idle, and
 //! sends the check ahead instead of waiting for it
-//! (`World::send_check_ahead`): the part's monitor compares the
-//! predecessor's fingerprint on every poll and before the part ends as
-//! done, and a mismatch fails the call and aborts. The
+//! (`World::send_check_ahead`): the part's monitor compares the other
+//! ranks' fingerprints on every poll and before the part ends as done,
+//! and a mismatch fails the call on every rank and aborts. The
 //! device polls them later, looking at the deadline, this rank's other
 //! parts and the store's abort flag, and their failure marks the
 //! destinations; a waiter on a rank with one device polls it itself. A failed or expired part aborts
@@ -206,12 +207,12 @@ impl Nccl {
 }
 
 /// What the leader checks over the host links before the NCCL calls: the
-/// ring's fingerprints, or a message's with its other rank.
+/// collective's fingerprints, or a message's with its other rank.
 fn host_check(w: &mut World, fp: &Fingerprint) -> Result<(), Failure> {
     match fp.op.endpoints() {
         Some((from, to)) if from == w.rank => w.send(fp, &[], to),
         Some((from, _)) => w.recv(fp, &mut [], from),
-        None => w.ring_check(fp),
+        None => w.collective_check(fp),
     }
 }
 
@@ -233,8 +234,8 @@ impl Nccl {
 
     /// Whether the calls `ops` (a grouped call's when `grouped`) are
     /// queued from the caller's thread, their fingerprint check sent ahead
-    /// (see `launch_calls`): on a rank with one device of a job of one or
-    /// two ranks (`World::sends_checks_ahead` says why not more), for
+    /// (see `launch_calls`): on a rank with one device of a job of up to
+    /// eight ranks (`World::sends_checks_ahead` says why not more), for
     /// collectives other than a barrier (which waits for its call) that move
     /// bytes (a part with no NCCL call has nothing to confirm its check
     /// after), once nothing in queueing them waits for another rank: NCCL

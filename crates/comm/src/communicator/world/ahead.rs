@@ -1,63 +1,43 @@
-//! Fingerprint checks sent ahead: the ring check of a call that is queued
+//! Fingerprint checks sent ahead: the check of a call that is queued
 //! without waiting for it.
 //!
-//! A waited check ([`World::check_fingerprint`]) sends this rank's
-//! fingerprint to its ring successor and reads its predecessor's before the
-//! call goes on. A check sent ahead ([`World::send_check_ahead`]) puts the
-//! same 32 bytes into the same stream to the successor at once (what the
-//! link does not take now waits in an outbox), the call is queued, and the
-//! predecessor's fingerprint is read later, never waiting: whenever the
-//! call's device polls it ([`World::poll_ahead`]; the call is done only
-//! once [`World::ahead_done`] says so), and before any later call that uses
-//! the links itself ([`World::run`] settles every check first, waiting as a
+//! A waited check ([`World::collective_check`]) sends this rank's
+//! fingerprint to every other rank (the world's check peers: every other
+//! rank in a world of up to [`CHECK_EVERY_PEER_UP_TO`]) and compares
+//! theirs before the call goes on. A check sent ahead
+//! ([`World::send_check_ahead`]) puts the same 32 bytes into the same
+//! streams at once (what a link does not take now waits in its outbox),
+//! the call is queued, and the other ranks' fingerprints are compared
+//! later, never waiting: whenever the call's device polls it
+//! ([`World::poll_ahead`]; the call is done only once
+//! [`World::ahead_done`] says so), and before any later call that uses the
+//! links itself ([`World::run`] settles every check first, waiting as a
 //! waited check does). The bytes on the links are the same either way, so
 //! ranks need not agree on which of their checks were sent ahead.
 //!
 //! What it changes is when a mismatch is found: after the call was queued,
-//! not before. The call then fails with the same message a waited check
-//! gives, and the communicator is aborted (which also stops device
-//! kernels that a mismatched call left waiting for data).
+//! not before. Every rank compares every other rank's fingerprint, so
+//! every rank fails the call, with the same message a waited check gives,
+//! and the communicator is aborted (which also stops device kernels that a
+//! mismatched call left waiting for data).
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use super::{desync_check, Current, Failure, FailureKind, Fingerprint, World, LEN};
+use super::{desync_check, Current, Failure, FailureKind, Fingerprint, World, CHECK_EVERY_PEER_UP_TO, LEN};
 use crate::transport::{RecvOp, SendOp};
 
-/// The checks of this rank's calls that were sent ahead and not yet
-/// compared.
-#[derive(Default)]
-pub(crate) struct Ahead {
-    /// Bytes for the ring successor that its link has not taken yet: the
-    /// tail of the newest fingerprints.
+/// This rank's fingerprints on their way to one rank.
+struct Outgoing {
+    to: usize,
+    /// Bytes its link has not taken yet: the tail of the newest
+    /// fingerprints.
     outbox: Vec<u8>,
     /// The calls whose fingerprint is (partly) in the outbox, oldest first.
     unsent: VecDeque<u64>,
-    /// The part of the predecessor's next fingerprint received so far.
-    inbox: [u8; LEN],
-    got: usize,
-    /// This rank's fingerprints whose predecessor's counterpart has not
-    /// been compared, oldest first.
-    awaiting: VecDeque<Fingerprint>,
-    /// The first check that failed: the call's sequence number and why.
-    failed: Option<(u64, Failure)>,
 }
 
-impl Ahead {
-    fn is_idle(&self) -> bool {
-        self.outbox.is_empty() && self.awaiting.is_empty()
-    }
-
-    /// Whether call `seq`'s check was compared (or never sent ahead).
-    fn checked(&self, seq: u64) -> bool {
-        self.awaiting.front().is_none_or(|fp| fp.seq > seq)
-    }
-
-    /// Whether the fingerprints of calls up to `seq` left the outbox.
-    fn sent_through(&self, seq: u64) -> bool {
-        self.unsent.front().is_none_or(|&s| s > seq)
-    }
-
+impl Outgoing {
     /// Takes the first `n` bytes out of the outbox (the link took them).
     fn sent(&mut self, n: usize) {
         self.outbox.drain(..n);
@@ -68,32 +48,104 @@ impl Ahead {
     }
 }
 
-impl World {
-    /// Whether a world of `size` ranks may send its checks ahead: of two
-    /// ranks only. A rank compares its predecessor's fingerprint alone.
-    /// Waited, a rank that finds a mismatch never queues its call, so no
-    /// rank's call can complete. Sent ahead, every rank queued before any
-    /// compared: with two ranks each compares the other's and both fail the
-    /// call, but with three or more a rank whose predecessor agrees would
-    /// see its call complete (NCCL checks no types: equal byte counts are
-    /// enough) and return wrong bytes while a mismatch is found elsewhere.
-    pub(crate) fn sends_checks_ahead(size: usize) -> bool {
-        size <= 2
+/// One rank's fingerprints on their way here.
+struct Incoming {
+    from: usize,
+    /// The part of its next fingerprint received so far.
+    inbox: [u8; LEN],
+    got: usize,
+    /// How many of the awaited fingerprints (oldest first) its own were
+    /// compared with.
+    compared: usize,
+}
+
+/// The checks of this rank's calls that were sent ahead and not yet
+/// compared with every check peer's.
+pub(crate) struct Ahead {
+    outgoing: Vec<Outgoing>,
+    incoming: Vec<Incoming>,
+    /// This rank's fingerprints that some check peer's counterpart has not
+    /// been compared with, oldest first.
+    awaiting: VecDeque<Fingerprint>,
+    /// The first check that failed: the call's sequence number and why.
+    failed: Option<(u64, Failure)>,
+}
+
+impl Ahead {
+    /// No check in flight, to ranks `to`, from ranks `from`.
+    pub(super) fn new(to: &[usize], from: &[usize]) -> Ahead {
+        Ahead {
+            outgoing: to.iter().map(|&to| Outgoing { to, outbox: Vec::new(), unsent: VecDeque::new() }).collect(),
+            incoming: from.iter().map(|&from| Incoming { from, inbox: [0; LEN], got: 0, compared: 0 }).collect(),
+            awaiting: VecDeque::new(),
+            failed: None,
+        }
     }
 
-    /// Sends call `fp`'s fingerprint to the ring successor now and leaves
-    /// the predecessor's to be compared later (see the module docs), where
-    /// [`World::sends_checks_ahead`] allows it. Never waits. Refuses (as [`World::run`] does) once the communicator was
-    /// aborted; a check found failed here (this call's or an earlier one's)
-    /// aborts it.
+    fn is_idle(&self) -> bool {
+        self.awaiting.is_empty() && self.outgoing.iter().all(|o| o.outbox.is_empty())
+    }
+
+    /// Whether call `seq`'s check was compared everywhere (or never sent
+    /// ahead).
+    fn checked(&self, seq: u64) -> bool {
+        self.awaiting.front().is_none_or(|fp| fp.seq > seq)
+    }
+
+    /// Whether the fingerprints of calls up to `seq` left every outbox.
+    fn sent_through(&self, seq: u64) -> bool {
+        self.outgoing.iter().all(|o| o.unsent.front().is_none_or(|&s| s > seq))
+    }
+
+    /// The ranks whose fingerprint for call `seq` was not compared yet.
+    fn owed_by(&self, seq: u64) -> Vec<usize> {
+        let Some(at) = self.awaiting.iter().position(|fp| fp.seq == seq) else {
+            return Vec::new();
+        };
+        self.incoming.iter().filter(|i| i.compared <= at).map(|i| i.from).collect()
+    }
+
+    /// Drops the oldest fingerprints every peer's were compared with.
+    fn retire_compared(&mut self) {
+        let done = self.incoming.iter().map(|i| i.compared).min().unwrap_or(0);
+        self.awaiting.drain(..done);
+        for incoming in &mut self.incoming {
+            incoming.compared -= done;
+        }
+    }
+}
+
+impl World {
+    /// Whether a world of `size` ranks may send its checks ahead: one that
+    /// compares every other rank's fingerprint ([`CHECK_EVERY_PEER_UP_TO`]).
+    /// Waited, a rank that finds a mismatch never queues its call, so no
+    /// rank's call can complete. Sent ahead, every rank queued before any
+    /// compared, so a rank may end its call as done only once it knows the
+    /// call matched on every rank: with ring neighbours only, a rank whose
+    /// predecessor agrees would see its call complete (NCCL checks no
+    /// types: equal byte counts are enough) and return wrong bytes while a
+    /// mismatch is found elsewhere.
+    pub(crate) fn sends_checks_ahead(size: usize) -> bool {
+        size <= CHECK_EVERY_PEER_UP_TO
+    }
+
+    /// Sends call `fp`'s fingerprint to the check peers now and leaves
+    /// theirs to be compared later (see the module docs), where
+    /// [`World::sends_checks_ahead`] allows it. Never waits. Refuses (as
+    /// [`World::run`] does) once the communicator was aborted; a check
+    /// found failed here (this call's or an earlier one's) aborts it.
     pub(crate) fn send_check_ahead(&mut self, fp: Fingerprint) -> Result<(), Failure> {
         self.refuse_if_aborted(&fp)?;
         if self.size == 1 || self.in_group || !desync_check() {
             return Ok(());
         }
         debug_assert!(!fp.is_p2p(), "a message's check is not sent ahead");
-        self.ahead.outbox.extend_from_slice(&fp.encode());
-        self.ahead.unsent.push_back(fp.seq);
+        debug_assert!(World::sends_checks_ahead(self.size), "{} ranks compare ring neighbours only", self.size);
+        let encoded = fp.encode();
+        for outgoing in &mut self.ahead.outgoing {
+            outgoing.outbox.extend_from_slice(&encoded);
+            outgoing.unsent.push_back(fp.seq);
+        }
         self.ahead.awaiting.push_back(fp);
         // A failure is kept for the call it belongs to (and aborts).
         let _ = self.move_ahead();
@@ -101,9 +153,10 @@ impl World {
     }
 
     /// Where call `seq`'s check sent ahead stands, after moving what the
-    /// links move without waiting: `Ok(true)` compared and equal (or never
-    /// sent ahead), `Ok(false)` not yet, or why it failed (this call's
-    /// mismatch, or the abort of the communicator by another failure).
+    /// links move without waiting: `Ok(true)` compared with every check
+    /// peer's and equal (or never sent ahead), `Ok(false)` not yet, or why
+    /// it failed (this call's mismatch, or the abort of the communicator
+    /// by another failure).
     pub(crate) fn poll_ahead(&mut self, seq: u64) -> Result<bool, Failure> {
         if self.aborted.is_none() && !self.ahead.is_idle() {
             // A failure is kept in `ahead.failed` (and aborts), read below.
@@ -113,19 +166,25 @@ impl World {
     }
 
     /// Whether call `seq` is done with its check sent ahead: compared, and
-    /// this rank's fingerprint handed to the link (the successor awaits it
+    /// this rank's fingerprint handed to every link (the peers await it
     /// even if this rank never calls again), or nothing moves any more (the
-    /// communicator was aborted: a call compared equal stands, its data is
-    /// right, and the successor's fails). Never waits.
+    /// communicator was aborted: a call compared equal everywhere stands,
+    /// its data is right, and the peers' fail). Never waits.
     pub(crate) fn ahead_done(&mut self, seq: u64) -> Result<bool, Failure> {
         Ok(self.poll_ahead(seq)? && (self.ahead.sent_through(seq) || self.aborted.is_some()))
     }
 
-    /// Sends the whole outbox and compares every awaited fingerprint,
-    /// waiting under a deadline of the world's timeout (a timeout names
-    /// the oldest call not compared, or call `next` when only the outbox is
-    /// left, and the ranks that never arrived there); the caller aborts on
-    /// failure. Called before every call `next` that uses the links itself.
+    /// The ranks whose fingerprint for call `seq`, sent ahead, was not
+    /// compared yet (none once it was, or if it was not sent ahead).
+    pub(crate) fn ahead_owed_by(&self, seq: u64) -> Vec<usize> {
+        self.ahead.owed_by(seq).into_iter().map(|r| self.label.global(r)).collect()
+    }
+
+    /// Sends every outbox and compares every awaited fingerprint, waiting
+    /// under a deadline of the world's timeout (a timeout names the oldest
+    /// call not compared, or call `next` when only outboxes are left, and
+    /// the ranks that never arrived there); the caller aborts on failure.
+    /// Called before every call `next` that uses the links itself.
     pub(super) fn settle_ahead(&mut self, next: Fingerprint) -> Result<(), Failure> {
         if self.ahead.is_idle() {
             return Ok(());
@@ -134,34 +193,50 @@ impl World {
             return Err(failure.clone());
         }
         let owed = self.ahead.awaiting.len();
-        // Only the oldest awaited fingerprint can be partly received.
-        let mut received = vec![0u8; (owed * LEN).saturating_sub(self.ahead.got)];
+        // Only the oldest fingerprint owed by each rank can be partly in.
+        let mut received: Vec<Vec<u8>> =
+            self.ahead.incoming.iter().map(|i| vec![0u8; ((owed - i.compared) * LEN).saturating_sub(i.got)]).collect();
         // Sent below, or lost with the abort that follows a failure.
-        let outbox = std::mem::take(&mut self.ahead.outbox);
-        self.ahead.unsent.clear();
+        let outboxes: Vec<(usize, Vec<u8>)> = self
+            .ahead
+            .outgoing
+            .iter_mut()
+            .map(|o| {
+                o.unsent.clear();
+                (o.to, std::mem::take(&mut o.outbox))
+            })
+            .collect();
         let fp = self.ahead.awaiting.front().copied().unwrap_or(next);
         let saved = self.current;
         let started = Instant::now();
         self.current = Some(Current { fp, deadline: started + self.timeout, started });
-        let (to, from) = (self.next(), self.prev());
-        let receiving = !received.is_empty();
-        let mut sends = [SendOp::new(to, &outbox)];
-        let mut recvs = [RecvOp::copy(from, &mut received)];
-        let sends: &mut [SendOp<'_>] = if outbox.is_empty() { &mut [] } else { &mut sends };
-        let recvs: &mut [RecvOp<'_>] = if receiving { &mut recvs } else { &mut [] };
-        let moved = self.exchange(sends, recvs);
+        let froms: Vec<usize> = self.ahead.incoming.iter().map(|i| i.from).collect();
+        let mut sends: Vec<SendOp<'_>> =
+            outboxes.iter().filter(|(_, b)| !b.is_empty()).map(|(to, b)| SendOp::new(*to, b)).collect();
+        let mut recvs: Vec<RecvOp<'_>> = froms
+            .iter()
+            .zip(received.iter_mut())
+            .filter(|(_, b)| !b.is_empty())
+            .map(|(&from, b)| RecvOp::copy(from, b))
+            .collect();
+        let moved = self.exchange(&mut sends, &mut recvs);
+        drop((sends, recvs));
         self.current = saved;
         moved?;
-        let mut at = 0;
-        while at < received.len() {
-            let take = (LEN - self.ahead.got).min(received.len() - at);
-            self.ahead.inbox[self.ahead.got..self.ahead.got + take].copy_from_slice(&received[at..at + take]);
-            self.ahead.got += take;
-            at += take;
-            if self.ahead.got == LEN {
-                self.compare_ahead()?;
+        for (peer, bytes) in received.iter().enumerate() {
+            let mut at = 0;
+            while at < bytes.len() {
+                let incoming = &mut self.ahead.incoming[peer];
+                let take = (LEN - incoming.got).min(bytes.len() - at);
+                incoming.inbox[incoming.got..incoming.got + take].copy_from_slice(&bytes[at..at + take]);
+                incoming.got += take;
+                at += take;
+                if incoming.got == LEN {
+                    self.compare_ahead(peer)?;
+                }
             }
         }
+        self.ahead.retire_compared();
         Ok(())
     }
 
@@ -170,56 +245,71 @@ impl World {
     /// to) and aborts the communicator.
     fn move_ahead(&mut self) -> Result<(), Failure> {
         let result = self.try_move_ahead();
+        self.ahead.retire_compared();
         if let Err(failure) = &result {
-            let seq = self.ahead.awaiting.front().map_or(0, |fp| fp.seq);
-            self.note_ahead_failure(seq, failure);
+            if self.ahead.failed.is_none() {
+                let seq = self.ahead.awaiting.front().map_or(0, |fp| fp.seq);
+                self.note_ahead_failure(seq, failure);
+            }
         }
         result
     }
 
     fn try_move_ahead(&mut self) -> Result<(), Failure> {
-        let (to, from) = (self.next(), self.prev());
-        while !self.ahead.outbox.is_empty() {
-            let link = self.links[to].as_mut().expect("a link to every other rank");
-            let sent = link.try_send(&self.ahead.outbox).map_err(|error| self.link_failure(to, error))?;
-            if sent == 0 {
-                break;
+        for peer in 0..self.ahead.outgoing.len() {
+            let outgoing = &mut self.ahead.outgoing[peer];
+            let to = outgoing.to;
+            while !outgoing.outbox.is_empty() {
+                let link = self.links[to].as_mut().expect("a link to every other rank");
+                let sent = match link.try_send(&outgoing.outbox) {
+                    Ok(sent) => sent,
+                    Err(error) => return Err(self.link_failure(to, error)),
+                };
+                if sent == 0 {
+                    break;
+                }
+                outgoing.sent(sent);
             }
-            self.ahead.sent(sent);
         }
-        while !self.ahead.awaiting.is_empty() {
-            let (inbox, got) = (&mut self.ahead.inbox, &mut self.ahead.got);
-            let link = self.links[from].as_mut().expect("a link to every other rank");
-            // Takes no byte past the awaited fingerprint: what follows it
-            // belongs to later calls.
-            let took = link
-                .try_recv(&mut |bytes: &[u8]| {
-                    let take = (LEN - *got).min(bytes.len());
-                    inbox[*got..*got + take].copy_from_slice(&bytes[..take]);
-                    *got += take;
-                    take
-                })
-                .map_err(|error| self.link_failure(from, error))?;
-            if took == 0 {
-                break;
-            }
-            if self.ahead.got == LEN {
-                self.compare_ahead()?;
+        for peer in 0..self.ahead.incoming.len() {
+            while self.ahead.incoming[peer].compared < self.ahead.awaiting.len() {
+                let incoming = &mut self.ahead.incoming[peer];
+                let from = incoming.from;
+                let (inbox, got) = (&mut incoming.inbox, &mut incoming.got);
+                let link = self.links[from].as_mut().expect("a link to every other rank");
+                // Takes no byte past the awaited fingerprint: what follows
+                // it belongs to later calls.
+                let took = link
+                    .try_recv(&mut |bytes: &[u8]| {
+                        let take = (LEN - *got).min(bytes.len());
+                        inbox[*got..*got + take].copy_from_slice(&bytes[..take]);
+                        *got += take;
+                        take
+                    })
+                    .map_err(|error| self.link_failure(from, error))?;
+                if took == 0 {
+                    break;
+                }
+                if self.ahead.incoming[peer].got == LEN {
+                    self.compare_ahead(peer)?;
+                }
             }
         }
         Ok(())
     }
 
-    /// Compares the whole fingerprint in the inbox with the oldest awaited.
-    fn compare_ahead(&mut self) -> Result<(), Failure> {
-        let expected = self.ahead.awaiting.front().copied().expect("a fingerprint is awaited");
-        let theirs = self.ahead.inbox;
-        self.ahead.got = 0;
-        if let Err(failure) = self.compare(&expected, &theirs, self.prev()) {
+    /// Compares the whole fingerprint in check peer `peer`'s inbox with
+    /// the oldest of this rank's it was not compared with.
+    fn compare_ahead(&mut self, peer: usize) -> Result<(), Failure> {
+        let incoming = &mut self.ahead.incoming[peer];
+        let expected = self.ahead.awaiting[incoming.compared];
+        let (theirs, from) = (incoming.inbox, incoming.from);
+        incoming.got = 0;
+        if let Err(failure) = self.compare(&expected, &theirs, from) {
             self.note_ahead_failure(expected.seq, &failure);
             return Err(failure);
         }
-        self.ahead.awaiting.pop_front();
+        self.ahead.incoming[peer].compared += 1;
         Ok(())
     }
 
@@ -237,11 +327,12 @@ impl World {
         self.ahead.awaiting.front().copied()
     }
 
-    /// Call `seq`'s check as it stands now (see [`World::poll_ahead`]).
+    /// Call `seq`'s check as it stands now (see [`World::poll_ahead`]): a
+    /// call compared everywhere stands even after a later call failed; one
+    /// not compared everywhere when the communicator was aborted fails.
     fn ahead_outcome(&self, seq: u64) -> Result<bool, Failure> {
         match &self.ahead.failed {
             Some((at, failure)) if *at == seq => Err(failure.clone()),
-            Some((at, _)) if *at > seq => Ok(true),
             _ if self.ahead.checked(seq) => Ok(true),
             _ => match &self.aborted {
                 Some(why) => {
@@ -311,6 +402,13 @@ mod tests {
     /// `size` worlds linked every pair through pipes of `capacity` bytes,
     /// on one store, with `timeout`.
     fn worlds(size: usize, capacity: usize, timeout: Duration) -> (StoreServer, Vec<World>) {
+        let (server, worlds, _) = worlds_and_pipes(size, capacity, timeout);
+        (server, worlds)
+    }
+
+    /// [`worlds`], and the pipes between them: `[r][p]` carries rank `r`'s
+    /// bytes to rank `p`.
+    fn worlds_and_pipes(size: usize, capacity: usize, timeout: Duration) -> (StoreServer, Vec<World>, Vec<Vec<Pipe>>) {
         let server = StoreServer::bind("127.0.0.1:0", "s").expect("bind");
         let pipes: Vec<Vec<Pipe>> =
             (0..size).map(|_| (0..size).map(|_| Pipe(Default::default(), capacity)).collect()).collect();
@@ -327,7 +425,29 @@ mod tests {
                 World::new(r, size, links, store, "cohort/comm/7/".into(), timeout)
             })
             .collect();
-        (server, worlds)
+        (server, worlds, pipes)
+    }
+
+    /// Puts rank `rank`'s fingerprint `fp` straight into its pipes to
+    /// every other rank, as if it sent its check ahead without reading.
+    fn sent_unread(pipes: &[Vec<Pipe>], rank: usize, fp: Fingerprint) {
+        for (peer, pipe) in pipes[rank].iter().enumerate() {
+            if peer != rank {
+                pipe.0.lock().extend(fp.encode());
+            }
+        }
+    }
+
+    /// Polls every world until each answers call `seq`'s check (bounded).
+    fn outcomes(w: &mut [World], seq: u64) -> Vec<Result<bool, Failure>> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let outcomes: Vec<Result<bool, Failure>> = w.iter_mut().map(|world| world.ahead_done(seq)).collect();
+            if outcomes.iter().all(|o| o != &Ok(false)) {
+                return outcomes;
+            }
+            assert!(Instant::now() < deadline, "never compared: {outcomes:?}");
+        }
     }
 
     fn sum(seq: u64, count: usize) -> Fingerprint {
@@ -338,7 +458,7 @@ mod tests {
     fn waited_checks(w: &mut [World], fp: Fingerprint) -> Vec<Result<(), Failure>> {
         std::thread::scope(|s| {
             let handles: Vec<_> =
-                w.iter_mut().map(|world| s.spawn(move || world.run(fp, |w| w.ring_check(&fp)))).collect();
+                w.iter_mut().map(|world| s.spawn(move || world.run(fp, |w| w.collective_check(&fp)))).collect();
             handles.into_iter().map(|h| h.join().expect("no panic")).collect()
         })
     }
@@ -365,10 +485,10 @@ mod tests {
         }
         until_done(&mut w, 2);
         // Call 3: rank 0 waits for its check while ranks 1 and 2 send
-        // theirs ahead (rank 2's is what rank 0 waits for).
+        // theirs ahead (what rank 0 waits for).
         let (first, rest) = w.split_at_mut(1);
         let waited = std::thread::scope(|s| {
-            let waiter = s.spawn(|| first[0].run(sum(3, 4), |w| w.ring_check(&sum(3, 4))));
+            let waiter = s.spawn(|| first[0].run(sum(3, 4), |w| w.collective_check(&sum(3, 4))));
             for world in rest.iter_mut() {
                 world.send_check_ahead(sum(3, 4)).expect("sent");
             }
@@ -423,29 +543,73 @@ mod tests {
         }
     }
 
-    /// Why only two ranks send their checks ahead: three ranks that all
-    /// queued before comparing, rank 1 calling another size. Ranks 1 and 2
-    /// find the mismatch; rank 0, whose predecessor (rank 2) agrees with
-    /// it, cannot, and would end its call as done.
+    /// Three ranks that all queued before comparing, rank 1 calling
+    /// another size: every rank compares every other rank's fingerprint,
+    /// so every rank fails the call, rank 0 too (whose ring predecessor,
+    /// rank 2, agrees with it) and names rank 1.
     #[test]
-    fn with_three_ranks_a_check_sent_ahead_misses_a_mismatch_elsewhere_so_only_two_send_ahead() {
+    fn with_three_ranks_a_mismatch_sent_ahead_fails_the_call_on_every_rank() {
         let (_server, mut w) = worlds(3, 1 << 16, Duration::from_secs(10));
         for (r, world) in w.iter_mut().enumerate() {
-            // Ranks 1 and 2 may find the mismatch at once: kept for the call.
+            // A rank may find the mismatch at once: kept for the call.
             let _ = world.send_check_ahead(sum(1, if r == 1 { 8 } else { 4 }));
         }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let outcomes = loop {
-            let outcomes: Vec<Result<bool, Failure>> = w.iter_mut().map(|world| world.ahead_done(1)).collect();
-            if outcomes.iter().all(|o| o != &Ok(false)) {
-                break outcomes;
+        let outcomes = outcomes(&mut w, 1);
+        for (r, outcome) in outcomes.iter().enumerate() {
+            let failure = outcome.as_ref().expect_err("every rank fails the call");
+            assert_eq!(failure.kind, FailureKind::Mismatch, "rank {r}: {}", failure.message);
+            assert!(failure.message.contains("rank 1 called all_reduce #1 (f32 × 8"), "rank {r}: {}", failure.message);
+        }
+        assert!((1..=8).all(World::sends_checks_ahead));
+        assert!(!World::sends_checks_ahead(9));
+    }
+
+    /// Waited, a world of up to eight compares every rank's fingerprint
+    /// (every rank names the odd one); a larger one its ring neighbours only
+    /// (the odd rank and its successor fail; the others go on, and their
+    /// calls wait for the odd one, which never queues).
+    #[test]
+    fn a_waited_check_compares_every_rank_up_to_eight_and_ring_neighbours_beyond() {
+        for (size, odd) in [(4, 2), (9, 4)] {
+            let (_server, mut w) = worlds(size, 1 << 16, Duration::from_secs(10));
+            let results: Vec<Result<(), Failure>> = std::thread::scope(|s| {
+                let handles: Vec<_> = w
+                    .iter_mut()
+                    .map(|world| {
+                        let fp = sum(1, if world.rank == odd { 8 } else { 4 });
+                        s.spawn(move || world.run(fp, |w| w.collective_check(&fp)))
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().expect("no panic")).collect()
+            });
+            let failed: Vec<usize> = (0..size).filter(|&r| results[r].is_err()).collect();
+            let expected: Vec<usize> = if size <= 8 { (0..size).collect() } else { vec![odd, odd + 1] };
+            assert_eq!(failed, expected, "{size} ranks: {results:?}");
+            for result in &results {
+                if let Err(failure) = result {
+                    assert_eq!(failure.kind, FailureKind::Mismatch, "{}", failure.message);
+                    assert!(failure.message.contains(&format!("rank {odd} called")), "{}", failure.message);
+                }
             }
-            assert!(Instant::now() < deadline, "never compared: {outcomes:?}");
-        };
-        assert_eq!(outcomes[0], Ok(true), "rank 0 compared rank 2's fingerprint only");
-        assert!(outcomes[1..].iter().all(|o| o.as_ref().is_err_and(|f| f.kind == FailureKind::Mismatch)));
-        assert!(World::sends_checks_ahead(2) && World::sends_checks_ahead(1));
-        assert!(!World::sends_checks_ahead(3) && !World::sends_checks_ahead(8));
+        }
+    }
+
+    /// A call is done only once every other rank's fingerprint arrived:
+    /// until then the ranks it waits for are named.
+    #[test]
+    fn a_check_sent_ahead_waits_for_the_last_rank_and_names_it() {
+        let (_server, mut w) = worlds(4, 1 << 16, Duration::from_secs(10));
+        for world in &mut w[..3] {
+            world.send_check_ahead(sum(1, 4)).expect("sent");
+        }
+        for world in &mut w[..3] {
+            assert_eq!(world.ahead_done(1), Ok(false), "rank {} has not heard from rank 3", world.rank);
+        }
+        assert_eq!(w[0].ahead_owed_by(1), vec![3]);
+        assert_eq!(w[3].ahead_owed_by(1), Vec::<usize>::new(), "rank 3 sent nothing ahead");
+        w[3].send_check_ahead(sum(1, 4)).expect("sent");
+        until_done(&mut w, 1);
+        assert!(w.iter().all(|world| world.ahead_owed_by(1).is_empty()));
     }
 
     /// A call compared equal whose own fingerprint still waits in the
@@ -453,15 +617,19 @@ mod tests {
     /// abort) ends as done instead of staying undecided until its timeout.
     #[test]
     fn a_compared_call_whose_fingerprint_is_stuck_in_the_outbox_ends_at_an_abort() {
-        // 40-byte links (one fingerprint and 8 bytes of the next); rank
-        // 1, rank 0's successor, never reads. Rank 2 is its predecessor.
-        let (_server, mut w) = worlds(3, 40, Duration::from_secs(10));
-        w[2].send_check_ahead(sum(1, 4)).expect("sent");
-        w[2].send_check_ahead(sum(2, 4)).expect("sent");
-        w[0].send_check_ahead(sum(1, 4)).expect("sent");
-        w[0].send_check_ahead(sum(2, 4)).expect("sent");
-        assert_eq!(w[2].poll_ahead(2), Ok(false), "rank 2 sends the rest of its fingerprint");
-        assert_eq!(w[0].poll_ahead(2), Ok(true), "rank 2's fingerprints arrived and agree");
+        // 40-byte links (one fingerprint and 8 bytes of the next); rank 1
+        // sent its fingerprints but never reads.
+        let (_server, mut w, pipes) = worlds_and_pipes(3, 40, Duration::from_secs(10));
+        for seq in 1..=2 {
+            sent_unread(&pipes, 1, sum(seq, 4));
+            w[2].send_check_ahead(sum(seq, 4)).expect("sent");
+            w[0].send_check_ahead(sum(seq, 4)).expect("sent");
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while w[0].poll_ahead(2) != Ok(true) {
+            let _ = w[2].poll_ahead(2);
+            assert!(Instant::now() < deadline, "rank 2's call 2 never arrived");
+        }
         assert_eq!(w[0].ahead_done(2), Ok(false), "24 bytes of its own wait for rank 1 to read");
         w[0].abort("a test's abort");
         assert_eq!(w[0].ahead_done(2), Ok(true));
@@ -525,13 +693,14 @@ mod tests {
 
     #[test]
     fn a_call_is_done_once_compared_and_its_fingerprint_left() {
-        // A ring of three over 40-byte links: rank 0's call 2 does not fit
-        // beside its call 1 until rank 1 reads.
-        let (_server, mut w) = worlds(3, 40, Duration::from_secs(10));
-        w[0].send_check_ahead(sum(1, 4)).expect("never waits");
-        w[0].send_check_ahead(sum(2, 4)).expect("never waits");
-        w[2].send_check_ahead(sum(1, 4)).expect("sent");
-        w[2].send_check_ahead(sum(2, 4)).expect("sent");
+        // Three ranks over 40-byte links: rank 0's call 2 does not fit
+        // beside its call 1 until rank 1 (which sent, unread) reads.
+        let (_server, mut w, pipes) = worlds_and_pipes(3, 40, Duration::from_secs(10));
+        for seq in 1..=2 {
+            w[0].send_check_ahead(sum(seq, 4)).expect("never waits");
+            sent_unread(&pipes, 1, sum(seq, 4));
+            w[2].send_check_ahead(sum(seq, 4)).expect("sent");
+        }
         let deadline = Instant::now() + Duration::from_secs(5);
         while w[0].poll_ahead(2) != Ok(true) {
             let _ = w[2].poll_ahead(2);
@@ -540,9 +709,8 @@ mod tests {
         assert_eq!(w[0].ahead_done(1), Ok(true));
         // Compared, but partly still in the outbox: rank 1 has not read.
         assert_eq!(w[0].ahead_done(2), Ok(false));
-        w[1].send_check_ahead(sum(1, 4)).expect("sent");
-        w[1].send_check_ahead(sum(2, 4)).expect("sent");
-        until_done(&mut w, 2);
+        pipes[0][1].0.lock().clear();
+        assert_eq!(w[0].ahead_done(2), Ok(true), "the rest left once rank 1 read");
     }
 
     #[test]
@@ -554,7 +722,7 @@ mod tests {
             w[world].send_check_ahead(sum(2, 4)).expect("sent");
         }
         assert_eq!((w[0].poll_ahead(1), w[0].poll_ahead(2)), (Ok(true), Ok(false)));
-        assert!(w[0].ahead.got > 0, "part of call 2's fingerprint is in");
+        assert!(w[0].ahead.incoming[0].got > 0, "part of call 2's fingerprint is in");
         let results = waited_checks(&mut w, sum(3, 4));
         assert!(results.iter().all(Result::is_ok), "{results:?}");
         for world in w.iter_mut() {
@@ -571,7 +739,7 @@ mod tests {
         assert_eq!(w[0].ahead_done(1), Ok(true));
         assert_eq!(w[0].ahead_done(2), Ok(false));
         // Rank 1 never calls #2: rank 0's next waited call times out on it.
-        let failure = w[0].run(sum(3, 4), |w| w.ring_check(&sum(3, 4))).expect_err("a timeout");
+        let failure = w[0].run(sum(3, 4), |w| w.collective_check(&sum(3, 4))).expect_err("a timeout");
         assert_eq!(failure.kind, FailureKind::Timeout, "{}", failure.message);
         assert!(
             failure.message.contains("all_reduce #2") && failure.message.contains("rank(s) 1 never arrived"),
