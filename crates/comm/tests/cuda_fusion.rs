@@ -218,7 +218,37 @@ fn cuda_fused_all_reduces_on_a_one_rank_communicator_equal_separate_calls() {
     ranks(1, |comm| {
         fused_matches_separate_and_host(&comm, &mixed());
         fused_matches_separate_and_host(&comm, &large());
+        fused_call_whose_source_partly_overlaps_its_destination(&comm);
     });
+}
+
+/// A `Communicator` allows a source that partly overlaps its destination;
+/// in a fused group such a call is packed into its bucket from its source
+/// (no copy of its own) and unpacked into its destination: on one rank
+/// the destination holds the source's values as they were.
+fn fused_call_whose_source_partly_overlaps_its_destination(comm: &Communicator) {
+    let c = comm.clients()[0].clone();
+    let values: Vec<f32> = (1..=12).map(|i| i as f32).collect();
+    let buf = c.create_from_slice(bytemuck::cast_slice(&values));
+    let (src, dst) = (buf.slice(0, 32).unwrap(), buf.slice(8, 32).unwrap());
+    let apart: Vec<(Handle, Handle)> =
+        (0..2).map(|k| (c.create_from_slice(bytemuck::cast_slice(&[k as f32 + 0.5; 8])), c.empty(32))).collect();
+    let sum = |src: &Handle, dst: &Handle| GroupCall::AllReduce {
+        src: vec![src.clone()].into(),
+        dst: vec![dst.clone()].into(),
+        dtype: DType::F32,
+        op: ReduceOp::Sum,
+    };
+    let group = vec![sum(&apart[0].0, &apart[0].1), sum(&src, &dst), sum(&apart[1].0, &apart[1].1)];
+    comm.group_handles(group).unwrap().wait().unwrap();
+    let got: Vec<f32> = bytemuck::cast_slice(&c.read_one(dst).unwrap()).to_vec();
+    assert_eq!(got, values[..8], "the overlapping call's destination");
+    for (k, (_, d)) in apart.iter().enumerate() {
+        let got: Vec<f32> = bytemuck::cast_slice(&c.read_one(d.clone()).unwrap()).to_vec();
+        assert_eq!(got, [k as f32 + 0.5; 8], "call {k} beside it");
+    }
+    let last = cohort_comm::trace::FlightRecorder::global().snapshot().pop().expect("a record");
+    assert_eq!(last.path.as_deref(), Some("nccl fused"), "{last:?}");
 }
 
 #[test]

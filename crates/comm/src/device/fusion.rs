@@ -157,6 +157,17 @@ impl FusedPart {
     }
 }
 
+/// Whether each of a group's `calls` calls is fused into one of `buckets`:
+/// its bucket is packed from its source before the bucket's call, so it
+/// needs no copy of its own (a source partly overlapping its destination).
+pub(crate) fn fused_calls(buckets: &[Bucket], calls: usize) -> SmallVec<[bool; 8]> {
+    let mut fused = smallvec::smallvec![false; calls];
+    for &(call, _, _) in buckets.iter().flat_map(|bucket| &bucket.members) {
+        fused[call] = true;
+    }
+    fused
+}
+
 /// The fused work of one part of a group of `calls` calls: `buckets`, bucket
 /// `k`'s scratch being the task's buffer `scratch[k]`, call `c`'s source
 /// and destination its buffers `at(c)`, and `binding` the task's bindings.
@@ -167,11 +178,10 @@ pub(crate) fn part(
     at: impl Fn(usize) -> (usize, usize),
     binding: impl Fn(usize) -> Binding,
 ) -> FusedPart {
-    let mut part = FusedPart { fused: smallvec::smallvec![false; calls], ..FusedPart::default() };
+    let mut part = FusedPart { fused: fused_calls(buckets, calls), ..FusedPart::default() };
     for (bucket, &scratch) in buckets.iter().zip(scratch) {
         for &(call, offset, bytes) in &bucket.members {
             let (src, dst) = at(call);
-            part.fused[call] = true;
             part.pack.push(CopyRegion { src, src_offset: 0, dst: scratch, dst_offset: offset, bytes });
             part.unpack.push(CopyRegion { src: scratch, src_offset: offset, dst, dst_offset: 0, bytes });
         }

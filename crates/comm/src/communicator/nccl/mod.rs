@@ -299,6 +299,7 @@ impl Nccl {
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         // The same buckets on every member (they follow from the calls).
         let buckets = fusion::buckets(&ops, fusion::cap());
+        let in_bucket = fusion::fused_calls(&buckets, ops.len());
         let fused: Option<Arc<[Bucket]>> = (!buckets.is_empty()).then(|| buckets.into());
         // A single call's path went into its record when it was queued
         // (`Communicator::launch`); a grouped call's is known here.
@@ -318,13 +319,15 @@ impl Nccl {
         for (slot, client) in self.clients.iter().enumerate() {
             let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
             let mut layout: SmallVec<[PartLayout; 1]> = SmallVec::with_capacity(calls.len());
-            for (op, ins, outs) in &calls {
+            for ((op, ins, outs), &in_bucket) in calls.iter().zip(&in_bucket) {
                 let src = ins[slot].clone();
                 let dst = outs[slot].clone();
                 // A copy of the source to read from (an in-place all-to-all,
-                // a source partly overlapping its destination).
-                let scratch = crate::device::plan::sends_from_copy(op.collective(), src.as_ref(), dst.as_ref())
-                    .then(|| src.as_ref().map_or(0, Handle::size));
+                // a source partly overlapping its destination), but for a
+                // call packed into a fusion bucket, which reads the bucket.
+                let scratch = (!in_bucket
+                    && crate::device::plan::sends_from_copy(op.collective(), src.as_ref(), dst.as_ref()))
+                .then(|| src.as_ref().map_or(0, Handle::size));
                 let mut part = PartLayout { op: *op, input: None, output: None, scratch: None };
                 if let Some(src) = src {
                     part.input = Some(input.len());
