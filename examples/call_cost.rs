@@ -168,6 +168,30 @@ fn nccl_all_reduce(calls: usize, bytes: usize) {
         clients[0].exclusive(stages::stop).expect("exclusive");
         println!("stages on the device thread, the same queued calls:");
         print!("{}", stages::table(((per_round / 100).max(1) * 100) as u64));
+        // The same two tables for the one-rank Communicator's calls.
+        let rank_waited_call = || {
+            let work = rank_call();
+            stages::mark(Stage::Returned);
+            work.wait().expect("wait");
+            stages::mark(Stage::Waited);
+        };
+        stage_table("1-rank Communicator, waited", per_round as u64, rank_waited_call, |_| {});
+        let rank_queued_call = || {
+            rank_call();
+            stages::mark(Stage::Returned);
+        };
+        let rank_sync = |i| {
+            if i % 100 == 99 {
+                comm.sync().expect("sync");
+            }
+        };
+        stage_table(
+            "1-rank Communicator, queued (a sync per 100 calls, untimed)",
+            per_round as u64,
+            rank_queued_call,
+            rank_sync,
+        );
+        comm.sync().expect("sync");
     }
     assert_eq!(dst[0].to_vec().expect("read"), vec![1.0; floats], "one rank's sum is its source");
     let (waited, queued) = (median(&mut waited), median(&mut queued));

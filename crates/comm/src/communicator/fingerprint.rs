@@ -2,11 +2,12 @@
 //!
 //! Every collective of a communicator gets the next sequence number, and its
 //! fingerprint (sequence number and the call's [`Op`]: kind, reduction,
-//! element type, element count, root) travels to the ring successor before
-//! any data; a successor whose own fingerprint differs stops with an error
-//! naming both sides. The
-//! check costs one 32-byte message per rank and collective (one extra hop of
-//! latency: a few microseconds over shared memory, one round trip on TCP).
+//! element type, element count, root) travels to every other rank before
+//! any data (to the ring successor only in a job of more than eight ranks:
+//! `World::collective_check`); a rank whose own fingerprint differs stops
+//! with an error naming both sides. The check costs one 32-byte message per
+//! rank, collective and peer (one extra hop of latency: a few microseconds
+//! over shared memory, one round trip on TCP).
 
 use std::fmt;
 

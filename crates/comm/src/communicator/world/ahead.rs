@@ -59,6 +59,17 @@ struct Incoming {
     compared: usize,
 }
 
+impl Incoming {
+    /// Takes from `bytes` what completes its next fingerprint (no byte
+    /// past it: what follows belongs to later calls); returns how many.
+    fn fill(&mut self, bytes: &[u8]) -> usize {
+        let take = (LEN - self.got).min(bytes.len());
+        self.inbox[self.got..self.got + take].copy_from_slice(&bytes[..take]);
+        self.got += take;
+        take
+    }
+}
+
 /// The checks of this rank's calls that were sent ahead and not yet
 /// compared with every check peer's.
 pub(crate) struct Ahead {
@@ -103,6 +114,18 @@ impl Ahead {
             return Vec::new();
         };
         self.incoming.iter().filter(|i| i.compared <= at).map(|i| i.from).collect()
+    }
+
+    /// The peer to read and compare next, among those `ready` (by index)
+    /// that still owe a fingerprint: the one furthest behind, so that calls
+    /// are compared in order across the peers and a mismatch is found at
+    /// the first call it concerns (an earlier call whose fingerprints are
+    /// all here is compared first, and stands).
+    fn next_to_compare(&self, ready: impl Fn(usize) -> bool) -> Option<usize> {
+        let owed = self.awaiting.len();
+        (0..self.incoming.len())
+            .filter(|&p| self.incoming[p].compared < owed && ready(p))
+            .min_by_key(|&p| self.incoming[p].compared)
     }
 
     /// Drops the oldest fingerprints every peer's were compared with.
@@ -223,21 +246,23 @@ impl World {
         drop((sends, recvs));
         self.current = saved;
         moved?;
-        for (peer, bytes) in received.iter().enumerate() {
-            let mut at = 0;
-            while at < bytes.len() {
-                let incoming = &mut self.ahead.incoming[peer];
-                let take = (LEN - incoming.got).min(bytes.len() - at);
-                incoming.inbox[incoming.got..incoming.got + take].copy_from_slice(&bytes[at..at + take]);
-                incoming.got += take;
-                at += take;
-                if incoming.got == LEN {
-                    self.compare_ahead(peer)?;
+        // In call order across the peers (see `next_to_compare`): a
+        // mismatch then fails its own call, not an earlier one.
+        let mut at = vec![0; received.len()];
+        let compared = loop {
+            let Some(peer) = self.ahead.next_to_compare(|p| at[p] < received[p].len()) else {
+                break Ok(());
+            };
+            at[peer] += self.ahead.incoming[peer].fill(&received[peer][at[peer]..]);
+            if self.ahead.incoming[peer].got == LEN {
+                if let Err(failure) = self.compare_ahead(peer) {
+                    break Err(failure);
                 }
             }
-        }
+        };
+        // A call compared everywhere stands, even when a later one failed.
         self.ahead.retire_compared();
-        Ok(())
+        compared
     }
 
     /// Moves what the links take and hand over now; compares every whole
@@ -271,28 +296,22 @@ impl World {
                 outgoing.sent(sent);
             }
         }
-        for peer in 0..self.ahead.incoming.len() {
-            while self.ahead.incoming[peer].compared < self.ahead.awaiting.len() {
-                let incoming = &mut self.ahead.incoming[peer];
-                let from = incoming.from;
-                let (inbox, got) = (&mut incoming.inbox, &mut incoming.got);
-                let link = self.links[from].as_mut().expect("a link to every other rank");
-                // Takes no byte past the awaited fingerprint: what follows
-                // it belongs to later calls.
-                let took = link
-                    .try_recv(&mut |bytes: &[u8]| {
-                        let take = (LEN - *got).min(bytes.len());
-                        inbox[*got..*got + take].copy_from_slice(&bytes[..take]);
-                        *got += take;
-                        take
-                    })
-                    .map_err(|error| self.link_failure(from, error))?;
-                if took == 0 {
-                    break;
-                }
-                if self.ahead.incoming[peer].got == LEN {
-                    self.compare_ahead(peer)?;
-                }
+        // In call order across the peers (see `next_to_compare`), until
+        // every peer that owes a fingerprint has nothing more now.
+        let mut idle = 0u64;
+        while let Some(peer) = self.ahead.next_to_compare(|p| idle & 1 << p == 0) {
+            let incoming = &mut self.ahead.incoming[peer];
+            let from = incoming.from;
+            let link = self.links[from].as_mut().expect("a link to every other rank");
+            // Takes no byte past the awaited fingerprint: what follows it
+            // belongs to later calls.
+            let took = link
+                .try_recv(&mut |bytes: &[u8]| incoming.fill(bytes))
+                .map_err(|error| self.link_failure(from, error))?;
+            if took == 0 {
+                idle |= 1 << peer;
+            } else if self.ahead.incoming[peer].got == LEN {
+                self.compare_ahead(peer)?;
             }
         }
         Ok(())
@@ -341,7 +360,8 @@ impl World {
                         None => format!("#{seq}"),
                     };
                     let message = format!(
-                        "{call}{} stopped: the communicator was aborted by an earlier failure: {why}",
+                        "{call}{} stopped: the communicator was aborted before every rank's fingerprint of it was \
+                         compared: {why}",
                         self.label
                     );
                     Err(Failure::new(FailureKind::Aborted, message))
@@ -592,6 +612,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Rank 0 sent calls 1 and 2 ahead; rank 1's fingerprints of both are
+    /// in, rank 2's of call 1 agrees and its call 2 differs: compared in
+    /// call order across the ranks, call 1 (compared everywhere) stands,
+    /// and the mismatch fails call 2 only.
+    #[test]
+    fn a_later_mismatch_fails_its_own_call_and_an_earlier_one_compared_everywhere_stands() {
+        let (_server, mut w, pipes) = worlds_and_pipes(3, 1 << 16, Duration::from_secs(10));
+        w[0].send_check_ahead(sum(1, 4)).expect("sent");
+        w[0].send_check_ahead(sum(2, 4)).expect("sent");
+        sent_unread(&pipes, 1, sum(1, 4));
+        sent_unread(&pipes, 1, sum(2, 8));
+        sent_unread(&pipes, 2, sum(1, 4));
+        assert_eq!(w[0].poll_ahead(1), Ok(true), "both ranks' call 1 agrees");
+        assert_eq!(w[0].ahead_done(1), Ok(true));
+        let failure = w[0].poll_ahead(2).expect_err("rank 1's call 2 differs");
+        assert_eq!(failure.kind, FailureKind::Mismatch, "{}", failure.message);
+        assert!(failure.message.contains("rank 1 called all_reduce #2 (f32 × 8"), "{}", failure.message);
+    }
+
+    /// The same found while a waited call settles the checks sent ahead.
+    #[test]
+    fn a_mismatch_found_while_settling_keeps_an_earlier_call_compared_everywhere() {
+        let (_server, mut w, pipes) = worlds_and_pipes(3, 1 << 16, Duration::from_secs(10));
+        w[0].send_check_ahead(sum(1, 4)).expect("sent");
+        w[0].send_check_ahead(sum(2, 4)).expect("sent");
+        sent_unread(&pipes, 1, sum(1, 4));
+        sent_unread(&pipes, 1, sum(2, 4));
+        sent_unread(&pipes, 2, sum(1, 4));
+        sent_unread(&pipes, 2, sum(2, 8));
+        let stopped = w[0].run(sum(3, 4), |w| w.collective_check(&sum(3, 4))).expect_err("call 2 differs");
+        assert!(stopped.message.contains("settling the checks sent ahead"), "{}", stopped.message);
+        assert_eq!(w[0].ahead_done(1), Ok(true), "call 1 matched on every rank");
+        assert_eq!(w[0].poll_ahead(2).map_err(|f| f.kind), Err(FailureKind::Mismatch));
+    }
+
+    /// A call compared with one rank but not yet with another is never
+    /// done, and fails once a later call's mismatch aborts.
+    #[test]
+    fn a_call_not_compared_with_every_rank_fails_at_a_later_mismatch() {
+        let (_server, mut w, pipes) = worlds_and_pipes(3, 1 << 16, Duration::from_secs(10));
+        w[0].send_check_ahead(sum(1, 4)).expect("sent");
+        w[0].send_check_ahead(sum(2, 4)).expect("sent");
+        sent_unread(&pipes, 1, sum(1, 4));
+        sent_unread(&pipes, 1, sum(2, 8));
+        assert_eq!(w[0].poll_ahead(2).map_err(|f| f.kind), Err(FailureKind::Mismatch));
+        let stopped = w[0].ahead_done(1).expect_err("rank 2's fingerprint of call 1 never came");
+        assert_eq!(stopped.kind, FailureKind::Aborted, "{}", stopped.message);
+        assert!(
+            stopped.message.contains("all_reduce #1") && stopped.message.contains("before every rank's"),
+            "{}",
+            stopped.message
+        );
     }
 
     /// A call is done only once every other rank's fingerprint arrived:
