@@ -72,6 +72,14 @@ struct StateCell {
     /// collectives to poll (a thread that has some naps at most
     /// [`COLLECTIVE_POLL`] and polls them when it wakes: it is not woken).
     asleep: AtomicBool,
+    /// Callers waiting in [`DeviceHandle::enter_inline`] for the state's
+    /// lock: the device thread's optional polls (while it spins for work)
+    /// step aside for them.
+    inline_waiting: AtomicUsize,
+    /// Set while the device thread holds the state to poll its running
+    /// collectives (not to run a task): a waiting caller waits out such a
+    /// poll, which is short, rather than hand its task over.
+    polling: AtomicBool,
 }
 
 // SAFETY: the state is only touched under the lock, so one thread at a time
@@ -111,6 +119,14 @@ impl StateCell {
     /// The state, locked (present while the server thread runs).
     fn lock(&self) -> parking_lot::MappedMutexGuard<'_, DeviceState> {
         parking_lot::MutexGuard::map(self.state.lock(), |s| s.as_mut().expect("the server thread holds the state"))
+    }
+
+    /// Polls the running device collectives of `state`, marked as a poll
+    /// for waiting callers (see `polling`).
+    fn poll(&self, state: &mut DeviceState) {
+        self.polling.store(true, Ordering::Release);
+        state.poll_collectives();
+        self.polling.store(false, Ordering::Release);
     }
 
     /// Asks the device thread to poll the collectives an inline task left
@@ -221,6 +237,8 @@ impl DeviceHandle {
             in_flight: AtomicUsize::new(0),
             poll_wanted: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
+            inline_waiting: AtomicUsize::new(0),
+            polling: AtomicBool::new(false),
         });
         let served = cell.clone();
         let thread = std::thread::Builder::new()
@@ -295,7 +313,9 @@ impl DeviceHandle {
     /// where the server thread would have run it queued: when this device
     /// takes inline tasks (CPU and CUDA), is open, the caller is not its
     /// server thread, nothing is queued or running (waiting up to 2 µs for
-    /// the device thread to let go of the state after its last task), and
+    /// the device thread to let go of the state after its last task, and
+    /// up to 200 µs more while the device thread polls its collectives,
+    /// which starts no poll meanwhile), and
     /// the backend lets this thread in (on CUDA: no stream capturing; the
     /// context made current). Then every message sent before, by any
     /// thread, has run. Client calls for this device made while it is held
@@ -319,7 +339,19 @@ impl DeviceHandle {
         // moment more: it waits that long, no more.
         let mut guard = match lock_wait.is_zero() {
             true => self.cell.state.try_lock()?,
-            false => self.cell.state.try_lock_for(lock_wait)?,
+            false => {
+                // The device thread starts no optional poll meanwhile, and
+                // one it is in the middle of is waited out: a hand-over
+                // would leave a message queued, and every later call
+                // queued behind it too, until the device thread caught up.
+                let cell = &self.cell;
+                cell.inline_waiting.fetch_add(1, Ordering::SeqCst);
+                let guard = cell.state.try_lock_for(lock_wait).or_else(|| {
+                    cell.polling.load(Ordering::Acquire).then(|| cell.state.try_lock_for(INLINE_POLL_WAIT)).flatten()
+                });
+                cell.inline_waiting.fetch_sub(1, Ordering::SeqCst);
+                guard?
+            }
         };
         let state = guard.as_mut().filter(|_| idle(&self.cell))?;
         let entry = state.backend.enter_caller()?;
@@ -808,6 +840,10 @@ fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch)
 /// have just answered its caller and not yet let go of the lock.
 const INLINE_LOCK_WAIT: Duration = Duration::from_micros(2);
 
+/// How much longer it waits when the device thread holds the lock to poll
+/// its running collectives (a few µs; tens with many parts to reap).
+const INLINE_POLL_WAIT: Duration = Duration::from_micros(200);
+
 /// How often a device thread looks at its running device collectives (to
 /// end them, and to abort failed or expired ones): idle, and at least as
 /// often while a stream of work keeps it busy.
@@ -843,8 +879,13 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         let (wanted, asleep) = (&cell.poll_wanted, &cell.asleep);
         let received = if collectives_pending {
             let mut poll = || {
+                // Not while a caller waits to run a task inline: it would
+                // hand its task over rather than wait for the poll.
+                if cell.inline_waiting.load(Ordering::SeqCst) != 0 {
+                    return;
+                }
                 if let Some(state) = cell.state.try_lock().as_mut().and_then(|s| s.as_mut()) {
-                    state.poll_collectives();
+                    cell.poll(state);
                     polled_at = Instant::now();
                 }
             };
@@ -856,7 +897,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             Ok(message) => message,
             Err(RecvTimeoutError::Timeout) => {
                 let mut state = cell.lock();
-                state.poll_collectives();
+                cell.poll(&mut state);
                 (polled_at, since_poll) = (Instant::now(), 0);
                 collectives_pending = state.has_pending_collectives();
                 continue;
@@ -889,7 +930,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         since_poll += 1;
         let overdue = || since_poll.is_multiple_of(BUSY_CLOCK_EVERY) && polled_at.elapsed() >= COLLECTIVE_POLL;
         if state.pending_collectives_count() >= POLL_BUSY_AT || (collectives_pending && overdue()) {
-            state.poll_collectives();
+            cell.poll(&mut state);
             (polled_at, since_poll) = (Instant::now(), 0);
         }
         collectives_pending = state.has_pending_collectives();
@@ -985,6 +1026,60 @@ mod tests {
         let mut polls = 0;
         assert_eq!(recv_spinning(&receiver, Some(&mut || polls += 1), &wanted, &asleep), Ok(7));
         assert_eq!(polls, 0);
+    }
+
+    /// Holds `device`'s state lock on another thread (marked as the device
+    /// thread's poll where `polling`) until a caller entering inline waits
+    /// for it, then `more` (`None`: until the caller gave up); says whether
+    /// the caller got the state.
+    fn entered_while_held(device: &DeviceHandle, polling: bool, more: Option<Duration>) -> bool {
+        let cell = &device.cell;
+        std::thread::scope(|s| {
+            let (held, is_held) = channel::bounded(1);
+            s.spawn(move || {
+                let guard = cell.state.lock();
+                cell.polling.store(polling, Ordering::Release);
+                held.send(()).unwrap();
+                while cell.inline_waiting.load(Ordering::SeqCst) == 0 {
+                    std::hint::spin_loop();
+                }
+                let waited = Instant::now();
+                match more {
+                    Some(more) => {
+                        while waited.elapsed() < more {
+                            std::hint::spin_loop();
+                        }
+                    }
+                    None => {
+                        while cell.inline_waiting.load(Ordering::SeqCst) != 0 {
+                            std::hint::spin_loop();
+                        }
+                    }
+                }
+                cell.polling.store(false, Ordering::Release);
+                drop(guard);
+            });
+            is_held.recv().unwrap();
+            device.enter_inline().is_some()
+        })
+    }
+
+    #[test]
+    fn a_caller_waits_out_the_device_threads_poll_but_not_a_task() {
+        use crate::runtime::Runtime;
+        let client = crate::CpuRuntime::client(3).unwrap();
+        let device = client.device();
+        // A poll that holds the state 100 µs past the caller's first look is
+        // waited out (past the first 2 µs, even with the timer slack of a
+        // timed lock, ~50 µs on Linux; tries: another test's message queued
+        // on this device sends the caller away, and so does a holder
+        // descheduled for long).
+        assert!(
+            (0..20).any(|_| entered_while_held(device, true, Some(Duration::from_micros(100)))),
+            "a caller handed its task over rather than wait for a poll"
+        );
+        // A task that holds it is not: the caller gives up and queues.
+        assert!(!entered_while_held(device, false, None));
     }
 
     #[test]

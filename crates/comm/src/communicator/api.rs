@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::Handle;
 
 use super::fingerprint::Fingerprint;
@@ -34,6 +35,7 @@ impl Communicator {
     /// its handle. The call's fingerprint (its sequence number
     /// and `op`) is what ranks compare to find mismatched calls.
     fn launch(&self, op: Op, inputs: Slots, outputs: Slots) -> Result<Work, CommError> {
+        stages::mark(Stage::Checked);
         let name = op.name();
         for (slot, client) in self.clients().iter().enumerate() {
             if client.is_capturing() {
@@ -57,10 +59,12 @@ impl Communicator {
             }
         };
         let fp = Fingerprint::of(seq, op);
+        stages::mark(Stage::Routed);
         if let Some(nccl) = nccl {
             // Dropped unrun when the launch fails: that aborts for the
             // other ranks, as on the host path. Recorded with its path.
             let tracker = self.inner.observer.queued(fp, Some(nccl.path_of(&op).name()));
+            stages::mark(Stage::Recorded);
             let meeting = nccl.launch(&self.inner.world, fp, self.timeout(), inputs, outputs, &tracker);
             drop((issued, order));
             let meeting = meeting?;

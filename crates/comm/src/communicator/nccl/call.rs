@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerCall, PeerSpec};
+use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, CopyRegion, DeviceId, ServerError};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
@@ -283,7 +284,9 @@ impl NcclCall {
         let monitor = PartMonitor::start(self, slot);
         let barrier = self.fp.group.is_none() && self.fp.op.collective() == Collective::Barrier;
         let completion = if barrier { Completion::Wait } else { Completion::Defer };
+        stages::mark(Stage::PartReady);
         let result = access.run_collective(&spec, &calls, monitor.clone(), completion);
+        stages::mark(Stage::PartQueued);
         // Queued (its monitor ends the part, now or later) unless refused
         // before any call was queued.
         *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);

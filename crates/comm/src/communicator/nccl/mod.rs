@@ -47,6 +47,7 @@ use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::CommSpec;
+use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError, TaskHandles};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
@@ -296,6 +297,7 @@ impl Nccl {
         let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
         let inline = self.queues_inline(&ops, fp.group.is_some());
         let call = NcclCall::new(self.clone(), world.clone(), fp, inline && self.size > 1, devices, timeout);
+        stages::mark(Stage::MeetingBuilt);
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         // The same buckets on every member (they follow from the calls).
         let buckets = fusion::buckets(&ops, fusion::cap());
@@ -361,12 +363,17 @@ impl Nccl {
             let fusion = PartFusion { buckets: fused.clone(), scratch };
             let ticket = Ticket::new(&call, slot);
             let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
-                ticket.run(|call, slot| call.run_part(slot, access, &layout, &fusion))
+                stages::mark(Stage::TaskStarted);
+                let result = ticket.run(|call, slot| call.run_part(slot, access, &layout, &fusion));
+                stages::mark(Stage::TicketReturned);
+                result
             };
+            stages::mark(Stage::TasksBuilt);
             let queued = match inline {
                 true => client.submit_buffers_inline(name, input, output, task),
                 false => client.submit_buffers_always(name, input, output, task),
             };
+            stages::mark(Stage::Submitted);
             if let Err(source) = queued {
                 let err = CommError::Enqueue { operation: name, member: slot, device: client.device_id(), source };
                 call.fail(ServerError::InvalidState { operation: "collective", reason: err.to_string() });
