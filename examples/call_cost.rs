@@ -140,24 +140,7 @@ fn nccl_all_reduce(calls: usize, bytes: usize) {
         rank_queued.push(q);
     }
     if cohort::runtime::stages::ENABLED {
-        let waited_call = || {
-            let work = call();
-            stages::mark(Stage::Returned);
-            work.wait().expect("wait");
-            stages::mark(Stage::Waited);
-        };
-        stage_table("waited", per_round as u64, waited_call, |_| {});
-        let queued_call = || {
-            call();
-            stages::mark(Stage::Returned);
-        };
-        let sync = |i| {
-            if i % 100 == 99 {
-                group.sync().expect("sync");
-            }
-        };
-        stage_table("queued (a sync per 100 calls, untimed)", per_round as u64, queued_call, sync);
-        group.sync().expect("sync");
+        stage_tables("", per_round as u64, call, || group.sync().expect("sync"));
         // The device thread's side of the queued calls: its clock started
         // and stopped by tasks it runs itself; the caller's is off.
         stages::reset();
@@ -169,29 +152,7 @@ fn nccl_all_reduce(calls: usize, bytes: usize) {
         println!("stages on the device thread, the same queued calls:");
         print!("{}", stages::table(((per_round / 100).max(1) * 100) as u64));
         // The same two tables for the one-rank Communicator's calls.
-        let rank_waited_call = || {
-            let work = rank_call();
-            stages::mark(Stage::Returned);
-            work.wait().expect("wait");
-            stages::mark(Stage::Waited);
-        };
-        stage_table("1-rank Communicator, waited", per_round as u64, rank_waited_call, |_| {});
-        let rank_queued_call = || {
-            rank_call();
-            stages::mark(Stage::Returned);
-        };
-        let rank_sync = |i| {
-            if i % 100 == 99 {
-                comm.sync().expect("sync");
-            }
-        };
-        stage_table(
-            "1-rank Communicator, queued (a sync per 100 calls, untimed)",
-            per_round as u64,
-            rank_queued_call,
-            rank_sync,
-        );
-        comm.sync().expect("sync");
+        stage_tables("1-rank Communicator, ", per_round as u64, rank_call, || comm.sync().expect("sync"));
     }
     assert_eq!(dst[0].to_vec().expect("read"), vec![1.0; floats], "one rank's sum is its source");
     let (waited, queued) = (median(&mut waited), median(&mut queued));
@@ -242,6 +203,30 @@ fn stage_table(what: &str, calls: u64, mut call: impl FnMut(), mut between: impl
     }
     println!("stages of the all-reduce, 1 CUDA device (NCCL), {what}:");
     print!("{}", stages::table(calls));
+}
+
+/// The stage tables of `call` waited on, and queued back to back with
+/// `sync` (untimed) after every hundred and at the end; `what` begins each
+/// table's title.
+fn stage_tables(what: &str, calls: u64, call: impl Fn() -> Work, sync: impl Fn()) {
+    let waited = || {
+        let work = call();
+        stages::mark(Stage::Returned);
+        work.wait().expect("wait");
+        stages::mark(Stage::Waited);
+    };
+    stage_table(&format!("{what}waited"), calls, waited, |_| {});
+    let queued = || {
+        call();
+        stages::mark(Stage::Returned);
+    };
+    let every_hundred = |i| {
+        if i % 100 == 99 {
+            sync();
+        }
+    };
+    stage_table(&format!("{what}queued (a sync per 100 calls, untimed)"), calls, queued, every_hundred);
+    sync();
 }
 
 /// Raw NCCL's one-rank all-reduce of 32 B (sum, out of place, as cohort's

@@ -458,6 +458,15 @@ mod tests {
         }
     }
 
+    /// Three ranks over roomy links, rank 0 having sent calls 1 and 2 (f32
+    /// sums of 4) ahead; the test puts the others' fingerprints in.
+    fn rank_0_sent_two_ahead() -> (StoreServer, Vec<World>, Vec<Vec<Pipe>>) {
+        let (server, mut w, pipes) = worlds_and_pipes(3, 1 << 16, Duration::from_secs(10));
+        w[0].send_check_ahead(sum(1, 4)).expect("sent");
+        w[0].send_check_ahead(sum(2, 4)).expect("sent");
+        (server, w, pipes)
+    }
+
     /// Polls every world until each answers call `seq`'s check (bounded).
     fn outcomes(w: &mut [World], seq: u64) -> Vec<Result<bool, Failure>> {
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -620,9 +629,7 @@ mod tests {
     /// and the mismatch fails call 2 only.
     #[test]
     fn a_later_mismatch_fails_its_own_call_and_an_earlier_one_compared_everywhere_stands() {
-        let (_server, mut w, pipes) = worlds_and_pipes(3, 1 << 16, Duration::from_secs(10));
-        w[0].send_check_ahead(sum(1, 4)).expect("sent");
-        w[0].send_check_ahead(sum(2, 4)).expect("sent");
+        let (_server, mut w, pipes) = rank_0_sent_two_ahead();
         sent_unread(&pipes, 1, sum(1, 4));
         sent_unread(&pipes, 1, sum(2, 8));
         sent_unread(&pipes, 2, sum(1, 4));
@@ -636,9 +643,7 @@ mod tests {
     /// The same found while a waited call settles the checks sent ahead.
     #[test]
     fn a_mismatch_found_while_settling_keeps_an_earlier_call_compared_everywhere() {
-        let (_server, mut w, pipes) = worlds_and_pipes(3, 1 << 16, Duration::from_secs(10));
-        w[0].send_check_ahead(sum(1, 4)).expect("sent");
-        w[0].send_check_ahead(sum(2, 4)).expect("sent");
+        let (_server, mut w, pipes) = rank_0_sent_two_ahead();
         sent_unread(&pipes, 1, sum(1, 4));
         sent_unread(&pipes, 1, sum(2, 4));
         sent_unread(&pipes, 2, sum(1, 4));
@@ -653,9 +658,7 @@ mod tests {
     /// done, and fails once a later call's mismatch aborts.
     #[test]
     fn a_call_not_compared_with_every_rank_fails_at_a_later_mismatch() {
-        let (_server, mut w, pipes) = worlds_and_pipes(3, 1 << 16, Duration::from_secs(10));
-        w[0].send_check_ahead(sum(1, 4)).expect("sent");
-        w[0].send_check_ahead(sum(2, 4)).expect("sent");
+        let (_server, mut w, pipes) = rank_0_sent_two_ahead();
         sent_unread(&pipes, 1, sum(1, 4));
         sent_unread(&pipes, 1, sum(2, 8));
         assert_eq!(w[0].poll_ahead(2).map_err(|f| f.kind), Err(FailureKind::Mismatch));
