@@ -314,8 +314,9 @@ impl DeviceHandle {
     /// takes inline tasks (CPU and CUDA), is open, the caller is not its
     /// server thread, nothing is queued or running (waiting up to 2 µs for
     /// the device thread to let go of the state after its last task, and
-    /// up to 200 µs more while the device thread polls its collectives,
-    /// which starts no poll meanwhile), and
+    /// up to 200 µs more while the device thread polls its collectives and
+    /// nothing is queued; it starts none of the polls it makes while it
+    /// spins for work meanwhile), and
     /// the backend lets this thread in (on CUDA: no stream capturing; the
     /// context made current). Then every message sent before, by any
     /// thread, has run. Client calls for this device made while it is held
@@ -337,21 +338,10 @@ impl DeviceHandle {
         // free, every message sent before has run. A thread that was just
         // answered by the device's last task finds the lock held for a
         // moment more: it waits that long, no more.
-        let mut guard = match lock_wait.is_zero() {
-            true => self.cell.state.try_lock()?,
-            false => {
-                // The device thread starts no optional poll meanwhile, and
-                // one it is in the middle of is waited out: a hand-over
-                // would leave a message queued, and every later call
-                // queued behind it too, until the device thread caught up.
-                let cell = &self.cell;
-                cell.inline_waiting.fetch_add(1, Ordering::SeqCst);
-                let guard = cell.state.try_lock_for(lock_wait).or_else(|| {
-                    cell.polling.load(Ordering::Acquire).then(|| cell.state.try_lock_for(INLINE_POLL_WAIT)).flatten()
-                });
-                cell.inline_waiting.fetch_sub(1, Ordering::SeqCst);
-                guard?
-            }
+        let mut guard = match self.cell.state.try_lock() {
+            Some(guard) => guard,
+            None if lock_wait.is_zero() => return None,
+            None => self.wait_for_state(lock_wait)?,
         };
         let state = guard.as_mut().filter(|_| idle(&self.cell))?;
         let entry = state.backend.enter_caller()?;
@@ -362,6 +352,44 @@ impl DeviceHandle {
         // nothing else uses the state but the task and the calls nested in
         // it on this thread, as on the server thread inside `exclusive`.
         Some(Inline { handle: self, _guard: guard, state, entry: Some(entry), previous })
+    }
+
+    /// The state's lock, for a caller that found it held: waited for up to
+    /// `lock_wait`, then for as long as the device thread holds it to poll
+    /// its collectives with nothing queued (up to [`INLINE_POLL_WAIT`]). The
+    /// device thread starts none of the polls it makes while it spins for
+    /// work meanwhile: a task handed over instead would leave a message
+    /// queued, and every later call would find it and be handed over too,
+    /// until the device thread caught up.
+    fn wait_for_state(&self, lock_wait: Duration) -> Option<parking_lot::MutexGuard<'_, Option<DeviceState>>> {
+        let cell = &self.cell;
+        cell.inline_waiting.fetch_add(1, Ordering::SeqCst);
+        // Spun, not parked: a timed park can oversleep its timeout by tens
+        // of µs (timer slack). It gives up once the lock stayed held for
+        // `lock_wait` since it began and since it last saw a poll (a poll
+        // ends just before its lock is let go), or past the polls' budget.
+        let started = Instant::now();
+        let mut last_poll_seen = started;
+        let guard = loop {
+            if let Some(mut guard) = cell.state.try_lock() {
+                if started.elapsed() > lock_wait {
+                    if let Some(state) = guard.as_mut() {
+                        state.stats.polls_waited_out += 1;
+                    }
+                }
+                break Some(guard);
+            }
+            let now = Instant::now();
+            if cell.polling.load(Ordering::Acquire) && cell.in_flight.load(Ordering::Acquire) == 0 {
+                last_poll_seen = now;
+            }
+            if now - last_poll_seen >= lock_wait || now - started >= lock_wait + INLINE_POLL_WAIT {
+                break None;
+            }
+            std::hint::spin_loop();
+        };
+        cell.inline_waiting.fetch_sub(1, Ordering::SeqCst);
+        guard
     }
 
     /// Runs `task` on the calling thread, as the server thread would run it
@@ -837,11 +865,13 @@ fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch)
 
 /// How long [`DeviceHandle::enter_inline`] waits for the device state's lock
 /// before it queues the task instead: the device thread's last task may
-/// have just answered its caller and not yet let go of the lock.
+/// have just answered its caller and not yet let go of the lock (a poll
+/// of the device thread's is waited out longer: [`INLINE_POLL_WAIT`]).
 const INLINE_LOCK_WAIT: Duration = Duration::from_micros(2);
 
-/// How much longer it waits when the device thread holds the lock to poll
-/// its running collectives (a few µs; tens with many parts to reap).
+/// How much longer it waits while the device thread holds the lock to poll
+/// its running collectives and nothing is queued (a poll takes a few µs;
+/// tens with many parts to reap).
 const INLINE_POLL_WAIT: Duration = Duration::from_micros(200);
 
 /// How often a device thread looks at its running device collectives (to
@@ -1030,37 +1060,38 @@ mod tests {
 
     /// Holds `device`'s state lock on another thread (marked as the device
     /// thread's poll where `polling`) until a caller entering inline waits
-    /// for it, then `more` (`None`: until the caller gave up); says whether
-    /// the caller got the state.
+    /// for it, then `more` (`None`: until the caller stopped waiting); says
+    /// whether the caller got the state. Every spin is bounded (a holder
+    /// that misses the caller's short wait lets go at the caller's return
+    /// or after a second), so it never hangs.
     fn entered_while_held(device: &DeviceHandle, polling: bool, more: Option<Duration>) -> bool {
         let cell = &device.cell;
+        let returned = AtomicBool::new(false);
+        let spin_until = |until: &dyn Fn() -> bool| {
+            let deadline = Instant::now() + Duration::from_secs(1);
+            while !until() && !returned.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::hint::spin_loop();
+            }
+        };
+        let (held, is_held) = channel::bounded(1);
         std::thread::scope(|s| {
-            let (held, is_held) = channel::bounded(1);
-            s.spawn(move || {
+            s.spawn(|| {
                 let guard = cell.state.lock();
                 cell.polling.store(polling, Ordering::Release);
                 held.send(()).unwrap();
-                while cell.inline_waiting.load(Ordering::SeqCst) == 0 {
-                    std::hint::spin_loop();
-                }
+                spin_until(&|| cell.inline_waiting.load(Ordering::SeqCst) != 0);
                 let waited = Instant::now();
                 match more {
-                    Some(more) => {
-                        while waited.elapsed() < more {
-                            std::hint::spin_loop();
-                        }
-                    }
-                    None => {
-                        while cell.inline_waiting.load(Ordering::SeqCst) != 0 {
-                            std::hint::spin_loop();
-                        }
-                    }
+                    Some(more) => spin_until(&|| waited.elapsed() >= more),
+                    None => spin_until(&|| cell.inline_waiting.load(Ordering::SeqCst) == 0),
                 }
                 cell.polling.store(false, Ordering::Release);
                 drop(guard);
             });
             is_held.recv().unwrap();
-            device.enter_inline().is_some()
+            let entered = device.enter_inline().is_some();
+            returned.store(true, Ordering::SeqCst);
+            entered
         })
     }
 
@@ -1069,15 +1100,18 @@ mod tests {
         use crate::runtime::Runtime;
         let client = crate::CpuRuntime::client(3).unwrap();
         let device = client.device();
-        // A poll that holds the state 100 µs past the caller's first look is
-        // waited out (past the first 2 µs, even with the timer slack of a
-        // timed lock, ~50 µs on Linux; tries: another test's message queued
-        // on this device sends the caller away, and so does a holder
-        // descheduled for long).
+        // A poll that holds the state 100 µs past the caller's first look
+        // (past its first 2 µs, even with a timed lock's timer slack) is
+        // waited out, and counted. Tries: another test's message queued on
+        // this device sends the caller away, and so does a holder
+        // descheduled for long.
+        let waited_out = || client.stats().unwrap().polls_waited_out;
+        let before = waited_out();
         assert!(
             (0..20).any(|_| entered_while_held(device, true, Some(Duration::from_micros(100)))),
             "a caller handed its task over rather than wait for a poll"
         );
+        assert!(waited_out() > before, "entered only after the poll");
         // A task that holds it is not: the caller gives up and queues.
         assert!(!entered_while_held(device, false, None));
     }
