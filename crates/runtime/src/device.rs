@@ -338,13 +338,14 @@ impl DeviceHandle {
         // free, every message sent before has run. A thread that was just
         // answered by the device's last task finds the lock held for a
         // moment more: it waits that long, no more.
-        let mut guard = match self.cell.state.try_lock() {
-            Some(guard) => guard,
+        let (mut guard, waited_out_a_poll) = match self.cell.state.try_lock() {
+            Some(guard) => (guard, false),
             None if lock_wait.is_zero() => return None,
             None => self.wait_for_state(lock_wait)?,
         };
         let state = guard.as_mut().filter(|_| idle(&self.cell))?;
         let entry = state.backend.enter_caller()?;
+        state.stats.polls_waited_out += u64::from(waited_out_a_poll);
         let state: *mut DeviceState = state;
         let previous = (SERVER_OF.with(|s| s.replace(Some(self.service))), EXCLUSIVE_STATE.with(|s| s.replace(state)));
         // `EXCLUSIVE_STATE` points at the state only while the guard is
@@ -360,33 +361,37 @@ impl DeviceHandle {
     /// device thread starts none of the polls it makes while it spins for
     /// work meanwhile: a task handed over instead would leave a message
     /// queued, and every later call would find it and be handed over too,
-    /// until the device thread caught up.
-    fn wait_for_state(&self, lock_wait: Duration) -> Option<parking_lot::MutexGuard<'_, Option<DeviceState>>> {
+    /// until the device thread caught up. Says whether it got the lock
+    /// after waiting out a poll.
+    fn wait_for_state(&self, lock_wait: Duration) -> Option<(parking_lot::MutexGuard<'_, Option<DeviceState>>, bool)> {
         let cell = &self.cell;
         cell.inline_waiting.fetch_add(1, Ordering::SeqCst);
         // Spun, not parked: a timed park can oversleep its timeout by tens
         // of µs (timer slack). It gives up once the lock stayed held for
         // `lock_wait` since it began and since it last saw a poll (a poll
         // ends just before its lock is let go), or past the polls' budget.
+        // Past `lock_wait` it yields the core between looks: the holder
+        // may need it (a machine of few cores, a process held to one).
         let started = Instant::now();
-        let mut last_poll_seen = started;
+        let mut last_poll_seen = None;
         let guard = loop {
-            if let Some(mut guard) = cell.state.try_lock() {
-                if started.elapsed() > lock_wait {
-                    if let Some(state) = guard.as_mut() {
-                        state.stats.polls_waited_out += 1;
-                    }
-                }
-                break Some(guard);
+            if let Some(guard) = cell.state.try_lock() {
+                // Let in past `lock_wait` only because a poll was seen.
+                break Some((guard, last_poll_seen.is_some() && started.elapsed() > lock_wait));
             }
             let now = Instant::now();
             if cell.polling.load(Ordering::Acquire) && cell.in_flight.load(Ordering::Acquire) == 0 {
-                last_poll_seen = now;
+                last_poll_seen = Some(now);
             }
-            if now - last_poll_seen >= lock_wait || now - started >= lock_wait + INLINE_POLL_WAIT {
+            let quiet_since = last_poll_seen.unwrap_or(started);
+            if now - quiet_since >= lock_wait || now - started >= lock_wait + INLINE_POLL_WAIT {
                 break None;
             }
-            std::hint::spin_loop();
+            if now - started < lock_wait {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         };
         cell.inline_waiting.fetch_sub(1, Ordering::SeqCst);
         guard
