@@ -76,10 +76,6 @@ struct StateCell {
     /// lock: the device thread's optional polls (while it spins for work)
     /// step aside for them.
     inline_waiting: AtomicUsize,
-    /// Set while the device thread holds the state to poll its running
-    /// collectives (not to run a task): a waiting caller waits out such a
-    /// poll, which is short, rather than hand its task over.
-    polling: AtomicBool,
 }
 
 // SAFETY: the state is only touched under the lock, so one thread at a time
@@ -119,14 +115,6 @@ impl StateCell {
     /// The state, locked (present while the server thread runs).
     fn lock(&self) -> parking_lot::MappedMutexGuard<'_, DeviceState> {
         parking_lot::MutexGuard::map(self.state.lock(), |s| s.as_mut().expect("the server thread holds the state"))
-    }
-
-    /// Polls the running device collectives of `state`, marked as a poll
-    /// for waiting callers (see `polling`).
-    fn poll(&self, state: &mut DeviceState) {
-        self.polling.store(true, Ordering::Release);
-        state.poll_collectives();
-        self.polling.store(false, Ordering::Release);
     }
 
     /// Asks the device thread to poll the collectives an inline task left
@@ -238,7 +226,6 @@ impl DeviceHandle {
             poll_wanted: AtomicBool::new(false),
             asleep: AtomicBool::new(false),
             inline_waiting: AtomicUsize::new(0),
-            polling: AtomicBool::new(false),
         });
         let served = cell.clone();
         let thread = std::thread::Builder::new()
@@ -312,40 +299,37 @@ impl DeviceHandle {
     /// The device state, lent to the calling thread to run a task itself
     /// where the server thread would have run it queued: when this device
     /// takes inline tasks (CPU and CUDA), is open, the caller is not its
-    /// server thread, nothing is queued or running (waiting up to 2 µs for
-    /// the device thread to let go of the state after its last task, and
-    /// up to 200 µs more while the device thread polls its collectives and
-    /// nothing is queued; it starts none of the polls it makes while it
-    /// spins for work meanwhile), and
+    /// server thread, nothing is queued or running (waiting up to 200 µs,
+    /// while nothing is queued, for whoever holds the state: the device
+    /// thread's last task or its poll of its collectives, or another
+    /// caller's inline task), and
     /// the backend lets this thread in (on CUDA: no stream capturing; the
     /// context made current). Then every message sent before, by any
     /// thread, has run. Client calls for this device made while it is held
     /// run inline too, as inside [`DeviceHandle::exclusive`]. `None`
     /// otherwise: queue the task.
     pub(crate) fn enter_inline(&self) -> Option<Inline<'_>> {
-        self.enter_inline_within(INLINE_LOCK_WAIT)
+        self.enter_inline_within(INLINE_WAIT)
     }
 
-    /// [`DeviceHandle::enter_inline`], waiting at most `lock_wait` for the
+    /// [`DeviceHandle::enter_inline`], waiting at most `wait` for the
     /// state's lock (not at all when zero: a poll that is repeated anyway).
-    pub(crate) fn enter_inline_within(&self, lock_wait: Duration) -> Option<Inline<'_>> {
+    pub(crate) fn enter_inline_within(&self, wait: Duration) -> Option<Inline<'_>> {
         let idle = |cell: &StateCell| cell.in_flight.load(Ordering::Acquire) == 0;
         if !self.inline_tasks || self.is_closed() || self.on_server_thread() || !idle(&self.cell) {
             return None;
         }
         // The server thread counts a message out when it takes the lock to
         // run it, and lets go once it ran: with none in flight and the lock
-        // free, every message sent before has run. A thread that was just
-        // answered by the device's last task finds the lock held for a
-        // moment more: it waits that long, no more.
-        let (mut guard, waited_out_a_poll) = match self.cell.state.try_lock() {
+        // free, every message sent before has run.
+        let (mut guard, waited) = match self.cell.state.try_lock() {
             Some(guard) => (guard, false),
-            None if lock_wait.is_zero() => return None,
-            None => self.wait_for_state(lock_wait)?,
+            None if wait.is_zero() => return None,
+            None => (self.wait_for_state(wait)?, true),
         };
         let state = guard.as_mut().filter(|_| idle(&self.cell))?;
         let entry = state.backend.enter_caller()?;
-        state.stats.polls_waited_out += u64::from(waited_out_a_poll);
+        state.stats.inline_after_waiting += u64::from(waited);
         let state: *mut DeviceState = state;
         let previous = (SERVER_OF.with(|s| s.replace(Some(self.service))), EXCLUSIVE_STATE.with(|s| s.replace(state)));
         // `EXCLUSIVE_STATE` points at the state only while the guard is
@@ -355,39 +339,29 @@ impl DeviceHandle {
         Some(Inline { handle: self, _guard: guard, state, entry: Some(entry), previous })
     }
 
-    /// The state's lock, for a caller that found it held: waited for up to
-    /// `lock_wait`, then for as long as the device thread holds it to poll
-    /// its collectives with nothing queued (up to [`INLINE_POLL_WAIT`]). The
-    /// device thread starts none of the polls it makes while it spins for
-    /// work meanwhile: a task handed over instead would leave a message
-    /// queued, and every later call would find it and be handed over too,
-    /// until the device thread caught up. Says whether it got the lock
-    /// after waiting out a poll.
-    fn wait_for_state(&self, lock_wait: Duration) -> Option<(parking_lot::MutexGuard<'_, Option<DeviceState>>, bool)> {
+    /// The state's lock, for a caller that found it held, waited for while
+    /// nothing is queued (the holder is the device thread's last task or
+    /// its poll of its collectives, or another caller's inline task: each
+    /// short, on the paths that run inline), up to `wait`. A task handed
+    /// over instead leaves a message queued, and every later call would
+    /// find it and be handed over too, each while the device thread runs
+    /// the one before, until it caught up. The device thread starts none
+    /// of the polls it makes while it spins for work meanwhile. Spun, not
+    /// parked (a timed park can oversleep by tens of µs), yielding the core
+    /// after the first 2 µs (the holder may need it).
+    fn wait_for_state(&self, wait: Duration) -> Option<parking_lot::MutexGuard<'_, Option<DeviceState>>> {
         let cell = &self.cell;
         cell.inline_waiting.fetch_add(1, Ordering::SeqCst);
-        // Spun, not parked: a timed park can oversleep its timeout by tens
-        // of µs (timer slack). It gives up once the lock stayed held for
-        // `lock_wait` since it began and since it last saw a poll (a poll
-        // ends just before its lock is let go), or past the polls' budget.
-        // Past `lock_wait` it yields the core between looks: the holder
-        // may need it (a machine of few cores, a process held to one).
         let started = Instant::now();
-        let mut last_poll_seen = None;
         let guard = loop {
             if let Some(guard) = cell.state.try_lock() {
-                // Let in past `lock_wait` only because a poll was seen.
-                break Some((guard, last_poll_seen.is_some() && started.elapsed() > lock_wait));
+                break Some(guard);
             }
-            let now = Instant::now();
-            if cell.polling.load(Ordering::Acquire) && cell.in_flight.load(Ordering::Acquire) == 0 {
-                last_poll_seen = Some(now);
-            }
-            let quiet_since = last_poll_seen.unwrap_or(started);
-            if now - quiet_since >= lock_wait || now - started >= lock_wait + INLINE_POLL_WAIT {
+            let waited = started.elapsed();
+            if cell.in_flight.load(Ordering::Acquire) != 0 || waited >= wait {
                 break None;
             }
-            if now - started < lock_wait {
+            if waited < INLINE_SPIN {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();
@@ -868,16 +842,16 @@ fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch)
     }
 }
 
-/// How long [`DeviceHandle::enter_inline`] waits for the device state's lock
-/// before it queues the task instead: the device thread's last task may
-/// have just answered its caller and not yet let go of the lock (a poll
-/// of the device thread's is waited out longer: [`INLINE_POLL_WAIT`]).
-const INLINE_LOCK_WAIT: Duration = Duration::from_micros(2);
+/// How long [`DeviceHandle::enter_inline`] waits for the device state's
+/// lock while nothing is queued, before it queues the task instead: the
+/// holder's work is short where it runs inline (an NCCL enqueue of a few
+/// µs, a poll that reaps many parts tens), and a task that holds the state
+/// longer (a barrier, a first NCCL call waiting for every rank) costs one
+/// caller this once: the next finds its message queued and queues at once.
+const INLINE_WAIT: Duration = Duration::from_micros(200);
 
-/// How much longer it waits while the device thread holds the lock to poll
-/// its running collectives and nothing is queued (a poll takes a few µs;
-/// tens with many parts to reap).
-const INLINE_POLL_WAIT: Duration = Duration::from_micros(200);
+/// How long a waiting caller spins before it yields the core between looks.
+const INLINE_SPIN: Duration = Duration::from_micros(2);
 
 /// How often a device thread looks at its running device collectives (to
 /// end them, and to abort failed or expired ones): idle, and at least as
@@ -920,7 +894,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
                     return;
                 }
                 if let Some(state) = cell.state.try_lock().as_mut().and_then(|s| s.as_mut()) {
-                    cell.poll(state);
+                    state.poll_collectives();
                     polled_at = Instant::now();
                 }
             };
@@ -932,7 +906,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
             Ok(message) => message,
             Err(RecvTimeoutError::Timeout) => {
                 let mut state = cell.lock();
-                cell.poll(&mut state);
+                state.poll_collectives();
                 (polled_at, since_poll) = (Instant::now(), 0);
                 collectives_pending = state.has_pending_collectives();
                 continue;
@@ -965,7 +939,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         since_poll += 1;
         let overdue = || since_poll.is_multiple_of(BUSY_CLOCK_EVERY) && polled_at.elapsed() >= COLLECTIVE_POLL;
         if state.pending_collectives_count() >= POLL_BUSY_AT || (collectives_pending && overdue()) {
-            cell.poll(&mut state);
+            state.poll_collectives();
             (polled_at, since_poll) = (Instant::now(), 0);
         }
         collectives_pending = state.has_pending_collectives();
@@ -1063,13 +1037,23 @@ mod tests {
         assert_eq!(polls, 0);
     }
 
-    /// Holds `device`'s state lock on another thread (marked as the device
-    /// thread's poll where `polling`) until a caller entering inline waits
-    /// for it, then `more` (`None`: until the caller stopped waiting); says
-    /// whether the caller got the state. Every spin is bounded (a holder
-    /// that misses the caller's short wait lets go at the caller's return
-    /// or after a second), so it never hangs.
-    fn entered_while_held(device: &DeviceHandle, polling: bool, more: Option<Duration>) -> bool {
+    /// What the holder of a device's state does once a caller waits for it.
+    #[derive(Clone, Copy)]
+    enum Holder {
+        /// Lets go this long after.
+        LetsGoAfter(Duration),
+        /// Queues a message (as another thread would), then lets go 100 µs
+        /// later or once the caller stopped waiting.
+        QueuesAMessage,
+        /// Holds on until the caller stopped waiting.
+        HoldsOn,
+    }
+
+    /// Holds `device`'s state lock on another thread and does `then` once
+    /// a caller entering inline waits for it; says whether the caller got
+    /// the state. Every spin is bounded (a holder that misses the caller's
+    /// wait lets go at the caller's return or after a second): no hang.
+    fn entered_while_held(device: &DeviceHandle, then: Holder) -> bool {
         let cell = &device.cell;
         let returned = AtomicBool::new(false);
         let spin_until = |until: &dyn Fn() -> bool| {
@@ -1082,15 +1066,19 @@ mod tests {
         std::thread::scope(|s| {
             s.spawn(|| {
                 let guard = cell.state.lock();
-                cell.polling.store(polling, Ordering::Release);
                 held.send(()).unwrap();
                 spin_until(&|| cell.inline_waiting.load(Ordering::SeqCst) != 0);
                 let waited = Instant::now();
-                match more {
-                    Some(more) => spin_until(&|| waited.elapsed() >= more),
-                    None => spin_until(&|| cell.inline_waiting.load(Ordering::SeqCst) == 0),
+                match then {
+                    Holder::LetsGoAfter(more) => spin_until(&|| waited.elapsed() >= more),
+                    Holder::QueuesAMessage => {
+                        cell.in_flight.fetch_add(1, Ordering::SeqCst);
+                        let stopped = || cell.inline_waiting.load(Ordering::SeqCst) == 0;
+                        spin_until(&|| stopped() || waited.elapsed() >= Duration::from_micros(100));
+                        cell.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    }
+                    Holder::HoldsOn => spin_until(&|| cell.inline_waiting.load(Ordering::SeqCst) == 0),
                 }
-                cell.polling.store(false, Ordering::Release);
                 drop(guard);
             });
             is_held.recv().unwrap();
@@ -1101,24 +1089,27 @@ mod tests {
     }
 
     #[test]
-    fn a_caller_waits_out_the_device_threads_poll_but_not_a_task() {
+    fn a_caller_waits_for_the_device_while_nothing_is_queued_and_no_longer() {
         use crate::runtime::Runtime;
         let client = crate::CpuRuntime::client(3).unwrap();
         let device = client.device();
-        // A poll that holds the state 100 µs past the caller's first look
-        // (past its first 2 µs, even with a timed lock's timer slack) is
-        // waited out, and counted. Tries: another test's message queued on
-        // this device sends the caller away, and so does a holder
-        // descheduled for long.
-        let waited_out = || client.stats().unwrap().polls_waited_out;
-        let before = waited_out();
+        // A holder that lets go 100 µs after the caller began waiting (an
+        // NCCL enqueue, a poll) is waited for, and counted. Tries: another
+        // test's message queued on this device sends the caller away, and
+        // so does a holder descheduled for long.
+        let waited = || client.stats().unwrap().inline_after_waiting;
+        let before = waited();
         assert!(
-            (0..20).any(|_| entered_while_held(device, true, Some(Duration::from_micros(100)))),
-            "a caller handed its task over rather than wait for a poll"
+            (0..20).any(|_| entered_while_held(device, Holder::LetsGoAfter(Duration::from_micros(100)))),
+            "a caller handed its task over rather than wait 100 µs for the device"
         );
-        assert!(waited_out() > before, "entered only after the poll");
-        // A task that holds it is not: the caller gives up and queues.
-        assert!(!entered_while_held(device, false, None));
+        assert!(waited() > before, "counted as a wait");
+        // Once a message is queued behind the holder, the caller queues too.
+        assert!(!entered_while_held(device, Holder::QueuesAMessage));
+        // A holder past the budget (a long task) is not waited for longer.
+        let started = Instant::now();
+        assert!(!entered_while_held(device, Holder::HoldsOn));
+        assert!(started.elapsed() >= INLINE_WAIT, "gave up early: {:?}", started.elapsed());
     }
 
     #[test]

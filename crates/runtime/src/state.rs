@@ -72,9 +72,9 @@ pub struct DeviceStats {
     /// (buffer tasks of [`crate::Client::submit_buffers_inline`], kernel
     /// launches and reads; on the CPU and CUDA backends).
     pub inline_tasks: u64,
-    /// Times a caller found the device thread polling its collectives and
-    /// waited the poll out rather than hand its task over.
-    pub polls_waited_out: u64,
+    /// Inline tasks whose caller found the device busy with nothing queued
+    /// and waited for it rather than hand the task over.
+    pub inline_after_waiting: u64,
 }
 
 /// Memory of one stream in a [`crate::MemoryReport`].
