@@ -299,7 +299,7 @@ impl DeviceHandle {
     /// The device state, lent to the calling thread to run a task itself
     /// where the server thread would have run it queued: when this device
     /// takes inline tasks (CPU and CUDA), is open, the caller is not its
-    /// server thread, nothing is queued or running (waiting up to 200 µs,
+    /// server thread, nothing is queued or running (waiting up to 50 µs,
     /// while nothing is queued, for whoever holds the state: the device
     /// thread's last task or its poll of its collectives, or another
     /// caller's inline task), and
@@ -845,10 +845,11 @@ fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch)
 /// How long [`DeviceHandle::enter_inline`] waits for the device state's
 /// lock while nothing is queued, before it queues the task instead: the
 /// holder's work is short where it runs inline (an NCCL enqueue of a few
-/// µs, a poll that reaps many parts tens), and a task that holds the state
-/// longer (a barrier, a first NCCL call waiting for every rank) costs one
-/// caller this once: the next finds its message queued and queues at once.
-const INLINE_WAIT: Duration = Duration::from_micros(200);
+/// µs, a poll that reaps many parts 15–30), and a task that holds the
+/// state longer (a barrier, a first NCCL call waiting for every rank)
+/// costs one caller this once: the next finds its message queued and
+/// queues at once.
+const INLINE_WAIT: Duration = Duration::from_micros(50);
 
 /// How long a waiting caller spins before it yields the core between looks.
 const INLINE_SPIN: Duration = Duration::from_micros(2);
@@ -1042,8 +1043,8 @@ mod tests {
     enum Holder {
         /// Lets go this long after.
         LetsGoAfter(Duration),
-        /// Queues a message (as another thread would), then lets go 100 µs
-        /// later or once the caller stopped waiting.
+        /// Queues a message (as another thread would), and lets go once the
+        /// caller stopped waiting.
         QueuesAMessage,
         /// Holds on until the caller stopped waiting.
         HoldsOn,
@@ -1073,8 +1074,7 @@ mod tests {
                     Holder::LetsGoAfter(more) => spin_until(&|| waited.elapsed() >= more),
                     Holder::QueuesAMessage => {
                         cell.in_flight.fetch_add(1, Ordering::SeqCst);
-                        let stopped = || cell.inline_waiting.load(Ordering::SeqCst) == 0;
-                        spin_until(&|| stopped() || waited.elapsed() >= Duration::from_micros(100));
+                        spin_until(&|| cell.inline_waiting.load(Ordering::SeqCst) == 0);
                         cell.in_flight.fetch_sub(1, Ordering::SeqCst);
                     }
                     Holder::HoldsOn => spin_until(&|| cell.inline_waiting.load(Ordering::SeqCst) == 0),
@@ -1093,15 +1093,15 @@ mod tests {
         use crate::runtime::Runtime;
         let client = crate::CpuRuntime::client(3).unwrap();
         let device = client.device();
-        // A holder that lets go 100 µs after the caller began waiting (an
+        // A holder that lets go 30 µs after the caller began waiting (an
         // NCCL enqueue, a poll) is waited for, and counted. Tries: another
         // test's message queued on this device sends the caller away, and
         // so does a holder descheduled for long.
         let waited = || client.stats().unwrap().inline_after_waiting;
         let before = waited();
         assert!(
-            (0..20).any(|_| entered_while_held(device, Holder::LetsGoAfter(Duration::from_micros(100)))),
-            "a caller handed its task over rather than wait 100 µs for the device"
+            (0..20).any(|_| entered_while_held(device, Holder::LetsGoAfter(Duration::from_micros(30)))),
+            "a caller handed its task over rather than wait 30 µs for the device"
         );
         assert!(waited() > before, "counted as a wait");
         // Once a message is queued behind the holder, the caller queues too.
