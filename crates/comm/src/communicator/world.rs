@@ -309,22 +309,16 @@ impl World {
     /// it (a mismatch names the first rank in order that differs). Inside a
     /// grouped call (checked once for all its calls) it checks nothing.
     pub(crate) fn collective_check(&mut self, fp: &Fingerprint) -> Result<(), Failure> {
-        if self.size == 1 || self.in_group || !desync_check() {
+        if self.size == 1 || self.in_group {
             return Ok(());
         }
-        let mine = fp.encode();
-        let mut theirs: smallvec::SmallVec<[[u8; LEN]; 8]> = smallvec::smallvec![[0u8; LEN]; self.check_from.len()];
         let (to, from) = (self.check_to.clone(), self.check_from.clone());
-        let mut sends: smallvec::SmallVec<[SendOp<'_>; 8]> = to.iter().map(|&p| SendOp::new(p, &mine)).collect();
-        let mut recvs: smallvec::SmallVec<[RecvOp<'_>; 8]> =
-            from.iter().zip(theirs.iter_mut()).map(|(&p, t)| RecvOp::copy(p, t)).collect();
-        self.exchange(&mut sends, &mut recvs)?;
-        drop(recvs);
-        from.iter().zip(&theirs).try_for_each(|(&peer, fingerprint)| self.compare(fp, fingerprint, peer))
+        self.exchange_fingerprints(fp, &to, &from, fp)
     }
 
     /// Sends this rank's fingerprint `fp` to `to` and checks the one `from`
-    /// sends against `expected`.
+    /// sends against `expected` (either may be this rank: nothing to send,
+    /// or nothing to check).
     pub(crate) fn check_fingerprint(
         &mut self,
         fp: &Fingerprint,
@@ -332,23 +326,33 @@ impl World {
         from: usize,
         expected: &Fingerprint,
     ) -> Result<(), Failure> {
+        let others = |peer: usize| -> Peers { (peer != self.rank).then_some(peer).into_iter().collect() };
+        let (to, from) = (others(to), others(from));
+        self.exchange_fingerprints(fp, &to, &from, expected)
+    }
+
+    /// Sends this rank's fingerprint `fp` to each rank of `to`, and
+    /// compares the one each rank of `from` sends with `expected` (a
+    /// mismatch names the first rank in order that differs). Nothing with
+    /// `COHORT_DESYNC_CHECK=0`.
+    fn exchange_fingerprints(
+        &mut self,
+        fp: &Fingerprint,
+        to: &[usize],
+        from: &[usize],
+        expected: &Fingerprint,
+    ) -> Result<(), Failure> {
+        if (to.is_empty() && from.is_empty()) || !desync_check() {
+            return Ok(());
+        }
         let mine = fp.encode();
-        let mut theirs = [0u8; LEN];
-        if (to == self.rank && from == self.rank) || !desync_check() {
-            return Ok(());
-        }
-        let mut sends = [SendOp::new(to, &mine)];
-        let mut recvs = [RecvOp::copy(from, &mut theirs)];
-        let (sends, recvs): (&mut [SendOp<'_>], &mut [RecvOp<'_>]) = match (to == self.rank, from == self.rank) {
-            (true, _) => (&mut [], &mut recvs),
-            (_, true) => (&mut sends, &mut []),
-            _ => (&mut sends, &mut recvs),
-        };
-        self.exchange(sends, recvs)?;
-        if from == self.rank {
-            return Ok(());
-        }
-        self.compare(expected, &theirs, from)
+        let mut theirs: smallvec::SmallVec<[[u8; LEN]; 8]> = smallvec::smallvec![[0u8; LEN]; from.len()];
+        let mut sends: smallvec::SmallVec<[SendOp<'_>; 8]> = to.iter().map(|&p| SendOp::new(p, &mine)).collect();
+        let mut recvs: smallvec::SmallVec<[RecvOp<'_>; 8]> =
+            from.iter().zip(theirs.iter_mut()).map(|(&p, t)| RecvOp::copy(p, t)).collect();
+        self.exchange(&mut sends, &mut recvs)?;
+        drop(recvs);
+        from.iter().zip(&theirs).try_for_each(|(&peer, fingerprint)| self.compare(expected, fingerprint, peer))
     }
 
     /// Compares the fingerprint `theirs` that rank `from` sent with the one
