@@ -654,6 +654,20 @@ mod tests {
         assert_eq!(w[0].poll_ahead(2).map_err(|f| f.kind), Err(FailureKind::Mismatch));
     }
 
+    /// A peer that sends bytes that are no fingerprint (a hostile or
+    /// desynchronised process) fails the call with a mismatch that says so,
+    /// and aborts; nothing panics.
+    #[test]
+    fn bytes_that_are_no_fingerprint_fail_the_call_and_say_so() {
+        let (_server, mut w, pipes) = rank_0_sent_two_ahead();
+        sent_unread(&pipes, 1, sum(1, 4));
+        pipes[2][0].0.lock().extend([0xFFu8; crate::communicator::fingerprint::LEN]);
+        let failure = w[0].poll_ahead(1).expect_err("rank 2 sent junk");
+        assert_eq!(failure.kind, FailureKind::Mismatch, "{}", failure.message);
+        assert!(failure.message.contains("not a collective of this communicator"), "{}", failure.message);
+        assert_eq!(w[0].send_check_ahead(sum(3, 4)).map_err(|f| f.kind), Err(FailureKind::Aborted));
+    }
+
     /// A call compared with one rank but not yet with another is never
     /// done, and fails once a later call's mismatch aborts.
     #[test]
