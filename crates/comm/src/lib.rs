@@ -31,6 +31,7 @@ mod mesh;
 pub mod op;
 mod ops;
 mod order;
+mod part_end;
 pub mod trace;
 pub mod verify;
 mod work;

@@ -2,7 +2,9 @@
 //!
 //! A collective is queued on its members' device threads when the call
 //! returns; the handle watches its meeting (the one primitive every
-//! executor meets on) and says when every local part finished: the host
+//! executor of several parts meets on), or the end of its one part (a
+//! one-device group's `Solo`, a one-device rank's `OneCall`: `PartEnd`),
+//! and says when every local part finished: the host
 //! engine's and a communicator's host path once their tasks returned, the
 //! device path and NCCL once the calls they queued completed on the device.
 //! Dropping the handle cancels nothing: stream order still holds, and reads
@@ -19,7 +21,7 @@ use crate::error::CommError;
 use crate::meeting::{Seated, WaitEnd};
 
 /// What a [`Work`] waits on: one executor's meeting, or a collective of
-/// one part (`device::Solo`).
+/// one part (`device::Solo`, `communicator::nccl::one::OneCall`).
 pub(crate) trait Waitable: Send + Sync {
     fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd>;
     fn is_done(&self) -> bool;
@@ -103,6 +105,12 @@ impl Work {
     /// The handle of `executor`'s collective `operation`.
     pub(crate) fn new<E: Waitable + 'static>(operation: &'static str, executor: Arc<E>) -> Work {
         Work { operation, scope: None, first: Some(executor), rest: Vec::new() }
+    }
+
+    /// The handle of the collective `operation` that `waitable` says the
+    /// end of.
+    pub(crate) fn of(operation: &'static str, waitable: Arc<dyn Waitable>) -> Work {
+        Work { operation, scope: None, first: Some(waitable), rest: Vec::new() }
     }
 
     /// A handle that is done already: this process queued nothing.

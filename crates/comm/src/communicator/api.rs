@@ -61,15 +61,15 @@ impl Communicator {
         let fp = Fingerprint::of(seq, op);
         stages::mark(Stage::Routed);
         if let Some(nccl) = nccl {
-            // Dropped unrun when the launch fails: that aborts for the
-            // other ranks, as on the host path. Recorded with its path.
+            // Handed back and dropped unfinished (after the locks) when the
+            // launch fails: that aborts for the other ranks, as on the host
+            // path. Recorded with its path.
             let tracker = self.inner.observer.queued(fp, Some(nccl.path_of(&op).name()));
             stages::mark(Stage::Recorded);
-            let meeting = nccl.launch(&self.inner.world, fp, self.timeout(), inputs, outputs, &tracker);
+            let call = nccl.launch(&self.inner.world, fp, self.timeout(), inputs, outputs, tracker);
             drop((issued, order));
-            let meeting = meeting?;
-            meeting.on_done(move |outcome| tracker.ended(outcome));
-            return Ok(Work::new(name, meeting).within(self.scope()));
+            let call = call.map_err(|refused| (*refused).into_error())?;
+            return Ok(Work::of(name, call).within(self.scope()));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp, None);
@@ -114,11 +114,11 @@ impl Communicator {
                     .finish();
             }
             let tracker = self.inner.observer.queued(fp, None);
-            let meeting = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls.into(), &tracker);
+            let call = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls.into(), tracker);
             drop((issued, order));
-            let meeting = meeting?;
-            meeting.on_done(move |outcome| tracker.ended(outcome));
-            return Ok(Work::new("group", meeting).within(self.scope()));
+            // A refused call's record drops here, unfinished, after the locks.
+            let call = call.map_err(|refused| (*refused).into_error())?;
+            return Ok(Work::of("group", call).within(self.scope()));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp, None);

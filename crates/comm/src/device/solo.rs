@@ -17,29 +17,20 @@
 //! It takes no process-wide enqueue order: a part that waits for no other
 //! device cannot close a cycle of devices waiting for each other.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion};
 use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, Handle, ServerError, TaskHandles};
-use parking_lot::{Condvar, Mutex};
 
 use super::plan::{self, Shape};
 use super::{forget, Mode, NcclSet};
-use crate::end_watch::EndWatch;
 use crate::error::CommError;
 use crate::meeting::WaitEnd;
 use crate::op::{Collective, Op};
+use crate::part_end::PartEnd;
 use crate::trace::Watched;
-
-/// The part is queued, or running on the device.
-const RUNNING: u8 = 0;
-/// The part's calls completed (or it had none).
-const DONE: u8 = 1;
-/// The part failed; [`Solo::failure`] says why.
-const FAILED: u8 = 2;
 
 /// Whether `op` on `mode` with one part can run as a [`Solo`]: copies on
 /// one device, or one call on a one-rank communicator, that waits for no
@@ -64,20 +55,8 @@ pub(crate) struct Solo {
     /// The communicator's set (forgotten when the part fails, so the next
     /// call makes a fresh communicator).
     set: Option<Arc<NcclSet>>,
-    /// `RUNNING`, `DONE` or `FAILED`; changed under `end`'s lock.
-    state: AtomicU8,
-    end: Mutex<End>,
-    /// Where a waiter past its spin window sleeps; notified with `end`'s
-    /// lock held after `state` changed.
-    ended: Condvar,
-}
-
-/// What a [`Solo`] keeps about its end.
-struct End {
-    /// Why it failed (`FAILED`).
-    failure: Option<ServerError>,
-    /// The flight record while it runs, finished (dropped) when it ends.
-    tracked: Option<Arc<Watched>>,
+    /// Its end, keeping the flight record (if any) for it.
+    end: PartEnd<Option<Arc<Watched>>>,
 }
 
 /// Queues `op`'s one part on member `member` (`clients[member]`), which
@@ -101,16 +80,7 @@ pub(crate) fn launch(
         Mode::Nccl(set) => Some(set.clone()),
         _ => None,
     };
-    let solo = Arc::new(Solo {
-        operation,
-        member,
-        timeout,
-        client: client.clone(),
-        set,
-        state: AtomicU8::new(RUNNING),
-        end: Mutex::new(End { failure: None, tracked }),
-        ended: Condvar::new(),
-    });
+    let solo = Arc::new(Solo { operation, member, timeout, client: client.clone(), set, end: PartEnd::new(tracked) });
     let scratch = matches!(mode, Mode::Nccl(_)) && plan::sends_from_copy(op.collective(), input, output);
     let (mut inputs, mut outputs) = (TaskHandles::new(), TaskHandles::new());
     inputs.extend(input.cloned());
@@ -224,96 +194,30 @@ impl Solo {
     /// the device) forgets its set, so the next group over the device makes
     /// a fresh one; a failed input or a closed device leaves it.
     fn end(&self, outcome: Result<(), ServerError>, communicator_failed: bool) -> Result<(), ServerError> {
-        let (result, tracked) = {
-            let mut end = self.end.lock();
-            if self.state.load(Ordering::Acquire) == RUNNING {
-                match &outcome {
-                    Ok(()) => self.state.store(DONE, Ordering::Release),
-                    Err(err) => {
-                        if let Some(set) = self.set.as_ref().filter(|_| communicator_failed) {
-                            forget(set);
-                        }
-                        end.failure = Some(err.clone());
-                        self.state.store(FAILED, Ordering::Release);
-                    }
-                }
-                self.ended.notify_all();
+        let forget_set = || {
+            if let Some(set) = self.set.as_ref().filter(|_| communicator_failed) {
+                forget(set);
             }
-            (end.failure.clone().map_or(Ok(()), Err), end.tracked.take())
         };
+        let (result, tracked) = self.end.end(outcome, forget_set);
         // Noted and finished outside the lock (the recorder has its own).
-        if let Some(tracked) = tracked {
+        if let Some(tracked) = tracked.flatten() {
             tracked.note(&result);
         }
         result
-    }
-
-    /// The outcome once ended, as `end` (its lock held) says: `None` while
-    /// the part runs.
-    fn outcome_in(&self, end: &End) -> Option<Result<(), WaitEnd>> {
-        match self.state.load(Ordering::Acquire) {
-            RUNNING => None,
-            DONE => Some(Ok(())),
-            _ => Some(Err(WaitEnd::Failed(end.failure.clone().expect("set before FAILED")))),
-        }
-    }
-
-    /// The outcome once ended: `None` while the part runs (no lock then).
-    fn outcome(&self) -> Option<Result<(), WaitEnd>> {
-        match self.state.load(Ordering::Acquire) {
-            RUNNING => None,
-            _ => self.outcome_in(&self.end.lock()),
-        }
     }
 
     /// Waits until the part ended or `deadline` passed: polls the device
     /// from this thread for the spin window, then sleeps until the device
     /// thread ends it.
     pub(crate) fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
-        if let Some(outcome) = self.outcome() {
-            return outcome;
-        }
-        let (start, window) = (Instant::now(), cohort_runtime::spin_window());
-        // Between looks (`EndWatch`: polls, or reads of the device's end
-        // signal) it returns as soon as the part ended, by whichever
-        // thread's hand.
-        let mut watch = EndWatch::new(std::slice::from_ref(&self.client));
-        loop {
-            if watch.look() {
-                stages::mark(Stage::WaitHelped);
-            }
-            if let Some(outcome) = self.outcome() {
-                stages::mark(Stage::WaitLooked);
-                return outcome;
-            }
-            if start.elapsed() >= window {
-                break;
-            }
-            std::hint::spin_loop();
-        }
-        // The state changes under this lock (see `end`): no end is missed
-        // between the look and the sleep.
-        let mut end = self.end.lock();
-        loop {
-            if let Some(outcome) = self.outcome_in(&end) {
-                return outcome;
-            }
-            match deadline {
-                None => self.ended.wait(&mut end),
-                Some(deadline) => {
-                    let late = self.ended.wait_until(&mut end, deadline).timed_out();
-                    if late && self.state.load(Ordering::Acquire) == RUNNING {
-                        let running = format!("member {} ({}) still running", self.member, self.client.device_id());
-                        return Err(WaitEnd::Late(running));
-                    }
-                }
-            }
-        }
+        let running = || format!("member {} ({}) still running", self.member, self.client.device_id());
+        self.end.wait_until(&self.client, deadline, running)
     }
 
     /// Whether the part ended (completed or failed). Never blocks.
     pub(crate) fn is_done(&self) -> bool {
-        self.state.load(Ordering::Acquire) != RUNNING
+        self.end.is_done()
     }
 }
 

@@ -1,8 +1,12 @@
-//! One NCCL-path call on this rank: its local parts meet (the last runs the
-//! host check: the collective's fingerprints with the other ranks, or a message's with
-//! its other rank), each queues its NCCL calls, and a [`PartMonitor`] per
-//! part watches them on its device until they end. The call's done hook
-//! (its flight record) runs when the last local part ended.
+//! One NCCL-path call on a rank of several local devices: its local parts
+//! meet (the last runs the host check: the collective's fingerprints with
+//! the other ranks, or a message's with its other rank), each queues its
+//! NCCL calls ([`issue_part`]), and a [`PartMonitor`] per part watches them
+//! on its device until they end. The call's done hook (its flight record)
+//! runs when the last local part ended. A rank of one device runs its calls
+//! as a `OneCall` (`one.rs`: no meeting) instead, through the
+//! same [`issue_part`] and [`PartMonitor`] ([`PartOwner`] is what both ask
+//! of the call).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -10,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerCall, PeerSpec};
 use cohort_runtime::stages::{self, Stage};
-use cohort_runtime::{BufferAccess, Client, CopyRegion, DeviceId, ServerError};
+use cohort_runtime::{BufferAccess, CopyRegion, DeviceId, ServerError};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
@@ -69,15 +73,54 @@ fn outcome(state: &Gathering<NcclState>) -> Result<(), Failure> {
 /// What a finished NCCL-path call reports to (the flight recorder's tracker).
 type DoneHook = Box<dyn FnOnce(Result<(), Failure>) + Send>;
 
-/// The local parts of one NCCL-path call.
-pub(crate) struct NcclCall {
-    nccl: Arc<Nccl>,
-    world: Arc<Mutex<World>>,
-    fp: Fingerprint,
+/// What every NCCL-path call of this rank holds, whatever its parts.
+pub(crate) struct CallCore {
+    pub nccl: Arc<Nccl>,
+    pub world: Arc<Mutex<World>>,
+    pub fp: Fingerprint,
     /// Its fingerprint check is sent ahead (see `World::send_check_ahead`):
     /// the part is queued without waiting for the other ranks'
     /// fingerprints, and ends as done only once each was compared.
-    ahead: bool,
+    pub ahead: bool,
+    /// The collective's name (`group` for a grouped call).
+    pub name: &'static str,
+    pub timeout: Duration,
+}
+
+impl CallCore {
+    /// The call's host check, run once on this rank before its NCCL calls
+    /// are queued: sent ahead, or waited for (the collective's fingerprints
+    /// with the other ranks, or a message's with its other rank).
+    pub(crate) fn check(&self) -> Result<(), Failure> {
+        let fp = self.fp;
+        match self.ahead {
+            true => self.world.lock().send_check_ahead(fp),
+            false => self.world.lock().run(fp, |w| host_check(w, &fp)),
+        }
+    }
+}
+
+/// What a part's issuing and its [`PartMonitor`] ask of the call the part
+/// belongs to: an [`NcclCall`] of several local parts, or a `OneCall`.
+pub(crate) trait PartOwner: Send + Sync + 'static {
+    fn core(&self) -> &CallCore;
+    /// The call's failure, once any part met one.
+    fn failure(&self) -> Option<ServerError>;
+    /// The call's error on part `slot`'s device, for `reason`.
+    fn error(&self, slot: usize, reason: String) -> ServerError;
+    /// Notes what kind of failure the call met (the first said wins).
+    fn note_kind(&self, kind: FailureKind);
+    /// Fails the call (every part and waiter gets the first failure, which
+    /// is returned).
+    fn fail(&self, err: ServerError) -> ServerError;
+    /// Part `slot` ended: its calls completed or failed on the device, or
+    /// it queued none.
+    fn end_part(&self, slot: usize);
+}
+
+/// The local parts of one NCCL-path call.
+pub(crate) struct NcclCall {
+    core: CallCore,
     meeting: Meeting<NcclState>,
     /// Called once, with the outcome, when every local part has ended.
     on_done: Mutex<Option<DoneHook>>,
@@ -95,16 +138,6 @@ impl Seated for NcclCall {
         self.end_part(slot);
     }
 
-    /// One local device (a rank per GPU): a waiter polls the device for
-    /// the part's end itself once the device thread queued it, rather than
-    /// wait for that thread to find it and wake it.
-    fn helpers(&self) -> &[Client] {
-        match self.nccl.clients.len() {
-            1 => &self.nccl.clients,
-            _ => &[],
-        }
-    }
-
     /// A part is done once it ended (its NCCL calls completed or failed).
     fn part_done(&self, state: &Gathering<NcclState>, slot: usize) -> bool {
         state.data.ended_slots[slot]
@@ -112,22 +145,14 @@ impl Seated for NcclCall {
 }
 
 impl NcclCall {
-    /// Call `fp` of `nccl` on this rank's `devices`; with `ahead`, its
-    /// check is sent ahead rather than waited for.
-    pub(crate) fn new(
-        nccl: Arc<Nccl>,
-        world: Arc<Mutex<World>>,
-        fp: Fingerprint,
-        ahead: bool,
-        devices: impl ExactSizeIterator<Item = DeviceId>,
-        timeout: Duration,
-    ) -> Arc<NcclCall> {
+    /// The parts of `core`'s call on this rank's `devices` (its check
+    /// waited for by the last to arrive).
+    pub(crate) fn new(core: CallCore, devices: impl ExactSizeIterator<Item = DeviceId>) -> Arc<NcclCall> {
         let n = devices.len();
         let seats = devices.map(|device| Seat { device, member: None });
         let state = NcclState { checked: None, ended: 0, ended_slots: smallvec::smallvec![false; n], kind: None };
-        let name = if fp.group.is_some() { "group" } else { fp.op.name() };
-        let meeting = Meeting::new(name, seats, timeout, state);
-        Arc::new(NcclCall { nccl, world, fp, ahead, meeting, on_done: Mutex::new(None) })
+        let meeting = Meeting::new(core.name, seats, core.timeout, state);
+        Arc::new(NcclCall { core, meeting, on_done: Mutex::new(None) })
     }
 
     /// Runs `hook` with the call's outcome once every local part ended (its
@@ -143,45 +168,13 @@ impl NcclCall {
         hook(outcome);
     }
 
-    /// One local part ended; the last runs the done hook.
-    fn end_part(&self, slot: usize) {
-        let mut state = self.meeting.lock();
-        if std::mem::replace(&mut state.data.ended_slots[slot], true) {
-            return;
-        }
-        state.data.ended += 1;
-        self.meeting.notify();
-        if state.data.ended == self.meeting.len() {
-            let outcome = outcome(&state);
-            drop(state);
-            if let Some(hook) = self.on_done.lock().take() {
-                hook(outcome);
-            }
-        }
-    }
-
-    /// Notes what kind of failure the call met (the first said wins).
-    fn note_kind(&self, kind: FailureKind) {
-        self.meeting.lock().data.kind.get_or_insert(kind);
-    }
-
-    /// Fails the call: `err` for every part and waiter.
-    pub(crate) fn fail(&self, err: ServerError) -> ServerError {
-        self.meeting.fail(err)
-    }
-
-    /// Waits for every local part; the last runs the host check (or sends
-    /// it ahead).
+    /// Waits for every local part; the last runs the host check.
     fn meet(&self, slot: usize, deadline: Instant) -> Result<(), ServerError> {
         let meeting = &self.meeting;
         let mut state = meeting.lock();
         if meeting.arrive_locked(&mut state, slot)? {
             drop(state);
-            let fp = self.fp;
-            let result = match self.ahead {
-                true => self.world.lock().send_check_ahead(fp),
-                false => self.world.lock().run(fp, |w| host_check(w, &fp)),
-            };
+            let result = self.core.check();
             meeting.lock().data.checked = Some(result.clone());
             meeting.notify();
             return result.map_err(|failure| {
@@ -214,97 +207,143 @@ impl NcclCall {
         fusion: &PartFusion,
     ) -> Result<(), ServerError> {
         let mut handed = false;
-        let result = self.queue_part(slot, access, layout, fusion, &mut handed);
+        let result = (|| {
+            let access = access.map_err(|err| self.fail(err))?;
+            let deadline = Instant::now() + self.meeting.timeout();
+            self.meet(slot, deadline)?;
+            issue_part(self, slot, access, layout, fusion, &mut handed)
+        })();
         if !handed {
             self.end_part(slot);
         }
         result
     }
+}
 
-    fn queue_part(
-        self: &Arc<Self>,
-        slot: usize,
-        access: Result<&mut BufferAccess<'_>, ServerError>,
-        layout: &[PartLayout],
-        fusion: &PartFusion,
-        handed: &mut bool,
-    ) -> Result<(), ServerError> {
-        let access = access.map_err(|err| self.fail(err))?;
-        let nccl = &self.nccl;
-        let parts: SmallVec<[(Op, Buffers); 1]> = layout
-            .iter()
-            .map(|p| {
-                let bind = |i: Option<usize>| i.map(|i| access.binding(i));
-                (p.op, Buffers { input: bind(p.input), output: bind(p.output), scratch: bind(p.scratch) })
-            })
-            .collect();
-        let deadline = Instant::now() + self.meeting.timeout();
-        self.meet(slot, deadline)?;
-        let (member, members) = (nccl.rank * nccl.local + slot, nccl.size * nccl.local);
-        // The peer-memory kernels take one call at a time; a grouped call
-        // goes to NCCL whole.
-        let peer_call = match parts.as_slice() {
-            [(op, buffers)] if self.fp.group.is_none() => self.peer_call(op, buffers),
-            _ => None,
-        };
-        // Past the check (sent ahead or not) the other ranks queue their
-        // part: a failure here aborts, so they do not wait for this one.
-        let fail = |err: ServerError| {
-            nccl.abort(&self.world, &err.to_string());
-            self.fail(err)
-        };
-        if let Some(peer_call) = peer_call {
-            // A source partly overlapping its destination: the kernel reads
-            // its copy (`peer_call` took the scratch as its source).
-            if let (Some(from), Some(to)) = (layout[0].input, layout[0].scratch) {
-                let bytes = access.size(from);
-                let copy = CopyRegion { src: from, src_offset: 0, dst: to, dst_offset: 0, bytes };
-                access.copy_regions(&[copy]).map_err(fail)?;
+impl PartOwner for NcclCall {
+    fn core(&self) -> &CallCore {
+        &self.core
+    }
+
+    fn failure(&self) -> Option<ServerError> {
+        self.meeting.failure()
+    }
+
+    fn error(&self, slot: usize, reason: String) -> ServerError {
+        self.meeting.error(slot, reason)
+    }
+
+    fn note_kind(&self, kind: FailureKind) {
+        self.meeting.lock().data.kind.get_or_insert(kind);
+    }
+
+    fn fail(&self, err: ServerError) -> ServerError {
+        self.meeting.fail(err)
+    }
+
+    /// One local part ended; the last runs the done hook.
+    fn end_part(&self, slot: usize) {
+        let mut state = self.meeting.lock();
+        if std::mem::replace(&mut state.data.ended_slots[slot], true) {
+            return;
+        }
+        state.data.ended += 1;
+        self.meeting.notify();
+        if state.data.ended == self.meeting.len() {
+            let outcome = outcome(&state);
+            drop(state);
+            if let Some(hook) = self.on_done.lock().take() {
+                hook(outcome);
             }
-            let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
-            let monitor = PartMonitor::start(self, slot);
-            let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
-            *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
-            return result.map_err(fail);
         }
-        // Fused all-reduces: their sources packed into each bucket's
-        // scratch first, one call per bucket, unpacked after.
-        let at = |c: usize| {
-            let p = &layout[c];
-            (p.input.expect("an all-reduce has a source"), p.output.expect("an all-reduce has a destination"))
-        };
-        let buckets = fusion.buckets.as_deref().unwrap_or_default();
-        let fused = fusion::part(buckets, layout.len(), &fusion.scratch, at, |i| access.binding(i));
-        let calls = fused.nccl_calls(parts.iter().map(|(op, buffers)| (op, buffers)), member, members);
-        if calls.is_empty() {
-            return Ok(());
-        }
-        access.copy_regions(&fused.pack).map_err(fail)?;
-        let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
-        let monitor = PartMonitor::start(self, slot);
-        let barrier = self.fp.group.is_none() && self.fp.op.collective() == Collective::Barrier;
-        let completion = if barrier { Completion::Wait } else { Completion::Defer };
-        stages::mark(Stage::PartReady);
-        let result = access.run_collective(&spec, &calls, monitor.clone(), completion);
-        stages::mark(Stage::PartQueued);
-        // Queued (its monitor ends the part, now or later) unless refused
-        // before any call was queued.
-        *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
-        let ops: SmallVec<[Op; 1]> = parts.iter().map(|(op, _)| *op).collect();
-        nccl.note_queued(&ops, &result);
-        result.map_err(fail)?;
-        access.copy_regions(&fused.unpack).map_err(fail)
     }
 }
 
-impl NcclCall {
-    /// The peer kernel this call's part runs, where the communicator has
-    /// the fast path and its choice for this call is a kernel.
-    fn peer_call(&self, op: &Op, buffers: &plan::Buffers) -> Option<PeerCall> {
-        let peer = self.nccl.peer.as_ref()?;
-        let algo = peer.path(op).peer()?;
-        crate::device::peer::peer_call_for(op, algo, buffers.scratch.or(buffers.input)?, buffers.output?)
+/// Queues part `slot`'s calls once its check passed (sent ahead or
+/// waited): a peer kernel where the communicator's fast path chose one,
+/// else its NCCL calls (a grouped call's fused all-reduces packed into
+/// their buckets first and unpacked after), each watched on the device by
+/// a [`PartMonitor`] of `owner` until it ends. Sets `handed` once the
+/// monitor took over ending the part. A failure here aborts the
+/// communicator: past the check the other ranks queue their parts, so they
+/// must not wait for this one.
+pub(crate) fn issue_part<O: PartOwner>(
+    owner: &Arc<O>,
+    slot: usize,
+    access: &mut BufferAccess<'_>,
+    layout: &[PartLayout],
+    fusion: &PartFusion,
+    handed: &mut bool,
+) -> Result<(), ServerError> {
+    let core = owner.core();
+    let nccl = &core.nccl;
+    let parts: SmallVec<[(Op, Buffers); 1]> = layout
+        .iter()
+        .map(|p| {
+            let bind = |i: Option<usize>| i.map(|i| access.binding(i));
+            (p.op, Buffers { input: bind(p.input), output: bind(p.output), scratch: bind(p.scratch) })
+        })
+        .collect();
+    let (member, members) = (nccl.rank * nccl.local + slot, nccl.size * nccl.local);
+    // The peer-memory kernels take one call at a time; a grouped call goes
+    // to NCCL whole.
+    let peer_call = match parts.as_slice() {
+        [(op, buffers)] if core.fp.group.is_none() => peer_call(nccl, op, buffers),
+        _ => None,
+    };
+    let fail = |err: ServerError| {
+        nccl.abort(&core.world, &err.to_string());
+        owner.fail(err)
+    };
+    if let Some(peer_call) = peer_call {
+        // A source partly overlapping its destination: the kernel reads
+        // its copy (`peer_call` took the scratch as its source).
+        if let (Some(from), Some(to)) = (layout[0].input, layout[0].scratch) {
+            let bytes = access.size(from);
+            let copy = CopyRegion { src: from, src_offset: 0, dst: to, dst_offset: 0, bytes };
+            access.copy_regions(&[copy]).map_err(fail)?;
+        }
+        let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
+        let monitor = PartMonitor::start(owner, slot);
+        let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
+        *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
+        return result.map_err(fail);
     }
+    // Fused all-reduces: their sources packed into each bucket's scratch
+    // first, one call per bucket, unpacked after.
+    let at = |c: usize| {
+        let p = &layout[c];
+        (p.input.expect("an all-reduce has a source"), p.output.expect("an all-reduce has a destination"))
+    };
+    let buckets = fusion.buckets.as_deref().unwrap_or_default();
+    let fused = fusion::part(buckets, layout.len(), &fusion.scratch, at, |i| access.binding(i));
+    let calls = fused.nccl_calls(parts.iter().map(|(op, buffers)| (op, buffers)), member, members);
+    if calls.is_empty() {
+        return Ok(());
+    }
+    access.copy_regions(&fused.pack).map_err(fail)?;
+    let spec = CommSpec { set: nccl.key, rank: member, ranks: members, unique_id: &nccl.unique_id };
+    let monitor = PartMonitor::start(owner, slot);
+    let barrier = core.fp.group.is_none() && core.fp.op.collective() == Collective::Barrier;
+    let completion = if barrier { Completion::Wait } else { Completion::Defer };
+    stages::mark(Stage::PartReady);
+    let result = access.run_collective(&spec, &calls, monitor.clone(), completion);
+    stages::mark(Stage::PartQueued);
+    // Queued (its monitor ends the part, now or later) unless refused
+    // before any call was queued.
+    *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);
+    let ops: SmallVec<[Op; 1]> = parts.iter().map(|(op, _)| *op).collect();
+    nccl.note_queued(&ops, &result);
+    result.map_err(fail)?;
+    access.copy_regions(&fused.unpack).map_err(fail)
+}
+
+/// The peer kernel a call's part runs, where the communicator has the
+/// fast path and its choice for this call is a kernel.
+fn peer_call(nccl: &Nccl, op: &Op, buffers: &plan::Buffers) -> Option<PeerCall> {
+    let peer = nccl.peer.as_ref()?;
+    let algo = peer.path(op).peer()?;
+    crate::device::peer::peer_call_for(op, algo, buffers.scratch.or(buffers.input)?, buffers.output?)
 }
 
 /// Arrival note and abort polling of one waiting part.
@@ -314,11 +353,12 @@ struct Poll {
 }
 
 /// One local part's view while its NCCL calls run (held by its device
-/// until they end, when it ends the part): this rank's other parts'
-/// failures, and (once the part is slow) its arrival note and the store's
-/// abort flag, looked at every [`ABORT_POLL`].
-struct PartMonitor {
-    call: Arc<NcclCall>,
+/// until they end, when it ends the part): the call's failure met
+/// elsewhere (another local part, a check sent ahead), and (once the part
+/// is slow) its arrival note and the store's abort flag, looked at every
+/// [`ABORT_POLL`].
+pub(crate) struct PartMonitor<O: PartOwner> {
+    call: Arc<O>,
     slot: usize,
     started: Instant,
     poll: Mutex<Poll>,
@@ -326,9 +366,9 @@ struct PartMonitor {
     ended: AtomicBool,
 }
 
-impl PartMonitor {
+impl<O: PartOwner> PartMonitor<O> {
     /// The monitor of local part `slot` of `call`, its clock started now.
-    fn start(call: &Arc<NcclCall>, slot: usize) -> Arc<PartMonitor> {
+    fn start(call: &Arc<O>, slot: usize) -> Arc<PartMonitor<O>> {
         let started = Instant::now();
         Arc::new(PartMonitor {
             call: call.clone(),
@@ -344,50 +384,50 @@ impl PartMonitor {
     fn failed(&self, failure: Failure) -> ServerError {
         let call = &self.call;
         call.note_kind(failure.kind);
-        call.nccl.abort(&call.world, &failure.message);
-        call.meeting.error(self.slot, failure.message)
+        call.core().nccl.abort(&call.core().world, &failure.message);
+        call.error(self.slot, failure.message)
     }
 }
 
-impl CollectiveMonitor for PartMonitor {
+impl<O: PartOwner> CollectiveMonitor for PartMonitor<O> {
     fn operation(&self) -> &str {
-        self.call.meeting.name()
+        self.call.core().name
     }
 
     fn timeout(&self) -> Duration {
-        self.call.meeting.timeout()
+        self.call.core().timeout
     }
 
     fn failed_elsewhere(&self) -> Option<ServerError> {
-        let (call, meeting) = (&self.call, &self.call.meeting);
-        if let Some(err) = meeting.failure() {
+        let (call, core) = (&self.call, self.call.core());
+        if let Some(err) = call.failure() {
             return Some(err);
         }
         // A check sent ahead moves on every poll: a mismatch can leave the
         // kernels waiting for data that never comes. Not waited for: the
         // world may be busy with another call.
-        if call.ahead {
-            if let Some(Err(failure)) = call.world.try_lock().map(|mut w| w.poll_ahead(call.fp.seq)) {
+        if core.ahead {
+            if let Some(Err(failure)) = core.world.try_lock().map(|mut w| w.poll_ahead(core.fp.seq)) {
                 return Some(self.failed(failure));
             }
         }
-        let slow = (meeting.timeout() / 4).min(Duration::from_secs(1));
+        let slow = (core.timeout / 4).min(Duration::from_secs(1));
         let now = Instant::now();
         let mut p = self.poll.lock();
         if now - self.started < slow || now - p.last < ABORT_POLL {
             return None;
         }
         p.last = now;
-        let nccl = &call.nccl;
+        let nccl = &core.nccl;
         if !p.noted {
             p.noted = true;
-            let _ = nccl.store.set(&keys::arrived(&nccl.prefix, call.fp.seq, nccl.rank), b"");
+            let _ = nccl.store.set(&keys::arrived(&nccl.prefix, core.fp.seq, nccl.rank), b"");
         }
         match nccl.store.get(&keys::abort(&nccl.prefix)) {
             Ok(Some(why)) => {
                 call.note_kind(FailureKind::Aborted);
                 let why = String::from_utf8_lossy(&why);
-                Some(meeting.error(self.slot, format!("{} stopped: the communicator was aborted by {why}", call.fp)))
+                Some(call.error(self.slot, format!("{} stopped: the communicator was aborted by {why}", core.fp)))
             }
             _ => None,
         }
@@ -395,11 +435,11 @@ impl CollectiveMonitor for PartMonitor {
 
     /// Asked by the device only when the part timed out.
     fn missing(&self) -> String {
-        let call = &self.call;
-        call.note_kind(FailureKind::Timeout);
+        let core = self.call.core();
+        self.call.note_kind(FailureKind::Timeout);
         // Its calls may have completed while its check was not compared.
-        let owed = match call.ahead {
-            true => call.world.try_lock().map(|mut w| (w.poll_ahead(call.fp.seq), w.ahead_owed_by(call.fp.seq))),
+        let owed = match core.ahead {
+            true => core.world.try_lock().map(|mut w| (w.poll_ahead(core.fp.seq), w.ahead_owed_by(core.fp.seq))),
             false => None,
         };
         let check = match owed {
@@ -409,7 +449,7 @@ impl CollectiveMonitor for PartMonitor {
             }
             _ => String::new(),
         };
-        format!("{}: {}{check}", call.fp, call.nccl.missing(call.fp.seq))
+        format!("{}: {}{check}", core.fp, core.nccl.missing(core.fp.seq))
     }
 
     /// A check sent ahead must have been compared with every other rank's
@@ -419,11 +459,11 @@ impl CollectiveMonitor for PartMonitor {
     /// (and times out like a running one, naming the ranks that never
     /// arrived). Not waited for: the world may be busy with another call.
     fn confirm(&self) -> Option<Result<(), ServerError>> {
-        let call = &self.call;
-        if !call.ahead {
+        let core = self.call.core();
+        if !core.ahead {
             return Some(Ok(()));
         }
-        match call.world.try_lock()?.ahead_done(call.fp.seq) {
+        match core.world.try_lock()?.ahead_done(core.fp.seq) {
             Ok(true) => Some(Ok(())),
             Ok(false) => None,
             Err(failure) => Some(Err(self.failed(failure))),
@@ -433,7 +473,7 @@ impl CollectiveMonitor for PartMonitor {
     fn finished(&self, outcome: &Result<(), ServerError>) {
         let call = &self.call;
         if let Err(err) = outcome {
-            call.nccl.abort(&call.world, &err.to_string());
+            call.core().nccl.abort(&call.core().world, &err.to_string());
             call.fail(err.clone());
         }
         if !self.ended.swap(true, Ordering::AcqRel) {

@@ -11,9 +11,10 @@
 //! why once). Nothing is probed on a rank whose devices offer no device
 //! collectives.
 //!
-//! Each collective queues one task per local device. The last local task
-//! to start checks the call's fingerprint with the other ranks over the
-//! host links (the check every host-path collective starts with:
+//! Each collective queues one task per local device (a rank with one
+//! device runs it as a `one::OneCall`, whose one task needs no meeting).
+//! The last local task to start checks the call's fingerprint with the
+//! other ranks over the host links (the check every host-path collective starts with:
 //! `World::collective_check`), so a
 //! rank that calls something else is named as a mismatch and a rank that
 //! never arrives is named by the host timeout, before any NCCL call that
@@ -35,7 +36,10 @@
 //! destinations; a waiter on a rank with one device polls it itself. A failed or expired part aborts
 //! the NCCL communicator (`ncclCommAbort`) and the communicator for every
 //! rank; a timeout names the ranks that never noted their arrival. The
-//! call's flight record ends when its last local part ended on the device.
+//! call's flight record ends when its last local part ended on the device
+//! (or is dropped unfinished, which tells the other ranks, where a part
+//! could not be queued, or a one-device rank's task was dropped unrun or
+//! panicked).
 //!
 //! With several devices per rank, `send`/`recv` stay on the host path (the
 //! receiving device is not known to the sender). A source that partly
@@ -60,9 +64,11 @@ use crate::op::{Collective, Op};
 use crate::store::StoreClient;
 
 mod call;
+mod one;
 mod peer;
 
-pub(crate) use call::{NcclCall, PartFusion, PartLayout};
+use call::{CallCore, NcclCall, PartOwner};
+pub(crate) use call::{PartFusion, PartLayout};
 
 use super::error::ConnectError;
 use super::failure::Failure;
@@ -72,6 +78,7 @@ use super::label::Label;
 use super::observe::Tracker;
 use super::world::World;
 use super::{SlotCall, Slots};
+use crate::work::Waitable;
 
 /// Set keys of communicators made here carry the top bit, apart from the
 /// keys `ClientGroup`s use on the same devices.
@@ -84,6 +91,23 @@ const ABORT_POLL: Duration = Duration::from_millis(200);
 fn next_set() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     SET_BASE | NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A call that could not be queued: its error, and its flight record,
+/// unfinished, for the caller to drop once it let go of its locks (the
+/// drop tells the other ranks, asking the store).
+pub(crate) struct Refused {
+    pub error: CommError,
+    pub record: Option<Tracker>,
+}
+
+impl Refused {
+    /// The error, once the record was dropped (which tells the other
+    /// ranks): call it after letting go of the locks.
+    pub(crate) fn into_error(self) -> CommError {
+        drop(self.record);
+        self.error
+    }
 }
 
 /// A communicator's NCCL side.
@@ -265,7 +289,7 @@ impl Nccl {
     }
 
     /// Queues one part per local device (slot `s` with `inputs[s]` and
-    /// `outputs[s]`); the caller holds the process-wide enqueue order.
+    /// `outputs[s]`) for call `fp`; see [`Nccl::launch_calls`].
     pub(crate) fn launch(
         self: &Arc<Self>,
         world: &Arc<Mutex<World>>,
@@ -273,32 +297,37 @@ impl Nccl {
         timeout: Duration,
         inputs: Slots,
         outputs: Slots,
-        tracker: &Tracker,
-    ) -> Result<Arc<NcclCall>, CommError> {
+        tracker: Tracker,
+    ) -> Result<Arc<dyn Waitable>, Box<Refused>> {
         self.launch_calls(world, fp, timeout, smallvec::smallvec![(fp.op, inputs, outputs)], tracker)
     }
 
     /// Queues one part per local device for `calls` (op, inputs and outputs
     /// by slot) under one fingerprint `fp`: a grouped call's parts issue
     /// every call's NCCL calls inside one `ncclGroupStart/End`. The caller
-    /// holds the process-wide enqueue order. `tracker`, the call's flight
-    /// record, is told a grouped call's path: NCCL, or NCCL with the
-    /// all-reduces fused (a single call's, NCCL or a peer kernel, it was
-    /// given when queued).
+    /// holds the process-wide enqueue order unless the calls queue inline
+    /// ([`Nccl::queues_inline`]). `tracker`, the call's flight record, ends
+    /// when the last local part ended (handed back unfinished when the call
+    /// cannot be queued: [`Refused`]); it is told a grouped
+    /// call's path here: NCCL, or NCCL with the all-reduces fused (a single
+    /// call's, NCCL or a peer kernel, it was given when queued). Returns
+    /// what the call's handle waits on: the one part's [`one::OneCall`] on
+    /// a rank of one device, else the parts' [`NcclCall`] meeting.
     pub(crate) fn launch_calls(
         self: &Arc<Self>,
         world: &Arc<Mutex<World>>,
         fp: Fingerprint,
         timeout: Duration,
         calls: SmallVec<[SlotCall; 1]>,
-        tracker: &Tracker,
-    ) -> Result<Arc<NcclCall>, CommError> {
-        let devices = self.clients.iter().map(Client::device_id);
+        tracker: Tracker,
+    ) -> Result<Arc<dyn Waitable>, Box<Refused>> {
         let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
         let inline = self.queues_inline(&ops, fp.group.is_some());
-        let call = NcclCall::new(self.clone(), world.clone(), fp, inline && self.size > 1, devices, timeout);
-        stages::mark(Stage::MeetingBuilt);
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
+        // Its check is sent ahead where its part queues inline with other
+        // ranks (see `queues_inline`).
+        let core =
+            CallCore { nccl: self.clone(), world: world.clone(), fp, ahead: inline && self.size > 1, name, timeout };
         // The same buckets on every member (they follow from the calls).
         let buckets = fusion::buckets(&ops, fusion::cap());
         let in_bucket = fusion::fused_calls(&buckets, ops.len());
@@ -308,6 +337,7 @@ impl Nccl {
         if fp.group.is_some() || ops.len() != 1 {
             tracker.set_path(if fused.is_none() { "nccl" } else { "nccl fused" });
         }
+        let part = |slot: usize, client: &Client| self.part_buffers(slot, client, &calls, &in_bucket, &fused);
         // A rank with one device: its part meets no other local part, so
         // it is queued from this thread at once where the device is idle,
         // without the hand-over to the device thread (see
@@ -317,50 +347,16 @@ impl Nccl {
         // before or it runs a peer kernel (the first NCCL part of each
         // collective, whose `ncclCommInitRank` and connection wait for
         // every rank, goes to the device thread). See `queues_inline`.
+        if let [client] = self.clients.as_slice() {
+            let (input, output, layout, fusion) = part(0, client);
+            let call = one::launch(core, client, tracker, inline, input, output, layout, fusion)?;
+            return Ok(call);
+        }
+        let call = NcclCall::new(core, self.clients.iter().map(Client::device_id));
+        stages::mark(Stage::MeetingBuilt);
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
-            let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
-            let mut layout: SmallVec<[PartLayout; 1]> = SmallVec::with_capacity(calls.len());
-            for ((op, ins, outs), &in_bucket) in calls.iter().zip(&in_bucket) {
-                let src = ins[slot].clone();
-                let dst = outs[slot].clone();
-                // A copy of the source to read from (an in-place all-to-all,
-                // a source partly overlapping its destination), but for a
-                // call packed into a fusion bucket, which reads the bucket.
-                let scratch = (!in_bucket
-                    && crate::device::plan::sends_from_copy(op.collective(), src.as_ref(), dst.as_ref()))
-                .then(|| src.as_ref().map_or(0, Handle::size));
-                let mut part = PartLayout { op: *op, input: None, output: None, scratch: None };
-                if let Some(src) = src {
-                    part.input = Some(input.len());
-                    input.push(src);
-                }
-                if let Some(dst) = dst {
-                    part.output = Some(output.len());
-                    output.push(dst);
-                }
-                if let Some(bytes) = scratch {
-                    part.scratch = Some(output.len());
-                    output.push(client.empty(bytes as usize));
-                }
-                layout.push(part);
-            }
-            // Each bucket's scratch (from the pool), after the outputs.
-            let mut scratch: SmallVec<[usize; 4]> = SmallVec::new();
-            for bucket in fused.iter().flat_map(|buckets| buckets.iter()) {
-                scratch.push(output.len());
-                output.push(client.empty(bucket.bytes as usize));
-            }
-            // Bindings number inputs first, then outputs.
-            let inputs_here = input.len();
-            for part in &mut layout {
-                part.output = part.output.map(|o| o + inputs_here);
-                part.scratch = part.scratch.map(|o| o + inputs_here);
-            }
-            for at in &mut scratch {
-                *at += inputs_here;
-            }
-            let fusion = PartFusion { buckets: fused.clone(), scratch };
+            let (input, output, layout, fusion) = part(slot, client);
             let ticket = Ticket::new(&call, slot);
             let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
                 stages::mark(Stage::TaskStarted);
@@ -369,10 +365,7 @@ impl Nccl {
                 result
             };
             stages::mark(Stage::TasksBuilt);
-            let queued = match inline {
-                true => client.submit_buffers_inline(name, input, output, task),
-                false => client.submit_buffers_always(name, input, output, task),
-            };
+            let queued = client.submit_buffers_always(name, input, output, task);
             stages::mark(Stage::Submitted);
             if let Err(source) = queued {
                 let err = CommError::Enqueue { operation: name, member: slot, device: client.device_id(), source };
@@ -380,10 +373,68 @@ impl Nccl {
                 failed.get_or_insert(err);
             }
         }
-        match failed {
-            Some(err) => Err(err),
-            None => Ok(call),
+        if let Some(error) = failed {
+            return Err(Box::new(Refused { error, record: Some(tracker) }));
         }
+        call.on_done(move |outcome| tracker.ended(outcome));
+        Ok(call)
+    }
+
+    /// Local part `slot`'s buffers for `calls` on `client`: its sources,
+    /// its destinations (then each call's scratch copy of its source, where
+    /// it reads one, and each fusion bucket's scratch), and where each
+    /// call's buffers are among them (bindings number inputs first).
+    #[allow(clippy::type_complexity)]
+    fn part_buffers(
+        &self,
+        slot: usize,
+        client: &Client,
+        calls: &[SlotCall],
+        in_bucket: &[bool],
+        fused: &Option<Arc<[Bucket]>>,
+    ) -> (TaskHandles, TaskHandles, SmallVec<[PartLayout; 1]>, PartFusion) {
+        let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
+        let mut layout: SmallVec<[PartLayout; 1]> = SmallVec::with_capacity(calls.len());
+        for ((op, ins, outs), &in_bucket) in calls.iter().zip(in_bucket) {
+            let src = ins[slot].clone();
+            let dst = outs[slot].clone();
+            // A copy of the source to read from (an in-place all-to-all, a
+            // source partly overlapping its destination), but for a call
+            // packed into a fusion bucket, which reads the bucket.
+            let scratch = (!in_bucket
+                && crate::device::plan::sends_from_copy(op.collective(), src.as_ref(), dst.as_ref()))
+            .then(|| src.as_ref().map_or(0, Handle::size));
+            let mut part = PartLayout { op: *op, input: None, output: None, scratch: None };
+            if let Some(src) = src {
+                part.input = Some(input.len());
+                input.push(src);
+            }
+            if let Some(dst) = dst {
+                part.output = Some(output.len());
+                output.push(dst);
+            }
+            if let Some(bytes) = scratch {
+                part.scratch = Some(output.len());
+                output.push(client.empty(bytes as usize));
+            }
+            layout.push(part);
+        }
+        // Each bucket's scratch (from the pool), after the outputs.
+        let mut scratch: SmallVec<[usize; 4]> = SmallVec::new();
+        for bucket in fused.iter().flat_map(|buckets| buckets.iter()) {
+            scratch.push(output.len());
+            output.push(client.empty(bucket.bytes as usize));
+        }
+        // Bindings number inputs first, then outputs.
+        let inputs_here = input.len();
+        for part in &mut layout {
+            part.output = part.output.map(|o| o + inputs_here);
+            part.scratch = part.scratch.map(|o| o + inputs_here);
+        }
+        for at in &mut scratch {
+            *at += inputs_here;
+        }
+        (input, output, layout, PartFusion { buckets: fused.clone(), scratch })
     }
 
     /// Tells every rank the communicator failed (first abort wins), and

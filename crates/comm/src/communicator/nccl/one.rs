@@ -1,0 +1,232 @@
+//! A call on a rank with one local device (one process per GPU, the usual
+//! way to run a job): its one part meets nobody on this rank, so it needs
+//! none of a meeting's machinery (no seats to gather, no tickets to count,
+//! no done hook to box). One object is the handle's waitable, the owner of
+//! the part's [`PartMonitor`](super::call::PartMonitor) and the holder of
+//! its flight record.
+//!
+//! The part's task runs the call's host check (sent ahead, or waited for:
+//! [`CallCore::check`]) and queues its calls ([`issue_part`]), from the
+//! caller's thread where the call queues inline (`Nccl::queues_inline`),
+//! otherwise from the device thread. A waiter polls the device for the
+//! part's end itself for the spin window, then sleeps ([`PartEnd`]).
+//!
+//! The call fails for its waiters as soon as a failure is met (the check,
+//! the device, another rank's abort); a failure met after the part ended
+//! done changes nothing for them (the destinations are still marked). Its
+//! flight record ends when the part ended on the device, or never got
+//! there. A task dropped unrun once queued (the device closed) or
+//! unwinding from a panic drops the record unfinished, which tells the
+//! other ranks (see `Tracker`); one that could not be queued hands it back
+//! to the caller ([`Refused`]), which drops it once it let go of its locks.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cohort_runtime::stages::{self, Stage};
+use cohort_runtime::{BufferAccess, Client, ServerError, TaskHandles};
+use parking_lot::Mutex;
+
+use super::call::{issue_part, CallCore, PartFusion, PartLayout, PartOwner};
+use super::Refused;
+use crate::communicator::failure::{Failure, FailureKind};
+use crate::communicator::observe::Tracker;
+use crate::error::CommError;
+use crate::meeting::WaitEnd;
+use crate::part_end::PartEnd;
+use crate::work::Waitable;
+
+/// One call's one part on this rank's device.
+pub(crate) struct OneCall {
+    core: CallCore,
+    client: Client,
+    end: PartEnd<()>,
+    record: Mutex<Record>,
+    /// Set once its task was queued (or ran inline): a task dropped before
+    /// that was refused, and its record goes back to the caller.
+    queued: AtomicBool,
+}
+
+/// What a [`OneCall`] tells its flight record when the part ended.
+struct Record {
+    /// Taken when the part ended (or dropped unfinished).
+    tracker: Option<Tracker>,
+    /// The kind of failure met, where one said (the first wins).
+    kind: Option<FailureKind>,
+}
+
+/// Queues `core`'s call on `client`, the rank's one device, with the part's
+/// buffers (`input`, `output`: bindings numbered inputs first) laid out by
+/// `layout` and `fusion`: from this thread at once with `inline` where the
+/// device is idle, otherwise through the device thread. Returns the call
+/// to wait on once the part is queued; `tracker` is its flight record.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch(
+    core: CallCore,
+    client: &Client,
+    tracker: Tracker,
+    inline: bool,
+    input: TaskHandles,
+    output: TaskHandles,
+    layout: smallvec::SmallVec<[PartLayout; 1]>,
+    fusion: PartFusion,
+) -> Result<Arc<OneCall>, Box<Refused>> {
+    let name = core.name;
+    let call = Arc::new(OneCall {
+        core,
+        client: client.clone(),
+        end: PartEnd::new(()),
+        record: Mutex::new(Record { tracker: Some(tracker), kind: None }),
+        queued: AtomicBool::new(false),
+    });
+    stages::mark(Stage::MeetingBuilt);
+    let guard = Unfinished(Some(call.clone()));
+    let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
+        stages::mark(Stage::TaskStarted);
+        let result = guard.call().run(access, &layout, &fusion);
+        guard.returned();
+        stages::mark(Stage::TicketReturned);
+        result
+    };
+    stages::mark(Stage::TasksBuilt);
+    let queued = match inline {
+        true => client.submit_buffers_inline(name, input, output, task),
+        false => client.submit_buffers_always(name, input, output, task),
+    };
+    stages::mark(Stage::Submitted);
+    match queued {
+        Ok(()) => {
+            call.queued.store(true, Ordering::Release);
+            Ok(call)
+        }
+        // The task was dropped unqueued (its guard failed the call): the
+        // record goes back, unfinished.
+        Err(source) => Err(Box::new(Refused {
+            error: CommError::Enqueue { operation: name, member: 0, device: client.device_id(), source },
+            record: call.record.lock().tracker.take(),
+        })),
+    }
+}
+
+/// Fails a [`OneCall`] whose task is dropped before it returned: unrun (its
+/// device closed, or it could not be queued), or unwinding from a panic.
+/// Once queued, it drops the call's record unfinished, which tells the
+/// other ranks (a task dropped in the moment between its queueing and
+/// `launch` noting it leaves the record to the call's own drop).
+struct Unfinished(Option<Arc<OneCall>>);
+
+impl Unfinished {
+    fn call(&self) -> &Arc<OneCall> {
+        self.0.as_ref().expect("held until the task returns")
+    }
+
+    /// The task returned (its part ended, or is left running on the
+    /// device): dropping the guard no longer fails the call.
+    fn returned(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        let Some(call) = self.0.take() else { return };
+        let device = call.client.device_id();
+        let err = if std::thread::panicking() {
+            ServerError::TaskPanicked {
+                device,
+                message: format!("{} panicked while it queued its part", call.core.name),
+            }
+        } else {
+            let cause = Arc::new(ServerError::DeviceClosed { device });
+            ServerError::Poisoned { operation: call.core.name.to_string(), cause }
+        };
+        call.fail(err);
+        if std::thread::panicking() || call.queued.load(Ordering::Acquire) {
+            // Unfinished: its drop tells the other ranks this rank will not
+            // come (outside the record's lock: it asks the store).
+            let tracker = call.record.lock().tracker.take();
+            drop(tracker);
+        }
+    }
+}
+
+impl OneCall {
+    /// The part's task: runs the host check and queues the calls,
+    /// returning once they are queued (a barrier waits for them). The part
+    /// ends here unless its monitor took over ending it.
+    fn run(
+        self: &Arc<Self>,
+        access: Result<&mut BufferAccess<'_>, ServerError>,
+        layout: &[PartLayout],
+        fusion: &PartFusion,
+    ) -> Result<(), ServerError> {
+        let mut handed = false;
+        let result = (|| {
+            let access = access.map_err(|err| self.fail(err))?;
+            self.core.check().map_err(|failure| {
+                self.note_kind(failure.kind);
+                self.fail(self.error(0, failure.message))
+            })?;
+            issue_part(self, 0, access, layout, fusion, &mut handed)
+        })();
+        if !handed {
+            self.end_part(0);
+        }
+        result
+    }
+}
+
+impl PartOwner for OneCall {
+    fn core(&self) -> &CallCore {
+        &self.core
+    }
+
+    fn failure(&self) -> Option<ServerError> {
+        self.end.failure()
+    }
+
+    fn error(&self, _slot: usize, reason: String) -> ServerError {
+        ServerError::Collective { collective: self.core.name.to_string(), device: self.client.device_id(), reason }
+    }
+
+    fn note_kind(&self, kind: FailureKind) {
+        self.record.lock().kind.get_or_insert(kind);
+    }
+
+    /// The call's first failure; `err` itself where the part had ended
+    /// done already (nothing then changes).
+    fn fail(&self, err: ServerError) -> ServerError {
+        match self.end.end(Err(err.clone()), || {}).0 {
+            Err(first) => first,
+            Ok(()) => err,
+        }
+    }
+
+    /// The part ended: done unless the call failed first; its flight
+    /// record ends with the call's outcome (once).
+    fn end_part(&self, _slot: usize) {
+        let (outcome, _) = self.end.end(Ok(()), || {});
+        let (tracker, kind) = {
+            let mut record = self.record.lock();
+            (record.tracker.take(), record.kind)
+        };
+        if let Some(tracker) = tracker {
+            let kind = kind.unwrap_or(FailureKind::Other);
+            tracker.ended(outcome.map_err(|err| Failure::new(kind, err.to_string())));
+        }
+    }
+}
+
+impl Waitable for OneCall {
+    fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
+        let ended =
+            self.end.wait_until(&self.client, deadline, || format!("{} still running", self.client.device_id()));
+        stages::mark(Stage::WaitEnded);
+        ended
+    }
+
+    fn is_done(&self) -> bool {
+        self.end.is_done()
+    }
+}
