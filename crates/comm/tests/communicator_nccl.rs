@@ -290,6 +290,36 @@ fn one_rank_on_one_gpu_a_poisoned_input_fails_its_collective_and_the_next_one_wo
     assert_eq!(results.len(), 1);
 }
 
+/// A one-rank job's call on a device closed under it is refused at once,
+/// naming the call and the device, and its flight record, dropped
+/// unfinished after the call returned, publishes the abort for the other
+/// ranks (naming this rank) in the store; nothing hangs or panics.
+#[test]
+#[ignore = "needs CUDA GPUs: run with --include-ignored where one is"]
+fn one_rank_on_one_gpu_a_call_on_a_closed_device_is_refused_and_the_abort_published() {
+    use cohort_comm::published::{abort_key, communicator_prefix, newest_communicator_key};
+
+    let (results, server) = ranks(vec![vec![0]], cuda, |comm| {
+        let device = comm.clients()[0].clone();
+        let src = device.create_from_slice(&[1u8; 256]);
+        let dst = device.empty(256);
+        let all_reduce =
+            || comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U8, ReduceOp::Sum);
+        // Warm: the next call queues from this thread.
+        all_reduce().unwrap().wait().unwrap();
+        device.close();
+        all_reduce().map(|_| ()).unwrap_err().to_string()
+    });
+    let err = &results[0];
+    assert!(err.contains("all_reduce") && err.contains("could not queue") && err.contains("cuda:0"), "{err}");
+    let store = StoreClient::connect(server.local_addr().to_string(), SECRET, Duration::from_secs(10)).unwrap();
+    let newest = store.get(&newest_communicator_key(0)).unwrap().expect("rank 0's communicator is published");
+    let instance: u64 = String::from_utf8_lossy(&newest).trim().parse().unwrap();
+    let abort = store.get(&abort_key(&communicator_prefix(instance))).unwrap().expect("the abort is published");
+    let abort = String::from_utf8_lossy(&abort);
+    assert!(abort.contains("rank 0") && abort.contains("all_reduce"), "{abort}");
+}
+
 #[test]
 #[ignore = "needs CUDA GPUs: two or more, one per rank"]
 fn two_gpus_one_rank_per_gpu_runs_every_collective_through_nccl() {
