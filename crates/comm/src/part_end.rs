@@ -7,10 +7,11 @@
 //! one atomic, one lock and one condition variable.
 
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cohort_runtime::stages::{self, Stage};
-use cohort_runtime::{Client, ServerError};
+use cohort_runtime::{Client, DeviceId, ServerError};
 use parking_lot::{Condvar, Mutex};
 
 use crate::end_watch::EndWatch;
@@ -152,6 +153,53 @@ impl<R> PartEnd<R> {
                 }
             }
         }
+    }
+}
+
+/// A one-part call, as the guard its task holds sees it ([`Unfinished`]).
+pub(crate) trait Abandoned: Send + Sync {
+    /// The call's task was dropped before it returned; `err` says why.
+    fn abandoned(&self, err: ServerError);
+}
+
+/// Held by a one-part call's task until it returned: dropped before that
+/// (unrun, because its device closed or it could not be queued; or
+/// unwinding from a panic in it), it tells the call, so that its waiter
+/// returns at once.
+pub(crate) struct Unfinished<C: Abandoned> {
+    call: Option<Arc<C>>,
+    operation: &'static str,
+    device: DeviceId,
+}
+
+impl<C: Abandoned> Unfinished<C> {
+    /// The guard of `call`, collective `operation` on `device`.
+    pub(crate) fn new(call: Arc<C>, operation: &'static str, device: DeviceId) -> Self {
+        Self { call: Some(call), operation, device }
+    }
+
+    pub(crate) fn call(&self) -> &Arc<C> {
+        self.call.as_ref().expect("held until the task returns")
+    }
+
+    /// The task returned (its part ended, or is left running on the
+    /// device): dropping the guard no longer fails the call.
+    pub(crate) fn returned(mut self) {
+        self.call = None;
+    }
+}
+
+impl<C: Abandoned> Drop for Unfinished<C> {
+    fn drop(&mut self) {
+        let Some(call) = self.call.take() else { return };
+        let (device, operation) = (self.device, self.operation);
+        let err = if std::thread::panicking() {
+            ServerError::TaskPanicked { device, message: format!("{operation} panicked while it queued its part") }
+        } else {
+            let cause = Arc::new(ServerError::DeviceClosed { device });
+            ServerError::Poisoned { operation: operation.to_string(), cause }
+        };
+        call.abandoned(err);
     }
 }
 

@@ -303,8 +303,9 @@ fn one_rank_on_one_gpu_a_call_on_a_closed_device_is_refused_and_the_abort_publis
         let device = comm.clients()[0].clone();
         let src = device.create_from_slice(&[1u8; 256]);
         let dst = device.empty(256);
-        let all_reduce =
-            || comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U8, ReduceOp::Sum);
+        let all_reduce = || {
+            comm.all_reduce_handles(std::slice::from_ref(&src), std::slice::from_ref(&dst), DType::U8, ReduceOp::Sum)
+        };
         // Warm: the next call queues from this thread.
         all_reduce().unwrap().wait().unwrap();
         device.close();

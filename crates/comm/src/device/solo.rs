@@ -29,7 +29,7 @@ use super::{forget, Mode, NcclSet};
 use crate::error::CommError;
 use crate::meeting::WaitEnd;
 use crate::op::{Collective, Op};
-use crate::part_end::PartEnd;
+use crate::part_end::{Abandoned, PartEnd, Unfinished};
 use crate::trace::Watched;
 
 /// Whether `op` on `mode` with one part can run as a [`Solo`]: copies on
@@ -92,10 +92,10 @@ pub(crate) fn launch(
     // Dropped before it returned (its device closed before it ran, or it
     // panicked), the guard fails the collective, so its waiter returns at
     // once.
-    let guard = Unfinished(Some(solo.clone()));
+    let guard = Unfinished::new(solo.clone(), operation, client.device_id());
     let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
         stages::mark(Stage::TaskStarted);
-        let result = guard.solo().run(access, &op, &mode, shape);
+        let result = guard.call().run(access, &op, &mode, shape);
         guard.returned();
         stages::mark(Stage::TicketReturned);
         result
@@ -112,33 +112,11 @@ pub(crate) fn launch(
     }
 }
 
-/// Fails a [`Solo`] whose task is dropped before it returned: unrun (its
-/// device closed), or unwinding from a panic in it.
-struct Unfinished(Option<Arc<Solo>>);
-
-impl Unfinished {
-    fn solo(&self) -> &Arc<Solo> {
-        self.0.as_ref().expect("held until the task returns")
-    }
-
-    /// The task returned (its part ended, or is left running on the
-    /// device): dropping the guard no longer fails the collective.
-    fn returned(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for Unfinished {
-    fn drop(&mut self) {
-        let Some(solo) = self.0.take() else { return };
-        let err = if std::thread::panicking() {
-            let message = format!("{} panicked while it queued its part", solo.operation);
-            ServerError::TaskPanicked { device: solo.client.device_id(), message }
-        } else {
-            let cause = Arc::new(ServerError::DeviceClosed { device: solo.client.device_id() });
-            ServerError::Poisoned { operation: solo.operation.to_string(), cause }
-        };
-        let _ = solo.end(Err(err), false);
+/// A task dropped before it returned (see [`Unfinished`]) fails the
+/// collective, so its waiter returns at once.
+impl Abandoned for Solo {
+    fn abandoned(&self, err: ServerError) {
+        let _ = self.end(Err(err), false);
     }
 }
 

@@ -34,7 +34,7 @@ use crate::communicator::failure::{Failure, FailureKind};
 use crate::communicator::observe::Tracker;
 use crate::error::CommError;
 use crate::meeting::WaitEnd;
-use crate::part_end::PartEnd;
+use crate::part_end::{Abandoned, PartEnd, Unfinished};
 use crate::work::Waitable;
 
 /// One call's one part on this rank's device.
@@ -81,7 +81,7 @@ pub(crate) fn launch(
         queued: AtomicBool::new(false),
     });
     stages::mark(Stage::MeetingBuilt);
-    let guard = Unfinished(Some(call.clone()));
+    let guard = Unfinished::new(call.clone(), name, client.device_id());
     let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
         stages::mark(Stage::TaskStarted);
         let result = guard.call().run(access, &layout, &fusion);
@@ -109,43 +109,17 @@ pub(crate) fn launch(
     }
 }
 
-/// Fails a [`OneCall`] whose task is dropped before it returned: unrun (its
-/// device closed, or it could not be queued), or unwinding from a panic.
-/// Once queued, it drops the call's record unfinished, which tells the
-/// other ranks (a task dropped in the moment between its queueing and
-/// `launch` noting it leaves the record to the call's own drop).
-struct Unfinished(Option<Arc<OneCall>>);
-
-impl Unfinished {
-    fn call(&self) -> &Arc<OneCall> {
-        self.0.as_ref().expect("held until the task returns")
-    }
-
-    /// The task returned (its part ended, or is left running on the
-    /// device): dropping the guard no longer fails the call.
-    fn returned(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for Unfinished {
-    fn drop(&mut self) {
-        let Some(call) = self.0.take() else { return };
-        let device = call.client.device_id();
-        let err = if std::thread::panicking() {
-            ServerError::TaskPanicked {
-                device,
-                message: format!("{} panicked while it queued its part", call.core.name),
-            }
-        } else {
-            let cause = Arc::new(ServerError::DeviceClosed { device });
-            ServerError::Poisoned { operation: call.core.name.to_string(), cause }
-        };
-        call.fail(err);
-        if std::thread::panicking() || call.queued.load(Ordering::Acquire) {
-            // Unfinished: its drop tells the other ranks this rank will not
-            // come (outside the record's lock: it asks the store).
-            let tracker = call.record.lock().tracker.take();
+/// A task dropped before it returned (see [`Unfinished`]) fails the call;
+/// once it was queued, it also drops the call's record unfinished, which
+/// tells the other ranks (a task dropped in the moment between its
+/// queueing and `launch` noting it leaves the record to the call's own
+/// drop; one that could not be queued goes back to the caller: [`Refused`]).
+impl Abandoned for OneCall {
+    fn abandoned(&self, err: ServerError) {
+        self.fail(err);
+        if std::thread::panicking() || self.queued.load(Ordering::Acquire) {
+            // Outside the record's lock: its drop asks the store.
+            let tracker = self.record.lock().tracker.take();
             drop(tracker);
         }
     }
