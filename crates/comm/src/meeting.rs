@@ -9,8 +9,9 @@
 //! any part meets is the meeting's, and every part and waiter returns it.
 //! Waits are bounded by the collective's deadline, and the error names the
 //! parts that never arrived (or never did what the executor waited for). A
-//! [`Ticket`] dropped unrun (its device closed) fails the meeting, so the
-//! other parts return at once instead of at the deadline.
+//! [`Ticket`] dropped unrun (its device closed) or in a panicking part
+//! fails the meeting, so the other parts return at once instead of at the
+//! deadline.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -402,16 +403,23 @@ impl<S> Meeting<S> {
         state.failure.is_some() || (0..self.seats.len()).all(|slot| done(&state, slot))
     }
 
-    /// `slot`'s task returned (`ran`), or was dropped unrun: then its
-    /// device closed, which fails the meeting.
-    fn returned(&self, slot: usize, ran: bool) {
+    /// `slot`'s task returned, or did not: dropped unrun (its device
+    /// closed) or unwinding from a panic, which fails the meeting (the
+    /// part will do nothing more, so no one may wait for it).
+    fn returned(&self, slot: usize, how: Returned) {
         let mut state = self.state.lock();
-        if !ran {
-            let device = self.seats[slot].device;
-            let err = ServerError::Poisoned {
+        let device = self.seats[slot].device;
+        let err = match how {
+            Returned::Ran => None,
+            Returned::Unrun => Some(ServerError::Poisoned {
                 operation: self.name.to_string(),
                 cause: Arc::new(ServerError::DeviceClosed { device }),
-            };
+            }),
+            Returned::Panicked => {
+                Some(ServerError::TaskPanicked { device, message: format!("{}'s part panicked", self.name) })
+            }
+        };
+        if let Some(err) = err {
             self.fail_locked(&mut state, err);
         }
         state.returned += 1;
@@ -448,8 +456,9 @@ pub(crate) trait Seated: Send + Sync + 'static {
 }
 
 /// A part's right to run. Dropped without running (its device closed, its
-/// queue was dropped), it fails the meeting so the other parts return at
-/// once instead of waiting for the deadline.
+/// queue was dropped) or while its part unwinds from a panic, it fails the
+/// meeting so the other parts and the waiters return at once instead of
+/// waiting for the deadline (or, for a waiter with none, forever).
 pub(crate) struct Ticket<E: Seated> {
     executor: Arc<E>,
     slot: usize,
@@ -469,9 +478,23 @@ impl<E: Seated> Ticket<E> {
     }
 }
 
+/// How a part's task left its ticket.
+enum Returned {
+    Ran,
+    /// Dropped without running (its device closed).
+    Unrun,
+    /// Unwinding from a panic in the part.
+    Panicked,
+}
+
 impl<E: Seated> Drop for Ticket<E> {
     fn drop(&mut self) {
-        self.executor.meeting().returned(self.slot, self.ran);
+        let how = match (self.ran, std::thread::panicking()) {
+            (false, _) => Returned::Unrun,
+            (true, true) => Returned::Panicked,
+            (true, false) => Returned::Ran,
+        };
+        self.executor.meeting().returned(self.slot, how);
         if !self.ran {
             self.executor.dropped_unrun(self.slot);
         }
@@ -551,5 +574,27 @@ mod tests {
         let meeting = m.meeting();
         let refused = meeting.arrive_locked(&mut meeting.lock(), 0).unwrap_err();
         assert_eq!(refused, err);
+    }
+
+    /// A part whose task panics after its ticket ran fails the meeting
+    /// (naming the panic), so a waiter for parts that would end only with
+    /// device work the task never queued returns at once, even with no
+    /// deadline, instead of waiting forever.
+    #[test]
+    fn a_part_whose_task_panics_fails_the_meeting_so_no_waiter_hangs() {
+        let m = bare(2, Duration::from_secs(60), true);
+        let ticket = Ticket::new(&m, 0);
+        let unwound = std::thread::spawn(move || ticket.run(|_, _| panic!("the part's task broke"))).join();
+        assert!(unwound.is_err(), "the task panicked");
+        // Slot 0's device work never ends (the task never queued it): only
+        // the failure ends the wait. Bounded, so the test cannot hang.
+        let never = |_: &Gathering<()>, _: usize| false;
+        let err = match m.meeting().wait_done(Some(Instant::now() + Duration::from_secs(10)), never) {
+            Err(WaitEnd::Failed(err)) => err,
+            other => panic!("the meeting should have failed: {other:?}"),
+        };
+        assert!(matches!(err, ServerError::TaskPanicked { .. }), "{err}");
+        assert!(err.to_string().contains("all_reduce"), "{err}");
+        assert!(m.meeting().is_done(never));
     }
 }
