@@ -1,11 +1,11 @@
 //! One NCCL-path call on a rank of several local devices: its local parts
 //! meet (the last runs the host check: the collective's fingerprints with
 //! the other ranks, or a message's with its other rank), each queues its
-//! NCCL calls ([`issue_part`]), and a [`PartMonitor`] per part watches them
+//! NCCL calls ([`part_task`], [`issue_part`]), and a [`PartMonitor`] per part watches them
 //! on its device until they end. The call's done hook (its flight record)
 //! runs when the last local part ended. A rank of one device runs its calls
 //! as a `OneCall` (`one.rs`: no meeting) instead, through the
-//! same [`issue_part`] and [`PartMonitor`] ([`PartOwner`] is what both ask
+//! same [`part_task`] and [`PartMonitor`] ([`PartOwner`] is what both ask
 //! of the call).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -206,17 +206,7 @@ impl NcclCall {
         layout: &[PartLayout],
         fusion: &PartFusion,
     ) -> Result<(), ServerError> {
-        let mut handed = false;
-        let result = (|| {
-            let access = access.map_err(|err| self.fail(err))?;
-            let deadline = Instant::now() + self.meeting.timeout();
-            self.meet(slot, deadline)?;
-            issue_part(self, slot, access, layout, fusion, &mut handed)
-        })();
-        if !handed {
-            self.end_part(slot);
-        }
-        result
+        part_task(self, slot, access, layout, fusion, || self.meet(slot, Instant::now() + self.meeting.timeout()))
     }
 }
 
@@ -259,6 +249,31 @@ impl PartOwner for NcclCall {
     }
 }
 
+/// Part `slot`'s task, for `owner`'s call: once its buffers are bound and
+/// `ready` passed (the meeting of the local parts and the check, or a
+/// one-device rank's check alone), queues its calls ([`issue_part`]),
+/// returning once they are queued. The part ends here unless its
+/// [`PartMonitor`] took over ending it; a failure fails the call.
+pub(crate) fn part_task<O: PartOwner>(
+    owner: &Arc<O>,
+    slot: usize,
+    access: Result<&mut BufferAccess<'_>, ServerError>,
+    layout: &[PartLayout],
+    fusion: &PartFusion,
+    ready: impl FnOnce() -> Result<(), ServerError>,
+) -> Result<(), ServerError> {
+    let mut handed = false;
+    let result = (|| {
+        let access = access.map_err(|err| owner.fail(err))?;
+        ready()?;
+        issue_part(owner, slot, access, layout, fusion, &mut handed)
+    })();
+    if !handed {
+        owner.end_part(slot);
+    }
+    result
+}
+
 /// Queues part `slot`'s calls once its check passed (sent ahead or
 /// waited): a peer kernel where the communicator's fast path chose one,
 /// else its NCCL calls (a grouped call's fused all-reduces packed into
@@ -267,7 +282,7 @@ impl PartOwner for NcclCall {
 /// monitor took over ending the part. A failure here aborts the
 /// communicator: past the check the other ranks queue their parts, so they
 /// must not wait for this one.
-pub(crate) fn issue_part<O: PartOwner>(
+fn issue_part<O: PartOwner>(
     owner: &Arc<O>,
     slot: usize,
     access: &mut BufferAccess<'_>,

@@ -6,7 +6,7 @@
 //! its flight record.
 //!
 //! The part's task runs the call's host check (sent ahead, or waited for:
-//! [`CallCore::check`]) and queues its calls ([`issue_part`]), from the
+//! [`CallCore::check`]) and queues its calls ([`part_task`]), from the
 //! caller's thread where the call queues inline (`Nccl::queues_inline`),
 //! otherwise from the device thread. A waiter polls the device for the
 //! part's end itself for the spin window, then sleeps ([`PartEnd`]).
@@ -28,7 +28,7 @@ use cohort_runtime::stages::{self, Stage};
 use cohort_runtime::{BufferAccess, Client, ServerError, TaskHandles};
 use parking_lot::Mutex;
 
-use super::call::{issue_part, CallCore, PartFusion, PartLayout, PartOwner};
+use super::call::{part_task, CallCore, PartFusion, PartLayout, PartOwner};
 use super::Refused;
 use crate::communicator::failure::{Failure, FailureKind};
 use crate::communicator::observe::Tracker;
@@ -135,19 +135,13 @@ impl OneCall {
         layout: &[PartLayout],
         fusion: &PartFusion,
     ) -> Result<(), ServerError> {
-        let mut handed = false;
-        let result = (|| {
-            let access = access.map_err(|err| self.fail(err))?;
+        let check = || {
             self.core.check().map_err(|failure| {
                 self.note_kind(failure.kind);
                 self.fail(self.error(0, failure.message))
-            })?;
-            issue_part(self, 0, access, layout, fusion, &mut handed)
-        })();
-        if !handed {
-            self.end_part(0);
-        }
-        result
+            })
+        };
+        part_task(self, 0, access, layout, fusion, check)
     }
 }
 
