@@ -102,15 +102,10 @@ impl fmt::Debug for Work {
 }
 
 impl Work {
-    /// The handle of `executor`'s collective `operation`.
-    pub(crate) fn new<E: Waitable + 'static>(operation: &'static str, executor: Arc<E>) -> Work {
+    /// The handle of the collective `operation` that `executor` says the
+    /// end of (an executor's meeting, or a call of one part).
+    pub(crate) fn new(operation: &'static str, executor: Arc<dyn Waitable>) -> Work {
         Work { operation, scope: None, first: Some(executor), rest: Vec::new() }
-    }
-
-    /// The handle of the collective `operation` that `waitable` says the
-    /// end of.
-    pub(crate) fn of(operation: &'static str, waitable: Arc<dyn Waitable>) -> Work {
-        Work { operation, scope: None, first: Some(waitable), rest: Vec::new() }
     }
 
     /// A handle that is done already: this process queued nothing.

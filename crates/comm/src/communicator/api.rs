@@ -44,10 +44,8 @@ impl Communicator {
         }
         let nccl = self.inner.nccl.as_ref().filter(|n| n.takes(&op));
         // A part queued inline waits for no other device of this process.
-        let order = match nccl {
-            Some(nccl) if nccl.queues_inline(&[op], false) => None,
-            _ => Some(enqueue_lock()),
-        };
+        let inline = nccl.is_some_and(|nccl| nccl.queues_inline(&[op], false));
+        let order = (!inline).then(enqueue_lock);
         let mut issued = self.inner.issued.lock();
         // A message counts the messages between its two ranks, one way.
         let seq = match op.endpoints() {
@@ -66,10 +64,11 @@ impl Communicator {
             // path. Recorded with its path.
             let tracker = self.inner.observer.queued(fp, Some(nccl.path_of(&op).name()));
             stages::mark(Stage::Recorded);
-            let call = nccl.launch(&self.inner.world, fp, self.timeout(), inputs, outputs, tracker);
+            let calls = smallvec::smallvec![(op, inputs, outputs)];
+            let call = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls, inline, tracker);
             drop((issued, order));
             let call = call.map_err(|refused| (*refused).into_error())?;
-            return Ok(Work::of(name, call).within(self.scope()));
+            return Ok(Work::new(name, call).within(self.scope()));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp, None);
@@ -97,10 +96,8 @@ impl Communicator {
         let ops: Vec<Op> = calls.iter().map(|c| c.0).collect();
         let nccl = self.inner.nccl.as_ref().filter(|n| calls.iter().all(|(op, _, _)| n.takes(op)));
         // A part queued inline waits for no other device of this process.
-        let order = match nccl {
-            Some(nccl) if nccl.queues_inline(&ops, true) => None,
-            _ => Some(enqueue_lock()),
-        };
+        let inline = nccl.is_some_and(|nccl| nccl.queues_inline(&ops, true));
+        let order = (!inline).then(enqueue_lock);
         let mut issued = self.inner.issued.lock();
         *issued += 1;
         let mut fp = Fingerprint::of_group(*issued, &ops);
@@ -114,11 +111,11 @@ impl Communicator {
                     .finish();
             }
             let tracker = self.inner.observer.queued(fp, None);
-            let call = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls.into(), tracker);
+            let call = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls.into(), inline, tracker);
             drop((issued, order));
             // A refused call's record drops here, unfinished, after the locks.
             let call = call.map_err(|refused| (*refused).into_error())?;
-            return Ok(Work::of("group", call).within(self.scope()));
+            return Ok(Work::new("group", call).within(self.scope()));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp, None);

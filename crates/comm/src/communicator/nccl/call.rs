@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use cohort_runtime::backend::{CollectiveMonitor, CommSpec, Completion, PeerCall, PeerSpec};
 use cohort_runtime::stages::{self, Stage};
-use cohort_runtime::{BufferAccess, CopyRegion, DeviceId, ServerError};
+use cohort_runtime::{BufferAccess, CopyRegion, DeviceId, ServerError, TaskHandles};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 
@@ -37,6 +37,17 @@ pub(crate) struct PartLayout {
     pub input: Option<usize>,
     pub output: Option<usize>,
     pub scratch: Option<usize>,
+}
+
+/// What one local part's task holds: its sources, its destinations (then
+/// each call's scratch copy of its source, where it reads one, and each
+/// fusion bucket's scratch), and where each call's buffers are among them
+/// (bindings number inputs first).
+pub(crate) struct PartBuffers {
+    pub input: TaskHandles,
+    pub output: TaskHandles,
+    pub layout: SmallVec<[PartLayout; 1]>,
+    pub fusion: PartFusion,
 }
 
 /// A part's fused all-reduces: the group's buckets (the same on every

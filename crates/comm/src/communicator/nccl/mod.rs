@@ -67,7 +67,7 @@ mod call;
 mod one;
 mod peer;
 
-use call::{CallCore, NcclCall, PartOwner};
+use call::{CallCore, NcclCall, PartBuffers, PartOwner};
 pub(crate) use call::{PartFusion, PartLayout};
 
 use super::error::ConnectError;
@@ -77,7 +77,7 @@ use super::keys;
 use super::label::Label;
 use super::observe::Tracker;
 use super::world::World;
-use super::{SlotCall, Slots};
+use super::SlotCall;
 use crate::work::Waitable;
 
 /// Set keys of communicators made here carry the top bit, apart from the
@@ -288,25 +288,11 @@ impl Nccl {
         !(op.collective() == Collective::SendRecv && self.local > 1)
     }
 
-    /// Queues one part per local device (slot `s` with `inputs[s]` and
-    /// `outputs[s]`) for call `fp`; see [`Nccl::launch_calls`].
-    pub(crate) fn launch(
-        self: &Arc<Self>,
-        world: &Arc<Mutex<World>>,
-        fp: Fingerprint,
-        timeout: Duration,
-        inputs: Slots,
-        outputs: Slots,
-        tracker: Tracker,
-    ) -> Result<Arc<dyn Waitable>, Box<Refused>> {
-        self.launch_calls(world, fp, timeout, smallvec::smallvec![(fp.op, inputs, outputs)], tracker)
-    }
-
     /// Queues one part per local device for `calls` (op, inputs and outputs
     /// by slot) under one fingerprint `fp`: a grouped call's parts issue
-    /// every call's NCCL calls inside one `ncclGroupStart/End`. The caller
-    /// holds the process-wide enqueue order unless the calls queue inline
-    /// ([`Nccl::queues_inline`]). `tracker`, the call's flight record, ends
+    /// every call's NCCL calls inside one `ncclGroupStart/End`. `inline`:
+    /// the calls queue inline, as [`Nccl::queues_inline`] said; the caller
+    /// holds the process-wide enqueue order otherwise. `tracker`, the call's flight record, ends
     /// when the last local part ended (handed back unfinished when the call
     /// cannot be queued: [`Refused`]); it is told a grouped
     /// call's path here: NCCL, or NCCL with the all-reduces fused (a single
@@ -319,10 +305,10 @@ impl Nccl {
         fp: Fingerprint,
         timeout: Duration,
         calls: SmallVec<[SlotCall; 1]>,
+        inline: bool,
         tracker: Tracker,
     ) -> Result<Arc<dyn Waitable>, Box<Refused>> {
         let ops: SmallVec<[Op; 1]> = calls.iter().map(|(op, _, _)| *op).collect();
-        let inline = self.queues_inline(&ops, fp.group.is_some());
         let name = if fp.group.is_some() { "group" } else { fp.op.name() };
         // Its check is sent ahead where its part queues inline with other
         // ranks (see `queues_inline`).
@@ -348,15 +334,13 @@ impl Nccl {
         // collective, whose `ncclCommInitRank` and connection wait for
         // every rank, goes to the device thread). See `queues_inline`.
         if let [client] = self.clients.as_slice() {
-            let (input, output, layout, fusion) = part(0, client);
-            let call = one::launch(core, client, tracker, inline, input, output, layout, fusion)?;
-            return Ok(call);
+            return Ok(one::launch(core, client, tracker, inline, part(0, client))?);
         }
         let call = NcclCall::new(core, self.clients.iter().map(Client::device_id));
         stages::mark(Stage::MeetingBuilt);
         let mut failed = None;
         for (slot, client) in self.clients.iter().enumerate() {
-            let (input, output, layout, fusion) = part(slot, client);
+            let PartBuffers { input, output, layout, fusion } = part(slot, client);
             let ticket = Ticket::new(&call, slot);
             let task = move |access: Result<&mut BufferAccess<'_>, ServerError>| {
                 stages::mark(Stage::TaskStarted);
@@ -380,11 +364,8 @@ impl Nccl {
         Ok(call)
     }
 
-    /// Local part `slot`'s buffers for `calls` on `client`: its sources,
-    /// its destinations (then each call's scratch copy of its source, where
-    /// it reads one, and each fusion bucket's scratch), and where each
-    /// call's buffers are among them (bindings number inputs first).
-    #[allow(clippy::type_complexity)]
+    /// Local part `slot`'s buffers for `calls` on `client` (scratch from
+    /// its pool), laid out as its task binds them.
     fn part_buffers(
         &self,
         slot: usize,
@@ -392,7 +373,7 @@ impl Nccl {
         calls: &[SlotCall],
         in_bucket: &[bool],
         fused: &Option<Arc<[Bucket]>>,
-    ) -> (TaskHandles, TaskHandles, SmallVec<[PartLayout; 1]>, PartFusion) {
+    ) -> PartBuffers {
         let (mut input, mut output) = (TaskHandles::new(), TaskHandles::new());
         let mut layout: SmallVec<[PartLayout; 1]> = SmallVec::with_capacity(calls.len());
         for ((op, ins, outs), &in_bucket) in calls.iter().zip(in_bucket) {
@@ -434,7 +415,7 @@ impl Nccl {
         for at in &mut scratch {
             *at += inputs_here;
         }
-        (input, output, layout, PartFusion { buckets: fused.clone(), scratch })
+        PartBuffers { input, output, layout, fusion: PartFusion { buckets: fused.clone(), scratch } }
     }
 
     /// Tells every rank the communicator failed (first abort wins), and

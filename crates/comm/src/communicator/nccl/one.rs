@@ -25,10 +25,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cohort_runtime::stages::{self, Stage};
-use cohort_runtime::{BufferAccess, Client, ServerError, TaskHandles};
+use cohort_runtime::{BufferAccess, Client, ServerError};
 use parking_lot::Mutex;
 
-use super::call::{part_task, CallCore, PartFusion, PartLayout, PartOwner};
+use super::call::{part_task, CallCore, PartBuffers, PartFusion, PartLayout, PartOwner};
 use super::Refused;
 use crate::communicator::failure::{Failure, FailureKind};
 use crate::communicator::observe::Tracker;
@@ -56,22 +56,18 @@ struct Record {
     kind: Option<FailureKind>,
 }
 
-/// Queues `core`'s call on `client`, the rank's one device, with the part's
-/// buffers (`input`, `output`: bindings numbered inputs first) laid out by
-/// `layout` and `fusion`: from this thread at once with `inline` where the
+/// Queues `core`'s call on `client`, the rank's one device, with the
+/// part's `buffers`: from this thread at once with `inline` where the
 /// device is idle, otherwise through the device thread. Returns the call
 /// to wait on once the part is queued; `tracker` is its flight record.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     core: CallCore,
     client: &Client,
     tracker: Tracker,
     inline: bool,
-    input: TaskHandles,
-    output: TaskHandles,
-    layout: smallvec::SmallVec<[PartLayout; 1]>,
-    fusion: PartFusion,
+    buffers: PartBuffers,
 ) -> Result<Arc<OneCall>, Box<Refused>> {
+    let PartBuffers { input, output, layout, fusion } = buffers;
     let name = core.name;
     let call = Arc::new(OneCall {
         core,
