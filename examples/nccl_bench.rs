@@ -189,6 +189,12 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     if args.write_crossover && algos.len() < 4 {
         return Err("--write-crossover measures every path: add --algo all".into());
     }
+    // Devices shown on one GPU are not the machine's GPUs: their timings
+    // are no crossover table.
+    let shared = (1..n).any(|m| (0..m).any(|k| group.client(k).properties().gpu == group.client(m).properties().gpu));
+    if args.write_crossover && shared {
+        return Err("--write-crossover: some devices share a GPU (COHORT_CUDA_DEVICES); their timings are not this machine's crossover".into());
+    }
     let mut total_wrong = 0;
     let mut timings: Vec<Timing> = Vec::new();
     let mut points: Vec<Point> = Vec::new();

@@ -203,6 +203,83 @@ fn two_gpus_the_chosen_path_runs_and_the_flight_recorder_names_it() {
     }
 }
 
+/// `COHORT_CUDA_DEVICES` for a child of this test binary that shows two
+/// devices on every GPU (devices `g` and `g + gpus` share GPU `g`).
+fn two_per_gpu() -> (&'static str, String) {
+    let gpus = CudaRuntime::device_count().unwrap();
+    ("COHORT_CUDA_DEVICES", (2 * gpus).to_string())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn peer_tests_of_two_gpus_pass_between_two_devices_shown_on_one_gpu() {
+    // Each test again in a child whose devices share GPUs in pairs: the
+    // kernels' flags, arenas and meeting between two device threads, on
+    // one GPU.
+    for name in [
+        "two_gpus_peer_kernels_give_every_member_the_host_reference_bit_for_bit",
+        "two_gpus_members_with_differently_aligned_buffers_agree_bit_for_bit",
+    ] {
+        let (ok, out) = cuda_common::finish(cuda_common::rerun(name, &[two_per_gpu()]));
+        assert!(ok, "{name} with two devices per GPU failed:\n{out}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_group_of_two_devices_on_one_gpu_refuses_nccl_calls_and_runs_the_peer_kernels() {
+    if std::env::var_os("COHORT_CUDA_DEVICES").is_none() {
+        let name = "a_group_of_two_devices_on_one_gpu_refuses_nccl_calls_and_runs_the_peer_kernels";
+        let (ok, out) = cuda_common::finish(cuda_common::rerun(name, &[two_per_gpu()]));
+        assert!(ok, "the child with two devices per GPU failed:\n{out}");
+        return;
+    }
+    let devices = cuda_common::devices();
+    let gpu = |c: &Client| c.properties().gpu;
+    let partner = (1..devices.len()).find(|&k| gpu(&devices[k]) == gpu(&devices[0])).expect("two devices on GPU 0");
+    let (a, b) = (devices[0].clone(), devices[partner].clone());
+    assert_ne!(a.device_id(), b.device_id(), "two devices");
+    assert_eq!(gpu(&a), Some(0));
+    assert_eq!(a.properties().name, b.properties().name, "one GPU");
+    assert!(a.can_access_peer(&b) && b.can_access_peer(&a), "one memory");
+    let group = ClientGroup::new(vec![a.clone(), b.clone()]).unwrap();
+    let count = 1000;
+    let x: Vec<Handle> =
+        (0..2).map(|m| group.client(m).create(Bytes::from_elems(&vec![m as f32 + 1.0; count]))).collect();
+
+    // NCCL takes one member per GPU: a call that would run on it is
+    // refused before anything is queued, naming the members and the GPU.
+    let y: Vec<Handle> = (0..2).map(|m| group.client(m).create(Bytes::from_elems(&vec![-1.0f32; count]))).collect();
+    let err = group.broadcast_handles(&x[0], &y, DType::F32, 0).expect_err("a broadcast runs on NCCL");
+    let text = err.to_string();
+    assert!(text.contains("members 0 and 1 run on one GPU (GPU 0") && text.contains("COHORT_CUDA_DEVICES"), "{text}");
+    let forced = group.clone().with_algo(Algo::Nccl);
+    let err = forced.all_reduce_handles(&x, &y, DType::F32, ReduceOp::Sum).expect_err("forced onto NCCL");
+    assert!(err.to_string().contains("run on one GPU"), "{err}");
+    let calls = vec![cohort_comm::GroupCall::AllReduce {
+        src: x.iter().cloned().collect(),
+        dst: y.iter().cloned().collect(),
+        dtype: DType::F32,
+        op: ReduceOp::Sum,
+    }];
+    let err = group.group_handles(calls).expect_err("a grouped call runs on NCCL");
+    assert!(err.to_string().contains("run on one GPU"), "{err}");
+    for (m, y) in y.iter().enumerate() {
+        assert_eq!(floats(group.client(m), y), vec![-1.0; count], "nothing was queued on member {m}");
+    }
+
+    // The peer kernels and peer copies run, with the right results.
+    for algo in [Algo::OneShot, Algo::TwoShot] {
+        let g = group.clone().with_algo(algo);
+        g.all_reduce_handles(&x, &y, DType::F32, ReduceOp::Sum).unwrap().wait().unwrap();
+        for (m, y) in y.iter().enumerate() {
+            assert_eq!(floats(g.client(m), y), vec![3.0; count], "{algo:?}, member {m}");
+        }
+    }
+    group.send_recv_handles(0, &x[0], 1, &y[1], DType::F32).unwrap().wait().unwrap();
+    assert_eq!(floats(&b, &y[1]), vec![1.0; count], "a peer copy between the two devices");
+}
+
 /// The flight recorder's name of `group`'s records: its device set.
 fn group_record_name(group: &ClientGroup) -> String {
     let mut devices: Vec<String> = (0..group.len()).map(|m| group.client(m).device_id().to_string()).collect();

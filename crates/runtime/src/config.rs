@@ -571,6 +571,15 @@ pub static WGPU_DEVICES: Var<usize> = Var::new(
     parse_positive,
 );
 
+/// How many CUDA devices the CUDA backend shows, spread over the GPUs.
+pub static CUDA_DEVICES: Var<usize> = Var::new(
+    "COHORT_CUDA_DEVICES",
+    "one device per GPU",
+    "Show this many CUDA devices, device i on GPU i mod (GPUs seen), each with its own thread and streams (to test several devices on one GPU; NCCL takes one device per GPU)",
+    "a whole number of at least 1",
+    parse_positive,
+);
+
 /// Which graphics APIs wgpu looks for adapters through.
 pub static WGPU_BACKEND: Var<Vec<GraphicsApi>> = Var::new(
     "COHORT_WGPU_BACKEND",
@@ -749,7 +758,7 @@ pub static NNODES: Param<u32> = Param::new(
 
 /// Every variable cohort reads, in the order `cohort config` and
 /// `docs/configuration.md` list them.
-pub static ALL: [&dyn Setting; 25] = [
+pub static ALL: [&dyn Setting; 26] = [
     &JOB_SECRET,
     &STORE_ADDR,
     &STORE_FD,
@@ -758,6 +767,7 @@ pub static ALL: [&dyn Setting; 25] = [
     &CPU_DEVICES,
     &WGPU_DEVICES,
     &WGPU_BACKEND,
+    &CUDA_DEVICES,
     &TRANSPORT,
     &DISABLE_NCCL,
     &NCCL_SINGLE,

@@ -16,6 +16,9 @@ pub struct DeviceProperties {
     pub compute_units: u32,
     /// CUDA compute capability (major, minor), on CUDA devices.
     pub compute_capability: Option<(u32, u32)>,
+    /// On CUDA, the GPU (the driver's ordinal) the device runs on: its own
+    /// index, unless `COHORT_CUDA_DEVICES` shows several devices per GPU.
+    pub gpu: Option<u32>,
     /// Largest buffer a single kernel binding may span.
     pub max_binding_size: u64,
     /// Whether `profile` measures on the device (events, timestamp queries)

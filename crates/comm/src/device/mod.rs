@@ -72,6 +72,20 @@ pub(crate) struct NcclSet {
     pub key: u64,
     pub devices: Vec<ServiceId>,
     pub unique_id: Vec<u8>,
+    /// Two members (and their GPU) shown on one GPU by
+    /// `COHORT_CUDA_DEVICES`: NCCL refuses such a set, the peer kernels
+    /// run on it.
+    pub shared_gpu: Option<(usize, usize, u32)>,
+}
+
+impl NcclSet {
+    /// Refuses a call on NCCL itself where two members share a GPU.
+    pub(crate) fn check_nccl(&self, operation: &'static str) -> Result<(), CommError> {
+        match self.shared_gpu {
+            Some((first, second, gpu)) => Err(CommError::SharedGpu { operation, first, second, gpu }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// What a device's backend offers, asked once per device opening.
@@ -173,7 +187,13 @@ pub(crate) fn nccl_set(clients: &[Client]) -> Result<Arc<NcclSet>, ServerError> 
     let unique_id = ask(&clients[0], |dc| dc.unique_id()).unwrap_or_else(|| {
         Err(ServerError::Unsupported { feature: "device collectives", backend: clients[0].name() })
     })?;
-    let set = Arc::new(NcclSet { key: NEXT.fetch_add(1, Ordering::Relaxed), devices: devices.clone(), unique_id });
+    let gpus: Vec<Option<u32>> = clients.iter().map(|c| c.properties().gpu).collect();
+    let shared_gpu = (0..gpus.len()).find_map(|second| {
+        let gpu = gpus[second]?;
+        gpus[..second].iter().position(|&g| g == Some(gpu)).map(|first| (first, second, gpu))
+    });
+    let key = NEXT.fetch_add(1, Ordering::Relaxed);
+    let set = Arc::new(NcclSet { key, devices: devices.clone(), unique_id, shared_gpu });
     Ok(sets().lock().entry(devices).or_insert(set).clone())
 }
 
@@ -291,10 +311,12 @@ pub(crate) fn launch_grouped<'h>(
             .collect();
         tasks.push((member, inputs, outputs, Ticket::new(&meeting, slot), (shapes, scratch)));
     }
-    // An inline part is queued under the enqueue lock all the same, so it
-    // keeps its place in the process-wide order.
+    // The parts of several devices are queued under the process-wide
+    // order; an inline part, which waits for no other device, cannot close
+    // a cycle of devices waiting for each other and takes none (it must
+    // not hold up other threads' enqueues while it waits for its device).
     let mut failed = None;
-    let order = enqueue_lock();
+    let order = (!inline).then(enqueue_lock);
     for (member, inputs, outputs, ticket, shapes) in tasks {
         let client = &clients[member];
         let mode = mode.clone();

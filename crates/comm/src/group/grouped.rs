@@ -45,6 +45,7 @@ impl ClientGroup {
                 .collect::<Result<_, _>>()?;
             return Ok(Work::all("group", works));
         };
+        set.check_nccl("group")?;
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(sequence, calls = ops.len(), "queue grouped device call");
         let tracked = self.track(sequence, &ops[0], 0, self.len(), None);

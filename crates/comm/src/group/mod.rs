@@ -322,6 +322,9 @@ impl ClientGroup {
                     path = Some(chosen);
                 }
             }
+            if let Mode::Nccl(set) = &mode {
+                set.check_nccl(operation)?;
+            }
             stages::mark(Stage::Routed);
             let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
             tracing::trace!(operation, sequence, bytes, members = parts.len(), ?mode, "queue device collective");

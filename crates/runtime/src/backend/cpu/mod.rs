@@ -68,6 +68,7 @@ impl CpuBackend {
                 memory_bytes: None,
                 compute_units: threads,
                 compute_capability: None,
+                gpu: None,
                 max_binding_size: 1 << 40,
                 device_timing: false,
                 native_graphs: false,

@@ -120,8 +120,9 @@ pub(crate) fn ensure_nvrtc() -> Result<(), String> {
         .clone()
 }
 
-/// Number of CUDA devices; an error says why there are none to count.
-pub(crate) fn device_count() -> Result<usize, ServerError> {
+/// Number of GPUs the driver sees; an error says why there are none to
+/// count.
+pub(crate) fn gpu_count() -> Result<usize, ServerError> {
     ensure_driver()?;
     let mut count: c_int = 0;
     // SAFETY: the driver is initialised; the call writes one int.
@@ -132,18 +133,48 @@ pub(crate) fn device_count() -> Result<usize, ServerError> {
     Ok(count.max(0) as usize)
 }
 
+/// Number of devices the backend shows: one per GPU, or
+/// `COHORT_CUDA_DEVICES` (read once) spread over the GPUs (see [`gpu_of`]).
+pub(crate) fn device_count() -> Result<usize, ServerError> {
+    static SHOWN: OnceLock<Result<Option<usize>, ServerError>> = OnceLock::new();
+    let gpus = gpu_count()?;
+    let shown = SHOWN.get_or_init(|| Ok(crate::config::CUDA_DEVICES.get()?)).clone()?;
+    Ok(match shown {
+        Some(n) if gpus > 0 => n,
+        _ => gpus,
+    })
+}
+
+/// The GPU (the driver's ordinal) that device `index` runs on: device `i`
+/// on GPU `i mod G` of the `G` the driver sees. Devices of one GPU share
+/// its primary context and memory; each has its own thread and streams.
+pub(crate) fn gpu_of(index: usize) -> Result<usize, ServerError> {
+    match gpu_count()? {
+        0 => Err(ServerError::Backend {
+            backend: BACKEND,
+            device: device_id(index),
+            message: "no CUDA device: the driver reports no GPUs".into(),
+        }),
+        gpus => Ok(index % gpus),
+    }
+}
+
 /// What the driver says about one device.
 pub(crate) struct DeviceInfo {
     pub raw: sys::CUdevice,
+    /// The driver's ordinal of the GPU.
+    pub gpu: usize,
     pub name: String,
     pub memory_bytes: u64,
     pub multiprocessors: u32,
     pub capability: (u32, u32),
 }
 
-/// Reads name, memory, SM count and compute capability of device `index`.
+/// Reads name, memory, SM count and compute capability of the GPU that
+/// device `index` runs on.
 pub(crate) fn device_info(index: usize) -> Result<DeviceInfo, ServerError> {
     let device = device_id(index);
+    let gpu = gpu_of(index)?;
     let check = |call: &str, code: sys::CUresult| {
         if code == sys::CUresult::CUDA_SUCCESS {
             Ok(())
@@ -155,7 +186,7 @@ pub(crate) fn device_info(index: usize) -> Result<DeviceInfo, ServerError> {
     // SAFETY: the driver is initialised (callers ran ensure_driver); each
     // call writes into the local it is given.
     unsafe {
-        check("cuDeviceGet", sys::cuDeviceGet(&mut raw, index as c_int))?;
+        check("cuDeviceGet", sys::cuDeviceGet(&mut raw, gpu as c_int))?;
         let mut name = [0 as c_char; 256];
         check("cuDeviceGetName", sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, raw))?;
         let name = CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
@@ -169,6 +200,7 @@ pub(crate) fn device_info(index: usize) -> Result<DeviceInfo, ServerError> {
         use sys::CUdevice_attribute::*;
         Ok(DeviceInfo {
             raw,
+            gpu,
             name,
             memory_bytes: memory as u64,
             multiprocessors: attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,

@@ -111,9 +111,11 @@ impl Runtime for CudaRuntime {
     fn client(index: usize) -> Result<Client, ServerError> {
         let count = Self::device_count()?;
         if index >= count {
-            return Err(ServerError::InvalidArgument(format!(
-                "CUDA device {index} does not exist: the driver sees {count}"
-            )));
+            let seen = match crate::config::CUDA_DEVICES.get() {
+                Ok(Some(n)) => format!("COHORT_CUDA_DEVICES={n} shows {count}"),
+                _ => format!("the driver sees {count}"),
+            };
+            return Err(ServerError::InvalidArgument(format!("CUDA device {index} does not exist: {seen}")));
         }
         Client::load(driver::device_id(index), || -> BackendFactory {
             Box::new(move || Ok(Box::new(CudaBackend::new(index)?) as Box<dyn Backend>))
@@ -140,8 +142,9 @@ thread_local! {
     static ENTERED_FOR: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Devices whose context a sticky fault lost, with the fault: CUDA cannot
-/// give this process a working context on them again.
+/// GPUs whose context a sticky fault lost, with the fault: CUDA cannot
+/// give this process a working context on them again (nor to any device
+/// shown on the same GPU, which shares the context).
 static LOST_DEVICES: parking_lot::Mutex<Vec<(usize, String)>> = parking_lot::Mutex::new(Vec::new());
 
 /// One CUDA device's state, on its server thread.
@@ -149,7 +152,11 @@ pub struct CudaBackend {
     properties: DeviceProperties,
     device: DeviceId,
     raw_device: sys::CUdevice,
-    /// The device's primary context, retained in `new`, released in `drop`.
+    /// The GPU (driver ordinal) it runs on: its index unless
+    /// `COHORT_CUDA_DEVICES` shows several devices per GPU.
+    gpu: usize,
+    /// The GPU's primary context (shared by the devices shown on it),
+    /// retained in `new`, released in `drop`.
     ctx: sys::CUcontext,
     /// This backend's number in the process (see [`NEXT_BACKEND`]).
     serial: u64,
@@ -178,12 +185,13 @@ impl CudaBackend {
         let pinned_limit_mib = crate::config::PINNED_LIMIT_MB.get()?;
         nccl_lib::disabled()?;
         driver::ensure_driver()?;
-        if let Some(fault) = LOST_DEVICES.lock().iter().find(|(i, _)| *i == index) {
+        let gpu = driver::gpu_of(index)?;
+        if let Some(fault) = LOST_DEVICES.lock().iter().find(|(g, _)| *g == gpu) {
             return Err(ServerError::Backend {
                 backend: BACKEND,
                 device: driver::device_id(index),
                 message: format!(
-                    "CUDA device {index} had a sticky fault earlier in this process ({}); CUDA cannot recover from it inside the process: restart the process to use the device again",
+                    "CUDA device {index} (GPU {gpu}) had a sticky fault earlier in this process ({}); CUDA cannot recover from it inside the process: restart the process to use the device again",
                     fault.1
                 ),
             });
@@ -206,6 +214,7 @@ impl CudaBackend {
                 memory_bytes: Some(info.memory_bytes),
                 compute_units: info.multiprocessors,
                 compute_capability: Some(info.capability),
+                gpu: Some(info.gpu as u32),
                 max_binding_size: info.memory_bytes,
                 device_timing: true,
                 native_graphs: true,
@@ -217,6 +226,7 @@ impl CudaBackend {
             },
             device,
             raw_device: info.raw,
+            gpu: info.gpu,
             ctx,
             serial: NEXT_BACKEND.fetch_add(1, Ordering::Relaxed),
             pages: DevicePages::new(device),
@@ -269,7 +279,7 @@ impl CudaBackend {
             ),
         };
         tracing::error!(device = %self.device, "{fault}");
-        LOST_DEVICES.lock().push((self.device.index as usize, describe(code)));
+        LOST_DEVICES.lock().push((self.gpu, describe(code)));
         self.lost = Some(fault.clone());
         fault
     }

@@ -26,19 +26,22 @@ fn check(device: DeviceId, call: &str, code: sys::CUresult) -> Result<(), Server
     }
 }
 
+/// The driver's handle of the GPU that device `index` runs on.
 fn raw_device(device: DeviceId, index: u32) -> Result<sys::CUdevice, ServerError> {
+    let gpu = super::driver::gpu_of(index as usize)?;
     let mut raw: sys::CUdevice = 0;
     // SAFETY: the driver is initialised (a backend exists); writes one int.
-    check(device, "cuDeviceGet", unsafe { sys::cuDeviceGet(&mut raw, index as i32) })?;
+    check(device, "cuDeviceGet", unsafe { sys::cuDeviceGet(&mut raw, gpu as i32) })?;
     Ok(raw)
 }
 
-/// Whether `backend`'s device can address `peer`'s memory.
+/// Whether `backend`'s device can address `peer`'s memory: always where
+/// both are shown on one GPU (`COHORT_CUDA_DEVICES`), which is one memory.
 pub(crate) fn can_access(backend: &mut CudaBackend, peer: DeviceId) -> bool {
     if peer.type_id != DeviceId::CUDA {
         return false;
     }
-    if peer == backend.device {
+    if peer == backend.device || super::driver::gpu_of(peer.index as usize).is_ok_and(|gpu| gpu == backend.gpu) {
         return true;
     }
     let Ok(other) = raw_device(backend.device, peer.index) else { return false };
@@ -49,7 +52,9 @@ pub(crate) fn can_access(backend: &mut CudaBackend, peer: DeviceId) -> bool {
 }
 
 /// Enables access to this device's memory from every device that can reach
-/// it (in each peer's primary context); returns those devices.
+/// it (in each peer GPU's primary context, once per GPU); returns those
+/// devices. Devices shown on this device's own GPU share its context and
+/// reach its memory already.
 pub(crate) fn share(backend: &mut CudaBackend) -> Result<Vec<DeviceId>, ServerError> {
     backend.check_lost()?;
     if let Some(shared) = &backend.nccl.shared {
@@ -62,8 +67,14 @@ pub(crate) fn share(backend: &mut CudaBackend) -> Result<Vec<DeviceId>, ServerEr
     // ready by `enter_caller`) has this device's context current.
     check(device, "cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut own) })?;
     let mut reached = Vec::new();
+    let mut enabled_gpus = Vec::new();
     for index in 0..count as u32 {
         if index == device.index {
+            continue;
+        }
+        let gpu = super::driver::gpu_of(index as usize)?;
+        if gpu == backend.gpu || enabled_gpus.contains(&gpu) {
+            reached.push(device_id(index as usize));
             continue;
         }
         let other = raw_device(device, index)?;
@@ -97,6 +108,7 @@ pub(crate) fn share(backend: &mut CudaBackend) -> Result<Vec<DeviceId>, ServerEr
                 return Err(driver_error(device, "cuCtxEnablePeerAccess", enabled));
             }
         }
+        enabled_gpus.push(gpu);
         reached.push(device_id(index as usize));
     }
     tracing::debug!(%device, peers = ?reached, "peer access enabled");

@@ -344,6 +344,7 @@ impl Gpu {
             memory_bytes: None,
             compute_units,
             compute_capability: None,
+            gpu: None,
             max_binding_size: max_binding_size(&limits),
             device_timing: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             native_graphs: false,
