@@ -31,7 +31,9 @@
 //! beating NCCL as this machine's crossover table, which `auto` reads.
 //!
 //! `--plot FILE.svg` draws each collective's time and busbw against size,
-//! one line per path and one for raw NCCL, on log axes.
+//! one line per path and one for raw NCCL, on log axes; with `--torch
+//! FILE` (the saved output of `scripts/anchors/torch_collectives.py` run
+//! under torchrun on the same GPUs) one for torch.distributed too.
 //!
 //! `--step` times a training-like step instead: ten all-reduces of 4 KiB
 //! to 1 MiB with a small kernel before each, queued eagerly against the
@@ -122,6 +124,11 @@ struct Args {
     /// this SVG file.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// torch.distributed's timings to draw beside them: the output of
+    /// `torchrun --nproc_per_node N scripts/anchors/torch_collectives.py`
+    /// saved to a file (needs `--plot`).
+    #[arg(long, requires = "plot")]
+    torch: Option<std::path::PathBuf>,
 }
 
 /// One timed row: collective, path asked for, bytes per member, seconds.
@@ -204,6 +211,10 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
             let group = group.clone().with_algo(algo);
             total_wrong += table(args, &group, raw.as_ref().ok(), coll, &mut timings, &mut points)?;
         }
+    }
+    if let Some(path) = &args.torch {
+        let added = plot::add_torch(&mut points, path)?;
+        println!("# {added} torch.distributed timings read from {}", path.display());
     }
     if let Some(path) = &args.plot {
         plot(path, &collectives, &points)?;

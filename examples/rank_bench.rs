@@ -10,7 +10,8 @@
 //! 256M -f 4` (every GPU of the node), `--collective all` for the five,
 //! `--algo oneshot|twoshot` to force the peer-memory kernels (rank 0's
 //! choice, which every rank follows), `--plot FILE.svg` to draw time and
-//! busbw against size, `--split` to time a group split from the world
+//! busbw against size (with `--torch FILE`, torch.distributed's timings
+//! saved from `scripts/anchors/torch_collectives.py`, beside), `--split` to time a group split from the world
 //! (its NCCL communicator made by `ncclCommSplit`) rather than the world,
 //! `--backend cpu` on CPU devices (no raw baseline): `cohort run -n 4 --
 //! target/release/examples/rank_bench --backend cpu -e 1M`.
@@ -80,6 +81,11 @@ struct Args {
     /// this SVG file (rank 0).
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// torch.distributed's timings to draw beside them: the output of
+    /// `torchrun --nproc_per_node N scripts/anchors/torch_collectives.py`
+    /// saved to a file (needs `--plot`).
+    #[arg(long, requires = "plot")]
+    torch: Option<std::path::PathBuf>,
     /// Time a group of every rank split from the world
     /// (`Communicator::split`; on NCCL its communicator comes from
     /// `ncclCommSplit`) instead of the world itself.
@@ -363,6 +369,10 @@ fn run(args: &Args) -> Result<usize, Box<dyn std::error::Error>> {
     }
     comm.barrier()?;
     if let (Some(path), 0) = (&args.plot, rank) {
+        if let Some(torch) = &args.torch {
+            let added = plot::add_torch(&mut points, torch)?;
+            println!("# {added} torch.distributed timings read from {}", torch.display());
+        }
         plot::plot(path, &colls, &points)?;
         println!("# plot written to {}", path.display());
     }

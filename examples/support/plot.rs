@@ -1,12 +1,56 @@
 //! The benches' `--plot FILE.svg`: per collective, time (µs) and busbw
 //! (GB/s) against size on log axes, one line per series (a path, raw
-//! NCCL). Included by the examples (`#[path]`), not an example itself.
+//! NCCL, torch.distributed). Included by the examples (`#[path]`), not an
+//! example itself; `tests/bench_plot.rs` checks it.
 
 use cohort::comm::op::Collective;
 
 /// One plotted point: collective, series, bytes (nccl-tests' size), µs,
 /// busbw in GB/s.
 pub type Point = (Collective, String, f64, f64, f64);
+
+/// torch.distributed's timings as `scripts/anchors/torch_collectives.py`
+/// prints them (rank 0's output: a `# torch <version> <collective> ...`
+/// line before each collective's rows of `size time(us) algbw busbw`), as
+/// points of the series `torch`. Other comment lines and blank lines are
+/// skipped; a row before any collective's line, a row that is not four
+/// numbers, or a collective the benches do not know is an error naming
+/// its line.
+pub fn torch_points(text: &str) -> Result<Vec<Point>, String> {
+    let mut points = Vec::new();
+    let mut current = None;
+    for (at, line) in text.lines().enumerate().map(|(i, l)| (i + 1, l.trim())) {
+        if let Some(header) = line.strip_prefix("# torch ") {
+            let name = header.split_whitespace().nth(1).unwrap_or("");
+            current = Some(
+                Collective::parse(name).ok_or_else(|| format!("line {at}: unknown collective {name:?} in {line:?}"))?,
+            );
+            continue;
+        }
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let coll = current.ok_or_else(|| format!("line {at}: a row before any `# torch` line: {line:?}"))?;
+        let values: Vec<f64> = line
+            .split_whitespace()
+            .map(|v| v.parse::<f64>().ok().filter(|x| x.is_finite() && *x >= 0.0))
+            .collect::<Option<_>>()
+            .filter(|v: &Vec<f64>| v.len() == 4)
+            .ok_or_else(|| format!("line {at}: expected size, time(us), algbw and busbw, got {line:?}"))?;
+        points.push((coll, "torch".to_string(), values[0], values[1], values[3]));
+    }
+    Ok(points)
+}
+
+/// Adds the torch.distributed timings saved in `file` (see
+/// [`torch_points`]) to `points`; returns how many. Errors name the file.
+pub fn add_torch(points: &mut Vec<Point>, file: &std::path::Path) -> Result<usize, String> {
+    let text = std::fs::read_to_string(file).map_err(|e| format!("--torch {}: {e}", file.display()))?;
+    let torch = torch_points(&text).map_err(|e| format!("--torch {}: {e}", file.display()))?;
+    let added = torch.len();
+    points.extend(torch);
+    Ok(added)
+}
 
 /// Draws, per collective, time (µs) and busbw (GB/s) against size on log
 /// axes, one line per series.

@@ -203,25 +203,27 @@ fn two_gpus_the_chosen_path_runs_and_the_flight_recorder_names_it() {
     }
 }
 
-/// `COHORT_CUDA_DEVICES` for a child of this test binary that shows two
-/// devices on every GPU (devices `g` and `g + gpus` share GPU `g`).
-fn two_per_gpu() -> (&'static str, String) {
+/// The variables of a child of this test binary that shows `per` devices
+/// on every GPU (devices `g`, `g + gpus`, ... share GPU `g`), whose kernels
+/// give up after 60 s rather than the default 600.
+fn shown_per_gpu(per: usize) -> [(&'static str, String); 2] {
     let gpus = CudaRuntime::device_count().unwrap();
-    ("COHORT_CUDA_DEVICES", (2 * gpus).to_string())
+    [("COHORT_CUDA_DEVICES", (per * gpus).to_string()), ("COHORT_TIMEOUT", "60".into())]
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
-fn peer_tests_of_two_gpus_pass_between_two_devices_shown_on_one_gpu() {
-    // Each test again in a child whose devices share GPUs in pairs: the
-    // kernels' flags, arenas and meeting between two device threads, on
-    // one GPU.
-    for name in [
-        "two_gpus_peer_kernels_give_every_member_the_host_reference_bit_for_bit",
-        "two_gpus_members_with_differently_aligned_buffers_agree_bit_for_bit",
+fn the_peer_tests_of_several_gpus_pass_between_devices_shown_on_one_gpu() {
+    // Each test again in a child whose devices share GPUs: the kernels'
+    // flags, arenas and meeting between device threads, on one GPU. With
+    // three per GPU the largest calls need the share of resident blocks
+    // (`PeerSpec::sharing`): three members' full grids do not fit at once.
+    for (name, per) in [
+        ("two_gpus_peer_kernels_give_every_member_the_host_reference_bit_for_bit", 3),
+        ("two_gpus_members_with_differently_aligned_buffers_agree_bit_for_bit", 2),
     ] {
-        let (ok, out) = cuda_common::finish(cuda_common::rerun(name, &[two_per_gpu()]));
-        assert!(ok, "{name} with two devices per GPU failed:\n{out}");
+        let (ok, out) = cuda_common::finish(cuda_common::rerun(name, &shown_per_gpu(per)));
+        assert!(ok, "{name} with {per} devices per GPU failed:\n{out}");
     }
 }
 
@@ -230,7 +232,7 @@ fn peer_tests_of_two_gpus_pass_between_two_devices_shown_on_one_gpu() {
 fn a_group_of_two_devices_on_one_gpu_refuses_nccl_calls_and_runs_the_peer_kernels() {
     if std::env::var_os("COHORT_CUDA_DEVICES").is_none() {
         let name = "a_group_of_two_devices_on_one_gpu_refuses_nccl_calls_and_runs_the_peer_kernels";
-        let (ok, out) = cuda_common::finish(cuda_common::rerun(name, &[two_per_gpu()]));
+        let (ok, out) = cuda_common::finish(cuda_common::rerun(name, &shown_per_gpu(2)));
         assert!(ok, "the child with two devices per GPU failed:\n{out}");
         return;
     }
@@ -355,7 +357,7 @@ fn try_peer_sum_at(
         let b = access.binding(0);
         let call =
             PeerCall::AllReduce { src: b, dst: b, dtype: DType::F32, op: ReduceOp::Sum, algo: PeerAlgo::OneShot };
-        let spec = PeerSpec { set, rank, arenas: &arenas };
+        let spec = PeerSpec { set, rank, arenas: &arenas, sharing: 1 };
         access.run_peer_collective(&spec, &call, Arc::new(Alone(timeout)), Completion::Defer)
     })?;
     Ok(buf)

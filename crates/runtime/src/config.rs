@@ -575,7 +575,7 @@ pub static WGPU_DEVICES: Var<usize> = Var::new(
 pub static CUDA_DEVICES: Var<usize> = Var::new(
     "COHORT_CUDA_DEVICES",
     "one device per GPU",
-    "Show this many CUDA devices, device i on GPU i mod (GPUs seen), each with its own thread and streams (to test several devices on one GPU; NCCL takes one device per GPU)",
+    "Show this many CUDA devices, device i on GPU i mod (GPUs seen), each with its own thread and streams, at most 16 per GPU (to test several devices on one GPU; NCCL takes one device per GPU)",
     "a whole number of at least 1",
     parse_positive,
 );

@@ -128,25 +128,9 @@ impl DeviceCollective {
             self.meeting.lock().data.finished[slot] = true;
             return Ok(());
         }
-        if let Mode::PeerKernel(set, _) = mode {
-            // Every part publishes its arena before it arrives, so each finds
-            // all of them once the meeting is complete.
-            let arena = match access.device_collectives() {
-                Some(dc) => dc.peer_arena(set.key),
-                None => Err(ServerError::InvalidState {
-                    operation: "a peer-memory collective",
-                    reason: "the device's backend offers no device collectives".into(),
-                }),
-            };
-            self.meeting.lock().data.arenas[slot] = arena.map_err(|err| self.fail(err))?;
-        }
-        self.arrive(slot, deadline)?;
-        let result = match mode {
-            Mode::Local => unreachable!("handled above"),
+        let peer_call = match mode {
             Mode::PeerKernel(set, algo) => {
-                let arenas = self.meeting.lock().data.arenas.clone();
-                let (src, dst) = (buffers.input, buffers.output);
-                let (Some(src), Some(dst)) = (src, dst) else {
+                let (Some(src), Some(dst)) = (buffers.input, buffers.output) else {
                     return Err(self.fail(ServerError::InvalidArgument(format!(
                         "{} part without its source or destination",
                         op.name()
@@ -157,7 +141,30 @@ impl DeviceCollective {
                         self.fail(ServerError::InvalidArgument(format!("{} has no peer-memory kernel", op.name())))
                     );
                 };
-                let spec = PeerSpec { set: set.key, rank: slot, arenas: &arenas };
+                // Every part publishes its arena, and has its kernel loaded,
+                // before it arrives: each finds all arenas once the meeting
+                // is complete, and no part's launch waits for the context
+                // while a peer's kernel already spins for it (see
+                // `DeviceCollectives::peer_prepare`).
+                let arena = match access.device_collectives() {
+                    Some(dc) => dc.peer_prepare(&call).and_then(|()| dc.peer_arena(set.key)),
+                    None => Err(ServerError::InvalidState {
+                        operation: "a peer-memory collective",
+                        reason: "the device's backend offers no device collectives".into(),
+                    }),
+                };
+                self.meeting.lock().data.arenas[slot] = arena.map_err(|err| self.fail(err))?;
+                Some(call)
+            }
+            _ => None,
+        };
+        self.arrive(slot, deadline)?;
+        let result = match mode {
+            Mode::Local => unreachable!("handled above"),
+            Mode::PeerKernel(set, _) => {
+                let arenas = self.meeting.lock().data.arenas.clone();
+                let call = peer_call.expect("made above for a peer kernel");
+                let spec = PeerSpec { set: set.key, rank: slot, arenas: &arenas, sharing: set.sharing };
                 let monitor = Arc::new(PartMonitor { collective: self.clone(), slot, set: set.clone(), tracked });
                 let result = access.run_peer_collective(&spec, &call, monitor, Completion::Defer);
                 if result.is_err() {

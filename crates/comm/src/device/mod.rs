@@ -76,6 +76,9 @@ pub(crate) struct NcclSet {
     /// `COHORT_CUDA_DEVICES`: NCCL refuses such a set, the peer kernels
     /// run on it.
     pub shared_gpu: Option<(usize, usize, u32)>,
+    /// The most members on one GPU (1 but where `shared_gpu` is set): the
+    /// peer kernels' share of a GPU's resident blocks (`PeerSpec::sharing`).
+    pub sharing: usize,
 }
 
 impl NcclSet {
@@ -192,8 +195,9 @@ pub(crate) fn nccl_set(clients: &[Client]) -> Result<Arc<NcclSet>, ServerError> 
         let gpu = gpus[second]?;
         gpus[..second].iter().position(|&g| g == Some(gpu)).map(|first| (first, second, gpu))
     });
+    let sharing = gpus.iter().map(|g| gpus.iter().filter(|h| g.is_some() && *h == g).count()).max().unwrap_or(1);
     let key = NEXT.fetch_add(1, Ordering::Relaxed);
-    let set = Arc::new(NcclSet { key, devices: devices.clone(), unique_id, shared_gpu });
+    let set = Arc::new(NcclSet { key, devices: devices.clone(), unique_id, shared_gpu, sharing: sharing.max(1) });
     Ok(sets().lock().entry(devices).or_insert(set).clone())
 }
 

@@ -316,6 +316,17 @@ pub trait DeviceCollectives {
         let _ = (set, own_arena);
     }
 
+    /// Compiles and loads the kernel that runs `call` (once per element
+    /// type), so that queueing it waits for nothing. Members call it before
+    /// they meet: a kernel the driver loads only at its first launch may
+    /// wait for the whole context first, and where devices share a GPU
+    /// (`COHORT_CUDA_DEVICES`) a peer's kernel already spinning for this one
+    /// would never let it. Unsupported by default.
+    fn peer_prepare(&mut self, call: &PeerCall) -> Result<(), ServerError> {
+        let _ = call;
+        Err(ServerError::Unsupported { feature: "peer-memory collectives", backend: "this backend" })
+    }
+
     /// Queues this member's part of a peer-memory collective on `stream`
     /// (after the device's earlier collective parts, as [`DeviceCollectives::run`]):
     /// one kernel that reads and writes the arenas of `spec`'s members
@@ -376,6 +387,11 @@ pub struct PeerSpec<'a> {
     pub rank: usize,
     /// Every rank's arena address.
     pub arenas: &'a [u64],
+    /// The most members of the set that run on one GPU: 1, unless
+    /// `COHORT_CUDA_DEVICES` shows several devices on one. Their kernels
+    /// wait for each other, so all must be resident on the GPU at once:
+    /// each then runs at most its share of the blocks the GPU holds.
+    pub sharing: usize,
 }
 
 #[cfg(test)]

@@ -329,7 +329,10 @@ fn issue_part<O: PartOwner>(
             let copy = CopyRegion { src: from, src_offset: 0, dst: to, dst_offset: 0, bytes };
             access.copy_regions(&[copy]).map_err(fail)?;
         }
-        let spec = PeerSpec { set: nccl.key, rank: member, arenas: &nccl.peer.as_ref().expect("chosen").arenas };
+        // One device per rank process: ranks on one GPU are separate
+        // contexts, which the GPU time-slices, so none waits for residency.
+        let arenas = &nccl.peer.as_ref().expect("chosen").arenas;
+        let spec = PeerSpec { set: nccl.key, rank: member, arenas, sharing: 1 };
         let monitor = PartMonitor::start(owner, slot);
         let result = access.run_peer_collective(&spec, &peer_call, monitor.clone(), Completion::Defer);
         *handed = result.is_ok() || monitor.ended.load(Ordering::Acquire);

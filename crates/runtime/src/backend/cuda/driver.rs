@@ -133,16 +133,30 @@ pub(crate) fn gpu_count() -> Result<usize, ServerError> {
     Ok(count.max(0) as usize)
 }
 
+/// The most devices `COHORT_CUDA_DEVICES` may show on one GPU.
+pub(crate) const MAX_DEVICES_PER_GPU: usize = 16;
+
 /// Number of devices the backend shows: one per GPU, or
 /// `COHORT_CUDA_DEVICES` (read once) spread over the GPUs (see [`gpu_of`]).
 pub(crate) fn device_count() -> Result<usize, ServerError> {
-    static SHOWN: OnceLock<Result<Option<usize>, ServerError>> = OnceLock::new();
+    static ASKED: OnceLock<Result<Option<usize>, ServerError>> = OnceLock::new();
     let gpus = gpu_count()?;
-    let shown = SHOWN.get_or_init(|| Ok(crate::config::CUDA_DEVICES.get()?)).clone()?;
-    Ok(match shown {
-        Some(n) if gpus > 0 => n,
-        _ => gpus,
-    })
+    let asked = ASKED.get_or_init(|| Ok(crate::config::CUDA_DEVICES.get()?)).clone()?;
+    shown(gpus, asked).map_err(ServerError::InvalidArgument)
+}
+
+/// The devices shown on `gpus` GPUs with `COHORT_CUDA_DEVICES` = `asked`;
+/// more than [`MAX_DEVICES_PER_GPU`] on each is refused, naming the
+/// variable.
+fn shown(gpus: usize, asked: Option<usize>) -> Result<usize, String> {
+    match asked {
+        Some(n) if gpus > 0 && n > MAX_DEVICES_PER_GPU * gpus => Err(format!(
+            "COHORT_CUDA_DEVICES={n} would show more than {MAX_DEVICES_PER_GPU} devices on each of the {gpus} GPU(s) the driver sees: use at most {}",
+            MAX_DEVICES_PER_GPU * gpus
+        )),
+        Some(n) if gpus > 0 => Ok(n),
+        _ => Ok(gpus),
+    }
 }
 
 /// The GPU (the driver's ordinal) that device `index` runs on: device `i`
@@ -232,5 +246,23 @@ pub(crate) fn set_current(device: DeviceId, ctx: sys::CUcontext) -> Result<(), S
         Ok(())
     } else {
         Err(driver_error(device, "cuCtxSetCurrent", code))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cohort_cuda_devices_shows_that_many_devices_up_to_a_bound_per_gpu() {
+        assert_eq!(shown(2, None), Ok(2), "one per GPU by default");
+        assert_eq!(shown(1, Some(3)), Ok(3));
+        assert_eq!(shown(8, Some(2)), Ok(2), "fewer than the GPUs");
+        assert_eq!(shown(0, Some(4)), Ok(0), "no GPU: nothing to show");
+        assert_eq!(shown(2, Some(2 * MAX_DEVICES_PER_GPU)), Ok(2 * MAX_DEVICES_PER_GPU));
+        for huge in [2 * MAX_DEVICES_PER_GPU + 1, usize::MAX] {
+            let err = shown(2, Some(huge)).unwrap_err();
+            assert!(err.contains(&format!("COHORT_CUDA_DEVICES={huge}")) && err.contains("at most 32"), "{err}");
+        }
     }
 }

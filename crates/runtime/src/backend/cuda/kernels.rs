@@ -13,6 +13,7 @@ use crate::id::IdMap;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 use cudarc::nvrtc::sys as nvrtc;
@@ -143,6 +144,7 @@ impl Kernels {
                 if code != sys::CUresult::CUDA_SUCCESS {
                     return Err(format!("the module has no function `{name}` ({})", describe(code)));
                 }
+                load_now(function).map_err(|e| format!("`{name}`: {e}"))?;
                 Ok(function)
             })
             .collect()
@@ -214,6 +216,7 @@ impl Kernels {
                 describe(code)
             ));
         }
+        load_now(function)?;
         Ok(function)
     }
 
@@ -276,6 +279,33 @@ impl Kernels {
         }
         self.by_id.clear();
         self.by_key.clear();
+    }
+}
+
+/// Loads `function` onto the device now (`cuFuncLoad`, drivers of CUDA
+/// 12.4 on) rather than at its first launch, as lazy loading (the default
+/// from CUDA 12.2) would: that load may wait for every kernel of the
+/// context to finish, and a kernel that waits for this one (a peer kernel
+/// of another device shown on the same GPU) never would. Older drivers
+/// load at module load and need nothing.
+fn load_now(function: sys::CUfunction) -> Result<(), String> {
+    static DRIVER: OnceLock<c_int> = OnceLock::new();
+    let version = *DRIVER.get_or_init(|| {
+        let mut version: c_int = 0;
+        // SAFETY: the driver is loaded (a context exists); writes one int.
+        unsafe { sys::cuDriverGetVersion(&mut version) };
+        version
+    });
+    if version < 12040 {
+        return Ok(());
+    }
+    // SAFETY: a function of a live module of the current context; the
+    // symbol exists from driver 12.4 on (checked above).
+    let code = unsafe { sys::cuFuncLoad(function) };
+    if code == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("cuFuncLoad: {}", describe(code)))
     }
 }
 

@@ -979,6 +979,11 @@ impl DeviceCollectives for CudaBackend {
         CudaBackend::peer_arena(self, set)
     }
 
+    fn peer_prepare(&mut self, call: &PeerCall) -> Result<(), ServerError> {
+        self.check_lost()?;
+        CudaBackend::peer_prepare(self, call).map_err(|reason| self.nccl_error("peer kernel set-up", reason))
+    }
+
     fn peer_arena_handle(&mut self, set: u64) -> Result<Vec<u8>, ServerError> {
         CudaBackend::peer_arena_handle(self, set)
     }

@@ -18,7 +18,7 @@
 //! stop a kernel whose collective failed elsewhere. No kernel spins forever.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 
 use cudarc::driver::sys;
 
@@ -383,6 +383,39 @@ impl CudaBackend {
         }
     }
 
+    /// Compiles and loads the kernels of `call`'s element type (see
+    /// `DeviceCollectives::peer_prepare`).
+    pub(crate) fn peer_prepare(&mut self, call: &PeerCall) -> Result<(), String> {
+        let dtype = plan(call, 2).1;
+        self.peer_functions(dtype).map(|_| ())
+    }
+
+    /// The peer kernels of `dtype` (in [`KERNELS`] order), compiled and
+    /// loaded on first use.
+    fn peer_functions(&mut self, dtype: DType) -> Result<&[sys::CUfunction], String> {
+        if !self.nccl.peer.functions.contains_key(&dtype) {
+            let source = format!("{}{SOURCE}", preamble(dtype));
+            let functions = self.kernels.functions_of(&KERNELS, &source)?;
+            self.nccl.peer.functions.insert(dtype, functions);
+        }
+        Ok(&self.nccl.peer.functions[&dtype])
+    }
+
+    /// The blocks of `function` each of `sharing` members on this GPU may
+    /// run so that all of theirs are resident at once (at least 1): every
+    /// member on the GPU computes the same.
+    fn resident_share(&self, function: sys::CUfunction, sharing: usize) -> Result<u32, String> {
+        let mut per_sm: c_int = 0;
+        // SAFETY: a loaded function of this context; writes one int.
+        let code =
+            unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, THREADS as c_int, 0) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuOccupancyMaxActiveBlocksPerMultiprocessor: {}", super::driver::describe(code)));
+        }
+        let resident = per_sm.max(0) as u64 * u64::from(self.properties.compute_units);
+        Ok((resident / sharing as u64).max(1) as u32)
+    }
+
     /// Queues one member's peer kernel on `stream` (the caller orders it
     /// after the device's earlier parts). Returns the set's error word.
     pub(crate) fn launch_peer(
@@ -401,13 +434,12 @@ impl CudaBackend {
         let input = self.pages.ptr(src).map_err(|e| e.to_string())?;
         let output = self.pages.ptr(dst).map_err(|e| e.to_string())?;
         let (name, dtype, op, count, grid) = plan(call, ranks as u64);
-        if !self.nccl.peer.functions.contains_key(&dtype) {
-            let source = format!("{}{SOURCE}", preamble(dtype));
-            let functions = self.kernels.functions_of(&KERNELS, &source)?;
-            self.nccl.peer.functions.insert(dtype, functions);
-        }
         let at = KERNELS.iter().position(|k| *k == name).expect("a kernel of the source");
-        let function = self.nccl.peer.functions[&dtype][at];
+        let function = self.peer_functions(dtype)?[at];
+        let grid = match spec.sharing {
+            0 | 1 => grid,
+            sharing => grid.min(self.resident_share(function, sharing)?),
+        };
         let barriers = match call {
             PeerCall::AllReduce { algo: PeerAlgo::TwoShot, .. } => 2,
             _ => 1,
