@@ -268,7 +268,9 @@ fn raw_for(
         return Ok(None);
     }
     let id: [u8; 128] = shared[..128].try_into().expect("128 bytes");
-    let device = client.device_id().index as usize;
+    // The driver's ordinal (COHORT_CUDA_DEVICES may show several devices
+    // on one GPU).
+    let device = client.properties().gpu.unwrap_or(client.device_id().index) as usize;
     Ok(Some(raw_nccl::Raw::rank(&id, comm.rank(), comm.size(), device, bytes)?))
 }
 

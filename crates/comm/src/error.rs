@@ -91,12 +91,6 @@ pub enum CommError {
     /// A collective the caller waits on (barrier, `to_client`) failed.
     #[error("{operation} failed: {source}")]
     Failed { operation: &'static str, source: ServerError },
-
-    /// A call that would run on NCCL in a group with two members on one GPU.
-    #[error(
-        "{operation}: members {first} and {second} run on one GPU (GPU {gpu}: COHORT_CUDA_DEVICES shows several devices on it), and NCCL takes one member per GPU; in such a group only the peer-memory kernels (all_reduce and all_gather, with_algo(Algo::OneShot or Algo::TwoShot)) and host staging (with_host_path(HostPath::Staged)) run"
-    )]
-    SharedGpu { operation: &'static str, first: usize, second: usize, gpu: u32 },
     /// Two calls of a grouped call touch the same memory and one of them
     /// writes it.
     #[error(

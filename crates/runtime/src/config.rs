@@ -829,6 +829,11 @@ mod tests {
         assert!(CPU_DEVICES.parse_value(os("99999999999999999999999")).unwrap_err().problem.contains("too large"));
         assert!(CPU_DEVICES.parse_value(os("-1")).unwrap_err().problem.contains("negative"));
         assert_eq!(CPU_DEVICES.parse_value(os("8")), Ok(8));
+        for bad in ["0", "-1", "two", "2.0", "", "99999999999999999999999"] {
+            let err = CUDA_DEVICES.parse_value(os(bad)).unwrap_err().to_string();
+            assert!(err.contains("COHORT_CUDA_DEVICES") && err.contains("at least 1"), "{bad:?}: {err}");
+        }
+        assert_eq!(CUDA_DEVICES.parse_value(os("3")), Ok(3));
         assert_eq!(FLIGHT_RECORDER.parse_value(os("0")), Ok(0));
         assert!(SHM_RING.parse_value(os("0")).is_err());
         assert!(SHM_RING.parse_value(os("18446744073709551615")).unwrap_err().problem.contains("1 GiB"));

@@ -19,6 +19,9 @@ pub struct DeviceProperties {
     /// On CUDA, the GPU (the driver's ordinal) the device runs on: its own
     /// index, unless `COHORT_CUDA_DEVICES` shows several devices per GPU.
     pub gpu: Option<u32>,
+    /// How many devices of this backend run on that GPU, this one among
+    /// them: 1, unless `COHORT_CUDA_DEVICES` shows several on it (1 off CUDA).
+    pub devices_on_gpu: u32,
     /// Largest buffer a single kernel binding may span.
     pub max_binding_size: u64,
     /// Whether `profile` measures on the device (events, timestamp queries)

@@ -72,23 +72,14 @@ pub(crate) struct NcclSet {
     pub key: u64,
     pub devices: Vec<ServiceId>,
     pub unique_id: Vec<u8>,
-    /// Two members (and their GPU) shown on one GPU by
-    /// `COHORT_CUDA_DEVICES`: NCCL refuses such a set, the peer kernels
-    /// run on it.
-    pub shared_gpu: Option<(usize, usize, u32)>,
-    /// The most members on one GPU (1 but where `shared_gpu` is set): the
-    /// peer kernels' share of a GPU's resident blocks (`PeerSpec::sharing`).
+    /// Whether two members run on one GPU (`COHORT_CUDA_DEVICES`): NCCL
+    /// takes one rank per GPU, so such a set runs only the peer kernels,
+    /// and its other calls go through the host.
+    pub shared_gpu: bool,
+    /// The most devices shown on any member's GPU (1 unless
+    /// `COHORT_CUDA_DEVICES` shows several on one): the peer kernels'
+    /// share of a GPU's resident blocks (`PeerSpec::sharing`).
     pub sharing: usize,
-}
-
-impl NcclSet {
-    /// Refuses a call on NCCL itself where two members share a GPU.
-    pub(crate) fn check_nccl(&self, operation: &'static str) -> Result<(), CommError> {
-        match self.shared_gpu {
-            Some((first, second, gpu)) => Err(CommError::SharedGpu { operation, first, second, gpu }),
-            None => Ok(()),
-        }
-    }
 }
 
 /// What a device's backend offers, asked once per device opening.
@@ -191,13 +182,10 @@ pub(crate) fn nccl_set(clients: &[Client]) -> Result<Arc<NcclSet>, ServerError> 
         Err(ServerError::Unsupported { feature: "device collectives", backend: clients[0].name() })
     })?;
     let gpus: Vec<Option<u32>> = clients.iter().map(|c| c.properties().gpu).collect();
-    let shared_gpu = (0..gpus.len()).find_map(|second| {
-        let gpu = gpus[second]?;
-        gpus[..second].iter().position(|&g| g == Some(gpu)).map(|first| (first, second, gpu))
-    });
-    let sharing = gpus.iter().map(|g| gpus.iter().filter(|h| g.is_some() && *h == g).count()).max().unwrap_or(1);
+    let shared_gpu = (1..gpus.len()).any(|m| gpus[m].is_some() && gpus[..m].contains(&gpus[m]));
+    let sharing = clients.iter().map(|c| c.properties().devices_on_gpu as usize).max().unwrap_or(1).max(1);
     let key = NEXT.fetch_add(1, Ordering::Relaxed);
-    let set = Arc::new(NcclSet { key, devices: devices.clone(), unique_id, shared_gpu, sharing: sharing.max(1) });
+    let set = Arc::new(NcclSet { key, devices: devices.clone(), unique_id, shared_gpu, sharing });
     Ok(sets().lock().entry(devices).or_insert(set).clone())
 }
 

@@ -45,7 +45,6 @@ impl ClientGroup {
                 .collect::<Result<_, _>>()?;
             return Ok(Work::all("group", works));
         };
-        set.check_nccl("group")?;
         let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(sequence, calls = ops.len(), "queue grouped device call");
         let tracked = self.track(sequence, &ops[0], 0, self.len(), None);
@@ -101,7 +100,10 @@ impl ClientGroup {
                 return Err(CommError::Capturing { operation: "group", member });
             }
         }
-        if !matches!(self.route, Route::Host) {
+        // Members sharing a GPU cannot run a grouped call on NCCL: the host
+        // runs it.
+        let shared_gpu = matches!(&self.route, Route::Nccl(set) if set.shared_gpu);
+        if !matches!(self.route, Route::Host) && !shared_gpu {
             return self.group_on_device(ops, &calls);
         }
         let seats = (0..n).map(|m| Seat { member: Some(m), device: self.clients[m].device_id() }).collect();

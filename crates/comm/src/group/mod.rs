@@ -256,8 +256,16 @@ impl ClientGroup {
         Ok(match &self.route {
             Route::Host => None,
             Route::Local => Some(Mode::Local),
+            // Members sharing a GPU run the peer kernels; NCCL takes one
+            // rank per GPU, so their other calls go through the host.
+            Route::Nccl(set) if set.shared_gpu && !self.takes_peer_kernel(op, parts.len()) => None,
             Route::Nccl(set) => Some(Mode::Nccl(set.clone())),
         })
+    }
+
+    /// Whether `op` with `parts` parts runs on a peer-memory kernel.
+    fn takes_peer_kernel(&self, op: &Op, parts: usize) -> bool {
+        parts == self.len() && self.path_of(op).is_some_and(|path| path.peer().is_some())
     }
 
     /// Whether the staged host path was chosen on devices that offer peer
@@ -321,9 +329,6 @@ impl ClientGroup {
                     }
                     path = Some(chosen);
                 }
-            }
-            if let Mode::Nccl(set) = &mode {
-                set.check_nccl(operation)?;
             }
             stages::mark(Stage::Routed);
             let sequence = self.communicator.issued.fetch_add(1, Ordering::Relaxed);

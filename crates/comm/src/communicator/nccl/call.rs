@@ -329,8 +329,10 @@ fn issue_part<O: PartOwner>(
             let copy = CopyRegion { src: from, src_offset: 0, dst: to, dst_offset: 0, bytes };
             access.copy_regions(&[copy]).map_err(fail)?;
         }
-        // One device per rank process: ranks on one GPU are separate
-        // contexts, which the GPU time-slices, so none waits for residency.
+        // One device per rank: ranks of separate processes on one GPU are
+        // separate contexts, which the GPU time-slices, so none waits for
+        // residency. (Ranks that are threads of one process on one GPU
+        // share a context: tests only, and not sized for it.)
         let arenas = &nccl.peer.as_ref().expect("chosen").arenas;
         let spec = PeerSpec { set: nccl.key, rank: member, arenas, sharing: 1 };
         let monitor = PartMonitor::start(owner, slot);

@@ -69,6 +69,7 @@ impl CpuBackend {
                 compute_units: threads,
                 compute_capability: None,
                 gpu: None,
+                devices_on_gpu: 1,
                 max_binding_size: 1 << 40,
                 device_timing: false,
                 native_graphs: false,

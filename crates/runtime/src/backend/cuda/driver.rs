@@ -159,6 +159,12 @@ fn shown(gpus: usize, asked: Option<usize>) -> Result<usize, String> {
     }
 }
 
+/// How many of the devices shown run on GPU `gpu`.
+pub(crate) fn devices_on(gpu: usize) -> Result<usize, ServerError> {
+    let gpus = gpu_count()?.max(1);
+    Ok((0..device_count()?).filter(|i| i % gpus == gpu).count())
+}
+
 /// The GPU (the driver's ordinal) that device `index` runs on: device `i`
 /// on GPU `i mod G` of the `G` the driver sees. Devices of one GPU share
 /// its primary context and memory; each has its own thread and streams.

@@ -142,6 +142,11 @@ thread_local! {
     static ENTERED_FOR: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
+/// How many backends are open on each GPU (several where
+/// `COHORT_CUDA_DEVICES` shows several devices on one): they share its
+/// primary context, which the last to close may reset.
+static OPEN_ON_GPU: parking_lot::Mutex<Vec<usize>> = parking_lot::Mutex::new(Vec::new());
+
 /// GPUs whose context a sticky fault lost, with the fault: CUDA cannot
 /// give this process a working context on them again (nor to any device
 /// shown on the same GPU, which shares the context).
@@ -191,12 +196,13 @@ impl CudaBackend {
                 backend: BACKEND,
                 device: driver::device_id(index),
                 message: format!(
-                    "CUDA device {index} (GPU {gpu}) had a sticky fault earlier in this process ({}); CUDA cannot recover from it inside the process: restart the process to use the device again",
+                    "GPU {gpu}, which CUDA device {index} runs on, had a sticky fault earlier in this process ({}); CUDA cannot recover from it inside the process: restart the process to use the device again",
                     fault.1
                 ),
             });
         }
         let info = driver::device_info(index)?;
+        let devices_on_gpu = driver::devices_on(gpu)? as u32;
         let device = driver::device_id(index);
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: the driver is initialised and `info.raw` is a valid device;
@@ -206,6 +212,13 @@ impl CudaBackend {
             return Err(driver_error(device, "cuDevicePrimaryCtxRetain", code));
         }
         driver::set_current(device, ctx)?;
+        {
+            let mut open = OPEN_ON_GPU.lock();
+            if open.len() <= gpu {
+                open.resize(gpu + 1, 0);
+            }
+            open[gpu] += 1;
+        }
         Ok(Self {
             properties: DeviceProperties {
                 device,
@@ -215,6 +228,7 @@ impl CudaBackend {
                 compute_units: info.multiprocessors,
                 compute_capability: Some(info.capability),
                 gpu: Some(info.gpu as u32),
+                devices_on_gpu,
                 max_binding_size: info.memory_bytes,
                 device_timing: true,
                 native_graphs: true,
@@ -274,7 +288,7 @@ impl CudaBackend {
             kernel,
             device: self.device,
             reason: format!(
-                "{} found while draining the device; the CUDA context is lost (a sticky fault): every later call on this device fails; close the device (Client::close) and open a new client to reset it",
+                "{} found while draining the device; the CUDA context is lost (a sticky fault): every later call on this device (and on any other device shown on its GPU) fails, and CUDA cannot give this process the GPU again: restart the process",
                 describe(code)
             ),
         };
@@ -691,14 +705,26 @@ impl Backend for CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         PAGE_ALLOCATIONS.fetch_add(self.pages.allocations, Ordering::Relaxed);
+        let others_open = {
+            let mut open = OPEN_ON_GPU.lock();
+            open[self.gpu] -= 1;
+            open[self.gpu]
+        };
         // Collectives still queued end (or are aborted) before their memory
         // goes.
         self.settle_all_collectives();
         if self.lost.is_none() {
-            // SAFETY: the context is current on this thread; waiting for all
-            // its work before freeing what that work uses.
+            // SAFETY: the context is current on this thread; waiting for
+            // this device's work before freeing what that work uses: all of
+            // the context's where the device has the GPU to itself, its own
+            // streams' where other devices share it (a context-wide sync
+            // would wait for their work and end a capture of theirs).
             unsafe {
-                let _ = sys::cuCtxSynchronize();
+                if others_open == 0 {
+                    let _ = sys::cuCtxSynchronize();
+                } else {
+                    self.streams.synchronize_all();
+                }
             }
         }
         self.graphs_alive.store(false, Ordering::Release);
@@ -716,9 +742,11 @@ impl Drop for CudaBackend {
         // lost); waiters holding one keep reading the page.
         self.nccl.signals.close();
         // SAFETY: the primary context was retained in `new`. After a sticky
-        // fault it is reset instead, so the next client gets a fresh one.
+        // fault the last device open on the GPU resets it instead, so the
+        // next client gets a fresh one; one that shares it with devices
+        // still open only lets it go.
         unsafe {
-            if self.lost.is_some() {
+            if self.lost.is_some() && others_open == 0 {
                 let _ = sys::cuDevicePrimaryCtxReset_v2(self.raw_device);
             } else {
                 let _ = sys::cuDevicePrimaryCtxRelease_v2(self.raw_device);

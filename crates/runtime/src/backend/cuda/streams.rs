@@ -193,6 +193,19 @@ impl Streams {
         }
     }
 
+    /// Waits for the work queued on every stream (errors are left to the
+    /// calls that look at the stream).
+    ///
+    /// # Safety
+    /// The device's context is current on this thread.
+    pub unsafe fn synchronize_all(&self) {
+        for entry in self.map.values() {
+            // SAFETY: a live stream of the current context (the caller's
+            // promise).
+            let _ = unsafe { sys::cuStreamSynchronize(entry.raw) };
+        }
+    }
+
     /// Destroys every stream.
     pub fn release_all(&mut self) {
         let ids: Vec<StreamId> = self.map.keys().copied().collect();

@@ -345,6 +345,7 @@ impl Gpu {
             compute_units,
             compute_capability: None,
             gpu: None,
+            devices_on_gpu: 1,
             max_binding_size: max_binding_size(&limits),
             device_timing: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             native_graphs: false,
