@@ -21,8 +21,9 @@
 //! time goes, where perf is allowed.
 //!
 //! Run: `cargo run --release --example call_cost -- [CALLS] [SECTION] [BYTES]`,
-//! SECTION being one of `group`, `communicator`, `launch`, `read` and
-//! `nccl` to run only those rows (under `valgrind --tool=callgrind`, the
+//! SECTION being one of `group`, `communicator`, `launch`, `read`, `nccl`
+//! and `peer` (a two-member one-shot all-reduce over two CUDA devices, or
+//! two shown on one GPU with `COHORT_CUDA_DEVICES=2`) to run only those rows (under `valgrind --tool=callgrind`, the
 //! instructions of one kind of call); BYTES the size of the NCCL rows'
 //! all-reduce (32 by default).
 
@@ -140,7 +141,7 @@ fn nccl_all_reduce(calls: usize, bytes: usize) {
         rank_queued.push(q);
     }
     if cohort::runtime::stages::ENABLED {
-        stage_tables("", per_round as u64, call, || group.sync().expect("sync"));
+        stage_tables("1 CUDA device (NCCL), ", per_round as u64, call, || group.sync().expect("sync"));
         // The device thread's side of the queued calls: its clock started
         // and stopped by tasks it runs itself; the caller's is off.
         stages::reset();
@@ -152,7 +153,8 @@ fn nccl_all_reduce(calls: usize, bytes: usize) {
         println!("stages on the device thread, the same queued calls:");
         print!("{}", stages::table(((per_round / 100).max(1) * 100) as u64));
         // The same two tables for the one-rank Communicator's calls.
-        stage_tables("1-rank Communicator, ", per_round as u64, rank_call, || comm.sync().expect("sync"));
+        let what = "1 CUDA device (NCCL), 1-rank Communicator, ";
+        stage_tables(what, per_round as u64, rank_call, || comm.sync().expect("sync"));
     }
     assert_eq!(dst[0].to_vec().expect("read"), vec![1.0; floats], "one rank's sum is its source");
     let (waited, queued) = (median(&mut waited), median(&mut queued));
@@ -168,6 +170,64 @@ fn nccl_all_reduce(calls: usize, bytes: usize) {
         println!("cohort adds, queued: {:.2} µs ({:.2}× raw)", queued - raw_queued, queued / raw_queued);
         let (w, q) = (rank_waited - best, rank_queued - raw_queued);
         println!("a 1-rank Communicator adds: waited {w:.2} µs, queued {q:.2} µs");
+    }
+}
+
+/// A two-member all-reduce on the one-shot peer kernel over the first two
+/// CUDA devices (two GPUs, or two devices shown on one GPU with
+/// `COHORT_CUDA_DEVICES=2`), waited on and queued back to back over
+/// seven rounds; with the stage clock, where its time goes on the caller's
+/// thread and on the members' device threads. No raw baseline: the kernels
+/// are cohort's own (and NCCL refuses two ranks on one GPU).
+fn peer_all_reduce(calls: usize, bytes: usize) {
+    use cohort::comm::{op::Op, Algo, DType, Path};
+    let clients = match cohort::runtime::clients_of("cuda", Some(2)) {
+        Ok(clients) => clients,
+        Err(why) => return println!("# fewer than two CUDA devices, peer rows skipped: {why}"),
+    };
+    let group = ClientGroup::new(clients.clone()).expect("group").with_algo(Algo::OneShot);
+    let floats = (bytes / 4).max(1);
+    let path = group.path_of(&Op::all_reduce(DType::F32, ReduceOp::Sum, floats));
+    if path != Some(Path::OneShot) {
+        return println!("# peer rows skipped: a {bytes} B all-reduce takes the path {path:?}");
+    }
+    let src: Vec<Buffer<f32>> =
+        clients.iter().map(|c| Buffer::from_slice(c, &vec![1.0; floats]).expect("buffer")).collect();
+    let dst: Vec<Buffer<f32>> =
+        clients.iter().map(|c| Buffer::from_slice(c, &vec![0.0; floats]).expect("buffer")).collect();
+    let call = || group.all_reduce(&src, &dst, ReduceOp::Sum).expect("all_reduce");
+    let sync = || group.sync().expect("sync");
+    let per_round = (calls / NCCL_ROUNDS).clamp(100, 2000);
+    let (mut waited, mut queued) = (Vec::new(), Vec::new());
+    let gpus: Vec<String> = clients.iter().map(|c| format!("{:?}", c.properties().gpu)).collect();
+    let what = format!("all_reduce {bytes} B, 2 CUDA devices (GPUs {}), one-shot", gpus.join(", "));
+    for round in 1..=NCCL_ROUNDS {
+        println!("# round {round} of {NCCL_ROUNDS}");
+        let (w, q) = waited_and_queued(&what, per_round, call, sync);
+        waited.push(w);
+        queued.push(q);
+    }
+    let (waited, queued) = (median(&mut waited), median(&mut queued));
+    println!("2 members one-shot, median of {NCCL_ROUNDS} rounds: waited {waited:.2} µs, queued {queued:.2} µs");
+    if stages::ENABLED {
+        stage_tables("2 CUDA devices, one-shot, ", per_round as u64, call, sync);
+        // Both device threads' side of the queued calls, summed: per call,
+        // each stage's time on the two threads together.
+        stages::reset();
+        for client in &clients {
+            client.exclusive(stages::start).expect("exclusive");
+        }
+        for _ in 0..(per_round / 100).max(1) {
+            hundred_then(call, sync);
+        }
+        for client in &clients {
+            client.exclusive(stages::stop).expect("exclusive");
+        }
+        println!("stages on the two device threads together, the same queued calls:");
+        print!("{}", stages::table(((per_round / 100).max(1) * 100) as u64));
+    }
+    for d in &dst {
+        assert_eq!(d.to_vec().expect("read"), vec![2.0; floats], "two members' sum");
     }
 }
 
@@ -201,7 +261,7 @@ fn stage_table(what: &str, calls: u64, mut call: impl FnMut(), mut between: impl
         stages::stop();
         between(i);
     }
-    println!("stages of the all-reduce, 1 CUDA device (NCCL), {what}:");
+    println!("stages of the all-reduce, {what}:");
     print!("{}", stages::table(calls));
 }
 
@@ -297,7 +357,7 @@ fn communicator_all_reduce(client: &Client, calls: usize) {
 fn main() {
     let calls: usize = std::env::args().nth(1).map_or(20_000, |n| n.parse().expect("CALLS is a count"));
     let only = std::env::args().nth(2);
-    let sections = ["group", "communicator", "launch", "read", "nccl"];
+    let sections = ["group", "communicator", "launch", "read", "nccl", "peer"];
     if let Some(only) = only.as_deref().filter(|o| !sections.contains(o)) {
         eprintln!("call_cost: no section {only:?}; the sections are {}", sections.join(", "));
         std::process::exit(2);
@@ -335,5 +395,9 @@ fn main() {
         // The NCCL rows' size: 32 B unless a third argument says.
         let bytes = std::env::args().nth(3).map_or(32, |b| b.parse().expect("BYTES is a count"));
         nccl_all_reduce(calls, bytes);
+    }
+    if wanted("peer") {
+        let bytes = std::env::args().nth(3).map_or(32, |b| b.parse().expect("BYTES is a count"));
+        peer_all_reduce(calls, bytes);
     }
 }
