@@ -30,8 +30,8 @@ pub(crate) trait Waitable: Send + Sync {
 impl<E: Seated> Waitable for E {
     fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
         // Where the executor can look for its own end on this thread (its
-        // parts' calls run on one device, which this thread polls when
-        // that device is idle), it does so for the spin window before it
+        // parts' calls run on devices this thread polls when they are
+        // idle), it does so for the spin window before it
         // waits for the device thread to tell it: no wake-up on either
         // side. When it cannot look for a moment (the device thread holds
         // the device, polling the same collectives), it goes on watching:

@@ -47,10 +47,12 @@ pub(crate) struct DeviceCollective {
     /// The grouped all-reduces fused on NCCL (see `fusion`).
     buckets: Vec<Bucket>,
     meeting: Meeting<DeviceState>,
-    /// The one device of a collective of one part queued from the
-    /// caller's thread where that device is idle: a waiter polls it
-    /// itself (see [`Seated::helpers`]).
-    helper: Option<Client>,
+    /// The devices a waiter polls itself, for the spin window, before it
+    /// waits for their threads to tell it (see [`Seated::helpers`]): each
+    /// member's, where the parts leave calls running there (NCCL, peer
+    /// kernels), or the one device of a part queued from the caller's
+    /// thread.
+    helpers: SmallVec<[Client; 2]>,
 }
 
 impl Seated for DeviceCollective {
@@ -66,7 +68,7 @@ impl Seated for DeviceCollective {
     }
 
     fn helpers(&self) -> &[Client] {
-        self.helper.as_slice()
+        &self.helpers
     }
 }
 
@@ -79,7 +81,7 @@ impl DeviceCollective {
         name: &'static str,
         parts: impl IntoIterator<Item = (usize, DeviceId)>,
         timeout: Duration,
-        helper: Option<Client>,
+        helpers: SmallVec<[Client; 2]>,
     ) -> Arc<DeviceCollective> {
         let seats: SmallVec<[Seat; 4]> =
             parts.into_iter().map(|(member, device)| Seat { device, member: Some(member) }).collect();
@@ -89,7 +91,7 @@ impl DeviceCollective {
             tokens: [None, None],
             arenas: smallvec::smallvec![0; n],
         };
-        Arc::new(DeviceCollective { ops, buckets, meeting: Meeting::new(name, seats, timeout, state), helper })
+        Arc::new(DeviceCollective { ops, buckets, meeting: Meeting::new(name, seats, timeout, state), helpers })
     }
 
     fn fail(&self, err: ServerError) -> ServerError {

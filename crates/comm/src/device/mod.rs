@@ -273,8 +273,16 @@ pub(crate) fn launch_grouped<'h>(
     // it holds the device and the process-wide enqueue order.
     let barrier = ops.iter().any(|op| op.collective() == Collective::Barrier);
     let inline = n == 1 && !barrier && matches!(mode, Mode::Local | Mode::Nccl(_));
-    let helper = inline.then(|| clients[members[0]].clone());
-    let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout, helper);
+    // A waiter polls the devices whose parts leave calls running there
+    // itself before it waits for their threads to say so (a part seen
+    // ending on the device thread reaches a waiter through a wake-up).
+    let helpers: SmallVec<[Client; 2]> = if inline || (!barrier && matches!(mode, Mode::Nccl(_) | Mode::PeerKernel(..)))
+    {
+        members.iter().map(|&m| clients[m].clone()).collect()
+    } else {
+        SmallVec::new()
+    };
+    let meeting = DeviceCollective::grouped(ops, buckets, operation, devices, timeout, helpers);
     stages::mark(Stage::MeetingBuilt);
     // Per slot: sources, then destinations and scratch, and each call's
     // shape; built and queued slot by slot.
