@@ -206,9 +206,18 @@ fn two_gpus_the_chosen_path_runs_and_the_flight_recorder_names_it() {
 /// The variables of a child of this test binary that shows `per` devices
 /// on its first GPU alone, whose kernels give up after 60 s rather than the
 /// default 600.
-fn shown_on_one_gpu(per: usize) -> [(&'static str, String); 3] {
-    [("CUDA_VISIBLE_DEVICES", "0".into()), ("COHORT_CUDA_DEVICES", per.to_string()), ("COHORT_TIMEOUT", "60".into())]
+fn shown_on_one_gpu(per: usize) -> [(&'static str, String); 4] {
+    [
+        ("CUDA_VISIBLE_DEVICES", "0".into()),
+        ("COHORT_CUDA_DEVICES", per.to_string()),
+        ("COHORT_TIMEOUT", "60".into()),
+        (SHOWN_CHILD, "1".into()),
+    ]
 }
+
+/// Set in the children of [`shown_on_one_gpu`] (the parent may have
+/// `COHORT_CUDA_DEVICES` set itself).
+const SHOWN_CHILD: &str = "COHORT_TEST_SHOWN_ON_ONE_GPU";
 
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
@@ -231,7 +240,7 @@ fn the_peer_tests_of_several_gpus_pass_between_devices_shown_on_one_gpu() {
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn a_group_of_devices_on_one_gpu_runs_the_peer_kernels_and_every_other_call_through_the_host() {
     let name = "a_group_of_devices_on_one_gpu_runs_the_peer_kernels_and_every_other_call_through_the_host";
-    if std::env::var_os("COHORT_CUDA_DEVICES").is_none() {
+    if std::env::var_os(SHOWN_CHILD).is_none() {
         let (ok, out) = cuda_common::finish(cuda_common::rerun(name, &shown_on_one_gpu(2)));
         assert!(ok, "the child with two devices on one GPU failed:\n{out}");
         return;
