@@ -196,6 +196,14 @@ fn blocks_for(work: u64) -> u32 {
     work.div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS) as u32
 }
 
+/// The element type whose kernels run `call`: an all-gather moves bytes.
+fn kernel_dtype(call: &PeerCall) -> DType {
+    match *call {
+        PeerCall::AllReduce { dtype, .. } => dtype,
+        PeerCall::AllGather { .. } => DType::U8,
+    }
+}
+
 /// Which kernel runs a call, how many elements it sees, and its grid. The
 /// wide kernels move 16 bytes at a time and run when the size is a multiple
 /// of 16; the choice, and so the split of work between blocks, follows
@@ -220,7 +228,7 @@ fn plan(call: &PeerCall, ranks: u64) -> (&'static str, DType, ReduceOp, u64, u32
             let wide = src.size.is_multiple_of(16);
             let name = if wide { "cohort_peer_gather_wide" } else { "cohort_peer_gather_narrow" };
             let work = if wide { src.size / 16 } else { src.size };
-            (name, DType::U8, ReduceOp::Sum, src.size, blocks_for(work))
+            (name, kernel_dtype(call), ReduceOp::Sum, src.size, blocks_for(work))
         }
     }
 }
@@ -386,8 +394,7 @@ impl CudaBackend {
     /// Compiles and loads the kernels of `call`'s element type (see
     /// `DeviceCollectives::peer_prepare`).
     pub(crate) fn peer_prepare(&mut self, call: &PeerCall) -> Result<(), String> {
-        let dtype = plan(call, 2).1;
-        self.peer_functions(dtype).map(|_| ())
+        self.peer_functions(kernel_dtype(call)).map(|_| ())
     }
 
     /// The peer kernels of `dtype` (in [`KERNELS`] order), compiled and
