@@ -440,7 +440,7 @@ impl DeviceHandle {
     pub fn submit_launch(&self, stream: StreamId, launch: RecordedLaunch) -> Result<(), ServerError> {
         if self.on_server_thread() && !EXCLUSIVE_STATE.with(|s| s.get()).is_null() {
             return self.submit(stream, move |state| {
-                let _ = state.launch(stream, launch);
+                let _ = state.launch(stream, &launch);
             });
         }
         let inline = self.inline_launches && matches!(launch.grid, crate::kernel::GridCount::Static(..));
@@ -449,7 +449,7 @@ impl DeviceHandle {
             if state.backend.kernel_ready(&launch.kernel) {
                 state.stats.inline_tasks += 1;
                 stages::mark(Stage::LaunchEntered);
-                run_launch(state, stream, launch);
+                run_launch(state, stream, &launch);
                 return Ok(());
             }
         }
@@ -834,7 +834,7 @@ impl Spin {
     }
 }
 
-fn run_launch(state: &mut DeviceState, stream: StreamId, launch: RecordedLaunch) {
+fn run_launch(state: &mut DeviceState, stream: StreamId, launch: &RecordedLaunch) {
     if let Err(payload) = catch_unwind(AssertUnwindSafe(|| state.launch(stream, launch))) {
         let err = ServerError::TaskPanicked { device: state.service.device, message: panic_message(payload.as_ref()) };
         tracing::error!(device = %state.service.device, "{err}");
@@ -931,7 +931,7 @@ fn serve(cell: &StateCell, receiver: Receiver<Message>) {
         cell.in_flight.fetch_sub(1, Ordering::AcqRel);
         match message {
             Message::Task(stream, task) => run_caught(&mut state, stream, task),
-            Message::Launch(stream, launch) => run_launch(&mut state, stream, launch),
+            Message::Launch(stream, launch) => run_launch(&mut state, stream, &launch),
             // Taken above, without the lock.
             Message::Wake => {}
             Message::Shutdown => break,

@@ -148,8 +148,14 @@ pub type CpuKernelFn = Arc<dyn Fn(&mut CpuKernelContext<'_>) + Send + Sync>;
 ///
 /// A launch on a backend the kernel has no source for fails, and marks the
 /// launch's buffers with [`crate::ServerError::MissingKernelSource`].
+/// Cloning one costs a reference count (a launch keeps its kernel).
 #[derive(Clone)]
 pub struct Kernel {
+    inner: Arc<KernelInner>,
+}
+
+#[derive(Clone)]
+struct KernelInner {
     id: u64,
     name: Arc<str>,
     block: [u32; 3],
@@ -161,19 +167,31 @@ pub struct Kernel {
 impl Kernel {
     /// A kernel with no sources yet and a block of 256 × 1 × 1.
     pub fn new(name: impl Into<String>) -> Self {
-        Self {
+        let inner = KernelInner {
             id: NEXT_KERNEL.fetch_add(1, Ordering::Relaxed),
             name: Arc::from(name.into()),
             block: [256, 1, 1],
             cpu: None,
             cuda: None,
             wgsl: None,
+        };
+        Self { inner: Arc::new(inner) }
+    }
+
+    /// This kernel's own fields to change (copied first where a clone
+    /// shares them), under a fresh id where a source changes: a compiled
+    /// pipeline cached under the old id is of the old source.
+    fn edit(&mut self, source_changes: bool) -> &mut KernelInner {
+        let inner = Arc::make_mut(&mut self.inner);
+        if source_changes {
+            inner.id = NEXT_KERNEL.fetch_add(1, Ordering::Relaxed);
         }
+        inner
     }
 
     /// The threads of one block (workgroup).
     pub fn with_block(mut self, block: [u32; 3]) -> Self {
-        self.block = block;
+        self.edit(false).block = block;
         self
     }
 
@@ -181,64 +199,65 @@ impl Kernel {
     /// buffers**, not once per thread (see [`CpuKernelFn`] for what it is
     /// given and how to make one kernel behave the same on every backend).
     pub fn with_cpu(mut self, f: impl Fn(&mut CpuKernelContext<'_>) + Send + Sync + 'static) -> Self {
-        self.cpu = Some(Arc::new(f));
+        self.edit(true).cpu = Some(Arc::new(f));
         self
     }
 
     /// Adds CUDA C source, whose entry point is an `extern "C" __global__`
     /// function named like the kernel.
     pub fn with_cuda(mut self, source: impl Into<Arc<str>>) -> Self {
-        self.cuda = Some(source.into());
+        self.edit(true).cuda = Some(source.into());
         self
     }
 
     /// Adds WGSL source, whose entry point is `main`.
     pub fn with_wgsl(mut self, source: impl Into<Arc<str>>) -> Self {
-        self.wgsl = Some(source.into());
+        self.edit(true).wgsl = Some(source.into());
         self
     }
 
-    /// Unique per kernel built with [`Kernel::new`] (clones share it): the key
-    /// compiled pipelines are cached under.
+    /// Unique per kernel and its sources (clones share it; adding a source
+    /// gives a fresh one): the key compiled pipelines are cached under.
     pub fn id(&self) -> u64 {
-        self.id
+        self.inner.id
     }
 
     pub fn name(&self) -> &str {
-        &self.name
+        &self.inner.name
     }
 
     /// The name, shared: keeping it costs a reference count, not a copy.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn shared_name(&self) -> &Arc<str> {
-        &self.name
+        &self.inner.name
     }
 
     pub fn block(&self) -> [u32; 3] {
-        self.block
+        self.inner.block
     }
 
     pub fn cpu_source(&self) -> Option<&CpuKernelFn> {
-        self.cpu.as_ref()
+        self.inner.cpu.as_ref()
     }
 
     pub fn cuda_source(&self) -> Option<&str> {
-        self.cuda.as_deref()
+        self.inner.cuda.as_deref()
     }
 
     pub fn wgsl_source(&self) -> Option<&str> {
-        self.wgsl.as_deref()
+        self.inner.wgsl.as_deref()
     }
 }
 
 impl fmt::Debug for Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = &self.inner;
         f.debug_struct("Kernel")
-            .field("name", &self.name)
-            .field("block", &self.block)
-            .field("cpu", &self.cpu.is_some())
-            .field("cuda", &self.cuda.is_some())
-            .field("wgsl", &self.wgsl.is_some())
+            .field("name", &inner.name)
+            .field("block", &inner.block)
+            .field("cpu", &inner.cpu.is_some())
+            .field("cuda", &inner.cuda.is_some())
+            .field("wgsl", &inner.wgsl.is_some())
             .finish()
     }
 }
@@ -336,5 +355,25 @@ impl KernelArguments {
     pub fn scalar(mut self, value: Scalar) -> Self {
         self.scalars.push(value);
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clone_shares_the_id_and_a_new_source_gets_a_fresh_one() {
+        let base = Kernel::new("k").with_cuda("extern \"C\" __global__ void k() {}");
+        let clone = base.clone();
+        assert_eq!(clone.id(), base.id());
+        let reblocked = base.clone().with_block([64, 1, 1]);
+        assert_eq!(reblocked.id(), base.id(), "the block is given at launch, not compiled in");
+        assert_eq!(reblocked.block(), [64, 1, 1]);
+        assert_eq!(base.block(), [256, 1, 1], "the original keeps its block");
+        let other = base.clone().with_cuda("extern \"C\" __global__ void k() { /* other */ }");
+        assert_ne!(other.id(), base.id(), "a cached pipeline of the old source must not run for the new one");
+        assert_eq!(base.cuda_source(), Some("extern \"C\" __global__ void k() {}"));
+        assert!(other.cuda_source().unwrap().contains("other"));
     }
 }

@@ -348,7 +348,7 @@ impl DeviceState {
     }
 
     /// Runs (or, inside a capture window, records) a launch.
-    pub fn launch(&mut self, stream: StreamId, launch: RecordedLaunch) -> Result<(), ServerError> {
+    pub fn launch(&mut self, stream: StreamId, launch: &RecordedLaunch) -> Result<(), ServerError> {
         if let Some(capture) = self.streams.get_mut(&stream).and_then(|s| s.capture.as_mut()) {
             // Recorded either way: the graph keeps the launch's buffers alive.
             capture.launches.push(launch.clone());
@@ -356,7 +356,7 @@ impl DeviceState {
                 return Ok(());
             }
         }
-        self.launch_now(stream, &launch)
+        self.launch_now(stream, launch)
     }
 
     pub fn launch_now(&mut self, stream: StreamId, launch: &RecordedLaunch) -> Result<(), ServerError> {

@@ -532,3 +532,26 @@ fn a_callers_own_context_is_current_again_after_a_call_ran_on_its_thread() {
     .join()
     .unwrap();
 }
+
+/// A clone of a kernel given another source is another kernel: the
+/// function compiled for the first source (cached by the kernel's id) must
+/// not run for the second.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_clone_given_another_source_runs_its_own_source() {
+    let _serial = serial();
+    let client = client();
+    let scale = kernels::scale();
+    let shift = scale.clone().with_cuda(
+        r#"extern "C" __global__ void scale(float* x, unsigned long long len_bytes, float amount) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    if (i < len_bytes / 4) x[i] += amount;
+}"#,
+    );
+    let x = client.create(Bytes::from_elems(&[3.0f32; 256]));
+    let args = || KernelArguments::new().buffer(&x);
+    client.launch(&scale, GridCount::Static(1, 1, 1), args().scalar(Scalar::F32(2.0))).unwrap();
+    client.launch(&shift, GridCount::Static(1, 1, 1), args().scalar(Scalar::F32(1.0))).unwrap();
+    let values: Vec<f32> = client.read_one(x).unwrap().to_elems();
+    assert!(values.iter().all(|&v| v == 7.0), "3 × 2 + 1 = 7, got {:?}", &values[..4]);
+}

@@ -264,3 +264,27 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         .unwrap();
     assert_eq!(client.read_one(dst).unwrap().to_elems::<f32>(), vec![2.0, 4.0, 6.0]);
 }
+
+/// A clone of a kernel given another source is another kernel: before each
+/// kernel had one id for life, so a pipeline compiled for the first source
+/// (cached by id) ran for the second.
+#[test]
+fn a_clone_given_another_source_runs_its_own_source() {
+    let client = client();
+    let doubling = scale_kernel();
+    let adding_one = doubling.clone().with_wgsl(
+        r#"@group(0) @binding(0) var<storage, read_write> x: array<f32>;
+@group(0) @binding(1) var<storage, read> scalars: array<u32>;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < arrayLength(&x)) { x[gid.x] = x[gid.x] + bitcast<f32>(scalars[0]); }
+}"#,
+    );
+    let x = client.create(Bytes::from_elems(&[3.0f32; 256]));
+    let grid = || GridCount::Static(1, 1, 1);
+    client.launch(&doubling, grid(), KernelArguments::new().buffer(&x).scalar(Scalar::F32(2.0))).unwrap();
+    // The same bindings (one buffer, one scalar): the same pipeline layout.
+    client.launch(&adding_one, grid(), KernelArguments::new().buffer(&x).scalar(Scalar::F32(1.0))).unwrap();
+    let values: Vec<f32> = client.read_one(x).unwrap().to_elems();
+    assert!(values.iter().all(|&v| v == 7.0), "3 × 2 + 1 = 7, got {:?}", &values[..4]);
+}
