@@ -243,7 +243,7 @@ impl CudaBackend {
             gpu: info.gpu,
             ctx,
             serial: NEXT_BACKEND.fetch_add(1, Ordering::Relaxed),
-            pages: DevicePages::new(device),
+            pages: DevicePages::new(device, (devices_on_gpu > 1).then_some(info.gpu)),
             streams: Streams::new(device),
             events: EventPool::new(device, ctx, false),
             timing_events: EventPool::new(device, ctx, true),
@@ -313,8 +313,8 @@ impl CudaBackend {
     /// may never complete until it is aborted), and frees what was held once
     /// neither is.
     fn update_held_frees(&mut self) {
-        self.pages.hold_frees = self.streams.any_capturing() || self.nccl.has_pending_parts();
-        self.pages.release_deferred();
+        let hold = self.streams.any_capturing() || self.nccl.has_pending_parts();
+        self.pages.hold_frees(hold);
     }
 
     fn check(&mut self, stream: StreamId, call: &str, code: sys::CUresult) -> Result<(), ServerError> {
@@ -590,7 +590,7 @@ impl Backend for CudaBackend {
         let raw = self.raw_stream(stream)?;
         graphs::begin(self.device, raw)?;
         self.streams.entry(stream)?.capturing = true;
-        self.pages.hold_frees = true;
+        self.pages.hold_frees(true);
         Ok(true)
     }
 

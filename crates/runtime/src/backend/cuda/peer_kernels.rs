@@ -114,6 +114,9 @@ pub(crate) struct PeerSets {
     sets: HashMap<u64, PeerSet>,
     /// Each element type's kernels, in [`KERNELS`] order.
     functions: HashMap<DType, Vec<sys::CUfunction>>,
+    /// The blocks of a kernel (by its function's address) that fit on one
+    /// SM at once, asked of the driver once per function.
+    blocks_per_sm: HashMap<usize, u64>,
 }
 
 impl PeerSets {
@@ -125,6 +128,7 @@ impl PeerSets {
             unsafe { set.free() };
         }
         self.functions.clear();
+        self.blocks_per_sm.clear();
     }
 
     /// Closes the set's opened handles and, with `own_arena`, frees its
@@ -411,15 +415,27 @@ impl CudaBackend {
     /// The blocks of `function` each of `sharing` members on this GPU may
     /// run so that all of theirs are resident at once (at least 1): every
     /// member on the GPU computes the same.
-    fn resident_share(&self, function: sys::CUfunction, sharing: usize) -> Result<u32, String> {
-        let mut per_sm: c_int = 0;
-        // SAFETY: a loaded function of this context; writes one int.
-        let code =
-            unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, THREADS as c_int, 0) };
-        if code != sys::CUresult::CUDA_SUCCESS {
-            return Err(format!("cuOccupancyMaxActiveBlocksPerMultiprocessor: {}", super::driver::describe(code)));
-        }
-        let resident = per_sm.max(0) as u64 * u64::from(self.properties.compute_units);
+    fn resident_share(&mut self, function: sys::CUfunction, sharing: usize) -> Result<u32, String> {
+        let per_sm = match self.nccl.peer.blocks_per_sm.get(&(function as usize)) {
+            Some(&per_sm) => per_sm,
+            None => {
+                let mut per_sm: c_int = 0;
+                // SAFETY: a loaded function of this context; writes one int.
+                let code = unsafe {
+                    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, THREADS as c_int, 0)
+                };
+                if code != sys::CUresult::CUDA_SUCCESS {
+                    return Err(format!(
+                        "cuOccupancyMaxActiveBlocksPerMultiprocessor: {}",
+                        super::driver::describe(code)
+                    ));
+                }
+                let per_sm = per_sm.max(0) as u64;
+                self.nccl.peer.blocks_per_sm.insert(function as usize, per_sm);
+                per_sm
+            }
+        };
+        let resident = per_sm * u64::from(self.properties.compute_units);
         Ok((resident / sharing as u64).max(1) as u32)
     }
 

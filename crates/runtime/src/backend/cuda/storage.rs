@@ -3,7 +3,10 @@
 //! One `cuMemAlloc` per page, never per buffer. A free asked for while a
 //! stream is inside a graph capture, or while a device collective is pending,
 //! is deferred until neither is, since `cuMemFree` may synchronise the
-//! device.
+//! device. Where several devices are shown on one GPU (`COHORT_CUDA_DEVICES`)
+//! they share its context, so a free waits while any of them holds its
+//! frees: one member's `cuMemFree` would otherwise wait for another
+//! member's peer kernel, which may wait for this member's part.
 
 use crate::id::IdMap;
 
@@ -27,14 +30,58 @@ pub(crate) struct DevicePages {
     /// Frees are held here while `hold_frees` is set (during captures and
     /// pending collectives).
     deferred: Vec<sys::CUdeviceptr>,
-    pub(crate) hold_frees: bool,
+    hold_frees: bool,
+    /// The GPU this device shares with other shown devices, if it does.
+    shared_gpu: Option<usize>,
     /// Driver allocations made, for tests and reports.
     pub(crate) allocations: u64,
 }
 
+/// How many devices of each GPU hold their frees now (counted only where
+/// several devices are shown on the GPU).
+static HOLDING_ON_GPU: parking_lot::Mutex<Vec<usize>> = parking_lot::Mutex::new(Vec::new());
+
 impl DevicePages {
-    pub fn new(device: DeviceId) -> Self {
-        Self { device, pages: IdMap::default(), next: 0, deferred: Vec::new(), hold_frees: false, allocations: 0 }
+    /// The pages of `device`; `shared_gpu` is its GPU where other devices
+    /// are shown on it too.
+    pub fn new(device: DeviceId, shared_gpu: Option<usize>) -> Self {
+        Self {
+            device,
+            pages: IdMap::default(),
+            next: 0,
+            deferred: Vec::new(),
+            hold_frees: false,
+            shared_gpu,
+            allocations: 0,
+        }
+    }
+
+    /// Holds this device's frees (`hold`: a capture open or a device
+    /// collective pending) or lets them go, counting the device among its
+    /// GPU's holders where it shares one; then frees what was deferred
+    /// unless a holder remains.
+    pub fn hold_frees(&mut self, hold: bool) {
+        if hold != self.hold_frees {
+            if let Some(gpu) = self.shared_gpu {
+                let mut holding = HOLDING_ON_GPU.lock();
+                if holding.len() <= gpu {
+                    holding.resize(gpu + 1, 0);
+                }
+                if hold {
+                    holding[gpu] += 1;
+                } else {
+                    holding[gpu] -= 1;
+                }
+            }
+            self.hold_frees = hold;
+        }
+        self.release_deferred();
+    }
+
+    /// Whether frees wait now: this device holds them, or another device
+    /// of its GPU does.
+    fn frees_held(&self) -> bool {
+        self.hold_frees || self.shared_gpu.is_some_and(|gpu| HOLDING_ON_GPU.lock().get(gpu).is_some_and(|&n| n > 0))
     }
 
     /// Device address of a binding, checked against its page.
@@ -55,7 +102,7 @@ impl DevicePages {
 
     /// Frees what was deferred, unless frees are still held.
     pub fn release_deferred(&mut self) {
-        if self.hold_frees {
+        if self.deferred.is_empty() || self.frees_held() {
             return;
         }
         for ptr in self.deferred.drain(..) {
@@ -67,9 +114,11 @@ impl DevicePages {
         }
     }
 
-    /// Frees every page (the backend is going away).
+    /// Frees every page (the backend is going away, its work drained): now,
+    /// whatever the other devices of its GPU hold.
     pub fn release_all(&mut self) {
-        self.hold_frees = false;
+        self.hold_frees(false);
+        self.shared_gpu = None;
         let pages: Vec<PageId> = self.pages.keys().copied().collect();
         for page in pages {
             self.free_page(page);
@@ -80,6 +129,8 @@ impl DevicePages {
 
 impl PageStorage for DevicePages {
     fn alloc_page(&mut self, size: u64) -> Result<PageId, ServerError> {
+        // Frees another device of the GPU held until now go first.
+        self.release_deferred();
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: the device's context is current on this (the device)
         // thread; the call writes one device address.
@@ -107,5 +158,36 @@ impl PageStorage for DevicePages {
 
     fn alignment(&self) -> u64 {
         ALIGNMENT
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Frees of devices shown on one GPU wait while any of them holds its
+    /// own; a device with the GPU to itself minds only its own. (Nothing is
+    /// deferred here, so no driver call is made.)
+    #[test]
+    fn devices_sharing_a_gpu_hold_frees_while_any_of_them_does() {
+        // A GPU ordinal no other test uses.
+        let gpu = 4_000;
+        let id = |i| DeviceId::new(DeviceId::CUDA, i);
+        let (mut a, mut b) = (DevicePages::new(id(0), Some(gpu)), DevicePages::new(id(1), Some(gpu)));
+        let alone = DevicePages::new(id(2), None);
+        assert!(!a.frees_held() && !b.frees_held());
+        a.hold_frees(true);
+        assert!(a.frees_held() && b.frees_held(), "b shares a's context");
+        assert!(!alone.frees_held(), "a device alone on its GPU");
+        b.hold_frees(true);
+        a.hold_frees(false);
+        assert!(a.frees_held(), "b still holds");
+        a.hold_frees(false);
+        b.hold_frees(false);
+        b.hold_frees(false);
+        assert!(!a.frees_held() && !b.frees_held(), "a repeated let-go counts once");
+        b.hold_frees(true);
+        b.release_all();
+        assert!(!a.frees_held(), "a closed device holds nothing");
     }
 }
