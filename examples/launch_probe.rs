@@ -2,9 +2,11 @@
 //! cudarc beside cohort's `Client::launch` in one run: the same one-block
 //! kernel queued by `cuLaunchKernel` with its parameters as an array of
 //! pointers (what cudarc and `cuda_runtime_bench`'s raw rows do), with
-//! them packed in one buffer (`CU_LAUNCH_PARAM_BUFFER_POINTER`), each
-//! after a `cuCtxGetCurrent` (what a caller entering the device pays),
-//! and through cohort. Each round queues `LAUNCHES` kernels (the caller's
+//! them packed in one buffer (`CU_LAUNCH_PARAM_BUFFER_POINTER`), with
+//! pointers after a `cuCtxGetCurrent` (what a caller entering the device
+//! pays), and through cohort (raw ways on GPU 0, cohort's on its device 0:
+//! the same GPU unless `COHORT_CUDA_DEVICES` or `CUDA_VISIBLE_DEVICES`
+//! says otherwise). Each round queues `LAUNCHES` kernels (the caller's
 //! time, timed) and then waits for them (not timed); the ways alternate
 //! round by round, and each figure is the median of the rounds.
 //!

@@ -375,5 +375,8 @@ mod tests {
         assert_ne!(other.id(), base.id(), "a cached pipeline of the old source must not run for the new one");
         assert_eq!(base.cuda_source(), Some("extern \"C\" __global__ void k() {}"));
         assert!(other.cuda_source().unwrap().contains("other"));
+        let id = other.id();
+        let other = other.with_wgsl("@compute @workgroup_size(1) fn main() {}");
+        assert_ne!(other.id(), id, "a kernel given a source of its own (no clone) changes its id too");
     }
 }

@@ -588,19 +588,24 @@ impl Backend for CudaBackend {
     fn begin_native_capture(&mut self, stream: StreamId) -> Result<bool, ServerError> {
         self.check_lost()?;
         let raw = self.raw_stream(stream)?;
-        graphs::begin(self.device, raw)?;
-        self.streams.entry(stream)?.capturing = true;
+        // Held before the capture begins: no free (this device's, or where
+        // devices share the GPU another's) may land inside it.
         self.pages.hold_frees(true);
+        if let Err(err) = graphs::begin(self.device, raw) {
+            self.update_held_frees();
+            return Err(err);
+        }
+        self.streams.entry(stream)?.capturing = true;
         Ok(true)
     }
 
     fn end_native_capture(&mut self, stream: StreamId) -> Result<Box<dyn Any>, ServerError> {
         let raw = self.raw_stream(stream)?;
         self.streams.entry(stream)?.capturing = false;
+        // Frees held during the window wait until the capture has ended.
+        let ended = self.check_lost().and_then(|()| graphs::end(self.device, raw, &self.graphs_alive));
         self.update_held_frees();
-        self.check_lost()?;
-        let exec = graphs::end(self.device, raw, &self.graphs_alive)?;
-        Ok(Box::new(exec))
+        Ok(Box::new(ended?))
     }
 
     fn replay_native(&mut self, stream: StreamId, graph: &mut dyn Any) -> Result<(), ServerError> {

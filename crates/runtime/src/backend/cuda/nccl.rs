@@ -793,6 +793,9 @@ impl CudaBackend {
             Completion::Wait => Some(self.events.take()?),
             Completion::Defer => None,
         };
+        // Frees held before anything is queued: where devices share the GPU,
+        // another's free must not slip in behind this part's kernel.
+        self.pages.hold_frees(true);
         stages::mark(Stage::Issuing);
         let queued = self.queue_work(lib, raw, &work, monitor.timeout()).and_then(|()| {
             let Some(event) = done else { return Ok(()) };
@@ -811,6 +814,7 @@ impl CudaBackend {
             }
             // Earlier parts of this set end with it.
             self.fail_set(lib, set, &reason);
+            self.update_held_frees();
             return Err(self.nccl_error(monitor.operation(), reason));
         }
         let part = PendingPart(self.nccl.next_part);

@@ -28,18 +28,45 @@ pub(crate) struct DevicePages {
     pages: IdMap<PageId, (sys::CUdeviceptr, u64)>,
     next: u64,
     /// Frees are held here while `hold_frees` is set (during captures and
-    /// pending collectives).
+    /// pending collectives), where the device has its GPU to itself.
     deferred: Vec<sys::CUdeviceptr>,
     hold_frees: bool,
-    /// The GPU this device shares with other shown devices, if it does.
+    /// The GPU this device shares with other shown devices, if it does:
+    /// its frees are then held in the GPU's [`SharedFrees`].
     shared_gpu: Option<usize>,
     /// Driver allocations made, for tests and reports.
     pub(crate) allocations: u64,
 }
 
-/// How many devices of each GPU hold their frees now (counted only where
-/// several devices are shown on the GPU).
-static HOLDING_ON_GPU: parking_lot::Mutex<Vec<usize>> = parking_lot::Mutex::new(Vec::new());
+/// The frees of the devices shown on one GPU, which share its context.
+#[derive(Default)]
+struct SharedFrees {
+    /// How many of the GPU's devices hold their frees now.
+    holders: usize,
+    /// Pages any of them freed while one held; freed by whichever device
+    /// lets go last (the context is the same on every member's thread).
+    deferred: Vec<sys::CUdeviceptr>,
+}
+
+/// Per GPU ordinal, for GPUs that show several devices. Its lock is held
+/// across the `cuMemFree`s of the deferred pages, so no device starts
+/// holding (and queues a kernel a free could wait for) midway; no holder
+/// is running then, so the frees wait for no device spinning on another.
+static SHARED_FREES: parking_lot::Mutex<Vec<SharedFrees>> = parking_lot::Mutex::new(Vec::new());
+
+/// Frees `pointers`.
+///
+/// # Safety
+/// Each came from `cuMemAlloc` in the context current on this thread, is
+/// no longer in any page map, and is freed once.
+unsafe fn free_all(pointers: &mut Vec<sys::CUdeviceptr>) {
+    for ptr in pointers.drain(..) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let _ = sys::cuMemFree_v2(ptr);
+        }
+    }
+}
 
 impl DevicePages {
     /// The pages of `device`; `shared_gpu` is its GPU where other devices
@@ -57,31 +84,42 @@ impl DevicePages {
     }
 
     /// Holds this device's frees (`hold`: a capture open or a device
-    /// collective pending) or lets them go, counting the device among its
-    /// GPU's holders where it shares one; then frees what was deferred
-    /// unless a holder remains.
+    /// collective pending, set before the capture begins or the part is
+    /// queued) or lets them go, counting the device among its GPU's holders
+    /// where it shares one; then frees what was deferred unless a holder
+    /// remains.
     pub fn hold_frees(&mut self, hold: bool) {
+        let Some(gpu) = self.shared_gpu else {
+            self.hold_frees = hold;
+            self.release_deferred();
+            return;
+        };
+        let mut shared = SHARED_FREES.lock();
+        if shared.len() <= gpu {
+            shared.resize_with(gpu + 1, SharedFrees::default);
+        }
+        let frees = &mut shared[gpu];
         if hold != self.hold_frees {
-            if let Some(gpu) = self.shared_gpu {
-                let mut holding = HOLDING_ON_GPU.lock();
-                if holding.len() <= gpu {
-                    holding.resize(gpu + 1, 0);
-                }
-                if hold {
-                    holding[gpu] += 1;
-                } else {
-                    holding[gpu] -= 1;
-                }
+            if hold {
+                frees.holders += 1;
+            } else {
+                frees.holders -= 1;
             }
             self.hold_frees = hold;
         }
-        self.release_deferred();
+        if frees.holders == 0 {
+            // SAFETY: pages of this GPU's devices, whose context is current
+            // here, taken out of their maps when deferred.
+            unsafe { free_all(&mut frees.deferred) };
+        }
     }
 
-    /// Whether frees wait now: this device holds them, or another device
-    /// of its GPU does.
+    /// Whether frees wait now: this device holds them, or (sharing its
+    /// GPU) another device of the GPU does.
+    #[cfg(test)]
     fn frees_held(&self) -> bool {
-        self.hold_frees || self.shared_gpu.is_some_and(|gpu| HOLDING_ON_GPU.lock().get(gpu).is_some_and(|&n| n > 0))
+        self.hold_frees
+            || self.shared_gpu.is_some_and(|gpu| SHARED_FREES.lock().get(gpu).is_some_and(|f| f.holders > 0))
     }
 
     /// Device address of a binding, checked against its page.
@@ -102,35 +140,69 @@ impl DevicePages {
 
     /// Frees what was deferred, unless frees are still held.
     pub fn release_deferred(&mut self) {
-        if self.deferred.is_empty() || self.frees_held() {
+        if self.shared_gpu.is_some() {
+            // Held and freed in the GPU's list (`hold_frees`).
+            let hold = self.hold_frees;
+            self.hold_frees(hold);
             return;
         }
-        for ptr in self.deferred.drain(..) {
-            // SAFETY: each pointer came from cuMemAlloc and left the page map
-            // when it was deferred, so it is freed once.
-            unsafe {
-                let _ = sys::cuMemFree_v2(ptr);
-            }
+        if self.hold_frees {
+            return;
         }
+        // SAFETY: each pointer came from cuMemAlloc and left the page map
+        // when it was deferred, so it is freed once.
+        unsafe { free_all(&mut self.deferred) };
     }
 
-    /// Frees every page (the backend is going away, its work drained): now,
-    /// whatever the other devices of its GPU hold.
+    /// Frees every page (the backend is going away, its work drained);
+    /// where other devices of its GPU hold their frees, its pages join the
+    /// GPU's deferred list, freed when the last of them lets go.
     pub fn release_all(&mut self) {
-        self.hold_frees(false);
-        self.shared_gpu = None;
         let pages: Vec<PageId> = self.pages.keys().copied().collect();
         for page in pages {
             self.free_page(page);
         }
-        self.release_deferred();
+        self.hold_frees(false);
+    }
+
+    /// Defers or frees the page at `ptr`, out of the page map already.
+    fn free_ptr(&mut self, ptr: sys::CUdeviceptr) {
+        match self.shared_gpu {
+            None => {
+                self.deferred.push(ptr);
+                self.release_deferred();
+            }
+            Some(gpu) => {
+                let mut shared = SHARED_FREES.lock();
+                if shared.len() <= gpu {
+                    shared.resize_with(gpu + 1, SharedFrees::default);
+                }
+                let frees = &mut shared[gpu];
+                frees.deferred.push(ptr);
+                if frees.holders == 0 {
+                    // SAFETY: as in `hold_frees`.
+                    unsafe { free_all(&mut frees.deferred) };
+                }
+            }
+        }
+    }
+}
+
+impl Drop for DevicePages {
+    /// A device dropped while it still holds (a panic before
+    /// `release_all`) stops counting among its GPU's holders, so the other
+    /// devices' frees do not wait for it forever; nothing is freed here.
+    fn drop(&mut self) {
+        if let (Some(gpu), true) = (self.shared_gpu, self.hold_frees) {
+            if let Some(frees) = SHARED_FREES.lock().get_mut(gpu) {
+                frees.holders -= 1;
+            }
+        }
     }
 }
 
 impl PageStorage for DevicePages {
     fn alloc_page(&mut self, size: u64) -> Result<PageId, ServerError> {
-        // Frees another device of the GPU held until now go first.
-        self.release_deferred();
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: the device's context is current on this (the device)
         // thread; the call writes one device address.
@@ -151,8 +223,7 @@ impl PageStorage for DevicePages {
 
     fn free_page(&mut self, page: PageId) {
         if let Some((ptr, _)) = self.pages.remove(&page) {
-            self.deferred.push(ptr);
-            self.release_deferred();
+            self.free_ptr(ptr);
         }
     }
 
@@ -189,5 +260,10 @@ mod tests {
         b.hold_frees(true);
         b.release_all();
         assert!(!a.frees_held(), "a closed device holds nothing");
+        let mut dropped = DevicePages::new(id(3), Some(gpu));
+        dropped.hold_frees(true);
+        assert!(a.frees_held());
+        drop(dropped);
+        assert!(!a.frees_held(), "a device dropped while holding (a panic) stops holding the others' frees");
     }
 }

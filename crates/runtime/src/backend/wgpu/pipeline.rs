@@ -8,8 +8,9 @@
 //! source is parsed once with naga first, which gives the layout and, for
 //! source that does not parse, the compiler's full diagnostic.
 //!
-//! The cache is keyed by kernel id (clones of a kernel share it) and, behind
-//! that, by source text, so kernels rebuilt with the same source (as
+//! The cache is keyed by kernel id (clones of a kernel share it until one is
+//! given another source) and, behind that, by source text, so kernels
+//! rebuilt with the same source (as
 //! `Kernel::new` does for each call of a kernel constructor) compile once.
 //! A compile failure is cached too: the compiler's message comes back for
 //! every launch of that kernel without compiling again.
