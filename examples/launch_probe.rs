@@ -12,7 +12,7 @@
 //!
 //! Run (CUDA GPU): `cargo run --release --features cuda --example launch_probe -- [LAUNCHES] [ROUNDS]`
 
-use std::ffi::{c_void, CString};
+use std::ffi::c_void;
 use std::time::Instant;
 
 use cohort::runtime::backend::cuda::cudarc;
@@ -22,67 +22,30 @@ use cudarc::driver::sys;
 
 #[path = "support/bench.rs"]
 mod bench;
+#[path = "support/raw_cuda.rs"]
+mod raw_cuda;
 use bench::median;
+use raw_cuda::{ok, Raw};
 
-fn ok(code: sys::CUresult, what: &str) {
-    assert_eq!(code, sys::CUresult::CUDA_SUCCESS, "{what}");
-}
-
-/// The scale kernel loaded from PTX on this thread's primary context, its
-/// own stream, and a buffer of 256 floats.
-struct Raw {
-    stream: sys::CUstream,
-    function: sys::CUfunction,
+/// The raw kernel and stream, and a buffer of 256 floats it scales.
+struct Probe {
+    raw: Raw,
     buffer: sys::CUdeviceptr,
 }
 
-impl Raw {
+impl Probe {
     fn new(source: &str) -> Self {
-        // SAFETY (whole block): plain driver calls on the primary context of
-        // device 0, made current on this thread; every result is checked.
-        unsafe {
-            let mut device = 0;
-            ok(sys::cuDeviceGet(&mut device, 0), "cuDeviceGet");
-            let mut ctx = std::ptr::null_mut();
-            ok(sys::cuDevicePrimaryCtxRetain(&mut ctx, device), "retain");
-            ok(sys::cuCtxSetCurrent(ctx), "set current");
-            let mut stream = std::ptr::null_mut();
-            ok(sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "stream");
-            let ptx = cudarc::nvrtc::compile_ptx(source).expect("raw NVRTC compile");
-            let image = CString::new(ptx.to_src()).unwrap();
-            let mut module = std::ptr::null_mut();
-            ok(sys::cuModuleLoadData(&mut module, image.as_ptr().cast()), "module");
-            let mut function = std::ptr::null_mut();
-            let name = CString::new("scale").unwrap();
-            ok(sys::cuModuleGetFunction(&mut function, module, name.as_ptr()), "function");
-            let mut buffer = 0;
-            ok(sys::cuMemAlloc_v2(&mut buffer, 1024), "cuMemAlloc");
-            Self { stream, function, buffer }
-        }
+        let raw = Raw::new(source);
+        let mut buffer = 0;
+        // SAFETY: the primary context is current (`Raw::new`); writes one
+        // device address.
+        ok(unsafe { sys::cuMemAlloc_v2(&mut buffer, 1024) }, "cuMemAlloc");
+        Self { raw, buffer }
     }
 
     /// One launch, its three parameters given as an array of pointers.
     fn launch_pointers(&self) {
-        let (mut p, mut l, mut f) = (self.buffer, 1024u64, 1.0f32);
-        let mut params =
-            [(&mut p as *mut u64).cast::<c_void>(), (&mut l as *mut u64).cast(), (&mut f as *mut f32).cast()];
-        // SAFETY: a loaded function and three parameters of its types.
-        let code = unsafe {
-            sys::cuLaunchKernel(
-                self.function,
-                1,
-                1,
-                1,
-                256,
-                1,
-                1,
-                0,
-                self.stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        ok(code, "cuLaunchKernel (pointers)");
+        self.raw.launch(self.buffer, 1024, self.raw.stream);
     }
 
     /// One launch, its parameters packed in one buffer as the kernel lays
@@ -106,7 +69,7 @@ impl Raw {
         // parameters' layout and its size, ended by the END marker.
         let code = unsafe {
             sys::cuLaunchKernel(
-                self.function,
+                self.raw.function,
                 1,
                 1,
                 1,
@@ -114,7 +77,7 @@ impl Raw {
                 1,
                 1,
                 0,
-                self.stream,
+                self.raw.stream,
                 std::ptr::null_mut(),
                 extra.as_mut_ptr(),
             )
@@ -130,8 +93,7 @@ impl Raw {
     }
 
     fn sync(&self) {
-        // SAFETY: our live stream.
-        ok(unsafe { sys::cuStreamSynchronize(self.stream) }, "sync");
+        self.raw.sync();
     }
 }
 
@@ -141,7 +103,7 @@ fn main() {
     let rounds: usize = args.next().map_or(21, |a| a.parse().expect("ROUNDS is a number"));
     let client = CudaRuntime::client(0).expect("CUDA device 0").with_stream(StreamId::fresh());
     let scale = kernels::scale();
-    let raw = Raw::new(scale.cuda_source().unwrap());
+    let raw = Probe::new(scale.cuda_source().unwrap());
     let x = client.create(Bytes::from_elems(&[1.0f32; 256]));
 
     type Way<'a> = (&'a str, Box<dyn Fn() + 'a>, Box<dyn Fn() + 'a>);
