@@ -812,9 +812,8 @@ impl CudaBackend {
             if let Some(event) = done {
                 self.events.give(event);
             }
-            // Earlier parts of this set end with it.
+            // Earlier parts of this set end with it; the hold is updated.
             self.fail_set(lib, set, &reason);
-            self.update_held_frees();
             return Err(self.nccl_error(monitor.operation(), reason));
         }
         let part = PendingPart(self.nccl.next_part);

@@ -200,6 +200,18 @@ fn blocks_for(work: u64) -> u32 {
     work.div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS) as u32
 }
 
+/// The blocks of `function` (of `THREADS` threads) one SM holds at once,
+/// as the driver reports.
+fn blocks_per_sm(function: sys::CUfunction) -> Result<u64, String> {
+    let mut per_sm: c_int = 0;
+    // SAFETY: a loaded function of the current context; writes one int.
+    let code = unsafe { sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, THREADS as c_int, 0) };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuOccupancyMaxActiveBlocksPerMultiprocessor: {}", super::driver::describe(code)));
+    }
+    Ok(per_sm.max(0) as u64)
+}
+
 /// The element type whose kernels run `call`: an all-gather moves bytes.
 fn kernel_dtype(call: &PeerCall) -> DType {
     match *call {
@@ -416,21 +428,11 @@ impl CudaBackend {
     /// run so that all of theirs are resident at once (at least 1): every
     /// member on the GPU computes the same.
     fn resident_share(&mut self, function: sys::CUfunction, sharing: usize) -> Result<u32, String> {
-        let per_sm = match self.nccl.peer.blocks_per_sm.get(&(function as usize)) {
-            Some(&per_sm) => per_sm,
+        let cached = self.nccl.peer.blocks_per_sm.get(&(function as usize)).copied();
+        let per_sm = match cached {
+            Some(per_sm) => per_sm,
             None => {
-                let mut per_sm: c_int = 0;
-                // SAFETY: a loaded function of this context; writes one int.
-                let code = unsafe {
-                    sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, THREADS as c_int, 0)
-                };
-                if code != sys::CUresult::CUDA_SUCCESS {
-                    return Err(format!(
-                        "cuOccupancyMaxActiveBlocksPerMultiprocessor: {}",
-                        super::driver::describe(code)
-                    ));
-                }
-                let per_sm = per_sm.max(0) as u64;
+                let per_sm = blocks_per_sm(function)?;
                 self.nccl.peer.blocks_per_sm.insert(function as usize, per_sm);
                 per_sm
             }

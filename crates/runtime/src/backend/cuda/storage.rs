@@ -27,46 +27,52 @@ pub(crate) struct DevicePages {
     device: DeviceId,
     pages: IdMap<PageId, (sys::CUdeviceptr, u64)>,
     next: u64,
-    /// Frees are held here while `hold_frees` is set (during captures and
-    /// pending collectives), where the device has its GPU to itself.
-    deferred: Vec<sys::CUdeviceptr>,
+    /// Whether this device holds its frees (during captures and pending
+    /// collectives).
     hold_frees: bool,
     /// The GPU this device shares with other shown devices, if it does:
-    /// its frees are then held in the GPU's [`SharedFrees`].
+    /// its frees are then held in the GPU's entry of [`SHARED_FREES`].
     shared_gpu: Option<usize>,
+    /// Its held frees where it has its GPU to itself.
+    own: HeldFrees,
     /// Driver allocations made, for tests and reports.
     pub(crate) allocations: u64,
 }
 
-/// The frees of the devices shown on one GPU, which share its context.
+/// Frees held while a holder is running: one device's own, or those of
+/// the devices shown on one GPU, which share its context.
 #[derive(Default)]
-struct SharedFrees {
-    /// How many of the GPU's devices hold their frees now.
+struct HeldFrees {
+    /// How many devices hold their frees now.
     holders: usize,
-    /// Pages any of them freed while one held; freed by whichever device
-    /// lets go last (the context is the same on every member's thread).
+    /// Pages freed while one held, freed by whichever lets go last (where
+    /// devices share a GPU, the context is the same on every member's
+    /// thread).
     deferred: Vec<sys::CUdeviceptr>,
+}
+
+impl HeldFrees {
+    /// Frees what was deferred unless a holder remains.
+    fn release_unless_held(&mut self) {
+        if self.holders > 0 {
+            return;
+        }
+        for ptr in self.deferred.drain(..) {
+            // SAFETY: each pointer came from cuMemAlloc in the context
+            // current on this thread (the device's, or its GPU's shared
+            // one) and left its page map when it was deferred: freed once.
+            unsafe {
+                let _ = sys::cuMemFree_v2(ptr);
+            }
+        }
+    }
 }
 
 /// Per GPU ordinal, for GPUs that show several devices. Its lock is held
 /// across the `cuMemFree`s of the deferred pages, so no device starts
 /// holding (and queues a kernel a free could wait for) midway; no holder
 /// is running then, so the frees wait for no device spinning on another.
-static SHARED_FREES: parking_lot::Mutex<Vec<SharedFrees>> = parking_lot::Mutex::new(Vec::new());
-
-/// Frees `pointers`.
-///
-/// # Safety
-/// Each came from `cuMemAlloc` in the context current on this thread, is
-/// no longer in any page map, and is freed once.
-unsafe fn free_all(pointers: &mut Vec<sys::CUdeviceptr>) {
-    for ptr in pointers.drain(..) {
-        // SAFETY: the caller's contract.
-        unsafe {
-            let _ = sys::cuMemFree_v2(ptr);
-        }
-    }
-}
+static SHARED_FREES: parking_lot::Mutex<Vec<HeldFrees>> = parking_lot::Mutex::new(Vec::new());
 
 impl DevicePages {
     /// The pages of `device`; `shared_gpu` is its GPU where other devices
@@ -76,11 +82,22 @@ impl DevicePages {
             device,
             pages: IdMap::default(),
             next: 0,
-            deferred: Vec::new(),
             hold_frees: false,
             shared_gpu,
+            own: HeldFrees::default(),
             allocations: 0,
         }
+    }
+
+    /// Runs `f` on the frees this device's are held with: its own, or its
+    /// GPU's (locked) where it shares one.
+    fn with_frees<R>(&mut self, f: impl FnOnce(&mut HeldFrees) -> R) -> R {
+        let Some(gpu) = self.shared_gpu else { return f(&mut self.own) };
+        let mut shared = SHARED_FREES.lock();
+        if shared.len() <= gpu {
+            shared.resize_with(gpu + 1, HeldFrees::default);
+        }
+        f(&mut shared[gpu])
     }
 
     /// Holds this device's frees (`hold`: a capture open or a device
@@ -89,37 +106,23 @@ impl DevicePages {
     /// where it shares one; then frees what was deferred unless a holder
     /// remains.
     pub fn hold_frees(&mut self, hold: bool) {
-        let Some(gpu) = self.shared_gpu else {
-            self.hold_frees = hold;
-            self.release_deferred();
-            return;
-        };
-        let mut shared = SHARED_FREES.lock();
-        if shared.len() <= gpu {
-            shared.resize_with(gpu + 1, SharedFrees::default);
-        }
-        let frees = &mut shared[gpu];
-        if hold != self.hold_frees {
-            if hold {
-                frees.holders += 1;
-            } else {
-                frees.holders -= 1;
+        let change = hold != self.hold_frees;
+        self.hold_frees = hold;
+        self.with_frees(|frees| {
+            match (change, hold) {
+                (true, true) => frees.holders += 1,
+                (true, false) => frees.holders -= 1,
+                (false, _) => {}
             }
-            self.hold_frees = hold;
-        }
-        if frees.holders == 0 {
-            // SAFETY: pages of this GPU's devices, whose context is current
-            // here, taken out of their maps when deferred.
-            unsafe { free_all(&mut frees.deferred) };
-        }
+            frees.release_unless_held();
+        });
     }
 
     /// Whether frees wait now: this device holds them, or (sharing its
     /// GPU) another device of the GPU does.
     #[cfg(test)]
-    fn frees_held(&self) -> bool {
-        self.hold_frees
-            || self.shared_gpu.is_some_and(|gpu| SHARED_FREES.lock().get(gpu).is_some_and(|f| f.holders > 0))
+    fn frees_held(&mut self) -> bool {
+        self.with_frees(|frees| frees.holders > 0)
     }
 
     /// Device address of a binding, checked against its page.
@@ -138,22 +141,6 @@ impl DevicePages {
         Ok(base + binding.offset)
     }
 
-    /// Frees what was deferred, unless frees are still held.
-    pub fn release_deferred(&mut self) {
-        if self.shared_gpu.is_some() {
-            // Held and freed in the GPU's list (`hold_frees`).
-            let hold = self.hold_frees;
-            self.hold_frees(hold);
-            return;
-        }
-        if self.hold_frees {
-            return;
-        }
-        // SAFETY: each pointer came from cuMemAlloc and left the page map
-        // when it was deferred, so it is freed once.
-        unsafe { free_all(&mut self.deferred) };
-    }
-
     /// Frees every page (the backend is going away, its work drained);
     /// where other devices of its GPU hold their frees, its pages join the
     /// GPU's deferred list, freed when the last of them lets go.
@@ -164,28 +151,6 @@ impl DevicePages {
         }
         self.hold_frees(false);
     }
-
-    /// Defers or frees the page at `ptr`, out of the page map already.
-    fn free_ptr(&mut self, ptr: sys::CUdeviceptr) {
-        match self.shared_gpu {
-            None => {
-                self.deferred.push(ptr);
-                self.release_deferred();
-            }
-            Some(gpu) => {
-                let mut shared = SHARED_FREES.lock();
-                if shared.len() <= gpu {
-                    shared.resize_with(gpu + 1, SharedFrees::default);
-                }
-                let frees = &mut shared[gpu];
-                frees.deferred.push(ptr);
-                if frees.holders == 0 {
-                    // SAFETY: as in `hold_frees`.
-                    unsafe { free_all(&mut frees.deferred) };
-                }
-            }
-        }
-    }
 }
 
 impl Drop for DevicePages {
@@ -193,10 +158,8 @@ impl Drop for DevicePages {
     /// `release_all`) stops counting among its GPU's holders, so the other
     /// devices' frees do not wait for it forever; nothing is freed here.
     fn drop(&mut self) {
-        if let (Some(gpu), true) = (self.shared_gpu, self.hold_frees) {
-            if let Some(frees) = SHARED_FREES.lock().get_mut(gpu) {
-                frees.holders -= 1;
-            }
+        if self.hold_frees {
+            self.with_frees(|frees| frees.holders -= 1);
         }
     }
 }
@@ -223,7 +186,10 @@ impl PageStorage for DevicePages {
 
     fn free_page(&mut self, page: PageId) {
         if let Some((ptr, _)) = self.pages.remove(&page) {
-            self.free_ptr(ptr);
+            self.with_frees(|frees| {
+                frees.deferred.push(ptr);
+                frees.release_unless_held();
+            });
         }
     }
 
@@ -245,7 +211,7 @@ mod tests {
         let gpu = 4_000;
         let id = |i| DeviceId::new(DeviceId::CUDA, i);
         let (mut a, mut b) = (DevicePages::new(id(0), Some(gpu)), DevicePages::new(id(1), Some(gpu)));
-        let alone = DevicePages::new(id(2), None);
+        let mut alone = DevicePages::new(id(2), None);
         assert!(!a.frees_held() && !b.frees_held());
         a.hold_frees(true);
         assert!(a.frees_held() && b.frees_held(), "b shares a's context");
