@@ -3,7 +3,6 @@
 use std::fmt::Display;
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -11,6 +10,7 @@ use parking_lot::Mutex;
 
 use super::error::{Result, StoreError};
 use super::protocol::{self, Request, Response, MAX_FRAME, MAX_KEY};
+use super::rank_sockets::take_relay_socket;
 
 /// Extra time a client gives the server to answer a `wait` or `barrier`
 /// beyond the timeout the server applies itself.
@@ -663,154 +663,6 @@ fn exchange(
         }
     }
     Ok(answers)
-}
-
-/// The relay sockets the launcher gave this process (`COHORT_STORE_FD`)
-/// not taken yet, in order; `None` until the variable is read.
-static RELAY_SOCKETS: parking_lot::Mutex<Option<std::collections::VecDeque<RawFd>>> = parking_lot::Mutex::new(None);
-
-/// The next relay socket of `COHORT_STORE_FD` not taken yet, checked.
-fn take_relay_socket() -> Result<Option<UnixStream>> {
-    let mut pool = RELAY_SOCKETS.lock();
-    if pool.is_none() {
-        let fds = cohort_runtime::config::STORE_FD.get().map_err(|e| StoreError::Relay(e.to_string()))?;
-        *pool = Some(claim_relay_sockets(fds.unwrap_or_default()).into());
-    }
-    match pool.as_mut().and_then(|p| p.pop_front()) {
-        Some(fd) => relay_socket(fd).map(Some),
-        None => Ok(None),
-    }
-}
-
-/// The descriptors of `COHORT_STORE_FD` this process takes: all of them,
-/// each marked close-on-exec at once (programs this rank starts from now on
-/// do not hold them: a socket held elsewhere would keep a dead rank's
-/// session, and its will, open), when every one is a Unix stream socket
-/// whose other end was made by one process that is this one or an ancestor
-/// of it (the launcher, also through wrappers such as `timeout` or a shell
-/// script that starts the rank); otherwise none, and the process connects
-/// directly: the variable was inherited from a rank by a program it
-/// started, where the rank's descriptors are closed or their numbers reused.
-pub(crate) fn claim_relay_sockets(fds: Vec<RawFd>) -> Vec<RawFd> {
-    let makers: Option<Vec<libc::pid_t>> = fds.iter().map(|&fd| unix_stream_peer(fd)).collect();
-    let maker = match makers.as_deref() {
-        None => {
-            tracing::debug!("COHORT_STORE_FD names descriptors that are not relay sockets here (inherited from the rank that started this program?): connecting to the store directly");
-            return Vec::new();
-        }
-        Some([]) => return fds,
-        Some([first, rest @ ..]) if rest.iter().all(|p| p == first) => *first,
-        Some(_) => {
-            tracing::debug!(
-                "COHORT_STORE_FD's sockets were made by different processes: connecting to the store directly"
-            );
-            return Vec::new();
-        }
-    };
-    // SAFETY: getpid has no preconditions.
-    let me = unsafe { libc::getpid() };
-    if maker == 0 {
-        // Made in another PID namespace (a container between the launcher
-        // and this process): nothing here can tell whose they are.
-        tracing::warn!(
-            "COHORT_STORE_FD's sockets were made outside this PID namespace: connecting to the store directly"
-        );
-        return Vec::new();
-    }
-    if maker != me && !is_ancestor(maker) {
-        tracing::debug!(
-            maker,
-            "COHORT_STORE_FD's sockets were made for another process: connecting to the store directly"
-        );
-        return Vec::new();
-    }
-    for &fd in &fds {
-        // SAFETY: setting FD_CLOEXEC on a descriptor changes no memory.
-        unsafe {
-            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
-        }
-    }
-    fds
-}
-
-/// The process that made the other end of `fd`, when `fd` is an open Unix
-/// stream socket (0 when it was made in another PID namespace).
-fn unix_stream_peer(fd: RawFd) -> Option<libc::pid_t> {
-    if socket_option(fd, libc::SO_DOMAIN).ok()? != libc::AF_UNIX
-        || socket_option(fd, libc::SO_TYPE).ok()? != libc::SOCK_STREAM
-    {
-        return None;
-    }
-    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which
-    // outlives the call; any descriptor number is safe to ask about.
-    let rc = unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
-    };
-    (rc == 0).then_some(cred.pid)
-}
-
-/// The integer socket option `option` (`SOL_SOCKET` level) of `fd`.
-fn socket_option(fd: RawFd, option: libc::c_int) -> io::Result<libc::c_int> {
-    let mut value: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `value`, which
-    // outlives the call; any descriptor number is safe to ask about.
-    let rc =
-        unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, option, (&mut value as *mut libc::c_int).cast(), &mut len) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(value)
-}
-
-/// Whether process `pid` is an ancestor of this one (its parent, the
-/// parent's parent, ...; read from /proc, at most 64 generations).
-fn is_ancestor(pid: libc::pid_t) -> bool {
-    // SAFETY: getppid has no preconditions.
-    let mut at = unsafe { libc::getppid() };
-    for _ in 0..64 {
-        if at == pid {
-            return true;
-        }
-        if at <= 1 {
-            return false;
-        }
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{at}/stat")) else { return false };
-        // "pid (command) state ppid ...": the command may hold spaces and
-        // parentheses, so the fields after its last ')'.
-        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return false };
-        match after.split_whitespace().nth(1).and_then(|p| p.parse().ok()) {
-            Some(parent) => at = parent,
-            None => return false,
-        }
-    }
-    false
-}
-
-/// The descriptor `fd` (from `COHORT_STORE_FD`) as the socket of this
-/// rank's end of its node relay, checked to be an open stream socket.
-pub(crate) fn relay_socket(fd: RawFd) -> Result<UnixStream> {
-    let bad = |why: String| {
-        StoreError::Relay(format!(
-            "descriptor {fd} of COHORT_STORE_FD is not this process's end of its node relay: {why}; run the \
-             program under `cohort run`, or unset COHORT_STORE_FD to connect to the store directly"
-        ))
-    };
-    let kind = socket_option(fd, libc::SO_TYPE).map_err(|e| bad(e.to_string()))?;
-    if kind != libc::SOCK_STREAM {
-        return Err(bad("it is not a stream socket".into()));
-    }
-    if socket_option(fd, libc::SO_DOMAIN).ok() != Some(libc::AF_UNIX) {
-        return Err(bad("it is not a Unix-domain socket (a relay's end is one of a socket pair)".into()));
-    }
-    // SAFETY: the descriptor is an open socket (checked above) that the
-    // launcher handed to this process for the store alone, and the caller
-    // takes it once per process (claimed, so already close-on-exec: see
-    // `claim_relay_sockets`); from here the client owns it.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    Ok(UnixStream::from(owned))
 }
 
 /// The bytes of a value answered by the server (shared only on its side).

@@ -51,6 +51,7 @@ mod client;
 mod descriptors;
 mod error;
 mod protocol;
+mod rank_sockets;
 pub mod raw;
 mod relay;
 mod server;
@@ -67,7 +68,7 @@ pub use client::{CompareSet, StoreClient};
 pub use descriptors::reserve_descriptors;
 pub use error::{Result, StoreError};
 pub use protocol::{MAX_FRAME, MAX_KEY, MAX_VALUE, PREAUTH_MAX_FRAME, SESSION_OVERHEAD};
-pub use relay::{StoreRelay, UnjoinedRelay, MAX_RELAYED_FRAME};
+pub use relay::{StoreRelay, UnjoinedRelay, MAX_RELAYED_FRAME, MAX_RELAY_HELD};
 pub use server::{StoreServer, MAX_UNAUTHENTICATED, MAX_WORKERS};
 
 /// Returns a fresh random job secret: 32 bytes from the operating system, as

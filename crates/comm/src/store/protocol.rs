@@ -452,6 +452,23 @@ impl<'a> Decoder<'a> {
     }
 }
 
+/// Room an answer that carries no value takes beyond the request it
+/// answers: a refusal's message, a code and a few numbers.
+const SMALL_ANSWER: usize = 4 << 10;
+
+/// The most bytes the frame (length prefix and body) answering the request
+/// frame body `request` may take, judged by its first byte alone: a whole
+/// frame for requests that answer values (get, multi-get, compare-set,
+/// barrier-get), otherwise what the request itself holds (a wait's missing
+/// keys are some of its own) plus [`SMALL_ANSWER`]. A node relay budgets
+/// the answers it holds for a rank with it, without decoding the request.
+pub(crate) fn answer_bound(request: &[u8]) -> usize {
+    match request.first() {
+        Some(2 | 5 | 10 | 12) => 4 + MAX_FRAME,
+        _ => 4 + request.len() + SMALL_ANSWER,
+    }
+}
+
 /// A client's request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Request {
@@ -767,6 +784,18 @@ mod tests {
         ];
         for r in reqs {
             assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+            // A relay budgets a whole frame for the answers that carry
+            // values, and little for the rest.
+            let values = matches!(
+                r,
+                Request::Get { .. }
+                    | Request::CompareSet { .. }
+                    | Request::MultiGet { .. }
+                    | Request::BarrierGet { .. }
+            );
+            let bound = answer_bound(&r.encode());
+            assert_eq!(bound == 4 + MAX_FRAME, values, "{r:?}: {bound}");
+            assert!(values || bound <= 4 + r.encode().len() + SMALL_ANSWER, "{r:?}: {bound}");
         }
         let resps = [
             Response::Ok,

@@ -16,16 +16,22 @@
 //! closed: its next call fails at once instead of hanging.
 //!
 //! One thread serves the relay with non-blocking sockets (mio). It holds
-//! little for any rank: it stops reading a rank that has
-//! [`MAX_IN_FLIGHT`] requests unanswered or leaves [`RANK_BACKLOG`] bytes
-//! of answers unread, and every rank while [`UPSTREAM_BACKLOG`] bytes wait
-//! for the store, and reads [`READ_TURN`] bytes of one rank per turn; the
-//! kernel holds the rest, so a rank that writes without reading blocks
-//! while its neighbours are served.
+//! little for any rank: at most [`MAX_RELAY_HELD`] bytes of answers. The
+//! store's connection is shared, so its answers are always read (a rank
+//! that does not read must not stall its neighbours' answers behind its
+//! own): instead a rank's request is passed to the store only when the
+//! largest answer it may bring fits the rank's budget beside the answers
+//! it leaves unread and those still coming ([`RANK_BUDGET`]; one request
+//! alone always goes). The relay also stops reading a rank that has
+//! [`MAX_IN_FLIGHT`] requests unanswered, and every rank while
+//! [`UPSTREAM_BACKLOG`] bytes wait for the store, and reads [`READ_TURN`]
+//! bytes of one rank per turn; the kernel holds the rest, so a rank that
+//! writes without reading blocks while its neighbours are served.
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -66,9 +72,22 @@ const STOP_FLUSH: Duration = Duration::from_secs(1);
 /// the ranks (the kernel holds what they send meanwhile).
 const UPSTREAM_BACKLOG: usize = 1 << 20;
 
-/// Bytes of answers a rank may leave unread in the relay before the relay
-/// stops reading its requests.
-const RANK_BACKLOG: usize = 1 << 20;
+/// Bytes of answers the relay may hold for one rank, counting the answers
+/// it has not written to the rank yet and, at their largest
+/// ([`protocol::answer_bound`]), those still to come from the store. A
+/// request whose answer would not fit waits (in the relay, then in the
+/// kernel) until the rank reads; one request alone, with nothing held or
+/// coming for its rank, always goes, however large its answer may be.
+/// Requests whose answers are small (set, add, wait, barrier, append, ...)
+/// go many at a time; those that answer values (get, multi-get,
+/// compare-set, barrier-get) one at a time.
+const RANK_BUDGET: usize = 1 << 20;
+
+/// The most bytes of answers the relay holds for one rank at once (plus a
+/// refusal of its own of a few hundred bytes): [`RANK_BUDGET`], or one
+/// answer of the largest frame. A rank that asks for large values and
+/// never reads them costs its node's launcher no more than this.
+pub const MAX_RELAY_HELD: usize = if RANK_BUDGET > 4 + MAX_FRAME { RANK_BUDGET } else { 4 + MAX_FRAME };
 
 /// Bytes read from one rank per turn of the relay's loop (more when one
 /// frame is larger), so that a rank that writes without pause shares the
@@ -91,6 +110,8 @@ pub struct StoreRelay {
     stop: Arc<AtomicBool>,
     /// Ends whose rank exited, for the thread to close.
     exited: Arc<Mutex<Vec<usize>>>,
+    /// The most bytes of answers held for one rank at once so far.
+    peak_held: Arc<AtomicUsize>,
     waker: Arc<Waker>,
     /// The thread is past joining the store ([`StoreRelay::spawn`]'s may
     /// still be in its handshake: dropping the relay then does not wait).
@@ -193,6 +214,13 @@ impl StoreRelay {
     pub fn rank_exited(&self, ends: std::ops::Range<usize>) {
         self.exited.lock().extend(ends);
         let _ = self.waker.wake();
+    }
+
+    /// The most bytes of answers the relay has held at once for any one
+    /// of its ranks since it started (written to no rank yet, or partly):
+    /// at most [`MAX_RELAY_HELD`]. Does not wait.
+    pub fn peak_held(&self) -> usize {
+        self.peak_held.load(Ordering::Relaxed)
     }
 }
 
@@ -370,14 +398,18 @@ struct Local {
     stream: MioUnixStream,
     /// Bytes read and not yet passed on as whole frames.
     input: Vec<u8>,
-    /// Answers for the rank, the first `written` bytes sent.
+    /// Answers for the rank, the first `written` bytes sent (all of it
+    /// held until it is all written).
     output: Vec<u8>,
     written: usize,
     /// A readable event came since a read found the socket empty (or a
     /// read stopped at its turn's limit).
     readable: bool,
-    /// Requests passed to the store whose answers have not come back.
-    in_flight: usize,
+    /// The largest answer of each request passed to the store whose answer
+    /// has not come back, in order.
+    expected: VecDeque<usize>,
+    /// Their sum.
+    expected_bytes: usize,
     /// Why its last frame is refused (over the relay's limit): written
     /// behind the answers to the requests in flight, once they are all
     /// here; nothing more is read from the rank.
@@ -399,24 +431,57 @@ impl Local {
             written: 0,
             // Registering a socket reports what it already holds; read it anyway.
             readable: true,
-            in_flight: 0,
+            expected: VecDeque::new(),
+            expected_bytes: 0,
             refusal: None,
             draining: false,
             hung_up: false,
         }
     }
 
-    /// Whether the relay takes requests from the rank now: not while it
-    /// leaves [`RANK_BACKLOG`] bytes of answers unread or has
-    /// [`MAX_IN_FLIGHT`] requests unanswered, nor while [`UPSTREAM_BACKLOG`]
-    /// bytes wait for the store (`upstream` of them do now). The kernel
-    /// holds what it sends meanwhile, and its writes block.
+    /// Requests passed to the store whose answers have not come back.
+    fn in_flight(&self) -> usize {
+        self.expected.len()
+    }
+
+    /// Whether a request whose answer takes at most `answer` bytes may go
+    /// to the store now: it fits [`RANK_BUDGET`] beside what the relay
+    /// holds and expects for the rank, or the relay holds and expects
+    /// nothing for it.
+    fn admits(&self, answer: usize) -> bool {
+        (self.output.is_empty() && self.expected.is_empty())
+            || self.output.len() + self.expected_bytes + answer <= RANK_BUDGET
+    }
+
+    /// Notes that a request whose answer takes at most `answer` bytes went
+    /// to the store.
+    fn expect(&mut self, answer: usize) {
+        self.expected.push_back(answer);
+        self.expected_bytes += answer;
+    }
+
+    /// Takes the answer `answer` (its frame's body) to the oldest request
+    /// in flight, to be written to the rank.
+    fn answered(&mut self, answer: &[u8]) {
+        self.output.extend_from_slice(&(answer.len() as u32).to_le_bytes());
+        self.output.extend_from_slice(answer);
+        if let Some(bound) = self.expected.pop_front() {
+            self.expected_bytes -= bound;
+        }
+    }
+
+    /// Whether the relay takes requests from the rank now: not while the
+    /// answer of the whole request it has read would not fit its budget
+    /// ([`Local::admits`]), or it has [`MAX_IN_FLIGHT`] requests
+    /// unanswered, nor while [`UPSTREAM_BACKLOG`] bytes wait for the store
+    /// (`upstream` of them do now). The kernel holds what it sends
+    /// meanwhile, and its writes block.
     fn takes_requests(&self, upstream: usize) -> bool {
         self.refusal.is_none()
             && !self.draining
-            && self.output.len() - self.written <= RANK_BACKLOG
-            && self.in_flight < MAX_IN_FLIGHT
+            && self.in_flight() < MAX_IN_FLIGHT
             && upstream <= UPSTREAM_BACKLOG
+            && head_frame(&self.input).is_none_or(|body| self.admits(protocol::answer_bound(body)))
     }
 
     /// Whether a turn of the loop can do something for it now without an
@@ -433,6 +498,13 @@ impl Local {
 /// Requests a rank may have unanswered through the relay (a `StoreClient`
 /// has one; a pipelined batch a few).
 const MAX_IN_FLIGHT: usize = 64;
+
+/// The body of the whole frame at the head of `input`, if it is all here
+/// (and not over the limit).
+fn head_frame(input: &[u8]) -> Option<&[u8]> {
+    let end = frame_end(input);
+    (end > 0 && input.len() >= end).then(|| &input[4..end])
+}
 
 /// Whether `input` starts with a whole frame (or a length over the limit).
 fn whole_frame(input: &[u8]) -> bool {
@@ -461,6 +533,8 @@ struct Relay {
     stop: Arc<AtomicBool>,
     /// Ends whose process exited (see [`StoreRelay::rank_exited`]).
     exited: Arc<Mutex<Vec<usize>>>,
+    /// See [`StoreRelay::peak_held`].
+    peak_held: Arc<AtomicUsize>,
     /// Wakes the thread's poll (kept for the handle).
     waker: Arc<Waker>,
     scratch: Vec<u8>,
@@ -510,6 +584,7 @@ impl Relay {
             locals,
             stop: Arc::new(AtomicBool::new(false)),
             exited: Arc::new(Mutex::new(Vec::new())),
+            peak_held: Arc::new(AtomicUsize::new(0)),
             waker,
             scratch: vec![0; READ_TURN],
         };
@@ -542,6 +617,7 @@ impl Relay {
             addr: self.addr.clone(),
             stop: self.stop.clone(),
             exited: self.exited.clone(),
+            peak_held: self.peak_held.clone(),
             waker: self.waker.clone(),
             joined,
             thread: None,
@@ -707,12 +783,19 @@ impl Relay {
                 break;
             }
             let Some(up) = &mut self.upstream else { break };
-            if !exiting && open && (l.in_flight >= MAX_IN_FLIGHT || up.output.len() - up.written > UPSTREAM_BACKLOG) {
+            let body = &l.input[at + 4..at + 4 + len];
+            let answer = protocol::answer_bound(body);
+            if !exiting
+                && open
+                && (l.in_flight() >= MAX_IN_FLIGHT
+                    || up.output.len() - up.written > UPSTREAM_BACKLOG
+                    || !l.admits(answer))
+            {
                 break;
             }
             up.output.extend_from_slice(&protocol::session_head(protocol::IN_SESSION, session, len));
-            up.output.extend_from_slice(&l.input[at + 4..at + 4 + len]);
-            l.in_flight += 1;
+            up.output.extend_from_slice(body);
+            l.expect(answer);
             sent += 1;
             at += 4 + len;
         }
@@ -733,7 +816,7 @@ impl Relay {
     /// its end is closed once the refusal is written.
     fn refuse_when_answered(&mut self, i: usize) {
         let Some(l) = &mut self.locals[i] else { return };
-        if l.in_flight > 0 {
+        if l.in_flight() > 0 {
             return;
         }
         let Some(why) = l.refusal.take() else { return };
@@ -787,9 +870,8 @@ impl Relay {
                     // A rank that left: its answer has no one to go to.
                     if let Some(Some(l)) = self.locals.get_mut(i) {
                         if !l.draining {
-                            l.output.extend_from_slice(&(answer.len() as u32).to_le_bytes());
-                            l.output.extend_from_slice(answer);
-                            l.in_flight = l.in_flight.saturating_sub(1);
+                            l.answered(answer);
+                            self.peak_held.fetch_max(l.output.len(), Ordering::Relaxed);
                         }
                     }
                 }
@@ -804,6 +886,7 @@ impl Relay {
             }
         }
         up.input.drain(..at);
+        release_if_large(&mut up.input);
         if let Some(why) = failure {
             return Err(why);
         }
@@ -888,7 +971,8 @@ fn read_some(
 }
 
 /// Writes what a non-blocking socket takes of `output` from `written`;
-/// empties the buffer once it is all written.
+/// empties the buffer once it is all written (and gives back its memory
+/// when a large answer grew it).
 fn flush(stream: &mut impl Write, output: &mut Vec<u8>, written: &mut usize) -> io::Result<()> {
     while *written < output.len() {
         match stream.write(&output[*written..]) {
@@ -901,5 +985,14 @@ fn flush(stream: &mut impl Write, output: &mut Vec<u8>, written: &mut usize) -> 
     }
     output.clear();
     *written = 0;
+    release_if_large(output);
     Ok(())
+}
+
+/// Gives back the memory of `buf` when it is empty and a large frame grew
+/// it past [`RANK_BUDGET`] (an idle buffer keeps less).
+fn release_if_large(buf: &mut Vec<u8>) {
+    if buf.is_empty() && buf.capacity() > RANK_BUDGET {
+        *buf = Vec::new();
+    }
 }

@@ -1795,6 +1795,43 @@ fn store_relay_stops_reading_a_rank_that_sends_without_reading_its_answers() {
     assert!(matches!(greedy.read(&mut none), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock));
 }
 
+/// A rank that asks for a large value many times at once and reads none
+/// of the answers: the relay holds one answer for it, not all of them (it
+/// once held every one: its launcher grew to 949 MB for 20 gets of
+/// 30 MiB), while its neighbour's round trips go on; once the rank reads,
+/// every answer comes, in order.
+#[test]
+fn store_relay_holds_at_most_its_budget_for_a_rank_that_does_not_read() {
+    use std::io::Write;
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let big: Vec<u8> = (0..8 << 20).map(|i| (i % 241) as u8).collect();
+    client(&s).set("big", &big).unwrap();
+    let (relay, mut ends) = StoreRelay::start(&addr, SECRET, 2, T).unwrap();
+    let neighbour = StoreClient::over_relay(ends.pop().unwrap(), &addr, SECRET, T).unwrap();
+    let mut hoarder = ends.pop().unwrap();
+    const GETS: usize = 24;
+    hoarder.write_all(&framed(&get("big").encode()).repeat(GETS)).unwrap();
+    // The first answer comes (more than the sockets hold), and is held.
+    wait_for(|| relay.peak_held() >= big.len());
+    // The neighbour's round trips go on meanwhile (each behind whatever the
+    // store answered the hoarder before it).
+    for i in 1..=20 {
+        assert_eq!(neighbour.add("n", 1).unwrap(), i);
+    }
+    assert_eq!(neighbour.get("big").unwrap().map(|v| v.len()), Some(big.len()));
+    let peak = relay.peak_held();
+    assert!(peak <= super::MAX_RELAY_HELD, "held {peak} bytes for one rank, over {}", super::MAX_RELAY_HELD);
+    assert!(peak < 2 * big.len(), "held {peak} bytes for a rank that read none of its answers of {}", big.len());
+    // Once it reads, every answer comes, in order, one at a time.
+    hoarder.set_read_timeout(Some(T)).unwrap();
+    for _ in 0..GETS {
+        let body = protocol::read_frame(&mut hoarder).unwrap();
+        assert_eq!(protocol::Response::decode(&body).unwrap(), value(&big));
+    }
+    assert!(relay.peak_held() < 2 * big.len(), "held {} bytes", relay.peak_held());
+}
+
 #[test]
 fn store_relay_refuses_an_oversized_frame_behind_the_answers_in_flight() {
     use std::io::{Read, Write};
@@ -1827,19 +1864,19 @@ fn store_rank_descriptor_is_checked() {
     // Not an open descriptor, and not a socket: clear errors naming the
     // variable (the first call of a process takes COHORT_STORE_FD; these
     // check the descriptor alone).
-    let msg = super::client::relay_socket(1 << 20).unwrap_err().to_string();
+    let msg = super::rank_sockets::relay_socket(1 << 20).unwrap_err().to_string();
     assert!(msg.contains("descriptor 1048576 of COHORT_STORE_FD") && msg.contains("Bad file descriptor"), "{msg}");
     let file = std::fs::File::open("/dev/null").unwrap();
     use std::os::fd::IntoRawFd;
     let fd = file.into_raw_fd();
-    let msg = super::client::relay_socket(fd).unwrap_err().to_string();
+    let msg = super::rank_sockets::relay_socket(fd).unwrap_err().to_string();
     assert!(msg.contains(&format!("descriptor {fd} of COHORT_STORE_FD")) && msg.contains("non-socket"), "{msg}");
     // SAFETY: `fd` is the /dev/null descriptor opened above, owned here.
     unsafe { libc::close(fd) };
     // Open, a socket, but not one of a socket pair: refused too.
     let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     use std::os::fd::AsRawFd;
-    let msg = super::client::relay_socket(tcp.as_raw_fd()).unwrap_err().to_string();
+    let msg = super::rank_sockets::relay_socket(tcp.as_raw_fd()).unwrap_err().to_string();
     assert!(msg.contains("not a Unix-domain socket"), "{msg}");
     // A relayed client's address is the store's, host:port (what a rank
     // finds its own address for other nodes from), not the text errors show.
@@ -1849,20 +1886,29 @@ fn store_rank_descriptor_is_checked() {
     // What a process takes of the list: nothing when its first descriptor
     // is closed (the list was inherited from a rank by a program it
     // started); the sockets made for it, marked close-on-exec.
-    assert!(super::client::claim_relay_sockets(vec![1 << 20, 1 << 20 | 1]).is_empty());
+    use super::rank_sockets::claim_relay_sockets;
+    assert!(claim_relay_sockets(vec![1 << 20, 1 << 20 | 1]).fds.is_empty());
     // Nor when the number is some other file's (reused in a program the
     // rank started): not taken, and its flags left as they were.
     let other = std::fs::File::open("/dev/null").unwrap();
     // SAFETY: clearing FD_CLOEXEC on a descriptor this test owns.
     unsafe { libc::fcntl(other.as_raw_fd(), libc::F_SETFD, 0) };
-    assert!(super::client::claim_relay_sockets(vec![other.as_raw_fd()]).is_empty());
+    assert!(claim_relay_sockets(vec![other.as_raw_fd()]).fds.is_empty());
     // SAFETY: F_GETFD reads the flags of a descriptor this test owns.
     assert_eq!(unsafe { libc::fcntl(other.as_raw_fd(), libc::F_GETFD) } & libc::FD_CLOEXEC, 0);
     let (mine, _other) = std::os::unix::net::UnixStream::pair().unwrap();
-    assert_eq!(super::client::claim_relay_sockets(vec![mine.as_raw_fd()]), vec![mine.as_raw_fd()]);
+    let claim = claim_relay_sockets(vec![mine.as_raw_fd()]);
+    assert_eq!(claim.fds, [mine.as_raw_fd()]);
     // SAFETY: F_GETFD reads the flags of a descriptor this test owns.
     let flags = unsafe { libc::fcntl(mine.as_raw_fd(), libc::F_GETFD) };
     assert!(flags & libc::FD_CLOEXEC != 0, "a claimed relay socket is closed on exec");
+    // One claim at a time: while it is held, another process of the rank
+    // (here a second claim) gets none and connects directly; once the
+    // holder is gone (a program of the rank that exited), the next takes
+    // them.
+    assert!(claim_relay_sockets(vec![mine.as_raw_fd()]).fds.is_empty(), "claimed twice at once");
+    drop(claim);
+    assert_eq!(claim_relay_sockets(vec![mine.as_raw_fd()]).fds, [mine.as_raw_fd()]);
     // The variable holds a list of descriptors; anything else is an error
     // naming it.
     use cohort_runtime::config::STORE_FD;
@@ -1925,5 +1971,85 @@ fn store_server_grows_the_descriptor_table_child() {
     assert!(table() >= held, "reserved {held}, the table holds {}", table());
     if (limit.rlim_cur as usize) > after {
         assert!(held > after, "reserved {held} past a table of {after}, soft limit {}", limit.rlim_cur);
+    }
+}
+
+/// The environment variable that makes [`store_relay_claim_child`] run,
+/// holding the child's name.
+const CLAIM_CHILD: &str = "STORE_RELAY_CLAIM_CHILD";
+
+/// Two programs that one rank runs at once (`sh -c "prog & prog; wait"`)
+/// both inherit its relay sockets: exactly one takes them and the other
+/// connects to the store directly, so neither ever reads the other's
+/// answers (they once crossed: "unexpected answer Int(2)", then a hang).
+/// Two fresh processes of this test binary, started together, hammer the
+/// store through one rank's `COHORT_STORE_FD`.
+#[test]
+fn store_two_programs_of_one_rank_never_share_its_relay_sockets() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let (_relay, ends) = StoreRelay::start(&addr, SECRET, 1, T).unwrap();
+    let fd = ends[0].as_raw_fd();
+    let go = std::env::temp_dir().join(format!("cohort-claim-go-{}", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let children: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|name| {
+            let mut cmd = std::process::Command::new(std::env::current_exe().expect("this test binary"));
+            cmd.args(["store::tests::store_relay_claim_child", "--exact", "--ignored", "--nocapture"])
+                .env(CLAIM_CHILD, name)
+                .env("CLAIM_CHILD_GO", &go)
+                .env("CLAIM_CHILD_STORE", &addr)
+                .env("COHORT_STORE_FD", fd.to_string())
+                .env_remove("COHORT_LOG")
+                .env_remove("RUST_LOG");
+            // SAFETY: the closure runs in the child between fork and exec
+            // and only calls fcntl (async-signal-safe) on the rank's end,
+            // which the child inherits as a rank does from its launcher.
+            unsafe {
+                cmd.pre_exec(move || {
+                    libc::fcntl(fd, libc::F_SETFD, 0);
+                    Ok(())
+                });
+            }
+            cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+            cmd.spawn().expect("run this test binary again")
+        })
+        .collect();
+    std::fs::write(&go, b"").unwrap();
+    let outs: Vec<String> = children
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success() && text.contains("1 passed"), "{text}");
+            text
+        })
+        .collect();
+    let _ = std::fs::remove_file(&go);
+    let relayed = outs.iter().filter(|t| t.contains("claim child: relayed")).count();
+    let direct = outs.iter().filter(|t| t.contains("claim child: direct")).count();
+    assert_eq!((relayed, direct), (1, 1), "one program takes the relay, the other connects directly: {outs:?}");
+}
+
+#[test]
+#[ignore = "run in a fresh process by store_two_programs_of_one_rank_never_share_its_relay_sockets"]
+fn store_relay_claim_child() {
+    let Some(name) = std::env::var_os(CLAIM_CHILD) else { return };
+    let name = name.to_string_lossy().into_owned();
+    let go = std::env::var_os("CLAIM_CHILD_GO").expect("CLAIM_CHILD_GO");
+    let addr = std::env::var("CLAIM_CHILD_STORE").expect("CLAIM_CHILD_STORE");
+    // Both start together: each waits for the go.
+    wait_for(|| std::path::Path::new(&go).exists());
+    let c = StoreClient::connect_rank(&addr, SECRET, T).unwrap();
+    let how = if format!("{c:?}").contains("through this node's relay") { "relayed" } else { "direct" };
+    println!("claim child: {how}");
+    for i in 1..=300i64 {
+        assert_eq!(c.add(&format!("count/{name}"), 1).unwrap(), i, "{name} ({how})");
+        let mine = format!("{name}/{i}");
+        c.set(&format!("last/{name}"), mine.as_bytes()).unwrap();
+        assert_eq!(c.get(&format!("last/{name}")).unwrap().as_deref(), Some(mine.as_bytes()), "{name} ({how})");
     }
 }
