@@ -6,6 +6,8 @@ use std::str::FromStr;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::torchrun::{Endpoint, RdzvBackend, RdzvConf, Streams};
+
 /// cohort: collective communication across GPUs.
 #[derive(Debug, Parser)]
 #[command(name = "cohort", version, about, propagate_version = true)]
@@ -20,7 +22,7 @@ pub struct Cli {
 pub enum Command {
     /// Spawn and watch the ranks of a job on this node, like torchrun.
     ///
-    /// Example: cohort run -n 4 -- ./train --epochs 3
+    /// Example: cohort run -n 4 ./train --epochs 3
     Run(Box<RunArgs>),
     /// List every backend's devices (cpu, cuda, wgpu) with their properties;
     /// a backend with none says why.
@@ -35,6 +37,7 @@ pub enum Command {
     /// first collective that not every rank finished.
     ///
     /// Example: cohort trace ./cohort-trace
+    #[command(after_help = TRACE_EXIT_CODES)]
     Trace(TraceArgs),
     /// Serve a rendezvous store (secret from COHORT_JOB_SECRET) for jobs
     /// that `cohort run --store-addr` or other launchers start.
@@ -68,6 +71,13 @@ pub struct ConfigArgs {
     #[arg(long)]
     pub markdown: bool,
 }
+
+/// The end of `cohort trace --help`: its exit codes (see `trace::trace`).
+const TRACE_EXIT_CODES: &str = "\
+Exit codes:
+  0  every recorded collective finished on every rank
+  2  a collective did not finish on every rank (a stuck or abandoned one: the report names the first)
+  1  the dumps could not be read";
 
 /// Options of `cohort trace`.
 #[derive(Debug, Args)]
@@ -176,6 +186,7 @@ impl FromStr for Nproc {
             "cpu" => Ok(Nproc::Cpu),
             "gpu" => Ok(Nproc::Gpu),
             "auto" => Ok(Nproc::Auto),
+            "xpu" => Err("cohort has no XPU backend: use gpu (CUDA), cpu, auto or a number".into()),
             _ => match s.parse::<usize>() {
                 Ok(0) => Err("needs at least 1 rank per node".into()),
                 Ok(n) if n > MAX_RANKS_PER_NODE => {
@@ -221,7 +232,7 @@ pub const MAX_SECONDS: f64 = 10.0 * 365.0 * 86400.0;
 /// Parses a number of seconds for `--timeout` and `--heartbeat-timeout`:
 /// finite, at least 0, at most [`MAX_SECONDS`] (clap names the flag in the
 /// error).
-fn seconds(s: &str) -> Result<f64, String> {
+pub(crate) fn seconds(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(t) if t.is_finite() && (0.0..=MAX_SECONDS).contains(&t) => Ok(t),
         Ok(_) => Err(format!("{s} is not between 0 and {MAX_SECONDS:.0} seconds (ten years)")),
@@ -229,10 +240,12 @@ fn seconds(s: &str) -> Result<f64, String> {
     }
 }
 
-/// Options of `cohort run`. torchrun's spellings (`--nproc_per_node`,
-/// `--node_rank`, `--master_addr`, `--master_port`, `--max_restarts`,
-/// `--rdzv_id`, `--log_dir`) are accepted too.
+/// Options of `cohort run`: cohort's own, and torchrun's under its own
+/// spellings and meanings (`--nproc_per_node` and `--nproc-per-node` alike).
+/// The first argument that is not an option is the program: everything
+/// after it is the program's (see [`crate::torchrun::split_program`]).
 #[derive(Debug, Args)]
+#[command(after_help = RUN_AFTER_HELP)]
 pub struct RunArgs {
     /// Ranks on this node: a number, `cpu` (COHORT_CPU_DEVICES, default 4),
     /// `gpu` (one per CUDA GPU) or `auto` (gpu if any, else cpu).
@@ -246,45 +259,75 @@ pub struct RunArgs {
     pub nproc_per_node: Nproc,
 
     /// Number of nodes (launchers) in the job; more than 1 needs
-    /// --master-addr. MIN:MAX makes the job elastic: it starts once MIN nodes
-    /// joined (and --last-call passed, or MAX joined), and when a node's
-    /// launcher dies or a rank fails the others stop their ranks and restart
-    /// them (up to --max-restarts) with the nodes still there, as long as
-    /// there are MIN; a node that joins later is taken in at the next
-    /// restart, up to MAX.
+    /// --master-addr or --rdzv-endpoint. MIN:MAX makes the job elastic: it
+    /// starts once MIN nodes joined (and --last-call passed, or MAX joined),
+    /// and when a node's launcher dies or a rank fails the others stop their
+    /// ranks and restart them (up to --max-restarts) with the nodes still
+    /// there, as long as there are MIN; a node that joins later is taken in
+    /// at the next restart, up to MAX.
     #[arg(long, value_name = "N|MIN:MAX", default_value = "1")]
     pub nnodes: NodeRange,
 
     /// Elastic jobs (--nnodes MIN:MAX): how long a restart waits for MIN
-    /// nodes before it gives up with an error.
-    #[arg(long, value_name = "SECONDS", default_value_t = 600.0, value_parser = seconds)]
-    pub join_timeout: f64,
+    /// nodes before it gives up with an error [default: 600].
+    #[arg(long, value_name = "SECONDS", value_parser = seconds)]
+    pub join_timeout: Option<f64>,
 
     /// Elastic jobs: once MIN nodes joined, how long to wait for more (up
-    /// to MAX) before the ranks start.
-    #[arg(long, value_name = "SECONDS", default_value_t = 1.0, value_parser = seconds)]
-    pub last_call: f64,
+    /// to MAX) before the ranks start [default: 1].
+    #[arg(long, value_name = "SECONDS", value_parser = seconds)]
+    pub last_call: Option<f64>,
 
-    /// This node's rank, from 0 to nnodes-1; node 0 serves the rendezvous store.
-    #[arg(long, alias = "node_rank", default_value_t = 0)]
-    pub node_rank: u32,
+    /// This node's rank, from 0 to nnodes-1; node 0 serves the rendezvous
+    /// store [default: 0; needed with --rdzv-backend c10d and several nodes:
+    /// cohort does not number nodes as they arrive].
+    #[arg(long, alias = "node_rank")]
+    pub node_rank: Option<u32>,
 
     /// Address of node 0 (MASTER_ADDR): where the program's own store (e.g.
     /// PyTorch's TCPStore) and cohort's rendezvous store listen. Default
-    /// 127.0.0.1 with one node; required with several.
+    /// the --rdzv-endpoint's host, else 127.0.0.1 with one node; required
+    /// with several.
     #[arg(long, alias = "master_addr", value_name = "HOST")]
     pub master_addr: Option<String>,
 
     /// MASTER_PORT, the port rank 0 of the program may listen on (PyTorch's
-    /// TCPStore does), as torchrun gives it; 0 picks a free one (one node
-    /// only). cohort's own store listens on --store-port.
-    #[arg(long, alias = "master_port", default_value_t = 29500)]
-    pub master_port: u16,
+    /// TCPStore does); 0 picks a free one (one node only). Default 29500, as
+    /// torchrun's; a free one with --standalone or --rdzv-backend c10d on
+    /// one node, as torchrun gives. cohort's own store listens on
+    /// --store-port.
+    #[arg(long, alias = "master_port")]
+    pub master_port: Option<u16>,
 
     /// Port of cohort's rendezvous store on node 0 (COHORT_STORE_ADDR):
-    /// default a free port with one node, --master-port + 1 with several.
+    /// default the --rdzv-endpoint's port, else a free port with one node,
+    /// --master-port + 1 with several.
     #[arg(long, value_name = "PORT")]
     pub store_port: Option<u16>,
+
+    /// torchrun's --standalone: a one-node job with its store on a free
+    /// port and a fresh run id (TORCHELASTIC_RUN_ID); --rdzv-backend,
+    /// --rdzv-endpoint and --rdzv-id are then ignored, as by torchrun.
+    #[arg(long)]
+    pub standalone: bool,
+
+    /// torchrun's rendezvous backend: `c10d` or `static` (both: cohort's own
+    /// store, on node 0). etcd is not available yet.
+    #[arg(long, alias = "rdzv_backend", value_name = "c10d|static")]
+    pub rdzv_backend: Option<RdzvBackend>,
+
+    /// Where the rendezvous store lives, as torchrun's: node 0's HOST[:PORT]
+    /// (port default 29400). It is MASTER_ADDR too, and cohort's store
+    /// listens on PORT there.
+    #[arg(long, alias = "rdzv_endpoint", value_name = "HOST[:PORT]")]
+    pub rdzv_endpoint: Option<Endpoint>,
+
+    /// torchrun's rendezvous settings, KEY=VALUE,...: join_timeout is
+    /// --join-timeout, last_call_timeout is --last-call; close_timeout,
+    /// read_timeout, timeout, keep_alive_interval, keep_alive_max_attempt,
+    /// is_host, use_libuv and store_type=tcp are accepted and unused.
+    #[arg(long, alias = "rdzv_conf", value_name = "KEY=VALUE,...")]
+    pub rdzv_conf: Option<RdzvConf>,
 
     /// Restart the whole group this many times when a rank fails.
     #[arg(long, alias = "max_restarts", default_value_t = 0)]
@@ -295,8 +338,31 @@ pub struct RunArgs {
     #[arg(long, alias = "rdzv_id", value_name = "ID", default_value = "none")]
     pub rdzv_id: String,
 
-    /// Run a Python module: `cohort run -m pkg.train -- args` runs
-    /// `python3 -u -m pkg.train args` as every rank, as torchrun's -m.
+    /// torchrun's --local-addr, this node's address: on a one-node job it is
+    /// MASTER_ADDR (unless --master-addr or --rdzv-endpoint says); other
+    /// nodes reach node 0 at --master-addr or --rdzv-endpoint, so it is not
+    /// needed there.
+    #[arg(long, alias = "local_addr", value_name = "HOST")]
+    pub local_addr: Option<String>,
+
+    /// torchrun's worker role (ROLE_NAME); cohort's ranks have the one role
+    /// `default`, so only that is accepted.
+    #[arg(long, default_value = "default")]
+    pub role: String,
+
+    /// torchrun's period for looking at its workers; accepted and unused:
+    /// cohort learns of a rank's end as it happens.
+    #[arg(long, alias = "monitor_interval", value_name = "SECONDS", value_parser = seconds)]
+    pub monitor_interval: Option<f64>,
+
+    /// torchrun's multiprocessing start method; accepted and unused: every
+    /// rank is a process of its own, started afresh.
+    #[arg(long, alias = "start_method", value_parser = ["spawn", "fork", "forkserver"])]
+    pub start_method: Option<String>,
+
+    /// Run a Python module: `cohort run -n 2 -m pkg.train --lr 1` runs
+    /// `python3 -u -m pkg.train --lr 1` as every rank, as torchrun's -m.
+    /// What follows MODULE is the module's.
     #[arg(short = 'm', long, value_name = "MODULE")]
     pub module: Option<String>,
 
@@ -305,14 +371,30 @@ pub struct RunArgs {
     #[arg(long, alias = "no_python", conflicts_with = "module")]
     pub no_python: bool,
 
+    /// torchrun's --run-path: run the program as a Python script (`python3
+    /// -u PROGRAM`) whatever its name; overrides --no-python.
+    #[arg(long, alias = "run_path", conflicts_with = "module")]
+    pub run_path: bool,
+
     /// Write each rank's stdout and stderr to files under this folder
-    /// (attempt_<restart>/rank_<rank>/{stdout,stderr}.log) instead of the console.
+    /// (attempt_<restart>/rank_<rank>/{stdout,stderr}.log) instead of the
+    /// console; with --redirects or --tee, as those say.
     #[arg(long, alias = "log_dir", value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
 
-    /// With --log-dir: write ranks' output to the console too.
-    #[arg(long, requires = "log_dir")]
-    pub tee: bool,
+    /// torchrun's --redirects: the ranks' streams that go to files under
+    /// --log-dir instead of the console: 0 none, 1 stdout, 2 stderr, 3 both,
+    /// or per local rank (0:3,1:2). cohort keeps a rank's two streams
+    /// together: a rank with any stream redirected writes both to files,
+    /// and is left off the console only when both are.
+    #[arg(short = 'r', long, value_name = "0-3|RANK:N,...")]
+    pub redirects: Option<Streams>,
+
+    /// Write ranks' output to the console as well as to the files under
+    /// --log-dir. torchrun's values (0-3 or per local rank, as --redirects)
+    /// choose the ranks; a bare --tee is --tee 3.
+    #[arg(short = 't', long, value_name = "0-3|RANK:N,...", num_args = 0..=1, default_missing_value = "3")]
+    pub tee: Option<Streams>,
 
     /// Show only these local ranks' output on the console (comma list, e.g. 0,3).
     #[arg(long, alias = "local_ranks_filter", value_name = "RANKS", value_delimiter = ',')]
@@ -349,25 +431,24 @@ pub struct RunArgs {
     #[arg(long, value_name = "HOST:PORT")]
     pub store_addr: Option<String>,
 
-    /// The program to run as every rank, and its arguments, after `--`. A
-    /// program ending in `.py` runs with `python3 -u`.
+    /// The program to run as every rank, and its arguments: the first
+    /// argument that is not an option, or what follows `--`. A program
+    /// ending in `.py` runs with `python3 -u`.
     #[arg(last = true, required_unless_present = "module", value_name = "PROGRAM [ARGS]")]
     pub program: Vec<OsString>,
 }
 
-/// What a user who forgot `--` before the program should read after
-/// clap's error.
-pub const DASHES_HINT: &str = "hint: put `--` between cohort's options and the program, e.g. \
-                               `cohort run -n 4 -- python3 train.py --epochs 3`";
+/// The end of `cohort run --help`.
+const RUN_AFTER_HELP: &str = "\
+Examples (torchrun's lines work as they are):
+  cohort run -n 4 ./train --epochs 3
+  cohort run --standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10
+  cohort run --nnodes=2 --node_rank=0 --rdzv_backend=c10d --rdzv_endpoint=node0:29400 train.py
+  cohort run -n 2 -m pkg.train --lr 1e-3
 
-/// Whether `err`, from parsing `argv`, looks like a `cohort run` whose
-/// program was given without `--` before it.
-pub fn missing_dashes(err: &clap::Error, argv: &[OsString]) -> bool {
-    use clap::error::ErrorKind;
-    let kind_fits = matches!(err.kind(), ErrorKind::UnknownArgument | ErrorKind::MissingRequiredArgument);
-    let is_run = argv.iter().skip(1).any(|a| a == "run");
-    kind_fits && is_run && !argv.iter().any(|a| a == "--")
-}
+The first argument that is not an option is the program; everything after it is the program's.
+torchrun's --logs-specs, --numa-binding, --signals-to-handle and --event-log-handler have no
+counterpart: each is an error that says what cohort does instead.";
 
 #[cfg(test)]
 mod tests {
@@ -393,11 +474,15 @@ mod tests {
         let cli = Cli::try_parse_from(line.split(' ')).unwrap();
         let Command::Run(a) = cli.command else { panic!("a run command") };
         assert_eq!(a.nproc_per_node, Nproc::Count(4));
-        assert_eq!((a.nnodes, a.node_rank), (NodeRange { min: 2, max: 2 }, 1));
+        assert_eq!((a.nnodes, a.node_rank), (NodeRange { min: 2, max: 2 }, Some(1)));
         assert_eq!(a.local_ranks_filter, Some(vec![0, 3]));
         assert_eq!(a.timeout, Some(2.5));
         assert_eq!(a.program, vec![OsString::from("prog"), OsString::from("--flag")]);
-        assert!(Cli::try_parse_from(["cohort", "run", "--tee", "--", "p"]).is_err());
+        // A bare --tee is --tee 3 (whether --log-dir is there is the job
+        // configuration's to check).
+        let cli = Cli::try_parse_from(["cohort", "run", "--tee", "--", "p"]).unwrap();
+        let Command::Run(a) = cli.command else { panic!("a run command") };
+        assert_eq!(a.tee, Some(crate::torchrun::Streams::All(3)));
         assert!(Cli::try_parse_from(["cohort", "run", "--nnodes", "0", "--", "p"]).is_err());
         assert_eq!("1:4".parse::<NodeRange>(), Ok(NodeRange { min: 1, max: 4 }));
         assert!("3:2".parse::<NodeRange>().unwrap_err().contains("MIN (3) is above MAX (2)"));
@@ -412,7 +497,7 @@ mod tests {
         let cli = Cli::try_parse_from(line.split_whitespace()).unwrap();
         let Command::Run(a) = cli.command else { panic!("a run command") };
         assert_eq!(a.nproc_per_node, Nproc::Count(2));
-        assert_eq!((a.nnodes.max, a.node_rank, a.master_port, a.max_restarts), (2, 1, 7, 3));
+        assert_eq!((a.nnodes.max, a.node_rank, a.master_port, a.max_restarts), (2, Some(1), Some(7), 3));
         assert_eq!((a.master_addr.as_deref(), a.rdzv_id.as_str()), (Some("h"), "job"));
     }
 
@@ -430,12 +515,13 @@ mod tests {
     }
 
     #[test]
-    fn a_program_without_dashes_gets_the_hint() {
-        let argv: Vec<OsString> = ["cohort", "run", "-n", "2", "./train", "--lr", "1"].map(OsString::from).to_vec();
-        let err = Cli::try_parse_from(&argv).unwrap_err();
-        assert!(missing_dashes(&err, &argv), "{err}");
-        let argv: Vec<OsString> = ["cohort", "run", "-n", "2", "--bogus", "--", "p"].map(OsString::from).to_vec();
-        assert!(!missing_dashes(&Cli::try_parse_from(&argv).unwrap_err(), &argv));
+    fn trace_help_says_its_exit_codes() {
+        let err = Cli::try_parse_from(["cohort", "trace", "--help"]).unwrap_err();
+        let help = err.to_string();
+        assert!(
+            help.contains("Exit codes:") && help.contains("2  a collective did not finish on every rank"),
+            "{help}"
+        );
     }
 
     #[test]

@@ -10,6 +10,7 @@ use cohort_comm::store::{self, StoreError};
 use cohort_runtime::config::{self, ConfigError};
 
 use crate::cli::{Nproc, RunArgs};
+use crate::torchrun::{self, Endpoint, RdzvBackend};
 
 /// Why `cohort run` could not start or finish a job (a rank's failure is not
 /// one of these: it is reported by the supervisor's summary).
@@ -53,12 +54,50 @@ pub enum LaunchError {
          name or IP); without it each node would wait for itself on 127.0.0.1"
     )]
     MasterAddrMissing(u32),
-    /// `--store-port` and `--master-port` are the same port.
+    /// `--store-port` (or `--rdzv-endpoint`'s port) and `--master-port` are the same port.
     #[error(
-        "--store-port {0} is --master-port too: MASTER_PORT is for the program's own store (e.g. \
-         PyTorch's TCPStore); give cohort's store another port"
+        "port {0} is cohort's store's (--store-port or --rdzv-endpoint) and MASTER_PORT (--master-port) too: \
+         MASTER_PORT is for the program's own store (e.g. PyTorch's TCPStore); give them different ports"
     )]
     StorePortClash(u16),
+    /// `--standalone` with several nodes.
+    #[error("--standalone runs a one-node job (torchrun's single-node line): drop --nnodes {0} or --standalone")]
+    StandaloneMultiNode(u32),
+    /// torchrun's c10d rendezvous with several nodes and no `--node-rank`.
+    #[error(
+        "--rdzv-backend c10d with --nnodes {0} needs --node-rank on every node: 0 on the node at \
+         --rdzv-endpoint, 1 to {last} on the others (torchrun numbers nodes as they arrive; cohort does not yet)",
+        last = .0 - 1
+    )]
+    NodeRankNeeded(u32),
+    /// Options that say different things about where the rendezvous is.
+    #[error("{0}")]
+    RdzvClash(String),
+    /// `--redirects` or `--tee` without `--log-dir`.
+    #[error(
+        "{0} writes the ranks' output to files: add --log-dir DIR to say where (torchrun would make a \
+         temporary folder; cohort asks)"
+    )]
+    LogDirNeeded(&'static str),
+    /// `--redirects` or `--tee` names a local rank that does not exist here.
+    #[error("{flag} names local rank {rank}, but this node runs {nproc} ranks (0 to {})", nproc - 1)]
+    BadStreamsRank {
+        /// `--redirects` or `--tee`.
+        flag: &'static str,
+        /// The rank named.
+        rank: usize,
+        /// Ranks on this node.
+        nproc: usize,
+    },
+    /// `--role` other than `default`.
+    #[error(
+        "--role {0}: cohort's ranks all have torchrun's default role (ROLE_NAME=default); drop --role or \
+         give --role default"
+    )]
+    RoleUnsupported(String),
+    /// A setting given both as cohort's flag and in `--rdzv-conf`.
+    #[error("{0} and --rdzv-conf {1} say the same thing: give one")]
+    GivenTwice(&'static str, &'static str),
     /// `--master-port 65535` with several nodes and no `--store-port`.
     #[error("--master-port 65535 leaves no port after it for cohort's store: pass --store-port")]
     NoStorePort,
@@ -194,15 +233,41 @@ impl JobConfig {
         let range = args.nnodes;
         // Every check below holds for the largest job.
         let nnodes = range.max;
-        if args.node_rank >= nnodes {
-            return Err(LaunchError::BadNodeRank { node_rank: args.node_rank, nnodes });
+        // torchrun's --standalone: one node, a free port, a fresh id; its
+        // rendezvous options are ignored, as by torchrun.
+        if args.standalone {
+            if nnodes > 1 {
+                return Err(LaunchError::StandaloneMultiNode(nnodes));
+            }
+            args.rdzv_backend = Some(RdzvBackend::C10d);
+            args.rdzv_endpoint = None;
+            args.rdzv_id = random_run_id()?;
         }
-        if args.master_port == 0 && nnodes > 1 {
+        let c10d = args.rdzv_backend == Some(RdzvBackend::C10d);
+        let node_rank = match args.node_rank {
+            Some(n) => n,
+            None if c10d && nnodes > 1 => return Err(LaunchError::NodeRankNeeded(nnodes)),
+            None => 0,
+        };
+        if node_rank >= nnodes {
+            return Err(LaunchError::BadNodeRank { node_rank, nnodes });
+        }
+        if args.role != "default" {
+            return Err(LaunchError::RoleUnsupported(args.role));
+        }
+        // Accepted for torchrun's lines, with no use here (see their help).
+        let _ = (args.monitor_interval, args.start_method.take());
+        let endpoint = args.rdzv_endpoint.take();
+        // MASTER_PORT: torchrun's c10d rendezvous gives the workers a free
+        // port; its static one, --master-port.
+        let asked_master_port = args.master_port.unwrap_or(if c10d && nnodes == 1 { 0 } else { 29500 });
+        if asked_master_port == 0 && nnodes > 1 {
             return Err(LaunchError::PortZeroMultiNode);
         }
-        if nnodes > 1 && args.master_addr.is_none() && args.store_addr.is_none() {
+        if nnodes > 1 && args.master_addr.is_none() && args.store_addr.is_none() && endpoint.is_none() {
             return Err(LaunchError::MasterAddrMissing(nnodes));
         }
+        let (join_timeout, last_call) = rendezvous_waits(&args)?;
         let nproc = resolve_nproc(args.nproc_per_node)?;
         let limit = process_limit();
         if let Some(limit) = limit.filter(|&l| nproc as u64 > l) {
@@ -211,15 +276,11 @@ impl JobConfig {
         if let Some(warning) = process_limit_warning(nproc, limit) {
             say!("cohort: warning: {warning}");
         }
-        let filter = match args.local_ranks_filter {
-            None => None,
-            Some(list) => {
-                if let Some(&rank) = list.iter().find(|&&r| r >= nproc) {
-                    return Err(LaunchError::BadFilter { rank, nproc });
-                }
-                Some(list.into_iter().collect())
-            }
-        };
+        if let Some(&rank) = args.local_ranks_filter.iter().flatten().find(|&&r| r >= nproc) {
+            return Err(LaunchError::BadFilter { rank, nproc });
+        }
+        let user_filter: Option<BTreeSet<usize>> = args.local_ranks_filter.take().map(|l| l.into_iter().collect());
+        let sinks = output(&args, nproc, user_filter)?;
         // The values are checked by the flags' parser; the deadline is
         // checked against the clock where the job starts.
         let timeout = match args.timeout {
@@ -232,13 +293,25 @@ impl JobConfig {
         };
         check_inherited(args.timeout.is_some())?;
         let env_secret = config::JOB_SECRET.get()?;
-        let mut master_addr = args.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
-        let mut store_port = match (args.store_port, nnodes) {
-            (Some(p), _) => p,
-            (None, 1) => 0,
-            (None, _) => args.master_port.checked_add(1).ok_or(LaunchError::NoStorePort)?,
+        let (mut master_addr, mut store_port) = match &endpoint {
+            Some(e) => rendezvous_at(e, &args, nnodes)?,
+            None => {
+                let local = args.local_addr.clone().filter(|_| nnodes == 1);
+                let addr = args.master_addr.clone().or(local).unwrap_or_else(|| "127.0.0.1".into());
+                let port = match (args.store_port, nnodes) {
+                    (Some(p), _) => p,
+                    (None, 1) => 0,
+                    (None, _) => asked_master_port.checked_add(1).ok_or(LaunchError::NoStorePort)?,
+                };
+                (addr, port)
+            }
         };
         if let Some(addr) = &args.store_addr {
+            if endpoint.is_some() {
+                return Err(LaunchError::RdzvClash(
+                    "--store-addr and --rdzv-endpoint both say where the rendezvous store is: give one".into(),
+                ));
+            }
             let (host, port) = addr.rsplit_once(':').ok_or_else(|| {
                 LaunchError::BadStoreAddr(format!("'{addr}' is not HOST:PORT (e.g. 127.0.0.1:29400)"))
             })?;
@@ -256,10 +329,10 @@ impl JobConfig {
                 )));
             }
         }
-        if store_port != 0 && store_port == args.master_port && args.store_addr.is_none() {
+        if store_port != 0 && store_port == asked_master_port && args.store_addr.is_none() {
             return Err(LaunchError::StorePortClash(store_port));
         }
-        let master_port = program_port(&master_addr, args.master_port, args.node_rank == 0)?;
+        let master_port = program_port(&master_addr, asked_master_port, node_rank == 0)?;
         let heartbeat_timeout = match args.heartbeat_timeout {
             0.0 => None,
             t if t.is_finite() && t > 0.0 => {
@@ -275,16 +348,21 @@ impl JobConfig {
         let trace_dir = std::env::current_dir().map(|cwd| cwd.join(&trace_dir)).unwrap_or(trace_dir);
         let secret = resolve_secret(env_secret, nnodes)?;
         let program = std::mem::take(&mut args.program);
-        let program = python_program(program, args.module, args.no_python)?;
+        let with = match (args.run_path, args.no_python) {
+            (true, _) => WithPython::Always,
+            (false, true) => WithPython::Never,
+            (false, false) => WithPython::ByName,
+        };
+        let program = python_program(program, args.module, with)?;
         let omp_threads = (nproc > 1 && std::env::var_os("OMP_NUM_THREADS").is_none()).then(|| "1".to_string());
         Ok(JobConfig {
             nproc,
             nnodes,
             min_nodes: range.min,
             elastic: range.min < range.max,
-            join_timeout: Duration::from_secs_f64(args.join_timeout),
-            last_call: Duration::from_secs_f64(args.last_call),
-            node_rank: args.node_rank,
+            join_timeout,
+            last_call,
+            node_rank,
             master_addr,
             master_port,
             store_port,
@@ -296,9 +374,9 @@ impl JobConfig {
             secret,
             max_restarts: args.max_restarts,
             timings: args.timings,
-            log_dir: args.log_dir,
-            tee: args.tee,
-            filter,
+            log_dir: sinks.log_dir,
+            tee: sinks.tee,
+            filter: sinks.filter,
             timeout,
             program,
         })
@@ -326,6 +404,92 @@ impl JobConfig {
     }
 }
 
+/// Node 0's address and cohort's store's port from torchrun's
+/// `--rdzv-endpoint`, checked against the options that could say otherwise.
+fn rendezvous_at(e: &Endpoint, args: &RunArgs, nnodes: u32) -> Result<(String, u16), LaunchError> {
+    let clash = |what: String| Err(LaunchError::RdzvClash(what));
+    if let Some(addr) = args.master_addr.as_ref().filter(|a| a.trim_start_matches('[').trim_end_matches(']') != e.host)
+    {
+        return clash(format!(
+            "--rdzv-endpoint says node 0 is {} and --master-addr says {addr}: MASTER_ADDR and cohort's store are \
+             both on node 0, so give one",
+            e.host
+        ));
+    }
+    if let Some(p) = args.store_port.filter(|&p| p != e.port) {
+        return clash(format!(
+            "--rdzv-endpoint's port {} and --store-port {p} are both cohort's store's: give one",
+            e.port
+        ));
+    }
+    if e.port == 0 && nnodes > 1 {
+        return clash(format!(
+            "--rdzv-endpoint {}:0 (a free port) only works with one node: the other nodes could not know the port",
+            e.host
+        ));
+    }
+    Ok((e.host.clone(), e.port))
+}
+
+/// `--join-timeout` and `--last-call`, or torchrun's `--rdzv-conf`
+/// join_timeout and last_call_timeout (600 s and 1 s when neither says).
+fn rendezvous_waits(args: &RunArgs) -> Result<(Duration, Duration), LaunchError> {
+    let conf = args.rdzv_conf.clone().unwrap_or_default();
+    let pick = |flag: Option<f64>, conf: Option<f64>, names: (&'static str, &'static str), default| match (flag, conf) {
+        (Some(_), Some(_)) => Err(LaunchError::GivenTwice(names.0, names.1)),
+        (a, b) => Ok(Duration::from_secs_f64(a.or(b).unwrap_or(default))),
+    };
+    let join = pick(args.join_timeout, conf.join_timeout, ("--join-timeout", "join_timeout"), 600.0)?;
+    let last = pick(args.last_call, conf.last_call_timeout, ("--last-call", "last_call_timeout"), 1.0)?;
+    Ok((join, last))
+}
+
+/// Where a node's ranks' output goes.
+struct Sinks {
+    /// The folder of their log files, if any.
+    log_dir: Option<PathBuf>,
+    /// With `log_dir`: whether they are shown on the console too.
+    tee: bool,
+    /// The local ranks the console shows (`None`: all).
+    filter: Option<BTreeSet<usize>>,
+}
+
+/// Where the ranks' output goes. `--log-dir` alone writes files only, and a bare `--tee`
+/// shows them too, as cohort always had it; torchrun's `--redirects` and
+/// `--tee` values decide per rank (see [`torchrun::output_plan`]).
+fn output(args: &RunArgs, nproc: usize, user_filter: Option<BTreeSet<usize>>) -> Result<Sinks, LaunchError> {
+    for (flag, streams) in [("--redirects", &args.redirects), ("--tee", &args.tee)] {
+        if let Some(rank) = streams.as_ref().and_then(|s| s.highest_rank()).filter(|&r| r >= nproc) {
+            return Err(LaunchError::BadStreamsRank { flag, rank, nproc });
+        }
+    }
+    let Some(plan) = torchrun::output_plan(nproc, args.redirects.as_ref(), args.tee.as_ref()) else {
+        return Ok(Sinks { log_dir: args.log_dir.clone(), tee: false, filter: user_filter });
+    };
+    if !plan.files {
+        return Ok(Sinks { log_dir: None, tee: false, filter: user_filter });
+    }
+    let Some(dir) = args.log_dir.clone() else {
+        let any = |s: &Option<torchrun::Streams>| (0..nproc).any(|r| s.as_ref().is_some_and(|s| s.of(r) != 0));
+        return Err(LaunchError::LogDirNeeded(if any(&args.tee) { "--tee" } else { "--redirects" }));
+    };
+    let shown: BTreeSet<usize> = match &user_filter {
+        Some(f) => plan.console.intersection(f).copied().collect(),
+        None => plan.console,
+    };
+    let tee = !shown.is_empty();
+    let filter = (user_filter.is_some() || shown.len() < nproc).then_some(shown);
+    Ok(Sinks { log_dir: Some(dir), tee, filter })
+}
+
+/// A fresh run id in the form of a random UUID (version 4), as torchrun's
+/// --standalone makes one.
+fn random_run_id() -> Result<String, LaunchError> {
+    let hex = store::generate_secret()?;
+    let variant = ["8", "9", "a", "b"][usize::from_str_radix(&hex[16..17], 16).unwrap_or(0) & 3];
+    Ok(format!("{}-{}-4{}-{variant}{}-{}", &hex[0..8], &hex[8..12], &hex[13..16], &hex[17..20], &hex[20..32]))
+}
+
 /// MASTER_PORT for the program: `asked`, or a port free now where 0 was
 /// asked. On node 0 a port something already listens on is an error now,
 /// rather than the program's rank 0 failing to listen later (a connection
@@ -349,14 +513,25 @@ fn program_port(addr: &str, asked: u16, node0: bool) -> Result<u16, LaunchError>
     Ok(asked)
 }
 
+/// Whether a program runs with `python3 -u`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WithPython {
+    /// When its name ends in `.py`.
+    ByName,
+    /// Never (`--no-python`).
+    Never,
+    /// Always (torchrun's `--run-path`).
+    Always,
+}
+
 /// The command line that runs `program`: a `.py` file (or, with `module`, a
-/// module name) runs with `python3 -u`, as torchrun runs it with its own
+/// module name; or, with `--run-path`, any file) runs with `python3 -u`, as torchrun runs it with its own
 /// interpreter; `python3` is the one first on PATH (an active virtual
 /// environment's).
 fn python_program(
     program: Vec<OsString>,
     module: Option<String>,
-    no_python: bool,
+    with: WithPython,
 ) -> Result<Vec<OsString>, LaunchError> {
     let python = || vec![OsString::from("python3"), OsString::from("-u")];
     if let Some(module) = module {
@@ -369,7 +544,7 @@ fn python_program(
         return Ok(cmd);
     }
     let is_py = program.first().is_some_and(|p| p.to_string_lossy().ends_with(".py"));
-    if is_py && !no_python {
+    if with == WithPython::Always || is_py && with == WithPython::ByName {
         let mut cmd = python();
         cmd.extend(program);
         return Ok(cmd);
@@ -478,15 +653,19 @@ mod tests {
     fn py_programs_run_with_python() {
         let v = |s: &[&str]| s.iter().map(OsString::from).collect::<Vec<_>>();
         assert_eq!(
-            python_program(v(&["train.py", "--lr", "1"]), None, false).unwrap(),
+            python_program(v(&["train.py", "--lr", "1"]), None, WithPython::ByName).unwrap(),
             v(&["python3", "-u", "train.py", "--lr", "1"])
         );
         assert_eq!(
-            python_program(v(&["x"]), Some("pkg.train".into()), false).unwrap(),
+            python_program(v(&["x"]), Some("pkg.train".into()), WithPython::ByName).unwrap(),
             v(&["python3", "-u", "-m", "pkg.train", "x"])
         );
-        assert_eq!(python_program(v(&["train.py"]), None, true).unwrap(), v(&["train.py"]));
-        assert_eq!(python_program(v(&["./train"]), None, false).unwrap(), v(&["./train"]));
+        assert_eq!(python_program(v(&["train.py"]), None, WithPython::Never).unwrap(), v(&["train.py"]));
+        assert_eq!(python_program(v(&["./train"]), None, WithPython::ByName).unwrap(), v(&["./train"]));
+        assert_eq!(
+            python_program(v(&["/abs/train"]), None, WithPython::Always).unwrap(),
+            v(&["python3", "-u", "/abs/train"])
+        );
     }
 
     #[test]

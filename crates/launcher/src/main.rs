@@ -34,6 +34,7 @@ mod status;
 mod summary;
 mod supervisor;
 mod timings;
+mod torchrun;
 mod trace;
 mod watchdog;
 
@@ -44,15 +45,17 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let argv = match torchrun::split_program(std::env::args_os().collect()) {
+        Ok(argv) => argv,
+        Err(e) => {
+            say!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let cli = match cli::Cli::try_parse_from(&argv) {
         Ok(cli) => cli,
         Err(e) => {
-            let hint = cli::missing_dashes(&e, &argv);
             let _ = e.print();
-            if hint {
-                say!("\n{}", cli::DASHES_HINT);
-            }
             return ExitCode::from(e.exit_code() as u8);
         }
     };

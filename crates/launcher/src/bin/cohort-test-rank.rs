@@ -14,7 +14,9 @@
 //! - `master-store`: what PyTorch's TCPStore does with MASTER_ADDR and
 //!   MASTER_PORT: rank 0 listens there and answers every other rank, which
 //!   connects (retrying) and reads the answer; prints `master store ok`;
-//! - `wait-file PATH`: wait (up to 60 s) until PATH exists.
+//! - `wait-file PATH`: wait (up to 60 s) until PATH exists;
+//! - `argv ARGS...`: print `ARGV=` and the arguments after it joined by `|`
+//!   (they are the program's own, not steps: nothing runs after it).
 
 use std::time::Duration;
 
@@ -112,6 +114,9 @@ fn main() {
                     assert!(std::time::Instant::now() < end, "{path} never appeared");
                     std::thread::sleep(Duration::from_millis(20));
                 }
+            }
+            "argv" => {
+                println!("ARGV={}", it.by_ref().map(String::as_str).collect::<Vec<_>>().join("|"));
             }
             other => panic!("unknown step {other}"),
         }
