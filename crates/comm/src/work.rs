@@ -20,6 +20,33 @@ use crate::end_watch::EndWatch;
 use crate::error::CommError;
 use crate::meeting::{Seated, WaitEnd};
 
+/// Where a handle's call runs beyond this process: the rank this process
+/// is, and what the other ranks published about the call (a
+/// [`Communicator`](crate::Communicator)'s handles). A bounded wait that
+/// expires names them.
+pub(crate) trait Ranks: Send + Sync {
+    /// Who this process is: `rank 1`, `rank 3 in group comm1.s0c1 (ranks
+    /// 1, 3)`.
+    fn scope(&self) -> &str;
+
+    /// The other ranks call `call` (named `operation`) still waits for, in
+    /// words: those that have not arrived at it yet, those that arrived and
+    /// have not finished it, those that went away. Reads what they
+    /// published (one store round trip).
+    fn waiting_for(&self, operation: &str, call: RankCall) -> String;
+}
+
+/// A communicator's call, as the other ranks know it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RankCall {
+    /// Its sequence number: the communicator's collectives (a grouped call
+    /// is one), or for a message the messages between its two ranks.
+    pub seq: u64,
+    /// The other rank of a message (send or recv); `None` for a collective
+    /// of every rank.
+    pub peer: Option<usize>,
+}
+
 /// What a [`Work`] waits on: one executor's meeting, or a collective of
 /// one part (`device::Solo`, `communicator::nccl::one::OneCall`).
 pub(crate) trait Waitable: Send + Sync {
@@ -59,12 +86,43 @@ impl<E: Seated> Waitable for E {
         }
         let ended = self.meeting().wait_done(deadline, |state, slot| self.part_done(state, slot));
         stages::mark(Stage::WaitEnded);
-        ended
+        match ended {
+            Err(WaitEnd::Late(_)) => late(self),
+            ended => ended,
+        }
     }
 
     fn is_done(&self) -> bool {
         self.meeting().is_done(|state, slot| self.part_done(state, slot))
     }
+}
+
+/// How a wait for `executor`'s parts that passed its deadline ends, looked
+/// at again: `Ok` or the failure where the parts ended or failed since;
+/// otherwise the parts not finished, in words. Every part was called when
+/// the collective was queued (one process queues all its parts at once),
+/// so none is "not arrived": a part is running, or its task is still
+/// queued on its device, not started (its device busy with earlier work,
+/// or not yet at it).
+fn late<E: Seated + ?Sized>(executor: &E) -> Result<(), WaitEnd> {
+    let meeting = executor.meeting();
+    let state = meeting.lock();
+    if let Some(err) = state.failure() {
+        return Err(WaitEnd::Failed(err.clone()));
+    }
+    let done: smallvec::SmallVec<[bool; 8]> = (0..meeting.len()).map(|slot| executor.part_done(&state, slot)).collect();
+    let unfinished = done.iter().filter(|d| !**d).count();
+    if unfinished == 0 {
+        return Ok(());
+    }
+    let names = meeting.names(&done);
+    // A part whose task has not started has not finished either.
+    let queued = meeting.len() - state.arrived;
+    Err(WaitEnd::Late(match queued {
+        0 => format!("{names} not finished"),
+        _ if queued == unfinished => format!("{names} not finished (not started yet: still queued on the device)"),
+        _ => format!("{names} not finished ({queued} of them not started yet: still queued on the device)"),
+    }))
 }
 
 impl Waitable for crate::device::Solo {
@@ -85,8 +143,9 @@ impl Waitable for crate::device::Solo {
 /// cancel the collective; later work on its buffers still runs after it.
 pub struct Work {
     operation: &'static str,
-    /// Who this process is in the job, for errors ("rank 1").
-    scope: Option<Arc<str>>,
+    /// On a communicator: who this process is and which call of its ranks
+    /// this is, for errors ("rank 1", and the ranks it waits for).
+    ranks: Option<(Arc<dyn Ranks>, RankCall)>,
     /// What it waits on: none when nothing was queued on this process
     /// (it takes no part); `first` alone for one collective (no heap
     /// allocation beyond the executor's own); `first` and `rest` for a
@@ -105,26 +164,27 @@ impl Work {
     /// The handle of the collective `operation` that `executor` says the
     /// end of (an executor's meeting, or a call of one part).
     pub(crate) fn new(operation: &'static str, executor: Arc<dyn Waitable>) -> Work {
-        Work { operation, scope: None, first: Some(executor), rest: Vec::new() }
+        Work { operation, ranks: None, first: Some(executor), rest: Vec::new() }
     }
 
     /// A handle that is done already: this process queued nothing.
     pub(crate) fn nothing(operation: &'static str) -> Work {
-        Work { operation, scope: None, first: None, rest: Vec::new() }
+        Work { operation, ranks: None, first: None, rest: Vec::new() }
     }
 
     /// One handle over every handle of `works` (a grouped call queued as
     /// several collectives).
     pub(crate) fn all(operation: &'static str, works: Vec<Work>) -> Work {
-        let scope = works.iter().find_map(|w| w.scope.clone());
+        let ranks = works.iter().find_map(|w| w.ranks.clone());
         let mut inner = works.into_iter().flat_map(|w| w.first.into_iter().chain(w.rest));
         let first = inner.next();
-        Work { operation, scope, first, rest: inner.collect() }
+        Work { operation, ranks, first, rest: inner.collect() }
     }
 
-    /// This handle, naming the process (`"rank 1"`) in its errors.
-    pub(crate) fn within(mut self, scope: Arc<str>) -> Work {
-        self.scope = Some(scope);
+    /// This handle of call `call` of `ranks`: its errors name the process
+    /// (`"rank 1"`) and the other ranks the call waits for.
+    pub(crate) fn within(mut self, ranks: Arc<dyn Ranks>, call: RankCall) -> Work {
+        self.ranks = Some((ranks, call));
         self
     }
 
@@ -141,10 +201,15 @@ impl Work {
     }
 
     /// [`Work::wait`] for at most `timeout`. When it passes first, the
-    /// error names the members (or, on a communicator, this rank's devices)
-    /// that have not finished yet; the collective is not cancelled, and a
-    /// later wait may still succeed. A timeout too long for a deadline
-    /// (`Duration::MAX`) waits like [`Work::wait`].
+    /// error ([`CommError::Unfinished`]) names the members that have not
+    /// finished yet (and how many have not started: still queued on their
+    /// device); on a communicator, it names the other ranks the call waits
+    /// for (those not arrived at it yet, with the last call each reported,
+    /// those arrived and not finished, those gone), read from what they
+    /// published in the store (their progress, at most 50 ms old), then
+    /// this rank's devices not finished. The collective is not cancelled,
+    /// and a later wait may still succeed. A timeout too long for a
+    /// deadline (`Duration::MAX`) waits like [`Work::wait`].
     pub fn wait_timeout(&self, timeout: Duration) -> Result<(), CommError> {
         self.wait_until(Instant::now().checked_add(timeout)).map_err(|err| match err {
             CommError::Unfinished { operation, scope, missing, .. } => {
@@ -175,12 +240,16 @@ impl Work {
     fn end(&self, waited: Result<(), WaitEnd>) -> Result<(), CommError> {
         waited.map_err(|end| match end {
             WaitEnd::Failed(source) => CommError::Failed { operation: self.operation, source },
-            WaitEnd::Late(missing) => CommError::Unfinished {
-                operation: self.operation,
-                scope: self.scope.as_ref().map_or_else(String::new, |s| format!(" on {s}")),
-                missing,
-                waited_ms: 0,
-            },
+            WaitEnd::Late(local) => {
+                let (scope, missing) = match &self.ranks {
+                    Some((ranks, call)) => (
+                        format!(" on {}", ranks.scope()),
+                        format!("{}; this rank's {local}", ranks.waiting_for(self.operation, *call)),
+                    ),
+                    None => (String::new(), local),
+                };
+                CommError::Unfinished { operation: self.operation, scope, missing, waited_ms: 0 }
+            }
         })
     }
 }

@@ -1,6 +1,9 @@
 //! Handles: every collective returns a `Work` to wait on (with or without a
-//! bound) or poll; a bounded wait that expires names who has not finished,
-//! and dropping the handle cancels nothing.
+//! bound) or poll; a bounded wait that expires names who has not finished
+//! (in one process: members not finished, never "not arrived", since one
+//! call queued them all; on a communicator: the other ranks not arrived
+//! yet, or arrived and not finished, then this rank's devices), and
+//! dropping the handle cancels nothing.
 //!
 //! A member is held busy by a task that blocks its device thread until the
 //! test releases it through a channel, so every order is set by
@@ -16,7 +19,7 @@ use cohort_comm::store::StoreServer;
 use cohort_comm::{Buffer, Collectives, CommError, Communicator, ReduceOp};
 
 #[test]
-fn a_timed_wait_names_the_member_that_has_not_arrived_and_is_done_flips_after() {
+fn a_timed_wait_names_the_members_not_finished_and_is_done_flips_after() {
     let clients = common::clients(2);
     let group = cohort_comm::ClientGroup::new(clients.clone()).unwrap();
     let bufs: Vec<Buffer<f32>> =
@@ -28,7 +31,11 @@ fn a_timed_wait_names_the_member_that_has_not_arrived_and_is_done_flips_after() 
     let err = work.wait_timeout(Duration::from_millis(20)).unwrap_err();
     assert!(matches!(err, CommError::Unfinished { .. }), "{err}");
     let text = err.to_string();
-    assert!(text.contains("member 1 (cpu:1) not arrived yet"), "{text}");
+    // Both were called; member 1's part is queued behind the held task
+    // (member 0's has started by now, or soon will, and waits for it).
+    assert!(text.contains("member 0 (cpu:0), member 1 (cpu:1) not finished ("), "{text}");
+    assert!(text.contains("not started yet: still queued on the device)"), "{text}");
+    assert!(!text.contains("arrived"), "one call queued every member: none is 'not arrived': {text}");
     assert!(text.starts_with("all_reduce has not finished within 20 ms"), "{text}");
     assert!(!work.is_done(), "an expired wait cancels nothing");
     release.send(()).unwrap();
@@ -38,6 +45,27 @@ fn a_timed_wait_names_the_member_that_has_not_arrived_and_is_done_flips_after() 
     for b in &bufs {
         assert_eq!(b.to_vec().unwrap(), [3.0; 5]);
     }
+}
+
+/// A wait of 1 ns on a collective every member was called for (one call
+/// queues them all) says they have not finished, never that they have not
+/// arrived; the collective then ends as if no one had waited.
+#[test]
+fn a_one_nanosecond_wait_says_the_members_have_not_finished() {
+    let clients = common::clients(8);
+    let clients = vec![clients[6].clone(), clients[2].clone()];
+    let group = cohort_comm::ClientGroup::new(clients.clone()).unwrap();
+    // 16 MiB per member: far more than a nanosecond's work.
+    let n = 4 << 20;
+    let bufs: Vec<Buffer<f32>> =
+        (0..2).map(|m| Buffer::from_slice(&clients[m], &vec![m as f32 + 1.0; n]).unwrap()).collect();
+    let work = group.all_reduce(&bufs, &bufs, ReduceOp::Sum).unwrap();
+    let err = work.wait_timeout(Duration::from_nanos(1)).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, CommError::Unfinished { .. }), "{text}");
+    assert!(text.contains("not finished") && !text.contains("arrived"), "{text}");
+    work.wait().unwrap();
+    assert!(bufs.iter().all(|b| b.to_vec().unwrap() == vec![3.0; n]));
 }
 
 #[test]
@@ -88,8 +116,70 @@ fn a_communicators_handle_waits_for_its_rank_and_names_its_device() {
         .collect();
     let text = timed_out.recv().unwrap();
     assert!(text.contains("all_reduce on rank 0 has not finished"), "{text}");
-    assert!(text.contains("cpu:4 still running"), "{text}");
+    // The rank it waits for first, as the collective's timeout names it;
+    // then this rank's device.
+    assert!(text.contains("rank(s) 1 not arrived yet at all_reduce #1"), "{text}");
+    assert!(text.contains("; this rank's cpu:4 not finished"), "{text}");
     go.send(()).unwrap();
+    for rank in ranks {
+        assert_eq!(rank.join().unwrap(), [3.0; 4]);
+    }
+}
+
+/// Rank 0's device is held, so its part of the all-reduce it called waits
+/// there: rank 1's timed wait names rank 0 as arrived (its published
+/// progress says it called the all-reduce) and not finished, and rank 0's
+/// own names its device's part as not started.
+#[test]
+fn a_communicators_timed_wait_tells_a_rank_that_arrived_from_one_that_did_not() {
+    use cohort_comm::published::{communicator_prefix, parse_progress, progress_key};
+    use cohort_comm::store::StoreClient;
+    let clients = common::clients(8);
+    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+    let addr = server.local_addr().to_string();
+    let (timed, timed_out) = mpsc::channel::<(usize, String)>();
+    let (go, gate) = mpsc::channel::<()>();
+    let mut gates = [Some(gate), None];
+    let devices = [clients[6].clone(), clients[3].clone()];
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let (addr, client, timed, gate) = (addr.clone(), devices[rank].clone(), timed.clone(), gates[rank].take());
+            thread::spawn(move || {
+                let comm = Communicator::connect(rank, 2, &addr, "secret", vec![client.clone()]).unwrap();
+                let bufs = vec![Buffer::from_slice(&client, &[rank as f32 + 1.0; 4]).unwrap()];
+                let release = (rank == 0).then(|| common::hold(&client));
+                let work = comm.all_reduce(&bufs, &bufs, ReduceOp::Sum).unwrap();
+                if rank == 1 {
+                    // Rank 0's progress says it called #1 (its heartbeat
+                    // publishes it within 50 ms).
+                    let store = StoreClient::connect(addr.as_str(), "secret", Duration::from_secs(30)).unwrap();
+                    let key = progress_key(&communicator_prefix(1), 0);
+                    let called = || store.get(&key).unwrap().and_then(|v| parse_progress(&v)).is_some_and(|p| p.0 >= 1);
+                    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                    while !called() {
+                        assert!(std::time::Instant::now() < deadline, "rank 0 never published its call");
+                        thread::sleep(Duration::from_millis(5));
+                    }
+                }
+                timed.send((rank, work.wait_timeout(Duration::from_millis(20)).unwrap_err().to_string())).unwrap();
+                if let (Some(gate), Some(release)) = (gate, release) {
+                    // Rank 0's device is held until both timed waits expired.
+                    let _ = gate.recv();
+                    release.send(()).unwrap();
+                }
+                work.wait().unwrap();
+                bufs[0].to_vec().unwrap()
+            })
+        })
+        .collect();
+    let mut texts = [timed_out.recv().unwrap(), timed_out.recv().unwrap()];
+    texts.sort();
+    let [(_, zero), (_, one)] = texts;
+    go.send(()).unwrap();
+    assert!(one.contains("rank(s) 0 arrived at all_reduce #1, not finished"), "{one}");
+    assert!(!one.contains("not arrived"), "{one}");
+    assert!(one.contains("; this rank's cpu:3 not finished"), "{one}");
+    assert!(zero.contains("this rank's cpu:6 not finished (not started yet: still queued on the device)"), "{zero}");
     for rank in ranks {
         assert_eq!(rank.join().unwrap(), [3.0; 4]);
     }

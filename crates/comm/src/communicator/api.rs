@@ -57,6 +57,8 @@ impl Communicator {
             }
         };
         let fp = Fingerprint::of(seq, op);
+        let peer = op.endpoints().map(|(from, to)| if from == self.rank() { to } else { from });
+        let (ranks, rank_call) = self.call(seq, peer);
         stages::mark(Stage::Routed);
         if let Some(nccl) = nccl {
             // Handed back and dropped unfinished (after the locks) when the
@@ -68,7 +70,7 @@ impl Communicator {
             let call = nccl.launch_calls(&self.inner.world, fp, self.timeout(), calls, inline, tracker);
             drop((issued, order));
             let call = call.map_err(|refused| (*refused).into_error())?;
-            return Ok(Work::new(name, call).within(self.scope()));
+            return Ok(Work::new(name, call).within(ranks, rank_call));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp, None);
@@ -79,7 +81,7 @@ impl Communicator {
         let call = self.queue_local(name, plan, smallvec::smallvec![(inputs, outputs)]);
         drop(issued);
         drop(order);
-        Ok(Work::new(name, call?).within(self.scope()))
+        Ok(Work::new(name, call?).within(ranks, rank_call))
     }
 
     /// A grouped call: one sequence number and one fingerprint for all of
@@ -101,6 +103,7 @@ impl Communicator {
         let mut issued = self.inner.issued.lock();
         *issued += 1;
         let mut fp = Fingerprint::of_group(*issued, &ops);
+        let (ranks, rank_call) = self.call(*issued, None);
         if let Some(nccl) = nccl {
             // Every rank must fuse the same all-reduces (`device::fusion`):
             // a rank with another `COHORT_FUSION_MB` is a mismatch.
@@ -115,7 +118,7 @@ impl Communicator {
             drop((issued, order));
             // A refused call's record drops here, unfinished, after the locks.
             let call = call.map_err(|refused| (*refused).into_error())?;
-            return Ok(Work::new("group", call).within(self.scope()));
+            return Ok(Work::new("group", call).within(ranks, rank_call));
         }
         let world = self.inner.world.clone();
         let tracker = self.inner.observer.queued(fp, None);
@@ -123,7 +126,7 @@ impl Communicator {
         let call = self.queue_local("group", plan, calls.into_iter().map(|(_, i, o)| (i, o)).collect());
         drop(issued);
         drop(order);
-        Ok(Work::new("group", call?).within(self.scope()))
+        Ok(Work::new("group", call?).within(ranks, rank_call))
     }
 
     /// Queues one task per local device for the calls `calls` (inputs and
@@ -325,7 +328,7 @@ impl Communicator {
             return self.launch_group(prepared);
         }
         let works = prepared.into_iter().map(|(op, ins, outs)| self.launch(op, ins, outs)).collect::<Result<_, _>>()?;
-        Ok(Work::all("group", works).within(self.scope()))
+        Ok(Work::all("group", works))
     }
 
     /// One buffer per local device: `handle` at the root's slot when the

@@ -63,6 +63,7 @@ mod observe;
 mod plans;
 mod setup;
 mod split;
+mod standing;
 mod timings;
 mod world;
 
@@ -132,9 +133,9 @@ struct Inner {
     /// Its name and job ranks (the world's label, kept here to read
     /// without the world's lock).
     label: label::Label,
-    /// "rank 1 (comm2)": who this process is, in its handles' errors
-    /// (shared by every handle, made once).
-    scope: Arc<str>,
+    /// Who this process is ("rank 1"), and where the other ranks stand in
+    /// a call, for its handles' errors (shared by every handle, made once).
+    ranks: Arc<standing::RankView>,
     /// How many splits this communicator made (names the next one's keys).
     splits: AtomicU64,
     /// The communicator a group was split from (kept alive with it: its
@@ -233,10 +234,10 @@ impl Communicator {
         parent: Option<Communicator>,
         server: Option<StoreServer>,
     ) -> Communicator {
-        let scope = format!("rank {}{}", world.label.global(world.rank), world.label).into();
+        let ranks = standing::RankView::new(world.shared_store(), world.prefix(), &world.label, world.rank, world.size);
         Communicator {
             inner: Arc::new(Inner {
-                scope,
+                ranks: Arc::new(ranks),
                 label: world.label.clone(),
                 rank: world.rank,
                 size: world.size,
@@ -316,10 +317,12 @@ impl Communicator {
         self.inner.rank
     }
 
-    /// Where a handle's timed wait says it waited: `rank 1`, or `rank 3 in
-    /// group comm1.s0c1 (ranks 1, 3)` (by job rank).
-    fn scope(&self) -> Arc<str> {
-        self.inner.scope.clone()
+    /// Call `seq` of this communicator (a message to or from `peer`) as
+    /// its handle names it in a timed wait's error: `rank 1`, or `rank 3
+    /// in group comm1.s0c1 (ranks 1, 3)` (by job rank), and the other ranks
+    /// it waits for.
+    fn call(&self, seq: u64, peer: Option<usize>) -> (Arc<dyn crate::work::Ranks>, crate::work::RankCall) {
+        (self.inner.ranks.clone(), crate::work::RankCall { seq, peer })
     }
 
     /// Number of ranks.

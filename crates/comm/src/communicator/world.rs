@@ -20,6 +20,7 @@ use super::failure::{Failure, FailureKind};
 use super::fingerprint::{Fingerprint, LEN};
 use super::keys;
 use super::label::Label;
+use super::standing::{standings, Standing};
 
 mod ahead;
 
@@ -393,33 +394,27 @@ fn timeout_message(
 ) -> String {
     let _ = store.set(&keys::arrived(prefix, current.fp.seq, rank), b"");
     let seq = current.fp.seq;
+    let others: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
+    // An unreadable store tells nothing: every other rank then counts as
+    // never arrived.
+    let standings = standings(store, prefix, seq, current.fp.is_p2p(), &others)
+        .unwrap_or_else(|_| vec![Standing::Behind(None); others.len()]);
     let mut missing: Vec<String> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
-    for r in (0..size).filter(|&r| r != rank) {
+    for (&r, standing) in others.iter().zip(standings) {
         let g = label.global(r);
-        if matches!(store.get(&keys::arrived(prefix, seq, r)), Ok(Some(_))) {
-            continue;
-        }
-        if let Ok(Some(why)) = store.get(&keys::gone(prefix, r)) {
-            notes.push(format!("rank {g} went away ({})", String::from_utf8_lossy(&why)));
-            continue;
-        }
-        // Its heartbeat says how far it got (collectives only: send/recv
-        // count messages per peer).
-        let progress = match store.get(&keys::progress(prefix, r)) {
-            Ok(Some(v)) if !current.fp.is_p2p() => keys::parse_progress(&v),
-            _ => None,
-        };
-        match progress {
-            Some((_, finished)) if finished >= seq => notes.push(format!("rank {g} finished #{seq} and went on")),
-            Some((issued, _)) if issued >= seq => {
+        match standing {
+            Standing::Waiting => {}
+            Standing::Gone(why) => notes.push(format!("rank {g} went away ({why})")),
+            Standing::Finished => notes.push(format!("rank {g} finished #{seq} and went on")),
+            Standing::Called => {
                 notes.push(format!("rank {g} called #{seq} but its devices never started it (busy with earlier work?)"))
             }
-            Some((issued, _)) => {
+            Standing::Behind(Some(issued)) => {
                 missing.push(g.to_string());
                 notes.push(format!("rank {g} last reported calling #{issued}"));
             }
-            None => missing.push(g.to_string()),
+            Standing::Behind(None) => missing.push(g.to_string()),
         }
     }
     let mut waiting: Vec<usize> = waiting_on.to_vec();

@@ -184,8 +184,7 @@ impl PartOwner for OneCall {
 
 impl Waitable for OneCall {
     fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
-        let ended =
-            self.end.wait_until(&self.client, deadline, || format!("{} still running", self.client.device_id()));
+        let ended = self.end.wait_until(&self.client, deadline, || format!("{} not finished", self.client.device_id()));
         stages::mark(Stage::WaitEnded);
         ended
     }
