@@ -1,6 +1,6 @@
 //! The errors of forming a group and of calling a collective.
 
-use cohort_runtime::{ConfigError, DeviceId, ServerError};
+use cohort_runtime::{ConfigError, DType, DeviceId, ServerError};
 
 /// Why a group could not be formed or a collective was refused.
 ///
@@ -53,9 +53,23 @@ pub enum CommError {
         dtype: String,
         elem: usize,
     },
-    /// A buffer has the wrong size for the collective.
-    #[error("{operation}: {what} of member {member} holds {got} bytes but must hold {expected} bytes ({why})")]
-    WrongSize { operation: &'static str, what: &'static str, member: usize, expected: u64, got: u64, why: String },
+    /// A buffer has the wrong size for the collective: its size and the
+    /// size it must have, in bytes (`expected`, `got`), which the message
+    /// counts in elements of `dtype` first.
+    #[error(
+        "{operation}: {what} of member {member} holds {} but must hold {} ({why})",
+        elements(.got, .dtype),
+        elements(.expected, .dtype)
+    )]
+    WrongSize {
+        operation: &'static str,
+        what: &'static str,
+        member: usize,
+        dtype: DType,
+        expected: u64,
+        got: u64,
+        why: String,
+    },
     /// A root (or send/recv endpoint) is not a member.
     #[error("{operation}: {what} {index} is not a member: the group has members 0..{members}")]
     NotAMember { operation: &'static str, what: &'static str, index: usize, members: usize },
@@ -135,4 +149,15 @@ pub enum CommError {
     /// names it and says what is expected).
     #[error(transparent)]
     Variable(#[from] ConfigError),
+}
+
+/// `bytes` counted in elements of `dtype`, then in bytes: `3 f32 elements
+/// (12 bytes)`; `13 bytes (not a whole number of f32 elements)`.
+fn elements(bytes: &u64, dtype: &DType) -> String {
+    let size = dtype.size() as u64;
+    match (bytes / size, bytes % size) {
+        (1, 0) => format!("1 {dtype} element ({bytes} bytes)"),
+        (count, 0) => format!("{count} {dtype} elements ({bytes} bytes)"),
+        _ => format!("{bytes} bytes (not a whole number of {dtype} elements)"),
+    }
 }

@@ -153,6 +153,35 @@ fn a_length_mismatch_is_refused_before_anything_is_queued() {
     assert_eq!(src[0].to_vec().unwrap(), [1.0; 10]);
 }
 
+/// A size error counts elements of the buffers' type first, then bytes:
+/// what a typed caller wrote, and what the collective needs.
+#[test]
+fn a_size_error_counts_elements_of_the_type_then_bytes() {
+    let group = common::group(2);
+    let src = group.replicate(&[1.0f32; 4]).unwrap();
+    let dst = group.zeros::<f32>(3).unwrap();
+    let err = group.all_gather(&src, &dst).unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "all_gather: destination of member 0 holds 3 f32 elements (12 bytes) but must hold 8 f32 elements (32 \
+             bytes) (2 members × the source size)"
+        ),
+        "{err}"
+    );
+    let one = group.zeros::<u64>(1).unwrap();
+    let err = group.all_reduce(&group.zeros::<u64>(2).unwrap(), &one, ReduceOp::Sum).unwrap_err().to_string();
+    assert!(err.contains("holds 1 u64 element (8 bytes) but must hold 2 u64 elements (16 bytes)"), "{err}");
+    // Untyped handles with a size that is no whole number of elements.
+    let clients = group.clients();
+    let odd: Vec<_> = clients.iter().map(|c| c.create_from_slice(&[0u8; 10])).collect();
+    let whole: Vec<_> = clients.iter().map(|c| c.create_from_slice(&[0u8; 8])).collect();
+    let err = group.all_reduce_handles(&whole, &odd, cohort_comm::DType::F32, ReduceOp::Sum).unwrap_err();
+    assert!(
+        err.to_string().contains("holds 10 bytes (not a whole number of f32 elements) but must hold 2 f32"),
+        "{err}"
+    );
+}
+
 #[test]
 fn buffers_refuse_sizes_and_ranges_that_cannot_be() {
     let client = &common::clients(1)[0];
