@@ -1,10 +1,11 @@
 //! Groups of a Communicator across ranks (one thread per rank, shared
 //! memory between them): `split` orders by key and leaves colorless ranks
-//! out, `subgroup` refuses lists the ranks disagree on (naming them) and bad
-//! lists on every rank, a 2×4 mesh of 4 ranks × 2 devices all-reduces and
-//! all-gathers along each dimension against a host reference, a desync
-//! inside a group names the group, and a grouped call of 100 tensors of
-//! mixed sizes and types equals 100 separate calls.
+//! out (and so does `World::split`, alone and as ranks), `subgroup` refuses
+//! lists the ranks disagree on (naming them) and bad lists on every rank, a
+//! 2×4 mesh of 4 ranks × 2 devices all-reduces and all-gathers along each
+//! dimension against a host reference, a desync inside a group names the
+//! group, and a grouped call of 100 tensors of mixed sizes and types equals
+//! 100 separate calls.
 
 mod common;
 
@@ -363,6 +364,46 @@ fn a_world_of_ranks_splits_and_subgroups_like_a_world_alone() {
     assert!(split[3].is_none());
     assert_eq!(split[0].as_ref().unwrap().members(), 2);
     assert_eq!(alone.subgroup(&[3, 0]).unwrap().unwrap().members(), 2);
+}
+
+/// `World::split(color, key)` is `MPI_Comm_split` over the job's
+/// processes, every local device of a process taking its color and key:
+/// as ranks, `Communicator::split`; alone, the one process's group of all
+/// its devices (or none without a color).
+#[test]
+fn a_world_splits_its_processes_by_color_and_key() {
+    use cohort_comm::World;
+    // 3 ranks × 2 devices: ranks 0 and 2 in color 5 (keys reverse them),
+    // rank 1 in none.
+    let ranks_side = ranks(54, 3, 2, |comm| {
+        let r = comm.rank();
+        let world = World::Ranks(comm);
+        let color = (r != 1).then_some(5);
+        let Some(group) = world.split(color, -(r as i64)).unwrap() else {
+            world.barrier().unwrap();
+            return (r, None);
+        };
+        let x = group.replicate(&[world.first_member() as f32]).unwrap();
+        group.all_reduce(&x, &x, ReduceOp::Sum).unwrap();
+        world.barrier().unwrap();
+        let (rank, size, members, first) = (group.rank(), group.world_size(), group.members(), group.first_member());
+        (r, Some((rank, size, members, first, x[1].to_vec().unwrap())))
+    });
+    assert_eq!(ranks_side[1], (1, None), "rank 1 passed no color");
+    // Members 0, 1 (rank 0, each holding 0) and 4, 5 (rank 2, each 4).
+    assert_eq!(ranks_side[0], (0, Some((1, 2, 4, 2, vec![8.0]))), "rank 0 is second by key");
+    assert_eq!(ranks_side[2], (2, Some((0, 2, 4, 0, vec![8.0]))), "rank 2 is first by key");
+    std::env::set_var("COHORT_CPU_DEVICES", "64");
+    let clients: Vec<_> = (60..62).map(|i| CpuRuntime::client(i).unwrap()).collect();
+    let alone = World::Local(cohort_comm::ClientGroup::new(clients.clone()).unwrap());
+    let group = alone.split(Some(3), 7).unwrap().expect("a color joins a group");
+    let ids = |w: &World| w.clients().iter().map(|c| c.device_id()).collect::<Vec<_>>();
+    assert_eq!(ids(&group), ids(&alone), "alone, the group is every device, in order");
+    assert!(matches!(group, World::Local(_)));
+    let x = group.replicate(&[1.5f32, 2.0]).unwrap();
+    group.all_reduce(&x, &x, ReduceOp::Sum).unwrap();
+    assert_eq!(x[1].to_vec().unwrap(), [3.0, 4.0]);
+    assert!(alone.split(None, 0).unwrap().is_none(), "no color, no group");
 }
 
 #[test]

@@ -58,6 +58,43 @@ impl World {
         self.rank() == 0
     }
 
+    /// Splits the job's processes by `color`, as `MPI_Comm_split` does:
+    /// processes that pass the same color form a group, ordered by `key`
+    /// and then by rank; one that passes `None` joins no group and gets
+    /// `None`. Every local device of this process joins with the same color
+    /// and key (see [`World::split_members`] for one per device).
+    ///
+    /// As one rank of a job it is [`Communicator::split`]: collective over
+    /// the job (every rank calls it, in the same order as its collectives)
+    /// and it waits until the group that holds this rank is formed, up to
+    /// the timeout. Alone, this process is the job's only rank: a color
+    /// gives the group of all its devices, in the same order (a new
+    /// [`ClientGroup`] over them with this one's timeout and host path),
+    /// `None` gives `None`; nothing waits.
+    ///
+    /// ```
+    /// use cohort_comm::{Collectives, Error, World};
+    /// use cohort_runtime::{CpuRuntime, Runtime};
+    ///
+    /// fn main() -> Result<(), Error> {
+    ///     let world = World::Local(cohort_comm::ClientGroup::new(CpuRuntime::clients()?)?);
+    ///     // Even ranks in one group, odd ranks in another (alone: rank 0).
+    ///     let half = world.split(Some((world.rank() % 2) as u32), 0)?.expect("a color joins a group");
+    ///     assert_eq!(half.members(), world.members());
+    ///     assert!(world.split(None, 0)?.is_none());
+    ///     Ok(())
+    /// }
+    /// ```
+    pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<World>, CommError> {
+        Ok(match self {
+            World::Local(g) => {
+                let n = g.len();
+                g.split(&vec![color; n], &vec![key; n])?.into_iter().flatten().next().map(World::Local)
+            }
+            World::Ranks(c) => c.split(color, key)?.map(World::Ranks),
+        })
+    }
+
     /// Splits the job's members by color, as `MPI_Comm_split` does, with
     /// one color and key per local device (`colors[l]`, `keys[l]`): members
     /// of one color form a group ordered by key, then member number; `None`
