@@ -245,9 +245,13 @@ pub(crate) fn seconds(s: &str) -> Result<f64, String> {
 /// The first argument that is not an option is the program: everything
 /// after it is the program's (see [`crate::torchrun::split_program`]).
 #[derive(Debug, Args)]
-#[command(after_help = RUN_AFTER_HELP)]
+#[command(
+    override_usage = "cohort run [OPTIONS] PROGRAM [ARGS]...\n       cohort run [OPTIONS] -m MODULE [ARGS]...",
+    after_help = RUN_AFTER_HELP
+)]
 pub struct RunArgs {
-    /// Ranks on this node: a number, `cpu` (COHORT_CPU_DEVICES, default 4),
+    /// Ranks on this node: a number, `cpu` (one per CPU device:
+    /// COHORT_CPU_DEVICES, default 4, where torchrun starts one per core),
     /// `gpu` (one per CUDA GPU) or `auto` (gpu if any, else cpu).
     #[arg(
         short = 'n',
@@ -378,7 +382,8 @@ pub struct RunArgs {
 
     /// Write each rank's stdout and stderr to files under this folder
     /// (attempt_<restart>/rank_<rank>/{stdout,stderr}.log) instead of the
-    /// console; with --redirects or --tee, as those say.
+    /// console. With --redirects or --tee, as those say (torchrun's
+    /// --log-dir alone writes no output files: `-r 0` keeps the console).
     #[arg(long, alias = "log_dir", value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
 

@@ -115,11 +115,9 @@ pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
 fn find_option<'a>(run: &'a clap::Command, name: &str) -> Option<&'a clap::Arg> {
     run.get_arguments().find(|a| match name.strip_prefix("--") {
         Some(long) => a.get_long() == Some(long) || a.get_all_aliases().is_some_and(|v| v.contains(&long)),
-        None => {
-            let short = name.chars().nth(1);
-            short.is_some()
-                && (a.get_short() == short || a.get_all_short_aliases().is_some_and(|v| v.contains(&short.unwrap())))
-        }
+        None => name.chars().nth(1).is_some_and(|short| {
+            a.get_short() == Some(short) || a.get_all_short_aliases().is_some_and(|v| v.contains(&short))
+        }),
     })
 }
 

@@ -530,3 +530,54 @@ fn torchruns_other_options_are_taken_or_refused_saying_why() {
     assert_eq!(code(out.status, &out), 1, "{stderr}");
     assert!(stderr.contains("--rdzv-backend c10d with --nnodes 2 needs --node-rank on every node"), "{stderr}");
 }
+
+#[test]
+fn torchruns_multi_node_c10d_line_runs_with_a_node_rank() {
+    // torchrun --nnodes=2 --nproc-per-node=2 --rdzv-id=100 --rdzv-backend=c10d
+    //          --rdzv-endpoint=HOST:PORT elastic_ddp.py, plus --node_rank
+    // (cohort does not number nodes as they arrive) and a MASTER_PORT free
+    // on this busy machine.
+    let (endpoint, master_port) = (format!("127.0.0.1:{}", free_port()), free_port().to_string());
+    let node = |rank: &str| {
+        let endpoint = format!("--rdzv-endpoint={endpoint}");
+        let mut c = run_line(&[
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            "--rdzv-id=100",
+            "--rdzv-backend=c10d",
+            &endpoint,
+            "--node_rank",
+            rank,
+            "--master_port",
+            &master_port,
+            RANK,
+            "env",
+            "store",
+            "argv",
+            "--epochs",
+            "2",
+        ]);
+        c.env("COHORT_JOB_SECRET", "shared");
+        c.spawn().expect("start cohort")
+    };
+    // Node 1 first: it waits for node 0's store at the endpoint.
+    let n1 = node("1");
+    let n0 = node("0");
+    let (out0, out1) = (wait_output(n0, LIMIT), wait_output(n1, LIMIT));
+    let mut ranks = Vec::new();
+    for (node_rank, out) in [(0, &out0), (1, &out1)] {
+        let (stdout, stderr) = texts(out);
+        assert_eq!(code(out.status, out), 0, "node {node_rank}: {stdout}\n{stderr}");
+        assert_eq!(stdout.matches("store barrier of 4 passed").count(), 2, "{stdout}");
+        assert_eq!(argv_lines(&stdout).len(), 2, "{stdout}");
+        assert!(argv_lines(&stdout).iter().all(|(_, a)| a == "--epochs|2"), "{stdout}");
+        for e in env_lines(&stdout) {
+            assert_eq!((e["WORLD_SIZE"].as_str(), e["GROUP_RANK"].as_str()), ("4", &*node_rank.to_string()));
+            assert_eq!((e["MASTER_ADDR"].as_str(), e["MASTER_PORT"].as_str()), ("127.0.0.1", master_port.as_str()));
+            assert_eq!((e["COHORT_STORE_ADDR"].as_str(), e["TORCHELASTIC_RUN_ID"].as_str()), (&*endpoint, "100"));
+            ranks.push(e["RANK"].parse::<usize>().unwrap());
+        }
+    }
+    ranks.sort();
+    assert_eq!(ranks, [0, 1, 2, 3]);
+}
