@@ -3,7 +3,11 @@
 //! ended.
 //!
 //! Keys (all under [`PREFIX`], which survives the reset between attempts):
-//! - `node/<n>`: node n's launcher registered (`<nproc> <host>`);
+//! - `node/<n>`: node n's launcher registered (`<nproc> <host> #<id>`,
+//!   `<id>` a random id of that launcher);
+//! - `node-gone/<n>/<id>`: the will of that launcher's store connection:
+//!   set once it is gone (killed, or done), so that a replacement of the
+//!   node may take `node/<n>` over (see [`Rendezvous::start`]);
 //! - `ready/<a>`: barrier before attempt a's ranks start;
 //! - `ok/<a>`: count of nodes whose ranks all succeeded in attempt a;
 //! - `verdict/<a>`: the job's verdict for attempt a (see [`Verdict`]): set
@@ -28,7 +32,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_comm::store::{StoreClient, StoreError, StoreServer};
+use cohort_comm::store::{CompareSet, StoreClient, StoreError, StoreServer};
 use crossbeam::channel::Sender;
 
 use crate::config::{JobConfig, LaunchError};
@@ -43,6 +47,11 @@ const RENDEZVOUS_LIMIT: Duration = Duration::from_secs(900);
 const WAIT_NOTICE_EVERY: Duration = Duration::from_secs(5);
 /// How long node 0 keeps serving for the others to read the final verdict.
 const LEAVE_LIMIT: Duration = Duration::from_secs(5);
+/// How long a launcher whose node rank another launcher registered waits
+/// for that launcher's connection to the store to be gone (the store may
+/// learn of a launcher killed a moment ago a little later) before the node
+/// rank is an error.
+const TAKE_OVER_WAIT: Duration = Duration::from_secs(5);
 
 fn key(name: &str, attempt: u32) -> String {
     format!("{PREFIX}{name}/{attempt}")
@@ -68,6 +77,12 @@ pub struct Rendezvous {
 impl Rendezvous {
     /// Serves the store (node 0) or finds it (other nodes), and registers this
     /// node. Waits for node 0's store up to the rendezvous limit.
+    ///
+    /// A node rank that another launcher registered is taken over once that
+    /// launcher's connection to the store is gone (it was killed: its
+    /// replacement comes back into an elastic job), waiting up to 5 s for
+    /// the store to see it go; a launcher still connected keeps it, and
+    /// this is an error naming it.
     pub fn start(cfg: &JobConfig, deadline: Option<Instant>) -> Result<Self, LaunchError> {
         let (server, port) = if cfg.node_rank == 0 && !cfg.external_store {
             let bind_addr = cfg.store_addr(cfg.store_port);
@@ -95,20 +110,49 @@ impl Rendezvous {
             watcher,
             deadline,
         };
-        let entry = format!("{} {}", cfg.nproc, hostname());
-        let node_key = format!("{PREFIX}node/{}", cfg.node_rank);
-        if let cohort_comm::store::CompareSet::Mismatch(Some(other)) =
-            me.client.compare_set(&node_key, None, entry.as_bytes())?
-        {
-            return Err(LaunchError::Rendezvous(format!(
-                "node rank {} is already taken by another launcher (with -n {}); give each node \
-                 its own --node-rank from 0 to {}",
-                cfg.node_rank,
-                String::from_utf8_lossy(&other),
-                cfg.nnodes - 1
-            )));
-        }
+        me.register(cfg)?;
         Ok(me)
+    }
+
+    /// Registers this node as `node/<n>` (see [`Rendezvous::start`]), with
+    /// a will on its connection that says when this launcher is gone.
+    fn register(&self, cfg: &JobConfig) -> Result<(), LaunchError> {
+        let id = &cohort_comm::store::generate_secret()?[..16];
+        let entry = format!("{} {} #{id}", cfg.nproc, hostname());
+        let n = cfg.node_rank;
+        self.client.set_will(&format!("{PREFIX}node-gone/{n}/{id}"), b"")?;
+        let node_key = format!("{PREFIX}node/{n}");
+        let mut expected = None;
+        loop {
+            let other = match self.client.compare_set(&node_key, expected.as_deref(), entry.as_bytes())? {
+                CompareSet::Swapped => return Ok(()),
+                // Deleted meanwhile: register afresh.
+                CompareSet::Mismatch(None) => {
+                    expected = None;
+                    continue;
+                }
+                CompareSet::Mismatch(Some(other)) => other,
+            };
+            let (shown, holder) = split_entry(&other);
+            let taken = |why: &str| {
+                LaunchError::Rendezvous(format!(
+                    "node rank {n} is already taken by another launcher (with -n {shown}){why}; give each node its \
+                     own --node-rank from 0 to {}",
+                    cfg.nnodes - 1
+                ))
+            };
+            let Some(holder) = holder else { return Err(taken("")) };
+            let gone = format!("{PREFIX}node-gone/{n}/{holder}");
+            match self.client.wait(&[&gone], TAKE_OVER_WAIT) {
+                Ok(()) => {}
+                Err(StoreError::WaitTimeout { .. }) => {
+                    return Err(taken(&format!(", still connected to the store after {TAKE_OVER_WAIT:.0?}")))
+                }
+                Err(e) => return Err(e.into()),
+            }
+            say!("cohort: node {n}'s previous launcher (with -n {shown}) is gone; this one takes its place");
+            expected = Some(other);
+        }
     }
 
     /// This launcher's connection to the store.
@@ -299,7 +343,7 @@ impl Rendezvous {
     /// node reported first).
     pub fn report_failure(&self, attempt: u32, verdict: &Verdict) -> Result<Verdict, StoreError> {
         match self.client.compare_set(&key("verdict", attempt), None, &verdict.encode())? {
-            cohort_comm::store::CompareSet::Mismatch(Some(first)) => Ok(Verdict::decode(&first)),
+            CompareSet::Mismatch(Some(first)) => Ok(Verdict::decode(&first)),
             _ => Ok(verdict.clone()),
         }
     }
@@ -340,6 +384,16 @@ pub enum Round {
     Member { position: u32, members: u32, attempt: u32 },
     /// The job ended (every rank succeeded) before this late node was needed.
     JobDone,
+}
+
+/// A `node/<n>` value as messages show it (`<nproc> <host>`), and the id
+/// of the launcher that registered it (none from an older launcher).
+fn split_entry(value: &[u8]) -> (String, Option<String>) {
+    let text = String::from_utf8_lossy(value);
+    match text.rsplit_once(" #") {
+        Some((shown, id)) => (shown.to_string(), Some(id.to_string())),
+        None => (text.into_owned(), None),
+    }
 }
 
 /// The node ranks of a `members/<a>` or `closed/<a>` value, sorted.

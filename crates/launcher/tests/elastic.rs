@@ -84,6 +84,72 @@ fn elastic_goes_on_without_a_launcher_that_died() {
     no_rank_left(&dir);
 }
 
+/// A node whose launcher was killed comes back: its replacement takes over
+/// the dead launcher's registration (it once failed at once with "node rank
+/// 1 is already taken", so a lost node could never return) and joins the
+/// next attempt, which runs on both nodes again.
+#[test]
+fn elastic_replacement_of_a_killed_node_joins_the_next_attempt() {
+    let dir = temp_dir("elastic-replace");
+    let port = free_port();
+    let d = dir.to_str().unwrap();
+    let steps = ["pid", d, "env", "store", "sleep-first-attempt", "120"];
+    // Attempt 1 closes as soon as both nodes are in; the last call only
+    // gives the replacement time to come on a loaded machine.
+    let extra = ["--max-restarts", "2", "--last-call", "60"];
+    let n0 = start(node(0, port, "1:2", &extra, &steps));
+    let n1 = start(node(1, port, "1:2", &extra, &steps));
+    wait_pid_files(&dir, 4, LIMIT);
+    kill(&n1, libc::SIGKILL);
+    let _ = wait_output(n1, LIMIT);
+    let replacement = start(node(1, port, "1:2", &extra, &steps));
+    let out0 = wait_output(n0, LIMIT);
+    let out1 = wait_output(replacement, LIMIT);
+    let (stdout0, stderr0) = texts(&out0);
+    let (stdout1, stderr1) = texts(&out1);
+    assert_eq!(code(out1.status, &out1), 0, "the replacement: {stderr1}");
+    assert_eq!(code(out0.status, &out0), 0, "{stderr0}");
+    assert!(
+        stderr1.contains("node 1's previous launcher (with -n 2 on host") && stderr1.contains("is gone"),
+        "{stderr1}"
+    );
+    assert!(attempt_env(&stdout1, 0).is_empty(), "the replacement ran nothing in attempt 0: {stdout1}");
+    for (stdout, group_rank) in [(&stdout0, "0"), (&stdout1, "1")] {
+        let second = attempt_env(stdout, 1);
+        assert_eq!(second.len(), 2, "{stdout}");
+        for e in &second {
+            let got = (e["WORLD_SIZE"].as_str(), e["GROUP_WORLD_SIZE"].as_str(), e["GROUP_RANK"].as_str());
+            assert_eq!(got, ("4", "2", group_rank), "{stdout}");
+        }
+        assert!(stdout.contains("store barrier of 4 passed"), "{stdout}");
+    }
+    no_rank_left(&dir);
+}
+
+/// A node rank whose launcher is alive is not taken over: a second
+/// launcher given it fails, saying so, and the job goes on.
+#[test]
+fn a_node_rank_whose_launcher_is_alive_is_refused_to_another() {
+    let dir = temp_dir("elastic-taken");
+    let port = free_port();
+    let d = dir.to_str().unwrap();
+    let steps = ["pid", d, "sleep", "120"];
+    let n0 = start(node(0, port, "2", &[], &steps));
+    let n1 = start(node(1, port, "2", &[], &steps));
+    wait_pid_files(&dir, 4, LIMIT);
+    let out = output_within(node(1, port, "2", &[], &steps), LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 1, "{stderr}");
+    assert!(stderr.contains("node rank 1 is already taken") && stderr.contains("still connected"), "{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    // The job's own nodes were left alone.
+    assert_eq!(read_pids(&dir).iter().filter(|&&p| alive(p)).count(), 4);
+    kill(&n0, libc::SIGTERM);
+    kill(&n1, libc::SIGTERM);
+    let _ = (wait_output(n0, LIMIT), wait_output(n1, LIMIT));
+    no_rank_left(&dir);
+}
+
 #[test]
 fn elastic_restarts_every_node_after_a_rank_fails() {
     let dir = temp_dir("elastic-fail");
