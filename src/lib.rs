@@ -20,10 +20,25 @@ pub use cohort_runtime as runtime;
 pub use cohort_train::{ddp, nn};
 
 /// The names most programs need: the runtime's, and the collectives'.
+///
+/// ```
+/// use cohort::prelude::*;
+///
+/// fn main() -> Result<(), Error> {
+///     // A job of one process over one CPU device, laid out as a 1 × 1 mesh.
+///     let world = World::Local(ClientGroup::new(vec![CpuRuntime::client(0)?])?);
+///     let mesh = Mesh::new(&world, &[("dp", 1), ("tp", 1)])?;
+///     let tp = mesh.group_of("tp", 0)?;
+///     let x: Vec<Buffer<f32>> = tp.replicate(&[1.0, 2.0])?;
+///     tp.all_reduce(&x, &x, ReduceOp::Sum)?.wait()?;
+///     assert_eq!(x[0].to_vec()?, [1.0, 2.0]);
+///     Ok(())
+/// }
+/// ```
 pub mod prelude {
     pub use cohort_comm::{
-        rank_clients, Buffer, ClientGroup, Collectives, Communicator, DType, Element, Error, ReduceOp, Transport, Work,
-        World,
+        rank_clients, Buffer, ClientGroup, Collectives, Communicator, DType, Element, Error, Mesh, ReduceOp, Transport,
+        Work, World,
     };
     pub use cohort_runtime::prelude::*;
 }
