@@ -1006,7 +1006,8 @@ mod tests {
             assert!(matches!(resolve_addrs(bad, bad), Err(Unresolved::Malformed(_))), "{bad}");
             let start = Instant::now();
             assert!(matches!(await_name(bad, bad, Duration::from_secs(30)), Err(Unresolved::Malformed(_))), "{bad}");
-            assert!(start.elapsed() < Duration::from_secs(1), "{bad}: looked up again");
+            // Well short of the 30 s grace a name not known yet gets.
+            assert!(start.elapsed() < Duration::from_secs(10), "{bad}: looked up again");
         }
         // A lookup that gives no address at all: looked up again for the
         // grace, then given up.
@@ -1021,7 +1022,8 @@ mod tests {
             assert!(could_be_host(host), "{host}");
         }
         let waited = start.elapsed();
-        assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(3), "{waited:?}");
+        // The grace, then no longer (a loaded machine may add seconds).
+        assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(20), "{waited:?}");
         assert!(await_name("127.0.0.1:29500", "local", Duration::from_secs(30)).is_ok());
     }
 }

@@ -293,7 +293,8 @@ fn store_connect_to_a_name_that_does_not_resolve_says_so() {
     // Not host:port at all: no retry can help.
     let start = Instant::now();
     let err = StoreClient::connect("no-port-here", SECRET, Duration::from_secs(30)).unwrap_err();
-    assert!(start.elapsed() < Duration::from_secs(1), "waited {:?}", start.elapsed());
+    // Not retried for its 30 s timeout.
+    assert!(start.elapsed() < Duration::from_secs(10), "waited {:?}", start.elapsed());
     assert!(matches!(err, StoreError::Unresolvable { .. }), "{err:?}");
     assert!(err.to_string().contains("no-port-here") && err.to_string().contains("does not resolve"), "{err}");
     // Where no name server answers, the lookup fails only for the moment,
@@ -313,7 +314,8 @@ fn store_connect_to_a_name_that_does_not_resolve_says_so() {
         let start = Instant::now();
         let err = connect(addr, timeout).expect_err(what);
         let took = start.elapsed();
-        assert!(took >= timeout && took < timeout * 3, "{what}: gave up after {took:?}");
+        // Its timeout, not the 60 s a name not known yet may get.
+        assert!(took >= timeout && took < timeout * 10, "{what}: gave up after {took:?}");
         assert!(matches!(err, StoreError::Unresolvable { .. }), "{what}: {err:?}");
         let msg = err.to_string();
         assert!(msg.contains(addr) && msg.contains("does not resolve"), "{what}: {msg}");
@@ -571,15 +573,17 @@ fn store_many_waiters_on_one_key_all_wake() {
 fn store_shutdown_answers_blocked_waiters_and_barriers() {
     let mut s = server();
     let (a, b) = (client(&s), client(&s));
-    let ta = std::thread::spawn(move || a.wait(&["never"], T));
-    let tb = std::thread::spawn(move || b.barrier("bar", 2, T));
+    let long = Duration::from_secs(120);
+    let ta = std::thread::spawn(move || a.wait(&["never"], long));
+    let tb = std::thread::spawn(move || b.barrier("bar", 2, long));
     wait_for(|| s.barrier_arrivals("bar") == 1);
     std::thread::sleep(Duration::from_millis(50));
     let start = Instant::now();
     s.shutdown();
     assert!(ta.join().unwrap().is_err());
     assert!(tb.join().unwrap().is_err());
-    assert!(start.elapsed() < Duration::from_secs(5), "blocked requests answered at shutdown");
+    // Answered by the shutdown, long before their own timeouts.
+    assert!(start.elapsed() < long / 2, "blocked requests answered at shutdown: {:?}", start.elapsed());
 }
 
 #[test]
@@ -693,7 +697,7 @@ fn store_with_four_workers_wakes_clients_served_by_other_threads() {
     let blocked: Vec<_> = (0..4)
         .map(|_| {
             let c = client(&s);
-            std::thread::spawn(move || c.wait(&["never"], T))
+            std::thread::spawn(move || c.wait(&["never"], Duration::from_secs(120)))
         })
         .collect();
     std::thread::sleep(Duration::from_millis(100));
@@ -702,7 +706,8 @@ fn store_with_four_workers_wakes_clients_served_by_other_threads() {
     for b in blocked {
         assert!(b.join().unwrap().is_err());
     }
-    assert!(start.elapsed() < Duration::from_secs(5));
+    // Answered by the shutdown, long before their own timeouts.
+    assert!(start.elapsed() < Duration::from_secs(60), "{:?}", start.elapsed());
 }
 
 #[test]
@@ -760,7 +765,8 @@ fn store_hostile_clients_hammering_the_handshake_do_not_stall_authenticated_ones
     stop.store(true, Ordering::Relaxed);
     let opened: u64 = attackers.into_iter().map(|a| a.join().unwrap()).sum();
     assert!(opened > 100, "the attackers opened only {opened} connections: no attack took place");
-    assert!(took < Duration::from_secs(10), "20 authenticated clients took {took:?} under attack");
+    // Not held until the attackers' 120 s handshake deadline.
+    assert!(took < Duration::from_secs(60), "20 authenticated clients took {took:?} under attack");
 }
 
 #[test]
@@ -1493,7 +1499,7 @@ fn store_relay_losing_the_store_fails_every_rank_at_once() {
             "{msg}"
         );
     }
-    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+    assert!(start.elapsed() < Duration::from_secs(40), "took {:?}", start.elapsed());
     // Later calls fail too, rather than hang.
     assert!(busy.get("k").is_err() && idle.get("k").is_err());
 }
@@ -1602,10 +1608,11 @@ fn store_relay_spawned_or_prepared_joins_the_store_behind_its_ranks_first_reques
     // once (its thread stops when its handshake gives up).
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let silent_addr = silent.local_addr().unwrap().to_string();
-    let (stuck, _ends) = StoreRelay::spawn(&silent_addr, SECRET, 1, Duration::from_secs(5)).unwrap();
+    let (stuck, _ends) = StoreRelay::spawn(&silent_addr, SECRET, 1, Duration::from_secs(60)).unwrap();
     let began = std::time::Instant::now();
     drop(stuck);
-    assert!(began.elapsed() < Duration::from_secs(1), "{:?}", began.elapsed());
+    // Waiting for the thread would take its whole try (10 s).
+    assert!(began.elapsed() < Duration::from_secs(5), "{:?}", began.elapsed());
 }
 
 #[test]
@@ -1728,7 +1735,7 @@ fn a_relay_dropped_while_it_joins_still_passes_on_what_exited_ranks_sent() {
     drop(relay);
     let direct = client(&s);
     let began = std::time::Instant::now();
-    while direct.get("last words").unwrap().is_none() && began.elapsed() < Duration::from_secs(5) {
+    while direct.get("last words").unwrap().is_none() && began.elapsed() < T {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(direct.get("last words").unwrap().as_deref(), Some(&b"sent before the join"[..]));
