@@ -8,6 +8,7 @@
 //! ```text
 //! cohort run -n 4 -- cohort-comm-suite                  # the suite
 //! cohort run -n gpu -- cohort-comm-suite --backend cuda full   # every collective × type × op, 0 B to 1 GiB
+//! cohort run -n 2 -- cohort-comm-suite full 64MiB       # the same, up to 64 MiB (sizes: 4096, 4K, 64MiB, 1GiB)
 //! cohort run -n 4 -- cohort-comm-suite --devices 2      # two devices per rank
 //! cohort run -n 1 -- cohort-comm-suite --backend cuda   # GPU LOCAL_RANK × devices + l
 //! mpirun -n 4 cohort-comm-suite                         # no launcher
@@ -23,6 +24,7 @@
 //! cohort run -n 4 -- cohort-comm-suite slow 2 5         # rank 2 comes 5 s late (must pass)
 //! cohort run -n 4 -- cohort-comm-suite desync dtype 1   # rank 1 differs: kind|count|dtype|op|root
 //! cohort run -n 4 -- cohort-comm-suite secret 1         # rank 1 brings a wrong job secret
+//! cohort run -n 2 -- cohort-comm-suite leave 1          # rank 1 exits 0 at once, rank 0 all-reduces
 //! cohort run -n 2 -- cohort-comm-suite --set-env RANK=7 barrier   # a malformed environment
 //! ```
 //!
@@ -33,7 +35,8 @@
 //!
 //! `--pid-dir DIR` writes `DIR/rank<R>.pid` first (for tests that check no
 //! process is left). Exits 0 when every check passed; prints `rank R: error: ...` and exits 1
-//! on the first failure.
+//! on the first failure; an argument it cannot read (a size that is not one,
+//! a rank that is not a number) is `error: ...` and exit 2, before joining.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -89,6 +92,19 @@ mod faults {
         comm.all_reduce_handles(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
         read(comm, &buf)?;
         comm.barrier().map_err(|e| e.to_string())
+    }
+
+    /// Rank `who` leaves the job at once and exits 0 (closing its
+    /// communicator) while the others call an all-reduce and wait for it.
+    pub fn leave(comm: &Communicator, who: usize) -> Result<(), String> {
+        if comm.rank() == who {
+            println!("leaving the job early, on purpose");
+            return Ok(());
+        }
+        let buf = comm.clients()[0].create_from_slice(&[0u8; 4096]);
+        let bufs = vec![buf.clone(); comm.local_devices()];
+        comm.all_reduce_handles(&bufs, &bufs, DType::F32, ReduceOp::Sum).map_err(|e| e.to_string())?;
+        read(comm, &buf)
     }
 
     /// Every rank calls an all-reduce of 1024 f32 (sum) or, for a rooted
@@ -399,15 +415,13 @@ fn suite(comm: Communicator, large: usize) -> Result<usize, String> {
     Ok(s.checks)
 }
 
-/// Times `iters` calls of `what` (all_reduce, reduce or broadcast; root 0)
+/// Times `iters` calls of `what` (all_reduce, reduce or broadcast, as
+/// [`parse_mode`] checked; root 0)
 /// on `bytes` bytes of f32, in place (rank 0 prints the mean).
 fn latency(comm: &Communicator, what: &str, bytes: usize, iters: usize) -> Result<(), String> {
     let client = &comm.clients()[0];
     let buf = client.create_from_slice(&vec![0u8; bytes / 4 * 4]);
     let bufs = vec![buf.clone(); comm.local_devices()];
-    if !matches!(what, "all_reduce" | "reduce" | "broadcast") {
-        return Err(format!("latency: {what} is not all_reduce, reduce or broadcast"));
-    }
     let once = || match what {
         "reduce" => comm.reduce_handles(&bufs, &buf, DType::F32, ReduceOp::Sum, 0),
         "broadcast" => comm.broadcast_handles(&buf, &bufs, DType::F32, 0),
@@ -449,50 +463,197 @@ fn store_route() -> String {
     format!("relay, {} sockets, {claimed} close-on-exec", fds.len())
 }
 
-fn main() -> ExitCode {
-    let start = Instant::now();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut devices = 1;
+/// What a run does: the suite, or a fault-injection mode (see the file's
+/// documentation).
+#[derive(Debug, Clone, PartialEq)]
+enum Mode {
+    Suite,
+    Full {
+        big: usize,
+    },
+    Barrier,
+    Latency {
+        what: String,
+        bytes: usize,
+        iters: usize,
+    },
+    /// `crash`, `skip` or `mismatch` of rank `who`.
+    Fault {
+        kind: String,
+        who: usize,
+    },
+    Secret {
+        who: usize,
+    },
+    /// `loop` (who: none), `kill9` or `stop`.
+    Looping {
+        kind: String,
+        who: usize,
+    },
+    Slow {
+        who: usize,
+        secs: usize,
+    },
+    Desync {
+        what: String,
+        who: usize,
+    },
+    Leave {
+        who: usize,
+    },
+}
+
+/// The largest buffer a run may ask for.
+const MAX_SIZE: usize = 1 << 30;
+
+/// A size in bytes: a whole number with an optional K, M or G, alone or as
+/// KiB, MiB, GiB (powers of 1024), or B: `4096`, `4K`, `64MiB`, `1GiB`.
+fn parse_size(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        _ => {
+            return Err(format!(
+                "{text:?} is not a size: give bytes, or K, M, G (KiB, MiB, GiB), e.g. 4096, 4K, 64MiB, 1GiB"
+            ))
+        }
+    };
+    if digits.is_empty() {
+        return Err(format!("{text:?} is not a size: it has no number, e.g. 64MiB"));
+    }
+    // Digits alone fail to parse only past usize::MAX.
+    let bytes = digits.parse::<usize>().ok().and_then(|n| n.checked_mul(1 << shift));
+    bytes.filter(|&b| b <= MAX_SIZE).ok_or_else(|| format!("{text:?} is too large: at most 1GiB"))
+}
+
+/// Reads the mode and its arguments; a bad one is an error naming it.
+fn parse_mode(mode: &[String]) -> Result<Mode, String> {
+    let name = mode.first().map_or("suite", String::as_str);
+    let number = |i: usize, what: &str| -> Result<usize, String> {
+        let text = mode.get(i).ok_or_else(|| format!("{name}: missing {what}"))?;
+        text.parse().map_err(|_| format!("{name}: {what} {text:?} is not a whole number"))
+    };
+    let size = |i: usize, what: &str| -> Result<usize, String> {
+        let text = mode.get(i).ok_or_else(|| format!("{name}: missing {what}"))?;
+        parse_size(text).map_err(|e| format!("{name}: {what} {e}"))
+    };
+    let given = |i: usize| mode.len() > i;
+    let parsed = match name {
+        "suite" => Mode::Suite,
+        "full" => Mode::Full { big: if given(1) { size(1, "size")? } else { MAX_SIZE } },
+        "barrier" => Mode::Barrier,
+        "latency" => {
+            let what = mode.get(3).cloned().unwrap_or_else(|| "all_reduce".into());
+            if !matches!(what.as_str(), "all_reduce" | "reduce" | "broadcast") {
+                return Err(format!("latency: {what} is not all_reduce, reduce or broadcast"));
+            }
+            let iters = if given(2) { number(2, "iterations")? } else { 100 };
+            Mode::Latency { what, bytes: size(1, "size")?, iters }
+        }
+        "crash" | "skip" | "mismatch" => Mode::Fault { kind: name.into(), who: number(1, "rank")? },
+        "secret" => Mode::Secret { who: number(1, "rank")? },
+        "loop" => Mode::Looping { kind: name.into(), who: if given(1) { number(1, "rank")? } else { usize::MAX } },
+        "kill9" | "stop" => Mode::Looping { kind: name.into(), who: number(1, "rank")? },
+        "slow" => Mode::Slow { who: number(1, "rank")?, secs: number(2, "seconds")? },
+        "desync" => {
+            let what = mode.get(1).cloned().unwrap_or_default();
+            if !matches!(what.as_str(), "kind" | "count" | "dtype" | "op" | "root") {
+                return Err(format!("desync: unknown {what:?} (kind, count, dtype, op or root)"));
+            }
+            Mode::Desync { what, who: number(2, "rank")? }
+        }
+        "leave" => Mode::Leave { who: number(1, "rank")? },
+        other => return Err(format!("unknown mode {other:?}")),
+    };
+    Ok(parsed)
+}
+
+/// The run's settings from its flags, which it applies to this process as
+/// it reads them (environment, address-space limit, pid file); the words
+/// that are not flags are the mode.
+struct Flags {
+    devices: usize,
+    large: usize,
+    backend: String,
+    mode: Vec<String>,
+}
+
+fn apply_flags(args: &[String]) -> Result<Flags, String> {
     // Just above the ring threshold.
-    let mut large = 288 * 1024;
-    let mut mode = Vec::new();
-    let mut backend = "cpu".to_string();
-    let mut it = args.iter();
+    let mut flags = Flags { devices: 1, large: 288 * 1024, backend: "cpu".into(), mode: Vec::new() };
+    let my_rank = || std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok());
+    let mut it = args.iter().cloned();
     while let Some(a) = it.next() {
+        let mut next = |usage: &str| it.next().ok_or_else(|| format!("usage: {usage}"));
         match a.as_str() {
-            "--devices" => devices = it.next().and_then(|v| v.parse().ok()).expect("--devices N"),
-            "--backend" => backend = it.next().cloned().expect("--backend cpu|cuda"),
-            "--large" => large = it.next().and_then(|v| v.parse().ok()).expect("--large BYTES"),
+            "--devices" => flags.devices = whole(next("--devices N")?, "--devices N")?,
+            "--backend" => flags.backend = next("--backend cpu|cuda")?,
+            "--large" => flags.large = parse_size(&next("--large BYTES")?).map_err(|e| format!("--large: {e}"))?,
             "--set-env" => {
-                let (k, v) = it.next().and_then(|kv| kv.split_once('=')).expect("--set-env KEY=VALUE");
+                let (k, v) = pair(next("--set-env KEY=VALUE")?, "--set-env KEY=VALUE")?;
                 std::env::set_var(k, v);
             }
             "--rank-env" => {
-                let who = it.next().and_then(|r| r.parse::<usize>().ok()).expect("--rank-env RANK KEY=VALUE");
-                let (k, v) = it.next().and_then(|kv| kv.split_once('=')).expect("--rank-env RANK KEY=VALUE");
-                if std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()) == Some(who) {
+                let usage = "--rank-env RANK KEY=VALUE";
+                let who = whole(next(usage)?, usage)?;
+                let (k, v) = pair(next(usage)?, usage)?;
+                if my_rank() == Some(who) {
                     std::env::set_var(k, v);
                 }
             }
             "--rank-mem-limit" => {
-                let who = it.next().and_then(|r| r.parse::<usize>().ok()).expect("--rank-mem-limit RANK MIB");
-                let mib = it.next().and_then(|m| m.parse::<u64>().ok()).expect("--rank-mem-limit RANK MIB");
-                if std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()) == Some(who) {
-                    limit_address_space(mib);
+                let usage = "--rank-mem-limit RANK MIB";
+                let who = whole(next(usage)?, usage)?;
+                let mib = whole(next(usage)?, usage)?;
+                if my_rank() == Some(who) {
+                    limit_address_space(mib as u64);
                 }
             }
-            "--unset-env" => std::env::remove_var(it.next().expect("--unset-env KEY")),
+            "--unset-env" => std::env::remove_var(next("--unset-env KEY")?),
             "--pid-dir" => {
-                let dir = it.next().expect("--pid-dir DIR");
+                let dir = next("--pid-dir DIR")?;
                 let rank = std::env::var("RANK")
                     .or_else(|_| std::env::var("OMPI_COMM_WORLD_RANK"))
                     .or_else(|_| std::env::var("SLURM_PROCID"))
                     .unwrap_or_default();
-                std::fs::write(format!("{dir}/rank{rank}.pid"), std::process::id().to_string()).expect("pid file");
+                std::fs::write(format!("{dir}/rank{rank}.pid"), std::process::id().to_string())
+                    .map_err(|e| format!("--pid-dir {dir}: cannot write rank{rank}.pid: {e}"))?;
             }
-            other => mode.push(other.to_string()),
+            _ => flags.mode.push(a),
         }
     }
+    Ok(flags)
+}
+
+/// A flag's whole-number value.
+fn whole(text: String, usage: &str) -> Result<usize, String> {
+    text.parse().map_err(|_| format!("usage: {usage}: {text:?} is not a whole number"))
+}
+
+/// A flag's `KEY=VALUE`.
+fn pair(text: String, usage: &str) -> Result<(String, String), String> {
+    match text.split_once('=') {
+        Some((k, v)) => Ok((k.to_string(), v.to_string())),
+        None => Err(format!("usage: {usage}: {text:?} has no =")),
+    }
+}
+
+fn main() -> ExitCode {
+    let start = Instant::now();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (Flags { devices, large, backend, .. }, mode) =
+        match apply_flags(&args).and_then(|f| parse_mode(&f.mode).map(|m| (f, m))) {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        };
     let opened: Result<Vec<Client>, String> = match backend.as_str() {
         "cpu" => (0..devices).map(CpuRuntime::client).collect::<Result<_, _>>().map_err(|e| e.to_string()),
         "cuda" => cuda_clients(devices),
@@ -505,9 +666,8 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    if mode.first().map(String::as_str) == Some("secret") {
-        let me = std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok());
-        if me.is_some() && me == mode.get(1).and_then(|v| v.parse().ok()) {
+    if let Mode::Secret { who } = mode {
+        if std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()) == Some(who) {
             std::env::set_var(cohort_runtime::config::JOB_SECRET.name, "not-the-job-secret");
         }
     }
@@ -520,9 +680,8 @@ fn main() -> ExitCode {
     };
     let rank = comm.rank();
     println!("store: {}", store_route());
-    let arg = |i: usize| mode.get(i).and_then(|v| v.parse::<usize>().ok()).unwrap_or(usize::MAX);
-    let result = match mode.first().map(String::as_str) {
-        None | Some("suite") => suite(comm.clone(), large).map(|checks| {
+    let result = match mode {
+        Mode::Suite => suite(comm.clone(), large).map(|checks| {
             if rank == 0 {
                 let links: Vec<&str> = (0..comm.size()).map(|r| comm.transport_to(r)).collect();
                 println!(
@@ -534,7 +693,7 @@ fn main() -> ExitCode {
                 println!("collectives took {:?} ({backend})", comm.transport());
             }
         }),
-        Some("full") => full(comm.clone(), if mode.len() > 1 { arg(1) } else { 1 << 30 }).map(|checks| {
+        Mode::Full { big } => full(comm.clone(), big).map(|checks| {
             if rank == 0 {
                 println!(
                     "full suite passed: {checks} checks on rank 0, {} ranks × {devices} devices, {:?} ({backend}), {:.2} s",
@@ -544,23 +703,17 @@ fn main() -> ExitCode {
                 );
             }
         }),
-        Some("barrier") => comm.barrier().map_err(|e| e.to_string()),
-        Some("latency") => latency(
-            &comm,
-            mode.get(3).map_or("all_reduce", String::as_str),
-            arg(1).min(1 << 30),
-            if mode.len() > 2 { arg(2) } else { 100 },
-        ),
-        Some("crash") | Some("skip") | Some("mismatch") => {
-            let who = arg(1);
+        Mode::Barrier | Mode::Secret { .. } => comm.barrier().map_err(|e| e.to_string()),
+        Mode::Latency { what, bytes, iters } => latency(&comm, &what, bytes, iters),
+        Mode::Fault { kind, who } => {
             let client = comm.clients()[0].clone();
             let buf = client.create_from_slice(&[0u8; 4096]);
             let bufs = vec![buf.clone(); devices];
-            if rank == who && mode[0] == "crash" {
+            if rank == who && kind == "crash" {
                 eprintln!("rank {rank}: crashing on purpose");
                 std::process::exit(3);
             }
-            let queued = if rank == who && mode[0] == "skip" {
+            let queued = if rank == who && kind == "skip" {
                 std::thread::sleep(std::time::Duration::from_secs(3600));
                 Ok(())
             } else if rank == who {
@@ -570,11 +723,10 @@ fn main() -> ExitCode {
             };
             queued.map_err(|e| e.to_string()).and_then(|()| client.read_one(buf).map(|_| ()).map_err(|e| e.to_string()))
         }
-        Some("secret") => comm.barrier().map_err(|e| e.to_string()),
-        Some("loop") | Some("kill9") | Some("stop") => faults::looping(&comm, &mode[0], arg(1)),
-        Some("slow") => faults::slow(&comm, arg(1), arg(2)),
-        Some("desync") => faults::desync(&comm, mode.get(1).map_or("", String::as_str), arg(2)),
-        Some(other) => Err(format!("unknown mode {other}")),
+        Mode::Looping { kind, who } => faults::looping(&comm, &kind, who),
+        Mode::Slow { who, secs } => faults::slow(&comm, who, secs),
+        Mode::Desync { what, who } => faults::desync(&comm, &what, who),
+        Mode::Leave { who } => faults::leave(&comm, who),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -612,7 +764,39 @@ fn limit_address_space(mib: u64) {
 
 #[cfg(test)]
 mod tests {
-    use super::ClosedForm;
+    use super::{parse_mode, parse_size, ClosedForm, Mode, MAX_SIZE};
+
+    /// `full 64MiB` panicked with "capacity overflow" (the size read as
+    /// usize::MAX); sizes now read as people write them, or are refused.
+    #[test]
+    fn sizes_read_as_written_or_are_refused_naming_them() {
+        for (text, bytes) in [("4096", 4096), ("4K", 4096), ("4KiB", 4096), ("64MiB", 64 << 20), ("64m", 64 << 20)] {
+            assert_eq!(parse_size(text), Ok(bytes), "{text}");
+        }
+        assert_eq!(parse_size("1GiB"), Ok(MAX_SIZE));
+        assert_eq!(parse_size("0"), Ok(0));
+        for (text, says) in [
+            ("2GiB", "too large: at most 1GiB"),
+            ("99999999999999999999", "too large"),
+            ("64MB/s", "is not a size"),
+            ("MiB", "it has no number"),
+            ("-1", "is not a size"),
+            ("", "it has no number"),
+        ] {
+            let err = parse_size(text).unwrap_err();
+            assert!(err.contains(&format!("{text:?}")) && err.contains(says), "{text}: {err}");
+        }
+        let words = |w: &[&str]| w.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(parse_mode(&words(&["full", "64MiB"])), Ok(Mode::Full { big: 64 << 20 }));
+        assert_eq!(parse_mode(&words(&[])), Ok(Mode::Suite));
+        let err = parse_mode(&words(&["full", "64XB"])).unwrap_err();
+        assert!(err.starts_with("full: size \"64XB\" is not a size"), "{err}");
+        assert_eq!(parse_mode(&words(&["crash", "two"])).unwrap_err(), "crash: rank \"two\" is not a whole number");
+        assert_eq!(parse_mode(&words(&["slow", "1"])).unwrap_err(), "slow: missing seconds");
+        assert!(parse_mode(&words(&["desync", "colour", "1"])).unwrap_err().contains("kind, count, dtype, op or root"));
+        assert!(parse_mode(&words(&["latency", "64", "5", "gather"])).is_err());
+        assert_eq!(parse_mode(&words(&["leave", "1"])), Ok(Mode::Leave { who: 1 }));
+    }
 
     /// Every member, block and element within a period has its own value,
     /// and every sum over the members is exact in f32 (old inputs were one
