@@ -24,6 +24,7 @@ mod devices;
 mod escapees;
 mod fd_limit;
 mod output;
+mod process_limit;
 mod reaper;
 mod rendezvous;
 mod run;

@@ -10,10 +10,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use cohort_comm::trace::printable;
+use cohort_runtime::private_fs::{PrivateDir, PrivateFsError};
 use crossbeam::channel::Sender;
 use parking_lot::Mutex;
 
-/// Lines of each rank's output kept for the failure summary.
+/// Lines of each stream of a rank kept for the failure summary.
 pub const TAIL_LINES: usize = 20;
 /// Longest line kept in the tail (longer ones are cut).
 const TAIL_LINE_MAX: usize = 4096;
@@ -67,25 +68,49 @@ impl Drop for Writing<'_> {
     }
 }
 
-/// The last [`TAIL_LINES`] lines a rank wrote, stdout and stderr together.
+/// The last [`TAIL_LINES`] lines a rank wrote on each of its streams, kept
+/// apart: across two pipes, read by two threads, the order the lines arrive
+/// in is not the order the rank wrote them, so one merged list could push a
+/// stream's last lines out (a rank's final error after a burst of stdout).
 #[derive(Clone, Default)]
-pub struct Tail(Arc<Mutex<VecDeque<String>>>);
+pub struct Tail(Arc<Mutex<LastLines>>);
+
+/// A rank's last lines, stream by stream, oldest first.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LastLines {
+    /// Its last lines on stdout.
+    pub stdout: VecDeque<String>,
+    /// Its last lines on stderr.
+    pub stderr: VecDeque<String>,
+}
+
+impl LastLines {
+    /// Whether the rank wrote nothing.
+    pub fn is_empty(&self) -> bool {
+        self.stdout.is_empty() && self.stderr.is_empty()
+    }
+}
 
 impl Tail {
-    fn push(&self, line: &[u8]) {
+    fn push(&self, stream: Stream, line: &[u8]) {
         let line = line.strip_suffix(b"\n").unwrap_or(line);
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let cut = &line[..line.len().min(TAIL_LINE_MAX)];
-        let mut q = self.0.lock();
+        let line = printable(&String::from_utf8_lossy(cut)).into_owned();
+        let mut kept = self.0.lock();
+        let q = match stream {
+            Stream::Stdout => &mut kept.stdout,
+            Stream::Stderr => &mut kept.stderr,
+        };
         if q.len() == TAIL_LINES {
             q.pop_front();
         }
-        q.push_back(printable(&String::from_utf8_lossy(cut)).into_owned());
+        q.push_back(line);
     }
 
-    /// The lines kept, oldest first.
-    pub fn lines(&self) -> Vec<String> {
-        self.0.lock().iter().cloned().collect()
+    /// The lines kept.
+    pub fn lines(&self) -> LastLines {
+        self.0.lock().clone()
     }
 }
 
@@ -113,17 +138,33 @@ pub struct Sinks {
 }
 
 impl Sinks {
-    /// Makes the rank's log folder (0700) and creates its two files (0600,
-    /// replacing earlier ones of this user's). The folder must be this
-    /// user's own and the files are never opened through a link, so another
+    /// Makes the rank's log folder (0700, see [`open_log_dir`]) and creates
+    /// its two files (0600, replacing earlier ones of this user's). The
+    /// folder must be this user's own, reached through no link, and the
+    /// files are never opened through a link, so another
     /// local user can neither read a rank's output nor aim it at a file of
     /// their choice (see `cohort_runtime::private_fs`).
     pub fn open_files(&self) -> io::Result<(Option<File>, Option<File>)> {
         let Some(dir) = &self.log_dir else { return Ok((None, None)) };
-        let folder = cohort_runtime::private_fs::PrivateDir::open_or_create(dir)?;
+        let folder = open_log_dir(dir)?;
         let open = |name: &str| folder.create_file(name).map(Some);
         Ok((open("stdout.log")?, open("stderr.log")?))
     }
+}
+
+/// Opens (making it where missing) the log folder `dir` as a private folder
+/// (see `cohort_runtime::private_fs`), refusing a symbolic link anywhere on
+/// the path as given, not only at its end: a link in the middle sends the
+/// logs wherever it points, a place another user may choose.
+pub fn open_log_dir(dir: &Path) -> Result<PrivateDir, PrivateFsError> {
+    let mut path = PathBuf::new();
+    for part in dir.components() {
+        path.push(part);
+        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(PrivateFsError::Symlink { path });
+        }
+    }
+    PrivateDir::open_or_create(dir)
 }
 
 /// The log folder of `rank` in `attempt` under `log_dir`.
@@ -218,7 +259,7 @@ impl Copy {
                 Ok(_) => {}
             }
             let _writing = Writing::start(&self.activity.0);
-            self.tail.push(&line);
+            self.tail.push(self.stream, &line);
             if let Some(f) = &mut file {
                 // A full disk must not stop the rank: say so once, drop the
                 // file, keep going.
@@ -259,15 +300,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tail_keeps_the_last_lines() {
+    fn tail_keeps_the_last_lines_of_each_stream() {
         let t = Tail::default();
+        t.push(Stream::Stderr, b"the error\n");
         for i in 0..30 {
-            t.push(format!("line {i}\n").as_bytes());
+            t.push(Stream::Stdout, format!("line {i}\n").as_bytes());
         }
         let lines = t.lines();
-        assert_eq!(lines.len(), TAIL_LINES);
-        assert_eq!(lines[0], "line 10");
-        assert_eq!(lines[19], "line 29");
+        assert_eq!(lines.stdout.len(), TAIL_LINES);
+        assert_eq!(lines.stdout[0], "line 10");
+        assert_eq!(lines.stdout[19], "line 29");
+        // Thirty later lines of stdout did not push stderr's out.
+        assert_eq!(lines.stderr, ["the error"]);
     }
 
     fn copier(console: bool, log_dir: Option<PathBuf>) -> (Copy, Sinks) {
@@ -297,7 +341,7 @@ mod tests {
         let mut report = Vec::new();
         copy.run(&b"a\nb\nno newline"[..], out, &mut report);
         assert_eq!(std::fs::read_to_string(dir.join("stdout.log")).unwrap(), "a\nb\nno newline");
-        assert_eq!(sinks.tail.lines(), ["a", "b", "no newline"]);
+        assert_eq!(sinks.tail.lines().stdout, ["a", "b", "no newline"]);
         assert!(report.is_empty());
         assert_eq!(sinks.activity.copied(), 3);
         let _ = std::fs::remove_dir_all(dir);
@@ -316,7 +360,7 @@ mod tests {
         assert_eq!(sizes, [LINE_MAX, LINE_MAX, LINE_MAX, LINE_MAX, LINE_MAX, 10]);
         let (copy, sinks) = copier(false, None);
         copy.run(&big[..], None, &mut Vec::new());
-        assert!(sinks.tail.lines().iter().all(|l| l.len() <= TAIL_LINE_MAX));
+        assert!(sinks.tail.lines().stdout.iter().all(|l| l.len() <= TAIL_LINE_MAX));
     }
 
     #[test]
@@ -330,6 +374,6 @@ mod tests {
         assert_eq!(report.lines().count(), 1, "{report}");
         assert!(report.contains("/logs/attempt_0/rank_3/stdout.log") && report.contains("No space left"), "{report}");
         assert!(report.contains("the rest is lost") && report.contains("--log-dir"), "{report}");
-        assert_eq!(sinks.tail.lines(), ["one", "two", "three"], "the tail still has every line");
+        assert_eq!(sinks.tail.lines().stdout, ["one", "two", "three"], "the tail still has every line");
     }
 }

@@ -6,6 +6,8 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::time::Duration;
 
+use crate::output::LastLines;
+
 /// How a process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ending {
@@ -97,37 +99,135 @@ pub struct Failure {
     pub ending: Ending,
     /// Time from its start to its end.
     pub after: Duration,
-    /// Its last lines of output (stdout and stderr, in arrival order).
-    pub tail: Vec<String>,
+    /// Its last lines of output, stream by stream.
+    pub tail: LastLines,
     /// Ranks in the job (with one, no other rank was stopped).
     pub world_size: usize,
+    /// Ranks of this node that had exited with code 0 before it failed,
+    /// while others still ran, in the order they exited.
+    pub left_early: Vec<EarlyExit>,
+    /// Where the ranks parted, from their flight recorders, when the ranks
+    /// that left early never came to a collective the others waited in.
+    pub parted_in: Option<Parting>,
+}
+
+/// A rank that exited with code 0 while other ranks of its node still ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EarlyExit {
+    /// Global rank.
+    pub rank: usize,
+    /// Rank on its node.
+    pub local_rank: usize,
+    /// Its process id.
+    pub pid: u32,
+    /// Time from its start to its exit.
+    pub after: Duration,
+}
+
+/// The first collective that not every rank finished, as the flight
+/// recorders tell it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parting {
+    /// The collective and its group, e.g. `#1 all_reduce(sum) 1024 × f32 in
+    /// group comm1`.
+    pub collective: String,
+    /// Ranks that were inside it and never finished it.
+    pub waiting: Vec<usize>,
+    /// Ranks that never came to it (no call recorded, or no recorder).
+    pub absent: Vec<usize>,
 }
 
 impl Failure {
     /// The multi-line summary printed when the job fails.
     pub fn summary(&self) -> String {
         let (first, others) = if self.world_size > 1 { (" first", "; the other ranks were stopped") } else { ("", "") };
-        let mut s = format!(
-            "rank {} failed{first}: it {} after {:.2} s (local rank {} on node {}, pid {}){others}",
-            self.rank,
+        let how = format!(
+            "it {} after {:.2} s (local rank {} on node {}, pid {}){others}",
             self.ending,
             self.after.as_secs_f64(),
             self.local_rank,
             self.node_rank,
             self.pid,
         );
+        let mut s = match self.blamed() {
+            Some((left, parting)) => {
+                format!("{}; then rank {} failed: {how}", left_while_waited(&left, parting), self.rank)
+            }
+            None if self.left_early.is_empty() => format!("rank {} failed{first}: {how}", self.rank),
+            None => {
+                let left: Vec<String> = self.left_early.iter().map(ranked_exit).collect();
+                format!(
+                    "rank {} failed{first}: {how}\n  before that, with code 0, exited: {}",
+                    self.rank,
+                    left.join("; ")
+                )
+            }
+        };
+        s.push_str(&self.last_lines());
+        s
+    }
+
+    /// The ranks that left early and never came to the collective the
+    /// others waited in, with that collective: the ranks to blame.
+    fn blamed(&self) -> Option<(Vec<&EarlyExit>, &Parting)> {
+        let parting = self.parted_in.as_ref()?;
+        let left: Vec<&EarlyExit> = self.left_early.iter().filter(|e| parting.absent.contains(&e.rank)).collect();
+        (!left.is_empty()).then_some((left, parting))
+    }
+
+    /// The rank's last lines, stderr's last (the nearer its end, often
+    /// why it ended).
+    fn last_lines(&self) -> String {
+        let mut s = String::new();
         if self.tail.is_empty() {
             let _ = write!(s, "\n  rank {} wrote no output", self.rank);
-        } else {
-            let n = self.tail.len();
-            let lines = if n == 1 { "line".to_string() } else { format!("{n} lines") };
-            let _ = write!(s, "\n  last {lines} of rank {}'s output:", self.rank);
-            for line in &self.tail {
+        }
+        for (name, lines) in [("stdout", &self.tail.stdout), ("stderr", &self.tail.stderr)] {
+            if lines.is_empty() {
+                continue;
+            }
+            let n = lines.len();
+            let count = if n == 1 { "line".to_string() } else { format!("{n} lines") };
+            let _ = write!(s, "\n  last {count} of rank {}'s {name}:", self.rank);
+            for line in lines {
                 let _ = write!(s, "\n    [rank {}]: {line}", self.rank);
             }
         }
         s
     }
+}
+
+/// `after 0.21 s (local rank 1, pid 7)`.
+fn exit_time(e: &EarlyExit) -> String {
+    format!("after {:.2} s (local rank {}, pid {})", e.after.as_secs_f64(), e.local_rank, e.pid)
+}
+
+/// `rank 1 after 0.21 s (local rank 1, pid 7)`.
+fn ranked_exit(e: &EarlyExit) -> String {
+    format!("rank {} {}", e.rank, exit_time(e))
+}
+
+/// `rank 1 left the job early: it exited with code 0 after 0.21 s (local
+/// rank 1, pid 7) while rank 0 waited for it in #1 all_reduce(sum) ...`.
+fn left_while_waited(left: &[&EarlyExit], parting: &Parting) -> String {
+    let waiting = match parting.waiting.as_slice() {
+        [] => "the other ranks".to_string(),
+        [one] => format!("rank {one}"),
+        many => format!("ranks {}", list(many)),
+    };
+    let (who, it) = match left {
+        [one] => (format!("rank {} left the job early: it exited with code 0 {}", one.rank, exit_time(one)), "it"),
+        many => {
+            let ranks = list(&many.iter().map(|e| e.rank).collect::<Vec<_>>());
+            let each: Vec<String> = many.iter().map(|e| ranked_exit(e)).collect();
+            (format!("ranks {ranks} left the job early: they exited with code 0 ({})", each.join("; ")), "them")
+        }
+    };
+    format!("{who} while {waiting} waited for {it} in {}", parting.collective)
+}
+
+fn list(ranks: &[usize]) -> String {
+    ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
 }
 
 impl Failure {
@@ -146,9 +246,7 @@ impl Failure {
             self.node_rank,
             self.pid,
         );
-        for line in &self.tail {
-            let _ = write!(s, "\n    [rank {}]: {line}", self.rank);
-        }
+        s.push_str(&self.last_lines());
         s
     }
 }
@@ -221,6 +319,56 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_that_left_early_is_named_where_the_others_waited_for_it() {
+        let left = |rank: usize| EarlyExit {
+            rank,
+            local_rank: rank,
+            pid: 10 + rank as u32,
+            after: Duration::from_millis(210),
+        };
+        let mut f = Failure {
+            rank: 0,
+            local_rank: 0,
+            node_rank: 0,
+            pid: 10,
+            ending: Ending::Code(1),
+            after: Duration::from_secs(3),
+            tail: LastLines { stdout: Default::default(), stderr: ["rank 1 went away".to_string()].into() },
+            world_size: 4,
+            left_early: vec![left(1)],
+            parted_in: Some(Parting {
+                collective: "#1 all_reduce(sum) 1024 × f32 in group comm1".into(),
+                waiting: vec![0, 2],
+                absent: vec![1, 3],
+            }),
+        };
+        let s = f.summary();
+        assert!(
+            s.starts_with(
+                "rank 1 left the job early: it exited with code 0 after 0.21 s (local rank 1, pid 11) while ranks \
+                 0, 2 waited for it in #1 all_reduce(sum) 1024 × f32 in group comm1; then rank 0 failed: it exited \
+                 with code 1 after 3.00 s (local rank 0 on node 0, pid 10); the other ranks were stopped\n"
+            ),
+            "{s}"
+        );
+        assert!(s.ends_with("last line of rank 0's stderr:\n    [rank 0]: rank 1 went away"), "{s}");
+        f.left_early.push(left(3));
+        assert!(
+            f.summary().starts_with("ranks 1, 3 left the job early: they exited with code 0 (rank 1 after"),
+            "{}",
+            f.summary()
+        );
+        // No recorder puts them outside the collective: named, not blamed.
+        f.parted_in = None;
+        let s = f.summary();
+        assert!(s.starts_with("rank 0 failed first: it exited with code 1"), "{s}");
+        assert!(
+            s.contains("\n  before that, with code 0, exited: rank 1 after 0.21 s (local rank 1, pid 11); rank 3"),
+            "{s}"
+        );
+    }
+
+    #[test]
     fn one_rank_summary_names_no_others() {
         let mut f = Failure {
             rank: 0,
@@ -229,8 +377,10 @@ mod tests {
             pid: 1,
             ending: Ending::Code(2),
             after: Duration::from_secs(1),
-            tail: vec![],
+            tail: LastLines::default(),
             world_size: 1,
+            left_early: vec![],
+            parted_in: None,
         };
         let one = f.summary();
         assert!(one.starts_with("rank 0 failed: it exited with code 2") && !one.contains("other ranks"), "{one}");

@@ -11,7 +11,7 @@ use crossbeam::channel::{Receiver, RecvTimeoutError, Sender};
 use crate::config::JobConfig;
 use crate::output::{self, Sinks, Stream, Tail};
 use crate::spawn::{self, RankEnv};
-use crate::summary::{Ending, Failure};
+use crate::summary::{EarlyExit, Ending, Failure};
 
 /// Time a rank gets between SIGTERM and SIGKILL when the launcher stops it.
 pub const STOP_GRACE: Duration = Duration::from_secs(3);
@@ -124,6 +124,11 @@ pub fn run_attempt(
     let mut ranks: Vec<RankProc> = Vec::with_capacity(cfg.nproc);
     let mut reason: Option<Reason> = None;
     let activity = output::Activity::default();
+    // A control group's pids.max binds root too, and changes while the
+    // launcher waits: counted here, before any rank starts.
+    if let Err(msg) = crate::process_limit::check_room(cfg.nproc, crate::process_limit::pids_limit().as_ref()) {
+        return Outcome::SpawnFailed(msg);
+    }
     // The node's ranks reach the store through one relay (it joins the
     // store while they start); it lives until they have all exited.
     let (relay, mut ends) = spawn::start_relay(cfg, env);
@@ -261,8 +266,8 @@ pub fn run_attempt(
 
     match reason {
         None => Outcome::Success,
-        Some(Reason::Failed(local)) => Outcome::Failed(failure(cfg, &ranks[local])),
-        Some(Reason::Unresponsive(local, silent)) => Outcome::Unresponsive(failure(cfg, &ranks[local]), silent),
+        Some(Reason::Failed(local)) => Outcome::Failed(failure(cfg, &ranks, local)),
+        Some(Reason::Unresponsive(local, silent)) => Outcome::Unresponsive(failure(cfg, &ranks, local), silent),
         Some(Reason::Interrupted(sig)) => Outcome::Interrupted(sig),
         Some(Reason::TimedOut(running, stopped)) => Outcome::TimedOut(running, stopped),
         Some(Reason::SpawnFailed(msg)) => Outcome::SpawnFailed(msg),
@@ -310,8 +315,23 @@ fn drain(done: &Receiver<()>, activity: &output::Activity) {
     }
 }
 
-fn failure(cfg: &JobConfig, p: &RankProc) -> Failure {
+/// The failure of local rank `local`, with the ranks that had exited with
+/// code 0 before it and, when some had, where the ranks parted (from their
+/// flight recorders, which are written by now).
+fn failure(cfg: &JobConfig, ranks: &[RankProc], local: usize) -> Failure {
+    let p = &ranks[local];
     let (ending, at) = p.ended.expect("a failed rank has ended");
+    let mut left: Vec<(Instant, EarlyExit)> = ranks
+        .iter()
+        .filter_map(|r| match r.ended {
+            Some((e, t)) if e.success() && t <= at => {
+                Some((t, EarlyExit { rank: r.rank, local_rank: r.local_rank, pid: r.pid, after: t - r.started }))
+            }
+            _ => None,
+        })
+        .collect();
+    left.sort_by_key(|(t, _)| *t);
+    let parted_in = if left.is_empty() { None } else { crate::trace::parting(&cfg.trace_dir) };
     Failure {
         rank: p.rank,
         local_rank: p.local_rank,
@@ -321,6 +341,8 @@ fn failure(cfg: &JobConfig, p: &RankProc) -> Failure {
         after: at - p.started,
         tail: p.tail.lines(),
         world_size: cfg.world_size(),
+        left_early: left.into_iter().map(|(_, e)| e).collect(),
+        parted_in,
     }
 }
 
@@ -387,20 +409,19 @@ fn start_rank(
         tail: Tail::default(),
         activity: activity.clone(),
     };
-    let (out_file, err_file) = sinks
-        .open_files()
-        .map_err(|e| format!("cannot create the log files of rank {rank} under {:?}: {e}", sinks.log_dir))?;
+    let (out_file, err_file) = sinks.open_files().map_err(|e| {
+        let folder = sinks.log_dir.as_deref().map_or(String::new(), |d| format!(" in {}", d.display()));
+        format!(
+            "cannot create the log files of rank {rank}{folder}: {e}; fix that folder (its space, its owner, what \
+             is in its way) or choose another --log-dir"
+        )
+    })?;
     let started = Instant::now();
     // The launcher's copies of the rank's relay sockets are closed once the
     // rank has its own, so the relay sees the rank's exit.
     let spawned = spawn::spawn_rank(&cfg.program, env, rank, local_rank, &store_ends);
     drop(store_ends);
-    let mut child = spawned.map_err(|e| {
-        format!(
-            "cannot start `{}` as rank {rank}: {e}; check the program's path and permissions",
-            cfg.program[0].to_string_lossy()
-        )
-    })?;
+    let mut child = spawned.map_err(|e| spawn_error(&cfg.program[0].to_string_lossy(), rank, &e))?;
     let pid = child.id();
     crate::reaper::watch(pid);
     let stdout = child.stdout.take().expect("stdout is piped");
@@ -421,9 +442,29 @@ fn start_rank(
         // Out of threads: the rank cannot be watched, so it must not run.
         kill_group(pid, libc::SIGKILL);
         crate::reaper::forget(pid);
-        return Err(format!("cannot start the threads that watch rank {rank}: {e}"));
+        return Err(format!("cannot start the threads that watch rank {rank}: {e}{}", what_to_do(&e, "")));
     }
     Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail, pipes, beating: false })
+}
+
+/// Why `program` could not start as `rank`, and what to do.
+fn spawn_error(program: &str, rank: usize, e: &std::io::Error) -> String {
+    let otherwise = "; check the program's path and permissions";
+    format!("cannot start `{program}` as rank {rank}: {e}{}", what_to_do(e, otherwise))
+}
+
+/// What to do about `e`, an error starting a rank or its threads: for
+/// EAGAIN (fork's and a thread's answer at the limit on processes), which
+/// limit was reached; else `otherwise`.
+fn what_to_do(e: &std::io::Error, otherwise: &str) -> String {
+    if e.raw_os_error() != Some(libc::EAGAIN) {
+        return otherwise.to_string();
+    }
+    format!(
+        ": this node's limit on processes and threads was reached: {}; lower -n, end other processes, or raise \
+         the limit",
+        crate::process_limit::describe()
+    )
 }
 
 /// Sends `sig` to the process group of every rank still running; a
@@ -445,5 +486,21 @@ fn kill_group(pid: u32, sig: libc::c_int) {
     // fine to ignore.
     unsafe {
         libc::kill(-(pid as libc::pid_t), sig);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spawn_refused_for_want_of_processes_names_the_limit_not_the_path() {
+        let msg = spawn_error("./train", 3, &std::io::Error::from_raw_os_error(libc::EAGAIN));
+        assert!(msg.starts_with("cannot start `./train` as rank 3: Resource temporarily unavailable"), "{msg}");
+        assert!(msg.contains("limit on processes and threads was reached"), "{msg}");
+        assert!(msg.contains("RLIMIT_NPROC") && msg.contains("pids.max"), "{msg}");
+        assert!(!msg.contains("path"), "EAGAIN is no fault of the program's path: {msg}");
+        let msg = spawn_error("./train", 3, &std::io::Error::from_raw_os_error(libc::ENOENT));
+        assert!(msg.ends_with("check the program's path and permissions"), "{msg}");
     }
 }

@@ -11,6 +11,7 @@ use cohort_comm::trace::merge_files;
 use cohort_runtime::config;
 
 use crate::cli::{StoreArgs, TraceArgs};
+use crate::summary::Parting;
 
 /// `cohort trace <dir|file>...`: prints the merged report; exits 0 when
 /// every recorded collective finished on every rank, 2 when one did not,
@@ -57,12 +58,23 @@ pub fn clear_dumps(dir: &Path) {
     }
 }
 
-/// The merged report of the dumps in `dir`, for the failure summary, or
-/// `None` when no rank wrote one.
+/// Whether `dir` holds a flight-recorder dump (`*.json`).
+fn has_dumps(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "json")))
+}
+
+/// The merged report of the dumps in `dir`, for the failure summary. When
+/// no rank wrote one: why none could be written there (the folder cannot be
+/// made or written, its filesystem is full), else `None`.
 pub fn report(dir: &Path) -> Option<String> {
-    let has_dumps = std::fs::read_dir(dir).ok()?.flatten().any(|e| e.path().extension().is_some_and(|x| x == "json"));
-    if !has_dumps {
-        return None;
+    if !has_dumps(dir) {
+        return unusable(dir).map(|why| {
+            format!(
+                "flight recorder: none in {}: {why}, so the ranks could not write theirs there; free space there \
+                 or choose another --trace-dir",
+                dir.display()
+            )
+        });
     }
     match merge_files(&[dir]) {
         Ok(report) => {
@@ -74,6 +86,70 @@ pub fn report(dir: &Path) -> Option<String> {
         // It may name a file a rank put there.
         Err(e) => Some(format!("flight recorder: {}", cohort_comm::trace::printable(&e.to_string()))),
     }
+}
+
+/// The first collective that not every rank finished, from the dumps in
+/// `dir`, with the ranks stuck inside it and those that never came to it
+/// (no call recorded, or no dump); `None` without dumps or such a call.
+pub fn parting(dir: &Path) -> Option<Parting> {
+    if !has_dumps(dir) {
+        return None;
+    }
+    let report = merge_files(&[dir]).ok()?;
+    let s = report.first_unfinished?;
+    let mut absent: Vec<usize> = s.never_arrived.iter().chain(&report.missing_dumps).copied().collect();
+    absent.retain(|r| !s.finished.contains(r) && !s.stuck.contains(r));
+    absent.sort_unstable();
+    absent.dedup();
+    let collective = cohort_comm::trace::printable(&format!("{} in group {}", s.fingerprint, s.group)).into_owned();
+    Some(Parting { collective, waiting: s.stuck, absent })
+}
+
+/// Free space below which a trace folder's filesystem counts as full: a
+/// dump of the recorder's default 2,000 records takes about 0.7 MB.
+const FULL_BELOW: u64 = 1 << 20;
+
+/// Why no dump can be written into `dir`: the nearest folder that exists
+/// on its path (where a rank would make the rest) is not a folder, cannot
+/// be written, or its filesystem is full; `None` when none of these holds.
+fn unusable(dir: &Path) -> Option<String> {
+    let mut at = dir;
+    let meta = loop {
+        let here = if at.as_os_str().is_empty() { Path::new(".") } else { at };
+        match std::fs::metadata(here) {
+            Ok(meta) => break (here, meta),
+            // Missing (a rank makes it), or under a file (found higher up).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ENOTDIR) => {
+                at = at.parent()?;
+            }
+            Err(e) => return Some(format!("cannot look at {}: {e}", here.display())),
+        }
+    };
+    let (at, meta) = meta;
+    if !meta.is_dir() {
+        return Some(format!("{} is not a folder", at.display()));
+    }
+    let c_path = std::ffi::CString::new(at.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: `c_path` is NUL-terminated; access(2) reads nothing else.
+    if unsafe { libc::access(c_path.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return Some(format!("{} cannot be written: {}", at.display(), std::io::Error::last_os_error()));
+    }
+    // SAFETY: an all-zero `statvfs` is a valid value of this plain C struct.
+    let mut fs: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c_path` is NUL-terminated and `fs` a valid out-pointer.
+    if unsafe { libc::statvfs(c_path.as_ptr(), &mut fs) } != 0 {
+        return None;
+    }
+    full(at, fs.f_bavail as u64 * fs.f_frsize as u64, fs.f_files as u64, fs.f_favail as u64)
+}
+
+/// Why the filesystem of `at` is full, given its free bytes and its total
+/// and free inodes (a filesystem without an inode count has 0 in all).
+fn full(at: &Path, free_bytes: u64, inodes: u64, free_inodes: u64) -> Option<String> {
+    if free_bytes < FULL_BELOW {
+        return Some(format!("the filesystem of {} is full ({free_bytes} bytes free)", at.display()));
+    }
+    (inodes > 0 && free_inodes == 0).then(|| format!("the filesystem of {} has no free inodes", at.display()))
 }
 
 /// `cohort store`: serves a store until killed.
@@ -103,5 +179,31 @@ pub fn store(args: StoreArgs) -> ExitCode {
             say!("cohort: error: cannot serve the store on {host}:{}: {e}", args.port);
             ExitCode::from(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trace_folder_that_cannot_hold_a_dump_says_why() {
+        let base = std::env::temp_dir().join(format!("cohort-trace-unusable-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        // A folder that can be made there: nothing to say.
+        assert_eq!(unusable(&base.join("trace/deeper")), None);
+        assert_eq!(report(&base.join("trace")), None);
+        // Under a file: it can never be made.
+        std::fs::write(base.join("file"), b"").unwrap();
+        let why = report(&base.join("file/trace")).unwrap();
+        assert!(why.contains(&format!("{} is not a folder", base.join("file").display())), "{why}");
+        assert!(why.contains("--trace-dir"), "{why}");
+        // A full filesystem, or one out of inodes.
+        let at = Path::new("/mnt/trace");
+        assert_eq!(full(at, 4096, 10, 5).unwrap(), "the filesystem of /mnt/trace is full (4096 bytes free)");
+        assert_eq!(full(at, 1 << 30, 10, 0).unwrap(), "the filesystem of /mnt/trace has no free inodes");
+        assert_eq!(full(at, 1 << 30, 0, 0), None, "no inode count (btrfs) is not full");
+        let _ = std::fs::remove_dir_all(base);
     }
 }

@@ -86,6 +86,44 @@ fn fault_sigstop_without_the_watchdog_times_out_naming_the_rank() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+#[test]
+fn fault_a_rank_that_exits_0_early_is_named_with_the_collective_the_others_waited_in() {
+    // Rank 1 leaves with code 0 while ranks 0 and 2 wait for it in an
+    // all-reduce; they fail. Before: "rank 0 failed first", rank 1 unnamed.
+    let dir = temp_dir("fault-leave");
+    let (code, stderr) = run_case(&dir, faulty(&dir, "3", &["-n", "3"], &["leave", "1"]));
+    assert_eq!(code, 1, "{stderr}");
+    let summary = &stderr[stderr.find("cohort: job failed").expect(&stderr)..];
+    assert!(
+        summary.starts_with("cohort: job failed: rank 1 left the job early: it exited with code 0 after"),
+        "{summary}"
+    );
+    let waited = "while ranks 0, 2 waited for it in #1 all_reduce(sum) 1024 × f32 in group comm";
+    assert!(summary.contains(waited), "{summary}");
+    assert!(
+        summary.contains("; then rank 0 failed: it exited with code 1")
+            || summary.contains("; then rank 2 failed: it exited with code 1"),
+        "{summary}"
+    );
+    assert!(!summary.contains("failed first"), "{summary}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn fault_suite_sizes_are_read_as_written_or_refused_naming_them() {
+    // `full 64MiB` panicked ("capacity overflow": the size read as usize::MAX).
+    let dir = temp_dir("fault-sizes");
+    let (refused, stderr) = run_case(&dir, faulty(&dir, "30", &["-n", "1"], &["full", "64XB"]));
+    assert_eq!(refused, 2, "{stderr}");
+    assert!(stderr.contains("error: full: size \"64XB\" is not a size: give bytes, or K, M, G"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let out = output_within(faulty(&dir, "30", &["-n", "2"], &["latency", "4KiB", "5"]), LIMIT);
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stderr}");
+    assert!(stdout.contains("all_reduce of 4096 bytes over 2 ranks"), "{stdout}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// A desync case: rank 1 differs in `what`; both sides are named.
 fn desync(what: &str, mine: &str, theirs: &str) {
     let dir = temp_dir(&format!("fault-desync-{what}"));

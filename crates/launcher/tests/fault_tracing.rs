@@ -58,3 +58,20 @@ fn cohort_timeline_writes_a_chrome_trace_per_rank() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_trace_folder_that_cannot_be_made_is_named_in_the_summary() {
+    // The trace folder's path runs through a file: no rank can write its
+    // flight recorder. Before: no recorder section and no word about it.
+    let dir = temp_dir("trace-unusable");
+    std::fs::write(dir.join("file"), b"").unwrap();
+    let trace = dir.join("file/trace");
+    let mut c = suite_run(&["-n", "2", "--trace-dir", trace.to_str().unwrap()], &["kill9", "1"]);
+    c.env("COHORT_TIMEOUT", "3");
+    let out = output_within(c, Duration::from_secs(60));
+    let (_, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 128 + 9, "{stderr}");
+    let said = format!("flight recorder: none in {}: {} is not a folder", trace.display(), dir.join("file").display());
+    assert!(stderr.contains(&said) && stderr.contains("choose another --trace-dir"), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -705,3 +705,37 @@ fn a_console_that_stops_reading_holds_back_output_not_supervision() {
     assert!(stderr.contains("rank 1 failed first") && !stderr.contains("panicked"), "{stderr}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_link_in_the_middle_of_the_log_path_is_refused_naming_it() {
+    // --log-dir <dir>/link/logs with `link` pointing elsewhere: before, the
+    // logs went wherever it pointed (only the last component was checked).
+    let dir = temp_dir("log-link-middle");
+    let real = dir.join("real");
+    std::fs::create_dir(&real).unwrap();
+    std::os::unix::fs::symlink(&real, dir.join("link")).unwrap();
+    let logs = dir.join("link/logs");
+    let opts = ["-n", "1", "--master-port", "0", "--log-dir", logs.to_str().unwrap()];
+    let out = output_within(cohort_run_program("sh", &opts, &["-c", "echo private"]), LIMIT);
+    let (_, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 1, "{stderr}");
+    assert!(stderr.contains(&format!("{} is a symbolic link", dir.join("link").display())), "{stderr}");
+    assert!(!real.join("logs/attempt_0").exists(), "a rank's log was written through the link");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_log_folder_that_cannot_be_made_is_named_without_debug_text() {
+    // A file where the attempt's folder goes. Before: `under Some("…")`.
+    let dir = temp_dir("log-blocked");
+    std::fs::write(dir.join("attempt_0"), b"").unwrap();
+    let opts = ["-n", "1", "--master-port", "0", "--log-dir", dir.to_str().unwrap()];
+    let out = output_within(cohort_run_program("sh", &opts, &["-c", "echo hi"]), LIMIT);
+    let (_, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 1, "{stderr}");
+    let folder = dir.join("attempt_0/rank_0");
+    let said = format!("cannot create the log files of rank 0 in {}: ", folder.display());
+    assert!(stderr.contains(&said) && stderr.contains("choose another --log-dir"), "{stderr}");
+    assert!(!stderr.contains("Some(") && !stderr.contains("\\\""), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -247,3 +247,22 @@ fn missing_program_is_reported() {
     assert_eq!(code(out.status, &out), 1);
     assert!(stderr.contains("cannot start") && stderr.contains("/no/such/program"), "{stderr}");
 }
+
+#[test]
+fn a_ranks_final_stderr_line_is_in_the_summary_every_time() {
+    // A burst of stdout, then the error on stderr, then exit 1. Two threads
+    // read the two pipes; with one merged tail, the burst's lines that came
+    // in after the error pushed it out of the summary (9 runs of 20).
+    let script = "seq 1 1000; echo 'the final error' >&2; exit 1";
+    for run in 0..20 {
+        let cmd = cohort_run_program("sh", &["-n", "1", "--master-port", "0"], &["-c", script]);
+        let out = output_within(cmd, LIMIT);
+        let (_, stderr) = texts(&out);
+        assert_eq!(code(out.status, &out), 1, "{stderr}");
+        let summary = &stderr[stderr.find("cohort: job failed").expect(&stderr)..];
+        let error = "last line of rank 0's stderr:\n    [rank 0]: the final error";
+        assert!(summary.contains(error), "run {run}: {summary}");
+        let burst = "last 20 lines of rank 0's stdout:\n    [rank 0]: 981\n";
+        assert!(summary.contains(burst) && summary.contains("[rank 0]: 1000"), "run {run}: {summary}");
+    }
+}
