@@ -5,16 +5,31 @@
 //! bit-identical replicas, the hooks' tolerance; and the same bits with the
 //! world on high-priority communication streams; parameters split across
 //! buckets (row pieces of each weight's gradient, computed piece by piece)
-//! against whole ones. Ignored without a GPU.
+//! against whole ones. Ignored without a GPU. The `two_gpus_` tests first
+//! check that their groups run on NCCL: without libnccl a group of GPUs
+//! falls back to host staging, which computes the same bits and would pass.
 
 mod common;
 
-use cohort_comm::ClientGroup;
+use cohort_comm::{ClientGroup, Transport};
 use cohort_runtime::{Client, CudaRuntime, Runtime};
 
 fn devices() -> Vec<Client> {
     let n = CudaRuntime::device_count().unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
     (0..n).map(|i| CudaRuntime::client(i).expect("a CUDA client")).collect()
+}
+
+/// Every GPU of the machine (two or more), after checking that a group
+/// over them, on their own streams and on the high-priority communication
+/// streams DDP uses, runs its collectives on NCCL.
+fn gpus_on_nccl() -> Vec<Client> {
+    let all = devices();
+    assert!(all.len() >= 2, "this test needs two GPUs or more, found {}", all.len());
+    for clients in [all.clone(), cohort_train::ddp::communication_clients(&all)] {
+        let transport = ClientGroup::new(clients).unwrap().transport();
+        assert_eq!(transport, Transport::Nccl, "a group of {} GPUs is not on NCCL (is libnccl found?)", all.len());
+    }
+    all
 }
 
 #[test]
@@ -27,9 +42,7 @@ fn cuda_ddp_on_one_gpu_matches_the_reference() {
 #[test]
 #[ignore = "needs CUDA GPUs: two or more"]
 fn two_gpus_ddp_over_nccl_matches_the_reference_and_keeps_replicas_identical() {
-    let all = devices();
-    assert!(all.len() >= 2, "this test needs two GPUs or more, found {}", all.len());
-    common::every_scenario(&ClientGroup::new(all).unwrap());
+    common::every_scenario(&ClientGroup::new(gpus_on_nccl()).unwrap());
 }
 
 #[test]
@@ -42,9 +55,7 @@ fn cuda_ddp_on_a_high_priority_communication_stream_gives_the_same_bits() {
 #[test]
 #[ignore = "needs CUDA GPUs: two or more"]
 fn two_gpus_ddp_on_high_priority_communication_streams_gives_the_same_bits() {
-    let all = devices();
-    assert!(all.len() >= 2, "this test needs two GPUs or more, found {}", all.len());
-    common::high_priority_world_gives_the_same_bits(&all);
+    common::high_priority_world_gives_the_same_bits(&gpus_on_nccl());
 }
 
 #[test]
@@ -86,9 +97,7 @@ fn cuda_split_parameters_give_the_same_bits_as_whole_ones() {
 #[test]
 #[ignore = "needs CUDA GPUs: two or more"]
 fn two_gpus_split_parameters_give_the_same_bits_as_whole_ones() {
-    let all = devices();
-    assert!(all.len() >= 2, "this test needs two GPUs or more, found {}", all.len());
-    common::split_scenarios(&ClientGroup::new(all).unwrap(), common::SplitBits::Close);
+    common::split_scenarios(&ClientGroup::new(gpus_on_nccl()).unwrap(), common::SplitBits::Close);
 }
 
 /// One backward's gradients of an MLP of `width` (batches of `rows`) on a

@@ -232,7 +232,7 @@ fn the_peer_tests_of_several_gpus_pass_between_devices_shown_on_one_gpu() {
         ("two_gpus_members_with_differently_aligned_buffers_agree_bit_for_bit", 2),
     ] {
         let (ok, out) = cuda_common::finish(cuda_common::rerun(name, &shown_on_one_gpu(per)));
-        assert!(ok, "{name} with {per} devices on one GPU failed:\n{out}");
+        assert!(ok, "{name} with {per} devices on one GPU failed or did not run:\n{out}");
     }
 }
 
@@ -242,7 +242,7 @@ fn a_group_of_devices_on_one_gpu_runs_the_peer_kernels_and_every_other_call_thro
     let name = "a_group_of_devices_on_one_gpu_runs_the_peer_kernels_and_every_other_call_through_the_host";
     if std::env::var_os(SHOWN_CHILD).is_none() {
         let (ok, out) = cuda_common::finish(cuda_common::rerun(name, &shown_on_one_gpu(2)));
-        assert!(ok, "the child with two devices on one GPU failed:\n{out}");
+        assert!(ok, "the child with two devices on one GPU failed or did not run:\n{out}");
         return;
     }
     let devices = cuda_common::devices();

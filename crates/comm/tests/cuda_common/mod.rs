@@ -70,10 +70,11 @@ pub fn rerun(name: &str, envs: &[(&str, String)]) -> std::process::Child {
         .expect("the test's own binary starts")
 }
 
-/// Waits for a child from [`rerun`]: whether it succeeded, and its output
-/// (stdout, then stderr).
+/// Waits for a child from [`rerun`]: whether it succeeded, having run its
+/// one test (a name that matches no test runs nothing and exits 0: that is
+/// a failure here), and its output (stdout, then stderr).
 pub fn finish(child: std::process::Child) -> (bool, String) {
     let out = child.wait_with_output().expect("the child's output");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.success(), text)
+    (out.status.success() && text.contains("test result: ok. 1 passed;"), text)
 }
