@@ -2,6 +2,8 @@
 //! become Chrome trace events (its own test binary: the timeline is opened
 //! once per process, from the environment).
 
+use std::process::Command;
+
 use cohort_comm::{ClientGroup, DType, ReduceOp};
 use cohort_runtime::{Bytes, CpuRuntime, Runtime};
 
@@ -39,18 +41,15 @@ fn collectives_and_copies_become_trace_events() {
 }
 
 /// Set in the child processes of
-/// `a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run`.
+/// `a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run`,
+/// which run that same test as the child.
 const CHILD: &str = "COHORT_TEST_TIMELINE_CHILD";
 /// Bytes the child may write to a file (its timeline), where set.
 const FILE_LIMIT: &str = "COHORT_TEST_TIMELINE_FILE_LIMIT";
 
 /// The child: ten CPU all-reduces with `COHORT_TIMELINE` at a bad path,
-/// logging to stderr. Does nothing unless started by the test below.
-#[test]
+/// logging to stderr.
 fn timeline_child_runs_all_reduces() {
-    if std::env::var_os(CHILD).is_none() {
-        return;
-    }
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_ansi(false).init();
     if let Some(limit) = std::env::var_os(FILE_LIMIT) {
         // A disk that fills up mid-run: writes past `limit` bytes fail
@@ -73,9 +72,15 @@ fn timeline_child_runs_all_reduces() {
     println!("all-reduces done");
 }
 
+/// Each bad `COHORT_TIMELINE` in a child process of its own (the timeline
+/// is opened once per process): the child, this same test with [`CHILD`]
+/// set, runs its collectives and logs the one failure, naming the path.
 #[test]
 fn a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run() {
-    use std::process::Command;
+    const NAME: &str = "a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run";
+    if std::env::var_os(CHILD).is_some() {
+        return timeline_child_runs_all_reduces();
+    }
     let base = std::env::temp_dir().join(format!("cohort-bad-timeline-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&base);
     std::fs::create_dir_all(base.join("a-folder.json")).unwrap();
@@ -105,7 +110,7 @@ fn a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run() {
             command.env("RANK", rank);
         }
         let mut child = command
-            .args(["--exact", "timeline_child_runs_all_reduces", "--nocapture", "--test-threads=1"])
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
             .env(CHILD, "1")
             .env("COHORT_TIMELINE", &path)
             .stdout(std::process::Stdio::piped())
@@ -124,6 +129,7 @@ fn a_timeline_that_cannot_be_written_is_logged_once_and_collectives_run() {
         let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         let what = format!("COHORT_TIMELINE={}:\n{stdout}\n{stderr}", path.display());
         assert!(out.status.success() && stdout.contains("all-reduces done"), "{what}");
+        assert!(stdout.contains("test result: ok. 1 passed;"), "the child ran one test: {what}");
         assert!(!stderr.contains("panicked"), "{what}");
         let lines: Vec<&str> = stderr.lines().filter(|l| l.contains("COHORT_TIMELINE")).collect();
         assert_eq!(lines.len(), 1, "{what}");
