@@ -15,14 +15,17 @@
 //! it holds (`p<inode>` lines name them, `q<inode>` forgets them) or by the
 //! attempt's marks in its environment (`m<NAME=value>` lines, `M` forgets
 //! them); see [`crate::escapees`].
+//!
+//! Once what it killed has ended, it removes the shared-memory files that
+//! ranks killed during set-up left (see [`crate::run::sweep_shared_memory`]).
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitCode, Stdio};
-
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -141,7 +144,8 @@ impl Reaper {
 }
 
 /// `cohort __reaper`: reads `+pgid`/`-pgid` lines from stdin until it closes,
-/// then kills every group still listed.
+/// then kills every group still listed, waits (up to [`RANKS_END_LIMIT`])
+/// for them to end and sweeps the shared memory dead ranks left.
 pub fn serve() -> ExitCode {
     for sig in [libc::SIGINT, libc::SIGHUP, libc::SIGTERM] {
         // SAFETY: setting a signal to SIG_IGN has no memory-safety
@@ -165,12 +169,34 @@ pub fn serve() -> ExitCode {
             _ => {}
         }
     }
-    for pgid in groups {
+    for &pgid in &groups {
         // SAFETY: kill(2) has no memory-safety preconditions; the group is a
         // rank's, which the launcher listed and never took off (it did not
         // see it end). ESRCH (already gone) is fine.
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
     }
-    crate::escapees::kill(&pipes, &marks, &[]);
+    let escaped = crate::escapees::kill(&pipes, &marks, &[]);
+    // A rank killed while it set up its communicator leaves its shared-memory
+    // file: once the ranks are gone (their files' locks with them), sweep.
+    let killed: Vec<libc::pid_t> = groups.into_iter().chain(escaped.into_iter().map(|p| p as libc::pid_t)).collect();
+    let end = Instant::now() + RANKS_END_LIMIT;
+    while !killed.iter().all(|&p| ended(p)) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    crate::run::sweep_shared_memory();
     ExitCode::SUCCESS
+}
+
+/// Longest the reaper waits for the processes it killed to end before it
+/// sweeps their shared memory (a process in the kernel may take a moment to
+/// die; whatever is still held then is left for the next launcher's sweep).
+const RANKS_END_LIMIT: Duration = Duration::from_secs(10);
+
+/// Whether process `pid` has ended: gone, or a zombie (whose descriptors,
+/// and the locks they held, are already released).
+fn ended(pid: libc::pid_t) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with(['Z', 'X'])),
+        Err(_) => true,
+    }
 }

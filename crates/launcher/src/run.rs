@@ -57,6 +57,8 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     let (tx, rx) = crossbeam::channel::unbounded();
     signals::install(tx.clone()).map_err(LaunchError::Signals)?;
     crate::reaper::init();
+    // What the ranks of a job whose launcher and reaper were both killed left.
+    sweep_shared_memory();
     if let Some(n) = &cfg.omp_threads {
         say!(
             "cohort: OMP_NUM_THREADS is unset: setting it to {n} for the {} ranks of this node so they do not \
@@ -104,7 +106,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
         drop(dog);
         let verdict = settle(&rdzv, cfg, attempt, outcome, &rx, deadline);
         signals::set_supervising(false);
-        sweep_shared_memory(&rdzv, cfg);
+        sweep_shared_memory();
         match verdict {
             Verdict::Ok => {
                 tracing::info!(elapsed = ?start.elapsed(), "every rank exited with 0");
@@ -136,16 +138,17 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     }
 }
 
-/// Removes the shared-memory files this node's ranks may have left in
-/// `/dev/shm` (a rank killed while its communicator was being set up), now
-/// that they have ended and before the store forgets the attempt's
-/// communicators.
-fn sweep_shared_memory(rdzv: &Rendezvous, cfg: &JobConfig) {
-    let ranks: Vec<usize> = (0..cfg.nproc).map(|l| RankEnv::global_rank(cfg, l)).collect();
-    match cohort_comm::sweep_shared_memory(rdzv.store(), &ranks) {
+/// Removes the shared-memory files that ranks killed during set-up left in
+/// `/dev/shm`: this node's, once its ranks have ended, and a dead job's.
+/// Only files no live process holds are removed (see
+/// [`cohort_comm::sweep_shared_memory`]), so another job's live ranks keep
+/// theirs. For the launcher (when it starts, after each attempt) and its
+/// reaper (once the launcher is gone).
+pub fn sweep_shared_memory() {
+    match cohort_comm::sweep_shared_memory() {
         Ok(0) => {}
-        Ok(n) => tracing::info!("removed {n} shared-memory file(s) the ranks left in /dev/shm"),
-        Err(e) => tracing::warn!("could not look up the ranks' shared-memory files to remove them: {e}"),
+        Ok(n) => tracing::info!("removed {n} shared-memory file(s) that dead ranks left in /dev/shm"),
+        Err(e) => tracing::debug!("could not look for shared-memory files that dead ranks left in /dev/shm: {e}"),
     }
 }
 

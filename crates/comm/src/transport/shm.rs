@@ -6,9 +6,16 @@
 //! maps its own file and its peers'; once every rank has mapped every file
 //! (a store barrier), the owner unlinks its file, so nothing is left in
 //! `/dev/shm` after set-up, whatever happens later. A [`Segment`] unlinks its
-//! file when dropped before that point (a failed set-up, a panic); a rank
-//! killed during set-up cannot, so `cohort run` removes its job's files when
-//! the ranks have ended ([`sweep_shared_memory`]).
+//! file when dropped before that point (a failed set-up, a panic).
+//!
+//! A rank killed during set-up (its launcher SIGKILLed, the OOM killer)
+//! cannot unlink its file, so its owner holds an exclusive `flock` on the
+//! file for as long as the name is its own: a file no process holds is
+//! provably a dead rank's, and [`sweep_shared_memory`] removes those. The
+//! launcher sweeps when it starts and after each attempt, and its reaper
+//! once the launcher is gone, however it died. The lock names no job and no
+//! process, so nothing is trusted from the file or the store, and a live
+//! job's files (held) are never removed.
 //!
 //! Files are created 0600 (`O_EXCL`, never through a link) and a peer's
 //! file is opened only when it is a regular file of this user's that no one
@@ -22,8 +29,10 @@
 //! publishes `tail` with release ordering; so no byte is read before it is
 //! written, nor overwritten before it is read.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -45,7 +54,14 @@ pub(crate) struct Segment {
     len: usize,
     capacity: usize,
     /// Set while this process owns the file's name and must unlink it.
-    owned_path: Option<CString>,
+    owned: Option<Owned>,
+}
+
+/// The name of a segment this process created, and the descriptor that
+/// holds the file's lock while the name is its own (see the module docs).
+struct Owned {
+    path: CString,
+    _lock: OwnedFd,
 }
 
 // SAFETY: the mapping is process-wide memory; every access to it goes through
@@ -100,33 +116,24 @@ pub(crate) fn create_for(job: &str, rank: usize, slots: usize, capacity: usize) 
 
 impl Segment {
     /// Creates (exclusively) and maps the file at `path` with `slots` rings
-    /// of `capacity` bytes each, zeroed.
+    /// of `capacity` bytes each, zeroed, and holds its lock until
+    /// [`Segment::unlink`] (or drop).
     pub(crate) fn create(path: &str, slots: usize, capacity: usize) -> io::Result<Segment> {
         let c_path = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         let len = slots * (HEADER + capacity);
-        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-        // SAFETY: c_path is a valid NUL-terminated string; open has no other
-        // preconditions.
-        let fd = unsafe { libc::open(c_path.as_ptr(), flags, 0o600) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let fd = create_locked(&c_path)?;
         let unlink = |err: io::Error| {
-            // SAFETY: c_path is a valid path string; fd is ours.
-            unsafe {
-                libc::close(fd);
-                libc::unlink(c_path.as_ptr());
-            }
+            // SAFETY: c_path is a valid path string; the file is ours (we
+            // still hold its lock, so no sweep removed it).
+            unsafe { libc::unlink(c_path.as_ptr()) };
             err
         };
         // SAFETY: fd is an open, writable file descriptor we own.
-        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(unlink(io::Error::last_os_error()));
         }
-        let ptr = map(fd, len).map_err(unlink)?;
-        // SAFETY: fd is ours; the mapping keeps the file's memory alive.
-        unsafe { libc::close(fd) };
-        Ok(Segment { ptr, len, capacity, owned_path: Some(c_path) })
+        let ptr = map(fd.as_raw_fd(), len).map_err(unlink)?;
+        Ok(Segment { ptr, len, capacity, owned: Some(Owned { path: c_path, _lock: fd }) })
     }
 
     /// Maps the existing file at `path` (a peer's), expecting `slots` rings
@@ -193,14 +200,15 @@ impl Segment {
         let mapped = map(fd, len);
         // SAFETY: fd is ours; a successful mapping outlives it.
         unsafe { libc::close(fd) };
-        Ok(Segment { ptr: mapped?, len, capacity, owned_path: None })
+        Ok(Segment { ptr: mapped?, len, capacity, owned: None })
     }
 
-    /// Removes the file's name (the mappings stay valid). Idempotent.
+    /// Removes the file's name (the mappings stay valid), then lets go of
+    /// its lock. Idempotent.
     pub(crate) fn unlink(&mut self) {
-        if let Some(path) = self.owned_path.take() {
+        if let Some(owned) = self.owned.take() {
             // SAFETY: path is a valid NUL-terminated string.
-            unsafe { libc::unlink(path.as_ptr()) };
+            unsafe { libc::unlink(owned.path.as_ptr()) };
         }
     }
 
@@ -227,89 +235,149 @@ fn map(fd: libc::c_int, len: usize) -> io::Result<*mut u8> {
     Ok(ptr.cast())
 }
 
-/// Removes the shared-memory files the ranks `ranks` of the job served by
-/// `store` may have left (a rank killed between creating its file and the
-/// barrier after which it unlinks it): every communicator those ranks
-/// registered in the store is looked up, and each of their files that is
-/// still there and this user's is unlinked. Returns how many were. For the
-/// launcher, once its ranks have ended (before the store is reset).
-///
-/// Asks the store two round trips per rank: its count of communicators,
-/// then the entries of all of them in one
-/// [`multi_get`](crate::store::StoreClient::multi_get) (a few, each for a
-/// batch of hundreds of communicators, for a rank that made more).
-pub fn sweep_shared_memory(
-    store: &crate::store::StoreClient,
-    ranks: &[usize],
-) -> Result<usize, crate::store::StoreError> {
-    // The keys `communicator::setup::form` writes: the count of
-    // communicators each rank made, each one's job entry ("<id> <token>"),
-    // and each rank's file path when it is not the usual one.
+/// The folder of every rank's file.
+const SHM_DIR: &str = "/dev/shm";
+
+/// How many times [`create_locked`] makes its file again when a sweep took
+/// it in the moment before it was locked (once is all a sweep can take).
+const CREATE_TRIES: usize = 4;
+
+/// Creates the file at `path` (`O_EXCL`, 0600, never through a link) and
+/// takes its exclusive lock. A sweep may take the lock first, in the moment
+/// between the two, and remove the file: the lock then comes once the sweep
+/// is done (it holds it for a few system calls), the file is found unlinked
+/// and made again under the same name.
+fn create_locked(path: &CStr) -> io::Result<OwnedFd> {
+    let flags = libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    for _ in 0..CREATE_TRIES {
+        // SAFETY: path is a valid NUL-terminated string; open has no other
+        // preconditions.
+        let fd = unsafe { libc::open(path.as_ptr(), flags, 0o600 as libc::c_uint) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: open just returned this descriptor; it is owned once, here.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        if lock_while_linked(&fd)? {
+            return Ok(fd);
+        }
+    }
+    Err(io::Error::other(format!(
+        "{} was removed {CREATE_TRIES} times between its creation and its lock: another process keeps sweeping it",
+        path.to_string_lossy()
+    )))
+}
+
+/// Takes `fd`'s exclusive lock, waiting while someone else (a sweep) holds
+/// it; whether the file still has a name once the lock is ours.
+fn lock_while_linked(fd: &OwnedFd) -> io::Result<bool> {
+    loop {
+        // SAFETY: fd is open; flock has no other preconditions.
+        if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            break;
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+    Ok(fstat(fd)?.st_nlink > 0)
+}
+
+fn fstat(fd: &OwnedFd) -> io::Result<libc::stat> {
+    // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is open and `st` is a valid out-pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+/// Whether `name` (in [`SHM_DIR`]) is a rank's file: `cohort-<job>-<rank>`
+/// ([`path`]) or a fresh name beside it (`...-<16 hex digits>`), with a
+/// job id of hex digits (rank 0's random id).
+fn is_segment_name(name: &str) -> bool {
+    let Some((job, rest)) = name.strip_prefix("cohort-").and_then(|n| n.split_once('-')) else { return false };
+    let hex = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    hex(job)
+        && match rest.split_once('-') {
+            None => digits(rest),
+            Some((rank, fresh)) => digits(rank) && fresh.len() == 16 && hex(fresh),
+        }
+}
+
+/// Removes every rank's file in `/dev/shm` that is this user's and that no
+/// live process holds: a rank that died between creating its file and
+/// unlinking it (see the module docs), of any job. Returns how many it
+/// removed. A live rank's file is held and left alone; so is anything not
+/// named as a rank's file, another user's, or not a regular file. Costs one
+/// read of the folder and a few system calls per rank's file there; waits
+/// for nothing.
+pub fn sweep_shared_memory() -> io::Result<usize> {
+    sweep_in(Path::new(SHM_DIR))
+}
+
+/// [`sweep_shared_memory`] in the folder `dir`.
+fn sweep_in(dir: &Path) -> io::Result<usize> {
+    let c_dir =
+        CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: c_dir is NUL-terminated; open has no other preconditions.
+    let fd = unsafe { libc::open(c_dir.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: open just returned this descriptor; it is owned once, here.
+    let dir_fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let mut removed = 0;
-    for &rank in ranks {
-        let made = store.add(&format!("cohort/comm/instance/{rank}"), 0)?;
-        let mut first = 1;
-        while first <= made {
-            let last = made.min(first.saturating_add(SWEEP_BATCH - 1));
-            let keys: Vec<String> = (first..=last)
-                .flat_map(|k| [format!("cohort/comm/{k}/job"), format!("cohort/comm/{k}/shm/{rank}")])
-                .collect();
-            let values = entries(store, &keys)?;
-            for pair in values.chunks(2) {
-                let [Some(entry), taken] = pair else { continue };
-                let entry = String::from_utf8_lossy(entry);
-                let Some(job) = entry.split(' ').next().filter(|j| j.bytes().all(|b| b.is_ascii_hexdigit())) else {
-                    continue;
-                };
-                if remove_own(&path(job, rank)) {
-                    removed += 1;
-                }
-                // A fresh name the rank took (`create_for`), published as its
-                // `shm/<rank>` entry.
-                if let Some(taken) = taken {
-                    let taken = String::from_utf8_lossy(taken);
-                    if taken != path(job, rank) && is_own_path(job, rank, &taken) && remove_own(&taken) {
-                        removed += 1;
-                    }
-                }
-            }
-            if last == i64::MAX {
-                break;
-            }
-            first = last + 1;
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str().filter(|n| is_segment_name(n)) else { continue };
+        let Ok(c_name) = CString::new(name) else { continue };
+        if remove_if_orphaned(&dir_fd, &c_name) {
+            removed += 1;
         }
     }
     Ok(removed)
 }
 
-/// How many communicators' entries [`sweep_shared_memory`] reads in one
-/// request (two keys each).
-const SWEEP_BATCH: i64 = 512;
-
-/// The values of `keys` (`None` where not set), in order: one
-/// [`multi_get`](crate::store::StoreClient::multi_get), or one get per key
-/// when the store refuses that (the values together too large for one
-/// answer, where each alone fits).
-fn entries(
-    store: &crate::store::StoreClient,
-    keys: &[String],
-) -> Result<Vec<Option<Vec<u8>>>, crate::store::StoreError> {
-    let asked: Vec<&str> = keys.iter().map(String::as_str).collect();
-    match store.multi_get(&asked) {
-        Err(crate::store::StoreError::Refused { .. }) => asked.iter().map(|k| store.get(k)).collect(),
-        answered => answered,
-    }
-}
-
-/// Unlinks `path` when it is a file (or link) of this user's; whether it did.
-fn remove_own(path: &str) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(meta) = std::fs::symlink_metadata(path) else { return false };
-    // SAFETY: geteuid(2) has no preconditions.
-    if meta.uid() != unsafe { libc::geteuid() } || meta.is_dir() {
+/// Unlinks the file `name` of the open folder `dir` when it is a regular
+/// file of this user's whose lock nobody holds; whether it did. The lock is
+/// held from the check to the unlink, and the name must still be the file
+/// that was locked, so a rank that creates its file meanwhile waits for the
+/// lock and then sees that its file went ([`create_locked`]).
+fn remove_if_orphaned(dir: &OwnedFd, name: &CStr) -> bool {
+    // O_NONBLOCK: a FIFO does not wait for a writer (refused below).
+    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+    // SAFETY: dir is an open folder; name is NUL-terminated.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags) };
+    if fd < 0 {
         return false;
     }
-    std::fs::remove_file(path).is_ok()
+    // SAFETY: openat just returned this descriptor; it is owned once, here.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: geteuid(2) has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    match fstat(&fd) {
+        Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFREG && st.st_uid == me => {}
+        _ => return false,
+    }
+    // SAFETY: fd is open; a lock that is held fails at once (LOCK_NB).
+    if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return false;
+    }
+    let Ok(locked) = fstat(&fd) else { return false };
+    // SAFETY: an all-zero `stat` is a valid value of this plain C struct.
+    let mut named: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: dir is open, name NUL-terminated, `named` a valid out-pointer;
+    // AT_SYMLINK_NOFOLLOW describes a link itself.
+    let same = unsafe { libc::fstatat(dir.as_raw_fd(), name.as_ptr(), &mut named, libc::AT_SYMLINK_NOFOLLOW) } == 0
+        && locked.st_nlink > 0
+        && (named.st_dev, named.st_ino) == (locked.st_dev, locked.st_ino);
+    // SAFETY: dir is open and name NUL-terminated; unlinkat removes the
+    // name, never a link's target. The lock is released when fd drops.
+    same && unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } == 0
 }
 
 impl Drop for Segment {
@@ -627,87 +695,74 @@ mod tests {
         assert_eq!(got, path(&name, 2));
     }
 
-    /// The launcher's sweep removes a fresh name a rank took (read from its
-    /// `shm/<rank>` entry) as well as the usual one, and nothing else an
-    /// entry names.
-    #[test]
-    fn the_sweep_removes_fresh_names_and_nothing_else() {
-        let server = crate::store::StoreServer::bind("127.0.0.1:0", "secret").unwrap();
-        let store =
-            crate::store::StoreClient::connect(server.local_addr(), "secret", std::time::Duration::from_secs(10))
-                .unwrap();
-        let job = format!("{:08x}", std::process::id());
-        assert_eq!(store.add("cohort/comm/instance/1", 2).unwrap(), 2);
-        store.set("cohort/comm/1/job", format!("{job} 00").as_bytes()).unwrap();
-        store.set("cohort/comm/2/job", format!("{job}ff 00").as_bytes()).unwrap();
-        let fresh = format!("{}-0123456789abcdef", path(&job, 1));
-        write_file(&fresh, 10, 0o600);
-        store.set("cohort/comm/1/shm/1", fresh.as_bytes()).unwrap();
-        // An entry naming some other file of this user's is not followed.
-        let other = std::env::temp_dir().join(format!("cohort-sweep-other-{}", std::process::id()));
-        write_file(other.to_str().unwrap(), 10, 0o600);
-        store.set("cohort/comm/2/shm/1", other.to_str().unwrap().as_bytes()).unwrap();
-        assert_eq!(sweep_shared_memory(&store, &[1]).unwrap(), 1);
-        assert!(!std::path::Path::new(&fresh).exists());
-        assert!(other.exists(), "only the job's own names are removed");
-        std::fs::remove_file(other).unwrap();
+    /// A folder of its own for a sweep test (another process's sweep of
+    /// `/dev/shm` could take this test's orphans first).
+    fn sweep_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("cohort-shm-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        dir
     }
 
-    /// A rank that made more communicators than one request reads has each
-    /// of them swept (the first, the last of a batch, one in the next
-    /// batch), communicators with no job entry are passed over as before,
-    /// and entries too large together for one answer are read one by one.
+    /// The sweep removes the files of ranks that are gone (no one holds
+    /// them: a usual name and a fresh one), and leaves a live rank's file
+    /// (its owner holds it, as every rank does until it unlinks), names
+    /// that are not a rank's, and what is not a regular file.
     #[test]
-    fn the_sweep_reads_every_communicator_in_batches() {
-        let server = crate::store::StoreServer::bind("127.0.0.1:0", "secret").unwrap();
-        let store =
-            crate::store::StoreClient::connect(server.local_addr(), "secret", std::time::Duration::from_secs(30))
-                .unwrap();
-        let rank = 3;
-        let made = SWEEP_BATCH + 2;
-        assert_eq!(store.add(&format!("cohort/comm/instance/{rank}"), made).unwrap(), made);
-        let swept = [1, SWEEP_BATCH, SWEEP_BATCH + 2];
-        let mut files = Vec::new();
-        for k in swept {
-            let job = format!("{:08x}{k:04x}", std::process::id());
-            store.set(&format!("cohort/comm/{k}/job"), format!("{job} 00").as_bytes()).unwrap();
-            files.push(path(&job, rank));
-            write_file(files.last().unwrap(), 10, 0o600);
+    fn the_sweep_removes_only_files_no_live_rank_holds() {
+        let dir = sweep_dir("sweep");
+        let at = |name: &str| dir.join(name).to_str().unwrap().to_string();
+        let job = "0123456789abcdef";
+        let live = Segment::create(&at(&format!("cohort-{job}-0")), 2, 4096).unwrap();
+        let dead = [format!("cohort-{job}-1"), format!("cohort-{job}-2-0123456789abcdef")];
+        for name in &dead {
+            write_file(&at(name), 10, 0o600);
         }
-        // A communicator with a fresh name published but no job entry: its
-        // file is left (nothing says whose job it is).
-        let orphan_job = format!("{:08x}ffff", std::process::id());
-        let orphan = format!("{}-0123456789abcdef", path(&orphan_job, rank));
-        write_file(&orphan, 10, 0o600);
-        store.set(&format!("cohort/comm/2/shm/{rank}"), orphan.as_bytes()).unwrap();
-        assert_eq!(sweep_shared_memory(&store, &[rank]).unwrap(), swept.len());
-        for f in &files {
-            assert!(!std::path::Path::new(f).exists(), "{f} swept");
+        let others = ["cohort-test-1", "cohort-0123-x", "cohort-0123-1-abc", "other-0123-1", "cohort-0123"];
+        for name in others {
+            write_file(&at(name), 10, 0o600);
         }
-        assert!(std::path::Path::new(&orphan).exists(), "no job entry, not swept");
-        std::fs::remove_file(&orphan).unwrap();
+        std::fs::create_dir(at(&format!("cohort-{job}-3"))).unwrap();
+        std::os::unix::fs::symlink("/dev/null", at(&format!("cohort-{job}-4"))).unwrap();
 
-        // Two `shm` entries of the first batch, each under the store's
-        // limit but over it together: the multi-get is refused, and the
-        // sweep reads the entries one by one and still removes every file.
-        let half = crate::store::MAX_VALUE / 2 + 1;
-        for k in [1, 3] {
-            store.set(&format!("cohort/comm/{k}/shm/{rank}"), &vec![b'x'; half]).unwrap();
+        assert_eq!(sweep_in(&dir).unwrap(), dead.len());
+        for name in &dead {
+            assert!(std::fs::symlink_metadata(at(name)).is_err(), "{name} swept");
         }
-        let keys = [format!("cohort/comm/1/shm/{rank}"), format!("cohort/comm/3/shm/{rank}")];
-        assert!(
-            matches!(
-                store.multi_get(&[keys[0].as_str(), keys[1].as_str()]),
-                Err(crate::store::StoreError::Refused { .. })
-            ),
-            "the store refuses the values in one answer"
-        );
-        for f in &files {
-            write_file(f, 10, 0o600);
+        assert!(std::path::Path::new(&at(&format!("cohort-{job}-0"))).exists(), "a held file is left");
+        for name in others.iter().map(|n| n.to_string()).chain([3, 4].map(|r| format!("cohort-{job}-{r}"))) {
+            assert!(std::fs::symlink_metadata(at(&name)).is_ok(), "{name} left");
         }
-        assert_eq!(sweep_shared_memory(&store, &[rank]).unwrap(), swept.len());
-        for f in &files {
-            assert!(!std::path::Path::new(f).exists(), "{f} swept");
-        }
+        // Once its owner unlinks it (or dies), nothing of it is left.
+        drop(live);
+        assert_eq!(sweep_in(&dir).unwrap(), 0);
+        assert!(!std::path::Path::new(&at(&format!("cohort-{job}-0"))).exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A rank that creates its file while a sweep holds it (the moment
+    /// between creation and lock): its lock waits for the sweep, then it
+    /// sees its file was removed (and makes it again).
+    #[test]
+    fn a_file_swept_before_its_lock_is_seen_as_gone() {
+        let dir = sweep_dir("race");
+        let at = dir.join("cohort-ab-0");
+        write_file(at.to_str().unwrap(), 10, 0o600);
+        let mine = OwnedFd::from(std::fs::File::open(&at).unwrap());
+        let sweeper = OwnedFd::from(std::fs::File::open(&at).unwrap());
+        // SAFETY: sweeper is open.
+        assert_eq!(unsafe { libc::flock(sweeper.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(lock_while_linked(&mine).unwrap()).unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(rx.try_recv().is_err(), "the lock waits while the sweep holds it");
+        std::fs::remove_file(&at).unwrap();
+        drop(sweeper);
+        assert!(!rx.recv_timeout(std::time::Duration::from_secs(30)).unwrap(), "the file is gone");
+        // Not swept: it is its own still.
+        let mine = OwnedFd::from(std::fs::File::create(&at).unwrap());
+        assert!(lock_while_linked(&mine).unwrap());
+        assert_eq!(sweep_in(&dir).unwrap(), 0, "a held file is not swept");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }
