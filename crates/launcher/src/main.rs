@@ -28,6 +28,7 @@ mod process_limit;
 mod reaper;
 mod rendezvous;
 mod run;
+mod run_file;
 mod settings;
 mod signals;
 mod spawn;

@@ -9,6 +9,7 @@ use crossbeam::channel::{Receiver, RecvTimeoutError};
 use crate::cli::RunArgs;
 use crate::config::{JobConfig, LaunchError};
 use crate::rendezvous::{Rendezvous, Round};
+use crate::run_file::{self, RunFile};
 use crate::signals;
 use crate::spawn::RankEnv;
 use crate::summary::{signal_name, Verdict};
@@ -69,6 +70,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     let rdzv = Rendezvous::start(&cfg, deadline)?;
     tracing::info!(port = rdzv.port(), nproc = cfg.nproc, "rendezvous store ready");
     clock.mark("store up");
+    let _run_file = publish_run_file(&cfg, &cfg.store_addr(rdzv.port()));
 
     let mut attempt = 0;
     loop {
@@ -134,6 +136,31 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
                 rdzv.finish(attempt);
                 return Ok(exit_code);
             }
+        }
+    }
+}
+
+/// Writes the run files by which `cohort status` with no flags finds this
+/// job (see [`crate::run_file`]; removed when the returned value drops) and,
+/// with `--timings`, says the `cohort status` line that shows it. A folder
+/// that cannot be used is a warning: the job runs.
+fn publish_run_file(cfg: &JobConfig, addr: &str) -> Option<RunFile> {
+    match RunFile::publish(addr, &cfg.secret) {
+        Ok(file) => {
+            if cfg.timings {
+                say!("cohort: where the ranks are: {}", run_file::status_line(addr, &file.secret_path()));
+            }
+            Some(file)
+        }
+        Err(e) => {
+            say!("cohort: warning: `cohort status` without flags will not find this job: {e}");
+            if cfg.timings {
+                say!(
+                    "cohort: where the ranks are: {}=<the job's secret> cohort status --store-addr {addr}",
+                    cohort_runtime::config::JOB_SECRET.name
+                );
+            }
+            None
         }
     }
 }

@@ -1,5 +1,5 @@
 //! `cohort status`: where every rank of a running (or hung) job is, read
-//! from the job's rendezvous store in one round trip.
+//! from the job's rendezvous store in a few round trips.
 //!
 //! For each rank: its state, the collective it is in (sequence number,
 //! kind, bytes, communicator) and for how long, its last heartbeat, and
@@ -9,25 +9,30 @@
 //! anyway (their heartbeat and progress, written by a thread of their own),
 //! so asking costs a running job nothing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use cohort_comm::launch_env::MAX_WORLD_SIZE;
 use cohort_comm::published::{
     abort_key, call_key, communicator_prefix, directory_key, gone_key, newest_communicator_key, parse_progress,
     progress_key, CurrentCall,
 };
 use cohort_comm::store::{StoreClient, StoreError};
+use cohort_comm::trace::printable;
 use cohort_comm::{job_heartbeat_key, HEARTBEAT_PERIOD};
 use cohort_runtime::config;
 use serde::Serialize;
 
 use crate::cli::StatusArgs;
 use crate::rendezvous::PREFIX;
+use crate::run_file;
 
 /// Nodes looked up in one request (`cohort/launcher/node/<n>`), and at most.
 const NODE_BATCH: usize = 64;
 const MAX_NODES: usize = 1 << 16;
+/// Ranks whose entries are read in one request.
+const RANK_BATCH: usize = 1024;
 
 /// A heartbeat older than this many periods counts as stopped.
 const SILENT_PERIODS: u32 = 3;
@@ -79,6 +84,10 @@ pub struct JobStatus {
     /// in a collective).
     pub stuck_on: Vec<usize>,
     pub ranks: Vec<RankStatus>,
+    /// The first rank not shown: from it on, a whole batch of ranks had
+    /// nothing in the store (not started yet, or a `world` entry that
+    /// claims more ranks than the job has), so the rest was not read.
+    pub not_shown_from: Option<usize>,
     /// Milliseconds the store took to answer.
     pub answered_in_ms: f64,
 }
@@ -129,20 +138,28 @@ pub fn status(args: StatusArgs) -> std::process::ExitCode {
     }
 }
 
-/// The store address and secret: flags first, then the job's environment.
+/// The store address and secret: flags first, then the job's environment,
+/// then the run files of this user's jobs on this machine (the newest job;
+/// the others are listed on stderr with the line that shows each).
 fn target(args: &StatusArgs) -> Result<(String, String), String> {
     let addr = match &args.store_addr {
-        Some(a) => a.clone(),
-        None => config::STORE_ADDR.get().map_err(|e| e.to_string())?.ok_or_else(|| {
-            format!("no store address: pass --store-addr HOST:PORT or set {}", config::STORE_ADDR.name)
-        })?,
+        Some(a) => Some(a.clone()),
+        None => config::STORE_ADDR.get().map_err(|e| e.to_string())?,
     };
-    let secret = match &args.secret_file {
-        Some(path) => std::fs::read_to_string(path)
+    let (addr, found) = match addr {
+        Some(a) => (a, None),
+        None => {
+            let job = running_job()?;
+            (job.addr.clone(), Some(job))
+        }
+    };
+    let secret = match (&args.secret_file, found) {
+        (Some(path), _) => std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read the secret from {}: {e}", path.display()))?
             .trim()
             .to_string(),
-        None => config::JOB_SECRET
+        (None, Some(job)) => job.secret,
+        (None, None) => config::JOB_SECRET
             .get()
             .map_err(|e| e.to_string())?
             .ok_or_else(|| format!("no job secret: pass --secret-file PATH or set {}", config::JOB_SECRET.name))?,
@@ -153,23 +170,115 @@ fn target(args: &StatusArgs) -> Result<(String, String), String> {
     Ok((addr, secret))
 }
 
+/// The newest job of this user's that runs on this machine (its run files,
+/// see [`run_file`]); an error saying how to name a store when none runs.
+fn running_job() -> Result<run_file::Job, String> {
+    let no_address = format!("no store address: pass --store-addr HOST:PORT or set {}", config::STORE_ADDR.name);
+    let jobs =
+        run_file::live().map_err(|e| format!("{no_address} (cannot look for jobs of yours on this machine: {e})"))?;
+    let Some((newest, others)) = jobs.split_first() else {
+        return Err(format!(
+            "{no_address} (no `cohort run` of yours runs on this machine: none in {})",
+            run_file::folder().display()
+        ));
+    };
+    if !others.is_empty() {
+        eprintln!(
+            "cohort status: {} jobs of yours run on this machine; showing the newest (launcher pid {}, store {}). \
+             The others:",
+            jobs.len(),
+            newest.pid,
+            newest.addr
+        );
+        for job in others {
+            eprintln!("  launcher pid {}: {}", job.pid, run_file::status_line(&job.addr, &job.secret_file));
+        }
+    }
+    Ok(newest.clone())
+}
+
 fn text(v: &Option<Vec<u8>>) -> Option<String> {
     v.as_ref().map(|b| String::from_utf8_lossy(b).into_owned())
+}
+
+/// What a rank or another program wrote, safe to show on a terminal (and
+/// to hand to scripts): control characters escaped (see
+/// [`cohort_comm::trace::printable`]).
+fn shown(v: &Option<Vec<u8>>) -> Option<String> {
+    v.as_ref().map(|b| printable(&String::from_utf8_lossy(b)).into_owned())
 }
 
 fn now_ms() -> u64 {
     cohort_comm::trace::now_micros() / 1000
 }
 
-/// Reads the job's state: two round trips to find the world and the
-/// communicator (more with over 64 nodes), one for every rank's entries.
-pub fn collect(store: &StoreClient) -> Result<JobStatus, StoreError> {
+/// Why `cohort status` could not show the job.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// An entry no launcher writes (another program's, or garbage).
+    #[error(
+        "the store's {key} holds \"{value}\", {why}: not what `cohort run` writes (is this a cohort job's store? \
+         something else wrote there)"
+    )]
+    Bogus { key: String, value: String, why: String },
+}
+
+/// The job's size from the launchers' `world` entry (`<ranks> <nodes>`):
+/// an error naming the value unless it is a size a job can have (at most
+/// [`MAX_WORLD_SIZE`] ranks on at most [`MAX_NODES`] nodes, each with at
+/// least one).
+fn parse_world(value: &[u8]) -> Result<(usize, usize), StatusError> {
+    let text = String::from_utf8_lossy(value);
+    let bogus = |why: String| {
+        let all = printable(&text);
+        let mut value: String = all.chars().take(80).collect();
+        if value.len() < all.len() {
+            value.push('…');
+        }
+        StatusError::Bogus { key: format!("{PREFIX}world"), value, why }
+    };
+    let numbers: Vec<&str> = text.split_whitespace().collect();
+    let [ranks, nodes] = numbers[..] else { return Err(bogus("which is not `<ranks> <nodes>`".into())) };
+    let (Ok(ranks), Ok(nodes)) = (ranks.parse::<u64>(), nodes.parse::<u64>()) else {
+        return Err(bogus("whose counts are not whole numbers".into()));
+    };
+    if ranks == 0 || ranks > MAX_WORLD_SIZE as u64 {
+        return Err(bogus(format!("{ranks} ranks, where a job has 1 to {MAX_WORLD_SIZE}")));
+    }
+    if nodes == 0 || nodes > ranks || nodes > MAX_NODES as u64 {
+        return Err(bogus(format!(
+            "{nodes} nodes for {ranks} ranks (a job has 1 to {MAX_NODES} nodes, each with a rank)"
+        )));
+    }
+    Ok((ranks as usize, nodes as usize))
+}
+
+/// The values of `keys` (`None` where not set), in order: one multi-get,
+/// or one get per key when the store refuses to answer them together (too
+/// large for one answer, where each alone fits).
+fn values(store: &StoreClient, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, StoreError> {
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    match store.multi_get(&refs) {
+        Err(StoreError::Refused { .. }) => refs.iter().map(|k| store.get(k)).collect(),
+        answered => answered,
+    }
+}
+
+/// Reads the job's state: a round trip to find the world and the newest
+/// communicator (more with over 64 nodes), one for its directory and abort,
+/// and one per [`RANK_BATCH`] ranks for their entries. A world that claims
+/// more ranks than wrote anything is read only up to the first batch of
+/// ranks of which none did (see [`JobStatus::not_shown_from`]), so what this
+/// holds is bounded by what the store holds, whatever the `world` entry says.
+pub fn collect(store: &StoreClient) -> Result<JobStatus, StatusError> {
     let started = Instant::now();
     // The launchers' nodes (`<nproc> <host>`), a batch at a time until one
     // is missing, and rank 0's newest communicator with the first batch.
     let mut nodes: Vec<usize> = Vec::new();
     let mut newest = None;
-    let mut attempt_world = None;
+    let mut world_entry = None;
     while nodes.len() < MAX_NODES {
         let from = nodes.len();
         let mut keys: Vec<String> = (from..from + NODE_BATCH).map(|n| format!("{PREFIX}node/{n}")).collect();
@@ -177,15 +286,10 @@ pub fn collect(store: &StoreClient) -> Result<JobStatus, StoreError> {
             keys.push(newest_communicator_key(0));
             keys.push(format!("{PREFIX}world"));
         }
-        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let mut batch = store.multi_get(&refs)?;
+        let mut batch = values(store, &keys)?;
         if from == 0 {
             // The attempt running now (an elastic job's nodes change).
-            let world = text(&batch.pop().flatten());
-            attempt_world = world.and_then(|w| {
-                let (ranks, nodes) = w.split_once(' ')?;
-                Some((ranks.parse::<usize>().ok()?, nodes.trim().parse::<usize>().ok()?))
-            });
+            world_entry = batch.pop().flatten();
             newest = text(&batch.pop().flatten()).and_then(|k| k.trim().parse::<u64>().ok());
         }
         nodes.extend(batch.iter().map_while(|v| text(v).and_then(|e| e.split(' ').next()?.parse::<usize>().ok())));
@@ -194,83 +298,59 @@ pub fn collect(store: &StoreClient) -> Result<JobStatus, StoreError> {
         }
     }
     let prefix = newest.map(communicator_prefix);
-    let directory = match &prefix {
-        Some(p) => store.get(&directory_key(p))?,
-        None => None,
+    let (directory, abort) = match &prefix {
+        Some(p) => {
+            let mut v = values(store, &[directory_key(p), abort_key(p)])?.into_iter();
+            (v.next().flatten(), shown(&v.next().flatten()))
+        }
+        None => (None, None),
     };
-    let joined: Vec<usize> =
-        text(&directory).unwrap_or_default().lines().filter_map(|l| l.split('\t').next()?.parse().ok()).collect();
-    let (world_size, node_count) = match attempt_world {
-        Some(w) => w,
-        None if nodes.is_empty() => (joined.iter().map(|r| r + 1).max().unwrap_or(0), 0),
-        None => (nodes.iter().sum(), nodes.len()),
+    let joined: HashSet<usize> = text(&directory)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split('\t').next()?.parse().ok())
+        .filter(|&r| r < MAX_WORLD_SIZE)
+        .collect();
+    let (world_size, node_count) = match world_entry {
+        Some(w) => parse_world(&w)?,
+        None if nodes.is_empty() => (joined.iter().max().map_or(0, |r| r + 1), 0),
+        None => {
+            let sum = nodes.iter().try_fold(0usize, |a, &n| a.checked_add(n)).filter(|&s| s <= MAX_WORLD_SIZE);
+            let sum = sum.ok_or_else(|| StatusError::Bogus {
+                key: format!("{PREFIX}node/<n>"),
+                value: nodes.iter().map(usize::to_string).collect::<Vec<_>>().join(" + "),
+                why: format!("more than a job's {MAX_WORLD_SIZE} ranks in all"),
+            })?;
+            (sum, nodes.len())
+        }
     };
 
-    // Every rank's heartbeat, progress, current call and `gone`, at once.
-    let mut keys: Vec<String> = Vec::with_capacity(4 * world_size + 1);
-    for r in 0..world_size {
-        keys.push(job_heartbeat_key(r));
-        if let Some(p) = &prefix {
-            keys.extend([progress_key(p, r), call_key(p, r), gone_key(p, r)]);
+    // Every rank's heartbeat, progress, current call and `gone`, a batch of
+    // ranks at a time.
+    let group = newest.map(|k| format!("comm{k}"));
+    let mut ranks = Vec::new();
+    let mut not_shown_from = None;
+    for first in (0..world_size).step_by(RANK_BATCH) {
+        let batch = first..(first + RANK_BATCH).min(world_size);
+        let mut keys = Vec::with_capacity(4 * batch.len());
+        for r in batch.clone() {
+            keys.push(job_heartbeat_key(r));
+            if let Some(p) = &prefix {
+                keys.extend([progress_key(p, r), call_key(p, r), gone_key(p, r)]);
+            }
+        }
+        let answered = values(store, &keys)?;
+        if first > 0 && answered.iter().all(Option::is_none) {
+            not_shown_from = Some(first);
+            break;
+        }
+        let now = now_ms();
+        let mut answered = answered.into_iter();
+        for r in batch {
+            ranks.push(rank_status(r, &mut answered, prefix.is_some(), &joined, now, &group));
         }
     }
-    if let Some(p) = &prefix {
-        keys.push(abort_key(p));
-    }
-    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let mut values = store.multi_get(&refs)?.into_iter();
     let answered_in_ms = started.elapsed().as_secs_f64() * 1e3;
-    let now = now_ms();
-    let group = newest.map(|k| format!("comm{k}"));
-    let mut ranks = Vec::with_capacity(world_size);
-    for r in 0..world_size {
-        let beat = text(&values.next().flatten());
-        let mut fields = beat.as_deref().unwrap_or("").split(' ');
-        let pid = fields.next().and_then(|p| p.parse().ok());
-        let beat_ms = fields.nth(1).and_then(|t| t.parse::<u64>().ok());
-        let heartbeat_age_s = beat_ms.map(|t| now.saturating_sub(t) as f64 / 1e3);
-        let (progress, call, gone) = if prefix.is_some() {
-            let progress = values.next().flatten().and_then(|v| parse_progress(&v));
-            let call = values.next().flatten().and_then(|v| CurrentCall::parse(&v));
-            (progress, call, text(&values.next().flatten()))
-        } else {
-            (None, None, None)
-        };
-        let silent = heartbeat_age_s.is_some_and(|a| a > (HEARTBEAT_PERIOD * SILENT_PERIODS).as_secs_f64());
-        let in_call = progress.is_some_and(|(issued, finished)| issued > finished);
-        let state = if gone.is_some() {
-            "gone"
-        } else if silent {
-            "silent"
-        } else if prefix.is_none() {
-            "no-communicator"
-        } else if !joined.contains(&r) {
-            "not-joined"
-        } else if in_call {
-            "in-collective"
-        } else {
-            "idle"
-        };
-        let call = call.filter(|c| progress.is_some_and(|(issued, _)| issued == c.seq)).map(|c| CallStatus {
-            for_s: now.saturating_sub(c.since_ms) as f64 / 1e3,
-            seq: c.seq,
-            kind: c.kind.into_owned(),
-            bytes: c.bytes,
-            group: group.clone().unwrap_or_default(),
-        });
-        ranks.push(RankStatus {
-            rank: r,
-            state: state.into(),
-            pid,
-            heartbeat_age_s,
-            issued: progress.map(|p| p.0),
-            finished: progress.map(|p| p.1),
-            call,
-            gone,
-            waiting_for: Vec::new(),
-        });
-    }
-    let abort = if prefix.is_some() { text(&values.next().flatten()) } else { None };
     let stuck_on = waited_for(&mut ranks);
     Ok(JobStatus {
         store: store.addr().to_string(),
@@ -280,8 +360,66 @@ pub fn collect(store: &StoreClient) -> Result<JobStatus, StoreError> {
         abort,
         stuck_on,
         ranks,
+        not_shown_from,
         answered_in_ms,
     })
+}
+
+/// Rank `r` from its entries, next in `values`: its heartbeat, then (when
+/// there is a communicator) its progress, current call and `gone`.
+fn rank_status(
+    r: usize,
+    values: &mut impl Iterator<Item = Option<Vec<u8>>>,
+    communicator: bool,
+    joined: &HashSet<usize>,
+    now: u64,
+    group: &Option<String>,
+) -> RankStatus {
+    let beat = text(&values.next().flatten());
+    let mut fields = beat.as_deref().unwrap_or("").split(' ');
+    let pid = fields.next().and_then(|p| p.parse().ok());
+    let beat_ms = fields.nth(1).and_then(|t| t.parse::<u64>().ok());
+    let heartbeat_age_s = beat_ms.map(|t| now.saturating_sub(t) as f64 / 1e3);
+    let (progress, call, gone) = if communicator {
+        let progress = values.next().flatten().and_then(|v| parse_progress(&v));
+        let call = values.next().flatten().and_then(|v| CurrentCall::parse(&v));
+        (progress, call, shown(&values.next().flatten()))
+    } else {
+        (None, None, None)
+    };
+    let silent = heartbeat_age_s.is_some_and(|a| a > (HEARTBEAT_PERIOD * SILENT_PERIODS).as_secs_f64());
+    let in_call = progress.is_some_and(|(issued, finished)| issued > finished);
+    let state = if gone.is_some() {
+        "gone"
+    } else if silent {
+        "silent"
+    } else if !communicator {
+        "no-communicator"
+    } else if !joined.contains(&r) {
+        "not-joined"
+    } else if in_call {
+        "in-collective"
+    } else {
+        "idle"
+    };
+    let call = call.filter(|c| progress.is_some_and(|(issued, _)| issued == c.seq)).map(|c| CallStatus {
+        for_s: now.saturating_sub(c.since_ms) as f64 / 1e3,
+        seq: c.seq,
+        kind: printable(&c.kind).into_owned(),
+        bytes: c.bytes,
+        group: group.clone().unwrap_or_default(),
+    });
+    RankStatus {
+        rank: r,
+        state: state.into(),
+        pid,
+        heartbeat_age_s,
+        issued: progress.map(|p| p.0),
+        finished: progress.map(|p| p.1),
+        call,
+        gone,
+        waiting_for: Vec::new(),
+    }
 }
 
 /// Fills each waiting rank's `waiting_for` and returns the ranks the job
@@ -357,6 +495,14 @@ pub fn render(job: &JobStatus) -> String {
             r.state,
             r.pid.map_or("-".into(), |p| p.to_string()),
             beat
+        ));
+    }
+    if let Some(from) = job.not_shown_from {
+        out.push_str(&format!(
+            "ranks {from}-{} not shown: none of ranks {from}-{} has written anything to the store (not started yet, \
+             or the store's world entry claims more ranks than there are)\n",
+            job.world_size - 1,
+            (from + RANK_BATCH).min(job.world_size) - 1
         ));
     }
     if job.stuck_on.is_empty() {

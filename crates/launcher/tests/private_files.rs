@@ -102,3 +102,56 @@ fn rank_logs_are_0600_in_0700_folders() {
     }
     let _ = std::fs::remove_dir_all(base);
 }
+
+/// The folder of the run files that `cohort status` reads (under
+/// XDG_RUNTIME_DIR) is a link to a folder of the victim's, or another
+/// user's folder: the launcher writes nothing there and says why, the job
+/// still runs, and `cohort status` refuses the folder.
+#[test]
+fn a_hostile_run_file_folder_is_refused_and_nothing_is_written_there() {
+    let base = temp_dir("hostile-run-files");
+    let runtime = base.join("runtime");
+    let elsewhere = base.join("elsewhere");
+    for dir in [&runtime, &elsewhere] {
+        std::fs::create_dir(dir).unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
+    std::os::unix::fs::symlink(&elsewhere, runtime.join("cohort")).unwrap();
+    let check = |why: &str| {
+        let mut run = cohort_run(&["-n", "1", "--master-port", "0"], &["say", "rank output"]);
+        run.env("XDG_RUNTIME_DIR", &runtime);
+        let out = output_within(run, LIMIT);
+        let (stdout, stderr) = texts(&out);
+        assert_eq!(code(out.status, &out), 0, "{stderr}");
+        assert!(stdout.contains("rank output"), "{stdout}");
+        assert!(
+            stderr.contains("`cohort status` without flags will not find this job") && stderr.contains(why),
+            "{stderr}"
+        );
+        let mut status = std::process::Command::new(COHORT);
+        status.arg("status").env("XDG_RUNTIME_DIR", &runtime);
+        status.env_remove("COHORT_STORE_ADDR").env_remove("COHORT_JOB_SECRET");
+        status
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let out = output_within(status, LIMIT);
+        let (_, stderr) = texts(&out);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("cannot look for jobs of yours") && stderr.contains(why), "{stderr}");
+    };
+    check("symbolic link");
+    assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0, "nothing written through the link");
+    // SAFETY: geteuid(2) has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        std::fs::remove_file(runtime.join("cohort")).unwrap();
+        let theirs = runtime.join("cohort");
+        std::fs::create_dir(&theirs).unwrap();
+        let c = CString::new(theirs.as_os_str().as_bytes()).unwrap();
+        // SAFETY: `c` is NUL-terminated.
+        assert_eq!(unsafe { libc::chown(c.as_ptr(), 65534, 65534) }, 0);
+        check("belongs to user id 65534");
+        assert_eq!(std::fs::read_dir(&theirs).unwrap().count(), 0, "nothing written into another user's folder");
+    }
+    let _ = std::fs::remove_dir_all(base);
+}
