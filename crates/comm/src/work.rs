@@ -118,10 +118,12 @@ fn late<E: Seated + ?Sized>(executor: &E) -> Result<(), WaitEnd> {
     let names = meeting.names(&done);
     // A part whose task has not started has not finished either.
     let queued = meeting.len() - state.arrived;
+    let on = if queued == 1 { "its device" } else { "their devices" };
     Err(WaitEnd::Late(match queued {
         0 => format!("{names} not finished"),
-        _ if queued == unfinished => format!("{names} not finished (not started yet: still queued on the device)"),
-        _ => format!("{names} not finished ({queued} of them not started yet: still queued on the device)"),
+        1 if unfinished == 1 => format!("{names} not finished (not started yet: still queued on its device)"),
+        _ if queued == unfinished => format!("{names} not finished (none started yet: still queued on {on})"),
+        _ => format!("{names} not finished ({queued} of them not started yet: still queued on {on})"),
     }))
 }
 
