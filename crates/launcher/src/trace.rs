@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use cohort_comm::store::StoreServer;
-use cohort_comm::trace::merge_files;
+use cohort_comm::trace::{merge_files, MergeReport};
 use cohort_runtime::config;
 
 use crate::cli::{StoreArgs, TraceArgs};
@@ -95,10 +95,16 @@ pub fn parting(dir: &Path) -> Option<Parting> {
     if !has_dumps(dir) {
         return None;
     }
-    let report = merge_files(&[dir]).ok()?;
+    parting_of(merge_files(&[dir]).ok()?)
+}
+
+/// [`parting`] from the merged `report`.
+fn parting_of(report: MergeReport) -> Option<Parting> {
     let s = report.first_unfinished?;
     let mut absent: Vec<usize> = s.never_arrived.iter().chain(&report.missing_dumps).copied().collect();
-    absent.retain(|r| !s.finished.contains(r) && !s.stuck.contains(r));
+    // A rank outside the collective's group was never awaited there.
+    let member = |r: &usize| s.members.as_ref().is_none_or(|m| m.contains(r));
+    absent.retain(|r| member(r) && !s.finished.contains(r) && !s.stuck.contains(r));
     absent.sort_unstable();
     absent.dedup();
     let collective = cohort_comm::trace::printable(&format!("{} in group {}", s.fingerprint, s.group)).into_owned();
@@ -185,6 +191,53 @@ pub fn store(args: StoreArgs) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cohort_comm::trace::{merge, CollectiveFingerprint, CollectiveRecord, RecordState, RecorderDump};
+
+    /// Rank `rank`'s dump (of 4) inside all-reduce #1 of `group`, whose
+    /// records name `members` (`None`: every rank).
+    fn inside(rank: usize, group: &str, members: Option<Vec<usize>>) -> RecorderDump {
+        let fingerprint = CollectiveFingerprint {
+            seq: 1,
+            kind: "all_reduce".into(),
+            op: Some("sum".into()),
+            dtype: "f32".into(),
+            count: 1024,
+            root: None,
+        };
+        let record = CollectiveRecord {
+            group: group.into(),
+            fingerprint,
+            started_us: 1,
+            ended_us: None,
+            state: RecordState::Started,
+            ranks: members,
+            path: None,
+            id: 0,
+        };
+        let (host, reason) = ("h".into(), "signal".into());
+        RecorderDump {
+            rank,
+            world_size: 4,
+            host,
+            pid: 1,
+            reason,
+            written_us: 2,
+            records: vec![record],
+            startup: vec![],
+        }
+    }
+
+    #[test]
+    fn the_ranks_absent_from_the_collective_the_others_waited_in_are_its_members_only() {
+        // Ranks 0 and 2 wait in a collective of the whole job: 1 and 3 (no dump) never came.
+        let p = parting_of(merge(&[inside(0, "comm1", None), inside(2, "comm1", None)])).unwrap();
+        assert_eq!(p.collective, "#1 all_reduce(sum) 1024 × f32 in group comm1");
+        assert_eq!((p.waiting, p.absent), (vec![0, 2], vec![1, 3]));
+        // In a group of ranks 0-2, rank 3 was never awaited.
+        let group = || Some(vec![0, 1, 2]);
+        let p = parting_of(merge(&[inside(0, "comm1.g", group()), inside(2, "comm1.g", group())])).unwrap();
+        assert_eq!(p.absent, vec![1]);
+    }
 
     #[test]
     fn a_trace_folder_that_cannot_hold_a_dump_says_why() {
