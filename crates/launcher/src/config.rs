@@ -641,6 +641,68 @@ fn count_gpus() -> Result<usize, String> {
 mod tests {
     use super::*;
 
+    /// The configuration `cohort run <line>` makes (one node, no secret
+    /// in the environment needed).
+    fn job(line: &str) -> Result<JobConfig, String> {
+        use clap::Parser;
+        let argv = ["cohort", "run"].into_iter().chain(line.split_whitespace()).map(OsString::from).collect();
+        let argv = torchrun::split_program(argv)?;
+        match crate::cli::Cli::try_parse_from(argv).map_err(|e| e.to_string())?.command {
+            crate::cli::Command::Run(a) => JobConfig::from_args(*a).map_err(|e| e.to_string()),
+            _ => unreachable!("a run line parses as run"),
+        }
+    }
+
+    #[test]
+    fn torchruns_rendezvous_options_place_node_0_and_the_store() {
+        let c = job("--rdzv-endpoint 127.0.0.1:5 --master-port 0 p").unwrap();
+        assert_eq!((c.master_addr.as_str(), c.store_port, c.node_rank), ("127.0.0.1", 5, 0));
+        assert_ne!(c.master_port, 0, "a free port, resolved");
+        // torchrun's c10d on one node: its port 29400, and a free MASTER_PORT.
+        let c = job("--rdzv_backend=c10d --rdzv_endpoint=127.0.0.1 p").unwrap();
+        assert_eq!(c.store_port, 29400);
+        assert!(c.master_port != 0 && c.master_port != 29400);
+        let c = job("--standalone --rdzv_endpoint=10.1.1.1:7 --rdzv_id=mine -n 2 p").unwrap();
+        assert_eq!((c.master_addr.as_str(), c.store_port, c.nproc), ("127.0.0.1", 0, 2));
+        assert_eq!((c.run_id.len(), c.run_id.as_bytes()[14]), (36, b'4'), "{}", c.run_id);
+        let c = job("--local_addr 127.0.0.3 --master-port 0 p").unwrap();
+        assert_eq!(c.master_addr, "127.0.0.3");
+        let c = job("--rdzv-conf last_call_timeout=3,join_timeout=7 p").unwrap();
+        assert_eq!((c.join_timeout, c.last_call), (Duration::from_secs(7), Duration::from_secs(3)));
+
+        let err = |line: &str| job(line).unwrap_err();
+        let e = err("--rdzv-endpoint h:5 --master-addr other p");
+        assert!(e.contains("--rdzv-endpoint says node 0 is h and --master-addr says other"), "{e}");
+        assert!(err("--rdzv-endpoint h:5 --store-port 6 p").contains("port 5 and --store-port 6"));
+        let e = err("--nnodes 2 --node_rank 1 --rdzv-endpoint h:0 p");
+        assert!(e.contains("h:0 (a free port) only works with one node"), "{e}");
+        let e = err("--nnodes 2 --rdzv_backend c10d --rdzv_endpoint h p");
+        assert!(e.contains("needs --node-rank on every node: 0 on the node at --rdzv-endpoint, 1 to 1"), "{e}");
+        let e = err("--rdzv-endpoint 127.0.0.1:5 --store-addr 127.0.0.1:5 p");
+        assert!(e.contains("--store-addr and --rdzv-endpoint both say"), "{e}");
+        assert!(err("--standalone --nnodes 1:2 p").contains("--standalone runs a one-node job"));
+        assert!(err("--last-call 2 --rdzv-conf last_call_timeout=3 p").contains("--last-call and --rdzv-conf"));
+    }
+
+    #[test]
+    fn redirects_and_tee_become_files_console_and_filter() {
+        let sinks = |line: &str| job(line).map(|c| (c.log_dir.is_some(), c.tee, c.filter));
+        let ranks = |r: &[usize]| Some(r.iter().copied().collect::<BTreeSet<_>>());
+        // cohort's own meaning: --log-dir alone is files only; a bare --tee shows them too.
+        assert_eq!(sinks("-n 2 --master-port 0 --log-dir d p"), Ok((true, false, None)));
+        assert_eq!(sinks("-n 2 --master-port 0 --log-dir d --tee p"), Ok((true, true, None)));
+        // torchrun's: per rank.
+        assert_eq!(sinks("-n 2 --master-port 0 --log-dir d -r 0:3 p"), Ok((true, true, ranks(&[1]))));
+        assert_eq!(sinks("-n 2 --master-port 0 --log-dir d -r 3 p"), Ok((true, false, ranks(&[]))));
+        assert_eq!(sinks("-n 2 --master-port 0 --log-dir d -r 0 -t 0 p"), Ok((false, false, None)));
+        let filtered = "-n 3 --master-port 0 --log-dir d --tee 3 --local-ranks-filter 0,2 -r 2:3 p";
+        assert_eq!(sinks(filtered), Ok((true, true, ranks(&[0, 2]))));
+        let e = sinks("-n 2 --master-port 0 -t 1:1 p").unwrap_err();
+        assert!(e.contains("--tee writes the ranks' output to files: add --log-dir DIR"), "{e}");
+        let e = sinks("-n 2 --master-port 0 --log-dir d -r 2:3 p").unwrap_err();
+        assert!(e.contains("--redirects names local rank 2, but this node runs 2 ranks"), "{e}");
+    }
+
     #[test]
     fn secret_rules() {
         assert_eq!(resolve_secret(Some("s".into()), 2).unwrap(), "s");
