@@ -118,7 +118,7 @@ fn live_in(dir: &PrivateDir) -> Vec<Job> {
             _ => remove(dir, pid),
         }
     }
-    jobs.sort_by(|a, b| b.start.cmp(&a.start));
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.start));
     jobs
 }
 

@@ -191,7 +191,13 @@ fn running_job() -> Result<run_file::Job, String> {
             newest.addr
         );
         for job in others {
-            eprintln!("  launcher pid {}: {}", job.pid, run_file::status_line(&job.addr, &job.secret_file));
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            eprintln!(
+                "  launcher pid {} (started {} s ago): {}",
+                job.pid,
+                now.saturating_sub(job.since),
+                run_file::status_line(&job.addr, &job.secret_file)
+            );
         }
     }
     Ok(newest.clone())

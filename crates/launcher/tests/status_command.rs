@@ -291,8 +291,10 @@ fn status_with_no_flags_finds_a_one_node_job() {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    assert_eq!(code, Some(0), "{stderr}");
     assert!(text.contains("2 ranks on 1 node(s)"), "the newest job is shown: {text}\n{stderr}");
-    assert!(stderr.contains(&format!("launcher pid {}: cohort status --store-addr", first.id())), "{stderr}");
+    assert!(stderr.contains(&format!("launcher pid {} (started ", first.id())), "{stderr}");
+    assert!(stderr.contains("s ago): cohort status --store-addr 127.0.0.1:"), "{stderr}");
 
     for job in [second, first] {
         // SAFETY: kill(2) on our own child, a launcher, which stops its ranks.
