@@ -185,6 +185,45 @@ fn a_communicators_timed_wait_tells_a_rank_that_arrived_from_one_that_did_not() 
     }
 }
 
+/// A message's timed wait names the other end: rank 0's receive waits for
+/// rank 1, which has not sent yet.
+#[test]
+fn a_timed_wait_for_a_message_names_the_other_end() {
+    let clients = common::clients(8);
+    let server = StoreServer::bind("127.0.0.1:0", "secret").unwrap();
+    let addr = server.local_addr().to_string();
+    let (timed, timed_out) = mpsc::channel::<String>();
+    let (go, gate) = mpsc::channel::<()>();
+    let mut gates = [None, Some(gate)];
+    let devices = [clients[1].clone(), clients[5].clone()];
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let (addr, client, timed, gate) = (addr.clone(), devices[rank].clone(), timed.clone(), gates[rank].take());
+            thread::spawn(move || {
+                let comm = Communicator::connect(rank, 2, &addr, "secret", vec![client.clone()]).unwrap();
+                let buf = Buffer::from_slice(&client, &[rank as i32 + 7; 3]).unwrap();
+                if let Some(gate) = gate {
+                    // Rank 1 sends once rank 0's timed wait expired.
+                    let _ = gate.recv();
+                    comm.send_recv(1, Some(&buf), 0, None).unwrap().wait().unwrap();
+                    return buf.to_vec().unwrap();
+                }
+                let work = comm.send_recv(1, None, 0, Some(&buf)).unwrap();
+                timed.send(work.wait_timeout(Duration::from_millis(20)).unwrap_err().to_string()).unwrap();
+                work.wait().unwrap();
+                buf.to_vec().unwrap()
+            })
+        })
+        .collect();
+    let text = timed_out.recv().unwrap();
+    go.send(()).unwrap();
+    assert!(text.contains("send_recv on rank 0 has not finished within 20 ms"), "{text}");
+    assert!(text.contains("it waits for rank 1, the other end of send_recv #1"), "{text}");
+    for rank in ranks {
+        assert_eq!(rank.join().unwrap(), [8; 3]);
+    }
+}
+
 #[test]
 fn a_timeout_of_duration_max_means_no_limit_and_overflows_nothing() {
     let clients = common::clients(2);
