@@ -349,9 +349,10 @@ pub struct RunArgs {
     #[arg(long, alias = "local_addr", value_name = "HOST")]
     pub local_addr: Option<String>,
 
-    /// torchrun's worker role (ROLE_NAME); cohort's ranks have the one role
-    /// `default`, so only that is accepted.
-    #[arg(long, default_value = "default")]
+    /// torchrun's worker role, the ranks' ROLE_NAME (default `default`).
+    /// Every rank of a job has this one role, so ROLE_RANK is RANK and
+    /// ROLE_WORLD_SIZE is WORLD_SIZE, as under torchrun with one role.
+    #[arg(long, value_name = "NAME", default_value = "default")]
     pub role: String,
 
     /// torchrun's period for looking at its workers; accepted and unused:

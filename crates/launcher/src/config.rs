@@ -89,12 +89,6 @@ pub enum LaunchError {
         /// Ranks on this node.
         nproc: usize,
     },
-    /// `--role` other than `default`.
-    #[error(
-        "--role {0}: cohort's ranks all have torchrun's default role (ROLE_NAME=default); drop --role or \
-         give --role default"
-    )]
-    RoleUnsupported(String),
     /// A setting given both as cohort's flag and in `--rdzv-conf`.
     #[error("{0} and --rdzv-conf {1} say the same thing: give one")]
     GivenTwice(&'static str, &'static str),
@@ -200,6 +194,8 @@ pub struct JobConfig {
     pub store_port: u16,
     /// TORCHELASTIC_RUN_ID.
     pub run_id: String,
+    /// torchrun's worker role (`--role`), the ranks' ROLE_NAME.
+    pub role: String,
     /// OMP_NUM_THREADS for the ranks, when the launcher sets it.
     pub omp_threads: Option<String>,
     /// The job's secret.
@@ -251,9 +247,6 @@ impl JobConfig {
         };
         if node_rank >= nnodes {
             return Err(LaunchError::BadNodeRank { node_rank, nnodes });
-        }
-        if args.role != "default" {
-            return Err(LaunchError::RoleUnsupported(args.role));
         }
         // Accepted for torchrun's lines, with no use here (see their help).
         let _ = (args.monitor_interval, args.start_method.take());
@@ -367,6 +360,7 @@ impl JobConfig {
             master_port,
             store_port,
             run_id: args.rdzv_id,
+            role: args.role,
             omp_threads,
             trace_dir,
             heartbeat_timeout,
@@ -752,6 +746,7 @@ mod tests {
             master_port: 1,
             store_port: 2,
             run_id: "none".into(),
+            role: "default".into(),
             omp_threads: None,
             secret: "s".into(),
             max_restarts: 0,

@@ -36,7 +36,7 @@ impl RankEnv {
             ("LOCAL_WORLD_SIZE", cfg.nproc.to_string()),
             ("GROUP_RANK", cfg.node_rank.to_string()),
             ("GROUP_WORLD_SIZE", cfg.nnodes.to_string()),
-            ("ROLE_NAME", "default".to_string()),
+            ("ROLE_NAME", cfg.role.clone()),
             ("ROLE_WORLD_SIZE", cfg.world_size().to_string()),
             ("MASTER_ADDR", cfg.master_addr.clone()),
             ("MASTER_PORT", cfg.master_port.to_string()),

@@ -507,6 +507,12 @@ fn torchruns_other_options_are_taken_or_refused_saying_why() {
         "y",
     ]);
     assert_eq!(argv_lines(&stdout), [(1, "y".to_string())], "{stdout}");
+    // --role names every rank's role, as torchrun's one-role jobs do.
+    let stdout = run_ok(&["-n", "2", "--role=trainer", RANK, "env", "argv"]);
+    for e in check_ranks(&stdout, 2, "") {
+        assert_eq!((e["ROLE_NAME"].as_str(), e["ROLE_RANK"].as_str()), ("trainer", e["RANK"].as_str()), "{stdout}");
+        assert_eq!(e["ROLE_WORLD_SIZE"], "2", "{stdout}");
+    }
     // --local_addr is MASTER_ADDR on one node.
     let stdout = run_ok(&["-n", "2", "--local_addr", "127.0.0.2", RANK, "env", "master-store", "argv"]);
     let envs = check_ranks(&stdout, 2, "");
@@ -521,7 +527,6 @@ fn torchruns_other_options_are_taken_or_refused_saying_why() {
     refused(&["--bogus", RANK], 2, "unknown option '--bogus'");
     refused(&["--rdzv_backend=etcd", RANK], 2, "torchrun's etcd rendezvous");
     refused(&["--nproc_per_node=xpu", RANK], 2, "no XPU backend");
-    refused(&["--role", "trainer", RANK], 1, "--role trainer: cohort's ranks all have torchrun's default role");
     refused(&["--standalone", "--nnodes=2", RANK], 1, "--standalone runs a one-node job");
     let mut c = run_line(&["--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:29400", RANK, "argv"]);
     c.env("COHORT_JOB_SECRET", "s");
