@@ -65,8 +65,7 @@ impl<S> Gathering<S> {
 pub(crate) enum WaitEnd {
     /// The meeting failed.
     Failed(ServerError),
-    /// The deadline passed first; the parts not arrived (or, when all
-    /// did, not finished) yet, in words.
+    /// The deadline passed first; the parts not finished, in words.
     Late(String),
 }
 
@@ -381,18 +380,29 @@ impl<S> Meeting<S> {
                     if self.cv.wait_until(&mut state, deadline).timed_out() {
                         let flags: Vec<bool> = (0..self.seats.len()).map(|slot| done(&state, slot)).collect();
                         if state.failure.is_none() && !flags.iter().all(|f| *f) {
-                            // A rank's own devices (no member numbers) wait for
-                            // other ranks inside their part: "running" covers both.
-                            let members = self.seats.iter().all(|s| s.member.is_some());
-                            let words = match members && !state.all_arrived() {
-                                true => format!("{} not arrived yet", self.names(&state.present)),
-                                false => format!("{} still running", self.names(&flags)),
-                            };
-                            return Err(WaitEnd::Late(words));
+                            return Err(WaitEnd::Late(self.unfinished(&state, &flags)));
                         }
                     }
                 }
             }
+        }
+    }
+
+    /// The parts not finished (`done` false), in words. Every part was
+    /// called when the collective was queued (a process queues all its
+    /// parts at once), so none is "not arrived": a part is running, or its
+    /// task is still queued on its device, not started (its device busy
+    /// with earlier work, or not yet at it).
+    fn unfinished(&self, state: &Gathering<S>, done: &[bool]) -> String {
+        let names = self.names(done);
+        let unfinished = done.iter().filter(|d| !**d).count();
+        let queued = self.seats.len() - state.arrived;
+        let on = if queued == 1 { "its device" } else { "their devices" };
+        match queued {
+            0 => format!("{names} not finished"),
+            1 if unfinished == 1 => format!("{names} not finished (not started yet: still queued on its device)"),
+            _ if queued == unfinished => format!("{names} not finished (none started yet: still queued on {on})"),
+            _ => format!("{names} not finished ({queued} of them not started yet: still queued on {on})"),
         }
     }
 

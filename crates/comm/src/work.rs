@@ -86,45 +86,12 @@ impl<E: Seated> Waitable for E {
         }
         let ended = self.meeting().wait_done(deadline, |state, slot| self.part_done(state, slot));
         stages::mark(Stage::WaitEnded);
-        match ended {
-            Err(WaitEnd::Late(_)) => late(self),
-            ended => ended,
-        }
+        ended
     }
 
     fn is_done(&self) -> bool {
         self.meeting().is_done(|state, slot| self.part_done(state, slot))
     }
-}
-
-/// How a wait for `executor`'s parts that passed its deadline ends, looked
-/// at again: `Ok` or the failure where the parts ended or failed since;
-/// otherwise the parts not finished, in words. Every part was called when
-/// the collective was queued (one process queues all its parts at once),
-/// so none is "not arrived": a part is running, or its task is still
-/// queued on its device, not started (its device busy with earlier work,
-/// or not yet at it).
-fn late<E: Seated + ?Sized>(executor: &E) -> Result<(), WaitEnd> {
-    let meeting = executor.meeting();
-    let state = meeting.lock();
-    if let Some(err) = state.failure() {
-        return Err(WaitEnd::Failed(err.clone()));
-    }
-    let done: smallvec::SmallVec<[bool; 8]> = (0..meeting.len()).map(|slot| executor.part_done(&state, slot)).collect();
-    let unfinished = done.iter().filter(|d| !**d).count();
-    if unfinished == 0 {
-        return Ok(());
-    }
-    let names = meeting.names(&done);
-    // A part whose task has not started has not finished either.
-    let queued = meeting.len() - state.arrived;
-    let on = if queued == 1 { "its device" } else { "their devices" };
-    Err(WaitEnd::Late(match queued {
-        0 => format!("{names} not finished"),
-        1 if unfinished == 1 => format!("{names} not finished (not started yet: still queued on its device)"),
-        _ if queued == unfinished => format!("{names} not finished (none started yet: still queued on {on})"),
-        _ => format!("{names} not finished ({queued} of them not started yet: still queued on {on})"),
-    }))
 }
 
 impl Waitable for crate::device::Solo {

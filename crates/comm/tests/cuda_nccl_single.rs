@@ -397,7 +397,7 @@ fn waited_sums(group: &ClientGroup, device: &Client, rounds: u32) {
 }
 
 /// A one-device collective held up behind its device's work: a bounded
-/// wait ends at its bound naming the member still running, the collective
+/// wait ends at its bound naming the member not finished, the collective
 /// goes on and a later wait sees it end; its flight record stays open until
 /// then and ends completed, on the NCCL path.
 #[test]
@@ -431,7 +431,7 @@ fn a_bounded_wait_on_a_held_up_collective_names_its_member_and_a_later_wait_ends
     let err = work.wait_timeout(Duration::from_millis(300)).unwrap_err().to_string();
     let waited = started.elapsed();
     assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(5), "waited {waited:?}");
-    let member = format!("member 0 ({}) still running", device.device_id());
+    let member = format!("member 0 ({}) not finished", device.device_id());
     assert!(err.contains("all_reduce has not finished within 300 ms") && err.contains(&member), "{err}");
     assert!(!work.is_done());
     assert_eq!(record_of(seq).state, RecordState::Started, "the record ends with the collective");

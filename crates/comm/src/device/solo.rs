@@ -189,7 +189,7 @@ impl Solo {
     /// from this thread for the spin window, then sleeps until the device
     /// thread ends it.
     pub(crate) fn wait_until(&self, deadline: Option<Instant>) -> Result<(), WaitEnd> {
-        let running = || format!("member {} ({}) still running", self.member, self.client.device_id());
+        let running = || format!("member {} ({}) not finished", self.member, self.client.device_id());
         self.end.wait_until(&self.client, deadline, running)
     }
 
