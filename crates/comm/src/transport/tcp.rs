@@ -377,10 +377,11 @@ impl Link for LazyTcpLink {
 mod tests {
     use super::*;
 
-    /// Drives `send` into `to` and `from` until `want` bytes arrived, or
-    /// panics after 10 s.
+    /// Sends `data` from `from` to `to` until all of it arrived, or panics
+    /// after 60 s (a guard against a hang, not a speed check: a test that
+    /// cares how soon bounds it itself).
     fn pass(from: &mut LazyTcpLink, to: &mut LazyTcpLink, data: &[u8]) -> Vec<u8> {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + Duration::from_secs(60);
         let (mut sent, mut got) = (0, Vec::new());
         while got.len() < data.len() {
             assert!(Instant::now() < deadline, "sent {sent}, got {} of {} bytes", got.len(), data.len());
@@ -429,8 +430,12 @@ mod tests {
     /// that send nothing, the right length of garbage, a wrong token
     /// claiming an expected rank, one claiming a rank out of range, a flood
     /// of bytes, and a thousand connections at once. The real higher rank's
-    /// link still comes up at once (not after each stranger's 10 s), and once
-    /// every expected rank is filed the port is closed.
+    /// link comes up before a single stranger's hello wait (`HELLO_WAIT`,
+    /// 10 s) could have run out, so no stranger held it up, and once every
+    /// expected rank is filed the port is closed. The order is what is
+    /// checked, not the speed: it takes milliseconds, but a connection
+    /// attempt the kernel drops while the crowd fills the listen queue is
+    /// sent again only after a second, and a loaded machine adds more.
     #[test]
     fn strangers_on_the_link_port_do_not_hold_up_the_real_ranks() {
         let token = [9u8; TOKEN_LEN];
@@ -470,7 +475,7 @@ mod tests {
         let started = Instant::now();
         let mut higher = LazyTcpLink::dial(3, 0, token, move || Ok(Some(addr.to_string())));
         assert_eq!(pass(&mut higher, &mut lower, b"from rank 3"), b"from rank 3");
-        assert!(started.elapsed() < Duration::from_secs(3), "the link took {:?}", started.elapsed());
+        assert!(started.elapsed() < HELLO_WAIT, "the link took {:?}: it waited for a stranger", started.elapsed());
         crowd_stop.store(true, Ordering::SeqCst);
         assert!(crowd.join().unwrap() > 0);
         assert_eq!(pass(&mut lower, &mut higher, b"from rank 0"), b"from rank 0");
