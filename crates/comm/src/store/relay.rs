@@ -502,7 +502,7 @@ const MAX_IN_FLIGHT: usize = 64;
 /// The body of the whole frame at the head of `input`, if it is all here
 /// (and not over the limit).
 fn head_frame(input: &[u8]) -> Option<&[u8]> {
-    let end = frame_end(input);
+    let end = frame_end(input, MAX_RELAYED_FRAME);
     (end > 0 && input.len() >= end).then(|| &input[4..end])
 }
 
@@ -753,7 +753,7 @@ impl Relay {
             loop {
                 let limit = match exiting {
                     true => l.input.len() + READ_TURN,
-                    false => READ_TURN.max(frame_end(&l.input)),
+                    false => READ_TURN.max(frame_end(&l.input, MAX_RELAYED_FRAME)),
                 };
                 match read_some(&mut l.stream, &mut l.input, &mut self.scratch, limit) {
                     Ok(Some(more)) => {
@@ -800,6 +800,7 @@ impl Relay {
             at += 4 + len;
         }
         l.input.drain(..at);
+        release_if_large(&mut l.input);
         if let Some(len) = too_large {
             tracing::debug!(session, len, sent, "store relay: a rank's frame is over the limit; refusing it");
             l.refusal =
@@ -844,13 +845,32 @@ impl Relay {
         );
     }
 
-    /// Reads what the store sent and passes each answer to its rank. An
-    /// error says why the connection is lost.
+    /// Reads what the store sent and passes each answer to its rank, a
+    /// turn's worth (or the rest of one frame, when larger) at a time: the
+    /// relay holds at most one answer in the making, whatever the store has
+    /// sent (the answers of a rank that left, dropped, arrive as fast as
+    /// the store writes them). An error says why the connection is lost.
     fn read_upstream(&mut self) -> std::result::Result<(), String> {
+        loop {
+            let Some(up) = &mut self.upstream else { return Ok(()) };
+            let limit = READ_TURN.max(frame_end(&up.input, MAX_FRAME + SESSION_OVERHEAD));
+            let more = read_some(&mut up.stream, &mut up.input, &mut self.scratch, limit)
+                .map_err(|e| format!("lost the connection to the rendezvous store at {}: {e}", self.addr))?;
+            self.pass_answers()?;
+            match more {
+                Some(true) => {}
+                Some(false) => return Ok(()),
+                None => {
+                    return Err(format!("the rendezvous store at {} closed the store relay's connection", self.addr))
+                }
+            }
+        }
+    }
+
+    /// Passes each whole answer the store's connection has read to its
+    /// rank. An error says why the connection is lost.
+    fn pass_answers(&mut self) -> std::result::Result<(), String> {
         let Some(up) = &mut self.upstream else { return Ok(()) };
-        let open = read_some(&mut up.stream, &mut up.input, &mut self.scratch, usize::MAX)
-            .map_err(|e| format!("lost the connection to the rendezvous store at {}: {e}", self.addr))?
-            .is_some();
         let mut at = 0;
         let mut failure = None;
         while up.input.len() - at >= 4 {
@@ -887,13 +907,7 @@ impl Relay {
         }
         up.input.drain(..at);
         release_if_large(&mut up.input);
-        if let Some(why) = failure {
-            return Err(why);
-        }
-        if !open {
-            return Err(format!("the rendezvous store at {} closed the store relay's connection", self.addr));
-        }
-        Ok(())
+        failure.map_or(Ok(()), Err)
     }
 
     /// The store's connection is lost: tells every rank why (the answer to
@@ -924,13 +938,13 @@ impl Relay {
 }
 
 /// Where the frame at the head of `input` ends (0 while its length is not
-/// all here, or is over the limit).
-fn frame_end(input: &[u8]) -> usize {
+/// all here, or is over `max`).
+fn frame_end(input: &[u8], max: usize) -> usize {
     if input.len() < 4 {
         return 0;
     }
     let len = u32::from_le_bytes(input[..4].try_into().expect("4 bytes")) as usize;
-    if len > MAX_RELAYED_FRAME {
+    if len > max {
         0
     } else {
         4 + len
