@@ -12,7 +12,7 @@
 mod common;
 
 use std::ffi::CString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -112,6 +112,8 @@ struct Stopped {
     id: String,
     /// The files that exist.
     files: Vec<String>,
+    /// The folder of the ranks' pid files.
+    pid_dir: PathBuf,
 }
 
 impl Stopped {
@@ -152,11 +154,12 @@ fn job_stopped_with_files() -> Stopped {
         }
         let files = files_of(&id);
         if seen && !files.is_empty() {
-            return Stopped { launcher: child, ranks, id, files };
+            return Stopped { launcher: child, ranks, id, files, pid_dir: pids };
         }
         // Too late: every rank had unlinked its file. Again.
         signal(&child, libc::SIGKILL);
         let _ = wait_output(child, Duration::from_secs(60));
+        let _ = std::fs::remove_dir_all(pids);
     }
     panic!("in {TRIES} jobs, the launcher never stopped while its ranks' shared-memory files existed");
 }
@@ -184,6 +187,7 @@ fn a_launcher_killed_during_set_up_leaves_no_shared_memory() {
     assert!(left.is_empty(), "ranks left alive: {left:?}");
     let left = wait_files_gone(&job.id, Duration::from_secs(30));
     assert!(left.is_empty(), "the killed job's files {left:?} are left in /dev/shm (it had {:?})", job.files);
+    let _ = std::fs::remove_dir_all(job.pid_dir);
 }
 
 #[test]
@@ -205,4 +209,5 @@ fn a_live_job_s_shared_memory_survives_another_launcher_s_sweeps() {
     let (stdout, stderr) = texts(&out);
     assert!(out.status.success(), "the job failed after the sweeps:\n{stdout}\n{stderr}");
     assert!(wait_files_gone(&job.id, Duration::from_secs(30)).is_empty());
+    let _ = std::fs::remove_dir_all(job.pid_dir);
 }
