@@ -44,7 +44,7 @@ fn run_job(args: RunArgs) -> Result<u8, LaunchError> {
     // folder only when a rank writes a dump, so a job that writes none leaves
     // no empty folder behind.
     if let Some(dir) = &cfg.log_dir {
-        PrivateDir::open_or_create(dir).map_err(|e| LaunchError::LogDir { path: dir.clone(), source: e.into() })?;
+        crate::output::open_log_dir(dir).map_err(|e| LaunchError::LogDir { path: dir.clone(), source: e.into() })?;
     }
     if std::fs::symlink_metadata(&cfg.trace_dir).is_ok() {
         PrivateDir::open(&cfg.trace_dir)

@@ -720,7 +720,7 @@ fn a_link_in_the_middle_of_the_log_path_is_refused_naming_it() {
     let (_, stderr) = texts(&out);
     assert_eq!(code(out.status, &out), 1, "{stderr}");
     assert!(stderr.contains(&format!("{} is a symbolic link", dir.join("link").display())), "{stderr}");
-    assert!(!real.join("logs/attempt_0").exists(), "a rank's log was written through the link");
+    assert!(!real.join("logs").exists(), "the log folder was made through the link");
     let _ = std::fs::remove_dir_all(dir);
 }
 
