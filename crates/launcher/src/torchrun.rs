@@ -90,6 +90,25 @@ pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
         } else {
             rest.next()
         };
+        // argparse's reading of a value that starts with '-': a negative
+        // number is the value (written `--opt=-1`, so that clap hands it to
+        // the option's parser), anything else is an option, so the value
+        // is missing.
+        let value = match value {
+            Some(v) if v.to_str().is_some_and(|v| v.len() > 1 && v.starts_with('-')) && opt.get_id() != "module" => {
+                let v = v.to_string_lossy();
+                if v.parse::<f64>().is_err() {
+                    return Err(format!(
+                        "{name} needs a value, but '{v}' follows it (an option); a value that starts with '-' is \
+                         written {name}={v}"
+                    ));
+                }
+                out.pop();
+                out.push(format!("{name}={v}").into());
+                None
+            }
+            v => v,
+        };
         if opt.get_id() == "module" {
             let module = value.as_ref().map(|v| v.to_string_lossy().into_owned());
             if module.is_none() && !inline || module.is_some_and(|m| m.starts_with('-')) {
@@ -258,8 +277,12 @@ impl FromStr for Endpoint {
                 "" => (host, None),
                 _ => (host, Some(after.strip_prefix(':').ok_or(format!("'{s}' is not [HOST]:PORT"))?)),
             }
-        } else if s.parse::<std::net::Ipv6Addr>().is_ok() {
-            (s, None)
+        } else if s.matches(':').count() > 1 {
+            // `::1:8080` is an IPv6 address, and so is `::1` with port
+            // 8080: refused rather than guessed.
+            return Err(format!(
+                "'{s}' looks like an IPv6 address: write it in brackets, [HOST] or [HOST]:PORT (e.g. [::1]:29400)"
+            ));
         } else {
             match s.rsplit_once(':') {
                 Some((host, port)) => (host, Some(port)),
@@ -389,6 +412,34 @@ mod tests {
         assert_eq!((a.heartbeat_timeout, a.timeout, program(&a).as_str()), (0.0, Some(2.0), "p"));
         let err = parse("cohort run --timeout -1 p").unwrap_err();
         assert!(err.contains("invalid value '-1' for '--timeout"), "{err}");
+    }
+
+    /// An option's value that starts with '-' is read as argparse reads
+    /// it: a negative number is the value (and its parser judges it), any
+    /// other is an option, so the value is missing. clap's own answer was a
+    /// tip to write `-- -1`, which would have made `-1` the program.
+    #[test]
+    fn a_value_that_starts_with_a_dash_is_judged_or_named_as_missing() {
+        let err = parse("cohort run --nproc_per_node -1 p").unwrap_err();
+        assert!(err.contains("invalid value '-1' for '--nproc-per-node"), "{err}");
+        assert!(!err.contains("tip"), "{err}");
+        let err = parse("cohort run -n -2 p").unwrap_err();
+        assert!(err.contains("invalid value '-2' for '--nproc-per-node"), "{err}");
+        for (line, name, next) in [
+            ("cohort run --rdzv_id --bogus p", "--rdzv_id", "--bogus"),
+            ("cohort run --rdzv_id --standalone p", "--rdzv_id", "--standalone"),
+            ("cohort run -r -n 2 p", "-r", "-n"),
+            ("cohort run --log-dir -x p", "--log-dir", "-x"),
+        ] {
+            let err = parse(line).unwrap_err();
+            assert!(
+                err.contains(&format!("{name} needs a value, but '{next}' follows it"))
+                    && err.contains(&format!("{name}=")),
+                "{line}: {err}"
+            );
+        }
+        // Written with '=', a value may start with '-'.
+        assert_eq!(parse("cohort run --rdzv_id=-x p").unwrap().rdzv_id, "-x");
     }
 
     #[test]
@@ -549,7 +600,13 @@ mod tests {
         assert_eq!(e("localhost:0"), Ok(("localhost".into(), 0)));
         assert_eq!(e("[::1]:5"), Ok(("::1".into(), 5)));
         assert_eq!(e("[::1]"), Ok(("::1".into(), 29400)));
-        assert_eq!(e("fe80::1"), Ok(("fe80::1".into(), 29400)));
+        assert_eq!(e("[fe80::1]:8080"), Ok(("fe80::1".into(), 8080)));
+        // Without brackets an IPv6 address and a port cannot be told apart
+        // (`::1:8080` is an address; torchrun reads it as ::1, port 8080).
+        for bare in ["fe80::1", "::1:8080", "::1:29400", "::"] {
+            let err = e(bare).unwrap_err();
+            assert!(err.contains("in brackets") && err.contains("[::1]:29400"), "{bare}: {err}");
+        }
         assert!(e("h:99999").unwrap_err().contains("'99999' in 'h:99999' is not a port number"));
         assert!(e(":29400").unwrap_err().contains("names no host"));
         assert!(e("[::1").unwrap_err().contains("no closing ']'"));
