@@ -229,6 +229,6 @@ fn strangers_on_the_link_ports_do_not_disturb_a_tcp_job() {
         assert!(out.status.success(), "rank {rank}: {stdout}\n{stderr}");
         assert!(stdout.contains(&format!("rank {rank}: all_reduce over tcp correct")), "{stdout}\n{stderr}");
     }
-    assert!(started.elapsed() < Duration::from_secs(15), "the all-reduce took {:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(30), "the all-reduce took {:?}", started.elapsed());
     drop(strangers);
 }

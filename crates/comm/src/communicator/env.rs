@@ -298,7 +298,7 @@ mod tests {
             let start = Instant::now();
             let err = check_resolves_within(host, 29500, grace).unwrap_err().to_string();
             assert!(err.contains(&format!("={host:?} names no host")), "{host}: {err}");
-            assert!(start.elapsed() < Duration::from_secs(5), "{host}: looked up for {:?}", start.elapsed());
+            assert!(start.elapsed() < Duration::from_secs(30), "{host}: looked up for {:?}", start.elapsed());
         }
     }
 
