@@ -72,8 +72,69 @@ impl Drop for Writing<'_> {
 /// apart: across two pipes, read by two threads, the order the lines arrive
 /// in is not the order the rank wrote them, so one merged list could push a
 /// stream's last lines out (a rank's final error after a burst of stdout).
+/// A line is kept as a terminal would show it: a line longer than
+/// [`TAIL_LINE_MAX`] (read in pieces) keeps its end, and a line rewritten
+/// with `\r` (a progress bar) its last text.
 #[derive(Clone, Default)]
-pub struct Tail(Arc<Mutex<LastLines>>);
+pub struct Tail(Arc<Mutex<Kept>>);
+
+/// What a [`Tail`] holds.
+#[derive(Default)]
+struct Kept {
+    /// The lines, printable.
+    lines: LastLines,
+    /// Each stream's line being read (its last line, until its `\n`).
+    open: [OpenLine; 2],
+}
+
+/// The end of a stream's unfinished line, as raw bytes.
+#[derive(Default)]
+struct OpenLine {
+    /// Whether the stream's last kept line is this one (no `\n` yet).
+    open: bool,
+    /// Its last [`TAIL_LINE_MAX`] bytes since its last `\r`.
+    bytes: Vec<u8>,
+    /// Whether bytes before those were dropped.
+    cut: bool,
+    /// A `\r` came last: the next text starts the line over.
+    restart: bool,
+}
+
+impl OpenLine {
+    /// Adds a piece of the line (no `\n` in it).
+    fn add(&mut self, piece: &[u8]) {
+        for (i, text) in piece.split(|&b| b == b'\r').enumerate() {
+            self.restart |= i > 0;
+            if text.is_empty() {
+                continue;
+            }
+            if std::mem::take(&mut self.restart) {
+                self.bytes.clear();
+                self.cut = false;
+            }
+            self.bytes.extend_from_slice(text);
+            if self.bytes.len() > TAIL_LINE_MAX {
+                let mut start = self.bytes.len() - TAIL_LINE_MAX;
+                // Not in the middle of a character.
+                while self.bytes.get(start).is_some_and(|b| b & 0xc0 == 0x80) {
+                    start += 1;
+                }
+                self.bytes.drain(..start);
+                self.cut = true;
+            }
+        }
+    }
+
+    /// The line as the summary shows it.
+    fn text(&self) -> String {
+        let text = printable(&String::from_utf8_lossy(&self.bytes)).into_owned();
+        if self.cut {
+            format!("…{text}")
+        } else {
+            text
+        }
+    }
+}
 
 /// A rank's last lines, stream by stream, oldest first.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -92,25 +153,37 @@ impl LastLines {
 }
 
 impl Tail {
-    fn push(&self, stream: Stream, line: &[u8]) {
-        let line = line.strip_suffix(b"\n").unwrap_or(line);
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let cut = &line[..line.len().min(TAIL_LINE_MAX)];
-        let line = printable(&String::from_utf8_lossy(cut)).into_owned();
-        let mut kept = self.0.lock();
-        let q = match stream {
-            Stream::Stdout => &mut kept.stdout,
-            Stream::Stderr => &mut kept.stderr,
+    /// Adds a piece that [`read_piece`] read: a whole line, or a part of a
+    /// longer one (no `\n` at its end).
+    fn push(&self, stream: Stream, piece: &[u8]) {
+        let (body, ends) = match piece.strip_suffix(b"\n") {
+            Some(body) => (body, true),
+            None => (piece, false),
         };
-        if q.len() == TAIL_LINES {
-            q.pop_front();
+        let mut kept = self.0.lock();
+        let Kept { lines, open } = &mut *kept;
+        let (q, line) = match stream {
+            Stream::Stdout => (&mut lines.stdout, &mut open[0]),
+            Stream::Stderr => (&mut lines.stderr, &mut open[1]),
+        };
+        if !line.open {
+            *line = OpenLine { open: true, ..OpenLine::default() };
+            if q.len() == TAIL_LINES {
+                q.pop_front();
+            }
+            q.push_back(String::new());
         }
-        q.push_back(line);
+        line.add(body);
+        if let Some(last) = q.back_mut() {
+            *last = line.text();
+        }
+        // `\r\n` ends a line, and starts no new one.
+        line.open = !ends;
     }
 
     /// The lines kept.
     pub fn lines(&self) -> LastLines {
-        self.0.lock().clone()
+        self.0.lock().lines.clone()
     }
 }
 
@@ -314,6 +387,37 @@ mod tests {
         assert_eq!(lines.stderr, ["the error"]);
     }
 
+    /// A line longer than a piece is one line in the tail, its end kept
+    /// (the nearer the rank's end) and its cut start marked; a line the
+    /// rank rewrote with '\r' (a progress bar) shows as a terminal shows
+    /// it, its last text. Before, each 64 KiB piece was a line of its own
+    /// holding its first 4 KiB: "last 5 lines" for one line, 20 KB of it,
+    /// and a progress bar's state of 64 KiB before the end.
+    #[test]
+    fn a_long_or_rewritten_line_is_one_line_of_the_tail_as_a_terminal_shows_it() {
+        let (copy, sinks) = copier(false, None);
+        let mut big = vec![b'x'; 5 * LINE_MAX];
+        big.extend_from_slice("the end ✓".as_bytes());
+        copy.run(&big[..], None, &mut Vec::new());
+        let stdout = sinks.tail.lines().stdout;
+        assert_eq!(stdout.len(), 1, "one line");
+        assert!(stdout[0].starts_with('…') && stdout[0].ends_with("xxthe end ✓"), "{}", &stdout[0][..20]);
+        assert!(stdout[0].len() <= TAIL_LINE_MAX + '…'.len_utf8(), "{}", stdout[0].len());
+
+        let (copy, sinks) = copier(false, None);
+        let mut bar: Vec<u8> = b"epoch 1\n".to_vec();
+        for i in 0..=5000 {
+            bar.extend_from_slice(format!("\r{i:5}/5000 [=====>    ]").as_bytes());
+        }
+        bar.extend_from_slice(b"\r");
+        copy.run(&bar[..], None, &mut Vec::new());
+        assert_eq!(sinks.tail.lines().stdout, ["epoch 1", " 5000/5000 [=====>    ]"]);
+
+        let (copy, sinks) = copier(false, None);
+        copy.run(&b"crlf\r\nold\rnew\nkept\r\n"[..], None, &mut Vec::new());
+        assert_eq!(sinks.tail.lines().stdout, ["crlf", "new", "kept"]);
+    }
+
     fn copier(console: bool, log_dir: Option<PathBuf>) -> (Copy, Sinks) {
         let sinks = Sinks {
             prefix: Arc::from(&b"[rank 0]: "[..]),
@@ -360,7 +464,7 @@ mod tests {
         assert_eq!(sizes, [LINE_MAX, LINE_MAX, LINE_MAX, LINE_MAX, LINE_MAX, 10]);
         let (copy, sinks) = copier(false, None);
         copy.run(&big[..], None, &mut Vec::new());
-        assert!(sinks.tail.lines().stdout.iter().all(|l| l.len() <= TAIL_LINE_MAX));
+        assert!(sinks.tail.lines().stdout.iter().all(|l| l.len() <= TAIL_LINE_MAX + '…'.len_utf8()));
     }
 
     #[test]

@@ -140,7 +140,8 @@ pub struct Parting {
 impl Failure {
     /// The multi-line summary printed when the job fails.
     pub fn summary(&self) -> String {
-        let (first, others) = if self.world_size > 1 { (" first", "; the other ranks were stopped") } else { ("", "") };
+        let first = if self.world_size > 1 { " first" } else { "" };
+        let others = if self.others_ran() { "; the other ranks were stopped" } else { "" };
         let how = format!(
             "it {} after {:.2} s (local rank {} on node {}, pid {}){others}",
             self.ending,
@@ -165,6 +166,12 @@ impl Failure {
         };
         s.push_str(&self.last_lines());
         s
+    }
+
+    /// Whether another rank still ran when this one failed (one of another
+    /// node, or of this node that had not exited with code 0 before).
+    fn others_ran(&self) -> bool {
+        self.world_size > 1 + self.left_early.len()
     }
 
     /// The ranks that left early and never came to the collective the
@@ -234,7 +241,7 @@ impl Failure {
     /// The summary when this rank stopped heartbeating for `silent` and
     /// was killed.
     pub fn unresponsive_summary(&self, silent: Duration) -> String {
-        let others = if self.world_size > 1 { " and the other ranks were stopped" } else { "" };
+        let others = if self.others_ran() { " and the other ranks were stopped" } else { "" };
         let mut s = format!(
             "rank {} stopped answering: no heartbeat for {:.1} s after {:.2} s (local rank {} on node {}, pid {}: \
              stopped with SIGSTOP, frozen in a debugger, or hung in the kernel?); it was killed{others}; \
@@ -387,5 +394,12 @@ mod tests {
         assert!(!f.unresponsive_summary(Duration::from_secs(3)).contains("other ranks"));
         f.world_size = 2;
         assert!(f.summary().contains("rank 0 failed first") && f.summary().contains("the other ranks were stopped"));
+        // The other rank had exited with code 0: none was left to stop.
+        f.left_early = vec![EarlyExit { rank: 1, local_rank: 1, pid: 2, after: Duration::from_millis(5) }];
+        let s = f.summary();
+        assert!(s.contains("before that, with code 0, exited: rank 1") && !s.contains("other ranks"), "{s}");
+        assert!(!f.unresponsive_summary(Duration::from_secs(3)).contains("other ranks"));
+        f.world_size = 3;
+        assert!(f.summary().contains("the other ranks were stopped"));
     }
 }
