@@ -321,7 +321,7 @@ pub struct RunArgs {
     pub rdzv_backend: Option<RdzvBackend>,
 
     /// Where the rendezvous store lives, as torchrun's: node 0's HOST[:PORT]
-    /// (port default 29400). It is MASTER_ADDR too, and cohort's store
+    /// (port default 29400; an IPv6 address in brackets, [::1]:29400). It is MASTER_ADDR too, and cohort's store
     /// listens on PORT there.
     #[arg(long, alias = "rdzv_endpoint", value_name = "HOST[:PORT]")]
     pub rdzv_endpoint: Option<Endpoint>,
@@ -367,7 +367,8 @@ pub struct RunArgs {
 
     /// Run a Python module: `cohort run -n 2 -m pkg.train --lr 1` runs
     /// `python3 -u -m pkg.train --lr 1` as every rank, as torchrun's -m.
-    /// What follows MODULE is the module's.
+    /// What follows MODULE is the module's. As torchrun's flag, `-m` may
+    /// come before cohort's other options: `-m -n 2 pkg.train`.
     #[arg(short = 'm', long, value_name = "MODULE")]
     pub module: Option<String>,
 

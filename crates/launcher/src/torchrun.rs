@@ -45,14 +45,18 @@ const TORCHRUN_ONLY: &[(&[&str], &str)] = &[
 /// a `cohort run` starts, as torchrun reads its line: the first argument
 /// that is not an option or an option's value is the program, and
 /// everything after it is the program's (its own flags included); after
-/// `-m MODULE` everything is the module's. A `--` already there is kept.
-/// Other subcommands' lines are returned as they are.
+/// `-m MODULE` everything is the module's, and `-m` followed by options is
+/// torchrun's flag: the program is the module. A `--` already there is
+/// kept. Other subcommands' lines are returned as they are.
 ///
 /// An option `cohort run` does not know is an error naming it (and, for
 /// torchrun's options cohort lacks, what it does under torchrun). Which
 /// options take a value comes from the parser's own definition; `--tee`
 /// takes one only when the next argument is a `--tee` value (`0`-`3` or
 /// `RANK:N,...`): a bare `--tee` is cohort's older spelling of `--tee 3`.
+/// A value that starts with '-' is read as torchrun's argparse reads it: a
+/// negative number is a value, anything else an option (the value is
+/// missing).
 pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
     if argv.get(1).is_none_or(|a| a != "run") {
         return Ok(argv);
@@ -62,15 +66,22 @@ pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
     let run = cli.find_subcommand("run").expect("`cohort run` is a subcommand");
     let mut out: Vec<OsString> = argv[..2].to_vec();
     let mut rest = argv.into_iter().skip(2).peekable();
+    // torchrun's `-m` is a flag: the program it names is the module. The
+    // `-m` seen with options after it, waiting for the program.
+    let mut module_flag: Option<String> = None;
     while let Some(arg) = rest.next() {
         let text = arg.to_string_lossy().into_owned();
-        if text == "--" {
-            out.push(arg);
-            break;
-        }
-        if !text.starts_with('-') || text == "-" {
-            out.push("--".into());
-            out.push(arg);
+        if text == "--" || !text.starts_with('-') || text == "-" {
+            let program = (text != "--").then_some(arg);
+            match module_flag.take() {
+                Some(flag) => {
+                    let module = program.or_else(|| rest.next()).ok_or_else(|| needs_module(&flag, None))?;
+                    let mut opt = OsString::from("--module=");
+                    opt.push(module);
+                    out.extend([opt, "--".into()]);
+                }
+                None => out.extend(std::iter::once("--".into()).chain(program)),
+            }
             break;
         }
         let (name, inline) = match text.strip_prefix("--") {
@@ -80,7 +91,33 @@ pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
             },
             None => (text[..text.char_indices().nth(2).map_or(text.len(), |(i, _)| i)].to_string(), text.len() > 2),
         };
-        let Some(opt) = find_option(run, &name) else { return Err(unknown_option(&name)) };
+        let Some(opt) = find_option(run, &name) else {
+            return Err(match &module_flag {
+                Some(flag) => needs_module(flag, Some(&name)),
+                None => unknown_option(&name),
+            });
+        };
+        if opt.get_id() == "module" {
+            // `-m MODULE` (or `--module=MODULE`, `-mMODULE`): what follows
+            // is the module's, and a `--` right after it (cohort's older
+            // spelling) only separates. `-m` followed by an option:
+            // torchrun's flag, the module comes as the program.
+            let module = match inline {
+                true => None,
+                false => match rest.next_if(|next| !next.to_string_lossy().starts_with('-')) {
+                    Some(module) => Some(module),
+                    None => {
+                        module_flag = Some(name);
+                        continue;
+                    }
+                },
+            };
+            out.push(arg);
+            out.extend(module);
+            out.push("--".into());
+            rest.next_if(|a| a == "--");
+            break;
+        }
         out.push(arg);
         let takes = opt.get_num_args().unwrap_or_default();
         let value = if inline || !opt.get_action().takes_values() {
@@ -95,7 +132,7 @@ pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
         // the option's parser), anything else is an option, so the value
         // is missing.
         let value = match value {
-            Some(v) if v.to_str().is_some_and(|v| v.len() > 1 && v.starts_with('-')) && opt.get_id() != "module" => {
+            Some(v) if v.to_str().is_some_and(|v| v.len() > 1 && v.starts_with('-')) => {
                 let v = v.to_string_lossy();
                 if v.parse::<f64>().is_err() {
                     return Err(format!(
@@ -109,25 +146,23 @@ pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
             }
             v => v,
         };
-        if opt.get_id() == "module" {
-            let module = value.as_ref().map(|v| v.to_string_lossy().into_owned());
-            if module.is_none() && !inline || module.is_some_and(|m| m.starts_with('-')) {
-                return Err(format!(
-                    "{name} needs the module's name right after it, e.g. `cohort run -n 2 -m pkg.train --lr 1` \
-                     (cohort's options go before {name}; what follows the module is its own)"
-                ));
-            }
-            out.extend(value);
-            // What follows the module is the module's; a `--` right after
-            // it (cohort's older spelling) only separates.
-            out.push("--".into());
-            rest.next_if(|a| a == "--");
-            break;
-        }
         out.extend(value);
+    }
+    if let Some(flag) = module_flag {
+        return Err(needs_module(&flag, None));
     }
     out.extend(rest);
     Ok(out)
+}
+
+/// The error for `-m` that no module's name follows (`option`: the option
+/// of no use to `cohort run` met instead).
+fn needs_module(flag: &str, option: Option<&str>) -> String {
+    let met = option.map_or(String::new(), |o| format!(", and '{o}' is not an option of `cohort run`"));
+    format!(
+        "{flag} needs the module's name: the first argument after cohort's options, e.g. `cohort run -n 2 -m \
+         pkg.train --lr 1` (what follows the module is its own){met}"
+    )
 }
 
 /// The option of `run` spelled `name` (`--long`, an alias, or `-s`).
@@ -454,10 +489,25 @@ mod tests {
         }
         let a = parse("cohort run -m pkg.train").unwrap();
         assert!(a.program.is_empty());
-        for line in ["cohort run -m", "cohort run -m --lr 1"] {
-            let err = parse(line).unwrap_err();
-            assert!(err.contains("-m needs the module's name right after it"), "{line}: {err}");
+        // torchrun's -m is a flag: the program it names is the module, and
+        // options may come between.
+        for line in [
+            "cohort run -m --nproc_per_node 2 pkg.train --lr 1 -n 3",
+            "cohort run --module -n 2 pkg.train --lr 1 -n 3",
+            "cohort run -m -n 2 -- pkg.train --lr 1 -n 3",
+        ] {
+            let a = parse(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+            assert_eq!(a.nproc_per_node, Nproc::Count(2), "{line}");
+            assert_eq!((a.module.as_deref(), program(&a).as_str()), (Some("pkg.train"), "--lr 1 -n 3"), "{line}");
         }
+        for line in ["cohort run -m", "cohort run -m --", "cohort run -m -n 2", "cohort run -m --lr 1"] {
+            let err = parse(line).unwrap_err();
+            assert!(
+                err.contains("-m needs the module's name: the first argument after cohort's options"),
+                "{line}: {err}"
+            );
+        }
+        assert!(parse("cohort run -m --lr 1").unwrap_err().contains("'--lr' is not an option of `cohort run`"));
     }
 
     #[test]

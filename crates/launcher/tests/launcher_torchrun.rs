@@ -380,6 +380,8 @@ fn python_modules_and_scripts_run_as_under_torchrun() {
     for line in [
         &["--nproc-per-node", "2", "-m", "pkg.mod", "--epochs", "3", "-n", "1"][..],
         &["--nproc_per_node=2", "--module", "pkg.mod", "--", "--epochs", "3", "-n", "1"],
+        // torchrun's -m is a flag: the module is the program, after options.
+        &["-m", "--nproc_per_node", "2", "--max_restarts", "0", "pkg.mod", "--epochs", "3", "-n", "1"],
     ] {
         let mut c = run_line(line);
         c.current_dir(&dir);
