@@ -52,3 +52,85 @@ fn relay_claim_probe() {
         assert_eq!(store.get(&format!("last/{me}")).expect("get").as_deref(), Some(value.as_bytes()), "{me} ({how})");
     }
 }
+
+/// Set in the rank of [`a_forked_child_of_a_rank_gets_its_own_store_answers`].
+const FORK_PROBE: &str = "RELAY_FORK_PROBE";
+
+/// A rank that forks (no exec) after it reached the store through its relay:
+/// the child has a copy of the rank's unclaimed relay sockets in memory and
+/// the rank's client. Its own client must be its own (it connects directly:
+/// the relay sockets are the rank's), and the rank's client used in the
+/// child is refused, naming the fork, instead of reading the rank's answers.
+#[test]
+fn a_forked_child_of_a_rank_gets_its_own_store_answers() {
+    let me = std::env::current_exe().expect("this test binary");
+    let me = me.to_str().expect("a UTF-8 path");
+    let args = ["relay_fork_probe", "--exact", "--ignored", "--nocapture", "--test-threads=1"];
+    let mut cmd = cohort_run_program(me, &["-n", "2", "--no-python"], &args);
+    cmd.env(FORK_PROBE, "1").env("OMP_NUM_THREADS", "1");
+    let out = output_within(cmd, Duration::from_secs(120));
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    for rank in 0..2 {
+        let said = |what: &str| {
+            stdout.lines().filter(|l| l.starts_with(&format!("[rank {rank}]")) && l.contains(what)).count()
+        };
+        assert_eq!(said("fork probe child: own client direct"), 1, "rank {rank}: {stdout}");
+        assert_eq!(said("fork probe child: the rank's client refused"), 1, "rank {rank}: {stdout}");
+        assert_eq!(said("fork probe child: done"), 1, "rank {rank}: {stdout}");
+        assert_eq!(said("1 passed"), 1, "rank {rank}: {stdout}");
+    }
+}
+
+/// The rank's and its forked child's store calls, each checking its
+/// answers ([`a_forked_child_of_a_rank_gets_its_own_store_answers`]).
+fn fork_probe_loop(store: &StoreClient, who: &str) {
+    for i in 1..=200i64 {
+        assert_eq!(store.add(&format!("count/{who}"), 1).expect("add"), i, "{who}");
+        let value = format!("{who}/{i}");
+        store.set(&format!("last/{who}"), value.as_bytes()).expect("set");
+        assert_eq!(store.get(&format!("last/{who}")).expect("get").as_deref(), Some(value.as_bytes()), "{who}");
+    }
+}
+
+#[test]
+#[ignore = "run by a_forked_child_of_a_rank_gets_its_own_store_answers, as a rank"]
+fn relay_fork_probe() {
+    if std::env::var_os(FORK_PROBE).is_none() {
+        return;
+    }
+    let addr = std::env::var("COHORT_STORE_ADDR").expect("COHORT_STORE_ADDR");
+    let secret = std::env::var("COHORT_JOB_SECRET").expect("COHORT_JOB_SECRET");
+    let store = StoreClient::connect_rank(&addr, secret, Duration::from_secs(10)).expect("reach the store");
+    assert!(format!("{store:?}").contains("through this node's relay"), "{store:?}");
+    let rank = std::env::var("RANK").expect("RANK");
+    // SAFETY: fork(2); the child only uses the store and then leaves with
+    // _exit, never returning into the test harness.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork: {}", std::io::Error::last_os_error());
+    if child == 0 {
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let own = store.duplicate().expect("the child's own client");
+            let how = if format!("{own:?}").contains("through this node's relay") { "relayed" } else { "direct" };
+            println!("fork probe child: own client {how}");
+            fork_probe_loop(&own, &format!("{rank}/child"));
+            match store.add(&format!("count/{rank}/child-shared"), 1) {
+                Err(e) if e.to_string().contains("fork") => {
+                    println!("fork probe child: the rank's client refused: {e}")
+                }
+                other => panic!("the rank's client in a forked child: {other:?}"),
+            }
+            println!("fork probe child: done");
+        }));
+        // SAFETY: _exit(2) ends the forked child without running the
+        // parent's exit handlers or the harness.
+        unsafe { libc::_exit(if run.is_ok() { 0 } else { 1 }) };
+    }
+    let second = store.duplicate().expect("the rank's second client");
+    fork_probe_loop(&store, &format!("{rank}/rank"));
+    fork_probe_loop(&second, &format!("{rank}/rank-second"));
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our own child, writing one int.
+    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the forked child failed: {status:#x}");
+}

@@ -111,6 +111,9 @@ pub struct StoreClient {
     timeout: Duration,
     /// Over a node relay's socket (no handshake; frames a little smaller).
     relayed: bool,
+    /// The process that made the client: its connection is that process's
+    /// alone (a child it forks gets [`StoreError::ForkedChild`]).
+    owner: u32,
     conn: Mutex<Conn>,
 }
 
@@ -151,6 +154,7 @@ impl StoreClient {
             secret: secret.to_vec(),
             timeout,
             relayed: false,
+            owner: std::process::id(),
             conn: Mutex::new(Conn { stream: Socket::Tcp(stream), broken: false, verdict }),
         })
     }
@@ -176,6 +180,7 @@ impl StoreClient {
             secret: secret.to_vec(),
             timeout,
             relayed: true,
+            owner: std::process::id(),
             conn: Mutex::new(Conn { stream: Socket::Unix(socket), broken: false, verdict: None }),
         })
     }
@@ -479,6 +484,10 @@ impl StoreClient {
                 return Err(StoreError::TooLarge { what: "the request", len: body.len(), max });
             }
             bodies.push(body);
+        }
+        let pid = std::process::id();
+        if pid != self.owner {
+            return Err(StoreError::ForkedChild { addr: self.shown.clone(), owner: self.owner, pid });
         }
         let mut conn = self.conn.lock();
         if conn.broken {

@@ -149,6 +149,22 @@ pub enum StoreError {
         addr: String,
     },
 
+    /// A forked child used a client its parent made: the connection is the
+    /// parent's, and answers read by one would be the other's.
+    #[error(
+        "this store client's connection to {addr} belongs to process {owner}, which forked this \
+         process ({pid}): a forked child must make its own StoreClient (StoreClient::connect_rank \
+         or duplicate), or the two processes would read each other's answers"
+    )]
+    ForkedChild {
+        /// The store's address.
+        addr: String,
+        /// The process that made the client.
+        owner: u32,
+        /// This process.
+        pid: u32,
+    },
+
     /// `wait` gave up before every key was set.
     #[error(
         "timed out after {waited:.1?} waiting for store keys; still missing: {}; the ranks \

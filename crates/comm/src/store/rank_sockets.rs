@@ -18,14 +18,16 @@ static RELAY_SOCKETS: Mutex<Option<RelayClaim>> = Mutex::new(None);
 
 /// The next relay socket of `COHORT_STORE_FD` this process claimed and has
 /// not taken yet, checked; `None` once they are all taken, or when this
-/// process claimed none (it connects directly).
+/// process claimed none (it connects directly), or when the claim is the
+/// parent's of this forked child (the parent's copies of the sockets are
+/// the parent's, and answers would cross).
 pub(crate) fn take_relay_socket() -> Result<Option<UnixStream>> {
     let mut pool = RELAY_SOCKETS.lock();
     if pool.is_none() {
         let fds = cohort_runtime::config::STORE_FD.get().map_err(|e| StoreError::Relay(e.to_string()))?;
         *pool = Some(claim_relay_sockets(fds.unwrap_or_default()));
     }
-    match pool.as_mut().and_then(|p| p.fds.pop_front()) {
+    match pool.as_mut().filter(|p| p.owner == std::process::id()).and_then(|p| p.fds.pop_front()) {
         Some(fd) => relay_socket(fd).map(Some),
         None => Ok(None),
     }
@@ -39,11 +41,14 @@ pub(crate) struct RelayClaim {
     /// The socket bound to the claim's name ([`hold_claim`]), held as long
     /// as the process may use the descriptors.
     _held: Option<UnixDatagram>,
+    /// The process that claimed them (a child it forks has a copy of this
+    /// claim and may not take any).
+    owner: u32,
 }
 
 impl RelayClaim {
     fn none() -> RelayClaim {
-        RelayClaim { fds: VecDeque::new(), _held: None }
+        RelayClaim { fds: VecDeque::new(), _held: None, owner: std::process::id() }
     }
 }
 
@@ -115,7 +120,7 @@ pub(crate) fn claim_relay_sockets(fds: Vec<RawFd>) -> RelayClaim {
             libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
         }
     }
-    RelayClaim { fds: fds.into(), _held: Some(held) }
+    RelayClaim { fds: fds.into(), _held: Some(held), owner: std::process::id() }
 }
 
 /// Claims the relay socket `fd` for this process: binds a Unix socket to
