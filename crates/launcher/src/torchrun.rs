@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
+use std::os::unix::ffi::OsStrExt;
 use std::str::FromStr;
 
 use clap::CommandFactory;
@@ -49,8 +50,10 @@ const TORCHRUN_ONLY: &[(&[&str], &str)] = &[
 /// torchrun's flag: the program is the module. A `--` already there is
 /// kept. Other subcommands' lines are returned as they are.
 ///
-/// An option `cohort run` does not know is an error naming it (and, for
-/// torchrun's options cohort lacks, what it does under torchrun). Which
+/// A long option may be shortened to any start that is no other's (as
+/// torchrun's argparse allows: `--nnode=1`); it is written in full for
+/// clap. An option `cohort run` does not know is an error naming it (and,
+/// for torchrun's options cohort lacks, what it does under torchrun). Which
 /// options take a value comes from the parser's own definition; `--tee`
 /// takes one only when the next argument is a `--tee` value (`0`-`3` or
 /// `RANK:N,...`): a bare `--tee` is cohort's older spelling of `--tee 3`.
@@ -91,11 +94,26 @@ pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
             },
             None => (text[..text.char_indices().nth(2).map_or(text.len(), |(i, _)| i)].to_string(), text.len() > 2),
         };
-        let Some(opt) = find_option(run, &name) else {
-            return Err(match &module_flag {
-                Some(flag) => needs_module(flag, Some(&name)),
-                None => unknown_option(&name),
-            });
+        let (opt, arg, name) = match find_option(run, &name) {
+            Some(opt) => (opt, arg, name),
+            None => match abbreviated(run, &name) {
+                // Written in full for clap, with its `=value` if any.
+                Ok(opt) => {
+                    let full = format!("--{}", opt.get_long().unwrap_or_default());
+                    let mut whole = OsString::from(&full);
+                    let bytes = arg.as_encoded_bytes();
+                    if let Some(eq) = bytes.iter().position(|&b| b == b'=') {
+                        whole.push(std::ffi::OsStr::from_bytes(&bytes[eq..]));
+                    }
+                    (opt, whole, full)
+                }
+                Err(e) => {
+                    return Err(match &module_flag {
+                        Some(flag) if e.starts_with("unknown option") => needs_module(flag, Some(&name)),
+                        _ => e,
+                    })
+                }
+            },
         };
         if opt.get_id() == "module" {
             // `-m MODULE` (or `--module=MODULE`, `-mMODULE`): what follows
@@ -173,6 +191,34 @@ fn find_option<'a>(run: &'a clap::Command, name: &str) -> Option<&'a clap::Arg> 
             a.get_short() == Some(short) || a.get_all_short_aliases().is_some_and(|v| v.contains(&short))
         }),
     })
+}
+
+/// The option of `run` whose long name (or alias) starts with `name`, as
+/// argparse takes an unambiguous start of a long option for it; the error
+/// for an option `cohort run` does not have, or for a start of several.
+fn abbreviated<'a>(run: &'a clap::Command, name: &str) -> Result<&'a clap::Arg, String> {
+    let Some(start) = name.strip_prefix("--").filter(|s| !s.is_empty()) else { return Err(unknown_option(name)) };
+    let ours: Vec<&clap::Arg> = run
+        .get_arguments()
+        .filter(|a| {
+            a.get_long().into_iter().chain(a.get_all_aliases().into_iter().flatten()).any(|l| l.starts_with(start))
+        })
+        .collect();
+    let theirs: Vec<&(&[&str], &str)> =
+        TORCHRUN_ONLY.iter().filter(|(names, _)| names.iter().any(|n| n[2..].starts_with(start))).collect();
+    match (ours.as_slice(), theirs.as_slice()) {
+        ([], []) => Err(unknown_option(name)),
+        ([one], []) => Ok(one),
+        ([], [(_, meaning)]) => Err(format!("{name} is torchrun's option that {meaning}")),
+        _ => {
+            let all: Vec<String> = ours
+                .iter()
+                .map(|a| format!("--{}", a.get_long().unwrap_or_default()))
+                .chain(theirs.iter().map(|(names, _)| names[0].to_string()))
+                .collect();
+            Err(format!("'{name}' is the start of several options: {}; write the one you mean", all.join(", ")))
+        }
+    }
 }
 
 /// The error for an option `cohort run` does not have.
@@ -603,6 +649,22 @@ mod tests {
                 assert!(parse(&format!("cohort run {name} x prog")).unwrap_err().contains("torchrun's option"));
             }
         }
+    }
+
+    /// torchrun's argparse takes a long option's unambiguous start for it
+    /// (`--nnode=1`, seen in the wild): so does `cohort run`.
+    #[test]
+    fn a_long_options_unambiguous_start_is_the_option() {
+        let a = parse("cohort run --nnode=1 --nproc_per 2 --stand --rdzv_b c10d --max_r=3 p --nn x").unwrap();
+        assert_eq!((a.nnodes.max, a.nproc_per_node, a.standalone), (1, Nproc::Count(2), true));
+        assert_eq!((a.rdzv_backend, a.max_restarts, program(&a).as_str()), (Some(RdzvBackend::C10d), 3, "p --nn x"));
+        let a = parse("cohort run --mod pkg.train --lr 1").unwrap();
+        assert_eq!((a.module.as_deref(), program(&a).as_str()), (Some("pkg.train"), "--lr 1"));
+        let err = parse("cohort run --r 3 p").unwrap_err();
+        assert!(err.contains("'--r' is the start of several options") && err.contains("--redirects"), "{err}");
+        assert!(err.contains("--rdzv-backend") && err.contains("--role"), "{err}");
+        assert!(parse("cohort run --numa=node p").unwrap_err().contains("--numa is torchrun's option that binds"));
+        assert!(parse("cohort run --bogus p").unwrap_err().contains("unknown option '--bogus'"));
     }
 
     #[test]
