@@ -228,13 +228,17 @@ impl Sinks {
 /// Opens (making it where missing) the log folder `dir` as a private folder
 /// (see `cohort_runtime::private_fs`), refusing a symbolic link anywhere on
 /// the path as given, not only at its end: a link in the middle sends the
-/// logs wherever it points, a place another user may choose.
+/// logs wherever it points, a place another user may choose. A file on the
+/// path is named as not a folder.
 pub fn open_log_dir(dir: &Path) -> Result<PrivateDir, PrivateFsError> {
     let mut path = PathBuf::new();
     for part in dir.components() {
         path.push(part);
-        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
-            return Err(PrivateFsError::Symlink { path });
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if m.file_type().is_symlink() => return Err(PrivateFsError::Symlink { path }),
+            // A file where a folder must be: named, not "Not a directory".
+            Ok(m) if !m.is_dir() => return Err(PrivateFsError::WrongKind { path, expected: "folder" }),
+            _ => {}
         }
     }
     PrivateDir::open_or_create(dir)
@@ -416,6 +420,19 @@ mod tests {
         let (copy, sinks) = copier(false, None);
         copy.run(&b"crlf\r\nold\rnew\nkept\r\n"[..], None, &mut Vec::new());
         assert_eq!(sinks.tail.lines().stdout, ["crlf", "new", "kept"]);
+    }
+
+    /// A file in the middle of the log path is named as not a folder
+    /// (was "cannot use f/sub: Not a directory (os error 20)").
+    #[test]
+    fn a_file_on_the_log_path_is_named() {
+        let dir = std::env::temp_dir().join(format!("cohort-logpath-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("f");
+        std::fs::write(&file, "").unwrap();
+        let err = open_log_dir(&file.join("sub/deeper")).err().expect("refused").to_string();
+        assert_eq!(err, format!("{} is not a folder; remove it or choose another path", file.display()));
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     fn copier(console: bool, log_dir: Option<PathBuf>) -> (Copy, Sinks) {
