@@ -226,6 +226,16 @@ impl FromStr for NodeRange {
     }
 }
 
+/// Parses a host name or address (`--master-addr`, `--local-addr`): not
+/// empty (an empty one failed later as "cannot serve the rendezvous store
+/// on :0").
+fn host(s: &str) -> Result<String, String> {
+    match s.trim() {
+        "" => Err("needs a host name or address, e.g. node0, 10.0.0.1 or [::1]".into()),
+        _ => Ok(s.to_string()),
+    }
+}
+
 /// Longest `--timeout` or `--heartbeat-timeout` accepted: ten years.
 pub const MAX_SECONDS: f64 = 10.0 * 365.0 * 86400.0;
 
@@ -292,7 +302,7 @@ pub struct RunArgs {
     /// PyTorch's TCPStore) and cohort's rendezvous store listen. Default
     /// the --rdzv-endpoint's host, else 127.0.0.1 with one node; required
     /// with several.
-    #[arg(long, alias = "master_addr", value_name = "HOST")]
+    #[arg(long, alias = "master_addr", value_name = "HOST", value_parser = host)]
     pub master_addr: Option<String>,
 
     /// MASTER_PORT, the port rank 0 of the program may listen on (PyTorch's
@@ -346,7 +356,7 @@ pub struct RunArgs {
     /// MASTER_ADDR (unless --master-addr or --rdzv-endpoint says); other
     /// nodes reach node 0 at --master-addr or --rdzv-endpoint, so it is not
     /// needed there.
-    #[arg(long, alias = "local_addr", value_name = "HOST")]
+    #[arg(long, alias = "local_addr", value_name = "HOST", value_parser = host)]
     pub local_addr: Option<String>,
 
     /// torchrun's worker role, the ranks' ROLE_NAME (default `default`).

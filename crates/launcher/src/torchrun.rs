@@ -42,6 +42,10 @@ const TORCHRUN_ONLY: &[(&[&str], &str)] = &[
     ),
 ];
 
+/// torchrun's options whose default is "": given an empty value, they are
+/// unset there (a script's `--rdzv_endpoint=$EP` with `EP` unset).
+const EMPTY_IS_UNSET: [&str; 3] = ["rdzv_endpoint", "rdzv_conf", "local_ranks_filter"];
+
 /// `argv` (all of `cohort`'s arguments) with `--` put where the program of
 /// a `cohort run` starts, as torchrun reads its line: the first argument
 /// that is not an option or an option's value is the program, and
@@ -59,7 +63,7 @@ const TORCHRUN_ONLY: &[(&[&str], &str)] = &[
 /// `RANK:N,...`): a bare `--tee` is cohort's older spelling of `--tee 3`.
 /// A value that starts with '-' is read as torchrun's argparse reads it: a
 /// negative number is a value, anything else an option (the value is
-/// missing).
+/// missing); an empty value of an option in [`EMPTY_IS_UNSET`] drops it.
 pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
     if argv.get(1).is_none_or(|a| a != "run") {
         return Ok(argv);
@@ -164,6 +168,14 @@ pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
             }
             v => v,
         };
+        let empty = match inline {
+            true => text.split_once('=').is_some_and(|(_, v)| v.is_empty()),
+            false => value.as_ref().is_some_and(|v| v.is_empty()),
+        };
+        if empty && EMPTY_IS_UNSET.contains(&opt.get_id().as_str()) {
+            out.pop();
+            continue;
+        }
         out.extend(value);
     }
     if let Some(flag) = module_flag {
@@ -665,6 +677,26 @@ mod tests {
         assert!(err.contains("--rdzv-backend") && err.contains("--role"), "{err}");
         assert!(parse("cohort run --numa=node p").unwrap_err().contains("--numa is torchrun's option that binds"));
         assert!(parse("cohort run --bogus p").unwrap_err().contains("unknown option '--bogus'"));
+    }
+
+    /// torchrun's default of --rdzv-endpoint, --rdzv-conf and
+    /// --local-ranks-filter is "": an empty value (a script's unset
+    /// variable, `--rdzv_endpoint=$EP`) leaves the option unset there.
+    #[test]
+    fn an_empty_value_of_an_option_whose_default_is_empty_leaves_it_unset() {
+        for line in [
+            "cohort run --rdzv_endpoint= --local_ranks_filter= --rdzv_conf= p",
+            "cohort run --rdzv-endpoint  --local-ranks-filter  --rdzv-conf  p",
+        ] {
+            let argv: Vec<OsString> =
+                line.split(' ').map(|a| if a.is_empty() { "" } else { a }).map(OsString::from).collect();
+            let argv = split_program(argv).unwrap();
+            let Command::Run(a) = Cli::try_parse_from(argv).unwrap().command else { unreachable!() };
+            assert_eq!((&a.rdzv_endpoint, &a.local_ranks_filter, &a.rdzv_conf), (&None, &None, &None), "{line}");
+            assert_eq!(program(&a), "p");
+        }
+        // Others still need a value.
+        assert!(parse("cohort run --master_addr= p").unwrap_err().contains("--master-addr"));
     }
 
     #[test]
