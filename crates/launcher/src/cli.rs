@@ -253,9 +253,11 @@ pub(crate) fn seconds(s: &str) -> Result<f64, String> {
 /// Options of `cohort run`: cohort's own, and torchrun's under its own
 /// spellings and meanings (`--nproc_per_node` and `--nproc-per-node` alike).
 /// The first argument that is not an option is the program: everything
-/// after it is the program's (see [`crate::torchrun::split_program`]).
+/// after it is the program's (see [`crate::torchrun::split_program`]). An
+/// option given twice takes its last value, as under torchrun.
 #[derive(Debug, Args)]
 #[command(
+    args_override_self = true,
     override_usage = "cohort run [OPTIONS] PROGRAM [ARGS]...\n       cohort run [OPTIONS] -m MODULE [ARGS]...",
     after_help = RUN_AFTER_HELP
 )]
@@ -414,7 +416,7 @@ pub struct RunArgs {
     pub tee: Option<Streams>,
 
     /// Show only these local ranks' output on the console (comma list, e.g. 0,3).
-    #[arg(long, alias = "local_ranks_filter", value_name = "RANKS", value_delimiter = ',')]
+    #[arg(long, alias = "local_ranks_filter", value_name = "RANKS", value_delimiter = ',', action = clap::ArgAction::Set)]
     pub local_ranks_filter: Option<Vec<usize>>,
 
     /// Wall-clock limit for the whole job in seconds (also exported to the

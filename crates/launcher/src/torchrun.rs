@@ -699,6 +699,16 @@ mod tests {
         assert!(parse("cohort run --master_addr= p").unwrap_err().contains("--master-addr"));
     }
 
+    /// As under torchrun (argparse), an option given twice takes its last
+    /// value (`torchrun $DEFAULTS --nproc_per_node=4 ...`).
+    #[test]
+    fn an_option_given_twice_takes_its_last_value() {
+        let a = parse("cohort run -n 2 --nproc_per_node 3 --standalone --standalone --tee 1 -t 2 p").unwrap();
+        assert_eq!((a.nproc_per_node, a.standalone, a.tee), (Nproc::Count(3), true, Some(Streams::All(2))));
+        let a = parse("cohort run --local_ranks_filter=0,1 --local-ranks-filter 2 p").unwrap();
+        assert_eq!(a.local_ranks_filter, Some(vec![2]));
+    }
+
     #[test]
     fn other_subcommands_are_left_alone() {
         let argv: Vec<OsString> = ["cohort", "trace", "--bogus", "d"].map(OsString::from).to_vec();
