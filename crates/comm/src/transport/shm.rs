@@ -116,7 +116,8 @@ pub(crate) fn create_for(job: &str, rank: usize, slots: usize, capacity: usize) 
 
 impl Segment {
     /// Creates (exclusively) and maps the file at `path` with `slots` rings
-    /// of `capacity` bytes each, zeroed, and holds its lock until
+    /// of `capacity` bytes each, zeroed and allocated (an error naming the
+    /// room it needs when its folder has less), and holds its lock until
     /// [`Segment::unlink`] (or drop).
     pub(crate) fn create(path: &str, slots: usize, capacity: usize) -> io::Result<Segment> {
         let c_path = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
@@ -131,6 +132,24 @@ impl Segment {
         // SAFETY: fd is an open, writable file descriptor we own.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(unlink(io::Error::last_os_error()));
+        }
+        // Every page now, not at the first write: a sparse file larger than
+        // the folder's room (a container's /dev/shm) maps, and a write past
+        // the room then kills the rank with SIGBUS.
+        // SAFETY: fd is an open, writable file descriptor we own.
+        match unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, len as libc::off_t) } {
+            0 => {}
+            libc::ENOSPC => {
+                return Err(unlink(io::Error::new(
+                    io::ErrorKind::StorageFull,
+                    format!(
+                        "{path} needs {len} bytes ({slots} rings of {capacity} bytes and their headers), more than \
+                         its folder has free: give the node a larger /dev/shm (`docker run --shm-size`, a tmpfs \
+                         of its own) or smaller rings (COHORT_SHM_RING, bytes per ring)"
+                    ),
+                )))
+            }
+            e => return Err(unlink(io::Error::from_raw_os_error(e))),
         }
         let ptr = map(fd.as_raw_fd(), len).map_err(unlink)?;
         Ok(Segment { ptr, len, capacity, owned: Some(Owned { path: c_path, _lock: fd }) })
@@ -738,6 +757,98 @@ mod tests {
         assert_eq!(sweep_in(&dir).unwrap(), 0);
         assert!(!std::path::Path::new(&at(&format!("cohort-{job}-0"))).exists());
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A `/dev/shm` with less room than a rank's rings (a container's is
+    /// 64 MiB unless `--shm-size` says more; 8 ranks take 256 MiB): the
+    /// segment is refused when it is made, naming the room it needs and
+    /// what to change, and nothing is left; before, the file was made
+    /// sparse and the first write past the room killed the rank (SIGBUS).
+    #[test]
+    fn a_segment_larger_than_its_folder_s_room_is_refused_when_made() {
+        let dir = sweep_dir("small");
+        let at = dir.join("cohort-ab-0");
+        // SAFETY: fork(2); the child only mounts, makes the segment and
+        // leaves with _exit, never returning into the test harness.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork: {}", io::Error::last_os_error());
+        if child == 0 {
+            let code = make_in_a_small_tmpfs(&dir, at.to_str().unwrap());
+            // SAFETY: _exit(2) ends the forked child at once.
+            unsafe { libc::_exit(code) };
+        }
+        let start = std::time::Instant::now();
+        let mut status = 0;
+        // SAFETY: waitpid(2) on our own child, writing one int.
+        while unsafe { libc::waitpid(child, &mut status, libc::WNOHANG) } == 0 {
+            if start.elapsed() > std::time::Duration::from_secs(60) {
+                // SAFETY: kill(2) of our own child.
+                unsafe { libc::kill(child, libc::SIGKILL) };
+                panic!("the child did not finish within 60 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        let what = match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
+            (true, 0) => return,
+            (true, 2) => "no mount namespace with a tmpfs of 64 KiB could be made",
+            (true, 3) => "the segment was made, larger than its tmpfs",
+            (true, 4) => "the refusal does not say what to change",
+            (true, 5) => "the refused segment's file was left",
+            _ => "the child died",
+        };
+        panic!("{what} (child status {status:#x})");
+    }
+
+    /// In a forked child: mounts a 64 KiB tmpfs on `dir` in a mount
+    /// namespace of its own (and a user namespace when not root), and makes
+    /// a segment of 2 MiB at `at` in it. The exit code for
+    /// [`a_segment_larger_than_its_folder_s_room_is_refused_when_made`].
+    fn make_in_a_small_tmpfs(dir: &Path, at: &str) -> i32 {
+        // SAFETY: these calls change only this (forked, single-threaded)
+        // process's namespaces and mounts; every pointer is a NUL-terminated
+        // string or null.
+        unsafe {
+            let (uid, gid) = (libc::geteuid(), libc::getegid());
+            if uid == 0 {
+                if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                    return 2;
+                }
+            } else {
+                if libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNS) != 0 {
+                    return 2;
+                }
+                let maps = [
+                    ("/proc/self/setgroups", "deny".to_string()),
+                    ("/proc/self/uid_map", format!("{uid} {uid} 1")),
+                    ("/proc/self/gid_map", format!("{gid} {gid} 1")),
+                ];
+                for (file, text) in maps {
+                    if std::fs::write(file, text).is_err() {
+                        return 2;
+                    }
+                }
+            }
+            let c_dir = CString::new(dir.as_os_str().as_encoded_bytes()).unwrap();
+            let private = libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            );
+            let tmpfs =
+                libc::mount(c"tmpfs".as_ptr(), c_dir.as_ptr(), c"tmpfs".as_ptr(), 0, c"size=64k".as_ptr().cast());
+            if private != 0 || tmpfs != 0 {
+                return 2;
+            }
+        }
+        match Segment::create(at, 2, 1 << 20) {
+            Ok(_) => 3,
+            Err(e) if !e.to_string().contains("COHORT_SHM_RING") => 4,
+            Err(_) if std::fs::symlink_metadata(at).is_ok() => 5,
+            Err(_) => 0,
+        }
     }
 
     /// A rank that creates its file while a sweep holds it (the moment
