@@ -233,6 +233,25 @@ fn left_while_waited(left: &[&EarlyExit], parting: &Parting) -> String {
     format!("{who} while {waiting} waited for {it} in {}", parting.collective)
 }
 
+/// What to say of the ranks of a node that had exited with code 0 while
+/// others still ran, when the job was stopped for another cause (a
+/// timeout, a signal, another node's failure): ranks that wait for one that
+/// left (to join, or in a collective) never finish.
+pub fn left_before_the_stop(left: &[EarlyExit]) -> String {
+    let (who, them, they) = match left {
+        [one] => (format!("rank {} exited with code 0 {}", one.rank, exit_time(one)), "it", "it"),
+        many => {
+            let ranks = list(&many.iter().map(|e| e.rank).collect::<Vec<_>>());
+            let each: Vec<String> = many.iter().map(ranked_exit).collect();
+            (format!("ranks {ranks} exited with code 0 ({})", each.join("; ")), "them", "they")
+        }
+    };
+    format!(
+        "{who} before the job was stopped, while other ranks still ran: if those waited for {them} (to join, or \
+         in a collective), {they} left the job early"
+    )
+}
+
 fn list(ranks: &[usize]) -> String {
     ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
 }
@@ -373,6 +392,19 @@ mod tests {
             s.contains("\n  before that, with code 0, exited: rank 1 after 0.21 s (local rank 1, pid 11); rank 3"),
             "{s}"
         );
+    }
+
+    #[test]
+    fn ranks_that_exited_0_before_a_stop_are_named() {
+        let left = |rank: usize| EarlyExit { rank, local_rank: rank, pid: 7, after: Duration::from_millis(10) };
+        assert_eq!(
+            left_before_the_stop(&[left(1)]),
+            "rank 1 exited with code 0 after 0.01 s (local rank 1, pid 7) before the job was stopped, while other \
+             ranks still ran: if those waited for it (to join, or in a collective), it left the job early"
+        );
+        let two = left_before_the_stop(&[left(1), left(2)]);
+        assert!(two.starts_with("ranks 1, 2 exited with code 0 (rank 1 after 0.01 s"), "{two}");
+        assert!(two.ends_with("if those waited for them (to join, or in a collective), they left the job early"));
     }
 
     #[test]

@@ -166,6 +166,9 @@ pub fn run_attempt(
 
     let mut live = ranks.len();
     let mut verdict_seen = None;
+    // When the attempt began to stop (for a rank's failure, a timeout, a
+    // signal or another node's verdict).
+    let mut stopping_at = reason.is_some().then(Instant::now);
     while live > 0 || !early.is_empty() {
         let wake = [kill_at, term_at, reason.is_none().then_some(deadline).flatten()].into_iter().flatten().min();
         let event = match (early.pop_front(), wake) {
@@ -249,6 +252,9 @@ pub fn run_attempt(
             }
             Ok(Event::Verdict { .. }) => {}
         }
+        if reason.is_some() && stopping_at.is_none() {
+            stopping_at = Some(now);
+        }
     }
 
     // Whatever the ranks started in their groups goes with them.
@@ -262,6 +268,14 @@ pub fn run_attempt(
     drain(&done_rx, &activity);
     for p in &ranks {
         crate::reaper::forget_pipes(&p.pipes);
+    }
+    // Stopped for a cause of no rank of this node: a rank that had left
+    // with code 0 while others still ran may be why they did not finish.
+    if let (Some(at), Some(Reason::TimedOut(..) | Reason::Interrupted(_) | Reason::Verdict)) = (stopping_at, &reason) {
+        let left = exited_ok_by(&ranks, at);
+        if !left.is_empty() && ranks.iter().any(|r| r.ended.is_none_or(|(_, t)| t > at)) {
+            say!("cohort: {}", crate::summary::left_before_the_stop(&left));
+        }
     }
 
     match reason {
@@ -321,16 +335,7 @@ fn drain(done: &Receiver<()>, activity: &output::Activity) {
 fn failure(cfg: &JobConfig, ranks: &[RankProc], local: usize) -> Failure {
     let p = &ranks[local];
     let (ending, at) = p.ended.expect("a failed rank has ended");
-    let mut left: Vec<(Instant, EarlyExit)> = ranks
-        .iter()
-        .filter_map(|r| match r.ended {
-            Some((e, t)) if e.success() && t <= at => {
-                Some((t, EarlyExit { rank: r.rank, local_rank: r.local_rank, pid: r.pid, after: t - r.started }))
-            }
-            _ => None,
-        })
-        .collect();
-    left.sort_by_key(|(t, _)| *t);
+    let left = exited_ok_by(ranks, at);
     let parted_in = if left.is_empty() { None } else { crate::trace::parting(&cfg.trace_dir) };
     Failure {
         rank: p.rank,
@@ -341,9 +346,24 @@ fn failure(cfg: &JobConfig, ranks: &[RankProc], local: usize) -> Failure {
         after: at - p.started,
         tail: p.tail.lines(),
         world_size: cfg.world_size(),
-        left_early: left.into_iter().map(|(_, e)| e).collect(),
+        left_early: left,
         parted_in,
     }
+}
+
+/// The ranks that had exited with code 0 by `at`, in the order they exited.
+fn exited_ok_by(ranks: &[RankProc], at: Instant) -> Vec<EarlyExit> {
+    let mut left: Vec<(Instant, EarlyExit)> = ranks
+        .iter()
+        .filter_map(|r| match r.ended {
+            Some((e, t)) if e.success() && t <= at => {
+                Some((t, EarlyExit { rank: r.rank, local_rank: r.local_rank, pid: r.pid, after: t - r.started }))
+            }
+            _ => None,
+        })
+        .collect();
+    left.sort_by_key(|(t, _)| *t);
+    left.into_iter().map(|(_, e)| e).collect()
 }
 
 /// Asks every live rank that heartbeats to write its flight recorder

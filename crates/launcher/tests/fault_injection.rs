@@ -110,6 +110,25 @@ fn fault_a_rank_that_exits_0_early_is_named_with_the_collective_the_others_waite
 }
 
 #[test]
+fn fault_a_rank_that_exits_0_before_joining_is_named_when_the_job_is_stopped() {
+    // Rank 1 exits 0 before it joins; rank 0 waits for it to join until
+    // --timeout stops the job. Before: "ranks 0 were still running and
+    // were stopped", rank 1 unnamed.
+    let dir = temp_dir("fault-leave-before-join");
+    let mut c = Command::new(COHORT);
+    c.args(["run", "-n", "2", "--master-port", "0", "--timeout", "4", "--"]);
+    c.args(["sh", "-c", "[ \"$RANK\" = 1 ] && exit 0; exec \"$0\" --pid-dir \"$1\" barrier", SUITE]);
+    c.arg(&dir).env_remove("COHORT_JOB_SECRET").env("COHORT_TIMEOUT", "30");
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let (code, stderr) = run_case(&dir, c);
+    assert_eq!(code, 124, "{stderr}");
+    let note = stderr.find("cohort: rank 1 exited with code 0 after").expect(&stderr);
+    assert!(stderr[note..].contains("while other ranks still ran: if those waited for it"), "{stderr}");
+    assert!(note < stderr.find("ran past --timeout").expect(&stderr), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn fault_suite_sizes_are_read_as_written_or_refused_naming_them() {
     // `full 64MiB` panicked ("capacity overflow": the size read as usize::MAX).
     let dir = temp_dir("fault-sizes");
