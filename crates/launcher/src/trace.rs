@@ -146,12 +146,20 @@ fn unusable(dir: &Path) -> Option<String> {
     if unsafe { libc::statvfs(c_path.as_ptr(), &mut fs) } != 0 {
         return None;
     }
-    full(at, fs.f_bavail as u64 * fs.f_frsize as u64, fs.f_files as u64, fs.f_favail as u64)
+    let block = fs.f_frsize as u64;
+    full(at, fs.f_blocks as u64 * block, fs.f_bavail as u64 * block, fs.f_files as u64, fs.f_favail as u64)
 }
 
-/// Why the filesystem of `at` is full, given its free bytes and its total
-/// and free inodes (a filesystem without an inode count has 0 in all).
-fn full(at: &Path, free_bytes: u64, inodes: u64, free_inodes: u64) -> Option<String> {
+/// Why the filesystem of `at` is full, given its size and free bytes and
+/// its total and free inodes (a filesystem without an inode count has 0 in
+/// both); one of no size is none for files at all (/proc, /sys).
+fn full(at: &Path, bytes: u64, free_bytes: u64, inodes: u64, free_inodes: u64) -> Option<String> {
+    if bytes == 0 {
+        return Some(format!(
+            "{} is a kernel's filesystem (as /proc and /sys are), which holds no files",
+            at.display()
+        ));
+    }
     if free_bytes < FULL_BELOW {
         return Some(format!("the filesystem of {} is full ({free_bytes} bytes free)", at.display()));
     }
@@ -254,9 +262,12 @@ mod tests {
         assert!(why.contains("--trace-dir"), "{why}");
         // A full filesystem, or one out of inodes.
         let at = Path::new("/mnt/trace");
-        assert_eq!(full(at, 4096, 10, 5).unwrap(), "the filesystem of /mnt/trace is full (4096 bytes free)");
-        assert_eq!(full(at, 1 << 30, 10, 0).unwrap(), "the filesystem of /mnt/trace has no free inodes");
-        assert_eq!(full(at, 1 << 30, 0, 0), None, "no inode count (btrfs) is not full");
+        assert_eq!(full(at, 1 << 40, 4096, 10, 5).unwrap(), "the filesystem of /mnt/trace is full (4096 bytes free)");
+        assert_eq!(full(at, 1 << 40, 1 << 30, 10, 0).unwrap(), "the filesystem of /mnt/trace has no free inodes");
+        assert_eq!(full(at, 1 << 40, 1 << 30, 0, 0), None, "no inode count (btrfs) is not full");
+        // A filesystem of no size is no disk (was "full (0 bytes free)").
+        let why = unusable(Path::new("/proc/cohort-trace")).unwrap();
+        assert_eq!(why, "/proc is a kernel's filesystem (as /proc and /sys are), which holds no files");
         let _ = std::fs::remove_dir_all(base);
     }
 }
