@@ -467,9 +467,11 @@ fn start_rank(
     Ok(RankProc { rank, local_rank, pid, started, ended: None, tail: sinks.tail, pipes, beating: false })
 }
 
-/// Why `program` could not start as `rank`, and what to do.
+/// Why `program` could not start as `rank`, and what to do (its name's
+/// control characters escaped).
 fn spawn_error(program: &str, rank: usize, e: &std::io::Error) -> String {
     let otherwise = "; check the program's path and permissions";
+    let program = cohort_comm::trace::printable(program);
     format!("cannot start `{program}` as rank {rank}: {e}{}", what_to_do(e, otherwise))
 }
 
@@ -522,5 +524,8 @@ mod tests {
         assert!(!msg.contains("path"), "EAGAIN is no fault of the program's path: {msg}");
         let msg = spawn_error("./train", 3, &std::io::Error::from_raw_os_error(libc::ENOENT));
         assert!(msg.ends_with("check the program's path and permissions"), "{msg}");
+        // A name with control characters reaches the console escaped.
+        let msg = spawn_error("\x1b[2J./x\n", 0, &std::io::Error::from_raw_os_error(libc::ENOENT));
+        assert!(msg.starts_with("cannot start `\\u{1b}[2J./x\\n` as rank 0"), "{msg}");
     }
 }
