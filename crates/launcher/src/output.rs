@@ -430,7 +430,8 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("f");
         std::fs::write(&file, "").unwrap();
-        let err = open_log_dir(&file.join("sub/deeper")).err().expect("refused").to_string();
+        let Err(err) = open_log_dir(&file.join("sub/deeper")) else { panic!("a path under a file was taken") };
+        let err = err.to_string();
         assert_eq!(err, format!("{} is not a folder; remove it or choose another path", file.display()));
         let _ = std::fs::remove_dir_all(dir);
     }
