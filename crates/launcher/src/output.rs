@@ -74,7 +74,7 @@ impl Drop for Writing<'_> {
 /// stream's last lines out (a rank's final error after a burst of stdout).
 /// A line is kept as a terminal would show it: a line longer than
 /// [`TAIL_LINE_MAX`] (read in pieces) keeps its end, and a line rewritten
-/// with `\r` (a progress bar) its last text.
+/// with `\r` (a progress bar) its last text, marked.
 #[derive(Clone, Default)]
 pub struct Tail(Arc<Mutex<Kept>>);
 
@@ -98,6 +98,8 @@ struct OpenLine {
     cut: bool,
     /// A `\r` came last: the next text starts the line over.
     restart: bool,
+    /// Text was written over after a `\r` (shown as a leading `\r`).
+    rewritten: bool,
 }
 
 impl OpenLine {
@@ -109,6 +111,7 @@ impl OpenLine {
                 continue;
             }
             if std::mem::take(&mut self.restart) {
+                self.rewritten |= self.cut || !self.bytes.is_empty();
                 self.bytes.clear();
                 self.cut = false;
             }
@@ -125,14 +128,14 @@ impl OpenLine {
         }
     }
 
-    /// The line as the summary shows it.
+    /// The line as the summary shows it: printable, with `…` where its
+    /// start was cut and a leading `\r` (two characters) where text was
+    /// written over, so a line's quote never passes for a whole line.
     fn text(&self) -> String {
         let text = printable(&String::from_utf8_lossy(&self.bytes)).into_owned();
-        if self.cut {
-            format!("…{text}")
-        } else {
-            text
-        }
+        let rewritten = if self.rewritten { "\\r" } else { "" };
+        let cut = if self.cut { "…" } else { "" };
+        format!("{rewritten}{cut}{text}")
     }
 }
 
@@ -415,11 +418,11 @@ mod tests {
         }
         bar.extend_from_slice(b"\r");
         copy.run(&bar[..], None, &mut Vec::new());
-        assert_eq!(sinks.tail.lines().stdout, ["epoch 1", " 5000/5000 [=====>    ]"]);
+        assert_eq!(sinks.tail.lines().stdout, ["epoch 1", "\\r 5000/5000 [=====>    ]"]);
 
         let (copy, sinks) = copier(false, None);
         copy.run(&b"crlf\r\nold\rnew\nkept\r\n"[..], None, &mut Vec::new());
-        assert_eq!(sinks.tail.lines().stdout, ["crlf", "new", "kept"]);
+        assert_eq!(sinks.tail.lines().stdout, ["crlf", "\\rnew", "kept"]);
     }
 
     /// A file in the middle of the log path is named as not a folder

@@ -311,14 +311,16 @@ fn a_failed_ranks_last_lines_are_quoted_with_control_characters_escaped() {
     // Terminal escapes (set the title, clear the screen), a carriage return
     // that would hide the quote's prefix under a forged launcher line, a NUL
     // and a byte that is not UTF-8 (before: quoted raw in the summary).
-    let script = r"printf '\033]0;pwned\007\033[2Jbefore\rcohort: every rank exited with 0\000x\377\n'; exit 1";
+    let script = r"printf '\033]0;pwned\007\033[2Jbefore\r\033[1mcohort: every rank exited with 0\000x\377\n'; exit 1";
     let out = output_within(cohort_run_program("sh", &["-n", "1", "--master-port", "0"], &["-c", script]), LIMIT);
     assert_eq!(code(out.status, &out), 1);
-    let raw = b"\x1b]0;pwned\x07\x1b[2Jbefore\rcohort: every rank exited with 0\0x\xff\n";
+    let raw = b"\x1b]0;pwned\x07\x1b[2Jbefore\r\x1b[1mcohort: every rank exited with 0\0x\xff\n";
     assert!(out.stdout.ends_with(raw), "the rank's own output passes through as written: {:?}", out.stdout);
     let (_, stderr) = texts(&out);
     let summary = &stderr[stderr.find("cohort: job failed").expect(&stderr)..];
-    let quoted = "[rank 0]: \\u{1b}]0;pwned\\u{7}\\u{1b}[2Jbefore\\rcohort: every rank exited with 0\\0x\u{fffd}";
+    // What the carriage return wrote over is left out, as a terminal shows
+    // the line, and the quote says a \r came before.
+    let quoted = "[rank 0]: \\r\\u{1b}[1mcohort: every rank exited with 0\\0x\u{fffd}";
     assert!(summary.contains(quoted), "{summary:?}");
     assert!(!summary.chars().any(|c| c.is_control() && c != '\n'), "{summary:?}");
 }
