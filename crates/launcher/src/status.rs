@@ -84,9 +84,10 @@ pub struct JobStatus {
     /// in a collective).
     pub stuck_on: Vec<usize>,
     pub ranks: Vec<RankStatus>,
-    /// The first rank not shown: from it on, a whole batch of ranks had
-    /// nothing in the store (not started yet, or a `world` entry that
-    /// claims more ranks than the job has), so the rest was not read.
+    /// The first rank not shown: from it on, a batch of ranks of which
+    /// fewer than half had anything in the store (not started yet, or a
+    /// `world` entry that claims more ranks than the job has), so the rest
+    /// was not read.
     pub not_shown_from: Option<usize>,
     /// Milliseconds the store took to answer.
     pub answered_in_ms: f64,
@@ -276,8 +277,10 @@ fn values(store: &StoreClient, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, 
 /// communicator (more with over 64 nodes), one for its directory and abort,
 /// and one per [`RANK_BATCH`] ranks for their entries. A world that claims
 /// more ranks than wrote anything is read only up to the first batch of
-/// ranks of which none did (see [`JobStatus::not_shown_from`]), so what this
-/// holds is bounded by what the store holds, whatever the `world` entry says.
+/// ranks of which fewer than half did (see [`JobStatus::not_shown_from`]),
+/// so what this holds is bounded by what the store holds (at most two ranks
+/// shown per rank that wrote, beside the first batch), whatever the `world`
+/// entry says.
 pub fn collect(store: &StoreClient) -> Result<JobStatus, StatusError> {
     let started = Instant::now();
     // The launchers' nodes (`<nproc> <host>`), a batch at a time until one
@@ -346,7 +349,9 @@ pub fn collect(store: &StoreClient) -> Result<JobStatus, StatusError> {
             }
         }
         let answered = values(store, &keys)?;
-        if first > 0 && answered.iter().all(Option::is_none) {
+        let per_rank = keys.len() / batch.len();
+        let wrote = answered.chunks(per_rank).filter(|entries| entries.iter().any(Option::is_some)).count();
+        if first > 0 && wrote * 2 < batch.len() {
             not_shown_from = Some(first);
             break;
         }
@@ -505,8 +510,8 @@ pub fn render(job: &JobStatus) -> String {
     }
     if let Some(from) = job.not_shown_from {
         out.push_str(&format!(
-            "ranks {from}-{} not shown: none of ranks {from}-{} has written anything to the store (not started yet, \
-             or the store's world entry claims more ranks than there are)\n",
+            "ranks {from}-{} not shown: fewer than half of ranks {from}-{} have written anything to the store (not \
+             started yet, or the store's world entry claims more ranks than there are)\n",
             job.world_size - 1,
             (from + RANK_BATCH).min(job.world_size) - 1
         ));
