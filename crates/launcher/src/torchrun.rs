@@ -158,8 +158,8 @@ pub fn split_program(argv: Vec<OsString>) -> Result<Vec<OsString>, String> {
                 let v = v.to_string_lossy();
                 if v.parse::<f64>().is_err() {
                     return Err(format!(
-                        "{name} needs a value, but '{v}' follows it (an option); a value that starts with '-' is \
-                         written {name}={v}"
+                        "{name} needs a value, but '{v}' follows it (an option): give the value after {name} (one \
+                         that starts with '-' is written {name}=VALUE)"
                     ));
                 }
                 out.pop();
@@ -527,7 +527,7 @@ mod tests {
             let err = parse(line).unwrap_err();
             assert!(
                 err.contains(&format!("{name} needs a value, but '{next}' follows it"))
-                    && err.contains(&format!("{name}=")),
+                    && err.contains(&format!("{name}=VALUE")),
                 "{line}: {err}"
             );
         }
