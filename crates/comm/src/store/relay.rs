@@ -83,10 +83,14 @@ const UPSTREAM_BACKLOG: usize = 1 << 20;
 /// compare-set, barrier-get) one at a time.
 const RANK_BUDGET: usize = 1 << 20;
 
-/// The most bytes of answers the relay holds for one rank at once (plus a
-/// refusal of its own of a few hundred bytes): [`RANK_BUDGET`], or one
-/// answer of the largest frame. A rank that asks for large values and
-/// never reads them costs its node's launcher no more than this.
+/// The most bytes of answers the relay holds for one rank's end at once
+/// (plus a refusal of its own of a few hundred bytes): [`RANK_BUDGET`], or
+/// one answer of the largest frame. A rank that asks for large values on
+/// an end and never reads them costs its node's launcher no more than this
+/// for that end; the budget is each end's, so a process given several ends
+/// (`cohort run` gives each rank three) may make the relay hold this once
+/// per end (measured: 180 MiB for three unread gets of a 60 MiB value on
+/// three ends).
 pub const MAX_RELAY_HELD: usize = if RANK_BUDGET > 4 + MAX_FRAME { RANK_BUDGET } else { 4 + MAX_FRAME };
 
 /// Bytes read from one rank per turn of the relay's loop (more when one
