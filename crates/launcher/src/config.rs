@@ -339,6 +339,14 @@ impl JobConfig {
             None => PathBuf::from("cohort-trace"),
         });
         let trace_dir = std::env::current_dir().map(|cwd| cwd.join(&trace_dir)).unwrap_or(trace_dir);
+        // The ranks get it in their environment, which they read as text.
+        if trace_dir.to_str().is_none() {
+            let source = std::io::Error::other(
+                "its name is not UTF-8 text, and the ranks find it in their environment (COHORT_TRACE_DIR), which \
+                 they read as text; choose a name of UTF-8 text",
+            );
+            return Err(LaunchError::TraceDir { path: trace_dir, source });
+        }
         let secret = resolve_secret(env_secret, nnodes)?;
         let program = std::mem::take(&mut args.program);
         let with = match (args.run_path, args.no_python) {

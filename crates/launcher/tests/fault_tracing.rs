@@ -75,3 +75,33 @@ fn a_trace_folder_that_cannot_be_made_is_named_in_the_summary() {
     assert!(stderr.contains(&said) && stderr.contains("choose another --trace-dir"), "{stderr}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_trace_folder_whose_name_is_not_utf8_is_refused_before_any_rank_starts() {
+    // Before: the ranks were given the name with U+FFFD in place of the
+    // byte, wrote their recorders there, and the launcher, looking in the
+    // folder it was given, found none: no recorder section, no blame.
+    use std::os::unix::ffi::OsStrExt;
+    let dir = temp_dir("trace-not-utf8");
+    let trace = dir.join(std::ffi::OsStr::from_bytes(b"trace\xff"));
+    // suite_run's line, with the name (not UTF-8) for --trace-dir.
+    let line = suite_run(&["-n", "2", "--trace-dir", "PLACEHOLDER"], &["leave", "1"]);
+    let mut c = Command::new(COHORT);
+    for arg in line.get_args() {
+        c.arg(if arg == "PLACEHOLDER" { trace.as_os_str() } else { arg });
+    }
+    for (k, v) in line.get_envs() {
+        match v {
+            Some(v) => c.env(k, v),
+            None => c.env_remove(k),
+        };
+    }
+    c.env("COHORT_TIMEOUT", "5").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let out = output_within(c, Duration::from_secs(60));
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 1, "{stderr}");
+    assert!(stderr.contains("cannot use the trace folder (--trace-dir)"), "{stderr}");
+    assert!(stderr.contains("its name is not UTF-8 text"), "{stderr}");
+    assert!(!stdout.contains("[rank") && !stderr.contains("[rank"), "no rank started: {stdout}{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}
