@@ -423,7 +423,13 @@ impl FromStr for RdzvConf {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let mut conf = RdzvConf::default();
-        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        if s.trim().is_empty() {
+            return Ok(conf);
+        }
+        for item in s.split(',').map(str::trim) {
+            if item.is_empty() {
+                return Err(format!("'{s}' has an empty item: write KEY=VALUE,KEY=VALUE"));
+            }
             let (key, value) = item.split_once('=').ok_or(format!("'{item}' is not KEY=VALUE"))?;
             let (key, value) = (key.trim(), value.trim());
             let secs = || seconds(value).map_err(|e| format!("{key}: {e}"));
@@ -772,6 +778,11 @@ mod tests {
             Ok(RdzvConf { join_timeout: Some(900.0), last_call_timeout: Some(2.5) })
         );
         assert_eq!(c(""), Ok(RdzvConf::default()));
+        // An empty item is refused, as torchrun refuses it.
+        for bad in ["join_timeout=5,,last_call_timeout=1", "join_timeout=5,", ",", ",,="] {
+            let err = c(bad).unwrap_err();
+            assert!(err.contains(&format!("'{bad}' has an empty item: write KEY=VALUE,KEY=VALUE")), "{bad}: {err}");
+        }
         let err = c("join_timeout=5,bogus=1").unwrap_err();
         assert!(
             err.contains("'bogus' is not a rendezvous setting cohort knows") && err.contains("join_timeout"),
