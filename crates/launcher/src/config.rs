@@ -80,7 +80,7 @@ pub enum LaunchError {
     )]
     LogDirNeeded(&'static str),
     /// `--redirects` or `--tee` names a local rank that does not exist here.
-    #[error("{flag} names local rank {rank}, but this node runs {nproc} ranks (0 to {})", nproc - 1)]
+    #[error("{flag} names local rank {rank}, but this node runs {}", local_ranks(*nproc))]
     BadStreamsRank {
         /// `--redirects` or `--tee`.
         flag: &'static str,
@@ -121,7 +121,7 @@ pub enum LaunchError {
         limit: u64,
     },
     /// `--local-ranks-filter` names a rank that does not exist here.
-    #[error("--local-ranks-filter names local rank {rank}, but this node runs {nproc} ranks (0 to {})", nproc - 1)]
+    #[error("--local-ranks-filter names local rank {rank}, but this node runs {}", local_ranks(*nproc))]
     BadFilter {
         /// The rank named.
         rank: usize,
@@ -165,6 +165,14 @@ pub enum LaunchError {
     /// A signal could not be set up.
     #[error("cannot set up signal forwarding: {0}")]
     Signals(std::io::Error),
+}
+
+/// `1 rank (local rank 0)` or `4 ranks (local ranks 0 to 3)`.
+fn local_ranks(nproc: usize) -> String {
+    match nproc {
+        1 => "1 rank (local rank 0)".to_string(),
+        n => format!("{n} ranks (local ranks 0 to {})", n.saturating_sub(1)),
+    }
 }
 
 /// Everything a launcher needs to run its node's part of the job.
@@ -702,7 +710,14 @@ mod tests {
         let e = sinks("-n 2 --master-port 0 -t 1:1 p").unwrap_err();
         assert!(e.contains("--tee writes the ranks' output to files: add --log-dir DIR"), "{e}");
         let e = sinks("-n 2 --master-port 0 --log-dir d -r 2:3 p").unwrap_err();
-        assert!(e.contains("--redirects names local rank 2, but this node runs 2 ranks"), "{e}");
+        assert!(e.contains("--redirects names local rank 2, but this node runs 2 ranks (local ranks 0 to 1)"), "{e}");
+        let e = sinks("-n 1 --master-port 0 --log-dir d -r 5:3 p").unwrap_err();
+        assert!(e.ends_with("--redirects names local rank 5, but this node runs 1 rank (local rank 0)"), "{e}");
+        let e = sinks("-n 1 --master-port 0 --local-ranks-filter 1 p").unwrap_err();
+        assert!(
+            e.ends_with("--local-ranks-filter names local rank 1, but this node runs 1 rank (local rank 0)"),
+            "{e}"
+        );
     }
 
     #[test]
