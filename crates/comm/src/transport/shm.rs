@@ -136,8 +136,15 @@ impl Segment {
         // Every page now, not at the first write: a sparse file larger than
         // the folder's room (a container's /dev/shm) maps, and a write past
         // the room then kills the rank with SIGBUS.
-        // SAFETY: fd is an open, writable file descriptor we own.
-        match unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, len as libc::off_t) } {
+        // A signal stops a large one on tmpfs (EINTR, even a SIGSTOP): again.
+        let allocated = loop {
+            // SAFETY: fd is an open, writable file descriptor we own.
+            match unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, len as libc::off_t) } {
+                libc::EINTR => continue,
+                rc => break rc,
+            }
+        };
+        match allocated {
             0 => {}
             libc::ENOSPC => {
                 return Err(unlink(io::Error::new(
