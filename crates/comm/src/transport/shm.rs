@@ -136,7 +136,7 @@ impl Segment {
         // Every page now, not at the first write: a sparse file larger than
         // the folder's room (a container's /dev/shm) maps, and a write past
         // the room then kills the rank with SIGBUS.
-        // A signal stops a large one on tmpfs (EINTR, even a SIGSTOP): again.
+        // posix_fallocate may fail with EINTR when a signal is caught: again.
         let allocated = loop {
             // SAFETY: fd is an open, writable file descriptor we own.
             match unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, len as libc::off_t) } {
