@@ -65,6 +65,44 @@ pub const MAX_UNAUTHENTICATED: usize = 256;
 /// every slot taken, closes it.
 pub const EVICT_AFTER: Duration = Duration::from_millis(250);
 
+/// How long a connection is silent before the store probes its peer (TCP
+/// keepalive), between probes, and how many unanswered probes close it: a
+/// client whose host vanished without a word (powered off, cut off: no FIN,
+/// no RST) is seen gone within about 25 s, and its will is set. A peer
+/// whose process is stopped still answers (its kernel does).
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_PROBES: libc::c_int = 3;
+
+/// Turns on TCP keepalive for `stream` with [`KEEPALIVE_IDLE`],
+/// [`KEEPALIVE_INTERVAL`] and [`KEEPALIVE_PROBES`].
+fn probe_when_idle(stream: &TcpStream) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let options = [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, KEEPALIVE_IDLE.as_secs() as libc::c_int),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, KEEPALIVE_INTERVAL.as_secs() as libc::c_int),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, KEEPALIVE_PROBES),
+    ];
+    for (level, name, value) in options {
+        // SAFETY: setsockopt reads one c_int from `value`, which outlives
+        // the call; the descriptor is the open socket `stream` owns.
+        let rc = unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Most threads serving authenticated clients.
 pub const MAX_WORKERS: usize = 8;
 
@@ -1119,6 +1157,9 @@ impl Worker {
             return;
         }
         let _ = stream.set_nodelay(true);
+        if let Err(e) = probe_when_idle(&stream) {
+            tracing::debug!(error = %e, %peer, "rendezvous store could not turn on TCP keepalive for a connection");
+        }
         let mut conn = Conn::new(stream, peer, Phase::Handshake { nonce });
         let mut hello = protocol::Encoder::default();
         hello.0.extend_from_slice(protocol::MAGIC);

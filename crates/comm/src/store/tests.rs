@@ -355,6 +355,37 @@ fn store_will_is_set_when_a_client_vanishes() {
     assert_eq!(watcher.get("node3/gone").unwrap().as_deref(), Some(&b"first"[..]));
 }
 
+/// A client whose host vanishes (powered off, cut off: no FIN, no RST)
+/// must still be seen gone, or its will never fires: an elastic node's
+/// replacement would be refused for good as "still connected". The store
+/// probes its idle connections (TCP keepalive): /proc/net/tcp shows the
+/// keepalive timer (2) running on the store's end of an idle client's.
+#[test]
+fn store_probes_idle_connections_so_a_vanished_host_is_seen_gone() {
+    let s = server();
+    let c = client(&s);
+    c.set("k", b"v").unwrap();
+    let store_port = s.local_addr().port();
+    let client_port = c.socket().local_addr().unwrap().port();
+    // "sl local_address rem_address st tx_queue:rx_queue tr:tm->when ...",
+    // addresses as HEXIP:HEXPORT; tr 1 while an answer's ACK is still due.
+    let port_of = |addr: &str| addr.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+    let start = Instant::now();
+    let (timer, table) = loop {
+        let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+        let timer = table.lines().find_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.len() > 5 && port_of(f[1]) == Some(store_port) && port_of(f[2]) == Some(client_port))
+                .then(|| f[5].split(':').next().unwrap_or_default().to_string())
+        });
+        if timer.as_deref() != Some("01") || start.elapsed() > Duration::from_secs(30) {
+            break (timer, table);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(timer.as_deref(), Some("02"), "the store's end of the connection, in:\n{table}");
+}
+
 #[test]
 fn store_reset_except_keeps_the_prefix() {
     let s = server();
