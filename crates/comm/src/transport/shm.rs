@@ -133,9 +133,16 @@ impl Segment {
         if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
             return Err(unlink(io::Error::last_os_error()));
         }
-        // Every page now, not at the first write: a sparse file larger than
-        // the folder's room (a container's /dev/shm) maps, and a write past
-        // the room then kills the rank with SIGBUS.
+        let ptr = map(fd.as_raw_fd(), len).map_err(unlink)?;
+        let unmap = |err: io::Error| {
+            // SAFETY: ptr/len are the mapping just made, which nothing uses yet.
+            unsafe { libc::munmap(ptr.cast(), len) };
+            err
+        };
+        // Every page now (after the mapping, which may fail without them),
+        // not at the first write: a sparse file larger than the folder's
+        // room (a container's /dev/shm) maps, and a write past the room
+        // then kills the rank with SIGBUS.
         // posix_fallocate may fail with EINTR when a signal is caught: again.
         let allocated = loop {
             // SAFETY: fd is an open, writable file descriptor we own.
@@ -147,18 +154,17 @@ impl Segment {
         match allocated {
             0 => {}
             libc::ENOSPC => {
-                return Err(unlink(io::Error::new(
+                return Err(unmap(unlink(io::Error::new(
                     io::ErrorKind::StorageFull,
                     format!(
                         "{path} needs {len} bytes ({slots} rings of {capacity} bytes and their headers), more than \
                          its folder has free: give the node a larger /dev/shm (`docker run --shm-size`, a tmpfs \
                          of its own) or smaller rings (COHORT_SHM_RING, bytes per ring)"
                     ),
-                )))
+                ))))
             }
-            e => return Err(unlink(io::Error::from_raw_os_error(e))),
+            e => return Err(unmap(unlink(io::Error::from_raw_os_error(e)))),
         }
-        let ptr = map(fd.as_raw_fd(), len).map_err(unlink)?;
         Ok(Segment { ptr, len, capacity, owned: Some(Owned { path: c_path, _lock: fd }) })
     }
 
