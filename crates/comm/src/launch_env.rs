@@ -94,9 +94,14 @@ pub enum LaunchEnvError {
 }
 
 impl LaunchEnv {
-    /// Reads the process environment.
+    /// Reads the process environment. A name or value that is not UTF-8
+    /// is read with U+FFFD in place of the bytes it cannot hold (any
+    /// variable may hold such bytes; one cohort reads is then refused by its
+    /// own check, naming it).
     pub fn from_process() -> Result<LaunchEnv, LaunchEnvError> {
-        Self::from_vars(&std::env::vars().collect())
+        let vars =
+            std::env::vars_os().map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()));
+        Self::from_vars(&vars.collect())
     }
 
     /// Reads the given variables (for tests and for launchers that pass a
@@ -217,6 +222,18 @@ fn first_tasks_per_node(value: &str) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_variable_that_is_not_utf8_is_read_not_panicked_on() {
+        use std::os::unix::ffi::OsStrExt;
+        // Any variable of the process, not only cohort's: `env::vars()`
+        // panicked on it, so every rank exited 101.
+        let bytes = std::ffi::OsStr::from_bytes(b"\xff\xfe");
+        std::env::set_var("COHORT_TEST_NOT_UTF8", bytes);
+        let read = std::panic::catch_unwind(LaunchEnv::from_process);
+        std::env::remove_var("COHORT_TEST_NOT_UTF8");
+        assert!(read.is_ok(), "reading the environment panicked on a value that is not UTF-8");
+    }
 
     fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
