@@ -259,11 +259,7 @@ fn interrupted(sig: libc::c_int, node: u32) -> Verdict {
 
 fn timed_out(cfg: &JobConfig, running: &[usize], stopped: &[usize]) -> Verdict {
     let secs = cfg.timeout.map_or(0.0, |t| t.as_secs_f64());
-    let mut who = if running.is_empty() {
-        "its ranks had finished but other nodes' had not".to_string()
-    } else {
-        format!("ranks {} were still running and were stopped", join(running))
-    };
+    let mut who = still_running(running);
     for rank in stopped {
         who.push_str(&format!("; rank {rank} was itself stopped (SIGSTOP, Ctrl-Z or a debugger) when time ran out"));
     }
@@ -271,6 +267,15 @@ fn timed_out(cfg: &JobConfig, running: &[usize], stopped: &[usize]) -> Verdict {
         restartable: false,
         exit_code: TIMEOUT_EXIT,
         summary: format!("the job ran past --timeout {secs} s on node {}: {who}", cfg.node_rank),
+    }
+}
+
+/// What a timeout found of this node's ranks still `running`, in words.
+fn still_running(running: &[usize]) -> String {
+    match running {
+        [] => "its ranks had finished but other nodes' had not".to_string(),
+        [rank] => format!("rank {rank} was still running and was stopped"),
+        _ => format!("ranks {} were still running and were stopped", join(running)),
     }
 }
 
@@ -286,4 +291,14 @@ fn lost_store(why: String) -> Verdict {
 
 fn join(ranks: &[usize]) -> String {
     ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_timeout_counts_the_ranks_it_stopped() {
+        assert_eq!(super::still_running(&[0]), "rank 0 was still running and was stopped");
+        assert_eq!(super::still_running(&[0, 3]), "ranks 0, 3 were still running and were stopped");
+        assert!(super::still_running(&[]).contains("other nodes'"));
+    }
 }

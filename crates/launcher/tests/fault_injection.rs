@@ -40,7 +40,7 @@ fn run_case(dir: &Path, cmd: Command) -> (i32, String) {
     let secs = start.elapsed().as_secs_f64();
     let (_, stderr) = texts(&out);
     let code = code(out.status, &out);
-    let left = wait_all_gone(&read_pids(dir), Duration::from_secs(2));
+    let left = wait_all_gone(&read_pids(dir), Duration::from_secs(10));
     assert!(left.is_empty(), "ranks left alive: {left:?}\n{stderr}");
     eprintln!("case took {secs:.2} s, exit {code}:\n{stderr}");
     (code, stderr)
@@ -55,7 +55,7 @@ fn fault_sigkill_inside_an_all_reduce() {
     assert!(stderr.contains("SIGKILL inside an all_reduce"), "its last lines: {stderr}");
     // The survivors wrote their flight recorders when asked (SIGUSR1).
     assert!(stderr.contains("first collective not finished everywhere: #"), "{stderr}");
-    assert!(stderr.contains("ranks without a dump (dead before writing?): 1"), "{stderr}");
+    assert!(stderr.contains("ranks without a dump (ended before writing one?): 1"), "{stderr}");
     // `cohort trace` reads the same dumps.
     let out = Command::new(COHORT).arg("trace").arg(dir.join("trace")).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "{:?}", texts(&out));
@@ -197,7 +197,7 @@ fn fault_the_store_is_killed() {
     let (_, stderr) = texts(&out);
     assert_eq!(code(out.status, &out), 1, "{stderr}");
     assert!(stderr.contains("lost the rendezvous store") && stderr.contains(&addr), "{stderr}");
-    let left = wait_all_gone(&read_pids(&dir), Duration::from_secs(2));
+    let left = wait_all_gone(&read_pids(&dir), Duration::from_secs(10));
     assert!(left.is_empty(), "ranks left alive: {left:?}");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -402,7 +402,7 @@ impl fmt::Display for MergeReport {
         }
         writeln!(f, "ranks with a dump: {} of {}", self.ranks.len(), self.world_size)?;
         if !self.missing_dumps.is_empty() {
-            writeln!(f, "ranks without a dump (dead before writing?): {}", list(&self.missing_dumps))?;
+            writeln!(f, "ranks without a dump (ended before writing one?): {}", list(&self.missing_dumps))?;
         }
         writeln!(f, "collectives every rank finished: {}", self.completed)?;
         match &self.first_unfinished {
@@ -625,7 +625,7 @@ mod tests {
         let report = within(60, move || merge(&dumps));
         assert_eq!(report.missing_dumps.len(), 4_194_303);
         let text = report.to_string();
-        assert!(text.contains("(dead before writing?): 0, 2-4194303\n"), "{}", &text[..text.len().min(500)]);
+        assert!(text.contains("(ended before writing one?): 0, 2-4194303\n"), "{}", &text[..text.len().min(500)]);
         assert!(text.len() < 1000, "{} bytes", text.len());
     }
 
