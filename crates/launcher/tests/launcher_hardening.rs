@@ -298,8 +298,8 @@ fn processes_that_left_the_ranks_groups_holding_their_output_are_killed() {
     let out = wait_output(child, Duration::from_secs(30));
     let (stdout, stderr) = texts(&out);
     assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
-    assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
-    assert_eq!(wait_all_gone(&pids, Duration::from_secs(5)), Vec::<i32>::new(), "escapees left running: {stderr}");
+    assert!(start.elapsed() < Duration::from_secs(25), "took {:?}", start.elapsed());
+    assert_eq!(wait_all_gone(&pids, Duration::from_secs(15)), Vec::<i32>::new(), "escapees left running: {stderr}");
     for pid in &pids {
         assert!(stderr.contains(&pid.to_string()), "the launcher names what it killed ({pid}): {stderr}");
     }
@@ -358,7 +358,7 @@ fn a_rank_that_closes_its_output_is_waited_for_and_forked_children_are_gone() {
     assert_eq!(code(out.status, &out), 5, "{stderr}");
     assert!(stderr.contains("rank 0 failed first: it exited with code 5 after 1."), "{stderr}");
     assert_eq!(children.len(), 200);
-    assert_eq!(wait_all_gone(&children, Duration::from_secs(5)), Vec::<i32>::new(), "children left running");
+    assert_eq!(wait_all_gone(&children, Duration::from_secs(15)), Vec::<i32>::new(), "children left running");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -387,7 +387,7 @@ fn an_escapee_that_keeps_starting_escapees_leaves_none() {
     let after = read();
     let _guard2 = KillOnDrop(after.clone());
     assert_eq!(after.len(), started.len(), "the escapee still starts processes: {stderr}");
-    assert_eq!(wait_all_gone(&after, Duration::from_secs(5)), Vec::<i32>::new(), "left running: {stderr}");
+    assert_eq!(wait_all_gone(&after, Duration::from_secs(15)), Vec::<i32>::new(), "left running: {stderr}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
