@@ -46,10 +46,13 @@ pub enum Command {
     Store(StoreArgs),
     /// Show where every rank of a running (or hung) job is: its state, the
     /// collective it is in and for how long, its last heartbeat, and which
-    /// ranks the others wait for. Needs the job's store address and secret
+    /// ranks the others wait for. On the machine of a `cohort run` of yours
+    /// it needs nothing: it finds the newest such job (its private run
+    /// file). Elsewhere it needs the job's store address and secret
     /// (COHORT_STORE_ADDR and COHORT_JOB_SECRET, or the flags).
     ///
-    /// Example: COHORT_JOB_SECRET=s cohort status --store-addr node0:29501 --watch 1
+    /// Example: cohort status --watch 1
+    /// Example: COHORT_JOB_SECRET=s cohort status --store-addr node0:29501
     Status(StatusArgs),
     /// Print every COHORT_* variable: its current value (secrets masked),
     /// its default and what it does. Exits with 1 when a set value cannot
@@ -90,7 +93,8 @@ pub struct TraceArgs {
 /// Options of `cohort status`.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// The job's store, HOST:PORT (default COHORT_STORE_ADDR).
+    /// The job's store, HOST:PORT (default COHORT_STORE_ADDR, else the
+    /// newest `cohort run` of yours on this machine).
     #[arg(long, value_name = "HOST:PORT")]
     pub store_addr: Option<String>,
     /// A file holding the job's secret (default COHORT_JOB_SECRET); a file,
@@ -441,7 +445,8 @@ pub struct RunArgs {
     /// Print the job's start-up phases on stderr once its first communicator
     /// is formed: launcher start, store up, ranks started, all ranks joined,
     /// links formed, NCCL chosen (with its unique id shared), each in ms
-    /// from this launcher's start.
+    /// from this launcher's start; and the `cohort status` line that shows
+    /// where the ranks are.
     #[arg(long)]
     pub timings: bool,
 
