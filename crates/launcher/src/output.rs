@@ -229,22 +229,48 @@ impl Sinks {
 }
 
 /// Opens (making it where missing) the log folder `dir` as a private folder
-/// (see `cohort_runtime::private_fs`), refusing a symbolic link anywhere on
-/// the path as given, not only at its end: a link in the middle sends the
-/// logs wherever it points, a place another user may choose. A file on the
-/// path is named as not a folder.
+/// (see `cohort_runtime::private_fs`). A symbolic link on the path as given
+/// is followed only when no other user could have placed or replaced it
+/// ([`trusted_link`]): a link in the middle sends the logs wherever it
+/// points, a place another user may choose, while system links
+/// (`/home -> var/home`, `/scratch -> /lustre/..`) and the user's own are
+/// what a path usually runs through. The last component is never a link
+/// (`PrivateDir` refuses it). A file on the path is named as not a folder.
 pub fn open_log_dir(dir: &Path) -> Result<PrivateDir, PrivateFsError> {
     let mut path = PathBuf::new();
     for part in dir.components() {
         path.push(part);
         match std::fs::symlink_metadata(&path) {
-            Ok(m) if m.file_type().is_symlink() => return Err(PrivateFsError::Symlink { path }),
+            Ok(m) if m.file_type().is_symlink() && !trusted_link(&path, &m) => {
+                return Err(PrivateFsError::Symlink { path })
+            }
+            Ok(m) if m.file_type().is_symlink() => {}
             // A file where a folder must be: named, not "Not a directory".
             Ok(m) if !m.is_dir() => return Err(PrivateFsError::WrongKind { path, expected: "folder" }),
             _ => {}
         }
     }
     PrivateDir::open_or_create(dir)
+}
+
+/// Whether the link at `path` (its `lstat` is `link`) was placed by root or
+/// this user, in a folder of root or this user where no other user may
+/// replace it (not writable by group or others, or sticky, as `/tmp` is).
+fn trusted_link(path: &Path, link: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if link.uid() != 0 && link.uid() != me {
+        return false;
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    // A folder's owner may always replace its entries; others may where
+    // they can write to it, unless it is sticky.
+    std::fs::metadata(parent).is_ok_and(|folder| {
+        let owned = folder.uid() == 0 || folder.uid() == me;
+        let open_to_others = folder.mode() & 0o022 != 0 && folder.mode() & 0o1000 == 0;
+        owned && !open_to_others
+    })
 }
 
 /// The log folder of `rank` in `attempt` under `log_dir`.

@@ -709,20 +709,47 @@ fn a_console_that_stops_reading_holds_back_output_not_supervision() {
 }
 
 #[test]
-fn a_link_in_the_middle_of_the_log_path_is_refused_naming_it() {
-    // --log-dir <dir>/link/logs with `link` pointing elsewhere: before, the
-    // logs went wherever it pointed (only the last component was checked).
+fn a_link_in_the_middle_of_the_log_path_is_followed_only_when_no_other_user_could_place_it() {
+    use std::os::unix::fs::PermissionsExt;
+    // --log-dir <dir>/link/logs with `link` pointing elsewhere. A link of
+    // another user, or one in a folder others may write to, could send the
+    // logs wherever they choose: refused, and nothing is made through it.
+    // A link of root or this user in a folder of theirs (`/home ->
+    // var/home`) is followed.
+    let run = |dir: &std::path::Path| {
+        let logs = dir.join("link/logs");
+        let opts = ["-n", "1", "--master-port", "0", "--log-dir", logs.to_str().unwrap()];
+        output_within(cohort_run_program("sh", &opts, &["-c", "echo private"]), LIMIT)
+    };
+    let refused = |dir: &std::path::Path, real: &std::path::Path, why: &str| {
+        let out = run(dir);
+        let (_, stderr) = texts(&out);
+        assert_eq!(code(out.status, &out), 1, "{why}: {stderr}");
+        assert!(stderr.contains(&format!("{} is a symbolic link", dir.join("link").display())), "{why}: {stderr}");
+        assert!(!real.join("logs").exists(), "{why}: the log folder was made through the link");
+    };
     let dir = temp_dir("log-link-middle");
     let real = dir.join("real");
     std::fs::create_dir(&real).unwrap();
     std::os::unix::fs::symlink(&real, dir.join("link")).unwrap();
-    let logs = dir.join("link/logs");
-    let opts = ["-n", "1", "--master-port", "0", "--log-dir", logs.to_str().unwrap()];
-    let out = output_within(cohort_run_program("sh", &opts, &["-c", "echo private"]), LIMIT);
+
+    // Another user's link (the tests run as root, who may give it away).
+    std::os::unix::fs::lchown(dir.join("link"), Some(65534), Some(65534))
+        .expect("giving the link to another user needs root (CI runs the tests as root)");
+    refused(&dir, &real, "another user's link");
+
+    // This user's link in a folder anyone may write to, not sticky.
+    std::os::unix::fs::lchown(dir.join("link"), Some(0), Some(0)).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    refused(&dir, &real, "a link in a folder open to others");
+
+    // This user's link in this user's folder: followed, as a system link is.
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = run(&dir);
     let (_, stderr) = texts(&out);
-    assert_eq!(code(out.status, &out), 1, "{stderr}");
-    assert!(stderr.contains(&format!("{} is a symbolic link", dir.join("link").display())), "{stderr}");
-    assert!(!real.join("logs").exists(), "the log folder was made through the link");
+    assert_eq!(code(out.status, &out), 0, "{stderr}");
+    let log = std::fs::read_to_string(real.join("logs/attempt_0/rank_0/stdout.log")).unwrap();
+    assert!(log.contains("private"), "{log}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
