@@ -114,10 +114,36 @@ pub(crate) fn create_for(job: &str, rank: usize, slots: usize, capacity: usize) 
     ))
 }
 
+/// What `posix_fallocate`'s result for a new segment means.
+#[derive(Debug, PartialEq, Eq)]
+enum Allocation {
+    /// Every page is there.
+    Done,
+    /// The folder's filesystem cannot allocate ahead (`EOPNOTSUPP`,
+    /// `EINVAL`: a `/dev/shm` that is not tmpfs, as under gVisor and some
+    /// sandboxes): the file stays sparse, its pages come at the first write.
+    Sparse,
+    /// Too little room in the folder (`ENOSPC`): an error naming the bytes.
+    NoRoom,
+    /// Any other error, the set-up's error.
+    Failed,
+}
+
+/// What `posix_fallocate` returning `rc` means (see [`Allocation`]).
+fn allocation(rc: i32) -> Allocation {
+    match rc {
+        0 => Allocation::Done,
+        libc::EOPNOTSUPP | libc::EINVAL => Allocation::Sparse,
+        libc::ENOSPC => Allocation::NoRoom,
+        _ => Allocation::Failed,
+    }
+}
+
 impl Segment {
     /// Creates (exclusively) and maps the file at `path` with `slots` rings
     /// of `capacity` bytes each, zeroed and allocated (an error naming the
-    /// room it needs when its folder has less), and holds its lock until
+    /// room it needs when its folder has less; sparse where the folder's
+    /// filesystem cannot allocate ahead), and holds its lock until
     /// [`Segment::unlink`] (or drop).
     pub(crate) fn create(path: &str, slots: usize, capacity: usize) -> io::Result<Segment> {
         let c_path = CString::new(path).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
@@ -142,7 +168,8 @@ impl Segment {
         // Every page now (after the mapping, which may fail without them),
         // not at the first write: a sparse file larger than the folder's
         // room (a container's /dev/shm) maps, and a write past the room
-        // then kills the rank with SIGBUS.
+        // then kills the rank with SIGBUS. A folder whose filesystem cannot
+        // allocate ahead (not tmpfs) keeps the sparse file, as before.
         // posix_fallocate may fail with EINTR when a signal is caught: again.
         let allocated = loop {
             // SAFETY: fd is an open, writable file descriptor we own.
@@ -151,9 +178,14 @@ impl Segment {
                 rc => break rc,
             }
         };
-        match allocated {
-            0 => {}
-            libc::ENOSPC => {
+        match allocation(allocated) {
+            Allocation::Done => {}
+            Allocation::Sparse => tracing::debug!(
+                path,
+                error = %io::Error::from_raw_os_error(allocated),
+                "this folder's filesystem cannot allocate ahead (not tmpfs?): the file stays sparse"
+            ),
+            Allocation::NoRoom => {
                 return Err(unmap(unlink(io::Error::new(
                     io::ErrorKind::StorageFull,
                     format!(
@@ -163,7 +195,7 @@ impl Segment {
                     ),
                 ))))
             }
-            e => return Err(unmap(unlink(io::Error::from_raw_os_error(e)))),
+            Allocation::Failed => return Err(unmap(unlink(io::Error::from_raw_os_error(allocated)))),
         }
         Ok(Segment { ptr, len, capacity, owned: Some(Owned { path: c_path, _lock: fd }) })
     }
@@ -862,6 +894,20 @@ mod tests {
             Err(_) if std::fs::symlink_metadata(at).is_ok() => 5,
             Err(_) => 0,
         }
+    }
+
+    /// `posix_fallocate`'s answer: a folder that cannot allocate ahead
+    /// keeps the sparse file (as before allocating); only a full one is the
+    /// clear error.
+    #[test]
+    fn a_folder_that_cannot_allocate_ahead_keeps_a_sparse_file_and_only_a_full_one_is_refused() {
+        assert_eq!(allocation(0), Allocation::Done);
+        // A /dev/shm that is not tmpfs (gVisor, some sandboxes).
+        assert_eq!(allocation(libc::EOPNOTSUPP), Allocation::Sparse);
+        assert_eq!(allocation(libc::EINVAL), Allocation::Sparse);
+        assert_eq!(allocation(libc::ENOSPC), Allocation::NoRoom);
+        assert_eq!(allocation(libc::EIO), Allocation::Failed);
+        assert_eq!(allocation(libc::EFBIG), Allocation::Failed);
     }
 
     /// A rank that creates its file while a sweep holds it (the moment
