@@ -135,6 +135,46 @@ fn status_without_a_store_or_with_a_wrong_secret_is_a_clear_error() {
     assert!(text.contains("0 ranks") && text.contains("not formed yet"), "{text}");
 }
 
+/// Run files a reader in this pid namespace must leave alone: another
+/// namespace's (a container sharing the folder), whose pid means nothing
+/// here, and one named without a namespace (an older cohort's, maybe of
+/// another namespace). `cohort status` neither shows nor removes them.
+#[test]
+fn status_leaves_the_run_files_of_another_pid_namespace() {
+    let runtime = private_dir("status-other-ns");
+    let cohort_dir = runtime.join("cohort");
+    std::fs::create_dir(&cohort_dir).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&cohort_dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
+    let ours = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata("/proc/self/ns/pid").unwrap());
+    let theirs = ours + 1;
+    // Pids above the kernel's largest (2^22): no process here has them.
+    let gone = 1u32 << 23;
+    for (stem, pidns) in
+        [(format!("job-{gone}-{theirs}"), format!("pidns={theirs}\n")), (format!("job-{gone}"), String::new())]
+    {
+        let run = format!("addr=127.0.0.1:1\npid={gone}\n{pidns}start=5\nsince=1\n");
+        write_private(&cohort_dir.join(format!("{stem}.run")), &run);
+        write_private(&cohort_dir.join(format!("{stem}.secret")), "s");
+    }
+    let (code, _, stderr) = status_no_flags(&runtime, &[]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("no `cohort run` of yours runs on this machine"), "{stderr}");
+    let left = std::fs::read_dir(&cohort_dir).unwrap().count();
+    assert_eq!(left, 4, "the run files of another pid namespace survive `cohort status`");
+    let _ = std::fs::remove_dir_all(runtime);
+}
+
+/// Writes `text` into a new file at `path`, 0600.
+fn write_private(path: &Path, text: &str) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).unwrap();
+    file.write_all(text.as_bytes()).unwrap();
+}
+
 /// A fresh folder of this user's, 0700 (a runtime folder for one test).
 fn private_dir(name: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
@@ -297,7 +337,9 @@ fn status_with_no_flags_finds_a_one_node_job() {
     assert_eq!(code, Some(0), "{stderr}");
     assert!(text.contains("1 ranks on 1 node(s)"), "{text}");
     let cohort_dir = runtime.join("cohort");
-    let secret = cohort_dir.join(format!("job-{}.secret", first.id()));
+    // Named by the launcher's pid and pid namespace (ours: it is our child).
+    let pidns = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata("/proc/self/ns/pid").unwrap());
+    let secret = cohort_dir.join(format!("job-{}-{pidns}.secret", first.id()));
     {
         use std::os::unix::fs::PermissionsExt;
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
