@@ -2,7 +2,9 @@
 //! prog"`) both inherit the rank's node relay sockets (`COHORT_STORE_FD`):
 //! exactly one takes them and the other connects to the store directly,
 //! so neither reads the other's answers (they once crossed, "unexpected
-//! answer Int(2)", and the job hung to its timeout 4 runs of 5).
+//! answer Int(2)", and the job hung to its timeout 4 runs of 5). Two
+//! programs that one rank runs one after the other, the first killed
+//! before an answer came, never cross answers either.
 
 mod common;
 
@@ -50,6 +52,72 @@ fn relay_claim_probe() {
         let value = format!("{me}/{i}");
         store.set(&format!("last/{me}"), value.as_bytes()).expect("set");
         assert_eq!(store.get(&format!("last/{me}")).expect("get").as_deref(), Some(value.as_bytes()), "{me} ({how})");
+    }
+}
+
+/// Set in the programs of [`a_program_after_one_killed_mid_request_gets_its_own_store_answers`]:
+/// what the probe does (`waits` or `after`).
+const SEQ_PROBE: &str = "RELAY_SEQ_PROBE";
+
+/// A rank runs one program, then another (`prog1; prog2`, `until prog;
+/// do sleep 1; done`): the first sends a `wait` through the rank's relay
+/// socket and is killed before its answer; the answer comes later, into
+/// the socket the rank's shell still holds. The second program takes the
+/// socket and gets its own answers, never that stale one (it got
+/// "unexpected answer WaitTimeout" for its first add).
+#[test]
+fn a_program_after_one_killed_mid_request_gets_its_own_store_answers() {
+    let me = std::env::current_exe().expect("this test binary");
+    let probe = format!("{} relay_seq_probe --exact --ignored --nocapture", me.display());
+    let mark = std::env::temp_dir().join(format!("cohort-relay-seq-{}", std::process::id()));
+    let mark = mark.display();
+    let script = format!(
+        "rm -f {mark}.$RANK; RELAY_SEQ_PROBE=waits {probe} & first=$!; \
+         while [ ! -e {mark}.$RANK ]; do sleep 0.1; done; kill -9 $first; wait $first; rm -f {mark}.$RANK; \
+         RELAY_SEQ_PROBE=after {probe}"
+    );
+    let mut cmd = cohort_run_program("sh", &["-n", "2", "--no-python"], &["-c", &script]);
+    cmd.env("RELAY_SEQ_MARK", mark.to_string()).env("OMP_NUM_THREADS", "1");
+    let out = output_within(cmd, Duration::from_secs(120));
+    let (stdout, stderr) = texts(&out);
+    assert_eq!(code(out.status, &out), 0, "{stdout}\n{stderr}");
+    for rank in 0..2 {
+        let said = |what: &str| {
+            stdout.lines().filter(|l| l.starts_with(&format!("[rank {rank}]")) && l.contains(what)).count()
+        };
+        assert_eq!(said("relay seq probe waits: relayed"), 1, "rank {rank}: {stdout}");
+        assert_eq!(said("relay seq probe after: relayed"), 1, "rank {rank}: {stdout}");
+        assert_eq!(said("1 passed"), 1, "rank {rank}: {stdout}");
+    }
+}
+
+#[test]
+#[ignore = "run by a_program_after_one_killed_mid_request_gets_its_own_store_answers, as a program of a rank"]
+fn relay_seq_probe() {
+    let Some(mode) = std::env::var_os(SEQ_PROBE) else { return };
+    let mode = mode.to_string_lossy().into_owned();
+    let addr = std::env::var("COHORT_STORE_ADDR").expect("COHORT_STORE_ADDR");
+    let secret = std::env::var("COHORT_JOB_SECRET").expect("COHORT_JOB_SECRET");
+    let store = StoreClient::connect_rank(&addr, secret, Duration::from_secs(30)).expect("reach the store");
+    let how = if format!("{store:?}").contains("through this node's relay") { "relayed" } else { "direct" };
+    println!("relay seq probe {mode}: {how}");
+    let rank = std::env::var("RANK").expect("RANK");
+    if mode == "waits" {
+        // A wait whose answer (a timeout) comes after this program is
+        // killed, once the shell sees the mark.
+        let key = format!("never/{rank}");
+        std::thread::spawn(move || store.wait(&[&key], Duration::from_secs(4)));
+        std::thread::sleep(Duration::from_millis(300));
+        let mark = std::env::var("RELAY_SEQ_MARK").expect("RELAY_SEQ_MARK");
+        std::fs::write(format!("{mark}.{rank}"), b"").expect("write the mark");
+        std::thread::sleep(Duration::from_secs(60));
+        panic!("the program that waits was to be killed");
+    }
+    for i in 1..=50i64 {
+        assert_eq!(store.add(&format!("count/{rank}"), 1).expect("add"), i, "{rank} ({how})");
+        let value = format!("{rank}/{i}");
+        store.set(&format!("last/{rank}"), value.as_bytes()).expect("set");
+        assert_eq!(store.get(&format!("last/{rank}")).expect("get").as_deref(), Some(value.as_bytes()), "{rank}");
     }
 }
 

@@ -187,13 +187,16 @@ impl StoreClient {
 
     /// The client a rank uses to reach the store at `addr`: over its node
     /// relay's socket when the launcher passed it some in `COHORT_STORE_FD`
-    /// (each is taken once per process, in order; once they are all taken,
+    /// (each is taken once per process, in order, and first cleared of the
+    /// answers an earlier program of the rank left in it, one round trip
+    /// that waits at most `timeout`: a socket that cannot be cleared is
+    /// left and this call connects directly; once they are all taken,
     /// calls connect directly), otherwise
     /// [`StoreClient::connect_pipelined`]. A descriptor that is not an open
     /// socket, or a value that is not a list of descriptors, is an error
     /// naming the variable.
     pub fn connect_rank(addr: &str, secret: impl AsRef<[u8]>, timeout: Duration) -> Result<Self> {
-        match take_relay_socket()? {
+        match take_relay_socket(timeout)? {
             Some(socket) => Self::over_relay(socket, addr, secret, timeout),
             None => Self::connect_pipelined(addr, secret, timeout),
         }
@@ -230,7 +233,7 @@ impl StoreClient {
     /// session of the relay's connection, with its own will, no handshake.
     pub fn duplicate(&self) -> Result<StoreClient> {
         if self.relayed {
-            if let Some(socket) = take_relay_socket()? {
+            if let Some(socket) = take_relay_socket(self.timeout)? {
                 return StoreClient::over_relay(socket, self.direct.as_str(), &self.secret, self.timeout);
             }
         }

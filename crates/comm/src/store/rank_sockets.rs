@@ -1,36 +1,113 @@
 //! The node relay's sockets as a rank's process finds them: the
 //! descriptors the launcher lists in `COHORT_STORE_FD`, checked, and
-//! claimed by one process of the rank alone (see [`claim_relay_sockets`]).
+//! claimed by one process of the rank alone (see [`claim_relay_sockets`]),
+//! each cleared of the answers an earlier program of the rank left in it
+//! (see [`synchronise`]) before this one uses it.
 
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram, UnixStream};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use super::error::{Result, StoreError};
+use super::protocol::{self, Request, Response};
 
 /// The relay sockets this process claimed, not taken yet; `None` until
 /// `COHORT_STORE_FD` is read.
 static RELAY_SOCKETS: Mutex<Option<RelayClaim>> = Mutex::new(None);
 
 /// The next relay socket of `COHORT_STORE_FD` this process claimed and has
-/// not taken yet, checked; `None` once they are all taken, or when this
+/// not taken yet, checked and [synchronised](synchronise) (waiting at most
+/// `within` for that); `None` once they are all taken, or when this
 /// process claimed none (it connects directly), or when the claim is the
 /// parent's of this forked child (the parent's copies of the sockets are
-/// the parent's, and answers would cross).
-pub(crate) fn take_relay_socket() -> Result<Option<UnixStream>> {
+/// the parent's, and answers would cross), or when the socket could not be
+/// synchronised (an earlier program of the rank left it unusable: this
+/// one connects directly).
+pub(crate) fn take_relay_socket(within: Duration) -> Result<Option<UnixStream>> {
     let mut pool = RELAY_SOCKETS.lock();
     if pool.is_none() {
         let fds = cohort_runtime::config::STORE_FD.get().map_err(|e| StoreError::Relay(e.to_string()))?;
         *pool = Some(claim_relay_sockets(fds.unwrap_or_default()));
     }
-    match pool.as_mut().filter(|p| p.owner == std::process::id()).and_then(|p| p.fds.pop_front()) {
-        Some(fd) => relay_socket(fd).map(Some),
-        None => Ok(None),
+    let Some(fd) = pool.as_mut().filter(|p| p.owner == std::process::id()).and_then(|p| p.fds.pop_front()) else {
+        return Ok(None);
+    };
+    let mut socket = relay_socket(fd)?;
+    match synchronise(&mut socket, within) {
+        Ok(stale) => {
+            if stale > 0 {
+                tracing::debug!(stale, "dropped answers an earlier program of this rank left in its relay socket");
+            }
+            Ok(Some(socket))
+        }
+        Err(e) => {
+            tracing::info!(
+                "this rank's relay socket (COHORT_STORE_FD) is not usable ({e}; an earlier program of the rank \
+                 died half-way through a request?): connecting to the store directly"
+            );
+            Ok(None)
+        }
     }
+}
+
+/// Answers an earlier program of the rank may have left in one relay
+/// socket, at most (the relay passes a rank's requests a few dozen at a
+/// time, then waits for their answers to be read).
+const STALE_ANSWERS_MAX: usize = 256;
+
+/// Reads and drops every answer left in relay socket `socket` for an
+/// earlier program of this rank (one run before this one in the same rank,
+/// `prog1; prog2`, killed before its answer came: the socket outlives it,
+/// held open by the rank's shell), so that this program never reads one as
+/// its own. Sends a request whose answer is this call's alone (an add of
+/// a random amount to a fresh random key, and the key's delete) and reads
+/// answers until that one; the relay answers a rank's requests in order,
+/// so every stale answer comes before it (one still due, to a `wait` the
+/// earlier program sent, comes first too: this call waits for it). Returns
+/// how many it dropped. Fails when no answer came within `within`, when
+/// more than [`STALE_ANSWERS_MAX`] came first, when the relay refused (an
+/// earlier program's half-written request swallowed this one's bytes, or
+/// the store is lost) or an answer did not decode: the socket is not used.
+fn synchronise(socket: &mut UnixStream, within: Duration) -> io::Result<usize> {
+    let mut random = [0u8; 24];
+    getrandom::fill(&mut random).map_err(|e| io::Error::other(format!("no randomness: {e}")))?;
+    let delta = i64::from_le_bytes(random[..8].try_into().expect("8 bytes"));
+    let key: String = random[8..].iter().fold("cohort/relay-sync/".into(), |mut k, b| {
+        k.push_str(&format!("{b:02x}"));
+        k
+    });
+    let deadline = Instant::now() + within.max(Duration::from_millis(1));
+    socket.set_write_timeout(Some(within.max(Duration::from_millis(1))))?;
+    let sync = [Request::Add { key: key.clone(), delta }.encode(), Request::Delete { key }.encode()];
+    protocol::write_frames(socket, &sync)?;
+    let mut next_answer = || -> io::Result<Response> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        socket.set_read_timeout(Some(left))?;
+        let body = protocol::read_frame(socket)?;
+        Response::decode(&body).map_err(|detail| io::Error::new(io::ErrorKind::InvalidData, detail))
+    };
+    let unexpected = |what: &str, r: Response| io::Error::new(io::ErrorKind::InvalidData, format!("{what}: {r:?}"));
+    for stale in 0..=STALE_ANSWERS_MAX {
+        match next_answer()? {
+            Response::Int(n) if n == delta => {
+                return match next_answer()? {
+                    Response::Bool(true) => Ok(stale),
+                    r => Err(unexpected("the answer to deleting its key", r)),
+                };
+            }
+            r @ Response::Refused(_) => return Err(unexpected("the relay refused", r)),
+            _ => {}
+        }
+    }
+    Err(io::Error::new(io::ErrorKind::InvalidData, format!("more than {STALE_ANSWERS_MAX} answers left in it")))
 }
 
 /// The relay sockets one process took, and what holds them for it alone.

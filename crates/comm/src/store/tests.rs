@@ -2016,6 +2016,94 @@ fn store_server_grows_the_descriptor_table_child() {
 /// holding the child's name.
 const CLAIM_CHILD: &str = "STORE_RELAY_CLAIM_CHILD";
 
+/// Runs [`store_relay_claim_child`] named `name` in a fresh process of
+/// this test binary that inherits the rank's relay socket `fd` (as
+/// `COHORT_STORE_FD`), as a rank's program does; it starts once `go`
+/// exists.
+fn claim_child(name: &str, go: &std::path::Path, addr: &str, fd: std::os::fd::RawFd) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(std::env::current_exe().expect("this test binary"));
+    cmd.args(["store::tests::store_relay_claim_child", "--exact", "--ignored", "--nocapture"])
+        .env(CLAIM_CHILD, name)
+        .env("CLAIM_CHILD_GO", go)
+        .env("CLAIM_CHILD_STORE", addr)
+        .env("COHORT_STORE_FD", fd.to_string())
+        .env_remove("COHORT_LOG")
+        .env_remove("RUST_LOG");
+    // SAFETY: the closure runs in the child between fork and exec and only
+    // calls fcntl (async-signal-safe) on the rank's end, which the child
+    // inherits as a rank does from its launcher.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::fcntl(fd, libc::F_SETFD, 0);
+            Ok(())
+        });
+    }
+    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    cmd.spawn().expect("run this test binary again")
+}
+
+/// Two programs that one rank runs one after the other (`prog1; prog2`,
+/// `until prog; do sleep 1; done`): the first sends a `wait` through the
+/// rank's relay socket and is killed before its answer comes; the answer
+/// then sits in the socket (the rank's shell holds it open, as this test
+/// does). The second takes the socket and never reads that stale answer
+/// as its own: every answer it gets is right (it once got "unexpected
+/// answer Ok" for its first add).
+#[test]
+fn store_a_program_killed_mid_request_leaves_no_answer_to_the_next_program_of_its_rank() {
+    use std::io::BufRead;
+    use std::os::fd::AsRawFd;
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let (_relay, ends) = StoreRelay::start(&addr, SECRET, 1, T).unwrap();
+    let fd = ends[0].as_raw_fd();
+    let go = std::env::temp_dir().join(format!("cohort-claim-seq-{}", std::process::id()));
+    std::fs::write(&go, b"").unwrap();
+    let mut first = claim_child("waits", &go, &addr, fd);
+    let mut lines = std::io::BufReader::new(first.stdout.take().unwrap()).lines();
+    let said = lines.map_while(|l| l.ok()).find(|l| l.contains("claim child:"));
+    assert_eq!(said.as_deref(), Some("claim child: relayed"), "the first program takes the rank's relay socket");
+    // Its wait is on its way (sent right after that line); kill it before
+    // the answer, then let the answer come.
+    std::thread::sleep(Duration::from_millis(500));
+    first.kill().unwrap();
+    first.wait().unwrap();
+    client(&s).set("late", b"1").unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let out = claim_child("b", &go, &addr, fd).wait_with_output().unwrap();
+    let _ = std::fs::remove_file(&go);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    assert!(text.contains("claim child: relayed"), "the second program takes the relay socket too: {text}");
+}
+
+/// A program of a rank killed half-way through writing a request leaves
+/// half a frame in the rank's relay socket: the next program of the rank
+/// does not use that socket (its first request would be read as the rest
+/// of the dead one's), but connects to the store directly, and all its
+/// answers are right.
+#[test]
+fn store_a_half_written_request_in_a_rank_relay_socket_makes_the_next_program_connect_directly() {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let (_relay, mut ends) = StoreRelay::start(&addr, SECRET, 1, T).unwrap();
+    let fd = ends[0].as_raw_fd();
+    // A frame of 30 bytes of which 5 came (the first is no request's tag).
+    let mut half = 30u32.to_le_bytes().to_vec();
+    half.extend_from_slice(&[0xee; 5]);
+    ends[0].write_all(&half).unwrap();
+    let go = std::env::temp_dir().join(format!("cohort-claim-half-{}", std::process::id()));
+    std::fs::write(&go, b"").unwrap();
+    let out = claim_child("b", &go, &addr, fd).wait_with_output().unwrap();
+    let _ = std::fs::remove_file(&go);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    assert!(text.contains("claim child: direct"), "the program leaves the socket and connects directly: {text}");
+}
+
 /// Two programs that one rank runs at once (`sh -c "prog & prog; wait"`)
 /// both inherit its relay sockets: exactly one takes them and the other
 /// connects to the store directly, so neither ever reads the other's
@@ -2025,37 +2113,13 @@ const CLAIM_CHILD: &str = "STORE_RELAY_CLAIM_CHILD";
 #[test]
 fn store_two_programs_of_one_rank_never_share_its_relay_sockets() {
     use std::os::fd::AsRawFd;
-    use std::os::unix::process::CommandExt;
     let s = server();
     let addr = s.local_addr().to_string();
     let (_relay, ends) = StoreRelay::start(&addr, SECRET, 1, T).unwrap();
     let fd = ends[0].as_raw_fd();
     let go = std::env::temp_dir().join(format!("cohort-claim-go-{}", std::process::id()));
     let _ = std::fs::remove_file(&go);
-    let children: Vec<_> = ["a", "b"]
-        .into_iter()
-        .map(|name| {
-            let mut cmd = std::process::Command::new(std::env::current_exe().expect("this test binary"));
-            cmd.args(["store::tests::store_relay_claim_child", "--exact", "--ignored", "--nocapture"])
-                .env(CLAIM_CHILD, name)
-                .env("CLAIM_CHILD_GO", &go)
-                .env("CLAIM_CHILD_STORE", &addr)
-                .env("COHORT_STORE_FD", fd.to_string())
-                .env_remove("COHORT_LOG")
-                .env_remove("RUST_LOG");
-            // SAFETY: the closure runs in the child between fork and exec
-            // and only calls fcntl (async-signal-safe) on the rank's end,
-            // which the child inherits as a rank does from its launcher.
-            unsafe {
-                cmd.pre_exec(move || {
-                    libc::fcntl(fd, libc::F_SETFD, 0);
-                    Ok(())
-                });
-            }
-            cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
-            cmd.spawn().expect("run this test binary again")
-        })
-        .collect();
+    let children: Vec<_> = ["a", "b"].into_iter().map(|name| claim_child(name, &go, &addr, fd)).collect();
     std::fs::write(&go, b"").unwrap();
     let outs: Vec<String> = children
         .into_iter()
@@ -2084,6 +2148,11 @@ fn store_relay_claim_child() {
     let c = StoreClient::connect_rank(&addr, SECRET, T).unwrap();
     let how = if format!("{c:?}").contains("through this node's relay") { "relayed" } else { "direct" };
     println!("claim child: {how}");
+    if name == "waits" {
+        // Killed while it waits (see the test above).
+        c.wait(&["late"], Duration::from_secs(60)).unwrap();
+        panic!("the program that waits was to be killed before its answer");
+    }
     for i in 1..=300i64 {
         assert_eq!(c.add(&format!("count/{name}"), 1).unwrap(), i, "{name} ({how})");
         let mine = format!("{name}/{i}");
