@@ -11,9 +11,12 @@
 //! or was killed), or the launcher saying its process exited
 //! ([`StoreRelay::rank_exited`]), closes its session, so the store
 //! withdraws it from its barrier and sets its will, as for a rank connected
-//! directly. When the store's connection fails, every rank gets a refusal
-//! naming the store (behind the answers it has not read) and its end is
-//! closed: its next call fails at once instead of hanging.
+//! directly. A rank that only shuts its writing side may still read: its
+//! requests keep to the limits below, and its session is closed once they
+//! are all answered and the answers written. When the store's connection
+//! fails, every rank gets a refusal naming the store (behind the answers
+//! it has not read) and its end is closed: its next call fails at once
+//! instead of hanging.
 //!
 //! One thread serves the relay with non-blocking sockets (mio). It holds
 //! little for any rank: at most [`MAX_RELAY_HELD`] bytes of answers. The
@@ -421,9 +424,16 @@ struct Local {
     /// Its session is closed (or the store lost) and its last answer
     /// queued: the end is closed once `output` is written.
     draining: bool,
-    /// Its peer hung up (or the socket failed): read it to the end, limits
-    /// or not, so that its session is closed.
-    hung_up: bool,
+    /// Its peer is closed (every process that held the rank's socket is
+    /// gone) or the socket failed: no one can read its answers, so it is
+    /// served as a rank that exited (read to the end, limits or not, and
+    /// closed). A peer that only shut its writing side is not gone: it may
+    /// still read, so its requests keep to the limits.
+    gone: bool,
+    /// Its end of stream was read: nothing more comes; the end and its
+    /// session are closed once every whole request it sent is answered and
+    /// the answers written.
+    ended: bool,
 }
 
 impl Local {
@@ -439,7 +449,8 @@ impl Local {
             expected_bytes: 0,
             refusal: None,
             draining: false,
-            hung_up: false,
+            gone: false,
+            ended: false,
         }
     }
 
@@ -488,14 +499,20 @@ impl Local {
             && head_frame(&self.input).is_none_or(|body| self.admits(protocol::answer_bound(body)))
     }
 
+    /// Whether its end may close: its end of stream was read, and every
+    /// whole request it sent was answered and the answers written (a
+    /// partial frame left at the end is no request).
+    fn done(&self) -> bool {
+        self.ended && !whole_frame(&self.input) && self.expected.is_empty() && self.output.is_empty()
+    }
+
     /// Whether a turn of the loop can do something for it now without an
     /// event: bytes left in its socket, or a whole frame left unpassed.
     fn has_work(&self, upstream: usize) -> bool {
         if self.draining || self.refusal.is_some() {
             return false;
         }
-        (self.hung_up && self.readable)
-            || (self.takes_requests(upstream) && (self.readable || whole_frame(&self.input)))
+        (self.gone && self.readable) || (self.takes_requests(upstream) && (self.readable || whole_frame(&self.input)))
     }
 }
 
@@ -660,7 +677,7 @@ impl Relay {
             for i in 0..self.locals.len() {
                 if let Some(l) = &mut self.locals[i] {
                     let failed = flush(&mut l.stream, &mut l.output, &mut l.written).is_err();
-                    if failed || (l.draining && l.output.is_empty()) {
+                    if failed || (l.draining && l.output.is_empty()) || l.done() {
                         self.close_rank(i);
                     }
                 }
@@ -687,8 +704,8 @@ impl Relay {
                             if event.is_readable() || event.is_read_closed() || event.is_error() {
                                 l.readable = true;
                             }
-                            if event.is_read_closed() || event.is_error() {
-                                l.hung_up = true;
+                            if event.is_write_closed() || event.is_error() {
+                                l.gone = true;
                             }
                         }
                     }
@@ -733,27 +750,28 @@ impl Relay {
 
     /// Reads what rank `i` sent (one turn's worth) and passes its whole
     /// requests upstream in its session, while it [takes
-    /// requests](Local::takes_requests); closes its session at end of
-    /// stream, and refuses a frame over [`MAX_RELAYED_FRAME`]. With
-    /// `exiting` (its process exited, or its peer hung up), reads a turn's
-    /// worth even without an event and passes every whole request, whatever
-    /// the limits.
+    /// requests](Local::takes_requests), and refuses a frame over
+    /// [`MAX_RELAYED_FRAME`]; an end of stream read is noted (the end is
+    /// closed once its requests are answered: [`Local::done`]). With
+    /// `exiting` (its process exited, or its peer is [gone](Local::gone):
+    /// no one can read its answers), reads a turn's worth even without an
+    /// event and passes every whole request, whatever the limits, and
+    /// closes its session at end of stream. A peer that only shut its
+    /// writing side keeps to the limits: it may still read its answers.
     fn pass_requests(&mut self, i: usize, exiting: bool) {
         let backlog = self.upstream_backlog();
         let Some(l) = &mut self.locals[i] else { return };
         if l.draining || l.refusal.is_some() {
             return;
         }
-        let exiting = exiting || l.hung_up;
+        let mut exiting = exiting || l.gone;
         if !exiting && !l.takes_requests(backlog) {
             return;
         }
-        let mut open = true;
-        if l.readable || exiting {
-            // A failed read is the rank's end gone, as an end of stream is.
-            // An exiting rank's end is read to what its socket holds (its
-            // whole requests are passed on before it is closed), up to
-            // EXIT_READ_MAX.
+        if (l.readable || exiting) && !l.ended {
+            // A failed read is the rank's end gone. An exiting rank's end is
+            // read to what its socket holds (its whole requests are passed
+            // on before it is closed), up to EXIT_READ_MAX.
             loop {
                 let limit = match exiting {
                     true => l.input.len() + READ_TURN,
@@ -766,8 +784,13 @@ impl Relay {
                             break;
                         }
                     }
-                    Ok(None) | Err(_) => {
-                        open = false;
+                    Ok(None) => {
+                        l.ended = true;
+                        l.readable = false;
+                        break;
+                    }
+                    Err(_) => {
+                        (l.ended, l.gone, l.readable, exiting) = (true, true, false, true);
                         break;
                     }
                 }
@@ -790,7 +813,6 @@ impl Relay {
             let body = &l.input[at + 4..at + 4 + len];
             let answer = protocol::answer_bound(body);
             if !exiting
-                && open
                 && (l.in_flight() >= MAX_IN_FLIGHT
                     || up.output.len() - up.written > UPSTREAM_BACKLOG
                     || !l.admits(answer))
@@ -805,13 +827,14 @@ impl Relay {
         }
         l.input.drain(..at);
         release_if_large(&mut l.input);
+        let close = exiting && l.ended;
         if let Some(len) = too_large {
             tracing::debug!(session, len, sent, "store relay: a rank's frame is over the limit; refusing it");
             l.refusal =
                 Some(format!("a request of {len} bytes exceeds the store relay's limit of {MAX_RELAYED_FRAME}"));
             l.input = Vec::new();
             l.readable = false;
-        } else if !open {
+        } else if close {
             self.close_rank(i);
         }
     }

@@ -1870,6 +1870,49 @@ fn store_relay_holds_at_most_its_budget_for_a_rank_that_does_not_read() {
     assert!(relay.peak_held() < 2 * big.len(), "held {} bytes", relay.peak_held());
 }
 
+/// A rank's end that shuts its writing side (`shutdown(SHUT_WR)`) without
+/// reading is not a rank that exited: it may still read, so its requests
+/// keep to its budget (the relay once passed them all on at once, whatever
+/// the budget: thousands of gets of a large value, all answered into the
+/// relay's memory), and once it reads it gets every answer, in order, then
+/// the end.
+#[test]
+fn store_relay_keeps_to_the_budget_of_a_rank_that_shut_its_writing_side() {
+    use std::io::{Read, Write};
+    let s = server();
+    let addr = s.local_addr().to_string();
+    let big: Vec<u8> = (0..8 << 20).map(|i| (i % 239) as u8).collect();
+    let direct = client(&s);
+    direct.set("big", &big).unwrap();
+    let (relay, mut ends) = StoreRelay::start(&addr, SECRET, 2, T).unwrap();
+    let neighbour = StoreClient::over_relay(ends.pop().unwrap(), &addr, SECRET, T).unwrap();
+    let mut hoarder = ends.pop().unwrap();
+    const GETS: i64 = 8;
+    let add = framed(&protocol::Request::Add { key: "h".into(), delta: 1 }.encode());
+    let sent: Vec<u8> = (0..GETS).flat_map(|_| [framed(&get("big").encode()), add.clone()].concat()).collect();
+    hoarder.write_all(&sent).unwrap();
+    // The first answer is held (the hoarder reads none), then it hangs up.
+    wait_for(|| relay.peak_held() >= big.len());
+    hoarder.shutdown(std::net::Shutdown::Write).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    for i in 1..=20 {
+        assert_eq!(neighbour.add("n", 1).unwrap(), i);
+    }
+    assert_eq!(direct.get("h").unwrap(), None, "requests behind an unread answer went to the store");
+    let peak = relay.peak_held();
+    assert!(peak <= super::MAX_RELAY_HELD, "held {peak} bytes for one rank, over {}", super::MAX_RELAY_HELD);
+    assert!(peak < 2 * big.len(), "held {peak} bytes for a rank that read none of its answers of {}", big.len());
+    hoarder.set_read_timeout(Some(T)).unwrap();
+    for i in 1..=GETS {
+        let body = protocol::read_frame(&mut hoarder).unwrap();
+        assert_eq!(protocol::Response::decode(&body).unwrap(), value(&big), "answer to get {i}");
+        let body = protocol::read_frame(&mut hoarder).unwrap();
+        assert_eq!(protocol::Response::decode(&body).unwrap(), protocol::Response::Int(i));
+    }
+    assert_eq!(hoarder.read(&mut [0u8; 1]).unwrap(), 0, "its end closes once every answer is read");
+    assert!(relay.peak_held() < 2 * big.len(), "held {} bytes", relay.peak_held());
+}
+
 #[test]
 fn store_relay_refuses_an_oversized_frame_behind_the_answers_in_flight() {
     use std::io::{Read, Write};
@@ -2061,7 +2104,7 @@ fn store_a_program_killed_mid_request_leaves_no_answer_to_the_next_program_of_it
     let go = std::env::temp_dir().join(format!("cohort-claim-seq-{}", std::process::id()));
     std::fs::write(&go, b"").unwrap();
     let mut first = claim_child("waits", &go, &addr, fd);
-    let mut lines = std::io::BufReader::new(first.stdout.take().unwrap()).lines();
+    let lines = std::io::BufReader::new(first.stdout.take().unwrap()).lines();
     let said = lines.map_while(|l| l.ok()).find(|l| l.contains("claim child:"));
     assert_eq!(said.as_deref(), Some("claim child: relayed"), "the first program takes the rank's relay socket");
     // Its wait is on its way (sent right after that line); kill it before
