@@ -87,7 +87,7 @@ const UPSTREAM_BACKLOG: usize = 1 << 20;
 const RANK_BUDGET: usize = 1 << 20;
 
 /// The most bytes of answers the relay holds for one rank's end at once
-/// (plus a refusal of its own of a few hundred bytes): [`RANK_BUDGET`], or
+/// (plus a refusal of its own of a few hundred bytes): `RANK_BUDGET` (1 MiB), or
 /// one answer of the largest frame. A rank that asks for large values on
 /// an end and never reads them costs its node's launcher no more than this
 /// for that end; the budget is each end's, so a process given several ends
