@@ -41,18 +41,11 @@ fn relay_claim_probe() {
     if std::env::var_os(PROBE).is_none() {
         return;
     }
-    let addr = std::env::var("COHORT_STORE_ADDR").expect("COHORT_STORE_ADDR");
-    let secret = std::env::var("COHORT_JOB_SECRET").expect("COHORT_JOB_SECRET");
-    let store = StoreClient::connect_rank(&addr, secret, Duration::from_secs(30)).expect("reach the store");
-    let how = if format!("{store:?}").contains("through this node's relay") { "relayed" } else { "direct" };
+    let store = rank_store(Duration::from_secs(30));
+    let how = path(&store);
     println!("relay claim probe: {how}");
     let me = format!("{}/{}", std::env::var("RANK").expect("RANK"), std::process::id());
-    for i in 1..=300i64 {
-        assert_eq!(store.add(&format!("count/{me}"), 1).expect("add"), i, "{me} ({how})");
-        let value = format!("{me}/{i}");
-        store.set(&format!("last/{me}"), value.as_bytes()).expect("set");
-        assert_eq!(store.get(&format!("last/{me}")).expect("get").as_deref(), Some(value.as_bytes()), "{me} ({how})");
-    }
+    round_trips(&store, &me, 300);
 }
 
 /// Set in the programs of [`a_program_after_one_killed_mid_request_gets_its_own_store_answers`]:
@@ -96,10 +89,8 @@ fn a_program_after_one_killed_mid_request_gets_its_own_store_answers() {
 fn relay_seq_probe() {
     let Some(mode) = std::env::var_os(SEQ_PROBE) else { return };
     let mode = mode.to_string_lossy().into_owned();
-    let addr = std::env::var("COHORT_STORE_ADDR").expect("COHORT_STORE_ADDR");
-    let secret = std::env::var("COHORT_JOB_SECRET").expect("COHORT_JOB_SECRET");
-    let store = StoreClient::connect_rank(&addr, secret, Duration::from_secs(30)).expect("reach the store");
-    let how = if format!("{store:?}").contains("through this node's relay") { "relayed" } else { "direct" };
+    let store = rank_store(Duration::from_secs(30));
+    let how = path(&store);
     println!("relay seq probe {mode}: {how}");
     let rank = std::env::var("RANK").expect("RANK");
     if mode == "waits" {
@@ -113,12 +104,7 @@ fn relay_seq_probe() {
         std::thread::sleep(Duration::from_secs(60));
         panic!("the program that waits was to be killed");
     }
-    for i in 1..=50i64 {
-        assert_eq!(store.add(&format!("count/{rank}"), 1).expect("add"), i, "{rank} ({how})");
-        let value = format!("{rank}/{i}");
-        store.set(&format!("last/{rank}"), value.as_bytes()).expect("set");
-        assert_eq!(store.get(&format!("last/{rank}")).expect("get").as_deref(), Some(value.as_bytes()), "{rank}");
-    }
+    round_trips(&store, &rank, 50);
 }
 
 /// Set in the rank of [`a_forked_child_of_a_rank_gets_its_own_store_answers`].
@@ -150,10 +136,26 @@ fn a_forked_child_of_a_rank_gets_its_own_store_answers() {
     }
 }
 
-/// The rank's and its forked child's store calls, each checking its
-/// answers ([`a_forked_child_of_a_rank_gets_its_own_store_answers`]).
-fn fork_probe_loop(store: &StoreClient, who: &str) {
-    for i in 1..=200i64 {
+/// The store client of a program of a rank, made from the environment
+/// `cohort run` gives it (through the node's relay where it may).
+fn rank_store(timeout: Duration) -> StoreClient {
+    let addr = std::env::var("COHORT_STORE_ADDR").expect("COHORT_STORE_ADDR");
+    let secret = std::env::var("COHORT_JOB_SECRET").expect("COHORT_JOB_SECRET");
+    StoreClient::connect_rank(&addr, secret, timeout).expect("reach the store")
+}
+
+/// How `store` reaches the store: `relayed` or `direct`.
+fn path(store: &StoreClient) -> &'static str {
+    match format!("{store:?}").contains("through this node's relay") {
+        true => "relayed",
+        false => "direct",
+    }
+}
+
+/// `n` adds, sets and gets on keys of `who`'s own, each answer checked:
+/// an answer meant for another program fails it.
+fn round_trips(store: &StoreClient, who: &str, n: i64) {
+    for i in 1..=n {
         assert_eq!(store.add(&format!("count/{who}"), 1).expect("add"), i, "{who}");
         let value = format!("{who}/{i}");
         store.set(&format!("last/{who}"), value.as_bytes()).expect("set");
@@ -167,10 +169,8 @@ fn relay_fork_probe() {
     if std::env::var_os(FORK_PROBE).is_none() {
         return;
     }
-    let addr = std::env::var("COHORT_STORE_ADDR").expect("COHORT_STORE_ADDR");
-    let secret = std::env::var("COHORT_JOB_SECRET").expect("COHORT_JOB_SECRET");
-    let store = StoreClient::connect_rank(&addr, secret, Duration::from_secs(10)).expect("reach the store");
-    assert!(format!("{store:?}").contains("through this node's relay"), "{store:?}");
+    let store = rank_store(Duration::from_secs(10));
+    assert_eq!(path(&store), "relayed", "{store:?}");
     let rank = std::env::var("RANK").expect("RANK");
     // SAFETY: fork(2); the child only uses the store and then leaves with
     // _exit, never returning into the test harness.
@@ -179,9 +179,8 @@ fn relay_fork_probe() {
     if child == 0 {
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let own = store.duplicate().expect("the child's own client");
-            let how = if format!("{own:?}").contains("through this node's relay") { "relayed" } else { "direct" };
-            println!("fork probe child: own client {how}");
-            fork_probe_loop(&own, &format!("{rank}/child"));
+            println!("fork probe child: own client {}", path(&own));
+            round_trips(&own, &format!("{rank}/child"), 200);
             match store.add(&format!("count/{rank}/child-shared"), 1) {
                 Err(e) if e.to_string().contains("fork") => {
                     println!("fork probe child: the rank's client refused: {e}")
@@ -195,8 +194,8 @@ fn relay_fork_probe() {
         unsafe { libc::_exit(if run.is_ok() { 0 } else { 1 }) };
     }
     let second = store.duplicate().expect("the rank's second client");
-    fork_probe_loop(&store, &format!("{rank}/rank"));
-    fork_probe_loop(&second, &format!("{rank}/rank-second"));
+    round_trips(&store, &format!("{rank}/rank"), 200);
+    round_trips(&second, &format!("{rank}/rank-second"), 200);
     let mut status = 0;
     // SAFETY: waitpid(2) on our own child, writing one int.
     assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
