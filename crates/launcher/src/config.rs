@@ -565,10 +565,7 @@ fn python_program(
 /// How many processes (and threads) this user may run (`ulimit -u`, and the
 /// kernel's thread limit), or `None` when unlimited.
 fn process_limit() -> Option<u64> {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit writes one rlimit into `lim`, which outlives the call.
-    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut lim) };
-    let user = (rc == 0 && lim.rlim_cur != libc::RLIM_INFINITY).then_some(lim.rlim_cur);
+    let user = crate::process_limit::user_limit();
     let kernel =
         std::fs::read_to_string("/proc/sys/kernel/threads-max").ok().and_then(|s| s.trim().parse::<u64>().ok());
     match (user, kernel) {
