@@ -60,6 +60,10 @@ pub enum TimerStart {
 pub trait FenceWait: Send {
     /// Blocks until the work the fence was raised after has finished.
     fn wait(self: Box<Self>) -> Result<(), ServerError>;
+
+    /// Whether that work has finished, without waiting (a failed device
+    /// counts as finished: nothing of it runs any more).
+    fn is_complete(&self) -> bool;
 }
 
 /// A fence that is already complete (the work ran when it was queued).
@@ -68,6 +72,10 @@ pub struct CompletedFence;
 impl FenceWait for CompletedFence {
     fn wait(self: Box<Self>) -> Result<(), ServerError> {
         Ok(())
+    }
+
+    fn is_complete(&self) -> bool {
+        true
     }
 }
 
@@ -294,6 +302,31 @@ pub trait Backend: 'static {
     /// communication layer stages through the host.
     fn device_collectives(&mut self) -> Option<&mut dyn DeviceCollectives> {
         None
+    }
+
+    /// Makes `stream` wait on the device for the work queued so far on
+    /// `external` (a stream another library owns), without blocking the
+    /// host: on CUDA an event recorded on `external` and waited on by
+    /// `stream`. Refused where the backend has no such stream.
+    fn wait_external(&mut self, stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
+        let _ = (stream, external);
+        Err(ServerError::Unsupported {
+            feature: "ordering with an external stream",
+            backend: self.properties().backend,
+        })
+    }
+
+    /// Makes `external` wait on the device for the work queued so far on
+    /// `stream`: work the other library queues on `external` after this
+    /// returns starts after it. On CUDA an event recorded on `stream` and
+    /// waited on by `external`; on an adopted wgpu queue, a submission of
+    /// the pending work. Refused where the backend has no such stream.
+    fn signal_external(&mut self, stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
+        let _ = (stream, external);
+        Err(ServerError::Unsupported {
+            feature: "ordering with an external stream",
+            backend: self.properties().backend,
+        })
     }
 
     /// Matrix products through the backend's vendor BLAS (cuBLAS on CUDA);

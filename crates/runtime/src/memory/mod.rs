@@ -61,6 +61,15 @@ pub trait PageStorage {
     /// Required alignment of slice offsets inside a page (e.g. 256). Values
     /// below 1 are treated as 1.
     fn alignment(&self) -> u64;
+
+    /// Registers foreign memory (see [`crate::ForeignMemory`]) as a page of
+    /// its own, after checking it belongs to this device; the pools never
+    /// see it, and [`PageStorage::free_page`] of it only forgets it (the
+    /// memory is not freed). Refused by default.
+    fn adopt_page(&mut self, memory: &crate::ForeignMemory) -> Result<PageId, ServerError> {
+        let _ = memory;
+        Err(ServerError::InvalidArgument("this backend cannot take memory it did not allocate".into()))
+    }
 }
 
 /// The shared part of a [`SliceHandle`]. The pool keeps one `Arc` of it per

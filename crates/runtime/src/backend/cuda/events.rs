@@ -148,6 +148,18 @@ impl FenceWait for CudaFence {
         }
         Ok(())
     }
+
+    /// `cuEventQuery`: `false` only while the work is still running; a
+    /// closed pool or a failed query (a lost context) counts as finished.
+    fn is_complete(&self) -> bool {
+        let Some(event) = self.event.as_ref() else { return true };
+        if self.pool.inner.lock().closed || set_current(self.pool.device, self.pool.ctx.0).is_err() {
+            return true;
+        }
+        // SAFETY: the event is live (the pool is not closed) and recorded.
+        let code = unsafe { sys::cuEventQuery(event.0) };
+        code != sys::CUresult::CUDA_ERROR_NOT_READY
+    }
 }
 
 impl Drop for CudaFence {

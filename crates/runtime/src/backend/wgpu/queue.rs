@@ -151,4 +151,19 @@ impl FenceWait for SubmissionFence {
             }),
         }
     }
+
+    /// Asks the device without blocking (a zero timeout) whether the
+    /// submission finished; a lost device counts as finished.
+    fn is_complete(&self) -> bool {
+        match &self.index {
+            None => true,
+            Some(index) => !matches!(
+                self.device.poll(wgpu::PollType::Wait {
+                    submission_index: Some(index.clone()),
+                    timeout: Some(std::time::Duration::ZERO)
+                }),
+                Err(wgpu::PollError::Timeout)
+            ),
+        }
+    }
 }
