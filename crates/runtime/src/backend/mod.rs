@@ -223,6 +223,13 @@ pub trait Backend: 'static {
         None
     }
 
+    /// The address of a binding's first byte where the memory has one a
+    /// caller can use outside cohort (a host pointer on the CPU backend, a
+    /// `CUdeviceptr` on CUDA: for DLPack export); `None` elsewhere (wgpu).
+    fn address(&mut self, _binding: Binding) -> Option<u64> {
+        None
+    }
+
     /// `len` bytes of host memory that uploads read without an extra host copy
     /// (pinned memory), contents unspecified; `None` where the backend has
     /// none, which is the default. Used by `Client::staging`.

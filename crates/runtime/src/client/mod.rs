@@ -6,6 +6,8 @@
 //! ([`StreamId::current`]) unless the client was pinned with
 //! [`Client::set_stream`].
 
+mod external;
+mod foreign;
 mod io;
 mod launch;
 mod memory;

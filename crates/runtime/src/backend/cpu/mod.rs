@@ -169,4 +169,8 @@ impl Backend for CpuBackend {
     fn host_bytes(&mut self, binding: Binding) -> Option<&mut [u8]> {
         self.pages.bytes_mut(binding).ok()
     }
+
+    fn address(&mut self, binding: Binding) -> Option<u64> {
+        self.pages.bytes_mut(binding).ok().map(|b| b.as_mut_ptr() as u64)
+    }
 }

@@ -702,6 +702,10 @@ impl Backend for CudaBackend {
         Some(self)
     }
 
+    fn address(&mut self, binding: Binding) -> Option<u64> {
+        self.pages.ptr(binding).ok()
+    }
+
     fn blas(&mut self) -> Option<&mut dyn crate::backend::DeviceBlas> {
         Some(self)
     }
