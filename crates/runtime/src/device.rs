@@ -281,6 +281,15 @@ impl DeviceHandle {
         self.closed.load(Ordering::Acquire)
     }
 
+    /// Asks the device thread to poll what waits on the device (running
+    /// collectives, released foreign memory), as after an inline task
+    /// that left collectives running; never blocks, nothing where closed.
+    pub(crate) fn wake(&self) {
+        if !self.is_closed() {
+            self.cell.wake_for_collectives(&self.sender);
+        }
+    }
+
     /// Whether the calling thread is this device's server thread.
     fn on_server_thread(&self) -> bool {
         SERVER_OF.with(|s| s.get()) == Some(self.service)

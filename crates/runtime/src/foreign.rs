@@ -13,6 +13,16 @@
 //! queued.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+
+use crate::backend::{Backend, FenceWait};
+use crate::device::DeviceHandle;
+use crate::error::ServerError;
+use crate::id::StreamId;
+use crate::memory::PageId;
 
 /// Where foreign memory is: what [`Client::adopt`](crate::Client::adopt)
 /// registers.
@@ -66,4 +76,255 @@ pub enum ExternalStream {
     /// submission.
     #[cfg(feature = "wgpu")]
     WgpuQueue,
+}
+
+impl ForeignMemory {
+    /// Bytes the memory spans.
+    pub fn len(&self) -> u64 {
+        match self {
+            ForeignMemory::Host { len, .. } => *len as u64,
+            #[cfg(feature = "cuda")]
+            ForeignMemory::Cuda { len, .. } => *len as u64,
+            #[cfg(feature = "wgpu")]
+            ForeignMemory::Wgpu { len, .. } => *len,
+        }
+    }
+
+    /// Whether it spans no byte (refused by `adopt`).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// What kind of memory it is, for errors ("host memory").
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            ForeignMemory::Host { .. } => "host memory",
+            #[cfg(feature = "cuda")]
+            ForeignMemory::Cuda { .. } => "CUDA device memory",
+            #[cfg(feature = "wgpu")]
+            ForeignMemory::Wgpu { .. } => "a wgpu buffer",
+        }
+    }
+
+    /// The refusal of a backend that cannot take this kind of memory.
+    pub(crate) fn wrong_backend(&self, backend: &str) -> crate::ServerError {
+        crate::ServerError::InvalidArgument(format!(
+            "{} cannot be adopted by a {backend} device: adopt it on a client of the backend that owns it \
+             (host memory on a CPU client, CUDA memory on the CUDA client of its GPU, a wgpu buffer on the \
+             client of the wgpu device it was made on)",
+            self.kind()
+        ))
+    }
+}
+
+/// What an adopted [`Handle`](crate::Handle)'s allocation keeps beside its
+/// page: the access allowed, the owner, and the way back to its device's
+/// release queue (see [`ReleaseQueue`]).
+pub(crate) struct Adopted {
+    pub access: Access,
+    /// Taken by [`Client::reclaim`](crate::Client::reclaim), else handed to
+    /// the release queue when the last clone goes.
+    pub owner: Mutex<Option<ForeignOwner>>,
+    /// Set once the storage forgot the page
+    /// ([`Client::revoke`](crate::Client::revoke), `reclaim`): the handle
+    /// no longer binds.
+    pub given_back: AtomicBool,
+    pub releases: Arc<ReleaseQueue>,
+    /// Woken when a release is queued, so an idle device thread retires
+    /// the owner at once; gone once the device is.
+    pub device: Weak<DeviceHandle>,
+}
+
+impl Adopted {
+    /// The error a use of memory given back returns.
+    pub(crate) fn given_back_error(size: u64) -> ServerError {
+        ServerError::InvalidState {
+            operation: "device memory access",
+            reason: format!(
+                "the foreign memory of this handle ({size} bytes) was given back (Client::revoke or reclaim); \
+                 adopt it again to use it"
+            ),
+        }
+    }
+
+    /// Hands the page (unless already forgotten) and the owner (unless
+    /// reclaimed) to the device: it forgets the page and drops the owner
+    /// once the work queued so far has finished. On a device already
+    /// closed (its work drained), the owner is dropped here. Never blocks
+    /// on the device, never panics.
+    pub(crate) fn release(&self, page: Option<PageId>) {
+        let owner = self.owner.lock().take();
+        let page = page.filter(|_| !self.given_back.load(Ordering::Acquire));
+        if owner.is_none() && page.is_none() {
+            return;
+        }
+        if let Err(owner) = self.releases.push(Released { page, owner }) {
+            drop(owner);
+            return;
+        }
+        if let Some(device) = self.device.upgrade() {
+            device.wake();
+        }
+    }
+}
+
+/// What the last clone of an adopted handle left to its device.
+pub(crate) struct Released {
+    page: Option<PageId>,
+    owner: Option<ForeignOwner>,
+}
+
+/// Releases of one device's adopted memory, pushed from any thread (where
+/// the last clone of a handle drops) and drained by the device (see
+/// [`ForeignPages::poll`]).
+#[derive(Default)]
+pub(crate) struct ReleaseQueue {
+    queue: Mutex<QueueState>,
+    /// Whether `queue` holds something: read on every message, without
+    /// the lock.
+    queued: AtomicBool,
+}
+
+#[derive(Default)]
+struct QueueState {
+    released: Vec<Released>,
+    /// The device closed: nothing runs on it any more.
+    closed: bool,
+}
+
+impl ReleaseQueue {
+    /// Queues `released`; hands it back where the device is closed (its
+    /// work all ended, its storage gone: the owner may go at once).
+    fn push(&self, released: Released) -> Result<(), Option<ForeignOwner>> {
+        let mut queue = self.queue.lock();
+        if queue.closed {
+            return Err(released.owner);
+        }
+        queue.released.push(released);
+        self.queued.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn take(&self) -> Vec<Released> {
+        if !self.queued.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut queue = self.queue.lock();
+        self.queued.store(false, Ordering::Release);
+        std::mem::take(&mut queue.released)
+    }
+}
+
+/// An owner waiting for the work queued before its memory was released.
+struct Retiring {
+    owner: ForeignOwner,
+    fences: Vec<Box<dyn FenceWait>>,
+}
+
+/// A device's side of adopted memory: the release queue its handles push
+/// to, and the owners waiting for their fences.
+pub(crate) struct ForeignPages {
+    queue: Arc<ReleaseQueue>,
+    retiring: Vec<Retiring>,
+}
+
+impl Default for ForeignPages {
+    fn default() -> Self {
+        Self { queue: Arc::new(ReleaseQueue::default()), retiring: Vec::new() }
+    }
+}
+
+/// Fences after the work queued so far on every stream of the device; a
+/// stream whose fence cannot be raised (a failed device) has no work that
+/// will still run.
+pub(crate) fn fences_of(backend: &mut dyn Backend, streams: &[StreamId]) -> Vec<Box<dyn FenceWait>> {
+    streams.iter().filter_map(|&stream| backend.fence(stream).ok()).filter(|f| !f.is_complete()).collect()
+}
+
+impl ForeignPages {
+    /// The queue adopted handles release into.
+    pub fn queue(&self) -> Arc<ReleaseQueue> {
+        self.queue.clone()
+    }
+
+    /// Whether releases wait to be taken or owners for their fences (the
+    /// device thread then polls).
+    pub fn pending(&self) -> bool {
+        self.queue.queued.load(Ordering::Acquire) || !self.retiring.is_empty()
+    }
+
+    /// Takes the queued releases (the storage forgets their pages, a fence
+    /// is raised on every stream for their owners) and drops the owners
+    /// whose fences completed. Never waits.
+    pub fn poll(&mut self, backend: &mut dyn Backend, streams: &[StreamId]) {
+        if !self.pending() {
+            return;
+        }
+        let released = self.queue.take();
+        if !released.is_empty() {
+            for page in released.iter().filter_map(|r| r.page) {
+                backend.storage().free_page(page);
+            }
+            let owners: Vec<ForeignOwner> = released.into_iter().filter_map(|r| r.owner).collect();
+            if !owners.is_empty() {
+                let fences = fences_of(backend, streams);
+                let mut owners = owners.into_iter();
+                // One set of fences covers every owner released together.
+                let first = owners.next().expect("not empty");
+                self.retiring.push(Retiring { owner: first, fences });
+                self.retiring.extend(owners.map(|owner| Retiring { owner, fences: Vec::new() }));
+            }
+        }
+        let mut done = Vec::new();
+        let mut blocked = false;
+        // Owners retire in order: one is dropped only once its fences and
+        // those of every owner released before it completed.
+        self.retiring.retain_mut(|retiring| {
+            retiring.fences.retain(|fence| !fence.is_complete());
+            blocked |= !retiring.fences.is_empty();
+            if blocked {
+                return true;
+            }
+            done.push(std::mem::replace(&mut retiring.owner, Box::new(())));
+            false
+        });
+        drop(done);
+    }
+
+    /// At close: takes what was released, waits for every fence, drops
+    /// every owner, and marks the queue closed (a handle released later
+    /// drops its owner at once: nothing runs on the device any more).
+    pub fn close(&mut self, backend: &mut dyn Backend, streams: &[StreamId]) {
+        self.poll(backend, streams);
+        let released = {
+            let mut queue = self.queue.queue.lock();
+            queue.closed = true;
+            std::mem::take(&mut queue.released)
+        };
+        for page in released.iter().filter_map(|r| r.page) {
+            backend.storage().free_page(page);
+        }
+        let fences = fences_of(backend, streams);
+        for retiring in self.retiring.drain(..) {
+            for fence in retiring.fences {
+                let _ = fence.wait();
+            }
+            drop(retiring.owner);
+        }
+        for fence in fences {
+            let _ = fence.wait();
+        }
+        drop(released);
+    }
+}
+
+impl Drop for ForeignPages {
+    /// A device state dropped without `close` (its thread panicked): the
+    /// queue closes, so owners are never kept forever; those waiting are
+    /// dropped (the backend is going away with its work).
+    fn drop(&mut self) {
+        self.queue.queue.lock().closed = true;
+        let released = self.queue.take();
+        drop(released);
+    }
 }

@@ -7,8 +7,9 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use crate::error::ServerError;
+use crate::foreign::{Access, Adopted};
 use crate::id::{ServiceId, StreamId};
-use crate::memory::SliceHandle;
+use crate::memory::{PageId, SliceHandle, SliceInner};
 
 static NEXT_ALLOCATION: AtomicU64 = AtomicU64::new(1);
 
@@ -32,6 +33,21 @@ pub(crate) struct Allocation {
     /// The stream that last queued work writing this memory (for cross-stream
     /// fences).
     pub(crate) last_writer: AtomicU64,
+    /// Set for memory cohort did not allocate (`Client::adopt`): its page
+    /// is outside every pool, and its owner is released when this drops.
+    pub(crate) foreign: Option<Box<Adopted>>,
+}
+
+impl Drop for Allocation {
+    /// Adopted memory goes back to its device's release queue: the page is
+    /// forgotten and the owner dropped once the work queued so far ended
+    /// (see `ForeignPages`). Pooled memory needs nothing: the pool sees its
+    /// slice free.
+    fn drop(&mut self) {
+        if let Some(adopted) = &self.foreign {
+            adopted.release(self.slice.get().map(SliceHandle::page));
+        }
+    }
 }
 
 /// A slice of memory on one device. Cheap to clone; the memory stays reserved
@@ -74,8 +90,61 @@ impl Handle {
             error: Mutex::new(None),
             has_error: AtomicBool::new(false),
             last_writer: AtomicU64::new(stream.value),
+            foreign: None,
         });
         Handle { alloc, offset: 0, size }
+    }
+
+    /// A handle over adopted memory: `page` of the device's storage, whole.
+    pub(crate) fn adopted(service: ServiceId, stream: StreamId, size: u64, page: PageId, adopted: Adopted) -> Handle {
+        let slice = SliceHandle::from_arc(&Arc::new(SliceInner { page, offset: 0, size }));
+        let alloc = Arc::new(Allocation {
+            id: NEXT_ALLOCATION.fetch_add(1, Ordering::Relaxed),
+            service,
+            stream,
+            size,
+            slice: OnceLock::from(slice),
+            error: Mutex::new(None),
+            has_error: AtomicBool::new(false),
+            last_writer: AtomicU64::new(stream.value),
+            foreign: Some(Box::new(adopted)),
+        });
+        Handle { alloc, offset: 0, size }
+    }
+
+    /// Whether calls may write this memory: [`Access::ReadOnly`] for
+    /// foreign memory adopted read-only (a DLPack tensor so marked),
+    /// [`Access::ReadWrite`] otherwise.
+    pub fn access(&self) -> Access {
+        self.alloc.foreign.as_ref().map_or(Access::ReadWrite, |f| f.access)
+    }
+
+    /// Whether this handle names memory cohort did not allocate
+    /// ([`crate::Client::adopt`]).
+    pub fn is_foreign(&self) -> bool {
+        self.alloc.foreign.is_some()
+    }
+
+    /// Refuses a read-only handle as the destination of `operation`, with
+    /// an error saying what to do; `Ok` for every other handle. Checked by
+    /// the runtime's writes and launches (every kernel argument may be
+    /// written), and by collectives for their outputs.
+    pub fn check_writable(&self, operation: &str) -> Result<(), ServerError> {
+        if self.access() == Access::ReadOnly {
+            return Err(ServerError::InvalidArgument(format!(
+                "{operation} would write a read-only handle ({} bytes of foreign memory adopted with \
+                 Access::ReadOnly): write into a cohort buffer (or a writable tensor) instead, and copy it out",
+                self.size
+            )));
+        }
+        Ok(())
+    }
+
+    /// The error binding this handle returns where its foreign memory was
+    /// given back ([`crate::Client::revoke`], `reclaim`); `None` otherwise.
+    pub(crate) fn given_back(&self) -> Option<ServerError> {
+        let adopted = self.alloc.foreign.as_ref()?;
+        adopted.given_back.load(Ordering::Acquire).then(|| Adopted::given_back_error(self.alloc.size))
     }
 
     /// Size in bytes.
@@ -151,6 +220,7 @@ impl fmt::Debug for Handle {
             .field("stream", &self.alloc.stream)
             .field("offset", &self.offset)
             .field("size", &self.size)
+            .field("foreign", &self.alloc.foreign.as_ref().map(|f| f.access))
             .finish()
     }
 }

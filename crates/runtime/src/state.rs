@@ -8,6 +8,7 @@ use std::sync::{Arc, Weak};
 
 use crate::backend::{Backend, Binding, PendingPart, ResolvedGrid, TimerStart};
 use crate::error::ServerError;
+use crate::foreign::ForeignPages;
 use crate::handle::{Allocation, Handle};
 use crate::id::{ServiceId, StreamId};
 use crate::kernel::{GridCount, Kernel, LaunchBuffers, LaunchScalars};
@@ -111,6 +112,10 @@ impl PageStorage for NoNewPages<'_> {
 }
 
 pub(crate) struct DeviceState {
+    /// Adopted memory released by its handles, and owners waiting for
+    /// their fences. First, so a state dropped without `release_all` (a
+    /// panic) lets its owners go before the backend goes.
+    pub foreign: ForeignPages,
     pub service: ServiceId,
     pub backend: Box<dyn Backend>,
     pub streams: IdMap<StreamId, StreamState>,
@@ -136,6 +141,7 @@ pub(crate) struct DeviceState {
 impl DeviceState {
     pub fn new(service: ServiceId, backend: Box<dyn Backend>) -> Self {
         Self {
+            foreign: ForeignPages::default(),
             service,
             backend,
             streams: IdMap::default(),
@@ -164,10 +170,12 @@ impl DeviceState {
         self.pending_collectives.push_back(PendingCollective { part, stream, outputs });
     }
 
-    /// Whether device collectives are still running, or ended unreported
-    /// (the device thread then polls them while idle).
+    /// Whether device collectives are still running, or ended unreported,
+    /// or released foreign memory waits to be retired (the device thread
+    /// then polls them while idle).
     pub fn has_pending_collectives(&mut self) -> bool {
-        !self.pending_collectives.is_empty()
+        self.foreign.pending()
+            || !self.pending_collectives.is_empty()
             || self.backend.device_collectives().is_some_and(|collectives| collectives.has_pending())
     }
 
@@ -179,7 +187,10 @@ impl DeviceState {
     /// A failed one marks its outputs, and the outputs of the launches
     /// queued on its stream since that stream last drained (they may have
     /// read its results), as a kernel fault does.
+    ///
+    /// Also retires released foreign memory (see [`DeviceState::poll_foreign`]).
     pub fn poll_collectives(&mut self) {
+        self.poll_foreign();
         let Some(collectives) = self.backend.device_collectives() else { return };
         if self.pending_collectives.is_empty() && !collectives.has_pending() {
             return;
@@ -199,6 +210,23 @@ impl DeviceState {
                 }
             }
         }
+    }
+
+    /// Takes the foreign memory its last handles released (the storage
+    /// forgets each page; a fence is raised on every stream) and drops the
+    /// owners whose fences completed. Never waits.
+    pub fn poll_foreign(&mut self) {
+        if !self.foreign.pending() {
+            return;
+        }
+        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
+        self.foreign.poll(self.backend.as_mut(), &streams);
+    }
+
+    /// Fences after the work queued so far on every stream of the device.
+    pub fn fences(&mut self) -> Vec<Box<dyn crate::backend::FenceWait>> {
+        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
+        crate::foreign::fences_of(self.backend.as_mut(), &streams)
     }
 
     /// A host word the device writes once the device collectives running
@@ -262,6 +290,11 @@ impl DeviceState {
     /// Where a handle's bytes are. A handle whose reservation failed returns
     /// that failure.
     pub fn binding(&self, handle: &Handle) -> Result<Binding, ServerError> {
+        if handle.alloc.foreign.is_some() {
+            if let Some(err) = handle.given_back() {
+                return Err(err);
+            }
+        }
         match handle.alloc.slice.get() {
             Some(slice) => {
                 Ok(Binding { page: slice.page(), offset: slice.offset() + handle.offset, size: handle.size })
@@ -310,6 +343,11 @@ impl DeviceState {
         result: &Result<(), ServerError>,
     ) {
         for handle in outputs {
+            // Never written: a refusal says so to the caller, not to the
+            // memory's later readers.
+            if handle.access() == crate::Access::ReadOnly {
+                continue;
+            }
             match result {
                 Ok(()) => {
                     handle.set_error(None);
@@ -332,6 +370,7 @@ impl DeviceState {
             return Err(err);
         }
         let result = (|| {
+            handle.check_writable("a write")?;
             if data.len() as u64 != handle.size {
                 return Err(ServerError::InvalidArgument(format!(
                     "write of {} bytes into a handle of {} bytes",
@@ -344,7 +383,24 @@ impl DeviceState {
             self.backend.write(stream, binding, data)
         })();
         Self::mark_outputs(stream, [handle], &result);
+        self.keep_read_only_refusal(stream, [handle], &result);
         result
+    }
+
+    /// A refusal to write read-only memory is marked on no buffer (the
+    /// memory is fine): it is kept for the stream's next `sync` or `flush`,
+    /// so a fire-and-forget write or launch still reports it.
+    fn keep_read_only_refusal<'h>(
+        &mut self,
+        stream: StreamId,
+        outputs: impl IntoIterator<Item = &'h Handle>,
+        result: &Result<(), ServerError>,
+    ) {
+        if let Err(err) = result {
+            if outputs.into_iter().any(|h| h.access() == crate::Access::ReadOnly) {
+                self.pending_errors.entry(stream).or_insert_with(|| err.clone());
+            }
+        }
     }
 
     /// Runs (or, inside a capture window, records) a launch.
@@ -369,6 +425,11 @@ impl DeviceState {
                 return Err(Self::poisoned_input(outputs, &operation).expect("an input is marked"));
             }
             for handle in outputs {
+                if handle.access() == crate::Access::ReadOnly {
+                    let operation =
+                        format!("launch of kernel `{}` (it may write any of its buffers)", launch.kernel.name());
+                    handle.check_writable(&operation)?;
+                }
                 bindings.push(self.binding(handle)?);
             }
             let grid = match &launch.grid {
@@ -424,6 +485,7 @@ impl DeviceState {
             },
         });
         Self::mark_outputs(stream, outputs, &result);
+        self.keep_read_only_refusal(stream, outputs, &result);
         self.scratch_bindings = bindings;
         stages::mark(Stage::LaunchNoted);
         result
@@ -557,6 +619,7 @@ impl DeviceState {
 
     /// Gives back every page nothing holds, on every stream.
     pub fn cleanup(&mut self, kind: Cleanup) {
+        self.poll_foreign();
         let storage = self.backend.storage();
         for state in self.streams.values_mut() {
             state.pools.cleanup(storage, kind);
@@ -567,6 +630,8 @@ impl DeviceState {
     /// still uses them.
     pub fn release_all(&mut self) {
         self.settle_collectives();
+        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
+        self.foreign.close(self.backend.as_mut(), &streams);
         let storage = self.backend.storage();
         for state in self.streams.values_mut() {
             state.pools.release_all(storage);

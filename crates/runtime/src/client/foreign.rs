@@ -1,5 +1,192 @@
-//! Adopting foreign memory: [`Client::adopt`] and what gives it back (see
-//! the `foreign` module).
+//! Adopting foreign memory: [`Client::adopt`] and what gives it back
+//! ([`Client::reclaim`], [`Client::revoke`]), and [`Client::device_address`]
+//! (see the `foreign` module).
 
-#[allow(unused_imports)]
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
 use super::Client;
+use crate::backend::FenceWait;
+use crate::error::ServerError;
+use crate::foreign::{Access, Adopted, ForeignMemory, ForeignOwner};
+use crate::handle::Handle;
+use crate::state::DeviceState;
+
+impl Client {
+    /// Names `memory`, which cohort did not allocate, with a [`Handle`] of
+    /// this device, without a copy: every call and collective then takes it
+    /// as it takes cohort's own buffers (clones and [`Handle::slice`]s
+    /// included). Nothing is allocated: [`Client::memory_usage`] does not
+    /// change.
+    ///
+    /// The memory is checked, and registered as a page of the device's
+    /// storage that no memory pool sees, by a task on the device (run on
+    /// the calling thread where the device is idle); this waits for it, and
+    /// so for the work queued on the device before it. Refused, with an
+    /// error naming the problem, before anything else is queued: zero
+    /// bytes; memory of another backend; on the CPU a null or not 16-byte
+    /// aligned pointer (kernels and host-staged collectives view memory as
+    /// elements of any type in place); on CUDA memory of another context or
+    /// GPU, host memory, or a range past its allocation; on wgpu a buffer
+    /// of another device, without `STORAGE | COPY_SRC | COPY_DST`, or an
+    /// offset or length the device cannot bind. On a refusal `owner` is
+    /// dropped at once.
+    ///
+    /// `owner` is kept with the memory: when the last clone of the handle
+    /// is dropped, the device forgets the memory (it never frees it) and
+    /// drops `owner` once the work queued on its streams until then has
+    /// finished (or, on a closed device, at once: its work is over). Take
+    /// it back sooner with [`Client::reclaim`]; end a borrow with
+    /// [`Client::revoke`]. [`Access::ReadOnly`] memory is refused as the
+    /// destination of writes, kernel launches and collectives
+    /// ([`Handle::access`]).
+    ///
+    /// # Safety
+    /// `memory` must be valid for its whole length, for reads and (unless
+    /// `access` is read-only) writes by the device, for as long as `owner`
+    /// lives; nobody may free it meanwhile, nor access it while cohort's
+    /// queued work on it runs.
+    pub unsafe fn adopt(
+        &self,
+        memory: ForeignMemory,
+        owner: ForeignOwner,
+        access: Access,
+    ) -> Result<Handle, ServerError> {
+        let size = memory.len();
+        if size == 0 {
+            return Err(ServerError::InvalidArgument(format!(
+                "adopting {} of 0 bytes: there is nothing to share; make an empty cohort buffer instead",
+                memory.kind()
+            )));
+        }
+        let stream = self.stream_id();
+        let (page, releases) = self.device().run_inline_or_wait(stream, move |state: &mut DeviceState| {
+            let page = state.backend.storage().adopt_page(&memory)?;
+            Ok::<_, ServerError>((page, state.foreign.queue()))
+        })??;
+        let adopted = Adopted {
+            access,
+            owner: Mutex::new(Some(owner)),
+            given_back: AtomicBool::new(false),
+            releases,
+            device: Arc::downgrade(&self.device),
+        };
+        Ok(Handle::adopted(self.service_id(), stream, size, page, adopted))
+    }
+
+    /// Takes adopted memory back from its last handle: waits for the work
+    /// queued on the device so far (on every stream), forgets the memory,
+    /// and returns its owner (a `Vec` taken back whole: a round trip
+    /// without a copy). Refused, with the handle given back, for a handle
+    /// cohort allocated, one of another device, and while other clones of
+    /// it live (slices, graphs or queued tasks holding one count; those
+    /// queued before this call have run by the time it looks).
+    pub fn reclaim(&self, handle: Handle) -> Result<ForeignOwner, (Handle, ServerError)> {
+        if let Err(err) = self.check_owned(&handle).and_then(|()| Self::adopted_only(&handle, "reclaim")) {
+            return Err((handle, err));
+        }
+        let stream = self.stream_id();
+        // The handle stays here while the task looks at it (it holds one
+        // count), so it comes back whatever the task does.
+        let shared = Mutex::new(handle);
+        let taken = self.device().run_inline_or_wait(stream, |state: &mut DeviceState| {
+            let handle = shared.lock();
+            let others = Arc::strong_count(&handle.alloc) - 1;
+            if others > 0 {
+                return Err(ServerError::InvalidState {
+                    operation: "reclaim",
+                    reason: format!(
+                        "{others} other clone(s) of this handle still live (slices, graphs, queued work); drop \
+                         them first, or end the borrow with revoke"
+                    ),
+                });
+            }
+            let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
+            let owner = adopted.owner.lock().take().ok_or_else(|| ServerError::InvalidState {
+                operation: "reclaim",
+                reason: "this memory's owner was already taken back".into(),
+            })?;
+            Ok((owner, forget(state, &handle)))
+        });
+        let handle = shared.into_inner();
+        match taken.and_then(|taken| taken) {
+            Ok((owner, fences)) => {
+                // Its page forgotten and its owner taken: dropping it
+                // releases nothing.
+                drop(handle);
+                for fence in fences {
+                    // A failed device runs nothing more on the memory.
+                    let _ = fence.wait();
+                }
+                Ok(owner)
+            }
+            Err(err) => Err((handle, err)),
+        }
+    }
+
+    /// Ends the use of adopted memory now, for a scoped borrow: the device
+    /// forgets it (any clone used later gets an error saying the memory was
+    /// given back, never a dangling access), and this returns once the work
+    /// queued on the device so far, which may touch it, has finished. The
+    /// owner is dropped when the last clone goes. Ordered on the device
+    /// after every task queued before it (a collective's part waiting for
+    /// its peers included). Refused for a handle cohort allocated or of
+    /// another device; a second revoke is a no-op.
+    pub fn revoke(&self, handle: &Handle) -> Result<(), ServerError> {
+        self.check_owned(handle)?;
+        Self::adopted_only(handle, "revoke")?;
+        let handle = handle.clone();
+        let fences = self.device().run_inline_or_wait(self.stream_id(), move |state: &mut DeviceState| {
+            let fences = forget(state, &handle);
+            // The task's clone must not outlive the device's look: dropped
+            // here (the owner may be released by it, polled next).
+            drop(handle);
+            state.poll_foreign();
+            fences
+        })?;
+        for fence in fences {
+            let _ = fence.wait();
+        }
+        Ok(())
+    }
+
+    /// The address of the handle's first byte outside cohort: the host
+    /// pointer on the CPU, the `CUdeviceptr` on CUDA (for DLPack export).
+    /// Waits for the handle's reservation (work queued before this call);
+    /// an error on wgpu, whose buffers have no address, and for memory
+    /// given back.
+    pub fn device_address(&self, handle: &Handle) -> Result<u64, ServerError> {
+        self.check_owned(handle)?;
+        let handle = handle.clone();
+        let backend = self.name();
+        self.device().run_inline_or_wait(self.stream_id(), move |state: &mut DeviceState| {
+            let binding = state.binding(&handle)?;
+            state.backend.address(binding).ok_or(ServerError::Unsupported { feature: "device addresses", backend })
+        })?
+    }
+
+    /// Refuses a handle cohort allocated for `operation`.
+    fn adopted_only(handle: &Handle, operation: &'static str) -> Result<(), ServerError> {
+        if !handle.is_foreign() {
+            return Err(ServerError::InvalidArgument(format!(
+                "{operation} takes a handle of adopted memory (Client::adopt); this one was allocated by cohort"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Has the storage forget `handle`'s adopted page (once: later binds of
+/// any clone fail) and returns fences after the work queued so far on
+/// every stream.
+fn forget(state: &mut DeviceState, handle: &Handle) -> Vec<Box<dyn FenceWait>> {
+    let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
+    if !adopted.given_back.swap(true, Ordering::AcqRel) {
+        if let Some(slice) = handle.alloc.slice.get() {
+            state.backend.storage().free_page(slice.page());
+        }
+    }
+    state.fences()
+}
