@@ -12,6 +12,7 @@ mod client;
 pub mod config;
 pub mod copy_regions;
 mod device;
+pub mod dlpack;
 mod dtype;
 mod error;
 mod foreign;
