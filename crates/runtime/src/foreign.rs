@@ -90,6 +90,17 @@ impl ForeignMemory {
         }
     }
 
+    /// Where the handle's slice starts inside the page the storage makes
+    /// of it: the offset into a wgpu buffer (the page is the whole
+    /// buffer), 0 elsewhere.
+    pub(crate) fn page_offset(&self) -> u64 {
+        match self {
+            #[cfg(feature = "wgpu")]
+            ForeignMemory::Wgpu { offset, .. } => *offset,
+            _ => 0,
+        }
+    }
+
     /// Whether it spans no byte (refused by `adopt`).
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -95,9 +95,17 @@ impl Handle {
         Handle { alloc, offset: 0, size }
     }
 
-    /// A handle over adopted memory: `page` of the device's storage, whole.
-    pub(crate) fn adopted(service: ServiceId, stream: StreamId, size: u64, page: PageId, adopted: Adopted) -> Handle {
-        let slice = SliceHandle::from_arc(&Arc::new(SliceInner { page, offset: 0, size }));
+    /// A handle over adopted memory: `size` bytes at `offset` into `page`
+    /// of the device's storage.
+    pub(crate) fn adopted(
+        service: ServiceId,
+        stream: StreamId,
+        page: PageId,
+        offset: u64,
+        size: u64,
+        adopted: Adopted,
+    ) -> Handle {
+        let slice = SliceHandle::from_arc(&Arc::new(SliceInner { page, offset, size }));
         let alloc = Arc::new(Allocation {
             id: NEXT_ALLOCATION.fetch_add(1, Ordering::Relaxed),
             service,

@@ -47,7 +47,11 @@ impl Client {
     /// `memory` must be valid for its whole length, for reads and (unless
     /// `access` is read-only) writes by the device, for as long as `owner`
     /// lives; nobody may free it meanwhile, nor access it while cohort's
-    /// queued work on it runs.
+    /// queued work on it runs. A wgpu buffer must come from this client's
+    /// `wgpu::Instance` (its device, or the device it adopted with
+    /// `WgpuRuntime::adopt`): wgpu names buffers by ids of their instance,
+    /// and one of another instance is refused where this instance has no
+    /// such id, but may name one of this instance's buffers otherwise.
     pub unsafe fn adopt(
         &self,
         memory: ForeignMemory,
@@ -62,6 +66,7 @@ impl Client {
             )));
         }
         let stream = self.stream_id();
+        let offset = memory.page_offset();
         let (page, releases) = self.device().run_inline_or_wait(stream, move |state: &mut DeviceState| {
             let page = state.backend.storage().adopt_page(&memory)?;
             Ok::<_, ServerError>((page, state.foreign.queue()))
@@ -73,7 +78,7 @@ impl Client {
             releases,
             device: Arc::downgrade(&self.device),
         };
-        Ok(Handle::adopted(self.service_id(), stream, size, page, adopted))
+        Ok(Handle::adopted(self.service_id(), stream, page, offset, size, adopted))
     }
 
     /// Takes adopted memory back from its last handle: waits for the work
