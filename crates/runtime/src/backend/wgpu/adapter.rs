@@ -16,6 +16,7 @@
 //! CI). Such devices share the adapter's memory and compute; they are
 //! separate devices to wgpu (no shared buffers), like separate GPUs.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
@@ -265,12 +266,136 @@ pub(crate) fn adapter_infos() -> Result<Vec<WgpuAdapterInfo>, ServerError> {
     Ok(discovery.adapters.iter().enumerate().map(|(i, a)| describe(i, a, discovery.devices_on(i))).collect())
 }
 
-/// Errors wgpu reported outside any error scope, and the reason the device
-/// was lost, if it was; shared with wgpu's callbacks, drained by `sync`.
+/// Errors wgpu reported outside any error scope to the handler cohort
+/// installs on its own devices, and the reason such a device was lost, if
+/// it was; shared with wgpu's callbacks, drained by `sync`.
 #[derive(Default)]
 pub(crate) struct ErrorSink {
     pub uncaptured: Mutex<Vec<String>>,
     pub lost: Mutex<Option<String>>,
+}
+
+/// The wgpu devices open in this process, cohort's own and adopted ones:
+/// how [`device_and_queue`] finds a client's device, and how adopting a
+/// device twice finds the first adoption. An entry lives as long as the
+/// backend on it ([`Gpu`]'s drop removes it), so cohort keeps nothing of an
+/// adopted device once its client is closed.
+struct OpenDevice {
+    serial: u64,
+    index: usize,
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+}
+
+static OPEN: Mutex<Vec<OpenDevice>> = Mutex::new(Vec::new());
+
+/// Numbers the entries of [`OPEN`].
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
+
+/// Device indexes given to adopted devices so far (the next is the
+/// enumerated devices' count plus this).
+static ADOPTED_SO_FAR: AtomicU64 = AtomicU64::new(0);
+
+/// A device the caller made, to adopt: found in [`OPEN`] (adopted before,
+/// or cohort's own) or registered there under a new index.
+pub(crate) struct Adoption {
+    pub index: usize,
+    pub serial: u64,
+    /// Whether this call registered it (to forget if opening fails).
+    pub new: bool,
+}
+
+/// The index (and entry) `device` has or gets: the one it was opened or
+/// adopted under while that backend lives; otherwise a new index after
+/// every enumerated device (and every earlier adoption). Adopting the same
+/// device with another queue is refused.
+pub(crate) fn adoption(device: &wgpu::Device, queue: &wgpu::Queue) -> Result<Adoption, ServerError> {
+    let mut open = OPEN.lock();
+    if let Some(entry) = open.iter().rev().find(|e| same_device(&e.device, device)) {
+        if entry.queue != *queue {
+            return Err(ServerError::InvalidArgument(format!(
+                "this wgpu device is open as wgpu:{} with another queue: pass the queue `request_device` returned with the device",
+                entry.index
+            )));
+        }
+        return Ok(Adoption { index: entry.index, serial: entry.serial, new: false });
+    }
+    // With no adapter of cohort's own (another backend than the caller's,
+    // say) the adopted devices are numbered from 0.
+    let enumerated = discovery().map(Discovery::device_count).unwrap_or(0);
+    let index = enumerated + ADOPTED_SO_FAR.fetch_add(1, Ordering::Relaxed) as usize;
+    let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
+    open.push(OpenDevice { serial, index, device: device.clone(), queue: queue.clone() });
+    Ok(Adoption { index, serial, new: true })
+}
+
+/// Whether `a` and `b` are one device. wgpu compares devices by their id
+/// alone, which the devices of different `wgpu::Instance`s share (each
+/// instance numbers its own from the start: cohort's first device and a
+/// caller's have the same id), so equal ids are probed: an error made on
+/// `b` inside a scope pushed on each reaches `a`'s scope only when they are
+/// one device (error scopes belong to the device object, per thread). The
+/// error (a buffer without usages) goes nowhere else.
+fn same_device(a: &wgpu::Device, b: &wgpu::Device) -> bool {
+    if a != b {
+        return false;
+    }
+    let on_b = b.push_error_scope(wgpu::ErrorFilter::Validation);
+    let on_a = a.push_error_scope(wgpu::ErrorFilter::Validation);
+    drop(b.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("cohort device identity probe"),
+        size: 4,
+        usage: wgpu::BufferUsages::empty(),
+        mapped_at_creation: false,
+    }));
+    let reached_a = pollster::block_on(on_a.pop()).is_some();
+    drop(pollster::block_on(on_b.pop()));
+    reached_a
+}
+
+/// Forgets an adoption whose device could not be opened.
+pub(crate) fn forget(serial: u64) {
+    OPEN.lock().retain(|e| e.serial != serial);
+}
+
+/// The device and queue of an adopted device `index` still open (to open
+/// it again for `WgpuRuntime::client`), with its entry's serial.
+pub(crate) fn adopted(index: usize) -> Option<(wgpu::Device, wgpu::Queue, u64)> {
+    let enumerated = discovery().map(Discovery::device_count).unwrap_or(0);
+    if index < enumerated {
+        return None;
+    }
+    OPEN.lock().iter().rev().find(|e| e.index == index).map(|e| (e.device.clone(), e.queue.clone(), e.serial))
+}
+
+/// The device and queue of open device `index` (cohort's own or adopted).
+pub(crate) fn device_and_queue(index: usize) -> Option<(wgpu::Device, wgpu::Queue)> {
+    OPEN.lock().iter().rev().find(|e| e.index == index).map(|e| (e.device.clone(), e.queue.clone()))
+}
+
+/// Error scopes that catch, on the device thread, every wgpu error of
+/// cohort's own calls that no narrower scope caught (error scopes are per
+/// thread, and every call of the backend runs on its device thread): they
+/// never reach the device's uncaptured-error handler, which on an adopted
+/// device is the caller's. Popped (and pushed again) by
+/// [`Gpu::take_background_errors`]; each keeps the first error of its kind.
+struct CatchAll {
+    /// Pushed in this order, popped in reverse.
+    scopes: Vec<wgpu::ErrorScopeGuard>,
+}
+
+impl CatchAll {
+    const FILTERS: [wgpu::ErrorFilter; 3] =
+        [wgpu::ErrorFilter::Internal, wgpu::ErrorFilter::OutOfMemory, wgpu::ErrorFilter::Validation];
+
+    fn push(device: &wgpu::Device) -> Self {
+        Self { scopes: Self::FILTERS.iter().map(|f| device.push_error_scope(*f)).collect() }
+    }
+
+    /// Pops the scopes: the errors they caught.
+    fn pop(self) -> Vec<wgpu::Error> {
+        self.scopes.into_iter().rev().filter_map(|scope| pollster::block_on(scope.pop())).collect()
+    }
 }
 
 /// An open wgpu device and what it allows.
@@ -281,6 +406,9 @@ pub(crate) struct Gpu {
     pub limits: wgpu::Limits,
     pub features: wgpu::Features,
     pub errors: Arc<ErrorSink>,
+    /// Its entry in [`OPEN`].
+    serial: u64,
+    catch_all: Option<CatchAll>,
 }
 
 impl Gpu {
@@ -288,7 +416,8 @@ impl Gpu {
     /// `Discovery::adapter_of` gives) with all of the adapter's limits (so
     /// bindings and buffers may be as large as the adapter allows) and its
     /// timestamp features. Installs an uncaptured-error handler that logs and
-    /// keeps the error (wgpu's default handler panics).
+    /// keeps the error (wgpu's default handler panics) and a device-lost
+    /// callback.
     pub fn open(index: usize) -> Result<(Gpu, DeviceProperties), ServerError> {
         let id = DeviceId::new(DeviceId::WGPU, index as u32);
         let discovery = discovery()?;
@@ -325,9 +454,45 @@ impl Gpu {
             }
             *sink.lost.lock() = Some(format!("the device was lost ({reason:?}): {message}"));
         });
+        let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
+        OPEN.lock().push(OpenDevice { serial, index, device: device.clone(), queue: queue.clone() });
+        // The adapter is named in the device's name: with
+        // COHORT_WGPU_DEVICES several devices share one.
+        let name =
+            format!("{} ({:?}, {:?}, adapter {adapter_index})", described.name, described.api, described.device_type);
+        Ok(Self::on(id, device, queue, errors, serial, name, described.device_type))
+    }
+
+    /// A device the caller made (`WgpuRuntime::adopt`), as device `index`,
+    /// registered in [`OPEN`] under `serial` by [`adoption`]. Installs no
+    /// handler: the caller's uncaptured-error handler and device-lost
+    /// callback stay as they are (cohort's own calls are in its error
+    /// scopes).
+    pub fn adopt(
+        index: usize,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        serial: u64,
+    ) -> Result<(Gpu, DeviceProperties), ServerError> {
+        let id = DeviceId::new(DeviceId::WGPU, index as u32);
+        let info = device.adapter_info();
+        let name = format!("{} ({:?}, {:?}, adopted)", info.name, info.backend, info.device_type);
+        Ok(Self::on(id, device, queue, Arc::default(), serial, name, info.device_type))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on(
+        id: DeviceId,
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        errors: Arc<ErrorSink>,
+        serial: u64,
+        name: String,
+        device_type: wgpu::DeviceType,
+    ) -> (Gpu, DeviceProperties) {
         let limits = device.limits();
         let features = device.features();
-        let compute_units = match described.device_type {
+        let compute_units = match device_type {
             wgpu::DeviceType::Cpu => std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
             // wgpu does not report a GPU's compute units.
             _ => 1,
@@ -335,12 +500,7 @@ impl Gpu {
         let properties = DeviceProperties {
             device: id,
             backend: "wgpu",
-            // The adapter is named in the device's name: with
-            // COHORT_WGPU_DEVICES several devices share one.
-            name: format!(
-                "{} ({:?}, {:?}, adapter {adapter_index})",
-                described.name, described.api, described.device_type
-            ),
+            name,
             memory_bytes: None,
             compute_units,
             compute_capability: None,
@@ -351,7 +511,8 @@ impl Gpu {
             native_graphs: false,
             capabilities: Capabilities::default(),
         };
-        Ok((Gpu { id, device, queue, limits, features, errors }, properties))
+        let catch_all = Some(CatchAll::push(&device));
+        (Gpu { id, device, queue, limits, features, errors, serial, catch_all }, properties)
     }
 
     /// A driver error of this device.
@@ -373,13 +534,18 @@ impl Gpu {
         (value, validation.or(memory).or(internal))
     }
 
-    /// The errors wgpu reported outside error scopes since the last call, and
-    /// device loss, as one error.
-    pub fn take_background_errors(&self) -> Result<(), ServerError> {
+    /// The errors of cohort's calls that no narrower scope caught (see
+    /// [`CatchAll`]) and those wgpu reported to cohort's own handler since
+    /// the last call, and device loss, as one error. Runs on the device
+    /// thread (its scopes are that thread's).
+    pub fn take_background_errors(&mut self) -> Result<(), ServerError> {
+        let caught = self.catch_all.take().map(CatchAll::pop).unwrap_or_default();
+        self.catch_all = Some(CatchAll::push(&self.device));
         if let Some(lost) = self.errors.lost.lock().clone() {
             return Err(self.error(lost));
         }
-        let errors = std::mem::take(&mut *self.errors.uncaptured.lock());
+        let mut errors: Vec<String> = caught.iter().map(ToString::to_string).collect();
+        errors.append(&mut std::mem::take(&mut *self.errors.uncaptured.lock()));
         match errors.first() {
             None => Ok(()),
             Some(first) => {
@@ -387,6 +553,17 @@ impl Gpu {
                     .error(format!("queued work failed validation ({} error(s)); the first: {first}", errors.len())))
             }
         }
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // The scopes go first, in reverse order, then the entry: the device
+        // is no longer cohort's.
+        if let Some(scopes) = self.catch_all.take() {
+            scopes.pop();
+        }
+        OPEN.lock().retain(|e| e.serial != self.serial);
     }
 }
 

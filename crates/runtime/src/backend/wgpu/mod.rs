@@ -76,9 +76,72 @@ impl WgpuRuntime {
 
     /// The index (in [`WgpuRuntime::adapters`]) of the adapter device
     /// `device` is opened on: `device` itself by default, 0 with
-    /// `COHORT_WGPU_DEVICES`. An error when there is no such device.
+    /// `COHORT_WGPU_DEVICES`. An error when there is no such device (an
+    /// adopted device is on no adapter of the runtime's).
     pub fn adapter_of(device: usize) -> Result<usize, ServerError> {
         adapter::adapter_of(device)
+    }
+
+    /// A client on a `wgpu::Device` and its `Queue` that the caller made
+    /// (another framework's, burn's say), instead of one the runtime
+    /// opens: cohort's buffers, kernels and collectives then run on that
+    /// device, and the caller's own `wgpu::Buffer`s of it can be adopted
+    /// as foreign memory. Returns once the device's server thread runs.
+    ///
+    /// The device gets the index after every enumerated device and every
+    /// earlier adoption ([`Runtime::device_count`] and
+    /// [`crate::clients_of`] still count only the enumerated ones);
+    /// [`Runtime::client`] with that index gives the same client while it
+    /// is open. Adopting a device already open in cohort (adopted earlier,
+    /// or cohort's own from [`WgpuRuntime::device_and_queue`]) returns that
+    /// device's client (a queue wgpu can tell is not that device's is refused:
+    /// pass the queue `request_device` returned with the device).
+    /// Properties come from the device's limits, features and adapter info.
+    ///
+    /// Errors: the caller's uncaptured-error handler and device-lost
+    /// callback are left as they are (none is installed). Every wgpu call
+    /// cohort makes runs on the device's server thread inside error scopes
+    /// of that thread, so cohort's errors come back from cohort's calls
+    /// (on the buffers a launch writes, or from the next `sync`) and never
+    /// reach the caller's handler; the caller's own errors, made on its
+    /// threads, reach its handler (or wgpu's default, which panics, where
+    /// it set none) and never cohort's calls. A lost device shows as errors
+    /// of cohort's later calls; cohort has no callback to hear of it sooner.
+    ///
+    /// Work order: the device has one queue, which runs submissions in
+    /// order; call [`crate::Client::signal_external`] with
+    /// [`crate::ExternalStream::WgpuQueue`] before the caller submits work
+    /// that must see cohort's results. Closing the client
+    /// ([`crate::Client::close`]) lets go of cohort's clones of the device
+    /// and queue; the caller's keep working.
+    pub fn adopt(device: wgpu::Device, queue: wgpu::Queue) -> Result<Client, ServerError> {
+        let adoption = adapter::adoption(&device, &queue)?;
+        let (index, serial) = (adoption.index, adoption.serial);
+        let loaded = Client::load(DeviceId::new(DeviceId::WGPU, index as u32), || -> BackendFactory {
+            Box::new(move || Ok(Box::new(WgpuBackend::adopt(index, device, queue, serial)?) as Box<dyn Backend>))
+        });
+        if loaded.is_err() && adoption.new {
+            adapter::forget(serial);
+        }
+        loaded
+    }
+
+    /// The `wgpu::Device` and `Queue` a wgpu client runs on (clones: the
+    /// same device and queue), so the caller can make buffers on cohort's
+    /// own device (to adopt as foreign memory) or submit work on its
+    /// queue. Costs a lock; waits for nothing. An error for a client of
+    /// another backend or of a closed device.
+    pub fn device_and_queue(client: &Client) -> Result<(wgpu::Device, wgpu::Queue), ServerError> {
+        let id = client.device_id();
+        if id.type_id != DeviceId::WGPU {
+            return Err(ServerError::InvalidArgument(format!(
+                "WgpuRuntime::device_and_queue takes a wgpu client; this one is of {id}"
+            )));
+        }
+        if client.device().is_closed() {
+            return Err(ServerError::DeviceClosed { device: id });
+        }
+        adapter::device_and_queue(id.index as usize).ok_or(ServerError::DeviceClosed { device: id })
     }
 }
 
@@ -89,9 +152,16 @@ impl Runtime for WgpuRuntime {
         adapter::device_count()
     }
 
+    /// The client of enumerated device `index`, or of an adopted device
+    /// still open ([`WgpuRuntime::adopt`]).
     fn client(index: usize) -> Result<Client, ServerError> {
-        adapter::adapter_of(index)?;
         let device = DeviceId::new(DeviceId::WGPU, index as u32);
+        if let Some((gpu, queue, serial)) = adapter::adopted(index) {
+            return Client::load(device, || -> BackendFactory {
+                Box::new(move || Ok(Box::new(WgpuBackend::adopt(index, gpu, queue, serial)?) as Box<dyn Backend>))
+            });
+        }
+        adapter::adapter_of(index)?;
         Client::load(device, || -> BackendFactory {
             Box::new(move || Ok(Box::new(WgpuBackend::open(index)?) as Box<dyn Backend>))
         })
@@ -115,8 +185,19 @@ impl WgpuBackend {
     /// order), or adapter 0 with `COHORT_WGPU_DEVICES`.
     pub fn open(index: usize) -> Result<Self, ServerError> {
         let (gpu, properties) = Gpu::open(index)?;
+        Ok(Self::on(gpu, properties))
+    }
+
+    /// Runs on a device the caller made, as device `index` (see
+    /// [`WgpuRuntime::adopt`]).
+    fn adopt(index: usize, device: wgpu::Device, queue: wgpu::Queue, serial: u64) -> Result<Self, ServerError> {
+        let (gpu, properties) = Gpu::adopt(index, device, queue, serial)?;
+        Ok(Self::on(gpu, properties))
+    }
+
+    fn on(gpu: Gpu, properties: DeviceProperties) -> Self {
         tracing::debug!(device = %gpu.id, "opened {}", properties.name);
-        Ok(Self {
+        Self {
             properties,
             pages: WgpuPages::new(&gpu),
             submitter: Submitter::new(),
@@ -125,11 +206,23 @@ impl WgpuBackend {
             staging: StagingPool::default(),
             timestamps: TimestampMode::of(gpu.features),
             gpu,
-        })
+        }
     }
 
     fn transfer(&mut self) -> Transfer<'_> {
         Transfer { gpu: &self.gpu, pages: &self.pages, submitter: &mut self.submitter, staging: &mut self.staging }
+    }
+
+    /// Refuses an external stream that is not a wgpu queue.
+    fn queue_of(&self, external: &crate::ExternalStream) -> Result<(), ServerError> {
+        match external {
+            crate::ExternalStream::WgpuQueue => Ok(()),
+            #[allow(unreachable_patterns)]
+            other => Err(ServerError::InvalidArgument(format!(
+                "{other:?} is not a stream of wgpu device {}: a wgpu client orders only with its device's queue (ExternalStream::WgpuQueue)",
+                self.gpu.id
+            ))),
+        }
     }
 
     /// The errors found after their work was queued: a batch that failed
@@ -199,6 +292,23 @@ impl Backend for WgpuBackend {
     /// submitted under an earlier submission index) runs before anything the
     /// waiter queues next. The fence is the submission index order itself.
     fn order_streams(&mut self, _waiter: StreamId, _target: StreamId) -> Result<(), ServerError> {
+        Ok(())
+    }
+
+    /// The device's queue (the caller's, on an adopted device) runs
+    /// submissions in order, so the caller's work submitted before this
+    /// call already precedes everything cohort submits later: nothing to
+    /// do. A CUDA stream is refused.
+    fn wait_external(&mut self, _stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
+        self.queue_of(external)
+    }
+
+    /// Submits cohort's pending work (recorded commands and buffer writes)
+    /// so it precedes the caller's next submission on the queue; waits for
+    /// nothing on the device.
+    fn signal_external(&mut self, _stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
+        self.queue_of(external)?;
+        self.submitter.flush(&self.gpu);
         Ok(())
     }
 
