@@ -37,10 +37,11 @@ pub use cohort_train::{ddp, nn};
 /// ```
 pub mod prelude {
     pub use cohort_comm::{
-        rank_clients, Buffer, ClientGroup, Collectives, Communicator, DType, Element, Error, Mesh, ReduceOp, Transport,
-        Work, World,
+        rank_clients, Buffer, ClientGroup, Collectives, Communicator, DType, Element, Error, Mesh, OnStream, ReduceOp,
+        Transport, Work, World,
     };
     pub use cohort_runtime::prelude::*;
+    pub use cohort_runtime::ExternalStream;
 }
 
 /// The README's code, compiled and run as a doc test.

@@ -7,7 +7,7 @@
 //! across ranks, a `ClientGroup`'s from 0). A rooted collective's root
 //! buffer is checked where the root is local, and ignored elsewhere.
 
-use cohort_runtime::{Client, Handle};
+use cohort_runtime::{Access, Client, Handle};
 
 use crate::error::CommError;
 use crate::op::Op;
@@ -67,7 +67,7 @@ impl Members<'_> {
     pub fn all_reduce(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<Op, CommError> {
         let c = self.call("all_reduce", dtype);
         c.per_member("source", src)?;
-        c.per_member("destination", dst)?;
+        c.destinations(dst)?;
         let size = c.whole("source", 0, &src[0])?;
         c.sizes("source", src, size, "every member's source is the size of member 0's")?;
         c.sizes("destination", dst, size, "the destination is the size of the source")?;
@@ -93,7 +93,7 @@ impl Members<'_> {
         let size = c.whole("source", 0, &src[0])?;
         c.sizes("source", src, size, "every member's source is the size of member 0's")?;
         if let Some(slot) = self.local_slot(root) {
-            c.owned("destination", slot, dst)?;
+            c.destination(slot, dst)?;
             c.size("destination", slot, dst, size, "the destination is the size of the source")?;
             c.overlap(slot, dst, &src[slot], 0, "in place, the root's source and destination are the same buffer")?;
         }
@@ -109,7 +109,7 @@ impl Members<'_> {
         if let Some(slot) = local_root {
             c.owned("source", slot, src)?;
         }
-        c.per_member("destination", dst)?;
+        c.destinations(dst)?;
         let size = match local_root {
             Some(slot) => {
                 let size = c.whole("source", slot, src)?;
@@ -130,7 +130,7 @@ impl Members<'_> {
     pub fn all_gather(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Op, CommError> {
         let (c, n) = (self.call("all_gather", dtype), self.count);
         c.per_member("source", src)?;
-        c.per_member("destination", dst)?;
+        c.destinations(dst)?;
         let size = c.whole("source", 0, &src[0])?;
         c.sizes("source", src, size, "every member's source is the size of member 0's")?;
         c.sizes("destination", dst, n * size, &format!("{n} members × the source size"))?;
@@ -146,7 +146,7 @@ impl Members<'_> {
     pub fn reduce_scatter(&self, src: &[Handle], dst: &[Handle], dtype: DType, op: ReduceOp) -> Result<Op, CommError> {
         let (c, n) = (self.call("reduce_scatter", dtype), self.count);
         c.per_member("source", src)?;
-        c.per_member("destination", dst)?;
+        c.destinations(dst)?;
         let size = c.whole("destination", 0, &dst[0])?;
         c.sizes("destination", dst, size, "every member's destination is the size of member 0's")?;
         c.sizes("source", src, n * size, &format!("{n} members × the destination size"))?;
@@ -163,7 +163,7 @@ impl Members<'_> {
     pub fn all_to_all(&self, src: &[Handle], dst: &[Handle], dtype: DType) -> Result<Op, CommError> {
         let (c, n) = (self.call("all_to_all", dtype), self.count);
         c.per_member("source", src)?;
-        c.per_member("destination", dst)?;
+        c.destinations(dst)?;
         let total = c.whole("source", 0, &src[0])?;
         let block = n * dtype.size();
         if total % block != 0 {
@@ -206,7 +206,7 @@ impl Members<'_> {
         let size = c.whole("source", 0, &src[0])?;
         c.sizes("source", src, size, "every member's source is the size of member 0's")?;
         if let Some(slot) = self.local_slot(root) {
-            c.owned("destination", slot, dst)?;
+            c.destination(slot, dst)?;
             c.size("destination", slot, dst, n * size, &format!("{n} members × the source size"))?;
             let layout = "in place, the root's source is its destination's block at root × size";
             c.overlap(slot, dst, &src[slot], root * size, layout)?;
@@ -223,7 +223,7 @@ impl Members<'_> {
         if let Some(slot) = local_root {
             c.owned("source", slot, src)?;
         }
-        c.per_member("destination", dst)?;
+        c.destinations(dst)?;
         let size = c.whole("destination", 0, &dst[0])?;
         c.sizes("destination", dst, size, "every member's destination is the size of member 0's")?;
         if let Some(slot) = local_root {
@@ -241,7 +241,7 @@ impl Members<'_> {
         c.member("sender", from)?;
         c.member("receiver", to)?;
         c.owned("source", from, src)?;
-        c.owned("destination", to, dst)?;
+        c.destination(to, dst)?;
         let size = c.whole("source", from, src)?;
         c.size("destination", to, dst, size, "the destination is the size of the source")?;
         if from == to {
@@ -273,6 +273,9 @@ impl Members<'_> {
                 handle_device: buffer.service().device,
                 member_device: self.clients[0].device_id(),
             })?;
+        if !sending {
+            self.call(name, dtype).writable(slot, buffer)?;
+        }
         self.within(name, role, peer, ranks)?;
         if peer == me {
             return Err(CommError::Overlap {
@@ -303,6 +306,41 @@ impl Check<'_> {
         }
         for (slot, handle) in handles.iter().enumerate() {
             self.owned(what, slot, handle)?;
+        }
+        Ok(())
+    }
+
+    /// One destination per local client, each on its client's device and
+    /// writable.
+    fn destinations(&self, handles: &[Handle]) -> Result<(), CommError> {
+        self.per_member("destination", handles)?;
+        for (slot, handle) in handles.iter().enumerate() {
+            self.writable(slot, handle)?;
+        }
+        Ok(())
+    }
+
+    /// The destination of local `slot` is on its device and writable.
+    fn destination(&self, slot: usize, handle: &Handle) -> Result<(), CommError> {
+        self.owned("destination", slot, handle)?;
+        self.writable(slot, handle)
+    }
+
+    /// The destination of local `slot` may be written: foreign memory
+    /// adopted read-only (a DLPack tensor marked so) may not.
+    fn writable(&self, slot: usize, handle: &Handle) -> Result<(), CommError> {
+        if handle.access() == Access::ReadOnly {
+            return Err(CommError::InvalidGroup {
+                operation: self.op,
+                detail: format!(
+                    "the destination of member {} is read-only ({} bytes of foreign memory adopted with \
+                     Access::ReadOnly, such as a DLPack tensor marked read-only), and {} writes its destination; \
+                     pass a writable buffer as the destination and copy the result out of it",
+                    self.members.first + slot,
+                    handle.size(),
+                    self.op
+                ),
+            });
         }
         Ok(())
     }

@@ -54,7 +54,7 @@ impl<T: Element> fmt::Debug for Buffer<T> {
 }
 
 /// Bytes of `len` elements of `T`, or why that is not a size.
-fn byte_len<T: Element>(len: usize) -> Result<usize, Error> {
+pub(super) fn byte_len<T: Element>(len: usize) -> Result<usize, Error> {
     len.checked_mul(std::mem::size_of::<T>()).filter(|b| *b <= isize::MAX as usize).ok_or_else(|| {
         Error::InvalidArgument(format!(
             "a buffer of {len} {} elements is larger than memory can address; ask for fewer elements",
@@ -104,7 +104,7 @@ impl<T: Element> Buffer<T> {
         Ok(Buffer::wrap(client, handle, len))
     }
 
-    fn wrap(client: &Client, handle: Handle, len: usize) -> Buffer<T> {
+    pub(super) fn wrap(client: &Client, handle: Handle, len: usize) -> Buffer<T> {
         Buffer { client: client.clone(), handle, len, _element: PhantomData }
     }
 

@@ -1,0 +1,1 @@
+//! CUDA foreign memory tests (written below).
