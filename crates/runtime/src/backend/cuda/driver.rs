@@ -179,6 +179,64 @@ pub(crate) fn gpu_of(index: usize) -> Result<usize, ServerError> {
     }
 }
 
+/// The device index of the first device shown on the GPU `raw` (a
+/// `CUdevice`), after checking `ctx` is that GPU's primary context: an
+/// error, saying how to get one, for any other context (and for a GPU
+/// whose primary context is not active: `ctx` cannot be it then, and
+/// asking would make one). Retains and releases the primary context once
+/// (a count: the caller's retain keeps it).
+pub(crate) fn device_of_primary(raw: sys::CUdevice, ctx: sys::CUcontext) -> Result<usize, ServerError> {
+    let gpus = gpu_count()?;
+    let gpu = (0..gpus)
+        .find(|&g| {
+            let mut found: sys::CUdevice = 0;
+            // SAFETY: the driver is initialised; the call writes one handle.
+            let code = unsafe { sys::cuDeviceGet(&mut found, g as c_int) };
+            code == sys::CUresult::CUDA_SUCCESS && found == raw
+        })
+        .ok_or_else(|| {
+            ServerError::InvalidArgument(format!(
+                "the context's device ({raw}) is none of the {gpus} GPU(s) the driver shows this process"
+            ))
+        })?;
+    let device = device_id(gpu);
+    let not_primary = || {
+        ServerError::InvalidArgument(format!(
+            "the CUDA context {ctx:?} is not the primary context of GPU {gpu}: cohort runs on (and shares) each GPU's primary context, so its memory and streams are valid only there; make the context with cudarc's CudaContext::new({gpu}) (or cuDevicePrimaryCtxRetain), not cuCtxCreate or CudaContext::new_non_primary"
+        ))
+    };
+    let (mut flags, mut active): (std::ffi::c_uint, c_int) = (0, 0);
+    // SAFETY: `raw` is a valid device (found above); writes two integers.
+    let code = unsafe { sys::cuDevicePrimaryCtxGetState(raw, &mut flags, &mut active) };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(driver_error(device, "cuDevicePrimaryCtxGetState", code));
+    }
+    if active == 0 {
+        return Err(not_primary());
+    }
+    let mut primary: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the primary context is active (someone holds it), so this
+    // retain only counts; released right after.
+    let code = unsafe { sys::cuDevicePrimaryCtxRetain(&mut primary, raw) };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(driver_error(device, "cuDevicePrimaryCtxRetain", code));
+    }
+    // SAFETY: releases the retain just made.
+    let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(raw) };
+    if primary != ctx {
+        return Err(not_primary());
+    }
+    let shown = device_count()?;
+    if gpu >= shown {
+        return Err(ServerError::InvalidArgument(format!(
+            "GPU {gpu} runs none of the {shown} CUDA device(s) COHORT_CUDA_DEVICES shows (device i runs on GPU i mod {gpus}): show at least {} to use it",
+            gpu + 1
+        )));
+    }
+    // Device i runs on GPU i mod G: the first one shown on `gpu` is `gpu`.
+    Ok(gpu)
+}
+
 /// What the driver says about one device.
 pub(crate) struct DeviceInfo {
     pub raw: sys::CUdevice,

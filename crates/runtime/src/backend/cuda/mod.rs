@@ -11,7 +11,8 @@
 //! lock guarantees. Its parts, a module each:
 //! [`driver`](self) loading and discovery, `storage` (device pages), `pinned`
 //! (the pinned host pool) and `transfer` (staged copies), `streams`, `events`
-//! (pooled events for fences and cross-stream order), `kernels` (NVRTC and
+//! (pooled events for fences and cross-stream order), `external` (streams
+//! of other libraries to order with), `kernels` (NVRTC and
 //! its caches), `graphs` (stream capture), `timing` (event timers), `nccl`
 //! and `nccl_lib` (NCCL communicators and collectives, behind
 //! [`crate::backend::DeviceCollectives`]) and `peer` (peer access and copies).
@@ -30,12 +31,30 @@
 //! says to restart the process. Other devices, and other runtimes' clients,
 //! are unaffected. Errors that are not sticky (a compile error, a launch with
 //! too many threads) fail only the call that made them.
+//!
+//! # Sharing the primary context
+//!
+//! Each GPU's primary context is shared: by the devices
+//! `COHORT_CUDA_DEVICES` shows on it, and by any other library of the
+//! process that uses it (cudarc's `CudaContext::new`, PyTorch, CuPy; see
+//! [`CudaRuntime::client_for_context`]). So cohort touches only its own
+//! work in it: closing a device waits for that device's streams, never for
+//! the whole context (`cuCtxSynchronize` would wait for the other
+//! library's work too), and lets go of its retain of the context without
+//! resetting it, even after a sticky fault (a reset would destroy every
+//! other holder's allocations; after the fault the context is lost for all
+//! of them anyway, and goes when the last lets go). A sticky fault in
+//! another library's kernel loses the context for cohort too: cohort's
+//! calls then return it, as for a fault of its own. Work is ordered with a
+//! stream of the other library's by events
+//! ([`crate::Client::wait_external`], [`crate::Client::signal_external`]).
 
 mod blas;
 mod copy_regions;
 mod disk_cache;
 mod driver;
 mod events;
+mod external;
 mod graphs;
 mod kernels;
 mod nccl;
@@ -123,6 +142,27 @@ impl Runtime for CudaRuntime {
     }
 }
 
+impl CudaRuntime {
+    /// The client of the device that runs on `ctx`'s GPU, for a caller that
+    /// already uses CUDA through cudarc (candle, burn's cubecl): cohort's
+    /// work and the caller's then share the GPU's primary context, so
+    /// memory and streams of either are valid for the other. Opens the
+    /// device if it is not open; waits for nothing on the GPU.
+    ///
+    /// `ctx` must be the GPU's primary context (cudarc's
+    /// `CudaContext::new`, which PyTorch and CuPy use too): cohort always
+    /// runs on primary contexts. Any other context (`cuCtxCreate`,
+    /// cudarc's `CudaContext::new_non_primary`) is refused with an error
+    /// that says so; nothing is opened then. Where `COHORT_CUDA_DEVICES`
+    /// shows several devices on one GPU, this is the first of them (device
+    /// `g` for GPU `g`); a GPU that no shown device runs on is refused.
+    pub fn client_for_context(ctx: &Arc<cudarc::driver::CudaContext>) -> Result<Client, ServerError> {
+        driver::ensure_driver()?;
+        let index = driver::device_of_primary(ctx.cu_device(), ctx.cu_ctx())?;
+        Self::client(index)
+    }
+}
+
 /// Driver allocations of device pages made by this process's CUDA backends.
 pub fn device_page_allocations() -> u64 {
     PAGE_ALLOCATIONS.load(Ordering::Relaxed)
@@ -141,11 +181,6 @@ thread_local! {
     /// caller's thread in `enter_caller`.
     static ENTERED_FOR: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
-
-/// How many backends are open on each GPU (several where
-/// `COHORT_CUDA_DEVICES` shows several devices on one): they share its
-/// primary context, which the last to close may reset.
-static OPEN_ON_GPU: parking_lot::Mutex<Vec<usize>> = parking_lot::Mutex::new(Vec::new());
 
 /// GPUs whose context a sticky fault lost, with the fault: CUDA cannot
 /// give this process a working context on them again (nor to any device
@@ -180,6 +215,9 @@ pub struct CudaBackend {
     blas_handle: cudarc::cublas::sys::cublasHandle_t,
     /// The sticky fault that lost the context, returned by every later call.
     lost: Option<ServerError>,
+    /// The last external stream found to be of this context (see
+    /// `external_stream`): the same stream again is not asked about.
+    checked_external: Option<usize>,
 }
 
 impl CudaBackend {
@@ -212,13 +250,6 @@ impl CudaBackend {
             return Err(driver_error(device, "cuDevicePrimaryCtxRetain", code));
         }
         driver::set_current(device, ctx)?;
-        {
-            let mut open = OPEN_ON_GPU.lock();
-            if open.len() <= gpu {
-                open.resize(gpu + 1, 0);
-            }
-            open[gpu] += 1;
-        }
         Ok(Self {
             properties: DeviceProperties {
                 device,
@@ -254,6 +285,7 @@ impl CudaBackend {
             nccl: nccl::NcclState::default(),
             blas_handle: std::ptr::null_mut(),
             lost: None,
+            checked_external: None,
         })
     }
 
@@ -527,6 +559,28 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// A pooled event recorded on `external` and waited on by `stream`
+    /// (`cuEventRecord`, `cuStreamWaitEvent`; `cuStreamGetCtx` the first
+    /// time a stream is seen), the event given back at once: the wait
+    /// keeps the record it saw.
+    fn wait_external(&mut self, stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
+        self.check_lost()?;
+        self.refuse_external_in_capture(stream)?;
+        let external = self.external_stream(external)?;
+        let raw = self.raw_stream(stream)?;
+        self.events.order(raw, external).map_err(|err| self.external_error(stream, err))
+    }
+
+    /// A pooled event recorded on `stream` and waited on by `external`, as
+    /// in `wait_external`.
+    fn signal_external(&mut self, stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
+        self.check_lost()?;
+        self.refuse_external_in_capture(stream)?;
+        let external = self.external_stream(external)?;
+        let raw = self.raw_stream(stream)?;
+        self.events.order(external, raw).map_err(|err| self.external_error(stream, err))
+    }
+
     fn timing_start(&mut self, stream: StreamId) -> Result<TimerStart, ServerError> {
         self.check_lost()?;
         let raw = self.raw_stream(stream)?;
@@ -714,27 +768,19 @@ impl Backend for CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         PAGE_ALLOCATIONS.fetch_add(self.pages.allocations, Ordering::Relaxed);
-        let others_open = {
-            let mut open = OPEN_ON_GPU.lock();
-            open[self.gpu] -= 1;
-            open[self.gpu]
-        };
         // Collectives still queued end (or are aborted) before their memory
         // goes.
         self.settle_all_collectives();
         if self.lost.is_none() {
-            // SAFETY: the context is current on this thread; waiting for
-            // this device's work before freeing what that work uses: all of
-            // the context's where the device has the GPU to itself, its own
-            // streams' where other devices share it (a context-wide sync
-            // would wait for their work and end a capture of theirs).
-            unsafe {
-                if others_open == 0 {
-                    let _ = sys::cuCtxSynchronize();
-                } else {
-                    self.streams.synchronize_all();
-                }
-            }
+            // SAFETY: the context is current on this thread. Waiting for
+            // this device's work (its own streams) before freeing what that
+            // work uses, never for the whole context's: other devices shown
+            // on the GPU, and other libraries (a cudarc caller,
+            // `CudaRuntime::client_for_context`), share the primary context,
+            // and a context-wide sync would wait for their work too (a
+            // collective of theirs that waits for other ranks, forever) and
+            // end a capture of theirs.
+            unsafe { self.streams.synchronize_all() };
         }
         self.graphs_alive.store(false, Ordering::Release);
         if self.lost.is_none() {
@@ -750,16 +796,15 @@ impl Drop for CudaBackend {
         // The work that writes the end signals drained (or the context is
         // lost); waiters holding one keep reading the page.
         self.nccl.signals.close();
-        // SAFETY: the primary context was retained in `new`. After a sticky
-        // fault the last device open on the GPU resets it instead, so the
-        // next client gets a fresh one; one that shares it with devices
-        // still open only lets it go.
+        // SAFETY: the primary context was retained in `new`; this lets go
+        // of that retain only. It is never reset, not even after a sticky
+        // fault: a reset would destroy the allocations and streams of every
+        // other holder of the context (another library in the process),
+        // and gives cohort nothing (CUDA does not give the GPU back to the
+        // process after a sticky fault: `new` refuses it). The context,
+        // lost for every holder, goes when the last one lets go.
         unsafe {
-            if self.lost.is_some() && others_open == 0 {
-                let _ = sys::cuDevicePrimaryCtxReset_v2(self.raw_device);
-            } else {
-                let _ = sys::cuDevicePrimaryCtxRelease_v2(self.raw_device);
-            }
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(self.raw_device);
         }
     }
 }
