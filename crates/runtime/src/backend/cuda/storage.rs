@@ -7,6 +7,10 @@
 //! they share its context, so a free waits while any of them holds its
 //! frees: one member's `cuMemFree` would otherwise wait for another
 //! member's peer kernel, which may wait for this member's part.
+//!
+//! Memory another library allocated (`Client::adopt`) is a page too, after
+//! the driver confirmed it is device memory of this device's context; it
+//! is only forgotten, never freed.
 
 use crate::id::IdMap;
 
@@ -25,7 +29,7 @@ pub(crate) const ALIGNMENT: u64 = 256;
 /// The device memory of one device, page by page.
 pub(crate) struct DevicePages {
     device: DeviceId,
-    pages: IdMap<PageId, (sys::CUdeviceptr, u64)>,
+    pages: IdMap<PageId, Page>,
     next: u64,
     /// Whether this device holds its frees (during captures and pending
     /// collectives).
@@ -37,6 +41,15 @@ pub(crate) struct DevicePages {
     own: HeldFrees,
     /// Driver allocations made, for tests and reports.
     pub(crate) allocations: u64,
+}
+
+/// One page: its address and size, and whether it was adopted (never
+/// freed here).
+#[derive(Clone, Copy)]
+struct Page {
+    ptr: sys::CUdeviceptr,
+    size: u64,
+    adopted: bool,
 }
 
 /// Frees held while a holder is running: one device's own, or those of
@@ -128,7 +141,7 @@ impl DevicePages {
     /// Device address of a binding, checked against its page.
     #[inline]
     pub fn ptr(&self, binding: Binding) -> Result<sys::CUdeviceptr, ServerError> {
-        let &(base, size) = self.pages.get(&binding.page).ok_or_else(|| ServerError::InvalidState {
+        let &Page { ptr: base, size, .. } = self.pages.get(&binding.page).ok_or_else(|| ServerError::InvalidState {
             operation: "device memory access",
             reason: format!("page {:?} was already given back", binding.page),
         })?;
@@ -180,12 +193,13 @@ impl PageStorage for DevicePages {
         self.allocations += 1;
         self.next += 1;
         let id = PageId(self.next);
-        self.pages.insert(id, (ptr, size));
+        self.pages.insert(id, Page { ptr, size, adopted: false });
         Ok(id)
     }
 
+    /// An adopted page is only forgotten.
     fn free_page(&mut self, page: PageId) {
-        if let Some((ptr, _)) = self.pages.remove(&page) {
+        if let Some(Page { ptr, adopted: false, .. }) = self.pages.remove(&page) {
             self.with_frees(|frees| {
                 frees.deferred.push(ptr);
                 frees.release_unless_held();
@@ -196,11 +210,205 @@ impl PageStorage for DevicePages {
     fn alignment(&self) -> u64 {
         ALIGNMENT
     }
+
+    /// Takes `len` bytes of device memory at `ptr` as a page, after the
+    /// driver confirmed it (see [`check_device_range`]).
+    fn adopt_page(&mut self, memory: &crate::ForeignMemory) -> Result<PageId, ServerError> {
+        #[allow(unreachable_patterns)]
+        let (ptr, len) = match *memory {
+            crate::ForeignMemory::Cuda { ptr, len } => (ptr, len as u64),
+            _ => return Err(memory.wrong_backend("CUDA")),
+        };
+        check_device_range(self.device, ptr, len)?;
+        self.next += 1;
+        let id = PageId(self.next);
+        self.pages.insert(id, Page { ptr, size: len, adopted: true });
+        Ok(id)
+    }
+}
+
+/// What the driver says of a pointer ([`sys::cuPointerGetAttributes`]:
+/// zeros for memory it does not know).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PointerFacts {
+    pub context: u64,
+    pub memory_type: u64,
+    pub managed: bool,
+    pub ordinal: i64,
+    pub range_start: u64,
+    pub range_size: u64,
+}
+
+/// The device's context and GPU (the context current on this thread: the
+/// device thread, or a caller's running a task of the device).
+pub(crate) struct OwnContext {
+    pub context: u64,
+    pub ordinal: i64,
+}
+
+/// Whether `len` bytes at `ptr` are device memory of this thread's current
+/// context (the device's): asks the driver, then [`judge_pointer`].
+fn check_device_range(device: DeviceId, ptr: sys::CUdeviceptr, len: u64) -> Result<(), ServerError> {
+    let failed = |call: &str, code| ServerError::Backend {
+        backend: "cuda",
+        device,
+        message: format!("{call}: {}", describe(code)),
+    };
+    let mut context: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one context handle; the device's context is current
+    // on the thread running the device's task.
+    let code = unsafe { sys::cuCtxGetCurrent(&mut context) };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(failed("cuCtxGetCurrent", code));
+    }
+    let mut gpu: sys::CUdevice = 0;
+    // SAFETY: writes one device handle of the current context.
+    let code = unsafe { sys::cuCtxGetDevice(&mut gpu) };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(failed("cuCtxGetDevice", code));
+    }
+    let own = OwnContext { context: context as u64, ordinal: i64::from(gpu) };
+    use sys::CUpointer_attribute as A;
+    let mut attributes = [
+        A::CU_POINTER_ATTRIBUTE_CONTEXT,
+        A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    ];
+    // Each slot is 8 bytes, zeroed: the driver writes a pointer, an
+    // unsigned int, an int or a size into the low bytes (little-endian).
+    let mut slots = [0u64; 6];
+    let mut data: Vec<*mut std::ffi::c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+    // SAFETY: six attributes, six writable 8-byte slots; for memory the
+    // driver does not know it writes zeros rather than failing.
+    let code = unsafe {
+        sys::cuPointerGetAttributes(attributes.len() as u32, attributes.as_mut_ptr(), data.as_mut_ptr(), ptr)
+    };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(ServerError::InvalidArgument(format!(
+            "the driver cannot describe the pointer {ptr:#x} (cuPointerGetAttributes: {}); pass device memory of {device}",
+            describe(code)
+        )));
+    }
+    let facts = PointerFacts {
+        context: slots[0],
+        memory_type: slots[1] & 0xffff_ffff,
+        managed: slots[2] & 0xffff_ffff != 0,
+        ordinal: i64::from(slots[3] as u32 as i32),
+        range_start: slots[4],
+        range_size: slots[5],
+    };
+    judge_pointer(device, ptr, len, &facts, &own)
+}
+
+/// Whether memory the driver described as `facts` can be adopted by the
+/// device of context `own`: device memory (or managed), of that context
+/// (or, for memory of no context, as the driver reports virtual-memory
+/// mappings, of its GPU), whose allocation covers `[ptr, ptr + len)`.
+pub(crate) fn judge_pointer(
+    device: DeviceId,
+    ptr: u64,
+    len: u64,
+    facts: &PointerFacts,
+    own: &OwnContext,
+) -> Result<(), ServerError> {
+    let refuse = |why: String| {
+        Err(ServerError::InvalidArgument(format!("cannot adopt {len} bytes at {ptr:#x} on {device}: {why}")))
+    };
+    if ptr == 0 {
+        return refuse("the pointer is null; pass the address of the memory to share".into());
+    }
+    const HOST: u64 = sys::CUmemorytype::CU_MEMORYTYPE_HOST as u64;
+    const DEVICE: u64 = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64;
+    const ARRAY: u64 = sys::CUmemorytype::CU_MEMORYTYPE_ARRAY as u64;
+    match facts.memory_type {
+        _ if facts.managed => {}
+        DEVICE => {}
+        HOST => {
+            return refuse(
+                "it is host memory (pinned); adopt host memory on a CPU client, or copy it to the device first".into(),
+            )
+        }
+        ARRAY => return refuse("it is a CUDA array, not linear device memory".into()),
+        0 => {
+            return refuse(
+                "the CUDA driver does not know this pointer (pageable host memory, freed memory, or another \
+                 process's): pass memory allocated on this device (cuMemAlloc, cudaMalloc, cudarc's alloc)"
+                    .into(),
+            )
+        }
+        other => return refuse(format!("the driver reports memory type {other}, which is not device memory")),
+    }
+    if facts.context != 0 && facts.context != own.context {
+        return refuse(format!(
+            "it belongs to another CUDA context ({:#x}; this device runs on {:#x}, the primary context of GPU {}): \
+             allocate it in the device's primary context (cudarc's CudaContext::new, PyTorch's and CuPy's default)",
+            facts.context, own.context, own.ordinal
+        ));
+    }
+    if facts.ordinal != own.ordinal {
+        return refuse(format!(
+            "it is memory of GPU {}, and this device is GPU {}: adopt it on the client of GPU {}",
+            facts.ordinal, own.ordinal, facts.ordinal
+        ));
+    }
+    let end = ptr.checked_add(len);
+    let range_end = facts.range_start.saturating_add(facts.range_size);
+    if ptr < facts.range_start || end.is_none_or(|end| end > range_end) {
+        return refuse(format!(
+            "its allocation spans {:#x}..{range_end:#x} ({} bytes), which does not hold {len} bytes from {ptr:#x}",
+            facts.range_start, facts.range_size
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each fact the driver gives that makes memory unusable is refused
+    /// naming it; device memory of the context within its allocation is
+    /// taken. (No driver needed: the facts are given.)
+    #[test]
+    fn pointers_are_judged_by_what_the_driver_says_of_them() {
+        let device = DeviceId::new(DeviceId::CUDA, 0);
+        let own = OwnContext { context: 0xc0, ordinal: 0 };
+        let good = PointerFacts {
+            context: 0xc0,
+            memory_type: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64,
+            managed: false,
+            ordinal: 0,
+            range_start: 0x1000,
+            range_size: 0x1000,
+        };
+        let judge = |ptr, len, facts: PointerFacts| judge_pointer(device, ptr, len, &facts, &own);
+        assert!(judge(0x1000, 0x1000, good).is_ok());
+        assert!(judge(0x1800, 0x800, good).is_ok(), "a part of an allocation");
+        let managed = PointerFacts { managed: true, memory_type: sys::CUmemorytype::CU_MEMORYTYPE_HOST as u64, ..good };
+        assert!(judge(0x1000, 16, managed).is_ok(), "managed memory");
+        assert!(judge(0x1000, 16, PointerFacts { context: 0, ..good }).is_ok(), "a mapping of no context, this GPU");
+        let cases = [
+            (0x1000, 0x1001, good, "does not hold"),
+            (0x1ff0, 0x20, good, "does not hold"),
+            (0, 16, good, "null"),
+            (0x1000, 16, PointerFacts { context: 0xd0, ..good }, "another CUDA context"),
+            (0x1000, 16, PointerFacts { context: 0, ordinal: 1, ..good }, "memory of GPU 1"),
+            (
+                0x1000,
+                16,
+                PointerFacts { memory_type: sys::CUmemorytype::CU_MEMORYTYPE_HOST as u64, ..good },
+                "host memory",
+            ),
+            (0x1000, 16, PointerFacts::default(), "does not know this pointer"),
+        ];
+        for (ptr, len, facts, says) in cases {
+            let err = judge(ptr, len, facts).unwrap_err().to_string();
+            assert!(err.contains(says), "{says}: {err}");
+        }
+    }
 
     /// Frees of devices shown on one GPU wait while any of them holds its
     /// own; a device with the GPU to itself minds only its own. (Nothing is
