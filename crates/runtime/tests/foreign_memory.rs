@@ -153,6 +153,17 @@ fn the_owner_outlives_the_work_queued_on_its_memory() {
 }
 
 #[test]
+fn an_idle_device_drops_the_owner_of_memory_released_on_another_thread() {
+    let client = CpuRuntime::client(1).unwrap();
+    let (handle, _, watched) = adopt_watched(&client, lanes([1.0; 4]), Access::ReadWrite);
+    client.sync().unwrap();
+    // The device has nothing queued; the last handle goes on this thread,
+    // and nobody calls the device after.
+    std::thread::spawn(move || drop(handle)).join().unwrap();
+    wait_until("the idle device drops the owner", || watched.drops.load(Ordering::SeqCst) == 1);
+}
+
+#[test]
 fn reclaim_gives_the_same_vec_back() {
     let client = CpuRuntime::client(0).unwrap();
     let mut memory = lanes([0.0; 8]);
