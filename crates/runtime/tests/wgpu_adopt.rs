@@ -279,3 +279,41 @@ fn external_streams_of_another_backend_are_refused() {
     let err = cpu.signal_external(&ExternalStream::WgpuQueue).unwrap_err();
     assert!(matches!(err, ServerError::Unsupported { .. }), "{err}");
 }
+
+/// A caller that destroys a buffer cohort still uses gets cohort's error
+/// from cohort's call; nothing of it reaches the caller's handler (cohort's
+/// wgpu calls are all in error scopes of its device thread).
+#[test]
+fn errors_of_cohorts_calls_on_a_destroyed_buffer_stay_cohorts() {
+    let caller = caller_device();
+    let client = WgpuRuntime::adopt(caller.device.clone(), caller.queue.clone()).unwrap();
+    let buffer = caller_buffer(&caller.device, 256);
+    let handle = adopt_buffer(&client, &buffer);
+    client.sync().unwrap();
+    buffer.destroy();
+    let read = client.read_one(handle.clone());
+    let launched = client.launch(&add_one(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle));
+    let synced = client.sync();
+    println!("read: {read:?}\nlaunch: {launched:?}\nsync: {synced:?}");
+    assert!(read.is_err() || synced.is_err(), "cohort's calls report the destroyed buffer");
+    assert!(caller.errors.lock().is_empty(), "nothing reached the caller's handler: {:?}", caller.errors.lock());
+}
+
+/// A caller that destroys its device: cohort's later calls fail with
+/// cohort's errors, and none of cohort's errors reaches the caller's
+/// handler.
+#[test]
+fn a_device_the_caller_destroyed_fails_cohorts_calls_not_the_callers_handler() {
+    let caller = caller_device();
+    let client = WgpuRuntime::adopt(caller.device.clone(), caller.queue.clone()).unwrap();
+    let h = client.create(Bytes::from_elems(&[1.0f32; 64]));
+    client.sync().unwrap();
+    caller.device.destroy();
+    let read = client.read_one(h.clone());
+    let fresh = client.create(Bytes::from_elems(&[1.0f32; 64]));
+    let launched = client.launch(&add_one(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&fresh));
+    let synced = client.sync();
+    println!("read: {read:?}\nlaunch: {launched:?}\nsync: {synced:?}");
+    assert!(read.is_err(), "cohort's read reports the lost device");
+    assert!(caller.errors.lock().is_empty(), "nothing reached the caller's handler: {:?}", caller.errors.lock());
+}

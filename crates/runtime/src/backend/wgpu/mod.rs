@@ -1,7 +1,8 @@
 //! The wgpu backend: Vulkan, Metal, DX12 and GL devices, and lavapipe (a
 //! software Vulkan driver) where there is no GPU.
 //!
-//! - `adapter`: adapters, device creation, properties, error scopes.
+//! - `adapter`: adapters, device creation and adoption, properties, error
+//!   scopes.
 //! - `storage`: memory pool pages as wgpu buffers.
 //! - `queue`: the shared encoder, submissions, submission-index fences.
 //! - `pipeline`: WGSL compiled once into cached compute pipelines.
@@ -16,8 +17,13 @@
 //!
 //! Nothing here panics on a wgpu error: validation and out-of-memory errors
 //! are caught in error scopes and returned (a launch's become errors on its
-//! outputs), and errors outside any scope are logged and returned by the next
-//! `sync` instead of reaching wgpu's default handler, which panics.
+//! outputs), and errors outside those narrow scopes are caught by scopes
+//! the device thread keeps open underneath them (every call of the backend
+//! runs on that thread, and wgpu's scopes are per thread) and returned by
+//! the next `sync`. They never reach the device's uncaptured-error handler:
+//! on cohort's own devices a handler that keeps errors for `sync` (for
+//! errors of other threads; wgpu's default panics), on an adopted device
+//! (`WgpuRuntime::adopt`) the caller's, which cohort leaves in place.
 
 mod adapter;
 mod launch;
