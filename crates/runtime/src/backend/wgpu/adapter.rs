@@ -16,7 +16,6 @@
 //! CI). Such devices share the adapter's memory and compute; they are
 //! separate devices to wgpu (no shared buffers), like separate GPUs.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
@@ -25,6 +24,8 @@ use crate::config::{self, GraphicsApi};
 use crate::error::ServerError;
 use crate::id::DeviceId;
 use crate::properties::{Capabilities, DeviceProperties};
+
+use super::open_devices;
 
 /// The backends tried when `COHORT_WGPU_BACKEND` is unset.
 const DEFAULT_BACKENDS: wgpu::Backends =
@@ -215,6 +216,12 @@ fn discovery() -> Result<&'static Discovery, ServerError> {
     DISCOVERY.get_or_init(discover).as_ref().map_err(Clone::clone)
 }
 
+/// How many devices the runtime enumerates, 0 where it finds no adapter
+/// (the index adopted devices are numbered from).
+pub(crate) fn enumerated_devices() -> usize {
+    discovery().map(Discovery::device_count).unwrap_or(0)
+}
+
 /// How many devices the runtime has: one per adapter, or
 /// `COHORT_WGPU_DEVICES`.
 pub(crate) fn device_count() -> Result<usize, ServerError> {
@@ -275,125 +282,31 @@ pub(crate) struct ErrorSink {
     pub lost: Mutex<Option<String>>,
 }
 
-/// The wgpu devices open in this process, cohort's own and adopted ones:
-/// how [`device_and_queue`] finds a client's device, and how adopting a
-/// device twice finds the first adoption. An entry lives as long as the
-/// backend on it ([`Gpu`]'s drop removes it), so cohort keeps nothing of an
-/// adopted device once its client is closed.
-struct OpenDevice {
-    serial: u64,
-    index: usize,
-    device: wgpu::Device,
-    queue: wgpu::Queue,
-}
-
-static OPEN: Mutex<Vec<OpenDevice>> = Mutex::new(Vec::new());
-
-/// Numbers the entries of [`OPEN`].
-static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
-
-/// Device indexes given to adopted devices so far (the next is the
-/// enumerated devices' count plus this).
-static ADOPTED_SO_FAR: AtomicU64 = AtomicU64::new(0);
-
-/// A device the caller made, to adopt: found in [`OPEN`] (adopted before,
-/// or cohort's own) or registered there under a new index.
-pub(crate) struct Adoption {
-    pub index: usize,
-    pub serial: u64,
-    /// Whether this call registered it (to forget if opening fails).
-    pub new: bool,
-}
-
-/// The index (and entry) `device` has or gets: the one it was opened or
-/// adopted under while that backend lives; otherwise a new index after
-/// every enumerated device (and every earlier adoption). Adopting the same
-/// device with another queue is refused.
-pub(crate) fn adoption(device: &wgpu::Device, queue: &wgpu::Queue) -> Result<Adoption, ServerError> {
-    let mut open = OPEN.lock();
-    if let Some(entry) = open.iter().rev().find(|e| same_device(&e.device, device)) {
-        if entry.queue != *queue {
-            return Err(ServerError::InvalidArgument(format!(
-                "this wgpu device is open as wgpu:{} with another queue: pass the queue `request_device` returned with the device",
-                entry.index
-            )));
-        }
-        return Ok(Adoption { index: entry.index, serial: entry.serial, new: false });
-    }
-    // With no adapter of cohort's own (another backend than the caller's,
-    // say) the adopted devices are numbered from 0.
-    let enumerated = discovery().map(Discovery::device_count).unwrap_or(0);
-    let index = enumerated + ADOPTED_SO_FAR.fetch_add(1, Ordering::Relaxed) as usize;
-    let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
-    open.push(OpenDevice { serial, index, device: device.clone(), queue: queue.clone() });
-    Ok(Adoption { index, serial, new: true })
-}
-
-/// Whether `a` and `b` are one device. wgpu compares devices by their id
-/// alone, which the devices of different `wgpu::Instance`s share (each
-/// instance numbers its own from the start: cohort's first device and a
-/// caller's have the same id), so equal ids are probed: an error made on
-/// `b` inside a scope pushed on each reaches `a`'s scope only when they are
-/// one device (error scopes belong to the device object, per thread). The
-/// error (a buffer without usages) goes nowhere else.
-fn same_device(a: &wgpu::Device, b: &wgpu::Device) -> bool {
-    if a != b {
-        return false;
-    }
-    let on_b = b.push_error_scope(wgpu::ErrorFilter::Validation);
-    let on_a = a.push_error_scope(wgpu::ErrorFilter::Validation);
-    drop(b.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("cohort device identity probe"),
-        size: 4,
-        usage: wgpu::BufferUsages::empty(),
-        mapped_at_creation: false,
-    }));
-    let reached_a = pollster::block_on(on_a.pop()).is_some();
-    drop(pollster::block_on(on_b.pop()));
-    reached_a
-}
-
-/// Forgets an adoption whose device could not be opened.
-pub(crate) fn forget(serial: u64) {
-    OPEN.lock().retain(|e| e.serial != serial);
-}
-
-/// The device and queue of an adopted device `index` still open (to open
-/// it again for `WgpuRuntime::client`), with its entry's serial.
-pub(crate) fn adopted(index: usize) -> Option<(wgpu::Device, wgpu::Queue, u64)> {
-    let enumerated = discovery().map(Discovery::device_count).unwrap_or(0);
-    if index < enumerated {
-        return None;
-    }
-    OPEN.lock().iter().rev().find(|e| e.index == index).map(|e| (e.device.clone(), e.queue.clone(), e.serial))
-}
-
-/// The device and queue of open device `index` (cohort's own or adopted).
-pub(crate) fn device_and_queue(index: usize) -> Option<(wgpu::Device, wgpu::Queue)> {
-    OPEN.lock().iter().rev().find(|e| e.index == index).map(|e| (e.device.clone(), e.queue.clone()))
-}
-
-/// Error scopes that catch, on the device thread, every wgpu error of
-/// cohort's own calls that no narrower scope caught (error scopes are per
-/// thread, and every call of the backend runs on its device thread): they
-/// never reach the device's uncaptured-error handler, which on an adopted
-/// device is the caller's. Popped (and pushed again) by
-/// [`Gpu::take_background_errors`]; each keeps the first error of its kind.
-struct CatchAll {
+/// One error scope of each kind (internal, out of memory, validation)
+/// pushed on a device for the calling thread, popped together: how
+/// [`Gpu::scoped`] catches a call's errors, and, kept open underneath
+/// those on the device thread for the device's life ([`Gpu`]'s
+/// `catch_all`), how every other error of cohort's own calls is caught
+/// (every call of the backend runs on that thread, and scopes are per
+/// thread): none reaches the device's uncaptured-error handler, which on
+/// an adopted device is the caller's. Each scope keeps the first error of
+/// its kind.
+pub(crate) struct ErrorScopes {
     /// Pushed in this order, popped in reverse.
     scopes: Vec<wgpu::ErrorScopeGuard>,
 }
 
-impl CatchAll {
+impl ErrorScopes {
     const FILTERS: [wgpu::ErrorFilter; 3] =
         [wgpu::ErrorFilter::Internal, wgpu::ErrorFilter::OutOfMemory, wgpu::ErrorFilter::Validation];
 
-    fn push(device: &wgpu::Device) -> Self {
+    pub fn push(device: &wgpu::Device) -> Self {
         Self { scopes: Self::FILTERS.iter().map(|f| device.push_error_scope(*f)).collect() }
     }
 
-    /// Pops the scopes: the errors they caught.
-    fn pop(self) -> Vec<wgpu::Error> {
+    /// Pops the scopes: the errors they caught, validation first. Popping
+    /// resolves at once on native wgpu.
+    pub fn pop(self) -> Vec<wgpu::Error> {
         self.scopes.into_iter().rev().filter_map(|scope| pollster::block_on(scope.pop())).collect()
     }
 }
@@ -406,9 +319,9 @@ pub(crate) struct Gpu {
     pub limits: wgpu::Limits,
     pub features: wgpu::Features,
     pub errors: Arc<ErrorSink>,
-    /// Its entry in [`OPEN`].
+    /// Its entry in the open devices (`open_devices`).
     serial: u64,
-    catch_all: Option<CatchAll>,
+    catch_all: Option<ErrorScopes>,
 }
 
 impl Gpu {
@@ -454,8 +367,7 @@ impl Gpu {
             }
             *sink.lost.lock() = Some(format!("the device was lost ({reason:?}): {message}"));
         });
-        let serial = NEXT_SERIAL.fetch_add(1, Ordering::Relaxed);
-        OPEN.lock().push(OpenDevice { serial, index, device: device.clone(), queue: queue.clone() });
+        let serial = open_devices::register(index, &device, &queue);
         // The adapter is named in the device's name: with
         // COHORT_WGPU_DEVICES several devices share one.
         let name =
@@ -464,7 +376,7 @@ impl Gpu {
     }
 
     /// A device the caller made (`WgpuRuntime::adopt`), as device `index`,
-    /// registered in [`OPEN`] under `serial` by [`adoption`]. Installs no
+    /// registered under `serial` by `open_devices::adoption`. Installs no
     /// handler: the caller's uncaptured-error handler and device-lost
     /// callback stay as they are (cohort's own calls are in its error
     /// scopes).
@@ -511,7 +423,7 @@ impl Gpu {
             native_graphs: false,
             capabilities: Capabilities::default(),
         };
-        let catch_all = Some(CatchAll::push(&device));
+        let catch_all = Some(ErrorScopes::push(&device));
         (Gpu { id, device, queue, limits, features, errors, serial, catch_all }, properties)
     }
 
@@ -524,14 +436,9 @@ impl Gpu {
     /// returns its value with the first error the scopes caught. Popping a
     /// scope resolves at once on native wgpu.
     pub fn scoped<T>(&self, f: impl FnOnce() -> T) -> (T, Option<wgpu::Error>) {
-        let internal = self.device.push_error_scope(wgpu::ErrorFilter::Internal);
-        let memory = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let scopes = ErrorScopes::push(&self.device);
         let value = f();
-        let validation = pollster::block_on(validation.pop());
-        let memory = pollster::block_on(memory.pop());
-        let internal = pollster::block_on(internal.pop());
-        (value, validation.or(memory).or(internal))
+        (value, scopes.pop().into_iter().next())
     }
 
     /// The errors of cohort's calls that no narrower scope caught (see
@@ -539,8 +446,8 @@ impl Gpu {
     /// the last call, and device loss, as one error. Runs on the device
     /// thread (its scopes are that thread's).
     pub fn take_background_errors(&mut self) -> Result<(), ServerError> {
-        let caught = self.catch_all.take().map(CatchAll::pop).unwrap_or_default();
-        self.catch_all = Some(CatchAll::push(&self.device));
+        let caught = self.catch_all.take().map(ErrorScopes::pop).unwrap_or_default();
+        self.catch_all = Some(ErrorScopes::push(&self.device));
         if let Some(lost) = self.errors.lost.lock().clone() {
             return Err(self.error(lost));
         }
@@ -563,7 +470,7 @@ impl Drop for Gpu {
         if let Some(scopes) = self.catch_all.take() {
             scopes.pop();
         }
-        OPEN.lock().retain(|e| e.serial != self.serial);
+        open_devices::unregister(self.serial);
     }
 }
 

@@ -3,6 +3,7 @@
 //!
 //! - `adapter`: adapters, device creation and adoption, properties, error
 //!   scopes.
+//! - `open_devices`: the open devices' wgpu devices and queues, adoptions.
 //! - `storage`: memory pool pages as wgpu buffers.
 //! - `queue`: the shared encoder, submissions, submission-index fences.
 //! - `pipeline`: WGSL compiled once into cached compute pipelines.
@@ -27,6 +28,7 @@
 
 mod adapter;
 mod launch;
+mod open_devices;
 mod pipeline;
 mod queue;
 mod storage;
@@ -121,13 +123,13 @@ impl WgpuRuntime {
     /// ([`crate::Client::close`]) lets go of cohort's clones of the device
     /// and queue; the caller's keep working.
     pub fn adopt(device: wgpu::Device, queue: wgpu::Queue) -> Result<Client, ServerError> {
-        let adoption = adapter::adoption(&device, &queue)?;
+        let adoption = open_devices::adoption(&device, &queue)?;
         let (index, serial) = (adoption.index, adoption.serial);
         let loaded = Client::load(DeviceId::new(DeviceId::WGPU, index as u32), || -> BackendFactory {
             Box::new(move || Ok(Box::new(WgpuBackend::adopt(index, device, queue, serial)?) as Box<dyn Backend>))
         });
         if loaded.is_err() && adoption.new {
-            adapter::forget(serial);
+            open_devices::unregister(serial);
         }
         loaded
     }
@@ -147,7 +149,7 @@ impl WgpuRuntime {
         if client.device().is_closed() {
             return Err(ServerError::DeviceClosed { device: id });
         }
-        adapter::device_and_queue(id.index as usize).ok_or(ServerError::DeviceClosed { device: id })
+        open_devices::device_and_queue(id.index as usize).ok_or(ServerError::DeviceClosed { device: id })
     }
 }
 
@@ -162,7 +164,7 @@ impl Runtime for WgpuRuntime {
     /// still open ([`WgpuRuntime::adopt`]).
     fn client(index: usize) -> Result<Client, ServerError> {
         let device = DeviceId::new(DeviceId::WGPU, index as u32);
-        if let Some((gpu, queue, serial)) = adapter::adopted(index) {
+        if let Some((gpu, queue, serial)) = open_devices::adopted(index) {
             return Client::load(device, || -> BackendFactory {
                 Box::new(move || Ok(Box::new(WgpuBackend::adopt(index, gpu, queue, serial)?) as Box<dyn Backend>))
             });
