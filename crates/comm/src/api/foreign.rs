@@ -394,12 +394,14 @@ mod cuda {
             let stream = slice.stream().clone();
             let (ptr, read) = slice.device_ptr(&stream);
             drop(read);
-            client.wait_external(&ExternalStream::Cuda(stream.cu_stream() as usize))?;
             let len = slice.len();
             // SAFETY: the slice owns the allocation and moves into cohort as
             // its owner; it is freed only when cohort drops it, after the
             // work queued on the memory.
-            unsafe { Buffer::from_device_ptr(client, ptr, len, slice) }
+            let buffer = unsafe { Buffer::from_device_ptr(client, ptr, len, slice)? };
+            // Nothing is queued on the buffer yet: its first work follows.
+            client.wait_external(&ExternalStream::from_cudarc(&stream))?;
+            Ok(buffer)
         }
 
         /// Lends cudarc's `slice` to cohort as a buffer for as long as
@@ -417,7 +419,6 @@ mod cuda {
         ) -> Result<R, Error> {
             let stream = slice.stream().clone();
             let len = slice.len();
-            client.wait_external(&ExternalStream::Cuda(stream.cu_stream() as usize))?;
             // Cudarc's own bookkeeping: later users of the slice wait for a
             // write recorded on its stream when `_written` drops, after the
             // revoke below waited for cohort's work.
@@ -426,7 +427,10 @@ mod cuda {
             // the scope revokes the buffer (waiting for its queued work)
             // before the call returns or unwinds.
             let buffer = unsafe { Buffer::from_device_ptr(client, ptr, len, ())? };
-            Lent::new(buffer).run(body)
+            let lent = Lent::new(buffer);
+            // Nothing is queued on the buffer yet: its first work follows.
+            client.wait_external(&ExternalStream::from_cudarc(&stream))?;
+            lent.run(body)
         }
     }
 }
