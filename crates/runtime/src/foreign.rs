@@ -339,3 +339,75 @@ impl Drop for ForeignPages {
         drop(released);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::id::DeviceId;
+
+    /// A fence that completes when its flag is set.
+    struct Flag(Arc<AtomicBool>);
+
+    impl FenceWait for Flag {
+        fn wait(self: Box<Self>) -> Result<(), ServerError> {
+            self.0.store(true, Ordering::SeqCst);
+            Ok(())
+        }
+
+        fn is_complete(&self) -> bool {
+            self.0.load(Ordering::SeqCst)
+        }
+    }
+
+    struct Counted(Arc<AtomicUsize>);
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn retiring(drops: &Arc<AtomicUsize>, fence: &Arc<AtomicBool>) -> Retiring {
+        Retiring { owner: Box::new(Counted(drops.clone())), fences: vec![Box::new(Flag(fence.clone()))] }
+    }
+
+    #[test]
+    fn owners_retire_after_their_fences_and_those_of_owners_released_before() {
+        let mut backend = CpuBackend::new(DeviceId::new(DeviceId::CPU, 0));
+        let mut pages = ForeignPages::default();
+        let (first, second) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let drops = Arc::new(AtomicUsize::new(0));
+        pages.retiring.push(retiring(&drops, &first));
+        pages.retiring.push(retiring(&drops, &second));
+        pages.poll(&mut backend, &[]);
+        assert_eq!(drops.load(Ordering::SeqCst), 0, "no fence completed");
+        second.store(true, Ordering::SeqCst);
+        pages.poll(&mut backend, &[]);
+        assert_eq!(drops.load(Ordering::SeqCst), 0, "the second waits for the first");
+        assert!(pages.pending());
+        first.store(true, Ordering::SeqCst);
+        pages.poll(&mut backend, &[]);
+        assert_eq!(drops.load(Ordering::SeqCst), 2);
+        assert!(!pages.pending());
+    }
+
+    #[test]
+    fn close_waits_for_every_fence_and_later_releases_drop_at_once() {
+        let mut backend = CpuBackend::new(DeviceId::new(DeviceId::CPU, 0));
+        let mut pages = ForeignPages::default();
+        let (fence, drops) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+        pages.retiring.push(retiring(&drops, &fence));
+        let queue = pages.queue();
+        queue.push(Released { page: None, owner: Some(Box::new(Counted(drops.clone()))) }).ok().unwrap();
+        pages.close(&mut backend, &[]);
+        assert!(fence.load(Ordering::SeqCst), "waited for");
+        assert_eq!(drops.load(Ordering::SeqCst), 2, "the retiring owner and the queued one");
+        let late = queue.push(Released { page: None, owner: Some(Box::new(Counted(drops.clone()))) });
+        let owner = late.err().expect("a closed queue hands the owner back");
+        drop(owner);
+        assert_eq!(drops.load(Ordering::SeqCst), 3);
+    }
+}

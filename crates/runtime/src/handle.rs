@@ -18,7 +18,9 @@ static NEXT_ALLOCATION: AtomicU64 = AtomicU64::new(1);
 /// The client creates it at once (so `create` and `empty` return without
 /// waiting) and the device thread fills in the slice when it runs the
 /// reservation. The memory goes back to its stream's pool when the last handle
-/// (including those held by queued tasks and recorded graphs) is dropped.
+/// (including those held by queued tasks and recorded graphs) is dropped;
+/// adopted memory ([`crate::Client::adopt`]) is already in place when the
+/// handle is made, and goes back to its device's release queue instead.
 pub(crate) struct Allocation {
     pub(crate) id: u64,
     pub(crate) service: ServiceId,
