@@ -216,6 +216,11 @@ impl ReleaseQueue {
         Ok(())
     }
 
+    /// Whether the device closed, its work all ended.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.queue.lock().closed
+    }
+
     fn take(&self) -> Vec<Released> {
         if !self.queued.load(Ordering::Acquire) {
             return Vec::new();

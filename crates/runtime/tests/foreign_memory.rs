@@ -271,6 +271,11 @@ fn unusable_memory_is_refused_before_anything_runs() {
     assert_eq!(memory[0], Lane([0.0; 4]));
 }
 
+/// The client of CPU device `index`, opened again after a close.
+fn reopened(index: usize) -> Client {
+    CpuRuntime::client(index).unwrap()
+}
+
 #[test]
 fn a_device_closed_with_adopted_memory_alive_drops_each_owner_once() {
     // A device no other test of this file uses: it is closed here.
@@ -290,4 +295,16 @@ fn a_device_closed_with_adopted_memory_alive_drops_each_owner_once() {
     drop(alive);
     assert_eq!(kept.drops.load(Ordering::SeqCst), 1, "dropped with the last handle, the device being gone");
     assert_eq!(released.drops.load(Ordering::SeqCst), 1);
+    // The last handle of memory on a closed device gives its owner back.
+    let client = reopened(device);
+    let (reclaimed, _, watched) = adopt_watched(&client, lanes([3.0; 4]), Access::ReadWrite);
+    let clone = reclaimed.clone();
+    client.close();
+    let (reclaimed, err) = client.reclaim(reclaimed).map(|_| ()).unwrap_err();
+    assert!(matches!(err, ServerError::DeviceClosed { .. }), "a clone lives: {err}");
+    drop(clone);
+    let owner = client.reclaim(reclaimed).map_err(|(_, e)| e).expect("the owner back from a closed device");
+    assert_eq!(watched.drops.load(Ordering::SeqCst), 0);
+    drop(owner);
+    assert_eq!(watched.drops.load(Ordering::SeqCst), 1);
 }

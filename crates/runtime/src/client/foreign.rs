@@ -87,7 +87,9 @@ impl Client {
     /// without a copy). Refused, with the handle given back, for a handle
     /// cohort allocated, one of another device, and while other clones of
     /// it live (slices, graphs or queued tasks holding one count; those
-    /// queued before this call have run by the time it looks).
+    /// queued before this call have run by the time it looks). On a device
+    /// closed since (its work ended), the last handle gives its owner back
+    /// at once.
     pub fn reclaim(&self, handle: Handle) -> Result<ForeignOwner, (Handle, ServerError)> {
         if let Err(err) = self.check_owned(&handle).and_then(|()| Self::adopted_only(&handle, "reclaim")) {
             return Err((handle, err));
@@ -116,6 +118,23 @@ impl Client {
             Ok((owner, forget(state, &handle)))
         });
         let handle = shared.into_inner();
+        // A device closed after its work ended: nothing runs on the memory
+        // any more, and its storage is gone; the owner is the caller's.
+        let taken = match taken {
+            Err(ServerError::DeviceClosed { .. }) if Self::closed_and_unshared(&handle) => {
+                let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
+                adopted.given_back.store(true, Ordering::Release);
+                let owner = adopted.owner.lock().take();
+                return owner.ok_or_else(|| {
+                    let err = ServerError::InvalidState {
+                        operation: "reclaim",
+                        reason: "this memory's owner was already taken back".into(),
+                    };
+                    (handle, err)
+                });
+            }
+            taken => taken,
+        };
         match taken.and_then(|taken| taken) {
             Ok((owner, fences)) => {
                 // Its page forgotten and its owner taken: dropping it
@@ -170,6 +189,13 @@ impl Client {
             let binding = state.binding(&handle)?;
             state.backend.address(binding).ok_or(ServerError::Unsupported { feature: "device addresses", backend })
         })?
+    }
+
+    /// Whether `handle` is the last of its adopted memory and its device
+    /// closed with its work ended (see [`Client::reclaim`]).
+    fn closed_and_unshared(handle: &Handle) -> bool {
+        let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
+        Arc::strong_count(&handle.alloc) == 1 && adopted.releases.is_closed()
     }
 
     /// Refuses a handle cohort allocated for `operation`.
