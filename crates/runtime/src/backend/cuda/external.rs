@@ -59,9 +59,12 @@ impl CudaBackend {
             return Ok(stream);
         }
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: writes one context handle. The caller vouched for the
-        // stream (a live stream of some context, or null); the driver
-        // answers an invalid one with an error.
+        // SAFETY: writes one context handle. `ExternalStream::Cuda` names
+        // a live stream (of any context) or a special handle (null,
+        // legacy), as its maker promised: the driver cannot check a
+        // handle, and an invalid one is undefined behaviour there. A
+        // special handle names the context current here, which is this
+        // device's (its thread, or a caller's made ready by `enter_caller`).
         let code = unsafe { sys::cuStreamGetCtx(stream, &mut ctx) };
         if code != sys::CUresult::CUDA_SUCCESS {
             return Err(ServerError::InvalidArgument(format!(
