@@ -250,6 +250,15 @@ impl Default for ForeignPages {
     }
 }
 
+/// Drops an owner on the device's thread: a panic in its `Drop` (the
+/// caller's code) is logged, and never ends the device's thread.
+fn drop_owner(owner: ForeignOwner) {
+    if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(owner))) {
+        let message = crate::device::panic_message(payload.as_ref());
+        tracing::error!("the owner of adopted memory panicked when dropped: {message}");
+    }
+}
+
 /// Fences after the work queued so far on every stream of the device; a
 /// stream whose fence cannot be raised (a failed device) has no work that
 /// will still run.
@@ -304,7 +313,7 @@ impl ForeignPages {
             done.push(std::mem::replace(&mut retiring.owner, Box::new(())));
             false
         });
-        drop(done);
+        done.into_iter().for_each(drop_owner);
     }
 
     /// At close: takes what was released, waits for every fence, drops
@@ -325,12 +334,12 @@ impl ForeignPages {
             for fence in retiring.fences {
                 let _ = fence.wait();
             }
-            drop(retiring.owner);
+            drop_owner(retiring.owner);
         }
         for fence in fences {
             let _ = fence.wait();
         }
-        drop(released);
+        released.into_iter().filter_map(|r| r.owner).for_each(drop_owner);
     }
 }
 

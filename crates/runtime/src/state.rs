@@ -315,6 +315,12 @@ impl DeviceState {
     ) -> Result<(), ServerError> {
         let mut waited: Vec<StreamId> = Vec::new();
         for handle in handles {
+            // A stream that queues work on adopted memory is known to the
+            // state, so the fences its owner waits for cover it (see
+            // `ForeignPages::poll`), even where it never allocated.
+            if handle.alloc.foreign.is_some() && !self.streams.contains_key(&stream) {
+                self.stream(stream);
+            }
             let writer = handle.last_writer();
             if writer != stream && !waited.contains(&writer) && self.streams.contains_key(&writer) {
                 self.backend.order_streams(stream, writer)?;

@@ -110,3 +110,67 @@ fn memory_the_device_cannot_use_is_refused_naming_why() {
     }
     drop(slice);
 }
+
+/// The owner of memory whose last handle went while a kernel ran on it
+/// (on a stream that never allocated) is dropped only after the kernel:
+/// its drop reads the flag the kernel writes last.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn the_owner_is_dropped_after_the_kernel_queued_on_its_memory() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use cohort_runtime::{GridCount, Kernel, KernelArguments, StreamId};
+
+    struct Owner {
+        ctx: Arc<CudaContext>,
+        ptr: u64,
+        _slice: CudaSlice<f32>,
+        seen: Arc<AtomicU32>,
+    }
+    impl Drop for Owner {
+        fn drop(&mut self) {
+            let mut first = f32::NAN;
+            // SAFETY: reads 4 bytes of the live slice; synchronous on the
+            // legacy stream, which does not wait for cohort's non-blocking
+            // streams: it sees what the kernel wrote by now. (A failure
+            // leaves NaN, which the test reports.)
+            unsafe {
+                if self.ctx.bind_to_thread().is_ok() {
+                    let _ = sys::cuMemcpyDtoH_v2((&mut first as *mut f32).cast(), self.ptr, 4);
+                }
+            }
+            self.seen.store(first.to_bits() | 1 << 31, Ordering::SeqCst);
+        }
+    }
+
+    // A stream of its own that never allocates.
+    let client = CudaRuntime::client(0).expect("CUDA device 0").with_stream(StreamId::fresh());
+    let ctx = CudaContext::new(0).unwrap();
+    let stream = ctx.default_stream();
+    let slice = stream.alloc_zeros::<f32>(64).unwrap();
+    stream.synchronize().unwrap();
+    let ptr = address(&slice, &stream);
+    let seen = Arc::new(AtomicU32::new(0));
+    let owner = Owner { ctx: ctx.clone(), ptr, _slice: slice, seen: seen.clone() };
+    let memory = ForeignMemory::Cuda { ptr, len: 256 };
+    // SAFETY: the slice lives in the owner; nothing else writes it.
+    let handle = unsafe { client.adopt(memory, Box::new(owner), Access::ReadWrite) }.unwrap();
+    let slow = Kernel::new("slow_flag").with_cuda(
+        r#"extern "C" __global__ void slow_flag(float* x, unsigned long long len) {
+    long long start = clock64();
+    while (clock64() - start < 200000000LL) {}
+    x[0] = 42.0f;
+}"#,
+    );
+    client.launch(&slow, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle)).unwrap();
+    drop(handle);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the owner was never dropped");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let bits = seen.load(Ordering::SeqCst) & !(1 << 31);
+    assert_eq!(f32::from_bits(bits), 42.0, "the owner was dropped before the kernel wrote its flag");
+}

@@ -164,6 +164,31 @@ fn an_idle_device_drops_the_owner_of_memory_released_on_another_thread() {
 }
 
 #[test]
+fn an_owner_that_panics_when_dropped_does_not_end_the_device() {
+    struct Panics(Vec<Lane>, Arc<AtomicBool>);
+    impl Drop for Panics {
+        fn drop(&mut self) {
+            self.1.store(true, Ordering::SeqCst);
+            panic!("the owner's own bug");
+        }
+    }
+    let client = CpuRuntime::client(1).unwrap();
+    let mut memory = lanes([1.0; 4]);
+    let ptr = memory.as_mut_ptr().cast::<u8>();
+    let dropped = Arc::new(AtomicBool::new(false));
+    let owner = Box::new(Panics(memory, dropped.clone()));
+    // SAFETY: the Vec moves into the owner, which the handle keeps alive.
+    let handle = unsafe { client.adopt(ForeignMemory::Host { ptr, len: 16 }, owner, Access::ReadWrite) }.unwrap();
+    let kernel = slow(Arc::new(AtomicBool::new(false)), 50);
+    client.launch(&kernel, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle)).unwrap();
+    drop(handle);
+    wait_until("the owner is dropped", || dropped.load(Ordering::SeqCst));
+    let h = client.create_from_slice(&[1, 2, 3, 4]);
+    assert_eq!(&client.read_one(h).unwrap()[..], &[1, 2, 3, 4], "the device still serves");
+    client.sync().unwrap();
+}
+
+#[test]
 fn reclaim_gives_the_same_vec_back() {
     let client = CpuRuntime::client(0).unwrap();
     let mut memory = lanes([0.0; 8]);
