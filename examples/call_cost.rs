@@ -16,13 +16,23 @@
 //! rounds are compared; and a one-rank `Communicator` over that device.
 //! Built with `--features stage-clock`, it also prints where a NCCL call's
 //! time goes on the caller's thread, stage by stage (`cohort::runtime::stages`).
+//! Foreign memory (section `foreign`): the same small all-reduce on a
+//! cohort buffer and on memory the caller owns, wrapped per call, rounds
+//! alternating, medians compared (the issue's goal: wrapping plus ordering
+//! adds at most 0.5 µs a call): on one CPU device a `Vec` wrapped per call
+//! (`Buffer::from_host_ptr` + call + drop, and `Buffer::with_borrowed`);
+//! where a CUDA device and NCCL are found, a one-rank NCCL all-reduce on
+//! cudarc allocations wrapped per call (`Buffer::from_device_ptr`) and
+//! ordered on a cudarc stream (`OnStream`: an event each way), and the
+//! bandwidth of a 256 MiB all-reduce on cudarc memory against a cohort
+//! buffer's (goal: at least 0.99×).
 //! Run it under `perf stat -e task-clock,context-switches` for context
 //! switches per call and under `perf record -e cpu-clock` for where the
 //! time goes, where perf is allowed.
 //!
 //! Run: `cargo run --release --example call_cost -- [CALLS] [SECTION] [BYTES]`,
-//! SECTION being one of `group`, `communicator`, `launch`, `read`, `nccl`
-//! and `peer` (a two-member one-shot all-reduce over two CUDA devices, or
+//! SECTION being one of `group`, `communicator`, `launch`, `read`, `nccl`,
+//! `foreign` and `peer` (a two-member one-shot all-reduce over two CUDA devices, or
 //! two shown on one GPU with `COHORT_CUDA_DEVICES=2`) to run only those rows (under `valgrind --tool=callgrind`, the
 //! instructions of one kind of call); BYTES the size of the NCCL rows'
 //! all-reduce (32 by default).
@@ -354,10 +364,163 @@ fn communicator_all_reduce(client: &Client, calls: usize) {
     assert_eq!(bufs[0].to_vec().expect("read"), [1.0; 8], "max of ones is one");
 }
 
+/// What wrapping memory the caller owns adds to a call: `ours` (a cohort
+/// buffer) and `theirs` (each variant of foreign memory, by name) measured
+/// in alternating rounds by `round`, which returns one µs value each;
+/// prints the medians, the µs added and the ratio.
+fn foreign_medians(what: &str, names: &[&str], mut round: impl FnMut() -> Vec<f64>) {
+    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    for r in 1..=NCCL_ROUNDS {
+        println!("# round {r} of {NCCL_ROUNDS}");
+        for (values, us) in rounds.iter_mut().zip(round()) {
+            values.push(us);
+        }
+    }
+    let medians: Vec<f64> = rounds.iter_mut().map(|v| median(v)).collect();
+    println!("{what}, median of {NCCL_ROUNDS} rounds: {} {:.2} µs", names[0], medians[0]);
+    for (name, m) in names.iter().zip(&medians).skip(1) {
+        println!("  {name}: {m:.2} µs, adds {:.2} µs ({:.3}× cohort's buffer)", m - medians[0], m / medians[0]);
+    }
+}
+
+/// A one-device all-reduce of 8 floats on a cohort buffer, and on a `Vec`
+/// of the caller's wrapped per call: by `Buffer::from_host_ptr` (adopt,
+/// call, wait, drop the wrapper) and by `Buffer::with_borrowed` (the same,
+/// and the borrow's end: a revoke).
+fn foreign_host(client: &Client, calls: usize) {
+    let group = ClientGroup::new(vec![client.clone()]).expect("group");
+    let ours = [Buffer::from_slice(client, &[1.0f32; 8]).expect("buffer")];
+    let (mut raw, mut lent) = (vec![1.0f32; 8], vec![1.0f32; 8]);
+    let raw_ptr = raw.as_mut_ptr();
+    let per_round = (calls / NCCL_ROUNDS).max(100);
+    let what = "all_reduce 32 B, 1 CPU device, wait";
+    let names = ["cohort's buffer", "a Vec wrapped per call (from_host_ptr)", "a Vec lent per call (with_borrowed)"];
+    foreign_medians(what, &names, || {
+        let own = measure(&format!("{what}, {}", names[0]), per_round, || {
+            group.all_reduce(&ours, &ours, ReduceOp::Max).expect("all_reduce").wait().expect("wait")
+        });
+        let wrapped = measure(&format!("{what}, {}", names[1]), per_round, || {
+            // SAFETY: `raw` outlives every call (each is waited for) and
+            // nothing else touches it meanwhile.
+            let b = [unsafe { Buffer::from_host_ptr(client, raw_ptr, 8, ()) }.expect("wrap")];
+            group.all_reduce(&b, &b, ReduceOp::Max).expect("all_reduce").wait().expect("wait");
+        });
+        let borrowed = measure(&format!("{what}, {}", names[2]), per_round, || {
+            Buffer::with_borrowed(client, &mut lent, |b| {
+                let b = std::slice::from_ref(b);
+                group.all_reduce(b, b, ReduceOp::Max).expect("all_reduce").wait().expect("wait")
+            })
+            .expect("lend")
+        });
+        vec![own, wrapped, borrowed]
+    });
+    group.sync().expect("sync");
+    assert_eq!((raw.clone(), lent), (vec![1.0; 8], vec![1.0; 8]), "max of ones is one");
+    drop(raw);
+}
+
+/// One GPU, a one-rank NCCL all-reduce (out of place, as the `nccl` rows)
+/// of `bytes`: on cohort buffers, and on cudarc allocations wrapped per
+/// call (`Buffer::from_device_ptr`) and ordered on a cudarc stream
+/// (`OnStream`), waited on and queued back to back; then the bandwidth of
+/// a 256 MiB all-reduce on each, 20 calls a round.
+#[cfg(feature = "cuda")]
+fn foreign_nccl(calls: usize, bytes: usize) {
+    use cohort::comm::OnStream;
+    use cohort::runtime::backend::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+    use cohort::runtime::{CudaRuntime, ExternalStream, Runtime};
+
+    if let Err(why) = CudaRuntime::device_count() {
+        return println!("# no CUDA device, foreign NCCL rows skipped: {why}");
+    }
+    let ctx = CudaContext::new(0).expect("cudarc's primary context");
+    let client = CudaRuntime::client_for_context(&ctx).expect("cohort's client on it");
+    let group = ClientGroup::new(vec![client.clone()]).expect("group");
+    if group.transport() != cohort::comm::Transport::Nccl {
+        return println!("# foreign NCCL rows skipped: the group's transport is {:?}", group.transport());
+    }
+    let stream = ctx.new_stream().expect("a cudarc stream");
+    let ext = [ExternalStream::from_cudarc(&stream)];
+    let address = |s: &CudaSlice<f32>, stream: &CudaStream| s.device_ptr(stream).0;
+    // Cohort's buffers and the caller's allocations of `floats` each, and
+    // the calls on them: `wrapped` wraps per call and orders on `stream`.
+    let setup = |floats: usize| {
+        let ours =
+            [vec![1.0f32; floats], vec![0.0f32; floats]].map(|v| [Buffer::from_slice(&client, &v).expect("buffer")]);
+        let theirs =
+            [stream.clone_htod(&vec![1.0f32; floats]).expect("alloc"), stream.alloc_zeros(floats).expect("alloc")];
+        stream.synchronize().expect("sync");
+        (ours, theirs)
+    };
+    let wrapped = |ptrs: [u64; 2], floats: usize| {
+        // SAFETY: the allocations outlive every call: they are dropped
+        // after the final syncs below.
+        let [s, d] = ptrs.map(|p| [unsafe { Buffer::<f32>::from_device_ptr(&client, p, floats, ()) }.expect("wrap")]);
+        OnStream::new(&group, &ext).expect("on stream").all_reduce(&s, &d, ReduceOp::Sum).expect("all_reduce")
+    };
+    let sync_both = || {
+        group.sync().expect("sync");
+        stream.synchronize().expect("stream sync");
+    };
+
+    let floats = (bytes / 4).max(1);
+    let (ours, theirs) = setup(floats);
+    let ptrs = [address(&theirs[0], &stream), address(&theirs[1], &stream)];
+    let own_call = || group.all_reduce(&ours[0], &ours[1], ReduceOp::Sum).expect("all_reduce");
+    let foreign_call = || wrapped(ptrs, floats);
+    let per_round = (calls / NCCL_ROUNDS).clamp(100, 2000);
+    let what = format!("all_reduce {bytes} B, 1 CUDA device (NCCL)");
+    let names = ["cohort's buffer", "cudarc memory wrapped per call, on its stream"];
+    let mut queued = Vec::new();
+    foreign_medians(&format!("{what}, wait"), &names, || {
+        let (ow, oq) = waited_and_queued(&format!("{what}, {}", names[0]), per_round, own_call, sync_both);
+        let (fw, fq) = waited_and_queued(&format!("{what}, {}", names[1]), per_round, foreign_call, sync_both);
+        queued.push(vec![oq, fq]);
+        vec![ow, fw]
+    });
+    let mut q: [Vec<f64>; 2] = [queued.iter().map(|r| r[0]).collect(), queued.iter().map(|r| r[1]).collect()];
+    let (oq, fq) = (median(&mut q[0]), median(&mut q[1]));
+    println!("{what}, queued, median of {NCCL_ROUNDS} rounds: cohort's buffer {oq:.2} µs");
+    println!("  {}: {fq:.2} µs, adds {:.2} µs ({:.3}× cohort's buffer)", names[1], fq - oq, fq / oq);
+    sync_both();
+    assert_eq!(stream.clone_dtoh(&theirs[1]).expect("read"), vec![1.0; floats], "one rank's sum is its source");
+    drop((ours, theirs));
+
+    // Bandwidth: 256 MiB, 20 calls queued back to back, then both syncs.
+    let big = 256 << 20;
+    let floats = big / 4;
+    let (ours, theirs) = setup(floats);
+    let ptrs = [address(&theirs[0], &stream), address(&theirs[1], &stream)];
+    let gbps = |call: &dyn Fn() -> Work| {
+        let start = Instant::now();
+        for _ in 0..20 {
+            call();
+        }
+        sync_both();
+        (20 * big) as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    let (mut own_bw, mut foreign_bw) = (Vec::new(), Vec::new());
+    gbps(&|| group.all_reduce(&ours[0], &ours[1], ReduceOp::Sum).expect("all_reduce"));
+    for round in 1..=NCCL_ROUNDS {
+        let own = gbps(&|| group.all_reduce(&ours[0], &ours[1], ReduceOp::Sum).expect("all_reduce"));
+        let foreign = gbps(&|| wrapped(ptrs, floats));
+        println!("# round {round}: all_reduce 256 MiB, cohort's buffer {own:.1} GB/s, cudarc memory {foreign:.1} GB/s");
+        own_bw.push(own);
+        foreign_bw.push(foreign);
+    }
+    let (own, foreign) = (median(&mut own_bw), median(&mut foreign_bw));
+    println!(
+        "all_reduce 256 MiB, 1 CUDA device (NCCL), median of {NCCL_ROUNDS} rounds: cohort's buffer {own:.1} GB/s, cudarc \
+         memory wrapped per call on its stream {foreign:.1} GB/s ({:.3}× cohort's buffer)",
+        foreign / own
+    );
+    drop((ours, theirs));
+}
+
 fn main() {
     let calls: usize = std::env::args().nth(1).map_or(20_000, |n| n.parse().expect("CALLS is a count"));
     let only = std::env::args().nth(2);
-    let sections = ["group", "communicator", "launch", "read", "nccl", "peer"];
+    let sections = ["group", "communicator", "launch", "read", "nccl", "foreign", "peer"];
     if let Some(only) = only.as_deref().filter(|o| !sections.contains(o)) {
         eprintln!("call_cost: no section {only:?}; the sections are {}", sections.join(", "));
         std::process::exit(2);
@@ -395,6 +558,14 @@ fn main() {
         // The NCCL rows' size: 32 B unless a third argument says.
         let bytes = std::env::args().nth(3).map_or(32, |b| b.parse().expect("BYTES is a count"));
         nccl_all_reduce(calls, bytes);
+    }
+    if wanted("foreign") {
+        foreign_host(&clients[0], calls);
+        #[cfg(feature = "cuda")]
+        {
+            let bytes = std::env::args().nth(3).map_or(32, |b| b.parse().expect("BYTES is a count"));
+            foreign_nccl(calls, bytes);
+        }
     }
     if wanted("peer") {
         let bytes = std::env::args().nth(3).map_or(32, |b| b.parse().expect("BYTES is a count"));
