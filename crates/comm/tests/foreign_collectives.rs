@@ -583,6 +583,22 @@ mod wgpu_device {
         }
     }
 
+    /// `OnStream` with a stream per device: a count that differs is
+    /// refused, and so is a stream the devices have no such thing as (the
+    /// CPU's), before anything is queued.
+    #[test]
+    fn on_stream_refuses_a_wrong_count_and_a_backend_without_streams() {
+        let clients = common::clients(2);
+        let group = ClientGroup::new(clients.clone()).unwrap();
+        let err = OnStream::new(&group, &[ExternalStream::WgpuQueue]).unwrap_err().to_string();
+        assert!(err.contains("1 streams for 2 local devices"), "{err}");
+        let comm = OnStream::new(&group, &[ExternalStream::WgpuQueue; 2]).unwrap();
+        let bufs = adopted(&clients, |_| vec![1.0f32; 4]);
+        let err = comm.all_reduce(&bufs, &bufs, ReduceOp::Sum).unwrap_err().to_string();
+        assert!(err.contains("all_reduce") && err.contains("member 0"), "{err}");
+        assert_eq!(vecs(bufs), vec![vec![1.0; 4]; 2], "nothing ran");
+    }
+
     #[test]
     fn host_memory_a_buffer_of_another_device_missing_usages_and_a_bad_offset_are_refused_on_wgpu() {
         let devices = adopted_devices(2);
