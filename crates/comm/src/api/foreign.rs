@@ -162,7 +162,7 @@ impl<T: Element> Buffer<T> {
 
     /// Gives back the owner the buffer was made with
     /// ([`Buffer::adopt_owner`], [`Buffer::from_vec`],
-    /// [`Buffer::from_cuda_slice`], a raw pointer's owner), as type `O`,
+    /// `Buffer::from_cuda_slice`, a raw pointer's owner), as type `O`,
     /// once the work queued on the buffer's device has finished (it
     /// waits). The memory is the caller's again: no copy was made either
     /// way.

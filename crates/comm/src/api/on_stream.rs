@@ -28,7 +28,7 @@ use crate::work::Work;
 /// No call syncs a device. Every other behaviour is `comm`'s: each call
 /// returns its [`Work`] at once, and waiting on it or reading a
 /// destination through cohort works as without streams. On a wgpu device
-/// the stream is its queue ([`ExternalStream::WgpuQueue`]): cohort's part
+/// the stream is its queue (`ExternalStream::WgpuQueue`): cohort's part
 /// is submitted before the call returns, so the caller's later
 /// submissions run after it. A backend without such streams (the CPU)
 /// refuses the call before anything is queued.
@@ -45,7 +45,7 @@ use crate::work::Work;
 /// let stream = ctx.new_stream().expect("a stream");
 /// let mut grads = stream.alloc_zeros::<f32>(1 << 20).expect("memory");
 /// // ... the caller's kernels write `grads` on `stream` ...
-/// let on_stream = OnStream::new(&world, &[ExternalStream::Cuda(stream.cu_stream() as usize)])?;
+/// let on_stream = OnStream::new(&world, &[ExternalStream::from_cudarc(&stream)])?;
 /// Buffer::with_cuda_slice(&world.clients()[0], &mut grads, |g| {
 ///     on_stream.all_reduce(std::slice::from_ref(g), std::slice::from_ref(g), ReduceOp::Avg)
 /// })??;
