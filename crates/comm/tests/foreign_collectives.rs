@@ -248,23 +248,22 @@ impl Drop for Watched {
 
 /// The issue's "owner outliving queued work": rank 0 of a two-rank job (a
 /// thread each) queues an all-reduce on adopted memory and drops every
-/// clone of the buffer at once; rank 1 issues its part 300 ms later, from
-/// its own thread. The owner lives until the all-reduce ended (it sees the
-/// sum), and is dropped exactly once.
+/// clone of the buffer at once; rank 1 issues its part only once rank 0
+/// has looked (100 ms later), from its own thread. The owner lives until
+/// the all-reduce ended (it sees the sum), and is dropped exactly once.
 #[test]
 fn dropping_an_adopted_buffer_with_work_in_flight_keeps_its_owner_until_the_work_ends() {
     let clients = common::clients(8);
     let server = StoreServer::bind("127.0.0.1:0", "foreign").unwrap();
     let addr = server.local_addr().to_string();
     let dropped = Arc::new(Dropped::default());
-    let issued = Arc::new(Mutex::new(None::<Instant>));
+    let (go, gone) = std::sync::mpsc::channel::<()>();
     std::thread::scope(|s| {
         let late = {
-            let (addr, client, issued) = (addr.clone(), clients[7].clone(), issued.clone());
+            let (addr, client) = (addr.clone(), clients[7].clone());
             s.spawn(move || {
                 let comm = Communicator::connect(1, 2, &addr, "foreign", vec![client.clone()]).unwrap();
-                std::thread::sleep(Duration::from_millis(300));
-                *issued.lock().unwrap() = Some(Instant::now());
+                gone.recv().unwrap();
                 let buf = [Buffer::from_slice(&client, &[2.0f32; 64]).unwrap()];
                 comm.all_reduce(&buf, &buf, ReduceOp::Sum).unwrap().wait().unwrap();
             })
@@ -274,9 +273,11 @@ fn dropping_an_adopted_buffer_with_work_in_flight_keeps_its_owner_until_the_work
         let buf = [Buffer::adopt_owner(&clients[6], owner).unwrap()];
         let work = comm.all_reduce(&buf, &buf, ReduceOp::Sum).unwrap();
         drop(buf);
+        // Time for a wrong release to happen.
         std::thread::sleep(Duration::from_millis(100));
-        assert!(issued.lock().unwrap().is_none(), "rank 1 has not issued its part yet (a slow machine?)");
         assert_eq!(dropped.count.load(Ordering::SeqCst), 0, "the owner lives while its work waits for rank 1");
+        assert!(!work.is_done(), "rank 0's part waits for rank 1");
+        go.send(()).unwrap();
         work.wait().unwrap();
         late.join().unwrap();
     });
