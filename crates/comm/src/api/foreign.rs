@@ -12,6 +12,12 @@
 //! refusal (memory of another device, a pointer not aligned for `T`, a
 //! length past what memory can address) is an error before anything is
 //! queued.
+//!
+//! On the CPU, host memory must start at a 16-byte boundary (every
+//! allocator gives a `Vec` one; a sub-slice at another offset is refused:
+//! the host engine views memory as elements of any type in place) and hold
+//! at least one element (an empty `Vec` is refused: there is nothing to
+//! share; make an empty cohort buffer instead).
 
 use std::any::Any;
 use std::fmt;
@@ -77,8 +83,9 @@ impl<T: Element> Buffer<T> {
     /// and the work queued on it has finished.
     ///
     /// Refused before anything is queued: a null or misaligned `ptr` (an
-    /// address not a multiple of `T`'s alignment), a length past what
-    /// memory can address, a client that is not a CPU device's.
+    /// address not a multiple of `T`'s alignment, or of 16 bytes), no
+    /// element, a length past what memory can address, a client that is
+    /// not a CPU device's.
     ///
     /// # Safety
     ///
