@@ -401,6 +401,11 @@ fn a_misaligned_pointer_an_overflowing_length_and_another_device_are_refused() {
     // SAFETY: refused before anything uses the pointer.
     let null = unsafe { Buffer::<f32>::from_host_ptr(client, std::ptr::null_mut(), 1, ()) };
     assert!(null.unwrap_err().to_string().contains("non-null"));
+    // The CPU's own conditions: at least one element, a 16-byte boundary.
+    assert!(Buffer::from_vec(client, Vec::<f32>::new()).unwrap_err().to_string().contains("0 bytes"));
+    let mut v = vec![1.0f32; 8];
+    let err = Buffer::with_borrowed(client, &mut v[1..], |_| ()).unwrap_err().to_string();
+    assert!(err.contains("16"), "a sub-slice off the 16-byte boundary: {err}");
     // A slice of another device's buffer, into a collective of this one.
     let other = common::clients(2)[1].clone();
     let theirs = Buffer::from_vec(&other, vec![1.0f32; 2]).unwrap();
