@@ -422,6 +422,30 @@ fn read_only_tensors_become_read_only_handles() {
     assert_eq!(dlpack::export(&client, &own, DType::U8, &[8]).unwrap().flags(), DlpackFlags::empty());
 }
 
+/// Holds a CPU kernel until the test opens it (or drops it: a failed
+/// assertion never leaves the device blocked).
+#[derive(Clone, Default)]
+struct Gate(Arc<(Mutex<bool>, Condvar)>);
+
+impl Gate {
+    fn open(&self) {
+        *self.0 .0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = true;
+        self.0 .1.notify_all();
+    }
+
+    fn wait(&self) {
+        let (open, opened) = &*self.0;
+        let open = open.lock().unwrap();
+        let _open = opened.wait_timeout_while(open, Duration::from_secs(60), |open| !*open).unwrap();
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+    }
+}
+
 /// The producer's memory is freed once, after the work cohort queued on it
 /// ran, however early the handle is dropped.
 #[test]
@@ -433,14 +457,10 @@ fn deleter_runs_once_after_queued_work() {
     let import = dlpack::import(&client, tensor).unwrap();
 
     // A kernel that writes the memory only once the test lets it.
-    let gate = Arc::new((Mutex::new(false), Condvar::new()));
+    let gate = Gate::default();
     let kernel_gate = gate.clone();
     let kernel = Kernel::new("dlpack_gated_fill").with_cpu(move |ctx| {
-        let (open, opened) = &*kernel_gate;
-        let mut open = open.lock().unwrap();
-        while !*open {
-            open = opened.wait(open).unwrap();
-        }
+        kernel_gate.wait();
         ctx.buffer::<u8>(0).fill(0xAB);
     });
     client.launch(&kernel, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&import.handle)).unwrap();
@@ -448,8 +468,7 @@ fn deleter_runs_once_after_queued_work() {
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(probe.deletes(), 0, "freed while a queued kernel still needs the memory");
 
-    *gate.0.lock().unwrap() = true;
-    gate.1.notify_all();
+    gate.open();
     client.sync().unwrap();
     probe.wait_deletes(1);
     assert_eq!(probe.bytes_at_delete(), vec![0xAB; 256], "the kernel ran before the memory was freed");
