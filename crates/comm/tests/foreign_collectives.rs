@@ -403,7 +403,7 @@ fn a_misaligned_pointer_an_overflowing_length_and_another_device_are_refused() {
     assert!(null.unwrap_err().to_string().contains("non-null"));
     // The CPU's own conditions: at least one element, a 16-byte boundary.
     assert!(Buffer::from_vec(client, Vec::<f32>::new()).unwrap_err().to_string().contains("0 bytes"));
-    let mut v = vec![1.0f32; 8];
+    let mut v = Vec::from([1.0f32; 8]); // heap: its start is on a 16-byte boundary
     let err = Buffer::with_borrowed(client, &mut v[1..], |_| ()).unwrap_err().to_string();
     assert!(err.contains("16"), "a sub-slice off the 16-byte boundary: {err}");
     // A slice of another device's buffer, into a collective of this one.
