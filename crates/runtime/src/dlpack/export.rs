@@ -28,9 +28,10 @@ use crate::handle::Handle;
 /// Waits for the handle's memory to be reserved, not for the work queued
 /// on it: the consumer must order its reads after cohort's work, by
 /// syncing first ([`Client::sync`], [`Client::sync_buffers`]) or, on CUDA,
-/// by ordering its stream after cohort's (cohort's external-stream signal,
-/// DLPack's `stream` argument). Cohort must likewise not be handed work on
-/// the memory while the consumer still writes it.
+/// by ordering its stream after cohort's ([`Client::signal_external`] on
+/// the consumer's stream: what DLPack's `stream` argument asks of a
+/// producer). Likewise cohort's later work on the memory must be ordered
+/// after the consumer's ([`Client::wait_external`]).
 ///
 /// Refused before anything else: a handle of another client, a shape whose
 /// element count times `dtype`'s size is not the handle's size, a wgpu

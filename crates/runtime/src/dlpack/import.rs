@@ -43,7 +43,8 @@ impl DlpackImport {
 /// [`Legacy`](super::Legacy) DLPack tensor) as a handle of `client`, with
 /// no copy: the handle's [`Client::device_address`] is the tensor's
 /// `data + byte_offset`, and what cohort writes there the producer sees.
-/// Queues nothing and does not wait for the device.
+/// Waits, as [`Client::adopt`] does, for the device to register the memory
+/// (after the work queued on it before this call).
 ///
 /// The tensor must be on `client`'s device (`kDLCPU` or `kDLCUDAHost` on a
 /// `cpu` client, `kDLCUDA` on the `cuda` client of that GPU), of a cohort
@@ -57,10 +58,12 @@ impl DlpackImport {
 /// before this returns): there is no memory to share.
 ///
 /// A tensor flagged read-only (DLPack 1.x `DLPACK_FLAG_BITMASK_READ_ONLY`)
-/// gives a [`Access::ReadOnly`] handle: a collective that would write it is
-/// refused. The producer's pending work on the memory is not waited for:
-/// on CUDA, order cohort after the producer's stream (DLPack's `stream`
-/// argument; cohort's external-stream calls) before using the handle.
+/// gives a [`Access::ReadOnly`] handle: writes, launches and collectives
+/// that would write it are refused. The producer's pending work on the memory is not waited for:
+/// on CUDA, order cohort after the producer's stream
+/// ([`Client::wait_external`] on it, as DLPack's `stream` argument asks)
+/// before using the handle. On the CPU, [`Client::adopt`] also wants
+/// `data + byte_offset` 16-byte aligned.
 pub fn import<M>(client: &Client, tensor: Managed<M>) -> Result<DlpackImport, ServerError>
 where
     M: ManagedTensorBase + 'static,
@@ -90,7 +93,7 @@ where
                 "DLPack: a tensor of shape {shape:?} with {len} bytes has a null data pointer"
             )));
         }
-        if (data as usize) % dtype.size() != 0 {
+        if !(data as usize).is_multiple_of(dtype.size()) {
             return Err(refused(format!(
                 "DLPack: data {base:p} + byte_offset {byte_offset} = {data:p} is not aligned to the {} bytes of a {} \
                  element ({})",

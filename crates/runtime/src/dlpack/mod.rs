@@ -1,5 +1,5 @@
 //! DLPack, both ways, with no copy: take a tensor that PyTorch, JAX, CuPy,
-//! NumPy, candle or any other DLPack producer owns as a cohort [`Handle`]
+//! NumPy, candle or any other DLPack producer owns as a cohort [`Handle`](crate::Handle)
 //! ([`import`]), and hand cohort's memory to a DLPack consumer
 //! ([`export`]).
 //!
