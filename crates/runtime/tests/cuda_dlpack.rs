@@ -92,13 +92,13 @@ fn a_cudarc_allocation_imports_with_no_copy() {
         .expect("a cudarc allocation of this GPU");
     assert_eq!((import.dtype, &import.shape[..]), (DType::F32, &[n][..]));
     assert_eq!(client.device_address(&import.handle).unwrap(), ptr, "the same address");
+    assert_eq!(client.memory_usage().unwrap(), usage, "no cohort allocation");
     let read: Vec<f32> = client.read_one(import.handle.clone()).unwrap().to_elems();
     assert_eq!(read, host, "cohort reads the producer's values");
 
     let args = KernelArguments::new().buffer(&import.handle).scalar(Scalar::U32(n as u32));
     client.launch(&affine_kernel(), GridCount::cover(n, 256), args).unwrap();
     client.sync().unwrap();
-    assert_eq!(client.memory_usage().unwrap(), usage, "no cohort allocation");
     let expected: Vec<f32> = host.iter().map(|x| x * 2.0 + 1.0).collect();
     assert_eq!(stream.clone_dtoh(&*memory).unwrap(), expected, "cudarc reads what cohort wrote in place");
 
