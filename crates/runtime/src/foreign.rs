@@ -420,7 +420,7 @@ mod tests {
         assert!(fence.load(Ordering::SeqCst), "waited for");
         assert_eq!(drops.load(Ordering::SeqCst), 2, "the retiring owner and the queued one");
         let late = queue.push(Released { page: None, owner: Some(Box::new(Counted(drops.clone()))) });
-        let owner = late.err().expect("a closed queue hands the owner back");
+        let owner = late.expect_err("a closed queue hands the owner back");
         drop(owner);
         assert_eq!(drops.load(Ordering::SeqCst), 3);
     }

@@ -165,10 +165,13 @@ fn an_idle_device_drops_the_owner_of_memory_released_on_another_thread() {
 
 #[test]
 fn an_owner_that_panics_when_dropped_does_not_end_the_device() {
-    struct Panics(Vec<Lane>, Arc<AtomicBool>);
+    struct Panics {
+        _memory: Vec<Lane>,
+        dropped: Arc<AtomicBool>,
+    }
     impl Drop for Panics {
         fn drop(&mut self) {
-            self.1.store(true, Ordering::SeqCst);
+            self.dropped.store(true, Ordering::SeqCst);
             panic!("the owner's own bug");
         }
     }
@@ -176,7 +179,7 @@ fn an_owner_that_panics_when_dropped_does_not_end_the_device() {
     let mut memory = lanes([1.0; 4]);
     let ptr = memory.as_mut_ptr().cast::<u8>();
     let dropped = Arc::new(AtomicBool::new(false));
-    let owner = Box::new(Panics(memory, dropped.clone()));
+    let owner = Box::new(Panics { _memory: memory, dropped: dropped.clone() });
     // SAFETY: the Vec moves into the owner, which the handle keeps alive.
     let handle = unsafe { client.adopt(ForeignMemory::Host { ptr, len: 16 }, owner, Access::ReadWrite) }.unwrap();
     let kernel = slow(Arc::new(AtomicBool::new(false)), 50);
