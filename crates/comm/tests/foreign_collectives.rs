@@ -386,6 +386,27 @@ fn a_read_only_destination_is_refused_naming_the_collective_and_the_buffer() {
     assert_eq!(ro[1].to_vec().unwrap(), [1.0; 4], "the read-only memory was never written");
 }
 
+/// The same check on a communicator's calls: an all-reduce into read-only
+/// memory, and a message received into it, refused on the rank before
+/// anything is queued (the ranks go on: a barrier passes).
+#[test]
+fn a_read_only_destination_is_refused_by_a_communicator_too() {
+    let errors = common::communicator_ranks(8, 4, 2, 1, |comm| {
+        let client = comm.clients()[0].clone();
+        let ro = [read_only(&client, vec![1.0; 4].leak())];
+        let mut errors = vec![comm.all_reduce(&ro, &ro, ReduceOp::Sum).unwrap_err().to_string()];
+        if comm.rank() == 1 {
+            errors.push(comm.send_recv(0, None, 1, Some(&ro[0])).unwrap_err().to_string());
+        }
+        comm.barrier().unwrap();
+        errors
+    });
+    for (rank, errors) in errors.iter().enumerate() {
+        assert!(errors[0].contains("all_reduce") && errors[0].contains("read-only"), "rank {rank}: {errors:?}");
+    }
+    assert!(errors[1][1].contains("recv") && errors[1][1].contains("read-only"), "{:?}", errors[1]);
+}
+
 #[test]
 fn a_misaligned_pointer_an_overflowing_length_and_another_device_are_refused() {
     let client = &common::clients(1)[0];
