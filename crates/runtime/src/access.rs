@@ -264,9 +264,13 @@ impl Client {
         for handle in inputs.iter().chain(&outputs) {
             self.check_owned(handle)?;
         }
+        let operation = operation.into();
+        for handle in &outputs {
+            handle.check_writable(&operation)?;
+        }
         let stream = self.stream_id();
         // Named in errors only: a static name is kept as it is, not copied.
-        let task = buffer_task(inputs, outputs, stream, operation.into(), self.device_id(), task);
+        let task = buffer_task(inputs, outputs, stream, operation, self.device_id(), task);
         Ok((stream, task))
     }
 

@@ -252,15 +252,16 @@ fn read_only_memory_is_never_written() {
     assert_eq!(handle.access(), Access::ReadOnly);
     assert_eq!(floats(&client.read_one(handle.clone()).unwrap()), [1.0, 2.0, 3.0, 4.0]);
 
-    let write = client.write(&handle, float_bytes(&[9.0; 4])).and_then(|()| client.sync());
-    let err = write.unwrap_err();
+    // Refused by the call itself, before anything is queued.
+    let err = client.write(&handle, float_bytes(&[9.0; 4])).unwrap_err();
     assert!(err.to_string().contains("read-only"), "{err}");
-
-    let launched = client
+    let err = client
         .launch(&double(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle))
-        .and_then(|()| client.sync());
-    let err = launched.unwrap_err();
+        .unwrap_err();
     assert!(err.to_string().contains("read-only"), "{err}");
+    let err = client.submit_buffers("a copy into it", vec![], vec![handle.clone()], |_| Ok(())).unwrap_err();
+    assert!(err.to_string().contains("a copy into it would write a read-only handle"), "{err}");
+    client.sync().expect("nothing was queued, so nothing failed");
 
     // SAFETY: the owner lives while `handle` does; the device's work is done.
     let seen = unsafe { std::slice::from_raw_parts(ptr.cast::<f32>(), 4) }.to_vec();

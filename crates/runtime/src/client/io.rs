@@ -135,6 +135,7 @@ impl Client {
     /// handle or data of the wrong size before queueing anything.
     pub fn write(&self, handle: &Handle, data: Bytes) -> Result<(), ServerError> {
         self.check_owned(handle)?;
+        handle.check_writable("a write")?;
         if data.len() as u64 != handle.size() {
             return Err(ServerError::InvalidArgument(format!(
                 "write of {} bytes into a handle of {} bytes",

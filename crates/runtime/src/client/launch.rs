@@ -63,6 +63,12 @@ impl Client {
     ) -> Result<(), ServerError> {
         for handle in &args.buffers {
             self.check_owned(handle)?;
+            if handle.access() == crate::Access::ReadOnly {
+                handle.check_writable(&format!(
+                    "a launch of kernel `{}` (it may write any of its buffers)",
+                    kernel.name()
+                ))?;
+            }
         }
         if let GridCount::Dynamic(handle) = &count {
             self.check_owned(handle)?;
