@@ -619,7 +619,7 @@ mod wgpu_device {
         let group = ClientGroup::new(clients.clone()).unwrap();
         let err = OnStream::new(&group, &[ExternalStream::WgpuQueue]).unwrap_err().to_string();
         assert!(err.contains("1 streams for 2 local devices"), "{err}");
-        let comm = OnStream::new(&group, &[ExternalStream::WgpuQueue; 2]).unwrap();
+        let comm = OnStream::new(&group, &[ExternalStream::WgpuQueue, ExternalStream::WgpuQueue]).unwrap();
         let bufs = adopted(&clients, |_| vec![1.0f32; 4]);
         let err = comm.all_reduce(&bufs, &bufs, ReduceOp::Sum).unwrap_err().to_string();
         assert!(err.contains("all_reduce") && err.contains("member 0"), "{err}");

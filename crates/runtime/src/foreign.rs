@@ -64,18 +64,79 @@ pub enum Access {
 /// on, to order cohort's work with: see
 /// [`Client::wait_external`](crate::Client::wait_external) and
 /// [`Client::signal_external`](crate::Client::signal_external).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExternalStream {
-    /// A `CUstream` of the device's primary context (cudarc's
-    /// `CudaStream::cu_stream()`, torch's `torch.cuda.current_stream().cuda_stream`).
-    /// Null is the legacy default stream.
+    /// A `CUstream` of the device's primary context: made by
+    /// `ExternalStream::from_cudarc` (which keeps the cudarc stream alive)
+    /// or, for a raw handle (torch's
+    /// `torch.cuda.current_stream().cuda_stream`), the unsafe
+    /// `ExternalStream::cuda_raw`. Null is the legacy default stream.
     #[cfg(feature = "cuda")]
-    Cuda(usize),
+    Cuda(CudaStreamRef),
     /// The queue of an adopted wgpu device: submissions run in order, so
     /// cohort's work only has to be submitted before the caller's next
     /// submission.
     #[cfg(feature = "wgpu")]
     WgpuQueue,
+}
+
+/// A `CUstream` handle that the driver may be given: only the unsafe
+/// `ExternalStream::cuda_raw` (whose caller promises the handle is live)
+/// and `ExternalStream::from_cudarc` (which keeps the stream alive while
+/// any clone of this lives) make one. Equal when the handles are.
+#[cfg(feature = "cuda")]
+#[derive(Clone)]
+pub struct CudaStreamRef {
+    raw: usize,
+    /// What keeps the stream alive, where cohort was given it (a cudarc
+    /// stream).
+    _keep: Option<std::sync::Arc<dyn Any + Send + Sync>>,
+}
+
+#[cfg(feature = "cuda")]
+impl CudaStreamRef {
+    /// The `CUstream`, as an integer.
+    pub fn raw(&self) -> usize {
+        self.raw
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl std::fmt::Debug for CudaStreamRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CUstream {:#x}", self.raw)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl PartialEq for CudaStreamRef {
+    fn eq(&self, other: &Self) -> bool {
+        self.raw == other.raw
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Eq for CudaStreamRef {}
+
+#[cfg(feature = "cuda")]
+impl ExternalStream {
+    /// The stream of a cudarc `CudaStream` (`cu_stream()`), kept alive
+    /// while this value (or a clone) lives.
+    pub fn from_cudarc(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Self {
+        let keep: std::sync::Arc<dyn Any + Send + Sync> = stream.clone();
+        ExternalStream::Cuda(CudaStreamRef { raw: stream.cu_stream() as usize, _keep: Some(keep) })
+    }
+
+    /// A raw `CUstream` handle (torch's `cuda_stream`, CuPy's `ptr`): 0 is
+    /// the legacy default stream.
+    ///
+    /// # Safety
+    /// `raw` must be 0, or a stream that stays alive while this value (or a
+    /// clone) is used: the driver cannot check a handle, and a destroyed
+    /// one is undefined behaviour there.
+    pub unsafe fn cuda_raw(raw: usize) -> Self {
+        ExternalStream::Cuda(CudaStreamRef { raw, _keep: None })
+    }
 }
 
 impl ForeignMemory {

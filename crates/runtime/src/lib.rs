@@ -41,6 +41,8 @@ pub use copy_regions::CopyRegion;
 pub use device::{close_device, shutdown, spin_window, BackendFactory};
 pub use dtype::{DType, ReduceOp};
 pub use error::{MemoryConfigError, ProfileError, ServerError};
+#[cfg(feature = "cuda")]
+pub use foreign::CudaStreamRef;
 pub use foreign::{Access, ExternalStream, ForeignMemory, ForeignOwner};
 pub use graph::Graph;
 pub use handle::{contiguous_strides, CopyDescriptor, Handle, LayoutPolicy, MemoryLayout, MemoryLayoutDescriptor};

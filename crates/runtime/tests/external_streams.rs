@@ -164,12 +164,12 @@ fn other_contexts_and_their_streams_are_refused() {
     assert!(err.contains("belongs to CUDA context"), "{err}");
     let err = client.signal_external(&ExternalStream::from_cudarc(&foreign)).unwrap_err().to_string();
     assert!(err.contains("belongs to CUDA context"), "{err}");
-    let err = client.wait_external(&ExternalStream::Cuda(2)).unwrap_err().to_string();
+    let err = client.wait_external(&unsafe { ExternalStream::cuda_raw(2) }).unwrap_err().to_string();
     assert!(err.contains("per-thread default stream"), "{err}");
     // The legacy default stream (null) is the context's own; a wgpu queue
     // is not a CUDA stream.
-    client.wait_external(&ExternalStream::Cuda(0)).unwrap();
-    client.signal_external(&ExternalStream::Cuda(0)).unwrap();
+    client.wait_external(&unsafe { ExternalStream::cuda_raw(0) }).unwrap();
+    client.signal_external(&unsafe { ExternalStream::cuda_raw(0) }).unwrap();
     #[cfg(feature = "wgpu")]
     {
         let err = client.wait_external(&ExternalStream::WgpuQueue).unwrap_err().to_string();

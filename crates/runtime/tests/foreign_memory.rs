@@ -255,9 +255,7 @@ fn read_only_memory_is_never_written() {
     // Refused by the call itself, before anything is queued.
     let err = client.write(&handle, float_bytes(&[9.0; 4])).unwrap_err();
     assert!(err.to_string().contains("read-only"), "{err}");
-    let err = client
-        .launch(&double(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle))
-        .unwrap_err();
+    let err = client.launch(&double(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle)).unwrap_err();
     assert!(err.to_string().contains("read-only"), "{err}");
     let err = client.submit_buffers("a copy into it", vec![], vec![handle.clone()], |_| Ok(())).unwrap_err();
     assert!(err.to_string().contains("a copy into it would write a read-only handle"), "{err}");

@@ -267,9 +267,9 @@ fn external_streams_of_another_backend_are_refused() {
     let client = WgpuRuntime::adopt(caller.device.clone(), caller.queue.clone()).unwrap();
     #[cfg(feature = "cuda")]
     {
-        let err = client.wait_external(&ExternalStream::Cuda(0)).unwrap_err();
+        let err = client.wait_external(&unsafe { ExternalStream::cuda_raw(0) }).unwrap_err();
         assert!(err.to_string().contains("not a stream of wgpu device"), "{err}");
-        let err = client.signal_external(&ExternalStream::Cuda(0)).unwrap_err();
+        let err = client.signal_external(&unsafe { ExternalStream::cuda_raw(0) }).unwrap_err();
         assert!(err.to_string().contains("not a stream of wgpu device"), "{err}");
     }
     client.signal_external(&ExternalStream::WgpuQueue).unwrap();

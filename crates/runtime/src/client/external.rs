@@ -30,7 +30,7 @@ impl Client {
     /// (the CPU), and a stream inside a capture window.
     pub fn wait_external(&self, external: &ExternalStream) -> Result<(), ServerError> {
         self.refuse_if_capturing("wait_external")?;
-        let (stream, external) = (self.stream_id(), *external);
+        let stream = self.stream_id();
         self.device().run_inline_or_wait(stream, move |state| state.backend.wait_external(stream, &external))?
     }
 
@@ -44,18 +44,7 @@ impl Client {
     /// caller's next submission. Refused as [`Client::wait_external`] is.
     pub fn signal_external(&self, external: &ExternalStream) -> Result<(), ServerError> {
         self.refuse_if_capturing("signal_external")?;
-        let (stream, external) = (self.stream_id(), *external);
+        let stream = self.stream_id();
         self.device().run_inline_or_wait(stream, move |state| state.backend.signal_external(stream, &external))?
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl ExternalStream {
-    /// The stream of a cudarc `CudaStream` (`cu_stream()`). The value does
-    /// not keep the stream alive: keep `stream` while cohort's calls order
-    /// with it (a stream destroyed before is a driver error, or worse, as
-    /// with any raw `CUstream`).
-    pub fn from_cudarc(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Self {
-        ExternalStream::Cuda(stream.cu_stream() as usize)
     }
 }

@@ -39,8 +39,8 @@ impl CudaBackend {
     /// own; the per-thread default stream is refused, since a task may run
     /// on the device thread, whose per-thread stream it would name.
     pub(super) fn external_stream(&mut self, external: &crate::ExternalStream) -> Result<sys::CUstream, ServerError> {
-        let raw = match *external {
-            crate::ExternalStream::Cuda(raw) => raw,
+        let raw = match external {
+            crate::ExternalStream::Cuda(stream) => stream.raw(),
             #[allow(unreachable_patterns)]
             other => {
                 return Err(ServerError::InvalidArgument(format!(
