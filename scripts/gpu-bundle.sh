@@ -58,7 +58,11 @@ matches() {
 # A package whose tests do not build stops the bundle: a bundle without them
 # would run, and pass, fewer tests on the GPU machine.
 for package in cohort-runtime cohort-comm cohort; do
-    if ! cargo test --release --no-run --tests -p "$package" --message-format=json >"$bundle/.build-$package.json" 2>"$bundle/.build-$package.err"; then
+    # comm's foreign-memory tests (cuda_foreign) need its GPU features on.
+    features=""
+    [ "$package" = cohort-comm ] && features="--features cuda,wgpu"
+    # shellcheck disable=SC2086
+    if ! cargo test --release --no-run --tests -p "$package" $features --message-format=json >"$bundle/.build-$package.json" 2>"$bundle/.build-$package.err"; then
         echo "error: the tests of $package did not build; no bundle made (cargo's output: gpu-bundle/.build-$package.err, its end below)" >&2
         tail -n 30 "$bundle/.build-$package.err" >&2
         exit 1
