@@ -330,16 +330,10 @@ impl Check<'_> {
     /// adopted read-only (a DLPack tensor marked so) may not.
     fn writable(&self, slot: usize, handle: &Handle) -> Result<(), CommError> {
         if handle.access() == Access::ReadOnly {
-            return Err(CommError::InvalidGroup {
+            return Err(CommError::ReadOnly {
                 operation: self.op,
-                detail: format!(
-                    "the destination of member {} is read-only ({} bytes of foreign memory adopted with \
-                     Access::ReadOnly, such as a DLPack tensor marked read-only), and {} writes its destination; \
-                     pass a writable buffer as the destination and copy the result out of it",
-                    self.members.first + slot,
-                    handle.size(),
-                    self.op
-                ),
+                member: self.members.first + slot,
+                bytes: handle.size(),
             });
         }
         Ok(())
@@ -369,7 +363,7 @@ impl Check<'_> {
     fn whole(&self, what: &'static str, slot: usize, handle: &Handle) -> Result<usize, CommError> {
         let bytes = handle.size();
         let elem = self.dtype.size();
-        if bytes % elem as u64 != 0 {
+        if !bytes.is_multiple_of(elem as u64) {
             return Err(CommError::PartialElement {
                 operation: self.op,
                 what,

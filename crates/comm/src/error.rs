@@ -79,6 +79,14 @@ pub enum CommError {
          pass that buffer"
     )]
     MissingBuffer { operation: &'static str, what: &'static str, member: usize },
+    /// A member's destination is foreign memory adopted read-only (a
+    /// DLPack tensor flagged so), which the collective would write.
+    #[error(
+        "{operation}: the destination of member {member} is read-only ({bytes} bytes of foreign memory adopted \
+         with Access::ReadOnly, such as a DLPack tensor flagged read-only), and {operation} writes its \
+         destination; pass a writable buffer as the destination and copy the result out of it"
+    )]
+    ReadOnly { operation: &'static str, member: usize, bytes: u64 },
     /// A member's source and destination overlap in a way the collective
     /// cannot run in place.
     #[error("{operation}: the source and destination of member {member} overlap: {detail}")]

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cohort_comm::store::StoreServer;
-use cohort_comm::{Buffer, ClientGroup, Collectives, Communicator, Error, ReduceOp};
+use cohort_comm::{Buffer, ClientGroup, Collectives, CommError, Communicator, Error, ReduceOp};
 use cohort_runtime::dlpack::dlpark::ffi::{DLDataType, DLDevice, DLManagedTensorVersioned};
 use cohort_runtime::dlpack::dlpark::metadata::Dynamic;
 use cohort_runtime::dlpack::{self};
@@ -144,7 +144,7 @@ fn into_vec_with_a_clone_alive_is_refused_and_the_clone_keeps_the_memory() {
     let clone = buf.clone();
     let err = buf.into_vec().unwrap_err();
     assert!(err.to_string().contains("clone"), "the error says why: {err}");
-    let buf = err.into_buffer().expect("the buffer given back");
+    let buf = err.into_inner();
     assert_eq!(buf.to_vec().unwrap(), [7; 5], "the buffer given back still reads the memory");
     drop(buf);
     assert_eq!(clone.to_vec().unwrap(), [7; 5], "the clone still reads the memory");
@@ -154,14 +154,74 @@ fn into_vec_with_a_clone_alive_is_refused_and_the_clone_keeps_the_memory() {
     assert_eq!(clone.into_vec().unwrap(), [7; 5], "the last clone gives the Vec back");
 }
 
+/// Asked for an owner of another type, `into_owner` names the type and
+/// gives the buffer back, its owner kept: `into_vec` then gives the `Vec`.
 #[test]
-fn into_owner_of_another_type_names_the_type() {
+fn into_owner_of_another_type_names_the_type_and_gives_the_buffer_back() {
     let client = &common::clients(1)[0];
-    let err = Buffer::from_vec(client, vec![1.0f32]).unwrap().into_owner::<Box<[f32]>>().unwrap_err().to_string();
-    assert!(err.contains("Box<[f32]>"), "{err}");
+    let data = vec![1.0f32, 2.0];
+    let address = data.as_ptr();
+    let err = Buffer::from_vec(client, data).unwrap().into_owner::<Box<[f32]>>().unwrap_err();
+    assert!(err.to_string().contains("Box<[f32]>"), "{err}");
+    let buf = err.into_inner();
+    assert_eq!(buf.to_vec().unwrap(), [1.0, 2.0], "the buffer given back still reads the memory");
+    let back = buf.into_vec().expect("the owner was kept");
+    assert_eq!((back.as_ptr(), back), (address, vec![1.0, 2.0]), "the same allocation");
     let own = Buffer::<f32>::zeros(client, 4).unwrap().into_vec().unwrap_err();
     assert!(own.to_string().contains("adopt"), "cohort's own memory has no owner: {own}");
-    assert_eq!(own.into_buffer().expect("given back").len(), 4);
+    assert_eq!(own.into_inner().len(), 4);
+}
+
+/// A refused constructor loses nothing: the `Vec` (or owner) it was given
+/// comes back, the same allocation with the same contents, never dropped.
+#[test]
+fn a_refused_vec_or_owner_is_given_back_untouched() {
+    let client = &common::clients(1)[0];
+    // No element: refused ("0 bytes"), the Vec and its capacity given back.
+    let empty = Vec::<f32>::with_capacity(8);
+    let address = empty.as_ptr();
+    let err = Buffer::from_vec(client, empty).unwrap_err();
+    assert!(err.to_string().contains("0 bytes"), "{err}");
+    let back = err.into_inner();
+    assert_eq!((back.as_ptr(), back.capacity() >= 8, back.len()), (address, true, 0));
+
+    // Elements off the CPU's 16-byte boundary: refused by the device.
+    struct Shifted(Vec<f32>, Arc<AtomicUsize>);
+    impl AsMut<[f32]> for Shifted {
+        fn as_mut(&mut self) -> &mut [f32] {
+            &mut self.0[1..]
+        }
+    }
+    impl Drop for Shifted {
+        fn drop(&mut self) {
+            self.1.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let drops = Arc::new(AtomicUsize::new(0));
+    let data: Vec<f32> = (0..8).map(|i| i as f32).collect();
+    let address = data.as_ptr();
+    let err = Buffer::adopt_owner(client, Shifted(data, drops.clone())).unwrap_err();
+    assert!(err.to_string().contains("16-byte"), "{err}");
+    assert!(matches!(err.error(), Error::Device(_)), "{err}");
+    let back = err.into_inner();
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "the owner is given back, not dropped");
+    assert_eq!((back.0.as_ptr(), &back.0[..]), (address, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0][..]));
+    drop(back);
+    assert_eq!(drops.load(Ordering::SeqCst), 1);
+
+    // A pointer misaligned for the element: refused before the device, the
+    // owner given back.
+    let mut words = vec![0u64; 4];
+    let ptr = words.as_mut_ptr().cast::<u8>().wrapping_add(2).cast::<f32>();
+    // SAFETY: refused before anything uses the pointer.
+    let err = unsafe { Buffer::<f32>::from_host_ptr(client, ptr, 2, words) }.unwrap_err();
+    assert!(err.to_string().contains("multiple of 4"), "{err}");
+    assert_eq!(err.into_inner(), [0u64; 4]);
+
+    // `?` converts the refusal into cohort's Error where the value does not
+    // matter (it is dropped then).
+    let converted = || -> Result<Buffer<f32>, Error> { Ok(Buffer::from_vec(client, Vec::new())?) };
+    assert!(converted().unwrap_err().to_string().contains("0 bytes"));
 }
 
 /// A clone smuggled out of `with_borrowed` fails cleanly once the borrow
@@ -363,22 +423,37 @@ fn read_only(client: &Client, data: &'static mut [f32]) -> Buffer<f32> {
     Buffer::from_handle(client, handle).unwrap()
 }
 
+/// `result`'s refusal, which must be `CommError::ReadOnly` naming
+/// `operation` and `member`; its message.
+#[track_caller]
+fn read_only_refusal(result: Result<(), Error>, operation: &str, member: usize) -> String {
+    let err = result.expect_err("a read-only destination is refused");
+    match &err {
+        Error::Comm(CommError::ReadOnly { operation: op, member: m, .. }) => {
+            assert_eq!((*op, *m), (operation, member), "{err}");
+        }
+        other => panic!("expected CommError::ReadOnly for {operation}, member {member}: {other}"),
+    }
+    err.to_string()
+}
+
 #[test]
 fn a_read_only_destination_is_refused_naming_the_collective_and_the_buffer() {
     let clients = common::clients(2);
     let group = ClientGroup::new(clients.clone()).unwrap();
     let ro: Vec<Buffer<f32>> = clients.iter().map(|c| read_only(c, vec![1.0; 4].leak())).collect();
     let rw = adopted(&clients, |_| vec![0.0f32; 4]);
-    let err = group.all_reduce(&ro, &ro, ReduceOp::Sum).unwrap_err().to_string();
+    let err = read_only_refusal(group.all_reduce(&ro, &ro, ReduceOp::Sum).map(|_| ()), "all_reduce", 0);
     assert!(
         err.contains("all_reduce") && err.contains("destination of member 0") && err.contains("read-only"),
         "{err}"
     );
-    let err = group.broadcast(&rw, &[rw[0].clone(), ro[1].clone()], 0).unwrap_err().to_string();
+    assert!(err.contains("pass a writable buffer"), "it says what to do: {err}");
+    let err = read_only_refusal(group.broadcast(&rw, &[rw[0].clone(), ro[1].clone()], 0).map(|_| ()), "broadcast", 1);
     assert!(err.contains("broadcast") && err.contains("destination of member 1"), "{err}");
-    let err = group.send_recv(0, Some(&rw[0]), 1, Some(&ro[1])).unwrap_err().to_string();
+    let err = read_only_refusal(group.send_recv(0, Some(&rw[0]), 1, Some(&ro[1])).map(|_| ()), "send_recv", 1);
     assert!(err.contains("send_recv") && err.contains("read-only"), "{err}");
-    let err = group.group(|g| g.all_reduce(&rw, &ro, ReduceOp::Sum)).unwrap_err().to_string();
+    let err = read_only_refusal(group.group(|g| g.all_reduce(&rw, &ro, ReduceOp::Sum)).map(|_| ()), "all_reduce", 0);
     assert!(err.contains("all_reduce") && err.contains("read-only"), "a grouped call too: {err}");
     // Read-only sources are fine, and nothing was queued by the refusals.
     group.all_reduce(&ro, &rw, ReduceOp::Sum).unwrap().wait().unwrap();
@@ -394,9 +469,11 @@ fn a_read_only_destination_is_refused_by_a_communicator_too() {
     let errors = common::communicator_ranks(8, 4, 2, 1, |comm| {
         let client = comm.clients()[0].clone();
         let ro = [read_only(&client, vec![1.0; 4].leak())];
-        let mut errors = vec![comm.all_reduce(&ro, &ro, ReduceOp::Sum).unwrap_err().to_string()];
+        let member = comm.rank();
+        let mut errors =
+            vec![read_only_refusal(comm.all_reduce(&ro, &ro, ReduceOp::Sum).map(|_| ()), "all_reduce", member)];
         if comm.rank() == 1 {
-            errors.push(comm.send_recv(0, None, 1, Some(&ro[0])).unwrap_err().to_string());
+            errors.push(read_only_refusal(comm.send_recv(0, None, 1, Some(&ro[0])).map(|_| ()), "recv", 1));
         }
         comm.barrier().unwrap();
         errors
@@ -630,16 +707,27 @@ mod wgpu_device {
     fn host_memory_a_buffer_of_another_device_missing_usages_and_a_bad_offset_are_refused_on_wgpu() {
         let devices = adopted_devices(2);
         let (a, b) = (&devices[0], &devices[1]);
-        let err = Buffer::from_vec(&a.client, vec![1.0f32; 4]).unwrap_err().to_string();
-        assert!(err.contains("host memory") && err.contains("wgpu"), "{err}");
+        // Host memory on a wgpu device: refused, the same Vec given back.
+        let data = vec![1.0f32, 2.0, 3.0, 4.0];
+        let address = data.as_ptr();
+        let err = Buffer::from_vec(&a.client, data).unwrap_err();
+        assert!(err.to_string().contains("host memory") && err.to_string().contains("wgpu"), "{err}");
+        let back = err.into_inner();
+        assert_eq!((back.as_ptr(), back), (address, vec![1.0, 2.0, 3.0, 4.0]), "the Vec, untouched");
+        // Each refused wgpu buffer is given back.
         let theirs = own_buffer(b, &[1.0; 4], USAGES);
-        assert!(Buffer::<f32>::from_wgpu(&a.client, theirs, 0, 4).is_err(), "a buffer of another device");
+        let err = Buffer::<f32>::from_wgpu(&a.client, theirs.clone(), 0, 4).unwrap_err();
+        assert_eq!(err.into_inner(), theirs, "a buffer of another device");
         let no_storage = own_buffer(a, &[1.0; 4], wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST);
-        let err = Buffer::<f32>::from_wgpu(&a.client, no_storage, 0, 4).unwrap_err().to_string();
-        assert!(err.contains("STORAGE"), "the missing usage is named: {err}");
+        let err = Buffer::<f32>::from_wgpu(&a.client, no_storage.clone(), 0, 4).unwrap_err();
+        assert!(err.to_string().contains("STORAGE"), "the missing usage is named: {err}");
+        assert_eq!(err.into_inner(), no_storage);
         let mine = own_buffer(a, &[1.0; 8], USAGES);
-        let err = Buffer::<f32>::from_wgpu(&a.client, mine.clone(), 2, 4).unwrap_err().to_string();
-        assert!(err.contains("byte 2"), "{err}");
-        assert!(Buffer::<f32>::from_wgpu(&a.client, mine, 16, 8).is_err(), "a range past the buffer's end");
+        let err = Buffer::<f32>::from_wgpu(&a.client, mine.clone(), 2, 4).unwrap_err();
+        assert!(err.to_string().contains("byte 2"), "{err}");
+        assert_eq!(err.into_inner(), mine);
+        let err = Buffer::<f32>::from_wgpu(&a.client, mine.clone(), 16, 8).unwrap_err();
+        assert_eq!(err.into_inner(), mine, "a range past the buffer's end");
+        assert_eq!(read_back(a, &mine), [1.0; 8], "nothing written");
     }
 }

@@ -50,6 +50,59 @@ unsafe impl Send for ForeignMemory {}
 /// needs the memory (never before the last handle naming it is gone).
 pub type ForeignOwner = Box<dyn Any + Send>;
 
+/// Why [`Client::adopt`](crate::Client::adopt) refused memory, with what it
+/// was given, untouched: the memory and its owner are the caller's again
+/// (a `Vec` given as the owner comes back whole, its elements where they
+/// were). Displays as the error; converts into it, so `?` works where the
+/// owner does not matter (it is dropped then).
+pub struct AdoptError {
+    /// Boxed: an `Err` as small as a pointer.
+    parts: Box<(ServerError, ForeignMemory, ForeignOwner)>,
+}
+
+impl AdoptError {
+    pub(crate) fn new(error: ServerError, memory: ForeignMemory, owner: ForeignOwner) -> AdoptError {
+        AdoptError { parts: Box::new((error, memory, owner)) }
+    }
+
+    /// Why: it names the problem.
+    pub fn error(&self) -> &ServerError {
+        &self.parts.0
+    }
+
+    /// The owner, as given: never dropped by the refusal.
+    pub fn into_owner(self) -> ForeignOwner {
+        self.parts.2
+    }
+
+    /// The error, and the memory and owner as given.
+    pub fn into_parts(self) -> (ServerError, ForeignMemory, ForeignOwner) {
+        *self.parts
+    }
+}
+
+impl std::fmt::Display for AdoptError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self.error(), f)
+    }
+}
+
+impl std::fmt::Debug for AdoptError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (error, memory, _) = &*self.parts;
+        f.debug_struct("AdoptError").field("error", error).field("memory", memory).finish_non_exhaustive()
+    }
+}
+
+impl std::error::Error for AdoptError {}
+
+impl From<AdoptError> for ServerError {
+    /// The error alone; the owner is dropped.
+    fn from(err: AdoptError) -> ServerError {
+        err.parts.0
+    }
+}
+
 /// Whether collectives and kernels may write foreign memory: a DLPack
 /// tensor marked read-only is adopted as [`Access::ReadOnly`], and a call
 /// that would write it is refused before anything is queued.

@@ -363,6 +363,15 @@ fn misaligned_byte_offset_is_refused() {
             &["not aligned", &format!("byte_offset {offset}"), &format!("{} bytes of a {dtype}", dtype.size())],
         );
     }
+    // Aligned for its element but off the CPU's 16-byte boundary: refused
+    // by the adoption. As DLPack asks, the consumer that took the tensor
+    // runs its deleter, once; the producer's memory is untouched.
+    let probe = Arc::new(Probe::default());
+    let mut spec = Spec::new(DLDataType::F32, &[4], pattern(16, 7));
+    spec.byte_offset = 4;
+    let (tensor, _) = spec.versioned(&probe);
+    refusal(dlpack::import(&client, tensor), &probe, &["16-byte boundary"]);
+    assert_eq!(probe.bytes_at_delete(), pattern(16, 7), "the memory as the producer left it");
 }
 
 /// Tensors of another device are refused, naming the tensor's device and

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_runtime::{
-    Access, Bytes, Client, CpuRuntime, ForeignMemory, ForeignOwner, GridCount, Handle, Kernel, KernelArguments,
-    Runtime, ServerError, StreamId,
+    Access, Bytes, Client, CpuRuntime, ForeignMemory, GridCount, Handle, Kernel, KernelArguments, Runtime, ServerError,
+    StreamId,
 };
 
 /// Four `f32`s, 16-byte aligned (the CPU backend's requirement), so a
@@ -210,10 +210,15 @@ fn reclaim_gives_the_same_vec_back() {
     assert_eq!(floats(&client.read_one(handle.clone()).unwrap())[0], 2.0, "the returned handle still works");
     drop(clone);
 
-    let owner: ForeignOwner = client.reclaim(handle).map_err(|(_, e)| e).unwrap();
-    let memory = owner.downcast::<Vec<Lane>>().expect("the Vec that was adopted");
+    // Asked for an owner of another type: refused, the handle given back
+    // and still working (the owner was not taken, the memory not forgotten).
+    let (handle, err) = client.reclaim_as::<Vec<f32>>(handle).map(|_| ()).unwrap_err();
+    assert!(err.to_string().contains("not a alloc::vec::Vec<f32>"), "{err}");
+    assert_eq!(floats(&client.read_one(handle.clone()).unwrap())[0], 2.0, "the returned handle still works");
+
+    let memory: Vec<Lane> = client.reclaim_as(handle).map_err(|(_, e)| e).unwrap();
     assert_eq!(memory.as_ptr(), ptr, "the same allocation: no copy either way");
-    assert_eq!(*memory, lanes([2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]), "with the device's work in it");
+    assert_eq!(memory, lanes([2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]), "with the device's work in it");
 
     let own = client.empty(16);
     let (_, err) = client.reclaim(own).map(|_| ()).unwrap_err();
@@ -293,9 +298,22 @@ fn unusable_memory_is_refused_before_anything_runs() {
         };
         let err = adopted.unwrap_err();
         assert!(err.to_string().contains(says), "{err}");
-        assert_eq!(dropped.load(Ordering::SeqCst), i + 1, "a refused owner is dropped at once");
+        assert!(matches!(err.error(), ServerError::InvalidArgument(_)), "{err}");
+        // Nothing lost: the owner and the memory come back as they were given.
+        let (_, memory, owner) = err.into_parts();
+        assert!(matches!(memory, ForeignMemory::Host { ptr: p, len: l } if p == ptr && l == len), "{memory:?}");
+        let owner = owner.downcast::<Counted>().expect("the owner that was given");
+        assert_eq!(dropped.load(Ordering::SeqCst), i, "a refused owner is given back, not dropped");
+        drop(owner);
+        assert_eq!(dropped.load(Ordering::SeqCst), i + 1);
     }
     assert_eq!(memory[0], Lane([0.0; 4]));
+    // `?` still works where the owner does not matter.
+    let refused = || -> Result<Handle, ServerError> {
+        // SAFETY: refused before the memory is touched (0 bytes).
+        Ok(unsafe { client.adopt(ForeignMemory::Host { ptr: base, len: 0 }, Box::new(()), Access::ReadWrite)? })
+    };
+    assert!(refused().unwrap_err().to_string().contains("0 bytes"));
 }
 
 /// The client of CPU device `index`, opened again after a close.
@@ -322,6 +340,15 @@ fn a_device_closed_with_adopted_memory_alive_drops_each_owner_once() {
     drop(alive);
     assert_eq!(kept.drops.load(Ordering::SeqCst), 1, "dropped with the last handle, the device being gone");
     assert_eq!(released.drops.load(Ordering::SeqCst), 1);
+    // Adopting on the closed device is refused, the owner given back.
+    let mut memory = lanes([4.0; 4]);
+    let ptr = memory.as_mut_ptr().cast::<u8>();
+    // SAFETY: refused before the memory is touched (the device is closed).
+    let err =
+        unsafe { client.adopt(ForeignMemory::Host { ptr, len: 16 }, Box::new(memory), Access::ReadWrite) }.unwrap_err();
+    assert!(matches!(err.error(), ServerError::DeviceClosed { .. }), "{err}");
+    let memory = err.into_owner().downcast::<Vec<Lane>>().expect("the Vec given back");
+    assert_eq!((memory.as_ptr().cast::<u8>(), &memory[..]), (ptr.cast_const(), &lanes([4.0; 4])[..]));
     // The last handle of memory on a closed device gives its owner back.
     let client = reopened(device);
     let (reclaimed, _, watched) = adopt_watched(&client, lanes([3.0; 4]), Access::ReadWrite);

@@ -74,7 +74,7 @@ fn adopt(client: &Client, buffer: &wgpu::Buffer, offset: u64, len: u64) -> Resul
     let memory = ForeignMemory::Wgpu { buffer: buffer.clone(), offset, len };
     // SAFETY: a wgpu buffer is reference counted: the clone in `memory`
     // keeps it alive; nothing else writes it while the tests use it.
-    unsafe { client.adopt(memory, Box::new(()), Access::ReadWrite) }
+    Ok(unsafe { client.adopt(memory, Box::new(()), Access::ReadWrite) }?)
 }
 
 use cohort_runtime::Handle;

@@ -11,7 +11,10 @@
 //! the device's thread, or handed back by [`Buffer::into_owner`]. A
 //! refusal (memory of another device, a pointer not aligned for `T`, a
 //! length past what memory can address) is an error before anything is
-//! queued.
+//! queued, and loses nothing: a [`Refused`] that gives back what the call
+//! took (the `Vec`, the owner, the `CudaSlice`, the `wgpu::Buffer`),
+//! untouched. A refused DLPack tensor is the exception DLPack asks for: its
+//! deleter runs (the producer's memory stays the producer's).
 //!
 //! On the CPU, host memory must start at a 16-byte boundary (every
 //! allocator gives a `Vec` one; a sub-slice at another offset is refused:
@@ -35,7 +38,8 @@ impl<T: Element> Buffer<T> {
     /// drops it once the work queued on it has finished.
     ///
     /// Host memory: a client of a CPU device only (another device's client
-    /// refuses it, naming both).
+    /// refuses it, naming both). A refusal gives `data` back untouched
+    /// ([`Refused::into_inner`]).
     ///
     /// ```
     /// use cohort_comm::{Buffer, ClientGroup, Collectives, Error, ReduceOp};
@@ -50,7 +54,7 @@ impl<T: Element> Buffer<T> {
     ///     Ok(())
     /// }
     /// ```
-    pub fn from_vec(client: &Client, data: Vec<T>) -> Result<Buffer<T>, Error> {
+    pub fn from_vec(client: &Client, data: Vec<T>) -> Result<Buffer<T>, Refused<Vec<T>>> {
         Buffer::adopt_owner(client, data)
     }
 
@@ -60,8 +64,9 @@ impl<T: Element> Buffer<T> {
     /// [`Buffer::into_owner`] gives it back. `Vec<T>`, `Box<[T]>`, arrays
     /// and any type that holds its elements at a fixed place will do.
     ///
-    /// Host memory: a client of a CPU device only.
-    pub fn adopt_owner<O>(client: &Client, owner: O) -> Result<Buffer<T>, Error>
+    /// Host memory: a client of a CPU device only. A refusal gives `owner`
+    /// back untouched.
+    pub fn adopt_owner<O>(client: &Client, owner: O) -> Result<Buffer<T>, Refused<O>>
     where
         O: AsMut<[T]> + Send + 'static,
     {
@@ -85,7 +90,7 @@ impl<T: Element> Buffer<T> {
     /// Refused before anything is queued: a null or misaligned `ptr` (an
     /// address not a multiple of `T`'s alignment, or of 16 bytes), no
     /// element, a length past what memory can address, a client that is
-    /// not a CPU device's.
+    /// not a CPU device's. A refusal gives `owner` back.
     ///
     /// # Safety
     ///
@@ -98,7 +103,7 @@ impl<T: Element> Buffer<T> {
         ptr: *mut T,
         len: usize,
         owner: O,
-    ) -> Result<Buffer<T>, Error> {
+    ) -> Result<Buffer<T>, Refused<O>> {
         // SAFETY: the caller's promise, passed on.
         unsafe { Buffer::adopt_host(client, ptr, len, Box::new(owner), Access::ReadWrite) }
     }
@@ -151,20 +156,45 @@ impl<T: Element> Buffer<T> {
     /// # Safety
     ///
     /// As [`Buffer::from_host_ptr`], with `owner` keeping the memory valid.
-    unsafe fn adopt_host(
+    unsafe fn adopt_host<O: Send + 'static>(
         client: &Client,
         ptr: *mut T,
         len: usize,
-        owner: Box<dyn Any + Send>,
+        owner: Box<O>,
         access: Access,
-    ) -> Result<Buffer<T>, Error> {
-        let bytes = byte_len::<T>(len)?;
-        aligned::<T>(ptr as u64, "host pointer")?;
+    ) -> Result<Buffer<T>, Refused<O>> {
+        let bytes = match fits::<T>(ptr as u64, len, "host pointer") {
+            Ok(bytes) => bytes,
+            Err(error) => return Err(Refused::new(*owner, error)),
+        };
         let memory = ForeignMemory::Host { ptr: ptr.cast(), len: bytes };
         // SAFETY: the caller's promise: the memory is valid and left to
         // cohort while `owner` lives.
-        let handle = unsafe { client.adopt(memory, owner, access)? };
-        Ok(Buffer::wrap(client, handle, len))
+        unsafe { Buffer::adopt(client, memory, owner, access, len) }
+    }
+
+    /// Adopts `memory` (`len` elements) with `owner`, given back on a
+    /// refusal.
+    ///
+    /// # Safety
+    ///
+    /// As `Client::adopt`.
+    unsafe fn adopt<O: Send + 'static>(
+        client: &Client,
+        memory: ForeignMemory,
+        owner: Box<O>,
+        access: Access,
+        len: usize,
+    ) -> Result<Buffer<T>, Refused<O>> {
+        // SAFETY: the caller's promise, passed on.
+        match unsafe { client.adopt(memory, owner, access) } {
+            Ok(handle) => Ok(Buffer::wrap(client, handle, len)),
+            Err(refused) => {
+                let (error, _, owner) = refused.into_parts();
+                let owner = owner.downcast::<O>().expect("adopt gives back the owner it was given");
+                Err(Refused::new(*owner, error))
+            }
+        }
     }
 
     /// Gives back the owner the buffer was made with
@@ -175,25 +205,15 @@ impl<T: Element> Buffer<T> {
     /// way.
     ///
     /// Refused where other clones of the buffer (or slices of it) are
-    /// alive, and for memory cohort allocated itself: the error gives the
-    /// buffer back ([`IntoOwnerError::into_buffer`]), nothing given up, as
-    /// `Arc::try_unwrap` does. An owner of another type than `O` is refused
-    /// too (the error names `O`); the memory is no longer cohort's then and
-    /// the owner is dropped.
+    /// alive, for memory cohort allocated itself, and for an owner of
+    /// another type than `O` (the error names `O`): the error gives the
+    /// buffer back ([`Refused::into_inner`]), its owner kept, nothing given
+    /// up, as `Arc::try_unwrap` does.
     pub fn into_owner<O: Any>(self) -> Result<O, IntoOwnerError<T>> {
         let (client, len) = (self.client().clone(), self.len());
-        let owner = client.reclaim(self.into_handle()).map_err(|(handle, error)| IntoOwnerError {
-            buffer: Some(Buffer::wrap(&client, handle, len)),
-            error: Box::new(error.into()),
-        })?;
-        owner.downcast::<O>().map(|owner| *owner).map_err(|_| IntoOwnerError {
-            buffer: None,
-            error: Box::new(Error::InvalidArgument(format!(
-                "the buffer's owner is not a {}: ask into_owner for the type the buffer was made with (the owner \
-                 was dropped)",
-                std::any::type_name::<O>()
-            ))),
-        })
+        client
+            .reclaim_as::<O>(self.into_handle())
+            .map_err(|(handle, error)| Refused::new(Buffer::wrap(&client, handle, len), error))
     }
 
     /// The `Vec` a buffer made by [`Buffer::from_vec`] holds, the same
@@ -258,20 +278,32 @@ impl<T: Element> Buffer<T> {
     }
 }
 
-/// Why [`Buffer::into_owner`] (or [`Buffer::into_vec`]) gave nothing back,
-/// with the buffer itself where it is still cohort's (other clones alive,
-/// memory cohort allocated): use it on, or try again once the clones are
-/// gone. Converts into [`Error`], so `?` works.
-pub struct IntoOwnerError<T: Element> {
-    buffer: Option<Buffer<T>>,
-    /// Boxed: an `Err` as small as a buffer.
+/// A refused call that took a value of the caller's (the `Vec` of
+/// [`Buffer::from_vec`], an owner, a `CudaSlice`, a `wgpu::Buffer`; the
+/// buffer of [`Buffer::into_owner`]), with that value given back untouched
+/// ([`Refused::into_inner`]): nothing is lost, as `Arc::try_unwrap` does.
+/// Displays as the error; converts into [`Error`], so `?` works where the
+/// value does not matter (it is dropped then).
+pub struct Refused<V> {
+    value: V,
+    /// Boxed: an `Err` as small as the value.
     error: Box<Error>,
 }
 
-impl<T: Element> IntoOwnerError<T> {
-    /// The buffer, unchanged, where it is still cohort's.
-    pub fn into_buffer(self) -> Option<Buffer<T>> {
-        self.buffer
+/// Why [`Buffer::into_owner`] (or [`Buffer::into_vec`]) gave nothing back,
+/// with the buffer itself, still cohort's (other clones alive, memory
+/// cohort allocated, an owner of another type): use it on, or try again
+/// once the clones are gone.
+pub type IntoOwnerError<T> = Refused<Buffer<T>>;
+
+impl<V> Refused<V> {
+    pub(crate) fn new(value: V, error: impl Into<Error>) -> Refused<V> {
+        Refused { value, error: Box::new(error.into()) }
+    }
+
+    /// The value the call was given, as it was.
+    pub fn into_inner(self) -> V {
+        self.value
     }
 
     /// Why.
@@ -280,22 +312,22 @@ impl<T: Element> IntoOwnerError<T> {
     }
 }
 
-impl<T: Element> fmt::Display for IntoOwnerError<T> {
+impl<V> fmt::Display for Refused<V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.error, f)
     }
 }
 
-impl<T: Element> fmt::Debug for IntoOwnerError<T> {
+impl<V> fmt::Debug for Refused<V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.error, f)
     }
 }
 
-impl<T: Element> std::error::Error for IntoOwnerError<T> {}
+impl<V> std::error::Error for Refused<V> {}
 
-impl<T: Element> From<IntoOwnerError<T>> for Error {
-    fn from(err: IntoOwnerError<T>) -> Error {
+impl<V> From<Refused<V>> for Error {
+    fn from(err: Refused<V>) -> Error {
         *err.error
     }
 }
@@ -335,10 +367,19 @@ impl<T: Element> Drop for Lent<T> {
     }
 }
 
+/// The bytes of `len` elements of `T` at `address`: refuses a length past
+/// what memory can address and a null or misaligned address (`what` names
+/// it: "host pointer").
+fn fits<T: Element>(address: u64, len: usize, what: &str) -> Result<usize, Error> {
+    let bytes = byte_len::<T>(len)?;
+    aligned::<T>(address, what)?;
+    Ok(bytes)
+}
+
 /// Refuses an address that is not a multiple of `T`'s alignment (or null).
 pub(crate) fn aligned<T: Element>(address: u64, what: &str) -> Result<(), Error> {
     let align = std::mem::align_of::<T>() as u64;
-    if address == 0 || address % align != 0 {
+    if address == 0 || !address.is_multiple_of(align) {
         return Err(Error::InvalidArgument(format!(
             "a {what} at {address:#x} cannot hold {} elements: it must be non-null and a multiple of {align} bytes; \
              pass memory allocated for {} (or offset by whole elements)",
@@ -354,7 +395,7 @@ mod cuda {
     use cohort_runtime::backend::cuda::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
     use cohort_runtime::{Access, Client, ExternalStream, ForeignMemory};
 
-    use super::{aligned, byte_len, Buffer, Error, Lent};
+    use super::{fits, Buffer, Error, Lent, Refused};
     use crate::ops::Element;
 
     impl<T: Element> Buffer<T> {
@@ -366,7 +407,8 @@ mod cuda {
         ///
         /// Refused before anything is queued: a null or misaligned `ptr`, a
         /// length past what memory can address, memory of another GPU or
-        /// context, a client that is not a CUDA device's.
+        /// context, a client that is not a CUDA device's. A refusal gives
+        /// `owner` back.
         ///
         /// # Safety
         ///
@@ -379,13 +421,14 @@ mod cuda {
             ptr: u64,
             len: usize,
             owner: O,
-        ) -> Result<Buffer<T>, Error> {
-            let bytes = byte_len::<T>(len)?;
-            aligned::<T>(ptr, "device pointer")?;
+        ) -> Result<Buffer<T>, Refused<O>> {
+            let bytes = match fits::<T>(ptr, len, "device pointer") {
+                Ok(bytes) => bytes,
+                Err(error) => return Err(Refused::new(owner, error)),
+            };
             let memory = ForeignMemory::Cuda { ptr, len: bytes };
             // SAFETY: the caller's promise.
-            let handle = unsafe { client.adopt(memory, Box::new(owner), Access::ReadWrite)? };
-            Ok(Buffer::wrap(client, handle, len))
+            unsafe { Buffer::adopt(client, memory, Box::new(owner), Access::ReadWrite, len) }
         }
 
         /// A buffer over cudarc's `slice`, no copy; cohort holds the slice
@@ -397,7 +440,11 @@ mod cuda {
         /// slice's stream before this call (an event, no host wait). Work
         /// queued there later is not ordered with cohort's: order it with
         /// [`OnStream`](crate::OnStream), or wait for the collective.
-        pub fn from_cuda_slice(client: &Client, slice: CudaSlice<T>) -> Result<Buffer<T>, Error> {
+        ///
+        /// Refused as [`Buffer::from_device_ptr`] is (memory of another GPU,
+        /// a client that is not a CUDA device's), or where cohort cannot
+        /// order on the slice's stream: the slice comes back untouched.
+        pub fn from_cuda_slice(client: &Client, slice: CudaSlice<T>) -> Result<Buffer<T>, Refused<CudaSlice<T>>> {
             let stream = slice.stream().clone();
             let (ptr, read) = slice.device_ptr(&stream);
             drop(read);
@@ -407,8 +454,15 @@ mod cuda {
             // work queued on the memory.
             let buffer = unsafe { Buffer::from_device_ptr(client, ptr, len, slice)? };
             // Nothing is queued on the buffer yet: its first work follows.
-            client.wait_external(&ExternalStream::from_cudarc(&stream))?;
-            Ok(buffer)
+            match client.wait_external(&ExternalStream::from_cudarc(&stream)) {
+                Ok(()) => Ok(buffer),
+                Err(error) => {
+                    // Nothing ran on it: the only handle of memory just
+                    // adopted gives its owner back (a closed device too).
+                    let slice = buffer.into_owner::<CudaSlice<T>>().expect("the slice just adopted comes back");
+                    Err(Refused::new(slice, error))
+                }
+            }
         }
 
         /// Lends cudarc's `slice` to cohort as a buffer for as long as
@@ -446,37 +500,47 @@ mod cuda {
 mod wgpu_buffer {
     use cohort_runtime::{Access, Client, ForeignMemory};
 
-    use super::{byte_len, Buffer, Error};
+    use super::{byte_len, Buffer, Error, Refused};
     use crate::ops::Element;
 
     impl<T: Element> Buffer<T> {
         /// `len` elements at byte `offset` of `buffer`, a `wgpu::Buffer`
         /// made on the device `client` runs on (one the runtime adopted
-        /// with `WgpuRuntime::adopt`), no copy. The buffer (a cheap clone of
-        /// it) is kept until the last clone of the returned one is gone and
-        /// the work queued on it has finished.
+        /// with `WgpuRuntime::adopt`), no copy. The buffer is kept (as the
+        /// owner: `into_owner::<wgpu::Buffer>()` gives it back) until the
+        /// last clone of the returned one is gone and the work queued on it
+        /// has finished.
         ///
-        /// Refused before anything is queued: a buffer of another device,
-        /// one without the usages collectives need (`STORAGE`, `COPY_SRC`,
-        /// `COPY_DST`), an offset not a multiple of 4 bytes and of `T`'s
-        /// size, or a range past the buffer's end.
-        pub fn from_wgpu(client: &Client, buffer: wgpu::Buffer, offset: u64, len: usize) -> Result<Buffer<T>, Error> {
-            let bytes = byte_len::<T>(len)?;
+        /// Refused before anything is queued, the buffer given back: a
+        /// buffer of another device, one without the usages collectives
+        /// need (`STORAGE`, `COPY_SRC`, `COPY_DST`), an offset not a
+        /// multiple of 4 bytes and of `T`'s size, or a range past the
+        /// buffer's end.
+        pub fn from_wgpu(
+            client: &Client,
+            buffer: wgpu::Buffer,
+            offset: u64,
+            len: usize,
+        ) -> Result<Buffer<T>, Refused<wgpu::Buffer>> {
+            let bytes = match byte_len::<T>(len) {
+                Ok(bytes) => bytes,
+                Err(error) => return Err(Refused::new(buffer, error)),
+            };
             let size = std::mem::size_of::<T>() as u64;
-            if offset % size != 0 || offset % wgpu::COPY_BUFFER_ALIGNMENT != 0 {
-                return Err(Error::InvalidArgument(format!(
+            if !offset.is_multiple_of(size) || !offset.is_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT) {
+                let error = Error::InvalidArgument(format!(
                     "a wgpu buffer's {} elements cannot start at byte {offset}: the offset must be a multiple of \
                      {size} (the element size) and of {} (wgpu's copy alignment)",
                     T::DTYPE,
                     wgpu::COPY_BUFFER_ALIGNMENT
-                )));
+                ));
+                return Err(Refused::new(buffer, error));
             }
-            let memory = ForeignMemory::Wgpu { buffer, offset, len: bytes as u64 };
-            // SAFETY: a wgpu buffer is reference-counted: the clone inside
-            // `memory` keeps it alive as long as cohort holds it, and wgpu
-            // orders every use of it on its device's queue.
-            let handle = unsafe { client.adopt(memory, Box::new(()), Access::ReadWrite)? };
-            Ok(Buffer::wrap(client, handle, len))
+            let memory = ForeignMemory::Wgpu { buffer: buffer.clone(), offset, len: bytes as u64 };
+            // SAFETY: a wgpu buffer is reference-counted: the clones inside
+            // `memory` and the owner keep it alive as long as cohort holds
+            // it, and wgpu orders every use of it on its device's queue.
+            unsafe { Buffer::adopt(client, memory, Box::new(buffer), Access::ReadWrite, len) }
         }
     }
 }

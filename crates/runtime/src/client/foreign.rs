@@ -2,6 +2,7 @@
 //! ([`Client::reclaim`], [`Client::revoke`]), and [`Client::device_address`]
 //! (see the `foreign` module).
 
+use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -10,7 +11,7 @@ use parking_lot::Mutex;
 use super::Client;
 use crate::backend::FenceWait;
 use crate::error::ServerError;
-use crate::foreign::{Access, Adopted, ForeignMemory, ForeignOwner};
+use crate::foreign::{Access, AdoptError, Adopted, ForeignMemory, ForeignOwner};
 use crate::handle::Handle;
 use crate::state::DeviceState;
 
@@ -31,8 +32,10 @@ impl Client {
     /// elements of any type in place); on CUDA memory of another context or
     /// GPU, host memory, or a range past its allocation; on wgpu a buffer
     /// of another device, without `STORAGE | COPY_SRC | COPY_DST`, or an
-    /// offset or length the device cannot bind. On a refusal `owner` is
-    /// dropped at once.
+    /// offset or length the device cannot bind; a closed device. A refusal
+    /// loses nothing: the [`AdoptError`] gives `memory` and `owner` back
+    /// as they were given (converting it into its [`ServerError`] with `?`
+    /// drops them).
     ///
     /// `owner` is kept with the memory: when the last clone of the handle
     /// is dropped, the device forgets the memory (it never frees it) and
@@ -57,20 +60,28 @@ impl Client {
         memory: ForeignMemory,
         owner: ForeignOwner,
         access: Access,
-    ) -> Result<Handle, ServerError> {
+    ) -> Result<Handle, AdoptError> {
         let size = memory.len();
         if size == 0 {
-            return Err(ServerError::InvalidArgument(format!(
+            let error = ServerError::InvalidArgument(format!(
                 "adopting {} of 0 bytes: there is nothing to share; make an empty cohort buffer instead",
                 memory.kind()
-            )));
+            ));
+            return Err(AdoptError::new(error, memory, owner));
         }
         let stream = self.stream_id();
         let offset = memory.page_offset();
-        let (page, releases) = self.device().run_inline_or_wait(stream, move |state: &mut DeviceState| {
-            let page = state.backend.storage().adopt_page(&memory)?;
+        // The memory stays here while the task looks at it, so a refusal
+        // (or a device that never runs the task) gives it back.
+        let shared = Mutex::new(memory);
+        let registered = self.device().run_inline_or_wait(stream, |state: &mut DeviceState| {
+            let page = state.backend.storage().adopt_page(&shared.lock())?;
             Ok::<_, ServerError>((page, state.foreign.queue()))
-        })??;
+        });
+        let (page, releases) = match registered.and_then(|registered| registered) {
+            Ok(registered) => registered,
+            Err(error) => return Err(AdoptError::new(error, shared.into_inner(), owner)),
+        };
         let adopted = Adopted {
             access,
             owner: Mutex::new(Some(owner)),
@@ -91,6 +102,21 @@ impl Client {
     /// closed since (its work ended), the last handle gives its owner back
     /// at once.
     pub fn reclaim(&self, handle: Handle) -> Result<ForeignOwner, (Handle, ServerError)> {
+        self.reclaim_owner(handle, &Wanted { is: |_| true, name: "" })
+    }
+
+    /// [`Client::reclaim`] for an owner of type `O`, given back unboxed (a
+    /// `Vec<f32>` adopted as the owner comes back as one). An owner of
+    /// another type is refused as the rest is, the handle given back and
+    /// nothing forgotten: ask again with the type it was adopted with.
+    pub fn reclaim_as<O: Any>(&self, handle: Handle) -> Result<O, (Handle, ServerError)> {
+        let wanted = Wanted { is: |owner| owner.is::<O>(), name: std::any::type_name::<O>() };
+        let owner = self.reclaim_owner(handle, &wanted)?;
+        Ok(*owner.downcast::<O>().expect("the owner taken was checked to be an O"))
+    }
+
+    /// [`Client::reclaim`], taking the owner only where it is `wanted`.
+    fn reclaim_owner(&self, handle: Handle, wanted: &Wanted) -> Result<ForeignOwner, (Handle, ServerError)> {
         if let Err(err) = self.check_owned(&handle).and_then(|()| Self::adopted_only(&handle, "reclaim")) {
             return Err((handle, err));
         }
@@ -111,10 +137,7 @@ impl Client {
                 });
             }
             let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
-            let owner = adopted.owner.lock().take().ok_or_else(|| ServerError::InvalidState {
-                operation: "reclaim",
-                reason: "this memory's owner was already taken back".into(),
-            })?;
+            let owner = wanted.take(adopted)?;
             Ok((owner, forget(state, &handle)))
         });
         let handle = shared.into_inner();
@@ -123,15 +146,11 @@ impl Client {
         let taken = match taken {
             Err(ServerError::DeviceClosed { .. }) if Self::closed_and_unshared(&handle) => {
                 let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
-                adopted.given_back.store(true, Ordering::Release);
-                let owner = adopted.owner.lock().take();
-                return owner.ok_or_else(|| {
-                    let err = ServerError::InvalidState {
-                        operation: "reclaim",
-                        reason: "this memory's owner was already taken back".into(),
-                    };
-                    (handle, err)
-                });
+                let owner = wanted.take(adopted);
+                if owner.is_ok() {
+                    adopted.given_back.store(true, Ordering::Release);
+                }
+                return owner.map_err(|err| (handle, err));
             }
             taken => taken,
         };
@@ -206,6 +225,35 @@ impl Client {
             )));
         }
         Ok(())
+    }
+}
+
+/// The owner [`Client::reclaim`] may take.
+struct Wanted {
+    is: fn(&(dyn Any + Send)) -> bool,
+    /// The type asked for, for the refusal.
+    name: &'static str,
+}
+
+impl Wanted {
+    /// Takes the owner of `adopted` if it is the one wanted; else leaves
+    /// it there, refused.
+    fn take(&self, adopted: &Adopted) -> Result<ForeignOwner, ServerError> {
+        let mut slot = adopted.owner.lock();
+        match slot.take() {
+            Some(owner) if (self.is)(&*owner) => Ok(owner),
+            Some(owner) => {
+                *slot = Some(owner);
+                Err(ServerError::InvalidArgument(format!(
+                    "reclaim: the owner of this memory is not a {}: ask for the type it was adopted with",
+                    self.name
+                )))
+            }
+            None => Err(ServerError::InvalidState {
+                operation: "reclaim",
+                reason: "this memory's owner was already taken back".into(),
+            }),
+        }
     }
 }
 

@@ -52,7 +52,11 @@ impl DlpackImport {
 /// strides where only dimensions of size 1 may differ from row-major),
 /// its `data + byte_offset` aligned to the element size. Anything else is
 /// refused with an error naming it, before anything is queued, and the
-/// tensor is dropped (its deleter runs) before this returns.
+/// tensor is dropped (its deleter runs) before this returns. That is
+/// DLPack's contract (a consumer that took a tensor calls its deleter once,
+/// whatever it made of it) and loses nothing: the deleter releases only the
+/// consumer's reference, and the memory stays the producer's tensor's
+/// (PyTorch's, CuPy's), untouched.
 ///
 /// A tensor with no elements gives an empty cohort buffer (its deleter runs
 /// before this returns): there is no memory to share.
