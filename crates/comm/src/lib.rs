@@ -36,7 +36,7 @@ pub mod trace;
 pub mod verify;
 mod work;
 
-pub use api::{rank_clients, Buffer, Collectives, Error, Grouped, IntoOwnerError, OnStream, World};
+pub use api::{rank_clients, Buffer, Collectives, Error, Grouped, IntoOwnerError, OnStream, Refused, World};
 pub use communicator::{job_heartbeat_key, Communicator, ConnectError, HEARTBEAT_PERIOD};
 pub use device::peer::{Algo, Crossover, CrossoverRow, Path, TableKind};
 

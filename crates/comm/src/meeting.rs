@@ -170,7 +170,7 @@ impl<S> Meeting<S> {
             while self.changes.load(Ordering::Acquire) == seen {
                 polls = polls.wrapping_add(1);
                 // Reading the clock costs more than a poll: look every 64.
-                if polls % 64 == 0 && start.elapsed() >= window {
+                if polls.is_multiple_of(64) && start.elapsed() >= window {
                     return;
                 }
                 if polls < 256 {
@@ -303,7 +303,7 @@ impl<S> Meeting<S> {
                 let mut polls = 0u32;
                 while self.arrived.load(Ordering::Acquire) < n && !self.failed() {
                     polls = polls.wrapping_add(1);
-                    if polls % 64 == 0 && started.elapsed() >= window {
+                    if polls.is_multiple_of(64) && started.elapsed() >= window {
                         break;
                     }
                     std::hint::spin_loop();

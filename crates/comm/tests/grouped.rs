@@ -41,7 +41,7 @@ fn buffers<C: Collectives>(c: &C, k: usize) -> Set {
                 .zip(&data)
                 .map(|(cl, d)| Buffer::from_slice(cl, &d.iter().map(|v| *v as f32).collect::<Vec<_>>()).unwrap())
                 .collect();
-            let dst = if k % 4 == 0 { src.clone() } else { c.zeros(len).unwrap() };
+            let dst = if k.is_multiple_of(4) { src.clone() } else { c.zeros(len).unwrap() };
             Set::F32(src, dst)
         }
         1 => {
@@ -64,8 +64,8 @@ fn buffers<C: Collectives>(c: &C, k: usize) -> Set {
 fn call<C: Collectives>(c: &C, g: Option<&mut cohort_comm::Grouped<'_, C>>, k: usize, set: &Set) -> Result<(), Error> {
     let root = k % c.members();
     match (set, g) {
-        (Set::F32(s, d), Some(g)) if k % 4 == 0 => g.all_reduce(s, d, ReduceOp::Sum),
-        (Set::F32(s, d), None) if k % 4 == 0 => c.all_reduce(s, d, ReduceOp::Sum).map(drop),
+        (Set::F32(s, d), Some(g)) if k.is_multiple_of(4) => g.all_reduce(s, d, ReduceOp::Sum),
+        (Set::F32(s, d), None) if k.is_multiple_of(4) => c.all_reduce(s, d, ReduceOp::Sum).map(drop),
         (Set::F32(s, d), Some(g)) => g.broadcast(s, d, root),
         (Set::F32(s, d), None) => c.broadcast(s, d, root).map(drop),
         (Set::I32(s, d), Some(g)) => g.all_reduce(s, d, ReduceOp::Max),

@@ -43,7 +43,7 @@ pub use dtype::{DType, ReduceOp};
 pub use error::{MemoryConfigError, ProfileError, ServerError};
 #[cfg(feature = "cuda")]
 pub use foreign::CudaStreamRef;
-pub use foreign::{Access, ExternalStream, ForeignMemory, ForeignOwner};
+pub use foreign::{Access, AdoptError, ExternalStream, ForeignMemory, ForeignOwner};
 pub use graph::Graph;
 pub use handle::{contiguous_strides, CopyDescriptor, Handle, LayoutPolicy, MemoryLayout, MemoryLayoutDescriptor};
 pub use id::{DeviceId, ServiceId, StreamId, StreamPriority};

@@ -93,7 +93,7 @@ impl<T: Element> Buffer<T> {
     pub fn from_handle(client: &Client, handle: Handle) -> Result<Buffer<T>, Error> {
         client.check_owned(&handle)?;
         let size = std::mem::size_of::<T>() as u64;
-        if handle.size() % size != 0 {
+        if !handle.size().is_multiple_of(size) {
             return Err(Error::InvalidArgument(format!(
                 "a handle of {} bytes is not a whole number of {} elements ({size} bytes each)",
                 handle.size(),

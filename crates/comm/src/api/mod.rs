@@ -23,6 +23,6 @@ mod world;
 pub use buffer::Buffer;
 pub use collectives::{Collectives, Grouped};
 pub use error::Error;
-pub use foreign::IntoOwnerError;
+pub use foreign::{IntoOwnerError, Refused};
 pub use on_stream::OnStream;
 pub use world::{rank_clients, World};

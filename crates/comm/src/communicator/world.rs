@@ -235,7 +235,7 @@ impl World {
                 gone = None;
             }
             back_off(passes);
-            if passes < 2048 || passes % 64 != 0 {
+            if passes < 2048 || !passes.is_multiple_of(64) {
                 return Ok(());
             }
             let now = Instant::now();

@@ -179,7 +179,7 @@ unsafe fn reduce_typed<T: Element>(op: ReduceOp, srcs: &[*const u8], len: usize,
         // this thread's own memory, so they cannot overlap.
         std::ptr::copy_nonoverlapping(srcs[0], acc.as_mut_ptr().cast::<u8>(), len);
         for &src in &srcs[1..] {
-            if (src as usize) % std::mem::align_of::<T>() == 0 {
+            if (src as usize).is_multiple_of(std::mem::align_of::<T>()) {
                 // SAFETY: aligned for T, valid for `count` elements, and not
                 // written by anyone while this window runs (caller).
                 let x = std::slice::from_raw_parts(src.cast::<T>(), count);

@@ -223,7 +223,7 @@ impl Shared {
     /// the first and every 1000th (logged at warn, the others at debug).
     fn count_dropped(&self) -> bool {
         let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
-        n == 1 || n % 1000 == 0
+        n == 1 || n.is_multiple_of(1000)
     }
 
     /// Sends the table's answers to blocked requests to their connections'
@@ -811,7 +811,7 @@ enum Close {
 /// logged at warn (the others at debug), so a flood cannot flood the log.
 fn first_or_thousandth(n: &mut u64) -> bool {
     *n += 1;
-    *n == 1 || *n % 1000 == 0
+    *n == 1 || n.is_multiple_of(1000)
 }
 
 /// Polls until an event or the first timer.

@@ -31,7 +31,7 @@ impl Client {
     pub fn wait_external(&self, external: &ExternalStream) -> Result<(), ServerError> {
         self.refuse_if_capturing("wait_external")?;
         let stream = self.stream_id();
-        self.device().run_inline_or_wait(stream, move |state| state.backend.wait_external(stream, &external))?
+        self.device().run_inline_or_wait(stream, move |state| state.backend.wait_external(stream, external))?
     }
 
     /// Makes the work the caller queues on `external` after this call
@@ -45,6 +45,6 @@ impl Client {
     pub fn signal_external(&self, external: &ExternalStream) -> Result<(), ServerError> {
         self.refuse_if_capturing("signal_external")?;
         let stream = self.stream_id();
-        self.device().run_inline_or_wait(stream, move |state| state.backend.signal_external(stream, &external))?
+        self.device().run_inline_or_wait(stream, move |state| state.backend.signal_external(stream, external))?
     }
 }
