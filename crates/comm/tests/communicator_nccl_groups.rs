@@ -42,7 +42,10 @@ type Pair = (Vec<Buffer<f32>>, Vec<Buffer<i64>>);
 
 /// The operators of pair `i`: f32 sum or avg, i64 max or sum.
 fn ops(i: usize) -> (ReduceOp, ReduceOp) {
-    (if i.is_multiple_of(2) { ReduceOp::Sum } else { ReduceOp::Avg }, if i.is_multiple_of(3) { ReduceOp::Max } else { ReduceOp::Sum })
+    (
+        if i.is_multiple_of(2) { ReduceOp::Sum } else { ReduceOp::Avg },
+        if i.is_multiple_of(3) { ReduceOp::Max } else { ReduceOp::Sum },
+    )
 }
 
 /// Pair `i` of member `m`, of mixed sizes.
