@@ -367,3 +367,66 @@ fn adopted_buffers_dropped_from_many_threads_at_once_are_each_dropped_once() {
     assert_eq!(drops.load(Ordering::SeqCst), total, "each owner once");
     assert_eq!(wrong.load(Ordering::SeqCst), 0, "every owner dropped after its all-reduce wrote the sum");
 }
+
+/// A clone kept past `with_borrowed`, the slice then overwritten by its
+/// owner, used by rank 0 of a communicator in an all-reduce whose rank 1
+/// gives a good buffer: rank 0's call fails (memory given back), rank 1's
+/// fails or times out (no hang), and the slice keeps what its owner wrote.
+#[test]
+fn an_escaped_clone_in_a_communicator_collective_fails_without_touching_the_slice() {
+    let results = common::communicator_ranks(8, 6, 2, 1, |comm| {
+        comm.set_timeout(Duration::from_secs(2));
+        let client = comm.clients()[0].clone();
+        if comm.rank() == 1 {
+            let buf = [Buffer::from_slice(&client, &[2.0f32; 8]).unwrap()];
+            let result = comm.all_reduce(&buf, &buf, ReduceOp::Sum).and_then(|w| w.wait().map_err(Error::from));
+            return (result.map_err(|e| e.to_string()), Vec::new());
+        }
+        let mut data = vec![1.0f32; 8];
+        let mut kept = None;
+        Buffer::with_borrowed(&client, &mut data, |b| kept = Some(b.clone())).unwrap();
+        // The owner's memory again: the guard writes it.
+        data.fill(-7.0);
+        let kept = [kept.unwrap()];
+        let result = comm.all_reduce(&kept, &kept, ReduceOp::Sum).and_then(|w| w.wait().map_err(Error::from));
+        let _ = client.sync();
+        (result.map_err(|e| e.to_string()), data)
+    });
+    let (rank0, data) = &results[0];
+    let err = rank0.as_ref().expect_err("a collective on a revoked buffer");
+    assert!(err.contains("given back") || err.contains("revoke"), "rank 0 says why: {err}");
+    assert_eq!(data, &vec![-7.0; 8], "the slice keeps what its owner wrote after the borrow");
+    assert!(results[1].0.is_err(), "rank 1 does not get a sum from a revoked buffer: {:?}", results[1].0);
+}
+
+/// A panic inside `with_borrowed` while the body's all-reduce waits for a
+/// late rank (200 ms): unwinding ends the borrow only after the part, so
+/// the slice holds the sum once the panic is caught.
+#[test]
+fn a_panic_inside_with_borrowed_while_a_part_waits_for_a_late_rank_waits_for_the_part() {
+    let clients = common::clients(8);
+    let server = StoreServer::bind("127.0.0.1:0", "attack-panic").unwrap();
+    let addr = server.local_addr().to_string();
+    std::thread::scope(|s| {
+        let late = {
+            let (addr, client) = (addr.clone(), clients[1].clone());
+            s.spawn(move || {
+                let comm = Communicator::connect(1, 2, &addr, "attack-panic", vec![client.clone()]).unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+                let buf = [Buffer::from_slice(&client, &[2.0f32; 16]).unwrap()];
+                comm.all_reduce(&buf, &buf, ReduceOp::Sum).unwrap().wait().unwrap();
+            })
+        };
+        let comm = Communicator::connect(0, 2, &addr, "attack-panic", vec![clients[0].clone()]).unwrap();
+        let mut data = vec![1.0f32; 16];
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Buffer::with_borrowed(&clients[0], &mut data, |b| {
+                let _work = comm.all_reduce(std::slice::from_ref(b), std::slice::from_ref(b), ReduceOp::Sum).unwrap();
+                panic!("the body panics with its part in flight");
+            })
+        }));
+        assert!(unwound.is_err());
+        assert_eq!(data, vec![3.0; 16], "the borrow ended after the part wrote the sum");
+        late.join().unwrap();
+    });
+}

@@ -539,3 +539,49 @@ mod wgpu_attacks {
         assert!(used.expect("no panic").is_err(), "a destroyed buffer is not read");
     }
 }
+
+/// An owner whose `Drop` calls back into cohort (it syncs its device and
+/// reads a buffer of it: an owner holding a client, as a framework's
+/// tensor might): dropped on the device's thread, the calls must return
+/// (an answer or an error), never deadlock the device on itself.
+#[test]
+fn an_owner_that_calls_its_device_when_dropped_does_not_deadlock_it() {
+    let client = cpu(3);
+    let (told, answers) = std::sync::mpsc::channel::<String>();
+    /// Syncs and reads on `client` when dropped, and says how that went.
+    struct Reentrant {
+        client: Client,
+        told: std::sync::Mutex<std::sync::mpsc::Sender<String>>,
+    }
+    impl Drop for Reentrant {
+        fn drop(&mut self) {
+            let synced = self.client.sync().map_err(|e| e.to_string());
+            let read = self.client.read_one(self.client.create(float_bytes(&[5.0]))).map(|b| floats(&b));
+            let _ = self.told.lock().unwrap().send(format!("sync {synced:?}, read {read:?}"));
+        }
+    }
+    let owner = Reentrant { client: client.clone(), told: std::sync::Mutex::new(told) };
+    let memory: &'static mut [u128] = vec![0u128; 1].leak();
+    let host = ForeignMemory::Host { ptr: memory.as_mut_ptr().cast(), len: 16 };
+    // SAFETY: leaked memory, touched only by cohort.
+    let handle = unsafe { client.adopt(host, Box::new(owner), Access::ReadWrite) }.unwrap();
+    client.write(&handle, float_bytes(&[1.0; 4])).unwrap();
+    drop(handle);
+    let answer = answers.recv_timeout(Duration::from_secs(20));
+    let answer = answer.expect("the owner's calls into its own device returned (no deadlock)");
+    // The device still serves others.
+    let checker = {
+        let client = client.clone();
+        std::thread::spawn(move || client.read_one(client.create(float_bytes(&[6.0]))).map(|b| floats(&b)))
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !checker.is_finished() {
+        assert!(Instant::now() < deadline, "the device hangs after its owner called it ({answer})");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        answer.contains("Ok([5.0])") || answer.contains("wait on itself"),
+        "an answer or a clear refusal: {answer}"
+    );
+    assert_eq!(checker.join().unwrap().unwrap(), [6.0], "{answer}");
+}
