@@ -430,3 +430,29 @@ fn a_panic_inside_with_borrowed_while_a_part_waits_for_a_late_rank_waits_for_the
         late.join().unwrap();
     });
 }
+
+/// The reduce-scatter form of the aliasing finding: each member's
+/// destination names the first block of its own source through a second
+/// allocation (export + import of a slice: safe code), out of the in-place
+/// layout for members 1 and 2. On one allocation this is refused as an
+/// overlap; here it must be refused too, or give the right sums.
+#[test]
+fn a_reduce_scatter_into_an_aliased_misplaced_block_of_its_source_is_right_or_refused() {
+    let clients = common::clients(3);
+    let group = ClientGroup::new(clients.clone()).unwrap();
+    let src: Vec<Buffer<f32>> =
+        clients.iter().enumerate().map(|(m, c)| Buffer::from_slice(c, &values(m, 12)).unwrap()).collect();
+    let same: Vec<Buffer<f32>> = src.iter().map(|s| s.slice(0..4).unwrap()).collect();
+    let err = group.reduce_scatter(&src, &same, ReduceOp::Sum).unwrap_err().to_string();
+    assert!(err.contains("overlap"), "one allocation: refused ({err})");
+    let dst: Vec<Buffer<f32>> = src.iter().map(|s| alias(&s.slice(0..4).unwrap())).collect();
+    let total: Vec<f32> = (0..12).map(|i| (0..3).map(|m| values(m, 12)[i]).sum()).collect();
+    match group.reduce_scatter(&src, &dst, ReduceOp::Sum).and_then(|w| w.wait().map_err(Error::from)) {
+        Err(err) => assert!(err.to_string().contains("overlap"), "refused, but not as an overlap: {err}"),
+        Ok(()) => {
+            let got: Vec<Vec<f32>> = dst.iter().map(|b| b.to_vec().unwrap()).collect();
+            let expected: Vec<Vec<f32>> = (0..3).map(|m| total[4 * m..4 * m + 4].to_vec()).collect();
+            assert_eq!(got, expected, "a reduce_scatter into aliased misplaced blocks");
+        }
+    }
+}
