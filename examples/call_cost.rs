@@ -22,10 +22,11 @@
 //! adds at most 0.5 µs a call): on one CPU device a `Vec` wrapped per call
 //! (`Buffer::from_host_ptr` + call + drop, and `Buffer::with_borrowed`);
 //! where a CUDA device and NCCL are found, a one-rank NCCL all-reduce on
-//! cudarc allocations wrapped per call (`Buffer::from_device_ptr`) and
-//! ordered on a cudarc stream (`OnStream`: an event each way), and the
-//! bandwidth of a 256 MiB all-reduce on cudarc memory against a cohort
-//! buffer's (goal: at least 0.99×).
+//! cudarc allocations ordered on a cudarc stream (`OnStream`: cohort's
+//! part runs on that stream itself, bound once), wrapped per call
+//! (`Buffer::from_device_ptr`) and wrapped once (the ordering alone), and
+//! the bandwidth of a 256 MiB all-reduce on cudarc memory, wrapped per
+//! call and once, against a cohort buffer's (goal: at least 0.99×).
 //! Run it under `perf stat -e task-clock,context-switches` for context
 //! switches per call and under `perf record -e cpu-clock` for where the
 //! time goes, where perf is allowed.
@@ -420,15 +421,17 @@ fn foreign_host(client: &Client, calls: usize) {
 }
 
 /// One GPU, a one-rank NCCL all-reduce (out of place, as the `nccl` rows)
-/// of `bytes`: on cohort buffers, and on cudarc allocations wrapped per
-/// call (`Buffer::from_device_ptr`) and ordered on a cudarc stream
-/// (`OnStream`), waited on and queued back to back; then the bandwidth of
+/// of `bytes`: on cohort buffers (this thread's stream, cohort's own), and
+/// on cudarc allocations ordered on a cudarc stream (`OnStream`, through
+/// a client pinned to a stream of its own, which the first call binds to
+/// the cudarc stream), wrapped per call (`Buffer::from_device_ptr`) and
+/// wrapped once, waited on and queued back to back; then the bandwidth of
 /// a 256 MiB all-reduce on each, 20 calls a round.
 #[cfg(feature = "cuda")]
 fn foreign_nccl(calls: usize, bytes: usize) {
     use cohort::comm::OnStream;
     use cohort::runtime::backend::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
-    use cohort::runtime::{CudaRuntime, ExternalStream, Runtime};
+    use cohort::runtime::{CudaRuntime, ExternalStream, Runtime, StreamId};
 
     if let Err(why) = CudaRuntime::device_count() {
         return println!("# no CUDA device, foreign NCCL rows skipped: {why}");
@@ -439,11 +442,14 @@ fn foreign_nccl(calls: usize, bytes: usize) {
     if group.transport() != cohort::comm::Transport::Nccl {
         return println!("# foreign NCCL rows skipped: the group's transport is {:?}", group.transport());
     }
+    // The foreign rows' stream is bound to the caller's by `OnStream`; the
+    // baseline's stays cohort's own.
+    let theirs_client = client.with_stream(StreamId::fresh());
+    let theirs_group = ClientGroup::new(vec![theirs_client.clone()]).expect("group");
     let stream = ctx.new_stream().expect("a cudarc stream");
-    let ext = [ExternalStream::from_cudarc(&stream)];
+    let on_stream = OnStream::new(&theirs_group, &[ExternalStream::from_cudarc(&stream)]).expect("on stream");
     let address = |s: &CudaSlice<f32>, stream: &CudaStream| s.device_ptr(stream).0;
-    // Cohort's buffers and the caller's allocations of `floats` each, and
-    // the calls on them: `wrapped` wraps per call and orders on `stream`.
+    // Cohort's buffers and the caller's allocations of `floats` each.
     let setup = |floats: usize| {
         let ours =
             [vec![1.0f32; floats], vec![0.0f32; floats]].map(|v| [Buffer::from_slice(&client, &v).expect("buffer")]);
@@ -452,68 +458,95 @@ fn foreign_nccl(calls: usize, bytes: usize) {
         stream.synchronize().expect("sync");
         (ours, theirs)
     };
-    let wrapped = |ptrs: [u64; 2], floats: usize| {
-        // SAFETY: the allocations outlive every call: they are dropped
-        // after the final syncs below.
-        let [s, d] = ptrs.map(|p| [unsafe { Buffer::<f32>::from_device_ptr(&client, p, floats, ()) }.expect("wrap")]);
-        OnStream::new(&group, &ext).expect("on stream").all_reduce(&s, &d, ReduceOp::Sum).expect("all_reduce")
+    // SAFETY (both): the allocations outlive every call: they are dropped
+    // after the final syncs below.
+    let wrap = |ptrs: [u64; 2], floats: usize| {
+        ptrs.map(|p| [unsafe { Buffer::<f32>::from_device_ptr(&theirs_client, p, floats, ()) }.expect("wrap")])
     };
-    let sync_both = || {
+    let wrapped = |ptrs: [u64; 2], floats: usize| {
+        let [s, d] = wrap(ptrs, floats);
+        on_stream.all_reduce(&s, &d, ReduceOp::Sum).expect("all_reduce")
+    };
+    let sync_all = || {
         group.sync().expect("sync");
+        theirs_group.sync().expect("sync");
         stream.synchronize().expect("stream sync");
     };
 
     let floats = (bytes / 4).max(1);
     let (ours, theirs) = setup(floats);
     let ptrs = [address(&theirs[0], &stream), address(&theirs[1], &stream)];
+    let once = wrap(ptrs, floats);
     let own_call = || group.all_reduce(&ours[0], &ours[1], ReduceOp::Sum).expect("all_reduce");
-    let foreign_call = || wrapped(ptrs, floats);
+    let per_call = || wrapped(ptrs, floats);
+    let once_call = || on_stream.all_reduce(&once[0], &once[1], ReduceOp::Sum).expect("all_reduce");
     let per_round = (calls / NCCL_ROUNDS).clamp(100, 2000);
     let what = format!("all_reduce {bytes} B, 1 CUDA device (NCCL)");
-    let names = ["cohort's buffer", "cudarc memory wrapped per call, on its stream"];
+    let names = [
+        "cohort's buffer",
+        "cudarc memory wrapped per call, on its stream (OnStream)",
+        "cudarc memory wrapped once, on its stream (OnStream)",
+    ];
+    let calls: [&dyn Fn() -> Work; 3] = [&own_call, &per_call, &once_call];
     let mut queued = Vec::new();
     foreign_medians(&format!("{what}, wait"), &names, || {
-        let (ow, oq) = waited_and_queued(&format!("{what}, {}", names[0]), per_round, own_call, sync_both);
-        let (fw, fq) = waited_and_queued(&format!("{what}, {}", names[1]), per_round, foreign_call, sync_both);
-        queued.push(vec![oq, fq]);
-        vec![ow, fw]
+        let rows: Vec<(f64, f64)> = names
+            .iter()
+            .zip(calls)
+            .map(|(name, call)| waited_and_queued(&format!("{what}, {name}"), per_round, call, sync_all))
+            .collect();
+        queued.push(rows.iter().map(|r| r.1).collect::<Vec<f64>>());
+        rows.iter().map(|r| r.0).collect()
     });
-    let mut q: [Vec<f64>; 2] = [queued.iter().map(|r| r[0]).collect(), queued.iter().map(|r| r[1]).collect()];
-    let (oq, fq) = (median(&mut q[0]), median(&mut q[1]));
-    println!("{what}, queued, median of {NCCL_ROUNDS} rounds: cohort's buffer {oq:.2} µs");
-    println!("  {}: {fq:.2} µs, adds {:.2} µs ({:.3}× cohort's buffer)", names[1], fq - oq, fq / oq);
-    sync_both();
+    let mut q: Vec<Vec<f64>> = (0..names.len()).map(|i| queued.iter().map(|r| r[i]).collect()).collect();
+    let q: Vec<f64> = q.iter_mut().map(|v| median(v)).collect();
+    println!("{what}, queued, median of {NCCL_ROUNDS} rounds: cohort's buffer {:.2} µs", q[0]);
+    for (name, fq) in names.iter().zip(&q).skip(1) {
+        println!("  {name}: {fq:.2} µs, adds {:.2} µs ({:.3}× cohort's buffer)", fq - q[0], fq / q[0]);
+    }
+    sync_all();
     assert_eq!(stream.clone_dtoh(&theirs[1]).expect("read"), vec![1.0; floats], "one rank's sum is its source");
+    drop(once);
     drop((ours, theirs));
 
-    // Bandwidth: 256 MiB, 20 calls queued back to back, then both syncs.
+    // Bandwidth: 256 MiB, 20 calls queued back to back, then the syncs.
     let big = 256 << 20;
     let floats = big / 4;
     let (ours, theirs) = setup(floats);
     let ptrs = [address(&theirs[0], &stream), address(&theirs[1], &stream)];
+    let once = wrap(ptrs, floats);
     let gbps = |call: &dyn Fn() -> Work| {
         let start = Instant::now();
         for _ in 0..20 {
             call();
         }
-        sync_both();
+        sync_all();
         (20 * big) as f64 / start.elapsed().as_secs_f64() / 1e9
     };
-    let (mut own_bw, mut foreign_bw) = (Vec::new(), Vec::new());
-    gbps(&|| group.all_reduce(&ours[0], &ours[1], ReduceOp::Sum).expect("all_reduce"));
-    for round in 1..=NCCL_ROUNDS {
-        let own = gbps(&|| group.all_reduce(&ours[0], &ours[1], ReduceOp::Sum).expect("all_reduce"));
-        let foreign = gbps(&|| wrapped(ptrs, floats));
-        println!("# round {round}: all_reduce 256 MiB, cohort's buffer {own:.1} GB/s, cudarc memory {foreign:.1} GB/s");
-        own_bw.push(own);
-        foreign_bw.push(foreign);
+    let own_call = || group.all_reduce(&ours[0], &ours[1], ReduceOp::Sum).expect("all_reduce");
+    let per_call = || wrapped(ptrs, floats);
+    let once_call = || on_stream.all_reduce(&once[0], &once[1], ReduceOp::Sum).expect("all_reduce");
+    let calls: [&dyn Fn() -> Work; 3] = [&own_call, &per_call, &once_call];
+    let mut bw: [Vec<f64>; 3] = Default::default();
+    for call in calls {
+        gbps(call);
     }
-    let (own, foreign) = (median(&mut own_bw), median(&mut foreign_bw));
-    println!(
-        "all_reduce 256 MiB, 1 CUDA device (NCCL), median of {NCCL_ROUNDS} rounds: cohort's buffer {own:.1} GB/s, cudarc \
-         memory wrapped per call on its stream {foreign:.1} GB/s ({:.3}× cohort's buffer)",
-        foreign / own
-    );
+    for round in 1..=NCCL_ROUNDS {
+        for (values, call) in bw.iter_mut().zip(calls) {
+            values.push(gbps(call));
+        }
+        let [a, b, c] = [0, 1, 2].map(|i| bw[i][round - 1]);
+        println!(
+            "# round {round}: all_reduce 256 MiB, cohort's buffer {a:.1} GB/s, cudarc memory wrapped per call {b:.1} \
+             GB/s, wrapped once {c:.1} GB/s"
+        );
+    }
+    let [own, per, once_bw] = bw.map(|mut v| median(&mut v));
+    println!("all_reduce 256 MiB, 1 CUDA device (NCCL), median of {NCCL_ROUNDS} rounds: cohort's buffer {own:.1} GB/s");
+    for (name, value) in names.iter().skip(1).zip([per, once_bw]) {
+        println!("  {name}: {value:.1} GB/s ({:.3}× cohort's buffer)", value / own);
+    }
+    drop(once);
     drop((ours, theirs));
 }
 

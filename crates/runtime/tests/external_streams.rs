@@ -1,16 +1,22 @@
-//! Ordering cohort's work with a stream cudarc owns, both ways
-//! (`Client::wait_external`, `Client::signal_external`), on a client made
-//! from the caller's primary context (`CudaRuntime::client_for_context`).
-//! Each ordering is checked by a kernel that spins ~50 ms before it writes:
-//! without the ordering the reader runs first and sees zeros. Needs a CUDA
-//! GPU.
+//! Ordering cohort's work with a stream cudarc owns, both ways: by events
+//! (`Client::wait_external`, `Client::signal_external`) and by running on
+//! it (`Client::bind_external`, `hand_over`, `unbind_external`), on a
+//! client made from the caller's primary context
+//! (`CudaRuntime::client_for_context`). Each ordering is checked by a
+//! kernel that spins ~50 ms before it writes: without the ordering the
+//! reader runs first and sees zeros. Needs a CUDA GPU (but the CPU's
+//! refusal, which runs everywhere). The tests take turns
+//! (`serial`): one closes the device.
 
 #![cfg(feature = "cuda")]
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use cohort_runtime::{Bytes, Client, CudaRuntime, ExternalStream, GridCount, Kernel, KernelArguments, Scalar};
+use cohort_runtime::{
+    Bytes, Client, CpuRuntime, CudaRuntime, ExternalStream, GridCount, Kernel, KernelArguments, Runtime, Scalar,
+    ServerError, StreamId,
+};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
 const N: usize = 256;
@@ -57,6 +63,21 @@ fn cohort_spin_then_fill() -> Kernel {
     )
 }
 
+/// Cohort's copy: `n` words from `src` to `dst` (one block).
+fn cohort_copy_words() -> Kernel {
+    Kernel::new("cohort_copy_words").with_block([256, 1, 1]).with_cuda(
+        r#"extern "C" __global__ void cohort_copy_words(unsigned int* dst, unsigned long long dst_bytes, const unsigned int* src, unsigned long long src_bytes) {
+    for (unsigned long long i = threadIdx.x; i < dst_bytes / 4 && i < src_bytes / 4; i += blockDim.x) dst[i] = src[i];
+}"#,
+    )
+}
+
+/// One test at a time: one closes device 0, which every test uses.
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 struct Caller {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -90,6 +111,7 @@ fn zeros(client: &Client) -> cohort_runtime::Handle {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn cohort_waits_for_the_callers_stream() {
+    let _serial = serial();
     let caller = caller();
     let client = CudaRuntime::client_for_context(&caller.ctx).unwrap();
     assert_eq!(client.device_id().index, 0);
@@ -112,6 +134,7 @@ fn cohort_waits_for_the_callers_stream() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn the_callers_stream_waits_for_cohort() {
+    let _serial = serial();
     let caller = caller();
     let client = CudaRuntime::client_for_context(&caller.ctx).unwrap();
     let h = zeros(&client);
@@ -153,6 +176,7 @@ fn the_callers_stream_waits_for_cohort() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn other_contexts_and_their_streams_are_refused() {
+    let _serial = serial();
     let other = CudaContext::new_non_primary(0, 0).unwrap();
     let err = CudaRuntime::client_for_context(&other).unwrap_err().to_string();
     assert!(err.contains("not the primary context") && err.contains("CudaContext::new(0)"), "{err}");
@@ -187,6 +211,7 @@ fn other_contexts_and_their_streams_are_refused() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn ordering_with_an_external_stream_is_cheap() {
+    let _serial = serial();
     let caller = caller();
     let client = CudaRuntime::client_for_context(&caller.ctx).unwrap();
     let external = ExternalStream::from_cudarc(&caller.stream);
@@ -204,4 +229,264 @@ fn ordering_with_an_external_stream_is_cheap() {
     client.sync().unwrap();
     caller.stream.synchronize().unwrap();
     assert!(per_call < Duration::from_micros(20), "{per_call:?} per call");
+}
+
+/// Launches the caller's `spin_then_fill` on `stream`: after `spin_ns`,
+/// `value` into the `N` words at `address`.
+fn caller_fill(caller: &Caller, stream: &Arc<CudaStream>, address: u64, value: u32, spin_ns: u64) {
+    let n = N as u32;
+    let mut launch = stream.launch_builder(&caller.spin_then_fill);
+    launch.arg(&address).arg(&n).arg(&value).arg(&spin_ns);
+    // SAFETY: the arguments match the kernel's parameters; `address` is N
+    // live words.
+    unsafe { launch.launch(one_block()) }.unwrap();
+}
+
+/// Launches the caller's `copy_words` on `stream`: `N` words from `src`
+/// into the caller's `mine`.
+fn caller_copy(caller: &Caller, stream: &Arc<CudaStream>, mine: &mut cudarc::driver::CudaSlice<u32>, src: u64) {
+    let n = N as u32;
+    let mut launch = stream.launch_builder(&caller.copy_words);
+    launch.arg(mine).arg(&src).arg(&n);
+    // SAFETY: (dst, src, n) as the kernel takes them; both hold N words.
+    unsafe { launch.launch(one_block()) }.unwrap();
+}
+
+/// Cohort's kernels compiled (a first launch compiles on the device
+/// thread) and the device drained, so the launches below run on this
+/// thread, handed to the driver before they return.
+fn warm_kernels(client: &Client) {
+    let (a, b) = (zeros(client), zeros(client));
+    let args = KernelArguments::new().buffer(&a).scalar(Scalar::U32(1)).scalar(Scalar::U64(0));
+    client.launch(&cohort_spin_then_fill(), GridCount::Static(1, 1, 1), args).unwrap();
+    client
+        .launch(&cohort_copy_words(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&b).buffer(&a))
+        .unwrap();
+    client.sync().unwrap();
+}
+
+fn cohort_fill(client: &Client, h: &cohort_runtime::Handle, value: u32, spin_ns: u64) {
+    let args = KernelArguments::new().buffer(h).scalar(Scalar::U32(value)).scalar(Scalar::U64(spin_ns));
+    client.launch(&cohort_spin_then_fill(), GridCount::Static(1, 1, 1), args).unwrap();
+}
+
+fn cohort_copy(client: &Client, dst: &cohort_runtime::Handle, src: &cohort_runtime::Handle) {
+    let args = KernelArguments::new().buffer(dst).buffer(src);
+    client.launch(&cohort_copy_words(), GridCount::Static(1, 1, 1), args).unwrap();
+}
+
+/// A stream bound to the caller's orders both ways with no event: cohort's
+/// copy queued after the caller's slow kernel copies what it wrote, and
+/// the caller's copy queued after cohort's slow kernel (no
+/// `signal_external`: `hand_over` only makes sure the launch reached the
+/// driver) copies what cohort wrote.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_bound_stream_orders_both_ways_without_events() {
+    let _serial = serial();
+    let caller = caller();
+    let client = CudaRuntime::client_for_context(&caller.ctx).unwrap().with_stream(StreamId::fresh());
+    warm_kernels(&client);
+    let (h, copied) = (zeros(&client), zeros(&client));
+    let external = ExternalStream::from_cudarc(&caller.stream);
+    let started = Instant::now();
+    client.bind_external(&external).unwrap();
+    assert!(started.elapsed() < Duration::from_millis(40), "bind_external did not wait for the GPU");
+
+    // The caller's slow write, then cohort's copy on the same stream.
+    caller_fill(&caller, &caller.stream, client.device_address(&h).unwrap(), 7, SPIN_NS);
+    cohort_copy(&client, &copied, &h);
+    assert_eq!(client.read_one(copied).unwrap().to_elems::<u32>(), vec![7; N], "cohort's copy ran first");
+
+    // Cohort's slow write, then the caller's copy: no signal_external.
+    cohort_fill(&client, &h, 9, SPIN_NS);
+    client.hand_over().unwrap();
+    let mut mine = caller.stream.alloc_zeros::<u32>(N).unwrap();
+    caller_copy(&caller, &caller.stream, &mut mine, client.device_address(&h).unwrap());
+    assert_eq!(caller.stream.clone_dtoh(&mine).unwrap(), vec![9; N], "the caller's copy ran first");
+    // Binding again, waiting on and signalling the bound stream need no
+    // event (and still work).
+    client.bind_external(&external).unwrap();
+    client.wait_external(&external).unwrap();
+    client.signal_external(&external).unwrap();
+    client.unbind_external().unwrap();
+    client.sync().unwrap();
+}
+
+/// Rebinding to another stream first makes it wait for what cohort queued
+/// on the one it was bound to: the caller's copy on the second stream sees
+/// cohort's slow write queued on the first.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn rebinding_to_another_stream_keeps_order() {
+    let _serial = serial();
+    let caller = caller();
+    let client = CudaRuntime::client_for_context(&caller.ctx).unwrap().with_stream(StreamId::fresh());
+    warm_kernels(&client);
+    let h = zeros(&client);
+    let second = caller.ctx.new_stream().unwrap();
+    client.bind_external(&ExternalStream::from_cudarc(&caller.stream)).unwrap();
+    cohort_fill(&client, &h, 11, SPIN_NS);
+    let started = Instant::now();
+    client.bind_external(&ExternalStream::from_cudarc(&second)).unwrap();
+    assert!(started.elapsed() < Duration::from_millis(40), "rebinding did not wait for the GPU");
+    let mut mine = second.alloc_zeros::<u32>(N).unwrap();
+    caller_copy(&caller, &second, &mut mine, client.device_address(&h).unwrap());
+    assert_eq!(second.clone_dtoh(&mine).unwrap(), vec![11; N], "the second stream did not wait for the first");
+    client.unbind_external().unwrap();
+    client.sync().unwrap();
+}
+
+/// Unbinding first makes cohort's own stream wait for the external one:
+/// cohort's copy after the unbind sees the caller's slow write queued on
+/// the external stream while bound.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn unbinding_keeps_order() {
+    let _serial = serial();
+    let caller = caller();
+    let client = CudaRuntime::client_for_context(&caller.ctx).unwrap().with_stream(StreamId::fresh());
+    warm_kernels(&client);
+    let (h, copied) = (zeros(&client), zeros(&client));
+    client.bind_external(&ExternalStream::from_cudarc(&caller.stream)).unwrap();
+    caller_fill(&caller, &caller.stream, client.device_address(&h).unwrap(), 13, SPIN_NS);
+    let started = Instant::now();
+    client.unbind_external().unwrap();
+    assert!(started.elapsed() < Duration::from_millis(40), "unbind_external did not wait for the GPU");
+    cohort_copy(&client, &copied, &h);
+    // Read on a stream of cohort's that never was bound: it waits for
+    // the copy's writer by cohort's own cross-stream order.
+    let reader = client.with_stream(StreamId::fresh());
+    assert_eq!(reader.read_one(copied).unwrap().to_elems::<u32>(), vec![13; N], "cohort's copy ran first");
+    // Unbinding an unbound stream does nothing.
+    client.unbind_external().unwrap();
+    client.sync().unwrap();
+}
+
+/// A binding keeps the caller's stream alive (its clone of the cudarc
+/// stream) and never destroys it: not when the thread that bound its own
+/// stream exits, nor when the device closes; the caller's stream works
+/// after both.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn a_bound_stream_outlives_its_thread_and_the_device() {
+    let _serial = serial();
+    let caller = caller();
+    let client = CudaRuntime::client_for_context(&caller.ctx).unwrap();
+    warm_kernels(&client);
+    let h = zeros(&client);
+    let stream = caller.ctx.new_stream().unwrap();
+    assert_eq!(Arc::strong_count(&stream), 1);
+    // A thread binds its own stream, writes slowly on it and exits.
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            warm_kernels(&client);
+            client.bind_external(&ExternalStream::from_cudarc(&stream)).unwrap();
+            cohort_fill(&client, &h, 17, SPIN_NS);
+            client.hand_over().unwrap();
+        });
+    });
+    assert_eq!(Arc::strong_count(&stream), 2, "the binding holds the cudarc stream");
+    let mut mine = stream.alloc_zeros::<u32>(N).unwrap();
+    caller_copy(&caller, &stream, &mut mine, client.device_address(&h).unwrap());
+    assert_eq!(stream.clone_dtoh(&mine).unwrap(), vec![17; N], "cohort's write was not on the caller's stream");
+    client.close();
+    assert!(matches!(client.sync(), Err(ServerError::DeviceClosed { .. })), "the device is closed");
+    // The device thread let go of its clone as the device closed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Arc::strong_count(&stream) > 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(Arc::strong_count(&stream), 1, "the closed device let go of the stream");
+    // The caller's stream still works.
+    caller_fill(&caller, &stream, caller_address(&caller, &mine), 19, 0);
+    assert_eq!(stream.clone_dtoh(&mine).unwrap(), vec![19; N]);
+    stream.synchronize().unwrap();
+}
+
+fn caller_address(caller: &Caller, slice: &cudarc::driver::CudaSlice<u32>) -> u64 {
+    let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, &caller.stream);
+    ptr
+}
+
+/// Binding inside a capture is refused: a stream inside cohort's capture
+/// window, and a caller's stream inside the caller's capture; and a bound
+/// stream cannot begin a capture of cohort's.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn binding_inside_a_capture_is_refused() {
+    let _serial = serial();
+    let caller = caller();
+    let client = CudaRuntime::client_for_context(&caller.ctx).unwrap();
+    let external = ExternalStream::from_cudarc(&caller.stream);
+
+    let capturing = client.with_stream(StreamId::fresh());
+    capturing.start_capture().unwrap();
+    let err = capturing.bind_external(&external).unwrap_err();
+    assert!(matches!(err, ServerError::InvalidState { .. }) && err.to_string().contains("capture"), "{err}");
+    let _ = capturing.stop_capture();
+
+    let theirs = caller.ctx.new_stream().unwrap();
+    theirs.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).unwrap();
+    let pinned = client.with_stream(StreamId::fresh());
+    let err = pinned.bind_external(&ExternalStream::from_cudarc(&theirs)).unwrap_err();
+    assert!(err.to_string().contains("inside a capture"), "{err}");
+    let _ = theirs
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+
+    let bound = client.with_stream(StreamId::fresh());
+    bound.bind_external(&external).unwrap();
+    let err = bound.start_capture().unwrap_err();
+    assert!(err.to_string().contains("bound to external stream"), "{err}");
+    assert!(!bound.is_capturing());
+    // The refusals left the streams working.
+    bound.unbind_external().unwrap();
+    pinned.bind_external(&external).unwrap();
+    pinned.unbind_external().unwrap();
+    client.sync().unwrap();
+}
+
+/// What binding again to the bound stream costs (a compare on this
+/// thread), and a hand-over on an idle device: printed, and bounded
+/// generously (CI machines are loaded).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn binding_again_is_cheap() {
+    let _serial = serial();
+    let caller = caller();
+    let client = CudaRuntime::client_for_context(&caller.ctx).unwrap().with_stream(StreamId::fresh());
+    let external = ExternalStream::from_cudarc(&caller.stream);
+    client.bind_external(&external).unwrap();
+    let rounds = 100_000;
+    let started = Instant::now();
+    for _ in 0..rounds {
+        client.bind_external(&external).unwrap();
+    }
+    let bind = started.elapsed() / rounds;
+    let started = Instant::now();
+    for _ in 0..rounds {
+        client.hand_over().unwrap();
+    }
+    let hand_over = started.elapsed() / rounds;
+    println!("bind_external again: {bind:?}, hand_over: {hand_over:?} per call");
+    client.unbind_external().unwrap();
+    client.sync().unwrap();
+    assert!(bind < Duration::from_micros(5), "{bind:?} per bind");
+    assert!(hand_over < Duration::from_micros(20), "{hand_over:?} per hand_over");
+}
+
+/// The CPU has no external streams: binding is refused, saying so;
+/// nothing is bound, so unbinding and handing over do nothing.
+#[test]
+fn binding_on_the_cpu_is_refused() {
+    let cpu = CpuRuntime::client(0).unwrap();
+    // SAFETY: the legacy default stream's handle; the CPU never uses it.
+    let external = unsafe { ExternalStream::cuda_raw(0) };
+    let err = cpu.bind_external(&external).unwrap_err();
+    assert!(matches!(err, ServerError::Unsupported { backend: "cpu", .. }), "{err}");
+    assert!(err.to_string().contains("external stream"), "{err}");
+    // Refused again (nothing was remembered as bound).
+    assert!(cpu.bind_external(&external).is_err());
+    cpu.unbind_external().unwrap();
+    cpu.hand_over().unwrap();
 }

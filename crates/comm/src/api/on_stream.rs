@@ -1,6 +1,8 @@
 //! [`OnStream`]: collectives ordered on streams the caller owns (a
 //! `CUstream` of cudarc, candle or PyTorch; the queue of an adopted wgpu
-//! device), as NCCL users order them with `cudaStreamWaitEvent`.
+//! device). On CUDA cohort runs its part on the caller's stream itself
+//! (`Client::bind_external`), as an NCCL user passes its `cudaStream_t`:
+//! no event per call.
 
 use cohort_runtime::{Client, ExternalStream, Handle};
 
@@ -18,20 +20,39 @@ use crate::work::Work;
 /// order):
 ///
 /// - **before**: a collective's part on a device starts only after the
-///   work the caller queued on that device's stream before the call (an
-///   event recorded there, waited on by cohort's stream on the device; the
-///   host does not wait);
+///   work the caller queued on that device's stream before the call;
 /// - **after**: work the caller queues on the stream after the call
-///   returns starts only after the collective's part on that device (an
-///   event recorded on cohort's stream, waited on by the caller's).
+///   returns starts only after the collective's part on that device.
+///
+/// On CUDA each call binds the calling thread's stream of every local
+/// device to the caller's stream ([`Client::bind_external`]: the part is
+/// queued on the caller's `CUstream` itself, so both orders are the
+/// stream's own), runs the collective, and returns once every part was
+/// handed to the driver ([`Client::hand_over`]: at once where the part
+/// was queued on the calling thread, as on an idle device; else once the
+/// device thread queued it). The binding stays after the call, so the
+/// next call on the same streams costs no driver call to order: a compare
+/// per device, and on CUDA one `cuEventRecord` after the part (its end,
+/// seen before the caller's later work there). It also means the calling
+/// thread's other cohort work on those devices (reads, kernels, syncs)
+/// goes to the caller's streams from then on, in order with the caller's
+/// work, until [`Client::unbind_external`]; a sync then also waits for
+/// the caller's earlier work there. The first call on a stream, and one
+/// after another stream was bound, makes the caller's stream wait (an
+/// event) for what cohort queued on the device's stream before. A stream
+/// inside a capture (cohort's or its owner's) is refused before anything
+/// is queued, as a stream of another context or device is.
+///
+/// On a wgpu device the stream is its queue (`ExternalStream::WgpuQueue`)
+/// and nothing is bound: cohort's part is submitted before the call
+/// returns ([`Client::signal_external`]), so the caller's later
+/// submissions run after it, and the caller's earlier ones ran before
+/// (one queue, in order). A backend without such streams (the CPU)
+/// refuses the call before anything is queued.
 ///
 /// No call syncs a device. Every other behaviour is `comm`'s: each call
 /// returns its [`Work`] at once, and waiting on it or reading a
-/// destination through cohort works as without streams. On a wgpu device
-/// the stream is its queue (`ExternalStream::WgpuQueue`): cohort's part
-/// is submitted before the call returns, so the caller's later
-/// submissions run after it. A backend without such streams (the CPU)
-/// refuses the call before anything is queued.
+/// destination through cohort works as without streams.
 ///
 /// ```no_run
 /// # #[cfg(feature = "cuda")]
@@ -86,20 +107,27 @@ impl<'a, C: Collectives + ?Sized> OnStream<'a, C> {
         &self.streams
     }
 
-    /// `call` between the caller's streams: every local device's stream
-    /// for this thread first waits for its caller's stream, and once
-    /// `call` has queued its parts every caller's stream waits for
-    /// cohort's. A refused call queues nothing but the first waits (they
-    /// only order, and are harmless).
+    /// `call` on the caller's streams: before it, each local device's
+    /// stream for this thread is bound to its caller's stream (CUDA; a
+    /// no-op when bound already) or waits for it (wgpu, the CPU's
+    /// refusal); after it, each part is handed to the driver (CUDA) or
+    /// submitted (wgpu). A refused call queues nothing but the bindings
+    /// (they only order, and are harmless).
     fn ordered(
         &self,
         operation: &'static str,
         call: impl FnOnce() -> Result<Work, CommError>,
     ) -> Result<Work, CommError> {
         let first = self.comm.first_member();
-        let each = |f: fn(&Client, &ExternalStream) -> Result<(), cohort_runtime::ServerError>| {
+        let each = |before: bool| {
             for (slot, (client, stream)) in self.comm.clients().iter().zip(&self.streams).enumerate() {
-                f(client, stream).map_err(|source| CommError::Enqueue {
+                let done = match (before, binds(stream)) {
+                    (true, true) => client.bind_external(stream),
+                    (true, false) => client.wait_external(stream),
+                    (false, true) => client.hand_over(),
+                    (false, false) => client.signal_external(stream),
+                };
+                done.map_err(|source| CommError::Enqueue {
                     operation,
                     member: first + slot,
                     device: client.device_id(),
@@ -108,11 +136,23 @@ impl<'a, C: Collectives + ?Sized> OnStream<'a, C> {
             }
             Ok::<(), CommError>(())
         };
-        each(Client::wait_external)?;
+        each(true)?;
         let work = call()?;
-        each(Client::signal_external)?;
+        each(false)?;
         Ok(work)
     }
+}
+
+/// Whether cohort binds its stream to `stream` (a CUDA stream) rather
+/// than ordering with it by a wait before and a signal after (a wgpu
+/// queue; anything a backend refuses, refused by the wait).
+fn binds(stream: &ExternalStream) -> bool {
+    #[cfg(feature = "cuda")]
+    if matches!(stream, ExternalStream::Cuda(_)) {
+        return true;
+    }
+    let _ = stream;
+    false
 }
 
 impl<C: Collectives + ?Sized> Collectives for OnStream<'_, C> {

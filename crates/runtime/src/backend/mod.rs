@@ -336,6 +336,34 @@ pub trait Backend: 'static {
         })
     }
 
+    /// Runs `stream`'s later work on `external` itself (see
+    /// `Client::bind_external`): on CUDA the stream is bound to the
+    /// caller's `CUstream`, which first waits (an event) for what the
+    /// stream queued before; binding to the stream it is bound to does
+    /// nothing. The default, for a backend whose streams all run in one
+    /// queue in order (wgpu), orders as [`Backend::wait_external`] does
+    /// (so refuses what it refuses: the CPU's lack of external streams).
+    fn bind_external(&mut self, stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
+        self.wait_external(stream, external)
+    }
+
+    /// Undoes [`Backend::bind_external`]: `stream`'s later work goes to its
+    /// own stream again, after what was queued on the external one. Does
+    /// nothing where `stream` is not bound, which is the default.
+    fn unbind_external(&mut self, stream: StreamId) -> Result<(), ServerError> {
+        let _ = stream;
+        Ok(())
+    }
+
+    /// Called once the work queued so far on `stream` was handed to the
+    /// backend, before the caller queues more on a stream `stream` is
+    /// bound to: on CUDA it records the end event of a collective part
+    /// left last on a bound stream. Nothing by default.
+    fn hand_over(&mut self, stream: StreamId) -> Result<(), ServerError> {
+        let _ = stream;
+        Ok(())
+    }
+
     /// Matrix products through the backend's vendor BLAS (cuBLAS on CUDA);
     /// `None`, the default, where it has none (kernels do the work there).
     fn blas(&mut self) -> Option<&mut dyn DeviceBlas> {

@@ -562,23 +562,43 @@ impl Backend for CudaBackend {
     /// A pooled event recorded on `external` and waited on by `stream`
     /// (`cuEventRecord`, `cuStreamWaitEvent`; `cuStreamGetCtx` the first
     /// time a stream is seen), the event given back at once: the wait
-    /// keeps the record it saw.
+    /// keeps the record it saw. Nothing where `stream` is bound to
+    /// `external` (one stream is in order).
     fn wait_external(&mut self, stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
         self.check_lost()?;
         self.refuse_external_in_capture(stream)?;
         let external = self.external_stream(external)?;
+        if self.streams.bound_to(stream) == Some(external) {
+            return Ok(());
+        }
         let raw = self.raw_stream(stream)?;
         self.events.order(raw, external).map_err(|err| self.external_error(stream, err))
     }
 
     /// A pooled event recorded on `stream` and waited on by `external`, as
-    /// in `wait_external`.
+    /// in `wait_external`; where `stream` is bound to `external`, what
+    /// `hand_over` does instead.
     fn signal_external(&mut self, stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
         self.check_lost()?;
         self.refuse_external_in_capture(stream)?;
         let external = self.external_stream(external)?;
+        if self.streams.bound_to(stream) == Some(external) {
+            return self.hand_over_bound(stream);
+        }
         let raw = self.raw_stream(stream)?;
         self.events.order(external, raw).map_err(|err| self.external_error(stream, err))
+    }
+
+    fn bind_external(&mut self, stream: StreamId, external: &crate::ExternalStream) -> Result<(), ServerError> {
+        self.bind_external_stream(stream, external)
+    }
+
+    fn unbind_external(&mut self, stream: StreamId) -> Result<(), ServerError> {
+        self.unbind_external_stream(stream)
+    }
+
+    fn hand_over(&mut self, stream: StreamId) -> Result<(), ServerError> {
+        self.hand_over_bound(stream)
     }
 
     fn timing_start(&mut self, stream: StreamId) -> Result<TimerStart, ServerError> {
@@ -641,6 +661,7 @@ impl Backend for CudaBackend {
 
     fn begin_native_capture(&mut self, stream: StreamId) -> Result<bool, ServerError> {
         self.check_lost()?;
+        self.refuse_capture_of_bound(stream)?;
         let raw = self.raw_stream(stream)?;
         // Held before the capture begins: no free (this device's, or where
         // devices share the GPU another's) may land inside it.

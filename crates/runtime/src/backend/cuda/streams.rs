@@ -5,6 +5,15 @@
 //! whose id is [`StreamPriority::High`] is created with the device's
 //! greatest priority (`cuStreamCreateWithPriority`); every other with the
 //! default one.
+//!
+//! A logical stream may instead be *bound* to a stream another library
+//! owns ([`Streams::bind`], for `Client::bind_external`): its work then
+//! goes to that `CUstream` itself, which every user of the entry's `raw`
+//! handle sees. A bound entry is foreign: it is never destroyed here
+//! ([`Streams::release`] and [`Streams::release_all`] destroy only the
+//! stream's own `CUstream`, kept aside while bound), and it keeps the
+//! [`ExternalStream`] value (a clone, which holds a cudarc stream alive)
+//! while bound.
 
 use std::sync::Arc;
 
@@ -15,7 +24,9 @@ use crate::id::IdMap;
 use cudarc::driver::sys;
 
 use super::driver::driver_error;
+use super::events::EventPool;
 use crate::error::ServerError;
+use crate::foreign::ExternalStream;
 use crate::id::{DeviceId, StreamId, StreamPriority};
 
 /// How many kernel names a stream remembers since its last sync, to name
@@ -24,12 +35,26 @@ const REMEMBERED_KERNELS: usize = 4;
 
 /// The CUDA side of one logical stream.
 pub(crate) struct StreamEntry {
+    /// The `CUstream` the stream's work goes to: its own, or while bound
+    /// the external one.
     pub raw: sys::CUstream,
     /// Inside a native graph capture.
     pub capturing: bool,
     /// Kernels launched since the last sync (the last few): noting a
     /// launch copies no string.
     pub since_sync: SmallVec<[LaunchName; REMEMBERED_KERNELS]>,
+    /// Set while the stream is bound to another library's stream.
+    bound: Option<Bound>,
+}
+
+/// A logical stream's binding to another library's stream.
+struct Bound {
+    /// Kept so the stream it names stays alive while bound (a cudarc
+    /// stream's handle is destroyed with its last clone).
+    _external: ExternalStream,
+    /// The stream's own `CUstream`, used again once unbound (null where
+    /// none was made before the binding).
+    own: sys::CUstream,
 }
 
 /// The name of a launch a stream remembers (to name the suspects of a
@@ -81,35 +106,99 @@ impl Streams {
         Ok(greatest)
     }
 
-    /// The stream's entry, creating its CUDA stream on first use (at the
-    /// priority its id carries).
+    /// Creates a `CUstream` for `stream` (at the priority its id carries).
+    fn create(&mut self, stream: StreamId) -> Result<sys::CUstream, ServerError> {
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        let code = match stream.priority() {
+            // SAFETY: the device's context is current on this thread (the
+            // device thread since the backend was built, or a caller's
+            // made ready by `enter_caller`); the call writes one handle.
+            StreamPriority::Normal => unsafe { sys::cuStreamCreate(&mut raw, flags) },
+            StreamPriority::High => {
+                let priority = self.greatest_priority()?;
+                tracing::debug!(device = %self.device, stream = stream.value, priority, "high-priority stream");
+                // SAFETY: as above; the priority is within the device's
+                // range (its greatest).
+                unsafe { sys::cuStreamCreateWithPriority(&mut raw, flags, priority) }
+            }
+        };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            let call = match stream.priority() {
+                StreamPriority::Normal => "cuStreamCreate",
+                StreamPriority::High => "cuStreamCreateWithPriority",
+            };
+            return Err(driver_error(self.device, call, code));
+        }
+        Ok(raw)
+    }
+
+    /// The stream's entry, creating its CUDA stream on first use.
     pub fn entry(&mut self, stream: StreamId) -> Result<&mut StreamEntry, ServerError> {
         if !self.map.contains_key(&stream) {
-            let mut raw: sys::CUstream = std::ptr::null_mut();
-            let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-            let code = match stream.priority() {
-                // SAFETY: the device's context is current on this thread (the
-                // device thread since the backend was built, or a caller's
-                // made ready by `enter_caller`); the call writes one handle.
-                StreamPriority::Normal => unsafe { sys::cuStreamCreate(&mut raw, flags) },
-                StreamPriority::High => {
-                    let priority = self.greatest_priority()?;
-                    tracing::debug!(device = %self.device, stream = stream.value, priority, "high-priority stream");
-                    // SAFETY: as above; the priority is within the device's
-                    // range (its greatest).
-                    unsafe { sys::cuStreamCreateWithPriority(&mut raw, flags, priority) }
-                }
-            };
-            if code != sys::CUresult::CUDA_SUCCESS {
-                let call = match stream.priority() {
-                    StreamPriority::Normal => "cuStreamCreate",
-                    StreamPriority::High => "cuStreamCreateWithPriority",
-                };
-                return Err(driver_error(self.device, call, code));
-            }
-            self.map.insert(stream, StreamEntry { raw, capturing: false, since_sync: SmallVec::new() });
+            let raw = self.create(stream)?;
+            self.map.insert(stream, StreamEntry { raw, capturing: false, since_sync: SmallVec::new(), bound: None });
         }
         Ok(self.map.get_mut(&stream).expect("inserted above"))
+    }
+
+    /// The external `CUstream` `stream` is bound to, if it is.
+    pub fn bound_to(&self, stream: StreamId) -> Option<sys::CUstream> {
+        self.map.get(&stream).filter(|e| e.bound.is_some()).map(|e| e.raw)
+    }
+
+    /// Binds `stream` to `raw`, the `CUstream` of `external` (checked by
+    /// the caller to be a live stream of this context, not capturing):
+    /// its later work goes there. First `raw` waits on the device (a
+    /// pooled event) for what was queued on the stream's `CUstream` so far
+    /// (its own, or the external one it was bound to), so order is kept.
+    /// Binding to the stream it is bound to does nothing. `stream` must
+    /// not be capturing (checked by the caller).
+    pub fn bind(
+        &mut self,
+        stream: StreamId,
+        external: &ExternalStream,
+        raw: sys::CUstream,
+        events: &EventPool,
+    ) -> Result<(), ServerError> {
+        let Some(entry) = self.map.get_mut(&stream) else {
+            // Nothing queued on the stream yet: nothing to wait for.
+            let bound = Some(Bound { _external: external.clone(), own: std::ptr::null_mut() });
+            self.map.insert(stream, StreamEntry { raw, capturing: false, since_sync: SmallVec::new(), bound });
+            return Ok(());
+        };
+        if entry.raw == raw && entry.bound.is_some() {
+            return Ok(());
+        }
+        events.order(raw, entry.raw)?;
+        let own = match entry.bound.take() {
+            Some(previous) => previous.own,
+            None => entry.raw,
+        };
+        entry.bound = Some(Bound { _external: external.clone(), own });
+        entry.raw = raw;
+        Ok(())
+    }
+
+    /// Unbinds `stream`: its later work goes to its own `CUstream` again
+    /// (made now where none was), which first waits on the device (a
+    /// pooled event) for what was queued on the external stream so far.
+    /// Lets go of the [`ExternalStream`]. Nothing to do where unbound.
+    pub fn unbind(&mut self, stream: StreamId, events: &EventPool) -> Result<(), ServerError> {
+        let Some(own) = self.map.get(&stream).and_then(|e| e.bound.as_ref()).map(|b| b.own) else {
+            return Ok(());
+        };
+        let own = if own.is_null() { self.create(stream)? } else { own };
+        let entry = self.map.get_mut(&stream).expect("looked at above");
+        // The own stream is kept aside until the order is in place: a
+        // failed order leaves the binding as it was.
+        if let Some(bound) = entry.bound.as_mut() {
+            bound.own = own;
+        }
+        events.order(own, entry.raw)?;
+        entry.raw = own;
+        entry.bound = None;
+        Ok(())
     }
 
     /// The raw CUDA stream of a logical stream.
@@ -182,19 +271,34 @@ impl Streams {
             .collect()
     }
 
-    /// Destroys a stream (work already queued on it still runs).
+    /// Destroys a stream (work already queued on it still runs). A bound
+    /// stream's external `CUstream` is not destroyed (its owner does
+    /// that): only the stream's own, where one was made, and the
+    /// [`ExternalStream`] kept is let go.
     pub fn release(&mut self, stream: StreamId) {
         if let Some(entry) = self.map.remove(&stream) {
-            // SAFETY: the handle came from cuStreamCreate and is dropped from
-            // the map, so it is destroyed once.
+            let own = match entry.bound {
+                Some(bound) => bound.own,
+                None => entry.raw,
+            };
+            if own.is_null() {
+                return;
+            }
+            // SAFETY: the handle came from cuStreamCreate (never an
+            // external stream: those are only ever `raw` of a bound entry)
+            // and is dropped from the map, so it is destroyed once.
             unsafe {
-                let _ = sys::cuStreamDestroy_v2(entry.raw);
+                let _ = sys::cuStreamDestroy_v2(own);
             }
         }
     }
 
     /// Waits for the work queued on every stream (errors are left to the
-    /// calls that look at the stream).
+    /// calls that look at the stream). A bound stream's wait is
+    /// `cuStreamSynchronize` of the external stream: it also waits for the
+    /// work its owner queued there before. A bound stream's own `CUstream`
+    /// needs no wait: the external stream waited for its work (on the
+    /// device) when the binding was made.
     ///
     /// # Safety
     /// The device's context is current on this thread.
@@ -206,7 +310,8 @@ impl Streams {
         }
     }
 
-    /// Destroys every stream.
+    /// Destroys every stream's own `CUstream` (never an external one) and
+    /// lets go of the external streams kept by bindings.
     pub fn release_all(&mut self) {
         let ids: Vec<StreamId> = self.map.keys().copied().collect();
         for id in ids {
@@ -223,7 +328,8 @@ mod tests {
     /// calls the driver).
     fn streams_with(stream: StreamId) -> Streams {
         let mut streams = Streams::new(DeviceId::new(DeviceId::CUDA, 0));
-        let entry = StreamEntry { raw: std::ptr::null_mut(), capturing: false, since_sync: SmallVec::new() };
+        let entry =
+            StreamEntry { raw: std::ptr::null_mut(), capturing: false, since_sync: SmallVec::new(), bound: None };
         streams.map.insert(stream, entry);
         streams
     }
