@@ -456,3 +456,46 @@ fn a_reduce_scatter_into_an_aliased_misplaced_block_of_its_source_is_right_or_re
         }
     }
 }
+
+/// An empty buffer exported as DLPack and imported again: no panic, an
+/// empty buffer back (or a clear refusal).
+#[test]
+fn an_empty_buffer_exported_and_imported_again_stays_empty() {
+    let client = &common::clients(1)[0];
+    let empty = Buffer::<f32>::zeros(client, 0).unwrap();
+    let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        empty.to_dlpack().and_then(|t| Buffer::<f32>::from_dlpack(client, t))
+    }));
+    match round.expect("no panic on an empty buffer") {
+        Ok(back) => assert!(back.is_empty() && back.to_vec().unwrap().is_empty()),
+        Err(err) => assert!(err.to_string().contains("DLPack") || err.to_string().contains("empty"), "{err}"),
+    }
+}
+
+/// A revoke from another thread while a group's all-reduce on the memory
+/// waits for a member whose device is held busy (200 ms): the revoke
+/// returns only after the all-reduce's part on the memory, whose sum the
+/// caller then reads without cohort.
+#[test]
+fn a_revoke_from_another_thread_while_the_collective_waits_for_a_busy_member_waits_for_it() {
+    let clients = common::clients(2);
+    let group = ClientGroup::new(clients.clone()).unwrap();
+    let mut data = vec![1.0f32; 32];
+    let theirs = [Buffer::from_slice(&clients[1], &[2.0f32; 32]).unwrap()];
+    Buffer::with_borrowed(&clients[0], &mut data, |ours| {
+        let release = common::hold(&clients[1]);
+        let bufs = [ours.clone(), theirs[0].clone()];
+        let work = group.all_reduce(&bufs, &bufs, ReduceOp::Sum).unwrap();
+        let revoker = {
+            let (client, handle) = (clients[0].clone(), ours.handle().clone());
+            std::thread::spawn(move || client.revoke(&handle))
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!work.is_done(), "member 1 is held");
+        release.send(()).unwrap();
+        revoker.join().unwrap().unwrap();
+        assert!(work.is_done() || work.wait().is_ok(), "the all-reduce ends");
+    })
+    .unwrap();
+    assert_eq!(data, vec![3.0; 32], "the revoke waited for the all-reduce's part");
+}
