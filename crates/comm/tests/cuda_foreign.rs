@@ -139,9 +139,12 @@ impl Caller {
 /// - before: the caller's kernel writes `src` after spinning 50 ms; the
 ///   all-reduce ordered on the caller's stream reads what it wrote (not
 ///   the zeros it held when the call was made);
-/// - after: with cohort's stream kept busy 50 ms first, the caller's
-///   kernel queued right after the call copies the all-reduce's result
-///   (not the sentinel the destination held).
+/// - after: with cohort's stream for this thread kept busy 50 ms first
+///   (after the first call, the caller's stream itself, which `OnStream`
+///   bound it to: were the all-reduce queued on a stream of cohort's own,
+///   the kernel would wait there and the caller's copy run first), the
+///   caller's kernel queued right after the call copies the all-reduce's
+///   result (not the sentinel the destination held).
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn a_cudarc_kernel_before_and_one_after_are_ordered_with_the_all_reduce_on_their_stream() {
@@ -172,6 +175,37 @@ fn a_cudarc_kernel_before_and_one_after_are_ordered_with_the_all_reduce_on_their
     c.copy(&mut out, &dst);
     let copied = c.stream.clone_dtoh(&out).unwrap();
     assert!(copied.iter().all(|&x| x == 5.0), "the caller's kernel ran before the all-reduce: {:?}", &copied[..4]);
+    c.client.sync().unwrap();
+    c.stream.synchronize().unwrap();
+}
+
+/// The "after" order where the part goes through the device thread (kept
+/// busy 50 ms by a task, so the call is queued there rather than run on
+/// this thread): `OnStream` returns only once the part was handed to the
+/// driver (`Client::hand_over`), so the caller's kernel queued right after
+/// the call still copies the result. Without that wait the copy would be
+/// queued on the caller's stream before the part, and copy the sentinel.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+fn the_callers_kernel_after_a_call_queued_on_a_busy_device_sees_its_result() {
+    let c = caller();
+    // Warm up: the communicator made, the kernels compiled, this thread's
+    // stream bound to the caller's.
+    let (warm_src, warm_dst) = (c.filled(1.0), c.filled(0.0));
+    // SAFETY: the slices outlive the call: it is waited for below.
+    let warm = unsafe { [c.raw(&warm_src), c.raw(&warm_dst)] };
+    c.on_stream().all_reduce(&warm[..1], &warm[1..], ReduceOp::Sum).unwrap().wait().unwrap();
+
+    let (src, dst, mut out) = (c.filled(6.0), c.filled(-1.0), c.filled(-2.0));
+    // SAFETY: the slices outlive the work: synchronized below.
+    let (s, d) = unsafe { ([c.raw(&src)], [c.raw(&dst)]) };
+    c.client.submit(|_| std::thread::sleep(Duration::from_millis(50))).unwrap();
+    let started = Instant::now();
+    c.on_stream().all_reduce(&s, &d, ReduceOp::Sum).unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(20), "the call did not go through the busy device thread");
+    c.copy(&mut out, &dst);
+    let copied = c.stream.clone_dtoh(&out).unwrap();
+    assert!(copied.iter().all(|&x| x == 6.0), "the caller's kernel ran before the all-reduce: {:?}", &copied[..4]);
     c.client.sync().unwrap();
     c.stream.synchronize().unwrap();
 }

@@ -47,7 +47,9 @@
 //! another library's kernel loses the context for cohort too: cohort's
 //! calls then return it, as for a fault of its own. Work is ordered with a
 //! stream of the other library's by events
-//! ([`crate::Client::wait_external`], [`crate::Client::signal_external`]).
+//! ([`crate::Client::wait_external`], [`crate::Client::signal_external`]),
+//! or runs on that stream itself ([`crate::Client::bind_external`]; see
+//! `external` for how a bound stream's handle is used).
 
 mod blas;
 mod copy_regions;
