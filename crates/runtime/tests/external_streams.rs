@@ -490,3 +490,27 @@ fn binding_on_the_cpu_is_refused() {
     cpu.unbind_external().unwrap();
     cpu.hand_over().unwrap();
 }
+
+/// On a wgpu device one queue runs every submission in order: binding to
+/// it orders as `wait_external` does (nothing to queue), binding again is
+/// a compare, handing over and unbinding work; a CUDA stream is refused,
+/// and the refusal is not remembered as a binding.
+#[cfg(feature = "wgpu")]
+#[test]
+fn binding_a_wgpu_queue_is_its_order_and_a_cuda_stream_is_refused() {
+    let client = cohort_runtime::WgpuRuntime::client(0).unwrap_or_else(|e| panic!("no wgpu device 0: {e}"));
+    let h = client.create(Bytes::from_elems(&[5u32; 4]));
+    client.bind_external(&ExternalStream::WgpuQueue).unwrap();
+    client.bind_external(&ExternalStream::WgpuQueue).unwrap();
+    client.wait_external(&ExternalStream::WgpuQueue).unwrap();
+    client.hand_over().unwrap();
+    assert_eq!(client.read_one(h).unwrap().to_elems::<u32>(), vec![5; 4]);
+    // SAFETY: the legacy default stream's handle; wgpu never uses it.
+    let cuda = unsafe { ExternalStream::cuda_raw(0) };
+    for _ in 0..2 {
+        let err = client.bind_external(&cuda).unwrap_err().to_string();
+        assert!(err.contains("is not a stream of wgpu device"), "{err}");
+    }
+    client.unbind_external().unwrap();
+    client.sync().unwrap();
+}
