@@ -70,6 +70,9 @@ for package in cohort-runtime cohort-comm cohort; do
     collect_tests <"$bundle/.build-$package.json" | while read -r exe; do
         name=$(basename "$exe" | sed 's/-[0-9a-f]\{16\}$//')
         if matches "$name" "${BUNDLE_TESTS:-*}"; then
+            # Two packages' tests of one name both go: the later one
+            # takes its package's name as a suffix.
+            [ -e "$bundle/tests/$name" ] && name="$name-$package"
             cp "$exe" "$bundle/tests/$name"
         fi
     done
