@@ -100,7 +100,6 @@ fn a_kernel_given_one_allocation_twice_is_refused() {
 /// two aliasing `&mut [u8]`, undefined behaviour in safe code. Expected:
 /// refused as the same allocation twice is.
 #[test]
-#[ignore = "finding: two handles over the same bytes (export+import) reach a CPU kernel as aliasing &mut slices"]
 fn a_kernel_given_the_same_bytes_under_two_handles_is_refused() {
     let client = cpu(0);
     let handle = client.create(float_bytes(&[1.0; 4]));
@@ -112,6 +111,76 @@ fn a_kernel_given_the_same_bytes_under_two_handles_is_refused() {
     // Today: Ok([2.0; 4]), the kernel ran with `a` and `b` the same bytes.
     let err = result.expect_err("a kernel handed the same bytes twice").to_string();
     assert!(err.contains("overlap"), "{err}");
+}
+
+/// The fix of the finding above, checked directly: a tensor cohort
+/// exported (either ABI, of a slice at an offset) comes back as a slice of
+/// the exported handle itself (the same allocation, at the same bytes,
+/// with the tensor's shape and element type), and its deleter has run
+/// (the export's handle clone is gone: an adopted owner is dropped once,
+/// when the original and the import are).
+#[test]
+fn an_export_imported_again_is_a_slice_of_the_original_allocation() {
+    let client = cpu(2);
+    let drops = Arc::new(AtomicUsize::new(0));
+    let original = adopt_counted(&client, 4, &drops);
+    let part = original.slice(16, 32).unwrap();
+    let versioned = dlpack::export(&client, &part, DType::F32, &[2, 4]).unwrap();
+    let legacy = dlpack::export_legacy(&client, &part, DType::F16, &[16]).unwrap();
+    let imports = [dlpack::import(&client, versioned).unwrap(), dlpack::import(&client, legacy).unwrap()];
+    for (import, (dtype, shape)) in imports.iter().zip([(DType::F32, vec![2, 4]), (DType::F16, vec![16])]) {
+        assert!(import.handle.same_allocation(&original), "{dtype}: one allocation, not two over the same bytes");
+        assert_eq!((import.handle.offset(), import.handle.size()), (16, 32), "{dtype}");
+        assert_eq!((import.dtype, &import.shape), (dtype, &shape));
+        assert_eq!(client.device_address(&import.handle).unwrap(), client.device_address(&part).unwrap());
+    }
+    drop((original, part));
+    client.sync().unwrap();
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "the imports keep the owner");
+    drop(imports);
+    wait_until("the owner is dropped", || drops.load(Ordering::SeqCst) == 1);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(drops.load(Ordering::SeqCst), 1, "once: no tensor kept a clone");
+}
+
+/// A tensor cohort exported comes back only where a slice of the exported
+/// handle can stand for it: on another client it is refused (naming the
+/// client that exported it) rather than adopted as a second allocation;
+/// a read-only handle's export comes back read-only; a tensor changed to
+/// name bytes outside the handle, or flagged read-only over a writable
+/// handle, is refused. Each refused tensor is deleted (nothing leaks: the
+/// original's owner is dropped once with it).
+#[test]
+fn an_export_comes_back_only_as_a_slice_of_its_handle() {
+    let (client, other) = (cpu(3), cpu(4));
+    let drops = Arc::new(AtomicUsize::new(0));
+    let handle = adopt_counted(&client, 2, &drops);
+    let err = dlpack::import(&other, dlpack::export(&client, &handle, DType::F32, &[8]).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("client that exported it"), "{err}");
+
+    let moved = dlpack::export(&client, &handle, DType::F32, &[8]).unwrap();
+    // SAFETY: the tensor is ours, alive; only its byte offset changes
+    // (the import must refuse it, reading nothing there).
+    unsafe { (*moved.as_ptr()).dl_tensor.byte_offset = 16 };
+    let err = dlpack::import(&client, moved).unwrap_err().to_string();
+    assert!(err.contains("outside"), "{err}");
+
+    let mut flagged = dlpack::export(&client, &handle, DType::F32, &[8]).unwrap();
+    // SAFETY: the tensor is ours; setting READ_ONLY claims less than it had.
+    unsafe { *flagged.flags_mut() |= DlpackFlags::READ_ONLY };
+    let err = dlpack::import(&client, flagged).unwrap_err().to_string();
+    assert!(err.contains("read-only"), "{err}");
+
+    let memory: &'static mut [u128] = vec![0u128; 2].leak();
+    let host = ForeignMemory::Host { ptr: memory.as_mut_ptr().cast(), len: 32 };
+    // SAFETY: leaked memory: valid for the process, touched only by cohort.
+    let read_only = unsafe { client.adopt(host, Box::new(()), Access::ReadOnly) }.unwrap();
+    let back = dlpack::import(&client, dlpack::export(&client, &read_only, DType::U8, &[32]).unwrap()).unwrap();
+    assert!(back.handle.same_allocation(&read_only));
+    assert_eq!(back.handle.access(), Access::ReadOnly);
+
+    drop(handle);
+    wait_until("the owner is dropped", || drops.load(Ordering::SeqCst) == 1);
 }
 
 /// The export of a cohort buffer imported again, then the original

@@ -7,6 +7,7 @@ use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 
 use super::device::dlpack_device;
 use super::dtype::dtype_to_dlpack;
+use super::exported::Exported;
 use super::{refused, Legacy, Versioned};
 use crate::client::Client;
 use crate::dtype::DType;
@@ -23,7 +24,9 @@ use crate::handle::Handle;
 ///
 /// The tensor holds a clone of the handle, so cohort keeps the memory (and
 /// an imported tensor's own owner) until the consumer calls the deleter
-/// (drops the tensor), on whatever thread.
+/// (drops the tensor), on whatever thread. Handed back to [`import`](super::import),
+/// it is recognised and gives a slice of this handle, not a second handle
+/// over the same bytes.
 ///
 /// Waits for the handle's memory to be reserved, not for the work queued
 /// on it: the consumer must order its reads after cohort's work, by
@@ -72,7 +75,7 @@ fn export_as<M: ManagedTensorBase>(
     }
     let address = client.device_address(handle)?;
     let mut tensor = Dynamic::compact(shape)
-        .initialize_as::<M>(Box::new(handle.clone()))
+        .initialize_as::<M>(Exported::new(handle.clone()))
         .map_err(|err| refused(format!("DLPack export: shape {shape:?}: {err}")))?;
     tensor
         .set_data(std::ptr::with_exposed_provenance_mut::<c_void>(address as usize))
@@ -87,7 +90,7 @@ fn export_as<M: ManagedTensorBase>(
     // SAFETY: the data is the handle's memory, `handle.size()` bytes (the
     // shape's, checked above) at `address` on `device`; the context, dropped
     // by the deleter, is a clone of the handle, which keeps that memory
-    // reserved until then. Shape and strides live in the tensor's own
+    // reserved until then (and is what `import` hands back). Shape and strides live in the tensor's own
     // allocation (copied, compact). The flags claim nothing but read-only,
     // and that only for a read-only handle.
     Ok(unsafe { tensor.finish() })

@@ -3,6 +3,7 @@
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 
 use super::dtype::{describe, dtype_from_dlpack};
+use super::exported::exported_handle;
 use super::{device, refused};
 use crate::client::Client;
 use crate::dtype::DType;
@@ -13,7 +14,9 @@ use crate::handle::Handle;
 /// A DLPack tensor taken by [`import`]: a handle over its memory, and what
 /// the memory holds. The tensor itself became the handle's owner: its
 /// deleter runs once, when the last clone of the handle is gone and no
-/// work cohort queued on the memory still needs it.
+/// work cohort queued on the memory still needs it (a tensor cohort
+/// exported is deleted at once instead: the handle is a slice of the
+/// exported one).
 #[derive(Debug, Clone)]
 pub struct DlpackImport {
     /// The tensor's bytes (from its `data + byte_offset`, `shape`'s product
@@ -57,6 +60,14 @@ impl DlpackImport {
 /// whatever it made of it) and loses nothing: the deleter releases only the
 /// consumer's reference, and the memory stays the producer's tensor's
 /// (PyTorch's, CuPy's), untouched.
+///
+/// A tensor cohort itself exported ([`export`](super::export),
+/// [`export_legacy`](super::export_legacy)), recognised by its context,
+/// gives a slice of the exported handle (the same allocation, not a second
+/// one over the same bytes, so overlap checks see both names), and its
+/// deleter runs before this returns: the slice keeps the memory. It must
+/// come back to the client that exported it, over bytes of that handle,
+/// and flagged read-only only where the handle is.
 ///
 /// A tensor with no elements gives an empty cohort buffer (its deleter runs
 /// before this returns): there is no memory to share.
@@ -109,6 +120,16 @@ where
     }
     let memory = device::foreign_memory(client, view.device(), data, len)?;
     let shape = shape.iter().map(|&dim| dim as usize).collect();
+    // SAFETY: `tensor` is a valid managed tensor (`validate` read it); only
+    // its context pointer is copied.
+    let context = unsafe { (*tensor.as_ptr()).manager_ctx() };
+    if let Some(original) = exported_handle(context) {
+        let read_only = tensor.flags().contains(DlpackFlags::READ_ONLY);
+        let handle = slice_of_export(client, &original, data as u64, len as u64, read_only)?;
+        // The slice keeps the memory: the tensor's own clone goes now.
+        drop(tensor);
+        return Ok(DlpackImport { handle, dtype, shape });
+    }
     if len == 0 {
         // Nothing to share, and nothing of the tensor to keep: an empty
         // cohort buffer stands for it, and its deleter runs now.
@@ -124,6 +145,51 @@ where
     // CUDA context), and a read-only tensor is adopted read-only.
     let handle = unsafe { client.adopt(memory, Box::new(tensor), access)? };
     Ok(DlpackImport { handle, dtype, shape })
+}
+
+/// The `len` bytes at `data` of a tensor cohort exported from `original`,
+/// as a slice of `original` itself: the same allocation, so the overlap
+/// checks of launches and collectives see the two names of these bytes
+/// (two allocations over them would pass those checks and alias).
+/// Refused where `original` is another client's (import the tensor on
+/// the client that exported it), where the bytes are not inside
+/// `original` (the tensor was changed after the export), and where the
+/// tensor is flagged read-only over a writable handle (a read-only slice
+/// of writable memory cannot be made).
+fn slice_of_export(
+    client: &Client,
+    original: &Handle,
+    data: u64,
+    len: u64,
+    read_only: bool,
+) -> Result<Handle, ServerError> {
+    client.check_owned(original).map_err(|err| {
+        refused(format!(
+            "DLPack: this tensor is cohort's export of another client's handle ({err}): import it on the client that \
+             exported it"
+        ))
+    })?;
+    if read_only && original.access() == Access::ReadWrite {
+        return Err(refused(
+            "DLPack: this tensor is cohort's export of a writable handle, flagged read-only since: use the handle, \
+             or clear the flag"
+                .to_string(),
+        ));
+    }
+    if len == 0 {
+        return Ok(client.empty(0));
+    }
+    let start = client.device_address(original)?;
+    let offset =
+        data.checked_sub(start).filter(|offset| offset.checked_add(len).is_some_and(|end| end <= original.size()));
+    let offset = offset.ok_or_else(|| {
+        refused(format!(
+            "DLPack: this tensor is cohort's export of {} bytes at {start:#x}, but names {len} bytes at {data:#x}, \
+             outside them",
+            original.size()
+        ))
+    })?;
+    original.slice(offset, len)
 }
 
 /// Refuses strides that are not compact row-major. A null `strides` (before

@@ -28,6 +28,7 @@
 mod device;
 mod dtype;
 mod export;
+mod exported;
 mod import;
 
 pub use device::dlpack_device;
