@@ -77,14 +77,14 @@ fn an_all_gather_from_a_misplaced_slice_of_its_own_destination_is_refused() {
     assert_eq!(dst[2].to_vec().unwrap(), values(2, 12), "nothing ran");
 }
 
-/// Finding: the same misplaced overlap as above, with the source named
-/// by a second allocation over the destination's first bytes (a slice
-/// exported as DLPack and imported again: safe code), is not refused
-/// (check.rs `overlaps` compares allocations, not bytes) and the gather
-/// silently corrupts: members 1 and 2 get member 0's block where member
-/// 1's (and 2's) should be, their sources overwritten by the gather's own
-/// writes before being sent. Expected: refused as an overlap (as on one
-/// allocation), or the right result.
+/// Was a finding: the same misplaced overlap as above, with the source
+/// named by a second allocation over the destination's first bytes (a
+/// slice exported as DLPack and imported again: safe code), was not
+/// refused (check.rs `overlaps` compares allocations, not bytes) and the
+/// gather silently corrupted: members 1 and 2 got member 0's block where
+/// member 1's (and 2's) should be. The import now gives a slice of the
+/// exported allocation, so it is refused as an overlap (as on one
+/// allocation); the right result would do too.
 #[test]
 fn an_all_gather_from_an_aliased_misplaced_slice_of_its_destination_is_refused_too() {
     let clients = common::clients(3);

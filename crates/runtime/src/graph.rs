@@ -1,10 +1,14 @@
 //! Captured graphs: recorded work replayed against the same buffers.
 
 use std::fmt;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::client::Client;
 use crate::error::ServerError;
+use crate::foreign::Adopted;
+use crate::handle::Handle;
+use crate::kernel::GridCount;
 use crate::state::RecordedLaunch;
 
 /// Work captured between `start_capture` and `stop_capture`, replayed on the
@@ -13,6 +17,18 @@ use crate::state::RecordedLaunch;
 ///
 /// On CUDA a replay is one graph launch; elsewhere it re-issues the recorded
 /// launches in order.
+///
+/// The graph keeps a clone of every handle its launches use (on CUDA too,
+/// where the driver's graph holds their addresses), so the memory stays
+/// reserved, and adopted memory's owner ([`Client::adopt`]) stays alive,
+/// until the last clone of the graph goes; [`Client::reclaim`] of such
+/// memory is refused while the graph lives (other clones are alive).
+/// [`Client::revoke`] is not blocked by a graph (a scoped borrow must be
+/// able to end): it gives the memory back all the same, and from then on
+/// every replay of a graph that uses it is refused, naming the handle,
+/// before anything runs (a CUDA graph's launch would write memory that is
+/// the caller's again, maybe freed). Drop the graph and capture again over
+/// memory adopted anew.
 #[derive(Clone)]
 pub struct Graph {
     client: Client,
@@ -41,8 +57,8 @@ impl Graph {
         Self { client, launches, native }
     }
 
-    /// Launches recorded (0 for a native graph, whose launches live in the
-    /// driver).
+    /// Launches recorded (a native graph's too: it replays them as one
+    /// driver graph).
     pub fn len(&self) -> usize {
         self.launches.len()
     }
@@ -53,11 +69,23 @@ impl Graph {
 
     /// Queues one replay on the capture stream and returns at once; failures
     /// mark the buffers the graph writes.
+    ///
+    /// Refused, nothing queued, where a handle the graph uses is foreign
+    /// memory given back ([`Client::revoke`]); a revoke queued after this
+    /// call but before the replay ran fails the replay the same way, as a
+    /// whole (the stream's next sync returns the error).
     pub fn replay(&self) -> Result<(), ServerError> {
+        given_back(&self.launches)?;
         let stream = self.client.stream_id();
         let launches = self.launches.clone();
         let native = self.native.as_ref().map(|n| n.id);
         self.client.device().submit(stream, move |state| {
+            // Checked again in device order: a revoke ahead of this task
+            // forgot the memory on this thread.
+            if let Err(err) = given_back(&launches) {
+                state.pending_errors.entry(stream).or_insert(err);
+                return;
+            }
             if let Some(id) = native {
                 if let Some(mut graph) = state.graphs.remove(&id) {
                     let result = state.backend.replay_native(stream, graph.as_mut());
@@ -73,6 +101,38 @@ impl Graph {
             }
         })
     }
+}
+
+/// Refuses a replay of `launches` where any handle they use (a buffer or
+/// a dynamic grid) is foreign memory given back, naming it.
+fn given_back(launches: &[RecordedLaunch]) -> Result<(), ServerError> {
+    for (index, launch) in launches.iter().enumerate() {
+        let grid = match &launch.grid {
+            GridCount::Dynamic(handle) => Some(handle),
+            GridCount::Static(..) => None,
+        };
+        for handle in launch.buffers.iter().chain(grid) {
+            if let Some(err) = given_back_error(handle) {
+                return Err(ServerError::InvalidState {
+                    operation: "Graph::replay",
+                    reason: format!(
+                        "launch {index} (kernel `{}`) of the graph uses {handle:?}, whose foreign memory was \
+                         given back ({err}): the replay would touch memory that is no longer cohort's; capture \
+                         a new graph over memory adopted again",
+                        launch.kernel.name()
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The error binding `handle` returns where its foreign memory was given
+/// back ([`Client::revoke`], `reclaim`); `None` otherwise.
+fn given_back_error(handle: &Handle) -> Option<ServerError> {
+    let adopted = handle.alloc.foreign.as_ref()?;
+    adopted.given_back.load(Ordering::Acquire).then(|| Adopted::given_back_error(handle.alloc.size))
 }
 
 impl fmt::Debug for Graph {

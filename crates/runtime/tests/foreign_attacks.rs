@@ -93,12 +93,13 @@ fn a_kernel_given_one_allocation_twice_is_refused() {
     assert_eq!(floats(&client.read_one(handle).unwrap()), [1.0; 4], "nothing ran");
 }
 
-/// Finding: the same bytes under two handles of two allocations (the
-/// buffer exported as DLPack and imported again: safe code) pass the CPU
+/// Was a finding: the same bytes under two handles of two allocations (the
+/// buffer exported as DLPack and imported again: safe code) passed the CPU
 /// backend's overlap check (`HostPages::disjoint_many_mut` compares page
-/// ids, not addresses: backend/cpu/storage.rs), so the kernel is handed
-/// two aliasing `&mut [u8]`, undefined behaviour in safe code. Expected:
-/// refused as the same allocation twice is.
+/// ids, not addresses: backend/cpu/storage.rs), so the kernel was handed
+/// two aliasing `&mut [u8]`, undefined behaviour in safe code. The import
+/// now recognises cohort's own export and gives a slice of the original
+/// allocation: refused as the same allocation twice is.
 #[test]
 fn a_kernel_given_the_same_bytes_under_two_handles_is_refused() {
     let client = cpu(0);
@@ -706,6 +707,58 @@ fn a_graph_replayed_after_its_memory_was_revoked_does_not_touch_it() {
     replay_after_revoke(&client, &handle, GridCount::Static(1, 1, 1), write_raw, read_raw);
 }
 
+/// A graph over a cohort buffer and adopted memory: it keeps the adopted
+/// memory's owner alive after the caller's handle is gone (reclaim is
+/// refused while it lives), and once the memory is revoked a replay is
+/// refused before anything runs, naming the replay and the memory given
+/// back: the launch on cohort's own buffer does not run either (a replay
+/// is whole or nothing; it used to re-run it and fail the other).
+#[test]
+fn a_graph_keeps_adopted_memory_and_refuses_a_whole_replay_once_it_is_given_back() {
+    use cohort_runtime::{conformance::kernels, Scalar};
+    let client = cpu(5).with_stream(cohort_runtime::StreamId::fresh());
+    let drops = Arc::new(AtomicUsize::new(0));
+    let adopted = adopt_counted(&client, 1, &drops);
+    client.write(&adopted, float_bytes(&[1.0; 4])).unwrap();
+    let own = client.create(float_bytes(&[1.0; 4]));
+    let scale = |handle: &Handle| {
+        let args = KernelArguments::new().buffer(handle).scalar(Scalar::F32(2.0));
+        client.launch(&kernels::scale(), GridCount::Static(1, 1, 1), args).unwrap();
+    };
+    client.graph_prepare().unwrap();
+    scale(&own);
+    scale(&adopted);
+    client.sync().unwrap();
+    client.start_capture().unwrap();
+    scale(&own);
+    scale(&adopted);
+    let graph = client.stop_capture().unwrap();
+    assert_eq!(graph.len(), 2);
+    graph.replay().unwrap();
+    client.sync().unwrap();
+    assert_eq!(
+        floats(&client.read_one(own.clone()).unwrap()),
+        [4.0; 4],
+        "the warm-up and one replay (a CPU capture records only)"
+    );
+
+    let escaped = adopted.clone();
+    let err = client.reclaim(adopted).map(|_| ()).unwrap_err();
+    assert!(err.1.to_string().contains("clone"), "reclaim while clones live: {}", err.1);
+    drop(err);
+    client.revoke(&escaped).unwrap();
+    drop(escaped);
+    client.sync().unwrap();
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "the graph keeps the owner");
+
+    let refused = graph.replay().expect_err("a replay over memory given back").to_string();
+    assert!(refused.contains("Graph::replay") && refused.contains("given back"), "{refused}");
+    client.sync().unwrap();
+    assert_eq!(floats(&client.read_one(own.clone()).unwrap()), [4.0; 4], "nothing of the graph ran");
+    drop(graph);
+    wait_until("the owner is dropped", || drops.load(Ordering::SeqCst) == 1);
+}
+
 #[cfg(feature = "cuda")]
 mod cuda_attacks {
     //! Needs a CUDA GPU (ignored here): written from reading the code.
@@ -714,19 +767,16 @@ mod cuda_attacks {
 
     use super::*;
 
-    /// Finding (by reading graph.rs; not run here, no GPU): on CUDA a
+    /// Was a finding (by reading graph.rs; not run here, no GPU): on CUDA a
     /// replay is one native graph launch (`Backend::replay_native`) with
-    /// the device pointers baked in at capture; nothing checks that the
-    /// graph's handles are still bound, so a graph captured inside a
-    /// scoped borrow (`with_cuda_slice`, or adopt + `revoke`) writes the
-    /// caller's allocation after the borrow ended, also once cudarc has
-    /// freed it (use after free on the device). Expected: a replay of a
-    /// graph whose adopted memory was given back is refused (graph.rs:
-    /// check `given_back` of the recorded launches' handles before
-    /// `replay_native`, or have revoke/reclaim refuse memory a live graph
-    /// holds).
+    /// the device pointers baked in at capture, and nothing checked that
+    /// the graph's handles were still bound, so a graph captured inside a
+    /// scoped borrow (`with_cuda_slice`, or adopt + `revoke`) wrote the
+    /// caller's allocation after the borrow ended. `Graph::replay` now
+    /// refuses a graph whose recorded launches use memory given back,
+    /// before queueing anything (and again on the device thread).
     #[test]
-    #[ignore = "needs a CUDA GPU: run with --include-ignored where one is (finding, unverified here: a native CUDA graph replay writes adopted memory after revoke)"]
+    #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
     fn a_cuda_graph_replayed_after_its_memory_was_revoked_does_not_touch_it() {
         let client = cohort_runtime::CudaRuntime::client(0).expect("CUDA device 0");
         let client = client.with_stream(cohort_runtime::StreamId::fresh());
