@@ -15,8 +15,10 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use crate::backend::{Backend, FenceWait};
 use crate::device::DeviceHandle;
@@ -242,25 +244,63 @@ impl ForeignMemory {
     }
 }
 
-/// What an adopted [`Handle`](crate::Handle)'s allocation keeps beside its
-/// page: the access allowed, the owner, and the way back to its device's
-/// release queue (see [`ReleaseQueue`]).
+/// The streams that queued work on adopted memory: the only ones a
+/// release or a revoke of it waits for (mostly one).
+pub(crate) type Streams = SmallVec<[StreamId; 2]>;
+
+/// Fences after the work queued on some streams, none complete yet.
+pub(crate) type Fences = SmallVec<[Box<dyn FenceWait>; 2]>;
+
+/// What an adopted [`Handle`](crate::Handle)'s allocation keeps beside it,
+/// in the same allocation: the page the device's storage made of the
+/// memory, the access allowed, the owner, the streams that used the
+/// memory, and the way back to its device (see [`Adopted::release`]).
 pub(crate) struct Adopted {
     pub access: Access,
-    /// Taken by [`Client::reclaim`](crate::Client::reclaim), else handed to
-    /// the release queue when the last clone goes.
+    /// The storage's page over the memory: outside every pool, never freed
+    /// by the backend, forgotten when the memory is given back.
+    pub page: PageId,
+    /// Where the handle's bytes start in `page`
+    /// ([`ForeignMemory::page_offset`]).
+    pub offset: u64,
+    /// Taken by [`Client::reclaim`](crate::Client::reclaim), else released
+    /// when the last clone goes.
     pub owner: Mutex<Option<ForeignOwner>>,
     /// Set once the storage forgot the page
     /// ([`Client::revoke`](crate::Client::revoke), `reclaim`): the handle
     /// no longer binds.
     pub given_back: AtomicBool,
-    pub releases: Arc<ReleaseQueue>,
-    /// Woken when a release is queued, so an idle device thread retires
-    /// the owner at once; gone once the device is.
-    pub device: Weak<DeviceHandle>,
+    /// The streams that queued work on the memory: noted by
+    /// `DeviceState::order_after_writers`, which every task, launch, write
+    /// and read passes with the handles it binds, under the device's state.
+    streams: Mutex<Streams>,
+    releases: Arc<ReleaseQueue>,
+    /// Where the last clone releases the memory (on its own thread, where
+    /// the device is idle), else woken to; gone once the device is.
+    device: Weak<DeviceHandle>,
 }
 
 impl Adopted {
+    pub(crate) fn new(
+        access: Access,
+        page: PageId,
+        offset: u64,
+        owner: ForeignOwner,
+        releases: Arc<ReleaseQueue>,
+        device: Weak<DeviceHandle>,
+    ) -> Adopted {
+        Adopted {
+            access,
+            page,
+            offset,
+            owner: Mutex::new(Some(owner)),
+            given_back: AtomicBool::new(false),
+            streams: Mutex::new(Streams::new()),
+            releases,
+            device,
+        }
+    }
+
     /// The error a use of memory given back returns.
     pub(crate) fn given_back_error(size: u64) -> ServerError {
         ServerError::InvalidState {
@@ -272,23 +312,80 @@ impl Adopted {
         }
     }
 
-    /// Hands the page (unless already forgotten) and the owner (unless
-    /// reclaimed) to the device: it forgets the page and drops the owner
-    /// once the work queued so far has finished. On a device already
-    /// closed (its work drained), the owner is dropped here. Never blocks
-    /// on the device, never panics.
-    pub(crate) fn release(&self, page: Option<PageId>) {
-        let owner = self.owner.lock().take();
-        let page = page.filter(|_| !self.given_back.load(Ordering::Acquire));
+    /// Whether its device closed, its work all ended.
+    pub(crate) fn device_closed(&self) -> bool {
+        self.releases.is_closed()
+    }
+
+    /// Notes that `stream` queues work on the memory.
+    pub(crate) fn used_on(&self, stream: StreamId) {
+        let mut streams = self.streams.lock();
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+    }
+
+    /// The streams noted so far.
+    #[cfg(test)]
+    pub(crate) fn streams(&self) -> Streams {
+        self.streams.lock().clone()
+    }
+
+    /// Fences after the work queued so far on the streams that used the
+    /// memory (none where it all finished: always on the CPU).
+    pub(crate) fn fences(&self, backend: &mut dyn Backend) -> Fences {
+        fences_of(backend, &self.streams.lock())
+    }
+
+    /// After the memory was given back and the fences of
+    /// [`Adopted::fences`] raised then completed: nothing runs on it and
+    /// nothing can be queued on it any more, so its release waits for
+    /// nothing.
+    pub(crate) fn settled(&self) {
+        self.streams.lock().clear();
+    }
+
+    /// What the last clone of the handle does (from `Allocation`'s drop):
+    /// the storage forgets the page (unless already given back) and the
+    /// owner (unless reclaimed) is dropped once the work queued on the
+    /// memory's streams has finished. Where the device is idle and lets
+    /// callers in (CPU, CUDA) and its state is free, on this thread at once:
+    /// the owner is dropped here, after the state is let go, if that work
+    /// has finished (on the CPU it always has), else left to the device
+    /// thread, woken to poll its fences. Otherwise queued for the device
+    /// thread, which is woken. On a device already closed (its work
+    /// drained) the owner is dropped here. Never waits for the device,
+    /// never panics (an owner's panicking `Drop` is logged).
+    pub(crate) fn release(&mut self) {
+        let owner = self.owner.get_mut().take();
+        let page = (!*self.given_back.get_mut()).then_some(self.page);
         if owner.is_none() && page.is_none() {
             return;
         }
-        if let Err(owner) = self.releases.push(Released { page, owner }) {
-            drop(owner);
+        let released = Released { page, owner, streams: std::mem::take(self.streams.get_mut()) };
+        let device = self.device.upgrade();
+        if let Some(mut inline) = device.as_deref().and_then(|d| d.enter_inline_within(Duration::ZERO)) {
+            let state = inline.state();
+            let ready = state.foreign.retire(state.backend.as_mut(), released);
+            // The owner's `Drop` is the caller's code, which may use the
+            // device: run once the state is let go.
+            drop(inline);
+            if let Some(owner) = ready {
+                drop_owner(owner);
+            }
             return;
         }
-        if let Some(device) = self.device.upgrade() {
-            device.wake();
+        match self.releases.push(released) {
+            Ok(()) => {
+                if let Some(device) = device {
+                    device.wake();
+                }
+            }
+            Err(owner) => {
+                if let Some(owner) = owner {
+                    drop_owner(owner);
+                }
+            }
         }
     }
 }
@@ -297,10 +394,13 @@ impl Adopted {
 pub(crate) struct Released {
     page: Option<PageId>,
     owner: Option<ForeignOwner>,
+    /// The streams whose work the owner waits for.
+    streams: Streams,
 }
 
-/// Releases of one device's adopted memory, pushed from any thread (where
-/// the last clone of a handle drops) and drained by the device (see
+/// Releases of one device's adopted memory that their handles could not
+/// retire on their own thread (the device was busy, or its thread is the
+/// one letting go), pushed from any thread and drained by the device (see
 /// [`ForeignPages::poll`]).
 #[derive(Default)]
 pub(crate) struct ReleaseQueue {
@@ -318,8 +418,8 @@ struct QueueState {
 }
 
 impl ReleaseQueue {
-    /// Queues `released`; hands it back where the device is closed (its
-    /// work all ended, its storage gone: the owner may go at once).
+    /// Queues `released`; hands its owner back where the device is closed
+    /// (its work all ended, its storage gone: the owner may go at once).
     fn push(&self, released: Released) -> Result<(), Option<ForeignOwner>> {
         let mut queue = self.queue.lock();
         if queue.closed {
@@ -335,20 +435,22 @@ impl ReleaseQueue {
         self.queue.lock().closed
     }
 
-    fn take(&self) -> Vec<Released> {
+    /// Swaps what was queued into `batch` (empty; its capacity is kept
+    /// for the next pushes).
+    fn take_into(&self, batch: &mut Vec<Released>) {
         if !self.queued.load(Ordering::Acquire) {
-            return Vec::new();
+            return;
         }
         let mut queue = self.queue.lock();
         self.queued.store(false, Ordering::Release);
-        std::mem::take(&mut queue.released)
+        std::mem::swap(&mut queue.released, batch);
     }
 }
 
-/// An owner waiting for the work queued before its memory was released.
+/// An owner waiting for the work queued on its memory.
 struct Retiring {
     owner: ForeignOwner,
-    fences: Vec<Box<dyn FenceWait>>,
+    fences: Fences,
 }
 
 /// A device's side of adopted memory: the release queue its handles push
@@ -356,16 +458,19 @@ struct Retiring {
 pub(crate) struct ForeignPages {
     queue: Arc<ReleaseQueue>,
     retiring: Vec<Retiring>,
+    /// The queue's last batch, empty: swapped in at the next poll.
+    batch: Vec<Released>,
 }
 
 impl Default for ForeignPages {
     fn default() -> Self {
-        Self { queue: Arc::new(ReleaseQueue::default()), retiring: Vec::new() }
+        Self { queue: Arc::new(ReleaseQueue::default()), retiring: Vec::new(), batch: Vec::new() }
     }
 }
 
-/// Drops an owner on the device's thread: a panic in its `Drop` (the
-/// caller's code) is logged, and never ends the device's thread.
+/// Drops an owner: a panic in its `Drop` (the caller's code) is logged,
+/// and never ends the thread dropping it (the device's, or the one that
+/// let go of the last handle).
 fn drop_owner(owner: ForeignOwner) {
     if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(owner))) {
         let message = crate::device::panic_message(payload.as_ref());
@@ -373,10 +478,10 @@ fn drop_owner(owner: ForeignOwner) {
     }
 }
 
-/// Fences after the work queued so far on every stream of the device; a
-/// stream whose fence cannot be raised (a failed device) has no work that
-/// will still run.
-pub(crate) fn fences_of(backend: &mut dyn Backend, streams: &[StreamId]) -> Vec<Box<dyn FenceWait>> {
+/// Fences after the work queued so far on `streams`, those already
+/// complete left out; a stream whose fence cannot be raised (a failed
+/// device) has no work that will still run.
+pub(crate) fn fences_of(backend: &mut dyn Backend, streams: &[StreamId]) -> Fences {
     streams.iter().filter_map(|&stream| backend.fence(stream).ok()).filter(|f| !f.is_complete()).collect()
 }
 
@@ -392,36 +497,38 @@ impl ForeignPages {
         self.queue.queued.load(Ordering::Acquire) || !self.retiring.is_empty()
     }
 
-    /// Takes the queued releases (the storage forgets their pages, a fence
-    /// is raised on every stream for their owners) and drops the owners
-    /// whose fences completed. Never waits.
-    pub fn poll(&mut self, backend: &mut dyn Backend, streams: &[StreamId]) {
+    /// Retires `released`: the storage forgets its page, and its owner is
+    /// returned, to be dropped now, where the work queued on its streams
+    /// has finished; else it waits here with fences for a later poll.
+    pub(crate) fn retire(&mut self, backend: &mut dyn Backend, released: Released) -> Option<ForeignOwner> {
+        if let Some(page) = released.page {
+            backend.storage().free_page(page);
+        }
+        let owner = released.owner?;
+        let fences = fences_of(backend, &released.streams);
+        if fences.is_empty() {
+            return Some(owner);
+        }
+        self.retiring.push(Retiring { owner, fences });
+        None
+    }
+
+    /// Retires the queued releases and drops the owners whose fences
+    /// completed. Never waits.
+    pub fn poll(&mut self, backend: &mut dyn Backend) {
         if !self.pending() {
             return;
         }
-        let released = self.queue.take();
-        if !released.is_empty() {
-            for page in released.iter().filter_map(|r| r.page) {
-                backend.storage().free_page(page);
-            }
-            let owners: Vec<ForeignOwner> = released.into_iter().filter_map(|r| r.owner).collect();
-            if !owners.is_empty() {
-                let fences = fences_of(backend, streams);
-                let mut owners = owners.into_iter();
-                // One set of fences covers every owner released together.
-                let first = owners.next().expect("not empty");
-                self.retiring.push(Retiring { owner: first, fences });
-                self.retiring.extend(owners.map(|owner| Retiring { owner, fences: Vec::new() }));
-            }
-        }
         let mut done = Vec::new();
-        let mut blocked = false;
-        // Owners retire in order: one is dropped only once its fences and
-        // those of every owner released before it completed.
+        let mut batch = std::mem::take(&mut self.batch);
+        self.queue.take_into(&mut batch);
+        for released in batch.drain(..) {
+            done.extend(self.retire(backend, released));
+        }
+        self.batch = batch;
         self.retiring.retain_mut(|retiring| {
             retiring.fences.retain(|fence| !fence.is_complete());
-            blocked |= !retiring.fences.is_empty();
-            if blocked {
+            if !retiring.fences.is_empty() {
                 return true;
             }
             done.push(std::mem::replace(&mut retiring.owner, Box::new(())));
@@ -430,30 +537,38 @@ impl ForeignPages {
         done.into_iter().for_each(drop_owner);
     }
 
-    /// At close: takes what was released, waits for every fence, drops
-    /// every owner, and marks the queue closed (a handle released later
-    /// drops its owner at once: nothing runs on the device any more).
+    /// At close: waits for the work queued on `streams` (every stream of
+    /// the device: each that queued work on adopted memory is among them)
+    /// and on those of the owners waiting, marks the queue closed (a handle
+    /// released from then on drops its owner at once: nothing runs on the
+    /// device any more), forgets every page released and drops every
+    /// owner.
     pub fn close(&mut self, backend: &mut dyn Backend, streams: &[StreamId]) {
-        self.poll(backend, streams);
+        for fence in fences_of(backend, streams) {
+            let _ = fence.wait();
+        }
         let released = {
             let mut queue = self.queue.queue.lock();
             queue.closed = true;
             std::mem::take(&mut queue.released)
         };
-        for page in released.iter().filter_map(|r| r.page) {
-            backend.storage().free_page(page);
+        let mut owners = Vec::new();
+        for released in released {
+            for fence in fences_of(backend, &released.streams) {
+                let _ = fence.wait();
+            }
+            if let Some(page) = released.page {
+                backend.storage().free_page(page);
+            }
+            owners.extend(released.owner);
         }
-        let fences = fences_of(backend, streams);
         for retiring in self.retiring.drain(..) {
             for fence in retiring.fences {
                 let _ = fence.wait();
             }
-            drop_owner(retiring.owner);
+            owners.push(retiring.owner);
         }
-        for fence in fences {
-            let _ = fence.wait();
-        }
-        released.into_iter().filter_map(|r| r.owner).for_each(drop_owner);
+        owners.into_iter().for_each(drop_owner);
     }
 }
 
@@ -462,8 +577,11 @@ impl Drop for ForeignPages {
     /// queue closes, so owners are never kept forever; those waiting are
     /// dropped (the backend is going away with its work).
     fn drop(&mut self) {
-        self.queue.queue.lock().closed = true;
-        let released = self.queue.take();
+        let released = {
+            let mut queue = self.queue.queue.lock();
+            queue.closed = true;
+            std::mem::take(&mut queue.released)
+        };
         drop(released);
     }
 }
@@ -499,27 +617,74 @@ mod tests {
     }
 
     fn retiring(drops: &Arc<AtomicUsize>, fence: &Arc<AtomicBool>) -> Retiring {
-        Retiring { owner: Box::new(Counted(drops.clone())), fences: vec![Box::new(Flag(fence.clone()))] }
+        let fences: Fences = smallvec::smallvec![Box::new(Flag(fence.clone())) as Box<dyn FenceWait>];
+        Retiring { owner: Box::new(Counted(drops.clone())), fences }
+    }
+
+    fn released(drops: &Arc<AtomicUsize>, page: Option<PageId>, streams: &[StreamId]) -> Released {
+        Released { page, owner: Some(Box::new(Counted(drops.clone()))), streams: streams.into() }
     }
 
     #[test]
-    fn owners_retire_after_their_fences_and_those_of_owners_released_before() {
+    fn each_owner_retires_once_its_own_fences_completed() {
         let mut backend = CpuBackend::new(DeviceId::new(DeviceId::CPU, 0));
         let mut pages = ForeignPages::default();
         let (first, second) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-        let drops = Arc::new(AtomicUsize::new(0));
-        pages.retiring.push(retiring(&drops, &first));
-        pages.retiring.push(retiring(&drops, &second));
-        pages.poll(&mut backend, &[]);
-        assert_eq!(drops.load(Ordering::SeqCst), 0, "no fence completed");
+        let (first_drops, second_drops) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        pages.retiring.push(retiring(&first_drops, &first));
+        pages.retiring.push(retiring(&second_drops, &second));
+        pages.poll(&mut backend);
+        assert_eq!(first_drops.load(Ordering::SeqCst) + second_drops.load(Ordering::SeqCst), 0, "no fence completed");
         second.store(true, Ordering::SeqCst);
-        pages.poll(&mut backend, &[]);
-        assert_eq!(drops.load(Ordering::SeqCst), 0, "the second waits for the first");
+        pages.poll(&mut backend);
+        assert_eq!(second_drops.load(Ordering::SeqCst), 1, "its work finished: it goes");
+        assert_eq!(first_drops.load(Ordering::SeqCst), 0, "its work still runs: it waits");
         assert!(pages.pending());
         first.store(true, Ordering::SeqCst);
-        pages.poll(&mut backend, &[]);
-        assert_eq!(drops.load(Ordering::SeqCst), 2);
+        pages.poll(&mut backend);
+        assert_eq!((first_drops.load(Ordering::SeqCst), second_drops.load(Ordering::SeqCst)), (1, 1));
         assert!(!pages.pending());
+    }
+
+    #[test]
+    fn a_release_whose_work_finished_forgets_the_page_and_hands_the_owner_back_at_once() {
+        let mut backend = CpuBackend::new(DeviceId::new(DeviceId::CPU, 0));
+        let mut pages = ForeignPages::default();
+        let mut words = vec![0u128; 4];
+        let memory = ForeignMemory::Host { ptr: words.as_mut_ptr().cast(), len: 64 };
+        let page = backend.storage().adopt_page(&memory).unwrap();
+        let binding = crate::backend::Binding { page, offset: 0, size: 64 };
+        assert!(backend.host_bytes(binding).is_some());
+        let drops = Arc::new(AtomicUsize::new(0));
+        let stream = StreamId::fresh();
+        let owner = pages.retire(&mut backend, released(&drops, Some(page), &[stream]));
+        assert!(backend.host_bytes(binding).is_none(), "the page is forgotten");
+        assert!(owner.is_some(), "the CPU's work ran when queued: the owner may go now");
+        assert!(!pages.pending(), "nothing left to poll");
+        drop(owner);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        words[0] = 1;
+    }
+
+    #[test]
+    fn the_streams_that_queue_work_on_adopted_memory_are_noted_once_each() {
+        use crate::runtime::Runtime;
+        let client = crate::CpuRuntime::client(0).unwrap().with_stream(StreamId::fresh());
+        let other = client.with_stream(StreamId::fresh());
+        let mut words = vec![0u128; 2];
+        let memory = ForeignMemory::Host { ptr: words.as_mut_ptr().cast(), len: 32 };
+        // SAFETY: `words` outlives the handle and the work on it (read back).
+        let handle = unsafe { client.adopt(memory, Box::new(()), Access::ReadWrite) }.unwrap();
+        let adopted = handle.alloc.foreign.as_ref().unwrap();
+        assert!(adopted.streams().is_empty(), "nothing queued on it yet");
+        client.write(&handle, crate::Bytes::from_slice(&[1u8; 32])).unwrap();
+        client.read_one(handle.clone()).unwrap();
+        other.read_one(handle.clone()).unwrap();
+        assert_eq!(adopted.streams().as_slice(), [client.stream_id(), other.stream_id()]);
+        client.revoke(&handle).unwrap();
+        assert!(adopted.streams().is_empty(), "revoked after its work: its release waits for nothing");
+        drop(handle);
+        words[0] = 2;
     }
 
     #[test]
@@ -529,11 +694,11 @@ mod tests {
         let (fence, drops) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
         pages.retiring.push(retiring(&drops, &fence));
         let queue = pages.queue();
-        queue.push(Released { page: None, owner: Some(Box::new(Counted(drops.clone()))) }).ok().unwrap();
+        queue.push(released(&drops, None, &[StreamId::fresh()])).ok().unwrap();
         pages.close(&mut backend, &[]);
         assert!(fence.load(Ordering::SeqCst), "waited for");
         assert_eq!(drops.load(Ordering::SeqCst), 2, "the retiring owner and the queued one");
-        let late = queue.push(Released { page: None, owner: Some(Box::new(Counted(drops.clone()))) });
+        let late = queue.push(released(&drops, None, &[]));
         let owner = late.expect_err("a closed queue hands the owner back");
         drop(owner);
         assert_eq!(drops.load(Ordering::SeqCst), 3);

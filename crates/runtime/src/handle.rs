@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 use crate::error::ServerError;
 use crate::foreign::{Access, Adopted};
 use crate::id::{ServiceId, StreamId};
-use crate::memory::{PageId, SliceHandle, SliceInner};
+use crate::memory::SliceHandle;
 
 static NEXT_ALLOCATION: AtomicU64 = AtomicU64::new(1);
 
@@ -20,7 +20,8 @@ static NEXT_ALLOCATION: AtomicU64 = AtomicU64::new(1);
 /// reservation. The memory goes back to its stream's pool when the last handle
 /// (including those held by queued tasks and recorded graphs) is dropped;
 /// adopted memory ([`crate::Client::adopt`]) is already in place when the
-/// handle is made, and goes back to its device's release queue instead.
+/// handle is made, and is released instead (its owner dropped once the work
+/// queued on it ended).
 pub(crate) struct Allocation {
     pub(crate) id: u64,
     pub(crate) service: ServiceId,
@@ -36,18 +37,19 @@ pub(crate) struct Allocation {
     /// fences).
     pub(crate) last_writer: AtomicU64,
     /// Set for memory cohort did not allocate (`Client::adopt`): its page
-    /// is outside every pool, and its owner is released when this drops.
-    pub(crate) foreign: Option<Box<Adopted>>,
+    /// (outside every pool; `slice` stays empty), and its owner, released
+    /// when this drops. Kept inline: adopting memory allocates this
+    /// allocation alone.
+    pub(crate) foreign: Option<Adopted>,
 }
 
 impl Drop for Allocation {
-    /// Adopted memory goes back to its device's release queue: the page is
-    /// forgotten and the owner dropped once the work queued so far ended
-    /// (see `ForeignPages`). Pooled memory needs nothing: the pool sees its
-    /// slice free.
+    /// Adopted memory is released: its page forgotten and its owner
+    /// dropped once the work queued on it ended (see [`Adopted::release`]).
+    /// Pooled memory needs nothing: the pool sees its slice free.
     fn drop(&mut self) {
-        if let Some(adopted) = &self.foreign {
-            adopted.release(self.slice.get().map(SliceHandle::page));
+        if let Some(adopted) = &mut self.foreign {
+            adopted.release();
         }
     }
 }
@@ -97,27 +99,19 @@ impl Handle {
         Handle { alloc, offset: 0, size }
     }
 
-    /// A handle over adopted memory: `size` bytes at `offset` into `page`
-    /// of the device's storage.
-    pub(crate) fn adopted(
-        service: ServiceId,
-        stream: StreamId,
-        page: PageId,
-        offset: u64,
-        size: u64,
-        adopted: Adopted,
-    ) -> Handle {
-        let slice = SliceHandle::from_arc(&Arc::new(SliceInner { page, offset, size }));
+    /// A handle over adopted memory: `size` bytes at the page and offset
+    /// `adopted` names.
+    pub(crate) fn adopted(service: ServiceId, stream: StreamId, size: u64, adopted: Adopted) -> Handle {
         let alloc = Arc::new(Allocation {
             id: NEXT_ALLOCATION.fetch_add(1, Ordering::Relaxed),
             service,
             stream,
             size,
-            slice: OnceLock::from(slice),
+            slice: OnceLock::new(),
             error: Mutex::new(None),
             has_error: AtomicBool::new(false),
             last_writer: AtomicU64::new(stream.value),
-            foreign: Some(Box::new(adopted)),
+            foreign: Some(adopted),
         });
         Handle { alloc, offset: 0, size }
     }

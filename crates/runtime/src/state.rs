@@ -212,21 +212,12 @@ impl DeviceState {
         }
     }
 
-    /// Takes the foreign memory its last handles released (the storage
-    /// forgets each page; a fence is raised on every stream) and drops the
-    /// owners whose fences completed. Never waits.
+    /// Takes the foreign memory its last handles released to the device
+    /// thread (the storage forgets each page; fences are raised on the
+    /// streams that used it) and drops the owners whose fences completed.
+    /// Never waits.
     pub fn poll_foreign(&mut self) {
-        if !self.foreign.pending() {
-            return;
-        }
-        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
-        self.foreign.poll(self.backend.as_mut(), &streams);
-    }
-
-    /// Fences after the work queued so far on every stream of the device.
-    pub fn fences(&mut self) -> Vec<Box<dyn crate::backend::FenceWait>> {
-        let streams: Vec<StreamId> = self.streams.keys().copied().collect();
-        crate::foreign::fences_of(self.backend.as_mut(), &streams)
+        self.foreign.poll(self.backend.as_mut());
     }
 
     /// A host word the device writes once the device collectives running
@@ -290,10 +281,11 @@ impl DeviceState {
     /// Where a handle's bytes are. A handle whose reservation failed returns
     /// that failure.
     pub fn binding(&self, handle: &Handle) -> Result<Binding, ServerError> {
-        if handle.alloc.foreign.is_some() {
+        if let Some(adopted) = &handle.alloc.foreign {
             if let Some(err) = handle.given_back() {
                 return Err(err);
             }
+            return Ok(Binding { page: adopted.page, offset: adopted.offset + handle.offset, size: handle.size });
         }
         match handle.alloc.slice.get() {
             Some(slice) => {
@@ -315,11 +307,15 @@ impl DeviceState {
     ) -> Result<(), ServerError> {
         let mut waited: Vec<StreamId> = Vec::new();
         for handle in handles {
-            // A stream that queues work on adopted memory is known to the
-            // state, so the fences its owner waits for cover it (see
-            // `ForeignPages::poll`), even where it never allocated.
-            if handle.alloc.foreign.is_some() && !self.streams.contains_key(&stream) {
-                self.stream(stream);
+            // A stream that queues work on adopted memory is noted on it:
+            // its release and a revoke wait for that stream's work. It is
+            // known to the state too, even where it never allocated, so a
+            // closing device waits for it (see `ForeignPages::close`).
+            if let Some(adopted) = &handle.alloc.foreign {
+                adopted.used_on(stream);
+                if !self.streams.contains_key(&stream) {
+                    self.stream(stream);
+                }
             }
             let writer = handle.last_writer();
             if writer != stream && !waited.contains(&writer) && self.streams.contains_key(&writer) {

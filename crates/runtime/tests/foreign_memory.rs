@@ -164,6 +164,58 @@ fn an_idle_device_drops_the_owner_of_memory_released_on_another_thread() {
 }
 
 #[test]
+fn the_last_handle_on_an_idle_device_drops_its_owner_at_once_on_its_own_thread() {
+    /// Notes the thread that drops it.
+    struct Noted {
+        _memory: Vec<Lane>,
+        dropped_on: Arc<std::sync::Mutex<Option<std::thread::ThreadId>>>,
+    }
+    impl Drop for Noted {
+        fn drop(&mut self) {
+            *self.dropped_on.lock().unwrap() = Some(std::thread::current().id());
+        }
+    }
+    let client = CpuRuntime::client(1).unwrap();
+    // Other tests of this file queue work on this device now and then: a
+    // release that finds the device busy (or its state held for a moment)
+    // is handed to the device thread instead, as it should be. So, tries.
+    let at_once = (0..50).any(|_| {
+        let mut memory = lanes([1.0; 4]);
+        let ptr = memory.as_mut_ptr().cast::<u8>();
+        let dropped_on = Arc::new(std::sync::Mutex::new(None));
+        let owner = Box::new(Noted { _memory: memory, dropped_on: dropped_on.clone() });
+        // SAFETY: the Vec moves into the owner, which the handle keeps alive.
+        let handle = unsafe { client.adopt(ForeignMemory::Host { ptr, len: 16 }, owner, Access::ReadWrite) }.unwrap();
+        // Work queued on it, and finished.
+        client.launch(&double(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle)).unwrap();
+        client.sync().unwrap();
+        drop(handle);
+        let dropped_here = *dropped_on.lock().unwrap() == Some(std::thread::current().id());
+        wait_until("the owner is dropped", || dropped_on.lock().unwrap().is_some());
+        dropped_here
+    });
+    assert!(at_once, "the owner was never dropped by the drop of the last handle on an idle device");
+}
+
+#[test]
+fn a_release_while_the_device_is_busy_never_waits_and_the_device_drops_the_owner() {
+    let client = CpuRuntime::client(0).unwrap();
+    let (handle, _, watched) = adopt_watched(&client, lanes([1.0; 4]), Access::ReadWrite);
+    client.launch(&double(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle)).unwrap();
+    // The device is busy with work on another buffer when the last handle
+    // of the adopted memory goes.
+    let busy = Arc::new(AtomicBool::new(false));
+    let other = client.create(float_bytes(&[0.0; 4]));
+    client.launch(&slow(busy.clone(), 300), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&other)).unwrap();
+    drop(handle);
+    assert!(!busy.load(Ordering::SeqCst), "the drop waited for the busy device");
+    // Nobody calls the device after: it drops the owner once it is done.
+    wait_until("the owner is dropped", || watched.drops.load(Ordering::SeqCst) == 1);
+    client.sync().unwrap();
+    assert_eq!(watched.drops.load(Ordering::SeqCst), 1, "dropped exactly once");
+}
+
+#[test]
 fn an_owner_that_panics_when_dropped_does_not_end_the_device() {
     struct Panics {
         _memory: Vec<Lane>,

@@ -7,8 +7,10 @@
 //! itself (the runtime's `Client::adopt`), so collectives read and write it
 //! in place. Whatever keeps the memory alive (the `Vec`, the `CudaSlice`,
 //! a DLPack deleter) is held by cohort until the last clone of the buffer
-//! is gone *and* the work queued on it has finished; then it is dropped on
-//! the device's thread, or handed back by [`Buffer::into_owner`]. A
+//! is gone *and* the work queued on it has finished; then it is dropped
+//! (by the drop of the last clone, on its thread, where the device is idle
+//! and that work is over, else on the device's thread), or handed back by
+//! [`Buffer::into_owner`]. A
 //! refusal (memory of another device, a pointer not aligned for `T`, a
 //! length past what memory can address) is an error before anything is
 //! queued, and loses nothing: a [`Refused`] that gives back what the call

@@ -3,15 +3,14 @@
 //! (see the `foreign` module).
 
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use super::Client;
-use crate::backend::FenceWait;
 use crate::error::ServerError;
-use crate::foreign::{Access, AdoptError, Adopted, ForeignMemory, ForeignOwner};
+use crate::foreign::{Access, AdoptError, Adopted, Fences, ForeignMemory, ForeignOwner};
 use crate::handle::Handle;
 use crate::state::DeviceState;
 
@@ -39,9 +38,12 @@ impl Client {
     ///
     /// `owner` is kept with the memory: when the last clone of the handle
     /// is dropped, the device forgets the memory (it never frees it) and
-    /// drops `owner` once the work queued on its streams until then has
-    /// finished (or, on a closed device, at once: its work is over). Take
-    /// it back sooner with [`Client::reclaim`]; end a borrow with
+    /// `owner` is dropped once the work queued on the memory until then
+    /// (on each stream that queued some) has finished: by that drop itself,
+    /// on its thread, where the device is idle and that work is over
+    /// (always on an idle CPU device), else by the device's thread, which
+    /// the drop never waits for (on a closed device, at once: its work is
+    /// over). Take it back sooner with [`Client::reclaim`]; end a borrow with
     /// [`Client::revoke`]. [`Access::ReadOnly`] memory is refused as the
     /// destination of writes, kernel launches and collectives
     /// ([`Handle::access`]).
@@ -82,25 +84,19 @@ impl Client {
             Ok(registered) => registered,
             Err(error) => return Err(AdoptError::new(error, shared.into_inner(), owner)),
         };
-        let adopted = Adopted {
-            access,
-            owner: Mutex::new(Some(owner)),
-            given_back: AtomicBool::new(false),
-            releases,
-            device: Arc::downgrade(&self.device),
-        };
-        Ok(Handle::adopted(self.service_id(), stream, page, offset, size, adopted))
+        let adopted = Adopted::new(access, page, offset, owner, releases, Arc::downgrade(&self.device));
+        Ok(Handle::adopted(self.service_id(), stream, size, adopted))
     }
 
     /// Takes adopted memory back from its last handle: waits for the work
-    /// queued on the device so far (on every stream), forgets the memory,
-    /// and returns its owner (a `Vec` taken back whole: a round trip
-    /// without a copy). Refused, with the handle given back, for a handle
-    /// cohort allocated, one of another device, and while other clones of
-    /// it live (slices, graphs or queued tasks holding one count; those
-    /// queued before this call have run by the time it looks). On a device
-    /// closed since (its work ended), the last handle gives its owner back
-    /// at once.
+    /// queued on the memory so far (on each stream that queued some),
+    /// forgets the memory, and returns its owner (a `Vec` taken back whole:
+    /// a round trip without a copy). Refused, with the handle given back,
+    /// for a handle cohort allocated, one of another device, and while
+    /// other clones of it live (slices, graphs or queued tasks holding one
+    /// count; those queued before this call have run by the time it looks).
+    /// On a device closed since (its work ended), the last handle gives its
+    /// owner back at once.
     pub fn reclaim(&self, handle: Handle) -> Result<ForeignOwner, (Handle, ServerError)> {
         self.reclaim_owner(handle, &Wanted { is: |_| true, name: "" })
     }
@@ -138,7 +134,7 @@ impl Client {
             }
             let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
             let owner = wanted.take(adopted)?;
-            Ok((owner, forget(state, &handle)))
+            Ok((owner, forget(state, adopted)))
         });
         let handle = shared.into_inner();
         // A device closed after its work ended: nothing runs on the memory
@@ -172,7 +168,8 @@ impl Client {
     /// Ends the use of adopted memory now, for a scoped borrow: the device
     /// forgets it (any clone used later gets an error saying the memory was
     /// given back, never a dangling access), and this returns once the work
-    /// queued on the device so far, which may touch it, has finished. The
+    /// queued on the memory so far (on each stream that queued some) has
+    /// finished. The
     /// owner is dropped when the last clone goes. Ordered on the device
     /// after every task queued before it (a collective's part waiting for
     /// its peers included). Refused for a handle cohort allocated or of
@@ -180,18 +177,15 @@ impl Client {
     pub fn revoke(&self, handle: &Handle) -> Result<(), ServerError> {
         self.check_owned(handle)?;
         Self::adopted_only(handle, "revoke")?;
-        let handle = handle.clone();
-        let fences = self.device().run_inline_or_wait(self.stream_id(), move |state: &mut DeviceState| {
-            let fences = forget(state, &handle);
-            // The task's clone must not outlive the device's look: dropped
-            // here (the owner may be released by it, polled next).
-            drop(handle);
-            state.poll_foreign();
-            fences
-        })?;
+        let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
+        let fences =
+            self.device().run_inline_or_wait(self.stream_id(), |state: &mut DeviceState| forget(state, adopted))?;
         for fence in fences {
             let _ = fence.wait();
         }
+        // Nothing runs on the memory any more, and nothing can be queued
+        // on it: its release waits for nothing.
+        adopted.settled();
         Ok(())
     }
 
@@ -214,7 +208,7 @@ impl Client {
     /// closed with its work ended (see [`Client::reclaim`]).
     fn closed_and_unshared(handle: &Handle) -> bool {
         let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
-        Arc::strong_count(&handle.alloc) == 1 && adopted.releases.is_closed()
+        Arc::strong_count(&handle.alloc) == 1 && adopted.device_closed()
     }
 
     /// Refuses a handle cohort allocated for `operation`.
@@ -257,15 +251,12 @@ impl Wanted {
     }
 }
 
-/// Has the storage forget `handle`'s adopted page (once: later binds of
-/// any clone fail) and returns fences after the work queued so far on
-/// every stream.
-fn forget(state: &mut DeviceState, handle: &Handle) -> Vec<Box<dyn FenceWait>> {
-    let adopted = handle.alloc.foreign.as_ref().expect("checked adopted");
+/// Has the storage forget the `adopted` page (once: later binds of any
+/// clone fail) and returns fences after the work queued so far on the
+/// streams that used it.
+fn forget(state: &mut DeviceState, adopted: &Adopted) -> Fences {
     if !adopted.given_back.swap(true, Ordering::AcqRel) {
-        if let Some(slice) = handle.alloc.slice.get() {
-            state.backend.storage().free_page(slice.page());
-        }
+        state.backend.storage().free_page(adopted.page);
     }
-    state.fences()
+    adopted.fences(state.backend.as_mut())
 }
