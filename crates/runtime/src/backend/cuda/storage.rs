@@ -39,6 +39,9 @@ pub(crate) struct DevicePages {
     shared_gpu: Option<usize>,
     /// Its held frees where it has its GPU to itself.
     own: HeldFrees,
+    /// The device's context and GPU, asked of the driver at the first
+    /// adoption (they never change).
+    context: Option<OwnContext>,
     /// Driver allocations made, for tests and reports.
     pub(crate) allocations: u64,
 }
@@ -98,6 +101,7 @@ impl DevicePages {
             hold_frees: false,
             shared_gpu,
             own: HeldFrees::default(),
+            context: None,
             allocations: 0,
         }
     }
@@ -219,7 +223,11 @@ impl PageStorage for DevicePages {
             crate::ForeignMemory::Cuda { ptr, len } => (ptr, len as u64),
             _ => return Err(memory.wrong_backend("CUDA")),
         };
-        check_device_range(self.device, ptr, len)?;
+        let own = match self.context {
+            Some(own) => own,
+            None => *self.context.insert(current_context(self.device)?),
+        };
+        check_device_range(self.device, &own, ptr, len)?;
         self.next += 1;
         let id = PageId(self.next);
         self.pages.insert(id, Page { ptr, size: len, adopted: true });
@@ -241,14 +249,15 @@ pub(crate) struct PointerFacts {
 
 /// The device's context and GPU (the context current on this thread: the
 /// device thread, or a caller's running a task of the device).
+#[derive(Clone, Copy)]
 pub(crate) struct OwnContext {
     pub context: u64,
     pub ordinal: i64,
 }
 
-/// Whether `len` bytes at `ptr` are device memory of this thread's current
-/// context (the device's): asks the driver, then [`judge_pointer`].
-fn check_device_range(device: DeviceId, ptr: sys::CUdeviceptr, len: u64) -> Result<(), ServerError> {
+/// The context current on this thread (the device's, on the thread
+/// running its task) and its GPU.
+fn current_context(device: DeviceId) -> Result<OwnContext, ServerError> {
     let failed = |call: &str, code| ServerError::Backend {
         backend: "cuda",
         device,
@@ -267,7 +276,12 @@ fn check_device_range(device: DeviceId, ptr: sys::CUdeviceptr, len: u64) -> Resu
     if code != sys::CUresult::CUDA_SUCCESS {
         return Err(failed("cuCtxGetDevice", code));
     }
-    let own = OwnContext { context: context as u64, ordinal: i64::from(gpu) };
+    Ok(OwnContext { context: context as u64, ordinal: i64::from(gpu) })
+}
+
+/// Whether `len` bytes at `ptr` are device memory of the device's context
+/// `own`: asks the driver, then [`judge_pointer`].
+fn check_device_range(device: DeviceId, own: &OwnContext, ptr: sys::CUdeviceptr, len: u64) -> Result<(), ServerError> {
     use sys::CUpointer_attribute as A;
     let mut attributes = [
         A::CU_POINTER_ATTRIBUTE_CONTEXT,
@@ -280,7 +294,7 @@ fn check_device_range(device: DeviceId, ptr: sys::CUdeviceptr, len: u64) -> Resu
     // Each slot is 8 bytes, zeroed: the driver writes a pointer, an
     // unsigned int, an int or a size into the low bytes (little-endian).
     let mut slots = [0u64; 6];
-    let mut data: Vec<*mut std::ffi::c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+    let mut data: [*mut std::ffi::c_void; 6] = slots.each_mut().map(|s| (s as *mut u64).cast());
     // SAFETY: six attributes, six writable 8-byte slots; for memory the
     // driver does not know it writes zeros rather than failing.
     let code = unsafe {
@@ -300,7 +314,7 @@ fn check_device_range(device: DeviceId, ptr: sys::CUdeviceptr, len: u64) -> Resu
         range_start: slots[4],
         range_size: slots[5],
     };
-    judge_pointer(device, ptr, len, &facts, &own)
+    judge_pointer(device, ptr, len, &facts, own)
 }
 
 /// Whether memory the driver described as `facts` can be adopted by the
