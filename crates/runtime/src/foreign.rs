@@ -353,16 +353,24 @@ impl Adopted {
     /// the owner is dropped here, after the state is let go, if that work
     /// has finished (on the CPU it always has), else left to the device
     /// thread, woken to poll its fences. Otherwise queued for the device
-    /// thread, which is woken. On a device already closed (its work
-    /// drained) the owner is dropped here. Never waits for the device,
-    /// never panics (an owner's panicking `Drop` is logged).
+    /// thread, which is woken. Memory given back with no work left on it
+    /// (a revoke waited for it) and memory on a device already closed (its
+    /// work drained) drop the owner here at once. Never waits for the
+    /// device, never panics (an owner's panicking `Drop` is logged).
     pub(crate) fn release(&mut self) {
         let owner = self.owner.get_mut().take();
         let page = (!*self.given_back.get_mut()).then_some(self.page);
         if owner.is_none() && page.is_none() {
             return;
         }
-        let released = Released { page, owner, streams: std::mem::take(self.streams.get_mut()) };
+        let streams = std::mem::take(self.streams.get_mut());
+        if page.is_none() && streams.is_empty() {
+            // Given back, and no work queued on it (or all of it waited
+            // for, by a revoke): nothing for the device to do.
+            owner.into_iter().for_each(drop_owner);
+            return;
+        }
+        let released = Released { page, owner, streams };
         let device = self.device.upgrade();
         if let Some(mut inline) = device.as_deref().and_then(|d| d.enter_inline_within(Duration::ZERO)) {
             let state = inline.state();
@@ -482,7 +490,14 @@ fn drop_owner(owner: ForeignOwner) {
 /// complete left out; a stream whose fence cannot be raised (a failed
 /// device) has no work that will still run.
 pub(crate) fn fences_of(backend: &mut dyn Backend, streams: &[StreamId]) -> Fences {
-    streams.iter().filter_map(|&stream| backend.fence(stream).ok()).filter(|f| !f.is_complete()).collect()
+    let mut fences = Fences::new();
+    for &stream in streams {
+        match backend.fence(stream) {
+            Ok(fence) if !fence.is_complete() => fences.push(fence),
+            _ => {}
+        }
+    }
+    fences
 }
 
 impl ForeignPages {
