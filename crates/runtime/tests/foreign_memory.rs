@@ -1,6 +1,7 @@
 //! Foreign host memory on CPU devices (`Client::adopt`): used in place,
 //! never copied or allocated, and its owner dropped once, only after the
-//! work queued on it finished.
+//! work queued on it finished (and, in `cuda`, the same for device memory
+//! released while its kernel runs; needs a GPU).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -202,13 +203,24 @@ fn a_release_while_the_device_is_busy_never_waits_and_the_device_drops_the_owner
     let client = CpuRuntime::client(0).unwrap();
     let (handle, _, watched) = adopt_watched(&client, lanes([1.0; 4]), Access::ReadWrite);
     client.launch(&double(), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle)).unwrap();
-    // The device is busy with work on another buffer when the last handle
-    // of the adopted memory goes.
-    let busy = Arc::new(AtomicBool::new(false));
+    // The device is busy, with work on another buffer that runs until the
+    // gate opens (or 20 s pass), when the last handle of the memory goes.
+    let (gate, ended) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let gated = {
+        let (gate, ended) = (gate.clone(), ended.clone());
+        Kernel::new("gated").with_cpu(move |_| {
+            let started = Instant::now();
+            while !gate.load(Ordering::SeqCst) && started.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            ended.store(true, Ordering::SeqCst);
+        })
+    };
     let other = client.create(float_bytes(&[0.0; 4]));
-    client.launch(&slow(busy.clone(), 300), GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&other)).unwrap();
+    client.launch(&gated, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&other)).unwrap();
     drop(handle);
-    assert!(!busy.load(Ordering::SeqCst), "the drop waited for the busy device");
+    assert!(!ended.load(Ordering::SeqCst), "the drop waited for the busy device");
+    gate.store(true, Ordering::SeqCst);
     // Nobody calls the device after: it drops the owner once it is done.
     wait_until("the owner is dropped", || watched.drops.load(Ordering::SeqCst) == 1);
     client.sync().unwrap();
@@ -413,4 +425,82 @@ fn a_device_closed_with_adopted_memory_alive_drops_each_owner_once() {
     assert_eq!(watched.drops.load(Ordering::SeqCst), 0);
     drop(owner);
     assert_eq!(watched.drops.load(Ordering::SeqCst), 1);
+}
+
+/// CUDA: the last handle's drop on an idle device retires the memory on
+/// the dropping thread, but a kernel still running on it keeps the owner
+/// until it ends (its fence is polled by the device thread).
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use cohort_runtime::{Access, CudaRuntime, ForeignMemory, GridCount, Kernel, KernelArguments, Runtime, StreamId};
+    use cudarc::driver::{sys, CudaContext, CudaSlice, DevicePtr};
+
+    /// Reads the first float of its slice when dropped.
+    struct Owner {
+        ctx: Arc<CudaContext>,
+        ptr: u64,
+        _slice: CudaSlice<f32>,
+        seen: Arc<AtomicU32>,
+    }
+
+    impl Drop for Owner {
+        fn drop(&mut self) {
+            let mut first = f32::NAN;
+            // SAFETY: reads 4 bytes of the live slice; synchronous on the
+            // legacy stream, which does not wait for cohort's non-blocking
+            // streams: it sees what the kernel wrote by now (NaN where the
+            // read failed, which the test reports).
+            unsafe {
+                if self.ctx.bind_to_thread().is_ok() {
+                    let _ = sys::cuMemcpyDtoH_v2((&mut first as *mut f32).cast(), self.ptr, 4);
+                }
+            }
+            self.seen.store(first.to_bits() | 1 << 31, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+    fn the_owner_of_memory_dropped_by_an_idle_devices_caller_waits_for_its_running_kernel() {
+        let client = CudaRuntime::client(0).expect("CUDA device 0").with_stream(StreamId::fresh());
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.default_stream();
+        let slice = stream.alloc_zeros::<f32>(64).unwrap();
+        stream.synchronize().unwrap();
+        let ptr = {
+            let (ptr, _synced) = slice.device_ptr(&stream);
+            ptr
+        };
+        let slow = Kernel::new("slow_flag").with_cuda(
+            r#"extern "C" __global__ void slow_flag(float* x, unsigned long long len) {
+    long long start = clock64();
+    while (clock64() - start < 200000000LL) {}
+    x[0] = 42.0f;
+}"#,
+        );
+        // Compiled by a first launch on a cohort buffer: the launch below is
+        // then queued by this thread on the idle device, and the handle's
+        // last clone is the one this test drops, the kernel still running.
+        let warm = client.empty(256);
+        client.launch(&slow, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&warm)).unwrap();
+        client.sync().unwrap();
+        let seen = Arc::new(AtomicU32::new(0));
+        let owner = Owner { ctx: ctx.clone(), ptr, _slice: slice, seen: seen.clone() };
+        // SAFETY: the slice lives in the owner; nothing else writes it.
+        let handle =
+            unsafe { client.adopt(ForeignMemory::Cuda { ptr, len: 256 }, Box::new(owner), Access::ReadWrite) }.unwrap();
+        client.launch(&slow, GridCount::Static(1, 1, 1), KernelArguments::new().buffer(&handle)).unwrap();
+        drop(handle);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while seen.load(Ordering::SeqCst) == 0 {
+            assert!(Instant::now() < deadline, "the owner was never dropped");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let bits = seen.load(Ordering::SeqCst) & !(1 << 31);
+        assert_eq!(f32::from_bits(bits), 42.0, "the owner was dropped before the kernel wrote its flag");
+    }
 }
