@@ -169,11 +169,10 @@ impl Client {
     /// forgets it (any clone used later gets an error saying the memory was
     /// given back, never a dangling access), and this returns once the work
     /// queued on the memory so far (on each stream that queued some) has
-    /// finished. The
-    /// owner is dropped when the last clone goes. Ordered on the device
-    /// after every task queued before it (a collective's part waiting for
-    /// its peers included). Refused for a handle cohort allocated or of
-    /// another device; a second revoke is a no-op.
+    /// finished. The owner is dropped when the last clone goes. Ordered on
+    /// the device after every task queued before it (a collective's part
+    /// waiting for its peers included). Refused for a handle cohort
+    /// allocated or of another device; a second revoke is a no-op.
     pub fn revoke(&self, handle: &Handle) -> Result<(), ServerError> {
         self.check_owned(handle)?;
         Self::adopted_only(handle, "revoke")?;
