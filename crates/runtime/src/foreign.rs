@@ -15,7 +15,6 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
 
 use parking_lot::Mutex;
 use smallvec::SmallVec;
@@ -349,14 +348,17 @@ impl Adopted {
     /// the storage forgets the page (unless already given back) and the
     /// owner (unless reclaimed) is dropped once the work queued on the
     /// memory's streams has finished. Where the device is idle and lets
-    /// callers in (CPU, CUDA) and its state is free, on this thread at once:
+    /// callers in (CPU, CUDA), on this thread at once (waiting, as every
+    /// inline call does, at most 50 µs for the state while nothing is
+    /// queued: the device thread letting go after its last task):
     /// the owner is dropped here, after the state is let go, if that work
     /// has finished (on the CPU it always has), else left to the device
     /// thread, woken to poll its fences. Otherwise queued for the device
     /// thread, which is woken. Memory given back with no work left on it
     /// (a revoke waited for it) and memory on a device already closed (its
-    /// work drained) drop the owner here at once. Never waits for the
-    /// device, never panics (an owner's panicking `Drop` is logged).
+    /// work drained) drop the owner here at once. Never waits for work
+    /// queued on the device, never panics (an owner's panicking `Drop` is
+    /// logged).
     pub(crate) fn release(&mut self) {
         let owner = self.owner.get_mut().take();
         let page = (!*self.given_back.get_mut()).then_some(self.page);
@@ -372,7 +374,7 @@ impl Adopted {
         }
         let released = Released { page, owner, streams };
         let device = self.device.upgrade();
-        if let Some(mut inline) = device.as_deref().and_then(|d| d.enter_inline_within(Duration::ZERO)) {
+        if let Some(mut inline) = device.as_deref().and_then(DeviceHandle::enter_inline) {
             let state = inline.state();
             let ready = state.foreign.retire(state.backend.as_mut(), released);
             // The owner's `Drop` is the caller's code, which may use the
