@@ -499,25 +499,35 @@ fn a_revoke_from_another_thread_while_the_collective_waits_for_a_busy_member_wai
     assert_eq!(data, vec![3.0; 32], "the revoke waited for the all-reduce's part");
 }
 
-/// Finding: a DLPack export of a buffer lent by `with_borrowed` escapes
-/// the scope as a tensor whose data pointer is the borrowed slice. The
-/// revoke at the scope's end forgets the memory for cohort's handles, but
-/// the tensor (which only holds a handle clone, api/foreign.rs
-/// `to_dlpack` → dlpack/export.rs) keeps naming the slice's address for
-/// any consumer (PyTorch, NumPy) after the borrow ended and the `Vec` may
-/// be freed: a dangling pointer from safe code, against `with_borrowed`'s
-/// promise that a clone kept elsewhere never touches `data`. Expected:
-/// exporting a scoped borrow is refused (or the tensor no longer names
-/// the slice once the borrow ended).
+/// Finding (fixed): a DLPack export of a buffer lent by `with_borrowed`
+/// escaped the scope as a tensor whose data pointer is the borrowed slice.
+/// The revoke at the scope's end forgets the memory for cohort's handles,
+/// but a tensor keeps naming the slice's address for any consumer
+/// (PyTorch, NumPy) after the borrow ended and the `Vec` may be freed: a
+/// dangling pointer from safe code. Now the scope marks its memory lent
+/// (`Handle::lend_for_scope`) and the export refuses it, a slice of it
+/// too, saying what to use instead.
 #[test]
-#[ignore = "finding: to_dlpack inside with_borrowed hands out a tensor that still points at the slice after the borrow ended"]
 fn a_dlpack_export_cannot_smuggle_a_borrowed_slice_out_of_its_scope() {
     let client = &common::clients(1)[0];
     let mut data = vec![1.0f32; 8];
     let address = data.as_ptr() as u64;
-    let escaped = Buffer::with_borrowed(client, &mut data, |b| b.to_dlpack()).unwrap();
-    let Ok(tensor) = escaped else { return }; // refused inside the scope: fine
-    let named = tensor.validate().map(|view| view.data_ptr() as u64 + view.byte_offset());
-    assert_ne!(named.ok(), Some(address), "a tensor escaped the borrow naming the slice");
+    let escaped =
+        Buffer::with_borrowed(client, &mut data, |b| [b.to_dlpack(), b.slice(2..6).unwrap().to_dlpack()]).unwrap();
+    for (what, export) in ["the buffer", "a slice of it"].into_iter().zip(escaped) {
+        match export {
+            Ok(tensor) => {
+                let named = tensor.validate().map(|view| view.data_ptr() as u64 + view.byte_offset());
+                panic!("{what} escaped the borrow as a DLPack tensor naming {named:?} (the slice is at {address:#x})");
+            }
+            Err(err) => {
+                let message = err.to_string();
+                assert!(
+                    message.contains("only lent") && message.contains("Buffer::from_vec"),
+                    "{what}: the refusal says why and what to use instead: {message}"
+                );
+            }
+        }
+    }
     drop(data);
 }

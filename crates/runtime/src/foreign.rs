@@ -269,6 +269,10 @@ pub(crate) struct Adopted {
     /// ([`Client::revoke`](crate::Client::revoke), `reclaim`): the handle
     /// no longer binds.
     pub given_back: AtomicBool,
+    /// Set by [`Handle::lend_for_scope`](crate::Handle::lend_for_scope):
+    /// the memory is only lent for a scope, so nothing that hands its
+    /// address out of cohort (DLPack export) may take it.
+    pub lent: AtomicBool,
     /// The streams that queued work on the memory: noted by
     /// `DeviceState::order_after_writers`, which every task, launch, write
     /// and read passes with the handles it binds, under the device's state.
@@ -294,6 +298,7 @@ impl Adopted {
             offset,
             owner: Mutex::new(Some(owner)),
             given_back: AtomicBool::new(false),
+            lent: AtomicBool::new(false),
             streams: Mutex::new(Streams::new()),
             releases,
             device,

@@ -1,13 +1,12 @@
 //! Captured graphs: recorded work replayed against the same buffers.
 
 use std::fmt;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::client::Client;
 use crate::error::ServerError;
-use crate::foreign::Adopted;
 use crate::handle::Handle;
+use crate::id::StreamId;
 use crate::kernel::GridCount;
 use crate::state::RecordedLaunch;
 
@@ -87,6 +86,7 @@ impl Graph {
                 return;
             }
             if let Some(id) = native {
+                note_foreign(&launches, stream);
                 if let Some(mut graph) = state.graphs.remove(&id) {
                     let result = state.backend.replay_native(stream, graph.as_mut());
                     state.graphs.insert(id, graph);
@@ -103,16 +103,33 @@ impl Graph {
     }
 }
 
+/// The handles a launch uses: its buffers and a dynamic grid's.
+fn handles_of(launch: &RecordedLaunch) -> impl Iterator<Item = &Handle> {
+    let grid = match &launch.grid {
+        GridCount::Dynamic(handle) => Some(handle),
+        GridCount::Static(..) => None,
+    };
+    launch.buffers.iter().chain(grid)
+}
+
+/// Notes `stream` on the adopted memory that `launches` use, before a
+/// native replay there (the replayed launches do not pass
+/// `DeviceState::order_after_writers`, and the replay stream may not be
+/// the capture's: a graph replayed from another thread): a revoke, a
+/// reclaim or the release then raises a fence on that stream too, which
+/// covers a replay in flight (queued before the revoke, still running).
+fn note_foreign(launches: &[RecordedLaunch], stream: StreamId) {
+    for adopted in launches.iter().flat_map(handles_of).filter_map(|handle| handle.alloc.foreign.as_ref()) {
+        adopted.used_on(stream);
+    }
+}
+
 /// Refuses a replay of `launches` where any handle they use (a buffer or
 /// a dynamic grid) is foreign memory given back, naming it.
 fn given_back(launches: &[RecordedLaunch]) -> Result<(), ServerError> {
     for (index, launch) in launches.iter().enumerate() {
-        let grid = match &launch.grid {
-            GridCount::Dynamic(handle) => Some(handle),
-            GridCount::Static(..) => None,
-        };
-        for handle in launch.buffers.iter().chain(grid) {
-            if let Some(err) = given_back_error(handle) {
+        for handle in handles_of(launch) {
+            if let Some(err) = handle.given_back() {
                 return Err(ServerError::InvalidState {
                     operation: "Graph::replay",
                     reason: format!(
@@ -126,13 +143,6 @@ fn given_back(launches: &[RecordedLaunch]) -> Result<(), ServerError> {
         }
     }
     Ok(())
-}
-
-/// The error binding `handle` returns where its foreign memory was given
-/// back ([`Client::revoke`], `reclaim`); `None` otherwise.
-fn given_back_error(handle: &Handle) -> Option<ServerError> {
-    let adopted = handle.alloc.foreign.as_ref()?;
-    adopted.given_back.load(Ordering::Acquire).then(|| Adopted::given_back_error(handle.alloc.size))
 }
 
 impl fmt::Debug for Graph {

@@ -129,6 +129,25 @@ impl Handle {
         self.alloc.foreign.is_some()
     }
 
+    /// Marks adopted memory as lent only for a scope (a borrow that
+    /// [`crate::Client::revoke`] ends, as comm's `Buffer::with_borrowed`
+    /// does): from then on, on every clone and slice, whatever hands the
+    /// memory's address out of cohort's reach, where a revoke cannot take
+    /// it back (DLPack export), refuses it. One way: it cannot be unmarked.
+    /// Call it right after adopting, before the handle is shared. Nothing
+    /// for memory cohort allocated.
+    pub fn lend_for_scope(&self) {
+        if let Some(adopted) = &self.alloc.foreign {
+            adopted.lent.store(true, Ordering::Release);
+        }
+    }
+
+    /// Whether this handle's memory is only lent for a scope
+    /// ([`Handle::lend_for_scope`]).
+    pub fn is_lent(&self) -> bool {
+        self.alloc.foreign.as_ref().is_some_and(|adopted| adopted.lent.load(Ordering::Acquire))
+    }
+
     /// Refuses a read-only handle as the destination of `operation`, with
     /// an error saying what to do; `Ok` for every other handle. Checked by
     /// the runtime's writes and launches (every kernel argument may be

@@ -269,7 +269,11 @@ impl<T: Element> Buffer<T> {
     /// work queued on it: sync first ([`Buffer::to_vec`]'s device, or
     /// `Client::sync`), or on CUDA order the consumer's stream after
     /// cohort's ([`Client::signal_external`]). A wgpu buffer is refused
-    /// (DLPack cannot carry one).
+    /// (DLPack cannot carry one), and so is a buffer only lent for a scope
+    /// ([`Buffer::with_borrowed`], `with_cuda_slice`, slices of them): the
+    /// consumer would keep its address after the borrow ends; export a
+    /// buffer that owns its memory ([`Buffer::from_vec`],
+    /// `Buffer::from_cuda_slice`).
     pub fn to_dlpack(&self) -> Result<dlpack::Versioned, Error> {
         Ok(dlpack::export(self.client(), self.handle(), T::DTYPE, &[self.len()])?)
     }
@@ -341,7 +345,11 @@ struct Lent<T: Element> {
 }
 
 impl<T: Element> Lent<T> {
+    /// Marks the buffer's memory lent for the scope
+    /// (`Handle::lend_for_scope`: DLPack export refuses it, whose consumer
+    /// would keep its address past the revoke).
     fn new(buffer: Buffer<T>) -> Lent<T> {
+        buffer.handle().lend_for_scope();
         Lent { buffer: Some(buffer) }
     }
 

@@ -36,9 +36,13 @@ use crate::handle::Handle;
 /// producer). Likewise cohort's later work on the memory must be ordered
 /// after the consumer's ([`Client::wait_external`]).
 ///
-/// Refused before anything else: a handle of another client, a shape whose
-/// element count times `dtype`'s size is not the handle's size, a wgpu
-/// client (DLPack cannot carry a wgpu buffer).
+/// Refused before anything else: a handle of another client, memory only
+/// lent for a scope ([`Handle::lend_for_scope`]: comm's
+/// `Buffer::with_borrowed`, `with_cuda_slice`, and slices of them; the
+/// consumer would keep a raw pointer past the borrow, which the scope's
+/// revoke cannot take back), a shape whose element count times `dtype`'s
+/// size is not the handle's size, a wgpu client (DLPack cannot carry a
+/// wgpu buffer).
 pub fn export(client: &Client, handle: &Handle, dtype: DType, shape: &[usize]) -> Result<Versioned, ServerError> {
     export_as(client, handle, dtype, shape)
 }
@@ -64,6 +68,14 @@ fn export_as<M: ManagedTensorBase>(
     shape: &[usize],
 ) -> Result<Managed<M>, ServerError> {
     client.check_owned(handle)?;
+    if handle.is_lent() {
+        return Err(refused(
+            "DLPack export: this memory is only lent to cohort for a scope (Buffer::with_borrowed, \
+             with_cuda_slice): a DLPack consumer would keep its address after the borrow ends; give cohort the \
+             memory itself to export it (Buffer::from_vec, Buffer::from_cuda_slice)"
+                .to_string(),
+        ));
+    }
     let device = dlpack_device(client)?;
     let bytes = shape.iter().try_fold(dtype.size() as u64, |acc, &dim| acc.checked_mul(dim as u64));
     if bytes != Some(handle.size()) {
