@@ -801,4 +801,68 @@ mod cuda_attacks {
         let read = || stream.clone_dtoh(&*slice.borrow()).unwrap();
         replay_after_revoke(&client, &handle, GridCount::cover(256, 256), write, read);
     }
+
+    /// Was a finding (by reading; not run here, no GPU): a fence asked of
+    /// a stream inside a capture recorded its event into the capture, and
+    /// CUDA forbids querying such an event; the query's error counted as
+    /// "finished", so a revoke of adopted memory used by a capturing stream
+    /// returned at once while the work queued there before the capture
+    /// still ran (here a 50 ms kernel writing the memory), and the record
+    /// could break the capture. Now `start_capture` first waits for the
+    /// stream's earlier work (that stream only) and a fence of a capturing
+    /// stream records nothing. The revoke, from another thread while the
+    /// capture is open, returns only after the kernel's write (read with
+    /// cudarc at once), and the capture ends without a driver error.
+    #[test]
+    #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
+    fn a_revoke_during_a_capture_waits_for_the_work_queued_before_it() {
+        use cohort_runtime::Scalar;
+        const WORDS: usize = 256;
+        let kernel = Kernel::new("attack_spin_then_fill").with_block([256, 1, 1]).with_cuda(
+            r#"extern "C" __global__ void attack_spin_then_fill(unsigned int* x, unsigned long long len_bytes, unsigned int value, unsigned long long spin_ns) {
+    if (threadIdx.x == 0) {
+        unsigned long long start, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - start < spin_ns);
+    }
+    __syncthreads();
+    for (unsigned long long i = threadIdx.x; i < len_bytes / 4; i += blockDim.x) x[i] = value;
+}"#,
+        );
+        let base = cohort_runtime::CudaRuntime::client(0).expect("CUDA device 0");
+        let client = base.with_stream(cohort_runtime::StreamId::fresh());
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.default_stream();
+        let slice = stream.clone_htod(&[0u32; WORDS]).unwrap();
+        stream.synchronize().unwrap();
+        let ptr = {
+            let (ptr, _synced) = slice.device_ptr(&stream);
+            ptr
+        };
+        let memory = ForeignMemory::Cuda { ptr, len: WORDS * 4 };
+        // SAFETY: the slice lives (in this test) past every use of the
+        // handle; the test reads it with cudarc only after the revoke.
+        let handle = unsafe { client.adopt(memory, Box::new(()), Access::ReadWrite) }.unwrap();
+        // Compiled and warmed first, with no spin.
+        client.graph_prepare().unwrap();
+        let args = |value: u32, spin_ns: u64| {
+            KernelArguments::new().buffer(&handle).scalar(Scalar::U32(value)).scalar(Scalar::U64(spin_ns))
+        };
+        client.launch(&kernel, GridCount::Static(1, 1, 1), args(1, 0)).unwrap();
+        client.sync().unwrap();
+        // The slow write, then a capture on the same stream.
+        client.launch(&kernel, GridCount::Static(1, 1, 1), args(7, 50_000_000)).unwrap();
+        client.start_capture().unwrap();
+        let revoker = {
+            let other = base.with_stream(cohort_runtime::StreamId::fresh());
+            let handle = handle.clone();
+            std::thread::spawn(move || other.revoke(&handle))
+        };
+        revoker.join().unwrap().expect("the revoke during the capture");
+        let seen = stream.clone_dtoh(&slice).unwrap();
+        assert_eq!(seen, vec![7u32; WORDS], "the revoke returned before the kernel queued before the capture wrote");
+        let graph = client.stop_capture();
+        assert!(graph.is_ok(), "the capture ends without a driver error: {:?}", graph.err());
+        client.sync().expect("no error left on the stream");
+    }
 }

@@ -95,6 +95,9 @@ impl Client {
     /// Starts recording this stream's launches into a graph instead of running
     /// them. Until [`Client::stop_capture`], reads, syncs, writes and
     /// allocations that need a new page are refused (and fail the capture).
+    /// Waits for the work queued on this stream before it (on CUDA the
+    /// stream is synced, not the device, so fences of adopted memory used
+    /// there need not be recorded inside the capture).
     pub fn start_capture(&self) -> Result<(), ServerError> {
         self.refuse_if_capturing("start_capture")?;
         let stream = self.stream_id();

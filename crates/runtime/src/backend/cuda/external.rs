@@ -117,14 +117,11 @@ impl CudaBackend {
         if self.streams.bound_to(stream) == Some(raw) {
             return Ok(());
         }
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: a live stream of this context (checked by
-        // `external_stream`); writes one status.
-        let code = unsafe { sys::cuStreamIsCapturing(raw, &mut status) };
-        if code != sys::CUresult::CUDA_SUCCESS {
-            let err = super::driver::driver_error(self.device, "cuStreamIsCapturing", code);
-            return Err(self.external_error(stream, err));
-        }
+        // A live stream of this context (checked by `external_stream`).
+        let status = match super::graphs::capture_status(self.device, raw) {
+            Ok(status) => status,
+            Err(err) => return Err(self.external_error(stream, err)),
+        };
         if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
             return Err(ServerError::InvalidState {
                 operation: "binding an external stream",

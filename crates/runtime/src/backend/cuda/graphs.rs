@@ -51,6 +51,22 @@ pub(crate) fn begin(device: DeviceId, stream: sys::CUstream) -> Result<(), Serve
     Ok(())
 }
 
+/// Whether `stream` is inside a capture, cohort's or its owner's
+/// (`cuStreamIsCapturing`: the one question a capturing stream may be
+/// asked; an invalidated capture counts, it is still open).
+pub(crate) fn capture_status(
+    device: DeviceId,
+    stream: sys::CUstream,
+) -> Result<sys::CUstreamCaptureStatus, ServerError> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: a live stream of the current context; writes one status.
+    let code = unsafe { sys::cuStreamIsCapturing(stream, &mut status) };
+    if code != sys::CUresult::CUDA_SUCCESS {
+        return Err(driver_error(device, "cuStreamIsCapturing", code));
+    }
+    Ok(status)
+}
+
 /// Ends the capture on `stream` and instantiates its graph.
 pub(crate) fn end(device: DeviceId, stream: sys::CUstream, alive: &Arc<AtomicBool>) -> Result<GraphExec, ServerError> {
     let mut graph: sys::CUgraph = std::ptr::null_mut();

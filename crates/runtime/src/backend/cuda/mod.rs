@@ -78,7 +78,9 @@ use std::sync::Arc;
 pub use cudarc;
 use cudarc::driver::sys;
 
-use crate::backend::{Backend, Binding, CallerEntry, DeviceCollectives, FenceWait, ResolvedGrid, TimerStart};
+use crate::backend::{
+    Backend, Binding, CallerEntry, CompletedFence, DeviceCollectives, FenceWait, ResolvedGrid, TimerStart,
+};
 use crate::bytes::AlignedBytes;
 use crate::client::Client;
 use crate::device::BackendFactory;
@@ -351,6 +353,41 @@ impl CudaBackend {
         self.pages.hold_frees(hold);
     }
 
+    /// Whether `stream` is inside a capture: cohort's (known), or, for a
+    /// stream bound to a caller's `CUstream` (`bind_external`), the
+    /// caller's own (`cuStreamIsCapturing`, asked only of bound streams).
+    ///
+    /// A fence of such a stream records nothing and is complete at once
+    /// ([`Backend::fence`]): an event recorded there would join the capture
+    /// (the caller's graph, for a bound stream) instead of marking the work
+    /// queued so far, and CUDA forbids querying it (a query error counted
+    /// as "finished" made every release, revoke and reclaim of adopted
+    /// memory used there return at once). Completing at once is right:
+    /// - work queued before cohort's capture finished before it began
+    ///   (`begin_native_capture` syncs the stream first);
+    /// - work queued during the capture runs only at a replay; a replay
+    ///   after a revoke or reclaim is refused (graph.rs), and a graph keeps
+    ///   its handles so the release of the last one comes after the graph;
+    /// - a replay in flight (launched before the revoke) ran on a stream
+    ///   not capturing then, noted on the memory (graph.rs `note_foreign`):
+    ///   its fence is an event recorded after the replay, and a capture
+    ///   begun there since synced the stream, so the replay had finished.
+    ///
+    /// Left open: a bound caller stream whose owner began its own capture
+    /// after cohort queued work there: that earlier work cannot be fenced
+    /// without touching the caller's capture (no record, no sync, no query
+    /// of it is allowed), so it is not waited for; a caller capturing its
+    /// own stream must finish its capture (or sync) before ending a borrow.
+    fn in_capture(&self, stream: StreamId) -> bool {
+        if self.streams.is_capturing(stream) {
+            return true;
+        }
+        self.streams.bound_to(stream).is_some_and(|raw| {
+            graphs::capture_status(self.device, raw)
+                .is_ok_and(|status| status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        })
+    }
+
     fn check(&mut self, stream: StreamId, call: &str, code: sys::CUresult) -> Result<(), ServerError> {
         if code == sys::CUresult::CUDA_SUCCESS {
             return Ok(());
@@ -552,8 +589,15 @@ impl Backend for CudaBackend {
         result.map_err(|err| self.classify(target, err))
     }
 
+    /// A fence after the work queued so far on `stream` (a pooled event
+    /// recorded there), or, where the stream is inside a capture, an
+    /// already completed fence that records nothing (see
+    /// [`CudaBackend::in_capture`]).
     fn fence(&mut self, stream: StreamId) -> Result<Box<dyn FenceWait>, ServerError> {
         self.check_lost()?;
+        if self.in_capture(stream) {
+            return Ok(Box::new(CompletedFence));
+        }
         let raw = self.raw_stream(stream)?;
         match self.events.fence(raw) {
             Ok(fence) => Ok(Box::new(fence)),
@@ -664,6 +708,10 @@ impl Backend for CudaBackend {
     fn begin_native_capture(&mut self, stream: StreamId) -> Result<bool, ServerError> {
         self.check_lost()?;
         self.refuse_capture_of_bound(stream)?;
+        // The stream's earlier work finishes first (this stream alone, not
+        // the device): a fence asked of the stream during the capture is
+        // complete at once (see `in_capture`), which is true only so.
+        self.stream_sync(stream)?;
         let raw = self.raw_stream(stream)?;
         // Held before the capture begins: no free (this device's, or where
         // devices share the GPU another's) may land inside it.
