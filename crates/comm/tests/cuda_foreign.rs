@@ -233,8 +233,9 @@ fn an_in_place_all_reduce_on_a_cudarc_allocation_copies_nothing() {
 }
 
 /// `with_cuda_slice`: the caller's writes before the call are seen, the
-/// results are in the slice after, and a clone kept past the scope fails
-/// cleanly.
+/// results are in the slice after, a clone kept past the scope fails
+/// cleanly, and a DLPack export inside the scope is refused (the tensor
+/// would name the slice after the borrow ended).
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored where one is"]
 fn with_cuda_slice_lends_the_slice_for_the_scope_only() {
@@ -243,6 +244,8 @@ fn with_cuda_slice_lends_the_slice_for_the_scope_only() {
     c.spin_fill(&mut slice, 4.0, Duration::from_millis(20));
     let mut kept = None;
     Buffer::with_cuda_slice(&c.client, &mut slice, |b| {
+        let err = b.to_dlpack().map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains("only lent") && err.contains("from_cuda_slice"), "{err}");
         let b = [b.clone()];
         c.group.all_reduce(&b, &b, ReduceOp::Sum).unwrap();
         kept = Some(b);

@@ -581,6 +581,36 @@ fn export_shape_must_match_the_handle() {
     assert!(matches!(dlpack::export(&other, &handle, DType::U8, &[24]), Err(ServerError::ForeignHandle { .. })));
 }
 
+/// Memory lent for a scope (`Handle::lend_for_scope`, as comm's
+/// `with_borrowed` marks it) is refused by both exports, through a clone
+/// and a slice too, naming the owned forms: the consumer would keep its
+/// address past the revoke. Marking a handle cohort allocated does
+/// nothing, and adopted memory not so marked exports.
+#[test]
+fn memory_lent_for_a_scope_is_not_exported() {
+    let client = client();
+    let mut data = vec![0u128; 4];
+    let memory = cohort_runtime::ForeignMemory::Host { ptr: data.as_mut_ptr().cast(), len: 64 };
+    // SAFETY: `data` outlives every use of the handle (revoked below).
+    let handle = unsafe { client.adopt(memory, Box::new(()), Access::ReadWrite) }.unwrap();
+    assert!(dlpack::export(&client, &handle, DType::U8, &[64]).is_ok(), "not lent: exported");
+    handle.lend_for_scope();
+    let slice = handle.slice(16, 16).unwrap();
+    for (what, handle, len) in [("the handle", &handle, 64), ("a slice", &slice, 16)] {
+        for err in [
+            error_of(dlpack::export(&client, handle, DType::U8, &[len])),
+            error_of(dlpack::export_legacy(&client, handle, DType::U8, &[len])),
+        ] {
+            assert!(err.contains("only lent") && err.contains("Buffer::from_vec"), "{what}: {err}");
+        }
+    }
+    client.revoke(&handle).unwrap();
+    let own = client.create_from_slice(&[0u8; 8]);
+    own.lend_for_scope();
+    assert!(!own.is_lent());
+    assert!(dlpack::export(&client, &own, DType::U8, &[8]).is_ok());
+}
+
 /// The DLPack device of a CPU client is `kDLCPU`; a wgpu client has none
 /// (DLPack cannot carry a wgpu buffer), so it neither imports nor exports.
 #[test]
