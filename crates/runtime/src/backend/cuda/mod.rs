@@ -592,7 +592,7 @@ impl Backend for CudaBackend {
     /// A fence after the work queued so far on `stream` (a pooled event
     /// recorded there), or, where the stream is inside a capture, an
     /// already completed fence that records nothing (see
-    /// [`CudaBackend::in_capture`]).
+    /// `CudaBackend::in_capture`).
     fn fence(&mut self, stream: StreamId) -> Result<Box<dyn FenceWait>, ServerError> {
         self.check_lost()?;
         if self.in_capture(stream) {
