@@ -66,7 +66,7 @@ fn cohort_spin_then_fill() -> Kernel {
 /// Cohort's copy: `n` words from `src` to `dst` (one block).
 fn cohort_copy_words() -> Kernel {
     Kernel::new("cohort_copy_words").with_block([256, 1, 1]).with_cuda(
-        r#"extern "C" __global__ void cohort_copy_words(unsigned int* dst, unsigned long long dst_bytes, const unsigned int* src, unsigned long long src_bytes) {
+        r#"extern "C" __global__ void cohort_copy_words(unsigned int* dst, const unsigned int* src, unsigned long long dst_bytes, unsigned long long src_bytes) {
     for (unsigned long long i = threadIdx.x; i < dst_bytes / 4 && i < src_bytes / 4; i += blockDim.x) dst[i] = src[i];
 }"#,
     )
