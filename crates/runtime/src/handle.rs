@@ -85,23 +85,18 @@ impl Allocation {
 
 impl Handle {
     pub(crate) fn new_allocation(service: ServiceId, stream: StreamId, size: u64) -> Handle {
-        let alloc = Arc::new(Allocation {
-            id: NEXT_ALLOCATION.fetch_add(1, Ordering::Relaxed),
-            service,
-            stream,
-            size,
-            slice: OnceLock::new(),
-            error: Mutex::new(None),
-            has_error: AtomicBool::new(false),
-            last_writer: AtomicU64::new(stream.value),
-            foreign: None,
-        });
-        Handle { alloc, offset: 0, size }
+        Handle::with_allocation(service, stream, size, None)
     }
 
     /// A handle over adopted memory: `size` bytes at the page and offset
     /// `adopted` names.
     pub(crate) fn adopted(service: ServiceId, stream: StreamId, size: u64, adopted: Adopted) -> Handle {
+        Handle::with_allocation(service, stream, size, Some(adopted))
+    }
+
+    /// A whole new allocation of `size` bytes, pooled (`foreign` `None`,
+    /// its slice filled in when reserved) or adopted.
+    fn with_allocation(service: ServiceId, stream: StreamId, size: u64, foreign: Option<Adopted>) -> Handle {
         let alloc = Arc::new(Allocation {
             id: NEXT_ALLOCATION.fetch_add(1, Ordering::Relaxed),
             service,
@@ -111,7 +106,7 @@ impl Handle {
             error: Mutex::new(None),
             has_error: AtomicBool::new(false),
             last_writer: AtomicU64::new(stream.value),
-            foreign: Some(adopted),
+            foreign,
         });
         Handle { alloc, offset: 0, size }
     }
